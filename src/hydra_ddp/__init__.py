@@ -1,0 +1,3 @@
+"""hydra-ddp: Hydra-configured DistributedDataParallel training."""
+
+__version__ = "0.1.0"

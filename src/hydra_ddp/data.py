@@ -1,0 +1,167 @@
+"""Datasets (built from conf/data/*.yaml through `_target_`), samplers and loaders.
+
+Every dataset function returns `(train, test)`. Training shards with DistributedSampler
+(padded so every rank runs the same number of steps); evaluation shards without padding,
+so the all-reduced metrics count every test sample exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
+
+from hydra_ddp.distributed import RankInfo
+from hydra_ddp.errors import UserError
+
+
+def _split(n: int, test_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_test = max(1, round(n * test_fraction))
+    return order[n_test:], order[:n_test]
+
+
+def _standardize(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mean, std = train.mean(), train.std()
+    return (train - mean) / std, (test - mean) / std
+
+
+def digits(image_size: int = 28, test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset]:
+    """scikit-learn's 1,797 8×8 digits, bilinearly resized to image_size², held in memory."""
+    from sklearn.datasets import load_digits
+
+    raw = load_digits()
+    images = torch.from_numpy(raw.images).float().unsqueeze(1) / 16.0
+    images = F.interpolate(images, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    labels = torch.from_numpy(raw.target).long()
+    train_idx, test_idx = _split(len(labels), test_fraction, seed)
+    train_x, test_x = _standardize(images[train_idx], images[test_idx])
+    return TensorDataset(train_x, labels[train_idx]), TensorDataset(test_x, labels[test_idx])
+
+
+def synthetic(
+    train_size: int = 8192,
+    test_size: int = 1024,
+    in_channels: int = 1,
+    image_size: int = 28,
+    num_classes: int = 10,
+    seed: int = 0,
+) -> tuple[Dataset, Dataset]:
+    """Random images and labels, generated in memory (same on every rank: seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = train_size + test_size
+    x = torch.randn(n, in_channels, image_size, image_size, generator=gen)
+    y = torch.randint(0, num_classes, (n,), generator=gen)
+    return TensorDataset(x[:train_size], y[:train_size]), TensorDataset(x[train_size:], y[train_size:])
+
+
+def _require_dir(root: str, what: str) -> Path:
+    path = Path(root).expanduser()
+    if not path.is_dir():
+        raise UserError(f"{what}: directory {str(path)!r} does not exist; set data.dataset.root to it")
+    return path
+
+
+def mnist(root: str, download: bool = False) -> tuple[Dataset, Dataset]:
+    from torchvision import datasets, transforms
+
+    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+    return (
+        datasets.MNIST(root, train=True, download=download, transform=tf),
+        datasets.MNIST(root, train=False, download=download, transform=tf),
+    )
+
+
+def cifar10(root: str, download: bool = False) -> tuple[Dataset, Dataset]:
+    from torchvision import datasets, transforms
+
+    tf = transforms.Compose(
+        [transforms.ToTensor(), transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))]
+    )
+    return (
+        datasets.CIFAR10(root, train=True, download=download, transform=tf),
+        datasets.CIFAR10(root, train=False, download=download, transform=tf),
+    )
+
+
+def image_folder(
+    root: str, image_size: int = 64, grayscale: bool = False, test_fraction: float = 0.2, seed: int = 0
+) -> tuple[Dataset, Dataset]:
+    """root/<class>/<image>: split into train and test by a seeded permutation."""
+    from torchvision import datasets, transforms
+
+    steps = [transforms.Resize(image_size), transforms.CenterCrop(image_size)]
+    if grayscale:
+        steps.append(transforms.Grayscale(1))
+    steps.append(transforms.ToTensor())
+    full = datasets.ImageFolder(str(root), transform=transforms.Compose(steps))
+    train_idx, test_idx = _split(len(full), test_fraction, seed)
+    return Subset(full, train_idx.tolist()), Subset(full, test_idx.tolist())
+
+
+def check_source(dataset_cfg: Any, num_classes: int) -> None:
+    """Fail before launch, naming the path, when a dataset's files are missing.
+
+    Checks the datasets shipped here that read from disk; a user's own `_target_` is checked
+    when it is built.
+    """
+    target = str(dataset_cfg.get("_target_", ""))
+    root = dataset_cfg.get("root")
+    if target.endswith(".image_folder"):
+        path = _require_dir(root, "data=imagefolder")
+        from torchvision.datasets.folder import IMG_EXTENSIONS
+
+        classes = sorted(d.name for d in os.scandir(path) if d.is_dir())
+        if not classes:
+            raise UserError(f"data=imagefolder: {str(path)!r} has no class subfolders (expected root/<class>/<image>)")
+        empty = [c for c in classes if not any(f.lower().endswith(IMG_EXTENSIONS) for f in os.listdir(path / c))]
+        if empty:
+            raise UserError(f"data=imagefolder: class folder(s) {empty} under {str(path)!r} hold no images")
+        if len(classes) != num_classes:
+            raise UserError(
+                f"data=imagefolder: {str(path)!r} has {len(classes)} classes but data.num_classes={num_classes}; "
+                f"set data.num_classes={len(classes)}"
+            )
+    elif target.endswith((".mnist", ".cifar10")) and not dataset_cfg.get("download", False):
+        _require_dir(root, f"data={target.rsplit('.', 1)[1]}")
+
+
+class ShardSampler(Sampler[int]):
+    """Rank r takes samples r, r+W, r+2W, …: no padding, so nothing is counted twice."""
+
+    def __init__(self, length: int, rank: int, world_size: int):
+        self.indices = range(rank, length, world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class Loaders(NamedTuple):
+    train: DataLoader
+    test: DataLoader
+    train_sampler: DistributedSampler
+
+
+def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, pin_memory: bool) -> Loaders:
+    train_set, test_set = instantiate(data_cfg.dataset)
+    train_sampler = DistributedSampler(
+        train_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=True, seed=seed
+    )
+    workers = data_cfg.num_workers
+    common: dict[str, Any] = dict(num_workers=workers, pin_memory=pin_memory)
+    if workers > 0:
+        common.update(persistent_workers=data_cfg.persistent_workers, prefetch_factor=data_cfg.prefetch_factor)
+    train = DataLoader(
+        train_set, batch_size=data_cfg.batch_size, sampler=train_sampler, drop_last=data_cfg.drop_last, **common
+    )
+    test_sampler = ShardSampler(len(test_set), rank.rank, rank.world_size)
+    test = DataLoader(test_set, batch_size=data_cfg.eval_batch_size, sampler=test_sampler, **common)
+    return Loaders(train, test, train_sampler)

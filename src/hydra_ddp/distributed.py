@@ -1,0 +1,130 @@
+"""The process group: who am I (the one place rank 0 is decided), backends, init methods, teardown."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from hydra_ddp.errors import UserError
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 owns every side effect: console, files, TensorBoard, checkpoints."""
+        return self.rank == 0
+
+
+# Environment variables by which launchers tell a process who it is:
+# (rank, world size, local rank, local world size).
+_LAUNCHER_ENVS = {
+    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    "mpirun (Open MPI)": (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    "mpirun (PMI)": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+}
+
+
+def external_launch(env: Mapping[str, str] = os.environ) -> Optional[tuple[str, RankInfo]]:
+    """(launcher name, rank) when this process was started as a worker by an outside launcher."""
+    for name, (rank, world, local, local_world) in _LAUNCHER_ENVS.items():
+        if rank in env and world in env:
+            world_size = int(env[world])
+            return name, RankInfo(
+                rank=int(env[rank]),
+                world_size=world_size,
+                local_rank=int(env.get(local, env[rank])),
+                local_world_size=int(env.get(local_world, world_size)),
+            )
+    return None
+
+
+def resolve_backend(name: str, device: str, nproc_per_node: int) -> str:
+    """The concrete backend for `name`, or a UserError saying why it cannot run here."""
+    cuda = torch.cuda.is_available()
+    if name == "auto":
+        return "nccl" if device == "cuda" else "gloo"
+    if name == "gloo":
+        return name
+    if name == "nccl":
+        if not cuda or not dist.is_nccl_available():
+            raise UserError("backend=nccl needs CUDA GPUs and none are available here; use backend=gloo (or auto)")
+        if device != "cuda":
+            raise UserError("backend=nccl needs trainer.device=cuda; use backend=gloo to train on the CPU")
+        gpus = torch.cuda.device_count()
+        if gpus < nproc_per_node:
+            raise UserError(
+                f"backend=nccl needs one GPU per process: trainer.nproc={nproc_per_node} but this host has "
+                f"{gpus} GPU(s); set trainer.nproc={gpus} (or auto), or use backend=gloo"
+            )
+        return name
+    if name == "mpi":
+        if not dist.is_mpi_available():
+            raise UserError(
+                "backend=mpi: this torch build has no MPI support (torch.distributed.is_mpi_available() is False); "
+                "use backend=gloo (or nccl on GPUs) — mpirun can still launch it"
+            )
+        return name
+    raise UserError(f"unknown backend {name!r}; choose auto, gloo, nccl or mpi")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_url(name: str, host: str, port: Optional[int], path: Optional[str]) -> str:
+    if name == "env":
+        return "env://"
+    if name == "tcp":
+        return f"tcp://{host}:{port}"
+    if name == "file":
+        return f"file://{os.path.abspath(path)}"
+    raise UserError(f"unknown init_method {name!r}; choose env, tcp or file")
+
+
+@contextlib.contextmanager
+def process_group(backend: str, url: str, rank: RankInfo, timeout_s: int, device: torch.device) -> Iterator[None]:
+    """Join the group; always leave it, so the next job in a multirun starts clean."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend,
+        init_method=url,
+        rank=rank.rank,
+        world_size=rank.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def broadcast_text(text: str, device: torch.device) -> str:
+    """Rank 0's string on every rank, sent as bytes (no pickled objects cross the wire)."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    size = torch.tensor([data.numel()], dtype=torch.long, device=device)
+    dist.broadcast(size, src=0)
+    buf = data if dist.get_rank() == 0 else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=0)
+    return bytes(buf.tolist()).decode()

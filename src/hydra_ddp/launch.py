@@ -1,0 +1,113 @@
+"""Starting the workers: spawn, torchrun's machinery from Python, or none (an outside launcher did).
+
+The parent resolves the config once (`validate.resolve`) and hands the plain result and the
+run directory to every worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch.multiprocessing as mp
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from hydra_ddp import distributed, reporting, validate, worker
+from hydra_ddp.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def adopt_external_launch(argv: list[str]) -> None:
+    """Prepare argv when this process is already a worker of torchrun, torch.distributed.launch or mpirun.
+
+    The legacy launcher appends `--local-rank=N`, which Hydra would reject: it becomes LOCAL_RANK.
+    Ranks other than 0 then skip Hydra's output directory and log file: rank 0 decides the
+    run directory and tells the others once the process group is up.
+    """
+    for arg in [a for a in argv[1:] if a.startswith(("--local-rank=", "--local_rank="))]:
+        os.environ["LOCAL_RANK"] = arg.split("=", 1)[1]
+        argv.remove(arg)
+    found = distributed.external_launch()
+    if found and not found[1].is_main:
+        argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
+def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
+    """Validate, launch, wait; the summary of a finished run (None on a non-zero node)."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    external = distributed.external_launch()
+    plain = validate.resolve(cfg, run_dir, external)
+    if external:
+        return worker.run(OmegaConf.create(plain), str(run_dir), external[1], started_at)
+
+    launcher, n = plain["launcher"], plain["trainer"]["nproc"]
+    log.info(
+        "launching %d worker(s) with %s, backend %s, init %s → %s",
+        n * launcher["nnodes"], launcher["name"], plain["backend"]["name"], plain["init_method"]["name"], run_dir,
+    )
+    if launcher["name"] == "spawn":
+        _spawn(plain, run_dir, started_at)
+    else:
+        _torchrun(plain, run_dir, started_at)
+    summary_file = run_dir / reporting.SUMMARY_FILE
+    return json.loads(summary_file.read_text()) if summary_file.exists() else None
+
+
+def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
+    try:
+        mp.spawn(worker.spawn_entry, args=(plain, str(run_dir), started_at), nprocs=plain["trainer"]["nproc"], join=True)
+    except mp.ProcessRaisedException as e:
+        raise WorkerFailed(e.error_index, _last_line(str(e)), run_dir) from None
+    except mp.ProcessExitedException as e:
+        cause = f"killed by {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
+        raise WorkerFailed(e.error_index, cause, run_dir) from None
+
+
+def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launcher = plain["launcher"]
+    config = LaunchConfig(
+        min_nodes=launcher["nnodes"],
+        max_nodes=launcher["nnodes"],
+        nproc_per_node=plain["trainer"]["nproc"],
+        run_id=launcher["rdzv_id"],
+        role="trainer",
+        rdzv_endpoint=launcher["rdzv_endpoint"],
+        rdzv_backend=launcher["rdzv_backend"],
+        rdzv_configs={"is_host": launcher["node_rank"] == 0} if launcher["nnodes"] > 1 else {},
+        max_restarts=launcher["max_restarts"],
+        monitor_interval=launcher["monitor_interval"],
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(config, worker.elastic_entry)(plain, str(run_dir), started_at)
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        cause = failure.message if isinstance(failure.message, str) else str(failure.message)
+        raise WorkerFailed(rank, _last_line(cause), run_dir) from None
+
+
+class WorkerFailed(UserError):
+    def __init__(self, rank: int, cause: str, run_dir: Path):
+        log_file = run_dir / reporting.LOG_FILE
+        super().__init__(f"worker rank {rank} failed: {cause} (full traceback: {log_file})")
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "unknown error"
+
+
+def exit_on_user_error(error: UserError) -> None:
+    """One line on stderr and a non-zero exit: the user's problem needs no traceback."""
+    print(f"hydra-ddp: error: {error}", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,133 @@
+"""The parent's checks: the composed config becomes a plain, fully resolved one, or one clear error.
+
+Everything decided here (world size, backend, ports, file-store path) is decided once, before
+any worker starts, and written into the config the workers receive.
+"""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+from hydra_ddp import data, distributed
+from hydra_ddp.distributed import RankInfo
+from hydra_ddp.errors import UserError
+
+STORE_FILE = "rendezvous.store"
+
+
+def resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> dict[str, Any]:
+    try:
+        plain: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore
+    except MissingMandatoryValue as e:
+        raise UserError(f"{e.full_key} must be set (it is ??? in the config); pass {e.full_key}=...") from None
+    trainer, launcher = plain["trainer"], plain["launcher"]
+
+    trainer["device"] = _device(trainer["device"])
+    if external:
+        launcher_name, rank = external
+        launcher.update(name=launcher_name, external=True, nnodes=rank.world_size // rank.local_world_size)
+        trainer["nproc"] = rank.local_world_size
+    else:
+        trainer["nproc"] = _nproc(trainer["nproc"], trainer["device"])
+        _check_launcher(launcher)
+    plain["backend"]["name"] = distributed.resolve_backend(plain["backend"]["name"], trainer["device"], trainer["nproc"])
+    _resolve_init_method(plain["init_method"], run_dir, external is not None)
+
+    data.check_source(plain["data"]["dataset"], plain["data"]["num_classes"])
+    _check_target(plain["model"], "model")
+    _check_target(plain["optim"], "optim")
+    if plain["scheduler"]:
+        _check_target(plain["scheduler"], "scheduler")
+    for key in ("epochs", "log_every"):
+        if trainer[key] < 1:
+            raise UserError(f"trainer.{key} must be at least 1, got {trainer[key]}")
+    return plain
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("trainer.device=cuda but CUDA is not available here; use trainer.device=cpu (or auto)")
+    if name not in ("cpu", "cuda"):
+        raise UserError(f"trainer.device must be auto, cpu or cuda, got {name!r}")
+    return name
+
+
+def _nproc(value: Any, device: str) -> int:
+    if value == "auto":
+        return torch.cuda.device_count() if device == "cuda" else 2
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise UserError(f"trainer.nproc must be a positive integer or auto, got {value!r}")
+
+
+def _check_launcher(launcher: dict[str, Any]) -> None:
+    name = launcher["name"]
+    if name == "spawn":
+        if launcher["nnodes"] != 1:
+            raise UserError("launcher=spawn runs on one node; use launcher=torchrun for launcher.nnodes > 1")
+    elif name == "torchrun":
+        if launcher["nnodes"] < 1 or not 0 <= launcher["node_rank"] < launcher["nnodes"]:
+            raise UserError(
+                f"launcher.node_rank={launcher['node_rank']} must be in [0, launcher.nnodes={launcher['nnodes']})"
+            )
+        if launcher["nnodes"] > 1 and not (launcher["rdzv_endpoint"] and launcher["rdzv_id"]):
+            raise UserError(
+                "a multi-node launcher=torchrun needs launcher.rdzv_endpoint=HOST:PORT (node 0) and the same "
+                "launcher.rdzv_id on every node"
+            )
+        launcher["rdzv_endpoint"] = launcher["rdzv_endpoint"] or f"127.0.0.1:{distributed.free_port()}"
+        launcher["rdzv_id"] = launcher["rdzv_id"] or uuid.uuid4().hex[:12]
+    else:
+        raise UserError(f"unknown launcher {name!r}; choose spawn or torchrun")
+
+
+def _resolve_init_method(init: dict[str, Any], run_dir: Path, external: bool) -> None:
+    name = init["name"]
+    if name in ("env", "tcp") and init["port"] is None:
+        if external and name == "tcp":
+            raise UserError("init_method=tcp under an outside launcher needs init_method.port, the same on every rank")
+        init["port"] = distributed.free_port(init["host"])
+    elif name == "file":
+        if init["path"] is None:
+            if external:
+                raise UserError("init_method=file under an outside launcher needs init_method.path, shared by all ranks")
+            init["path"] = str(run_dir / STORE_FILE)
+        path = Path(init["path"]).expanduser().resolve()
+        if path.exists() and path.stat().st_size > 0:
+            raise UserError(
+                f"init_method.path {str(path)!r} is a leftover store from another run (not empty): "
+                "reusing it can deadlock; delete it or point init_method.path at a new file"
+            )
+        if not path.parent.is_dir():
+            raise UserError(f"init_method.path: directory {str(path.parent)!r} does not exist")
+        init["path"] = str(path)
+    distributed.init_url(name, init["host"], init["port"], init["path"])  # rejects unknown names
+
+
+def _check_target(node: Any, key: str) -> None:
+    """The `_target_` imports and takes the configured arguments (the object is not built)."""
+    if not isinstance(node, dict) or "_target_" not in node:
+        raise UserError(f"{key} needs a _target_ (the class or function that builds it)")
+    try:
+        target = get_object(node["_target_"])
+    except Exception as e:
+        raise UserError(f"{key}._target_={node['_target_']!r} cannot be imported: {e}") from None
+    kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return  # some builtins have no signature: they are checked when built
+    try:
+        signature.bind_partial(**kwargs)
+    except TypeError as e:
+        raise UserError(f"{key} ({node['_target_']}): {e}; fix the key in conf/{key}/ or on the command line") from None

@@ -1,0 +1,129 @@
+"""One worker process, from a plain resolved config: process group → data → model → loop → outputs.
+
+Workers never run Hydra: the parent composed and validated the config once and hands it over
+as a plain dict, so a run has one output directory whatever started the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hydra_ddp import data, distributed, reporting, training
+from hydra_ddp.distributed import RankInfo
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def cpu_threads(configured: Optional[int], rank: RankInfo) -> int:
+    """Cores ÷ local world size: N ranks × all cores each would thrash."""
+    if configured:
+        return configured
+    return max(1, len(os.sched_getaffinity(0)) // rank.local_world_size)
+
+
+def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float) -> Optional[dict[str, Any]]:
+    """Train; rank 0 returns the summary, the other ranks None."""
+    external = cfg.launcher.get("external", False)
+    if not external:
+        reporting.setup_logging(rank, Path(run_dir))
+    device = torch.device(f"cuda:{rank.local_rank}" if cfg.trainer.device == "cuda" else "cpu")
+    torch.set_num_threads(cpu_threads(cfg.trainer.threads, rank))
+    url = distributed.init_url(**cfg.init_method)
+    with distributed.process_group(cfg.backend.name, url, rank, cfg.dist.timeout_s, device):
+        out = Path(run_dir)
+        if external:  # every rank was started with its own idea of the run directory: rank 0's wins
+            out = Path(distributed.broadcast_text(run_dir, device))
+            reporting.setup_logging(rank, out)
+        log.info("rank %d/%d on %s, %d CPU thread(s)", rank.rank, rank.world_size, device, torch.get_num_threads())
+
+        seed_everything(cfg.trainer.seed)
+        loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, pin_memory=cfg.data.pin_memory)
+        model = instantiate(cfg.model).to(device)
+        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        optimizer = instantiate(cfg.optim)(ddp_model.parameters())
+        scheduler = instantiate(cfg.scheduler)(optimizer) if cfg.scheduler else None
+
+        reporter = reporting.Reporter(rank, out, cfg)
+        try:
+            result = training.fit(
+                ddp_model,
+                optimizer,
+                scheduler,
+                loaders,
+                device,
+                cfg.trainer,
+                reporter,
+                reporting.show_progress(cfg.trainer.progress, rank),
+            )
+            summary = {
+                "world_size": rank.world_size,
+                "nnodes": cfg.launcher.nnodes,
+                "nproc_per_node": rank.local_world_size,
+                "backend": cfg.backend.name,
+                "launcher": cfg.launcher.name,
+                "init_method": cfg.init_method.name,
+                "device": device.type,
+                **result,
+                "wall_time_s": time.time() - started_at,
+                "run_dir": str(out),
+            }
+            reporter.finish(summary, hparams=_hparams(cfg, rank))
+        finally:
+            reporter.close()
+    return summary if rank.is_main else None
+
+
+def _hparams(cfg: DictConfig, rank: RankInfo) -> dict[str, Any]:
+    return {
+        "world_size": rank.world_size,
+        "backend": cfg.backend.name,
+        "launcher": cfg.launcher.name,
+        "model": cfg.model._target_.rsplit(".", 1)[-1],
+        "optim": cfg.optim._target_.rsplit(".", 1)[-1],
+        "lr": cfg.optim.lr,
+        "batch_size": cfg.data.batch_size,
+        "epochs": cfg.trainer.epochs,
+        "seed": cfg.trainer.seed,
+    }
+
+
+def _main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float) -> Optional[dict[str, Any]]:
+    """Entry for launched workers: full traceback into the log, one line to the parent."""
+    try:
+        return run(OmegaConf.create(cfg), run_dir, rank, started_at)
+    except Exception:
+        log.exception("rank %d failed", rank.rank, extra=reporting.FILE_ONLY)
+        raise
+
+
+def spawn_entry(local_rank: int, cfg: dict, run_dir: str, started_at: float) -> None:
+    """torch.multiprocessing.spawn target: single node, rank = local rank."""
+    n = cfg["trainer"]["nproc"]
+    os.environ["MASTER_ADDR"] = cfg["init_method"]["host"]
+    os.environ["MASTER_PORT"] = str(cfg["init_method"]["port"])
+    _main(cfg, run_dir, RankInfo(local_rank, n, local_rank, n), started_at)
+
+
+@record  # writes the exception to torchelastic's error file, so the parent can name it
+def elastic_entry(cfg: dict, run_dir: str, started_at: float) -> Optional[dict[str, Any]]:
+    """elastic_launch target: torchelastic has set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
+    _, rank = distributed.external_launch()
+    return _main(cfg, run_dir, rank, started_at)

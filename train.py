@@ -1,0 +1,35 @@
+"""Train a model with DistributedDataParallel: compose the config, validate it, launch, summarise.
+
+    python train.py                                   # 2 CPU workers (or one per GPU)
+    python train.py backend=nccl launcher=torchrun trainer.nproc=8
+    python train.py -m trainer.nproc=1,2,4            # a sweep over world sizes
+    torchrun --standalone --nproc_per_node=2 train.py # launched from outside: no second launch
+"""
+
+import sys
+import time
+
+import hydra
+from omegaconf import DictConfig
+
+from hydra_ddp import launch
+from hydra_ddp.config import register_schema
+from hydra_ddp.errors import UserError
+
+STARTED_AT = time.time()
+register_schema()
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    try:
+        summary = launch.run(cfg, STARTED_AT)
+    except UserError as error:
+        launch.exit_on_user_error(error)
+    # The value a Hydra sweeper (e.g. Optuna) would optimise.
+    return summary["test_accuracy"] if summary else None
+
+
+if __name__ == "__main__":
+    launch.adopt_external_launch(sys.argv)
+    main()
