@@ -6,17 +6,19 @@
     torchrun --standalone --nproc_per_node=2 train.py # launched from outside: no second launch
 """
 
-import sys
 import time
 
-import hydra
+STARTED_AT = time.time()  # before the imports: wall time counts them too
+
+import sys  # noqa: E402
+
+import hydra  # noqa: E402
 from omegaconf import DictConfig
 
-from hydra_ddp import launch
-from hydra_ddp.config import register_schema
-from hydra_ddp.errors import UserError
+from hydra_ddp import launch  # noqa: E402
+from hydra_ddp.config import register_schema  # noqa: E402
+from hydra_ddp.errors import UserError  # noqa: E402
 
-STARTED_AT = time.time()
 register_schema()
 
 

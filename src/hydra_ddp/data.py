@@ -61,7 +61,7 @@ def synthetic(
 
 
 def _require_dir(root: str, what: str) -> Path:
-    path = Path(root).expanduser()
+    path = Path(root).expanduser().resolve()
     if not path.is_dir():
         raise UserError(f"{what}: directory {str(path)!r} does not exist; set data.dataset.root to it")
     return path

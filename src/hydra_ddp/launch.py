@@ -52,10 +52,17 @@ def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
         "launching %d worker(s) with %s, backend %s, init %s → %s",
         n * launcher["nnodes"], launcher["name"], plain["backend"]["name"], plain["init_method"]["name"], run_dir,
     )
-    if launcher["name"] == "spawn":
-        _spawn(plain, run_dir, started_at)
-    else:
-        _torchrun(plain, run_dir, started_at)
+    # These would repeat each child's failure on the console; WorkerFailed reports it in one line.
+    for name in ("torch.multiprocessing.spawn", "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        if launcher["name"] == "spawn":
+            _spawn(plain, run_dir, started_at)
+        else:
+            _torchrun(plain, run_dir, started_at)
+    finally:
+        if plain["init_method"]["name"] == "file":  # made fresh for this run; stale, it could deadlock the next
+            Path(plain["init_method"]["path"]).unlink(missing_ok=True)
     summary_file = run_dir / reporting.SUMMARY_FILE
     return json.loads(summary_file.read_text()) if summary_file.exists() else None
 
@@ -92,7 +99,8 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
         elastic_launch(config, worker.elastic_entry)(plain, str(run_dir), started_at)
     except ChildFailedError as e:
         rank, failure = min(e.failures.items())
-        cause = failure.message if isinstance(failure.message, str) else str(failure.message)
+        message = failure.message  # the error file's {"message": ..., "extraInfo": ...}, or a plain string
+        cause = message.get("message", str(message)) if isinstance(message, dict) else str(message)
         raise WorkerFailed(rank, _last_line(cause), run_dir) from None
 
 
@@ -103,8 +111,9 @@ class WorkerFailed(UserError):
 
 
 def _last_line(text: str) -> str:
+    """The worker's one-line WorkerError from the end of a traceback (or torchelastic's message)."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "unknown error"
+    return lines[-1].split("WorkerError: ", 1)[-1] if lines else "unknown error"
 
 
 def exit_on_user_error(error: UserError) -> None:

@@ -6,13 +6,13 @@ any worker starts, and written into the config the workers receive.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
@@ -118,10 +118,7 @@ def _check_target(node: Any, key: str) -> None:
     """The `_target_` imports and takes the configured arguments (the object is not built)."""
     if not isinstance(node, dict) or "_target_" not in node:
         raise UserError(f"{key} needs a _target_ (the class or function that builds it)")
-    try:
-        target = get_object(node["_target_"])
-    except Exception as e:
-        raise UserError(f"{key}._target_={node['_target_']!r} cannot be imported: {e}") from None
+    target = _locate(node["_target_"], key)
     kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
     try:
         signature = inspect.signature(target)
@@ -131,3 +128,23 @@ def _check_target(node: Any, key: str) -> None:
         signature.bind_partial(**kwargs)
     except TypeError as e:
         raise UserError(f"{key} ({node['_target_']}): {e}; fix the key in conf/{key}/ or on the command line") from None
+
+
+def _locate(path: str, key: str) -> Any:
+    """The object named by a dotted path, or a UserError naming the part that fails."""
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:split])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name and module_name.startswith(e.name) and split > 1:
+                continue  # maybe a class attribute path; try a shorter module
+            raise UserError(f"{key}._target_={path!r}: cannot import {module_name!r} ({e})") from None
+        try:
+            for attr in parts[split:]:
+                obj = getattr(obj, attr)
+            return obj
+        except AttributeError:
+            raise UserError(f"{key}._target_={path!r}: {module_name!r} has no {'.'.join(parts[split:])!r}") from None
+    raise UserError(f"{key}._target_={path!r} is not a dotted path such as package.module.Name")

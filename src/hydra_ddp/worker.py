@@ -105,13 +105,18 @@ def _hparams(cfg: DictConfig, rank: RankInfo) -> dict[str, Any]:
     }
 
 
+class WorkerError(Exception):
+    """A worker's failure reduced to one line for the parent; the traceback stays in the log file."""
+
+
 def _main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float) -> Optional[dict[str, Any]]:
-    """Entry for launched workers: full traceback into the log, one line to the parent."""
     try:
         return run(OmegaConf.create(cfg), run_dir, rank, started_at)
-    except Exception:
+    except Exception as error:
         log.exception("rank %d failed", rank.rank, extra=reporting.FILE_ONLY)
-        raise
+        while error.__cause__ is not None:  # e.g. Hydra's InstantiationException wraps the real cause
+            error = error.__cause__
+        raise WorkerError(f"{type(error).__name__}: {error}".splitlines()[0]) from None
 
 
 def spawn_entry(local_rank: int, cfg: dict, run_dir: str, started_at: float) -> None:

@@ -1,0 +1,97 @@
+"""Shared helpers: run train.py as a user would, and read back what a run leaves behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HELPERS = Path(__file__).resolve().parent / "helpers"
+# A short real run: the default data and model, a few steps.
+QUICK = ("trainer.max_steps=8", "trainer.log_every=3")
+
+
+def train_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # Test-only models and datasets (tests/helpers) must be importable by every worker.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HELPERS), env.get("PYTHONPATH")]))
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def run_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = (), timeout: float = 150) -> subprocess.CompletedProcess:
+    """`python train.py hydra.run.dir=RUN_DIR OVERRIDES` (or under a launcher given as prefix)."""
+    cmd = [*(prefix or (sys.executable,)), str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
+    # A session of its own: the test can then find (and on timeout kill) every process the run started.
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"train.py ran past {timeout} s\nstdout:\n{out}\nstderr:\n{err}") from None
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    result.pid = proc.pid  # type: ignore[attr-defined]  # the session id of everything it started
+    return result
+
+
+def session_processes(sid: int) -> dict[int, str]:
+    """Live processes left in a finished run's session (pid: command line)."""
+    pids = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":  # fields[3]: session id
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                pids[int(entry)] = cmdline
+    return pids
+
+
+def assert_no_orphans(sid: int, grace_s: float = 10.0) -> None:
+    """Nothing a run started outlives it by more than grace_s (a helper such as multiprocessing's
+    resource tracker exits on its own once its parent has gone, a moment later)."""
+    deadline = time.monotonic() + grace_s
+    while (left := session_processes(sid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes left behind: {left}"
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def event_files(run_dir: Path) -> list[Path]:
+    return sorted(run_dir.rglob("events.out.tfevents.*"))
+
+
+def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = event_files(run_dir)
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"

@@ -1,0 +1,108 @@
+"""The schema and the parent's validation: bad input fails before any process starts, with one clear line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from conftest import REPO
+from hydra_ddp import validate
+from hydra_ddp.config import register_schema
+from hydra_ddp.distributed import RankInfo
+from hydra_ddp.errors import UserError
+
+register_schema()
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def resolved(tmp_path: Path, *overrides: str, external=None) -> dict:
+    return validate.resolve(compose_cfg(*overrides), tmp_path, external)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["backend=gloo", "init_method=tcp", "launcher=torchrun"],
+        ["backend=auto", "init_method=file", "launcher=spawn"],
+        ["model=mlp", "optim=adam", "scheduler=cosine"],
+        ["model=resnet18", "optim=adamw", "scheduler=none", "data=synthetic"],
+        ["model=torchvision", "model.name=mobilenet_v3_small"],
+    ],
+)
+def test_every_group_option_composes_and_validates(tmp_path: Path, overrides: list[str]):
+    plain = resolved(tmp_path, *overrides)
+    assert plain["backend"]["name"] == "gloo"  # no CUDA here
+    assert plain["trainer"]["nproc"] == 2 and plain["trainer"]["device"] == "cpu"
+
+
+def test_defaults_pick_free_ports_and_a_fresh_store(tmp_path: Path):
+    env = resolved(tmp_path)["init_method"]
+    assert env["name"] == "env" and env["port"] not in (None, 29500)
+    store = resolved(tmp_path, "init_method=file")["init_method"]
+    assert store["path"] == str(tmp_path / validate.STORE_FILE)
+    torchrun = resolved(tmp_path, "launcher=torchrun")["launcher"]
+    assert torchrun["rdzv_endpoint"].startswith("127.0.0.1:") and torchrun["rdzv_id"]
+
+
+def test_misspelt_key_fails_at_composition():
+    with pytest.raises(ConfigCompositionException, match="nprocs"):
+        compose_cfg("trainer.nprocs=2")
+
+
+def test_wrong_type_fails_at_composition():
+    with pytest.raises((ConfigCompositionException, ValidationError), match="epochs"):
+        compose_cfg("trainer.epochs=many")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.nproc=0"], "trainer.nproc"),
+        (["trainer.nproc=two"], "trainer.nproc"),
+        (["backend=nccl"], "nccl"),
+        (["backend=mpi"], "MPI"),
+        (["backend=nccl", "trainer.device=cuda"], "CUDA"),
+        (["model._target_=nowhere.Model"], "nowhere"),
+        (["optim.lr=0.1", "+optim.lrr=3"], "lrr"),
+        (["data=imagefolder"], "must be set"),
+        (["data=mnist", "data.dataset.root=/no/such/dir"], "/no/such/dir"),
+        (["launcher=spawn", "launcher.nnodes=2"], "torchrun"),
+        (["launcher=torchrun", "launcher.nnodes=2"], "rdzv_endpoint"),
+    ],
+)
+def test_bad_config_is_one_clear_error(tmp_path: Path, overrides: list[str], message: str):
+    if "backend=nccl" in overrides and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    if "backend=mpi" in overrides and dist.is_mpi_available():
+        pytest.skip("this torch has MPI")
+    with pytest.raises(UserError, match=message) as info:
+        resolved(tmp_path, *overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_leftover_file_store_is_refused(tmp_path: Path):
+    store = tmp_path / "old.store"
+    store.write_bytes(b"leftover")
+    with pytest.raises(UserError, match="leftover"):
+        resolved(tmp_path, "init_method=file", f"init_method.path={store}")
+    assert store.read_bytes() == b"leftover"  # refused, not deleted
+    (tmp_path / "empty.store").touch()  # an empty file is a fine place to meet
+    resolved(tmp_path, "init_method=file", f"init_method.path={tmp_path / 'empty.store'}")
+
+
+def test_external_launch_takes_world_size_from_the_launcher(tmp_path: Path):
+    plain = resolved(tmp_path, external=("torchrun", RankInfo(rank=1, world_size=4, local_rank=1, local_world_size=2)))
+    assert plain["launcher"]["name"] == "torchrun" and plain["launcher"]["external"]
+    assert plain["trainer"]["nproc"] == 2 and plain["launcher"]["nnodes"] == 2
+    with pytest.raises(UserError, match="same on every rank"):
+        resolved(tmp_path, "init_method=tcp", external=("torchrun", RankInfo(0, 2, 0, 2)))

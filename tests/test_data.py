@@ -1,0 +1,105 @@
+"""Datasets from real files the tests make, and samplers that count every test sample exactly once."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from hydra_ddp import data
+from hydra_ddp.distributed import RankInfo
+from hydra_ddp.errors import UserError
+
+
+def test_digits_are_28x28_standardised_and_split():
+    train, test = data.digits(image_size=28, test_fraction=0.2, seed=0)
+    assert len(train) + len(test) == 1797 and len(test) == 359
+    x, y = train[0]
+    assert x.shape == (1, 28, 28) and 0 <= int(y) <= 9
+    all_train = train.tensors[0]
+    assert abs(float(all_train.mean())) < 1e-4 and float(all_train.std()) == pytest.approx(1.0, abs=1e-4)
+    again, _ = data.digits(image_size=28, test_fraction=0.2, seed=0)
+    assert torch.equal(again.tensors[1], train.tensors[1])  # the same split on every rank
+
+
+def test_synthetic_is_seeded():
+    a, _ = data.synthetic(train_size=16, test_size=4, in_channels=3, image_size=8, num_classes=5, seed=1)
+    b, _ = data.synthetic(train_size=16, test_size=4, in_channels=3, image_size=8, num_classes=5, seed=1)
+    assert a.tensors[0].shape == (16, 3, 8, 8) and torch.equal(a.tensors[0], b.tensors[0])
+
+
+@pytest.mark.parametrize("length, world", [(10, 4), (359, 2), (7, 3), (2, 4)])
+def test_shard_sampler_partitions_without_padding(length: int, world: int):
+    shards = [list(data.ShardSampler(length, r, world)) for r in range(world)]
+    flat = sorted(i for shard in shards for i in shard)
+    assert flat == list(range(length))
+
+
+def _write_idx(path: Path, array: np.ndarray) -> None:
+    magic = 0x0800 | array.ndim  # unsigned bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack(">I", magic))
+        f.write(struct.pack(f">{array.ndim}I", *array.shape))
+        f.write(array.astype(np.uint8).tobytes())
+
+
+def test_mnist_reads_idx_files(tmp_path: Path):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 12), ("t10k", 5)):
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)))
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, (n,)))
+    train, test = data.mnist(root=str(tmp_path))
+    assert (len(train), len(test)) == (12, 5)
+    x, y = train[0]
+    assert x.shape == (1, 28, 28) and 0 <= y <= 9
+
+
+def make_image_folder(root: Path, classes=("cat", "dog"), per_class=5, size=10) -> Path:
+    from PIL import Image
+
+    for c, name in enumerate(classes):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = np.full((size, size, 3), 40 * c + i, dtype=np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{i}.png")
+    return root
+
+
+def test_image_folder_splits_a_folder_of_pngs(tmp_path: Path):
+    root = make_image_folder(tmp_path / "images")
+    train, test = data.image_folder(str(root), image_size=8, test_fraction=0.2, seed=0)
+    assert (len(train), len(test)) == (8, 2)
+    x, y = train[0]
+    assert x.shape == (3, 8, 8) and y in (0, 1)
+    gray, _ = data.image_folder(str(root), image_size=8, grayscale=True)
+    assert gray[0][0].shape == (1, 8, 8)
+
+
+def test_image_folder_checks_name_the_path(tmp_path: Path):
+    cfg = {"_target_": "hydra_ddp.data.image_folder", "root": str(tmp_path / "missing")}
+    with pytest.raises(UserError, match="missing"):
+        data.check_source(cfg, 2)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no class subfolders"):
+        data.check_source({**cfg, "root": str(tmp_path / "empty")}, 2)
+    root = make_image_folder(tmp_path / "images", classes=("a", "b", "c"))
+    with pytest.raises(UserError, match="num_classes=3"):
+        data.check_source({**cfg, "root": str(root)}, 2)
+    data.check_source({**cfg, "root": str(root)}, 3)
+
+
+def test_loaders_shard_train_and_test():
+    cfg = OmegaConf.create(
+        {"dataset": {"_target_": "hydra_ddp.data.synthetic", "train_size": 10, "test_size": 7, "image_size": 4},
+         "batch_size": 2, "eval_batch_size": 4, "num_workers": 0, "pin_memory": False,
+         "persistent_workers": False, "prefetch_factor": None, "drop_last": False}
+    )
+    per_rank = [data.build_loaders(cfg, RankInfo(r, 3, r, 3), seed=0, pin_memory=False) for r in range(3)]
+    assert [len(l.train_sampler) for l in per_rank] == [4, 4, 4]  # padded: every rank the same steps
+    assert sum(len(l.test.sampler) for l in per_rank) == 7  # not padded: exact metrics

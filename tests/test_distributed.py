@@ -1,0 +1,54 @@
+"""Rank discovery from launcher environments, ports, and the process group with real gloo ranks."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hydra_ddp import distributed
+from hydra_ddp.distributed import RankInfo
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, None),
+        ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, ("torchrun", RankInfo(3, 4, 1, 2))),
+        (
+            {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+             "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+            ("mpirun (Open MPI)", RankInfo(1, 2, 1, 2)),
+        ),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2"}, ("mpirun (PMI)", RankInfo(0, 2, 0, 2))),
+    ],
+)
+def test_external_launch_is_read_from_the_environment(env, expected):
+    assert distributed.external_launch(env) == expected
+
+
+def test_only_rank_zero_is_main():
+    assert RankInfo(0, 2, 0, 2).is_main and not RankInfo(1, 2, 1, 2).is_main
+
+
+def test_free_port_is_bindable():
+    port = distributed.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def _broadcast_worker(rank: int, port: int, results):
+    info = RankInfo(rank, 2, rank, 2)
+    url = distributed.init_url("tcp", "127.0.0.1", port, None)
+    with distributed.process_group("gloo", url, info, 30, torch.device("cpu")):
+        results[rank] = distributed.broadcast_text("outputs/runs/été" if rank == 0 else "other", torch.device("cpu"))
+    assert not torch.distributed.is_initialized()  # torn down on exit
+
+
+def test_broadcast_text_gives_every_rank_rank_zeros_string():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_broadcast_worker, args=(distributed.free_port(), results), nprocs=2)
+        assert dict(results) == {0: "outputs/runs/été", 1: "outputs/runs/été"}

@@ -1,0 +1,121 @@
+"""train.py as a user runs it: real multi-process gloo runs through the real launchers."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import QUICK, check_ok, event_files, run_train, scalars, assert_no_orphans, summary
+
+SUMMARY_KEYS = {
+    "world_size", "backend", "launcher", "init_method", "epochs", "steps", "train_loss",
+    "test_loss", "test_accuracy", "samples_per_sec", "wall_time_s",
+}
+
+
+def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
+    proc = run_train(run_dir, "trainer.epochs=2")
+    check_ok(proc)
+    s = summary(run_dir)
+    assert SUMMARY_KEYS <= s.keys()
+    assert s["world_size"] == 2 and s["backend"] == "gloo" and s["launcher"] == "spawn"
+    assert s["init_method"] == "env" and s["epochs"] == 2
+    assert s["test_samples"] == 359  # every held-out digit exactly once
+    assert s["test_accuracy"] > 0.5 and s["samples_per_sec"] > 0
+
+    # One event file, with per-step train loss, per-epoch eval, lr, throughput and the config.
+    assert len(event_files(run_dir)) == 1
+    train_loss = scalars(run_dir, "train/loss")
+    assert [step for step, _ in train_loss] == list(range(1, s["steps"] + 1))
+    accuracy = scalars(run_dir, "test/accuracy")
+    assert len(accuracy) == 2 and accuracy[-1][1] == pytest.approx(s["test_accuracy"])
+    assert len(scalars(run_dir, "train/lr")) == 2
+    assert len(scalars(run_dir, "perf/samples_per_sec")) == 2
+
+    # The resolved config, one log file holding every rank, and the console showing rank 0 only.
+    assert (run_dir / ".hydra" / "config.yaml").exists()
+    log = (run_dir / "train.log").read_text()
+    assert "[rank 0]" in log and "[rank 1]" in log
+    assert "[rank 1]" not in proc.stdout and "run summary" in proc.stdout
+    assert "step/s" not in proc.stderr  # no progress bar in a pipe
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"{threads} CPU thread(s)" in log
+    assert not list(run_dir.glob("*.store"))
+    assert_no_orphans(proc.pid)
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    return scalars(run_dir, "train/loss")
+
+
+def test_spawn_torchrun_and_external_torchrun_give_identical_losses(tmp_path: Path):
+    runs = {
+        "spawn": (("launcher=spawn",), ()),
+        "torchrun": (("launcher=torchrun",), ()),
+        "external": ((), (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")),
+    }
+    results = {}
+    for name, (overrides, prefix) in runs.items():
+        proc = run_train(tmp_path / name, *QUICK, *overrides, prefix=prefix)
+        check_ok(proc)
+        results[name] = losses(tmp_path / name)
+        assert len(results[name]) == 8
+    assert results["spawn"] == results["torchrun"] == results["external"]
+    assert summary(tmp_path / "external")["launcher"] == "torchrun"
+    # The outside launch made exactly one run directory: rank 1 followed rank 0.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["external", "spawn", "torchrun"]
+    assert len(event_files(tmp_path / "external")) == 1
+
+
+def test_legacy_distributed_launch_passes_local_rank(run_dir: Path):
+    prefix = (sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2")
+    proc = run_train(run_dir, *QUICK, prefix=prefix)
+    check_ok(proc)
+    assert summary(run_dir)["world_size"] == 2
+
+
+@pytest.mark.parametrize("init", ["tcp", "file"])
+def test_init_methods(tmp_path: Path, init: str):
+    for attempt in ("first", "second"):  # a second run must not trip over the first one's store
+        run_dir = tmp_path / attempt
+        proc = run_train(run_dir, *QUICK, f"init_method={init}")
+        check_ok(proc)
+        assert summary(run_dir)["init_method"] == init
+        assert not list(run_dir.glob("*.store"))  # the file store is removed at exit
+
+
+def test_explicit_file_store_path_can_be_reused(tmp_path: Path):
+    store = tmp_path / "shared.store"
+    for attempt in ("first", "second"):
+        check_ok(run_train(tmp_path / attempt, *QUICK, "init_method=file", f"init_method.path={store}"))
+    assert not store.exists()
+
+
+def test_multirun_over_world_sizes(tmp_path: Path):
+    sweep = tmp_path / "sweep"
+    proc = run_train(tmp_path / "unused", "-m", *QUICK, "trainer.nproc=1,2", f"hydra.sweep.dir={sweep}")
+    check_ok(proc)
+    assert [summary(sweep / str(i))["world_size"] for i in (0, 1)] == [1, 2]
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_failed_rank_is_named_in_one_line_and_leaves_no_orphans(run_dir: Path, launcher: str):
+    proc = run_train(run_dir, *QUICK, f"launcher={launcher}", "model._target_=faulty.FailOnRank", "+model.fail_rank=1")
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "hydra-ddp: error" in line]
+    assert len(errors) == 1 and "rank 1" in errors[0] and "injected failure" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "injected failure" in (run_dir / "train.log").read_text()  # the traceback is kept in the log
+    assert_no_orphans(proc.pid)
+
+
+def test_nccl_on_cpu_fails_fast_with_one_line(run_dir: Path):
+    proc = run_train(run_dir, "backend=nccl", "trainer.device=cpu")
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nccl" in lines[0] and "gloo" in lines[0], proc.stderr
+    assert not (run_dir / "train.log").exists() or "rank" not in (run_dir / "train.log").read_text()
