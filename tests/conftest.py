@@ -27,23 +27,45 @@ def train_env() -> dict[str, str]:
     return env
 
 
-def run_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = (), timeout: float = 150) -> subprocess.CompletedProcess:
-    """`python train.py hydra.run.dir=RUN_DIR OVERRIDES` (or under a launcher given as prefix)."""
+def start_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start `python train.py OVERRIDES hydra.run.dir=RUN_DIR` (or under a launcher given as prefix).
+
+    It gets a session of its own: the test can find (and on timeout kill) every process it started.
+    """
     cmd = [*(prefix or (sys.executable,)), str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
-    # A session of its own: the test can then find (and on timeout kill) every process the run started.
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         cmd, cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 150) -> subprocess.CompletedProcess:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise AssertionError(f"train.py ran past {timeout} s\nstdout:\n{out}\nstderr:\n{err}") from None
-    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     result.pid = proc.pid  # type: ignore[attr-defined]  # the session id of everything it started
     return result
+
+
+def run_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = (), timeout: float = 150) -> subprocess.CompletedProcess:
+    return finish(start_train(run_dir, *overrides, prefix=prefix), timeout)
+
+
+def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    """Poll until condition() is truthy; fail naming `what` (or the run's output, if it ended)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"run ended (exit {proc.returncode}) before {what}: {proc.communicate()}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def session_processes(sid: int) -> dict[int, str]:
@@ -86,8 +108,8 @@ def event_files(run_dir: Path) -> list[Path]:
 def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (events,) = event_files(run_dir)
-    acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    # The whole folder: a resumed run adds a file, and TensorBoard drops the old one's later steps.
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
@@ -95,3 +117,21 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+def final_params(run_dir: Path) -> dict:
+    import torch
+
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def assert_same_params(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch_equal(a[key], b[key]), key
+
+
+def torch_equal(x, y) -> bool:
+    import torch
+
+    return torch.equal(x, y)

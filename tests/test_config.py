@@ -100,9 +100,13 @@ def test_leftover_file_store_is_refused(tmp_path: Path):
     resolved(tmp_path, "init_method=file", f"init_method.path={tmp_path / 'empty.store'}")
 
 
-def test_external_launch_takes_world_size_from_the_launcher(tmp_path: Path):
+def test_external_launch_takes_world_size_from_the_launcher(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", "29999")  # as torchrun sets it
     plain = resolved(tmp_path, external=("torchrun", RankInfo(rank=1, world_size=4, local_rank=1, local_world_size=2)))
     assert plain["launcher"]["name"] == "torchrun" and plain["launcher"]["external"]
     assert plain["trainer"]["nproc"] == 2 and plain["launcher"]["nnodes"] == 2
     with pytest.raises(UserError, match="same on every rank"):
         resolved(tmp_path, "init_method=tcp", external=("torchrun", RankInfo(0, 2, 0, 2)))
+    monkeypatch.delenv("MASTER_PORT")
+    with pytest.raises(UserError, match="init_method.port"):  # mpirun sets no MASTER_PORT
+        resolved(tmp_path, external=("mpirun (Open MPI)", RankInfo(0, 2, 0, 2)))

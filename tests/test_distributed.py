@@ -41,8 +41,8 @@ def test_free_port_is_bindable():
 
 def _broadcast_worker(rank: int, port: int, results):
     info = RankInfo(rank, 2, rank, 2)
-    url = distributed.init_url("tcp", "127.0.0.1", port, None)
-    with distributed.process_group("gloo", url, info, 30, torch.device("cpu")):
+    init = {"name": "tcp", "host": "127.0.0.1", "port": port, "path": None}
+    with distributed.process_group("gloo", init, info, 30, torch.device("cpu"), launcher_env=False):
         results[rank] = distributed.broadcast_text("outputs/runs/été" if rank == 0 else "other", torch.device("cpu"))
     assert not torch.distributed.is_initialized()  # torn down on exit
 

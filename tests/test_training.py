@@ -26,13 +26,14 @@ def _model():
 
 def _worker(rank: int, world: int, port: int, results):
     info = RankInfo(rank, world, rank, world)
-    with distributed.process_group("gloo", f"tcp://127.0.0.1:{port}", info, 30, torch.device("cpu")):
+    init = {"name": "tcp", "host": "127.0.0.1", "port": port, "path": None}
+    with distributed.process_group("gloo", init, info, 30, torch.device("cpu"), launcher_env=False):
         loader = DataLoader(_dataset(), batch_size=2, sampler=data.ShardSampler(SAMPLES, rank, world))
         results["eval", rank] = training.evaluate(_model(), loader, torch.device("cpu"))
         window = training.LossWindow(size=2)
         window.add(1, torch.tensor(float(rank)))
         window.add(2, torch.tensor(float(10 * rank)))
-        results["window", rank] = window.flush()
+        results["window", rank] = window.flush(stop=rank == 2, device=torch.device("cpu"))
 
 
 def test_evaluation_is_exact_and_train_losses_are_global():
@@ -49,4 +50,5 @@ def test_evaluation_is_exact_and_train_losses_are_global():
         assert metrics["test_samples"] == SAMPLES
         assert abs(metrics["test_loss"] - expected_loss) < 1e-6
         assert metrics["test_accuracy"] == expected_acc
-        assert results["window", rank] == ([1, 2], [1.0, 10.0])  # mean of 0,1,2 and of 0,10,20
+        # Means of 0,1,2 and of 0,10,20; rank 2's stop request reaches every rank.
+        assert results["window", rank] == ([1, 2], [1.0, 10.0], True)

@@ -72,6 +72,16 @@ class DistConf:
 
 
 @dataclass
+class CheckpointConf:
+    # Checkpoints go to <run dir>/checkpoints: step-N.pt, last.pt and best.pt (hard links).
+    every_epoch: bool = True
+    every_n_steps: Optional[int] = None
+    keep: int = 3  # step files kept (last.pt and best.pt are kept besides)
+    best_metric: Optional[str] = "test_accuracy"  # null: no best.pt
+    best_mode: str = "max"  # max or min
+
+
+@dataclass
 class TrainerConf:
     # int, or "auto": the GPU count with CUDA, else 2 (a real 2-process run on any laptop).
     nproc: Any = "auto"
@@ -88,6 +98,8 @@ class TrainerConf:
     eval_every_epoch: bool = True
     # null: a progress bar when rank 0's stderr is a terminal.
     progress: Optional[bool] = None
+    # null: start fresh; a checkpoint path; or auto: the newest good checkpoint in the run directory.
+    resume: Optional[str] = None
 
 
 @dataclass
@@ -97,6 +109,7 @@ class Config:
     launcher: LauncherConf = field(default_factory=LauncherConf)
     dist: DistConf = field(default_factory=DistConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
+    checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     data: DataConf = field(default_factory=DataConf)
     model: Any = MISSING
     optim: Any = MISSING

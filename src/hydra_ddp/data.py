@@ -7,6 +7,7 @@ so the all-reduced metrics count every test sample exactly once.
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
@@ -131,6 +132,28 @@ def check_source(dataset_cfg: Any, num_classes: int) -> None:
         _require_dir(root, f"data={target.rsplit('.', 1)[1]}")
 
 
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler that can start part-way into an epoch, for an exact mid-epoch resume."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.start = 0
+
+    def skip(self, samples: int) -> None:
+        """Leave out this epoch's first `samples` indices (already trained on before the stop)."""
+        self.start = samples
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.start)
+
+
 class ShardSampler(Sampler[int]):
     """Rank r takes samples r, r+W, r+2W, …: no padding, so nothing is counted twice."""
 
@@ -147,12 +170,12 @@ class ShardSampler(Sampler[int]):
 class Loaders(NamedTuple):
     train: DataLoader
     test: DataLoader
-    train_sampler: DistributedSampler
+    train_sampler: ResumableDistributedSampler
 
 
 def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, pin_memory: bool) -> Loaders:
     train_set, test_set = instantiate(data_cfg.dataset)
-    train_sampler = DistributedSampler(
+    train_sampler = ResumableDistributedSampler(
         train_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=True, seed=seed
     )
     workers = data_cfg.num_workers

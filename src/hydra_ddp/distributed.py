@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -101,23 +103,68 @@ def init_url(name: str, host: str, port: Optional[int], path: Optional[str]) -> 
     raise UserError(f"unknown init_method {name!r}; choose env, tcp or file")
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _store(host: str, port: int, rank: RankInfo, timeout: timedelta) -> tuple[dist.TCPStore, Optional[socket.socket]]:
+    """The rendezvous store, on rank 0. TCPStore alone listens on every interface: on one host we
+    bind the socket to loopback ourselves and hand it over, so nothing outside can reach it."""
+    if not rank.is_main:
+        return dist.TCPStore(host, port, rank.world_size, is_master=False, timeout=timeout), None
+    listener = None
+    if _is_loopback(host):
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted rank 0 takes the port again
+        try:
+            listener.bind((host, port))
+        except OSError as e:
+            listener.close()
+            if e.errno == errno.EADDRINUSE:
+                raise UserError(f"port {port} on {host} is already in use; set init_method.port to a free port "
+                                "or null (a free one is picked)") from None
+            raise
+        listener.listen()
+    try:
+        store = dist.TCPStore(
+            host, port, rank.world_size, is_master=True, timeout=timeout, use_libuv=True,
+            master_listen_fd=listener.fileno() if listener else None,
+        )
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" in str(e):
+            raise UserError(f"port {port} on {host} is already in use; set init_method.port to a free port") from None
+        raise
+    return store, listener
+
+
 @contextlib.contextmanager
-def process_group(backend: str, url: str, rank: RankInfo, timeout_s: int, device: torch.device) -> Iterator[None]:
-    """Join the group; always leave it, so the next job in a multirun starts clean."""
+def process_group(
+    backend: str, init: Mapping[str, Any], rank: RankInfo, timeout_s: int, device: torch.device, launcher_env: bool
+) -> Iterator[None]:
+    """Join the group; always leave it, so the next job in a multirun starts clean.
+
+    `launcher_env`: torchrun (or another launcher) already provides the rendezvous for env://.
+    """
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend=backend,
-        init_method=url,
-        rank=rank.rank,
-        world_size=rank.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    timeout = timedelta(seconds=timeout_s)
+    listener = None
+    if init["name"] == "tcp" or (init["name"] == "env" and not launcher_env):
+        store, listener = _store(init["host"], init["port"], rank, timeout)
+        dist.init_process_group(backend, store=store, rank=rank.rank, world_size=rank.world_size, timeout=timeout)
+    else:
+        url = init_url(init["name"], init["host"], init["port"], init["path"])
+        dist.init_process_group(backend, init_method=url, rank=rank.rank, world_size=rank.world_size, timeout=timeout)
     try:
         yield
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if listener is not None:
+            listener.close()
 
 
 def broadcast_text(text: str, device: torch.device) -> str:
@@ -128,3 +175,9 @@ def broadcast_text(text: str, device: torch.device) -> str:
     buf = data if dist.get_rank() == 0 else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(buf, src=0)
     return bytes(buf.tolist()).decode()
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()

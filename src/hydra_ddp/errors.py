@@ -3,3 +3,5 @@
 
 class UserError(Exception):
     """Something the user can fix (config, data, environment): says what is wrong and what to do."""
+
+    exit_code = 2

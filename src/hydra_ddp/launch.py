@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,6 +22,9 @@ from hydra_ddp import distributed, reporting, validate, worker
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
+
+_QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
+SPAWN_GRACE_S = 5.0  # how long the other workers get to exit after one fails, before SIGTERM, then SIGKILL
 
 
 def adopt_external_launch(argv: list[str]) -> None:
@@ -55,6 +58,10 @@ def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
     # These would repeat each child's failure on the console; WorkerFailed reports it in one line.
     for name in ("torch.multiprocessing.spawn", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    # A killed worker leaves its semaphores to multiprocessing's resource tracker, which cleans them
+    # up and warns; it takes its -W options from ours when it starts.
+    if _QUIET_TRACKER not in sys.warnoptions:
+        sys.warnoptions.append(_QUIET_TRACKER)
     try:
         if launcher["name"] == "spawn":
             _spawn(plain, run_dir, started_at)
@@ -64,20 +71,40 @@ def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
         if plain["init_method"]["name"] == "file":  # made fresh for this run; stale, it could deadlock the next
             Path(plain["init_method"]["path"]).unlink(missing_ok=True)
     summary_file = run_dir / reporting.SUMMARY_FILE
-    return json.loads(summary_file.read_text()) if summary_file.exists() else None
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
+    if summary and summary.get("stopped_by"):
+        raise Stopped(summary, run_dir)
+    return summary
 
 
 def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
+    context = mp.start_processes(
+        worker.spawn_entry, args=(plain, str(run_dir), started_at), nprocs=plain["trainer"]["nproc"], join=False
+    )
+
+    def forward(signum: int, frame: Any) -> None:
+        # Pre-emption reaches the launcher: pass it on, and the workers checkpoint and stop together.
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     try:
-        mp.spawn(worker.spawn_entry, args=(plain, str(run_dir), started_at), nprocs=plain["trainer"]["nproc"], join=True)
+        # A rank that fails makes its peers fail within a second; a hung one is killed after the grace period.
+        while not context.join(grace_period=SPAWN_GRACE_S):
+            pass
     except mp.ProcessRaisedException as e:
         raise WorkerFailed(e.error_index, _last_line(str(e)), run_dir) from None
     except mp.ProcessExitedException as e:
         cause = f"killed by {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
         raise WorkerFailed(e.error_index, cause, run_dir) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -97,6 +124,8 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
     )
     try:
         elastic_launch(config, worker.elastic_entry)(plain, str(run_dir), started_at)
+    except SignalException:
+        pass  # the agent has passed the signal on and waited for the workers: their summary tells the rest
     except ChildFailedError as e:
         rank, failure = min(e.failures.items())
         message = failure.message  # the error file's {"message": ..., "extraInfo": ...}, or a plain string
@@ -110,6 +139,18 @@ class WorkerFailed(UserError):
         super().__init__(f"worker rank {rank} failed: {cause} (full traceback: {log_file})")
 
 
+class Stopped(UserError):
+    """The workers stopped early on a signal, after writing a checkpoint."""
+
+    def __init__(self, summary: dict[str, Any], run_dir: Path):
+        signum = getattr(signal, summary["stopped_by"], None)
+        self.exit_code = 128 + signum if signum else 1
+        super().__init__(
+            f"stopped by {summary['stopped_by']} at step {summary['steps']}; checkpoint saved in "
+            f"{run_dir / 'checkpoints'}; continue with: python train.py hydra.run.dir={run_dir} trainer.resume=auto"
+        )
+
+
 def _last_line(text: str) -> str:
     """The worker's one-line WorkerError from the end of a traceback (or torchelastic's message)."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
@@ -119,4 +160,4 @@ def _last_line(text: str) -> str:
 def exit_on_user_error(error: UserError) -> None:
     """One line on stderr and a non-zero exit: the user's problem needs no traceback."""
     print(f"hydra-ddp: error: {error}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(error.exit_code)

@@ -54,13 +54,14 @@ def show_progress(setting: Optional[bool], rank: RankInfo) -> bool:
 class Reporter:
     """Rank 0's TensorBoard writer and summary; a silent stand-in on the other ranks."""
 
-    def __init__(self, rank: RankInfo, run_dir: Path, cfg: Any):
+    def __init__(self, rank: RankInfo, run_dir: Path, cfg: Any, purge_step: Optional[int] = None):
         self.run_dir = run_dir
         self.writer = None
         if rank.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR))
+            # Resuming: TensorBoard hides the old file's events past the checkpoint's step.
+            self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=purge_step)
             config_yaml = OmegaConf.to_yaml(cfg)
             self.writer.add_text("config", "```yaml\n" + config_yaml + "```", 0)
 

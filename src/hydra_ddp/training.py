@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
+import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -14,17 +18,40 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from hydra_ddp.checkpoint import Checkpointer
 from hydra_ddp.data import Loaders
 from hydra_ddp.reporting import Reporter
 
 log = logging.getLogger(__name__)
 
+WARMUP_STEPS = 10  # excluded from the steady-state throughput and step time
+
+
+class StopRequest:
+    """Pre-emption (SIGTERM, SIGUSR1) or Ctrl-C: noted here, agreed on by all ranks at the next sync."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._note)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:  # asked twice: stop now, without the checkpoint
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.signum = signum
+
 
 @dataclass
 class LossWindow:
-    """Per-step training losses, made global (averaged over ranks) with one all-reduce per window.
+    """Per-step training losses made global (averaged over ranks) with one all-reduce per window.
 
-    A collective every step would stall the loop; one every `size` steps costs nothing.
+    A collective every step would stall the loop; one every `size` steps costs nothing. The
+    same all-reduce carries the stop flag, so every rank stops at the same step.
     """
 
     size: int
@@ -36,15 +63,14 @@ class LossWindow:
         self.losses.append(loss.detach())
         return len(self.steps) >= self.size
 
-    def flush(self) -> tuple[list[int], list[float]]:
-        """Every rank must call this at the same points."""
-        if not self.steps:
-            return [], []
-        stacked = torch.stack(self.losses).double()
-        dist.all_reduce(stacked)
-        values = (stacked / dist.get_world_size()).tolist()
+    def flush(self, stop: bool, device: torch.device) -> tuple[list[int], list[float], bool]:
+        """(steps, global losses, whether any rank wants to stop). Every rank calls it at the same points."""
+        flag = torch.tensor([1.0 if stop else 0.0], dtype=torch.float64, device=device)
+        packed = torch.cat([torch.stack(self.losses).double(), flag]) if self.losses else flag
+        dist.all_reduce(packed)
+        values = (packed[:-1] / dist.get_world_size()).tolist()
         steps, self.steps, self.losses = self.steps, [], []
-        return steps, values
+        return steps, values, bool(packed[-1].item())
 
 
 @torch.no_grad()
@@ -67,81 +93,183 @@ def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, device: torc
     return {"test_loss": loss_sum / count, "test_accuracy": correct / count, "test_samples": int(count)}
 
 
-def fit(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Optional[Any],
-    loaders: Loaders,
-    device: torch.device,
-    trainer_cfg: Any,
-    reporter: Reporter,
-    progress: bool,
-) -> dict[str, Any]:
-    """Train `trainer_cfg.epochs` epochs (or `max_steps` steps), evaluating after each epoch."""
-    world_size = dist.get_world_size()
-    steps_per_epoch = len(loaders.train)
-    max_steps = trainer_cfg.max_steps or steps_per_epoch * trainer_cfg.epochs
-    epochs = min(trainer_cfg.epochs, math.ceil(max_steps / steps_per_epoch))
-    window = LossWindow(trainer_cfg.log_every)
-    step, samples, train_time = 0, 0, 0.0
-    epoch_losses: list[float] = []
-    metrics: dict[str, float] = {}
+@dataclass
+class Position:
+    """Where the loop is: what a checkpoint needs to continue exactly."""
 
-    bar = tqdm(total=max_steps, disable=not progress, unit="step", dynamic_ncols=True)
-    for epoch in range(epochs):
-        loaders.train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        model.train()
-        epoch_losses, epoch_samples = [], 0
-        started = time.perf_counter()
-        for x, y in loaders.train:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()  # DDP all-reduces the gradients here
-            optimizer.step()
-            step += 1
-            epoch_samples += y.numel()
-            if window.add(step, loss):
-                steps, losses = window.flush()
-                reporter.train_losses(steps, losses)
-                epoch_losses += losses
-                bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+    epoch: int = 0
+    batch: int = 0  # batches done in `epoch`
+    step: int = 0  # optimizer steps done in all
+    epoch_loss_sum: float = 0.0
+    epoch_loss_count: int = 0
+
+
+class Trainer:
+    """Runs the epochs: batches, global loss logging, evaluation, checkpoints, stopping on request."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Optional[Any],
+        loaders: Loaders,
+        device: torch.device,
+        cfg: Any,
+        reporter: Reporter,
+        checkpointer: Checkpointer,
+        stop: StopRequest,
+        progress: bool,
+    ):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.loaders, self.device, self.cfg = loaders, device, cfg
+        self.reporter, self.checkpointer, self.stop = reporter, checkpointer, stop
+        self.progress = progress
+        self.pos = Position()
+        self.window = LossWindow(cfg.trainer.log_every)
+        self.step_times: list[float] = []  # seconds per step, this process
+        self.step_samples: list[int] = []  # samples per step, this rank
+        self.first_step_at: Optional[float] = None
+        self.metrics: dict[str, Any] = {}
+        self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
+        self.stopped_by: Optional[str] = None
+        self.saved_at = -1
+
+    # --- checkpoint state -----------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {
+            "model": self.model.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "position": asdict(self.pos),
+        }
+
+    def resume_from(self, path: Path, state: dict[str, Any]) -> None:
+        self.checkpointer.restore(state, path, self.model.module, self.optimizer, self.scheduler)
+        self.pos = Position(**state["position"])
+        log.info("resumed from %s at epoch %d, batch %d, step %d", path, self.pos.epoch, self.pos.batch, self.pos.step)
+
+    def _save(self, metric: Optional[float] = None) -> None:
+        if self.saved_at != self.pos.step:
+            self.checkpointer.save(self.state(), self.pos.step, metric)
+            self.saved_at = self.pos.step
+
+    # --- the loop -------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        trainer_cfg = self.cfg.trainer
+        steps_per_epoch = self.steps_per_epoch = len(self.loaders.train)
+        max_steps = trainer_cfg.max_steps or steps_per_epoch * trainer_cfg.epochs
+        epochs = min(trainer_cfg.epochs, math.ceil(max_steps / steps_per_epoch))
+        bar = tqdm(total=max_steps, initial=self.pos.step, disable=not self.progress, unit="step", dynamic_ncols=True)
+        evaluated_at = -1
+        while self.pos.epoch < epochs and self.pos.step < max_steps and not self.stopped_by:
+            epoch = self.pos.epoch
+            self._run_epoch(epoch, max_steps, bar)
+            if self.pos.batch >= steps_per_epoch:  # the epoch is complete
+                if trainer_cfg.eval_every_epoch:
+                    self._evaluate(f"epoch {epoch + 1}/{epochs}")
+                    evaluated_at = self.pos.step
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                self.pos = Position(epoch=epoch + 1, step=self.pos.step)
+                if self.cfg.checkpoint.every_epoch or self._step_checkpoint_due():
+                    self._save(self.metrics.get(self.cfg.checkpoint.best_metric))
+        bar.close()
+        if evaluated_at != self.pos.step:  # stopped mid-epoch (max_steps or a signal)
+            self._evaluate(f"epoch {self.pos.epoch + 1}/{epochs}, batch {self.pos.batch}")
+            if self.cfg.checkpoint.every_epoch or self.cfg.checkpoint.every_n_steps or self.stopped_by:
+                self._save(self.metrics.get(self.cfg.checkpoint.best_metric))
+        return self._results(epochs)
+
+    def _run_epoch(self, epoch: int, max_steps: int, bar: tqdm) -> None:
+        sampler = self.loaders.train_sampler
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        sampler.skip(self.pos.batch * self.cfg.data.batch_size)  # resuming mid-epoch: no batch replayed
+        self.model.train()
+        last = time.perf_counter()
+        for x, y in self.loaders.train:
+            loss = self._run_batch(x, y)
+            now = time.perf_counter()
+            self.step_times.append(now - last)
+            self.step_samples.append(y.numel())
+            last = now
+            if self.first_step_at is None:
+                self.first_step_at = time.time()
+            self.pos.batch += 1
+            self.pos.step += 1
             bar.update()
-            if step >= max_steps:
-                break
-        steps, losses = window.flush()
-        reporter.train_losses(steps, losses)
-        epoch_losses += losses
-        epoch_time = time.perf_counter() - started
-        train_time += epoch_time
-        samples += epoch_samples
+            if self.window.add(self.pos.step, loss) and self._flush(bar):
+                return
+            if self.pos.step >= max_steps or self.pos.batch == self.steps_per_epoch:
+                break  # the checkpoint, if due, follows the evaluation (for best.pt)
+            if self._step_checkpoint_due():
+                self._flush(bar)  # the checkpoint's epoch loss must include every step so far
+                self._save()
+        self._flush(bar)
 
-        lr = optimizer.param_groups[0]["lr"]
-        if scheduler is not None:
-            scheduler.step()
-        metrics = evaluate(model.module, loaders.test, device)
-        reporter.scalars(
+    def _step_checkpoint_due(self) -> bool:
+        every_n = self.cfg.checkpoint.every_n_steps
+        return bool(every_n) and self.pos.step % every_n == 0
+
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()  # DDP all-reduces the gradients here
+        self.optimizer.step()
+        return loss
+
+    def _flush(self, bar: tqdm) -> bool:
+        """Report the window's global losses; True when the ranks agreed to stop."""
+        steps, losses, stop = self.window.flush(self.stop.signum is not None, self.device)
+        self.reporter.train_losses(steps, losses)
+        self.pos.epoch_loss_sum += sum(losses)
+        self.pos.epoch_loss_count += len(losses)
+        if losses:
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+        if stop and not self.stopped_by:
+            name = signal.Signals(self.stop.signum).name if self.stop.signum else "a signal to another rank"
+            self.stopped_by = name
+            log.warning("stop requested (%s): saving a checkpoint at step %d and exiting", name, self.pos.step)
+        return stop
+
+    def _evaluate(self, where: str) -> None:
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.metrics = evaluate(self.model.module, self.loaders.test, self.device)
+        epoch_loss = self.train_loss = self._epoch_loss()
+        self.reporter.scalars(
             {
-                "train/epoch_loss": sum(epoch_losses) / len(epoch_losses),
-                "test/loss": metrics["test_loss"],
-                "test/accuracy": metrics["test_accuracy"],
+                "train/epoch_loss": epoch_loss,
+                "test/loss": self.metrics["test_loss"],
+                "test/accuracy": self.metrics["test_accuracy"],
                 "train/lr": lr,
-                # Every rank ran the same number of batches: local samples × world size is global.
-                "perf/samples_per_sec": epoch_samples * world_size / epoch_time,
+                "perf/samples_per_sec": self._samples_per_sec(self.step_times, self.step_samples),
             },
-            step,
+            self.pos.step,
         )
         log.info(
-            "epoch %d/%d  step %d  train loss %.4f  test loss %.4f  test accuracy %.4f",
-            epoch + 1, epochs, step, sum(epoch_losses) / len(epoch_losses),
-            metrics["test_loss"], metrics["test_accuracy"],
+            "%s  step %d  train loss %.4f  test loss %.4f  test accuracy %.4f",
+            where, self.pos.step, epoch_loss, self.metrics["test_loss"], self.metrics["test_accuracy"],
         )
-    bar.close()
-    return {
-        "epochs": epochs,
-        "steps": step,
-        "train_loss": sum(epoch_losses) / len(epoch_losses),
-        **metrics,
-        "samples_per_sec": samples * world_size / train_time,
-        "train_time_s": train_time,
-    }
+
+    def _epoch_loss(self) -> float:
+        return self.pos.epoch_loss_sum / max(1, self.pos.epoch_loss_count)
+
+    @staticmethod
+    def _samples_per_sec(times: list[float], samples: list[int]) -> float:
+        # Every rank runs the same number of batches: local samples × world size is the global count.
+        return sum(samples) * dist.get_world_size() / max(sum(times), 1e-9)
+
+    def _results(self, epochs: int) -> dict[str, Any]:
+        warm = min(WARMUP_STEPS, len(self.step_times) // 10)
+        return {
+            "epochs": epochs,
+            "steps": self.pos.step,
+            "train_loss": self.train_loss,
+            **self.metrics,
+            "samples_per_sec": self._samples_per_sec(self.step_times, self.step_samples),
+            "steady_samples_per_sec": self._samples_per_sec(self.step_times[warm:], self.step_samples[warm:]),
+            "median_step_time_s": statistics.median(self.step_times[warm:]) if self.step_times else 0.0,
+            "train_time_s": sum(self.step_times),
+            "first_step_at": self.first_step_at,
+            "stopped_by": self.stopped_by,
+        }

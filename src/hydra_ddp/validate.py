@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -16,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from hydra_ddp import data, distributed
+from hydra_ddp import checkpoint, data, distributed
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
 
@@ -41,6 +42,11 @@ def resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankIn
     plain["backend"]["name"] = distributed.resolve_backend(plain["backend"]["name"], trainer["device"], trainer["nproc"])
     _resolve_init_method(plain["init_method"], run_dir, external is not None)
 
+    if trainer["resume"] is None and any((run_dir / checkpoint.DIRNAME).glob("step-*.pt")):
+        raise UserError(
+            f"{run_dir} holds checkpoints of an earlier run; continue it with trainer.resume=auto, "
+            "or start anew in another hydra.run.dir (nothing was overwritten)"
+        )
     data.check_source(plain["data"]["dataset"], plain["data"]["num_classes"])
     _check_target(plain["model"], "model")
     _check_target(plain["optim"], "optim")
@@ -94,9 +100,15 @@ def _check_launcher(launcher: dict[str, Any]) -> None:
 def _resolve_init_method(init: dict[str, Any], run_dir: Path, external: bool) -> None:
     name = init["name"]
     if name in ("env", "tcp") and init["port"] is None:
-        if external and name == "tcp":
-            raise UserError("init_method=tcp under an outside launcher needs init_method.port, the same on every rank")
-        init["port"] = distributed.free_port(init["host"])
+        if external and name == "env" and "MASTER_PORT" in os.environ:
+            pass  # torchrun and its kin provide the rendezvous
+        elif external:
+            raise UserError(
+                f"init_method={name} under this launcher needs init_method.port (and init_method.host: rank 0's "
+                "host), the same on every rank"
+            )
+        else:
+            init["port"] = distributed.free_port(init["host"])
     elif name == "file":
         if init["path"] is None:
             if external:

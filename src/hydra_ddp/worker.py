@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import resource
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -20,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hydra_ddp import data, distributed, reporting, training
+from hydra_ddp import checkpoint, data, distributed, reporting, training
 from hydra_ddp.distributed import RankInfo
 
 log = logging.getLogger(__name__)
@@ -41,18 +42,26 @@ def cpu_threads(configured: Optional[int], rank: RankInfo) -> int:
 
 def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float) -> Optional[dict[str, Any]]:
     """Train; rank 0 returns the summary, the other ranks None."""
+    stop = training.StopRequest()
+    stop.install()
     external = cfg.launcher.get("external", False)
     if not external:
         reporting.setup_logging(rank, Path(run_dir))
     device = torch.device(f"cuda:{rank.local_rank}" if cfg.trainer.device == "cuda" else "cpu")
     torch.set_num_threads(cpu_threads(cfg.trainer.threads, rank))
-    url = distributed.init_url(**cfg.init_method)
-    with distributed.process_group(cfg.backend.name, url, rank, cfg.dist.timeout_s, device):
+    # An outside torchrun, and torchrun across nodes, bring the env:// rendezvous (MASTER_ADDR/PORT).
+    # On one node our own store is used: loopback-only, and fresh after a restart (the agent's keeps
+    # the dead group's keys, and the restarted ranks would wait on them).
+    launcher_env = "MASTER_PORT" in os.environ and (external or cfg.launcher.nnodes > 1)
+    with distributed.process_group(cfg.backend.name, cfg.init_method, rank, cfg.dist.timeout_s, device, launcher_env):
         out = Path(run_dir)
         if external:  # every rank was started with its own idea of the run directory: rank 0's wins
             out = Path(distributed.broadcast_text(run_dir, device))
             reporting.setup_logging(rank, out)
-        log.info("rank %d/%d on %s, %d CPU thread(s)", rank.rank, rank.world_size, device, torch.get_num_threads())
+        log.info(
+            "rank %d/%d on %s, %d CPU thread(s), pid %d",
+            rank.rank, rank.world_size, device, torch.get_num_threads(), os.getpid(),
+        )
 
         seed_everything(cfg.trainer.seed)
         loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, pin_memory=cfg.data.pin_memory)
@@ -60,19 +69,21 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float) -> Opt
         ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         optimizer = instantiate(cfg.optim)(ddp_model.parameters())
         scheduler = instantiate(cfg.scheduler)(optimizer) if cfg.scheduler else None
+        checkpointer = checkpoint.Checkpointer(
+            cfg.checkpoint, out, rank, device, OmegaConf.to_container(cfg, resolve=True)
+        )
+        resume = checkpointer.resolve(_resume_setting(cfg.trainer.resume))
 
-        reporter = reporting.Reporter(rank, out, cfg)
+        resumed_step = resume[1]["position"]["step"] if resume else None
+        reporter = reporting.Reporter(rank, out, cfg, purge_step=resumed_step + 1 if resume else None)
         try:
-            result = training.fit(
-                ddp_model,
-                optimizer,
-                scheduler,
-                loaders,
-                device,
-                cfg.trainer,
-                reporter,
-                reporting.show_progress(cfg.trainer.progress, rank),
+            trainer = training.Trainer(
+                ddp_model, optimizer, scheduler, loaders, device, cfg, reporter, checkpointer, stop,
+                progress=reporting.show_progress(cfg.trainer.progress, rank),
             )
+            if resume:
+                trainer.resume_from(*resume)
+            result = trainer.fit()
             summary = {
                 "world_size": rank.world_size,
                 "nnodes": cfg.launcher.nnodes,
@@ -82,13 +93,27 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float) -> Opt
                 "init_method": cfg.init_method.name,
                 "device": device.type,
                 **result,
+                "time_to_first_step_s": result["first_step_at"] - started_at if result["first_step_at"] else None,
+                "peak_rss_mb": distributed.max_over_ranks(_peak_rss_mb(), device),
                 "wall_time_s": time.time() - started_at,
                 "run_dir": str(out),
+                "resumed_from": str(resume[0]) if resume else None,
             }
             reporter.finish(summary, hparams=_hparams(cfg, rank))
         finally:
             reporter.close()
     return summary if rank.is_main else None
+
+
+def _resume_setting(configured: Optional[str]) -> Optional[str]:
+    """torchrun restarting a failed group: continue from the last checkpoint, whatever was configured."""
+    if configured is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return "auto"
+    return configured
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def _hparams(cfg: DictConfig, rank: RankInfo) -> dict[str, Any]:
@@ -122,8 +147,6 @@ def _main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float) -> Optiona
 def spawn_entry(local_rank: int, cfg: dict, run_dir: str, started_at: float) -> None:
     """torch.multiprocessing.spawn target: single node, rank = local rank."""
     n = cfg["trainer"]["nproc"]
-    os.environ["MASTER_ADDR"] = cfg["init_method"]["host"]
-    os.environ["MASTER_PORT"] = str(cfg["init_method"]["port"])
     _main(cfg, run_dir, RankInfo(local_rank, n, local_rank, n), started_at)
 
 

@@ -1,0 +1,121 @@
+"""The baseline: a minimal hand-written DDP training loop, in the style of pytorch/examples.
+
+mp.spawn, a process group, DistributedSampler, DDP, SGD (lr 0.02, momentum 0.9) — nothing else.
+It trains the project's MNIST CNN on random 1×28×28 images held in memory, batch 64 per rank,
+gloo on the CPU, cores ÷ ranks intra-op threads per rank. Rank 0 writes the measurements that
+the project's summary.json holds, computed the same way, to the JSON file named on the command line:
+
+    python bench/handwritten.py --steps 200 result.json
+"""
+
+import time
+
+STARTED_AT = time.time()  # before the imports, as in train.py
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+
+from hydra_ddp.models import MnistCNN  # noqa: E402  (the very network the project trains)
+
+
+def ddp_setup(rank: int, world_size: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def prepare_dataloader(size: int, batch_size: int, rank: int, world_size: int) -> DataLoader:
+    gen = torch.Generator().manual_seed(0)  # the same images on every rank
+    dataset = TensorDataset(torch.randn(size, 1, 28, 28, generator=gen), torch.randint(0, 10, (size,), generator=gen))
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def train(model: DDP, loader: DataLoader, optimizer: torch.optim.Optimizer, steps: int) -> tuple[list[float], float]:
+    """Run `steps` steps; each step's duration (from the previous step's end), and when the first ended."""
+    step_times, first_step_at = [], 0.0
+    model.train()
+    last = time.perf_counter()
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()  # DDP all-reduces the gradients here
+        optimizer.step()
+        now = time.perf_counter()
+        step_times.append(now - last)
+        last = now
+        if len(step_times) == 1:
+            first_step_at = time.time()
+        if len(step_times) == steps:
+            return step_times, first_step_at
+    raise ValueError(f"only {len(step_times)} batches per rank, fewer than --steps {steps}: raise --train-size")
+
+
+def measurements(step_times: list[float], samples_per_step: int) -> dict[str, float]:
+    """As the project computes them: the first 10 steps (a tenth of a shorter run) are warm-up."""
+    steady = step_times[min(10, len(step_times) // 10) :]
+    return {
+        "samples_per_sec": len(step_times) * samples_per_step / sum(step_times),
+        "steady_samples_per_sec": len(steady) * samples_per_step / sum(steady),
+        "median_step_time_s": statistics.median(steady),
+    }
+
+
+def peak_rss_mb() -> float:
+    """The largest peak resident set size over the ranks (ru_maxrss is in KiB on Linux)."""
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], dtype=torch.float64)
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    return rss.item()
+
+
+def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
+    ddp_setup(rank, world_size, port)
+    torch.manual_seed(0)
+    loader = prepare_dataloader(args.train_size, args.batch_size, rank, world_size)
+    model = DDP(MnistCNN())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+
+    step_times, first_step_at = train(model, loader, optimizer, args.steps)
+    rss = peak_rss_mb()
+    if rank == 0:
+        result = {
+            "world_size": world_size,
+            "steps": len(step_times),
+            **measurements(step_times, args.batch_size * world_size),
+            "first_step_at": first_step_at,
+            "time_to_first_step_s": first_step_at - STARTED_AT,
+            "peak_rss_mb": rss,
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="the JSON file rank 0 writes the measurements to")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=64, help="per rank")
+    parser.add_argument("--train-size", type=int, help="images (default: just enough for --steps in one epoch)")
+    args = parser.parse_args()
+    args.train_size = args.train_size or args.steps * args.batch_size * args.nproc
+    mp.spawn(main, args=(args.nproc, free_port(), args), nprocs=args.nproc)

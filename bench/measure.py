@@ -1,0 +1,142 @@
+"""One measured run of either side: the command, its start time, and the figures the run reports.
+
+The project's side is `train.py` on synthetic data, read back from the run's summary.json; the
+baseline is `bench/handwritten.py`, which writes the same fields. Time to first step is taken
+from this process's clock before the command starts, so interpreter start-up and imports count
+the same on both sides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+HANDWRITTEN = Path(__file__).resolve().parent / "handwritten.py"
+
+# The figures every run yields; the report shows the median of each over the repetitions.
+METRICS = ("steady_samples_per_sec", "median_step_time_s", "time_to_first_step_s", "peak_rss_mb")
+# What a run must write (summary.json, or the baseline's JSON) for those figures.
+REPORTED = ("steps", "world_size", "steady_samples_per_sec", "median_step_time_s", "first_step_at", "peak_rss_mb")
+
+
+class BenchError(Exception):
+    """A run failed or reported something other than what was asked; shown in one message at the top."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every run trains: the same on both sides."""
+
+    steps: int
+    batch_size: int = 64  # per rank
+    test_size: int = 256  # the project evaluates once at the end: kept small
+
+    @property
+    def warmup_steps(self) -> int:
+        """The steps both sides leave out of samples/s and step time: 10, or a tenth of a shorter run."""
+        return min(10, self.steps // 10)
+
+    def train_size(self, nproc: int) -> int:
+        """Images enough for every step in one epoch, so no epoch boundary falls inside the timing."""
+        return self.steps * self.batch_size * nproc
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration to measure: the project with extra overrides, or the hand-written loop."""
+
+    label: str
+    side: str  # "project" or "handwritten"
+    nproc: int = 2
+    overrides: tuple[str, ...] = ()
+
+
+def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], Path]:
+    """The command line for a case, and the JSON file it leaves its figures in."""
+    train_size = workload.train_size(case.nproc)
+    if case.side == "handwritten":
+        out = out_dir / "result.json"
+        cmd = [
+            str(HANDWRITTEN), str(out), f"--steps={workload.steps}", f"--nproc={case.nproc}",
+            f"--batch-size={workload.batch_size}", f"--train-size={train_size}",
+        ]
+        return [sys.executable, *cmd], out
+    cmd = [
+        "train.py", "data=synthetic", f"data.batch_size={workload.batch_size}",
+        f"data.dataset.train_size={train_size}", f"data.dataset.test_size={workload.test_size}",
+        f"trainer.nproc={case.nproc}", f"trainer.max_steps={workload.steps}", "trainer.epochs=1000",
+        "trainer.progress=false", *case.overrides, f"hydra.run.dir={out_dir}",
+    ]
+    return [sys.executable, *cmd], out_dir / "summary.json"
+
+
+def measure(case: Case, workload: Workload) -> dict[str, Any]:
+    """Run the case once; its figures (METRICS), plus steps, world size and the command's wall time."""
+    with tempfile.TemporaryDirectory(prefix="hydra-ddp-bench-") as tmp:
+        cmd, result_file = command(case, workload, Path(tmp))
+        started = time.time()
+        _run(cmd, case, timeout=120 + workload.steps)
+        wall = time.time() - started
+        reported = _read(result_file, case)
+    if (reported["steps"], reported["world_size"]) != (workload.steps, case.nproc):
+        raise BenchError(
+            f"{case.label}: ran {reported['steps']} steps on {reported['world_size']} rank(s), "
+            f"not the {workload.steps} on {case.nproc} asked for"
+        )
+    return {
+        "steady_samples_per_sec": reported["steady_samples_per_sec"],
+        "median_step_time_s": reported["median_step_time_s"],
+        "time_to_first_step_s": reported["first_step_at"] - started,
+        "peak_rss_mb": reported["peak_rss_mb"],
+        "steps": reported["steps"],
+        "world_size": reported["world_size"],
+        "wall_time_s": wall,
+    }
+
+
+def printable(cmd: list[str]) -> str:
+    """The command as one would type it in the repository root: paths inside it made relative."""
+
+    def short(arg: str) -> str:
+        path = os.path.normpath(arg)
+        return os.path.relpath(path, REPO) if Path(path).is_relative_to(REPO) else arg
+
+    return shlex.join(short(arg) for arg in cmd)
+
+
+def _run(cmd: list[str], case: Case, timeout: float) -> None:
+    # A session of its own, so a hung run's workers can be killed with it.
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except BaseException as error:  # a timeout, or Ctrl-C (which the run's own session does not get)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        if isinstance(error, subprocess.TimeoutExpired):
+            raise BenchError(f"{case.label}: no result after {timeout:.0f} s, killed: {shlex.join(cmd)}") from None
+        raise
+    if proc.returncode != 0:
+        tail = "\n".join(output.strip().splitlines()[-15:])
+        raise BenchError(f"{case.label}: exit code {proc.returncode}: {shlex.join(cmd)}\n{tail}")
+
+
+def _read(result_file: Path, case: Case) -> dict[str, Any]:
+    if not result_file.exists():
+        raise BenchError(f"{case.label}: the run finished but wrote no {result_file.name}")
+    reported = json.loads(result_file.read_text())
+    missing = [key for key in REPORTED if reported.get(key) is None]
+    if missing:
+        raise BenchError(f"{case.label}: {result_file.name} lacks {', '.join(missing)}: the benchmark needs them")
+    return reported

@@ -1,0 +1,113 @@
+"""The report: markdown that reads as well in a terminal as on GitHub, rendered from the results alone.
+
+`render(results)` takes the dict that run.py writes to <timestamp>.json, so a report can be
+rebuilt from any saved results.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_DISCLAIMER = (
+    "Absolute figures vary between machines, and with whatever else runs on them: only the ratios "
+    "(taken within one run of this benchmark) compare."
+)
+_DEFINITIONS = """\
+- **samples/s**: steady-state global throughput, warm-up steps excluded (min–max over repetitions in brackets)
+- **step**: median step time after warm-up, on rank 0
+- **first step**: from the command's start (this harness's clock, so interpreter start-up and imports count) to the end of the first training step
+- **peak RSS**: the largest peak resident set size (ru_maxrss) of any rank
+- **×** columns: this row / the reference row; **Δ**: this row − the reference row"""
+
+_INTROS = {
+    "parity": "The project's `train.py` against `bench/handwritten.py`, a minimal DDP loop in the style of "
+    "pytorch/examples, on the same workload at 2 ranks. Reference: the hand-written loop.",
+    "scaling": "The project at each world size; every rank takes cores ÷ ranks intra-op threads, so each row "
+    "uses the whole machine. Reference: 1 rank.",
+    "options": "The project at 2 ranks with each set of performance overrides (`OPTIONS` in bench/run.py). "
+    "Reference: the first.",
+}
+
+
+def render(results: dict[str, Any]) -> str:
+    machine, workload, sections = results["machine"], results["workload"], results["sections"]
+    lines = [
+        "# hydra-ddp benchmark",
+        "",
+        f"{results['date']} · commit `{results['commit']}` · `{results['invocation']}`",
+        "",
+    ]
+    if results["quick"]:
+        lines += ["**--quick: a smoke test of the harness; its figures mean nothing.**", ""]
+    lines += [
+        _DISCLAIMER,
+        "",
+        "## Machine",
+        "",
+        f"- CPU: {machine['cpu']}",
+        f"- cores: {machine['cpu_count']} (`os.cpu_count()`), {machine['usable_cores']} usable "
+        f"(`len(os.sched_getaffinity(0))`)",
+        f"- torch {machine['torch']}, Python {machine['python']}, {machine['platform']}",
+        "",
+        "## Workload",
+        "",
+        f"The MNIST CNN (`hydra_ddp.models.MnistCNN`) on random 1×28×28 images held in memory, batch "
+        f"{workload['batch_size']} per rank, gloo on the CPU, cores ÷ ranks intra-op threads per rank unless "
+        f"an option says otherwise. {workload['steps']} steps per run, all in one epoch (steps × batch × ranks "
+        f"training images); the first {workload['warmup_steps']} steps (10, or a tenth of a shorter run) are warm-up, "
+        f"left out of samples/s and step time. Each configuration "
+        f"ran {results['reps']} time(s), interleaved A B A B …; every figure is the median over the repetitions.",
+        "",
+        _DEFINITIONS,
+        "",
+    ]
+    if "parity" in sections:
+        lines += _parity_headline(sections["parity"])
+    for name, cases in sections.items():
+        lines += [f"## {name.capitalize()}", "", _INTROS[name], "", _table(cases), ""]
+    lines += ["## Commands", "", "One run of each side (`RUN_DIR`: a fresh temporary directory per run):", ""]
+    lines += [f"    {case['command']}" for case in sections.get("parity", [])]
+    return "\n".join(lines) + "\n"
+
+
+def _parity_headline(cases: list[dict[str, Any]]) -> list[str]:
+    vs = next(c for c in cases if c["side"] == "project")["vs_reference"]
+    return [
+        f"**Project / hand-written: throughput {vs['throughput_ratio']:.2f}×, step time "
+        f"{vs['step_time_ratio']:.2f}×, time to first step {vs['startup_difference_s']:+.1f} s, "
+        f"peak RSS {vs['rss_ratio']:.2f}×.**",
+        "",
+    ]
+
+
+def _table(cases: list[dict[str, Any]]) -> str:
+    headers = ["configuration", "samples/s", "step (ms)", "first step (s)", "peak RSS (MB)",
+               "samples/s ×", "step ×", "first step Δ (s)", "RSS ×"]
+    rows = []
+    for case in cases:
+        m, vs = case["median"], case["vs_reference"]
+        rates = [run["steady_samples_per_sec"] for run in case["runs"]]
+        spread = f" ({min(rates):.0f}–{max(rates):.0f})" if len(rates) > 1 else ""
+        compared = (
+            ["reference", "", "", ""]
+            if vs is None
+            else [f"{vs['throughput_ratio']:.2f}", f"{vs['step_time_ratio']:.2f}",
+                  f"{vs['startup_difference_s']:+.2f}", f"{vs['rss_ratio']:.2f}"]
+        )
+        rows.append([
+            case["label"], f"{m['steady_samples_per_sec']:.0f}{spread}", f"{m['median_step_time_s'] * 1000:.1f}",
+            f"{m['time_to_first_step_s']:.2f}", f"{m['peak_rss_mb']:.0f}", *compared,
+        ])
+    return _markdown_table(headers, rows)
+
+
+def _markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    """Columns padded to their widest cell; the first left-aligned, the figures right-aligned."""
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: list[str]) -> str:
+        padded = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if i else (":" + "-" * (w + 1)) for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])

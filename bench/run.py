@@ -1,0 +1,198 @@
+"""`make bench`: the project's train.py against a hand-written DDP loop, world-size scaling, options.
+
+    .venv/bin/python bench/run.py                 # 3 repetitions × 200 steps of every configuration
+    .venv/bin/python bench/run.py --quick         # a smoke test of the harness: 1 × 20 steps
+    make bench ARGS="--reps 5 --steps 500 --out /tmp/bench"
+
+Prints the report and writes it to OUT/REPORT.md (replaced each time), with every run's figures
+in OUT/<timestamp>.json. Run it on a quiet machine: it measures wall-clock time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, Optional
+
+import report
+from measure import METRICS, REPO, BenchError, Case, Workload, command, measure, printable
+
+# Performance options: sets of project overrides, measured at 2 ranks against the first.
+# Add a line to measure another.
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "threads=null (cores ÷ ranks)": ("trainer.threads=null",),
+    "threads=2": ("trainer.threads=2",),
+}
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def world_sizes(cores: int) -> list[int]:
+    """1, 2, 4, … up to the core count (1 and 2 on any machine)."""
+    sizes = [1, 2]
+    while sizes[-1] * 2 <= cores:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def plan(cores: int) -> dict[str, list[Case]]:
+    """Each section's cases, its reference first."""
+    return {
+        "parity": [Case("hand-written", "handwritten"), Case("project (train.py)", "project")],
+        "scaling": [Case(f"nproc={n}", "project", nproc=n) for n in world_sizes(cores)],
+        "options": [Case(label, "project", overrides=overrides) for label, overrides in OPTIONS.items()],
+    }
+
+
+def run_section(name: str, cases: list[Case], workload: Workload, reps: int) -> list[dict[str, Any]]:
+    """Every case once per repetition, interleaved (A B A B …), so drift in the machine hits all alike."""
+    runs: dict[str, list[dict[str, Any]]] = {case.label: [] for case in cases}
+    for rep in range(1, reps + 1):
+        for case in cases:
+            result = measure(case, workload)
+            runs[case.label].append(result)
+            print(
+                f"[{name} {rep}/{reps}] {case.label:<30} {result['steady_samples_per_sec']:6.0f} samples/s  "
+                f"step {result['median_step_time_s'] * 1000:6.1f} ms  first step {result['time_to_first_step_s']:5.2f} s  "
+                f"RSS {result['peak_rss_mb']:4.0f} MB",
+                file=sys.stderr,
+                flush=True,
+            )
+    reference = medians(runs[cases[0].label])
+    summary = []
+    for case in cases:
+        median = medians(runs[case.label])
+        summary.append({
+            "label": case.label,
+            "side": case.side,
+            "nproc": case.nproc,
+            "overrides": list(case.overrides),
+            "command": printable(command(case, workload, Path("RUN_DIR"))[0]),
+            "runs": runs[case.label],
+            "median": median,
+            "vs_reference": None if case is cases[0] else compare(median, reference),
+        })
+    return summary
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
+    return {metric: statistics.median(run[metric] for run in runs) for metric in METRICS}
+
+
+def compare(m: dict[str, float], reference: dict[str, float]) -> dict[str, float]:
+    return {
+        "throughput_ratio": m["steady_samples_per_sec"] / reference["steady_samples_per_sec"],
+        "step_time_ratio": m["median_step_time_s"] / reference["median_step_time_s"],
+        "startup_difference_s": m["time_to_first_step_s"] - reference["time_to_first_step_s"],
+        "rss_ratio": m["peak_rss_mb"] / reference["peak_rss_mb"],
+    }
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "torch": version("torch"),  # not imported: the harness itself stays light
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _commit() -> str:
+    """HEAD, marked when tracked files differ from it. Read-only: no index refresh (GIT_OPTIONAL_LOCKS=0)."""
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
+
+    try:
+        head = git("rev-parse", "--short", "HEAD").strip()
+        return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def save(results: dict[str, Any], text: str, out_dir: Path, stamp: str) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {out_dir / f"{stamp}.json": json.dumps(results, indent=2) + "\n", out_dir / "REPORT.md": text}
+    for path, content in files.items():
+        tmp = path.with_name(path.name + ".tmp")  # a crash never leaves half a file
+        tmp.write_text(content)
+        tmp.replace(path)
+    return list(files)
+
+
+def positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return int(value)
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=positive_int, help="repetitions of each configuration (default 3; --quick: 1)")
+    parser.add_argument("--steps", type=positive_int, help="training steps per run (default 200; --quick: 20)")
+    parser.add_argument("--quick", action="store_true", help="a tiny run to smoke-test the harness")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT.relative_to(REPO)})")
+    args = parser.parse_args(argv)
+    args.reps = args.reps or (1 if args.quick else 3)
+    args.steps = args.steps or (20 if args.quick else 200)
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    # Each run has a session of its own; SIGTERM becomes SystemExit so measure() can end the run too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    workload = Workload(steps=args.steps)
+    now = time.localtime()
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", now),
+        "commit": _commit(),
+        "invocation": shlex.join(["bench/run.py", *(argv if argv is not None else sys.argv[1:])]),
+        "quick": args.quick,
+        "reps": args.reps,
+        "machine": machine(),
+        "workload": {**asdict(workload), "warmup_steps": workload.warmup_steps},
+        "sections": {},
+    }
+    m = results["machine"]
+    print(f"{m['cpu_count']} cores ({m['usable_cores']} usable), torch {m['torch']}: "
+          f"{args.reps} repetition(s) × {args.steps} steps", file=sys.stderr)
+    try:
+        for name, cases in plan(m["usable_cores"]).items():
+            results["sections"][name] = run_section(name, cases, workload, args.reps)
+    except BenchError as error:
+        print(f"bench: error: {error}", file=sys.stderr)
+        return 2
+    text = report.render(results)
+    print(text)
+    for path in save(results, text, args.out, time.strftime("%Y%m%d-%H%M%S", now)):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Checkpoints: atomic writes by rank 0, exact-resume state, and loading that never runs pickled code.
+
+A checkpoint holds the unwrapped model, optimizer, scheduler, the loop's position (epoch, batch
+inside the epoch, global step) and every rank's RNG states. It loads with
+`torch.load(weights_only=True)`: only tensors and plain containers, the config included.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hydra_ddp.distributed import RankInfo
+from hydra_ddp.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DIRNAME = "checkpoints"
+LAST = "last.pt"
+BEST = "best.pt"
+_STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
+
+
+# RNG states travel as one float64 vector per rank (every value is an integer below 2**53, or a
+# float): one all_gather collects them all, and a tensor is what weights_only loading accepts.
+def _pack_rng(device: torch.device) -> torch.Tensor:
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    version, py_state, gauss_next = random.getstate()
+    parts = [
+        torch.get_rng_state().double(),
+        torch.from_numpy(keys.astype(np.float64)),
+        torch.tensor([pos, has_gauss, cached, version, np.nan if gauss_next is None else gauss_next], dtype=torch.float64),
+        torch.tensor(py_state, dtype=torch.float64),
+    ]
+    if device.type == "cuda":
+        parts.append(torch.cuda.get_rng_state(device).double())
+    return torch.cat(parts)
+
+
+def _unpack_rng(packed: torch.Tensor, device: torch.device) -> None:
+    torch_size = torch.get_rng_state().numel()
+    torch_state, rest = packed[:torch_size], packed[torch_size:]
+    keys, (pos, has_gauss, cached, version, gauss_next), rest = rest[:624], rest[624:629].tolist(), rest[629:]
+    py_state, cuda_state = rest[:625], rest[625:]
+    torch.set_rng_state(torch_state.to(torch.uint8))
+    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
+    random.setstate((int(version), tuple(int(v) for v in py_state.tolist()), None if np.isnan(gauss_next) else gauss_next))
+    if device.type == "cuda" and cuda_state.numel():
+        torch.cuda.set_rng_state(cuda_state.to(torch.uint8), device)
+
+
+def _gather_rng(device: torch.device) -> list[torch.Tensor]:
+    mine = _pack_rng(device).to(device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [t.cpu() for t in everyone]
+
+
+class Checkpointer:
+    """Saves every rank's state through rank 0; loads it back on every rank."""
+
+    def __init__(self, cfg: Any, run_dir: Path, rank: RankInfo, device: torch.device, config: dict[str, Any]):
+        self.cfg = cfg
+        self.dir = run_dir / DIRNAME
+        self.rank = rank
+        self.device = device
+        self.config = config
+        self.best: Optional[float] = None
+
+    # --- saving -------------------------------------------------------------------------------
+    def save(self, state: dict[str, Any], step: int, metric: Optional[float] = None) -> None:
+        """Called by every rank at the same step; rank 0 writes, everyone waits for it."""
+        improved = metric is not None and self._improves(metric)  # metric is global: same on every rank
+        if improved:
+            self.best = metric
+        state = {**state, "rng": _gather_rng(self.device), "best": self.best, "config": self.config, "format": 1}
+        error = torch.zeros(1, device=self.device)
+        if self.rank.is_main:
+            try:
+                self._write(state, step, improved)
+            except OSError as e:
+                log.error("could not write the checkpoint for step %d in %s: %s", step, self.dir, e)
+                error += 1
+        # Not a barrier inside `if rank == 0`: every rank learns whether the write worked.
+        dist.all_reduce(error)
+        if error.item():
+            raise UserError(f"could not write a checkpoint in {self.dir} (disk full or not writable?); "
+                            "the previous checkpoint is intact")
+
+    def _write(self, state: dict[str, Any], step: int, improved: bool) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        target = self.dir / f"step-{step:08d}.pt"
+        _atomic_save(state, target)
+        _atomic_link(target, self.dir / LAST)
+        if improved:
+            _atomic_link(target, self.dir / BEST)
+        self._prune(keep=self.cfg.keep)
+        log.info("checkpoint: step %d → %s", step, target)
+
+    def _improves(self, metric: float) -> bool:
+        if not self.cfg.best_metric:
+            return False
+        if self.best is None:
+            return True
+        return metric > self.best if self.cfg.best_mode == "max" else metric < self.best
+
+    def _prune(self, keep: int) -> None:
+        # best.pt and last.pt are hard links: removing an old step file never removes them.
+        for old in self.step_files()[:-keep]:
+            old.unlink()
+
+    def step_files(self) -> list[Path]:
+        if not self.dir.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := _STEP_FILE.match(p.name))]
+        return [p for _, p in sorted(found)]
+
+    # --- loading ------------------------------------------------------------------------------
+    def resolve(self, resume: Optional[str]) -> Optional[tuple[Path, dict[str, Any]]]:
+        """The checkpoint to resume from: null → none; a path → that one; auto → the newest good one."""
+        if resume is None:
+            return None
+        if resume != "auto":
+            path = Path(resume).expanduser()
+            return path, self.load(path)
+        for path in reversed(self.step_files()):
+            try:
+                return path, self.load(path)
+            except UserError as e:
+                log.warning("skipping %s", e)
+        return None
+
+    def load(self, path: Path) -> dict[str, Any]:
+        if not path.is_file():
+            raise UserError(f"trainer.resume: no checkpoint at {str(path)!r}")
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=True)
+        except Exception as e:
+            raise UserError(f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]) from None
+        if not isinstance(state, dict) or state.get("format") != 1:
+            raise UserError(f"{str(path)!r} is not a hydra-ddp checkpoint")
+        return state
+
+    def restore(self, state: dict[str, Any], path: Path, model: nn.Module, optimizer, scheduler) -> None:
+        check_compatible(model, state["model"], path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None and state.get("scheduler") is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        rng = state["rng"]
+        if len(rng) != self.rank.world_size:
+            log.warning("checkpoint saved with %d ranks, resuming with %d: RNG streams restart from rank 0's",
+                        len(rng), self.rank.world_size)
+        _unpack_rng(rng[self.rank.rank % len(rng)].cpu(), self.device)
+        self.best = state.get("best")
+
+
+def check_compatible(model: nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
+    """A checkpoint of another model is one error listing the keys, not a wall of size errors."""
+    own = model.state_dict()
+    missing = sorted(own.keys() - saved.keys())
+    unexpected = sorted(saved.keys() - own.keys())
+    reshaped = sorted(
+        f"{k} {tuple(saved[k].shape)}→{tuple(own[k].shape)}" for k in own.keys() & saved.keys()
+        if saved[k].shape != own[k].shape
+    )
+    problems = [
+        f"{label}: {', '.join(keys[:6])}{' …' if len(keys) > 6 else ''}"
+        for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape differs", reshaped))
+        if keys
+    ]
+    if problems:
+        raise UserError(f"checkpoint {str(path)!r} is of another model ({'; '.join(problems)}); "
+                        "resume with the model it was saved from")
+
+
+def _atomic_save(state: dict[str, Any], target: Path) -> None:
+    """Temp file beside the target, fsync, rename: a crash leaves the old file or the new one."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(target.parent)
+
+
+def _atomic_link(source: Path, link: Path) -> None:
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.link(source, tmp)
+    os.replace(tmp, link)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

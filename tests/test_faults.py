@@ -1,0 +1,182 @@
+"""Faults injected into real runs: exact resume, pre-emption, killed and hung ranks, bad checkpoints."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (
+    QUICK, assert_no_orphans, assert_same_params, check_ok, final_params, finish, run_train, scalars,
+    start_train, summary, wait_for,
+)
+
+HALF, FULL = 15, 30  # steps; an epoch of digits on 2 ranks is 23 steps: both stops fall mid-epoch
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    return scalars(run_dir, "train/loss")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The reference: FULL steps without interruption."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    check_ok(run_train(run_dir, f"trainer.max_steps={FULL}"))
+    return run_dir
+
+
+def test_stop_and_resume_mid_epoch_is_bit_identical(straight: Path, run_dir: Path):
+    check_ok(run_train(run_dir, f"trainer.max_steps={HALF}"))
+    assert summary(run_dir)["steps"] == HALF
+    check_ok(run_train(run_dir, f"trainer.max_steps={FULL}", "trainer.resume=auto"))
+    s = summary(run_dir)
+    assert s["steps"] == FULL and s["resumed_from"].endswith(f"step-{HALF:08d}.pt")
+    assert losses(run_dir) == losses(straight)
+    assert_same_params(final_params(run_dir), final_params(straight))
+
+
+def test_checkpoints_load_with_weights_only_and_keep_the_last_k(straight: Path, run_dir: Path):
+    check_ok(run_train(run_dir, "trainer.max_steps=12", "checkpoint.every_n_steps=2", "checkpoint.keep=2"))
+    ckpt = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpt.glob("step-*.pt")) == ["step-00000010.pt", "step-00000012.pt"]
+    state = torch.load(ckpt / "last.pt", weights_only=True)
+    assert not any(k.startswith("module.") for k in state["model"])
+    assert state["position"]["step"] == 12 and len(state["rng"]) == 2  # per-rank RNG states
+    assert isinstance(state["config"], dict)
+    assert (ckpt / "last.pt").stat().st_mode & 0o077 == 0  # private
+    assert (ckpt / "best.pt").exists()
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_sigterm_to_the_launcher_checkpoints_and_resume_continues_exactly(straight: Path, run_dir: Path, launcher: str):
+    proc = start_train(run_dir, f"launcher={launcher}", f"trainer.max_steps={FULL}", "checkpoint.every_n_steps=4",
+                       "trainer.log_every=2")
+    wait_for(lambda: (run_dir / "checkpoints" / "step-00000004.pt").exists(), 90, "the first checkpoint", proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    done = finish(proc, timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert "stopped by SIGTERM" in done.stderr and "trainer.resume=auto" in done.stderr
+    stopped_at = summary(run_dir)["steps"]
+    assert stopped_at < FULL and (run_dir / "checkpoints" / f"step-{stopped_at:08d}.pt").exists()
+    assert_no_orphans(done.pid)
+
+    check_ok(run_train(run_dir, f"launcher={launcher}", f"trainer.max_steps={FULL}", "trainer.resume=auto"))
+    assert summary(run_dir)["steps"] == FULL
+    assert losses(run_dir) == losses(straight)
+    assert_same_params(final_params(run_dir), final_params(straight))
+
+
+def _log(run_dir: Path) -> str:
+    log = run_dir / "train.log"
+    return log.read_text() if log.exists() else ""
+
+
+def _worker_pid(run_dir: Path, rank: int) -> int:
+    for line in _log(run_dir).splitlines():
+        if f"[rank {rank}]" in line and ", pid " in line:
+            return int(line.rsplit(", pid ", 1)[1])
+    return 0
+
+
+def test_killed_worker_under_spawn_stops_the_job_and_names_the_rank(run_dir: Path):
+    proc = start_train(run_dir, "trainer.epochs=100", "checkpoint.every_epoch=false")
+    pid = wait_for(lambda: _worker_pid(run_dir, 1), 90, "rank 1 to start", proc)
+    wait_for(lambda: "epoch 1/" in _log(run_dir), 90, "training", proc)
+    os.kill(pid, signal.SIGKILL)
+    done = finish(proc, timeout=60)
+    assert done.returncode != 0
+    # The killed rank, or the peer that lost it first: either way one line saying which and why.
+    assert "hydra-ddp: error: worker rank" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert_no_orphans(done.pid)
+
+
+def test_killed_worker_under_torchrun_restarts_and_finishes_as_if_uninterrupted(straight: Path, run_dir: Path):
+    proc = start_train(run_dir, "launcher=torchrun", "launcher.max_restarts=1", f"trainer.max_steps={FULL}",
+                       "checkpoint.every_n_steps=4", "trainer.log_every=2")
+    pid = wait_for(lambda: _worker_pid(run_dir, 1), 90, "rank 1 to start", proc)
+    wait_for(lambda: (run_dir / "checkpoints" / "step-00000004.pt").exists(), 90, "the first checkpoint", proc)
+    os.kill(pid, signal.SIGKILL)
+    done = finish(proc, timeout=120)
+    check_ok(done)
+    assert summary(run_dir)["resumed_from"]  # the restarted group continued from a checkpoint
+    assert_same_params(final_params(run_dir), final_params(straight))
+    assert losses(run_dir) == losses(straight)
+
+
+def test_hung_peer_fails_the_run_within_the_timeout(run_dir: Path):
+    proc = run_train(run_dir, *QUICK, "dist.timeout_s=5", "model._target_=faulty.HangOnRank", "+model.hang_rank=1",
+                     timeout=90)
+    assert proc.returncode != 0
+    assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert_no_orphans(proc.pid)
+
+
+def test_busy_port_is_named(run_dir: Path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run_train(run_dir, *QUICK, f"init_method.port={port}")
+    assert proc.returncode != 0 and f"port {port}" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_corrupt_checkpoint_auto_falls_back_explicit_path_fails(run_dir: Path, tmp_path: Path):
+    check_ok(run_train(run_dir, "trainer.max_steps=8", "checkpoint.every_n_steps=4"))
+    newest = run_dir / "checkpoints" / "step-00000008.pt"
+    newest.unlink()  # last.pt is a hard link: the step file can be replaced without touching it
+    newest.write_bytes(b"PK\x03\x04 truncated")
+    proc = run_train(run_dir, "trainer.max_steps=10", "trainer.resume=auto")
+    check_ok(proc)
+    assert summary(run_dir)["resumed_from"].endswith("step-00000004.pt")
+    assert "step-00000008.pt" in (run_dir / "train.log").read_text()  # the bad one is reported
+
+    other = tmp_path / "explicit"
+    proc = run_train(other, *QUICK, f"trainer.resume={newest}")
+    assert proc.returncode != 0 and "corrupt" in proc.stderr and str(newest) in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_checkpoint_of_another_model_lists_the_keys(run_dir: Path, tmp_path: Path):
+    check_ok(run_train(run_dir, "trainer.max_steps=4", "model=mlp"))
+    ckpt = run_dir / "checkpoints" / "last.pt"
+    proc = run_train(tmp_path / "cnn", *QUICK, f"trainer.resume={ckpt}")
+    assert proc.returncode != 0 and "another model" in proc.stderr and "conv1.weight" in proc.stderr, proc.stderr
+
+
+def test_crash_during_checkpoint_write_keeps_the_previous_one(tmp_path: Path):
+    """A real process killed between writing the temp file and renaming it over the target."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "step.pt"
+    code = """
+import os, signal, sys, torch
+from pathlib import Path
+from hydra_ddp import checkpoint
+target = Path(sys.argv[1])
+checkpoint._atomic_save({"v": torch.ones(3)}, target)
+real_replace = os.replace
+os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # die at the worst moment
+checkpoint._atomic_save({"v": torch.zeros(3)}, target)
+"""
+    proc = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert torch.equal(torch.load(target, weights_only=True)["v"], torch.ones(3))
+    assert list(tmp_path.glob(".step.pt.*.tmp"))  # the half-done write is left aside, never loaded
+
+
+def test_fresh_run_refuses_a_directory_with_checkpoints(run_dir: Path):
+    check_ok(run_train(run_dir, "trainer.max_steps=4"))
+    before = {p.name: p.stat().st_mtime_ns for p in (run_dir / "checkpoints").iterdir()}
+    proc = run_train(run_dir, *QUICK)
+    assert proc.returncode != 0 and "trainer.resume=auto" in proc.stderr, proc.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in (run_dir / "checkpoints").iterdir()} == before
