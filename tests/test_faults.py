@@ -180,3 +180,52 @@ def test_fresh_run_refuses_a_directory_with_checkpoints(run_dir: Path):
     proc = run_train(run_dir, *QUICK)
     assert proc.returncode != 0 and "trainer.resume=auto" in proc.stderr, proc.stderr
     assert {p.name: p.stat().st_mtime_ns for p in (run_dir / "checkpoints").iterdir()} == before
+
+
+def _listening_addresses(pids: set[int]) -> set[str]:
+    """Local addresses of the TCP sockets these processes listen on (from /proc, no tools needed)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            cols = row.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                address = cols[1].split(":")[0]
+                if len(address) == 8:
+                    found.add(".".join(str(b) for b in reversed(bytes.fromhex(address))))
+                else:
+                    found.add("ipv6:" + address)
+    return found
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_single_node_rendezvous_listens_on_loopback_only(run_dir: Path, launcher: str):
+    from conftest import session_processes
+
+    proc = start_train(run_dir, f"launcher={launcher}", "trainer.epochs=100", "checkpoint.every_epoch=false")
+    wait_for(lambda: "epoch 1/" in _log(run_dir), 90, "training", proc)
+    addresses = _listening_addresses(set(session_processes(proc.pid)))
+    os.kill(proc.pid, signal.SIGTERM)
+    finish(proc, timeout=60)
+    assert addresses and addresses <= {"127.0.0.1"}, addresses
+
+
+def test_dataset_that_does_not_divide_does_not_hang(tmp_path: Path, run_dir: Path):
+    """9 training images, 2 ranks, batch 4: the train sampler pads, so both ranks run 2 batches an epoch."""
+    from test_data import make_image_folder
+
+    root = make_image_folder(tmp_path / "images", classes=("a", "b"), per_class=6)
+    proc = run_train(run_dir, "data=imagefolder", f"data.dataset.root={root}", "data.num_classes=2",
+                     "data.image_size=16", "data.dataset.test_fraction=0.25", "data.batch_size=4",
+                     "trainer.epochs=2", "dist.timeout_s=30", "model=mlp")
+    check_ok(proc)
+    s = summary(run_dir)
+    assert s["steps"] == 4 and s["test_samples"] == 3  # 12 images: 9 train, 3 test, each counted once

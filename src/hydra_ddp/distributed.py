@@ -110,11 +110,11 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _store(host: str, port: int, rank: RankInfo, timeout: timedelta) -> tuple[dist.TCPStore, Optional[socket.socket]]:
-    """The rendezvous store, on rank 0. TCPStore alone listens on every interface: on one host we
-    bind the socket to loopback ourselves and hand it over, so nothing outside can reach it."""
-    if not rank.is_main:
-        return dist.TCPStore(host, port, rank.world_size, is_master=False, timeout=timeout), None
+def serve_store(
+    host: str, port: int, timeout: timedelta, world_size: Optional[int] = None
+) -> tuple[dist.TCPStore, Optional[socket.socket]]:
+    """A TCPStore server. TCPStore alone listens on every interface: for a loopback host we bind
+    the socket ourselves and hand it over, so nothing outside this machine can reach the store."""
     listener = None
     if _is_loopback(host):
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -124,20 +124,24 @@ def _store(host: str, port: int, rank: RankInfo, timeout: timedelta) -> tuple[di
         except OSError as e:
             listener.close()
             if e.errno == errno.EADDRINUSE:
-                raise UserError(f"port {port} on {host} is already in use; set init_method.port to a free port "
-                                "or null (a free one is picked)") from None
+                raise _port_in_use(host, port) from None
             raise
         listener.listen()
     try:
         store = dist.TCPStore(
-            host, port, rank.world_size, is_master=True, timeout=timeout, use_libuv=True,
-            master_listen_fd=listener.fileno() if listener else None,
+            host, port, world_size, is_master=True, timeout=timeout, use_libuv=True,
+            wait_for_workers=world_size is not None, master_listen_fd=listener.fileno() if listener else None,
         )
     except dist.DistNetworkError as e:
         if "EADDRINUSE" in str(e):
-            raise UserError(f"port {port} on {host} is already in use; set init_method.port to a free port") from None
+            raise _port_in_use(host, port) from None
         raise
     return store, listener
+
+
+def _port_in_use(host: str, port: int) -> UserError:
+    return UserError(f"port {port} on {host} is already in use; set init_method.port to a free port, "
+                     "or to null (a free one is picked)")
 
 
 @contextlib.contextmanager
@@ -153,7 +157,10 @@ def process_group(
     timeout = timedelta(seconds=timeout_s)
     listener = None
     if init["name"] == "tcp" or (init["name"] == "env" and not launcher_env):
-        store, listener = _store(init["host"], init["port"], rank, timeout)
+        if rank.is_main:
+            store, listener = serve_store(init["host"], init["port"], timeout, rank.world_size)
+        else:
+            store = dist.TCPStore(init["host"], init["port"], rank.world_size, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank.rank, world_size=rank.world_size, timeout=timeout)
     else:
         url = init_url(init["name"], init["host"], init["port"], init["path"])

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -55,6 +56,8 @@ def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
         "launching %d worker(s) with %s, backend %s, init %s → %s",
         n * launcher["nnodes"], launcher["name"], plain["backend"]["name"], plain["init_method"]["name"], run_dir,
     )
+    if plain["init_method"]["name"] == "file":  # created private, before any rank writes its address there
+        os.close(os.open(plain["init_method"]["path"], os.O_WRONLY | os.O_CREAT, 0o600))
     # These would repeat each child's failure on the console; WorkerFailed reports it in one line.
     for name in ("torch.multiprocessing.spawn", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -109,6 +112,14 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     launcher = plain["launcher"]
+    single_node = launcher["nnodes"] == 1
+    if single_node:
+        # Host the rendezvous store here, on loopback (the agent's own would listen on every
+        # interface), and keep the agent from opening a second, shared one for the workers:
+        # they meet through their own loopback store (distributed.process_group).
+        host, port = launcher["rdzv_endpoint"].rsplit(":", 1)
+        rdzv_store, rdzv_listener = distributed.serve_store(host, int(port), timedelta(seconds=plain["dist"]["timeout_s"]))
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(
         min_nodes=launcher["nnodes"],
         max_nodes=launcher["nnodes"],
@@ -117,7 +128,7 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
         role="trainer",
         rdzv_endpoint=launcher["rdzv_endpoint"],
         rdzv_backend=launcher["rdzv_backend"],
-        rdzv_configs={"is_host": launcher["node_rank"] == 0} if launcher["nnodes"] > 1 else {},
+        rdzv_configs={"is_host": False if single_node else launcher["node_rank"] == 0},
         max_restarts=launcher["max_restarts"],
         monitor_interval=launcher["monitor_interval"],
         start_method="spawn",
@@ -131,6 +142,12 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
         message = failure.message  # the error file's {"message": ..., "extraInfo": ...}, or a plain string
         cause = message.get("message", str(message)) if isinstance(message, dict) else str(message)
         raise WorkerFailed(rank, _last_line(cause), run_dir) from None
+    finally:
+        if single_node:
+            os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+            del rdzv_store  # stops its server
+            if rdzv_listener is not None:
+                rdzv_listener.close()
 
 
 class WorkerFailed(UserError):
