@@ -68,6 +68,9 @@ def test_wrong_type_fails_at_composition():
     "overrides, message",
     [
         (["trainer.nproc=0"], "trainer.nproc"),
+        (["trainer.precision=16"], "bf16"),
+        (["trainer.precision=8"], "precision"),
+        (["trainer.accumulate=0"], "accumulate"),
         (["trainer.nproc=two"], "trainer.nproc"),
         (["backend=nccl"], "nccl"),
         (["backend=mpi"], "MPI"),

@@ -98,8 +98,8 @@ def test_loaders_shard_train_and_test():
     cfg = OmegaConf.create(
         {"dataset": {"_target_": "hydra_ddp.data.synthetic", "train_size": 10, "test_size": 7, "image_size": 4},
          "batch_size": 2, "eval_batch_size": 4, "num_workers": 0, "pin_memory": False,
-         "persistent_workers": False, "prefetch_factor": None, "drop_last": False}
+         "persistent_workers": False, "prefetch_factor": None, "drop_last": False, "preload": False}
     )
-    per_rank = [data.build_loaders(cfg, RankInfo(r, 3, r, 3), seed=0, pin_memory=False) for r in range(3)]
+    per_rank = [data.build_loaders(cfg, RankInfo(r, 3, r, 3), seed=0, device=torch.device("cpu")) for r in range(3)]
     assert [len(l.train_sampler) for l in per_rank] == [4, 4, 4]  # padded: every rank the same steps
     assert sum(len(l.test.sampler) for l in per_rank) == 7  # not padded: exact metrics

@@ -63,6 +63,9 @@ class DataConf:
     persistent_workers: bool = False
     prefetch_factor: Optional[int] = None
     drop_last: bool = False
+    # Keep an in-memory TensorDataset as whole tensors on the training device and slice each
+    # batch from them: no per-sample Python work (and no host→device copy per batch on a GPU).
+    preload: bool = False
 
 
 @dataclass
@@ -100,6 +103,25 @@ class TrainerConf:
     progress: Optional[bool] = None
     # null: start fresh; a checkpoint path; or auto: the newest good checkpoint in the run directory.
     resume: Optional[str] = None
+    # "32", "bf16" (autocast, CPU or GPU) or "16" (GPU autocast with a GradScaler).
+    precision: str = "32"
+    # Batches per optimizer step; DDP skips the gradient all-reduce (no_sync) on all but the last.
+    accumulate: int = 1
+    # torch.compile the DDP model (off: compiling takes time a short run does not win back).
+    compile: bool = False
+    compile_backend: str = "inductor"
+    # channels_last memory format for convolutional models (a gain on GPUs with tensor cores).
+    channels_last: bool = False
+
+
+@dataclass
+class DDPConf:
+    # Keyword arguments of torch.nn.parallel.DistributedDataParallel.
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
 
 
 @dataclass
@@ -110,6 +132,7 @@ class Config:
     dist: DistConf = field(default_factory=DistConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
+    ddp: DDPConf = field(default_factory=DDPConf)
     data: DataConf = field(default_factory=DataConf)
     model: Any = MISSING
     optim: Any = MISSING

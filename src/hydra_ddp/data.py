@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -167,24 +167,51 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+class TensorBatches:
+    """Batches sliced from whole tensors (a preloaded TensorDataset): one indexing op per batch
+    instead of a Python call per sample. Same sampler, same order: the same batches as a DataLoader."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], sampler: Sampler[int], batch_size: int, drop_last: bool):
+        self.tensors, self.sampler, self.batch_size, self.drop_last = tensors, sampler, batch_size, drop_last
+
+    def __len__(self) -> int:
+        n = len(self.sampler)  # type: ignore[arg-type]
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        indices = torch.tensor(list(self.sampler), dtype=torch.long, device=self.tensors[0].device)
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            batch = indices[start : start + self.batch_size]
+            yield tuple(t[batch] for t in self.tensors)
+
+
 class Loaders(NamedTuple):
-    train: DataLoader
-    test: DataLoader
+    train: Iterable
+    test: Iterable
     train_sampler: ResumableDistributedSampler
 
 
-def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, pin_memory: bool) -> Loaders:
+def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, device: torch.device) -> Loaders:
     train_set, test_set = instantiate(data_cfg.dataset)
     train_sampler = ResumableDistributedSampler(
         train_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=True, seed=seed
     )
+    test_sampler = ShardSampler(len(test_set), rank.rank, rank.world_size)
+    if data_cfg.preload:
+        if not (isinstance(train_set, TensorDataset) and isinstance(test_set, TensorDataset)):
+            raise UserError("data.preload=true needs in-memory TensorDatasets (digits, synthetic); set it false")
+        on_device = [tuple(t.to(device) for t in d.tensors) for d in (train_set, test_set)]
+        return Loaders(
+            TensorBatches(on_device[0], train_sampler, data_cfg.batch_size, data_cfg.drop_last),
+            TensorBatches(on_device[1], test_sampler, data_cfg.eval_batch_size, drop_last=False),
+            train_sampler,
+        )
     workers = data_cfg.num_workers
-    common: dict[str, Any] = dict(num_workers=workers, pin_memory=pin_memory)
+    common: dict[str, Any] = dict(num_workers=workers, pin_memory=data_cfg.pin_memory and device.type == "cuda")
     if workers > 0:
         common.update(persistent_workers=data_cfg.persistent_workers, prefetch_factor=data_cfg.prefetch_factor)
     train = DataLoader(
         train_set, batch_size=data_cfg.batch_size, sampler=train_sampler, drop_last=data_cfg.drop_last, **common
     )
-    test_sampler = ShardSampler(len(test_set), rank.rank, rank.world_size)
     test = DataLoader(test_set, batch_size=data_cfg.eval_batch_size, sampler=test_sampler, **common)
     return Loaders(train, test, train_sampler)

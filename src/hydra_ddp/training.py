@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -126,6 +127,10 @@ class Trainer:
         self.progress = progress
         self.pos = Position()
         self.window = LossWindow(cfg.trainer.log_every)
+        precision = str(cfg.trainer.precision)
+        self.amp_dtype = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}[precision]
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "16")  # fp16 only: bf16 needs none
+        self.memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
         self.step_times: list[float] = []  # seconds per step, this process
         self.step_samples: list[int] = []  # samples per step, this rank
         self.first_step_at: Optional[float] = None
@@ -140,11 +145,14 @@ class Trainer:
             "model": self.model.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "position": asdict(self.pos),
         }
 
     def resume_from(self, path: Path, state: dict[str, Any]) -> None:
         self.checkpointer.restore(state, path, self.model.module, self.optimizer, self.scheduler)
+        if state.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
         self.pos = Position(**state["position"])
         log.info("resumed from %s at epoch %d, batch %d, step %d", path, self.pos.epoch, self.pos.batch, self.pos.step)
 
@@ -156,7 +164,8 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         trainer_cfg = self.cfg.trainer
-        steps_per_epoch = self.steps_per_epoch = len(self.loaders.train)
+        self.batches_per_epoch = len(self.loaders.train)
+        steps_per_epoch = math.ceil(self.batches_per_epoch / trainer_cfg.accumulate)
         max_steps = trainer_cfg.max_steps or steps_per_epoch * trainer_cfg.epochs
         epochs = min(trainer_cfg.epochs, math.ceil(max_steps / steps_per_epoch))
         bar = tqdm(total=max_steps, initial=self.pos.step, disable=not self.progress, unit="step", dynamic_ncols=True)
@@ -164,7 +173,7 @@ class Trainer:
         while self.pos.epoch < epochs and self.pos.step < max_steps and not self.stopped_by:
             epoch = self.pos.epoch
             self._run_epoch(epoch, max_steps, bar)
-            if self.pos.batch >= steps_per_epoch:  # the epoch is complete
+            if self.pos.batch >= self.batches_per_epoch:  # the epoch is complete
                 if trainer_cfg.eval_every_epoch:
                     self._evaluate(f"epoch {epoch + 1}/{epochs}")
                     evaluated_at = self.pos.step
@@ -181,25 +190,35 @@ class Trainer:
         return self._results(epochs)
 
     def _run_epoch(self, epoch: int, max_steps: int, bar: tqdm) -> None:
+        """One epoch (or its rest, after a resume): optimizer steps of `accumulate` batches each."""
+        accumulate = self.cfg.trainer.accumulate
         sampler = self.loaders.train_sampler
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         sampler.skip(self.pos.batch * self.cfg.data.batch_size)  # resuming mid-epoch: no batch replayed
         self.model.train()
+        micro_losses: list[torch.Tensor] = []
+        samples = 0
         last = time.perf_counter()
         for x, y in self.loaders.train:
-            loss = self._run_batch(x, y)
+            self.pos.batch += 1
+            # Gradients are all-reduced once per optimizer step, on its last batch.
+            sync = self.pos.batch % accumulate == 0 or self.pos.batch == self.batches_per_epoch
+            micro_losses.append(self._run_batch(x, y, sync))
+            samples += y.numel()
+            if not sync:
+                continue
+            loss = micro_losses[0] if len(micro_losses) == 1 else torch.stack(micro_losses).mean()
             now = time.perf_counter()
             self.step_times.append(now - last)
-            self.step_samples.append(y.numel())
-            last = now
+            self.step_samples.append(samples)
+            micro_losses, samples, last = [], 0, now
             if self.first_step_at is None:
                 self.first_step_at = time.time()
-            self.pos.batch += 1
             self.pos.step += 1
             bar.update()
             if self.window.add(self.pos.step, loss) and self._flush(bar):
                 return
-            if self.pos.step >= max_steps or self.pos.batch == self.steps_per_epoch:
+            if self.pos.step >= max_steps or self.pos.batch == self.batches_per_epoch:
                 break  # the checkpoint, if due, follows the evaluation (for best.pt)
             if self._step_checkpoint_due():
                 self._flush(bar)  # the checkpoint's epoch loss must include every step so far
@@ -210,13 +229,19 @@ class Trainer:
         every_n = self.cfg.checkpoint.every_n_steps
         return bool(every_n) and self.pos.step % every_n == 0
 
-    def _run_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.model(x), y)
-        loss.backward()  # DDP all-reduces the gradients here
-        self.optimizer.step()
-        return loss
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor, sync: bool) -> torch.Tensor:
+        """Forward and backward of one batch; the optimizer steps on `sync` batches only."""
+        x = x.to(self.device, non_blocking=True, memory_format=self.memory_format)
+        y = y.to(self.device, non_blocking=True)
+        with contextlib.nullcontext() if sync else self.model.no_sync():  # no all-reduce mid-accumulation
+            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                loss = F.cross_entropy(self.model(x), y)
+            self.scaler.scale(loss / self.cfg.trainer.accumulate).backward()  # DDP all-reduces here on sync
+        if sync:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
     def _flush(self, bar: tqdm) -> bool:
         """Report the window's global losses; True when the ranks agreed to stop."""

@@ -52,7 +52,11 @@ def resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankIn
     _check_target(plain["optim"], "optim")
     if plain["scheduler"]:
         _check_target(plain["scheduler"], "scheduler")
-    for key in ("epochs", "log_every"):
+    if str(trainer["precision"]) not in ("32", "bf16", "16"):
+        raise UserError(f"trainer.precision must be 32, bf16 or 16, got {trainer['precision']!r}")
+    if str(trainer["precision"]) == "16" and trainer["device"] != "cuda":
+        raise UserError("trainer.precision=16 needs a GPU (fp16 autocast with a GradScaler); on the CPU use bf16")
+    for key in ("epochs", "log_every", "accumulate"):
         if trainer[key] < 1:
             raise UserError(f"trainer.{key} must be at least 1, got {trainer[key]}")
     return plain

@@ -19,6 +19,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hydra_ddp import checkpoint, data, distributed, reporting, training
@@ -64,10 +65,13 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float) -> Opt
         )
 
         seed_everything(cfg.trainer.seed)
-        loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, pin_memory=cfg.data.pin_memory)
-        model = instantiate(cfg.model).to(device)
-        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, device)
+        memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
+        model = instantiate(cfg.model).to(device, memory_format=memory_format)
+        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **cfg.ddp)
         optimizer = instantiate(cfg.optim)(ddp_model.parameters())
+        if cfg.trainer.compile:
+            ddp_model = _compiled(ddp_model, cfg.trainer.compile_backend)
         scheduler = instantiate(cfg.scheduler)(optimizer) if cfg.scheduler else None
         checkpointer = checkpoint.Checkpointer(
             cfg.checkpoint, out, rank, device, OmegaConf.to_container(cfg, resolve=True)
@@ -103,6 +107,15 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float) -> Opt
         finally:
             reporter.close()
     return summary if rank.is_main else None
+
+
+def _compiled(model: DDP, backend: str) -> nn.Module:
+    """torch.compile'd, falling back to eager (with a warning) where compiling fails on this machine."""
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True
+    log.info("compiling the model with torch.compile(backend=%r)", backend)
+    return torch.compile(model, backend=backend)  # type: ignore[return-value]
 
 
 def _resume_setting(configured: Optional[str]) -> Optional[str]:

@@ -1,0 +1,91 @@
+"""Time the data pipeline alone over num_workers × pin_memory, and print the best setting.
+
+    python -m hydra_ddp.tune_loader data=imagefolder data.dataset.root=DIR
+    python -m hydra_ddp.tune_loader 'tune.num_workers=[0,2,4]' tune.batches=50
+
+As the seeds advise: find the loader settings that keep up with training before training.
+One process, the training loader as one rank of `trainer.nproc` would see it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from hydra_ddp import data, validate
+from hydra_ddp.config import Config, register_schema
+from hydra_ddp.distributed import RankInfo
+from hydra_ddp.errors import UserError
+
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+@dataclass
+class TuneConf:
+    num_workers: list[int] = field(default_factory=lambda: [0, 1, 2, 4])
+    pin_memory: list[bool] = field(default_factory=lambda: [False, True])
+    batches: int = 30  # timed, after one warm-up batch
+
+
+@dataclass
+class TuneConfig(Config):
+    tune: TuneConf = field(default_factory=TuneConf)
+
+
+def time_loader(data_cfg: Any, rank: RankInfo, device: torch.device, batches: int) -> float:
+    """Samples per second of iterating the training loader (and copying each batch to `device`)."""
+    loader = data.build_loaders(data_cfg, rank, seed=0, device=device).train
+    iterator = iter(loader)
+    next(iterator)  # workers start and fill their queues: not what a steady epoch pays
+    samples, started = 0, time.perf_counter()
+    for x, y in itertools.islice(iterator, batches):
+        x.to(device, non_blocking=True)
+        samples += len(y)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return samples / (time.perf_counter() - started)
+
+
+def tune(cfg: DictConfig) -> list[dict[str, Any]]:
+    plain = validate.resolve(cfg, Path.cwd(), external=None)
+    nproc = plain["trainer"]["nproc"]
+    device = torch.device("cuda" if plain["trainer"]["device"] == "cuda" else "cpu")
+    rank = RankInfo(0, nproc, 0, nproc)
+    rows = []
+    for workers, pin in itertools.product(cfg.tune.num_workers, cfg.tune.pin_memory):
+        if pin and device.type != "cuda":
+            continue  # pinned memory only speeds up copies to a GPU
+        data_cfg = OmegaConf.create({**plain["data"], "num_workers": workers, "pin_memory": pin, "preload": False})
+        rows.append({"num_workers": workers, "pin_memory": pin,
+                     "samples_per_sec": time_loader(data_cfg, rank, device, cfg.tune.batches)})
+    return rows
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        rows = tune(cfg)
+    except UserError as error:
+        raise SystemExit(f"hydra-ddp: error: {error}") from None
+    print(f"{'num_workers':>11}  {'pin_memory':>10}  {'samples/s':>10}")
+    for row in rows:
+        print(f"{row['num_workers']:>11}  {str(row['pin_memory']):>10}  {row['samples_per_sec']:>10.0f}")
+    best = max(rows, key=lambda r: r["samples_per_sec"])
+    print(f"best: data.num_workers={best['num_workers']} data.pin_memory={str(best['pin_memory']).lower()}")
+
+
+if __name__ == "__main__":
+    register_schema()
+    ConfigStore.instance().store(name="schema", node=TuneConfig)  # the training schema plus `tune`
+    # A measurement, not a run: no output directory, no log file.
+    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    main()

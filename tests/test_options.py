@@ -1,0 +1,68 @@
+"""Performance options: each changes how a step runs, not what it computes (or within tolerance)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, check_ok, final_params, run_train, scalars, train_env
+
+STEPS = ("trainer.max_steps=6", "trainer.log_every=2")
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [v for _, v in scalars(run_dir, "train/loss")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    check_ok(run_train(run_dir, *STEPS))
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    "overrides, exact",
+    [
+        (("data.preload=true",), True),  # the same batches, sliced from tensors
+        (("trainer.compile=true", "trainer.compile_backend=eager"), True),
+        (("ddp.bucket_cap_mb=1", "ddp.gradient_as_bucket_view=true", "ddp.static_graph=true"), False),
+        (("trainer.channels_last=true",), False),
+    ],
+    ids=["preload", "compile", "ddp-knobs", "channels-last"],
+)
+def test_option_trains_the_same(reference: Path, run_dir: Path, overrides: tuple[str, ...], exact: bool):
+    check_ok(run_train(run_dir, *STEPS, *overrides))
+    if exact:
+        assert losses(run_dir) == losses(reference)
+    else:
+        assert losses(run_dir) == pytest.approx(losses(reference), rel=1e-4)
+
+
+def test_gradient_accumulation_equals_one_larger_batch(tmp_path: Path):
+    big, small = tmp_path / "big", tmp_path / "accumulated"
+    check_ok(run_train(big, *STEPS, "data.batch_size=32"))
+    check_ok(run_train(small, *STEPS, "data.batch_size=16", "trainer.accumulate=2"))
+    a, b = final_params(big), final_params(small)
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-5), key
+    assert losses(small) == pytest.approx(losses(big), rel=1e-5)
+
+
+def test_bf16_autocast_trains(run_dir: Path):
+    check_ok(run_train(run_dir, *STEPS, "trainer.precision=bf16"))
+    values = losses(run_dir)
+    assert len(values) == 6 and all(v == v for v in values) and values[-1] < values[0] + 0.5
+
+
+def test_tune_loader_prints_the_best_setting():
+    proc = subprocess.run(
+        [sys.executable, "-m", "hydra_ddp.tune_loader", "tune.num_workers=[0,1]", "tune.batches=5"],
+        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "samples/s" in proc.stdout and "best: data.num_workers=" in proc.stdout
