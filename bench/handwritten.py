@@ -29,10 +29,12 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 from hydra_ddp.models import MnistCNN  # noqa: E402  (the very network the project trains)
 
 
-def ddp_setup(rank: int, world_size: int, port: int) -> None:
+def ddp_setup(rank: int, world_size: int, port: int, device: torch.device) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
 
 
 def prepare_dataloader(size: int, batch_size: int, rank: int, world_size: int) -> DataLoader:
@@ -42,16 +44,21 @@ def prepare_dataloader(size: int, batch_size: int, rank: int, world_size: int) -
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
 
-def train(model: DDP, loader: DataLoader, optimizer: torch.optim.Optimizer, steps: int) -> tuple[list[float], float]:
+def train(
+    model: DDP, loader: DataLoader, optimizer: torch.optim.Optimizer, steps: int, device: torch.device
+) -> tuple[list[float], float]:
     """Run `steps` steps; each step's duration (from the previous step's end), and when the first ended."""
     step_times, first_step_at = [], 0.0
     model.train()
     last = time.perf_counter()
     for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()  # DDP all-reduces the gradients here
         optimizer.step()
+        if device.type == "cuda" and len(step_times) == steps - 1:
+            torch.cuda.synchronize()  # the last step waits for the GPU's queue: the total is then true
         now = time.perf_counter()
         step_times.append(now - last)
         last = now
@@ -81,13 +88,14 @@ def peak_rss_mb() -> float:
 
 def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
-    ddp_setup(rank, world_size, port)
+    device = torch.device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
+    ddp_setup(rank, world_size, port, device)
     torch.manual_seed(0)
     loader = prepare_dataloader(args.train_size, args.batch_size, rank, world_size)
-    model = DDP(MnistCNN())
+    model = DDP(MnistCNN().to(device), device_ids=[rank] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 
-    step_times, first_step_at = train(model, loader, optimizer, args.steps)
+    step_times, first_step_at = train(model, loader, optimizer, args.steps, device)
     rss = peak_rss_mb()
     if rank == 0:
         result = {
@@ -115,6 +123,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64, help="per rank")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, nccl")
     parser.add_argument("--train-size", type=int, help="images (default: just enough for --steps in one epoch)")
     args = parser.parse_args()
     args.train_size = args.train_size or args.steps * args.batch_size * args.nproc

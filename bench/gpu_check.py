@@ -1,0 +1,109 @@
+"""The project on CUDA, in one prepared run (under 5 minutes on one GPU): run by bench/gpu_check.sh.
+
+Prints, and writes to OUT/gpu_check.md:
+- parity: train.py against bench/handwritten.py (the seeds' CNN, batch 64, nccl, one rank per GPU);
+- ResNet-50 (torchvision) images/s in bf16 on synthetic 224×224 data, and the effect of
+  channels_last and torch.compile;
+- DataParallel against DDP where 2 or more GPUs exist (the seeds say DDP is faster).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = Path(os.environ.get("OUT", REPO / "bench" / "results"))
+FIELDS = ("steady_samples_per_sec", "median_step_time_s", "time_to_first_step_s", "peak_rss_mb")
+COMMON = ("data=synthetic", "trainer.epochs=1000", "trainer.progress=false", "checkpoint.every_epoch=false",
+          "data.dataset.test_size=256")
+
+
+def run(cmd: list[str], result: Path, timeout: float) -> dict:
+    started = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    figures = json.loads(result.read_text())
+    figures["time_to_first_step_s"] = figures["first_step_at"] - started
+    return figures
+
+
+def project(overrides: list[str], steps: int, batch: int, timeout: float = 240) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "train.py", *COMMON, f"trainer.max_steps={steps}", f"data.batch_size={batch}",
+               f"data.dataset.train_size={steps * batch * torch.cuda.device_count()}", *overrides,
+               f"hydra.run.dir={tmp}/run"]
+        return run(cmd, Path(tmp) / "run" / "summary.json", timeout)
+
+
+def handwritten(steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "bench/handwritten.py", "--device", "cuda", "--nproc", str(torch.cuda.device_count()),
+               "--steps", str(steps), f"{tmp}/result.json"]
+        return run(cmd, Path(tmp) / "result.json", 240)
+
+
+def row(label: str, f: dict) -> str:
+    return (f"| {label} | {f['steady_samples_per_sec']:,.0f} | {f['median_step_time_s'] * 1000:.2f} | "
+            f"{f['time_to_first_step_s']:.1f} | {f['peak_rss_mb']:.0f} |")
+
+
+def main() -> None:
+    gpus = torch.cuda.device_count()
+    lines = [
+        f"# GPU check: {torch.cuda.get_device_name(0)} × {gpus}, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPU cores",
+        "",
+        "Absolute figures vary between machines; compare the ratios.",
+        "",
+        "| run | samples/s (steady) | median step ms | first step s | peak RSS MB |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+
+    def emit(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
+    print("\n".join(lines), flush=True)
+    # Parity: the seeds' CNN, batch 64 per GPU, interleaved A B A B.
+    hand, proj = [], []
+    for _ in range(2):
+        hand.append(handwritten(300))
+        emit(row("hand-written CNN (nccl)", hand[-1]))
+        proj.append(project([], 300, 64))
+        emit(row("project CNN (train.py, nccl)", proj[-1]))
+    ratio = statistics.median(p["steady_samples_per_sec"] for p in proj) / statistics.median(
+        h["steady_samples_per_sec"] for h in hand)
+    # ResNet-50, bf16, synthetic 224×224 held on the GPU.
+    resnet = ["model=torchvision", "model.name=resnet50", "data.in_channels=3", "data.image_size=224",
+              "data.num_classes=1000", "trainer.precision=bf16", "data.preload=true", "data.eval_batch_size=128"]
+    results = {}
+    for label, extra in [
+        ("ResNet-50 bf16", []),
+        ("ResNet-50 bf16 + channels_last", ["trainer.channels_last=true"]),
+        ("ResNet-50 bf16 + channels_last + torch.compile", ["trainer.channels_last=true", "trainer.compile=true"]),
+    ]:
+        results[label] = project(resnet + extra, 40, 128, timeout=400)
+        emit(row(label, results[label]))
+    base = results["ResNet-50 bf16"]["steady_samples_per_sec"]
+    emit("")
+    emit(f"**Parity (project / hand-written, steady samples/s, median of 2): {ratio:.3f}×**")
+    for label, f in results.items():
+        emit(f"- {label}: {f['steady_samples_per_sec']:,.0f} images/s ({f['steady_samples_per_sec'] / base:.2f}× plain bf16)")
+    if gpus < 2:
+        emit("- DataParallel vs DDP: not measured (one GPU here; needs 2 or more)")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "gpu_check.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
