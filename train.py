@@ -27,7 +27,8 @@ def main(cfg: DictConfig) -> float | None:
     try:
         summary = launch.run(cfg, STARTED_AT)
     except UserError as error:
-        launch.exit_on_user_error(error)
+        launch.fail(error)  # one line, no traceback; in a multirun the next job still runs
+        return None
     # The value a Hydra sweeper (e.g. Optuna) would optimise.
     return summary["test_accuracy"] if summary else None
 

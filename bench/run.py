@@ -31,8 +31,15 @@ from measure import METRICS, REPO, BenchError, Case, Workload, command, measure,
 # Performance options: sets of project overrides, measured at 2 ranks against the first.
 # Add a line to measure another.
 OPTIONS: dict[str, tuple[str, ...]] = {
-    "threads=null (cores ÷ ranks)": ("trainer.threads=null",),
-    "threads=2": ("trainer.threads=2",),
+    "defaults (threads = cores ÷ ranks)": ("trainer.threads=null",),
+    "threads=2 per rank": ("trainer.threads=2",),
+    "data.preload (tensor batches)": ("data.preload=true",),
+    "precision=bf16": ("trainer.precision=bf16",),
+    "accumulate=2 (no_sync)": ("trainer.accumulate=2",),
+    "ddp: bucket view + static graph": ("ddp.gradient_as_bucket_view=true", "ddp.static_graph=true"),
+    "channels_last": ("trainer.channels_last=true",),
+    "num_workers=1": ("data.num_workers=1", "data.persistent_workers=true"),
+    "torch.compile (inductor)": ("trainer.compile=true",),
 }
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"

@@ -20,9 +20,10 @@ from hydra_ddp.distributed import RankInfo
         (
             {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
              "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
-            ("mpirun (Open MPI)", RankInfo(1, 2, 1, 2)),
+            ("mpirun", RankInfo(1, 2, 1, 2)),
         ),
-        ({"PMI_RANK": "0", "PMI_SIZE": "2"}, ("mpirun (PMI)", RankInfo(0, 2, 0, 2))),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2"}, ("mpirun", RankInfo(0, 2, 0, 2))),
+        ({"RANK": "1", "WORLD_SIZE": "2", "SUBMITIT_EXECUTOR": "slurm"}, ("submitit (slurm)", RankInfo(1, 2, 1, 2))),
     ],
 )
 def test_external_launch_is_read_from_the_environment(env, expected):

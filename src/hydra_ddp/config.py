@@ -44,6 +44,8 @@ class LauncherConf:
     # null: 127.0.0.1 with a free port (single node). Multi-node: "host:port" of node 0.
     rdzv_endpoint: Optional[str] = None
     rdzv_id: Optional[str] = None
+    # This node's address as the other nodes reach it (null: its hostname's).
+    local_addr: Optional[str] = None
     max_restarts: int = 0
     monitor_interval: float = 0.1
 
@@ -121,7 +123,6 @@ class DDPConf:
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
     find_unused_parameters: bool = False
-    broadcast_buffers: bool = True
 
 
 @dataclass

@@ -32,30 +32,41 @@ class RankInfo:
 
 # Environment variables by which launchers tell a process who it is:
 # (rank, world size, local rank, local world size).
-_LAUNCHER_ENVS = {
-    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    "mpirun (Open MPI)": (
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-    ),
-    "mpirun (PMI)": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-}
+_RANK_ENVS = (
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # torchrun, torch.distributed.launch, submitit
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH, Intel MPI
+)
+
+
+def _launcher_name(env: Mapping[str, str]) -> str:
+    if "SUBMITIT_EXECUTOR" in env:
+        return f"submitit ({env['SUBMITIT_EXECUTOR']})"
+    if "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env:
+        return "mpirun"
+    return "torchrun"
 
 
 def external_launch(env: Mapping[str, str] = os.environ) -> Optional[tuple[str, RankInfo]]:
     """(launcher name, rank) when this process was started as a worker by an outside launcher."""
-    for name, (rank, world, local, local_world) in _LAUNCHER_ENVS.items():
+    for rank, world, local, local_world in _RANK_ENVS:
         if rank in env and world in env:
             world_size = int(env[world])
-            return name, RankInfo(
+            return _launcher_name(env), RankInfo(
                 rank=int(env[rank]),
                 world_size=world_size,
                 local_rank=int(env.get(local, env[rank])),
                 local_world_size=int(env.get(local_world, world_size)),
             )
     return None
+
+
+def adopt_submitit_environment() -> None:
+    """In a submitit task (Slurm, or its local executor), export RANK, WORLD_SIZE, MASTER_ADDR/PORT."""
+    if "SUBMITIT_EXECUTOR" in os.environ and "RANK" not in os.environ:
+        from submitit.helpers import TorchDistributedEnvironment
+
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
 def resolve_backend(name: str, device: str, nproc_per_node: int) -> str:
@@ -110,9 +121,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def serve_store(
-    host: str, port: int, timeout: timedelta, world_size: Optional[int] = None
-) -> tuple[dist.TCPStore, Optional[socket.socket]]:
+def serve_store(host: str, port: int, timeout: timedelta, world_size: Optional[int] = None) -> dist.TCPStore:
     """A TCPStore server. TCPStore alone listens on every interface: for a loopback host we bind
     the socket ourselves and hand it over, so nothing outside this machine can reach the store."""
     listener = None
@@ -133,10 +142,14 @@ def serve_store(
             wait_for_workers=world_size is not None, master_listen_fd=listener.fileno() if listener else None,
         )
     except dist.DistNetworkError as e:
+        if listener is not None:
+            listener.close()
         if "EADDRINUSE" in str(e):
             raise _port_in_use(host, port) from None
         raise
-    return store, listener
+    if listener is not None:
+        listener.detach()  # the store owns the descriptor now, and closes it
+    return store
 
 
 def _port_in_use(host: str, port: int) -> UserError:
@@ -155,10 +168,9 @@ def process_group(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
-    listener = None
     if init["name"] == "tcp" or (init["name"] == "env" and not launcher_env):
         if rank.is_main:
-            store, listener = serve_store(init["host"], init["port"], timeout, rank.world_size)
+            store = serve_store(init["host"], init["port"], timeout, rank.world_size)
         else:
             store = dist.TCPStore(init["host"], init["port"], rank.world_size, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank.rank, world_size=rank.world_size, timeout=timeout)
@@ -170,8 +182,6 @@ def process_group(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        if listener is not None:
-            listener.close()
 
 
 def broadcast_text(text: str, device: torch.device) -> str:

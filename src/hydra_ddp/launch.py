@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -17,9 +18,10 @@ from typing import Any, Optional
 
 import torch.multiprocessing as mp
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp import distributed, reporting, validate, worker
+from hydra_ddp import distributed, reporting, scaling, validate, worker
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -46,11 +48,14 @@ def adopt_external_launch(argv: list[str]) -> None:
 def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
     """Validate, launch, wait; the summary of a finished run (None on a non-zero node)."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    distributed.adopt_submitit_environment()
     external = distributed.external_launch()
     plain = validate.resolve(cfg, run_dir, external)
     if external:
         return worker.run(OmegaConf.create(plain), str(run_dir), external[1], started_at)
 
+    # Inside a joblib (loky) job the default context is loky's, which cannot start our workers.
+    multiprocessing.set_start_method("spawn", force=True)
     launcher, n = plain["launcher"], plain["trainer"]["nproc"]
     log.info(
         "launching %d worker(s) with %s, backend %s, init %s → %s",
@@ -118,7 +123,7 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
         # interface), and keep the agent from opening a second, shared one for the workers:
         # they meet through their own loopback store (distributed.process_group).
         host, port = launcher["rdzv_endpoint"].rsplit(":", 1)
-        rdzv_store, rdzv_listener = distributed.serve_store(host, int(port), timedelta(seconds=plain["dist"]["timeout_s"]))
+        rdzv_store = distributed.serve_store(host, int(port), timedelta(seconds=plain["dist"]["timeout_s"]))
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(
         min_nodes=launcher["nnodes"],
@@ -132,6 +137,7 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
         max_restarts=launcher["max_restarts"],
         monitor_interval=launcher["monitor_interval"],
         start_method="spawn",
+        local_addr=launcher["local_addr"],
     )
     try:
         elastic_launch(config, worker.elastic_entry)(plain, str(run_dir), started_at)
@@ -146,8 +152,6 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
         if single_node:
             os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
             del rdzv_store  # stops its server
-            if rdzv_listener is not None:
-                rdzv_listener.close()
 
 
 class WorkerFailed(UserError):
@@ -174,7 +178,15 @@ def _last_line(text: str) -> str:
     return lines[-1].split("WorkerError: ", 1)[-1] if lines else "unknown error"
 
 
-def exit_on_user_error(error: UserError) -> None:
-    """One line on stderr and a non-zero exit: the user's problem needs no traceback."""
+def fail(error: UserError) -> None:
+    """One line on stderr and a non-zero exit: the user's problem needs no traceback.
+
+    In a multirun the job's directory keeps the line (error.txt, read by the scaling report)
+    and the sweep goes on; the report's callback exits non-zero at the end.
+    """
     print(f"hydra-ddp: error: {error}", file=sys.stderr)
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        (Path(hydra_cfg.runtime.output_dir) / scaling.ERROR_FILE).write_text(f"{error}\n")
+        return
     sys.exit(error.exit_code)

@@ -1,0 +1,175 @@
+"""The scaling report: at the end of a multirun, every job's summary.json side by side.
+
+A Hydra callback (`on_multirun_end`, registered in conf/config.yaml) writes, in the sweep
+directory, `scaling.csv`, `scaling.md` and `scaling.png`: samples/s, speed-up over the smallest
+world size, scaling efficiency and the final metrics, one row per job. Any swept key works;
+a job that failed is a failed row, not a crash of the report. Also runs on its own:
+
+    python -m hydra_ddp.scaling outputs/multirun/DATE/TIME
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from hydra_ddp.reporting import SUMMARY_FILE
+
+log = logging.getLogger(__name__)
+
+ERROR_FILE = "error.txt"  # a job's one-line failure, written by train.py
+COLUMNS = ["job", "swept", "status", "world_size", "samples_per_sec", "speedup", "efficiency",
+           "test_accuracy", "test_loss", "wall_time_s", "error"]
+
+
+def _overrides(job_dir: Path) -> list[str]:
+    path = job_dir / ".hydra" / "overrides.yaml"
+    return [str(o) for o in OmegaConf.load(path)] if path.exists() else []
+
+
+def collect(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per job directory (numbered), in job order."""
+    jobs = sorted((d for d in sweep_dir.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
+    overrides = {d: _overrides(d) for d in jobs}
+    common = set.intersection(*(set(o) for o in overrides.values())) if jobs else set()
+    rows = []
+    for job_dir in jobs:
+        swept = " ".join(o for o in overrides[job_dir] if o not in common) or "(default)"
+        row: dict[str, Any] = {"job": int(job_dir.name), "swept": swept}
+        summary_file = job_dir / SUMMARY_FILE
+        if summary_file.exists():
+            s = json.loads(summary_file.read_text())
+            row.update(status="ok", **{k: s.get(k) for k in ("world_size", "samples_per_sec", "test_accuracy",
+                                                            "test_loss", "wall_time_s")})
+            if s.get("stopped_by"):
+                row["status"] = f"stopped ({s['stopped_by']})"
+        else:
+            error = job_dir / ERROR_FILE
+            row.update(status="failed", error=error.read_text().strip() if error.exists() else "no summary.json")
+        rows.append(row)
+    _add_speedup(rows)
+    return rows
+
+
+def _add_speedup(rows: list[dict[str, Any]]) -> None:
+    """Speed-up over the smallest world size's throughput; efficiency = speed-up ÷ world-size ratio."""
+    done = [r for r in rows if r["status"] == "ok" and r.get("samples_per_sec")]
+    if not done:
+        return
+    base = min(done, key=lambda r: (r["world_size"], r["job"]))
+    for r in done:
+        r["speedup"] = r["samples_per_sec"] / base["samples_per_sec"]
+        r["efficiency"] = r["speedup"] / (r["world_size"] / base["world_size"])
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.{digits}f}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value)
+
+
+def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
+    with open(sweep_dir / "scaling.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    header = "| job | swept | status | world size | samples/s | speed-up | efficiency | test acc | test loss | wall s |"
+    lines = [f"# Scaling report: {sweep_dir}", "", header, "|" + " --- |" * 10]
+    for r in rows:
+        cells = [r["job"], r["swept"], r["status"] + (f": {r['error']}" if r.get("error") else ""),
+                 r.get("world_size"), r.get("samples_per_sec"), r.get("speedup"), r.get("efficiency"),
+                 r.get("test_accuracy"), r.get("test_loss"), r.get("wall_time_s")]
+        lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+    lines += ["", "Speed-up is over the smallest world size's samples/s; efficiency is speed-up divided by the",
+              "world-size ratio (1.0 is perfect scaling). Throughput counts training steps only.", ""]
+    (sweep_dir / "scaling.md").write_text("\n".join(lines))
+    plot(rows, sweep_dir / "scaling.png")
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r["status"] == "ok" and r.get("samples_per_sec")]
+    failed = [r for r in rows if r["status"] != "ok"]
+    fig, (ax_tp, ax_eff) = plt.subplots(1, 2, figsize=(11, 4.2))
+    sizes = sorted({r["world_size"] for r in done})
+    by_size = len(sizes) == len(done) and len(sizes) > 1  # one job per world size: plot against it
+    if by_size:
+        done.sort(key=lambda r: r["world_size"])
+        x = [r["world_size"] for r in done]
+        base = done[0]
+        ideal = [base["samples_per_sec"] * n / base["world_size"] for n in x]
+        ax_tp.plot(x, ideal, "--", color="grey", label="ideal (linear)")
+        ax_tp.plot(x, [r["samples_per_sec"] for r in done], "o-", color="tab:blue", label="measured")
+        ax_tp.set_xlabel("world size (processes)")
+        ax_tp.set_xticks(x)
+        ax_eff.plot(x, [r["efficiency"] for r in done], "o-", color="tab:green")
+        ax_eff.axhline(1.0, ls="--", color="grey")
+        ax_eff.set_xlabel("world size (processes)")
+        ax_eff.set_xticks(x)
+        ax_tp.legend()
+    else:  # another key was swept: one bar per job
+        labels = [r["swept"] for r in done]
+        ax_tp.bar(labels, [r["samples_per_sec"] for r in done], color="tab:blue")
+        ax_eff.bar(labels, [r["efficiency"] for r in done], color="tab:green")
+        for ax in (ax_tp, ax_eff):
+            ax.tick_params(axis="x", labelrotation=20)
+    ax_tp.set_ylabel("samples / s")
+    ax_tp.set_title("Throughput")
+    ax_eff.set_ylabel("scaling efficiency")
+    ax_eff.set_ylim(0, max([1.1] + [r["efficiency"] * 1.1 for r in done]))
+    ax_eff.set_title("Efficiency (speed-up ÷ world-size ratio)")
+    for ax in (ax_tp, ax_eff):
+        ax.grid(alpha=0.3)
+    if failed:
+        fig.text(0.5, 0.01, "failed: " + "; ".join(f"job {r['job']} ({r['swept']})" for r in failed),
+                 ha="center", color="tab:red")
+    fig.suptitle("Scaling: " + (", ".join(sorted({r['swept'].split('=')[0] for r in rows})) or "sweep"))
+    fig.tight_layout(rect=(0, 0.04 if failed else 0, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(sweep_dir: Path) -> Optional[list[dict[str, Any]]]:
+    rows = collect(sweep_dir)
+    if not rows:
+        return None
+    write(rows, sweep_dir)
+    return rows
+
+
+class ScalingReport(Callback):
+    """Hydra callback: the report in the sweep directory once every job has run."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = report(sweep_dir) if sweep_dir.is_dir() else None
+        if not rows:
+            return
+        failed = [r for r in rows if r["status"] == "failed"]
+        log.info("scaling report: %s", sweep_dir / "scaling.md")
+        print((sweep_dir / "scaling.md").read_text())
+        if failed:
+            print(f"hydra-ddp: error: {len(failed)} of {len(rows)} jobs failed (see {sweep_dir / 'scaling.md'})",
+                  file=sys.stderr)
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m hydra_ddp.scaling SWEEP_DIR")
+    if not report(Path(sys.argv[1])):
+        raise SystemExit(f"no job directories under {sys.argv[1]}")
+    print((Path(sys.argv[1]) / "scaling.md").read_text())

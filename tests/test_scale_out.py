@@ -1,0 +1,133 @@
+"""Scaling out: multirun sweeps and their report, parallel joblib sweeps, submitit, mpirun, two nodes."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import QUICK, REPO, check_ok, run_train, summary, train_env
+
+
+def test_world_size_sweep_writes_a_scaling_report(tmp_path: Path):
+    sweep = tmp_path / "sweep"
+    proc = run_train(tmp_path / "unused", "-m", *QUICK, "trainer.nproc=1,2", f"hydra.sweep.dir={sweep}")
+    check_ok(proc)
+    assert [summary(sweep / str(i))["world_size"] for i in (0, 1)] == [1, 2]
+    rows = list(csv.DictReader(open(sweep / "scaling.csv")))
+    assert [r["swept"] for r in rows] == ["trainer.nproc=1", "trainer.nproc=2"]
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert float(rows[0]["speedup"]) == 1.0 and float(rows[1]["efficiency"]) > 0
+    assert "| trainer.nproc=2 | ok |" in (sweep / "scaling.md").read_text()
+    assert (sweep / "scaling.png").stat().st_size > 10_000
+    assert "Scaling report" in proc.stdout
+
+
+def test_failed_job_is_a_failed_row_and_the_sweep_goes_on(tmp_path: Path):
+    sweep = tmp_path / "sweep"
+    proc = run_train(tmp_path / "unused", "-m", *QUICK, "backend=gloo,mpi", f"hydra.sweep.dir={sweep}")
+    assert proc.returncode != 0  # a sweep with a failed job does not pass for a success
+    rows = {r["swept"]: r for r in csv.DictReader(open(sweep / "scaling.csv"))}
+    assert rows["backend=gloo"]["status"] == "ok"
+    assert rows["backend=mpi"]["status"] == "failed" and "MPI" in rows["backend=mpi"]["error"]
+    assert (sweep / "scaling.png").exists()
+    assert "1 of 2 jobs failed" in proc.stderr
+
+
+def test_parallel_joblib_sweep_runs_two_ddp_jobs_at_once(tmp_path: Path):
+    sweep = tmp_path / "sweep"
+    proc = run_train(tmp_path / "unused", "-m", *QUICK, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                     "init_method=env,file", f"hydra.sweep.dir={sweep}", timeout=240)
+    check_ok(proc)
+    assert [summary(sweep / str(i))["init_method"] for i in (0, 1)] == ["env", "file"]
+
+
+def test_submitit_local_tasks_form_one_group(tmp_path: Path):
+    sweep = tmp_path / "sweep"
+    proc = run_train(tmp_path / "unused", "-m", *QUICK, "hydra/launcher=slurm_local", f"hydra.sweep.dir={sweep}",
+                     timeout=240)
+    check_ok(proc)
+    s = summary(sweep / "0")
+    assert s["world_size"] == 2 and s["launcher"] == "submitit (local)"
+
+
+class TwoHosts:
+    """Two network namespaces joined by a veth pair: two hosts on one machine (needs root and iproute2)."""
+
+    SUBNET = "10.231.77"
+
+    def __init__(self, tag: str):
+        self.names = [f"hddp-{tag}-a", f"hddp-{tag}-b"]
+        self.addresses = [f"{self.SUBNET}.1", f"{self.SUBNET}.2"]
+
+    def _ip(self, *args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+    def __enter__(self) -> "TwoHosts":
+        try:
+            for name in self.names:
+                self._ip("netns", "add", name)
+            self._ip("link", "add", "hddp-va", "type", "veth", "peer", "name", "hddp-vb")
+            for end, name, address in zip(("hddp-va", "hddp-vb"), self.names, self.addresses):
+                self._ip("link", "set", end, "netns", name)
+                self._ip("-n", name, "link", "set", end, "name", "hddp0")  # the same name on both hosts
+                self._ip("-n", name, "addr", "add", f"{address}/24", "dev", "hddp0")
+                self._ip("-n", name, "link", "set", "hddp0", "up")
+                self._ip("-n", name, "link", "set", "lo", "up")
+        except (subprocess.CalledProcessError, OSError) as e:
+            self.__exit__()
+            detail = getattr(e, "stderr", "") or str(e)
+            pytest.skip(f"network namespaces cannot be created here: {detail.strip()}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self.names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+@pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2's `ip` is not installed")
+def test_two_nodes_in_network_namespaces_match_one_node(tmp_path: Path):
+    import os
+
+    from conftest import finish, scalars, start_train
+
+    if os.geteuid() != 0:
+        pytest.skip("creating network namespaces needs root")
+    single = tmp_path / "single"
+    check_ok(run_train(single, *QUICK, "launcher=torchrun", "trainer.nproc=2"))
+    with TwoHosts(str(os.getpid())) as hosts:
+        env_prefix = ("env", "GLOO_SOCKET_IFNAME=hddp0")  # gloo talks over the link between the hosts
+        procs = [
+            start_train(
+                tmp_path / f"node{i}", *QUICK, "launcher=torchrun", "trainer.nproc=1", "launcher.nnodes=2",
+                f"launcher.node_rank={i}", f"launcher.rdzv_endpoint={hosts.addresses[0]}:29611",
+                "launcher.rdzv_id=two-hosts", f"launcher.local_addr={hosts.addresses[i]}",
+                prefix=("ip", "netns", "exec", hosts.names[i], *env_prefix, sys.executable),
+            )
+            for i in range(2)
+        ]
+        results = [finish(p, timeout=180) for p in procs]
+    for result in results:
+        check_ok(result)
+    owners = [tmp_path / f"node{i}" for i in range(2) if (tmp_path / f"node{i}" / "summary.json").exists()]
+    assert len(owners) == 1, "exactly one node (global rank 0's) writes the outputs"
+    other = ({tmp_path / "node0", tmp_path / "node1"} - set(owners)).pop()
+    assert not (other / "tensorboard").exists() and not (other / "checkpoints").exists()
+    assert summary(owners[0])["world_size"] == 2 and summary(owners[0])["nnodes"] == 2
+    assert scalars(owners[0], "train/loss") == scalars(single, "train/loss")
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (apt-get install openmpi-bin)")
+def test_mpirun_starts_the_workers(run_dir: Path):
+    from hydra_ddp.distributed import free_port
+
+    prefix = ("mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", sys.executable)
+    proc = run_train(run_dir, *QUICK, "backend=gloo", f"init_method.port={free_port()}", prefix=prefix)
+    check_ok(proc)
+    s = summary(run_dir)
+    assert s["world_size"] == 2 and s["launcher"] == "mpirun"
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == ["run"]  # one run directory
