@@ -98,12 +98,14 @@ def test_two_nodes_in_network_namespaces_match_one_node(tmp_path: Path):
     if os.geteuid() != 0:
         pytest.skip("creating network namespaces needs root")
     single = tmp_path / "single"
-    check_ok(run_train(single, *QUICK, "launcher=torchrun", "trainer.nproc=2"))
+    # One thread per rank on both sides: a different thread count changes float summation order.
+    check_ok(run_train(single, *QUICK, "launcher=torchrun", "trainer.nproc=2", "trainer.threads=1"))
     with TwoHosts(str(os.getpid())) as hosts:
         env_prefix = ("env", "GLOO_SOCKET_IFNAME=hddp0")  # gloo talks over the link between the hosts
         procs = [
             start_train(
-                tmp_path / f"node{i}", *QUICK, "launcher=torchrun", "trainer.nproc=1", "launcher.nnodes=2",
+                tmp_path / f"node{i}", *QUICK, "launcher=torchrun", "trainer.nproc=1", "trainer.threads=1",
+                "launcher.nnodes=2",
                 f"launcher.node_rank={i}", f"launcher.rdzv_endpoint={hosts.addresses[0]}:29611",
                 "launcher.rdzv_id=two-hosts", f"launcher.local_addr={hosts.addresses[i]}",
                 prefix=("ip", "netns", "exec", hosts.names[i], *env_prefix, sys.executable),
