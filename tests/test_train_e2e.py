@@ -94,13 +94,6 @@ def test_explicit_file_store_path_can_be_reused(tmp_path: Path):
     assert not store.exists()
 
 
-def test_multirun_over_world_sizes(tmp_path: Path):
-    sweep = tmp_path / "sweep"
-    proc = run_train(tmp_path / "unused", "-m", *QUICK, "trainer.nproc=1,2", f"hydra.sweep.dir={sweep}")
-    check_ok(proc)
-    assert [summary(sweep / str(i))["world_size"] for i in (0, 1)] == [1, 2]
-
-
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
 def test_failed_rank_is_named_in_one_line_and_leaves_no_orphans(run_dir: Path, launcher: str):
     proc = run_train(run_dir, *QUICK, f"launcher={launcher}", "model._target_=faulty.FailOnRank", "+model.fail_rank=1")

@@ -127,6 +127,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         for ax in (ax_tp, ax_eff):
             ax.tick_params(axis="x", labelrotation=20)
     ax_tp.set_ylabel("samples / s")
+    ax_tp.set_ylim(bottom=0)
     ax_tp.set_title("Throughput")
     ax_eff.set_ylabel("scaling efficiency")
     ax_eff.set_ylim(0, max([1.1] + [r["efficiency"] * 1.1 for r in done]))
