@@ -60,7 +60,6 @@ class Reporter:
         if rank.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
-            # Resuming: TensorBoard hides the old file's events past the checkpoint's step.
             self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=purge_step)
             config_yaml = OmegaConf.to_yaml(cfg)
             self.writer.add_text("config", "```yaml\n" + config_yaml + "```", 0)

@@ -42,7 +42,7 @@ def cpu_threads(configured: Optional[int], rank: RankInfo) -> int:
 
 
 def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float) -> Optional[dict[str, Any]]:
-    """Train; rank 0 returns the summary, the other ranks None."""
+    """Train, and return the run's summary."""
     stop = training.StopRequest()
     stop.install()
     external = cfg.launcher.get("external", False)
@@ -78,8 +78,9 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float) -> Opt
         )
         resume = checkpointer.resolve(_resume_setting(cfg.trainer.resume))
 
-        resumed_step = resume[1]["position"]["step"] if resume else None
-        reporter = reporting.Reporter(rank, out, cfg, purge_step=resumed_step + 1 if resume else None)
+        # Resuming: TensorBoard hides the earlier file's events after the checkpoint's step.
+        purge_step = resume[1]["position"]["step"] + 1 if resume else None
+        reporter = reporting.Reporter(rank, out, cfg, purge_step=purge_step)
         try:
             trainer = training.Trainer(
                 ddp_model, optimizer, scheduler, loaders, device, cfg, reporter, checkpointer, stop,
@@ -106,7 +107,7 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float) -> Opt
             reporter.finish(summary, hparams=_hparams(cfg, rank))
         finally:
             reporter.close()
-    return summary if rank.is_main else None
+    return summary  # the same on every rank: global values only
 
 
 def _compiled(model: DDP, backend: str) -> nn.Module:
@@ -136,7 +137,7 @@ def _hparams(cfg: DictConfig, rank: RankInfo) -> dict[str, Any]:
         "launcher": cfg.launcher.name,
         "model": cfg.model._target_.rsplit(".", 1)[-1],
         "optim": cfg.optim._target_.rsplit(".", 1)[-1],
-        "lr": cfg.optim.lr,
+        "lr": cfg.optim.get("lr"),
         "batch_size": cfg.data.batch_size,
         "epochs": cfg.trainer.epochs,
         "seed": cfg.trainer.seed,
@@ -167,4 +168,11 @@ def spawn_entry(local_rank: int, cfg: dict, run_dir: str, started_at: float) -> 
 def elastic_entry(cfg: dict, run_dir: str, started_at: float) -> Optional[dict[str, Any]]:
     """elastic_launch target: torchelastic has set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
     _, rank = distributed.external_launch()
-    return _main(cfg, run_dir, rank, started_at)
+    summary = _main(cfg, run_dir, rank, started_at)
+    if summary and summary["stopped_by"]:
+        # The agent, shutting down on the signal, waits for this process to end, while the process
+        # waits to hand over its return value: end now, not after the agent's 30 s grace period.
+        # (record() turns SystemExit(0) back into a return.) Every output is written and closed.
+        logging.shutdown()
+        os._exit(0)
+    return summary
