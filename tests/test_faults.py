@@ -230,3 +230,17 @@ def test_dataset_that_does_not_divide_does_not_hang(tmp_path: Path, run_dir: Pat
     check_ok(proc)
     s = summary(run_dir)
     assert s["steps"] == 4 and s["test_samples"] == 3  # 12 images: 9 train, 3 test, each counted once
+
+
+def test_ctrl_c_in_a_terminal_checkpoints_once_and_stops(straight: Path, run_dir: Path):
+    """Ctrl-C reaches every process of the foreground group at once (the launcher passes it on too):
+    the workers must take that as one request, not as "asked twice, stop without a checkpoint"."""
+    proc = start_train(run_dir, f"trainer.max_steps={FULL}", "checkpoint.every_n_steps=4", "trainer.log_every=2")
+    wait_for(lambda: (run_dir / "checkpoints" / "step-00000004.pt").exists(), 90, "the first checkpoint", proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
+    done = finish(proc, timeout=25)
+    assert done.returncode == 128 + signal.SIGINT, done.stderr
+    assert "stopped by SIGINT" in done.stderr
+    assert_no_orphans(done.pid)
+    check_ok(run_train(run_dir, f"trainer.max_steps={FULL}", "trainer.resume=auto"))
+    assert_same_params(final_params(run_dir), final_params(straight))

@@ -33,18 +33,24 @@ class StopRequest:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
+    FORCE_AFTER_S = 1.0  # a second signal this much later stops at once, without the checkpoint
+
     def __init__(self) -> None:
         self.signum: Optional[int] = None
+        self.noted_at = 0.0
 
     def install(self) -> None:
         for sig in self.SIGNALS:
             signal.signal(sig, self._note)
 
     def _note(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:  # asked twice: stop now, without the checkpoint
+        # A Ctrl-C reaches a worker twice at once (from the terminal, and passed on by the launcher):
+        # only a later one, a person asking again, means "now".
+        if self.signum is not None and time.monotonic() - self.noted_at > self.FORCE_AFTER_S:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
-        self.signum = signum
+        if self.signum is None:
+            self.signum, self.noted_at = signum, time.monotonic()
 
 
 @dataclass
