@@ -51,16 +51,27 @@ def test_checkpoints_load_with_weights_only_and_keep_the_last_k(straight: Path, 
     assert (ckpt / "best.pt").exists()
 
 
-@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
-def test_sigterm_to_the_launcher_checkpoints_and_resume_continues_exactly(straight: Path, run_dir: Path, launcher: str):
+@pytest.mark.parametrize(
+    "launcher, signum, exit_signal",
+    [
+        ("spawn", signal.SIGTERM, signal.SIGTERM),
+        ("torchrun", signal.SIGTERM, signal.SIGTERM),
+        ("torchrun", signal.SIGUSR1, signal.SIGTERM),  # Slurm's warning: the agent knows only TERM and INT
+    ],
+)
+def test_sigterm_to_the_launcher_checkpoints_and_resume_continues_exactly(
+    straight: Path, run_dir: Path, launcher: str, signum: int, exit_signal: int
+):
     proc = start_train(run_dir, f"launcher={launcher}", f"trainer.max_steps={FULL}", "checkpoint.every_n_steps=4",
                        "trainer.log_every=2")
     wait_for(lambda: (run_dir / "checkpoints" / "step-00000004.pt").exists(), 90, "the first checkpoint", proc)
-    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, signum)
     # Well inside torchrun's 30 s shutdown grace, after which it would SIGKILL the workers.
     done = finish(proc, timeout=25)
-    assert done.returncode == 128 + signal.SIGTERM, done.stderr
-    assert "stopped by SIGTERM" in done.stderr and "trainer.resume=auto" in done.stderr
+    assert done.returncode == 128 + exit_signal, done.stderr
+    name = signal.Signals(exit_signal).name
+    assert f"stopped by {name}" in done.stderr and "trainer.resume=auto" in done.stderr
+    assert f"launcher={launcher}" in done.stderr  # the command to continue keeps the run's overrides
     stopped_at = summary(run_dir)["steps"]
     assert stopped_at < FULL and (run_dir / "checkpoints" / f"step-{stopped_at:08d}.pt").exists()
     assert_no_orphans(done.pid)

@@ -29,11 +29,13 @@ def reference(tmp_path_factory) -> Path:
     "overrides, exact",
     [
         (("data.preload=true",), True),  # the same batches, sliced from tensors
+        (("data.num_workers=1", "data.persistent_workers=true", "data.prefetch_factor=2", "data.pin_memory=true"),
+         True),  # the same batches, made in a worker process (pinning is for GPUs: ignored on the CPU)
         (("trainer.compile=true", "trainer.compile_backend=eager"), True),
         (("ddp.bucket_cap_mb=1", "ddp.gradient_as_bucket_view=true", "ddp.static_graph=true"), False),
         (("trainer.channels_last=true",), False),
     ],
-    ids=["preload", "compile", "ddp-knobs", "channels-last"],
+    ids=["preload", "loader-workers", "compile", "ddp-knobs", "channels-last"],
 )
 def test_option_trains_the_same(reference: Path, run_dir: Path, overrides: tuple[str, ...], exact: bool):
     check_ok(run_train(run_dir, *STEPS, *overrides))

@@ -125,16 +125,18 @@ class Checkpointer:
         return [p for _, p in sorted(found)]
 
     # --- loading ------------------------------------------------------------------------------
-    def resolve(self, resume: Optional[str]) -> Optional[tuple[Path, dict[str, Any]]]:
+    def choose(self, resume: Optional[str]) -> Optional[Path]:
         """The checkpoint to resume from: null → none; a path → that one; auto → the newest good one."""
         if resume is None:
             return None
         if resume != "auto":
-            path = Path(resume).expanduser()
-            return path, self.load(path)
+            path = Path(resume).expanduser().resolve()
+            self.load(path)  # a bad explicit checkpoint stops the run here, with its path
+            return path
         for path in reversed(self.step_files()):
             try:
-                return path, self.load(path)
+                self.load(path)
+                return path
             except UserError as e:
                 log.warning("skipping %s", e)
         return None
@@ -152,6 +154,7 @@ class Checkpointer:
 
     def restore(self, state: dict[str, Any], path: Path, model: nn.Module, optimizer, scheduler) -> None:
         check_compatible(model, state["model"], path)
+        self._check_same_batches(state, path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state.get("scheduler") is not None:
@@ -162,6 +165,26 @@ class Checkpointer:
                         len(rng), self.rank.world_size)
         _unpack_rng(rng[self.rank.rank % len(rng)].cpu(), self.device)
         self.best = state.get("best")
+
+
+    def _check_same_batches(self, state: dict[str, Any], path: Path) -> None:
+        """Mid-epoch, the position counts batches: they must be the batches the checkpoint counted."""
+        if not state["position"]["batch"]:
+            return
+        saved = state["config"]
+        then = (saved["data"]["batch_size"], saved["trainer"]["accumulate"], len(state["rng"]))
+        now = (self.config["data"]["batch_size"], self.config["trainer"]["accumulate"], self.rank.world_size)
+        if then != now:
+            raise UserError(
+                f"checkpoint {str(path)!r} stopped mid-epoch with data.batch_size, trainer.accumulate and world "
+                f"size {then}, this run has {now}: resume with the same ones (or from an epoch-end checkpoint)"
+            )
+
+
+def resume_setting(configured: Optional[str]) -> Optional[str]:
+    """A restarted job (torchrun's restart, Slurm's requeue) continues from its last checkpoint."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) or int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    return "auto" if configured is None and restarted else configured
 
 
 def check_compatible(model: nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:

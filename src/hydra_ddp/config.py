@@ -25,7 +25,8 @@ class BackendConf:
 
 @dataclass
 class InitMethodConf:
-    # env: MASTER_ADDR/MASTER_PORT; tcp: tcp://host:port; file: file://path.
+    # env: the launcher's rendezvous (torchrun's MASTER_ADDR/PORT) where there is one, else a store
+    # at host:port, as tcp (on loopback: reachable from this machine only); file: file://path.
     name: str = "env"
     host: str = "127.0.0.1"
     # null: a free port picked at launch, never a fixed one that collides with another job.

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
@@ -191,8 +192,18 @@ class Loaders(NamedTuple):
     train_sampler: ResumableDistributedSampler
 
 
+def _datasets(dataset_cfg: Any, rank: RankInfo) -> tuple[Dataset, Dataset]:
+    """Every rank builds the datasets; a download happens once, on rank 0, while the others wait."""
+    if not dataset_cfg.get("download", False):
+        return instantiate(dataset_cfg)
+    if rank.is_main:
+        built = instantiate(dataset_cfg)
+    dist.barrier()
+    return built if rank.is_main else instantiate(dataset_cfg)
+
+
 def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, device: torch.device) -> Loaders:
-    train_set, test_set = instantiate(data_cfg.dataset)
+    train_set, test_set = _datasets(data_cfg.dataset, rank)
     train_sampler = ResumableDistributedSampler(
         train_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=True, seed=seed
     )
@@ -207,7 +218,12 @@ def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, device: torch.device
             train_sampler,
         )
     workers = data_cfg.num_workers
-    common: dict[str, Any] = dict(num_workers=workers, pin_memory=data_cfg.pin_memory and device.type == "cuda")
+    # Its own generator: starting an epoch's iterator then draws nothing from the global RNG, which
+    # the model (dropout) uses, so a resumed run sees the same random numbers as an unbroken one.
+    common: dict[str, Any] = dict(
+        num_workers=workers, pin_memory=data_cfg.pin_memory and device.type == "cuda",
+        generator=torch.Generator().manual_seed(seed),
+    )
     if workers > 0:
         common.update(persistent_workers=data_cfg.persistent_workers, prefetch_factor=data_cfg.prefetch_factor)
     train = DataLoader(

@@ -6,10 +6,12 @@ run directory to every worker.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import multiprocessing
 import os
+import shlex
 import signal
 import sys
 from datetime import timedelta
@@ -21,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp import distributed, reporting, scaling, validate, worker
+from hydra_ddp import distributed, reporting, scaling, training, validate, worker
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,10 @@ def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
     external = distributed.external_launch()
     plain = validate.resolve(cfg, run_dir, external)
     if external:
-        return worker.run(OmegaConf.create(plain), str(run_dir), external[1], started_at)
+        summary = worker.main(plain, str(run_dir), external[1], started_at)
+        if summary and summary["stopped_by"]:
+            raise Stopped(summary, run_dir)
+        return summary
 
     # Inside a joblib (loky) job the default context is loky's, which cannot start our workers.
     multiprocessing.set_start_method("spawn", force=True)
@@ -70,18 +75,22 @@ def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
     # up and warns; it takes its -W options from ours when it starts.
     if _QUIET_TRACKER not in sys.warnoptions:
         sys.warnoptions.append(_QUIET_TRACKER)
+    summary_file = run_dir / reporting.SUMMARY_FILE
+    summary_file.unlink(missing_ok=True)  # resuming in this directory: only this run's summary counts
+    signum = None
     try:
         if launcher["name"] == "spawn":
             _spawn(plain, run_dir, started_at)
         else:
-            _torchrun(plain, run_dir, started_at)
+            signum = _torchrun(plain, run_dir, started_at)
     finally:
         if plain["init_method"]["name"] == "file":  # made fresh for this run; stale, it could deadlock the next
             Path(plain["init_method"]["path"]).unlink(missing_ok=True)
-    summary_file = run_dir / reporting.SUMMARY_FILE
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
     if summary and summary.get("stopped_by"):
         raise Stopped(summary, run_dir)
+    if signum is not None:  # the agent ended the workers before they could write their checkpoint
+        raise Stopped({"stopped_by": signal.Signals(signum).name, "steps": None}, run_dir)
     return summary
 
 
@@ -96,10 +105,12 @@ def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
             if process.is_alive():
                 os.kill(process.pid, signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    previous = {sig: signal.signal(sig, forward) for sig in training.StopRequest.SIGNALS}
+    # A rank that fails makes its peers fail within a second; a hung one is killed after the grace
+    # period (torch < 2.5 has no grace period: SIGTERM at once, then SIGKILL after 30 s).
+    grace = {"grace_period": SPAWN_GRACE_S} if "grace_period" in inspect.signature(context.join).parameters else {}
     try:
-        # A rank that fails makes its peers fail within a second; a hung one is killed after the grace period.
-        while not context.join(grace_period=SPAWN_GRACE_S):
+        while not context.join(**grace):
             pass
     except mp.ProcessRaisedException as e:
         raise WorkerFailed(e.error_index, _last_line(str(e)), run_dir) from None
@@ -111,7 +122,8 @@ def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
             signal.signal(sig, handler)
 
 
-def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
+def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> Optional[int]:
+    """Run the agent; the signal that stopped it, if one did."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -139,16 +151,22 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
         start_method="spawn",
         local_addr=launcher["local_addr"],
     )
+    # The agent passes on SIGTERM and SIGINT only: Slurm's pre-emption signals become a SIGTERM.
+    as_sigterm = {sig: signal.signal(sig, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+                  for sig in (signal.SIGUSR1, signal.SIGUSR2)}
     try:
         elastic_launch(config, worker.elastic_entry)(plain, str(run_dir), started_at)
-    except SignalException:
-        pass  # the agent has passed the signal on and waited for the workers: their summary tells the rest
+        return None
+    except SignalException as e:
+        return e.sigval  # the agent has passed the signal on and waited for the workers to stop
     except ChildFailedError as e:
         rank, failure = min(e.failures.items())
         message = failure.message  # the error file's {"message": ..., "extraInfo": ...}, or a plain string
         cause = message.get("message", str(message)) if isinstance(message, dict) else str(message)
         raise WorkerFailed(rank, _last_line(cause), run_dir) from None
     finally:
+        for sig, handler in as_sigterm.items():
+            signal.signal(sig, handler)
         if single_node:
             os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
             del rdzv_store  # stops its server
@@ -166,10 +184,11 @@ class Stopped(UserError):
     def __init__(self, summary: dict[str, Any], run_dir: Path):
         signum = getattr(signal, summary["stopped_by"], None)
         self.exit_code = 128 + signum if signum else 1
-        super().__init__(
-            f"stopped by {summary['stopped_by']} at step {summary['steps']}; checkpoint saved in "
-            f"{run_dir / 'checkpoints'}; continue with: python train.py hydra.run.dir={run_dir} trainer.resume=auto"
-        )
+        kept = [o for o in HydraConfig.get().overrides.task if not o.startswith(("hydra.run.dir=", "trainer.resume="))]
+        again = shlex.join(["python", "train.py", *kept, f"hydra.run.dir={run_dir}", "trainer.resume=auto"])
+        where = (f"at step {summary['steps']}; checkpoint saved in {run_dir / 'checkpoints'}" if summary["steps"]
+                 else "before the workers wrote a checkpoint; the last one is kept")
+        super().__init__(f"stopped by {summary['stopped_by']} {where}; continue with: {again}")
 
 
 def _last_line(text: str) -> str:
@@ -186,7 +205,7 @@ def fail(error: UserError) -> None:
     """
     print(f"hydra-ddp: error: {error}", file=sys.stderr)
     hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode == RunMode.MULTIRUN:
+    if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(error, Stopped):  # a stop ends the sweep too
         (Path(hydra_cfg.runtime.output_dir) / scaling.ERROR_FILE).write_text(f"{error}\n")
         return
     sys.exit(error.exit_code)

@@ -18,7 +18,7 @@ class MnistCNN(nn.Module):
         self.conv2 = nn.Conv2d(20, 50, 5)
         side = ((image_size - 4) // 2 - 4) // 2
         if side < 1:
-            raise ValueError(f"MnistCNN needs image_size >= 12, got {image_size}")
+            raise ValueError(f"MnistCNN needs image_size >= 16, got {image_size}")
         self.fc1 = nn.Linear(50 * side * side, 500)
         self.fc2 = nn.Linear(500, num_classes)
 

@@ -29,9 +29,10 @@ WARMUP_STEPS = 10  # excluded from the steady-state throughput and step time
 
 
 class StopRequest:
-    """Pre-emption (SIGTERM, SIGUSR1) or Ctrl-C: noted here, agreed on by all ranks at the next sync."""
+    """Pre-emption (SIGTERM; Slurm's SIGUSR1, submitit's SIGUSR2) or Ctrl-C: noted here, agreed on by
+    all ranks at the next sync."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
     FORCE_AFTER_S = 1.0  # a second signal this much later stops at once, without the checkpoint
 
@@ -143,7 +144,7 @@ class Trainer:
         self.metrics: dict[str, Any] = {}
         self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
         self.stopped_by: Optional[str] = None
-        self.saved_at = -1
+        self.saved: tuple[int, bool] = (-1, False)  # (step, with a metric) of the last checkpoint
 
     # --- checkpoint state -----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -163,9 +164,10 @@ class Trainer:
         log.info("resumed from %s at epoch %d, batch %d, step %d", path, self.pos.epoch, self.pos.batch, self.pos.step)
 
     def _save(self, metric: Optional[float] = None) -> None:
-        if self.saved_at != self.pos.step:
+        # Once per step; again only to bring in a metric the first save did not have (for best.pt).
+        if self.saved != (self.pos.step, True) and self.saved != (self.pos.step, metric is not None):
             self.checkpointer.save(self.state(), self.pos.step, metric)
-            self.saved_at = self.pos.step
+            self.saved = (self.pos.step, metric is not None)
 
     # --- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -180,6 +182,7 @@ class Trainer:
             epoch = self.pos.epoch
             self._run_epoch(epoch, max_steps, bar)
             if self.pos.batch >= self.batches_per_epoch:  # the epoch is complete
+                self.train_loss = self._epoch_loss()
                 if trainer_cfg.eval_every_epoch:
                     self._evaluate(f"epoch {epoch + 1}/{epochs}")
                     evaluated_at = self.pos.step
@@ -189,10 +192,13 @@ class Trainer:
                 if self.cfg.checkpoint.every_epoch or self._step_checkpoint_due():
                     self._save(self.metrics.get(self.cfg.checkpoint.best_metric))
         bar.close()
-        if evaluated_at != self.pos.step:  # stopped mid-epoch (max_steps or a signal)
-            self._evaluate(f"epoch {self.pos.epoch + 1}/{epochs}, batch {self.pos.batch}")
-            if self.cfg.checkpoint.every_epoch or self.cfg.checkpoint.every_n_steps or self.stopped_by:
-                self._save(self.metrics.get(self.cfg.checkpoint.best_metric))
+        if evaluated_at != self.pos.step:  # stopped mid-epoch (max_steps or a signal), or no eval per epoch
+            if self.pos.batch:
+                self.train_loss = self._epoch_loss()
+            where = f"epoch {self.pos.epoch + 1}/{epochs}, batch {self.pos.batch}" if self.pos.batch else "end"
+            self._evaluate(where)
+        if self.cfg.checkpoint.every_epoch or self.cfg.checkpoint.every_n_steps or self.stopped_by:
+            self._save(self.metrics.get(self.cfg.checkpoint.best_metric))  # the last state, and best.pt
         return self._results(epochs)
 
     def _run_epoch(self, epoch: int, max_steps: int, bar: tqdm) -> None:
@@ -227,8 +233,10 @@ class Trainer:
             if self.pos.step >= max_steps or self.pos.batch == self.batches_per_epoch:
                 break  # the checkpoint, if due, follows the evaluation (for best.pt)
             if self._step_checkpoint_due():
-                self._flush(bar)  # the checkpoint's epoch loss must include every step so far
+                stop = self._flush(bar)  # the checkpoint's epoch loss must include every step so far
                 self._save()
+                if stop:
+                    return
         self._flush(bar)
 
     def _step_checkpoint_due(self) -> bool:
@@ -266,7 +274,7 @@ class Trainer:
     def _evaluate(self, where: str) -> None:
         lr = self.optimizer.param_groups[0]["lr"]
         self.metrics = evaluate(self.model.module, self.loaders.test, self.device)
-        epoch_loss = self.train_loss = self._epoch_loss()
+        epoch_loss = self.train_loss
         self.reporter.scalars(
             {
                 "train/epoch_loss": epoch_loss,

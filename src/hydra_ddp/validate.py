@@ -42,12 +42,14 @@ def resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankIn
     plain["backend"]["name"] = distributed.resolve_backend(plain["backend"]["name"], trainer["device"], trainer["nproc"])
     _resolve_init_method(plain["init_method"], run_dir, external is not None)
 
+    trainer["resume"] = checkpoint.resume_setting(trainer["resume"])
     if trainer["resume"] is None and any((run_dir / checkpoint.DIRNAME).glob("step-*.pt")):
         raise UserError(
             f"{run_dir} holds checkpoints of an earlier run; continue it with trainer.resume=auto, "
             "or start anew in another hydra.run.dir (nothing was overwritten)"
         )
     data.check_source(plain["data"]["dataset"], plain["data"]["num_classes"])
+    _check_target(plain["data"]["dataset"], "data.dataset")
     _check_target(plain["model"], "model")
     _check_target(plain["optim"], "optim")
     if plain["scheduler"]:
@@ -56,9 +58,18 @@ def resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankIn
         raise UserError(f"trainer.precision must be 32, bf16 or 16, got {trainer['precision']!r}")
     if str(trainer["precision"]) == "16" and trainer["device"] != "cuda":
         raise UserError("trainer.precision=16 needs a GPU (fp16 autocast with a GradScaler); on the CPU use bf16")
-    for key in ("epochs", "log_every", "accumulate"):
-        if trainer[key] < 1:
-            raise UserError(f"trainer.{key} must be at least 1, got {trainer[key]}")
+    for key, value in [(f"trainer.{k}", trainer[k]) for k in ("epochs", "log_every", "accumulate", "max_steps")] + [
+        ("checkpoint.keep", plain["checkpoint"]["keep"]), ("checkpoint.every_n_steps", plain["checkpoint"]["every_n_steps"])
+    ]:
+        if value is not None and value < 1:
+            raise UserError(f"{key} must be at least 1 (or null where allowed), got {value}")
+    ckpt = plain["checkpoint"]
+    if ckpt["best_mode"] not in ("max", "min") or ckpt["best_metric"] not in (None, "test_accuracy", "test_loss"):
+        raise UserError("checkpoint.best_metric must be test_accuracy, test_loss or null, and best_mode max or min")
+    if launcher["nnodes"] > 1 and plain["init_method"]["name"] != "env":
+        raise UserError("across nodes the ranks meet through torchrun's rendezvous: use init_method=env")
+    if plain["init_method"]["name"] == "file" and launcher.get("max_restarts"):
+        raise UserError("a restarted group cannot reuse a file:// store: use init_method=env or tcp with restarts")
     return plain
 
 

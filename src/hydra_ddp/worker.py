@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hydra_ddp import checkpoint, data, distributed, reporting, training
 from hydra_ddp.distributed import RankInfo
+from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,10 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float) -> Opt
         checkpointer = checkpoint.Checkpointer(
             cfg.checkpoint, out, rank, device, OmegaConf.to_container(cfg, resolve=True)
         )
-        resume = checkpointer.resolve(_resume_setting(cfg.trainer.resume))
+        # Rank 0 picks the checkpoint (on every node the same file: checkpoints live with rank 0).
+        chosen = checkpointer.choose(checkpoint.resume_setting(cfg.trainer.resume)) if rank.is_main else None
+        chosen = distributed.broadcast_text(str(chosen or ""), device)
+        resume = (Path(chosen), checkpointer.load(Path(chosen))) if chosen else None
 
         # Resuming: TensorBoard hides the earlier file's events after the checkpoint's step.
         purge_step = resume[1]["position"]["step"] + 1 if resume else None
@@ -119,13 +123,6 @@ def _compiled(model: DDP, backend: str) -> nn.Module:
     return torch.compile(model, backend=backend)  # type: ignore[return-value]
 
 
-def _resume_setting(configured: Optional[str]) -> Optional[str]:
-    """torchrun restarting a failed group: continue from the last checkpoint, whatever was configured."""
-    if configured is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return "auto"
-    return configured
-
-
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
@@ -144,11 +141,12 @@ def _hparams(cfg: DictConfig, rank: RankInfo) -> dict[str, Any]:
     }
 
 
-class WorkerError(Exception):
+class WorkerError(UserError):
     """A worker's failure reduced to one line for the parent; the traceback stays in the log file."""
 
 
-def _main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float) -> Optional[dict[str, Any]]:
+def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float) -> Optional[dict[str, Any]]:
+    """Every worker's entry, whatever started it: the traceback to the log, one line to the launcher."""
     try:
         return run(OmegaConf.create(cfg), run_dir, rank, started_at)
     except Exception as error:
@@ -161,14 +159,14 @@ def _main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float) -> Optiona
 def spawn_entry(local_rank: int, cfg: dict, run_dir: str, started_at: float) -> None:
     """torch.multiprocessing.spawn target: single node, rank = local rank."""
     n = cfg["trainer"]["nproc"]
-    _main(cfg, run_dir, RankInfo(local_rank, n, local_rank, n), started_at)
+    main(cfg, run_dir, RankInfo(local_rank, n, local_rank, n), started_at)
 
 
 @record  # writes the exception to torchelastic's error file, so the parent can name it
 def elastic_entry(cfg: dict, run_dir: str, started_at: float) -> Optional[dict[str, Any]]:
     """elastic_launch target: torchelastic has set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
     _, rank = distributed.external_launch()
-    summary = _main(cfg, run_dir, rank, started_at)
+    summary = main(cfg, run_dir, rank, started_at)
     if summary and summary["stopped_by"]:
         # The agent, shutting down on the signal, waits for this process to end, while the process
         # waits to hand over its return value: end now, not after the agent's 30 s grace period.
