@@ -125,18 +125,16 @@ class Checkpointer:
         return [p for _, p in sorted(found)]
 
     # --- loading ------------------------------------------------------------------------------
-    def choose(self, resume: Optional[str]) -> Optional[Path]:
-        """The checkpoint to resume from: null → none; a path → that one; auto → the newest good one."""
+    def choose(self, resume: Optional[str]) -> Optional[tuple[Path, dict[str, Any]]]:
+        """The checkpoint to resume from, loaded: null → none; a path → that one; auto → the newest good one."""
         if resume is None:
             return None
         if resume != "auto":
             path = Path(resume).expanduser().resolve()
-            self.load(path)  # a bad explicit checkpoint stops the run here, with its path
-            return path
+            return path, self.load(path)  # a bad explicit checkpoint stops the run here, with its path
         for path in reversed(self.step_files()):
             try:
-                self.load(path)
-                return path
+                return path, self.load(path)
             except UserError as e:
                 log.warning("skipping %s", e)
         return None

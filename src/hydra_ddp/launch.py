@@ -54,10 +54,7 @@ def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
     external = distributed.external_launch()
     plain = validate.resolve(cfg, run_dir, external)
     if external:
-        summary = worker.main(plain, str(run_dir), external[1], started_at)
-        if summary and summary["stopped_by"]:
-            raise Stopped(summary, run_dir)
-        return summary
+        return _unless_stopped(worker.main(plain, str(run_dir), external[1], started_at), run_dir)
 
     # Inside a joblib (loky) job the default context is loky's, which cannot start our workers.
     multiprocessing.set_start_method("spawn", force=True)
@@ -87,10 +84,15 @@ def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
         if plain["init_method"]["name"] == "file":  # made fresh for this run; stale, it could deadlock the next
             Path(plain["init_method"]["path"]).unlink(missing_ok=True)
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
-    if summary and summary.get("stopped_by"):
-        raise Stopped(summary, run_dir)
-    if signum is not None:  # the agent ended the workers before they could write their checkpoint
+    if signum is not None and not (summary and summary["stopped_by"]):  # ended before their checkpoint
         raise Stopped({"stopped_by": signal.Signals(signum).name, "steps": None}, run_dir)
+    return _unless_stopped(summary, run_dir)
+
+
+def _unless_stopped(summary: Optional[dict[str, Any]], run_dir: Path) -> Optional[dict[str, Any]]:
+    """The summary of a finished run; a run that stopped early on a signal is a Stopped error."""
+    if summary and summary["stopped_by"]:
+        raise Stopped(summary, run_dir)
     return summary
 
 

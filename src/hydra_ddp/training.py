@@ -165,9 +165,11 @@ class Trainer:
 
     def _save(self, metric: Optional[float] = None) -> None:
         # Once per step; again only to bring in a metric the first save did not have (for best.pt).
-        if self.saved != (self.pos.step, True) and self.saved != (self.pos.step, metric is not None):
-            self.checkpointer.save(self.state(), self.pos.step, metric)
-            self.saved = (self.pos.step, metric is not None)
+        saved_step, saved_with_metric = self.saved
+        if saved_step == self.pos.step and (saved_with_metric or metric is None):
+            return
+        self.checkpointer.save(self.state(), self.pos.step, metric)
+        self.saved = (self.pos.step, metric is not None)
 
     # --- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:

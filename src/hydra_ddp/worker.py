@@ -78,9 +78,10 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float) -> Opt
             cfg.checkpoint, out, rank, device, OmegaConf.to_container(cfg, resolve=True)
         )
         # Rank 0 picks the checkpoint (on every node the same file: checkpoints live with rank 0).
-        chosen = checkpointer.choose(checkpoint.resume_setting(cfg.trainer.resume)) if rank.is_main else None
-        chosen = distributed.broadcast_text(str(chosen or ""), device)
-        resume = (Path(chosen), checkpointer.load(Path(chosen))) if chosen else None
+        resume = checkpointer.choose(checkpoint.resume_setting(cfg.trainer.resume)) if rank.is_main else None
+        chosen = distributed.broadcast_text(str(resume[0]) if resume else "", device)
+        if chosen and not rank.is_main:
+            resume = Path(chosen), checkpointer.load(Path(chosen))
 
         # Resuming: TensorBoard hides the earlier file's events after the checkpoint's step.
         purge_step = resume[1]["position"]["step"] + 1 if resume else None
