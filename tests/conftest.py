@@ -93,6 +93,16 @@ def assert_no_orphans(sid: int, grace_s: float = 10.0) -> None:
     assert not left, f"processes left behind: {left}"
 
 
+def free_port() -> int:
+    """A port that was free a moment ago: only for launchers that need a port named in advance
+    (mpirun); train.py's own launches bind port 0 and hold it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def check_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 

@@ -45,13 +45,42 @@ def test_every_group_option_composes_and_validates(tmp_path: Path, overrides: li
     assert plain["trainer"]["nproc"] == 2 and plain["trainer"]["device"] == "cpu"
 
 
-def test_defaults_pick_free_ports_and_a_fresh_store(tmp_path: Path):
+def test_defaults_leave_ports_to_the_launch_and_make_a_fresh_store(tmp_path: Path):
+    # No port is picked here: the launching process binds port 0 itself and holds it (race-free).
     env = resolved(tmp_path)["init_method"]
-    assert env["name"] == "env" and env["port"] not in (None, 29500)
+    assert env["name"] == "env" and env["port"] is None
     store = resolved(tmp_path, "init_method=file")["init_method"]
     assert store["path"] == str(tmp_path / validate.STORE_FILE)
     torchrun = resolved(tmp_path, "launcher=torchrun")["launcher"]
-    assert torchrun["rdzv_endpoint"].startswith("127.0.0.1:") and torchrun["rdzv_id"]
+    assert torchrun["rdzv_endpoint"] is None and torchrun["rdzv_id"]
+
+
+@pytest.mark.parametrize(
+    "overrides, world, per_rank",
+    [
+        ([], 2, validate.DEFAULT_BATCH_SIZE),
+        (["data.batch_size=16"], 2, 16),
+        (["data.global_batch_size=128"], 1, 128),
+        (["data.global_batch_size=128"], 2, 64),
+        (["data.global_batch_size=128"], 4, 32),
+    ],
+)
+def test_global_batch_size_is_split_over_the_world(tmp_path: Path, overrides, world: int, per_rank: int):
+    data = resolved(tmp_path, f"trainer.nproc={world}", *overrides)["data"]
+    assert data["batch_size"] == per_rank and data["global_batch_size"] == per_rank * world
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.nproc=3", "data.global_batch_size=128"], "does not divide by the world size 3"),
+        (["data.batch_size=32", "data.global_batch_size=64"], "exclude each other"),
+        (["data.batch_size=0"], "at least 1"),
+    ],
+)
+def test_bad_batch_sizes_are_refused_before_launch(tmp_path: Path, overrides, message: str):
+    with pytest.raises(UserError, match=message):
+        resolved(tmp_path, *overrides)
 
 
 def test_misspelt_key_fails_at_composition():
@@ -81,6 +110,8 @@ def test_wrong_type_fails_at_composition():
         (["data=mnist", "data.dataset.root=/no/such/dir"], "/no/such/dir"),
         (["launcher=spawn", "launcher.nnodes=2"], "torchrun"),
         (["launcher=torchrun", "launcher.nnodes=2"], "rdzv_endpoint"),
+        (["data.even_shards=false", "trainer.accumulate=2"], "even_shards"),
+        (["data.even_shards=false", "trainer.compile=true"], "even_shards"),
     ],
 )
 def test_bad_config_is_one_clear_error(tmp_path: Path, overrides: list[str], message: str):

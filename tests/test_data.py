@@ -94,12 +94,30 @@ def test_image_folder_checks_name_the_path(tmp_path: Path):
     data.check_source({**cfg, "root": str(root)}, 3)
 
 
+def _data_cfg(**overrides):
+    from hydra_ddp.config import DataConf
+
+    dataset = {"_target_": "hydra_ddp.data.synthetic", "train_size": 10, "test_size": 7, "image_size": 4}
+    return OmegaConf.structured(DataConf(dataset=dataset, batch_size=2, eval_batch_size=4, **overrides))
+
+
 def test_loaders_shard_train_and_test():
-    cfg = OmegaConf.create(
-        {"dataset": {"_target_": "hydra_ddp.data.synthetic", "train_size": 10, "test_size": 7, "image_size": 4},
-         "batch_size": 2, "eval_batch_size": 4, "num_workers": 0, "pin_memory": False,
-         "persistent_workers": False, "prefetch_factor": None, "drop_last": False, "preload": False}
-    )
+    cfg = _data_cfg()
     per_rank = [data.build_loaders(cfg, RankInfo(r, 3, r, 3), seed=0, device=torch.device("cpu")) for r in range(3)]
     assert [len(l.train_sampler) for l in per_rank] == [4, 4, 4]  # padded: every rank the same steps
     assert sum(len(l.test.sampler) for l in per_rank) == 7  # not padded: exact metrics
+
+
+def test_uneven_shards_are_disjoint_and_cover_every_sample_once():
+    cfg = _data_cfg(even_shards=False)
+    per_rank = [data.build_loaders(cfg, RankInfo(r, 3, r, 3), seed=0, device=torch.device("cpu")) for r in range(3)]
+    for epoch in (0, 1):
+        shards = []
+        for loaders in per_rank:
+            loaders.train_sampler.set_epoch(epoch)
+            shards.append(list(loaders.train_sampler))
+        assert [len(s) for s in shards] == [4, 3, 3]  # rank 0 has the most: never fewer than another
+        assert sorted(i for s in shards for i in s) == list(range(10))
+    padded = data.build_loaders(_data_cfg(), RankInfo(0, 3, 0, 3), seed=0, device=torch.device("cpu")).train_sampler
+    padded.set_epoch(1)
+    assert list(padded)[:3] == shards[0][:3]  # the same shuffle as DistributedSampler's

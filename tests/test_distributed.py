@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from datetime import timedelta
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch.multiprocessing as mp
 
 from hydra_ddp import distributed
 from hydra_ddp.distributed import RankInfo
+from hydra_ddp.errors import UserError
 
 
 @pytest.mark.parametrize(
@@ -34,15 +36,17 @@ def test_only_rank_zero_is_main():
     assert RankInfo(0, 2, 0, 2).is_main and not RankInfo(1, 2, 1, 2).is_main
 
 
-def test_free_port_is_bindable():
-    port = distributed.free_port()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+def test_store_on_port_zero_holds_a_free_loopback_port():
+    store = distributed.serve_store("127.0.0.1", 0, timedelta(seconds=10))
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", store.port))  # held: no other job can take it
+    with pytest.raises(UserError, match=f"port {store.port}"):
+        distributed.serve_store("127.0.0.1", store.port, timedelta(seconds=10))
 
 
 def _broadcast_worker(rank: int, port: int, results):
     info = RankInfo(rank, 2, rank, 2)
-    init = {"name": "tcp", "host": "127.0.0.1", "port": port, "path": None}
+    init = {"name": "tcp", "host": "127.0.0.1", "port": port, "path": None, "hosted": True}
     with distributed.process_group("gloo", init, info, 30, torch.device("cpu"), launcher_env=False):
         results[rank] = distributed.broadcast_text("outputs/runs/été" if rank == 0 else "other", torch.device("cpu"))
     assert not torch.distributed.is_initialized()  # torn down on exit
@@ -51,5 +55,6 @@ def _broadcast_worker(rank: int, port: int, results):
 def test_broadcast_text_gives_every_rank_rank_zeros_string():
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_broadcast_worker, args=(distributed.free_port(), results), nprocs=2)
+        store = distributed.serve_store("127.0.0.1", 0, timedelta(seconds=30))  # held by this process
+        mp.spawn(_broadcast_worker, args=(store.port, results), nprocs=2)
         assert dict(results) == {0: "outputs/runs/été", 1: "outputs/runs/été"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 from pathlib import Path
 
@@ -255,3 +256,88 @@ def test_ctrl_c_in_a_terminal_checkpoints_once_and_stops(straight: Path, run_dir
     assert_no_orphans(done.pid)
     check_ok(run_train(run_dir, f"trainer.max_steps={FULL}", "trainer.resume=auto"))
     assert_same_params(final_params(run_dir), final_params(straight))
+
+
+CHAOS_STEPS = 40  # epoch ends at step 23; the final evaluation and checkpoint at 40
+
+
+def _chaos_plan(rng: random.Random) -> str:
+    """Three kills, one per torchrun attempt, in random order, of random ranks, at random moments."""
+    kinds = ["step", "eval", "ckpt"]
+    rng.shuffle(kinds)
+    n = {"step": rng.randint(1, 3), "eval": 1, "ckpt": 1}  # early enough that every attempt gets there
+    return ";".join(f"{attempt}:{kind}:{rng.randint(0, 1)}:{n[kind]}" for attempt, kind in enumerate(kinds))
+
+
+def test_chaos_kills_under_torchrun_restarts_finish_bit_identical(tmp_path: Path):
+    common = (f"trainer.max_steps={CHAOS_STEPS}", "checkpoint.every_n_steps=4", "trainer.log_every=2")
+    straight = tmp_path / "straight"
+    check_ok(run_train(straight, *common))
+    plan = _chaos_plan(random.Random(int.from_bytes(os.urandom(4), "big")))
+    chaotic = tmp_path / "chaos"
+    proc = run_train(chaotic, *common, "launcher=torchrun", "launcher.max_restarts=3",
+                     "model._target_=faulty.ChaosCNN", f"+model.chaos='{plan}'", timeout=240)
+    check_ok(proc)
+    starts = [line for line in _log(chaotic).splitlines() if "[rank 0]" in line and "CPU thread(s)" in line]
+    assert len(starts) == 4, f"plan {plan}: expected 3 kills and 4 attempts, saw {len(starts)}"
+    assert summary(chaotic)["steps"] == CHAOS_STEPS
+    assert_same_params(final_params(chaotic), final_params(straight))
+    assert_no_orphans(proc.pid)
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_sigkill_to_the_parent_leaves_no_worker_and_resume_is_exact(straight: Path, run_dir: Path, launcher: str):
+    proc = start_train(run_dir, f"launcher={launcher}", f"trainer.max_steps={FULL}", "checkpoint.every_n_steps=4",
+                       "trainer.log_every=2")
+    wait_for(lambda: (run_dir / "checkpoints" / "step-00000004.pt").exists(), 90, "the first checkpoint", proc)
+    os.kill(proc.pid, signal.SIGKILL)  # no handler runs: the workers must notice on their own
+    proc.wait(timeout=30)
+    assert_no_orphans(proc.pid)
+    check_ok(run_train(run_dir, f"launcher={launcher}", f"trainer.max_steps={FULL}", "trainer.resume=auto"))
+    assert summary(run_dir)["steps"] == FULL
+    assert_same_params(final_params(run_dir), final_params(straight))
+
+
+def test_crash_while_exiting_after_a_complete_run_is_a_warning(run_dir: Path):
+    proc = run_train(run_dir, *QUICK, "model._target_=faulty.AbortAtExit", "+model.abort_rank=1")
+    check_ok(proc)  # the summary proves every rank finished: the run stands
+    assert "warning: worker rank 1 ended badly (killed by SIGABRT) while exiting" in proc.stderr, proc.stderr
+    assert summary(run_dir)["steps"] == 8
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 6 MiB tmpfs: room for one checkpoint of the CNN (3.3 MiB with momentum), not two."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root and mount(8)")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_full_disk_during_a_checkpoint_stops_in_one_line_and_resume_works(small_disk: Path):
+    import subprocess
+
+    run_dir = small_disk / "run"
+    proc = run_train(run_dir, "trainer.max_steps=10", "checkpoint.every_n_steps=2", "trainer.log_every=2")
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "hydra-ddp: error:" in lines[0], proc.stderr
+    assert str(run_dir / "checkpoints") in lines[0] and "needs 3." in lines[0] and "MiB" in lines[0], lines[0]
+    kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*.pt"))
+    assert kept == ["step-00000002.pt"]
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["position"]["step"] == 2
+    assert not list((run_dir / "checkpoints").glob(".*.tmp"))  # nothing half-written left behind
+
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)  # room made
+    check_ok(run_train(run_dir, "trainer.max_steps=10", "checkpoint.every_n_steps=2", "trainer.log_every=2",
+                       "trainer.resume=auto"))
+    s = summary(run_dir)
+    assert s["steps"] == 10 and s["resumed_from"].endswith("step-00000002.pt")

@@ -125,7 +125,7 @@ def test_two_nodes_in_network_namespaces_match_one_node(tmp_path: Path):
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (apt-get install openmpi-bin)")
 def test_mpirun_starts_the_workers(run_dir: Path):
-    from hydra_ddp.distributed import free_port
+    from conftest import free_port
 
     prefix = ("mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", sys.executable)
     proc = run_train(run_dir, *QUICK, "backend=gloo", f"init_method.port={free_port()}", prefix=prefix)

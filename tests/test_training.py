@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -26,7 +28,7 @@ def _model():
 
 def _worker(rank: int, world: int, port: int, results):
     info = RankInfo(rank, world, rank, world)
-    init = {"name": "tcp", "host": "127.0.0.1", "port": port, "path": None}
+    init = {"name": "tcp", "host": "127.0.0.1", "port": port, "path": None, "hosted": True}
     with distributed.process_group("gloo", init, info, 30, torch.device("cpu"), launcher_env=False):
         loader = DataLoader(_dataset(), batch_size=2, sampler=data.ShardSampler(SAMPLES, rank, world))
         results["eval", rank] = training.evaluate(_model(), loader, torch.device("cpu"))
@@ -43,7 +45,8 @@ def test_evaluation_is_exact_and_train_losses_are_global():
     expected_acc = (logits.argmax(1) == y).sum().item() / SAMPLES
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(3, distributed.free_port(), results), nprocs=3)
+        store = distributed.serve_store("127.0.0.1", 0, timedelta(seconds=30))  # held by this process
+        mp.spawn(_worker, args=(3, store.port, results), nprocs=3)
         results = dict(results)
     for rank in range(3):
         metrics = results["eval", rank]

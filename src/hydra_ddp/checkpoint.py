@@ -7,10 +7,13 @@ inside the epoch, global step) and every rank's RNG states. It loads with
 
 from __future__ import annotations
 
+import errno
+import io
 import logging
 import os
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hydra_ddp.distributed import RankInfo
+from hydra_ddp.distributed import RankInfo, first_error, restart_count
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -83,18 +86,18 @@ class Checkpointer:
         if improved:
             self.best = metric
         state = {**state, "rng": _gather_rng(self.device), "best": self.best, "config": self.config, "format": 1}
-        error = torch.zeros(1, device=self.device)
+        problem = None
         if self.rank.is_main:
             try:
                 self._write(state, step, improved)
             except OSError as e:
-                log.error("could not write the checkpoint for step %d in %s: %s", step, self.dir, e)
-                error += 1
-        # Not a barrier inside `if rank == 0`: every rank learns whether the write worked.
-        dist.all_reduce(error)
-        if error.item():
-            raise UserError(f"could not write a checkpoint in {self.dir} (disk full or not writable?); "
-                            "the previous checkpoint is intact")
+                problem = f"could not write the checkpoint for step {step} in {self.dir}: {e}"
+                log.error("%s", problem)
+        # Not a barrier inside `if rank == 0`: every rank learns whether the write worked, and how not.
+        problem = first_error(problem, self.device)
+        if problem:
+            raise UserError(f"{problem}; the previous checkpoint is intact: make room, then continue with "
+                            "trainer.resume=auto")
 
     def _write(self, state: dict[str, Any], step: int, improved: bool) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -181,8 +184,7 @@ class Checkpointer:
 
 def resume_setting(configured: Optional[str]) -> Optional[str]:
     """A restarted job (torchrun's restart, Slurm's requeue) continues from its last checkpoint."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) or int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-    return "auto" if configured is None and restarted else configured
+    return "auto" if configured is None and restart_count() else configured
 
 
 def check_compatible(model: nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
@@ -205,19 +207,38 @@ def check_compatible(model: nn.Module, saved: dict[str, torch.Tensor], path: Pat
 
 
 def _atomic_save(state: dict[str, Any], target: Path) -> None:
-    """Temp file beside the target, fsync, rename: a crash leaves the old file or the new one."""
+    """Temp file beside the target, fsync, rename: a crash leaves the old file or the new one.
+
+    Serialised in memory first: its size is known before the disk is touched, and a disk that
+    cannot hold it is named with the space needed instead of leaving a torn temp file."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getbuffer()
+    free = shutil.disk_usage(target.parent).free
+    if free < len(payload):
+        raise OSError(errno.ENOSPC, f"not enough space: it needs {_mb(len(payload))}, "
+                                    f"{_mb(free)} free on the file system of {target.parent}")
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"no space left writing {target.name}: it needs {_mb(len(payload))}") from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(target.parent)
+
+
+def _mb(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
 
 
 def _atomic_link(source: Path, link: Path) -> None:

@@ -59,13 +59,20 @@ class DataConf:
     num_classes: int = 10
     # `_target_` returning (train_dataset, test_dataset).
     dataset: Any = MISSING
-    batch_size: int = 32  # per rank
+    # Per rank; or set global_batch_size instead (one of the two; both null: 32 per rank), and the
+    # per-rank batch is global ÷ world size: runs at any world size then compare like with like.
+    batch_size: Optional[int] = None
+    global_batch_size: Optional[int] = None
     eval_batch_size: int = 256  # per rank
     num_workers: int = 0
     pin_memory: bool = False
     persistent_workers: bool = False
     prefetch_factor: Optional[int] = None
     drop_last: bool = False
+    # true: DistributedSampler pads each rank's shard to the same length by repeating samples.
+    # false: disjoint shards, every sample once per epoch; DDP's Join matches the collectives of
+    # ranks that run out of batches first.
+    even_shards: bool = True
     # Keep an in-memory TensorDataset as whole tensors on the training device and slice each
     # batch from them: no per-sample Python work (and no host→device copy per batch on a GPU).
     preload: bool = False

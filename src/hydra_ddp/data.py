@@ -1,7 +1,8 @@
 """Datasets (built from conf/data/*.yaml through `_target_`), samplers and loaders.
 
 Every dataset function returns `(train, test)`. Training shards with DistributedSampler
-(padded so every rank runs the same number of steps); evaluation shards without padding,
+(padded so every rank runs the same number of steps, unless `data.even_shards=false`);
+evaluation shards without padding,
 so the all-reduced metrics count every test sample exactly once.
 """
 
@@ -134,11 +135,19 @@ def check_source(dataset_cfg: Any, num_classes: int) -> None:
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler that can start part-way into an epoch, for an exact mid-epoch resume."""
+    """DistributedSampler that can start part-way into an epoch, for an exact mid-epoch resume.
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    `pad=False`: disjoint shards (rank r takes positions r, r+W, … of the epoch's shuffle), every
+    sample once per epoch; shard lengths then differ by at most one sample, and ranks may run out
+    of batches one batch apart (the loop keeps their collectives matched with DDP's Join).
+    """
+
+    def __init__(self, *args: Any, pad: bool = True, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        self.pad = pad
         self.start = 0
+        if not pad:
+            self.num_samples = len(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
@@ -149,7 +158,14 @@ class ResumableDistributedSampler(DistributedSampler):
         self.start = samples
 
     def __iter__(self) -> Iterator[int]:
-        return itertools.islice(super().__iter__(), self.start, None)
+        return itertools.islice(super().__iter__() if self.pad else self._shard(), self.start, None)
+
+    def _shard(self) -> Iterator[int]:
+        n = len(self.dataset)  # type: ignore[arg-type]
+        # The same shuffle as DistributedSampler's: one permutation per epoch, equal on every rank.
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)) \
+            if self.shuffle else torch.arange(n)
+        return iter(order[self.rank :: self.num_replicas].tolist())
 
     def __len__(self) -> int:
         return max(0, self.num_samples - self.start)
@@ -205,7 +221,7 @@ def _datasets(dataset_cfg: Any, rank: RankInfo) -> tuple[Dataset, Dataset]:
 def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, device: torch.device) -> Loaders:
     train_set, test_set = _datasets(data_cfg.dataset, rank)
     train_sampler = ResumableDistributedSampler(
-        train_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=True, seed=seed
+        train_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=True, seed=seed, pad=data_cfg.even_shards
     )
     test_sampler = ShardSampler(len(test_set), rank.rank, rank.world_size)
     if data_cfg.preload:

@@ -98,12 +98,6 @@ def resolve_backend(name: str, device: str, nproc_per_node: int) -> str:
     raise UserError(f"unknown backend {name!r}; choose auto, gloo, nccl or mpi")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def init_url(name: str, host: str, port: Optional[int], path: Optional[str]) -> str:
     if name == "env":
         return "env://"
@@ -122,8 +116,11 @@ def _is_loopback(host: str) -> bool:
 
 
 def serve_store(host: str, port: int, timeout: timedelta, world_size: Optional[int] = None) -> dist.TCPStore:
-    """A TCPStore server. TCPStore alone listens on every interface: for a loopback host we bind
-    the socket ourselves and hand it over, so nothing outside this machine can reach the store."""
+    """A TCPStore server; port 0 takes a free port, bound here and held: nothing can take it between
+    choosing and binding (read the port back from `store.port`).
+
+    TCPStore alone listens on every interface: for a loopback host we bind the socket ourselves and
+    hand it over, so nothing outside this machine can reach the store."""
     listener = None
     if _is_loopback(host):
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -136,6 +133,7 @@ def serve_store(host: str, port: int, timeout: timedelta, world_size: Optional[i
                 raise _port_in_use(host, port) from None
             raise
         listener.listen()
+        port = listener.getsockname()[1]
     try:
         store = dist.TCPStore(
             host, port, world_size, is_master=True, timeout=timeout, use_libuv=True,
@@ -157,6 +155,25 @@ def _port_in_use(host: str, port: int) -> UserError:
                      "or to null (a free one is picked)")
 
 
+def restart_count() -> int:
+    """How often torchrun (or Slurm's requeue) has restarted this group: 0 on the first attempt."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) or int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+
+def _store(init: Mapping[str, Any], rank: RankInfo, timeout: timedelta) -> dist.Store:
+    """The rendezvous store of a tcp:// or env:// group without a launcher's own.
+
+    `hosted`: the launching process holds the server for the whole run (bound before any worker
+    starts), and every rank connects. Otherwise (mpirun and the like) rank 0 serves it. Each restart
+    of the group gets fresh keys: a restarted group would otherwise find the dead one's.
+    """
+    if rank.is_main and not init.get("hosted"):
+        store = serve_store(init["host"], init["port"], timeout, rank.world_size)
+    else:
+        store = dist.TCPStore(init["host"], init["port"], is_master=False, timeout=timeout, use_libuv=True)
+    return dist.PrefixStore(f"hydra_ddp/attempt{restart_count()}", store)
+
+
 @contextlib.contextmanager
 def process_group(
     backend: str, init: Mapping[str, Any], rank: RankInfo, timeout_s: int, device: torch.device, launcher_env: bool
@@ -169,10 +186,7 @@ def process_group(
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
     if init["name"] == "tcp" or (init["name"] == "env" and not launcher_env):
-        if rank.is_main:
-            store = serve_store(init["host"], init["port"], timeout, rank.world_size)
-        else:
-            store = dist.TCPStore(init["host"], init["port"], rank.world_size, is_master=False, timeout=timeout)
+        store = _store(init, rank, timeout)
         dist.init_process_group(backend, store=store, rank=rank.rank, world_size=rank.world_size, timeout=timeout)
     else:
         url = init_url(init["name"], init["host"], init["port"], init["path"])
@@ -184,14 +198,24 @@ def process_group(
             dist.destroy_process_group()
 
 
-def broadcast_text(text: str, device: torch.device) -> str:
-    """Rank 0's string on every rank, sent as bytes (no pickled objects cross the wire)."""
+def broadcast_text(text: str, device: torch.device, src: int = 0) -> str:
+    """Rank `src`'s string on every rank, sent as bytes (no pickled objects cross the wire)."""
     data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
     size = torch.tensor([data.numel()], dtype=torch.long, device=device)
-    dist.broadcast(size, src=0)
-    buf = data if dist.get_rank() == 0 else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(buf, src=0)
+    dist.broadcast(size, src=src)
+    buf = data if dist.get_rank() == src else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=src)
     return bytes(buf.tolist()).decode()
+
+
+def first_error(error: Optional[str], device: torch.device) -> Optional[str]:
+    """The lowest rank's error message on every rank (None when no rank has one): all ranks stop
+    with the same line instead of the healthy ones failing later at a collective."""
+    world = dist.get_world_size()
+    lowest = torch.tensor([dist.get_rank() if error else world], dtype=torch.long, device=device)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    src = int(lowest.item())
+    return None if src == world else broadcast_text(error or "", device, src)
 
 
 def max_over_ranks(value: float, device: torch.device) -> float:

@@ -52,9 +52,12 @@ def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     distributed.adopt_submitit_environment()
     external = distributed.external_launch()
-    plain = validate.resolve(cfg, run_dir, external)
     if external:
-        return _unless_stopped(worker.main(plain, str(run_dir), external[1], started_at), run_dir)
+        plain = validate.fill_in(cfg, run_dir, external)
+        # Only rank 0 knows the run directory: its verdict reaches every rank once the group is up.
+        problem = _problem(plain, run_dir) if external[1].is_main else None
+        return _unless_stopped(worker.main(plain, str(run_dir), external[1], started_at, problem=problem), run_dir)
+    plain = validate.resolve(cfg, run_dir, external)
 
     # Inside a joblib (loky) job the default context is loky's, which cannot start our workers.
     multiprocessing.set_start_method("spawn", force=True)
@@ -75,18 +78,60 @@ def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
     summary_file = run_dir / reporting.SUMMARY_FILE
     summary_file.unlink(missing_ok=True)  # resuming in this directory: only this run's summary counts
     signum = None
+    store = _host_store(plain)  # bound before any worker starts, held until the last one has ended
     try:
         if launcher["name"] == "spawn":
             _spawn(plain, run_dir, started_at)
         else:
             signum = _torchrun(plain, run_dir, started_at)
+    except WorkerFailed as failure:
+        _completed_despite(failure, summary_file)
     finally:
+        del store  # stops its server
         if plain["init_method"]["name"] == "file":  # made fresh for this run; stale, it could deadlock the next
             Path(plain["init_method"]["path"]).unlink(missing_ok=True)
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
     if signum is not None and not (summary and summary["stopped_by"]):  # ended before their checkpoint
         raise Stopped({"stopped_by": signal.Signals(signum).name, "steps": None}, run_dir)
     return _unless_stopped(summary, run_dir)
+
+
+def _problem(plain: dict[str, Any], run_dir: Path) -> Optional[str]:
+    try:
+        validate.check(plain, run_dir)
+    except UserError as error:
+        return str(error)
+    return None
+
+
+def _host_store(plain: dict[str, Any]) -> Optional[Any]:
+    """On a single node this process serves the rendezvous store itself, on a port it binds (port 0:
+    a free one) before any worker starts and holds for the whole run: no other job can take the
+    port in between, and torchrun's restarted groups find it still there. The workers only connect."""
+    init, launcher = plain["init_method"], plain["launcher"]
+    if launcher["nnodes"] > 1:
+        return None  # torchrun's rendezvous on node 0 brings the workers together
+    torchrun = launcher["name"] == "torchrun"
+    timeout = timedelta(seconds=plain["dist"]["timeout_s"])
+    if init["name"] in ("env", "tcp"):
+        store = distributed.serve_store(init["host"], init["port"] or 0, timeout)
+        init.update(port=store.port, hosted=True)
+    elif torchrun:  # init_method=file: the agents still meet somewhere
+        store = distributed.serve_store("127.0.0.1", 0, timeout)
+    else:
+        return None
+    if torchrun:
+        launcher["rdzv_endpoint"] = f"{init['host'] if init['name'] != 'file' else '127.0.0.1'}:{store.port}"
+    return store
+
+
+def _completed_despite(failure: "WorkerFailed", summary_file: Path) -> None:
+    """A worker that fails after rank 0 wrote this run's summary failed in its teardown: the summary
+    is written after the last collective, so every rank had finished its work. Warn, and keep the run."""
+    if not summary_file.exists():
+        raise failure
+    print(f"hydra-ddp: warning: worker rank {failure.rank} ended badly ({failure.cause}) while exiting, after the run "
+          f"completed ({summary_file} written): the results are complete", file=sys.stderr)
 
 
 def _unless_stopped(summary: Optional[dict[str, Any]], run_dir: Path) -> Optional[dict[str, Any]]:
@@ -98,7 +143,8 @@ def _unless_stopped(summary: Optional[dict[str, Any]], run_dir: Path) -> Optiona
 
 def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
     context = mp.start_processes(
-        worker.spawn_entry, args=(plain, str(run_dir), started_at), nprocs=plain["trainer"]["nproc"], join=False
+        worker.spawn_entry, args=(plain, str(run_dir), started_at, os.getpid()), nprocs=plain["trainer"]["nproc"],
+        join=False,
     )
 
     def forward(signum: int, frame: Any) -> None:
@@ -133,11 +179,9 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> Option
     launcher = plain["launcher"]
     single_node = launcher["nnodes"] == 1
     if single_node:
-        # Host the rendezvous store here, on loopback (the agent's own would listen on every
-        # interface), and keep the agent from opening a second, shared one for the workers:
-        # they meet through their own loopback store (distributed.process_group).
-        host, port = launcher["rdzv_endpoint"].rsplit(":", 1)
-        rdzv_store = distributed.serve_store(host, int(port), timedelta(seconds=plain["dist"]["timeout_s"]))
+        # The agent joins the rendezvous on our loopback store (_host_store) as a client: its own
+        # would listen on every interface. Nor may it open a second, shared store for the workers:
+        # they meet through ours (distributed.process_group).
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(
         min_nodes=launcher["nnodes"],
@@ -157,7 +201,7 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> Option
     as_sigterm = {sig: signal.signal(sig, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
                   for sig in (signal.SIGUSR1, signal.SIGUSR2)}
     try:
-        elastic_launch(config, worker.elastic_entry)(plain, str(run_dir), started_at)
+        elastic_launch(config, worker.elastic_entry)(plain, str(run_dir), started_at, os.getpid())
         return None
     except SignalException as e:
         return e.sigval  # the agent has passed the signal on and waited for the workers to stop
@@ -171,11 +215,11 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> Option
             signal.signal(sig, handler)
         if single_node:
             os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-            del rdzv_store  # stops its server
 
 
 class WorkerFailed(UserError):
     def __init__(self, rank: int, cause: str, run_dir: Path):
+        self.rank, self.cause = rank, cause
         log_file = run_dir / reporting.LOG_FILE
         super().__init__(f"worker rank {rank} failed: {cause} (full traceback: {log_file})")
 

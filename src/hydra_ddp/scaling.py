@@ -20,12 +20,12 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp.reporting import SUMMARY_FILE
+from hydra_ddp.reporting import SUMMARY_FILE, TENSORBOARD_DIR
 
 log = logging.getLogger(__name__)
 
 ERROR_FILE = "error.txt"  # a job's one-line failure, written by train.py
-COLUMNS = ["job", "swept", "status", "world_size", "samples_per_sec", "speedup", "efficiency",
+COLUMNS = ["job", "swept", "status", "world_size", "global_batch_size", "samples_per_sec", "speedup", "efficiency",
            "test_accuracy", "test_loss", "wall_time_s", "error"]
 
 
@@ -46,8 +46,8 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         summary_file = job_dir / SUMMARY_FILE
         if summary_file.exists():
             s = json.loads(summary_file.read_text())
-            row.update(status="ok", **{k: s.get(k) for k in ("world_size", "samples_per_sec", "test_accuracy",
-                                                            "test_loss", "wall_time_s")})
+            row.update(status="ok", **{k: s.get(k) for k in ("world_size", "global_batch_size", "samples_per_sec",
+                                                            "test_accuracy", "test_loss", "wall_time_s")})
             if s.get("stopped_by"):
                 row["status"] = f"stopped ({s['stopped_by']})"
         else:
@@ -82,20 +82,33 @@ def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    header = "| job | swept | status | world size | samples/s | speed-up | efficiency | test acc | test loss | wall s |"
-    lines = [f"# Scaling report: {sweep_dir}", "", header, "|" + " --- |" * 10]
+    header = ("| job | swept | status | world size | global batch | samples/s | speed-up | efficiency | test acc "
+              "| test loss | wall s |")
+    lines = [f"# Scaling report: {sweep_dir}", "", header, "|" + " --- |" * 11]
     for r in rows:
         cells = [r["job"], r["swept"], r["status"] + (f": {r['error']}" if r.get("error") else ""),
-                 r.get("world_size"), r.get("samples_per_sec"), r.get("speedup"), r.get("efficiency"),
+                 r.get("world_size"), r.get("global_batch_size"), r.get("samples_per_sec"), r.get("speedup"),
+                 r.get("efficiency"),
                  r.get("test_accuracy"), r.get("test_loss"), r.get("wall_time_s")]
         lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
     lines += ["", "Speed-up is over the smallest world size's samples/s; efficiency is speed-up divided by the",
               "world-size ratio (1.0 is perfect scaling). Throughput counts training steps only.", ""]
     (sweep_dir / "scaling.md").write_text("\n".join(lines))
-    plot(rows, sweep_dir / "scaling.png")
+    plot(rows, sweep_dir / "scaling.png", sweep_dir)
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def train_losses(job_dir: Path) -> list[tuple[int, float]]:
+    """(step, global train loss) from a job's TensorBoard file: what the loss panel overlays."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(job_dir / TENSORBOARD_DIR), size_guidance={"scalars": 0})
+    acc.Reload()
+    if "train/loss" not in acc.Tags().get("scalars", []):
+        return []
+    return [(e.step, e.value) for e in acc.Scalars("train/loss")]
+
+
+def plot(rows: list[dict[str, Any]], path: Path, sweep_dir: Optional[Path] = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,7 +116,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     done = [r for r in rows if r["status"] == "ok" and r.get("samples_per_sec")]
     failed = [r for r in rows if r["status"] != "ok"]
-    fig, (ax_tp, ax_eff) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_tp, ax_eff, ax_loss) = plt.subplots(1, 3, figsize=(16, 4.4))
     sizes = sorted({r["world_size"] for r in done})
     by_size = len(sizes) == len(done) and len(sizes) > 1  # one job per world size: plot against it
     if by_size:
@@ -132,7 +145,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax_eff.set_ylabel("scaling efficiency")
     ax_eff.set_ylim(0, max([1.1] + [r["efficiency"] * 1.1 for r in done]))
     ax_eff.set_title("Efficiency (speed-up ÷ world-size ratio)")
-    for ax in (ax_tp, ax_eff):
+    # Scaling out must not change the science: with data.global_batch_size the curves coincide.
+    for r in done if sweep_dir else []:
+        curve = train_losses(sweep_dir / str(r["job"]))
+        if curve:
+            ax_loss.plot(*zip(*curve), lw=1.2, alpha=0.85, label=r["swept"])
+    ax_loss.set_xlabel("optimizer step")
+    ax_loss.set_ylabel("train loss (global)")
+    ax_loss.set_title("Training loss by job")
+    if ax_loss.lines:
+        ax_loss.legend(fontsize=8)
+    for ax in (ax_tp, ax_eff, ax_loss):
         ax.grid(alpha=0.3)
     if failed:
         fig.text(0.5, 0.01, "failed: " + "; ".join(f"job {r['job']} ({r['swept']})" for r in failed),

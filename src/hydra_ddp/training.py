@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms import Join
 from tqdm import tqdm
 
 from hydra_ddp.checkpoint import Checkpointer
@@ -59,10 +60,14 @@ class LossWindow:
     """Per-step training losses made global (averaged over ranks) with one all-reduce per window.
 
     A collective every step would stall the loop; one every `size` steps costs nothing. The
-    same all-reduce carries the stop flag, so every rank stops at the same step.
+    same all-reduce carries the stop flag, so every rank stops at the same step. Losses travel in
+    fixed slots (one per step since the last flush, with a count of the ranks that ran it), so
+    every rank sends the same number of values even when some ran out of batches a step earlier
+    (uneven shards); a rank learns the global last step from the counts.
     """
 
     size: int
+    first: int = 1  # the step in the first slot: the one after the last flush (the same on every rank)
     steps: list[int] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
 
@@ -73,11 +78,22 @@ class LossWindow:
 
     def flush(self, stop: bool, device: torch.device) -> tuple[list[int], list[float], bool]:
         """(steps, global losses, whether any rank wants to stop). Every rank calls it at the same points."""
-        flag = torch.tensor([1.0 if stop else 0.0], dtype=torch.float64, device=device)
-        packed = torch.cat([torch.stack(self.losses).double(), flag]) if self.losses else flag
+        slots = self.size + 1  # uneven shards: one step more than a window, at an epoch's end
+        if len(self.steps) > slots:
+            raise RuntimeError(f"loss window holds {len(self.steps)} steps, more than its {slots} slots")
+        packed = torch.zeros(2 * slots + 1, dtype=torch.float64, device=device)
+        if self.steps:
+            where = torch.tensor([s - self.first for s in self.steps], device=device)
+            packed[where] = torch.stack(self.losses).double()
+            packed[slots + where] = 1.0
+        packed[-1] = 1.0 if stop else 0.0
         dist.all_reduce(packed)
-        values = (packed[:-1] / dist.get_world_size()).tolist()
-        steps, self.steps, self.losses = self.steps, [], []
+        sums, counts = packed[:slots].tolist(), packed[slots:-1].tolist()
+        done = [i for i, count in enumerate(counts) if count]
+        steps = [self.first + i for i in done]
+        values = [sums[i] / counts[i] for i in done]
+        self.first = steps[-1] + 1 if steps else self.first
+        self.steps, self.losses = [], []
         return steps, values, bool(packed[-1].item())
 
 
@@ -161,6 +177,7 @@ class Trainer:
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         self.pos = Position(**state["position"])
+        self.window.first = self.pos.step + 1
         log.info("resumed from %s at epoch %d, batch %d, step %d", path, self.pos.epoch, self.pos.batch, self.pos.step)
 
     def _save(self, metric: Optional[float] = None) -> None:
@@ -175,6 +192,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         trainer_cfg = self.cfg.trainer
         self.batches_per_epoch = len(self.loaders.train)
+        self.common_batches, self.uneven = self._shortest_epoch()
         steps_per_epoch = math.ceil(self.batches_per_epoch / trainer_cfg.accumulate)
         max_steps = trainer_cfg.max_steps or steps_per_epoch * trainer_cfg.epochs
         epochs = min(trainer_cfg.epochs, math.ceil(max_steps / steps_per_epoch))
@@ -183,7 +201,7 @@ class Trainer:
         while self.pos.epoch < epochs and self.pos.step < max_steps and not self.stopped_by:
             epoch = self.pos.epoch
             self._run_epoch(epoch, max_steps, bar)
-            if self.pos.batch >= self.batches_per_epoch:  # the epoch is complete
+            if self._epoch_complete():
                 self.train_loss = self._epoch_loss()
                 if trainer_cfg.eval_every_epoch:
                     self._evaluate(f"epoch {epoch + 1}/{epochs}")
@@ -203,13 +221,60 @@ class Trainer:
             self._save(self.metrics.get(self.cfg.checkpoint.best_metric))  # the last state, and best.pt
         return self._results(epochs)
 
+    def _shortest_epoch(self) -> tuple[int, bool]:
+        """(batches per epoch of the rank with the fewest, whether ranks differ). Equal but for
+        data.even_shards=false, where shard lengths differ by up to one sample."""
+        if self.cfg.data.even_shards:
+            return self.batches_per_epoch, False
+        counts = torch.tensor([-self.batches_per_epoch, self.batches_per_epoch], device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        shortest, longest = -int(counts[0].item()), int(counts[1].item())
+        return shortest, shortest != longest
+
+    def _epoch_complete(self) -> bool:
+        """Every rank ran all its batches (not stopped by max_steps or a signal): the same answer everywhere."""
+        done = self.pos.batch >= self.batches_per_epoch
+        if not self.uneven:
+            return done  # every rank ran the same batches
+        flag = torch.tensor([1 if done else 0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
     def _run_epoch(self, epoch: int, max_steps: int, bar: tqdm) -> None:
         """One epoch (or its rest, after a resume): optimizer steps of `accumulate` batches each."""
-        accumulate = self.cfg.trainer.accumulate
         sampler = self.loaders.train_sampler
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         sampler.skip(self.pos.batch * self.cfg.data.batch_size)  # resuming mid-epoch: no batch replayed
         self.model.train()
+        with self._join():
+            stopped = self._run_batches(max_steps, bar)
+        if not stopped:
+            if self.uneven:
+                self._sync_optimizer_state()
+            self._flush(bar)  # also brings ranks that ran out a step early to the global step
+
+    def _join(self) -> contextlib.AbstractContextManager:
+        """Uneven shards: DDP's Join lets a rank that ran out of batches shadow the others' gradient
+        all-reduces (with zeros; the average is over the ranks that still had a batch)."""
+        if self.cfg.data.even_shards:
+            return contextlib.nullcontext()
+        return Join([getattr(self.model, "_orig_mod", self.model)], divide_by_initial_world_size=False)
+
+    def _sync_optimizer_state(self) -> None:
+        """After an uneven epoch, Join has given every rank the weights of the ranks that ran longest
+        (rank 0 among them); their optimizer state (momentum, Adam's moments) follows from rank 0."""
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    dist.broadcast(value, src=0)
+        if self.scaler.is_enabled():
+            for value in (self.scaler._scale, self.scaler._growth_tracker):
+                if value is not None:
+                    dist.broadcast(value, src=0)
+
+    def _run_batches(self, max_steps: int, bar: tqdm) -> bool:
+        """The epoch's batches; True when the ranks agreed to stop early."""
+        accumulate = self.cfg.trainer.accumulate
         micro_losses: list[torch.Tensor] = []
         samples = 0
         last = time.perf_counter()
@@ -230,16 +295,22 @@ class Trainer:
                 self.first_step_at = time.time()
             self.pos.step += 1
             bar.update()
-            if self.window.add(self.pos.step, loss) and self._flush(bar):
-                return
-            if self.pos.step >= max_steps or self.pos.batch == self.batches_per_epoch:
-                break  # the checkpoint, if due, follows the evaluation (for best.pt)
+            window_full = self.window.add(self.pos.step, loss)
+            if self.pos.step >= max_steps:
+                break
+            if self.pos.batch >= self.common_batches:
+                # The epoch's last batch: the flush, and the checkpoint if due, follow the loop (and
+                # the evaluation, for best.pt). With uneven shards the shortest ranks are out of
+                # batches from here on: no collective of ours until every rank has left the loop.
+                continue
+            if window_full and self._flush(bar):
+                return True
             if self._step_checkpoint_due():
                 stop = self._flush(bar)  # the checkpoint's epoch loss must include every step so far
                 self._save()
                 if stop:
-                    return
-        self._flush(bar)
+                    return True
+        return False
 
     def _step_checkpoint_due(self) -> bool:
         every_n = self.cfg.checkpoint.every_n_steps
@@ -267,6 +338,7 @@ class Trainer:
         self.pos.epoch_loss_count += len(losses)
         if losses:
             bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+            self.pos.step = steps[-1]  # a rank that ran out of batches a step early catches up
         if stop and not self.stopped_by:
             name = signal.Signals(self.stop.signum).name if self.stop.signum else "a signal to another rank"
             self.stopped_by = name

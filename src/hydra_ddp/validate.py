@@ -22,9 +22,19 @@ from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
 
 STORE_FILE = "rendezvous.store"
+DEFAULT_BATCH_SIZE = 32  # per rank, when neither data.batch_size nor data.global_batch_size is set
 
 
 def resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> dict[str, Any]:
+    """The plain config every worker receives: filled in, then checked."""
+    plain = fill_in(cfg, run_dir, external)
+    check(plain, run_dir)
+    return plain
+
+
+def fill_in(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> dict[str, Any]:
+    """Resolve the `auto`s and nulls that launching and forming the group depend on (device, world
+    size, backend, init method, batch sizes). Every rank of an outside launch runs this alike."""
     try:
         plain: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore
     except MissingMandatoryValue as e:
@@ -41,15 +51,21 @@ def resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankIn
         _check_launcher(launcher)
     plain["backend"]["name"] = distributed.resolve_backend(plain["backend"]["name"], trainer["device"], trainer["nproc"])
     _resolve_init_method(plain["init_method"], run_dir, external is not None)
-
+    _resolve_batch_size(plain["data"], trainer["nproc"] * launcher["nnodes"])
     trainer["resume"] = checkpoint.resume_setting(trainer["resume"])
+    return plain
+
+
+def check(plain: dict[str, Any], run_dir: Path) -> None:
+    """Everything else that would fail a run later: found before any worker starts."""
+    trainer, launcher, data_cfg = plain["trainer"], plain["launcher"], plain["data"]
     if trainer["resume"] is None and any((run_dir / checkpoint.DIRNAME).glob("step-*.pt")):
         raise UserError(
             f"{run_dir} holds checkpoints of an earlier run; continue it with trainer.resume=auto, "
             "or start anew in another hydra.run.dir (nothing was overwritten)"
         )
-    data.check_source(plain["data"]["dataset"], plain["data"]["num_classes"])
-    _check_target(plain["data"]["dataset"], "data.dataset")
+    data.check_source(data_cfg["dataset"], data_cfg["num_classes"])
+    _check_target(data_cfg["dataset"], "data.dataset")
     _check_target(plain["model"], "model")
     _check_target(plain["optim"], "optim")
     if plain["scheduler"]:
@@ -66,11 +82,38 @@ def resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankIn
     ckpt = plain["checkpoint"]
     if ckpt["best_mode"] not in ("max", "min") or ckpt["best_metric"] not in (None, "test_accuracy", "test_loss"):
         raise UserError("checkpoint.best_metric must be test_accuracy, test_loss or null, and best_mode max or min")
+    if not data_cfg["even_shards"]:
+        if trainer["accumulate"] > 1:
+            raise UserError("data.even_shards=false does not combine with trainer.accumulate > 1 "
+                            "(ranks end their epoch at different batches); use one or the other")
+        if trainer["compile"]:
+            raise UserError("data.even_shards=false does not combine with trainer.compile=true (DDP's Join "
+                            "wraps the uncompiled model); use one or the other")
     if launcher["nnodes"] > 1 and plain["init_method"]["name"] != "env":
         raise UserError("across nodes the ranks meet through torchrun's rendezvous: use init_method=env")
     if plain["init_method"]["name"] == "file" and launcher.get("max_restarts"):
         raise UserError("a restarted group cannot reuse a file:// store: use init_method=env or tcp with restarts")
-    return plain
+
+
+def _resolve_batch_size(data_cfg: dict[str, Any], world_size: int) -> None:
+    """Per-rank batch from data.batch_size, or data.global_batch_size ÷ world size (one or the other)."""
+    per_rank, total = data_cfg["batch_size"], data_cfg["global_batch_size"]
+    if per_rank is not None and total is not None:
+        raise UserError(
+            f"data.batch_size={per_rank} (per rank) and data.global_batch_size={total} exclude each other: "
+            "set one and leave the other null"
+        )
+    if total is not None:
+        if total < 1 or total % world_size:
+            raise UserError(
+                f"data.global_batch_size={total} does not divide by the world size {world_size}: "
+                f"choose a multiple of {world_size}, or set the per-rank data.batch_size instead"
+            )
+        per_rank = total // world_size
+    per_rank = DEFAULT_BATCH_SIZE if per_rank is None else per_rank
+    if per_rank < 1:
+        raise UserError(f"data.batch_size must be at least 1, got {per_rank}")
+    data_cfg.update(batch_size=per_rank, global_batch_size=per_rank * world_size)
 
 
 def _device(name: str) -> str:
@@ -106,7 +149,7 @@ def _check_launcher(launcher: dict[str, Any]) -> None:
                 "a multi-node launcher=torchrun needs launcher.rdzv_endpoint=HOST:PORT (node 0) and the same "
                 "launcher.rdzv_id on every node"
             )
-        launcher["rdzv_endpoint"] = launcher["rdzv_endpoint"] or f"127.0.0.1:{distributed.free_port()}"
+        # A single node's rendezvous endpoint is the launching process's own store (launch.py).
         launcher["rdzv_id"] = launcher["rdzv_id"] or uuid.uuid4().hex[:12]
     else:
         raise UserError(f"unknown launcher {name!r}; choose spawn or torchrun")
@@ -122,8 +165,7 @@ def _resolve_init_method(init: dict[str, Any], run_dir: Path, external: bool) ->
                 f"init_method={name} under this launcher needs init_method.port (and init_method.host: rank 0's "
                 "host), the same on every rank"
             )
-        else:
-            init["port"] = distributed.free_port(init["host"])
+        # else: the launching process binds a free port and holds it for the run (launch.py)
     elif name == "file":
         if init["path"] is None:
             if external:

@@ -6,10 +6,13 @@ as a plain dict, so a run has one output directory whatever started the workers.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
 import resource
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -42,8 +45,9 @@ def cpu_threads(configured: Optional[int], rank: RankInfo) -> int:
     return max(1, len(os.sched_getaffinity(0)) // rank.local_world_size)
 
 
-def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float) -> Optional[dict[str, Any]]:
-    """Train, and return the run's summary."""
+def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
+        problem: Optional[str] = None) -> Optional[dict[str, Any]]:
+    """Train, and return the run's summary. `problem`: what rank 0 of an outside launch found wrong."""
     stop = training.StopRequest()
     stop.install()
     external = cfg.launcher.get("external", False)
@@ -52,67 +56,87 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float) -> Opt
     device = torch.device(f"cuda:{rank.local_rank}" if cfg.trainer.device == "cuda" else "cpu")
     torch.set_num_threads(cpu_threads(cfg.trainer.threads, rank))
     # An outside torchrun, and torchrun across nodes, bring the env:// rendezvous (MASTER_ADDR/PORT).
-    # On one node our own store is used: loopback-only, and fresh after a restart (the agent's keeps
-    # the dead group's keys, and the restarted ranks would wait on them).
+    # On one node our own store is used: loopback-only, and fresh keys after a restart.
     launcher_env = "MASTER_PORT" in os.environ and (external or cfg.launcher.nnodes > 1)
     with distributed.process_group(cfg.backend.name, cfg.init_method, rank, cfg.dist.timeout_s, device, launcher_env):
         out = Path(run_dir)
         if external:  # every rank was started with its own idea of the run directory: rank 0's wins
             out = Path(distributed.broadcast_text(run_dir, device))
             reporting.setup_logging(rank, out)
-        log.info(
-            "rank %d/%d on %s, %d CPU thread(s), pid %d",
-            rank.rank, rank.world_size, device, torch.get_num_threads(), os.getpid(),
-        )
-
-        seed_everything(cfg.trainer.seed)
-        loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, device)
-        memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
-        model = instantiate(cfg.model).to(device, memory_format=memory_format)
-        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **cfg.ddp)
-        optimizer = instantiate(cfg.optim)(ddp_model.parameters())
-        if cfg.trainer.compile:
-            ddp_model = _compiled(ddp_model, cfg.trainer.compile_backend)
-        scheduler = instantiate(cfg.scheduler)(optimizer) if cfg.scheduler else None
-        checkpointer = checkpoint.Checkpointer(
-            cfg.checkpoint, out, rank, device, OmegaConf.to_container(cfg, resolve=True)
-        )
-        # Rank 0 picks the checkpoint (on every node the same file: checkpoints live with rank 0).
-        resume = checkpointer.choose(checkpoint.resume_setting(cfg.trainer.resume)) if rank.is_main else None
-        chosen = distributed.broadcast_text(str(resume[0]) if resume else "", device)
-        if chosen and not rank.is_main:
-            resume = Path(chosen), checkpointer.load(Path(chosen))
-
-        # Resuming: TensorBoard hides the earlier file's events after the checkpoint's step.
-        purge_step = resume[1]["position"]["step"] + 1 if resume else None
-        reporter = reporting.Reporter(rank, out, cfg, purge_step=purge_step)
-        try:
-            trainer = training.Trainer(
-                ddp_model, optimizer, scheduler, loaders, device, cfg, reporter, checkpointer, stop,
-                progress=reporting.show_progress(cfg.trainer.progress, rank),
-            )
-            if resume:
-                trainer.resume_from(*resume)
-            result = trainer.fit()
-            summary = {
-                "world_size": rank.world_size,
-                "nnodes": cfg.launcher.nnodes,
-                "nproc_per_node": rank.local_world_size,
-                "backend": cfg.backend.name,
-                "launcher": cfg.launcher.name,
-                "init_method": cfg.init_method.name,
-                "device": device.type,
-                **result,
-                "time_to_first_step_s": result["first_step_at"] - started_at if result["first_step_at"] else None,
-                "peak_rss_mb": distributed.max_over_ranks(_peak_rss_mb(), device),
-                "wall_time_s": time.time() - started_at,
-                "run_dir": str(out),
-                "resumed_from": str(resume[0]) if resume else None,
-            }
-            reporter.finish(summary, hparams=_hparams(cfg, rank))
-        finally:
-            reporter.close()
+            problem = distributed.first_error(problem, device)
+            if problem:
+                raise UserError(problem)  # the same line on every rank, before anything is built
+        # Everything the run builds lives in _train's frame and is gone when it returns, before the
+        # group is destroyed: gloo's threads are then joined here, not left to interpreter exit.
+        summary = _train(cfg, out, rank, device, stop, started_at)
+        _release(cfg)
     return summary  # the same on every rank: global values only
+
+
+def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, stop: training.StopRequest,
+           started_at: float) -> dict[str, Any]:
+    log.info(
+        "rank %d/%d on %s, %d CPU thread(s), pid %d",
+        rank.rank, rank.world_size, device, torch.get_num_threads(), os.getpid(),
+    )
+    seed_everything(cfg.trainer.seed)
+    loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, device)
+    memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
+    model = instantiate(cfg.model).to(device, memory_format=memory_format)
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **cfg.ddp)
+    optimizer = instantiate(cfg.optim)(ddp_model.parameters())
+    if cfg.trainer.compile:
+        ddp_model = _compiled(ddp_model, cfg.trainer.compile_backend)
+    scheduler = instantiate(cfg.scheduler)(optimizer) if cfg.scheduler else None
+    checkpointer = checkpoint.Checkpointer(cfg.checkpoint, out, rank, device, OmegaConf.to_container(cfg, resolve=True))
+    # Rank 0 picks the checkpoint (on every node the same file: checkpoints live with rank 0).
+    resume = checkpointer.choose(checkpoint.resume_setting(cfg.trainer.resume)) if rank.is_main else None
+    chosen = distributed.broadcast_text(str(resume[0]) if resume else "", device)
+    if chosen and not rank.is_main:
+        resume = Path(chosen), checkpointer.load(Path(chosen))
+
+    # Resuming: TensorBoard hides the earlier file's events after the checkpoint's step.
+    purge_step = resume[1]["position"]["step"] + 1 if resume else None
+    reporter = reporting.Reporter(rank, out, cfg, purge_step=purge_step)
+    try:
+        trainer = training.Trainer(
+            ddp_model, optimizer, scheduler, loaders, device, cfg, reporter, checkpointer, stop,
+            progress=reporting.show_progress(cfg.trainer.progress, rank),
+        )
+        if resume:
+            trainer.resume_from(*resume)
+        result = trainer.fit()
+        summary = {
+            "world_size": rank.world_size,
+            "nnodes": cfg.launcher.nnodes,
+            "nproc_per_node": rank.local_world_size,
+            "backend": cfg.backend.name,
+            "launcher": cfg.launcher.name,
+            "init_method": cfg.init_method.name,
+            "device": device.type,
+            "batch_size": cfg.data.batch_size,
+            "global_batch_size": cfg.data.global_batch_size,
+            **result,
+            "time_to_first_step_s": result["first_step_at"] - started_at if result["first_step_at"] else None,
+            "peak_rss_mb": distributed.max_over_ranks(_peak_rss_mb(), device),
+            "wall_time_s": time.time() - started_at,
+            "run_dir": str(out),
+            "resumed_from": str(resume[0]) if resume else None,
+        }
+        reporter.finish(summary, hparams=_hparams(cfg, rank))
+    finally:
+        reporter.close()
+    return summary
+
+
+def _release(cfg: DictConfig) -> None:
+    """Drop what still holds the process group (compiled graphs keep the DDP module, reference
+    cycles the rest), so destroying the group stops its threads now."""
+    if cfg.trainer.compile:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+    gc.collect()
 
 
 def _compiled(model: DDP, backend: str) -> nn.Module:
@@ -146,28 +170,46 @@ class WorkerError(UserError):
     """A worker's failure reduced to one line for the parent; the traceback stays in the log file."""
 
 
-def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float) -> Optional[dict[str, Any]]:
+def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float, problem: Optional[str] = None,
+         parent_pid: Optional[int] = None) -> Optional[dict[str, Any]]:
     """Every worker's entry, whatever started it: the traceback to the log, one line to the launcher."""
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     try:
-        return run(OmegaConf.create(cfg), run_dir, rank, started_at)
+        return run(OmegaConf.create(cfg), run_dir, rank, started_at, problem)
     except Exception as error:
         log.exception("rank %d failed", rank.rank, extra=reporting.FILE_ONLY)
+        if isinstance(error, UserError):
+            raise  # already one line that says what to do
         while error.__cause__ is not None:  # e.g. Hydra's InstantiationException wraps the real cause
             error = error.__cause__
         raise WorkerError(f"{type(error).__name__}: {error}".splitlines()[0]) from None
 
 
-def spawn_entry(local_rank: int, cfg: dict, run_dir: str, started_at: float) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this worker when the process that launched it dies (even by SIGKILL, with no chance
+    to clean up): no orphan keeps training, or holding a GPU, after its launcher is gone."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os._exit(1)
+
+
+def spawn_entry(local_rank: int, cfg: dict, run_dir: str, started_at: float, parent_pid: int) -> None:
     """torch.multiprocessing.spawn target: single node, rank = local rank."""
     n = cfg["trainer"]["nproc"]
-    main(cfg, run_dir, RankInfo(local_rank, n, local_rank, n), started_at)
+    main(cfg, run_dir, RankInfo(local_rank, n, local_rank, n), started_at, parent_pid=parent_pid)
 
 
 @record  # writes the exception to torchelastic's error file, so the parent can name it
-def elastic_entry(cfg: dict, run_dir: str, started_at: float) -> Optional[dict[str, Any]]:
+def elastic_entry(cfg: dict, run_dir: str, started_at: float, parent_pid: int) -> Optional[dict[str, Any]]:
     """elastic_launch target: torchelastic has set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
     _, rank = distributed.external_launch()
-    summary = main(cfg, run_dir, rank, started_at)
+    summary = main(cfg, run_dir, rank, started_at, parent_pid=parent_pid)
     if summary and summary["stopped_by"]:
         # The agent, shutting down on the signal, waits for this process to end, while the process
         # waits to hand over its return value: end now, not after the agent's 30 s grace period.

@@ -1,9 +1,15 @@
 """Test-only models that fail in chosen ranks, to exercise failure reporting through real launchers."""
 
+import atexit
+import os
+import signal
 import threading
+from pathlib import Path
 
 import torch.distributed as dist
+from torch.utils.data import Dataset
 
+from hydra_ddp.data import synthetic
 from hydra_ddp.models import MnistCNN
 
 
@@ -26,3 +32,109 @@ class HangOnRank(MnistCNN):
         if self.training and self.calls > self.after_steps and dist.get_rank() == self.hang_rank:
             threading.Event().wait()  # forever: only the collective timeout can end this run
         return super().forward(x)
+
+
+class ChaosCNN(MnistCNN):
+    """Kills its own rank with SIGKILL at a planned moment of a planned torchrun attempt.
+
+    `chaos`: "attempt:kind:rank:n;…" — in restart attempt `attempt`, rank `rank` dies
+      step  at its n-th training forward of the attempt,
+      eval  at its first evaluation forward,
+      ckpt  during the attempt's n-th checkpoint: rank 0 between writing the temp file and the
+            rename that publishes it; another rank while rank 0 is writing.
+    """
+
+    def __init__(self, chaos: str = "", **kwargs):
+        super().__init__(**kwargs)
+        attempt, rank = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), dist.get_rank()
+        plans = [item.split(":") for item in chaos.split(";") if item]
+        self.plan = next(((kind, int(n)) for a, kind, r, n in plans if int(a) == attempt and int(r) == rank), None)
+        self.calls = 0
+        if self.plan and self.plan[0] == "ckpt":
+            self._die_in_checkpoint(rank, self.plan[1])
+
+    def forward(self, x):
+        if self.plan:
+            kind, n = self.plan
+            if kind == "step" and self.training:
+                self.calls += 1
+                if self.calls == n:
+                    _die()
+            elif kind == "eval" and not self.training:
+                _die()
+        return super().forward(x)
+
+    @staticmethod
+    def _die_in_checkpoint(rank: int, n: int) -> None:
+        from hydra_ddp import checkpoint
+
+        seen = [0]
+        if rank == 0:
+            real_replace = os.replace
+
+            def replace(src, dst, *args, **kwargs):
+                if str(src).endswith(".tmp") and Path(dst).name.startswith("step-"):
+                    seen[0] += 1
+                    if seen[0] == n:
+                        _die()  # the new checkpoint is written, not yet published
+                return real_replace(src, dst, *args, **kwargs)
+
+            os.replace = replace
+        else:
+            real_first_error = checkpoint.first_error
+
+            def first_error(problem, device):  # rank 0 is writing; this rank waits for its verdict
+                seen[0] += 1
+                if seen[0] == n:
+                    _die()
+                return real_first_error(problem, device)
+
+            checkpoint.first_error = first_error
+
+
+def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class AbortAtExit(MnistCNN):
+    """Trains normally; rank `abort_rank` then aborts (SIGABRT) while its interpreter shuts down."""
+
+    def __init__(self, abort_rank: int = 1, **kwargs):
+        super().__init__(**kwargs)
+        if dist.get_rank() == abort_rank:
+            atexit.register(os.kill, os.getpid(), signal.SIGABRT)
+
+
+class Recorder(MnistCNN):
+    """Writes, at each evaluation, a checksum of this rank's weights (log_dir/params-rank<R>.txt)."""
+
+    def __init__(self, log_dir: str, **kwargs):
+        super().__init__(**kwargs)
+        self.log_dir = Path(log_dir)
+
+    def forward(self, x):
+        if not self.training:
+            total = sum(p.detach().double().sum().item() for p in self.parameters())
+            with open(self.log_dir / f"params-rank{dist.get_rank()}.txt", "a") as f:
+                f.write(f"{total!r}\n")
+        return super().forward(x)
+
+
+class _Counted(Dataset):
+    """A dataset that appends each index it serves to log_dir/samples-rank<R>.txt."""
+
+    def __init__(self, inner, log_dir: str):
+        self.inner, self.log_dir = inner, Path(log_dir)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        with open(self.log_dir / f"samples-rank{dist.get_rank()}.txt", "a") as f:
+            f.write(f"{index}\n")
+        return self.inner[index]
+
+
+def counted_synthetic(log_dir: str, **kwargs):
+    train, test = synthetic(**kwargs)
+    return _Counted(train, log_dir), test
