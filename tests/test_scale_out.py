@@ -46,6 +46,18 @@ def test_parallel_joblib_sweep_runs_two_ddp_jobs_at_once(tmp_path: Path):
     assert [summary(sweep / str(i))["init_method"] for i in (0, 1)] == ["env", "file"]
 
 
+def test_eight_parallel_jobs_never_collide_on_a_port(tmp_path: Path):
+    """4 jobs at a time, each launching its own group: every job's launching process binds its store's
+    port itself and holds it, so no job can take another's between choosing and binding."""
+    sweep = tmp_path / "sweep"
+    proc = run_train(tmp_path / "unused", "-m", "trainer.max_steps=4", "trainer.log_every=2", "trainer.threads=1",
+                     "hydra/launcher=joblib", "hydra.launcher.n_jobs=4", "launcher=spawn,torchrun",
+                     "trainer.seed=0,1,2,3", f"hydra.sweep.dir={sweep}", timeout=400)
+    check_ok(proc)
+    rows = list(csv.DictReader(open(sweep / "scaling.csv")))
+    assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}, rows
+
+
 def test_submitit_local_tasks_form_one_group(tmp_path: Path):
     sweep = tmp_path / "sweep"
     proc = run_train(tmp_path / "unused", "-m", *QUICK, "hydra/launcher=slurm_local", f"hydra.sweep.dir={sweep}",

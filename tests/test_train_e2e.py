@@ -112,3 +112,14 @@ def test_nccl_on_cpu_fails_fast_with_one_line(run_dir: Path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "nccl" in lines[0] and "gloo" in lines[0], proc.stderr
     assert not (run_dir / "train.log").exists() or "rank" not in (run_dir / "train.log").read_text()
+
+
+def test_outside_launch_problem_found_by_rank_zero_stops_every_rank_with_its_line(run_dir: Path):
+    """Only rank 0 knows the run directory; its verdict reaches rank 1 before either trains."""
+    check_ok(run_train(run_dir, "trainer.max_steps=2"))
+    prefix = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+    proc = run_train(run_dir, *QUICK, prefix=prefix, timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hydra-ddp: error:")]
+    assert len(errors) == 2 and errors[0] == errors[1] and "holds checkpoints" in errors[0], proc.stderr
+    assert "DistNetworkError" not in proc.stderr and "Connection reset" not in proc.stderr, proc.stderr

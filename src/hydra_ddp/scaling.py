@@ -146,10 +146,11 @@ def plot(rows: list[dict[str, Any]], path: Path, sweep_dir: Optional[Path] = Non
     ax_eff.set_ylim(0, max([1.1] + [r["efficiency"] * 1.1 for r in done]))
     ax_eff.set_title("Efficiency (speed-up ÷ world-size ratio)")
     # Scaling out must not change the science: with data.global_batch_size the curves coincide.
-    for r in done if sweep_dir else []:
+    # Dashes and narrowing widths keep curves that lie on top of each other visible.
+    for i, r in enumerate(done if sweep_dir else []):
         curve = train_losses(sweep_dir / str(r["job"]))
         if curve:
-            ax_loss.plot(*zip(*curve), lw=1.2, alpha=0.85, label=r["swept"])
+            ax_loss.plot(*zip(*curve), ls=("-", "--", ":", "-.")[i % 4], lw=max(0.8, 3.0 - 0.6 * i), label=r["swept"])
     ax_loss.set_xlabel("optimizer step")
     ax_loss.set_ylabel("train loss (global)")
     ax_loss.set_title("Training loss by job")

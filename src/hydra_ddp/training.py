@@ -192,8 +192,9 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         trainer_cfg = self.cfg.trainer
         self.batches_per_epoch = len(self.loaders.train)
-        self.common_batches, self.uneven = self._shortest_epoch()
-        steps_per_epoch = math.ceil(self.batches_per_epoch / trainer_cfg.accumulate)
+        self.common_batches, longest = self._epoch_lengths()
+        self.uneven = self.common_batches != longest
+        steps_per_epoch = math.ceil(longest / trainer_cfg.accumulate)  # the same on every rank
         max_steps = trainer_cfg.max_steps or steps_per_epoch * trainer_cfg.epochs
         epochs = min(trainer_cfg.epochs, math.ceil(max_steps / steps_per_epoch))
         bar = tqdm(total=max_steps, initial=self.pos.step, disable=not self.progress, unit="step", dynamic_ncols=True)
@@ -221,15 +222,15 @@ class Trainer:
             self._save(self.metrics.get(self.cfg.checkpoint.best_metric))  # the last state, and best.pt
         return self._results(epochs)
 
-    def _shortest_epoch(self) -> tuple[int, bool]:
-        """(batches per epoch of the rank with the fewest, whether ranks differ). Equal but for
-        data.even_shards=false, where shard lengths differ by up to one sample."""
+    def _epoch_lengths(self) -> tuple[int, int]:
+        """(fewest, most) batches per epoch of any rank. Equal but for data.even_shards=false, where
+        shard lengths differ by up to one sample."""
         if self.cfg.data.even_shards:
-            return self.batches_per_epoch, False
+            return self.batches_per_epoch, self.batches_per_epoch
         counts = torch.tensor([-self.batches_per_epoch, self.batches_per_epoch], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         shortest, longest = -int(counts[0].item()), int(counts[1].item())
-        return shortest, shortest != longest
+        return shortest, longest
 
     def _epoch_complete(self) -> bool:
         """Every rank ran all its batches (not stopped by max_steps or a signal): the same answer everywhere."""

@@ -1,0 +1,58 @@
+"""How the data is split over ranks: uneven shards under DDP's Join, and a global batch that makes
+training the same at any world size. Real multi-process gloo runs of train.py."""
+
+from __future__ import annotations
+
+import csv
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import check_ok, run_train, scalars, summary
+
+TRAIN, BATCH, EPOCHS = 65, 8, 2  # 2 ranks: shards of 33 and 32 samples, 5 and 4 batches
+
+
+def test_uneven_shards_see_every_sample_once_per_epoch_and_end_equal(tmp_path: Path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    run_dir = tmp_path / "run"
+    proc = run_train(
+        run_dir, "data=synthetic", "data.even_shards=false", f"data.batch_size={BATCH}", f"trainer.epochs={EPOCHS}",
+        "data.dataset._target_=faulty.counted_synthetic", f"+data.dataset.log_dir={logs}",
+        f"data.dataset.train_size={TRAIN}", "data.dataset.test_size=16", "trainer.log_every=2",
+        "model._target_=faulty.Recorder", f"+model.log_dir={logs}", "dist.timeout_s=60",
+    )
+    check_ok(proc)
+    served = {rank: [int(i) for i in (logs / f"samples-rank{rank}.txt").read_text().split()] for rank in (0, 1)}
+    assert [len(served[0]), len(served[1])] == [33 * EPOCHS, 32 * EPOCHS]  # disjoint shards, no padding
+    assert Counter(served[0] + served[1]) == {i: EPOCHS for i in range(TRAIN)}  # every sample once an epoch
+    assert summary(run_dir)["steps"] == 5 * EPOCHS  # the longer shard's batches count
+    # Join gave every rank the same weights, and the optimizer state followed: still equal an epoch later.
+    checksums = [(logs / f"params-rank{rank}.txt").read_text().split() for rank in (0, 1)]
+    assert checksums[0] == checksums[1] and len(checksums[0]) >= EPOCHS
+
+
+def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Path):
+    sweep = tmp_path / "sweep"
+    proc = run_train(
+        tmp_path / "unused", "-m", "trainer.nproc=1,2,4", "data.global_batch_size=128", "trainer.threads=1",
+        "data.drop_last=true", "trainer.max_steps=20", "trainer.log_every=5", "checkpoint.every_epoch=false",
+        f"hydra.sweep.dir={sweep}", timeout=400,
+    )
+    check_ok(proc)
+    losses = {}
+    for job, world in enumerate((1, 2, 4)):
+        s = summary(sweep / str(job))
+        assert (s["world_size"], s["batch_size"], s["global_batch_size"]) == (world, 128 // world, 128)
+        losses[world] = [v for _, v in scalars(sweep / str(job), "train/loss")]
+        assert len(losses[world]) == 20
+    # The same samples in every global batch; only float summation order differs, and its
+    # differences (about 1e-7 at first) grow with the steps.
+    for world in (2, 4):
+        assert losses[world][:10] == pytest.approx(losses[1][:10], rel=1e-6), world
+        assert losses[world] == pytest.approx(losses[1], rel=1e-4), world
+    rows = list(csv.DictReader(open(sweep / "scaling.csv")))
+    assert [r["global_batch_size"] for r in rows] == ["128"] * 3
+    assert (sweep / "scaling.png").stat().st_size > 20_000  # throughput, efficiency and the loss curves
