@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test bench clean
+.PHONY: train test bench soak clean
 
 # The venv is rebuilt when the project's dependencies change.
 $(STAMP): pyproject.toml
@@ -20,6 +20,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run.py $(ARGS)
+
+# The whole suite RUNS times beside a CPU hog; per-test failure counts in bench/results/SOAK.md.
+RUNS ?= 5
+soak: $(STAMP)
+	$(PY) bench/soak.py --runs $(RUNS) $(if $(ARGS),-- $(ARGS))
 
 clean:
 	rm -rf $(VENV) outputs

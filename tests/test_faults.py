@@ -299,9 +299,13 @@ def test_sigkill_to_the_parent_leaves_no_worker_and_resume_is_exact(straight: Pa
 
 
 def test_crash_while_exiting_after_a_complete_run_is_a_warning(run_dir: Path):
-    proc = run_train(run_dir, *QUICK, "model._target_=faulty.AbortAtExit", "+model.abort_rank=1")
+    # Under torchrun a worker's interpreter shuts down normally (spawn's workers end with os._exit
+    # once their outputs are closed), so its exit handlers run: one aborts on purpose.
+    proc = run_train(run_dir, *QUICK, "launcher=torchrun", "model._target_=faulty.AbortAtExit", "+model.abort_rank=1")
     check_ok(proc)  # the summary proves every rank finished: the run stands
-    assert "warning: worker rank 1 ended badly (killed by SIGABRT) while exiting" in proc.stderr, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("hydra-ddp: warning:")]
+    assert len(warnings) == 1 and "worker rank 1 ended badly" in warnings[0], proc.stderr
+    assert "SIGABRT" in warnings[0] or "Signal 6" in warnings[0], warnings[0]
     assert summary(run_dir)["steps"] == 8
 
 

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
 
 from hydra_ddp import checkpoint, data, distributed, reporting, training
 from hydra_ddp.distributed import RankInfo
@@ -50,6 +51,7 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
     """Train, and return the run's summary. `problem`: what rank 0 of an outside launch found wrong."""
     stop = training.StopRequest()
     stop.install()
+    tqdm.monitor_interval = 0  # no monitor thread: one less thread alive when the process exits
     external = cfg.launcher.get("external", False)
     if not external:
         reporting.setup_logging(rank, Path(run_dir))
@@ -203,6 +205,23 @@ def spawn_entry(local_rank: int, cfg: dict, run_dir: str, started_at: float, par
     """torch.multiprocessing.spawn target: single node, rank = local rank."""
     n = cfg["trainer"]["nproc"]
     main(cfg, run_dir, RankInfo(local_rank, n, local_rank, n), started_at, parent_pid=parent_pid)
+    _exit_after_teardown()
+
+
+def _exit_after_teardown() -> None:
+    """End a worker whose outputs are written and closed and whose group is destroyed, without
+    interpreter finalization.
+
+    Native threads outlive destroy_process_group (gloo's, while C++ still holds the group),
+    torch.compile's tracing starts the autograd engine's device threads, and CPython 3.11 ends
+    daemon threads that wake during finalization with pthread_exit, unwinding through C++ frames.
+    Static destructors racing them aborted a finished worker now and then ("terminate called
+    without an active exception"). A forked multiprocessing child ends the same way (os._exit).
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @record  # writes the exception to torchelastic's error file, so the parent can name it

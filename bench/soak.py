@@ -1,0 +1,104 @@
+"""Soak: the whole test suite, run after run, beside a CPU hog; per-test failure counts.
+
+    make soak                 # 5 runs
+    make soak RUNS=10         # the standard: 10 consecutive full-suite runs, 0 failures
+    python bench/soak.py --runs 3 -- -k faults   # any pytest arguments after --
+
+A test that fails once in twenty runs is a bug: this is how it is found. The report goes to
+bench/results/SOAK.md (and the console); the exit status is non-zero when any test failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+REPO = Path(__file__).resolve().parents[1]
+REPORT = REPO / "bench" / "results" / "SOAK.md"
+
+
+def hog() -> subprocess.Popen:
+    """One process spinning on a core: the suite must not depend on having the machine to itself."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+
+
+def run_suite(junit: Path, pytest_args: list[str]) -> tuple[float, int, dict[str, str]]:
+    """(seconds, exit code, {test id: "failed" | "error"}) of one full run."""
+    started = time.monotonic()
+    code = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *pytest_args],
+        cwd=REPO,
+    ).returncode
+    seconds = time.monotonic() - started
+    bad: dict[str, str] = {}
+    if junit.exists():
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            for kind in ("failure", "error"):
+                if case.find(kind) is not None:
+                    bad[f"{case.get('classname')}::{case.get('name')}"] = kind
+    elif code:
+        bad["(the run itself)"] = f"exit {code}, no report"
+    return seconds, code, bad
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5, help="full-suite runs (default 5)")
+    parser.add_argument("--no-hog", action="store_true", help="without the CPU-hogging process")
+    parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
+    args = parser.parse_args()
+
+    failures: Counter[str] = Counter()
+    runs = []
+    spinner = None if args.no_hog else hog()
+    try:
+        with TemporaryDirectory() as tmp:
+            for i in range(1, args.runs + 1):
+                seconds, code, bad = run_suite(Path(tmp) / f"run{i}.xml", args.pytest_args)
+                failures.update(bad)
+                runs.append((i, seconds, code, sorted(bad)))
+                print(f"soak: run {i}/{args.runs}: {'ok' if not bad and not code else 'FAILED'} in {seconds:.0f} s"
+                      + (f" ({', '.join(sorted(bad))})" if bad else ""), flush=True)
+    finally:
+        if spinner:
+            spinner.kill()
+            spinner.wait()
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    lines = [
+        "# Soak: the whole suite, run after run",
+        "",
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC · commit `{commit.stdout.strip() or '?'}` · "
+        f"{len(os.sched_getaffinity(0))} cores · Python {platform.python_version()} · "
+        f"{'with one CPU-hogging process beside it' if spinner else 'no CPU hog'} · `bench/soak.py`"
+        + (f" · pytest {' '.join(args.pytest_args)}" if args.pytest_args else ""),
+        "",
+        f"**{sum(1 for r in runs if not r[3] and not r[2])} of {len(runs)} runs passed; "
+        f"{sum(failures.values())} test failure(s).**",
+        "",
+        "| run | result | minutes | failed tests |",
+        "| ---: | --- | ---: | --- |",
+        *(f"| {i} | {'ok' if not bad and not code else 'failed'} | {s / 60:.1f} | {', '.join(bad)} |"
+          for i, s, code, bad in runs),
+        "",
+    ]
+    if failures:
+        lines += ["| test | failures |", "| --- | ---: |",
+                  *(f"| `{test}` | {n} of {len(runs)} |" for test, n in failures.most_common()), ""]
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    REPORT.write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 1 if failures or any(code for _, _, code, _ in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
