@@ -4,7 +4,9 @@ Prints, and writes to OUT/gpu_check.md:
 - parity: train.py against bench/handwritten.py (the seeds' CNN, batch 64, nccl, one rank per GPU);
 - ResNet-50 (torchvision) images/s in bf16 on synthetic 224×224 data, and the effect of
   channels_last and torch.compile;
-- DataParallel against DDP where 2 or more GPUs exist (the seeds say DDP is faster).
+- DataParallel against DDP where 2 or more GPUs exist (the seeds say DDP is faster);
+- where 2 or more GPUs exist: a BatchNorm model (ResNet-18) with ddp.sync_batchnorm and
+  data.global_batch_size trains alike on 1 GPU and on all of them (step losses compared).
 """
 
 from __future__ import annotations
@@ -43,6 +45,18 @@ def project(overrides: list[str], steps: int, batch: int, timeout: float = 240) 
                f"data.dataset.train_size={steps * batch * torch.cuda.device_count()}", *overrides,
                f"hydra.run.dir={tmp}/run"]
         return run(cmd, Path(tmp) / "run" / "summary.json", timeout)
+
+
+def step_losses(overrides: list[str], steps: int) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "train.py", *COMMON, f"trainer.max_steps={steps}", "trainer.log_every=5",
+               "data.dataset.train_size=4096", "data.drop_last=true", *overrides, f"hydra.run.dir={tmp}/run"]
+        run(cmd, Path(tmp) / "run" / "summary.json", 300)
+        acc = EventAccumulator(f"{tmp}/run/tensorboard", size_guidance={"scalars": 0})
+        acc.Reload()
+        return [e.value for e in acc.Scalars("train/loss")]
 
 
 def handwritten(steps: int) -> dict:
@@ -101,6 +115,13 @@ def main() -> None:
         emit(f"- {label}: {f['steady_samples_per_sec']:,.0f} images/s ({f['steady_samples_per_sec'] / base:.2f}× plain bf16)")
     if gpus < 2:
         emit("- DataParallel vs DDP: not measured (one GPU here; needs 2 or more)")
+        emit("- SyncBatchNorm world-size invariance: not measured (one GPU here; needs 2 or more)")
+    else:
+        bn = ["model=resnet18", "data.in_channels=1", "ddp.sync_batchnorm=true", "data.global_batch_size=128"]
+        one, many = step_losses(bn + ["trainer.nproc=1"], 20), step_losses(bn + [f"trainer.nproc={gpus}"], 20)
+        worst = max(abs(a - b) / abs(b) for a, b in zip(many, one))
+        emit(f"- ResNet-18 + SyncBatchNorm, global batch 128, 1 vs {gpus} GPUs: largest relative step-loss "
+             f"difference over 20 steps {worst:.1e} (fp32; TF32 matmuls may widen it)")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "gpu_check.md").write_text("\n".join(lines) + "\n")
 

@@ -112,6 +112,7 @@ def test_wrong_type_fails_at_composition():
         (["launcher=torchrun", "launcher.nnodes=2"], "rdzv_endpoint"),
         (["data.even_shards=false", "trainer.accumulate=2"], "even_shards"),
         (["data.even_shards=false", "trainer.compile=true"], "even_shards"),
+        (["ddp.sync_batchnorm=true", "trainer.device=cpu"], "needs GPUs"),
     ],
 )
 def test_bad_config_is_one_clear_error(tmp_path: Path, overrides: list[str], message: str):

@@ -131,6 +131,9 @@ class DDPConf:
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
     find_unused_parameters: bool = False
+    # Not DDP's: BatchNorm layers become SyncBatchNorm (statistics over the global batch, so a
+    # BatchNorm model trains alike at any world size). GPUs only: DDP refuses it on the CPU.
+    sync_batchnorm: bool = False
 
 
 @dataclass

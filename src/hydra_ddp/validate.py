@@ -72,6 +72,9 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
         _check_target(plain["scheduler"], "scheduler")
     if str(trainer["precision"]) not in ("32", "bf16", "16"):
         raise UserError(f"trainer.precision must be 32, bf16 or 16, got {trainer['precision']!r}")
+    if plain["ddp"]["sync_batchnorm"] and trainer["device"] != "cuda":
+        raise UserError("ddp.sync_batchnorm=true needs GPUs (this torch's DDP refuses SyncBatchNorm on the CPU); "
+                        "set it false, or train with trainer.device=cuda")
     if str(trainer["precision"]) == "16" and trainer["device"] != "cuda":
         raise UserError("trainer.precision=16 needs a GPU (fp16 autocast with a GradScaler); on the CPU use bf16")
     for key, value in [(f"trainer.{k}", trainer[k]) for k in ("epochs", "log_every", "accumulate", "max_steps")] + [

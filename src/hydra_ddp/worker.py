@@ -84,8 +84,12 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     seed_everything(cfg.trainer.seed)
     loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, device)
     memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
-    model = instantiate(cfg.model).to(device, memory_format=memory_format)
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **cfg.ddp)
+    model = instantiate(cfg.model)
+    ddp_options = OmegaConf.to_container(cfg.ddp)
+    if ddp_options.pop("sync_batchnorm"):
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(device, memory_format=memory_format)
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_options)
     optimizer = instantiate(cfg.optim)(ddp_model.parameters())
     if cfg.trainer.compile:
         ddp_model = _compiled(ddp_model, cfg.trainer.compile_backend)
