@@ -275,13 +275,14 @@ def test_chaos_kills_under_torchrun_restarts_finish_bit_identical(tmp_path: Path
     check_ok(run_train(straight, *common))
     plan = _chaos_plan(random.Random(int.from_bytes(os.urandom(4), "big")))
     chaotic = tmp_path / "chaos"
+    print(f"chaos plan (attempt:kind:rank:n): {plan}")  # shown with a failure: rerun it with this plan
     proc = run_train(chaotic, *common, "launcher=torchrun", "launcher.max_restarts=3",
                      "model._target_=faulty.ChaosCNN", f"+model.chaos='{plan}'", timeout=240)
-    check_ok(proc)
+    assert proc.returncode == 0, f"plan {plan}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     starts = [line for line in _log(chaotic).splitlines() if "[rank 0]" in line and "CPU thread(s)" in line]
     assert len(starts) == 4, f"plan {plan}: expected 3 kills and 4 attempts, saw {len(starts)}"
-    assert summary(chaotic)["steps"] == CHAOS_STEPS
-    assert_same_params(final_params(chaotic), final_params(straight))
+    assert summary(chaotic)["steps"] == CHAOS_STEPS, plan
+    assert_same_params(final_params(chaotic), final_params(straight))  # plan printed above
     assert_no_orphans(proc.pid)
 
 

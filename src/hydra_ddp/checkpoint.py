@@ -101,6 +101,8 @@ class Checkpointer:
 
     def _write(self, state: dict[str, Any], step: int, improved: bool) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        for leftover in self.dir.glob(".*.tmp"):  # from a writer killed mid-write: rank 0 is the only one
+            leftover.unlink(missing_ok=True)
         target = self.dir / f"step-{step:08d}.pt"
         _atomic_save(state, target)
         _atomic_link(target, self.dir / LAST)

@@ -171,7 +171,10 @@ def _store(init: Mapping[str, Any], rank: RankInfo, timeout: timedelta) -> dist.
         store = serve_store(init["host"], init["port"], timeout, rank.world_size)
     else:
         store = dist.TCPStore(init["host"], init["port"], is_master=False, timeout=timeout, use_libuv=True)
-    return dist.PrefixStore(f"hydra_ddp/attempt{restart_count()}", store)
+    # torchrun's count alone: a Slurm requeue is a new job with a new store, and would make two of
+    # torchrun's attempts inside it share a prefix.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"hydra_ddp/attempt{attempt}", store)
 
 
 @contextlib.contextmanager

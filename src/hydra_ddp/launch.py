@@ -130,6 +130,7 @@ def _completed_despite(failure: "WorkerFailed", summary_file: Path) -> None:
     is written after the last collective, so every rank had finished its work. Warn, and keep the run."""
     if not summary_file.exists():
         raise failure
+    json.loads(summary_file.read_text())  # whole (written atomically), or this fails loudly
     print(f"hydra-ddp: warning: worker rank {failure.rank} ended badly ({failure.cause}) while exiting, after the run "
           f"completed ({summary_file} written): the results are complete", file=sys.stderr)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -88,7 +89,10 @@ class Reporter:
             self.writer.add_scalar(tag, value, summary["steps"])
         self.writer.close()
         self.writer = None
-        (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        # Atomic: the parent takes a summary.json of this run as proof that the run completed.
+        tmp = self.run_dir / f".{SUMMARY_FILE}.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, self.run_dir / SUMMARY_FILE)
         log.info("run summary\n%s", format_summary(summary))
 
     def close(self) -> None:

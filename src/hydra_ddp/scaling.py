@@ -101,6 +101,8 @@ def train_losses(job_dir: Path) -> list[tuple[int, float]]:
     """(step, global train loss) from a job's TensorBoard file: what the loss panel overlays."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    if not (job_dir / TENSORBOARD_DIR).is_dir():
+        return []
     acc = EventAccumulator(str(job_dir / TENSORBOARD_DIR), size_guidance={"scalars": 0})
     acc.Reload()
     if "train/loss" not in acc.Tags().get("scalars", []):

@@ -264,14 +264,13 @@ class Trainer:
     def _sync_optimizer_state(self) -> None:
         """After an uneven epoch, Join has given every rank the weights of the ranks that ran longest
         (rank 0 among them); their optimizer state (momentum, Adam's moments) follows from rank 0."""
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    dist.broadcast(value, src=0)
+        tensors = [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         if self.scaler.is_enabled():
-            for value in (self.scaler._scale, self.scaler._growth_tracker):
-                if value is not None:
-                    dist.broadcast(value, src=0)
+            tensors += [v for v in (self.scaler._scale, self.scaler._growth_tracker) if v is not None]
+        for value in tensors:
+            on_device = value.to(self.device)  # e.g. Adam's step counter lives on the CPU; nccl needs the GPU
+            dist.broadcast(on_device, src=0)
+            value.copy_(on_device)
 
     def _run_batches(self, max_steps: int, bar: tqdm) -> bool:
         """The epoch's batches; True when the ranks agreed to stop early."""

@@ -92,6 +92,9 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
         if trainer["compile"]:
             raise UserError("data.even_shards=false does not combine with trainer.compile=true (DDP's Join "
                             "wraps the uncompiled model); use one or the other")
+        if plain["ddp"]["sync_batchnorm"]:
+            raise UserError("data.even_shards=false does not combine with ddp.sync_batchnorm=true (Join cannot "
+                            "stand in for SyncBatchNorm's collectives); use one or the other")
     if launcher["nnodes"] > 1 and plain["init_method"]["name"] != "env":
         raise UserError("across nodes the ranks meet through torchrun's rendezvous: use init_method=env")
     if plain["init_method"]["name"] == "file" and launcher.get("max_restarts"):

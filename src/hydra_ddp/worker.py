@@ -6,6 +6,7 @@ as a plain dict, so a run has one output directory whatever started the workers.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -237,6 +238,8 @@ def elastic_entry(cfg: dict, run_dir: str, started_at: float, parent_pid: int) -
         # The agent, shutting down on the signal, waits for this process to end, while the process
         # waits to hand over its return value: end now, not after the agent's 30 s grace period.
         # (record() turns SystemExit(0) back into a return.) Every output is written and closed.
-        logging.shutdown()
-        os._exit(0)
+        _exit_after_teardown()
+    # The agent takes the return value before the interpreter shuts down; the first exit handler
+    # to run (they run last-registered first) then ends the process as spawn's workers end.
+    atexit.register(_exit_after_teardown)
     return summary

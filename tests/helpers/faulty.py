@@ -97,26 +97,32 @@ def _die():
 
 
 class AbortAtExit(MnistCNN):
-    """Trains normally; rank `abort_rank` then aborts (SIGABRT) while its interpreter shuts down."""
+    """Trains normally; rank `abort_rank` then aborts (SIGABRT) as its interpreter starts to shut down:
+    a non-daemon thread waits for the main thread to finish and kills the process."""
 
     def __init__(self, abort_rank: int = 1, **kwargs):
         super().__init__(**kwargs)
         if dist.get_rank() == abort_rank:
-            atexit.register(os.kill, os.getpid(), signal.SIGABRT)
+            threading.Thread(target=self._abort_after_main, name="abort-at-exit").start()
+
+    @staticmethod
+    def _abort_after_main():
+        threading.main_thread().join()
+        os.kill(os.getpid(), signal.SIGABRT)
 
 
 class Recorder(MnistCNN):
-    """Writes, at each evaluation, a checksum of this rank's weights (log_dir/params-rank<R>.txt)."""
+    """Writes a checksum of this rank's weights at every forward, tagged train or eval
+    (log_dir/params-rank<R>.txt): the evaluations separate the epochs."""
 
     def __init__(self, log_dir: str, **kwargs):
         super().__init__(**kwargs)
         self.log_dir = Path(log_dir)
 
     def forward(self, x):
-        if not self.training:
-            total = sum(p.detach().double().sum().item() for p in self.parameters())
-            with open(self.log_dir / f"params-rank{dist.get_rank()}.txt", "a") as f:
-                f.write(f"{total!r}\n")
+        total = sum(p.detach().double().sum().item() for p in self.parameters())
+        with open(self.log_dir / f"params-rank{dist.get_rank()}.txt", "a") as f:
+            f.write(f"{'train' if self.training else 'eval'} {total!r}\n")
         return super().forward(x)
 
 
