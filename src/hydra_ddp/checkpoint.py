@@ -91,7 +91,7 @@ class Checkpointer:
             try:
                 self._write(state, step, improved)
             except OSError as e:
-                problem = f"could not write the checkpoint for step {step} in {self.dir}: {e}"
+                problem = f"could not write the checkpoint for step {step} in {self.dir}: {e.strerror or e}"
                 log.error("%s", problem)
         # Not a barrier inside `if rank == 0`: every rank learns whether the write worked, and how not.
         problem = first_error(problem, self.device)

@@ -187,7 +187,7 @@ def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float, problem: Op
     except Exception as error:
         log.exception("rank %d failed", rank.rank, extra=reporting.FILE_ONLY)
         if isinstance(error, UserError):
-            raise  # already one line that says what to do
+            raise WorkerError(str(error)) from None  # already one line that says what to do
         while error.__cause__ is not None:  # e.g. Hydra's InstantiationException wraps the real cause
             error = error.__cause__
         raise WorkerError(f"{type(error).__name__}: {error}".splitlines()[0]) from None
