@@ -269,6 +269,7 @@ def _chaos_plan(rng: random.Random) -> str:
     return ";".join(f"{attempt}:{kind}:{rng.randint(0, 1)}:{n[kind]}" for attempt, kind in enumerate(kinds))
 
 
+@pytest.mark.timeout(600)  # a reference run and four torchrun attempts
 def test_chaos_kills_under_torchrun_restarts_finish_bit_identical(tmp_path: Path):
     common = (f"trainer.max_steps={CHAOS_STEPS}", "checkpoint.every_n_steps=4", "trainer.log_every=2")
     straight = tmp_path / "straight"
@@ -277,7 +278,7 @@ def test_chaos_kills_under_torchrun_restarts_finish_bit_identical(tmp_path: Path
     chaotic = tmp_path / "chaos"
     print(f"chaos plan (attempt:kind:rank:n): {plan}")  # shown with a failure: rerun it with this plan
     proc = run_train(chaotic, *common, "launcher=torchrun", "launcher.max_restarts=3",
-                     "model._target_=faulty.ChaosCNN", f"+model.chaos='{plan}'", timeout=240)
+                     "model._target_=faulty.ChaosCNN", f"+model.chaos='{plan}'", timeout=400)
     assert proc.returncode == 0, f"plan {plan}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     starts = [line for line in _log(chaotic).splitlines() if "[rank 0]" in line and "CPU thread(s)" in line]
     assert len(starts) == 4, f"plan {plan}: expected 3 kills and 4 attempts, saw {len(starts)}"

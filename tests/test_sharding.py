@@ -56,12 +56,13 @@ def _epochs(path: Path) -> list[list[str]]:
     return epochs
 
 
+@pytest.mark.timeout(600)  # three runs, one of 4 processes on 2 cores
 def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Path):
     sweep = tmp_path / "sweep"
     proc = run_train(
         tmp_path / "unused", "-m", "trainer.nproc=1,2,4", "data.global_batch_size=128", "trainer.threads=1",
         "data.drop_last=true", "trainer.max_steps=20", "trainer.log_every=5", "checkpoint.every_epoch=false",
-        f"hydra.sweep.dir={sweep}", timeout=400,
+        f"hydra.sweep.dir={sweep}", timeout=540,
     )
     check_ok(proc)
     losses = {}
