@@ -50,40 +50,18 @@ def run_suite(junit: Path, pytest_args: list[str]) -> tuple[float, int, dict[str
     return seconds, code, bad
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5, help="full-suite runs (default 5)")
-    parser.add_argument("--no-hog", action="store_true", help="without the CPU-hogging process")
-    parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
-    args = parser.parse_args()
-
-    failures: Counter[str] = Counter()
-    runs = []
-    spinner = None if args.no_hog else hog()
-    try:
-        with TemporaryDirectory() as tmp:
-            for i in range(1, args.runs + 1):
-                seconds, code, bad = run_suite(Path(tmp) / f"run{i}.xml", args.pytest_args)
-                failures.update(bad)
-                runs.append((i, seconds, code, sorted(bad)))
-                print(f"soak: run {i}/{args.runs}: {'ok' if not bad and not code else 'FAILED'} in {seconds:.0f} s"
-                      + (f" ({', '.join(sorted(bad))})" if bad else ""), flush=True)
-    finally:
-        if spinner:
-            spinner.kill()
-            spinner.wait()
-
+def write_report(runs: list, failures: Counter, hogged: bool, pytest_args: list[str], planned: int) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    passed = sum(1 for _, _, code, bad in runs if not bad and not code)
     lines = [
         "# Soak: the whole suite, run after run",
         "",
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC · commit `{commit.stdout.strip() or '?'}` · "
         f"{len(os.sched_getaffinity(0))} cores · Python {platform.python_version()} · "
-        f"{'with one CPU-hogging process beside it' if spinner else 'no CPU hog'} · `bench/soak.py`"
-        + (f" · pytest {' '.join(args.pytest_args)}" if args.pytest_args else ""),
+        f"{'with one CPU-hogging process beside it' if hogged else 'no CPU hog'} · `bench/soak.py`"
+        + (f" · pytest {' '.join(pytest_args)}" if pytest_args else ""),
         "",
-        f"**{sum(1 for r in runs if not r[3] and not r[2])} of {len(runs)} runs passed; "
-        f"{sum(failures.values())} test failure(s).**",
+        f"**{passed} of {len(runs)} runs passed ({planned} planned); {sum(failures.values())} test failure(s).**",
         "",
         "| run | result | minutes | failed tests |",
         "| ---: | --- | ---: | --- |",
@@ -95,8 +73,34 @@ def main() -> int:
         lines += ["| test | failures |", "| --- | ---: |",
                   *(f"| `{test}` | {n} of {len(runs)} |" for test, n in failures.most_common()), ""]
     REPORT.parent.mkdir(parents=True, exist_ok=True)
-    REPORT.write_text("\n".join(lines))
-    print("\n".join(lines))
+    REPORT.write_text("\n".join(lines))  # after every run: a soak cut short still leaves its report
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5, help="full-suite runs (default 5)")
+    parser.add_argument("--no-hog", action="store_true", help="without the CPU-hogging process")
+    parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
+    args = parser.parse_args()
+
+    failures: Counter[str] = Counter()
+    runs: list = []
+    spinner = None if args.no_hog else hog()
+    try:
+        with TemporaryDirectory() as tmp:
+            for i in range(1, args.runs + 1):
+                seconds, code, bad = run_suite(Path(tmp) / f"run{i}.xml", args.pytest_args)
+                failures.update(bad)
+                runs.append((i, seconds, code, sorted(bad)))
+                print(f"soak: run {i}/{args.runs}: {'ok' if not bad and not code else 'FAILED'} in {seconds:.0f} s"
+                      + (f" ({', '.join(sorted(bad))})" if bad else ""), flush=True)
+                report = write_report(runs, failures, spinner is not None, args.pytest_args, args.runs)
+    finally:
+        if spinner:
+            spinner.kill()
+            spinner.wait()
+    print(report)
     return 1 if failures or any(code for _, _, code, _ in runs) else 0
 
 
