@@ -131,8 +131,8 @@ def _completed_despite(failure: "WorkerFailed", summary_file: Path) -> None:
     if not summary_file.exists():
         raise failure
     json.loads(summary_file.read_text())  # whole (written atomically), or this fails loudly
-    print(f"hydra-ddp: warning: worker rank {failure.rank} ended badly ({failure.cause}) while exiting, after the run "
-          f"completed ({summary_file} written): the results are complete", file=sys.stderr)
+    say(f"hydra-ddp: warning: worker rank {failure.rank} ended badly ({failure.cause}) while exiting, after the run "
+        f"completed ({summary_file} written): the results are complete")
 
 
 def _unless_stopped(summary: Optional[dict[str, Any]], run_dir: Path) -> Optional[dict[str, Any]]:
@@ -244,13 +244,20 @@ def _last_line(text: str) -> str:
     return lines[-1].split("WorkerError: ", 1)[-1] if lines else "unknown error"
 
 
+def say(line: str) -> None:
+    """One line on stderr in one write: the ranks of an outside launch share the stream, and a line
+    written in pieces (print writes the text, then the newline) can land inside another rank's."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), f"{line}\n".encode())
+
+
 def fail(error: UserError) -> None:
     """One line on stderr and a non-zero exit: the user's problem needs no traceback.
 
     In a multirun the job's directory keeps the line (error.txt, read by the scaling report)
     and the sweep goes on; the report's callback exits non-zero at the end.
     """
-    print(f"hydra-ddp: error: {error}", file=sys.stderr)
+    say(f"hydra-ddp: error: {error}")
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(error, Stopped):  # a stop ends the sweep too
         (Path(hydra_cfg.runtime.output_dir) / scaling.ERROR_FILE).write_text(f"{error}\n")
