@@ -167,10 +167,13 @@ def _store(init: Mapping[str, Any], rank: RankInfo, timeout: timedelta) -> dist.
     starts), and every rank connects. Otherwise (mpirun and the like) rank 0 serves it. Each restart
     of the group gets fresh keys: a restarted group would otherwise find the dead one's.
     """
-    if rank.is_main and not init.get("hosted"):
+    hosted = init.get("hosted", False)
+    if rank.is_main and not hosted:
         store = serve_store(init["host"], init["port"], timeout, rank.world_size)
     else:
-        store = dist.TCPStore(init["host"], init["port"], is_master=False, timeout=timeout, use_libuv=True)
+        # Rank 0's own server waits until all world_size clients have checked in: they say so.
+        store = dist.TCPStore(init["host"], init["port"], None if hosted else rank.world_size, is_master=False,
+                              timeout=timeout, use_libuv=True)
     # torchrun's count alone: a Slurm requeue is a new job with a new store, and would make two of
     # torchrun's attempts inside it share a prefix.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
