@@ -70,7 +70,8 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
             if problem:
                 raise UserError(problem)  # the same line on every rank, before anything is built
         # Everything the run builds lives in _train's frame and is gone when it returns, before the
-        # group is destroyed: gloo's threads are then joined here, not left to interpreter exit.
+        # group is destroyed. (gloo's threads still outlive destroy_process_group, held in C++:
+        # workers end with os._exit for that reason, see _exit_after_teardown.)
         summary = _train(cfg, out, rank, device, stop, started_at)
         _release(cfg)
     return summary  # the same on every rank: global values only
@@ -137,8 +138,8 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
 
 
 def _release(cfg: DictConfig) -> None:
-    """Drop what still holds the process group (compiled graphs keep the DDP module, reference
-    cycles the rest), so destroying the group stops its threads now."""
+    """Drop the Python references to the run before the group is destroyed: compiled graphs keep
+    the DDP module, reference cycles the rest."""
     if cfg.trainer.compile:
         import torch._dynamo
 
