@@ -12,6 +12,12 @@ STARTED_AT = time.time()  # before the imports: wall time counts them too
 
 import sys  # noqa: E402
 
+from hydra_ddp import ranks, startup  # noqa: E402  (neither imports torch)
+
+if __name__ == "__main__" and not ranks.external_launch():
+    # The workers' imports (torch, the project) start now, in a forkserver, beside the parent's own.
+    startup.preload(sys.argv)
+
 import hydra  # noqa: E402
 from omegaconf import DictConfig
 
@@ -35,4 +41,4 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     launch.adopt_external_launch(sys.argv)
-    main()
+    launch.exit_after(main)  # without the interpreter's teardown: seconds, at the end of every command

@@ -36,11 +36,15 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "data.preload (tensor batches)": ("data.preload=true",),
     "precision=bf16": ("trainer.precision=bf16",),
     "accumulate=2 (no_sync)": ("trainer.accumulate=2",),
-    "ddp: bucket view + static graph": ("ddp.gradient_as_bucket_view=true", "ddp.static_graph=true"),
-    "channels_last": ("trainer.channels_last=true",),
+    # The fast settings `auto` turns on (src/hydra_ddp/performance.py), turned off one by one.
+    "ddp: bucket view + static graph off": ("ddp.gradient_as_bucket_view=false", "ddp.static_graph=false"),
+    "channels_last off": ("trainer.channels_last=false",),
     "num_workers=1": ("data.num_workers=1", "data.persistent_workers=true"),
     "torch.compile (inductor)": ("trainer.compile=true",),
 }
+
+# Every setting `auto` chooses, turned off: the project as it ran before they became defaults.
+AUTO_OFF = ("trainer.channels_last=false", "ddp.gradient_as_bucket_view=false", "ddp.static_graph=false")
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -56,7 +60,14 @@ def world_sizes(cores: int) -> list[int]:
 def plan(cores: int) -> dict[str, list[Case]]:
     """Each section's cases, its reference first."""
     return {
-        "parity": [Case("hand-written", "handwritten"), Case("project (train.py)", "project")],
+        "parity": [
+            Case("hand-written", "handwritten"),
+            Case("project (train.py)", "project"),
+            Case("project, launcher=torchrun", "project", overrides=("launcher=torchrun",)),
+            # Workers as fresh interpreters, as before the forkserver (startup.py): what it saves.
+            Case("project, start_method=spawn", "project", overrides=("launcher.start_method=spawn",)),
+            Case("project, auto settings off", "project", overrides=AUTO_OFF),
+        ],
         "scaling": [Case(f"nproc={n}", "project", nproc=n) for n in world_sizes(cores)],
         "options": [Case(label, "project", overrides=overrides) for label, overrides in OPTIONS.items()],
     }

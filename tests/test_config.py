@@ -113,6 +113,9 @@ def test_wrong_type_fails_at_composition():
         (["data.even_shards=false", "trainer.accumulate=2"], "even_shards"),
         (["data.even_shards=false", "trainer.compile=true"], "even_shards"),
         (["ddp.sync_batchnorm=true", "trainer.device=cpu"], "needs GPUs"),
+        (["ddp.static_graph=true", "trainer.accumulate=2"], "static_graph=auto or false"),
+        (["trainer.channels_last=sometimes"], "true, false or auto"),
+        (["launcher.start_method=fork"], "forkserver or spawn"),
     ],
 )
 def test_bad_config_is_one_clear_error(tmp_path: Path, overrides: list[str], message: str):

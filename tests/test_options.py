@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, check_ok, final_params, run_train, scalars, train_env
+from conftest import REPO, check_ok, final_params, run_train, scalars, summary, train_env
 
 STEPS = ("trainer.max_steps=6", "trainer.log_every=2")
 
@@ -32,10 +32,11 @@ def reference(tmp_path_factory) -> Path:
         (("data.num_workers=1", "data.persistent_workers=true", "data.prefetch_factor=2", "data.pin_memory=true"),
          True),  # the same batches, made in a worker process (pinning is for GPUs: ignored on the CPU)
         (("trainer.compile=true", "trainer.compile_backend=eager"), True),
-        (("ddp.bucket_cap_mb=1", "ddp.gradient_as_bucket_view=true", "ddp.static_graph=true"), False),
-        (("trainer.channels_last=true",), False),
+        (("ddp.bucket_cap_mb=1",), False),
+        # The fast settings `auto` turns on (performance.py), each turned off: within tolerance.
+        (("trainer.channels_last=false", "ddp.gradient_as_bucket_view=false", "ddp.static_graph=false"), False),
     ],
-    ids=["preload", "loader-workers", "compile", "ddp-knobs", "channels-last"],
+    ids=["preload", "loader-workers", "compile", "ddp-buckets", "auto-settings-off"],
 )
 def test_option_trains_the_same(reference: Path, run_dir: Path, overrides: tuple[str, ...], exact: bool):
     check_ok(run_train(run_dir, *STEPS, *overrides))
@@ -43,6 +44,14 @@ def test_option_trains_the_same(reference: Path, run_dir: Path, overrides: tuple
         assert losses(run_dir) == losses(reference)
     else:
         assert losses(run_dir) == pytest.approx(losses(reference), rel=1e-4)
+
+
+def test_auto_settings_are_chosen_per_model_and_named_in_the_summary(reference: Path, run_dir: Path):
+    on = {"trainer.channels_last": True, "ddp.gradient_as_bucket_view": True, "ddp.static_graph": True}
+    assert summary(reference)["settings"] == on  # the CNN: convolutions, even shards, no compile
+    # No convolutions: no channels_last; uneven shards (Join): no static graph.
+    check_ok(run_train(run_dir, *STEPS, "model=mlp", "data.even_shards=false"))
+    assert summary(run_dir)["settings"] == {**on, "trainer.channels_last": False, "ddp.static_graph": False}
 
 
 def test_gradient_accumulation_equals_one_larger_batch(tmp_path: Path):

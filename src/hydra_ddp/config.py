@@ -49,6 +49,9 @@ class LauncherConf:
     local_addr: Optional[str] = None
     max_restarts: int = 0
     monitor_interval: float = 0.1
+    # forkserver: workers are forks of a process that imported torch while the config was composed
+    # (startup.py); spawn: each worker a fresh interpreter that imports everything itself.
+    start_method: str = "forkserver"
 
 
 @dataclass
@@ -120,16 +123,17 @@ class TrainerConf:
     # torch.compile the DDP model (off: compiling takes time a short run does not win back).
     compile: bool = False
     compile_backend: str = "inductor"
-    # channels_last memory format for convolutional models (a gain on GPUs with tensor cores).
-    channels_last: bool = False
+    # channels_last memory format; auto: for models with 2-D convolutions (performance.py).
+    channels_last: Any = "auto"
 
 
 @dataclass
 class DDPConf:
     # Keyword arguments of torch.nn.parallel.DistributedDataParallel.
     bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
+    # true, false, or auto: the fast choice for this run (performance.py); the summary names it.
+    gradient_as_bucket_view: Any = "auto"
+    static_graph: Any = "auto"
     find_unused_parameters: bool = False
     # Not DDP's: BatchNorm layers become SyncBatchNorm (statistics over the global batch, so a
     # BatchNorm model trains alike at any world size). GPUs only: DDP refuses it on the CPU.

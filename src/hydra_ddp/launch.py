@@ -6,29 +6,31 @@ run directory to every worker.
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import json
 import logging
 import multiprocessing
 import os
+import pickle
 import shlex
 import signal
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch.multiprocessing as mp
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp import distributed, reporting, scaling, training, validate, worker
+from hydra_ddp import distributed, reporting, scaling, startup, training, validate, worker
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
 
-_QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
 SPAWN_GRACE_S = 5.0  # how long the other workers get to exit after one fails, before SIGTERM, then SIGKILL
 
 
@@ -45,6 +47,33 @@ def adopt_external_launch(argv: list[str]) -> None:
     found = distributed.external_launch()
     if found and not found[1].is_main:
         argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
+def exit_after(entry: Callable[[], Any]) -> NoReturn:
+    """Run train.py's entry point, then end the process without the interpreter's teardown.
+
+    Exit handlers run and other threads are waited for, as at any exit; what is skipped is freeing
+    torch's thousands of modules and objects one by one, which took 1.3 s after `import torch`
+    alone (measured here), at the end of every command, with every output already closed.
+    """
+    try:
+        entry()
+        code: Any = 0
+    except SystemExit as stop:
+        code = stop.code
+    # What the interpreter does first at exit, in its order: threading's exit hooks (which stop
+    # executors' threads, e.g. joblib's), then waiting for non-daemon threads, then atexit's handlers.
+    shutdown_threads = getattr(threading, "_shutdown", None)
+    if shutdown_threads is None:  # not CPython: exit the usual way
+        sys.exit(code)
+    shutdown_threads()
+    atexit._run_exitfuncs()
+    if code is not None and not isinstance(code, int):
+        say(str(code))  # as the interpreter prints a SystemExit's message
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
@@ -71,19 +100,17 @@ def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
     # These would repeat each child's failure on the console; WorkerFailed reports it in one line.
     for name in ("torch.multiprocessing.spawn", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    # A killed worker leaves its semaphores to multiprocessing's resource tracker, which cleans them
-    # up and warns; it takes its -W options from ours when it starts.
-    if _QUIET_TRACKER not in sys.warnoptions:
-        sys.warnoptions.append(_QUIET_TRACKER)
+    startup.quiet_resource_tracker()
     summary_file = run_dir / reporting.SUMMARY_FILE
     summary_file.unlink(missing_ok=True)  # resuming in this directory: only this run's summary counts
     signum = None
     store = _host_store(plain)  # bound before any worker starts, held until the last one has ended
+    parent = startup.worker_parent(launcher["start_method"])
     try:
         if launcher["name"] == "spawn":
-            _spawn(plain, run_dir, started_at)
+            _spawn(plain, run_dir, started_at, parent)
         else:
-            signum = _torchrun(plain, run_dir, started_at)
+            signum = _torchrun(plain, run_dir, started_at, parent)
     except WorkerFailed as failure:
         _completed_despite(failure, summary_file)
     finally:
@@ -142,10 +169,10 @@ def _unless_stopped(summary: Optional[dict[str, Any]], run_dir: Path) -> Optiona
     return summary
 
 
-def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
+def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float, parent: int) -> None:
     context = mp.start_processes(
-        worker.spawn_entry, args=(plain, str(run_dir), started_at, os.getpid()), nprocs=plain["trainer"]["nproc"],
-        join=False,
+        worker.spawn_entry, args=(plain, str(run_dir), started_at, parent), nprocs=plain["trainer"]["nproc"],
+        join=False, start_method=plain["launcher"]["start_method"],
     )
 
     def forward(signum: int, frame: Any) -> None:
@@ -162,7 +189,7 @@ def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
         while not context.join(**grace):
             pass
     except mp.ProcessRaisedException as e:
-        raise WorkerFailed(e.error_index, _last_line(str(e)), run_dir) from None
+        raise WorkerFailed(*_first_spawned_cause(context, e.error_index, _last_line(str(e))), run_dir) from None
     except mp.ProcessExitedException as e:
         cause = f"killed by {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
         raise WorkerFailed(e.error_index, cause, run_dir) from None
@@ -171,7 +198,7 @@ def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float) -> None:
             signal.signal(sig, handler)
 
 
-def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> Optional[int]:
+def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float, parent: int) -> Optional[int]:
     """Run the agent; the signal that stopped it, if one did."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -195,27 +222,65 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float) -> Option
         rdzv_configs={"is_host": False if single_node else launcher["node_rank"] == 0},
         max_restarts=launcher["max_restarts"],
         monitor_interval=launcher["monitor_interval"],
-        start_method="spawn",
+        start_method=launcher["start_method"],
         local_addr=launcher["local_addr"],
     )
     # The agent passes on SIGTERM and SIGINT only: Slurm's pre-emption signals become a SIGTERM.
     as_sigterm = {sig: signal.signal(sig, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
                   for sig in (signal.SIGUSR1, signal.SIGUSR2)}
     try:
-        elastic_launch(config, worker.elastic_entry)(plain, str(run_dir), started_at, os.getpid())
+        elastic_launch(config, worker.elastic_entry)(plain, str(run_dir), started_at, parent)
         return None
     except SignalException as e:
         return e.sigval  # the agent has passed the signal on and waited for the workers to stop
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
-        message = failure.message  # the error file's {"message": ..., "extraInfo": ...}, or a plain string
-        cause = message.get("message", str(message)) if isinstance(message, dict) else str(message)
-        raise WorkerFailed(rank, _last_line(cause), run_dir) from None
+        rank, cause = _first_cause(e.failures)
+        raise WorkerFailed(rank, cause, run_dir) from None
     finally:
         for sig, handler in as_sigterm.items():
             signal.signal(sig, handler)
         if single_node:
             os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+
+
+def _first_cause(failures: dict[int, Any]) -> tuple[int, str]:
+    """(rank, one line) of the failure that started it. A rank whose peer died fails too, within
+    milliseconds, and may be the one the agent saw first (it reports the ranks that had failed by
+    its last look): every local rank's error file of that attempt is read, beside the reported
+    one's, and a failure of a rank's own is named before one of a rank that lost its peer."""
+    causes = {}
+    for rank, failure in failures.items():
+        message = failure.message  # the error file's {"message": ..., "extraInfo": ...}, or a plain string
+        causes[rank] = _last_line(message.get("message", str(message)) if isinstance(message, dict) else str(message))
+        attempt = Path(failure.error_file).parent.parent if failure.error_file else None
+        for error_file in attempt.glob("*/error.json") if attempt else ():
+            local_rank = int(error_file.parent.name) if error_file.parent.name.isdigit() else None
+            try:
+                data = json.loads(error_file.read_text())["message"]
+                text = data["message"] if isinstance(data, dict) else data
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if local_rank is not None and isinstance(text, str):
+                causes.setdefault(rank - failure.local_rank + local_rank, _last_line(text))
+    rank = min(causes, key=lambda r: (causes[r].startswith(worker.LOST_A_PEER), r))
+    return rank, causes[rank]
+
+
+def _first_spawned_cause(context: Any, rank: int, cause: str) -> tuple[int, str]:
+    """As _first_cause, under spawn: join reports the first worker it finds failed, which may be
+    one that lost its peer. Every failed worker has left its traceback in torch's error file (a
+    pickled string, in a private temporary file: torch's join reads it the same way)."""
+    if not cause.startswith(worker.LOST_A_PEER):
+        return rank, cause
+    for index, path in enumerate(getattr(context, "error_files", [])):
+        try:
+            with open(path, "rb") as file:
+                line = _last_line(pickle.load(file))
+        except (OSError, EOFError, pickle.UnpicklingError, AttributeError):
+            continue  # this worker did not fail, or not with an exception
+        if not line.startswith(worker.LOST_A_PEER):
+            return index, line
+    return rank, cause
 
 
 class WorkerFailed(UserError):

@@ -111,7 +111,9 @@ def format_summary(s: dict[str, Any]) -> str:
         ("test loss", f"{s['test_loss']:.4f}"),
         ("test accuracy", f"{s['test_accuracy']:.4f} ({s['test_samples']} samples)"),
         ("throughput", f"{s['samples_per_sec']:.0f} samples/s"),
-        ("wall time", f"{s['wall_time_s']:.1f} s (training {s['train_time_s']:.1f} s)"),
+        ("fast settings", ", ".join(name.split(".")[-1] for name, on in s.get("settings", {}).items() if on) or "none"),
+        ("wall time", f"{s['wall_time_s']:.1f} s (training {s['train_time_s']:.1f} s, evaluation "
+                      f"{s['eval_time_s']:.1f} s, {s['checkpoints']} checkpoint(s) {s['checkpoint_time_s']:.1f} s)"),
         ("run directory", s["run_dir"]),
     ]
     width = max(len(k) for k, _ in rows)

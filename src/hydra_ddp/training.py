@@ -161,6 +161,8 @@ class Trainer:
         self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
         self.stopped_by: Optional[str] = None
         self.saved: tuple[int, bool] = (-1, False)  # (step, with a metric) of the last checkpoint
+        # Where the time outside the steps goes (a checkpoint mid-epoch is also inside its step's time).
+        self.overheads = {"eval_time_s": 0.0, "checkpoint_time_s": 0.0, "checkpoints": 0}
 
     # --- checkpoint state -----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -185,7 +187,10 @@ class Trainer:
         saved_step, saved_with_metric = self.saved
         if saved_step == self.pos.step and (saved_with_metric or metric is None):
             return
+        started = time.perf_counter()
         self.checkpointer.save(self.state(), self.pos.step, metric)
+        self.overheads["checkpoint_time_s"] += time.perf_counter() - started
+        self.overheads["checkpoints"] += 1
         self.saved = (self.pos.step, metric is not None)
 
     # --- the loop -------------------------------------------------------------------------------
@@ -347,7 +352,9 @@ class Trainer:
 
     def _evaluate(self, where: str) -> None:
         lr = self.optimizer.param_groups[0]["lr"]
+        started = time.perf_counter()
         self.metrics = evaluate(self.model.module, self.loaders.test, self.device)
+        self.overheads["eval_time_s"] += time.perf_counter() - started
         epoch_loss = self.train_loss
         self.reporter.scalars(
             {
@@ -383,6 +390,7 @@ class Trainer:
             "steady_samples_per_sec": self._samples_per_sec(self.step_times[warm:], self.step_samples[warm:]),
             "median_step_time_s": statistics.median(self.step_times[warm:]) if self.step_times else 0.0,
             "train_time_s": sum(self.step_times),
+            **self.overheads,  # rank 0's
             "first_step_at": self.first_step_at,
             "stopped_by": self.stopped_by,
         }

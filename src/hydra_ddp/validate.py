@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import multiprocessing as mp
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -17,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from hydra_ddp import checkpoint, data, distributed
+from hydra_ddp import checkpoint, data, distributed, performance, startup
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
 
@@ -72,6 +73,12 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
         _check_target(plain["scheduler"], "scheduler")
     if str(trainer["precision"]) not in ("32", "bf16", "16"):
         raise UserError(f"trainer.precision must be 32, bf16 or 16, got {trainer['precision']!r}")
+    wrong = performance.check(plain)
+    if wrong:
+        raise UserError(f"{', '.join(wrong)}: expected true, false or auto")
+    if plain["ddp"]["static_graph"] is True and trainer["accumulate"] > 1:
+        raise UserError("ddp.static_graph=true does not combine with trainer.accumulate > 1 (DDP's reducer fails "
+                        "on a no_sync step in a static graph); set ddp.static_graph=auto or false")
     if plain["ddp"]["sync_batchnorm"] and trainer["device"] != "cuda":
         raise UserError("ddp.sync_batchnorm=true needs GPUs (this torch's DDP refuses SyncBatchNorm on the CPU); "
                         "set it false, or train with trainer.device=cuda")
@@ -159,6 +166,9 @@ def _check_launcher(launcher: dict[str, Any]) -> None:
         launcher["rdzv_id"] = launcher["rdzv_id"] or uuid.uuid4().hex[:12]
     else:
         raise UserError(f"unknown launcher {name!r}; choose spawn or torchrun")
+    method, available = launcher["start_method"], [m for m in startup.START_METHODS if m in mp.get_all_start_methods()]
+    if method not in available:
+        raise UserError(f"launcher.start_method={method!r} is not available here; choose {' or '.join(available)}")
 
 
 def _resolve_init_method(init: dict[str, Any], run_dir: Path, external: bool) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from hydra_ddp import checkpoint, data, distributed, reporting, training
+from hydra_ddp import checkpoint, data, distributed, performance, reporting, startup, training
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
 
@@ -85,8 +85,12 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     )
     seed_everything(cfg.trainer.seed)
     loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, device)
-    memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
     model = instantiate(cfg.model)
+    # `auto` becomes this run's value, before anything reads it (the checkpoint's config included).
+    fast = performance.choose(cfg, model)
+    for name, value in fast.items():
+        OmegaConf.update(cfg, name, value)
+    memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
     ddp_options = OmegaConf.to_container(cfg.ddp)
     if ddp_options.pop("sync_batchnorm"):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -124,6 +128,7 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
             "device": device.type,
             "batch_size": cfg.data.batch_size,
             "global_batch_size": cfg.data.global_batch_size,
+            "settings": fast,
             **result,
             "time_to_first_step_s": result["first_step_at"] - started_at if result["first_step_at"] else None,
             "peak_rss_mb": distributed.max_over_ranks(_peak_rss_mb(), device),
@@ -178,11 +183,16 @@ class WorkerError(UserError):
     """A worker's failure reduced to one line for the parent; the traceback stays in the log file."""
 
 
-def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float, problem: Optional[str] = None,
-         parent_pid: Optional[int] = None) -> Optional[dict[str, Any]]:
+# Marks the failure of a rank that lost a peer (which failed first, for its own reason): the
+# launcher names the peer's failure when it has both (launch._first_cause).
+LOST_A_PEER = "lost a peer: "
+_PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+              "communicator was aborted", "remote process exited")
+
+
+def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float,
+         problem: Optional[str] = None) -> Optional[dict[str, Any]]:
     """Every worker's entry, whatever started it: the traceback to the log, one line to the launcher."""
-    if parent_pid is not None:
-        _die_with_parent(parent_pid)
     try:
         return run(OmegaConf.create(cfg), run_dir, rank, started_at, problem)
     except Exception as error:
@@ -191,26 +201,19 @@ def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float, problem: Op
             raise WorkerError(str(error)) from None  # already one line that says what to do
         while error.__cause__ is not None:  # e.g. Hydra's InstantiationException wraps the real cause
             error = error.__cause__
-        raise WorkerError(f"{type(error).__name__}: {error}".splitlines()[0]) from None
+        line = f"{type(error).__name__}: {error}".splitlines()[0]
+        if any(sign in line.lower() for sign in _PEER_GONE):
+            line = LOST_A_PEER + line
+        raise WorkerError(line) from None
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this worker when the process that launched it dies (even by SIGKILL, with no chance
-    to clean up): no orphan keeps training, or holding a GPU, after its launcher is gone."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before the line above took effect
-        os._exit(1)
-
-
-def spawn_entry(local_rank: int, cfg: dict, run_dir: str, started_at: float, parent_pid: int) -> None:
+def spawn_entry(local_rank: int, cfg: dict, run_dir: str, started_at: float, parent_pid: Optional[int]) -> None:
     """torch.multiprocessing.spawn target: single node, rank = local rank."""
     n = cfg["trainer"]["nproc"]
-    main(cfg, run_dir, RankInfo(local_rank, n, local_rank, n), started_at, parent_pid=parent_pid)
+    # No orphan keeps training, or holding a GPU, after its launcher is gone. The parent is the
+    # launcher, or the forkserver that forked this worker, which dies with it (forkserver_guard).
+    startup.die_with_parent(parent_pid)
+    main(cfg, run_dir, RankInfo(local_rank, n, local_rank, n), started_at)
     _exit_after_teardown()
 
 
@@ -231,10 +234,11 @@ def _exit_after_teardown() -> None:
 
 
 @record  # writes the exception to torchelastic's error file, so the parent can name it
-def elastic_entry(cfg: dict, run_dir: str, started_at: float, parent_pid: int) -> Optional[dict[str, Any]]:
+def elastic_entry(cfg: dict, run_dir: str, started_at: float, parent_pid: Optional[int]) -> Optional[dict[str, Any]]:
     """elastic_launch target: torchelastic has set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
     _, rank = distributed.external_launch()
-    summary = main(cfg, run_dir, rank, started_at, parent_pid=parent_pid)
+    startup.die_with_parent(parent_pid)  # as spawn_entry's
+    summary = main(cfg, run_dir, rank, started_at)
     if summary and summary["stopped_by"]:
         # The agent, shutting down on the signal, waits for this process to end, while the process
         # waits to hand over its return value: end now, not after the agent's 30 s grace period.
