@@ -101,6 +101,7 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
         "steps": reported["steps"],
         "world_size": reported["world_size"],
         "wall_time_s": wall,
+        "allreduce_bytes_per_step": reported.get("allreduce_bytes_per_step"),  # the project's only
     }
 
 

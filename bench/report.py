@@ -19,6 +19,7 @@ _DEFINITIONS = """\
 - **peak RSS**: the largest peak resident set size (ru_maxrss) of any rank
 - **×** columns: this row / the reference row; **Δ**: this row − the reference row"""
 
+_TITLES = {"comm": "Communication hooks"}
 _INTROS = {
     "parity": "The project's `train.py` against `bench/handwritten.py`, a minimal DDP loop in the style of "
     "pytorch/examples, on the same workload at 2 ranks: with its default launcher (spawn), with torchrun's, "
@@ -29,6 +30,11 @@ _INTROS = {
     "uses the whole machine. Reference: 1 rank.",
     "options": "The project at 2 ranks with each set of performance overrides (`OPTIONS` in bench/run.py). "
     "Reference: the first.",
+    "comm": "The project at 2 ranks with each DDP communication hook (`ddp.comm_hook`, src/hydra_ddp/comm.py); "
+    "**all-reduce / step**: the gradient bytes each rank all-reduces per step. On one machine the all-reduce "
+    "is a memory copy: what compression saves in bytes it may cost in compute; it pays off on slow links "
+    "between nodes. "
+    "Reference: none (DDP's own fp32 all-reduce).",
 }
 
 
@@ -67,7 +73,7 @@ def render(results: dict[str, Any]) -> str:
     if "parity" in sections:
         lines += _parity_headline(sections["parity"])
     for name, cases in sections.items():
-        lines += [f"## {name.capitalize()}", "", _INTROS[name], "", _table(cases), ""]
+        lines += [f"## {_TITLES.get(name, name.capitalize())}", "", _INTROS[name], "", _table(cases), ""]
     lines += ["## Commands", "", "One run of each side (`RUN_DIR`: a fresh temporary directory per run):", ""]
     lines += [f"    {case['command']}" for case in sections.get("parity", [])]
     return "\n".join(lines) + "\n"
@@ -89,6 +95,9 @@ def _parity_headline(cases: list[dict[str, Any]]) -> list[str]:
 def _table(cases: list[dict[str, Any]]) -> str:
     headers = ["configuration", "samples/s", "step (ms)", "first step (s)", "peak RSS (MB)",
                "samples/s ×", "step ×", "first step Δ (s)", "RSS ×"]
+    sent = any(case.get("allreduce_bytes_per_step") for case in cases) and all(c["side"] == "project" for c in cases)
+    if sent:
+        headers.append("all-reduce / step (KB)")
     rows = []
     for case in cases:
         m, vs = case["median"], case["vs_reference"]
@@ -104,6 +113,8 @@ def _table(cases: list[dict[str, Any]]) -> str:
             case["label"], f"{m['steady_samples_per_sec']:.0f}{spread}", f"{m['median_step_time_s'] * 1000:.1f}",
             f"{m['time_to_first_step_s']:.2f}", f"{m['peak_rss_mb']:.0f}", *compared,
         ])
+        if sent:
+            rows[-1].append(f"{case['allreduce_bytes_per_step'] / 1024:.0f}")
     return _markdown_table(headers, rows)
 
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/run.py                 # 3 repetitions × 200 steps of every configuration
     .venv/bin/python bench/run.py --quick         # a smoke test of the harness: 1 × 20 steps
+    .venv/bin/python bench/run.py --only comm     # one section (parity, scaling, options, comm)
     make bench ARGS="--reps 5 --steps 500 --out /tmp/bench"
 
 Prints the report and writes it to OUT/REPORT.md (replaced each time), with every run's figures
@@ -43,6 +44,9 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "torch.compile (inductor)": ("trainer.compile=true",),
 }
 
+# DDP communication hooks (src/hydra_ddp/comm.py), at 2 ranks against DDP's own all-reduce.
+COMM_HOOKS = ("none", "fp16", "bf16")
+
 # Every setting `auto` chooses, turned off: the project as it ran before they became defaults.
 AUTO_OFF = ("trainer.channels_last=false", "ddp.gradient_as_bucket_view=false", "ddp.static_graph=false")
 
@@ -70,6 +74,7 @@ def plan(cores: int) -> dict[str, list[Case]]:
         ],
         "scaling": [Case(f"nproc={n}", "project", nproc=n) for n in world_sizes(cores)],
         "options": [Case(label, "project", overrides=overrides) for label, overrides in OPTIONS.items()],
+        "comm": [Case(f"comm_hook={hook}", "project", overrides=(f"ddp.comm_hook={hook}",)) for hook in COMM_HOOKS],
     }
 
 
@@ -99,6 +104,7 @@ def run_section(name: str, cases: list[Case], workload: Workload, reps: int) -> 
             "command": printable(command(case, workload, Path("RUN_DIR"))[0]),
             "runs": runs[case.label],
             "median": median,
+            "allreduce_bytes_per_step": runs[case.label][0].get("allreduce_bytes_per_step"),
             "vs_reference": None if case is cases[0] else compare(median, reference),
         })
     return summary
@@ -173,6 +179,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--reps", type=positive_int, help="repetitions of each configuration (default 3; --quick: 1)")
     parser.add_argument("--steps", type=positive_int, help="training steps per run (default 200; --quick: 20)")
     parser.add_argument("--quick", action="store_true", help="a tiny run to smoke-test the harness")
+    parser.add_argument("--only", nargs="+", choices=["parity", "scaling", "options", "comm"],
+                        help="run these sections only (default: all)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT.relative_to(REPO)})")
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
@@ -201,7 +209,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{args.reps} repetition(s) × {args.steps} steps", file=sys.stderr)
     try:
         for name, cases in plan(m["usable_cores"]).items():
-            results["sections"][name] = run_section(name, cases, workload, args.reps)
+            if not args.only or name in args.only:
+                results["sections"][name] = run_section(name, cases, workload, args.reps)
     except BenchError as error:
         print(f"bench: error: {error}", file=sys.stderr)
         return 2

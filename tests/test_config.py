@@ -116,6 +116,8 @@ def test_wrong_type_fails_at_composition():
         (["ddp.static_graph=true", "trainer.accumulate=2"], "static_graph=auto or false"),
         (["trainer.channels_last=sometimes"], "true, false or auto"),
         (["launcher.start_method=fork"], "forkserver or spawn"),
+        (["ddp.comm_hook=powersgd"], "choose none, fp16, bf16"),
+        (["ddp.comm_hook=fp16", "data.even_shards=false"], "even_shards"),
     ],
 )
 def test_bad_config_is_one_clear_error(tmp_path: Path, overrides: list[str], message: str):

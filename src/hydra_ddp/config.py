@@ -134,6 +134,9 @@ class DDPConf:
     # true, false, or auto: the fast choice for this run (performance.py); the summary names it.
     gradient_as_bucket_view: Any = "auto"
     static_graph: Any = "auto"
+    # Not DDP's argument: its gradient communication hook (comm.py), none (DDP's fp32 all-reduce),
+    # fp16 or bf16 (gradients all-reduced in 16 bits).
+    comm_hook: str = "none"
     find_unused_parameters: bool = False
     # Not DDP's: BatchNorm layers become SyncBatchNorm (statistics over the global batch, so a
     # BatchNorm model trains alike at any world size). GPUs only: DDP refuses it on the CPU.

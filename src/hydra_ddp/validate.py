@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from hydra_ddp import checkpoint, data, distributed, performance, startup
+from hydra_ddp import checkpoint, comm, data, distributed, performance, startup
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
 
@@ -76,6 +76,12 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
     wrong = performance.check(plain)
     if wrong:
         raise UserError(f"{', '.join(wrong)}: expected true, false or auto")
+    ddp = plain["ddp"]
+    if ddp["comm_hook"] not in comm.HOOKS:
+        raise UserError(f"unknown ddp.comm_hook {ddp['comm_hook']!r}; choose {', '.join(comm.HOOKS)}")
+    if ddp["comm_hook"] != "none" and not data_cfg["even_shards"]:
+        raise UserError(f"ddp.comm_hook={ddp['comm_hook']} does not combine with data.even_shards=false (Join's "
+                        "shadow all-reduces bypass the hook); use one or the other")
     if plain["ddp"]["static_graph"] is True and trainer["accumulate"] > 1:
         raise UserError("ddp.static_graph=true does not combine with trainer.accumulate > 1 (DDP's reducer fails "
                         "on a no_sync step in a static graph); set ddp.static_graph=auto or false")

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from hydra_ddp import checkpoint, data, distributed, performance, reporting, startup, training
+from hydra_ddp import checkpoint, comm, data, distributed, performance, reporting, startup, training
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
 
@@ -92,10 +92,12 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
         OmegaConf.update(cfg, name, value)
     memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
     ddp_options = OmegaConf.to_container(cfg.ddp)
+    comm_hook = ddp_options.pop("comm_hook")  # comm.py's, not DDP's argument
     if ddp_options.pop("sync_batchnorm"):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device, memory_format=memory_format)
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_options)
+    comm.register(ddp_model, comm_hook)
     optimizer = instantiate(cfg.optim)(ddp_model.parameters())
     if cfg.trainer.compile:
         ddp_model = _compiled(ddp_model, cfg.trainer.compile_backend)
@@ -129,6 +131,8 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
             "batch_size": cfg.data.batch_size,
             "global_batch_size": cfg.data.global_batch_size,
             "settings": fast,
+            "comm_hook": cfg.ddp.comm_hook,
+            "allreduce_bytes_per_step": comm.bytes_per_step(model, comm_hook),
             **result,
             "time_to_first_step_s": result["first_step_at"] - started_at if result["first_step_at"] else None,
             "peak_rss_mb": distributed.max_over_ranks(_peak_rss_mb(), device),
