@@ -2,8 +2,11 @@
 
 Prints, and writes to OUT/gpu_check.md:
 - parity: train.py against bench/handwritten.py (the seeds' CNN, batch 64, nccl, one rank per GPU);
-- ResNet-50 (torchvision) images/s in bf16 on synthetic 224×224 data, and the effect of
-  channels_last and torch.compile;
+- the defaults on CUDA: the CNN with every `auto` setting off, with workers started as fresh
+  interpreters (start_method=spawn: the forkserver must not have touched CUDA), with the fp16
+  and bf16 communication hooks;
+- ResNet-50 (torchvision) images/s in bf16 on synthetic 224×224 data: auto settings off, the
+  defaults (channels_last, bucket view, static graph), and torch.compile;
 - DataParallel against DDP where 2 or more GPUs exist (the seeds say DDP is faster);
 - where 2 or more GPUs exist: a BatchNorm model (ResNet-18) with ddp.sync_batchnorm and
   data.global_batch_size trains alike on 1 GPU and on all of them (step losses compared).
@@ -25,6 +28,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("OUT", REPO / "bench" / "results"))
 FIELDS = ("steady_samples_per_sec", "median_step_time_s", "time_to_first_step_s", "peak_rss_mb")
+AUTO_OFF = ("trainer.channels_last=false", "ddp.gradient_as_bucket_view=false", "ddp.static_graph=false")
 COMMON = ("data=synthetic", "trainer.epochs=1000", "trainer.progress=false", "checkpoint.every_epoch=false",
           "data.dataset.test_size=256")
 
@@ -97,22 +101,36 @@ def main() -> None:
         emit(row("project CNN (train.py, nccl)", proj[-1]))
     ratio = statistics.median(p["steady_samples_per_sec"] for p in proj) / statistics.median(
         h["steady_samples_per_sec"] for h in hand)
+    # The defaults on CUDA: each auto setting off, workers as fresh interpreters, the 16-bit hooks.
+    variants = {}
+    for label, extra in [
+        ("project CNN, auto settings off", list(AUTO_OFF)),
+        ("project CNN, start_method=spawn", ["launcher.start_method=spawn"]),
+        ("project CNN, comm_hook=fp16", ["ddp.comm_hook=fp16"]),
+        ("project CNN, comm_hook=bf16", ["ddp.comm_hook=bf16"]),
+    ]:
+        variants[label] = project(extra, 300, 64)
+        emit(row(label, variants[label]))
     # ResNet-50, bf16, synthetic 224×224 held on the GPU.
     resnet = ["model=torchvision", "model.name=resnet50", "data.in_channels=3", "data.image_size=224",
               "data.num_classes=1000", "trainer.precision=bf16", "data.preload=true", "data.eval_batch_size=128"]
     results = {}
     for label, extra in [
-        ("ResNet-50 bf16", []),
-        ("ResNet-50 bf16 + channels_last", ["trainer.channels_last=true"]),
-        ("ResNet-50 bf16 + channels_last + torch.compile", ["trainer.channels_last=true", "trainer.compile=true"]),
+        ("ResNet-50 bf16, auto settings off", list(AUTO_OFF)),
+        ("ResNet-50 bf16 (defaults: channels_last, bucket view, static graph)", []),
+        ("ResNet-50 bf16 + torch.compile", ["trainer.compile=true"]),
     ]:
         results[label] = project(resnet + extra, 40, 128, timeout=400)
         emit(row(label, results[label]))
-    base = results["ResNet-50 bf16"]["steady_samples_per_sec"]
+    base = results["ResNet-50 bf16, auto settings off"]["steady_samples_per_sec"]
     emit("")
     emit(f"**Parity (project / hand-written, steady samples/s, median of 2): {ratio:.3f}×**")
+    cnn = statistics.median(p["steady_samples_per_sec"] for p in proj)
+    for label, f in variants.items():
+        emit(f"- {label}: {f['steady_samples_per_sec'] / cnn:.2f}× the defaults' samples/s, first step "
+             f"{f['time_to_first_step_s'] - statistics.median(p['time_to_first_step_s'] for p in proj):+.1f} s")
     for label, f in results.items():
-        emit(f"- {label}: {f['steady_samples_per_sec']:,.0f} images/s ({f['steady_samples_per_sec'] / base:.2f}× plain bf16)")
+        emit(f"- {label}: {f['steady_samples_per_sec']:,.0f} images/s ({f['steady_samples_per_sec'] / base:.2f}× auto off)")
     if gpus < 2:
         emit("- DataParallel vs DDP: not measured (one GPU here; needs 2 or more)")
         emit("- SyncBatchNorm world-size invariance: not measured (one GPU here; needs 2 or more)")
