@@ -176,10 +176,10 @@ import os, signal, sys, torch
 from pathlib import Path
 from hydra_ddp import checkpoint
 target = Path(sys.argv[1])
-checkpoint._atomic_save({"v": torch.ones(3)}, target)
+checkpoint._atomic_write(checkpoint._serialize({"v": torch.ones(3)}, target.parent), target)
 real_replace = os.replace
 os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # die at the worst moment
-checkpoint._atomic_save({"v": torch.zeros(3)}, target)
+checkpoint._atomic_write(checkpoint._serialize({"v": torch.zeros(3)}, target.parent), target)
 """
     proc = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL

@@ -3,6 +3,11 @@
 A checkpoint holds the unwrapped model, optimizer, scheduler, the loop's position (epoch, batch
 inside the epoch, global step) and every rank's RNG states. It loads with
 `torch.load(weights_only=True)`: only tensors and plain containers, the config included.
+
+Off the critical path: at the step boundary rank 0 serialises the state to memory (the snapshot,
+and the space it needs is checked then), and a background thread writes, fsyncs and publishes
+it while training goes on. One write at a time: the next save, and the end of training or a
+stop (`finish`), wait for it first; a write that failed stops the run there, in one line.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import random
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -78,6 +84,8 @@ class Checkpointer:
         self.device = device
         self.config = config
         self.best: Optional[float] = None
+        self.writing: Optional[threading.Thread] = None  # rank 0's write in flight
+        self.write_error: Optional[str] = None
 
     # --- saving -------------------------------------------------------------------------------
     def save(self, state: dict[str, Any], step: int, metric: Optional[float] = None) -> None:
@@ -88,28 +96,56 @@ class Checkpointer:
         state = {**state, "rng": _gather_rng(self.device), "best": self.best, "config": self.config, "format": 1}
         problem = None
         if self.rank.is_main:
-            try:
-                self._write(state, step, improved)
-            except OSError as e:
-                problem = f"could not write the checkpoint for step {step} in {self.dir}: {e.strerror or e}"
-                log.error("%s", problem)
+            problem = self._wait()  # the previous write: one at a time, and the free space below is real
+            if problem is None:
+                try:
+                    self.dir.mkdir(parents=True, exist_ok=True)
+                    payload = _serialize(state, self.dir)  # the snapshot: training may change the tensors now
+                except OSError as e:
+                    problem = self._failed(step, e)
+            if problem is None:
+                self.writing = threading.Thread(target=self._write, args=(payload, step, improved),
+                                                name="checkpoint-writer", daemon=True)
+                self.writing.start()
+        self._agree(problem)
+
+    def finish(self) -> None:
+        """Wait for the write in flight (end of training, a stop): every rank calls it, and learns how it went."""
+        self._agree(self._wait() if self.rank.is_main else None)
+
+    def _agree(self, problem: Optional[str]) -> None:
         # Not a barrier inside `if rank == 0`: every rank learns whether the write worked, and how not.
         problem = first_error(problem, self.device)
         if problem:
             raise UserError(f"{problem}; the previous checkpoint is intact: make room, then continue with "
                             "trainer.resume=auto")
 
-    def _write(self, state: dict[str, Any], step: int, improved: bool) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for leftover in self.dir.glob(".*.tmp"):  # from a writer killed mid-write: rank 0 is the only one
-            leftover.unlink(missing_ok=True)
-        target = self.dir / f"step-{step:08d}.pt"
-        _atomic_save(state, target)
-        _atomic_link(target, self.dir / LAST)
-        if improved:
-            _atomic_link(target, self.dir / BEST)
-        self._prune(keep=self.cfg.keep)
-        log.info("checkpoint: step %d → %s", step, target)
+    def _wait(self) -> Optional[str]:
+        if self.writing is not None:
+            self.writing.join()
+            self.writing = None
+        problem, self.write_error = self.write_error, None
+        return problem
+
+    def _failed(self, step: int, error: OSError) -> str:
+        problem = f"could not write the checkpoint for step {step} in {self.dir}: {error.strerror or error}"
+        log.error("%s", problem)
+        return problem
+
+    def _write(self, payload: memoryview, step: int, improved: bool) -> None:
+        """In the background: write, publish as last (and best), prune. The only writer: rank 0's one thread."""
+        try:
+            for leftover in self.dir.glob(".*.tmp"):  # from a writer killed mid-write
+                leftover.unlink(missing_ok=True)
+            target = self.dir / f"step-{step:08d}.pt"
+            _atomic_write(payload, target)
+            _atomic_link(target, self.dir / LAST)
+            if improved:
+                _atomic_link(target, self.dir / BEST)
+            self._prune(keep=self.cfg.keep)
+            log.info("checkpoint: step %d → %s", step, target)
+        except OSError as e:
+            self.write_error = self._failed(step, e)
 
     def _improves(self, metric: float) -> bool:
         if not self.cfg.best_metric:
@@ -208,18 +244,21 @@ def check_compatible(model: nn.Module, saved: dict[str, torch.Tensor], path: Pat
                         "resume with the model it was saved from")
 
 
-def _atomic_save(state: dict[str, Any], target: Path) -> None:
-    """Temp file beside the target, fsync, rename: a crash leaves the old file or the new one.
-
-    Serialised in memory first: its size is known before the disk is touched, and a disk that
+def _serialize(state: dict[str, Any], directory: Path) -> memoryview:
+    """The state as bytes, in memory: its size is known before the disk is touched, and a disk that
     cannot hold it is named with the space needed instead of leaving a torn temp file."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getbuffer()
-    free = shutil.disk_usage(target.parent).free
+    free = shutil.disk_usage(directory).free
     if free < len(payload):
         raise OSError(errno.ENOSPC, f"not enough space: it needs {_mb(len(payload))}, "
-                                    f"{_mb(free)} free on the file system of {target.parent}")
+                                    f"{_mb(free)} free on the file system of {directory}")
+    return payload
+
+
+def _atomic_write(payload: memoryview, target: Path) -> None:
+    """Temp file beside the target, fsync, rename: a crash leaves the old file or the new one."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -161,7 +161,9 @@ class Trainer:
         self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
         self.stopped_by: Optional[str] = None
         self.saved: tuple[int, bool] = (-1, False)  # (step, with a metric) of the last checkpoint
-        # Where the time outside the steps goes (a checkpoint mid-epoch is also inside its step's time).
+        # Where the time outside the steps goes: checkpoint_time_s is the stall, serialising at the step
+        # boundary and waiting for the write at the end (the write itself runs beside training).
+        # A checkpoint mid-epoch is also inside its step's time.
         self.overheads = {"eval_time_s": 0.0, "checkpoint_time_s": 0.0, "checkpoints": 0}
 
     # --- checkpoint state -----------------------------------------------------------------------
@@ -225,6 +227,9 @@ class Trainer:
             self._evaluate(where)
         if self.cfg.checkpoint.every_epoch or self.cfg.checkpoint.every_n_steps or self.stopped_by:
             self._save(self.metrics.get(self.cfg.checkpoint.best_metric))  # the last state, and best.pt
+        started = time.perf_counter()
+        self.checkpointer.finish()  # the last write is on disk before the summary says the run is done
+        self.overheads["checkpoint_time_s"] += time.perf_counter() - started
         return self._results(epochs)
 
     def _epoch_lengths(self) -> tuple[int, int]:
