@@ -169,7 +169,7 @@ def _unless_stopped(summary: Optional[dict[str, Any]], run_dir: Path) -> Optiona
     return summary
 
 
-def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float, parent: int) -> None:
+def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float, parent: Optional[int]) -> None:
     context = mp.start_processes(
         worker.spawn_entry, args=(plain, str(run_dir), started_at, parent), nprocs=plain["trainer"]["nproc"],
         join=False, start_method=plain["launcher"]["start_method"],
@@ -198,7 +198,7 @@ def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float, parent: int)
             signal.signal(sig, handler)
 
 
-def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float, parent: int) -> Optional[int]:
+def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float, parent: Optional[int]) -> Optional[int]:
     """Run the agent; the signal that stopped it, if one did."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

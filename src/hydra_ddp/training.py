@@ -11,7 +11,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -189,9 +189,8 @@ class Trainer:
         saved_step, saved_with_metric = self.saved
         if saved_step == self.pos.step and (saved_with_metric or metric is None):
             return
-        started = time.perf_counter()
-        self.checkpointer.save(self.state(), self.pos.step, metric)
-        self.overheads["checkpoint_time_s"] += time.perf_counter() - started
+        with self._timed("checkpoint_time_s"):
+            self.checkpointer.save(self.state(), self.pos.step, metric)
         self.overheads["checkpoints"] += 1
         self.saved = (self.pos.step, metric is not None)
 
@@ -227,9 +226,8 @@ class Trainer:
             self._evaluate(where)
         if self.cfg.checkpoint.every_epoch or self.cfg.checkpoint.every_n_steps or self.stopped_by:
             self._save(self.metrics.get(self.cfg.checkpoint.best_metric))  # the last state, and best.pt
-        started = time.perf_counter()
-        self.checkpointer.finish()  # the last write is on disk before the summary says the run is done
-        self.overheads["checkpoint_time_s"] += time.perf_counter() - started
+        with self._timed("checkpoint_time_s"):
+            self.checkpointer.finish()  # the last write is on disk before the summary says the run is done
         return self._results(epochs)
 
     def _epoch_lengths(self) -> tuple[int, int]:
@@ -357,9 +355,8 @@ class Trainer:
 
     def _evaluate(self, where: str) -> None:
         lr = self.optimizer.param_groups[0]["lr"]
-        started = time.perf_counter()
-        self.metrics = evaluate(self.model.module, self.loaders.test, self.device)
-        self.overheads["eval_time_s"] += time.perf_counter() - started
+        with self._timed("eval_time_s"):
+            self.metrics = evaluate(self.model.module, self.loaders.test, self.device)
         epoch_loss = self.train_loss
         self.reporter.scalars(
             {
@@ -375,6 +372,15 @@ class Trainer:
             "%s  step %d  train loss %.4f  test loss %.4f  test accuracy %.4f",
             where, self.pos.step, epoch_loss, self.metrics["test_loss"], self.metrics["test_accuracy"],
         )
+
+    @contextlib.contextmanager
+    def _timed(self, overhead: str) -> Iterator[None]:
+        """Adds the time spent inside to self.overheads[overhead]."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.overheads[overhead] += time.perf_counter() - started
 
     def _epoch_loss(self) -> float:
         return self.pos.epoch_loss_sum / max(1, self.pos.epoch_loss_count)
