@@ -21,7 +21,7 @@ if __name__ == "__main__" and not ranks.external_launch():
 import hydra  # noqa: E402
 from omegaconf import DictConfig
 
-from hydra_ddp import launch  # noqa: E402
+from hydra_ddp import launch, monitor  # noqa: E402
 from hydra_ddp.config import register_schema  # noqa: E402
 from hydra_ddp.errors import UserError  # noqa: E402
 
@@ -30,13 +30,17 @@ register_schema()
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    """Returns what a Hydra sweeper (e.g. Optuna) optimises: the best value of trainer.monitor
+    (a validation metric: never the test set's)."""
+    worst = monitor.worst(cfg.trainer.monitor, cfg.trainer.monitor_mode)  # a value every finished run beats
     try:
         summary = launch.run(cfg, STARTED_AT)
     except UserError as error:
         launch.fail(error)  # one line, no traceback; in a multirun the next job still runs
-        return None
-    # The value a Hydra sweeper (e.g. Optuna) would optimise.
-    return summary["test_accuracy"] if summary else None
+        return worst  # a failed or diverged trial ranks last instead of ending the sweep
+    if not summary:
+        return None  # not node 0
+    return summary["objective"] if summary["objective"] is not None else worst
 
 
 if __name__ == "__main__":

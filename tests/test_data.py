@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torch.utils.data import TensorDataset
 
 from hydra_ddp import data
 from hydra_ddp.distributed import RankInfo
@@ -33,10 +34,19 @@ def test_synthetic_is_seeded():
 
 
 @pytest.mark.parametrize("length, world", [(10, 4), (359, 2), (7, 3), (2, 4)])
-def test_shard_sampler_partitions_without_padding(length: int, world: int):
-    shards = [list(data.ShardSampler(length, r, world)) for r in range(world)]
-    flat = sorted(i for shard in shards for i in shard)
-    assert flat == list(range(length))
+@pytest.mark.parametrize("preload", [False, True])
+def test_eval_chunks_partition_without_padding_alike_at_any_world_size(length: int, world: int, preload: bool):
+    dataset = TensorDataset(torch.arange(length), torch.arange(length))
+    batches = {}
+    for r in range(world):
+        split = data.EvalSplit(dataset, 3, RankInfo(r, world, r, world), torch.device("cpu"), preload, {})
+        for chunk, first, x, y in split:
+            assert torch.equal(x, torch.arange(first, first + len(x)))  # consecutive samples from `first`
+            batches[chunk] = x.tolist()
+        assert split.passes == 1
+    # Chunk c is samples 3c…3c+2 wherever it runs: the same batches as on one rank, each sample once.
+    assert [i for c in sorted(batches) for i in batches[c]] == list(range(length))
+    assert all(batches[c] == list(range(3 * c, min(length, 3 * c + 3))) for c in batches)
 
 
 def _write_idx(path: Path, array: np.ndarray) -> None:
@@ -98,6 +108,7 @@ def _data_cfg(**overrides):
     from hydra_ddp.config import DataConf
 
     dataset = {"_target_": "hydra_ddp.data.synthetic", "train_size": 10, "test_size": 7, "image_size": 4}
+    overrides = {"val_fraction": 0.0, **overrides}
     return OmegaConf.structured(DataConf(dataset=dataset, batch_size=2, eval_batch_size=4, **overrides))
 
 
@@ -105,7 +116,7 @@ def test_loaders_shard_train_and_test():
     cfg = _data_cfg()
     per_rank = [data.build_loaders(cfg, RankInfo(r, 3, r, 3), seed=0, device=torch.device("cpu")) for r in range(3)]
     assert [len(l.train_sampler) for l in per_rank] == [4, 4, 4]  # padded: every rank the same steps
-    assert sum(len(l.test.sampler) for l in per_rank) == 7  # not padded: exact metrics
+    assert sum(len(i) for l in per_rank for _, _, _, i in l.test) == 7  # not padded: exact metrics
 
 
 def test_uneven_shards_are_disjoint_and_cover_every_sample_once():
@@ -121,3 +132,35 @@ def test_uneven_shards_are_disjoint_and_cover_every_sample_once():
     padded = data.build_loaders(_data_cfg(), RankInfo(0, 3, 0, 3), seed=0, device=torch.device("cpu")).train_sampler
     padded.set_epoch(1)
     assert list(padded)[:3] == shards[0][:3]  # the same shuffle as DistributedSampler's
+
+
+def test_validation_is_carved_from_training_by_the_seed_alike_on_every_rank():
+    cfg = _data_cfg(val_fraction=0.3)
+    per_rank = [data.build_datasets(cfg, RankInfo(r, 2, r, 2), seed=5) for r in range(2)]
+    train, val = per_rank[0]["train"], per_rank[0]["val"]
+    assert (len(train), len(val), len(per_rank[0]["test"])) == (7, 3, 7)
+    for other in per_rank[1:]:  # the same split on every rank
+        assert all(torch.equal(a, b) for a, b in zip(val.tensors, other["val"].tensors))
+    full = data.synthetic(train_size=10, test_size=7, image_size=4)[0].tensors[0]
+    rows = {tuple(x.flatten().tolist()) for x in full}
+    assert {tuple(x.flatten().tolist()) for x in (*train.tensors[0], *val.tensors[0])} == rows  # disjoint, complete
+    other_seed = data.build_datasets(cfg, RankInfo(0, 1, 0, 1), seed=6)["val"]
+    assert not torch.equal(other_seed.tensors[0], val.tensors[0])
+    assert data.build_datasets(_data_cfg(val_fraction=0.0), RankInfo(0, 1, 0, 1), seed=5)["val"] is None
+
+
+def test_image_folder_takes_split_folders_where_present(tmp_path: Path):
+    root = tmp_path / "images"
+    for split in ("train", "val"):
+        make_image_folder(root / split, classes=("a", "b"))  # 10 images each
+    cfg = {"_target_": "hydra_ddp.data.image_folder", "root": str(root), "image_size": 8}
+    data.check_source(cfg, 2)
+    train, val, test = data.image_folder(root=str(root), image_size=8, test_fraction=0.2)
+    assert (len(train), len(val), len(test)) == (8, 10, 2)  # no test/: split from train/
+    make_image_folder(root / "test", classes=("a", "b"))
+    assert [len(d) for d in data.image_folder(root=str(root), image_size=8)] == [10, 10, 10]
+    (root / "val").rename(tmp_path / "elsewhere")
+    assert [len(d) for d in data.image_folder(root=str(root), image_size=8)] == [10, 10]  # val/ carved later
+    make_image_folder(root / "val", classes=("a", "c"))
+    with pytest.raises(UserError, match="same class folders"):
+        data.check_source(cfg, 2)

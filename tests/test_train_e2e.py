@@ -12,7 +12,8 @@ from conftest import QUICK, check_ok, event_files, run_train, scalars, assert_no
 
 SUMMARY_KEYS = {
     "world_size", "backend", "launcher", "init_method", "epochs", "steps", "train_loss",
-    "test_loss", "test_accuracy", "samples_per_sec", "wall_time_s",
+    "val_loss", "val_accuracy", "test_loss", "test_accuracy", "tested", "monitor", "objective", "samples_per_sec",
+    "wall_time_s",
 }
 
 
@@ -25,13 +26,18 @@ def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
     assert s["init_method"] == "env" and s["epochs"] == 2
     assert s["test_samples"] == 359  # every held-out digit exactly once
     assert s["test_accuracy"] > 0.5 and s["samples_per_sec"] > 0
+    # Validation (a tenth of the training digits) selects the weights; the test reads them once.
+    assert s["val_samples"] == 144
+    assert s["monitor"]["metric"] == "val/accuracy" and s["objective"] == s["val_accuracy"]
+    assert s["tested"]["step"] == s["monitor"]["best_step"] and s["test_passes"] == 1
 
-    # One event file, with per-step train loss, per-epoch eval, lr, throughput and the config.
+    # One event file, with per-step train loss, per-epoch validation, one test, lr, throughput, the config.
     assert len(event_files(run_dir)) == 1
     train_loss = scalars(run_dir, "train/loss")
     assert [step for step, _ in train_loss] == list(range(1, s["steps"] + 1))
-    accuracy = scalars(run_dir, "test/accuracy")
-    assert len(accuracy) == 2 and accuracy[-1][1] == pytest.approx(s["test_accuracy"])
+    val_accuracy = scalars(run_dir, "val/accuracy")
+    assert len(val_accuracy) == 2 and max(v for _, v in val_accuracy) == pytest.approx(s["val_accuracy"])
+    assert scalars(run_dir, "test/accuracy") == [(s["steps"], pytest.approx(s["test_accuracy"]))]
     assert len(scalars(run_dir, "train/lr")) == 2
     assert len(scalars(run_dir, "perf/samples_per_sec")) == 2
 

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
-from hydra_ddp import data, distributed, training
+from hydra_ddp import data, distributed, evaluation, training
 from hydra_ddp.distributed import RankInfo
 
 SAMPLES = 11  # does not divide by 3 ranks: padding would count samples twice
@@ -30,12 +30,12 @@ def _worker(rank: int, world: int, port: int, results):
     info = RankInfo(rank, world, rank, world)
     init = {"name": "tcp", "host": "127.0.0.1", "port": port, "path": None, "hosted": True}
     with distributed.process_group("gloo", init, info, 30, torch.device("cpu"), launcher_env=False):
-        loader = DataLoader(_dataset(), batch_size=2, sampler=data.ShardSampler(SAMPLES, rank, world))
-        results["eval", rank] = training.evaluate(_model(), loader, torch.device("cpu"))
+        split = data.EvalSplit(_dataset(), 2, info, torch.device("cpu"), preload=rank == 1, loader_options={})
+        results["eval", rank] = evaluation.evaluate(_model(), split, torch.device("cpu"), predictions=True)
         window = training.LossWindow(size=2)
         window.add(1, torch.tensor(float(rank)))
         window.add(2, torch.tensor(float(10 * rank)))
-        results["window", rank] = window.flush(stop=rank == 2, device=torch.device("cpu"))
+        results["window", rank] = window.flush(stop=rank == 2, device=torch.device("cpu"), out_of_time=rank == 1)
 
 
 def test_evaluation_is_exact_and_train_losses_are_global():
@@ -53,5 +53,9 @@ def test_evaluation_is_exact_and_train_losses_are_global():
         assert metrics["test_samples"] == SAMPLES
         assert abs(metrics["test_loss"] - expected_loss) < 1e-6
         assert metrics["test_accuracy"] == expected_acc
-        # Means of 0,1,2 and of 0,10,20; rank 2's stop request reaches every rank.
-        assert results["window", rank] == ([1, 2], [1.0, 10.0], True)
+        # Means of 0,1,2 and of 0,10,20; rank 2's stop request and rank 1's spent time reach every rank.
+        assert results["window", rank] == ([1, 2], [1.0, 10.0], True, True)
+    # Rank 0 gathers every sample's (label, prediction, probability), in dataset order.
+    rows = results["eval", 0]["predictions"]
+    assert torch.equal(rows[:, 0].long(), y) and torch.equal(rows[:, 1].long(), logits.argmax(1))
+    assert torch.allclose(rows[:, 2].float(), logits.softmax(1).max(1).values)

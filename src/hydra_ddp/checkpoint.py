@@ -83,17 +83,14 @@ class Checkpointer:
         self.rank = rank
         self.device = device
         self.config = config
-        self.best: Optional[float] = None
         self.writing: Optional[threading.Thread] = None  # rank 0's write in flight
         self.write_error: Optional[str] = None
 
     # --- saving -------------------------------------------------------------------------------
-    def save(self, state: dict[str, Any], step: int, metric: Optional[float] = None) -> None:
-        """Called by every rank at the same step; rank 0 writes, everyone waits for it."""
-        improved = metric is not None and self._improves(metric)  # metric is global: same on every rank
-        if improved:
-            self.best = metric
-        state = {**state, "rng": _gather_rng(self.device), "best": self.best, "config": self.config, "format": 1}
+    def save(self, state: dict[str, Any], step: int, best: bool = False) -> None:
+        """Called by every rank at the same step; rank 0 writes, everyone waits for it. `best`: these
+        are the best weights by trainer.monitor so far (best.pt)."""
+        state = {**state, "rng": _gather_rng(self.device), "config": self.config, "format": 1}
         problem = None
         if self.rank.is_main:
             problem = self._wait()  # the previous write: one at a time, and the free space below is real
@@ -104,7 +101,7 @@ class Checkpointer:
                 except OSError as e:
                     problem = self._failed(step, e)
             if problem is None:
-                self.writing = threading.Thread(target=self._write, args=(payload, step, improved),
+                self.writing = threading.Thread(target=self._write, args=(payload, step, best),
                                                 name="checkpoint-writer", daemon=True)
                 self.writing.start()
         self._agree(problem)
@@ -132,7 +129,7 @@ class Checkpointer:
         log.error("%s", problem)
         return problem
 
-    def _write(self, payload: memoryview, step: int, improved: bool) -> None:
+    def _write(self, payload: memoryview, step: int, best: bool) -> None:
         """In the background: write, publish as last (and best), prune. The only writer: rank 0's one thread."""
         try:
             for leftover in self.dir.glob(".*.tmp"):  # from a writer killed mid-write
@@ -140,19 +137,12 @@ class Checkpointer:
             target = self.dir / f"step-{step:08d}.pt"
             _atomic_write(payload, target)
             _atomic_link(target, self.dir / LAST)
-            if improved:
+            if best:
                 _atomic_link(target, self.dir / BEST)
             self._prune(keep=self.cfg.keep)
             log.info("checkpoint: step %d → %s", step, target)
         except OSError as e:
             self.write_error = self._failed(step, e)
-
-    def _improves(self, metric: float) -> bool:
-        if not self.cfg.best_metric:
-            return False
-        if self.best is None:
-            return True
-        return metric > self.best if self.cfg.best_mode == "max" else metric < self.best
 
     def _prune(self, keep: int) -> None:
         # best.pt and last.pt are hard links: removing an old step file never removes them.
@@ -181,18 +171,10 @@ class Checkpointer:
         return None
 
     def load(self, path: Path) -> dict[str, Any]:
-        if not path.is_file():
-            raise UserError(f"trainer.resume: no checkpoint at {str(path)!r}")
-        try:
-            state = torch.load(path, map_location=self.device, weights_only=True)
-        except Exception as e:
-            raise UserError(f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]) from None
-        if not isinstance(state, dict) or state.get("format") != 1:
-            raise UserError(f"{str(path)!r} is not a hydra-ddp checkpoint")
-        return state
+        return read(path, "trainer.resume", self.device)
 
     def restore(self, state: dict[str, Any], path: Path, model: nn.Module, optimizer, scheduler) -> None:
-        check_compatible(model, state["model"], path)
+        check_compatible(model, state["model"], path, fix="resume with the model it was saved from")
         self._check_same_batches(state, path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -203,7 +185,6 @@ class Checkpointer:
             log.warning("checkpoint saved with %d ranks, resuming with %d: RNG streams restart from rank 0's",
                         len(rng), self.rank.world_size)
         _unpack_rng(rng[self.rank.rank % len(rng)].cpu(), self.device)
-        self.best = state.get("best")
 
 
     def _check_same_batches(self, state: dict[str, Any], path: Path) -> None:
@@ -225,9 +206,43 @@ def resume_setting(configured: Optional[str]) -> Optional[str]:
     return "auto" if configured is None and restart_count() else configured
 
 
-def check_compatible(model: nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
+def read(path: Path, key: str, device: Optional[torch.device] = None) -> dict[str, Any]:
+    """A hydra-ddp checkpoint, or one line naming the setting (`key`) and what is wrong with the file.
+    No device: memory-mapped, on the CPU (a look at the config reads only what it touches)."""
+    if not path.is_file():
+        raise UserError(f"{key}: no checkpoint at {str(path)!r}")
+    try:
+        if device is None:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        else:
+            state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        raise UserError(f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]) from None
+    if not isinstance(state, dict) or state.get("format") != 1:
+        raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint")
+    return state
+
+
+def find(where: str, key: str) -> Path:
+    """A checkpoint file, or a run directory's best.pt (else its last.pt)."""
+    path = Path(where).expanduser().resolve()
+    if path.is_dir():
+        for folder in (path / DIRNAME, path):
+            for name in (BEST, LAST):
+                if (folder / name).is_file():
+                    return folder / name
+        raise UserError(f"{key}={where}: {str(path)!r} holds no {DIRNAME}/{BEST} or {DIRNAME}/{LAST}")
+    if not path.is_file():
+        raise UserError(f"{key}={where}: no checkpoint file or run directory at {str(path)!r}")
+    return path
+
+
+def check_compatible(model: nn.Module, saved: dict[str, torch.Tensor], path: Path, fix: str) -> None:
     """A checkpoint of another model is one error listing the keys, not a wall of size errors."""
-    own = model.state_dict()
+    check_compatible_keys(model.state_dict(), saved, path, fix)
+
+
+def check_compatible_keys(own: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], path: Path, fix: str) -> None:
     missing = sorted(own.keys() - saved.keys())
     unexpected = sorted(saved.keys() - own.keys())
     reshaped = sorted(
@@ -240,8 +255,43 @@ def check_compatible(model: nn.Module, saved: dict[str, torch.Tensor], path: Pat
         if keys
     ]
     if problems:
-        raise UserError(f"checkpoint {str(path)!r} is of another model ({'; '.join(problems)}); "
-                        "resume with the model it was saved from")
+        raise UserError(f"checkpoint {str(path)!r} is of another model ({'; '.join(problems)}); {fix}")
+
+
+# --- fine-tuning: trainer.init_from --------------------------------------------------------------
+def load_weights(model: nn.Module, path: Path, ignore: list[str]) -> list[str]:
+    """The checkpoint's weights into `model`, but for the ignored parameters (names or prefixes;
+    "head": the last Linear layer). Returns the names left at their fresh values."""
+    saved = read(path, "trainer.init_from")["model"]
+    skipped = ignored_keys(model, saved.keys() | model.state_dict().keys(), ignore)
+    model.load_state_dict({k: v for k, v in saved.items() if k not in skipped}, strict=False)
+    return sorted(skipped)
+
+
+def check_init(model_cfg: dict[str, Any], path: Path, ignore: list[str]) -> None:
+    """Before launch: trainer.init_from's weights fit the model (but for the ignored ones), or one line.
+    The model is built on the meta device: shapes, no memory."""
+    from hydra.utils import instantiate
+
+    saved = read(path, "trainer.init_from")["model"]
+    with torch.device("meta"):
+        model = instantiate(model_cfg)
+    skipped = ignored_keys(model, saved.keys() | model.state_dict().keys(), ignore)
+    check_compatible_keys({k: v for k, v in model.state_dict().items() if k not in skipped},
+                          {k: v for k, v in saved.items() if k not in skipped}, path,
+                          fix="leave those out with trainer.init_ignore=[NAME,…] (e.g. [head]: the last Linear layer)")
+
+
+def ignored_keys(model: nn.Module, keys: Any, ignore: list[str]) -> set[str]:
+    prefixes = [_head(model) if name == "head" else name for name in ignore]
+    return {k for k in keys if any(k == p or k.startswith(p + ".") for p in prefixes)}
+
+
+def _head(model: nn.Module) -> str:
+    linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    if not linear:
+        raise UserError("trainer.init_ignore=[head]: the model has no Linear layer; name its parameters instead")
+    return linear[-1]
 
 
 def _serialize(state: dict[str, Any], directory: Path) -> memoryview:

@@ -60,8 +60,11 @@ class DataConf:
     in_channels: int = 1
     image_size: int = 28
     num_classes: int = 10
-    # `_target_` returning (train_dataset, test_dataset).
+    # `_target_` returning (train, test), or (train, val, test) where the source has a validation split.
     dataset: Any = MISSING
+    # Without a validation split of the source's own: this share of the training set, chosen by
+    # trainer.seed (the same on every rank). 0: no validation, nothing is monitored.
+    val_fraction: float = 0.1
     # Per rank; or set global_batch_size instead (one of the two; both null: 32 per rank), and the
     # per-rank batch is global ÷ world size: runs at any world size then compare like with like.
     batch_size: Optional[int] = None
@@ -93,8 +96,15 @@ class CheckpointConf:
     every_epoch: bool = True
     every_n_steps: Optional[int] = None
     keep: int = 3  # step files kept (last.pt and best.pt are kept besides)
-    best_metric: Optional[str] = "test_accuracy"  # null: no best.pt
-    best_mode: str = "max"  # max or min
+    # best.pt: the checkpoint with the best trainer.monitor value (written whenever it improves).
+
+
+@dataclass
+class EarlyStoppingConf:
+    # Stop after this many validations in a row without an improvement of trainer.monitor by more
+    # than min_delta (null: never). All ranks stop at the same step: the metric is global.
+    patience: Optional[int] = None
+    min_delta: float = 0.0
 
 
 @dataclass
@@ -111,7 +121,14 @@ class TrainerConf:
     threads: Optional[int] = None
     # Train loss reaches TensorBoard every step, all-reduced in groups of this many steps.
     log_every: int = 10
+    # Validate at the end of every epoch (else once, at the end of training).
     eval_every_epoch: bool = True
+    # The one metric that selects best.pt, drives early stopping and is what train.py returns to a
+    # Hydra sweeper: val/loss, val/accuracy or train/loss (null: none; the test then uses the last weights).
+    monitor: Optional[str] = "val/accuracy"
+    # min or max; auto: min for a loss, max for an accuracy.
+    monitor_mode: str = "auto"
+    early_stopping: EarlyStoppingConf = field(default_factory=EarlyStoppingConf)
     # null: a progress bar when rank 0's stderr is a terminal.
     progress: Optional[bool] = None
     # null: start fresh; a checkpoint path; or auto: the newest good checkpoint in the run directory.
@@ -125,6 +142,16 @@ class TrainerConf:
     compile_backend: str = "inductor"
     # channels_last memory format; auto: for models with 2-D convolutions (performance.py).
     channels_last: Any = "auto"
+    # Clip the global gradient norm to this (null: no clipping); logged as train/grad_norm.
+    grad_clip: Optional[float] = None
+    # A wall-clock budget (seconds, or "[D:]HH:MM:SS") counted from the command's start: checkpoint,
+    # test, and stop; trainer.resume=auto continues. null: none.
+    max_time: Optional[Any] = None
+    # Fine-tuning: the model weights of this checkpoint (a file, or a run directory: its best.pt,
+    # else last.pt) in a fresh run: new optimizer, schedule and step 0. A resumed run ignores it.
+    init_from: Optional[str] = None
+    # Parameters not taken from init_from (names or prefixes, e.g. [fc2]; "head": the last Linear).
+    init_ignore: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -158,8 +185,20 @@ class Config:
     scheduler: Any = None
 
 
+@dataclass
+class EvalConfig(Config):
+    """eval.py's: the run's groups (the checkpoint's model and data are used unless overridden)."""
+
+    # A checkpoint file, or a run directory (its best.pt, else last.pt).
+    ckpt: str = MISSING
+    split: str = "test"  # test, val or train
+    # Also write predictions.csv: sample index, label, predicted class, its probability.
+    predict: bool = False
+
+
 def register_schema() -> None:
     """Make the schema (`schema` in conf/config.yaml's defaults) and the YAML resolvers known."""
     ConfigStore.instance().store(name="schema", node=Config)
+    ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
     OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(xs), replace=True)
     OmegaConf.register_new_resolver("eq", lambda a, b: a == b, replace=True)

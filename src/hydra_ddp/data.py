@@ -1,18 +1,24 @@
 """Datasets (built from conf/data/*.yaml through `_target_`), samplers and loaders.
 
-Every dataset function returns `(train, test)`. Training shards with DistributedSampler
-(padded so every rank runs the same number of steps, unless `data.even_shards=false`);
-evaluation shards without padding,
-so the all-reduced metrics count every test sample exactly once.
+Every dataset function returns `(train, test)`, or `(train, val, test)` where the source has a
+validation split of its own; otherwise `data.val_fraction` of the training set becomes the
+validation split, chosen by `trainer.seed` (the same on every rank and every launcher).
+
+Training shards with DistributedSampler (padded so every rank runs the same number of steps,
+unless `data.even_shards=false`). Evaluation splits into fixed chunks of `eval_batch_size`
+consecutive samples, dealt to the ranks in turn: every sample counts once, and a chunk is computed
+alike at any world size, so the metrics are bit-equal whether 1, 2 or 3 ranks evaluate
+(evaluation.py sums the chunks in order).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
+import math
 import os
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -20,6 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
+
+SPLITS = ("train", "val", "test")
 
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
@@ -108,17 +116,39 @@ def cifar10(root: str, download: bool = False) -> tuple[Dataset, Dataset]:
 
 def image_folder(
     root: str, image_size: int = 64, grayscale: bool = False, test_fraction: float = 0.2, seed: int = 0
-) -> tuple[Dataset, Dataset]:
-    """root/<class>/<image>: split into train and test by a seeded permutation."""
+) -> tuple[Dataset, ...]:
+    """root/<class>/<image>, split into train and test by a seeded permutation; or root/train/<class>/…
+    with root/val/ and root/test/ beside it, each used where present (a missing test/ is split
+    from train/ as above; a missing val/ is carved later by data.val_fraction)."""
     from torchvision import datasets, transforms
 
     steps = [transforms.Resize(image_size), transforms.CenterCrop(image_size)]
     if grayscale:
         steps.append(transforms.Grayscale(1))
     steps.append(transforms.ToTensor())
-    full = datasets.ImageFolder(str(root), transform=transforms.Compose(steps))
-    train_idx, test_idx = _split(len(full), test_fraction, seed)
-    return Subset(full, train_idx.tolist()), Subset(full, test_idx.tolist())
+    transform = transforms.Compose(steps)
+    folders = split_folders(Path(root))
+    if not folders:
+        full = datasets.ImageFolder(str(root), transform=transform)
+        train_idx, test_idx = _split(len(full), test_fraction, seed)
+        return Subset(full, train_idx.tolist()), Subset(full, test_idx.tolist())
+    train = datasets.ImageFolder(str(folders["train"]), transform=transform)
+    if "test" in folders:
+        test: Dataset = datasets.ImageFolder(str(folders["test"]), transform=transform)
+    else:
+        train_idx, test_idx = _split(len(train), test_fraction, seed)
+        train, test = Subset(train, train_idx.tolist()), Subset(train, test_idx.tolist())
+    if "val" in folders:
+        return train, datasets.ImageFolder(str(folders["val"]), transform=transform), test
+    return train, test
+
+
+def split_folders(root: Path) -> dict[str, Path]:
+    """{split: folder} when root holds train/ (and val/, test/) and nothing else; {} for root/<class>/."""
+    subfolders = {d.name: Path(d.path) for d in os.scandir(root) if d.is_dir()} if root.is_dir() else {}
+    if "train" in subfolders and set(subfolders) <= set(SPLITS):
+        return subfolders
+    return {}
 
 
 def check_source(dataset_cfg: Any, num_classes: int) -> None:
@@ -131,14 +161,13 @@ def check_source(dataset_cfg: Any, num_classes: int) -> None:
     root = dataset_cfg.get("root")
     if target.endswith(".image_folder"):
         path = _require_dir(root, "data=imagefolder")
-        from torchvision.datasets.folder import IMG_EXTENSIONS
-
-        classes = sorted(d.name for d in os.scandir(path) if d.is_dir())
-        if not classes:
-            raise UserError(f"data=imagefolder: {str(path)!r} has no class subfolders (expected root/<class>/<image>)")
-        empty = [c for c in classes if not any(f.lower().endswith(IMG_EXTENSIONS) for f in os.listdir(path / c))]
-        if empty:
-            raise UserError(f"data=imagefolder: class folder(s) {empty} under {str(path)!r} hold no images")
+        folders = split_folders(path) or {"": path}
+        found = {split: _class_folders(folder) for split, folder in folders.items()}
+        classes = found.get("train", found.get(""))
+        for split, names in found.items():
+            if names != classes:
+                raise UserError(f"data=imagefolder: {str(folders[split])!r} has classes {names}, train/ has "
+                                f"{classes}: every split needs the same class folders")
         if len(classes) != num_classes:
             raise UserError(
                 f"data=imagefolder: {str(path)!r} has {len(classes)} classes but data.num_classes={num_classes}; "
@@ -146,6 +175,18 @@ def check_source(dataset_cfg: Any, num_classes: int) -> None:
             )
     elif target.endswith((".mnist", ".cifar10")) and not dataset_cfg.get("download", False):
         _require_dir(root, f"data={target.rsplit('.', 1)[1]}")
+
+
+def _class_folders(path: Path) -> list[str]:
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    classes = sorted(d.name for d in os.scandir(path) if d.is_dir())
+    if not classes:
+        raise UserError(f"data=imagefolder: {str(path)!r} has no class subfolders (expected root/<class>/<image>)")
+    empty = [c for c in classes if not any(f.lower().endswith(IMG_EXTENSIONS) for f in os.listdir(path / c))]
+    if empty:
+        raise UserError(f"data=imagefolder: class folder(s) {empty} under {str(path)!r} hold no images")
+    return classes
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -185,17 +226,43 @@ class ResumableDistributedSampler(DistributedSampler):
         return max(0, self.num_samples - self.start)
 
 
-class ShardSampler(Sampler[int]):
-    """Rank r takes samples r, r+W, r+2W, …: no padding, so nothing is counted twice."""
+class EvalSplit:
+    """One split for evaluation, this rank's part: chunks of `batch_size` consecutive samples
+    (chunk c holds samples c·B … c·B+B-1), chunk c on rank c mod W. No padding, so every sample
+    counts once; and a chunk is the same batch at any world size, so its sums are too.
 
-    def __init__(self, length: int, rank: int, world_size: int):
-        self.indices = range(rank, length, world_size)
+    Iterating yields (chunk, first sample index, inputs, labels); `passes` counts the iterations
+    begun (the test split's must end at one).
+    """
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
+    def __init__(self, dataset: Dataset, batch_size: int, rank: RankInfo, device: torch.device,
+                 preload: bool, loader_options: dict[str, Any]):
+        self.samples = len(dataset)  # type: ignore[arg-type]
+        self.batch_size = batch_size
+        self.num_chunks = math.ceil(self.samples / batch_size)
+        self.chunks = range(rank.rank, self.num_chunks, rank.world_size)
+        self.passes = 0
+        self.tensors = tuple(t.to(device) for t in dataset.tensors) if preload else None  # type: ignore[attr-defined]
+        self.loader = None if preload else DataLoader(
+            dataset, batch_sampler=[list(self._indices(c)) for c in self.chunks], **loader_options
+        )
+
+    def _indices(self, chunk: int) -> range:
+        return range(chunk * self.batch_size, min(self.samples, (chunk + 1) * self.batch_size))
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(self.chunks)
+
+    def __iter__(self) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        self.passes += 1
+        if self.tensors is not None:
+            for chunk in self.chunks:
+                where = self._indices(chunk)
+                x, y = (t[where.start : where.stop] for t in self.tensors)
+                yield chunk, where.start, x, y
+        else:
+            for chunk, (x, y) in zip(self.chunks, self.loader):
+                yield chunk, chunk * self.batch_size, x, y
 
 
 class TensorBatches:
@@ -218,46 +285,85 @@ class TensorBatches:
 
 class Loaders(NamedTuple):
     train: Iterable
-    test: Iterable
+    val: Optional[EvalSplit]  # None with data.val_fraction=0: nothing to validate on
+    test: EvalSplit
     train_sampler: ResumableDistributedSampler
 
 
-def _datasets(dataset_cfg: Any, rank: RankInfo) -> tuple[Dataset, Dataset]:
-    """Every rank builds the datasets; a download happens once, on rank 0, while the others wait."""
-    if not dataset_cfg.get("download", False):
-        return instantiate(dataset_cfg)
-    if rank.is_main:
-        built = instantiate(dataset_cfg)
-    dist.barrier()
-    return built if rank.is_main else instantiate(dataset_cfg)
+def build_datasets(data_cfg: Any, rank: RankInfo, seed: int) -> dict[str, Optional[Dataset]]:
+    """{"train", "val", "test"}: the source's splits, with validation carved from training where the
+    source has none (val is None with data.val_fraction=0). Every rank builds them, alike; a
+    download happens once, on rank 0, while the others wait."""
+    dataset_cfg = data_cfg.dataset
+    if dataset_cfg.get("download", False):
+        splits = instantiate(dataset_cfg) if rank.is_main else None
+        dist.barrier()
+        splits = splits if rank.is_main else instantiate(dataset_cfg)
+    else:
+        splits = instantiate(dataset_cfg)
+    if not isinstance(splits, (tuple, list)) or len(splits) not in (2, 3):
+        raise UserError(f"data.dataset ({dataset_cfg.get('_target_')}) must return (train, test) or "
+                        f"(train, val, test), got {type(splits).__name__}")
+    train, *val, test = splits
+    fraction = data_cfg.val_fraction
+    if fraction == 0:
+        return {"train": train, "val": None, "test": test}
+    if val:
+        return {"train": train, "val": val[0], "test": test}
+    train, carved = carve(train, fraction, seed)
+    return {"train": train, "val": carved, "test": test}
 
 
-def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, device: torch.device) -> Loaders:
-    train_set, test_set = _datasets(data_cfg.dataset, rank)
-    train_sampler = ResumableDistributedSampler(
-        train_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=True, seed=seed, pad=data_cfg.even_shards
-    )
-    test_sampler = ShardSampler(len(test_set), rank.rank, rank.world_size)
-    if data_cfg.preload:
-        if not (isinstance(train_set, TensorDataset) and isinstance(test_set, TensorDataset)):
-            raise UserError("data.preload=true needs in-memory TensorDatasets (digits, synthetic); set it false")
-        on_device = [tuple(t.to(device) for t in d.tensors) for d in (train_set, test_set)]
-        return Loaders(
-            TensorBatches(on_device[0], train_sampler, data_cfg.batch_size, data_cfg.drop_last),
-            TensorBatches(on_device[1], test_sampler, data_cfg.eval_batch_size, drop_last=False),
-            train_sampler,
-        )
+def carve(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """(rest, validation): `fraction` of the training set, chosen by a permutation seeded with `seed`.
+    In-memory tensors stay whole tensors (sliced), so data.preload keeps working."""
+    n = len(train)  # type: ignore[arg-type]
+    n_val = max(1, round(n * fraction))
+    if n_val >= n:
+        raise UserError(f"data.val_fraction={fraction} leaves no training samples out of {n}; choose a smaller one")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    keep, held_out = order[n_val:].sort().values, order[:n_val].sort().values  # in dataset order
+    if isinstance(train, TensorDataset):
+        return TensorDataset(*(t[keep] for t in train.tensors)), TensorDataset(*(t[held_out] for t in train.tensors))
+    return Subset(train, keep.tolist()), Subset(train, held_out.tolist())
+
+
+def loader_options(data_cfg: Any, seed: int, device: torch.device) -> dict[str, Any]:
     workers = data_cfg.num_workers
     # Its own generator: starting an epoch's iterator then draws nothing from the global RNG, which
     # the model (dropout) uses, so a resumed run sees the same random numbers as an unbroken one.
-    common: dict[str, Any] = dict(
+    options: dict[str, Any] = dict(
         num_workers=workers, pin_memory=data_cfg.pin_memory and device.type == "cuda",
         generator=torch.Generator().manual_seed(seed),
     )
     if workers > 0:
-        common.update(persistent_workers=data_cfg.persistent_workers, prefetch_factor=data_cfg.prefetch_factor)
-    train = DataLoader(
-        train_set, batch_size=data_cfg.batch_size, sampler=train_sampler, drop_last=data_cfg.drop_last, **common
+        options.update(persistent_workers=data_cfg.persistent_workers, prefetch_factor=data_cfg.prefetch_factor)
+    return options
+
+
+def eval_split(dataset: Dataset, data_cfg: Any, rank: RankInfo, seed: int, device: torch.device) -> EvalSplit:
+    return EvalSplit(dataset, data_cfg.eval_batch_size, rank, device, _preloaded(dataset, data_cfg),
+                     loader_options(data_cfg, seed, device))
+
+
+def _preloaded(dataset: Dataset, data_cfg: Any) -> bool:
+    if data_cfg.preload and not isinstance(dataset, TensorDataset):
+        raise UserError("data.preload=true needs in-memory TensorDatasets (digits, synthetic); set it false")
+    return bool(data_cfg.preload)
+
+
+def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, device: torch.device) -> Loaders:
+    splits = build_datasets(data_cfg, rank, seed)
+    train_set = splits["train"]
+    train_sampler = ResumableDistributedSampler(
+        train_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=True, seed=seed, pad=data_cfg.even_shards
     )
-    test = DataLoader(test_set, batch_size=data_cfg.eval_batch_size, sampler=test_sampler, **common)
-    return Loaders(train, test, train_sampler)
+    val, test = (eval_split(splits[s], data_cfg, rank, seed, device) if splits[s] is not None else None
+                 for s in ("val", "test"))
+    if _preloaded(train_set, data_cfg):
+        on_device = tuple(t.to(device) for t in train_set.tensors)  # type: ignore[attr-defined]
+        train: Iterable = TensorBatches(on_device, train_sampler, data_cfg.batch_size, data_cfg.drop_last)
+    else:
+        train = DataLoader(train_set, batch_size=data_cfg.batch_size, sampler=train_sampler,
+                           drop_last=data_cfg.drop_last, **loader_options(data_cfg, seed, device))
+    return Loaders(train, val, test, train_sampler)  # type: ignore[arg-type]

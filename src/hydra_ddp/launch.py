@@ -26,7 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp import distributed, reporting, scaling, startup, training, validate, worker
+from hydra_ddp import distributed, evaluation, reporting, scaling, startup, training, validate, worker
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -76,17 +76,17 @@ def exit_after(entry: Callable[[], Any]) -> NoReturn:
     os._exit(code or 0)
 
 
-def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
-    """Validate, launch, wait; the summary of a finished run (None on a non-zero node)."""
+def run(cfg: DictConfig, started_at: float, task: str = "train") -> Optional[dict[str, Any]]:
+    """Validate, launch, wait; the summary of a finished run, or eval.py's result (task="eval").
+    None on a non-zero node."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     distributed.adopt_submitit_environment()
     external = distributed.external_launch()
+    plain = _resolve(cfg, run_dir, external, task)
     if external:
-        plain = validate.fill_in(cfg, run_dir, external)
         # Only rank 0 knows the run directory: its verdict reaches every rank once the group is up.
-        problem = _problem(plain, run_dir) if external[1].is_main else None
+        problem = _problem(plain, run_dir) if external[1].is_main and task == "train" else None
         return _unless_stopped(worker.main(plain, str(run_dir), external[1], started_at, problem=problem), run_dir)
-    plain = validate.resolve(cfg, run_dir, external)
 
     # Inside a joblib (loky) job the default context is loky's, which cannot start our workers.
     multiprocessing.set_start_method("spawn", force=True)
@@ -101,7 +101,7 @@ def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
     for name in ("torch.multiprocessing.spawn", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     startup.quiet_resource_tracker()
-    summary_file = run_dir / reporting.SUMMARY_FILE
+    summary_file = run_dir / (evaluation.RESULT_FILE if task == "eval" else reporting.SUMMARY_FILE)
     summary_file.unlink(missing_ok=True)  # resuming in this directory: only this run's summary counts
     signum = None
     store = _host_store(plain)  # bound before any worker starts, held until the last one has ended
@@ -121,6 +121,33 @@ def run(cfg: DictConfig, started_at: float) -> Optional[dict[str, Any]]:
     if signum is not None and not (summary and summary["stopped_by"]):  # ended before their checkpoint
         raise Stopped({"stopped_by": signal.Signals(signum).name, "steps": None}, run_dir)
     return _unless_stopped(summary, run_dir)
+
+
+def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], task: str) -> dict[str, Any]:
+    """The plain config for the workers. Under an outside launcher every rank fills it in alike and
+    rank 0 alone checks what depends on its run directory (_problem)."""
+    overrides = list(HydraConfig.get().overrides.task)
+    if task == "eval":
+        plain = evaluation.resolve(cfg, overrides)
+        validate.fill_in_launch(plain, run_dir, external)
+    elif external:
+        plain = validate.fill_in(cfg, run_dir, external)
+    else:
+        plain = validate.resolve(cfg, run_dir, external)
+    plain["task"] = task
+    # The keys set on the command line (a sweep trial's): every worker logs its own values of them.
+    keys = (o.split("=", 1)[0].lstrip("+~").split("@", 1)[0] for o in overrides if "=" in o)
+    plain["overridden"] = [k for k in keys if _is_value(plain, k.split("."))]
+    return plain
+
+
+def _is_value(plain: dict[str, Any], path: list[str]) -> bool:
+    node: Any = plain
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return not isinstance(node, (dict, list))
 
 
 def _problem(plain: dict[str, Any], run_dir: Path) -> Optional[str]:
@@ -166,10 +193,14 @@ def _unless_stopped(summary: Optional[dict[str, Any]], run_dir: Path) -> Optiona
     """The summary of a finished run; a run that stopped early on a signal is a Stopped error."""
     if summary and summary["stopped_by"]:
         raise Stopped(summary, run_dir)
+    if summary and summary.get("ended_by") == "max_time":
+        say(f"hydra-ddp: trainer.max_time spent at step {summary['steps']}: tested and checkpointed; continue "
+            f"with: {_again(run_dir)}")
     return summary
 
 
 def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float, parent: Optional[int]) -> None:
+    log_file = run_dir / reporting.log_file(plain["task"])
     context = mp.start_processes(
         worker.spawn_entry, args=(plain, str(run_dir), started_at, parent), nprocs=plain["trainer"]["nproc"],
         join=False, start_method=plain["launcher"]["start_method"],
@@ -189,10 +220,10 @@ def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float, parent: Opti
         while not context.join(**grace):
             pass
     except mp.ProcessRaisedException as e:
-        raise WorkerFailed(*_first_spawned_cause(context, e.error_index, _last_line(str(e))), run_dir) from None
+        raise WorkerFailed(*_first_spawned_cause(context, e.error_index, _last_line(str(e))), log_file) from None
     except mp.ProcessExitedException as e:
         cause = f"killed by {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
-        raise WorkerFailed(e.error_index, cause, run_dir) from None
+        raise WorkerFailed(e.error_index, cause, log_file) from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -235,7 +266,7 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float, parent: O
         return e.sigval  # the agent has passed the signal on and waited for the workers to stop
     except ChildFailedError as e:
         rank, cause = _first_cause(e.failures)
-        raise WorkerFailed(rank, cause, run_dir) from None
+        raise WorkerFailed(rank, cause, run_dir / reporting.log_file(plain["task"])) from None
     finally:
         for sig, handler in as_sigterm.items():
             signal.signal(sig, handler)
@@ -284,9 +315,8 @@ def _first_spawned_cause(context: Any, rank: int, cause: str) -> tuple[int, str]
 
 
 class WorkerFailed(UserError):
-    def __init__(self, rank: int, cause: str, run_dir: Path):
+    def __init__(self, rank: int, cause: str, log_file: Path):
         self.rank, self.cause = rank, cause
-        log_file = run_dir / reporting.LOG_FILE
         super().__init__(f"worker rank {rank} failed: {cause} (full traceback: {log_file})")
 
 
@@ -296,11 +326,16 @@ class Stopped(UserError):
     def __init__(self, summary: dict[str, Any], run_dir: Path):
         signum = getattr(signal, summary["stopped_by"], None)
         self.exit_code = 128 + signum if signum else 1
-        kept = [o for o in HydraConfig.get().overrides.task if not o.startswith(("hydra.run.dir=", "trainer.resume="))]
-        again = shlex.join(["python", "train.py", *kept, f"hydra.run.dir={run_dir}", "trainer.resume=auto"])
+        again = _again(run_dir)
         where = (f"at step {summary['steps']}; checkpoint saved in {run_dir / 'checkpoints'}" if summary["steps"]
                  else "before the workers wrote a checkpoint; the last one is kept")
         super().__init__(f"stopped by {summary['stopped_by']} {where}; continue with: {again}")
+
+
+def _again(run_dir: Path) -> str:
+    """The command that continues this run where it stopped."""
+    kept = [o for o in HydraConfig.get().overrides.task if not o.startswith(("hydra.run.dir=", "trainer.resume="))]
+    return shlex.join(["python", "train.py", *kept, f"hydra.run.dir={run_dir}", "trainer.resume=auto"])
 
 
 def _last_line(text: str) -> str:

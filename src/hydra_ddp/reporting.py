@@ -19,7 +19,7 @@ from hydra_ddp.distributed import RankInfo
 
 log = logging.getLogger(__name__)
 
-LOG_FILE = "train.log"
+LOG_FILE = "train.log"  # eval.py's workers: eval.log
 SUMMARY_FILE = "summary.json"
 TENSORBOARD_DIR = "tensorboard"
 _FORMAT = "[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s"
@@ -27,14 +27,18 @@ _FORMAT = "[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s"
 FILE_ONLY = {"file_only": True}
 
 
-def setup_logging(rank: RankInfo, run_dir: Path) -> None:
-    """All ranks append to run_dir/train.log (tagged with the rank); rank 0 also prints."""
+def log_file(task: str) -> str:
+    return "eval.log" if task == "eval" else LOG_FILE
+
+
+def setup_logging(rank: RankInfo, run_dir: Path, task: str = "train") -> None:
+    """All ranks append to run_dir/train.log (eval.log; tagged with the rank); rank 0 also prints."""
     root = logging.getLogger()
     for handler in root.handlers[:]:  # an externally launched rank 0 still holds Hydra's handlers
         root.removeHandler(handler)
         handler.close()
     formatter = logging.Formatter(_FORMAT.format(rank=rank.rank))
-    handlers: list[logging.Handler] = [logging.FileHandler(run_dir / LOG_FILE, mode="a")]
+    handlers: list[logging.Handler] = [logging.FileHandler(run_dir / log_file(task), mode="a")]
     if rank.is_main:
         console = logging.StreamHandler(sys.stdout)
         console.addFilter(lambda record: not getattr(record, "file_only", False))
@@ -65,10 +69,10 @@ class Reporter:
             config_yaml = OmegaConf.to_yaml(cfg)
             self.writer.add_text("config", "```yaml\n" + config_yaml + "```", 0)
 
-    def train_losses(self, steps: Iterable[int], losses: Iterable[float]) -> None:
+    def series(self, tag: str, steps: Iterable[int], values: Iterable[float]) -> None:
         if self.writer:
-            for step, loss in zip(steps, losses):
-                self.writer.add_scalar("train/loss", loss, step)
+            for step, value in zip(steps, values):
+                self.writer.add_scalar(tag, value, step)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         if self.writer:
@@ -81,7 +85,8 @@ class Reporter:
             return
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-        metrics = {f"hparam/{k}": summary[k] for k in ("test_accuracy", "test_loss", "samples_per_sec")}
+        metrics = {f"hparam/{k}": summary[k] for k in ("val_accuracy", "val_loss", "test_accuracy", "test_loss",
+                                                       "samples_per_sec") if summary.get(k) is not None}
         # Written into this writer's own file: SummaryWriter.add_hparams would open a second one.
         for event in hparams_summary(hparams, metrics):
             self.writer.file_writer.add_summary(event)
@@ -102,14 +107,26 @@ class Reporter:
 
 
 def format_summary(s: dict[str, Any]) -> str:
+    tested, monitor = s["tested"] or {}, s["monitor"]
+    ended = {"early_stopping": f"early stopping (best at epoch {monitor['best_epoch']})",
+             "max_time": "trainer.max_time spent"}.get(s["ended_by"], s["ended_by"])
     rows = [
         ("world size", f"{s['world_size']} ({s['nnodes']} node(s) × {s['nproc_per_node']}, {s['device']})"),
         ("backend / launcher", f"{s['backend']} / {s['launcher']}"),
         ("init method", s["init_method"]),
-        ("epochs / steps", f"{s['epochs']} / {s['steps']}"),
+        ("epochs / steps", f"{s['epochs']} / {s['steps']} (ended by {ended})"),
         ("train loss", f"{s['train_loss']:.4f}"),
-        ("test loss", f"{s['test_loss']:.4f}"),
-        ("test accuracy", f"{s['test_accuracy']:.4f} ({s['test_samples']} samples)"),
+    ]
+    if s.get("val_loss") is not None:
+        rows.append(("val loss / accuracy", f"{s['val_loss']:.4f} / {s['val_accuracy']:.4f}"
+                     + (f" (best {monitor['metric']}, step {monitor['best_step']})" if monitor["best_step"] is not None
+                        else " (last)")))
+    if tested:
+        on = (f"{tested['weights']} weights, step {tested['step']}"
+              + (f": {tested['checkpoint']}" if tested["checkpoint"] else ""))
+        rows += [("test loss", f"{s['test_loss']:.4f}"),
+                 ("test accuracy", f"{s['test_accuracy']:.4f} ({s['test_samples']} samples; once, on the {on})")]
+    rows += [
         ("throughput", f"{s['samples_per_sec']:.0f} samples/s"),
         ("fast settings", ", ".join(name.split(".")[-1] for name, on in s.get("settings", {}).items() if on) or "none"),
         ("wall time", f"{s['wall_time_s']:.1f} s (training {s['train_time_s']:.1f} s, evaluation "

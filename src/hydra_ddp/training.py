@@ -20,8 +20,11 @@ from torch import nn
 from torch.distributed.algorithms import Join
 from tqdm import tqdm
 
-from hydra_ddp.checkpoint import Checkpointer
+from hydra_ddp.checkpoint import BEST, LAST, Checkpointer
 from hydra_ddp.data import Loaders
+from hydra_ddp.errors import UserError
+from hydra_ddp.evaluation import evaluate
+from hydra_ddp.monitor import Monitor
 from hydra_ddp.reporting import Reporter
 
 log = logging.getLogger(__name__)
@@ -60,7 +63,8 @@ class LossWindow:
     """Per-step training losses made global (averaged over ranks) with one all-reduce per window.
 
     A collective every step would stall the loop; one every `size` steps costs nothing. The
-    same all-reduce carries the stop flag, so every rank stops at the same step. Losses travel in
+    same all-reduce carries the stop flags (a signal; the time budget spent), so every rank stops
+    at the same step. Losses travel in
     fixed slots (one per step since the last flush, with a count of the ranks that ran it), so
     every rank sends the same number of values even when some ran out of batches a step earlier
     (uneven shards); a rank learns the global last step from the counts.
@@ -76,45 +80,29 @@ class LossWindow:
         self.losses.append(loss.detach())
         return len(self.steps) >= self.size
 
-    def flush(self, stop: bool, device: torch.device) -> tuple[list[int], list[float], bool]:
-        """(steps, global losses, whether any rank wants to stop). Every rank calls it at the same points."""
+    def flush(self, stop: bool, device: torch.device,
+              out_of_time: bool = False) -> tuple[list[int], list[float], bool, bool]:
+        """(steps, global losses, whether any rank wants to stop, whether any rank's time is up).
+        Every rank calls it at the same points."""
         slots = self.size + 1  # uneven shards: one step more than a window, at an epoch's end
         if len(self.steps) > slots:
             raise RuntimeError(f"loss window holds {len(self.steps)} steps, more than its {slots} slots")
-        packed = torch.zeros(2 * slots + 1, dtype=torch.float64, device=device)
+        packed = torch.zeros(2 * slots + 2, dtype=torch.float64, device=device)
         if self.steps:
             where = torch.tensor([s - self.first for s in self.steps], device=device)
             packed[where] = torch.stack(self.losses).double()
             packed[slots + where] = 1.0
-        packed[-1] = 1.0 if stop else 0.0
+        packed[-2] = 1.0 if stop else 0.0
+        packed[-1] = 1.0 if out_of_time else 0.0
         dist.all_reduce(packed)
-        sums, counts = packed[:slots].tolist(), packed[slots:-1].tolist()
+        sums, counts = packed[:slots].tolist(), packed[slots:-2].tolist()
         done = [i for i, count in enumerate(counts) if count]
         steps = [self.first + i for i in done]
         values = [sums[i] / counts[i] for i in done]
         self.first = steps[-1] + 1 if steps else self.first
         self.steps, self.losses = [], []
-        return steps, values, bool(packed[-1].item())
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device) -> dict[str, float]:
-    """Exact global loss and accuracy: each rank sums its disjoint shard, then one all-reduce.
-
-    Takes the unwrapped module: ranks may hold different batch counts, and DDP's forward would
-    start collectives that then fail to line up.
-    """
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        logits = model(x)
-        totals[0] += F.cross_entropy(logits, y, reduction="sum").double()
-        totals[1] += (logits.argmax(1) == y).sum()
-        totals[2] += y.numel()
-    dist.all_reduce(totals)
-    loss_sum, correct, count = totals.tolist()
-    return {"test_loss": loss_sum / count, "test_accuracy": correct / count, "test_samples": int(count)}
+        stop_flag, time_flag = packed[-2:].tolist()
+        return steps, values, bool(stop_flag), bool(time_flag)
 
 
 @dataclass
@@ -129,7 +117,8 @@ class Position:
 
 
 class Trainer:
-    """Runs the epochs: batches, global loss logging, evaluation, checkpoints, stopping on request."""
+    """Runs the epochs: batches, global loss logging, validation, checkpoints, stopping (on request,
+    early, on the time budget, on divergence), and the one test of the selected weights at the end."""
 
     def __init__(
         self,
@@ -143,6 +132,7 @@ class Trainer:
         checkpointer: Checkpointer,
         stop: StopRequest,
         progress: bool,
+        started_at: float = 0.0,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.loaders, self.device, self.cfg = loaders, device, cfg
@@ -154,13 +144,23 @@ class Trainer:
         self.amp_dtype = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}[precision]
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "16")  # fp16 only: bf16 needs none
         self.memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
+        self.grad_clip = cfg.trainer.grad_clip
+        self.grad_norms: list[tuple[int, torch.Tensor]] = []  # (step, global norm before clipping), until logged
+        max_time = cfg.trainer.max_time
+        self.deadline = started_at + max_time if max_time else None
         self.step_times: list[float] = []  # seconds per step, this process
         self.step_samples: list[int] = []  # samples per step, this rank
         self.first_step_at: Optional[float] = None
-        self.metrics: dict[str, Any] = {}
+        self.monitor = Monitor.from_config(cfg.trainer)
+        self.best_weights: Optional[dict[str, torch.Tensor]] = None  # a copy, on the CPU, while not the current ones
+        self.val_metrics: dict[str, Any] = {}  # the last validation's
+        self.history: list[dict[str, Any]] = []  # every validation of this run
+        self.test_metrics: dict[str, Any] = {}
+        self.tested: Optional[dict[str, Any]] = None  # which weights the test used
         self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
-        self.stopped_by: Optional[str] = None
-        self.saved: tuple[int, bool] = (-1, False)  # (step, with a metric) of the last checkpoint
+        self.stopped_by: Optional[str] = None  # a signal: checkpoint and exit at once
+        self.ended_by: Optional[str] = None  # early_stopping or max_time: checkpoint, test, and finish
+        self.saved: tuple[int, bool] = (-1, False)  # (step, as best.pt) of the last checkpoint
         # Where the time outside the steps goes: checkpoint_time_s is the stall, serialising at the step
         # boundary and waiting for the write at the end (the write itself runs beside training).
         # A checkpoint mid-epoch is also inside its step's time.
@@ -174,6 +174,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "position": asdict(self.pos),
+            "monitor": self.monitor.state(),
         }
 
     def resume_from(self, path: Path, state: dict[str, Any]) -> None:
@@ -182,17 +183,39 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.pos = Position(**state["position"])
         self.window.first = self.pos.step + 1
+        self.monitor.load(state.get("monitor"))
+        if self.monitor.best_step is not None and self.monitor.best_step != self.pos.step:
+            self.best_weights = self._best_from_disk()
         log.info("resumed from %s at epoch %d, batch %d, step %d", path, self.pos.epoch, self.pos.batch, self.pos.step)
 
-    def _save(self, metric: Optional[float] = None) -> None:
-        # Once per step; again only to bring in a metric the first save did not have (for best.pt).
-        saved_step, saved_with_metric = self.saved
-        if saved_step == self.pos.step and (saved_with_metric or metric is None):
+    def _best_from_disk(self) -> Optional[dict[str, torch.Tensor]]:
+        """The best weights of the run so far, from best.pt (every rank reads it, as the resumed checkpoint)."""
+        path = self.checkpointer.dir / BEST
+        try:
+            state = self.checkpointer.load(path)
+        except UserError as e:
+            log.warning("the best weights so far are not in %s (%s): the test will use the last weights", path, e)
+            return None
+        if state["position"]["step"] != self.monitor.best_step:
+            log.warning("%s is from step %d, not the best step %d: the test will use the last weights",
+                        path, state["position"]["step"], self.monitor.best_step)
+            return None
+        return {k: v.cpu() for k, v in state["model"].items()}
+
+    def _save(self) -> None:
+        best = self.monitor.best_step == self.pos.step  # validated here, and the best so far: best.pt
+        # Once per step; again only to publish as best.pt a step the first save did not.
+        saved_step, saved_as_best = self.saved
+        if saved_step == self.pos.step and (saved_as_best or not best):
             return
+        self._check_finite_weights()
         with self._timed("checkpoint_time_s"):
-            self.checkpointer.save(self.state(), self.pos.step, metric)
+            self.checkpointer.save(self.state(), self.pos.step, best)
         self.overheads["checkpoints"] += 1
-        self.saved = (self.pos.step, metric is not None)
+        self.saved = (self.pos.step, best)
+
+    def _checkpoints_on(self) -> bool:
+        return bool(self.cfg.checkpoint.every_epoch or self.cfg.checkpoint.every_n_steps)
 
     # --- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -204,30 +227,39 @@ class Trainer:
         max_steps = trainer_cfg.max_steps or steps_per_epoch * trainer_cfg.epochs
         epochs = min(trainer_cfg.epochs, math.ceil(max_steps / steps_per_epoch))
         bar = tqdm(total=max_steps, initial=self.pos.step, disable=not self.progress, unit="step", dynamic_ncols=True)
-        evaluated_at = -1
-        while self.pos.epoch < epochs and self.pos.step < max_steps and not self.stopped_by:
+        validated_at = -1
+        while self.pos.epoch < epochs and self.pos.step < max_steps and not (self.stopped_by or self.ended_by):
             epoch = self.pos.epoch
             self._run_epoch(epoch, max_steps, bar)
             if self._epoch_complete():
                 self.train_loss = self._epoch_loss()
+                best = False
                 if trainer_cfg.eval_every_epoch:
-                    self._evaluate(f"epoch {epoch + 1}/{epochs}")
-                    evaluated_at = self.pos.step
+                    best = self._validate(f"epoch {epoch + 1}/{epochs}", epoch + 1)
+                    validated_at = self.pos.step
                 if self.scheduler is not None:
                     self.scheduler.step()
                 self.pos = Position(epoch=epoch + 1, step=self.pos.step)
-                if self.cfg.checkpoint.every_epoch or self._step_checkpoint_due():
-                    self._save(self.metrics.get(self.cfg.checkpoint.best_metric))
+                if self.cfg.checkpoint.every_epoch or self._step_checkpoint_due() or (best and self._checkpoints_on()):
+                    self._save()
+                if self.monitor.should_stop and not self.ended_by:
+                    self.ended_by = "early_stopping"
+                    log.warning("early stopping at step %d: %s has not improved by more than %g for %d validation(s) "
+                                "(best %.6g at step %d)", self.pos.step, self.monitor.metric, self.monitor.min_delta,
+                                self.monitor.stale, self.monitor.best, self.monitor.best_step)
         bar.close()
-        if evaluated_at != self.pos.step:  # stopped mid-epoch (max_steps or a signal), or no eval per epoch
+        if validated_at != self.pos.step and not self.stopped_by:
+            # Ended mid-epoch (max_steps, the time budget), or no validation per epoch: validate the end.
             if self.pos.batch:
                 self.train_loss = self._epoch_loss()
             where = f"epoch {self.pos.epoch + 1}/{epochs}, batch {self.pos.batch}" if self.pos.batch else "end"
-            self._evaluate(where)
-        if self.cfg.checkpoint.every_epoch or self.cfg.checkpoint.every_n_steps or self.stopped_by:
-            self._save(self.metrics.get(self.cfg.checkpoint.best_metric))  # the last state, and best.pt
+            self._validate(where, self.pos.epoch)
+        if self._checkpoints_on() or self.stopped_by or self.ended_by == "max_time":
+            self._save()  # the last state (and best.pt)
         with self._timed("checkpoint_time_s"):
             self.checkpointer.finish()  # the last write is on disk before the summary says the run is done
+        if not self.stopped_by:  # a signal asks for a quick exit: the test waits for the resumed run's end
+            self._test()
         return self._results(epochs)
 
     def _epoch_lengths(self) -> tuple[int, int]:
@@ -333,45 +365,104 @@ class Trainer:
                 loss = F.cross_entropy(self.model(x), y)
             self.scaler.scale(loss / self.cfg.trainer.accumulate).backward()  # DDP all-reduces here on sync
         if sync:
+            if self.grad_clip:
+                self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients, not the scaled ones
+                # The gradients are all-reduced already: the same norm, and the same clipping, on every rank.
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+                self.grad_norms.append((self.pos.step + 1, norm.detach()))
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     def _flush(self, bar: tqdm) -> bool:
-        """Report the window's global losses; True when the ranks agreed to stop."""
-        steps, losses, stop = self.window.flush(self.stop.signum is not None, self.device)
-        self.reporter.train_losses(steps, losses)
+        """Report the window's global losses; True when the ranks agreed to stop (a signal, the time budget)."""
+        out_of_time = self.deadline is not None and time.time() >= self.deadline
+        steps, losses, stop, time_up = self.window.flush(self.stop.signum is not None, self.device, out_of_time)
+        self.reporter.series("train/loss", steps, losses)
+        if self.grad_norms:
+            norm_steps, norms = zip(*self.grad_norms)
+            self.reporter.series("train/grad_norm", norm_steps, torch.stack(norms).tolist())
+            self.grad_norms = []
         self.pos.epoch_loss_sum += sum(losses)
         self.pos.epoch_loss_count += len(losses)
         if losses:
             bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
             self.pos.step = steps[-1]  # a rank that ran out of batches a step early catches up
+        if not all(math.isfinite(loss) for loss in losses):  # global values: every rank stops here
+            bad = next(step for step, loss in zip(steps, losses) if not math.isfinite(loss))
+            self._diverged(f"the loss is {losses[steps.index(bad)]} at step {bad}")
         if stop and not self.stopped_by:
             name = signal.Signals(self.stop.signum).name if self.stop.signum else "a signal to another rank"
             self.stopped_by = name
             log.warning("stop requested (%s): saving a checkpoint at step %d and exiting", name, self.pos.step)
-        return stop
+        elif time_up and not self.ended_by:
+            self.ended_by = "max_time"
+            log.warning("trainer.max_time (%gs) is spent: a checkpoint at step %d, the test, and the end",
+                        self.cfg.trainer.max_time, self.pos.step)
+        return stop or time_up
 
-    def _evaluate(self, where: str) -> None:
-        lr = self.optimizer.param_groups[0]["lr"]
+    def _check_finite_weights(self) -> None:
+        """Before a checkpoint: weights that are already nan or inf are never saved as good ones."""
+        params = [p.detach() for p in self.model.module.parameters()]
+        finite = torch.stack([torch.isfinite(p).all() for p in params]).all().to(torch.int32).reshape(1)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite.item():
+            self._diverged(f"the weights are not finite after step {self.pos.step}")
+
+    def _diverged(self, what: str) -> None:
+        """Stop every rank with one line; the last checkpoint (written from finite weights) is kept."""
+        self.checkpointer.finish()  # a write in flight completes: it is the last good one
+        last = self.checkpointer.dir / LAST
+        kept = (f"the last good checkpoint is kept: {last} (step {self.saved[0]})" if self.saved[0] >= 0
+                else "no checkpoint was written")
+        raise UserError(f"training diverged: {what}; {kept}. Lower optim.lr, or set trainer.grad_clip")
+
+    def _validate(self, where: str, epoch: int) -> bool:
+        """Validation (when there is a split for it) and the monitored metric; True: the best weights so far."""
+        metrics: dict[str, Any] = {"train_loss": self.train_loss}
+        if self.loaders.val is not None:
+            with self._timed("eval_time_s"):
+                metrics.update(evaluate(self.model.module, self.loaders.val, self.device, "val", self.memory_format))
+        self.val_metrics = metrics
+        scalars = {"train/epoch_loss": self.train_loss, "train/lr": self.optimizer.param_groups[0]["lr"],
+                   "perf/samples_per_sec": self._samples_per_sec(self.step_times, self.step_samples)}
+        if "val_loss" in metrics:
+            scalars.update({"val/loss": metrics["val_loss"], "val/accuracy": metrics["val_accuracy"]})
+        self.reporter.scalars(scalars, self.pos.step)
+        best = self.monitor.update(metrics, self.pos.step, epoch)
+        self.history.append({"epoch": epoch, "step": self.pos.step, **metrics, "best": best})
+        if best:  # kept aside (on the CPU) for the test, in case later epochs do worse
+            self.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.module.state_dict().items()}
+        shown = f"  val loss {metrics['val_loss']:.4f}  val accuracy {metrics['val_accuracy']:.4f}" \
+            if "val_loss" in metrics else ""
+        log.info("%s  step %d  train loss %.4f%s%s", where, self.pos.step, self.train_loss, shown,
+                 f"  (best {self.monitor.metric})" if best else "")
+        return best
+
+    def _test(self) -> None:
+        """The test split's one reading, on the selected weights: the best by trainer.monitor, else the last."""
+        weights, step = "last", self.pos.step
+        if self.monitor.best_step is not None:
+            if self.monitor.best_step == self.pos.step:
+                weights = "best"
+            elif self.best_weights is not None:
+                self.model.module.load_state_dict(self.best_weights)  # training is over: the weights are free
+                weights, step = "best", self.monitor.best_step
         with self._timed("eval_time_s"):
-            self.metrics = evaluate(self.model.module, self.loaders.test, self.device)
-        epoch_loss = self.train_loss
-        self.reporter.scalars(
-            {
-                "train/epoch_loss": epoch_loss,
-                "test/loss": self.metrics["test_loss"],
-                "test/accuracy": self.metrics["test_accuracy"],
-                "train/lr": lr,
-                "perf/samples_per_sec": self._samples_per_sec(self.step_times, self.step_samples),
-            },
-            self.pos.step,
-        )
-        log.info(
-            "%s  step %d  train loss %.4f  test loss %.4f  test accuracy %.4f",
-            where, self.pos.step, epoch_loss, self.metrics["test_loss"], self.metrics["test_accuracy"],
-        )
+            self.test_metrics = evaluate(self.model.module, self.loaders.test, self.device, "test", self.memory_format)
+        saved = self._checkpoints_on() or self.stopped_by or self.ended_by == "max_time"
+        self.tested = {
+            "weights": weights, "step": step,
+            "epoch": self.monitor.best_epoch if weights == "best" else self.pos.epoch,
+            "checkpoint": str(self.checkpointer.dir / (BEST if weights == "best" else LAST)) if saved else None,
+            "monitor": self.monitor.metric, "monitor_value": self.monitor.best if weights == "best" else None,
+        }
+        self.reporter.scalars({"test/loss": self.test_metrics["test_loss"],
+                               "test/accuracy": self.test_metrics["test_accuracy"]}, self.pos.step)
+        log.info("test (once, on the %s weights: step %d%s)  test loss %.4f  test accuracy %.4f", weights, step,
+                 f", {self.monitor.metric} {self.monitor.best:.4f}" if weights == "best" else "",
+                 self.test_metrics["test_loss"], self.test_metrics["test_accuracy"])
 
     @contextlib.contextmanager
     def _timed(self, overhead: str) -> Iterator[None]:
@@ -392,11 +483,23 @@ class Trainer:
 
     def _results(self, epochs: int) -> dict[str, Any]:
         warm = min(WARMUP_STEPS, len(self.step_times) // 10)
+        monitor = self.monitor
+        selected = next((h for h in self.history if h["step"] == monitor.best_step), self.val_metrics)
         return {
             "epochs": epochs,
             "steps": self.pos.step,
             "train_loss": self.train_loss,
-            **self.metrics,
+            # The selected weights' validation (the best by the monitor, else the last validation).
+            "val_loss": selected.get("val_loss"),
+            "val_accuracy": selected.get("val_accuracy"),
+            "val_samples": selected.get("val_samples"),
+            **self.test_metrics,
+            "tested": self.tested,
+            "test_passes": self.loaders.test.passes,
+            "monitor": {"metric": monitor.metric, "mode": monitor.mode, "best": monitor.best,
+                        "best_step": monitor.best_step, "best_epoch": monitor.best_epoch},
+            "objective": monitor.best,  # what train.py returns to a sweeper
+            "history": self.history,
             "samples_per_sec": self._samples_per_sec(self.step_times, self.step_samples),
             "steady_samples_per_sec": self._samples_per_sec(self.step_times[warm:], self.step_samples[warm:]),
             "median_step_time_s": statistics.median(self.step_times[warm:]) if self.step_times else 0.0,
@@ -404,4 +507,6 @@ class Trainer:
             **self.overheads,  # rank 0's
             "first_step_at": self.first_step_at,
             "stopped_by": self.stopped_by,
+            "ended_by": self.ended_by or ("max_steps" if self.cfg.trainer.max_steps and
+                                          self.pos.step >= self.cfg.trainer.max_steps else "epochs"),
         }

@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from hydra_ddp import checkpoint, comm, data, distributed, performance, startup
+from hydra_ddp import checkpoint, comm, data, distributed, monitor, performance, startup
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
 
@@ -40,8 +40,23 @@ def fill_in(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankIn
         plain: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore
     except MissingMandatoryValue as e:
         raise UserError(f"{e.full_key} must be set (it is ??? in the config); pass {e.full_key}=...") from None
-    trainer, launcher = plain["trainer"], plain["launcher"]
+    fill_in_launch(plain, run_dir, external)
+    trainer = plain["trainer"]
+    # Decided here, so the checkpoint records it: the same thread count gives the same CPU kernels,
+    # and eval.py evaluates with it (bit-equal metrics at any world size).
+    trainer["threads"] = trainer["threads"] or max(1, len(os.sched_getaffinity(0)) // trainer["nproc"])
+    _resolve_batch_size(plain["data"], trainer["nproc"] * plain["launcher"]["nnodes"])
+    trainer["resume"] = checkpoint.resume_setting(trainer["resume"])
+    trainer["max_time"] = max_time_seconds(trainer["max_time"])
+    _resolve_monitor(trainer, plain["data"])
+    if trainer["init_from"]:
+        trainer["init_from"] = str(checkpoint.find(trainer["init_from"], "trainer.init_from"))
+    return plain
 
+
+def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
+    """How this command runs: device, world size, backend, init method (train.py's and eval.py's)."""
+    trainer, launcher = plain["trainer"], plain["launcher"]
     trainer["device"] = _device(trainer["device"])
     if external:
         launcher_name, rank = external
@@ -52,9 +67,6 @@ def fill_in(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankIn
         _check_launcher(launcher)
     plain["backend"]["name"] = distributed.resolve_backend(plain["backend"]["name"], trainer["device"], trainer["nproc"])
     _resolve_init_method(plain["init_method"], run_dir, external is not None)
-    _resolve_batch_size(plain["data"], trainer["nproc"] * launcher["nnodes"])
-    trainer["resume"] = checkpoint.resume_setting(trainer["resume"])
-    return plain
 
 
 def check(plain: dict[str, Any], run_dir: Path) -> None:
@@ -95,9 +107,7 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
     ]:
         if value is not None and value < 1:
             raise UserError(f"{key} must be at least 1 (or null where allowed), got {value}")
-    ckpt = plain["checkpoint"]
-    if ckpt["best_mode"] not in ("max", "min") or ckpt["best_metric"] not in (None, "test_accuracy", "test_loss"):
-        raise UserError("checkpoint.best_metric must be test_accuracy, test_loss or null, and best_mode max or min")
+    _check_workflow(plain)
     if not data_cfg["even_shards"]:
         if trainer["accumulate"] > 1:
             raise UserError("data.even_shards=false does not combine with trainer.accumulate > 1 "
@@ -112,6 +122,61 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
         raise UserError("across nodes the ranks meet through torchrun's rendezvous: use init_method=env")
     if plain["init_method"]["name"] == "file" and launcher.get("max_restarts"):
         raise UserError("a restarted group cannot reuse a file:// store: use init_method=env or tcp with restarts")
+
+
+def _resolve_monitor(trainer: dict[str, Any], data_cfg: dict[str, Any]) -> None:
+    """The monitored metric must exist; without validation (data.val_fraction=0) a val/ metric has no
+    values, and nothing is monitored."""
+    name = trainer["monitor"]
+    if name is not None and name not in monitor.METRICS:
+        raise UserError(f"trainer.monitor={name!r} is not a metric of this run; choose one of "
+                        f"{', '.join(monitor.METRICS)} (or null)")
+    if trainer["monitor_mode"] not in ("auto", "min", "max"):
+        raise UserError(f"trainer.monitor_mode must be auto, min or max, got {trainer['monitor_mode']!r}")
+    fraction = data_cfg["val_fraction"]
+    if not 0 <= fraction < 1:
+        raise UserError(f"data.val_fraction must be in [0, 1), got {fraction}")
+    if fraction == 0 and name is not None and name.startswith("val/"):
+        trainer["monitor"] = None
+
+
+def max_time_seconds(value: Any) -> Optional[float]:
+    """trainer.max_time: seconds, or "[D:]HH:MM:SS" (as Lightning and Slurm write a time limit)."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, str) and ":" in value:
+            parts = [float(p) for p in value.split(":")]
+            if not 3 <= len(parts) <= 4:
+                raise ValueError
+            seconds = sum(p * unit for p, unit in zip(reversed(parts), (1, 60, 3600, 86400)))
+        else:
+            seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise UserError(f"trainer.max_time={value!r}: give seconds (e.g. 3600) or [D:]HH:MM:SS (e.g. 00:12:00:00)")
+    return seconds
+
+
+def _check_workflow(plain: dict[str, Any]) -> None:
+    """Validation, selection, early stopping, clipping and fine-tuning settings."""
+    trainer = plain["trainer"]
+    stopping = trainer["early_stopping"]
+    if stopping["patience"] is not None:
+        if stopping["patience"] < 1:
+            raise UserError(f"trainer.early_stopping.patience must be at least 1 (or null: off), got {stopping['patience']}")
+        if trainer["monitor"] is None:
+            raise UserError("trainer.early_stopping needs a monitored metric: set trainer.monitor (without validation, "
+                            "data.val_fraction=0, only train/loss has values)")
+        if not trainer["eval_every_epoch"]:
+            raise UserError("trainer.early_stopping needs a validation every epoch: set trainer.eval_every_epoch=true")
+    if stopping["min_delta"] < 0:
+        raise UserError(f"trainer.early_stopping.min_delta must be 0 or more, got {stopping['min_delta']}")
+    if trainer["grad_clip"] is not None and not trainer["grad_clip"] > 0:
+        raise UserError(f"trainer.grad_clip must be positive (or null: no clipping), got {trainer['grad_clip']}")
+    if trainer["init_from"]:
+        checkpoint.check_init(plain["model"], Path(trainer["init_from"]), list(trainer["init_ignore"]))
 
 
 def _resolve_batch_size(data_cfg: dict[str, Any], world_size: int) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import atexit
 import gc
+import hashlib
+import json
 import logging
 import os
 import random
@@ -20,6 +22,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -27,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from hydra_ddp import checkpoint, comm, data, distributed, performance, reporting, startup, training
+from hydra_ddp import checkpoint, comm, data, distributed, evaluation, performance, reporting, startup, training
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
 
@@ -54,8 +57,9 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
     stop.install()
     tqdm.monitor_interval = 0  # no monitor thread: one less thread alive when the process exits
     external = cfg.launcher.get("external", False)
+    task = cfg.get("task", "train")
     if not external:
-        reporting.setup_logging(rank, Path(run_dir))
+        reporting.setup_logging(rank, Path(run_dir), task)
     device = torch.device(f"cuda:{rank.local_rank}" if cfg.trainer.device == "cuda" else "cpu")
     torch.set_num_threads(cpu_threads(cfg.trainer.threads, rank))
     # An outside torchrun, and torchrun across nodes, bring the env:// rendezvous (MASTER_ADDR/PORT).
@@ -65,16 +69,35 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
         out = Path(run_dir)
         if external:  # every rank was started with its own idea of the run directory: rank 0's wins
             out = Path(distributed.broadcast_text(run_dir, device))
-            reporting.setup_logging(rank, out)
+            reporting.setup_logging(rank, out, task)
             problem = distributed.first_error(problem, device)
             if problem:
                 raise UserError(problem)  # the same line on every rank, before anything is built
+        _check_same_config(cfg, rank, device)
         # Everything the run builds lives in _train's frame and is gone when it returns, before the
         # group is destroyed. (gloo's threads still outlive destroy_process_group, held in C++:
         # workers end with os._exit for that reason, see _exit_after_teardown.)
-        summary = _train(cfg, out, rank, device, stop, started_at)
+        if task == "eval":
+            summary = evaluation.run(cfg, out, rank, device, started_at)
+        else:
+            summary = _train(cfg, out, rank, device, stop, started_at)
         _release(cfg)
     return summary  # the same on every rank: global values only
+
+
+def _check_same_config(cfg: DictConfig, rank: RankInfo, device: torch.device) -> None:
+    """Every rank trains with the same values (one sweep trial's, say), or none starts: the config's
+    fingerprint, compared in one all-reduce. Each rank logs it, with the values set on the command line."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    digest = hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()
+    mine = int(digest[:15], 16)  # fits an int64
+    extremes = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    overridden = " ".join(f"{key}={OmegaConf.select(cfg, key)}" for key in cfg.get("overridden", []))
+    log.info("rank %d config %s%s", rank.rank, digest[:12], f": {overridden}" if overridden else "")
+    if extremes[0].item() != -extremes[1].item():
+        raise UserError("the ranks were given different configs (see each rank's 'config' line in the log); "
+                        "launch them with the same overrides")
 
 
 def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, stop: training.StopRequest,
@@ -91,6 +114,10 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     for name, value in fast.items():
         OmegaConf.update(cfg, name, value)
     memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
+    if cfg.trainer.init_from and rank.is_main:
+        # Rank 0's weights: DDP's constructor broadcasts them to every rank (a resumed run's then replace them).
+        skipped = checkpoint.load_weights(model, Path(cfg.trainer.init_from), list(cfg.trainer.init_ignore))
+        log.info("weights from %s%s", cfg.trainer.init_from, f" (fresh: {', '.join(skipped)})" if skipped else "")
     ddp_options = OmegaConf.to_container(cfg.ddp)
     comm_hook = ddp_options.pop("comm_hook")  # comm.py's, not DDP's argument
     if ddp_options.pop("sync_batchnorm"):
@@ -115,7 +142,7 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     try:
         trainer = training.Trainer(
             ddp_model, optimizer, scheduler, loaders, device, cfg, reporter, checkpointer, stop,
-            progress=reporting.show_progress(cfg.trainer.progress, rank),
+            progress=reporting.show_progress(cfg.trainer.progress, rank), started_at=started_at,
         )
         if resume:
             trainer.resume_from(*resume)
@@ -139,6 +166,7 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
             "wall_time_s": time.time() - started_at,
             "run_dir": str(out),
             "resumed_from": str(resume[0]) if resume else None,
+            "init_from": cfg.trainer.init_from if not resume else None,
         }
         reporter.finish(summary, hparams=_hparams(cfg, rank))
     finally:
@@ -177,6 +205,7 @@ def _hparams(cfg: DictConfig, rank: RankInfo) -> dict[str, Any]:
         "model": cfg.model._target_.rsplit(".", 1)[-1],
         "optim": cfg.optim._target_.rsplit(".", 1)[-1],
         "lr": cfg.optim.get("lr"),
+        "weight_decay": cfg.optim.get("weight_decay"),
         "batch_size": cfg.data.batch_size,
         "epochs": cfg.trainer.epochs,
         "seed": cfg.trainer.seed,

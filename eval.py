@@ -1,0 +1,46 @@
+"""Evaluate a saved checkpoint on one split, through the same launchers as train.py.
+
+    python eval.py ckpt=outputs/runs/DATE/TIME               # its best.pt (else last.pt), test split
+    python eval.py ckpt=PATH/TO/step-00000120.pt split=val trainer.nproc=1
+    python eval.py ckpt=RUN_DIR predict=true                 # also predictions.csv, in dataset order
+    torchrun --standalone --nproc_per_node=3 eval.py ckpt=RUN_DIR
+
+The model, data, seed and memory format are the checkpoint's own unless overridden here, so the
+metrics are the run's own, bit for bit, at any world size. Writes eval.json (and predictions.csv)
+in its own run directory, outputs/eval/DATE/TIME.
+"""
+
+import time
+
+STARTED_AT = time.time()  # before the imports: wall time counts them too
+
+import sys  # noqa: E402
+
+from hydra_ddp import ranks, startup  # noqa: E402  (neither imports torch)
+
+if __name__ == "__main__" and not ranks.external_launch():
+    startup.preload(sys.argv)  # the workers' imports start now, beside the parent's (train.py's reason)
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from hydra_ddp import launch  # noqa: E402
+from hydra_ddp.config import register_schema  # noqa: E402
+from hydra_ddp.errors import UserError  # noqa: E402
+
+register_schema()
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="eval")
+def main(cfg: DictConfig) -> float | None:
+    try:
+        result = launch.run(cfg, STARTED_AT, task="eval")
+    except UserError as error:
+        launch.fail(error)
+        return None
+    return result[f"{cfg.split}_accuracy"] if result else None
+
+
+if __name__ == "__main__":
+    launch.adopt_external_launch(sys.argv)
+    launch.exit_after(main)

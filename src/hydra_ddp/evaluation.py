@@ -1,0 +1,170 @@
+"""Exact distributed evaluation, and eval.py's job: a saved checkpoint evaluated on one split.
+
+Metrics are bit-equal at any world size: each chunk of the split (data.EvalSplit) is one batch
+wherever it runs, its per-sample losses are summed in order, the chunks' sums travel in their own
+slots of one all-reduce (a slot gets one rank's value plus zeros: exact), and every rank adds
+the chunks up in chunk order.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from hydra_ddp import checkpoint, data
+from hydra_ddp.distributed import RankInfo
+from hydra_ddp.errors import UserError
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE = "eval.json"
+PREDICTIONS_FILE = "predictions.csv"
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, split: data.EvalSplit, device: torch.device, name: str = "test",
+             memory_format: torch.memory_format = torch.preserve_format,
+             predictions: bool = False) -> dict[str, Any]:
+    """{name}_loss, {name}_accuracy, {name}_samples over the whole split (the same on every rank);
+    with `predictions`, also rank 0's (label, predicted class, probability) per sample, in dataset order.
+
+    Takes the unwrapped module: ranks may hold different chunk counts, and DDP's forward would
+    start collectives that then fail to line up.
+    """
+    model.eval()
+    sums = torch.zeros(split.num_chunks, 3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    rows = torch.zeros(split.samples if predictions else 0, 3, dtype=torch.float64, device=device)
+    for chunk, first, x, y in split:
+        x = x.to(device, non_blocking=True, memory_format=memory_format)
+        y = y.to(device, non_blocking=True)
+        logits = model(x).float()
+        losses = F.cross_entropy(logits, y, reduction="none").double()
+        predicted = logits.argmax(1)
+        sums[chunk, 0] = losses.sum()
+        sums[chunk, 1] = (predicted == y).sum()
+        sums[chunk, 2] = y.numel()
+        if predictions:
+            probability = logits.softmax(1).gather(1, predicted[:, None])[:, 0]
+            rows[first : first + len(y)] = torch.stack([y.double(), predicted.double(), probability.double()], 1)
+    dist.all_reduce(sums)
+    loss_sum, correct, count = sums.sum(0).tolist()
+    metrics: dict[str, Any] = {f"{name}_loss": loss_sum / count, f"{name}_accuracy": correct / count,
+                               f"{name}_samples": int(count)}
+    if predictions:
+        dist.reduce(rows, dst=0)
+        metrics["predictions"] = rows.cpu()
+    return metrics
+
+
+# --- eval.py: the parent's half ------------------------------------------------------------------
+def resolve(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
+    """eval.py's config: the checkpoint's own (model, data, seed, precision: what it was trained
+    with), the command line's overrides on top, and this command's launch settings."""
+    path = checkpoint.find(str(cfg.ckpt), "ckpt")
+    saved = checkpoint.read(path, "ckpt")
+    composed = OmegaConf.to_container(cfg, resolve=True)
+    plain = copy.deepcopy(saved["config"])
+    for group in ("backend", "init_method", "launcher", "dist"):
+        plain[group] = composed[group]
+    # The run's CPU threads per rank stay (the same kernels, the same bits) unless set on the command line.
+    for key in ("nproc", "device", "progress"):
+        plain["trainer"][key] = composed["trainer"][key]
+    for override in overrides:
+        _apply(plain, composed, override)
+    split = composed["split"]
+    if split not in data.SPLITS:
+        raise UserError(f"split={split!r}: choose {', '.join(data.SPLITS)}")
+    if split == "val" and not plain["data"]["val_fraction"]:
+        raise UserError("split=val: this run had no validation split (data.val_fraction=0); choose split=test or train")
+    plain["eval"] = {"ckpt": str(path), "split": split, "predict": bool(composed["predict"]),
+                     "step": saved["position"]["step"], "epoch": saved["position"]["epoch"]}
+    plain["task"] = "eval"
+    _check_model(plain["model"], saved["model"], path)
+    return plain
+
+
+def _apply(plain: dict[str, Any], composed: dict[str, Any], override: str) -> None:
+    """One command-line override onto the checkpoint's config: a group (model=mlp) replaces the
+    section; a key (data.eval_batch_size=64) takes the composed value."""
+    key = override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+    if key in ("ckpt", "split", "predict") or key.startswith("hydra"):
+        return
+    parts = key.split(".")
+    source, target = composed, plain
+    for part in parts[:-1]:
+        source, target = source[part], target.setdefault(part, {})
+    if parts[-1] in source:
+        target[parts[-1]] = copy.deepcopy(source[parts[-1]])
+    else:
+        target.pop(parts[-1], None)  # ~key
+
+
+def _check_model(model_cfg: dict[str, Any], saved: dict[str, torch.Tensor], path: Path) -> None:
+    """The checkpoint's weights fit the model to evaluate: built on the meta device, no memory."""
+    with torch.device("meta"):
+        model = instantiate(model_cfg)
+    checkpoint.check_compatible(model, saved, path, fix="evaluate it with the model it was saved from "
+                                                       "(leave model= out: the checkpoint's is the default)")
+
+
+# --- eval.py: every worker's half ----------------------------------------------------------------
+def run(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, started_at: float) -> dict[str, Any]:
+    """Evaluate the checkpoint on the split; rank 0 writes eval.json (and predictions.csv)."""
+    job = cfg.eval
+    splits = data.build_datasets(cfg.data, rank, cfg.trainer.seed)
+    split = data.eval_split(splits[job.split], cfg.data, rank, cfg.trainer.seed, device)
+    model = instantiate(cfg.model)
+    if rank.is_main:  # only rank 0 reads the file: it need not be on every node
+        model.load_state_dict(checkpoint.read(Path(job.ckpt), "ckpt")["model"])
+    model.to(device)
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
+    model.to(memory_format=memory_format)  # as the run evaluated it: the same bits
+    started = time.perf_counter()
+    metrics = evaluate(model, split, device, job.split, memory_format, predictions=job.predict)
+    rows = metrics.pop("predictions", None)
+    result = {
+        "checkpoint": job.ckpt, "step": job.step, "epoch": job.epoch, "split": job.split, **metrics,
+        "world_size": rank.world_size, "launcher": cfg.launcher.name, "device": device.type,
+        "eval_time_s": time.perf_counter() - started, "wall_time_s": time.time() - started_at, "run_dir": str(out),
+        "predictions": str(out / PREDICTIONS_FILE) if job.predict else None, "stopped_by": None,
+    }
+    if rank.is_main:
+        if rows is not None:
+            _write_predictions(rows, out / PREDICTIONS_FILE)
+        _write_json(result, out / RESULT_FILE)
+        name = job.split
+        log.info("%s of %s (step %d) on %d rank(s): %s loss %r, %s accuracy %r (%d samples)", RESULT_FILE, job.ckpt,
+                 job.step, rank.world_size, name, result[f"{name}_loss"], name, result[f"{name}_accuracy"],
+                 result[f"{name}_samples"])
+    return result
+
+
+def _write_predictions(rows: torch.Tensor, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["index", "label", "predicted", "probability"])
+        for index, (label, predicted, probability) in enumerate(rows.tolist()):
+            writer.writerow([index, int(label), int(predicted), f"{probability:.6f}"])
+    os.replace(tmp, path)
+
+
+def _write_json(result: dict[str, Any], path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, path)
