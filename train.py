@@ -26,6 +26,7 @@ from hydra_ddp.config import register_schema  # noqa: E402
 from hydra_ddp.errors import UserError  # noqa: E402
 
 register_schema()
+_START = [STARTED_AT]
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
@@ -33,8 +34,9 @@ def main(cfg: DictConfig) -> float | None:
     """Returns what a Hydra sweeper (e.g. Optuna) optimises: the best value of trainer.monitor
     (a validation metric: never the test set's)."""
     worst = monitor.worst(cfg.trainer.monitor, cfg.trainer.monitor_mode)  # a value every finished run beats
+    started_at = _START.pop() if _START else time.time()  # a multirun's later jobs in this process: now
     try:
-        summary = launch.run(cfg, STARTED_AT)
+        summary = launch.run(cfg, started_at)
     except UserError as error:
         launch.fail(error)  # one line, no traceback; in a multirun the next job still runs
         return worst  # a failed or diverged trial ranks last instead of ending the sweep

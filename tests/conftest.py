@@ -27,12 +27,12 @@ def train_env() -> dict[str, str]:
     return env
 
 
-def start_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+def start_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = (), script: str = "train.py") -> subprocess.Popen:
     """Start `python train.py OVERRIDES hydra.run.dir=RUN_DIR` (or under a launcher given as prefix).
 
     It gets a session of its own: the test can find (and on timeout kill) every process it started.
     """
-    cmd = [*(prefix or (sys.executable,)), str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
+    cmd = [*(prefix or (sys.executable,)), str(REPO / script), *overrides, f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(
         cmd, cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
@@ -53,6 +53,11 @@ def finish(proc: subprocess.Popen, timeout: float = 150) -> subprocess.Completed
 
 def run_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = (), timeout: float = 150) -> subprocess.CompletedProcess:
     return finish(start_train(run_dir, *overrides, prefix=prefix), timeout)
+
+
+def run_eval(run_dir: Path, *overrides: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    """`python eval.py OVERRIDES hydra.run.dir=RUN_DIR`."""
+    return finish(start_train(run_dir, *overrides, script="eval.py"), timeout)
 
 
 def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None = None):

@@ -31,10 +31,11 @@ def test_failed_job_is_a_failed_row_and_the_sweep_goes_on(tmp_path: Path):
     sweep = tmp_path / "sweep"
     proc = run_train(tmp_path / "unused", "-m", *QUICK, "backend=gloo,mpi", f"hydra.sweep.dir={sweep}")
     assert proc.returncode != 0  # a sweep with a failed job does not pass for a success
-    rows = {r["swept"]: r for r in csv.DictReader(open(sweep / "scaling.csv"))}
-    assert rows["backend=gloo"]["status"] == "ok"
-    assert rows["backend=mpi"]["status"] == "failed" and "MPI" in rows["backend=mpi"]["error"]
-    assert (sweep / "scaling.png").exists()
+    # Not a sweep over world sizes: the trials report, the job that ran first, the failed one last.
+    rows = list(csv.DictReader(open(sweep / "sweep.csv")))
+    assert [(r["swept"], r["status"], r["rank"]) for r in rows] == [("backend=gloo", "ok", "1"), ("backend=mpi", "failed", "")]
+    assert "MPI" in rows[1]["error"] and float(rows[0]["objective"]) == summary(sweep / "0")["val_accuracy"]
+    assert f"Best: job 0 (backend=gloo), val/accuracy" in (sweep / "sweep.md").read_text()
     assert "1 of 2 jobs failed" in proc.stderr
 
 
@@ -57,7 +58,7 @@ def test_eight_parallel_jobs_never_collide_on_a_port(tmp_path: Path):
                      "hydra/launcher=joblib", "hydra.launcher.n_jobs=4", "launcher=spawn,torchrun",
                      "trainer.seed=0,1,2,3", f"hydra.sweep.dir={sweep}", timeout=540)
     check_ok(proc)
-    rows = list(csv.DictReader(open(sweep / "scaling.csv")))
+    rows = list(csv.DictReader(open(sweep / "sweep.csv")))
     assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}, rows
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hydra_ddp.distributed import RankInfo, first_error, restart_count
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import EveryRankError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class Checkpointer:
         # Not a barrier inside `if rank == 0`: every rank learns whether the write worked, and how not.
         problem = first_error(problem, self.device)
         if problem:
-            raise UserError(f"{problem}; the previous checkpoint is intact: make room, then continue with "
+            raise EveryRankError(f"{problem}; the previous checkpoint is intact: make room, then continue with "
                             "trainer.resume=auto")
 
     def _wait(self) -> Optional[str]:

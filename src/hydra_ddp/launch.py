@@ -317,6 +317,9 @@ def _first_spawned_cause(context: Any, rank: int, cause: str) -> tuple[int, str]
 class WorkerFailed(UserError):
     def __init__(self, rank: int, cause: str, log_file: Path):
         self.rank, self.cause = rank, cause
+        if cause.startswith(worker.EVERY_RANK):  # the run's failure, not one rank's
+            super().__init__(f"{cause[len(worker.EVERY_RANK):]} (log: {log_file})")
+            return
         super().__init__(f"worker rank {rank} failed: {cause} (full traceback: {log_file})")
 
 
@@ -357,9 +360,11 @@ def fail(error: UserError) -> None:
     In a multirun the job's directory keeps the line (error.txt, read by the scaling report)
     and the sweep goes on; the report's callback exits non-zero at the end.
     """
-    say(f"hydra-ddp: error: {error}")
+    message = str(error)
+    message = message[len(worker.EVERY_RANK):] if message.startswith(worker.EVERY_RANK) else message  # an outside launch's rank
+    say(f"hydra-ddp: error: {message}")
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(error, Stopped):  # a stop ends the sweep too
-        (Path(hydra_cfg.runtime.output_dir) / scaling.ERROR_FILE).write_text(f"{error}\n")
+        (Path(hydra_cfg.runtime.output_dir) / scaling.ERROR_FILE).write_text(f"{message}\n")
         return
     sys.exit(error.exit_code)

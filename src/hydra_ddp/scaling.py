@@ -1,9 +1,12 @@
-"""The scaling report: at the end of a multirun, every job's summary.json side by side.
+"""The sweep report: at the end of a multirun, every job's summary.json side by side.
 
-A Hydra callback (`on_multirun_end`, registered in conf/config.yaml) writes, in the sweep
-directory, `scaling.csv`, `scaling.md` and `scaling.png`: samples/s, speed-up over the smallest
-world size, scaling efficiency and the final metrics, one row per job. Any swept key works;
-a job that failed is a failed row, not a crash of the report. Also runs on its own:
+A Hydra callback (`on_multirun_end`, registered in conf/config.yaml) writes it in the sweep
+directory. A sweep over world sizes gets the scaling report, `scaling.csv`, `scaling.md` and
+`scaling.png`: samples/s, speed-up over the smallest world size, scaling efficiency and the final
+metrics, one row per job. Any other sweep (hyperparameters, an Optuna search) gets the trials
+report, `sweep.csv` and `sweep.md`: every trial's parameters and metrics ranked by the objective
+(trainer.monitor's best value, a validation metric), naming the best trial's run directory.
+A job that failed is a failed row, not a crash of the report. Also runs on its own:
 
     python -m hydra_ddp.scaling outputs/multirun/DATE/TIME
 """
@@ -27,6 +30,8 @@ log = logging.getLogger(__name__)
 ERROR_FILE = "error.txt"  # a job's one-line failure, written by train.py
 COLUMNS = ["job", "swept", "status", "world_size", "global_batch_size", "samples_per_sec", "speedup", "efficiency",
            "test_accuracy", "test_loss", "wall_time_s", "error"]
+TRIAL_COLUMNS = ["rank", "job", "swept", "status", "monitor", "objective", "val_loss", "val_accuracy", "test_loss",
+                 "test_accuracy", "steps", "ended_by", "wall_time_s", "run_dir", "error"]
 
 
 def _overrides(job_dir: Path) -> list[str]:
@@ -47,12 +52,15 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         if summary_file.exists():
             s = json.loads(summary_file.read_text())
             row.update(status="ok", **{k: s.get(k) for k in ("world_size", "global_batch_size", "samples_per_sec",
-                                                            "test_accuracy", "test_loss", "wall_time_s")})
+                                                            "test_accuracy", "test_loss", "wall_time_s", "val_loss",
+                                                            "val_accuracy", "objective", "steps", "ended_by")})
+            row.update(monitor=(s.get("monitor") or {}).get("metric"), mode=(s.get("monitor") or {}).get("mode"))
             if s.get("stopped_by"):
                 row["status"] = f"stopped ({s['stopped_by']})"
         else:
             error = job_dir / ERROR_FILE
             row.update(status="failed", error=error.read_text().strip() if error.exists() else "no summary.json")
+        row["run_dir"] = str(job_dir)
         rows.append(row)
     _add_speedup(rows)
     return rows
@@ -169,34 +177,112 @@ def plot(rows: list[dict[str, Any]], path: Path, sweep_dir: Optional[Path] = Non
     plt.close(fig)
 
 
-def report(sweep_dir: Path) -> Optional[list[dict[str, Any]]]:
+def varies_world_size(rows: list[dict[str, Any]]) -> bool:
+    return len({r["world_size"] for r in rows if r["status"] == "ok"}) > 1 or any(
+        "trainer.nproc=" in r["swept"] or "launcher.nnodes=" in r["swept"] for r in rows)
+
+
+def rank_trials(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Best first by the objective (in the monitored metric's direction); failed trials last."""
+    scored = [r for r in rows if r["status"] == "ok" and r.get("objective") is not None]
+    mode = scored[0]["mode"] if scored else "max"
+    scored.sort(key=lambda r: (-r["objective"] if mode == "max" else r["objective"], r["job"]))
+    ranked = scored + [r for r in rows if r not in scored]
+    for place, r in enumerate(ranked, 1):
+        r["rank"] = place if r in scored else None
+    return ranked
+
+
+def write_trials(rows: list[dict[str, Any]], sweep_dir: Path) -> list[dict[str, Any]]:
+    ranked = rank_trials(rows)
+    with open(sweep_dir / "sweep.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=TRIAL_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(ranked)
+    monitor = next((r["monitor"] for r in ranked if r.get("monitor")), None)
+    best = ranked[0] if ranked and ranked[0]["rank"] == 1 else None
+    lines = [f"# Sweep report: {sweep_dir}", ""]
+    if best:
+        lines += [f"Best: job {best['job']} ({best['swept']}), {monitor} {_fmt(best['objective'], 4)}: "
+                  f"{best['run_dir']}", ""]
+    lines += [f"| rank | job | parameters | status | {monitor or 'objective'} (best) | val loss | val acc | test loss "
+              "| test acc | steps | ended by | wall s |", "|" + " --- |" * 12]
+    for r in ranked:
+        cells = [r["rank"], r["job"], r["swept"], r["status"] + (f": {r['error']}" if r.get("error") else ""),
+                 r.get("objective"), r.get("val_loss"), r.get("val_accuracy"), r.get("test_loss"),
+                 r.get("test_accuracy"), r.get("steps"), r.get("ended_by"), r.get("wall_time_s")]
+        lines.append("| " + " | ".join(_fmt(c, 4) for c in cells) + " |")
+    lines += ["", "Ranked by the objective: trainer.monitor's best value over each trial's validations (never the",
+              "test set's). Each trial's test metrics are of its selected weights, read once.", ""]
+    (sweep_dir / "sweep.md").write_text("\n".join(lines))
+    return ranked
+
+
+def report(sweep_dir: Path) -> Optional[tuple[str, list[dict[str, Any]]]]:
+    """("scaling" or "sweep", rows) for the report written, or None when there are no jobs."""
     rows = collect(sweep_dir)
     if not rows:
         return None
-    write(rows, sweep_dir)
-    return rows
+    if varies_world_size(rows):
+        write(rows, sweep_dir)
+        return "scaling", rows
+    return "sweep", write_trials(rows, sweep_dir)
 
 
-class ScalingReport(Callback):
-    """Hydra callback: the report in the sweep directory once every job has run."""
+class SweepReport(Callback):
+    """Hydra callback: checks a search's direction at the start; the report once every job has run."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        problem = check_search(config)
+        if problem:
+            print(f"hydra-ddp: error: {problem}", file=sys.stderr)
+            sys.exit(2)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        rows = report(sweep_dir) if sweep_dir.is_dir() else None
-        if not rows:
+        written = report(sweep_dir) if sweep_dir.is_dir() else None
+        if not written:
             return
+        kind, rows = written
         failed = [r for r in rows if r["status"] == "failed"]
-        log.info("scaling report: %s", sweep_dir / "scaling.md")
-        print((sweep_dir / "scaling.md").read_text())
-        if failed:
-            print(f"hydra-ddp: error: {len(failed)} of {len(rows)} jobs failed (see {sweep_dir / 'scaling.md'})",
+        log.info("%s report: %s", kind, sweep_dir / f"{kind}.md")
+        print((sweep_dir / f"{kind}.md").read_text())
+        if failed and _searching(config):  # a search goes past failed or diverged trials: they rank last
+            print(f"hydra-ddp: warning: {len(failed)} of {len(rows)} trials failed (ranked last in "
+                  f"{sweep_dir / 'sweep.md'})", file=sys.stderr)
+        elif failed:  # a sweep with a failed job does not pass for a success
+            print(f"hydra-ddp: error: {len(failed)} of {len(rows)} jobs failed (see {sweep_dir / f'{kind}.md'})",
                   file=sys.stderr)
             sys.exit(1)
+
+
+def _searching(config: DictConfig) -> bool:
+    """An optimising sweeper (Optuna) rather than a grid of jobs."""
+    return "optuna" in str((config.hydra.get("sweeper") or {}).get("_target_", ""))
+
+
+def check_search(config: DictConfig) -> Optional[str]:
+    """An optimising sweeper (Optuna) needs a monitored metric, optimised in its own direction."""
+    direction = (config.hydra.get("sweeper") or {}).get("direction")
+    if direction is None or not _searching(config):
+        return None
+    from hydra_ddp.monitor import mode_of
+
+    metric = config.trainer.monitor
+    if metric is None:
+        return "the Optuna sweeper optimises trainer.monitor: set it (e.g. trainer.monitor=val/accuracy)"
+    wanted = {"max": "maximize", "min": "minimize"}[mode_of(metric, config.trainer.monitor_mode)]
+    given = [str(d).lower().split(".")[-1] for d in (direction if not isinstance(direction, str) else [direction])]
+    if given != [wanted]:
+        return (f"hydra.sweeper.direction={direction} but trainer.monitor={metric} is best at its "
+                f"{'highest' if wanted == 'maximize' else 'lowest'}: set hydra.sweeper.direction={wanted}")
+    return None
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         raise SystemExit("usage: python -m hydra_ddp.scaling SWEEP_DIR")
-    if not report(Path(sys.argv[1])):
+    written = report(Path(sys.argv[1]))
+    if not written:
         raise SystemExit(f"no job directories under {sys.argv[1]}")
-    print((Path(sys.argv[1]) / "scaling.md").read_text())
+    print((Path(sys.argv[1]) / f"{written[0]}.md").read_text())

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from hydra_ddp.checkpoint import BEST, LAST, Checkpointer
 from hydra_ddp.data import Loaders
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.evaluation import evaluate
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.reporting import Reporter
@@ -416,7 +416,7 @@ class Trainer:
         last = self.checkpointer.dir / LAST
         kept = (f"the last good checkpoint is kept: {last} (step {self.saved[0]})" if self.saved[0] >= 0
                 else "no checkpoint was written")
-        raise UserError(f"training diverged: {what}; {kept}. Lower optim.lr, or set trainer.grad_clip")
+        raise EveryRankError(f"training diverged: {what}; {kept}. Lower optim.lr, or set trainer.grad_clip")
 
     def _validate(self, where: str, epoch: int) -> bool:
         """Validation (when there is a split for it) and the monitored metric; True: the best weights so far."""

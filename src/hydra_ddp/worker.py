@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from hydra_ddp import checkpoint, comm, data, distributed, evaluation, performance, reporting, startup, training
 from hydra_ddp.distributed import RankInfo
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import EveryRankError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
             reporting.setup_logging(rank, out, task)
             problem = distributed.first_error(problem, device)
             if problem:
-                raise UserError(problem)  # the same line on every rank, before anything is built
+                raise EveryRankError(problem)  # the same line on every rank, before anything is built
         _check_same_config(cfg, rank, device)
         # Everything the run builds lives in _train's frame and is gone when it returns, before the
         # group is destroyed. (gloo's threads still outlive destroy_process_group, held in C++:
@@ -96,7 +96,7 @@ def _check_same_config(cfg: DictConfig, rank: RankInfo, device: torch.device) ->
     overridden = " ".join(f"{key}={OmegaConf.select(cfg, key)}" for key in cfg.get("overridden", []))
     log.info("rank %d config %s%s", rank.rank, digest[:12], f": {overridden}" if overridden else "")
     if extremes[0].item() != -extremes[1].item():
-        raise UserError("the ranks were given different configs (see each rank's 'config' line in the log); "
+        raise EveryRankError("the ranks were given different configs (see each rank's 'config' line in the log); "
                         "launch them with the same overrides")
 
 
@@ -219,6 +219,8 @@ class WorkerError(UserError):
 # Marks the failure of a rank that lost a peer (which failed first, for its own reason): the
 # launcher names the peer's failure when it has both (launch._first_cause).
 LOST_A_PEER = "lost a peer: "
+# Marks a failure every rank shares (EveryRankError): the launcher names no rank for it.
+EVERY_RANK = "every rank: "
 _PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
               "communicator was aborted", "remote process exited")
 
@@ -230,6 +232,8 @@ def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float,
         return run(OmegaConf.create(cfg), run_dir, rank, started_at, problem)
     except Exception as error:
         log.exception("rank %d failed", rank.rank, extra=reporting.FILE_ONLY)
+        if isinstance(error, EveryRankError):
+            raise WorkerError(EVERY_RANK + str(error)) from None
         if isinstance(error, UserError):
             raise WorkerError(str(error)) from None  # already one line that says what to do
         while error.__cause__ is not None:  # e.g. Hydra's InstantiationException wraps the real cause
