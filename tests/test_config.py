@@ -118,6 +118,16 @@ def test_wrong_type_fails_at_composition():
         (["launcher.start_method=fork"], "forkserver or spawn"),
         (["ddp.comm_hook=powersgd"], "choose none, fp16, bf16"),
         (["ddp.comm_hook=fp16", "data.even_shards=false"], "even_shards"),
+        (["trainer.monitor=val/acc"], "val/loss, val/accuracy, train/loss"),
+        (["trainer.monitor_mode=maximum"], "auto, min or max"),
+        (["data.val_fraction=1.0"], r"val_fraction must be in \[0, 1\)"),
+        (["trainer.early_stopping.patience=0"], "at least 1"),
+        (["trainer.early_stopping.patience=3", "trainer.monitor=null"], "needs a monitored metric"),
+        (["trainer.early_stopping.patience=3", "data.val_fraction=0"], "only train/loss"),
+        (["trainer.early_stopping.patience=3", "trainer.eval_every_epoch=false"], "validation every epoch"),
+        (["trainer.grad_clip=0"], "grad_clip must be positive"),
+        (["trainer.max_time=soon"], "HH:MM:SS"),
+        (["trainer.init_from=/no/such/run"], "no checkpoint file or run directory"),
     ],
 )
 def test_bad_config_is_one_clear_error(tmp_path: Path, overrides: list[str], message: str):
@@ -150,3 +160,24 @@ def test_external_launch_takes_world_size_from_the_launcher(tmp_path: Path, monk
     monkeypatch.delenv("MASTER_PORT")
     with pytest.raises(UserError, match="init_method.port"):  # mpirun sets no MASTER_PORT
         resolved(tmp_path, external=("mpirun", RankInfo(0, 2, 0, 2)))
+
+
+def test_validation_settings_resolve(tmp_path: Path):
+    plain = resolved(tmp_path, "trainer.max_time=00:01:30:00")
+    assert plain["trainer"]["max_time"] == 5400 and plain["trainer"]["monitor"] == "val/accuracy"
+    assert resolved(tmp_path, "trainer.max_time=90")["trainer"]["max_time"] == 90
+    assert resolved(tmp_path, "data.val_fraction=0")["trainer"]["monitor"] is None  # nothing to monitor
+    assert resolved(tmp_path, "data.val_fraction=0", "trainer.monitor=train/loss")["trainer"]["monitor"] == "train/loss"
+
+
+def test_an_optuna_search_must_optimise_the_monitor_in_its_direction():
+    from hydra_ddp import scaling
+
+    def search(*overrides):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+            return compose(config_name="config", overrides=["hparams_search=digits", *overrides], return_hydra_config=True)
+
+    assert scaling.check_search(search()) is None
+    assert scaling.check_search(search("trainer.monitor=val/loss", "hydra.sweeper.direction=minimize")) is None
+    assert "set hydra.sweeper.direction=minimize" in scaling.check_search(search("trainer.monitor=val/loss"))
+    assert "set it" in scaling.check_search(search("trainer.monitor=null"))
