@@ -4,7 +4,7 @@ Prints, and writes to OUT/gpu_check.md:
 - parity: train.py against bench/handwritten.py (the seeds' CNN, batch 64, nccl, one rank per GPU);
 - the defaults on CUDA: the CNN with every `auto` setting off, with workers started as fresh
   interpreters (start_method=spawn: the forkserver must not have touched CUDA), with the fp16
-  and bf16 communication hooks;
+  and bf16 communication hooks, with fp16 autocast and gradient clipping (GradScaler's unscale);
 - ResNet-50 (torchvision) images/s in bf16 on synthetic 224×224 data: auto settings off, the
   defaults (channels_last, bucket view, static graph), and torch.compile;
 - DataParallel against DDP where 2 or more GPUs exist (the seeds say DDP is faster);
@@ -108,6 +108,8 @@ def main() -> None:
         ("project CNN, start_method=spawn", ["launcher.start_method=spawn"]),
         ("project CNN, comm_hook=fp16", ["ddp.comm_hook=fp16"]),
         ("project CNN, comm_hook=bf16", ["ddp.comm_hook=bf16"]),
+        # GradScaler's unscale before clipping runs only on the GPU (fp16): it must train and log.
+        ("project CNN, fp16 + grad_clip=1", ["trainer.precision=16", "trainer.grad_clip=1.0"]),
     ]:
         variants[label] = project(extra, 300, 64)
         emit(row(label, variants[label]))

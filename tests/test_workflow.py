@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,14 @@ def test_optuna_search_ranks_trials_and_every_rank_uses_its_trial_values(tmp_pat
             used = dict(v.split("=", 1) for v in values.split())
             assert float(used["optim.lr"]) == float(trial["optim.lr"])
             assert int(used["data.batch_size"]) == int(trial["data.batch_size"])
+
+
+def test_ranks_handed_different_configs_refuse_to_train(run_dir: Path):
+    helper = Path(__file__).parent / "helpers" / "per_rank_lr.py"
+    prefix = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(helper))
+    proc = run_train(run_dir, *QUICK, prefix=prefix)
+    assert proc.returncode != 0
+    assert "hydra-ddp: error: the ranks were given different configs" in proc.stderr, proc.stderr
+    assert not (run_dir / "checkpoints").exists()
+    lines = re.findall(r"rank (\d) config (\w+): .*optim.lr=([\d.]+)", (run_dir / "train.log").read_text())
+    assert {rank for rank, _, _ in lines} == {"0", "1"} and len({digest for _, digest, _ in lines}) == 2

@@ -89,7 +89,10 @@ def _check_same_config(cfg: DictConfig, rank: RankInfo, device: torch.device) ->
     """Every rank trains with the same values (one sweep trial's, say), or none starts: the config's
     fingerprint, compared in one all-reduce. Each rank logs it, with the values set on the command line."""
     plain = OmegaConf.to_container(cfg, resolve=True)
-    digest = hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()
+    # What is trained, not how each node launches (node_rank, addresses, threads differ by design).
+    what = {k: v for k, v in plain.items() if k not in ("launcher", "init_method", "backend", "dist", "overridden")}
+    what["trainer"] = {k: v for k, v in plain["trainer"].items() if k not in ("nproc", "threads", "progress")}
+    digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
     mine = int(digest[:15], 16)  # fits an int64
     extremes = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
