@@ -46,7 +46,10 @@ def adopt_external_launch(argv: list[str]) -> None:
         argv.remove(arg)
     found = distributed.external_launch()
     if found and not found[1].is_main:
-        argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+        # Hydra's "disabled" logging would also disable every logger that exists by then (the
+        # project's, created at import): this rank's lines would never reach the run's log file.
+        argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
+                 "hydra.job_logging.disable_existing_loggers=false", "hydra.hydra_logging.disable_existing_loggers=false"]
 
 
 def exit_after(entry: Callable[[], Any]) -> NoReturn:
