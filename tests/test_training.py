@@ -59,3 +59,23 @@ def test_evaluation_is_exact_and_train_losses_are_global():
     rows = results["eval", 0]["predictions"]
     assert torch.equal(rows[:, 0].long(), y) and torch.equal(rows[:, 1].long(), logits.argmax(1))
     assert torch.allclose(rows[:, 2].float(), logits.softmax(1).max(1).values)
+
+
+def test_monitor_selects_the_best_and_counts_patience_with_min_delta():
+    from hydra_ddp.monitor import Monitor
+
+    loss = Monitor("val/loss", "min", patience=2, min_delta=0.05)
+    seen = [loss.update({"val_loss": v}, step, step) for step, v in enumerate([float("nan"), 1.0, 0.98, 0.9, 0.95], 1)]
+    assert seen == [False, True, True, True, False]  # any improvement is the best; nan never is
+    assert (loss.best, loss.best_step) == (0.9, 4)
+    assert loss.stale == 1 and not loss.should_stop  # 0.98 was better, but not by min_delta; 0.9 was
+    loss.update({"val_loss": 0.91}, 6, 6)
+    assert loss.should_stop
+    accuracy = Monitor("val/accuracy", "max")
+    assert accuracy.update({"val_accuracy": 0.5}, 1, 1) and not accuracy.update({"val_accuracy": 0.4}, 2, 2)
+    restored = Monitor("val/accuracy", "max")
+    restored.load(accuracy.state())
+    assert restored == accuracy
+    other = Monitor("val/loss", "min")
+    other.load(accuracy.state())  # another metric's record says nothing about this one
+    assert other.best is None

@@ -56,7 +56,10 @@ class Monitor:
         if value is None:
             return False
         sign = 1.0 if self.mode == "max" else -1.0
-        gain = math.inf if self.best is None else sign * (value - self.best)  # nan for a nan value: no gain
+        if math.isnan(value):
+            gain = math.nan  # never an improvement, not even the first value
+        else:
+            gain = math.inf if self.best is None else sign * (value - self.best)
         self.stale = 0 if gain > self.min_delta else self.stale + 1
         if gain > 0:
             self.best, self.best_step, self.best_epoch = value, step, epoch
