@@ -142,5 +142,7 @@ class _Counted(Dataset):
 
 
 def counted_synthetic(log_dir: str, **kwargs):
+    """Synthetic data whose training samples are counted. The validation split is its own (the
+    test samples), not carved from the training set: only training reads are counted."""
     train, test = synthetic(**kwargs)
-    return _Counted(train, log_dir), test
+    return _Counted(train, log_dir), test, test
