@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import sys
 from pathlib import Path
@@ -38,6 +39,15 @@ def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
     val_accuracy = scalars(run_dir, "val/accuracy")
     assert len(val_accuracy) == 2 and max(v for _, v in val_accuracy) == pytest.approx(s["val_accuracy"])
     assert scalars(run_dir, "test/accuracy") == [(s["steps"], pytest.approx(s["test_accuracy"]))]
+    # metrics.csv beside it: the same numbers, one row per step.
+    with open(run_dir / "metrics.csv", newline="") as f:
+        rows = {int(r["step"]): r for r in csv.DictReader(f)}
+    assert sorted(rows) == list(range(1, s["steps"] + 1))
+    assert [float(rows[step]["train/loss"]) for step, _ in train_loss] == pytest.approx([v for _, v in train_loss])
+    assert float(rows[s["steps"]]["test/accuracy"]) == s["test_accuracy"]
+    # Every rank's time per phase; balanced ranks raise no straggler.
+    assert [r["rank"] for r in s["ranks"]] == [0, 1] and s["straggler"] is None, s["ranks"]
+    assert "straggler" not in proc.stdout
     assert len(scalars(run_dir, "train/lr")) == 2
     assert len(scalars(run_dir, "perf/samples_per_sec")) == 2
 

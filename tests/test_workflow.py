@@ -1,5 +1,6 @@
 """The experiment workflow on real 2-rank gloo runs: pick on validation, test once, eval.py, stop
-early or on a diverged loss, a time budget, fine-tuning, gradient clipping, an Optuna search."""
+early or on a diverged loss, a time budget, fine-tuning, gradient clipping, an Optuna search;
+and seeing inside a run: which rank is slow, and why."""
 
 from __future__ import annotations
 
@@ -173,3 +174,15 @@ def test_ranks_handed_different_configs_refuse_to_train(run_dir: Path):
     assert not (run_dir / "checkpoints").exists()
     lines = re.findall(r"rank (\d) config (\w+): .*optim.lr=([\d.]+)", (run_dir / "train.log").read_text())
     assert {rank for rank, _, _ in lines} == {"0", "1"} and len({digest for _, digest, _ in lines}) == 2
+
+
+def test_a_rank_slowed_by_its_data_is_named_with_the_cause(run_dir: Path):
+    proc = run_train(run_dir, "data.dataset._target_=recording.digits_slow_on_rank", "+data.dataset.slow_rank=1",
+                     "+data.dataset.delay_s=0.003", "trainer.max_steps=24", "trainer.log_every=4")
+    check_ok(proc)
+    s = summary(run_dir)
+    assert s["straggler"]["rank"] == 1 and s["straggler"]["cause"] == "data", s["ranks"]
+    slow, other = s["ranks"][1], s["ranks"][0]
+    assert slow["data_share"] > 0.5 and other["sync_wait_share"] > 0.5  # rank 0 waits for rank 1's batches
+    assert "straggler            rank 1: data wait" in proc.stdout and "data.num_workers" in proc.stdout
+    assert scalars(run_dir, "perf/rank1/data")[0][1] > 0.5  # per rank, in the loggers too

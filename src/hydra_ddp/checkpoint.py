@@ -30,6 +30,7 @@ from torch import nn
 
 from hydra_ddp.distributed import RankInfo, first_error, restart_count
 from hydra_ddp.errors import EveryRankError, UserError
+from hydra_ddp.reporting import FILE_ONLY
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class Checkpointer:
             if best:
                 _atomic_link(target, self.dir / BEST)
             self._prune(keep=self.cfg.keep)
-            log.info("checkpoint: step %d → %s", step, target)
+            log.info("checkpoint: step %d → %s", step, target, extra=FILE_ONLY)  # the epoch's line says enough
         except OSError as e:
             self.write_error = self._failed(step, e)
 

@@ -183,6 +183,8 @@ class Config:
     model: Any = MISSING
     optim: Any = MISSING
     scheduler: Any = None
+    # Rank 0's loggers, by name (conf/logger/: tensorboard, csv, mlflow), each a `_target_` class.
+    logger: Any = field(default_factory=dict)
 
 
 @dataclass

@@ -21,7 +21,6 @@ log = logging.getLogger(__name__)
 
 LOG_FILE = "train.log"  # eval.py's workers: eval.log
 SUMMARY_FILE = "summary.json"
-TENSORBOARD_DIR = "tensorboard"
 _FORMAT = "[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s"
 # `extra=` for records that belong in the log file only (tracebacks: the console gets one line).
 FILE_ONLY = {"file_only": True}
@@ -57,43 +56,38 @@ def show_progress(setting: Optional[bool], rank: RankInfo) -> bool:
 
 
 class Reporter:
-    """Rank 0's TensorBoard writer and summary; a silent stand-in on the other ranks."""
+    """Rank 0's loggers (conf/logger/: TensorBoard and metrics.csv by default) and summary; a silent
+    stand-in on the other ranks."""
 
-    def __init__(self, rank: RankInfo, run_dir: Path, cfg: Any, purge_step: Optional[int] = None):
+    def __init__(self, rank: RankInfo, run_dir: Path, cfg: Any, resume_step: Optional[int] = None):
         self.run_dir = run_dir
-        self.writer = None
+        self.is_main = rank.is_main
+        self.loggers: list[Any] = []
         if rank.is_main:
-            from torch.utils.tensorboard import SummaryWriter
+            from hydra.utils import instantiate
 
-            self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=purge_step)
-            config_yaml = OmegaConf.to_yaml(cfg)
-            self.writer.add_text("config", "```yaml\n" + config_yaml + "```", 0)
+            config = OmegaConf.to_container(cfg, resolve=True)
+            log.info("config\n%s", OmegaConf.to_yaml(config).rstrip(), extra=FILE_ONLY)
+            for name, node in (cfg.get("logger") or {}).items():
+                if node is not None:
+                    self.loggers.append(instantiate(node, run_dir=run_dir, run_config=config, resume_step=resume_step,
+                                                    _recursive_=False))
 
     def series(self, tag: str, steps: Iterable[int], values: Iterable[float]) -> None:
-        if self.writer:
-            for step, value in zip(steps, values):
-                self.writer.add_scalar(tag, value, step)
+        for step, value in zip(steps, values):
+            self.scalars({tag: value}, step)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
-        if self.writer:
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, value, step)
+        for logger in self.loggers:
+            logger.metrics(values, step)
 
     def finish(self, summary: dict[str, Any], hparams: dict[str, Any]) -> None:
-        """The hparams table, summary.json and the one-screen summary (rank 0)."""
-        if not self.writer:
+        """The loggers' last words, summary.json and the one-screen summary (rank 0)."""
+        for logger in self.loggers:
+            logger.finish(summary, hparams)
+        self.close()
+        if not self.is_main:
             return
-        from torch.utils.tensorboard.summary import hparams as hparams_summary
-
-        metrics = {f"hparam/{k}": summary[k] for k in ("val_accuracy", "val_loss", "test_accuracy", "test_loss",
-                                                       "samples_per_sec") if summary.get(k) is not None}
-        # Written into this writer's own file: SummaryWriter.add_hparams would open a second one.
-        for event in hparams_summary(hparams, metrics):
-            self.writer.file_writer.add_summary(event)
-        for tag, value in metrics.items():
-            self.writer.add_scalar(tag, value, summary["steps"])
-        self.writer.close()
-        self.writer = None
         # Atomic: the parent takes a summary.json of this run as proof that the run completed.
         tmp = self.run_dir / f".{SUMMARY_FILE}.tmp"
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
@@ -101,9 +95,9 @@ class Reporter:
         log.info("run summary\n%s", format_summary(summary))
 
     def close(self) -> None:
-        if self.writer:
-            self.writer.close()
-            self.writer = None
+        for logger in self.loggers:
+            logger.close()
+        self.loggers = []
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -128,6 +122,7 @@ def format_summary(s: dict[str, Any]) -> str:
                  ("test accuracy", f"{s['test_accuracy']:.4f} ({s['test_samples']} samples; once, on the {on})")]
     rows += [
         ("throughput", f"{s['samples_per_sec']:.0f} samples/s"),
+        *([("straggler", s["straggler"]["message"])] if s.get("straggler") else []),
         ("fast settings", ", ".join(name.split(".")[-1] for name, on in s.get("settings", {}).items() if on) or "none"),
         ("wall time", f"{s['wall_time_s']:.1f} s (training {s['train_time_s']:.1f} s, evaluation "
                       f"{s['eval_time_s']:.1f} s, {s['checkpoints']} checkpoint(s) {s['checkpoint_time_s']:.1f} s)"),

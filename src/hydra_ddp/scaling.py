@@ -23,7 +23,8 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp.reporting import SUMMARY_FILE, TENSORBOARD_DIR
+from hydra_ddp.loggers import CSV_FILE, TENSORBOARD_DIR
+from hydra_ddp.reporting import SUMMARY_FILE
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +107,15 @@ def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
 
 
 def train_losses(job_dir: Path) -> list[tuple[int, float]]:
-    """(step, global train loss) from a job's TensorBoard file: what the loss panel overlays."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
+    """(step, global train loss) from a job's metrics.csv (else its TensorBoard file): what the
+    loss panel overlays."""
+    if (job_dir / CSV_FILE).is_file():
+        with open(job_dir / CSV_FILE, newline="") as f:
+            return [(int(r["step"]), float(r["train/loss"])) for r in csv.DictReader(f) if r.get("train/loss")]
     if not (job_dir / TENSORBOARD_DIR).is_dir():
         return []
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(job_dir / TENSORBOARD_DIR), size_guidance={"scalars": 0})
     acc.Reload()
     if "train/loss" not in acc.Tags().get("scalars", []):

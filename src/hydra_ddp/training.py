@@ -26,6 +26,7 @@ from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.evaluation import evaluate
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.reporting import Reporter
+from hydra_ddp.timing import StepTimer, per_rank, straggler
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class Trainer:
         self.grad_norms: list[tuple[int, torch.Tensor]] = []  # (step, global norm before clipping), until logged
         max_time = cfg.trainer.max_time
         self.deadline = started_at + max_time if max_time else None
+        self.timer = StepTimer()  # this rank's time per phase (timing.py): the straggler report
         self.step_times: list[float] = []  # seconds per step, this process
         self.step_samples: list[int] = []  # samples per step, this rank
         self.first_step_at: Optional[float] = None
@@ -260,6 +262,10 @@ class Trainer:
             self.checkpointer.finish()  # the last write is on disk before the summary says the run is done
         if not self.stopped_by:  # a signal asks for a quick exit: the test waits for the resumed run's end
             self._test()
+        self.ranks = per_rank(self.timer.gather(self.device))
+        self.straggler = straggler(self.ranks)
+        if self.straggler:
+            log.warning("straggler: %s", self.straggler["message"])
         return self._results(epochs)
 
     def _epoch_lengths(self) -> tuple[int, int]:
@@ -318,7 +324,7 @@ class Trainer:
         micro_losses: list[torch.Tensor] = []
         samples = 0
         last = time.perf_counter()
-        for x, y in self.loaders.train:
+        for x, y in self.timer.batches(self.loaders.train):
             self.pos.batch += 1
             # Gradients are all-reduced once per optimizer step, on its last batch.
             sync = self.pos.batch % accumulate == 0 or self.pos.batch == self.batches_per_epoch
@@ -334,6 +340,7 @@ class Trainer:
             if self.first_step_at is None:
                 self.first_step_at = time.time()
             self.pos.step += 1
+            self.timer.end_step()
             bar.update()
             window_full = self.window.add(self.pos.step, loss)
             if self.pos.step >= max_steps:
@@ -363,7 +370,9 @@ class Trainer:
         with contextlib.nullcontext() if sync else self.model.no_sync():  # no all-reduce mid-accumulation
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 loss = F.cross_entropy(self.model(x), y)
+            self.timer.lap("forward")
             self.scaler.scale(loss / self.cfg.trainer.accumulate).backward()  # DDP all-reduces here on sync
+            self.timer.lap("backward")
         if sync:
             if self.grad_clip:
                 self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients, not the scaled ones
@@ -373,6 +382,7 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
+            self.timer.lap("optimizer")
         return loss.detach()
 
     def _flush(self, bar: tqdm) -> bool:
@@ -429,6 +439,10 @@ class Trainer:
                    "perf/samples_per_sec": self._samples_per_sec(self.step_times, self.step_samples)}
         if "val_loss" in metrics:
             scalars.update({"val/loss": metrics["val_loss"], "val/accuracy": metrics["val_accuracy"]})
+        epoch_ranks = per_rank(self.timer.gather(self.device, since_last=True))  # every rank's, this epoch
+        if self.timer.reported_steps:
+            for row in epoch_ranks:
+                scalars.update({f"perf/rank{row['rank']}/{k[:-6]}": v for k, v in row.items() if k.endswith("_share")})
         self.reporter.scalars(scalars, self.pos.step)
         best = self.monitor.update(metrics, self.pos.step, epoch)
         self.history.append({"epoch": epoch, "step": self.pos.step, **metrics, "best": best})
@@ -505,6 +519,8 @@ class Trainer:
             "median_step_time_s": statistics.median(self.step_times[warm:]) if self.step_times else 0.0,
             "train_time_s": sum(self.step_times),
             **self.overheads,  # rank 0's
+            "ranks": self.ranks,  # seconds per step by phase, per rank (timing.py)
+            "straggler": self.straggler,
             "first_step_at": self.first_step_at,
             "stopped_by": self.stopped_by,
             "ended_by": self.ended_by or ("max_steps" if self.cfg.trainer.max_steps and

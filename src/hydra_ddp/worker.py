@@ -139,9 +139,8 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     if chosen and not rank.is_main:
         resume = Path(chosen), checkpointer.load(Path(chosen))
 
-    # Resuming: TensorBoard hides the earlier file's events after the checkpoint's step.
-    purge_step = resume[1]["position"]["step"] + 1 if resume else None
-    reporter = reporting.Reporter(rank, out, cfg, purge_step=purge_step)
+    # Resuming: the loggers drop what the earlier run logged after the checkpoint's step.
+    reporter = reporting.Reporter(rank, out, cfg, resume_step=resume[1]["position"]["step"] if resume else None)
     try:
         trainer = training.Trainer(
             ddp_model, optimizer, scheduler, loaders, device, cfg, reporter, checkpointer, stop,

@@ -28,3 +28,26 @@ def digits_recording_test(reads: str, **kwargs):
     """The default digits, their test split recorded."""
     train, test = digits(**kwargs)
     return train, Recorded(test, reads)
+
+
+class SlowOnRank(Dataset):
+    """`base`, each read taking `delay_s` longer on one rank: a rank held back by its data."""
+
+    def __init__(self, base: Dataset, rank: int, delay_s: float):
+        self.base, self.rank, self.delay_s = base, rank, delay_s
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int):
+        import torch.distributed as dist
+
+        if dist.get_rank() == self.rank:
+            time.sleep(self.delay_s)  # the slowness under test, not a wait for anything
+        return self.base[index]
+
+
+def digits_slow_on_rank(slow_rank: int, delay_s: float, **kwargs):
+    """The default digits, their training reads slow on one rank (validation keeps its own pace)."""
+    train, test = digits(**kwargs)
+    return SlowOnRank(train, slow_rank, delay_s), test, test

@@ -1,0 +1,119 @@
+"""Where each rank's step time goes, and which rank the others wait for.
+
+Every rank adds up the host time of its steps by phase: waiting for the next batch (data),
+forward, backward and the optimizer. The backward of a step's last batch ends at DDP's gradient
+all-reduce, which no rank leaves before the slowest arrives: the backward time a rank spends
+beyond the fastest rank's is time spent waiting there (sync wait). The rank that waits least is
+the one the others wait for, and the phase where it spends more than the others is the cause.
+
+A few clock reads per batch and one small all-gather per epoch: no device synchronisation (on a
+GPU the phases are host time, launches rather than kernels; the sync wait still shows).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+PHASES = ("data", "forward", "backward", "optimizer", "other")  # other: the loop's own work between steps
+# Others waiting at least this share of their step time for one rank: a straggler worth naming.
+NOTABLE_WAIT = 0.2
+ADVICE = {
+    "data": "raise data.num_workers (or data.preload=true for in-memory data), or check this rank's data source",
+    "forward": "check this rank's device and its CPU threads (trainer.threads), or other load on its cores",
+    "optimizer": "check this rank's device and its CPU threads (trainer.threads), or other load on its cores",
+    "other": "its work between steps (rank 0: logging and checkpoints): raise trainer.log_every or checkpoint less often",
+}
+
+
+class StepTimer:
+    """This rank's running totals per phase (seconds) and its step count."""
+
+    def __init__(self) -> None:
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+        # An epoch's first step is left out: it absorbs the epoch boundary (rank 0's validation
+        # share and checkpoint), which would show as the other ranks' sync wait.
+        self.counting = self.totals
+        self.scratch = dict.fromkeys(PHASES, 0.0)
+        self.reported = dict.fromkeys(PHASES, 0.0)  # the totals at the last report: per-epoch deltas
+        self.reported_steps = 0
+        self._mark = time.perf_counter()
+
+    def batches(self, loader: Iterable) -> Iterator[Any]:
+        """The loader's batches, timing the wait for each."""
+        iterator = iter(loader)
+        self.counting = self.scratch
+        while True:
+            started = time.perf_counter()
+            self.counting["other"] += started - self._mark  # logging, checkpoints, the loss window
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self._mark = time.perf_counter()
+            self.counting["data"] += self._mark - started
+            yield batch
+
+    def lap(self, phase: str) -> None:
+        """The time since the last lap (or the batch's arrival) goes to `phase`."""
+        now = time.perf_counter()
+        self.counting[phase] += now - self._mark
+        self._mark = now
+
+    def end_step(self) -> None:
+        if self.counting is self.totals:
+            self.steps += 1
+        self.counting = self.totals
+
+    def gather(self, device: torch.device, since_last: bool = False) -> list[dict[str, float]]:
+        """Every rank's totals (or their change since the last call with since_last): one all-gather."""
+        values = [self.steps] + [self.totals[p] for p in PHASES]
+        if since_last:
+            values = [self.steps - self.reported_steps] + [self.totals[p] - self.reported[p] for p in PHASES]
+            self.reported, self.reported_steps = dict(self.totals), self.steps
+        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        return [dict(zip(("steps", *PHASES), t.tolist())) for t in everyone]
+
+
+def per_rank(gathered: list[dict[str, float]]) -> list[dict[str, Any]]:
+    """Per rank: seconds per step by phase, with backward split into compute (the fastest rank's)
+    and sync wait (the rest), and each phase's share of the step."""
+    per_step = [{p: g[p] / max(g["steps"], 1) for p in PHASES} for g in gathered]
+    backward = min(s["backward"] for s in per_step)
+    rows = []
+    for rank, s in enumerate(per_step):
+        step = sum(s.values())
+        phases = {"data": s["data"], "forward": s["forward"], "backward": backward,
+                  "sync_wait": s["backward"] - backward, "optimizer": s["optimizer"], "other": s["other"]}
+        rows.append({"rank": rank, "step_time_s": step, **{f"{k}_s": v for k, v in phases.items()},
+                     **{f"{k}_share": v / step if step else 0.0 for k, v in phases.items()}})
+    return rows
+
+
+def straggler(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The rank the others wait for, when they wait notably, with its dominant extra cost."""
+    if len(rows) < 2:
+        return None
+    slow = min(rows, key=lambda r: r["sync_wait_s"])  # it arrives last: it hardly waits
+    others = [r for r in rows if r is not slow]
+    waiting = statistics.median(r["sync_wait_share"] for r in others)
+    if waiting < NOTABLE_WAIT:
+        return None
+    excess = {p: slow[f"{p}_s"] - statistics.median(r[f"{p}_s"] for r in others) for p in ADVICE}
+    cause = max(excess, key=excess.get)  # type: ignore[arg-type]
+    if excess[cause] < 0.5 * statistics.median(r["sync_wait_s"] for r in others):
+        return None  # no phase of its own explains the waiting: contention that moves about, not a straggler
+    label = "data wait" if cause == "data" else cause
+    others_share = statistics.median(r[f"{cause}_share"] for r in others)
+    return {
+        "rank": slow["rank"], "cause": cause, "others_wait_share": waiting,
+        "message": (f"rank {slow['rank']}: {label} {slow[f'{cause}_share']:.0%} of step time (others "
+                    f"{others_share:.0%}; they wait {waiting:.0%} of theirs for it) → {ADVICE[cause]}"),
+    }
