@@ -37,6 +37,10 @@ def resolved(tmp_path: Path, *overrides: str, external=None) -> dict:
         ["model=mlp", "optim=adam", "scheduler=cosine"],
         ["model=resnet18", "optim=adamw", "scheduler=none", "data=synthetic"],
         ["model=torchvision", "model.name=mobilenet_v3_small"],
+        ["debug=fast", "launcher=torchrun"],
+        ["debug=overfit", "logger=[csv]"],
+        ["debug=profile", "debug=anomaly"],
+        ["+experiment=digits_cnn", "logger=[tensorboard]"],
     ],
 )
 def test_every_group_option_composes_and_validates(tmp_path: Path, overrides: list[str]):
@@ -128,6 +132,8 @@ def test_wrong_type_fails_at_composition():
         (["trainer.grad_clip=0"], "grad_clip must be positive"),
         (["trainer.max_time=soon"], "HH:MM:SS"),
         (["trainer.init_from=/no/such/run"], "no checkpoint file or run directory"),
+        (["ddp.sync_batchnorm=maybe"], "true, false or auto"),
+        (["data=cifar10", "data.dataset.root=/tmp"], "lacks data_batch_1"),
     ],
 )
 def test_bad_config_is_one_clear_error(tmp_path: Path, overrides: list[str], message: str):

@@ -82,6 +82,9 @@ class DataConf:
     # Keep an in-memory TensorDataset as whole tensors on the training device and slice each
     # batch from them: no per-sample Python work (and no host→device copy per batch on a GPU).
     preload: bool = False
+    # Train on this many fixed batches only (the first samples; also the validation split): a
+    # pipeline that works must drive their loss to about zero (debug=overfit). null: all data.
+    overfit_batches: Optional[int] = None
 
 
 @dataclass
@@ -152,6 +155,10 @@ class TrainerConf:
     init_from: Optional[str] = None
     # Parameters not taken from init_from (names or prefixes, e.g. [fc2]; "head": the last Linear).
     init_ignore: list[str] = field(default_factory=list)
+    # torch.profiler on the schedule in `profiler`: one trace per rank in run_dir/profile/ (debug=profile).
+    profile: bool = False
+    # Autograd anomaly detection (slow: finds the op that made a nan), with the loss checked every step.
+    detect_anomaly: bool = False
 
 
 @dataclass
@@ -167,7 +174,18 @@ class DDPConf:
     find_unused_parameters: bool = False
     # Not DDP's: BatchNorm layers become SyncBatchNorm (statistics over the global batch, so a
     # BatchNorm model trains alike at any world size). GPUs only: DDP refuses it on the CPU.
-    sync_batchnorm: bool = False
+    # auto: on with CUDA, off on the CPU.
+    sync_batchnorm: Any = False
+
+
+@dataclass
+class ProfilerConf:
+    # Steps skipped, warmed up, then recorded (torch.profiler.schedule, once).
+    wait: int = 1
+    warmup: int = 1
+    active: int = 3
+    ranks: Optional[list[int]] = None  # null: every rank
+    row_limit: int = 15  # rows of the top-operators table in the log
 
 
 @dataclass
@@ -179,6 +197,7 @@ class Config:
     trainer: TrainerConf = field(default_factory=TrainerConf)
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     ddp: DDPConf = field(default_factory=DDPConf)
+    profiler: ProfilerConf = field(default_factory=ProfilerConf)
     data: DataConf = field(default_factory=DataConf)
     model: Any = MISSING
     optim: Any = MISSING

@@ -102,16 +102,51 @@ def mnist(root: str, download: bool = False) -> tuple[Dataset, Dataset]:
     )
 
 
-def cifar10(root: str, download: bool = False) -> tuple[Dataset, Dataset]:
+CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+
+
+class ImageArrays(Dataset):
+    """uint8 H×W×C images and their labels in memory, each image through a torchvision transform."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, transform: Any):
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        return self.transform(Image.fromarray(self.images[index])), int(self.labels[index])
+
+
+def cifar10(root: str, download: bool = False, augment: bool = False) -> tuple[Dataset, Dataset]:
+    """CIFAR-10's python batches under root/cifar-10-batches-py (any files in that format: torchvision's
+    md5 check is for downloads). `augment`: the standard random 4-pixel-padded crop and horizontal
+    flip for training (its random draws are not replayed by a mid-epoch resume: such a resume is
+    exact only without it)."""
+    import pickle
+
     from torchvision import datasets, transforms
 
-    tf = transforms.Compose(
-        [transforms.ToTensor(), transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))]
-    )
-    return (
-        datasets.CIFAR10(root, train=True, download=download, transform=tf),
-        datasets.CIFAR10(root, train=False, download=download, transform=tf),
-    )
+    if download:
+        datasets.CIFAR10(root, train=True, download=True)
+        datasets.CIFAR10(root, train=False, download=True)
+    folder = Path(root) / "cifar-10-batches-py"
+
+    def read(names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        images, labels = [], []
+        for name in names:
+            with open(folder / name, "rb") as f:
+                batch = pickle.load(f, encoding="latin1")
+            images.append(batch["data"])
+            labels += batch["labels"]
+        return np.concatenate(images).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), np.array(labels)
+
+    normalize = [transforms.ToTensor(), transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))]
+    flips = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
+    return (ImageArrays(*read(CIFAR10_FILES[:5]), transforms.Compose(flips + normalize)),
+            ImageArrays(*read(CIFAR10_FILES[5:]), transforms.Compose(normalize)))
 
 
 def image_folder(
@@ -174,7 +209,11 @@ def check_source(dataset_cfg: Any, num_classes: int) -> None:
                 f"set data.num_classes={len(classes)}"
             )
     elif target.endswith((".mnist", ".cifar10")) and not dataset_cfg.get("download", False):
-        _require_dir(root, f"data={target.rsplit('.', 1)[1]}")
+        path = _require_dir(root, f"data={target.rsplit('.', 1)[1]}")
+        missing = [n for n in CIFAR10_FILES if not (path / "cifar-10-batches-py" / n).is_file()]
+        if target.endswith(".cifar10") and missing:
+            raise UserError(f"data=cifar10: {str(path / 'cifar-10-batches-py')!r} lacks {', '.join(missing)} (CIFAR-10's "
+                            "python version); set data.dataset.root, or data.dataset.download=true where the network allows")
 
 
 def _class_folders(path: Path) -> list[str]:
@@ -305,6 +344,11 @@ def build_datasets(data_cfg: Any, rank: RankInfo, seed: int) -> dict[str, Option
         raise UserError(f"data.dataset ({dataset_cfg.get('_target_')}) must return (train, test) or "
                         f"(train, val, test), got {type(splits).__name__}")
     train, *val, test = splits
+    if data_cfg.overfit_batches:  # the first samples, trained and validated on: loss must reach ~0
+        n = min(len(train), data_cfg.overfit_batches * data_cfg.batch_size * rank.world_size)
+        train = TensorDataset(*(t[:n] for t in train.tensors)) if isinstance(train, TensorDataset) \
+            else Subset(train, list(range(n)))
+        return {"train": train, "val": train, "test": test}
     fraction = data_cfg.val_fraction
     if fraction == 0:
         return {"train": train, "val": None, "test": test}

@@ -51,14 +51,22 @@ class _RepeatChannels(nn.Module):
         return x.expand(-1, 3, -1, -1)
 
 
-def torchvision_classifier(name: str, num_classes: int = 10, in_channels: int = 3) -> nn.Module:
-    """Any torchvision classification model by name, randomly initialised (no weight download)."""
+def torchvision_classifier(name: str, num_classes: int = 10, in_channels: int = 3, small_input: bool = False) -> nn.Module:
+    """Any torchvision classification model by name, randomly initialised (no weight download).
+
+    `small_input` (ResNets): the CIFAR stem, a 3×3 stride-1 convolution and no max-pool, so 32×32
+    images are not shrunk to 8×8 before the first block."""
     import torchvision  # imported here: it costs start-up time the default model does not need
 
     available = torchvision.models.list_models(module=torchvision.models)
     if name not in available:
         raise ValueError(f"unknown torchvision model {name!r}; choose one of: {', '.join(sorted(available))}")
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    if small_input:
+        if not (hasattr(model, "conv1") and hasattr(model, "maxpool")):
+            raise ValueError(f"small_input applies to ResNets (conv1 and maxpool), not {name!r}")
+        model.conv1 = nn.Conv2d(3, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
     if in_channels == 1:
         return nn.Sequential(_RepeatChannels(), model)
     if in_channels != 3:

@@ -30,6 +30,19 @@ def log_file(task: str) -> str:
     return "eval.log" if task == "eval" else LOG_FILE
 
 
+class _Console(logging.StreamHandler):
+    """Console records written through tqdm: a progress bar on the terminal is cleared first and
+    drawn again below the line, so bar and record never share a line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
 def setup_logging(rank: RankInfo, run_dir: Path, task: str = "train") -> None:
     """All ranks append to run_dir/train.log (eval.log; tagged with the rank); rank 0 also prints."""
     root = logging.getLogger()
@@ -38,9 +51,12 @@ def setup_logging(rank: RankInfo, run_dir: Path, task: str = "train") -> None:
         handler.close()
     formatter = logging.Formatter(_FORMAT.format(rank=rank.rank))
     handlers: list[logging.Handler] = [logging.FileHandler(run_dir / log_file(task), mode="a")]
+    # Python warnings (e.g. anomaly mode's forward traceback) become records: every rank's go to
+    # the log file, none to the console, which keeps to one line per event.
+    logging.captureWarnings(True)
     if rank.is_main:
-        console = logging.StreamHandler(sys.stdout)
-        console.addFilter(lambda record: not getattr(record, "file_only", False))
+        console = _Console(sys.stdout)
+        console.addFilter(lambda record: not getattr(record, "file_only", False) and record.name != "py.warnings")
         handlers.append(console)
     for handler in handlers:
         handler.setFormatter(formatter)

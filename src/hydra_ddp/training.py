@@ -140,7 +140,9 @@ class Trainer:
         self.reporter, self.checkpointer, self.stop = reporter, checkpointer, stop
         self.progress = progress
         self.pos = Position()
-        self.window = LossWindow(cfg.trainer.log_every)
+        # Anomaly mode checks the (global) loss for nan at every step: a window of one.
+        self.window = LossWindow(1 if cfg.trainer.detect_anomaly else cfg.trainer.log_every)
+        self.profiler: Optional[Any] = None
         precision = str(cfg.trainer.precision)
         self.amp_dtype = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}[precision]
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "16")  # fp16 only: bf16 needs none
@@ -229,6 +231,17 @@ class Trainer:
         max_steps = trainer_cfg.max_steps or steps_per_epoch * trainer_cfg.epochs
         epochs = min(trainer_cfg.epochs, math.ceil(max_steps / steps_per_epoch))
         bar = tqdm(total=max_steps, initial=self.pos.step, disable=not self.progress, unit="step", dynamic_ncols=True)
+        with contextlib.ExitStack() as stack:
+            self.profiler = stack.enter_context(self._profiling())
+            stack.enter_context(torch.autograd.set_detect_anomaly(bool(trainer_cfg.detect_anomaly)))
+            validated_at = self._epochs(epochs, max_steps, bar)
+        bar.close()
+        self._finish(validated_at, epochs)
+        return self._results(epochs)
+
+    def _epochs(self, epochs: int, max_steps: int, bar: tqdm) -> int:
+        """Train the epochs; the step of the last validation."""
+        trainer_cfg = self.cfg.trainer
         validated_at = -1
         while self.pos.epoch < epochs and self.pos.step < max_steps and not (self.stopped_by or self.ended_by):
             epoch = self.pos.epoch
@@ -249,7 +262,10 @@ class Trainer:
                     log.warning("early stopping at step %d: %s has not improved by more than %g for %d validation(s) "
                                 "(best %.6g at step %d)", self.pos.step, self.monitor.metric, self.monitor.min_delta,
                                 self.monitor.stale, self.monitor.best, self.monitor.best_step)
-        bar.close()
+        return validated_at
+
+    def _finish(self, validated_at: int, epochs: int) -> None:
+        """The end: a last validation where there was none at this step, the last checkpoint, the test."""
         if validated_at != self.pos.step and not self.stopped_by:
             # Ended mid-epoch (max_steps, the time budget), or no validation per epoch: validate the end.
             if self.pos.batch:
@@ -266,7 +282,6 @@ class Trainer:
         self.straggler = straggler(self.ranks)
         if self.straggler:
             log.warning("straggler: %s", self.straggler["message"])
-        return self._results(epochs)
 
     def _epoch_lengths(self) -> tuple[int, int]:
         """(fewest, most) batches per epoch of any rank. Equal but for data.even_shards=false, where
@@ -341,6 +356,8 @@ class Trainer:
                 self.first_step_at = time.time()
             self.pos.step += 1
             self.timer.end_step()
+            if self.profiler is not None:
+                self.profiler.step()
             bar.update()
             window_full = self.window.add(self.pos.step, loss)
             if self.pos.step >= max_steps:
@@ -477,6 +494,32 @@ class Trainer:
         log.info("test (once, on the %s weights: step %d%s)  test loss %.4f  test accuracy %.4f", weights, step,
                  f", {self.monitor.metric} {self.monitor.best:.4f}" if weights == "best" else "",
                  self.test_metrics["test_loss"], self.test_metrics["test_accuracy"])
+
+    def _profiling(self) -> contextlib.AbstractContextManager:
+        """torch.profiler on its schedule (cfg.profiler) on the chosen ranks: a Chrome/Perfetto trace
+        per rank in run_dir/profile/, and the top operators by self time in the log."""
+        settings, rank = self.cfg.profiler, dist.get_rank()
+        if not self.cfg.trainer.profile or (settings.ranks is not None and rank not in settings.ranks):
+            return contextlib.nullcontext()
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        cuda = self.device.type == "cuda"
+        out = self.reporter.run_dir / "profile"
+        out.mkdir(exist_ok=True)
+
+        def ready(prof: Any) -> None:
+            trace = out / f"rank{rank}.json"
+            prof.export_chrome_trace(str(trace))
+            table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                              row_limit=settings.row_limit)
+            log.info("profile of rank %d (steps %d…%d): %s\n%s", rank, settings.wait + settings.warmup + 1,
+                     settings.wait + settings.warmup + settings.active, trace, table)
+
+        return profile(
+            activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+            schedule=schedule(wait=settings.wait, warmup=settings.warmup, active=settings.active, repeat=1),
+            on_trace_ready=ready,
+        )
 
     @contextlib.contextmanager
     def _timed(self, overhead: str) -> Iterator[None]:

@@ -97,6 +97,10 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
     if plain["ddp"]["static_graph"] is True and trainer["accumulate"] > 1:
         raise UserError("ddp.static_graph=true does not combine with trainer.accumulate > 1 (DDP's reducer fails "
                         "on a no_sync step in a static graph); set ddp.static_graph=auto or false")
+    if plain["ddp"]["sync_batchnorm"] == "auto":
+        plain["ddp"]["sync_batchnorm"] = trainer["device"] == "cuda"
+    if plain["ddp"]["sync_batchnorm"] not in (True, False):
+        raise UserError(f"ddp.sync_batchnorm: expected true, false or auto, got {plain['ddp']['sync_batchnorm']!r}")
     if plain["ddp"]["sync_batchnorm"] and trainer["device"] != "cuda":
         raise UserError("ddp.sync_batchnorm=true needs GPUs (this torch's DDP refuses SyncBatchNorm on the CPU); "
                         "set it false, or train with trainer.device=cuda")
