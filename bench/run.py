@@ -42,6 +42,8 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "channels_last off": ("trainer.channels_last=false",),
     "num_workers=1": ("data.num_workers=1", "data.persistent_workers=true"),
     "torch.compile (inductor)": ("trainer.compile=true",),
+    # What the per-rank timing (src/hydra_ddp/timing.py) costs: the defaults have it on.
+    "per-rank timing off": ("trainer.timing=false",),
 }
 
 # DDP communication hooks (src/hydra_ddp/comm.py), at 2 ranks against DDP's own all-reduce.

@@ -79,3 +79,21 @@ def test_monitor_selects_the_best_and_counts_patience_with_min_delta():
     other = Monitor("val/loss", "min")
     other.load(accuracy.state())  # another metric's record says nothing about this one
     assert other.best is None
+
+
+def test_the_straggler_is_the_rank_that_waits_least_named_with_its_extra_cost():
+    from hydra_ddp.timing import per_rank, straggler
+
+    def rank(data, forward, backward, steps=10):  # seconds per step → totals
+        return {"steps": steps, "data": data * steps, "forward": forward * steps, "backward": backward * steps,
+                "optimizer": 0.001 * steps, "other": 0.001 * steps}
+
+    # Rank 2 waits 60 ms per step for data; the others wait for it inside their backward.
+    rows = per_rank([rank(0.001, 0.02, 0.09), rank(0.001, 0.02, 0.09), rank(0.061, 0.02, 0.03)])
+    assert [round(r["sync_wait_s"], 6) for r in rows] == [0.06, 0.06, 0.0]
+    found = straggler(rows)
+    assert found["rank"] == 2 and found["cause"] == "data" and "rank 2: data wait" in found["message"]
+    # Waiting that no phase of one rank explains, or that is small, names nobody.
+    assert straggler(per_rank([rank(0.001, 0.02, 0.035), rank(0.001, 0.02, 0.03)])) is None
+    assert straggler(per_rank([rank(0.001, 0.02, 0.09), rank(0.001, 0.021, 0.03)])) is None
+    assert per_rank([]) == [] and straggler([]) is None

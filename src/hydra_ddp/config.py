@@ -159,6 +159,8 @@ class TrainerConf:
     profile: bool = False
     # Autograd anomaly detection (slow: finds the op that made a nan), with the loss checked every step.
     detect_anomaly: bool = False
+    # Per-rank time by phase and the straggler report (timing.py); false: none (for measuring its cost).
+    timing: bool = True
 
 
 @dataclass

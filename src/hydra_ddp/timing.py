@@ -33,7 +33,8 @@ ADVICE = {
 class StepTimer:
     """This rank's running totals per phase (seconds) and its step count."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
         # An epoch's first step is left out: it absorbs the epoch boundary (rank 0's validation
@@ -46,6 +47,9 @@ class StepTimer:
 
     def batches(self, loader: Iterable) -> Iterator[Any]:
         """The loader's batches, timing the wait for each."""
+        if not self.enabled:
+            yield from loader
+            return
         iterator = iter(loader)
         self.counting = self.scratch
         while True:
@@ -61,6 +65,8 @@ class StepTimer:
 
     def lap(self, phase: str) -> None:
         """The time since the last lap (or the batch's arrival) goes to `phase`."""
+        if not self.enabled:
+            return
         now = time.perf_counter()
         self.counting[phase] += now - self._mark
         self._mark = now
@@ -71,7 +77,10 @@ class StepTimer:
         self.counting = self.totals
 
     def gather(self, device: torch.device, since_last: bool = False) -> list[dict[str, float]]:
-        """Every rank's totals (or their change since the last call with since_last): one all-gather."""
+        """Every rank's totals (or their change since the last call with since_last): one all-gather.
+        Nothing when timing is off."""
+        if not self.enabled:
+            return []
         values = [self.steps] + [self.totals[p] for p in PHASES]
         if since_last:
             values = [self.steps - self.reported_steps] + [self.totals[p] - self.reported[p] for p in PHASES]
@@ -85,6 +94,8 @@ class StepTimer:
 def per_rank(gathered: list[dict[str, float]]) -> list[dict[str, Any]]:
     """Per rank: seconds per step by phase, with backward split into compute (the fastest rank's)
     and sync wait (the rest), and each phase's share of the step."""
+    if not gathered:
+        return []
     per_step = [{p: g[p] / max(g["steps"], 1) for p in PHASES} for g in gathered]
     backward = min(s["backward"] for s in per_step)
     rows = []
