@@ -119,3 +119,132 @@ class CSV(Logger):
 
     def close(self) -> None:
         self._rewrite()
+
+
+class MLflow(Logger):
+    """One MLflow run per job in a tracking store (by default a SQLite file under outputs/): the
+    flattened config as params, every metric with its step, tags (world size, backend, launcher,
+    run directory), and at the end the summary as an artifact and the tested checkpoint as a tag.
+
+    A resumed run (trainer.resume) continues the same MLflow run, whose id the run directory keeps,
+    and logs no step twice. The jobs of a multirun are children of one parent run per sweep.
+    """
+
+    RUN_ID_FILE = "mlflow_run_id"
+    BATCH = 500  # metrics per request
+
+    def __init__(self, run_dir: Path, run_config: dict[str, Any], resume_step: Optional[int] = None,
+                 tracking_uri: str = "sqlite:///outputs/mlflow.db", experiment: str = "hydra-ddp",
+                 artifact_location: Optional[str] = None):
+        import logging
+
+        from mlflow.tracking import MlflowClient
+
+        for noisy in ("mlflow", "alembic"):  # their INFO lines (creating tables, migrations) are not the run's
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        experiment_id = self._experiment(experiment, artifact_location)
+        id_file = run_dir / self.RUN_ID_FILE
+        self.logged: dict[str, int] = {}  # resumed: the last step already logged, per metric
+        self.resumed = resume_step is not None and id_file.exists()
+        if self.resumed:
+            self.run_id = id_file.read_text().strip()
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            sweep = run_config.get("sweep")
+            tags = {
+                "world_size": str(run_config["trainer"]["nproc"] * run_config["launcher"]["nnodes"]),
+                "backend": str(run_config["backend"]["name"]), "launcher": str(run_config["launcher"]["name"]),
+                "run_dir": str(run_dir),
+            }
+            if sweep:
+                tags["mlflow.parentRunId"] = self._parent(experiment_id, Path(sweep["dir"]))
+            run = self.client.create_run(experiment_id, tags=tags, run_name=run_dir.name if not sweep else
+                                         f"{Path(sweep['dir']).name}/{sweep['job']}")
+            self.run_id = run.info.run_id
+            id_file.write_text(self.run_id + "\n")
+            self._log_params(run_config)
+        self.pending: list[Any] = []
+        self.finished = False
+
+    def _experiment(self, name: str, artifact_location: Optional[str]) -> str:
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        location = Path(artifact_location).resolve().as_uri() if artifact_location else None
+        try:
+            return self.client.create_experiment(name, artifact_location=location)
+        except Exception:  # created meanwhile by a parallel job
+            return self.client.get_experiment_by_name(name).experiment_id
+
+    def _parent(self, experiment_id: str, sweep_dir: Path) -> str:
+        """The sweep's parent run, created by the first job (a lock file serialises parallel jobs)."""
+        import fcntl
+
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        with open(sweep_dir / ".mlflow.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            id_file = sweep_dir / self.RUN_ID_FILE
+            if id_file.exists():
+                return id_file.read_text().strip()
+            parent = self.client.create_run(experiment_id, run_name=f"sweep {sweep_dir.name}",
+                                            tags={"sweep_dir": str(sweep_dir)})
+            id_file.write_text(parent.info.run_id + "\n")
+            return parent.info.run_id
+
+    def _log_params(self, run_config: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        flat: dict[str, str] = {}
+
+        def walk(node: Any, prefix: str) -> None:
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    walk(value, f"{prefix}{key}.")
+            else:
+                flat[prefix[:-1]] = str(node)[:500]
+
+        walk(run_config, "")
+        params = [Param(k, v) for k, v in sorted(flat.items())]
+        for start in range(0, len(params), 100):
+            self.client.log_batch(self.run_id, params=params[start : start + 100])
+
+    def metrics(self, values: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        for key, value in values.items():
+            if self.resumed and step <= self._last_logged(key):
+                continue  # the stopped run logged it already (a crash can log past its checkpoint)
+            self.pending.append(Metric(key, float(value), now, step))
+        if len(self.pending) >= self.BATCH:
+            self._flush()
+
+    def _last_logged(self, key: str) -> int:
+        if key not in self.logged:
+            self.logged[key] = max((m.step for m in self.client.get_metric_history(self.run_id, key)), default=-1)
+        return self.logged[key]
+
+    def _flush(self) -> None:
+        for start in range(0, len(self.pending), self.BATCH):
+            self.client.log_batch(self.run_id, metrics=self.pending[start : start + self.BATCH])
+        self.pending = []
+
+    def finish(self, summary: dict[str, Any], hparams: dict[str, Any]) -> None:
+        self._flush()
+        self.client.log_dict(self.run_id, summary, "summary.json")
+        tested = summary.get("tested") or {}
+        if tested.get("checkpoint"):
+            self.client.set_tag(self.run_id, "tested_checkpoint", tested["checkpoint"])
+        # Stopped by a signal: resumable, so not FINISHED (trainer.resume=auto sets it running again).
+        self.client.set_terminated(self.run_id, "KILLED" if summary.get("stopped_by") else "FINISHED")
+        self.finished = True
+
+    def close(self) -> None:
+        if not self.finished:  # stopped (a signal, a failure): resumable, so not FINISHED
+            self._flush()
+            self.client.set_terminated(self.run_id, "KILLED")
+            self.finished = True

@@ -87,7 +87,7 @@ class Reporter:
             for name, node in (cfg.get("logger") or {}).items():
                 if node is not None:
                     self.loggers.append(instantiate(node, run_dir=run_dir, run_config=config, resume_step=resume_step,
-                                                    _recursive_=False))
+                                                    _recursive_=False, _convert_="all"))
 
     def series(self, tag: str, steps: Iterable[int], values: Iterable[float]) -> None:
         for step, value in zip(steps, values):

@@ -7,6 +7,7 @@ any worker starts, and written into the config the workers receive.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import multiprocessing as mp
@@ -112,6 +113,9 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
         if value is not None and value < 1:
             raise UserError(f"{key} must be at least 1 (or null where allowed), got {value}")
     _check_workflow(plain)
+    for name, logger in (plain.get("logger") or {}).items():
+        if logger and "mlflow" in str(logger.get("_target_", "")).lower() and importlib.util.find_spec("mlflow") is None:
+            raise UserError(f"logger={name} needs MLflow, which is not installed: pip install -e '.[mlflow]'")
     if not data_cfg["even_shards"]:
         if trainer["accumulate"] > 1:
             raise UserError("data.even_shards=false does not combine with trainer.accumulate > 1 "
