@@ -265,7 +265,7 @@ def test_ctrl_c_in_a_terminal_checkpoints_once_and_stops(straight: Path, run_dir
     assert_same_params(final_params(run_dir), final_params(straight))
 
 
-CHAOS_STEPS = 40  # epoch ends at step 23; the final evaluation and checkpoint at 40
+CHAOS_STEPS = 40  # epoch ends at step 21; the final evaluation and checkpoint at 40
 
 
 def _chaos_plan(rng: random.Random) -> str:
@@ -278,7 +278,10 @@ def _chaos_plan(rng: random.Random) -> str:
 
 @pytest.mark.timeout(600)  # a reference run and four torchrun attempts
 def test_chaos_kills_under_torchrun_restarts_finish_bit_identical(tmp_path: Path):
-    common = (f"trainer.max_steps={CHAOS_STEPS}", "checkpoint.every_n_steps=4", "trainer.log_every=2")
+    # Validation in chunks of 32: both ranks evaluate (in one chunk of 256 only rank 0 would, and a
+    # planned kill of rank 1 "during evaluation" would never come).
+    common = (f"trainer.max_steps={CHAOS_STEPS}", "checkpoint.every_n_steps=4", "trainer.log_every=2",
+              "data.eval_batch_size=32")
     straight = tmp_path / "straight"
     check_ok(run_train(straight, *common))
     plan = _chaos_plan(random.Random(int.from_bytes(os.urandom(4), "big")))
