@@ -91,7 +91,7 @@ def main() -> int:
         with TemporaryDirectory() as tmp:
             for i in range(1, args.runs + 1):
                 seconds, code, bad = run_suite(Path(tmp) / f"run{i}.xml", args.pytest_args)
-                failures.update(bad)
+                failures.update(bad.keys())  # one count per failing test per run (the values say how it failed)
                 runs.append((i, seconds, code, sorted(bad)))
                 print(f"soak: run {i}/{args.runs}: {'ok' if not bad and not code else 'FAILED'} in {seconds:.0f} s"
                       + (f" ({', '.join(sorted(bad))})" if bad else ""), flush=True)
