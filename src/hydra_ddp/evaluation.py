@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import csv
-import json
 import logging
 import os
 import time
@@ -24,7 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from hydra_ddp import checkpoint, data
+from hydra_ddp import checkpoint, data, reporting
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
 
@@ -96,10 +95,15 @@ def resolve(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     return plain
 
 
+def override_key(override: str) -> str:
+    """The config key a Hydra command-line override sets: `+a.b@pkg=v` → `a.b`."""
+    return override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+
+
 def _apply(plain: dict[str, Any], composed: dict[str, Any], override: str) -> None:
     """One command-line override onto the checkpoint's config: a group (model=mlp) replaces the
     section; a key (data.eval_batch_size=64) takes the composed value."""
-    key = override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+    key = override_key(override)
     if key in ("ckpt", "split", "predict") or key.startswith("hydra"):
         return
     parts = key.split(".")
@@ -146,7 +150,7 @@ def run(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, starte
     if rank.is_main:
         if rows is not None:
             _write_predictions(rows, out / PREDICTIONS_FILE)
-        _write_json(result, out / RESULT_FILE)
+        reporting.write_json(result, out / RESULT_FILE)
         name = job.split
         log.info("%s of %s (step %d) on %d rank(s): %s loss %r, %s accuracy %r (%d samples)", RESULT_FILE, job.ckpt,
                  job.step, rank.world_size, name, result[f"{name}_loss"], name, result[f"{name}_accuracy"],
@@ -164,7 +168,3 @@ def _write_predictions(rows: torch.Tensor, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _write_json(result: dict[str, Any], path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, path)

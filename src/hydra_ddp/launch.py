@@ -142,7 +142,7 @@ def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]]
     plain["sweep"] = ({"dir": str(Path(hydra_cfg.sweep.dir).resolve()), "job": hydra_cfg.job.num}
                       if hydra_cfg.mode == RunMode.MULTIRUN else None)  # loggers group a sweep's jobs
     # The keys set on the command line (a sweep trial's): every worker logs its own values of them.
-    keys = (o.split("=", 1)[0].lstrip("+~").split("@", 1)[0] for o in overrides if "=" in o)
+    keys = (evaluation.override_key(o) for o in overrides if "=" in o)
     plain["overridden"] = [k for k in keys if _is_value(plain, k.split("."))]
     return plain
 

@@ -105,15 +105,20 @@ class Reporter:
         if not self.is_main:
             return
         # Atomic: the parent takes a summary.json of this run as proof that the run completed.
-        tmp = self.run_dir / f".{SUMMARY_FILE}.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, self.run_dir / SUMMARY_FILE)
+        write_json(summary, self.run_dir / SUMMARY_FILE)
         log.info("run summary\n%s", format_summary(summary))
 
     def close(self) -> None:
         for logger in self.loggers:
             logger.close()
         self.loggers = []
+
+
+def write_json(value: Any, path: Path) -> None:
+    """Written whole or not at all (temp file, rename): a reader never sees half of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def format_summary(s: dict[str, Any]) -> str:

@@ -221,6 +221,10 @@ class Trainer:
     def _checkpoints_on(self) -> bool:
         return bool(self.cfg.checkpoint.every_epoch or self.cfg.checkpoint.every_n_steps)
 
+    def _saves_at_end(self) -> bool:
+        """A run with checkpoints, and any run that stops to be continued, ends with one."""
+        return bool(self._checkpoints_on() or self.stopped_by or self.ended_by == "max_time")
+
     # --- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         trainer_cfg = self.cfg.trainer
@@ -272,7 +276,7 @@ class Trainer:
                 self.train_loss = self._epoch_loss()
             where = f"epoch {self.pos.epoch + 1}/{epochs}, batch {self.pos.batch}" if self.pos.batch else "end"
             self._validate(where, self.pos.epoch)
-        if self._checkpoints_on() or self.stopped_by or self.ended_by == "max_time":
+        if self._saves_at_end():
             self._save()  # the last state (and best.pt)
         with self._timed("checkpoint_time_s"):
             self.checkpointer.finish()  # the last write is on disk before the summary says the run is done
@@ -482,7 +486,7 @@ class Trainer:
                 weights, step = "best", self.monitor.best_step
         with self._timed("eval_time_s"):
             self.test_metrics = evaluate(self.model.module, self.loaders.test, self.device, "test", self.memory_format)
-        saved = self._checkpoints_on() or self.stopped_by or self.ended_by == "max_time"
+        saved = self._saves_at_end()
         self.tested = {
             "weights": weights, "step": step,
             "epoch": self.monitor.best_epoch if weights == "best" else self.pos.epoch,
