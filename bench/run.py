@@ -3,6 +3,7 @@
     .venv/bin/python bench/run.py                 # 3 repetitions × 200 steps of every configuration
     .venv/bin/python bench/run.py --quick         # a smoke test of the harness: 1 × 20 steps
     .venv/bin/python bench/run.py --only comm     # one section (parity, scaling, options, comm)
+    .venv/bin/python bench/run.py --only options --cases timing --out /tmp/bench   # one line, beside its reference
     make bench ARGS="--reps 5 --steps 500 --out /tmp/bench"
 
 Prints the report and writes it to OUT/REPORT.md (replaced each time), with every run's figures
@@ -183,6 +184,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a tiny run to smoke-test the harness")
     parser.add_argument("--only", nargs="+", choices=["parity", "scaling", "options", "comm"],
                         help="run these sections only (default: all)")
+    parser.add_argument("--cases", nargs="+", metavar="TEXT",
+                        help="only the cases whose label contains one of these (a section's reference always runs)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT.relative_to(REPO)})")
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
@@ -211,7 +214,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{args.reps} repetition(s) × {args.steps} steps", file=sys.stderr)
     try:
         for name, cases in plan(m["usable_cores"]).items():
-            if not args.only or name in args.only:
+            if args.cases:  # the first case is the section's reference: the others are measured against it
+                cases = cases[:1] + [c for c in cases[1:] if any(text in c.label for text in args.cases)]
+            if (not args.only or name in args.only) and len(cases) > 1:
                 results["sections"][name] = run_section(name, cases, workload, args.reps)
     except BenchError as error:
         print(f"bench: error: {error}", file=sys.stderr)

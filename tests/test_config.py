@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from conftest import REPO
+from conftest import REPO, train_env
 from hydra_ddp import validate
 from hydra_ddp.config import register_schema
 from hydra_ddp.distributed import RankInfo
@@ -187,3 +189,17 @@ def test_an_optuna_search_must_optimise_the_monitor_in_its_direction():
     assert scaling.check_search(search("trainer.monitor=val/loss", "hydra.sweeper.direction=minimize")) is None
     assert "set hydra.sweeper.direction=minimize" in scaling.check_search(search("trainer.monitor=val/loss"))
     assert "set it" in scaling.check_search(search("trainer.monitor=null"))
+
+
+def test_mlflow_logger_without_mlflow_installed_fails_before_launch(tmp_path: Path):
+    """As if MLflow were not installed (a None entry in sys.modules is how Python marks a module
+    that must not be imported): one line saying how to install it, and no worker started."""
+    code = ("import runpy, sys; sys.modules['mlflow'] = None; "
+            f"sys.argv = ['train.py', 'logger=[tensorboard,mlflow]', 'hydra.run.dir={tmp_path / 'run'}']; "
+            "runpy.run_path('train.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=train_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs MLflow" in lines[0] and "pip install -e '.[mlflow]'" in lines[0], proc.stderr
+    assert "launching" not in (tmp_path / "run" / "train.log").read_text()

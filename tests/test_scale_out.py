@@ -13,10 +13,26 @@ import pytest
 from conftest import QUICK, REPO, check_ok, run_train, summary, train_env
 
 
-def test_world_size_sweep_writes_a_scaling_report(tmp_path: Path):
-    sweep = tmp_path / "sweep"
-    proc = run_train(tmp_path / "unused", "-m", *QUICK, "trainer.nproc=1,2", f"hydra.sweep.dir={sweep}")
+def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_runs(tmp_path: Path):
+    from mlflow.tracking import MlflowClient
+
+    sweep, uri = tmp_path / "sweep", f"sqlite:///{tmp_path}/mlflow.db"
+    proc = run_train(tmp_path / "unused", "-m", *QUICK, "trainer.nproc=1,2", f"hydra.sweep.dir={sweep}",
+                     "logger=[tensorboard,mlflow]", f"logger.mlflow.tracking_uri={uri}",
+                     f"logger.mlflow.artifact_location={tmp_path / 'artifacts'}")
     check_ok(proc)
+    # One parent run per sweep, its jobs as children; the sweep's end closes it with the best value.
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("hydra-ddp").experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and len(children) == 2, [r.data.tags for r in runs]
+    parent = parents[0]
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
+    assert sorted(r.data.tags["world_size"] for r in children) == ["1", "2"]
+    assert parent.info.status == "FINISHED" and parent.data.metrics["sweep/jobs"] == 2
+    best = max(summary(sweep / str(i))["val_accuracy"] for i in (0, 1))
+    assert parent.data.metrics["best/val/accuracy"] == pytest.approx(best)
     assert [summary(sweep / str(i))["world_size"] for i in (0, 1)] == [1, 2]
     rows = list(csv.DictReader(open(sweep / "scaling.csv")))
     assert [r["swept"] for r in rows] == ["trainer.nproc=1", "trainer.nproc=2"]
@@ -39,27 +55,21 @@ def test_failed_job_is_a_failed_row_and_the_sweep_goes_on(tmp_path: Path):
     assert "1 of 2 jobs failed" in proc.stderr
 
 
-@pytest.mark.timeout(300)
-def test_parallel_joblib_sweep_runs_two_ddp_jobs_at_once(tmp_path: Path):
-    sweep = tmp_path / "sweep"
-    proc = run_train(tmp_path / "unused", "-m", *QUICK, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
-                     "init_method=env,file", f"hydra.sweep.dir={sweep}", timeout=240)
-    check_ok(proc)
-    assert [summary(sweep / str(i))["init_method"] for i in (0, 1)] == ["env", "file"]
-
-
 @pytest.mark.timeout(600)  # 16 processes importing torch on 2 cores: minutes beside a busy core
 def test_eight_parallel_jobs_never_collide_on_a_port(tmp_path: Path):
     """4 jobs at a time, each launching its own group: every job's launching process binds its store's
     port itself and holds it, so no job can take another's between choosing and binding. One rank per
-    job keeps it affordable: the store, its port and the rendezvous through it are the same at any size."""
+    job keeps it affordable: the store, its port and the rendezvous through it are the same at any size.
+    Both launchers and both single-node stores (TCP, file) run inside joblib's worker processes."""
     sweep = tmp_path / "sweep"
     proc = run_train(tmp_path / "unused", "-m", "trainer.max_steps=4", "trainer.log_every=2", "trainer.nproc=1",
                      "hydra/launcher=joblib", "hydra.launcher.n_jobs=4", "launcher=spawn,torchrun",
-                     "trainer.seed=0,1,2,3", f"hydra.sweep.dir={sweep}", timeout=540)
+                     "init_method=env,file", "trainer.seed=0,1", f"hydra.sweep.dir={sweep}", timeout=540)
     check_ok(proc)
     rows = list(csv.DictReader(open(sweep / "sweep.csv")))
     assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}, rows
+    ran = {(summary(sweep / str(i))["launcher"], summary(sweep / str(i))["init_method"]) for i in range(8)}
+    assert ran == {(launcher, init) for launcher in ("spawn", "torchrun") for init in ("env", "file")}
 
 
 @pytest.mark.timeout(300)

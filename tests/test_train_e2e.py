@@ -67,10 +67,11 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
     return scalars(run_dir, "train/loss")
 
 
-def test_spawn_torchrun_and_external_torchrun_give_identical_losses(tmp_path: Path):
+def test_every_launcher_and_init_method_gives_identical_losses(tmp_path: Path):
+    # The default run (spawn, env) is test_default_run_leaves_one_complete_run_directory's.
     runs = {
-        "spawn": (("launcher=spawn",), ()),
-        "torchrun": (("launcher=torchrun",), ()),
+        "spawn": (("launcher=spawn", "init_method=tcp"), ()),
+        "torchrun": (("launcher=torchrun", "init_method=file"), ()),
         "external": ((), (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")),
     }
     results = {}
@@ -79,7 +80,9 @@ def test_spawn_torchrun_and_external_torchrun_give_identical_losses(tmp_path: Pa
         check_ok(proc)
         results[name] = losses(tmp_path / name)
         assert len(results[name]) == 8
+        assert not list((tmp_path / name).glob("*.store"))  # the file store is removed at exit
     assert results["spawn"] == results["torchrun"] == results["external"]
+    assert [summary(tmp_path / name)["init_method"] for name in runs] == ["tcp", "file", "env"]
     assert summary(tmp_path / "external")["launcher"] == "torchrun"
     # The outside launch made exactly one run directory: rank 1 followed rank 0.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["external", "spawn", "torchrun"]
@@ -93,20 +96,11 @@ def test_legacy_distributed_launch_passes_local_rank(run_dir: Path):
     assert summary(run_dir)["world_size"] == 2
 
 
-@pytest.mark.parametrize("init", ["tcp", "file"])
-def test_init_methods(tmp_path: Path, init: str):
-    for attempt in ("first", "second"):  # a second run must not trip over the first one's store
-        run_dir = tmp_path / attempt
-        proc = run_train(run_dir, *QUICK, f"init_method={init}")
-        check_ok(proc)
-        assert summary(run_dir)["init_method"] == init
-        assert not list(run_dir.glob("*.store"))  # the file store is removed at exit
-
-
 def test_explicit_file_store_path_can_be_reused(tmp_path: Path):
     store = tmp_path / "shared.store"
-    for attempt in ("first", "second"):
+    for attempt in ("first", "second"):  # a second run must not trip over the first one's store
         check_ok(run_train(tmp_path / attempt, *QUICK, "init_method=file", f"init_method.path={store}"))
+        assert summary(tmp_path / attempt)["init_method"] == "file"
     assert not store.exists()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 import signal
@@ -135,6 +136,8 @@ def test_grad_clip_bounds_every_step_under_bf16_autocast(run_dir: Path):
                        "trainer.precision=bf16", "checkpoint.every_n_steps=1", "checkpoint.keep=5", *QUICK))
     norms = scalars(run_dir, "train/grad_norm")
     assert [step for step, _ in norms] == list(range(1, 9)) and all(n > clip for _, n in norms)
+    losses = [v for _, v in scalars(run_dir, "train/loss")]
+    assert len(losses) == 8 and all(math.isfinite(v) for v in losses), losses  # bf16 autocast trains
     # Plain SGD moves the weights by lr × the clipped gradient: its norm is exactly the clip.
     w = [torch.load(run_dir / "checkpoints" / f"step-{i:08d}.pt", weights_only=True)["model"] for i in (6, 7)]
     moved = torch.cat([(w[1][k] - w[0][k]).flatten() for k in w[0]]).norm().item()

@@ -38,6 +38,9 @@ DIRNAME = "checkpoints"
 LAST = "last.pt"
 BEST = "best.pt"
 _STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
+# 2: the optimizer state keyed by parameter name (torch.distributed.checkpoint.state_dict), so a
+# checkpoint of either strategy loads into the other; 1: by position (still loaded).
+FORMAT = 2
 
 
 # RNG states travel as one float64 vector per rank (every value is an integer below 2**53, or a
@@ -91,7 +94,7 @@ class Checkpointer:
     def save(self, state: dict[str, Any], step: int, best: bool = False) -> None:
         """Called by every rank at the same step; rank 0 writes, everyone waits for it. `best`: these
         are the best weights by trainer.monitor so far (best.pt)."""
-        state = {**state, "rng": _gather_rng(self.device), "config": self.config, "format": 1}
+        state = {**state, "rng": _gather_rng(self.device), "config": self.config, "format": FORMAT}
         problem = None
         if self.rank.is_main:
             problem = self._wait()  # the previous write: one at a time, and the free space below is real
@@ -174,11 +177,16 @@ class Checkpointer:
     def load(self, path: Path) -> dict[str, Any]:
         return read(path, "trainer.resume", self.device)
 
-    def restore(self, state: dict[str, Any], path: Path, model: nn.Module, optimizer, scheduler) -> None:
-        check_compatible(model, state["model"], path, fix="resume with the model it was saved from")
+    def restore(self, state: dict[str, Any], path: Path, strategy: Any, optimizer, scheduler) -> None:
+        """Every rank read the checkpoint: each takes its part (FSDP: its shards; the full state
+        reshards to any world size and either strategy)."""
+        check_compatible(strategy.module, state["model"], path, fix="resume with the model it was saved from")
         self._check_same_batches(state, path)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        strategy.load_model_state(state["model"], everywhere=True)
+        if state.get("format", 1) >= 2:  # optimizer state keyed by parameter name
+            strategy.load_optimizer_state(optimizer, state["optimizer"])
+        else:  # by position in the optimizer (format 1: DDP runs before strategies)
+            optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state.get("scheduler") is not None:
             scheduler.load_state_dict(state["scheduler"])
         rng = state["rng"]
@@ -219,7 +227,7 @@ def read(path: Path, key: str, device: Optional[torch.device] = None) -> dict[st
             state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
         raise UserError(f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]) from None
-    if not isinstance(state, dict) or state.get("format") != 1:
+    if not isinstance(state, dict) or state.get("format") not in (1, FORMAT):
         raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint")
     return state
 

@@ -181,6 +181,20 @@ class DDPConf:
 
 
 @dataclass
+class StrategyConf:
+    # ddp: a replica per rank (DDP's own knobs: the `ddp` section); fsdp: FSDP2, parameters,
+    # gradients and optimizer state sharded over the ranks (strategy.py).
+    name: str = "ddp"
+    # fsdp: free each unit's gathered parameters after its forward (less memory, one more
+    # all-gather in the backward); false keeps them until the backward.
+    reshard_after_forward: bool = True
+    # fsdp: parameters cast to this for the compute (bf16, fp16), gradients reduced in fp32. null: fp32.
+    mixed_precision: Optional[str] = None
+    # fsdp: parameters and optimizer state kept on the CPU between uses (GPUs only).
+    cpu_offload: bool = False
+
+
+@dataclass
 class ProfilerConf:
     # Steps skipped, warmed up, then recorded (torch.profiler.schedule, once).
     wait: int = 1
@@ -198,6 +212,7 @@ class Config:
     dist: DistConf = field(default_factory=DistConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
+    strategy: StrategyConf = field(default_factory=StrategyConf)
     ddp: DDPConf = field(default_factory=DDPConf)
     profiler: ProfilerConf = field(default_factory=ProfilerConf)
     data: DataConf = field(default_factory=DataConf)

@@ -280,6 +280,8 @@ class EvalSplit:
         self.batch_size = batch_size
         self.num_chunks = math.ceil(self.samples / batch_size)
         self.chunks = range(rank.rank, self.num_chunks, rank.world_size)
+        self.rounds = math.ceil(self.num_chunks / rank.world_size)  # the most chunks any rank holds
+        self.dataset = dataset
         self.passes = 0
         self.tensors = tuple(t.to(device) for t in dataset.tensors) if preload else None  # type: ignore[attr-defined]
         self.loader = None if preload else DataLoader(
@@ -291,6 +293,13 @@ class EvalSplit:
 
     def __len__(self) -> int:
         return len(self.chunks)
+
+    def filler(self) -> torch.Tensor:
+        """One sample as a batch: the input of the forwards a rank runs past its own chunks when every
+        rank must run as many (a sharded model gathers its parameters in each)."""
+        if self.tensors is not None:
+            return self.tensors[0][:1]
+        return self.dataset[0][0].unsqueeze(0)
 
     def __iter__(self) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
         self.passes += 1

@@ -187,11 +187,30 @@ class MLflow(Logger):
             fcntl.flock(lock, fcntl.LOCK_EX)
             id_file = sweep_dir / self.RUN_ID_FILE
             if id_file.exists():
-                return id_file.read_text().strip()
+                return id_file.read_text().split()[0]
             parent = self.client.create_run(experiment_id, run_name=f"sweep {sweep_dir.name}",
                                             tags={"sweep_dir": str(sweep_dir)})
-            id_file.write_text(parent.info.run_id + "\n")
+            # The store too: the sweep's end (end_sweep, in the launching process) closes the parent run.
+            id_file.write_text(f"{parent.info.run_id}\n{self.client.tracking_uri}\n")
             return parent.info.run_id
+
+    @classmethod
+    def end_sweep(cls, sweep_dir: Path, jobs: int, failed: int, best: Optional[tuple[str, float]]) -> None:
+        """Close a sweep's parent run, when its jobs logged to MLflow: FINISHED (FAILED if a job
+        failed), with the job counts and the best job's value of the monitored metric."""
+        id_file = sweep_dir / cls.RUN_ID_FILE
+        if not id_file.exists():
+            return
+        from mlflow.tracking import MlflowClient
+
+        run_id, tracking_uri = id_file.read_text().split()
+        client = MlflowClient(tracking_uri=tracking_uri)
+        values = {"sweep/jobs": jobs, "sweep/failed": failed}
+        if best is not None:
+            values[f"best/{best[0]}"] = best[1]
+        for key, value in values.items():
+            client.log_metric(run_id, key, value)
+        client.set_terminated(run_id, "FAILED" if failed else "FINISHED")
 
     def _log_params(self, run_config: dict[str, Any]) -> None:
         from mlflow.entities import Param

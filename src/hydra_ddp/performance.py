@@ -31,12 +31,15 @@ def choose(cfg: Any, model: nn.Module) -> dict[str, bool]:
       shards (Join stands in for ranks that ran out) and torch.compile (not tested with it).
     """
     auto = {
-        "trainer.channels_last": any(isinstance(m, nn.Conv2d) for m in model.modules()),
+        # FSDP shards contiguous parameters only: channels_last weights are not.
+        "trainer.channels_last": cfg.strategy.name == "ddp" and any(isinstance(m, nn.Conv2d) for m in model.modules()),
         "ddp.gradient_as_bucket_view": True,
         "ddp.static_graph": cfg.trainer.accumulate == 1 and cfg.data.even_shards and not cfg.trainer.compile,
     }
     chosen = {}
     for section, key in SETTINGS:
+        if section == "ddp" and cfg.strategy.name != "ddp":
+            continue  # DDP's own: not used by another strategy
         value = cfg[section][key]
         chosen[f"{section}.{key}"] = auto[f"{section}.{key}"] if value == AUTO else bool(value)
     return chosen

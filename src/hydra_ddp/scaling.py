@@ -250,6 +250,11 @@ class SweepReport(Callback):
             return
         kind, rows = written
         failed = [r for r in rows if r["status"] == "failed"]
+        best = rank_trials([dict(r) for r in rows])[0]
+        from hydra_ddp.loggers import MLflow
+
+        MLflow.end_sweep(sweep_dir, len(rows), len(failed),
+                         (best["monitor"], best["objective"]) if best.get("rank") == 1 and best.get("monitor") else None)
         log.info("%s report: %s", kind, sweep_dir / f"{kind}.md")
         print((sweep_dir / f"{kind}.md").read_text())
         if failed and _searching(config):  # a search goes past failed or diverged trials: they rank last

@@ -26,6 +26,7 @@ from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.evaluation import evaluate
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.reporting import Reporter
+from hydra_ddp.strategy import DDPStrategy
 from hydra_ddp.timing import StepTimer, per_rank, straggler
 
 log = logging.getLogger(__name__)
@@ -134,8 +135,11 @@ class Trainer:
         stop: StopRequest,
         progress: bool,
         started_at: float = 0.0,
+        *,
+        strategy: DDPStrategy,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.strategy = strategy  # what differs between DDP and FSDP (strategy.py)
         self.loaders, self.device, self.cfg = loaders, device, cfg
         self.reporter, self.checkpointer, self.stop = reporter, checkpointer, stop
         self.progress = progress
@@ -173,8 +177,8 @@ class Trainer:
     # --- checkpoint state -----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         return {
-            "model": self.model.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": self.strategy.model_state(),  # full (gathered) weights, FQN-keyed: any strategy loads them
+            "optimizer": self.strategy.optimizer_state(self.optimizer),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "position": asdict(self.pos),
@@ -182,7 +186,7 @@ class Trainer:
         }
 
     def resume_from(self, path: Path, state: dict[str, Any]) -> None:
-        self.checkpointer.restore(state, path, self.model.module, self.optimizer, self.scheduler)
+        self.checkpointer.restore(state, path, self.strategy, self.optimizer, self.scheduler)
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         self.pos = Position(**state["position"])
@@ -388,7 +392,7 @@ class Trainer:
         """Forward and backward of one batch; the optimizer steps on `sync` batches only."""
         x = x.to(self.device, non_blocking=True, memory_format=self.memory_format)
         y = y.to(self.device, non_blocking=True)
-        with contextlib.nullcontext() if sync else self.model.no_sync():  # no all-reduce mid-accumulation
+        with contextlib.nullcontext() if sync else self.strategy.no_sync():  # no all-reduce mid-accumulation
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 loss = F.cross_entropy(self.model(x), y)
             self.timer.lap("forward")
@@ -399,6 +403,8 @@ class Trainer:
                 self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients, not the scaled ones
                 # The gradients are all-reduced already: the same norm, and the same clipping, on every rank.
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+                if hasattr(norm, "full_tensor"):  # FSDP: a DTensor, the global norm of the sharded gradients
+                    norm = norm.full_tensor()
                 self.grad_norms.append((self.pos.step + 1, norm.detach()))
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -435,7 +441,7 @@ class Trainer:
 
     def _check_finite_weights(self) -> None:
         """Before a checkpoint: weights that are already nan or inf are never saved as good ones."""
-        params = [p.detach() for p in self.model.module.parameters()]
+        params = list(self.strategy.local_tensors())  # FSDP: this rank's shards
         finite = torch.stack([torch.isfinite(p).all() for p in params]).all().to(torch.int32).reshape(1)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if not finite.item():
@@ -454,7 +460,8 @@ class Trainer:
         metrics: dict[str, Any] = {"train_loss": self.train_loss}
         if self.loaders.val is not None:
             with self._timed("eval_time_s"):
-                metrics.update(evaluate(self.model.module, self.loaders.val, self.device, "val", self.memory_format))
+                metrics.update(evaluate(self.strategy.eval_module, self.loaders.val, self.device, "val",
+                                        self.memory_format, lockstep=self.strategy.lockstep_eval))
         self.val_metrics = metrics
         scalars = {"train/epoch_loss": self.train_loss, "train/lr": self.optimizer.param_groups[0]["lr"],
                    "perf/samples_per_sec": self._samples_per_sec(self.step_times, self.step_samples)}
@@ -468,7 +475,8 @@ class Trainer:
         best = self.monitor.update(metrics, self.pos.step, epoch)
         self.history.append({"epoch": epoch, "step": self.pos.step, **metrics, "best": best})
         if best:  # kept aside (on the CPU) for the test, in case later epochs do worse
-            self.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.module.state_dict().items()}
+            # FSDP: gathered to rank 0 (the others keep an empty dict, and receive them from rank 0).
+            self.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in self.strategy.model_state().items()}
         shown = f"  val loss {metrics['val_loss']:.4f}  val accuracy {metrics['val_accuracy']:.4f}" \
             if "val_loss" in metrics else ""
         log.info("%s  step %d  train loss %.4f%s%s", where, self.pos.step, self.train_loss, shown,
@@ -482,10 +490,11 @@ class Trainer:
             if self.monitor.best_step == self.pos.step:
                 weights = "best"
             elif self.best_weights is not None:
-                self.model.module.load_state_dict(self.best_weights)  # training is over: the weights are free
+                self.strategy.load_model_state(self.best_weights, everywhere=False)  # training is over
                 weights, step = "best", self.monitor.best_step
         with self._timed("eval_time_s"):
-            self.test_metrics = evaluate(self.model.module, self.loaders.test, self.device, "test", self.memory_format)
+            self.test_metrics = evaluate(self.strategy.eval_module, self.loaders.test, self.device, "test",
+                                         self.memory_format, lockstep=self.strategy.lockstep_eval)
         saved = self._saves_at_end()
         self.tested = {
             "weights": weights, "step": step,

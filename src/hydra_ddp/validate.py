@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from hydra_ddp import checkpoint, comm, data, distributed, monitor, performance, startup
+from hydra_ddp import checkpoint, comm, data, distributed, monitor, performance, startup, strategy
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
 
@@ -70,6 +70,38 @@ def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tupl
     _resolve_init_method(plain["init_method"], run_dir, external is not None)
 
 
+def _check_strategy(plain: dict[str, Any]) -> None:
+    """What a strategy cannot do, found before launch."""
+    settings, trainer, ddp = plain["strategy"], plain["trainer"], plain["ddp"]
+    name = settings["name"]
+    if name not in strategy.NAMES:
+        raise UserError(f"unknown strategy {name!r}; choose {', '.join(strategy.NAMES)} (conf/strategy/)")
+    if settings["mixed_precision"] not in (None, "bf16", "fp16"):
+        raise UserError(f"strategy.mixed_precision must be null, bf16 or fp16, got {settings['mixed_precision']!r}")
+    if name == "ddp":
+        return
+    on_gpu = trainer["device"] == "cuda"
+    refusals = [
+        (ddp["comm_hook"] != "none", f"ddp.comm_hook={ddp['comm_hook']} is DDP's: FSDP reduce-scatters its own "
+                                     "gradients; leave it none"),
+        (not plain["data"]["even_shards"], "data.even_shards=false needs DDP's Join, which FSDP does not support; "
+                                           "keep data.even_shards=true"),
+        (trainer["compile"], "trainer.compile=true is not supported with strategy=fsdp yet; leave it false"),
+        (trainer["channels_last"] is True, "trainer.channels_last=true makes convolution weights non-contiguous, "
+                                           "which FSDP cannot shard; leave it auto or false"),
+        (ddp["sync_batchnorm"] is True, "ddp.sync_batchnorm=true is DDP's; leave it auto or false"),
+        (str(trainer["precision"]) == "16", "trainer.precision=16 (a GradScaler) is not supported with strategy=fsdp; "
+                                            "use strategy.mixed_precision=bf16 or trainer.precision=bf16"),
+        (settings["cpu_offload"] and not on_gpu, "strategy.cpu_offload=true keeps parameters on the CPU between uses "
+                                                 "on GPUs; on the CPU it has nothing to offload: leave it false"),
+        (settings["mixed_precision"] == "fp16" and not on_gpu, "strategy.mixed_precision=fp16 needs GPUs; "
+                                                              "on the CPU use bf16"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise UserError(f"strategy={name}: {why}")
+
+
 def check(plain: dict[str, Any], run_dir: Path) -> None:
     """Everything else that would fail a run later: found before any worker starts."""
     trainer, launcher, data_cfg = plain["trainer"], plain["launcher"], plain["data"]
@@ -98,8 +130,9 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
     if plain["ddp"]["static_graph"] is True and trainer["accumulate"] > 1:
         raise UserError("ddp.static_graph=true does not combine with trainer.accumulate > 1 (DDP's reducer fails "
                         "on a no_sync step in a static graph); set ddp.static_graph=auto or false")
+    _check_strategy(plain)
     if plain["ddp"]["sync_batchnorm"] == "auto":
-        plain["ddp"]["sync_batchnorm"] = trainer["device"] == "cuda"
+        plain["ddp"]["sync_batchnorm"] = trainer["device"] == "cuda" and plain["strategy"]["name"] == "ddp"
     if plain["ddp"]["sync_batchnorm"] not in (True, False):
         raise UserError(f"ddp.sync_batchnorm: expected true, false or auto, got {plain['ddp']['sync_batchnorm']!r}")
     if plain["ddp"]["sync_batchnorm"] and trainer["device"] != "cuda":

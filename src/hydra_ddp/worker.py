@@ -27,10 +27,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from hydra_ddp import checkpoint, comm, data, distributed, evaluation, performance, reporting, startup, training
+from hydra_ddp import (
+    checkpoint, comm, data, distributed, evaluation, performance, reporting, startup, strategy, training,
+)
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import EveryRankError, UserError
 
@@ -118,19 +119,17 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
         OmegaConf.update(cfg, name, value)
     memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
     if cfg.trainer.init_from and rank.is_main:
-        # Rank 0's weights: DDP's constructor broadcasts them to every rank (a resumed run's then replace them).
+        # Rank 0's weights: the strategy starts every rank from them (a resumed run's then replace them).
         skipped = checkpoint.load_weights(model, Path(cfg.trainer.init_from), list(cfg.trainer.init_ignore))
         log.info("weights from %s%s", cfg.trainer.init_from, f" (fresh: {', '.join(skipped)})" if skipped else "")
-    ddp_options = OmegaConf.to_container(cfg.ddp)
-    comm_hook = ddp_options.pop("comm_hook")  # comm.py's, not DDP's argument
-    if ddp_options.pop("sync_batchnorm"):
+    if cfg.ddp.sync_batchnorm and cfg.strategy.name == "ddp":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device, memory_format=memory_format)
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_options)
-    comm.register(ddp_model, comm_hook)
-    optimizer = instantiate(cfg.optim)(ddp_model.parameters())
+    spread = strategy.build(cfg, device)  # DDP's replicas, or FSDP's shards (strategy.py)
+    train_model = spread.wrap(model)
+    optimizer = instantiate(cfg.optim)(train_model.parameters())
     if cfg.trainer.compile:
-        ddp_model = _compiled(ddp_model, cfg.trainer.compile_backend)
+        train_model = _compiled(train_model, cfg.trainer.compile_backend)
     scheduler = instantiate(cfg.scheduler)(optimizer) if cfg.scheduler else None
     checkpointer = checkpoint.Checkpointer(cfg.checkpoint, out, rank, device, OmegaConf.to_container(cfg, resolve=True))
     # Rank 0 picks the checkpoint (on every node the same file: checkpoints live with rank 0).
@@ -139,12 +138,16 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     if chosen and not rank.is_main:
         resume = Path(chosen), checkpointer.load(Path(chosen))
 
-    # Resuming: the loggers drop what the earlier run logged after the checkpoint's step.
-    reporter = reporting.Reporter(rank, out, cfg, resume_step=resume[1]["position"]["step"] if resume else None)
+    # Resuming: the loggers drop what the earlier run logged after the checkpoint's step. Asked to
+    # resume with no checkpoint yet (a restart before the first one): all of it, the run starts over.
+    resume_step = resume[1]["position"]["step"] if resume else None
+    if resume is None and checkpoint.resume_setting(cfg.trainer.resume) == "auto":
+        resume_step = 0
+    reporter = reporting.Reporter(rank, out, cfg, resume_step=resume_step)
     try:
         trainer = training.Trainer(
-            ddp_model, optimizer, scheduler, loaders, device, cfg, reporter, checkpointer, stop,
-            progress=reporting.show_progress(cfg.trainer.progress, rank), started_at=started_at,
+            train_model, optimizer, scheduler, loaders, device, cfg, reporter, checkpointer, stop,
+            progress=reporting.show_progress(cfg.trainer.progress, rank), started_at=started_at, strategy=spread,
         )
         if resume:
             trainer.resume_from(*resume)
@@ -160,8 +163,11 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
             "batch_size": cfg.data.batch_size,
             "global_batch_size": cfg.data.global_batch_size,
             "settings": fast,
-            "comm_hook": cfg.ddp.comm_hook,
-            "allreduce_bytes_per_step": comm.bytes_per_step(model, comm_hook),
+            "strategy": spread.name,
+            # Parameters, gradients and optimizer state held by one rank (the largest): FSDP's shards.
+            "model_state_bytes": _most_over_ranks(strategy.local_state_bytes(spread, optimizer), device),
+            "comm_hook": cfg.ddp.comm_hook if spread.name == "ddp" else None,
+            "allreduce_bytes_per_step": comm.bytes_per_step(model, cfg.ddp.comm_hook) if spread.name == "ddp" else None,
             **result,
             "time_to_first_step_s": result["first_step_at"] - started_at if result["first_step_at"] else None,
             "peak_rss_mb": distributed.max_over_ranks(_peak_rss_mb(), device),
@@ -186,13 +192,20 @@ def _release(cfg: DictConfig) -> None:
     gc.collect()
 
 
-def _compiled(model: DDP, backend: str) -> nn.Module:
+def _compiled(model: nn.Module, backend: str) -> nn.Module:
     """torch.compile'd, falling back to eager (with a warning) where compiling fails on this machine."""
     import torch._dynamo
 
     torch._dynamo.config.suppress_errors = True
     log.info("compiling the model with torch.compile(backend=%r)", backend)
     return torch.compile(model, backend=backend)  # type: ignore[return-value]
+
+
+def _most_over_ranks(values: dict[str, int], device: torch.device) -> dict[str, int]:
+    """Each value's maximum over the ranks (one all-reduce)."""
+    packed = torch.tensor(list(values.values()), dtype=torch.int64, device=device)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    return dict(zip(values, packed.tolist()))
 
 
 def _peak_rss_mb() -> float:

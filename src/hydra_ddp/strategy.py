@@ -1,0 +1,167 @@
+"""How the model is spread over the ranks (conf/strategy/): the one place the loop asks.
+
+- ddp: a whole replica on every rank; DDP all-reduces the gradients (its knobs: the `ddp` section).
+- fsdp: FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over the ranks,
+  each unit (a block, and the root) gathered for its forward and backward only. Per-rank model
+  state is about 1/world size of DDP's; the arithmetic is the same (checked step by step).
+
+Checkpoints hold the full, unsharded state in both (rank 0 gathers it, FQN-keyed as the plain
+module's): one loading path for both, at any world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hydra_ddp import comm
+
+NAMES = ("ddp", "fsdp")
+
+
+def build(cfg: Any, device: torch.device) -> "DDPStrategy | FSDPStrategy":
+    return {"ddp": DDPStrategy, "fsdp": FSDPStrategy}[cfg.strategy.name](cfg, device)
+
+
+class DDPStrategy:
+    """A replica per rank, wrapped in DistributedDataParallel."""
+
+    name = "ddp"
+    lockstep_eval = False  # evaluation runs on the plain module: ranks may hold different chunk counts
+
+    def __init__(self, cfg: Any, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.module: nn.Module = nn.Module()
+        self.model: nn.Module = nn.Module()
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        options = OmegaConf.to_container(self.cfg.ddp)
+        hook = options.pop("comm_hook")  # comm.py's, not DDP's argument
+        options.pop("sync_batchnorm")  # applied before the model moved to its device (worker)
+        self.module = module
+        self.model = DDP(module, device_ids=[self.device.index] if self.device.type == "cuda" else None, **options)
+        comm.register(self.model, hook)
+        return self.model
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.model.no_sync()
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The full weights, on rank 0 at least (here every rank has them)."""
+        return self.module.state_dict()
+
+    def load_model_state(self, state: dict[str, torch.Tensor], everywhere: bool = True) -> None:
+        self.module.load_state_dict(state)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Keyed by parameter name (not position): the same layout FSDP's full state has."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, optimizer)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    def local_tensors(self) -> Iterator[torch.Tensor]:
+        """This rank's share of the parameters (the whole of them)."""
+        return (p.detach() for p in self.module.parameters())
+
+    @property
+    def eval_module(self) -> nn.Module:
+        return self.module
+
+
+class FSDPStrategy(DDPStrategy):
+    """FSDP2: every unit (a model's `shard_units()`, else each child with parameters) and the root
+    sharded over all ranks."""
+
+    name = "fsdp"
+    lockstep_eval = True  # a sharded forward gathers parameters: every rank runs as many forwards
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        settings = self.cfg.strategy
+        # Every rank starts from rank 0's weights (DDP's constructor does this for DDP): a model built
+        # from the same seed already agrees, and trainer.init_from's were loaded on rank 0 only.
+        with torch.no_grad():
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(tensor.data, src=0)
+        dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[settings.mixed_precision]
+        options = dict(
+            reshard_after_forward=bool(settings.reshard_after_forward),
+            # Parameters in `dtype` for the compute; gradients reduced and kept in fp32.
+            mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None),
+            offload_policy=CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy(),
+        )
+        for unit in shard_units(module):
+            fully_shard(unit, **options)
+        fully_shard(module, **options)
+        self.module = self.model = module
+        return module
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        # Gradient accumulation: gradients stay unsharded and local until the last micro-batch.
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """Gathered: the full weights on rank 0 (on the CPU), none on the other ranks."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_model_state(self, state: dict[str, torch.Tensor], everywhere: bool = True) -> None:
+        """Each rank keeps its shard of the full weights: read by every rank (`everywhere`), or
+        held by rank 0 alone and sent from there."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True,
+                                                                          broadcast_from_rank0=not everywhere))
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    def local_tensors(self) -> Iterator[torch.Tensor]:
+        return (p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in self.module.parameters())
+
+
+def shard_units(module: nn.Module) -> list[nn.Module]:
+    """The modules FSDP shards one by one (their parameters gathered together): the model's own
+    choice (a `shard_units()` method, e.g. a transformer's blocks), else each child with parameters."""
+    if hasattr(module, "shard_units"):
+        return list(module.shard_units())
+    return [child for child in module.children() if any(True for _ in child.parameters())]
+
+
+def local_state_bytes(strategy: DDPStrategy, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of model state this rank holds: parameters, their gradients (as large, during a step)
+    and optimizer state, counting only local shards."""
+    params = sum(t.numel() * t.element_size() for t in strategy.local_tensors())
+    optim = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                optim += local.numel() * local.element_size()
+    return {"params": params, "grads": params, "optimizer": optim, "total": 2 * params + optim}
