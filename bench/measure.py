@@ -102,6 +102,7 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
         "world_size": reported["world_size"],
         "wall_time_s": wall,
         "allreduce_bytes_per_step": reported.get("allreduce_bytes_per_step"),  # the project's only
+        "model_state_bytes": (reported.get("model_state_bytes") or {}).get("total"),  # per rank, the largest
     }
 
 

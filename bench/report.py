@@ -19,8 +19,12 @@ _DEFINITIONS = """\
 - **peak RSS**: the largest peak resident set size (ru_maxrss) of any rank
 - **×** columns: this row / the reference row; **Δ**: this row − the reference row"""
 
-_TITLES = {"comm": "Communication hooks"}
+_TITLES = {"comm": "Communication hooks", "strategy": "Strategies: DDP and FSDP"}
 _INTROS = {
+    "strategy": "The project at 2 ranks under each `strategy` (src/hydra_ddp/strategy.py). **model state / rank**: "
+    "the bytes of parameters, gradients and optimizer state (SGD's momentum) one rank holds, counting local "
+    "shards only (the summary's `model_state_bytes`, the largest rank's). FSDP cannot shard channels_last "
+    "weights, so it runs without them: the second row is DDP on the same footing. Reference: ddp.",
     "parity": "The project's `train.py` against `bench/handwritten.py`, a minimal DDP loop in the style of "
     "pytorch/examples, on the same workload at 2 ranks: with its default launcher (spawn), with torchrun's, "
     "with workers started as fresh interpreters (`launcher.start_method=spawn`) instead of forks of the "
@@ -98,6 +102,9 @@ def _table(cases: list[dict[str, Any]]) -> str:
     sent = any(case.get("allreduce_bytes_per_step") for case in cases) and all(c["side"] == "project" for c in cases)
     if sent:
         headers.append("all-reduce / step (KB)")
+    state = all(case.get("model_state_bytes") for case in cases) and len({c["model_state_bytes"] for c in cases}) > 1
+    if state:
+        headers.append("model state / rank (MB)")
     rows = []
     for case in cases:
         m, vs = case["median"], case["vs_reference"]
@@ -114,7 +121,9 @@ def _table(cases: list[dict[str, Any]]) -> str:
             f"{m['time_to_first_step_s']:.2f}", f"{m['peak_rss_mb']:.0f}", *compared,
         ])
         if sent:
-            rows[-1].append(f"{case['allreduce_bytes_per_step'] / 1024:.0f}")
+            rows[-1].append(f"{case['allreduce_bytes_per_step'] / 1024:.0f}" if case.get("allreduce_bytes_per_step") else "")
+        if state:
+            rows[-1].append(f"{case['model_state_bytes'] / 2**20:.2f}")
     return _markdown_table(headers, rows)
 
 

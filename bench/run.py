@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/run.py                 # 3 repetitions × 200 steps of every configuration
     .venv/bin/python bench/run.py --quick         # a smoke test of the harness: 1 × 20 steps
-    .venv/bin/python bench/run.py --only comm     # one section (parity, scaling, options, comm)
+    .venv/bin/python bench/run.py --only comm     # one section (parity, scaling, options, comm, strategy)
     .venv/bin/python bench/run.py --only options --cases timing --out /tmp/bench   # one line, beside its reference
     make bench ARGS="--reps 5 --steps 500 --out /tmp/bench"
 
@@ -78,6 +78,13 @@ def plan(cores: int) -> dict[str, list[Case]]:
         "scaling": [Case(f"nproc={n}", "project", nproc=n) for n in world_sizes(cores)],
         "options": [Case(label, "project", overrides=overrides) for label, overrides in OPTIONS.items()],
         "comm": [Case(f"comm_hook={hook}", "project", overrides=(f"ddp.comm_hook={hook}",)) for hook in COMM_HOOKS],
+        "strategy": [
+            Case("ddp", "project"),
+            Case("ddp, channels_last off", "project", overrides=("trainer.channels_last=false",)),
+            Case("fsdp", "project", overrides=("strategy=fsdp",)),
+            Case("fsdp, reshard_after_forward=false", "project",
+                 overrides=("strategy=fsdp", "strategy.reshard_after_forward=false")),
+        ],
     }
 
 
@@ -108,6 +115,7 @@ def run_section(name: str, cases: list[Case], workload: Workload, reps: int) -> 
             "runs": runs[case.label],
             "median": median,
             "allreduce_bytes_per_step": runs[case.label][0].get("allreduce_bytes_per_step"),
+            "model_state_bytes": runs[case.label][0].get("model_state_bytes"),
             "vs_reference": None if case is cases[0] else compare(median, reference),
         })
     return summary
@@ -182,7 +190,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--reps", type=positive_int, help="repetitions of each configuration (default 3; --quick: 1)")
     parser.add_argument("--steps", type=positive_int, help="training steps per run (default 200; --quick: 20)")
     parser.add_argument("--quick", action="store_true", help="a tiny run to smoke-test the harness")
-    parser.add_argument("--only", nargs="+", choices=["parity", "scaling", "options", "comm"],
+    parser.add_argument("--only", nargs="+", choices=["parity", "scaling", "options", "comm", "strategy"],
                         help="run these sections only (default: all)")
     parser.add_argument("--cases", nargs="+", metavar="TEXT",
                         help="only the cases whose label contains one of these (a section's reference always runs)")
