@@ -164,3 +164,12 @@ def test_image_folder_takes_split_folders_where_present(tmp_path: Path):
     make_image_folder(root / "val", classes=("a", "c"))
     with pytest.raises(UserError, match="same class folders"):
         data.check_source(cfg, 2)
+
+
+def test_python_source_windows_are_next_byte_pairs_and_deterministic():
+    train, test = data.python_source(context=16, max_bytes=20_000, test_fraction=0.1, seed=0)
+    x, y = train.tensors
+    assert x.shape[1] == y.shape[1] == 16 and x.dtype == y.dtype == torch.long
+    assert torch.equal(x[:, 1:], y[:, :-1])  # the target: the input shifted by one byte
+    assert len(train) + len(test) == 19_999 // 17 and 0 <= int(x.min()) and int(x.max()) < 256
+    assert torch.equal(data.python_source(context=16, max_bytes=20_000, test_fraction=0.1, seed=0)[0].tensors[0], x)

@@ -24,3 +24,17 @@ def test_mlp():
 def test_torchvision_classifier_takes_grayscale():
     net = models.torchvision_classifier("resnet18", num_classes=4, in_channels=1)
     assert net(torch.zeros(2, 1, 32, 32)).shape == (2, 4)
+
+
+def test_tiny_gpt_is_causal_and_returns_logits_as_vocab_by_time():
+    torch.manual_seed(0)
+    gpt = models.TinyGPT(vocab_size=256, context=16, dim=32, depth=2, heads=4)
+    x = torch.randint(0, 256, (2, 16))
+    logits = gpt(x)
+    assert logits.shape == (2, 256, 16)  # cross_entropy(logits, targets of (2, 16)): per-token losses
+    changed = x.clone()
+    changed[:, 10] = (x[:, 10] + 1) % 256
+    after = gpt(changed)
+    assert torch.allclose(logits[..., :10], after[..., :10], atol=1e-6)  # no position sees a later byte
+    assert not torch.allclose(logits[..., 10:], after[..., 10:])
+    assert gpt.shard_units() == list(gpt.blocks)  # FSDP's units: the blocks

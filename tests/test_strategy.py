@@ -54,3 +54,18 @@ def test_fsdp_trains_like_ddp_resumes_exactly_and_reshards(tmp_path: Path):
         check_ok(run_train(tmp_path / name, "trainer.max_steps=21", *overrides, f"trainer.resume={epoch_end}"))
         resumed = summary(tmp_path / name)
         assert resumed["steps"] == 21 and resumed["val_loss"] == pytest.approx(at_21["val_loss"], rel=1e-6, abs=0)
+
+
+# The transformer, small: 2 blocks of width 32 on 64 KiB of text (25 steps an epoch at 2 ranks).
+GPT = ("+experiment=text_gpt", "model.dim=32", "model.depth=2", "data.dataset.context=32",
+       "data.dataset.max_bytes=65536", "trainer.max_steps=20", "trainer.log_every=2")
+
+
+def test_fsdp_trains_the_transformer_like_ddp_with_its_blocks_as_units(tmp_path: Path):
+    for name in ("ddp", "fsdp"):
+        check_ok(run_train(tmp_path / name, *GPT, f"strategy={name}"))
+    a, b = losses(tmp_path / "ddp"), losses(tmp_path / "fsdp")
+    assert len(a) == len(b) == 20
+    assert b[:10] == pytest.approx(a[:10], rel=1e-6) and b == pytest.approx(a, rel=1e-4)
+    held = {name: summary(tmp_path / name)["model_state_bytes"]["total"] for name in ("ddp", "fsdp")}
+    assert 0.45 < held["fsdp"] / held["ddp"] < 0.55, held

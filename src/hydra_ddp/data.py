@@ -69,6 +69,29 @@ def digits(image_size: int = 28, test_fraction: float = 0.2, seed: int = 0) -> t
     return TensorDataset(train_x, labels[train_idx]), TensorDataset(test_x, labels[test_idx])
 
 
+def python_source(context: int = 64, max_bytes: int = 262_144, test_fraction: float = 0.1,
+                  seed: int = 0) -> tuple[Dataset, Dataset]:
+    """Byte-level language modelling on text every machine with Python has: the standard library's
+    own top-level source files, in name order, up to max_bytes. Samples are disjoint windows of
+    `context` + 1 bytes: the input is the first `context`, the target the same shifted by one."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    text = bytearray()
+    for path in sorted(root.glob("*.py")):
+        text += path.read_bytes()
+        if len(text) >= max_bytes:
+            break
+    windows = torch.from_numpy(np.frombuffer(bytes(text[:max_bytes]), dtype=np.uint8).astype(np.int64))
+    count = (len(windows) - 1) // (context + 1)
+    if count < 2:
+        raise UserError(f"data=text: {len(windows)} bytes make fewer than 2 windows of data.dataset.context={context}")
+    windows = windows[: count * (context + 1)].view(count, context + 1)
+    train_idx, test_idx = _split(count, test_fraction, seed)
+    return (TensorDataset(windows[train_idx, :-1], windows[train_idx, 1:]),
+            TensorDataset(windows[test_idx, :-1], windows[test_idx, 1:]))
+
+
 def synthetic(
     train_size: int = 8192,
     test_size: int = 1024,

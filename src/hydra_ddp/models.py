@@ -72,3 +72,57 @@ def torchvision_classifier(name: str, num_classes: int = 10, in_channels: int = 
     if in_channels != 3:
         raise ValueError(f"torchvision models take 1 or 3 input channels, got {in_channels}")
     return model
+
+
+class TinyGPT(nn.Module):
+    """A small decoder-only transformer (GPT style) over bytes: token and position embeddings,
+    `depth` blocks of causal self-attention and an MLP (pre-norm, residual), a final norm and a
+    linear head. Returns logits as (batch, vocab, time): `cross_entropy(logits, targets)` with
+    targets (batch, time) is the per-token loss, and argmax over dim 1 the next-byte prediction,
+    so the loop and the exact evaluation serve it as they serve a classifier.
+
+    Attention and MLP are Megatron-shaped (q, k, v and the first MLP layer, then one projection
+    back), and the blocks are its FSDP units (`shard_units`)."""
+
+    def __init__(self, vocab_size: int = 256, context: int = 64, dim: int = 128, depth: int = 4, heads: int = 4,
+                 mlp_ratio: int = 4):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"TinyGPT: dim ({dim}) must be a multiple of heads ({heads})")
+        self.context = context
+        self.tokens = nn.Embedding(vocab_size, dim)
+        self.positions = nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(_Block(dim, heads, mlp_ratio) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        where = torch.arange(x.shape[1], device=x.device)
+        h = self.tokens(x) + self.positions(where)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h)).transpose(1, 2)
+
+    def shard_units(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp_ratio: int):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, mlp_ratio * dim)
+        self.fc2 = nn.Linear(mlp_ratio * dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        batch, time, _ = h.shape
+        x = self.norm1(h)
+        # (batch, heads, time, head_dim); heads counted from the width, as a sharded q/k/v has fewer
+        q, k, v = (f(x).view(batch, time, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(attended.transpose(1, 2).reshape(batch, time, -1))
+        return h + self.fc2(F.gelu(self.fc1(self.norm2(h))))
