@@ -103,6 +103,12 @@ def test_wrong_type_fails_at_composition():
     "overrides, message",
     [
         (["trainer.nproc=0"], "trainer.nproc"),
+        (["strategy=tp"], "tensor-parallel plan"),  # the CNN has none
+        (["strategy=tp", "data=text", "model=gpt", "trainer.nproc=3"], "do not split over 3"),
+        (["strategy=fsdp", "ddp.comm_hook=bf16"], "comm_hook"),
+        (["strategy=fsdp", "data.even_shards=false"], "Join"),
+        (["strategy=fsdp", "trainer.channels_last=true"], "non-contiguous"),
+        (["strategy=fsdp", "strategy.cpu_offload=true"], "cpu_offload"),
         (["trainer.precision=16"], "bf16"),
         (["trainer.precision=8"], "precision"),
         (["trainer.accumulate=0"], "accumulate"),

@@ -56,16 +56,25 @@ def test_fsdp_trains_like_ddp_resumes_exactly_and_reshards(tmp_path: Path):
         assert resumed["steps"] == 21 and resumed["val_loss"] == pytest.approx(at_21["val_loss"], rel=1e-6, abs=0)
 
 
-# The transformer, small: 2 blocks of width 32 on 64 KiB of text (25 steps an epoch at 2 ranks).
+# The transformer, small: 2 blocks of width 32 on 64 KiB of text; a global batch of 32 sequences
+# (25 steps an epoch), so one rank, FSDP over 2 and tensor parallel over 2 all train on the same batches.
 GPT = ("+experiment=text_gpt", "model.dim=32", "model.depth=2", "data.dataset.context=32",
-       "data.dataset.max_bytes=65536", "trainer.max_steps=20", "trainer.log_every=2")
+       "data.dataset.max_bytes=65536", "data.global_batch_size=32", "trainer.max_steps=20", "trainer.log_every=2")
 
 
-def test_fsdp_trains_the_transformer_like_ddp_with_its_blocks_as_units(tmp_path: Path):
-    for name in ("ddp", "fsdp"):
-        check_ok(run_train(tmp_path / name, *GPT, f"strategy={name}"))
-    a, b = losses(tmp_path / "ddp"), losses(tmp_path / "fsdp")
-    assert len(a) == len(b) == 20
-    assert b[:10] == pytest.approx(a[:10], rel=1e-6) and b == pytest.approx(a, rel=1e-4)
-    held = {name: summary(tmp_path / name)["model_state_bytes"]["total"] for name in ("ddp", "fsdp")}
-    assert 0.45 < held["fsdp"] / held["ddp"] < 0.55, held
+@pytest.mark.timeout(300)
+def test_fsdp_and_tensor_parallel_train_the_transformer_like_one_rank(tmp_path: Path):
+    runs = {"one-rank": ("trainer.nproc=1",), "fsdp": ("strategy=fsdp",), "tp": ("strategy=tp",)}
+    for name, overrides in runs.items():
+        check_ok(run_train(tmp_path / name, *GPT, *overrides))
+    reference = losses(tmp_path / "one-rank")
+    assert len(reference) == 20
+    for name in ("fsdp", "tp"):  # gradient clipping at 1 (the experiment's) included: a global norm
+        got = losses(tmp_path / name)
+        assert got[:10] == pytest.approx(reference[:10], rel=1e-6) and got == pytest.approx(reference, rel=1e-4), name
+    s = {name: summary(tmp_path / name) for name in runs}
+    assert s["tp"]["val_loss"] == pytest.approx(s["one-rank"]["val_loss"], rel=1e-6)
+    assert s["tp"]["test_samples"] == s["one-rank"]["test_samples"]  # one replica: every token once
+    held = {name: s[name]["model_state_bytes"]["total"] for name in runs}
+    # FSDP: half of everything; TP: half of the blocks' linears (embeddings, norms and head replicated).
+    assert 0.45 < held["fsdp"] / held["one-rank"] < 0.55 and 0.55 < held["tp"] / held["one-rank"] < 0.85, held

@@ -428,13 +428,17 @@ def _preloaded(dataset: Dataset, data_cfg: Any) -> bool:
     return bool(data_cfg.preload)
 
 
-def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, device: torch.device) -> Loaders:
+def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, device: torch.device,
+                  shard: Optional[RankInfo] = None) -> Loaders:
+    """This rank's loaders. `shard`: which share of the data it reads when that is not its rank's
+    (tensor parallel: the ranks of a model replica read the same batches)."""
+    shard = shard or rank
     splits = build_datasets(data_cfg, rank, seed)
     train_set = splits["train"]
     train_sampler = ResumableDistributedSampler(
-        train_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=True, seed=seed, pad=data_cfg.even_shards
+        train_set, num_replicas=shard.world_size, rank=shard.rank, shuffle=True, seed=seed, pad=data_cfg.even_shards
     )
-    val, test = (eval_split(splits[s], data_cfg, rank, seed, device) if splits[s] is not None else None
+    val, test = (eval_split(splits[s], data_cfg, shard, seed, device) if splits[s] is not None else None
                  for s in ("val", "test"))
     if _preloaded(train_set, data_cfg):
         on_device = tuple(t.to(device) for t in train_set.tensors)  # type: ignore[attr-defined]

@@ -36,13 +36,14 @@ PREDICTIONS_FILE = "predictions.csv"
 @torch.no_grad()
 def evaluate(model: nn.Module, split: data.EvalSplit, device: torch.device, name: str = "test",
              memory_format: torch.memory_format = torch.preserve_format,
-             predictions: bool = False, lockstep: bool = False) -> dict[str, Any]:
+             predictions: bool = False, lockstep: bool = False, whole: bool = False) -> dict[str, Any]:
     """{name}_loss, {name}_accuracy, {name}_samples over the whole split (the same on every rank);
     with `predictions`, also rank 0's (label, predicted class, probability) per sample, in dataset order.
 
     Takes the unwrapped module: ranks may hold different chunk counts, and DDP's forward would
     start collectives that then fail to line up. A sharded (FSDP) module's forward must run on
     every rank alike (`lockstep`): a rank with fewer chunks runs forwards on a filler sample, unused.
+    `whole`: every rank evaluated the whole split (tensor parallel): its sums need no reduction.
     """
     model.eval()
     sums = torch.zeros(split.num_chunks, 3, dtype=torch.float64, device=device)  # loss sum, correct, count
@@ -62,11 +63,12 @@ def evaluate(model: nn.Module, split: data.EvalSplit, device: torch.device, name
     if lockstep:
         for _ in range(split.rounds - len(split)):
             model(split.filler().to(device, memory_format=memory_format))
-    dist.all_reduce(sums)
+    if not whole:
+        dist.all_reduce(sums)
     loss_sum, correct, count = sums.sum(0).tolist()
     metrics: dict[str, Any] = {f"{name}_loss": loss_sum / count, f"{name}_accuracy": correct / count,
                                f"{name}_samples": int(count)}
-    if predictions:
+    if predictions and not whole:
         dist.reduce(rows, dst=0)
         metrics["predictions"] = rows.cpu()
     return metrics

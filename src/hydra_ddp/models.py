@@ -82,7 +82,8 @@ class TinyGPT(nn.Module):
     so the loop and the exact evaluation serve it as they serve a classifier.
 
     Attention and MLP are Megatron-shaped (q, k, v and the first MLP layer, then one projection
-    back), and the blocks are its FSDP units (`shard_units`)."""
+    back: `tp_plan` splits them for tensor parallel), and the blocks are its FSDP units
+    (`shard_units`)."""
 
     def __init__(self, vocab_size: int = 256, context: int = 64, dim: int = 128, depth: int = 4, heads: int = 4,
                  mlp_ratio: int = 4):
@@ -105,6 +106,17 @@ class TinyGPT(nn.Module):
 
     def shard_units(self) -> list[nn.Module]:
         return list(self.blocks)
+
+    def tp_plan(self, size: int) -> dict[str, str]:
+        """Tensor parallel over `size` ranks, Megatron style: in each block q, k, v and the first MLP
+        layer split by output (whole heads per rank), the projections back split by input."""
+        block = self.blocks[0]
+        heads, hidden = block.q.out_features // block.head_dim, block.fc1.out_features
+        if heads % size or hidden % size:
+            raise ValueError(f"TinyGPT: {heads} heads and an MLP of {hidden} do not split over {size} ranks; "
+                             "choose model.heads (and dim × mlp_ratio) divisible by the world size")
+        styles = {"q": "colwise", "k": "colwise", "v": "colwise", "proj": "rowwise", "fc1": "colwise", "fc2": "rowwise"}
+        return {f"blocks.{i}.{name}": style for i in range(len(self.blocks)) for name, style in styles.items()}
 
 
 class _Block(nn.Module):

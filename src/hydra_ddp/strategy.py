@@ -21,12 +21,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hydra_ddp import comm
+from hydra_ddp.distributed import RankInfo
 
-NAMES = ("ddp", "fsdp")
+NAMES = ("ddp", "fsdp", "tp")
 
 
-def build(cfg: Any, device: torch.device) -> "DDPStrategy | FSDPStrategy":
-    return {"ddp": DDPStrategy, "fsdp": FSDPStrategy}[cfg.strategy.name](cfg, device)
+def build(cfg: Any, device: torch.device) -> "DDPStrategy":
+    return {"ddp": DDPStrategy, "fsdp": FSDPStrategy, "tp": TPStrategy}[cfg.strategy.name](cfg, device)
 
 
 class DDPStrategy:
@@ -77,6 +78,19 @@ class DDPStrategy:
     @property
     def eval_module(self) -> nn.Module:
         return self.module
+
+    def data_shard(self, rank: RankInfo) -> RankInfo:
+        """Which share of the data this rank reads: its own (every rank a data-parallel replica)."""
+        return rank
+
+    def data_parallel_size(self) -> int:
+        """How many different batches one step trains on (the replicas)."""
+        return dist.get_world_size()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm; returns it (before clipping), the same on every rank."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
 
 
 class FSDPStrategy(DDPStrategy):
@@ -144,6 +158,63 @@ class FSDPStrategy(DDPStrategy):
 
     def local_tensors(self) -> Iterator[torch.Tensor]:
         return (p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in self.module.parameters())
+
+
+class TPStrategy(FSDPStrategy):
+    """Tensor parallel over all ranks (Megatron style): the model's plan (`tp_plan()`: submodule →
+    "colwise" or "rowwise") splits those linears' weights over the ranks, the rest is replicated;
+    every rank reads the same batches (one model replica), and activations are exchanged inside
+    each block. Checkpoints hold the full weights, as with the other strategies."""
+
+    name = "tp"
+    lockstep_eval = True  # a split forward exchanges activations: every rank runs as many forwards
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        with torch.no_grad():  # every rank starts from rank 0's weights (init_from is read on rank 0)
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(tensor.data, src=0)
+        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        plan = module.tp_plan(dist.get_world_size())
+        parallelize_module(module, mesh, {name: styles[style]() for name, style in plan.items()})
+        self.module = self.model = module
+        return module
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # one replica: no gradient to synchronise between replicas
+
+    def data_shard(self, rank: RankInfo) -> RankInfo:
+        return RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)  # all of it, on every rank
+
+    def data_parallel_size(self) -> int:
+        return 1
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global norm over split (DTensor) and replicated gradients: a split gradient's squared
+        norm is summed over its shards; a replicated one is the same on every rank, counted once."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        split = torch.zeros((), dtype=torch.float64, device=self.device)
+        whole = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in grads:
+            if isinstance(g, DTensor):
+                squared = g.to_local().double().pow(2).sum()
+                if any(isinstance(p, Shard) for p in g.placements):
+                    split += squared
+                else:
+                    whole += squared
+            else:
+                whole += g.double().pow(2).sum()
+        dist.all_reduce(split)
+        norm = (split + whole).sqrt().float()
+        scale = min(1.0, max_norm / (norm.item() + 1e-6))
+        for g in grads:
+            g.mul_(scale)
+        return norm
 
 
 def shard_units(module: nn.Module) -> list[nn.Module]:

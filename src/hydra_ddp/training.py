@@ -402,9 +402,7 @@ class Trainer:
             if self.grad_clip:
                 self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients, not the scaled ones
                 # The gradients are all-reduced already: the same norm, and the same clipping, on every rank.
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-                if hasattr(norm, "full_tensor"):  # FSDP: a DTensor, the global norm of the sharded gradients
-                    norm = norm.full_tensor()
+                norm = self.strategy.clip_grad_norm(self.grad_clip)  # FSDP, TP: over the shards
                 self.grad_norms.append((self.pos.step + 1, norm.detach()))
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -461,7 +459,8 @@ class Trainer:
         if self.loaders.val is not None:
             with self._timed("eval_time_s"):
                 metrics.update(evaluate(self.strategy.eval_module, self.loaders.val, self.device, "val",
-                                        self.memory_format, lockstep=self.strategy.lockstep_eval))
+                                        self.memory_format, lockstep=self.strategy.lockstep_eval,
+                                        whole=self.strategy.data_parallel_size() == 1))
         self.val_metrics = metrics
         scalars = {"train/epoch_loss": self.train_loss, "train/lr": self.optimizer.param_groups[0]["lr"],
                    "perf/samples_per_sec": self._samples_per_sec(self.step_times, self.step_samples)}
@@ -494,7 +493,8 @@ class Trainer:
                 weights, step = "best", self.monitor.best_step
         with self._timed("eval_time_s"):
             self.test_metrics = evaluate(self.strategy.eval_module, self.loaders.test, self.device, "test",
-                                         self.memory_format, lockstep=self.strategy.lockstep_eval)
+                                         self.memory_format, lockstep=self.strategy.lockstep_eval,
+                                         whole=self.strategy.data_parallel_size() == 1)
         saved = self._saves_at_end()
         self.tested = {
             "weights": weights, "step": step,
@@ -546,10 +546,9 @@ class Trainer:
     def _epoch_loss(self) -> float:
         return self.pos.epoch_loss_sum / max(1, self.pos.epoch_loss_count)
 
-    @staticmethod
-    def _samples_per_sec(times: list[float], samples: list[int]) -> float:
-        # Every rank runs the same number of batches: local samples × world size is the global count.
-        return sum(samples) * dist.get_world_size() / max(sum(times), 1e-9)
+    def _samples_per_sec(self, times: list[float], samples: list[int]) -> float:
+        # Every replica runs the same number of batches: local samples × replicas is the global count.
+        return sum(samples) * self.strategy.data_parallel_size() / max(sum(times), 1e-9)
 
     def _results(self, epochs: int) -> dict[str, Any]:
         warm = min(WARMUP_STEPS, len(self.step_times) // 10)

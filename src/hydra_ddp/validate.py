@@ -46,7 +46,9 @@ def fill_in(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankIn
     # Decided here, so the checkpoint records it: the same thread count gives the same CPU kernels,
     # and eval.py evaluates with it (bit-equal metrics at any world size).
     trainer["threads"] = trainer["threads"] or max(1, len(os.sched_getaffinity(0)) // trainer["nproc"])
-    _resolve_batch_size(plain["data"], trainer["nproc"] * plain["launcher"]["nnodes"])
+    # Model replicas, each reading its own batches: every rank but under tensor parallel (one replica).
+    replicas = 1 if plain["strategy"]["name"] == "tp" else trainer["nproc"] * plain["launcher"]["nnodes"]
+    _resolve_batch_size(plain["data"], replicas)
     trainer["resume"] = checkpoint.resume_setting(trainer["resume"])
     trainer["max_time"] = max_time_seconds(trainer["max_time"])
     _resolve_monitor(trainer, plain["data"])
@@ -80,6 +82,8 @@ def _check_strategy(plain: dict[str, Any]) -> None:
         raise UserError(f"strategy.mixed_precision must be null, bf16 or fp16, got {settings['mixed_precision']!r}")
     if name == "ddp":
         return
+    if name == "tp":
+        _check_tp_plan(plain)
     on_gpu = trainer["device"] == "cuda"
     refusals = [
         (ddp["comm_hook"] != "none", f"ddp.comm_hook={ddp['comm_hook']} is DDP's: FSDP reduce-scatters its own "
@@ -92,6 +96,8 @@ def _check_strategy(plain: dict[str, Any]) -> None:
         (ddp["sync_batchnorm"] is True, "ddp.sync_batchnorm=true is DDP's; leave it auto or false"),
         (str(trainer["precision"]) == "16", "trainer.precision=16 (a GradScaler) is not supported with strategy=fsdp; "
                                             "use strategy.mixed_precision=bf16 or trainer.precision=bf16"),
+        (name == "tp" and (settings["mixed_precision"] or settings["cpu_offload"]),
+         "strategy.mixed_precision and strategy.cpu_offload are FSDP's; leave them null and false"),
         (settings["cpu_offload"] and not on_gpu, "strategy.cpu_offload=true keeps parameters on the CPU between uses "
                                                  "on GPUs; on the CPU it has nothing to offload: leave it false"),
         (settings["mixed_precision"] == "fp16" and not on_gpu, "strategy.mixed_precision=fp16 needs GPUs; "
@@ -100,6 +106,24 @@ def _check_strategy(plain: dict[str, Any]) -> None:
     for refused, why in refusals:
         if refused:
             raise UserError(f"strategy={name}: {why}")
+
+
+def _check_tp_plan(plain: dict[str, Any]) -> None:
+    """Tensor parallel needs the model's plan, and a world size it splits over (built on the meta device)."""
+    import torch
+    from hydra.utils import instantiate
+
+    world = plain["trainer"]["nproc"] * plain["launcher"]["nnodes"]
+    try:
+        with torch.device("meta"):
+            model = instantiate(plain["model"])
+        plan = getattr(model, "tp_plan", None)
+        if plan is None:
+            raise UserError(f"strategy=tp needs a model with a tensor-parallel plan (a tp_plan method, as "
+                            f"model=gpt has); {plain['model']['_target_']} has none: use strategy=ddp or fsdp")
+        plan(world)
+    except ValueError as e:
+        raise UserError(f"strategy=tp: {e}") from None
 
 
 def check(plain: dict[str, Any], run_dir: Path) -> None:

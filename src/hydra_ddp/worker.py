@@ -111,7 +111,8 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
         rank.rank, rank.world_size, device, torch.get_num_threads(), os.getpid(),
     )
     seed_everything(cfg.trainer.seed)
-    loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, device)
+    spread = strategy.build(cfg, device)  # DDP's replicas, FSDP's shards or tensor parallel (strategy.py)
+    loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, device, shard=spread.data_shard(rank))
     model = instantiate(cfg.model)
     # `auto` becomes this run's value, before anything reads it (the checkpoint's config included).
     fast = performance.choose(cfg, model)
@@ -125,7 +126,6 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     if cfg.ddp.sync_batchnorm and cfg.strategy.name == "ddp":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device, memory_format=memory_format)
-    spread = strategy.build(cfg, device)  # DDP's replicas, or FSDP's shards (strategy.py)
     train_model = spread.wrap(model)
     optimizer = instantiate(cfg.optim)(train_model.parameters())
     if cfg.trainer.compile:
