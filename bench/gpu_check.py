@@ -110,6 +110,10 @@ def main() -> None:
         ("project CNN, comm_hook=bf16", ["ddp.comm_hook=bf16"]),
         # GradScaler's unscale before clipping runs only on the GPU (fp16): it must train and log.
         ("project CNN, fp16 + grad_clip=1", ["trainer.precision=16", "trainer.grad_clip=1.0"]),
+        # FSDP2 on CUDA (never run on a GPU yet): sharded, and with its bf16 mixed precision.
+        ("project CNN, strategy=fsdp", ["strategy=fsdp"]),
+        ("project CNN, strategy=fsdp, mixed_precision=bf16 + grad_clip=1",
+         ["strategy=fsdp", "strategy.mixed_precision=bf16", "trainer.grad_clip=1.0"]),
     ]:
         variants[label] = project(extra, 300, 64)
         emit(row(label, variants[label]))
