@@ -129,6 +129,8 @@ def format_summary(s: dict[str, Any]) -> str:
         ("world size", f"{s['world_size']} ({s['nnodes']} node(s) × {s['nproc_per_node']}, {s['device']})"),
         ("backend / launcher", f"{s['backend']} / {s['launcher']}"),
         ("init method", s["init_method"]),
+        *([("strategy", f"{s['strategy']}, {s['model_state_bytes']['total'] / 2**20:.2f} MB of model state per rank "
+                        "(parameters, gradients, optimizer)")] if s.get("model_state_bytes") else []),
         ("epochs / steps", f"{s['epochs']} / {s['steps']} (ended by {ended})"),
         ("train loss", f"{s['train_loss']:.4f}"),
     ]
