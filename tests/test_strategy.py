@@ -64,17 +64,21 @@ GPT = ("+experiment=text_gpt", "model.dim=32", "model.depth=2", "data.dataset.co
 
 @pytest.mark.timeout(300)
 def test_fsdp_and_tensor_parallel_train_the_transformer_like_one_rank(tmp_path: Path):
-    runs = {"one-rank": ("trainer.nproc=1",), "fsdp": ("strategy=fsdp",), "tp": ("strategy=tp",)}
+    # fsdp_tp: 4 processes on a 2×2 mesh (tensor parallel in pairs, FSDP across the pairs).
+    runs = {"one-rank": ("trainer.nproc=1",), "fsdp": ("strategy=fsdp",), "tp": ("strategy=tp",),
+            "fsdp_tp": ("strategy=fsdp_tp", "trainer.nproc=4", "strategy.tp_size=2", "trainer.threads=1")}
     for name, overrides in runs.items():
         check_ok(run_train(tmp_path / name, *GPT, *overrides))
     reference = losses(tmp_path / "one-rank")
     assert len(reference) == 20
-    for name in ("fsdp", "tp"):  # gradient clipping at 1 (the experiment's) included: a global norm
+    for name in ("fsdp", "tp", "fsdp_tp"):  # gradient clipping at 1 (the experiment's) included: a global norm
         got = losses(tmp_path / name)
         assert got[:10] == pytest.approx(reference[:10], rel=1e-6) and got == pytest.approx(reference, rel=1e-4), name
     s = {name: summary(tmp_path / name) for name in runs}
-    assert s["tp"]["val_loss"] == pytest.approx(s["one-rank"]["val_loss"], rel=1e-6)
-    assert s["tp"]["test_samples"] == s["one-rank"]["test_samples"]  # one replica: every token once
+    for name in ("tp", "fsdp_tp"):
+        assert s[name]["val_loss"] == pytest.approx(s["one-rank"]["val_loss"], rel=1e-6), name
+        assert s[name]["test_samples"] == s["one-rank"]["test_samples"], name  # every token once, not per tp rank
     held = {name: s[name]["model_state_bytes"]["total"] for name in runs}
     # FSDP: half of everything; TP: half of the blocks' linears (embeddings, norms and head replicated).
     assert 0.45 < held["fsdp"] / held["one-rank"] < 0.55 and 0.55 < held["tp"] / held["one-rank"] < 0.85, held
+    assert 0.45 < held["fsdp_tp"] / held["tp"] < 0.55, held  # tensor parallel's share, sharded again over 2

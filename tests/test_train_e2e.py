@@ -25,6 +25,9 @@ def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
     assert SUMMARY_KEYS <= s.keys()
     assert s["world_size"] == 2 and s["backend"] == "gloo" and s["launcher"] == "spawn"
     assert s["init_method"] == "env" and s["epochs"] == 2
+    # DDP: a whole replica per rank, and fp32 gradients all-reduced (4 bytes an element: the CNN's 431,080).
+    assert s["strategy"] == "ddp" and s["comm_hook"] == "none" and s["allreduce_bytes_per_step"] == 4 * 431_080
+    assert s["model_state_bytes"]["params"] == 4 * 431_080
     assert s["test_samples"] == 359  # every held-out digit exactly once
     assert s["test_accuracy"] > 0.5 and s["samples_per_sec"] > 0
     # Validation (a tenth of the training digits) selects the weights; the test reads them once.

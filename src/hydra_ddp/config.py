@@ -183,7 +183,8 @@ class DDPConf:
 @dataclass
 class StrategyConf:
     # ddp: a replica per rank (DDP's own knobs: the `ddp` section); fsdp: FSDP2, parameters,
-    # gradients and optimizer state sharded over the ranks (strategy.py).
+    # gradients and optimizer state sharded over the ranks; tp: tensor parallel over all ranks;
+    # fsdp_tp: a 2-D mesh, tensor parallel in groups of tp_size, FSDP across them (strategy.py).
     name: str = "ddp"
     # fsdp: free each unit's gathered parameters after its forward (less memory, one more
     # all-gather in the backward); false keeps them until the backward.
@@ -192,6 +193,8 @@ class StrategyConf:
     mixed_precision: Optional[str] = None
     # fsdp: parameters and optimizer state kept on the CPU between uses (GPUs only).
     cpu_offload: bool = False
+    # fsdp_tp: ranks per tensor-parallel group (the world size divided by it: FSDP's dimension).
+    tp_size: int = 2
 
 
 @dataclass

@@ -23,11 +23,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hydra_ddp import comm
 from hydra_ddp.distributed import RankInfo
 
-NAMES = ("ddp", "fsdp", "tp")
+NAMES = ("ddp", "fsdp", "tp", "fsdp_tp")
 
 
 def build(cfg: Any, device: torch.device) -> "DDPStrategy":
-    return {"ddp": DDPStrategy, "fsdp": FSDPStrategy, "tp": TPStrategy}[cfg.strategy.name](cfg, device)
+    return {"ddp": DDPStrategy, "fsdp": FSDPStrategy, "tp": TPStrategy,
+            "fsdp_tp": FSDPTPStrategy}[cfg.strategy.name](cfg, device)
 
 
 class DDPStrategy:
@@ -86,6 +87,10 @@ class DDPStrategy:
     def data_parallel_size(self) -> int:
         """How many different batches one step trains on (the replicas)."""
         return dist.get_world_size()
+
+    def eval_group(self) -> Any:
+        """The ranks whose evaluation sums add up: all (the default group)."""
+        return dist.group.WORLD
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm; returns it (before clipping), the same on every rank."""
@@ -161,13 +166,23 @@ class FSDPStrategy(DDPStrategy):
 
 
 class TPStrategy(FSDPStrategy):
-    """Tensor parallel over all ranks (Megatron style): the model's plan (`tp_plan()`: submodule →
-    "colwise" or "rowwise") splits those linears' weights over the ranks, the rest is replicated;
-    every rank reads the same batches (one model replica), and activations are exchanged inside
-    each block. Checkpoints hold the full weights, as with the other strategies."""
+    """Tensor parallel (Megatron style) over `tp_size` ranks, all of them here: the model's plan
+    (`tp_plan(size)`: submodule → "colwise" or "rowwise") splits those linears' weights over the
+    ranks, the rest is replicated; the ranks of a model replica read the same batches, and
+    activations are exchanged inside each block. Checkpoints hold the full weights."""
 
     name = "tp"
     lockstep_eval = True  # a split forward exchanges activations: every rank runs as many forwards
+
+    def __init__(self, cfg: Any, device: torch.device):
+        super().__init__(cfg, device)
+        world = dist.get_world_size()
+        self.tp_size = self._tp_size(world)
+        self.dp_size = world // self.tp_size
+        self.mesh: Any = None
+
+    def _tp_size(self, world: int) -> int:
+        return world
 
     def wrap(self, module: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
@@ -176,10 +191,11 @@ class TPStrategy(FSDPStrategy):
         with torch.no_grad():  # every rank starts from rank 0's weights (init_from is read on rank 0)
             for tensor in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(tensor.data, src=0)
-        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
+        # Ranks r = dp × tp_size + tp: a replica's tp ranks are neighbours (on one node, fast links).
+        self.mesh = init_device_mesh(self.device.type, (self.dp_size, self.tp_size), mesh_dim_names=("dp", "tp"))
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-        plan = module.tp_plan(dist.get_world_size())
-        parallelize_module(module, mesh, {name: styles[style]() for name, style in plan.items()})
+        plan = module.tp_plan(self.tp_size)
+        parallelize_module(module, self.mesh["tp"], {name: styles[style]() for name, style in plan.items()})
         self.module = self.model = module
         return module
 
@@ -187,34 +203,77 @@ class TPStrategy(FSDPStrategy):
         return contextlib.nullcontext()  # one replica: no gradient to synchronise between replicas
 
     def data_shard(self, rank: RankInfo) -> RankInfo:
-        return RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)  # all of it, on every rank
+        """The replica's share: every tp rank of it reads the same."""
+        return RankInfo(rank=rank.rank // self.tp_size, world_size=self.dp_size,
+                        local_rank=rank.local_rank // self.tp_size,
+                        local_world_size=max(1, rank.local_world_size // self.tp_size))
 
     def data_parallel_size(self) -> int:
-        return 1
+        return self.dp_size
+
+    def eval_group(self) -> Any:
+        """The ranks whose evaluation sums add up: one per replica (the tp ranks of a replica
+        computed the same sums). None: this rank's sums are whole already (one replica)."""
+        return self.mesh["dp"].get_group() if self.dp_size > 1 else None
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The global norm over split (DTensor) and replicated gradients: a split gradient's squared
-        norm is summed over its shards; a replicated one is the same on every rank, counted once."""
-        from torch.distributed.tensor import DTensor, Shard
+        return clip_global_norm(self.model.parameters(), max_norm, self.device)
 
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        split = torch.zeros((), dtype=torch.float64, device=self.device)
-        whole = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in grads:
-            if isinstance(g, DTensor):
-                squared = g.to_local().double().pow(2).sum()
-                if any(isinstance(p, Shard) for p in g.placements):
-                    split += squared
-                else:
-                    whole += squared
-            else:
-                whole += g.double().pow(2).sum()
-        dist.all_reduce(split)
-        norm = (split + whole).sqrt().float()
-        scale = min(1.0, max_norm / (norm.item() + 1e-6))
-        for g in grads:
-            g.mul_(scale)
-        return norm
+
+class FSDPTPStrategy(TPStrategy):
+    """A 2-D mesh [dp, tp]: tensor parallel inside groups of `strategy.tp_size` ranks, FSDP across
+    the groups (each replica's shards sharded again over the dp dimension)."""
+
+    name = "fsdp_tp"
+
+    def _tp_size(self, world: int) -> int:
+        return int(self.cfg.strategy.tp_size)
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        module = super().wrap(module)
+        dp = self.mesh["dp"]
+        reshard = bool(self.cfg.strategy.reshard_after_forward)
+        for unit in shard_units(module):
+            fully_shard(unit, mesh=dp, reshard_after_forward=reshard)
+        fully_shard(module, mesh=dp, reshard_after_forward=reshard)
+        return module
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+
+def clip_global_norm(parameters: Iterator[nn.Parameter], max_norm: float, device: torch.device) -> torch.Tensor:
+    """Clip the gradients to a global norm computed over every layout at once: plain tensors
+    (whole on every rank), DTensors split over some mesh dimensions and replicated over others,
+    on meshes that cover all ranks or some. Each rank adds its local squared norms, each divided
+    by how many ranks hold that same piece, and one all-reduce makes the total."""
+    from torch.distributed.tensor import DTensor
+
+    world = dist.get_world_size()
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        if isinstance(g, DTensor):
+            copies = world // g.device_mesh.size()  # ranks outside its mesh hold the same piece
+            for dim, placement in enumerate(g.placements):
+                if placement.is_replicate():
+                    copies *= g.device_mesh.size(dim)
+            total += g.to_local().double().pow(2).sum() / copies
+        else:
+            total += g.double().pow(2).sum() / world
+    dist.all_reduce(total)
+    norm = total.sqrt().float()
+    scale = min(1.0, max_norm / (norm.item() + 1e-6))
+    for g in grads:
+        g.mul_(scale)
+    return norm
 
 
 def shard_units(module: nn.Module) -> list[nn.Module]:

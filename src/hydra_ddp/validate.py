@@ -47,7 +47,7 @@ def fill_in(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankIn
     # and eval.py evaluates with it (bit-equal metrics at any world size).
     trainer["threads"] = trainer["threads"] or max(1, len(os.sched_getaffinity(0)) // trainer["nproc"])
     # Model replicas, each reading its own batches: every rank but under tensor parallel (one replica).
-    replicas = 1 if plain["strategy"]["name"] == "tp" else trainer["nproc"] * plain["launcher"]["nnodes"]
+    replicas = _replicas(plain["strategy"], trainer["nproc"] * plain["launcher"]["nnodes"])
     _resolve_batch_size(plain["data"], replicas)
     trainer["resume"] = checkpoint.resume_setting(trainer["resume"])
     trainer["max_time"] = max_time_seconds(trainer["max_time"])
@@ -82,7 +82,7 @@ def _check_strategy(plain: dict[str, Any]) -> None:
         raise UserError(f"strategy.mixed_precision must be null, bf16 or fp16, got {settings['mixed_precision']!r}")
     if name == "ddp":
         return
-    if name == "tp":
+    if name in ("tp", "fsdp_tp"):
         _check_tp_plan(plain)
     on_gpu = trainer["device"] == "cuda"
     refusals = [
@@ -96,8 +96,9 @@ def _check_strategy(plain: dict[str, Any]) -> None:
         (ddp["sync_batchnorm"] is True, "ddp.sync_batchnorm=true is DDP's; leave it auto or false"),
         (str(trainer["precision"]) == "16", "trainer.precision=16 (a GradScaler) is not supported with strategy=fsdp; "
                                             "use strategy.mixed_precision=bf16 or trainer.precision=bf16"),
-        (name == "tp" and (settings["mixed_precision"] or settings["cpu_offload"]),
-         "strategy.mixed_precision and strategy.cpu_offload are FSDP's; leave them null and false"),
+        (name in ("tp", "fsdp_tp") and (settings["mixed_precision"] or settings["cpu_offload"]),
+         "strategy.mixed_precision and strategy.cpu_offload are not supported with tensor parallel yet; "
+         "leave them null and false"),
         (settings["cpu_offload"] and not on_gpu, "strategy.cpu_offload=true keeps parameters on the CPU between uses "
                                                  "on GPUs; on the CPU it has nothing to offload: leave it false"),
         (settings["mixed_precision"] == "fp16" and not on_gpu, "strategy.mixed_precision=fp16 needs GPUs; "
@@ -108,22 +109,35 @@ def _check_strategy(plain: dict[str, Any]) -> None:
             raise UserError(f"strategy={name}: {why}")
 
 
+def _replicas(settings: dict[str, Any], world: int) -> int:
+    """Model replicas, each reading its own batches: every rank, but for tensor parallel's groups."""
+    if settings["name"] == "tp":
+        return 1
+    if settings["name"] == "fsdp_tp":
+        if settings["tp_size"] < 1 or world % settings["tp_size"]:
+            raise UserError(f"strategy.tp_size={settings['tp_size']} does not divide the world size {world}: "
+                            f"choose a divisor of {world} (the mesh is world ÷ tp_size by tp_size)")
+        return world // settings["tp_size"]
+    return world
+
+
 def _check_tp_plan(plain: dict[str, Any]) -> None:
     """Tensor parallel needs the model's plan, and a world size it splits over (built on the meta device)."""
     import torch
     from hydra.utils import instantiate
 
     world = plain["trainer"]["nproc"] * plain["launcher"]["nnodes"]
+    size = plain["strategy"]["tp_size"] if plain["strategy"]["name"] == "fsdp_tp" else world
     try:
         with torch.device("meta"):
             model = instantiate(plain["model"])
         plan = getattr(model, "tp_plan", None)
         if plan is None:
-            raise UserError(f"strategy=tp needs a model with a tensor-parallel plan (a tp_plan method, as "
+            raise UserError(f"strategy={plain['strategy']['name']} needs a model with a tensor-parallel plan (a tp_plan method, as "
                             f"model=gpt has); {plain['model']['_target_']} has none: use strategy=ddp or fsdp")
-        plan(world)
+        plan(size)
     except ValueError as e:
-        raise UserError(f"strategy=tp: {e}") from None
+        raise UserError(f"strategy={plain['strategy']['name']}: {e}") from None
 
 
 def check(plain: dict[str, Any], run_dir: Path) -> None:
