@@ -285,8 +285,11 @@ def shard_units(module: nn.Module) -> list[nn.Module]:
 
 
 def local_state_bytes(strategy: DDPStrategy, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of model state this rank holds: parameters, their gradients (as large, during a step)
-    and optimizer state, counting only local shards."""
+    """Bytes of model state this rank holds between steps: parameters, their gradients (as large,
+    during a step) and optimizer state, counting only local shards."""
+    for module in strategy.model.modules():  # FSDP without reshard_after_forward: still gathered
+        if hasattr(module, "reshard") and hasattr(module, "unshard"):
+            module.reshard()
     params = sum(t.numel() * t.element_size() for t in strategy.local_tensors())
     optim = 0
     for state in optimizer.state.values():
