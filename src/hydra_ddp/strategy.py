@@ -4,9 +4,11 @@
 - fsdp: FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over the ranks,
   each unit (a block, and the root) gathered for its forward and backward only. Per-rank model
   state is about 1/world size of DDP's; the arithmetic is the same (checked step by step).
+- tp: tensor parallel over all ranks with the model's plan (`tp_plan`); one model replica.
+- fsdp_tp: a 2-D mesh [dp, tp], tensor parallel inside groups of `tp_size`, FSDP across them.
 
-Checkpoints hold the full, unsharded state in both (rank 0 gathers it, FQN-keyed as the plain
-module's): one loading path for both, at any world size.
+Checkpoints hold the full, unsharded state in every strategy (rank 0 gathers it, FQN-keyed as the
+plain module's): one loading path, at any world size and under any strategy.
 """
 
 from __future__ import annotations
