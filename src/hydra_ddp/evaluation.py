@@ -36,15 +36,17 @@ PREDICTIONS_FILE = "predictions.csv"
 @torch.no_grad()
 def evaluate(model: nn.Module, split: data.EvalSplit, device: torch.device, name: str = "test",
              memory_format: torch.memory_format = torch.preserve_format,
-             predictions: bool = False, lockstep: bool = False, group: Any = dist.group.WORLD) -> dict[str, Any]:
+             predictions: bool = False, lockstep: bool = False, reduce: bool = True,
+             group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
     """{name}_loss, {name}_accuracy, {name}_samples over the whole split (the same on every rank);
     with `predictions`, also rank 0's (label, predicted class, probability) per sample, in dataset order.
 
     Takes the unwrapped module: ranks may hold different chunk counts, and DDP's forward would
     start collectives that then fail to line up. A sharded (FSDP) module's forward must run on
     every rank alike (`lockstep`): a rank with fewer chunks runs forwards on a filler sample, unused.
-    `group`: the ranks whose sums add up (under tensor parallel, one rank per model replica; None:
-    this rank evaluated the whole split, as the one replica of pure tensor parallel does)
+    `group`: the ranks whose sums add up (None: all; under tensor parallel, one rank per model
+    replica); `reduce=False`: this rank evaluated the whole split (the one replica of pure tensor
+    parallel), its sums are whole already.
     """
     model.eval()
     sums = torch.zeros(split.num_chunks, 3, dtype=torch.float64, device=device)  # loss sum, correct, count
@@ -64,12 +66,12 @@ def evaluate(model: nn.Module, split: data.EvalSplit, device: torch.device, name
     if lockstep:
         for _ in range(split.rounds - len(split)):
             model(split.filler().to(device, memory_format=memory_format))
-    if group is not None:
+    if reduce:
         dist.all_reduce(sums, group=group)
     loss_sum, correct, count = sums.sum(0).tolist()
     metrics: dict[str, Any] = {f"{name}_loss": loss_sum / count, f"{name}_accuracy": correct / count,
                                f"{name}_samples": int(count)}
-    if predictions and group is not None:
+    if predictions and reduce:
         dist.reduce(rows, dst=0, group=group)
         metrics["predictions"] = rows.cpu()
     return metrics

@@ -90,9 +90,9 @@ class DDPStrategy:
         """How many different batches one step trains on (the replicas)."""
         return dist.get_world_size()
 
-    def eval_group(self) -> Any:
-        """The ranks whose evaluation sums add up: all (the default group)."""
-        return dist.group.WORLD
+    def eval_reduction(self) -> dict[str, Any]:
+        """How evaluation sums add up (evaluation.evaluate's reduce and group): over all ranks."""
+        return {"reduce": True, "group": None}
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm; returns it (before clipping), the same on every rank."""
@@ -213,10 +213,12 @@ class TPStrategy(FSDPStrategy):
     def data_parallel_size(self) -> int:
         return self.dp_size
 
-    def eval_group(self) -> Any:
-        """The ranks whose evaluation sums add up: one per replica (the tp ranks of a replica
-        computed the same sums). None: this rank's sums are whole already (one replica)."""
-        return self.mesh["dp"].get_group() if self.dp_size > 1 else None
+    def eval_reduction(self) -> dict[str, Any]:
+        """Over the replicas only (the tp ranks of a replica computed the same sums); with one
+        replica, every rank's sums are whole already."""
+        if self.dp_size == 1:
+            return {"reduce": False, "group": None}
+        return {"reduce": True, "group": self.mesh["dp"].get_group()}
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_global_norm(self.model.parameters(), max_norm, self.device)

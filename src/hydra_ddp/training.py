@@ -460,7 +460,7 @@ class Trainer:
             with self._timed("eval_time_s"):
                 metrics.update(evaluate(self.strategy.eval_module, self.loaders.val, self.device, "val",
                                         self.memory_format, lockstep=self.strategy.lockstep_eval,
-                                        group=self.strategy.eval_group()))
+                                        **self.strategy.eval_reduction()))
         self.val_metrics = metrics
         scalars = {"train/epoch_loss": self.train_loss, "train/lr": self.optimizer.param_groups[0]["lr"],
                    "perf/samples_per_sec": self._samples_per_sec(self.step_times, self.step_samples)}
@@ -494,7 +494,7 @@ class Trainer:
         with self._timed("eval_time_s"):
             self.test_metrics = evaluate(self.strategy.eval_module, self.loaders.test, self.device, "test",
                                          self.memory_format, lockstep=self.strategy.lockstep_eval,
-                                         group=self.strategy.eval_group())
+                                         **self.strategy.eval_reduction())
         saved = self._saves_at_end()
         self.tested = {
             "weights": weights, "step": step,
