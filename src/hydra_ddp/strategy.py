@@ -108,16 +108,19 @@ class FSDPStrategy(DDPStrategy):
     lockstep_eval = True  # a sharded forward gathers parameters: every rank runs as many forwards
 
     def wrap(self, module: nn.Module) -> nn.Module:
+        start_from_rank0(module)
+        self._shard(module, mesh=None)
+        self.module = self.model = module
+        return module
+
+    def _shard(self, module: nn.Module, mesh: Any) -> None:
+        """fully_shard each unit, then the root, over `mesh` (None: all ranks)."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         settings = self.cfg.strategy
-        # Every rank starts from rank 0's weights (DDP's constructor does this for DDP): a model built
-        # from the same seed already agrees, and trainer.init_from's were loaded on rank 0 only.
-        with torch.no_grad():
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(tensor.data, src=0)
         dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[settings.mixed_precision]
         options = dict(
+            mesh=mesh,
             reshard_after_forward=bool(settings.reshard_after_forward),
             # Parameters in `dtype` for the compute; gradients reduced and kept in fp32.
             mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None),
@@ -126,8 +129,6 @@ class FSDPStrategy(DDPStrategy):
         for unit in shard_units(module):
             fully_shard(unit, **options)
         fully_shard(module, **options)
-        self.module = self.model = module
-        return module
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -190,9 +191,7 @@ class TPStrategy(FSDPStrategy):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        with torch.no_grad():  # every rank starts from rank 0's weights (init_from is read on rank 0)
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(tensor.data, src=0)
+        start_from_rank0(module)
         # Ranks r = dp × tp_size + tp: a replica's tp ranks are neighbours (on one node, fast links).
         self.mesh = init_device_mesh(self.device.type, (self.dp_size, self.tp_size), mesh_dim_names=("dp", "tp"))
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -234,23 +233,11 @@ class FSDPTPStrategy(TPStrategy):
         return int(self.cfg.strategy.tp_size)
 
     def wrap(self, module: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import fully_shard
-
-        module = super().wrap(module)
-        dp = self.mesh["dp"]
-        reshard = bool(self.cfg.strategy.reshard_after_forward)
-        for unit in shard_units(module):
-            fully_shard(unit, mesh=dp, reshard_after_forward=reshard)
-        fully_shard(module, mesh=dp, reshard_after_forward=reshard)
+        module = super().wrap(module)  # tensor parallel inside each group
+        self._shard(module, mesh=self.mesh["dp"])  # FSDP across the groups
         return module
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.model.set_requires_gradient_sync(True)
+    no_sync = FSDPStrategy.no_sync  # FSDP's, not tensor parallel's (which has nothing to skip)
 
 
 def clip_global_norm(parameters: Iterator[nn.Parameter], max_norm: float, device: torch.device) -> torch.Tensor:
@@ -278,6 +265,14 @@ def clip_global_norm(parameters: Iterator[nn.Parameter], max_norm: float, device
     for g in grads:
         g.mul_(scale)
     return norm
+
+
+def start_from_rank0(module: nn.Module) -> None:
+    """Every rank starts from rank 0's weights (DDP's constructor does this for DDP): a model built
+    from the same seed already agrees, but trainer.init_from's were loaded on rank 0 only."""
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(tensor.data, src=0)
 
 
 def shard_units(module: nn.Module) -> list[nn.Module]:

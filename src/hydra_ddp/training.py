@@ -458,9 +458,7 @@ class Trainer:
         metrics: dict[str, Any] = {"train_loss": self.train_loss}
         if self.loaders.val is not None:
             with self._timed("eval_time_s"):
-                metrics.update(evaluate(self.strategy.eval_module, self.loaders.val, self.device, "val",
-                                        self.memory_format, lockstep=self.strategy.lockstep_eval,
-                                        **self.strategy.eval_reduction()))
+                metrics.update(self._evaluate(self.loaders.val, "val"))
         self.val_metrics = metrics
         scalars = {"train/epoch_loss": self.train_loss, "train/lr": self.optimizer.param_groups[0]["lr"],
                    "perf/samples_per_sec": self._samples_per_sec(self.step_times, self.step_samples)}
@@ -482,6 +480,11 @@ class Trainer:
                  f"  (best {self.monitor.metric})" if best else "")
         return best
 
+    def _evaluate(self, split: Any, name: str) -> dict[str, Any]:
+        """Exact evaluation of one split, as this strategy needs it run and added up."""
+        return evaluate(self.strategy.eval_module, split, self.device, name, self.memory_format,
+                        lockstep=self.strategy.lockstep_eval, **self.strategy.eval_reduction())
+
     def _test(self) -> None:
         """The test split's one reading, on the selected weights: the best by trainer.monitor, else the last."""
         weights, step = "last", self.pos.step
@@ -492,9 +495,7 @@ class Trainer:
                 self.strategy.load_model_state(self.best_weights, everywhere=False)  # training is over
                 weights, step = "best", self.monitor.best_step
         with self._timed("eval_time_s"):
-            self.test_metrics = evaluate(self.strategy.eval_module, self.loaders.test, self.device, "test",
-                                         self.memory_format, lockstep=self.strategy.lockstep_eval,
-                                         **self.strategy.eval_reduction())
+            self.test_metrics = self._evaluate(self.loaders.test, "test")
         saved = self._saves_at_end()
         self.tested = {
             "weights": weights, "step": step,

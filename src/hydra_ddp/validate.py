@@ -90,11 +90,11 @@ def _check_strategy(plain: dict[str, Any]) -> None:
                                      "gradients; leave it none"),
         (not plain["data"]["even_shards"], "data.even_shards=false needs DDP's Join, which FSDP does not support; "
                                            "keep data.even_shards=true"),
-        (trainer["compile"], "trainer.compile=true is not supported with strategy=fsdp yet; leave it false"),
+        (trainer["compile"], f"trainer.compile=true is not supported with strategy={name} yet; leave it false"),
         (trainer["channels_last"] is True, "trainer.channels_last=true makes convolution weights non-contiguous, "
                                            "which FSDP cannot shard; leave it auto or false"),
         (ddp["sync_batchnorm"] is True, "ddp.sync_batchnorm=true is DDP's; leave it auto or false"),
-        (str(trainer["precision"]) == "16", "trainer.precision=16 (a GradScaler) is not supported with strategy=fsdp; "
+        (str(trainer["precision"]) == "16", f"trainer.precision=16 (a GradScaler) is not supported with strategy={name}; "
                                             "use strategy.mixed_precision=bf16 or trainer.precision=bf16"),
         (name in ("tp", "fsdp_tp") and (settings["mixed_precision"] or settings["cpu_offload"]),
          "strategy.mixed_precision and strategy.cpu_offload are not supported with tensor parallel yet; "
@@ -123,11 +123,10 @@ def _replicas(settings: dict[str, Any], world: int) -> int:
 
 def _check_tp_plan(plain: dict[str, Any]) -> None:
     """Tensor parallel needs the model's plan, and a world size it splits over (built on the meta device)."""
-    import torch
     from hydra.utils import instantiate
 
     world = plain["trainer"]["nproc"] * plain["launcher"]["nnodes"]
-    size = plain["strategy"]["tp_size"] if plain["strategy"]["name"] == "fsdp_tp" else world
+    size = world // _replicas(plain["strategy"], world)  # ranks per tensor-parallel group
     try:
         with torch.device("meta"):
             model = instantiate(plain["model"])
