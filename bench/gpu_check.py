@@ -7,6 +7,7 @@ Prints, and writes to OUT/gpu_check.md:
   and bf16 communication hooks, with fp16 autocast and gradient clipping (GradScaler's unscale);
 - ResNet-50 (torchvision) images/s in bf16 on synthetic 224×224 data: auto settings off, the
   defaults (channels_last, bucket view, static graph), and torch.compile;
+- the transformer (+experiment=text_gpt) under ddp, fsdp and tp, with sharded checkpoints;
 - DataParallel against DDP where 2 or more GPUs exist (the seeds say DDP is faster);
 - where 2 or more GPUs exist: a BatchNorm model (ResNet-18) with ddp.sync_batchnorm and
   data.global_batch_size trains alike on 1 GPU and on all of them (step losses compared).
@@ -48,6 +49,15 @@ def project(overrides: list[str], steps: int, batch: int, timeout: float = 240) 
         cmd = [sys.executable, "train.py", *COMMON, f"trainer.max_steps={steps}", f"data.batch_size={batch}",
                f"data.dataset.train_size={steps * batch * torch.cuda.device_count()}", *overrides,
                f"hydra.run.dir={tmp}/run"]
+        return run(cmd, Path(tmp) / "run" / "summary.json", timeout)
+
+
+def gpt(overrides: list[str], steps: int, timeout: float = 300) -> dict:
+    """The transformer on Python's source, a global batch of 64 sequences, a sharded (DCP) checkpoint every 20 steps."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "train.py", "+experiment=text_gpt", "trainer.epochs=1000", "trainer.progress=false",
+               f"trainer.max_steps={steps}", "data.global_batch_size=64", f"data.dataset.max_bytes={steps * 64 * 65 * 2}",
+               "checkpoint.every_epoch=false", "checkpoint.every_n_steps=20", *overrides, f"hydra.run.dir={tmp}/run"]
         return run(cmd, Path(tmp) / "run" / "summary.json", timeout)
 
 
@@ -117,6 +127,12 @@ def main() -> None:
     ]:
         variants[label] = project(extra, 300, 64)
         emit(row(label, variants[label]))
+    # The transformer under each strategy (tensor parallel over every GPU; with one, a one-rank mesh):
+    # DTensor, DCP checkpoints and the global-norm clipping on CUDA, never run on a GPU yet.
+    for name in ("ddp", "fsdp", "tp"):
+        label = f"project GPT, strategy={name}"
+        variants[label] = gpt([f"strategy={name}"], 100)
+        emit(row(label, variants[label]) + f" model state/rank {variants[label]['model_state_bytes']['total'] / 2**20:.2f} MB")
     # ResNet-50, bf16, synthetic 224×224 held on the GPU.
     resnet = ["model=torchvision", "model.name=resnet50", "data.in_channels=3", "data.image_size=224",
               "data.num_classes=1000", "trainer.precision=bf16", "data.preload=true", "data.eval_batch_size=128"]
@@ -133,6 +149,11 @@ def main() -> None:
     emit(f"**Parity (project / hand-written, steady samples/s, median of 2): {ratio:.3f}×**")
     cnn = statistics.median(p["steady_samples_per_sec"] for p in proj)
     for label, f in variants.items():
+        if "GPT" in label:  # sequences, not images: against the GPT's ddp row
+            f_ddp = variants["project GPT, strategy=ddp"]
+            emit(f"- {label}: {f['steady_samples_per_sec'] / f_ddp['steady_samples_per_sec']:.2f}× ddp's sequences/s, "
+                 f"{f['model_state_bytes']['total'] / f_ddp['model_state_bytes']['total']:.2f}× its model state per rank")
+            continue
         emit(f"- {label}: {f['steady_samples_per_sec'] / cnn:.2f}× the defaults' samples/s, first step "
              f"{f['time_to_first_step_s'] - statistics.median(p['time_to_first_step_s'] for p in proj):+.1f} s")
     for label, f in results.items():

@@ -59,6 +59,9 @@ class Case:
     side: str  # "project" or "handwritten"
     nproc: int = 2
     overrides: tuple[str, ...] = ()
+    # "images": synthetic images and the seeds' CNN; "text": the transformer (+experiment=text_gpt)
+    # on Python's source, a global batch of the workload's batch size in sequences.
+    task: str = "images"
 
 
 def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], Path]:
@@ -71,10 +74,14 @@ def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], P
             f"--batch-size={workload.batch_size}", f"--train-size={train_size}",
         ]
         return [sys.executable, *cmd], out
+    if case.task == "text":  # windows of 65 bytes, enough for every step in one epoch, 20 % held out
+        data = ["+experiment=text_gpt", f"data.global_batch_size={workload.batch_size}",
+                f"data.dataset.max_bytes={int(workload.steps * workload.batch_size * 65 * 1.3)}"]
+    else:
+        data = ["data=synthetic", f"data.batch_size={workload.batch_size}", f"data.dataset.train_size={train_size}",
+                f"data.dataset.test_size={workload.test_size}"]
     cmd = [
-        "train.py", "data=synthetic", f"data.batch_size={workload.batch_size}",
-        f"data.dataset.train_size={train_size}", f"data.dataset.test_size={workload.test_size}",
-        f"trainer.nproc={case.nproc}", f"trainer.max_steps={workload.steps}", "trainer.epochs=1000",
+        "train.py", *data, f"trainer.nproc={case.nproc}", f"trainer.max_steps={workload.steps}", "trainer.epochs=1000",
         "trainer.progress=false", *case.overrides, f"hydra.run.dir={out_dir}",
     ]
     return [sys.executable, *cmd], out_dir / "summary.json"

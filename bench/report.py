@@ -19,8 +19,13 @@ _DEFINITIONS = """\
 - **peak RSS**: the largest peak resident set size (ru_maxrss) of any rank
 - **×** columns: this row / the reference row; **Δ**: this row − the reference row"""
 
-_TITLES = {"comm": "Communication hooks", "strategy": "Strategies: DDP and FSDP"}
+_TITLES = {"comm": "Communication hooks", "strategy": "Strategies: DDP and FSDP",
+           "strategy_gpt": "Strategies on the transformer: DDP, FSDP and tensor parallel"}
 _INTROS = {
+    "strategy_gpt": "The transformer (`+experiment=text_gpt`: 4 blocks of width 128, AdamW) at 2 ranks under "
+    "`ddp`, `fsdp` and `tp`, on the same global batch of sequences (64 bytes each; `tp`'s two ranks form one "
+    "replica and read the same batch). **samples/s**: sequences. **model state / rank** as above (AdamW: two "
+    "moments per parameter). Reference: ddp.",
     "strategy": "The project at 2 ranks under each `strategy` (src/hydra_ddp/strategy.py). **model state / rank**: "
     "the bytes of parameters, gradients and optimizer state (SGD's momentum) one rank holds, counting local "
     "shards only (the summary's `model_state_bytes`, the largest rank's). FSDP cannot shard channels_last "

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/run.py                 # 3 repetitions × 200 steps of every configuration
     .venv/bin/python bench/run.py --quick         # a smoke test of the harness: 1 × 20 steps
-    .venv/bin/python bench/run.py --only comm     # one section (parity, scaling, options, comm, strategy)
+    .venv/bin/python bench/run.py --only comm     # one section (parity, scaling, options, comm, strategy, strategy_gpt)
     .venv/bin/python bench/run.py --only options --cases timing --out /tmp/bench   # one line, beside its reference
     make bench ARGS="--reps 5 --steps 500 --out /tmp/bench"
 
@@ -84,6 +84,9 @@ def plan(cores: int) -> dict[str, list[Case]]:
             Case("fsdp", "project", overrides=("strategy=fsdp",)),
             Case("fsdp, reshard_after_forward=false", "project",
                  overrides=("strategy=fsdp", "strategy.reshard_after_forward=false")),
+        ],
+        "strategy_gpt": [
+            Case(f"gpt: {name}", "project", overrides=(f"strategy={name}",), task="text") for name in ("ddp", "fsdp", "tp")
         ],
     }
 
@@ -190,7 +193,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--reps", type=positive_int, help="repetitions of each configuration (default 3; --quick: 1)")
     parser.add_argument("--steps", type=positive_int, help="training steps per run (default 200; --quick: 20)")
     parser.add_argument("--quick", action="store_true", help="a tiny run to smoke-test the harness")
-    parser.add_argument("--only", nargs="+", choices=["parity", "scaling", "options", "comm", "strategy"],
+    parser.add_argument("--only", nargs="+", choices=["parity", "scaling", "options", "comm", "strategy", "strategy_gpt"],
                         help="run these sections only (default: all)")
     parser.add_argument("--cases", nargs="+", metavar="TEXT",
                         help="only the cases whose label contains one of these (a section's reference always runs)")

@@ -135,9 +135,12 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 def final_params(run_dir: Path) -> dict:
-    import torch
+    """The last checkpoint's model weights: a file (ddp), or every rank's shards put together."""
+    from hydra_ddp import checkpoint
 
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    path = checkpoint.find(str(run_dir), "test")
+    path = (run_dir / "checkpoints" / "last").resolve() if path.is_dir() else run_dir / "checkpoints" / "last.pt"
+    return checkpoint.model_weights(path, checkpoint.read(path, "test"))
 
 
 def assert_same_params(a: dict, b: dict) -> None:

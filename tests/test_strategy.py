@@ -1,15 +1,18 @@
-"""strategy=fsdp (FSDP2) against DDP on real gloo ranks: the same losses, exact resume, resharding."""
+"""The strategies against DDP and one rank on real gloo ranks: the same losses, exact resume from
+sharded (DCP) checkpoints, resharding to another world size and strategy, eval.py on them."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
 
 from conftest import (
-    assert_same_params, check_ok, final_params, finish, run_train, scalars, start_train, summary, wait_for,
+    assert_same_params, check_ok, final_params, finish, run_eval, run_train, scalars, start_train, summary, wait_for,
 )
 
 STEPS = 24  # an epoch of digits on 2 ranks is 21 steps: one checkpoint at its end, at step 21
@@ -34,22 +37,39 @@ def test_fsdp_trains_like_ddp_resumes_exactly_and_reshards(tmp_path: Path):
     # Sharded: each rank holds about half of DDP's parameters, gradients and optimizer state.
     ratio = s["model_state_bytes"]["total"] / summary(ddp)["model_state_bytes"]["total"]
     assert 0.45 < ratio < 0.55, (s["model_state_bytes"], summary(ddp)["model_state_bytes"])
+    # Sharded checkpoints: a directory per step, each rank's shards in it (DCP), the newest 3 kept,
+    # `last` and `best` links to them; ddp's are one file per step.
+    ckpts = fsdp / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["best", "last", "step-00000020", "step-00000021",
+                                                       "step-00000024"]
+    assert os.readlink(ckpts / "last") == "step-00000024" and os.readlink(ckpts / "best") == "step-00000021"
+    assert sorted(p.name for p in (ckpts / "last").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert (ddp / "checkpoints" / "step-00000024.pt").is_file()
 
     # Stopped by SIGTERM and resumed at 2 ranks: the uninterrupted run's weights, bit for bit.
     proc = start_train(stopped, *COMMON, "strategy=fsdp")
-    wait_for(lambda: (stopped / "checkpoints" / "step-00000004.pt").exists(), 90, "the first checkpoint", proc)
+    wait_for(lambda: (stopped / "checkpoints" / "step-00000004").is_dir(), 90, "the first checkpoint", proc)
     os.kill(proc.pid, signal.SIGTERM)
     done = finish(proc, timeout=60)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    # What a crash mid-write leaves, and a corrupt newer one: resume=auto takes neither.
+    saved = max((stopped / "checkpoints").glob("step-*"))
+    torn = stopped / "checkpoints" / ".step-00000099.tmp"
+    shutil.copytree(saved, torn)
+    (torn / ".metadata").unlink()
+    corrupt = shutil.copytree(saved, stopped / "checkpoints" / "step-00000098")
+    (corrupt / "meta.pt").write_bytes(b"PK\x03\x04 truncated")
     check_ok(run_train(stopped, *COMMON, "strategy=fsdp", "trainer.resume=auto"))
-    assert summary(stopped)["steps"] == STEPS
+    assert f"skipping checkpoint {str(corrupt)!r} is truncated or corrupt" in (stopped / "train.log").read_text()
+    assert summary(stopped)["resumed_from"] == str(saved) and summary(stopped)["steps"] == STEPS
+    assert not torn.exists()  # cleared by the first save
     assert_same_params(final_params(stopped), final_params(fsdp))
     assert losses(stopped) == losses(fsdp)
 
     # The epoch-end checkpoint (step 21, validated there) resumed on 1 rank under ddp (another world
     # size and another strategy at once): the same step, the same weights, so the same validation
     # loss (evaluation is exact at any world size).
-    epoch_end = fsdp / "checkpoints" / "step-00000021.pt"
+    epoch_end = fsdp / "checkpoints" / "step-00000021"
     at_21 = next(h for h in s["history"] if h["step"] == 21)
     resumed_dir = tmp_path / "one-rank-ddp"
     check_ok(run_train(resumed_dir, "trainer.max_steps=21", "trainer.nproc=1", "strategy=ddp",
@@ -85,3 +105,9 @@ def test_fsdp_and_tensor_parallel_train_the_transformer_like_one_rank(tmp_path: 
     # FSDP: half of everything; TP: half of the blocks' linears (embeddings, norms and head replicated).
     assert 0.45 < held["fsdp"] / held["one-rank"] < 0.55 and 0.55 < held["tp"] / held["one-rank"] < 0.85, held
     assert 0.45 < held["fsdp_tp"] / held["tp"] < 0.55, held  # tensor parallel's share, sharded again over 2
+
+    # eval.py on the 2-D mesh's sharded checkpoint, in one process: the run's own test loss.
+    check_ok(run_eval(tmp_path / "eval", f"ckpt={tmp_path / 'fsdp_tp'}", "trainer.nproc=1"))
+    evaluated = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert evaluated["step"] == 20 and evaluated["test_samples"] == s["fsdp_tp"]["test_samples"]
+    assert evaluated["test_loss"] == pytest.approx(s["fsdp_tp"]["test_loss"], rel=1e-6)

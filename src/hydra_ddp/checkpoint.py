@@ -1,13 +1,22 @@
-"""Checkpoints: atomic writes by rank 0, exact-resume state, and loading that never runs pickled code.
+"""Checkpoints: atomic writes, exact-resume state, and loading that never runs pickled code.
 
 A checkpoint holds the unwrapped model, optimizer, scheduler, the loop's position (epoch, batch
 inside the epoch, global step) and every rank's RNG states. It loads with
 `torch.load(weights_only=True)`: only tensors and plain containers, the config included.
 
-Off the critical path: at the step boundary rank 0 serialises the state to memory (the snapshot,
-and the space it needs is checked then), and a background thread writes, fsyncs and publishes
-it while training goes on. One write at a time: the next save, and the end of training or a
-stop (`finish`), wait for it first; a write that failed stops the run there, in one line.
+Two layouts, one loading path (`read`, `model_weights`, `Checkpointer.restore`):
+- ddp: one file, `step-N.pt`, written by rank 0. Off the critical path: at the step boundary
+  rank 0 serialises the state to memory (the snapshot, and the space it needs is checked then),
+  and a background thread writes, fsyncs and publishes it while training goes on. One write at
+  a time: the next save, and the end of training or a stop (`finish`), wait for it first.
+- fsdp, tp, fsdp_tp: a directory, `step-N/`, written by every rank at once with
+  torch.distributed.checkpoint (DCP): each rank its own shards (`__R_0.distcp`), rank 0 the
+  index (`.metadata`) and the rest of the state (`meta.pt`). Written as `.step-N.tmp/` and
+  renamed when whole: a torn one is never taken for a checkpoint. No rank ever holds the full
+  state, and loading reshards: to another world size, or another strategy (ddp included).
+  Every rank writes into one directory, so multi-node runs need a file system the nodes share.
+`last` and `best` (`last.pt` and `best.pt` for files) name the newest and the best; `keep` step
+checkpoints are kept besides. A write that failed stops the run there, in one line.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import random
 import re
 import shutil
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,7 +47,8 @@ log = logging.getLogger(__name__)
 DIRNAME = "checkpoints"
 LAST = "last.pt"
 BEST = "best.pt"
-_STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
+META = "meta.pt"  # a sharded checkpoint's state besides the tensors DCP holds
+_STEP = re.compile(r"^step-(\d+)(\.pt)?$")
 # 2: the optimizer state keyed by parameter name (torch.distributed.checkpoint.state_dict), so a
 # checkpoint of either strategy loads into the other; 1: by position (still loaded).
 FORMAT = 2
@@ -81,20 +92,29 @@ def _gather_rng(device: torch.device) -> list[torch.Tensor]:
 class Checkpointer:
     """Saves every rank's state through rank 0; loads it back on every rank."""
 
-    def __init__(self, cfg: Any, run_dir: Path, rank: RankInfo, device: torch.device, config: dict[str, Any]):
+    def __init__(self, cfg: Any, run_dir: Path, rank: RankInfo, device: torch.device, config: dict[str, Any],
+                 sharded: bool = False):
         self.cfg = cfg
         self.dir = run_dir / DIRNAME
         self.rank = rank
         self.device = device
         self.config = config
+        self.sharded = sharded  # every rank writes its shards (DCP), else rank 0 the whole state
         self.writing: Optional[threading.Thread] = None  # rank 0's write in flight
         self.write_error: Optional[str] = None
+        self.written_step = -1  # the step of this run's last sharded save
+
+    def published(self, which: str) -> Path:
+        """Where this run publishes `last` or `best`: a link to a directory, or a file (.pt)."""
+        return self.dir / (which if self.sharded else f"{which}.pt")
 
     # --- saving -------------------------------------------------------------------------------
     def save(self, state: dict[str, Any], step: int, best: bool = False) -> None:
         """Called by every rank at the same step; rank 0 writes, everyone waits for it. `best`: these
         are the best weights by trainer.monitor so far (best.pt)."""
         state = {**state, "rng": _gather_rng(self.device), "config": self.config, "format": FORMAT}
+        if self.sharded:
+            return self._save_sharded(state, step, best)
         problem = None
         if self.rank.is_main:
             problem = self._wait()  # the previous write: one at a time, and the free space below is real
@@ -128,36 +148,99 @@ class Checkpointer:
         problem, self.write_error = self.write_error, None
         return problem
 
-    def _failed(self, step: int, error: OSError) -> str:
-        problem = f"could not write the checkpoint for step {step} in {self.dir}: {error.strerror or error}"
+    def _failed(self, step: int, error: BaseException) -> str:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+        problem = f"could not write the checkpoint for step {step} in {self.dir}: {reason}"
         log.error("%s", problem)
         return problem
 
     def _write(self, payload: memoryview, step: int, best: bool) -> None:
         """In the background: write, publish as last (and best), prune. The only writer: rank 0's one thread."""
         try:
-            for leftover in self.dir.glob(".*.tmp"):  # from a writer killed mid-write
-                leftover.unlink(missing_ok=True)
+            _remove_leftovers(self.dir)
             target = self.dir / f"step-{step:08d}.pt"
             _atomic_write(payload, target)
-            _atomic_link(target, self.dir / LAST)
-            if best:
-                _atomic_link(target, self.dir / BEST)
-            self._prune(keep=self.cfg.keep)
+            self._publish(target, best)
             log.info("checkpoint: step %d → %s", step, target, extra=FILE_ONLY)  # the epoch's line says enough
         except OSError as e:
             self.write_error = self._failed(step, e)
 
+    def _save_sharded(self, state: dict[str, Any], step: int, best: bool) -> None:
+        """Every rank writes its shards into `.step-N.tmp/` (DCP); rank 0 adds the rest of the
+        state, renames it `step-N/` and publishes it. Synchronous: DCP's own collectives run on
+        the training's process group, so nothing else may run beside them."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        target = self.dir / f"step-{step:08d}"
+        tmp = self.dir / f".{target.name}.tmp"
+        problem = None
+        if self.rank.is_main:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                _remove_leftovers(self.dir)
+            except OSError as e:
+                problem = self._failed(step, e)
+        self._agree(problem)  # nobody writes into the directory before rank 0 has cleared it
+        if self.written_step < 0:  # the first save: every rank must see the directory rank 0 made
+            unseen = None if self.dir.is_dir() else (
+                f"rank {self.rank.rank} does not see rank 0's checkpoint directory {self.dir}: sharded checkpoints "
+                "need a file system every node shares (set hydra.run.dir to one)")
+            unseen = first_error(unseen, self.device)
+            if unseen:
+                raise EveryRankError(unseen)
+        # The same step again (now as best too): the shards are on disk already, the rest changes.
+        again = self.written_step == step and target.is_dir()
+        if not again:
+            try:
+                dcp.save({"model": state["model"], "optimizer": state["optimizer"]},
+                         storage_writer=dcp.FileSystemWriter(tmp))
+            except CheckpointException as e:  # raised on every rank, with every rank's failure
+                problem = self._failed(step, _first_failure(e))
+        if self.rank.is_main:
+            rest = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+            try:
+                if problem is None:
+                    _atomic_write(_serialize(rest, self.dir), (target if again else tmp) / META)
+                    if not again:
+                        _replace_dir(tmp, target)
+                    self._publish(target, best)
+                    log.info("checkpoint: step %d → %s", step, target, extra=FILE_ONLY)
+                else:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            except OSError as e:
+                problem = self._failed(step, e)
+                shutil.rmtree(tmp, ignore_errors=True)
+        self.written_step = step
+        self._agree(problem)
+
+    def _publish(self, target: Path, best: bool) -> None:
+        """`target` becomes last (and best); one kind of each at a time, then the old ones go."""
+        names = ("last", "best") if best else ("last",)
+        for name in names:
+            if target.is_dir():
+                _atomic_symlink(target.name, self.dir / name)
+                (self.dir / f"{name}.pt").unlink(missing_ok=True)
+            else:
+                _atomic_link(target, self.dir / f"{name}.pt")
+                if (self.dir / name).is_symlink():
+                    (self.dir / name).unlink()
+        self._prune(keep=self.cfg.keep)
+
     def _prune(self, keep: int) -> None:
-        # best.pt and last.pt are hard links: removing an old step file never removes them.
+        # best.pt and last.pt are hard links: removing an old step file never removes them. `best`
+        # is a symbolic link: the directory it names stays.
+        best = (self.dir / "best").resolve() if (self.dir / "best").is_symlink() else None
         for old in self.step_files()[:-keep]:
-            old.unlink()
+            if old.is_dir():
+                if old.resolve() != best:
+                    shutil.rmtree(old)
+            else:
+                old.unlink()
 
     def step_files(self) -> list[Path]:
-        if not self.dir.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := _STEP_FILE.match(p.name))]
-        return [p for _, p in sorted(found)]
+        """The step checkpoints, oldest first: files, and whole directories."""
+        return step_checkpoints(self.dir)
 
     # --- loading ------------------------------------------------------------------------------
     def choose(self, resume: Optional[str]) -> Optional[tuple[Path, dict[str, Any]]]:
@@ -178,14 +261,18 @@ class Checkpointer:
         return read(path, "trainer.resume", self.device)
 
     def restore(self, state: dict[str, Any], path: Path, strategy: Any, optimizer, scheduler) -> None:
-        """Every rank read the checkpoint: each takes its part (FSDP: its shards; the full state
-        reshards to any world size and either strategy)."""
+        """Every rank read the checkpoint: each takes its part. Either layout reshards to any world
+        size and any strategy (a directory: DCP reads each rank's part of the shards; a file: the
+        full state, of which FSDP keeps its shards)."""
         check_compatible(strategy.module, state["model"], path, fix="resume with the model it was saved from")
         self._check_same_batches(state, path)
-        strategy.load_model_state(state["model"], everywhere=True)
-        if state.get("format", 1) >= 2:  # optimizer state keyed by parameter name
+        if path.is_dir():
+            strategy.load_sharded(path, optimizer)
+        elif state.get("format", 1) >= 2:  # optimizer state keyed by parameter name
+            strategy.load_model_state(state["model"], everywhere=True)
             strategy.load_optimizer_state(optimizer, state["optimizer"])
         else:  # by position in the optimizer (format 1: DDP runs before strategies)
+            strategy.load_model_state(state["model"], everywhere=True)
             optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state.get("scheduler") is not None:
             scheduler.load_state_dict(state["scheduler"])
@@ -215,9 +302,23 @@ def resume_setting(configured: Optional[str]) -> Optional[str]:
     return "auto" if configured is None and restart_count() else configured
 
 
+def step_checkpoints(folder: Path) -> list[Path]:
+    """A checkpoint folder's step checkpoints, oldest first: `step-N.pt` files and whole `step-N/`
+    directories (with their index: one a writer left half-done is still named `.step-N.tmp`)."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir()
+             if (m := _STEP.match(p.name)) and (m.group(2) or (p / ".metadata").is_file())]
+    return [p for _, p in sorted(found)]
+
+
 def read(path: Path, key: str, device: Optional[torch.device] = None) -> dict[str, Any]:
     """A hydra-ddp checkpoint, or one line naming the setting (`key`) and what is wrong with the file.
-    No device: memory-mapped, on the CPU (a look at the config reads only what it touches)."""
+    No device: memory-mapped, on the CPU (a look at the config reads only what it touches).
+    A sharded checkpoint (a directory): its state but the tensors, and the model as shapes only
+    (`model_weights` reads them)."""
+    if path.is_dir():
+        return _read_sharded(path, key)
     if not path.is_file():
         raise UserError(f"{key}: no checkpoint at {str(path)!r}")
     try:
@@ -232,18 +333,65 @@ def read(path: Path, key: str, device: Optional[torch.device] = None) -> dict[st
     return state
 
 
+def _read_sharded(path: Path, key: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not (path / ".metadata").is_file() or not (path / META).is_file():
+        raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint (no .metadata and {META} in it)")
+    try:
+        state = torch.load(path / META, map_location="cpu", weights_only=True)
+        index = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise UserError(f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]) from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint")
+    state["model"] = {name[len("model."):]: torch.empty(item.size, dtype=item.properties.dtype, device="meta")
+                      for name, item in index.items()
+                      if name.startswith("model.") and isinstance(item, TensorStorageMetadata)}
+    return state
+
+
+def model_weights(path: Path, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The full model weights of a checkpoint `read` gave `state` for, on the CPU. A directory's
+    are read from every rank's shards by this process alone (no collective)."""
+    if not path.is_dir():
+        return state["model"]
+    import torch.distributed.checkpoint as dcp
+
+    weights = {name: torch.empty(shape.shape, dtype=shape.dtype) for name, shape in state["model"].items()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
+    except Exception as e:
+        raise UserError(f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]) from None
+    return weights
+
+
 def find(where: str, key: str) -> Path:
-    """A checkpoint file, or a run directory's best.pt (else its last.pt)."""
+    """A checkpoint (a file, or a sharded checkpoint's directory), or a run directory's best (else its last)."""
     path = Path(where).expanduser().resolve()
-    if path.is_dir():
+    if path.is_dir() and not (path / ".metadata").is_file():
         for folder in (path / DIRNAME, path):
-            for name in (BEST, LAST):
-                if (folder / name).is_file():
-                    return folder / name
-        raise UserError(f"{key}={where}: {str(path)!r} holds no {DIRNAME}/{BEST} or {DIRNAME}/{LAST}")
-    if not path.is_file():
+            for name in ("best", "last"):
+                found = _published(folder, name)
+                if found is not None:
+                    return found
+        raise UserError(f"{key}={where}: {str(path)!r} holds no checkpoint ({DIRNAME}/best or {DIRNAME}/last, "
+                        "as .pt files or directories)")
+    if not path.exists():
         raise UserError(f"{key}={where}: no checkpoint file or run directory at {str(path)!r}")
     return path
+
+
+def _published(folder: Path, name: str) -> Optional[Path]:
+    """`name` (best, last) in `folder`: a file `name.pt` or a link `name` to a directory. Both
+    (a crash between publishing one and removing the other): the newer."""
+    found = [p for p in (folder / f"{name}.pt", folder / name) if p.exists()]
+    if not found:
+        return None
+    return max(found, key=lambda p: p.lstat().st_mtime_ns).resolve()
 
 
 def check_compatible(model: nn.Module, saved: dict[str, torch.Tensor], path: Path, fix: str) -> None:
@@ -271,7 +419,7 @@ def check_compatible_keys(own: dict[str, torch.Tensor], saved: dict[str, torch.T
 def load_weights(model: nn.Module, path: Path, ignore: list[str]) -> list[str]:
     """The checkpoint's weights into `model`, but for the ignored parameters (names or prefixes;
     "head": the last Linear layer). Returns the names left at their fresh values."""
-    saved = read(path, "trainer.init_from")["model"]
+    saved = model_weights(path, read(path, "trainer.init_from"))
     skipped = ignored_keys(model, saved.keys() | model.state_dict().keys(), ignore)
     model.load_state_dict({k: v for k, v in saved.items() if k not in skipped}, strict=False)
     return sorted(skipped)
@@ -339,6 +487,47 @@ def _atomic_write(payload: memoryview, target: Path) -> None:
 
 def _mb(size: int) -> str:
     return f"{size / 2**20:.1f} MiB"
+
+
+def _atomic_symlink(name: str, link: Path) -> None:
+    """`link` → `name` (relative: the folder may move), replacing what was there in one step."""
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(name, tmp)
+    os.replace(tmp, link)
+    _fsync_dir(link.parent)
+
+
+def _replace_dir(source: Path, target: Path) -> None:
+    """Rename a whole directory into place; one there already (the same step) is moved aside first."""
+    if target.exists():
+        aside = target.with_name(f".{target.name}.old")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(target, aside)
+        os.replace(source, target)
+        shutil.rmtree(aside)
+    else:
+        os.replace(source, target)
+    _fsync_dir(target)
+    _fsync_dir(target.parent)
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """What a writer killed mid-write left: temp files, and half-written shard directories."""
+    for leftover in [*folder.glob(".*.tmp"), *folder.glob(".*.old")]:
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """DCP's CheckpointException holds every rank's failure: the lowest rank's."""
+    failures = getattr(error, "failures", None) or {}
+    for rank in sorted(failures):
+        failure = failures[rank]
+        return failure[0] if isinstance(failure, tuple) else failure
+    return error
 
 
 def _atomic_link(source: Path, link: Path) -> None:

@@ -95,10 +95,11 @@ class DistConf:
 
 @dataclass
 class CheckpointConf:
-    # Checkpoints go to <run dir>/checkpoints: step-N.pt, last.pt and best.pt (hard links).
+    # Checkpoints go to <run dir>/checkpoints: step-N.pt, last.pt and best.pt (hard links); under the
+    # sharded strategies step-N/ directories of every rank's shards (DCP), last and best (links).
     every_epoch: bool = True
     every_n_steps: Optional[int] = None
-    keep: int = 3  # step files kept (last.pt and best.pt are kept besides)
+    keep: int = 3  # step checkpoints kept (last and best are kept besides)
     # best.pt: the checkpoint with the best trainer.monitor value (written whenever it improves).
 
 
@@ -230,7 +231,7 @@ class Config:
 class EvalConfig(Config):
     """eval.py's: the run's groups (the checkpoint's model and data are used unless overridden)."""
 
-    # A checkpoint file, or a run directory (its best.pt, else last.pt).
+    # A checkpoint (a file or a sharded step-N directory), or a run directory (its best, else last).
     ckpt: str = MISSING
     split: str = "test"  # test, val or train
     # Also write predictions.csv: sample index, label, predicted class, its probability.

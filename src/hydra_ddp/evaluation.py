@@ -141,7 +141,8 @@ def run(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, starte
     split = data.eval_split(splits[job.split], cfg.data, rank, cfg.trainer.seed, device)
     model = instantiate(cfg.model)
     if rank.is_main:  # only rank 0 reads the file: it need not be on every node
-        model.load_state_dict(checkpoint.read(Path(job.ckpt), "ckpt")["model"])
+        path = Path(job.ckpt)
+        model.load_state_dict(checkpoint.model_weights(path, checkpoint.read(path, "ckpt")))
     model.to(device)
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, src=0)

@@ -7,8 +7,9 @@
 - tp: tensor parallel over all ranks with the model's plan (`tp_plan`); one model replica.
 - fsdp_tp: a 2-D mesh [dp, tp], tensor parallel inside groups of `tp_size`, FSDP across them.
 
-Checkpoints hold the full, unsharded state in every strategy (rank 0 gathers it, FQN-keyed as the
-plain module's): one loading path, at any world size and under any strategy.
+Checkpoints: ddp's rank 0 writes the whole state to one file; the sharded strategies write each
+rank's shards with torch.distributed.checkpoint (checkpoint.py). Both are keyed by the plain
+module's parameter names, so either loads at any world size and under any strategy.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class DDPStrategy:
 
     name = "ddp"
     lockstep_eval = False  # evaluation runs on the plain module: ranks may hold different chunk counts
+    sharded_checkpoints = False  # rank 0 holds everything: it writes one file
 
     def __init__(self, cfg: Any, device: torch.device):
         self.cfg, self.device = cfg, device
@@ -74,6 +76,21 @@ class DDPStrategy:
 
         set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The model and optimizer as a checkpoint holds them: here the full state (one file)."""
+        return {"model": self.model_state(), "optimizer": self.optimizer_state(optimizer)}
+
+    def load_sharded(self, path: Any, optimizer: torch.optim.Optimizer) -> None:
+        """A sharded (DCP) checkpoint into this rank's model and optimizer: DCP reads the parts of
+        the saved shards that this rank's layout needs, whatever the layout they were saved in."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
     def local_tensors(self) -> Iterator[torch.Tensor]:
         """This rank's share of the parameters (the whole of them)."""
         return (p.detach() for p in self.module.parameters())
@@ -106,6 +123,7 @@ class FSDPStrategy(DDPStrategy):
 
     name = "fsdp"
     lockstep_eval = True  # a sharded forward gathers parameters: every rank runs as many forwards
+    sharded_checkpoints = True  # each rank writes its own shards: no rank gathers the full state
 
     def wrap(self, module: nn.Module) -> nn.Module:
         start_from_rank0(module)
@@ -164,6 +182,13 @@ class FSDPStrategy(DDPStrategy):
 
         set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's shards (DTensors) of the model and optimizer state, as DCP saves them."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
     def local_tensors(self) -> Iterator[torch.Tensor]:
         return (p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in self.module.parameters())
 
@@ -172,7 +197,7 @@ class TPStrategy(FSDPStrategy):
     """Tensor parallel (Megatron style) over `tp_size` ranks, all of them here: the model's plan
     (`tp_plan(size)`: submodule → "colwise" or "rowwise") splits those linears' weights over the
     ranks, the rest is replicated; the ranks of a model replica read the same batches, and
-    activations are exchanged inside each block. Checkpoints hold the full weights."""
+    activations are exchanged inside each block."""
 
     name = "tp"
     lockstep_eval = True  # a split forward exchanges activations: every rank runs as many forwards

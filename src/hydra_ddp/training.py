@@ -20,7 +20,8 @@ from torch import nn
 from torch.distributed.algorithms import Join
 from tqdm import tqdm
 
-from hydra_ddp.checkpoint import BEST, LAST, Checkpointer
+from hydra_ddp import checkpoint
+from hydra_ddp.checkpoint import Checkpointer
 from hydra_ddp.data import Loaders
 from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.evaluation import evaluate
@@ -177,8 +178,8 @@ class Trainer:
     # --- checkpoint state -----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         return {
-            "model": self.strategy.model_state(),  # full (gathered) weights, FQN-keyed: any strategy loads them
-            "optimizer": self.strategy.optimizer_state(self.optimizer),
+            # FQN-keyed, whole (ddp) or this rank's shards (the others): any strategy loads either.
+            **self.strategy.checkpoint_state(self.optimizer),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "position": asdict(self.pos),
@@ -197,10 +198,11 @@ class Trainer:
         log.info("resumed from %s at epoch %d, batch %d, step %d", path, self.pos.epoch, self.pos.batch, self.pos.step)
 
     def _best_from_disk(self) -> Optional[dict[str, torch.Tensor]]:
-        """The best weights of the run so far, from best.pt (every rank reads it, as the resumed checkpoint)."""
-        path = self.checkpointer.dir / BEST
+        """The best weights of the run so far, from best (every rank reads it, as the resumed checkpoint)."""
+        path = self.checkpointer.published("best")
         try:
             state = self.checkpointer.load(path)
+            weights = checkpoint.model_weights(path, state)
         except UserError as e:
             log.warning("the best weights so far are not in %s (%s): the test will use the last weights", path, e)
             return None
@@ -208,7 +210,7 @@ class Trainer:
             log.warning("%s is from step %d, not the best step %d: the test will use the last weights",
                         path, state["position"]["step"], self.monitor.best_step)
             return None
-        return {k: v.cpu() for k, v in state["model"].items()}
+        return {k: v.cpu() for k, v in weights.items()}
 
     def _save(self) -> None:
         best = self.monitor.best_step == self.pos.step  # validated here, and the best so far: best.pt
@@ -448,7 +450,7 @@ class Trainer:
     def _diverged(self, what: str) -> None:
         """Stop every rank with one line; the last checkpoint (written from finite weights) is kept."""
         self.checkpointer.finish()  # a write in flight completes: it is the last good one
-        last = self.checkpointer.dir / LAST
+        last = self.checkpointer.published("last")
         kept = (f"the last good checkpoint is kept: {last} (step {self.saved[0]})" if self.saved[0] >= 0
                 else "no checkpoint was written")
         raise EveryRankError(f"training diverged: {what}; {kept}. Lower optim.lr, or set trainer.grad_clip")
@@ -500,7 +502,7 @@ class Trainer:
         self.tested = {
             "weights": weights, "step": step,
             "epoch": self.monitor.best_epoch if weights == "best" else self.pos.epoch,
-            "checkpoint": str(self.checkpointer.dir / (BEST if weights == "best" else LAST)) if saved else None,
+            "checkpoint": str(self.checkpointer.published(weights)) if saved else None,
             "monitor": self.monitor.metric, "monitor_value": self.monitor.best if weights == "best" else None,
         }
         self.reporter.scalars({"test/loss": self.test_metrics["test_loss"],

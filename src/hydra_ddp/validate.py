@@ -142,7 +142,7 @@ def _check_tp_plan(plain: dict[str, Any]) -> None:
 def check(plain: dict[str, Any], run_dir: Path) -> None:
     """Everything else that would fail a run later: found before any worker starts."""
     trainer, launcher, data_cfg = plain["trainer"], plain["launcher"], plain["data"]
-    if trainer["resume"] is None and any((run_dir / checkpoint.DIRNAME).glob("step-*.pt")):
+    if trainer["resume"] is None and checkpoint.step_checkpoints(run_dir / checkpoint.DIRNAME):
         raise UserError(
             f"{run_dir} holds checkpoints of an earlier run; continue it with trainer.resume=auto, "
             "or start anew in another hydra.run.dir (nothing was overwritten)"

@@ -131,7 +131,8 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     if cfg.trainer.compile:
         train_model = _compiled(train_model, cfg.trainer.compile_backend)
     scheduler = instantiate(cfg.scheduler)(optimizer) if cfg.scheduler else None
-    checkpointer = checkpoint.Checkpointer(cfg.checkpoint, out, rank, device, OmegaConf.to_container(cfg, resolve=True))
+    checkpointer = checkpoint.Checkpointer(cfg.checkpoint, out, rank, device, OmegaConf.to_container(cfg, resolve=True),
+                                           sharded=spread.sharded_checkpoints)
     # Rank 0 picks the checkpoint (on every node the same file: checkpoints live with rank 0).
     resume = checkpointer.choose(checkpoint.resume_setting(cfg.trainer.resume)) if rank.is_main else None
     chosen = distributed.broadcast_text(str(resume[0]) if resume else "", device)
