@@ -24,7 +24,7 @@ _TITLES = {"comm": "Communication hooks", "strategy": "Strategies: DDP and FSDP"
 _INTROS = {
     "strategy_gpt": "The transformer (`+experiment=text_gpt`: 4 blocks of width 128, AdamW) at 2 ranks under "
     "`ddp`, `fsdp` and `tp`, on the same global batch of sequences (64 bytes each; `tp`'s two ranks form one "
-    "replica and read the same batch). **samples/s**: sequences. **model state / rank** as above (AdamW: two "
+    "replica and read the same batch). **samples/s**: tokens (every predicted byte is a sample). **model state / rank** as above (AdamW: two "
     "moments per parameter). Reference: ddp.",
     "strategy": "The project at 2 ranks under each `strategy` (src/hydra_ddp/strategy.py). **model state / rank**: "
     "the bytes of parameters, gradients and optimizer state (SGD's momentum) one rank holds, counting local "
