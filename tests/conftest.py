@@ -27,14 +27,16 @@ def train_env() -> dict[str, str]:
     return env
 
 
-def start_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = (), script: str = "train.py") -> subprocess.Popen:
-    """Start `python train.py OVERRIDES hydra.run.dir=RUN_DIR` (or under a launcher given as prefix).
+def start_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = (), script: str = "train.py",
+                env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `python train.py OVERRIDES hydra.run.dir=RUN_DIR` (or under a launcher given as prefix;
+    `env`: variables added to the environment).
 
     It gets a session of its own: the test can find (and on timeout kill) every process it started.
     """
     cmd = [*(prefix or (sys.executable,)), str(REPO / script), *overrides, f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(
-        cmd, cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cmd, cwd=REPO, env={**train_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )
 
@@ -51,8 +53,9 @@ def finish(proc: subprocess.Popen, timeout: float = 150) -> subprocess.Completed
     return result
 
 
-def run_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = (), timeout: float = 150) -> subprocess.CompletedProcess:
-    return finish(start_train(run_dir, *overrides, prefix=prefix), timeout)
+def run_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = (), timeout: float = 150,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return finish(start_train(run_dir, *overrides, prefix=prefix, env=env), timeout)
 
 
 def run_eval(run_dir: Path, *overrides: str, timeout: float = 150) -> subprocess.CompletedProcess:
@@ -153,3 +156,27 @@ def torch_equal(x, y) -> bool:
     import torch
 
     return torch.equal(x, y)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real one-node Slurm cluster for the session (tests/slurm/cluster.sh: munged, slurmctld,
+    slurmd on free ports in a folder of their own): the environment its commands need."""
+    import shutil
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("the Slurm tests start munged and slurmd, which need root")
+    missing = [tool for tool in ("munged", "mungekey", "slurmctld", "slurmd", "sbatch") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing): "
+                    "apt-get install --no-install-recommends slurmctld slurmd slurm-client munge")
+    folder = Path(tempfile.mkdtemp(prefix="hddp-slurm-", dir="/tmp"))  # munged's socket needs 755 parents
+    script = str(REPO / "tests" / "slurm" / "cluster.sh")
+    up = subprocess.run([script, "up", str(folder)], capture_output=True, text=True, timeout=90)
+    try:
+        assert up.returncode == 0, f"the Slurm cluster did not start: {up.stderr}"
+        yield {"SLURM_CONF": str(folder / "slurm.conf")}
+    finally:
+        subprocess.run([script, "down", str(folder)], capture_output=True, text=True, timeout=90)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Scaling out: multirun sweeps and their report, parallel joblib sweeps, submitit, mpirun, two nodes."""
+"""Scaling out: multirun sweeps and their report, parallel joblib sweeps, mpirun, two nodes (Slurm: test_slurm.py)."""
 
 from __future__ import annotations
 
@@ -70,16 +70,6 @@ def test_eight_parallel_jobs_never_collide_on_a_port(tmp_path: Path):
     assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}, rows
     ran = {(summary(sweep / str(i))["launcher"], summary(sweep / str(i))["init_method"]) for i in range(8)}
     assert ran == {(launcher, init) for launcher in ("spawn", "torchrun") for init in ("env", "file")}
-
-
-@pytest.mark.timeout(300)
-def test_submitit_local_tasks_form_one_group(tmp_path: Path):
-    sweep = tmp_path / "sweep"
-    proc = run_train(tmp_path / "unused", "-m", *QUICK, "hydra/launcher=slurm_local", f"hydra.sweep.dir={sweep}",
-                     timeout=240)
-    check_ok(proc)
-    s = summary(sweep / "0")
-    assert s["world_size"] == 2 and s["launcher"] == "submitit (local)"
 
 
 class TwoHosts:

@@ -8,21 +8,27 @@ import ipaddress
 import os
 import socket
 from datetime import timedelta
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from hydra_ddp.errors import UserError
-from hydra_ddp.ranks import RankInfo, external_launch  # noqa: F401  (re-exported: callers ask the group's module)
+from hydra_ddp.ranks import RankInfo, external_launch, srun_environment, srun_task  # noqa: F401  (re-exported: callers ask the group's module)
 
 
-def adopt_submitit_environment() -> None:
-    """In a submitit task (Slurm, or its local executor), export RANK, WORLD_SIZE, MASTER_ADDR/PORT."""
-    if "SUBMITIT_EXECUTOR" in os.environ and "RANK" not in os.environ:
+def adopt_launcher_environment() -> None:
+    """A worker started by submitit (Slurm, or its local executor) or by srun reads who it is in
+    their variables: exported here as RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT."""
+    if "RANK" in os.environ:
+        return
+    if "SUBMITIT_EXECUTOR" in os.environ:
         from submitit.helpers import TorchDistributedEnvironment
 
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    elif srun_task(os.environ):
+        os.environ.update(srun_environment(os.environ))
+
 
 
 def resolve_backend(name: str, device: str, nproc_per_node: int) -> str:

@@ -83,13 +83,14 @@ def run(cfg: DictConfig, started_at: float, task: str = "train") -> Optional[dic
     """Validate, launch, wait; the summary of a finished run, or eval.py's result (task="eval").
     None on a non-zero node."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    distributed.adopt_submitit_environment()
+    distributed.adopt_launcher_environment()
     external = distributed.external_launch()
     plain = _resolve(cfg, run_dir, external, task)
     if external:
         # Only rank 0 knows the run directory: its verdict reaches every rank once the group is up.
         problem = _problem(plain, run_dir) if external[1].is_main and task == "train" else None
-        return _unless_stopped(worker.main(plain, str(run_dir), external[1], started_at, problem=problem), run_dir)
+        return _unless_stopped(worker.main(plain, str(run_dir), external[1], started_at, problem=problem), run_dir,
+                               quiet=not external[1].is_main)
 
     # Inside a joblib (loky) job the default context is loky's, which cannot start our workers.
     multiprocessing.set_start_method("spawn", force=True)
@@ -195,10 +196,11 @@ def _completed_despite(failure: "WorkerFailed", summary_file: Path) -> None:
         f"completed ({summary_file} written): the results are complete")
 
 
-def _unless_stopped(summary: Optional[dict[str, Any]], run_dir: Path) -> Optional[dict[str, Any]]:
-    """The summary of a finished run; a run that stopped early on a signal is a Stopped error."""
+def _unless_stopped(summary: Optional[dict[str, Any]], run_dir: Path, quiet: bool = False) -> Optional[dict[str, Any]]:
+    """The summary of a finished run; a run that stopped early on a signal is a Stopped error
+    (`quiet`: an outside launch's other ranks, which know no run directory: rank 0 says it)."""
     if summary and summary["stopped_by"]:
-        raise Stopped(summary, run_dir)
+        raise Stopped(summary, run_dir, quiet)
     if summary and summary.get("ended_by") == "max_time":
         say(f"hydra-ddp: trainer.max_time spent at step {summary['steps']}: tested and checkpointed; continue "
             f"with: {_again(run_dir)}")
@@ -332,9 +334,10 @@ class WorkerFailed(UserError):
 class Stopped(UserError):
     """The workers stopped early on a signal, after writing a checkpoint."""
 
-    def __init__(self, summary: dict[str, Any], run_dir: Path):
+    def __init__(self, summary: dict[str, Any], run_dir: Path, quiet: bool = False):
         signum = getattr(signal, summary["stopped_by"], None)
         self.exit_code = 128 + signum if signum else 1
+        self.quiet = quiet
         again = _again(run_dir)
         where = (f"at step {summary['steps']}; checkpoint saved in {run_dir / 'checkpoints'}" if summary["steps"]
                  else "before the workers wrote a checkpoint; the last one is kept")
@@ -368,7 +371,8 @@ def fail(error: UserError) -> None:
     """
     message = str(error)
     message = message[len(worker.EVERY_RANK):] if message.startswith(worker.EVERY_RANK) else message  # an outside launch's rank
-    say(f"hydra-ddp: error: {message}")
+    if not getattr(error, "quiet", False):
+        say(f"hydra-ddp: error: {message}")
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(error, Stopped):  # a stop ends the sweep too
         (Path(hydra_cfg.runtime.output_dir) / scaling.ERROR_FILE).write_text(f"{message}\n")

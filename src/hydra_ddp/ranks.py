@@ -23,7 +23,7 @@ class RankInfo:
 # Environment variables by which launchers tell a process who it is:
 # (rank, world size, local rank, local world size).
 _RANK_ENVS = (
-    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # torchrun, torch.distributed.launch, submitit
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # torchrun, torch.distributed.launch, submitit, srun
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH, Intel MPI
 )
@@ -34,11 +34,15 @@ def _launcher_name(env: Mapping[str, str]) -> str:
         return f"submitit ({env['SUBMITIT_EXECUTOR']})"
     if "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env:
         return "mpirun"
+    if "SLURM_STEP_ID" in env and "TORCHELASTIC_RUN_ID" not in env:  # srun's tasks, not torchrun's under srun
+        return "srun"
     return "torchrun"
 
 
 def external_launch(env: Mapping[str, str] = os.environ) -> Optional[tuple[str, RankInfo]]:
     """(launcher name, rank) when this process was started as a worker by an outside launcher."""
+    if "RANK" not in env and srun_task(env):
+        env = {**env, **srun_environment(env)}
     for rank, world, local, local_world in _RANK_ENVS:
         if rank in env and world in env:
             world_size = int(env[world])
@@ -49,3 +53,26 @@ def external_launch(env: Mapping[str, str] = os.environ) -> Optional[tuple[str, 
                 local_world_size=int(env.get(local_world, world_size)),
             )
     return None
+
+
+def srun_task(env: Mapping[str, str]) -> bool:
+    """One of several tasks of an srun step (not submitit's: it says so itself)."""
+    return "SLURM_STEP_ID" in env and "SUBMITIT_EXECUTOR" not in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1
+
+
+def srun_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """One of several tasks of an srun step (`srun python train.py`): the rank is the task's,
+    the master the step's first node, its port from the job id unless MASTER_PORT is set (a task
+    alone in its step is not adopted: train.py then launches its workers itself)."""
+    from submitit.slurm.slurm import _parse_node_list  # only here: ranks.py imports nothing heavy
+
+    hosts = _parse_node_list(env["SLURM_STEP_NODELIST"])
+    node = hosts.index(env["SLURMD_NODENAME"]) if env.get("SLURMD_NODENAME") in hosts else int(env["SLURM_NODEID"])
+    per_node = [int(n) for group in env["SLURM_STEP_TASKS_PER_NODE"].split(",")  # "2(x3),1": 2, 2, 2, 1
+                for n in [group.split("(")[0]] * (int(group.split("(x")[1].rstrip(")")) if "(x" in group else 1)]
+    return {
+        "RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_STEP_NUM_TASKS"],
+        "LOCAL_RANK": env["SLURM_LOCALID"], "LOCAL_WORLD_SIZE": str(per_node[node]),
+        "MASTER_ADDR": env.get("MASTER_ADDR") or hosts[0],
+        "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + int(env["SLURM_JOB_ID"]) % 20000),
+    }

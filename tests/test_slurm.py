@@ -1,0 +1,70 @@
+"""A real Slurm cluster (started by the slurm_cluster fixture): train.py through hydra-submitit-launcher
+and through scripts/slurm/train.sbatch's srun, equal to the same run under spawn; pre-empted by
+Slurm's signal, requeued, and resumed by itself with bit-identical weights."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import (
+    REPO, assert_same_params, check_ok, final_params, run_train, scalars, summary, train_env, wait_for,
+)
+
+# Three epochs of digits on 2 ranks (21 steps each), a checkpoint every 4 steps: the pre-emption
+# test signals the job once the first is written, and 60 steps remain for the signal to arrive.
+RUN = ("trainer.max_steps=64", "trainer.log_every=2", "checkpoint.every_n_steps=4")
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [v for _, v in scalars(run_dir, "train/loss")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The same run under launcher=spawn, uninterrupted."""
+    run_dir = tmp_path_factory.mktemp("slurm-reference") / "run"
+    check_ok(run_train(run_dir, *RUN))
+    return run_dir
+
+
+def slurm(env: dict[str, str], *args: str) -> str:
+    return subprocess.run(args, env=env, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+
+
+@pytest.mark.timeout(300)
+def test_submitit_launcher_runs_one_group_on_the_real_scheduler(slurm_cluster, reference, tmp_path: Path):
+    sweep = tmp_path / "sweep"
+    proc = run_train(tmp_path / "unused", "-m", *RUN, "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2",
+                     "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}",
+                     env=slurm_cluster, timeout=240)
+    check_ok(proc)
+    s = summary(sweep / "0")
+    assert s["world_size"] == 2 and s["launcher"] == "submitit (slurm)", s
+    assert losses(sweep / "0") == losses(reference)  # bit-identical to spawn's
+
+
+@pytest.mark.timeout(300)
+def test_sbatch_script_is_preempted_requeued_and_resumes_exactly(slurm_cluster, reference, tmp_path: Path):
+    run_dir, output = tmp_path / "run", tmp_path / "slurm.out"
+    env = {**train_env(), **slurm_cluster, "PYTHON": sys.executable}
+    job = subprocess.run(["sbatch", "--parsable", f"--output={output}", str(REPO / "scripts/slurm/train.sbatch"), *RUN,
+                          f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True, check=True,
+                         timeout=30).stdout.strip()
+    state = lambda: slurm(env, "squeue", "-h", "-j", job, "-o", "%T")  # noqa: E731
+    wait_for(lambda: (run_dir / "checkpoints" / "step-00000004.pt").exists(), 120, "the first checkpoint")
+    slurm(env, "scancel", "--signal=USR1", job)  # pre-emption: to every task of the job's steps
+    # The workers checkpoint and stop; the script requeues the job, which Slurm holds back a while.
+    wait_for(lambda: state() == "PENDING", 60, f"job {job} requeued")
+    slurm(env, "scontrol", "update", f"JobId={job}", "StartTime=now")
+    wait_for(lambda: state() == "", 120, f"the requeued job {job} to finish")
+    log = output.read_text()
+    assert "stopped for pre-emption (exit 138): requeueing" in log and "attempt 2" in log, log
+    s = summary(run_dir)
+    assert s["launcher"] == "srun" and s["world_size"] == 2 and s["steps"] == 64, s
+    assert s["resumed_from"] and s["resumed_from"] != str(run_dir / "checkpoints" / "step-00000064.pt"), s
+    assert_same_params(final_params(run_dir), final_params(reference))
+    assert losses(run_dir) == losses(reference)
