@@ -160,8 +160,10 @@ def torch_equal(x, y) -> bool:
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A real one-node Slurm cluster for the session (tests/slurm/cluster.sh: munged, slurmctld,
-    slurmd on free ports in a folder of their own): the environment its commands need."""
+    """A real Slurm cluster for the session (tests/slurm/cluster.sh: munged, slurmctld and a slurmd
+    per node on free ports, in a folder of their own): two nodes, n1 and n2, each in a network
+    namespace of its own where iproute2 and nsenter exist, else one. The environment its commands
+    and jobs need, and "nodes"."""
     import shutil
     import tempfile
 
@@ -171,12 +173,22 @@ def slurm_cluster():
     if missing:
         pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing): "
                     "apt-get install --no-install-recommends slurmctld slurmd slurm-client munge")
+    nodes = 2 if shutil.which("ip") and shutil.which("nsenter") else 1
     folder = Path(tempfile.mkdtemp(prefix="hddp-slurm-", dir="/tmp"))  # munged's socket needs 755 parents
     script = str(REPO / "tests" / "slurm" / "cluster.sh")
-    up = subprocess.run([script, "up", str(folder)], capture_output=True, text=True, timeout=90)
+    up = subprocess.run([script, "up", str(folder), str(nodes)], capture_output=True, text=True, timeout=90)
     try:
         assert up.returncode == 0, f"the Slurm cluster did not start: {up.stderr}"
-        yield {"SLURM_CONF": str(folder / "slurm.conf")}
+        # `export NAME=VALUE` lines: SLURM_CONF, and with two nodes the interface gloo must use there.
+        env = dict(line.removeprefix("export ").split("=", 1) for line in up.stdout.split("\n") if line.startswith("export "))
+        yield {**env, "nodes": str(nodes)}
     finally:
+        daemons = [int(f.read_text()) for f in (folder / "pids").glob("*")] if (folder / "pids").is_dir() else []
+        tag = (folder / "net").read_text().strip() if (folder / "net").is_file() else None
         subprocess.run([script, "down", str(folder)], capture_output=True, text=True, timeout=90)
         shutil.rmtree(folder, ignore_errors=True)
+        # Nothing of the cluster is left: no daemon it started, no namespace, no host name.
+        assert not [pid for pid in daemons if Path(f"/proc/{pid}").exists()], "a Slurm or munge daemon outlived the cluster"
+        if tag:
+            namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+            assert f"hddp-{tag}-" not in namespaces and f"hddp-slurm {tag}" not in Path("/etc/hosts").read_text()

@@ -155,7 +155,7 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
         result = trainer.fit()
         summary = {
             "world_size": rank.world_size,
-            "nnodes": cfg.launcher.nnodes,
+            "nnodes": max(1, rank.world_size // rank.local_world_size),  # also under srun, submitit, mpirun
             "nproc_per_node": rank.local_world_size,
             "backend": cfg.backend.name,
             "launcher": cfg.launcher.name,

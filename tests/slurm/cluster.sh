@@ -2,29 +2,40 @@
 # A real one-node Slurm cluster in a folder of its own, on free ports (Debian's slurm-wlm and munge, as root):
 #
 #   tests/slurm/cluster.sh up DIR     # starts munged, slurmctld, slurmd; prints `export SLURM_CONF=DIR/slurm.conf`
-#   tests/slurm/cluster.sh down DIR   # cancels every job, then stops the daemons it started (by PID)
+#   tests/slurm/cluster.sh up DIR 2   # two nodes, n1 and n2: a slurmd each in a network namespace of
+#                                     # its own on a bridge (10.99.0.11 and .12, interface hddp0; the
+#                                     # names in /etc/hosts while it runs); also prints GLOO_SOCKET_IFNAME
+#   tests/slurm/cluster.sh down DIR   # cancels every job, stops the daemons it started (by PID),
+#                                     # removes the namespaces, bridge and host names it made
 #
 # The tests start it once per session (tests/conftest.py: slurm_cluster); by hand:
 #   eval "$(tests/slurm/cluster.sh up /tmp/slurm)"; sbatch …; tests/slurm/cluster.sh down /tmp/slurm
 set -euo pipefail
 
-usage() { echo "usage: $0 up|down DIR" >&2; exit 2; }
-[ $# -eq 2 ] || usage
+usage() { echo "usage: $0 up DIR [1|2] | down DIR" >&2; exit 2; }
+[ $# -ge 2 ] || usage
 action=$1
 dir=$(realpath -m "$2")
+nodes=${3:-1}
+SUBNET=10.99.0
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
 
-stop_pid() {  # TERM, then KILL after 10 s: only the process whose PID this cluster wrote down
-  local file=$1 pid
-  [ -f "$file" ] || return 0
-  pid=$(cat "$file")
-  if kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$pid" 2>/dev/null || true
-  fi
-  rm -f "$file"
+stop_pids() {  # TERM to each at once (each takes 1-2 s to exit), KILL what is left after 10 s: only
+  local files=("$@") pids=() file pid  # the processes whose PIDs this cluster wrote down
+  for file in "${files[@]}"; do
+    [ -f "$file" ] || continue
+    pid=$(cat "$file")
+    kill -TERM "$pid" 2>/dev/null && pids+=("$pid")
+  done
+  for _ in $(seq 200); do
+    local alive=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 0.05
+  done
+  for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  rm -f "${files[@]}"
 }
 
 down() {
@@ -37,9 +48,37 @@ down() {
       sleep 0.1
     done
   fi
-  stop_pid "$dir/pids/slurmd"
-  stop_pid "$dir/pids/slurmctld"
-  stop_pid "$dir/pids/munged"
+  stop_pids "$dir"/pids/slurm*  # the daemons, then munge, which they talk through to the end
+  stop_pids "$dir/pids/munged"
+  if [ -f "$dir/net" ]; then  # the two-node network: namespaces (their veth ends go with them), bridge, names
+    local tag
+    tag=$(cat "$dir/net")
+    for i in 1 2; do
+      ip link del "hddpv$tag$i" 2>/dev/null || true  # the pair's other end goes with it
+      ip netns del "hddp-$tag-n$i" 2>/dev/null || true
+    done
+    ip link del "hddpbr$tag" 2>/dev/null || true
+    sed -i "/# hddp-slurm $tag\$/d" /etc/hosts
+    rm -f "$dir/net"
+  fi
+}
+
+network() {  # two namespaces on a bridge in this one, the controller at .1
+  local tag
+  tag=$(od -An -N2 -tx1 /dev/urandom | tr -d ' \n')
+  echo "$tag" > "$dir/net"
+  ip link add "hddpbr$tag" type bridge || return 1
+  ip addr add "$SUBNET.1/24" dev "hddpbr$tag" || return 1
+  ip link set "hddpbr$tag" up || return 1
+  for i in 1 2; do
+    ip netns add "hddp-$tag-n$i" || return 1
+    ip link add "hddpv$tag$i" type veth peer name hddp0 netns "hddp-$tag-n$i" || return 1
+    ip link set "hddpv$tag$i" master "hddpbr$tag" up || return 1
+    ip -n "hddp-$tag-n$i" addr add "$SUBNET.1$i/24" dev hddp0 || return 1
+    ip -n "hddp-$tag-n$i" link set hddp0 up || return 1
+    ip -n "hddp-$tag-n$i" link set lo up || return 1
+    echo "$SUBNET.1$i n$i # hddp-slurm $tag" >> /etc/hosts  # the workers meet at the first node's name
+  done
 }
 
 up() {
@@ -47,6 +86,11 @@ up() {
     command -v "$tool" >/dev/null || { echo "cluster.sh: $tool not found: apt-get install slurmctld slurmd slurm-client munge" >&2; exit 3; }
   done
   [ "$(id -u)" = 0 ] || { echo "cluster.sh: needs root (slurmd and munged run as root here)" >&2; exit 3; }
+  case $nodes in 1|2) ;; *) usage ;; esac
+  if [ "$nodes" = 2 ]; then
+    command -v ip >/dev/null && command -v nsenter >/dev/null \
+      || { echo "cluster.sh: two nodes need iproute2's ip and util-linux's nsenter" >&2; exit 3; }
+  fi
   mkdir -p "$dir"/{run,state,spool,log,pids}
   # munged refuses a socket whose folder (or any parent) others cannot enter.
   chmod 755 "$dir" "$dir/run"
@@ -56,34 +100,45 @@ up() {
   cpus=$(nproc)
   cat > "$dir/slurm.conf" <<CONF
 ClusterName=hddp
-SlurmctldHost=$host
+SlurmctldHost=$host$([ "$nodes" = 2 ] && echo "($SUBNET.1)")
 SlurmctldPort=$(free_port)
 SlurmdPort=$(free_port)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/run/munge.sock
+# cred_expire: how long a node refuses a requeued job after its previous run, and so its requeue
+# hold (default 120 s; 5 is the least)
+AuthInfo=socket=$dir/run/munge.sock,cred_expire=5
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
+# The scheduling passes every second, not every 30 and 60: a requeued job starts as soon as its hold ends.
+SchedulerParameters=bf_interval=1,sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
 MailProg=/bin/true
 KillWait=5
 StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool
+SlurmdSpoolDir=$dir/spool/%n
 SlurmctldPidFile=$dir/run/slurmctld.pid
-SlurmdPidFile=$dir/run/slurmd.pid
+SlurmdPidFile=$dir/run/slurmd-%n.pid
 SlurmctldLogFile=$dir/log/slurmctld.log
-SlurmdLogFile=$dir/log/slurmd.log
-NodeName=$host CPUs=$cpus RealMemory=1000 State=UNKNOWN
+SlurmdLogFile=$dir/log/slurmd-%n.log
+$(if [ "$nodes" = 2 ]; then
+    for i in 1 2; do echo "NodeName=n$i NodeAddr=$SUBNET.1$i CPUs=$cpus RealMemory=1000 State=UNKNOWN"; done
+  else
+    echo "NodeName=$host CPUs=$cpus RealMemory=1000 State=UNKNOWN"
+  fi)
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
   export SLURM_CONF=$dir/slurm.conf
+  if [ "$nodes" = 2 ]; then
+    network || { echo "cluster.sh: could not make the two nodes' network namespaces" >&2; down; exit 3; }
+  fi
   # In the foreground of their own sessions: $! is the daemon itself, and `down` stops exactly it.
   setsid munged --foreground --key-file="$dir/munge.key" --socket="$dir/run/munge.sock" \
     --pid-file="$dir/run/munged.pid" --log-file="$dir/log/munged.log" --seed-file="$dir/run/munge.seed" \
@@ -92,15 +147,25 @@ CONF
   for _ in $(seq 100); do [ -S "$dir/run/munge.sock" ] && break; sleep 0.05; done
   setsid slurmctld -D -c </dev/null >"$dir/log/slurmctld.out" 2>&1 &
   echo $! > "$dir/pids/slurmctld"
-  setsid slurmd -D </dev/null >"$dir/log/slurmd.out" 2>&1 &
-  echo $! > "$dir/pids/slurmd"
+  if [ "$nodes" = 2 ]; then
+    for i in 1 2; do
+      setsid nsenter --net="/run/netns/hddp-$(cat "$dir/net")-n$i" slurmd -D -N "n$i" \
+        </dev/null >"$dir/log/slurmd-n$i.out" 2>&1 &
+      echo $! > "$dir/pids/slurmd-n$i"
+    done
+  else
+    setsid slurmd -D </dev/null >"$dir/log/slurmd.out" 2>&1 &
+    echo $! > "$dir/pids/slurmd"
+  fi
   for _ in $(seq 300); do
-    if [ "$(sinfo -h -o %T 2>/dev/null)" = idle ]; then
+    if [ "$(sinfo -h -o %T 2>/dev/null | sort -u)" = idle ] && [ "$(sinfo -h -N -o %N | wc -l)" = "$nodes" ]; then
       echo "export SLURM_CONF=$dir/slurm.conf"
+      [ "$nodes" = 2 ] && echo "export GLOO_SOCKET_IFNAME=hddp0"
       return 0
     fi
-    for daemon in munged slurmctld slurmd; do
-      if ! kill -0 "$(cat "$dir/pids/$daemon")" 2>/dev/null; then
+    for pidfile in "$dir"/pids/*; do
+      daemon=$(basename "$pidfile")
+      if ! kill -0 "$(cat "$pidfile")" 2>/dev/null; then
         echo "cluster.sh: $daemon exited at start: $(tail -n 3 "$dir/log/$daemon"* 2>/dev/null | tr '\n' ' ')" >&2
         down
         exit 1
