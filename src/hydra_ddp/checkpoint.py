@@ -90,7 +90,7 @@ def _gather_rng(device: torch.device) -> list[torch.Tensor]:
 
 
 class Checkpointer:
-    """Saves every rank's state through rank 0; loads it back on every rank."""
+    """Saves every rank's state (through rank 0, or each rank its shards); loads it back on every rank."""
 
     def __init__(self, cfg: Any, run_dir: Path, rank: RankInfo, device: torch.device, config: dict[str, Any],
                  sharded: bool = False):
