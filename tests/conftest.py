@@ -162,10 +162,11 @@ def torch_equal(x, y) -> bool:
 def slurm_cluster():
     """A real Slurm cluster for the session (tests/slurm/cluster.sh: munged, slurmctld and a slurmd
     per node on free ports, in a folder of their own): two nodes, n1 and n2, each in a network
-    namespace of its own where iproute2 and nsenter exist, else one. The environment its commands
-    and jobs need, and "nodes"."""
+    namespace of its own where iproute2 and nsenter exist, else one. `.env`: the variables its
+    commands and jobs need; `.nodes`: how many."""
     import shutil
     import tempfile
+    import types
 
     if os.geteuid() != 0:
         pytest.skip("the Slurm tests start munged and slurmd, which need root")
@@ -181,7 +182,7 @@ def slurm_cluster():
         assert up.returncode == 0, f"the Slurm cluster did not start: {up.stderr}"
         # `export NAME=VALUE` lines: SLURM_CONF, and with two nodes the interface gloo must use there.
         env = dict(line.removeprefix("export ").split("=", 1) for line in up.stdout.split("\n") if line.startswith("export "))
-        yield {**env, "nodes": str(nodes)}
+        yield types.SimpleNamespace(env=env, nodes=nodes)
     finally:
         daemons = [int(f.read_text()) for f in (folder / "pids").glob("*")] if (folder / "pids").is_dir() else []
         tag = (folder / "net").read_text().strip() if (folder / "net").is_file() else None

@@ -36,18 +36,14 @@ def slurm(env: dict[str, str], *args: str) -> str:
     return subprocess.run(args, env=env, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
 
 
-def job_env(cluster: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in cluster.items() if k != "nodes"}
-
-
 @pytest.mark.timeout(300)
 def test_submitit_launcher_runs_one_group_across_two_nodes(slurm_cluster, reference, tmp_path: Path):
-    if slurm_cluster["nodes"] != "2":
+    if slurm_cluster.nodes != 2:
         pytest.skip("the cluster has one node: two need iproute2 and nsenter")
     sweep = tmp_path / "sweep"
     proc = run_train(tmp_path / "unused", "-m", *RUN, "hydra/launcher=slurm", "hydra.launcher.nodes=2",
                      "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=1",
-                     "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}", env=job_env(slurm_cluster), timeout=240)
+                     "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}", env=slurm_cluster.env, timeout=240)
     check_ok(proc)
     s = summary(sweep / "0")
     assert (s["world_size"], s["nnodes"], s["launcher"]) == (2, 2, "submitit (slurm)"), s
@@ -57,7 +53,7 @@ def test_submitit_launcher_runs_one_group_across_two_nodes(slurm_cluster, refere
 @pytest.mark.timeout(300)
 def test_sbatch_script_is_preempted_requeued_and_resumes_exactly(slurm_cluster, reference, tmp_path: Path):
     run_dir, output = tmp_path / "run", tmp_path / "slurm.out"
-    env = {**train_env(), **job_env(slurm_cluster), "PYTHON": sys.executable}
+    env = {**train_env(), **slurm_cluster.env, "PYTHON": sys.executable}
     # One node, two tasks (the script's own #SBATCH lines).
     job = subprocess.run(["sbatch", "--parsable", f"--output={output}", str(REPO / "scripts/slurm/train.sbatch"), *RUN,
                           f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True, check=True,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real one-node Slurm cluster in a folder of its own, on free ports (Debian's slurm-wlm and munge, as root):
+# A real Slurm cluster of one or two nodes in a folder of its own, on free ports (Debian's slurm-wlm and munge, as root):
 #
 #   tests/slurm/cluster.sh up DIR     # starts munged, slurmctld, slurmd; prints `export SLURM_CONF=DIR/slurm.conf`
 #   tests/slurm/cluster.sh up DIR 2   # two nodes, n1 and n2: a slurmd each in a network namespace of
@@ -50,7 +50,7 @@ down() {
   fi
   stop_pids "$dir"/pids/slurm*  # the daemons, then munge, which they talk through to the end
   stop_pids "$dir/pids/munged"
-  if [ -f "$dir/net" ]; then  # the two-node network: namespaces (their veth ends go with them), bridge, names
+  if [ -f "$dir/net" ]; then  # the two-node network: veth pairs, namespaces, bridge, host names
     local tag
     tag=$(cat "$dir/net")
     for i in 1 2; do
