@@ -162,8 +162,9 @@ def torch_equal(x, y) -> bool:
 def slurm_cluster():
     """A real Slurm cluster for the session (tests/slurm/cluster.sh: munged, slurmctld and a slurmd
     per node on free ports, in a folder of their own): two nodes, n1 and n2, each in a network
-    namespace of its own where iproute2 and nsenter exist, else one. `.env`: the variables its
-    commands and jobs need; `.nodes`: how many."""
+    namespace of its own where iproute2 and nsenter exist, else one; with job accounting (slurmdbd
+    and a private MariaDB) where those are installed. `.env`: the variables its commands and jobs
+    need; `.nodes`: how many; `.accounting`: whether sacct works."""
     import shutil
     import tempfile
     import types
@@ -182,7 +183,8 @@ def slurm_cluster():
         assert up.returncode == 0, f"the Slurm cluster did not start: {up.stderr}"
         # `export NAME=VALUE` lines: SLURM_CONF, and with two nodes the interface gloo must use there.
         env = dict(line.removeprefix("export ").split("=", 1) for line in up.stdout.split("\n") if line.startswith("export "))
-        yield types.SimpleNamespace(env=env, nodes=nodes)
+        accounting = env.pop("HDDP_SLURM_ACCOUNTING", None) == "1"
+        yield types.SimpleNamespace(env=env, nodes=nodes, accounting=accounting)
     finally:
         daemons = [int(f.read_text()) for f in (folder / "pids").glob("*")] if (folder / "pids").is_dir() else []
         tag = (folder / "net").read_text().strip() if (folder / "net").is_file() else None

@@ -1,6 +1,7 @@
 """A real Slurm cluster (started by the slurm_cluster fixture): train.py through hydra-submitit-launcher
-across two nodes and through scripts/slurm/train.sbatch's srun on one, equal to the same run under
-spawn; pre-empted by Slurm's signal, requeued, and resumed by itself with bit-identical weights."""
+across two nodes and on one node with two tasks, and through scripts/slurm/train.sbatch's srun on
+one, equal to the same run under spawn; a cancelled job reported by the sweep; pre-empted by Slurm's
+signal, requeued, and resumed by itself with bit-identical weights."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import (
-    REPO, assert_same_params, check_ok, final_params, run_train, scalars, summary, train_env, wait_for,
+    REPO, assert_same_params, check_ok, final_params, finish, run_train, scalars, start_train, summary, train_env,
+    wait_for,
 )
 
 # Three epochs of digits on 2 ranks (21 steps each), a checkpoint every 4 steps: the pre-emption
@@ -48,6 +50,43 @@ def test_submitit_launcher_runs_one_group_across_two_nodes(slurm_cluster, refere
     s = summary(sweep / "0")
     assert (s["world_size"], s["nnodes"], s["launcher"]) == (2, 2, "submitit (slurm)"), s
     assert losses(sweep / "0") == losses(reference)  # bit-identical to spawn's on one node
+
+
+@pytest.mark.timeout(300)
+def test_submitit_launcher_on_one_node_reports_a_cancelled_job(slurm_cluster, reference, tmp_path: Path):
+    if not slurm_cluster.accounting:
+        pytest.skip("submitit sees a cancelled job through sacct: apt-get install slurmdbd mariadb-server")
+    sweep = tmp_path / "sweep"
+    env = {**train_env(), **slurm_cluster.env}
+    # Three jobs of one node and two tasks, one at a time: the first is the reference run; the third
+    # is cancelled at once, while the whole array waits (Slurm keeps no record of it), the second
+    # once the first runs (accounting says CANCELLED).
+    proc = start_train(tmp_path / "unused", "-m", *RUN, "trainer.seed=0,1,2", "hydra/launcher=slurm",
+                       "hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1",
+                       "hydra.launcher.array_parallelism=1", "hydra.launcher.timeout_min=10",
+                       f"hydra.sweep.dir={sweep}", env=env)
+    tasks: dict[str, str] = {}
+
+    def queue_shows(*wanted: str) -> bool:  # an array job's tasks are JOB_0, JOB_1, JOB_2
+        listed = slurm(env, "squeue", "-h", "-r", "-o", "%i %T").split("\n")
+        tasks.clear()
+        tasks.update(line.split() for line in listed if line)
+        return all(any(f"{task.split('_')[-1]} {state}" == want for task, state in tasks.items()) for want in wanted)
+
+    wait_for(lambda: queue_shows("2 PENDING"), 60, "the sweep's jobs to be queued", proc)
+    array = next(iter(tasks)).split("_")[0]
+    slurm(env, "scancel", f"{array}_2")
+    wait_for(lambda: queue_shows("0 RUNNING", "1 PENDING"), 60, "the first job to start", proc)
+    slurm(env, "scancel", f"{array}_1")
+    done = finish(proc, timeout=240)
+    assert done.returncode == 1, done.stderr  # a sweep with a job that did not finish is not a success
+    for task in (1, 2):
+        assert f"Slurm job {array}_{task} ended CANCELLED without a result" in done.stderr, done.stderr
+    report = (sweep / "sweep.md").read_text()
+    assert report.count("| cancelled: Slurm job") == 2 and report.count("| ok |") == 1, report
+    s = summary(sweep / "0")
+    assert (s["world_size"], s["nnodes"], s["launcher"]) == (2, 1, "submitit (slurm)"), s
+    assert losses(sweep / "0") == losses(reference)  # bit-identical to spawn's
 
 
 @pytest.mark.timeout(300)

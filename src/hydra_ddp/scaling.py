@@ -29,6 +29,8 @@ from hydra_ddp.reporting import SUMMARY_FILE
 log = logging.getLogger(__name__)
 
 ERROR_FILE = "error.txt"  # a job's one-line failure, written by train.py
+# How Slurm ended a job that never finished (cancelled, timeout…): hydra_plugins/hydra_ddp_slurm.
+STATE_FILE = "slurm_state.txt"
 COLUMNS = ["job", "swept", "status", "world_size", "global_batch_size", "samples_per_sec", "speedup", "efficiency",
            "test_accuracy", "test_loss", "wall_time_s", "error"]
 TRIAL_COLUMNS = ["rank", "job", "swept", "status", "monitor", "objective", "val_loss", "val_accuracy", "test_loss",
@@ -59,8 +61,9 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
             if s.get("stopped_by"):
                 row["status"] = f"stopped ({s['stopped_by']})"
         else:
-            error = job_dir / ERROR_FILE
-            row.update(status="failed", error=error.read_text().strip() if error.exists() else "no summary.json")
+            error, state = job_dir / ERROR_FILE, job_dir / STATE_FILE
+            row.update(status=state.read_text().strip() if state.exists() else "failed",
+                       error=error.read_text().strip() if error.exists() else "no summary.json")
         row["run_dir"] = str(job_dir)
         rows.append(row)
     _add_speedup(rows)
@@ -174,8 +177,8 @@ def plot(rows: list[dict[str, Any]], path: Path, sweep_dir: Optional[Path] = Non
     for ax in (ax_tp, ax_eff, ax_loss):
         ax.grid(alpha=0.3)
     if failed:
-        fig.text(0.5, 0.01, "failed: " + "; ".join(f"job {r['job']} ({r['swept']})" for r in failed),
-                 ha="center", color="tab:red")
+        ended = "; ".join(f"job {r['job']} {r['status']} ({r['swept']})" for r in failed)
+        fig.text(0.5, 0.01, f"not finished: {ended}", ha="center", color="tab:red")
     fig.suptitle("Scaling: " + (", ".join(sorted({r['swept'].split('=')[0] for r in rows})) or "sweep"))
     fig.tight_layout(rect=(0, 0.04 if failed else 0, 1, 1))
     fig.savefig(path, dpi=110)
@@ -249,7 +252,7 @@ class SweepReport(Callback):
         if not written:
             return
         kind, rows = written
-        failed = [r for r in rows if r["status"] == "failed"]
+        failed = [r for r in rows if failed_row(r)]
         best = rank_trials([dict(r) for r in rows])[0]
         from hydra_ddp.loggers import MLflow
 
@@ -264,6 +267,11 @@ class SweepReport(Callback):
             print(f"hydra-ddp: error: {len(failed)} of {len(rows)} jobs failed (see {sweep_dir / f'{kind}.md'})",
                   file=sys.stderr)
             sys.exit(1)
+
+
+def failed_row(row: dict[str, Any]) -> bool:
+    """Failed, or ended by Slurm (cancelled, timeout…); a run stopped by a signal has its summary."""
+    return row["status"] != "ok" and not row["status"].startswith("stopped")
 
 
 def _searching(config: DictConfig) -> bool:

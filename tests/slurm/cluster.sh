@@ -8,6 +8,10 @@
 #   tests/slurm/cluster.sh down DIR   # cancels every job, stops the daemons it started (by PID),
 #                                     # removes the namespaces, bridge and host names it made
 #
+# Where slurmdbd and mariadb-server are installed it keeps job accounting too (a private mariadbd
+# and a slurmdbd in the same folder), so that `sacct`, and submitit through it, see a job that was
+# cancelled or timed out; it then prints `export HDDP_SLURM_ACCOUNTING=1`.
+#
 # The tests start it once per session (tests/conftest.py: slurm_cluster); by hand:
 #   eval "$(tests/slurm/cluster.sh up /tmp/slurm)"; sbatch …; tests/slurm/cluster.sh down /tmp/slurm
 set -euo pipefail
@@ -48,8 +52,8 @@ down() {
       sleep 0.1
     done
   fi
-  stop_pids "$dir"/pids/slurm*  # the daemons, then munge, which they talk through to the end
-  stop_pids "$dir/pids/munged"
+  stop_pids "$dir"/pids/slurm*  # the daemons, then the database and munge, which they use to the end
+  stop_pids "$dir/pids/mariadbd" "$dir/pids/munged"
   if [ -f "$dir/net" ]; then  # the two-node network: veth pairs, namespaces, bridge, host names
     local tag
     tag=$(cat "$dir/net")
@@ -81,11 +85,54 @@ network() {  # two namespaces on a bridge in this one, the controller at .1
   done
 }
 
+accounting_up() {  # a private MariaDB on loopback, then slurmdbd on it; the controller registers itself
+  mariadb-install-db --no-defaults --user=root --datadir="$dir/db" --auth-root-authentication-method=normal \
+    --skip-test-db --skip-name-resolve >"$dir/log/mariadb-install.log" 2>&1 \
+    || { echo "cluster.sh: mariadb-install-db failed (log in $dir/log)" >&2; return 1; }
+  # A throwaway database: no flush at each commit, no doublewrite, no binary log.
+  setsid mariadbd --no-defaults --user=root --datadir="$dir/db" --port="$db_port" --bind-address=127.0.0.1 \
+    --socket="$dir/run/mariadb.sock" --pid-file="$dir/run/mariadb.pid" --skip-name-resolve --skip-log-bin \
+    --innodb-flush-log-at-trx-commit=0 --innodb-doublewrite=0 --innodb-buffer-pool-size=64M \
+    </dev/null >"$dir/log/mariadbd.out" 2>&1 &
+  echo $! > "$dir/pids/mariadbd"
+  for _ in $(seq 300); do [ -S "$dir/run/mariadb.sock" ] && break; sleep 0.05; done
+  [ -S "$dir/run/mariadb.sock" ] || { echo "cluster.sh: mariadbd did not start (log in $dir/log)" >&2; return 1; }
+  # slurmdbd reads slurmdbd.conf beside $SLURM_CONF and refuses one that others can read.
+  (umask 077; cat > "$dir/slurmdbd.conf" <<CONF
+AuthType=auth/munge
+AuthInfo=socket=$dir/run/munge.sock
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort=$dbd_port
+SlurmUser=root
+PidFile=$dir/run/slurmdbd.pid
+LogFile=$dir/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$db_port
+StorageUser=root
+StorageLoc=slurm_acct_db
+CONF
+  )
+  setsid slurmdbd -D </dev/null >"$dir/log/slurmdbd.out" 2>&1 &
+  echo $! > "$dir/pids/slurmdbd"
+  for _ in $(seq 300); do
+    grep -q "slurmdbd version .* started" "$dir/log/slurmdbd.log" 2>/dev/null && return 0
+    kill -0 "$(cat "$dir/pids/slurmdbd")" 2>/dev/null || break
+    sleep 0.1
+  done
+  echo "cluster.sh: slurmdbd did not start: $(tail -n 3 "$dir/log/slurmdbd.log" 2>/dev/null | tr '\n' ' ')" >&2
+  return 1
+}
+
 up() {
   for tool in munged mungekey slurmctld slurmd sbatch; do
     command -v "$tool" >/dev/null || { echo "cluster.sh: $tool not found: apt-get install slurmctld slurmd slurm-client munge" >&2; exit 3; }
   done
   [ "$(id -u)" = 0 ] || { echo "cluster.sh: needs root (slurmd and munged run as root here)" >&2; exit 3; }
+  local accounting=0
+  command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null && command -v mariadb-install-db >/dev/null \
+    && accounting=1
   case $nodes in 1|2) ;; *) usage ;; esac
   if [ "$nodes" = 2 ]; then
     command -v ip >/dev/null && command -v nsenter >/dev/null \
@@ -95,9 +142,11 @@ up() {
   # munged refuses a socket whose folder (or any parent) others cannot enter.
   chmod 755 "$dir" "$dir/run"
   mungekey -c -f -k "$dir/munge.key" 2>/dev/null
-  local host cpus
+  local host cpus dbd_port db_port
   host=$(hostname)
   cpus=$(nproc)
+  dbd_port=$(free_port)
+  db_port=$(free_port)
   cat > "$dir/slurm.conf" <<CONF
 ClusterName=hddp
 SlurmctldHost=$host$([ "$nodes" = 2 ] && echo "($SUBNET.1)")
@@ -114,7 +163,14 @@ MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+$(if [ "$accounting" = 1 ]; then
+    echo "AccountingStorageType=accounting_storage/slurmdbd"
+    echo "AccountingStorageHost=localhost"
+    echo "AccountingStoragePort=$dbd_port"
+    echo "AccountingStoragePass=$dir/run/munge.sock"  # which munged signs the messages to slurmdbd
+  else
+    echo "AccountingStorageType=accounting_storage/none"
+  fi)
 # The scheduling passes every second, not every 30 and 60: a requeued job starts as soon as its hold ends.
 SchedulerParameters=bf_interval=1,sched_interval=1
 SelectType=select/cons_tres
@@ -145,6 +201,9 @@ CONF
     </dev/null >"$dir/log/munged.out" 2>&1 &
   echo $! > "$dir/pids/munged"
   for _ in $(seq 100); do [ -S "$dir/run/munge.sock" ] && break; sleep 0.05; done
+  if [ "$accounting" = 1 ]; then
+    accounting_up || { down; exit 1; }
+  fi
   setsid slurmctld -D -c </dev/null >"$dir/log/slurmctld.out" 2>&1 &
   echo $! > "$dir/pids/slurmctld"
   if [ "$nodes" = 2 ]; then
@@ -160,6 +219,7 @@ CONF
   for _ in $(seq 300); do
     if [ "$(sinfo -h -o %T 2>/dev/null | sort -u)" = idle ] && [ "$(sinfo -h -N -o %N | wc -l)" = "$nodes" ]; then
       echo "export SLURM_CONF=$dir/slurm.conf"
+      [ "$accounting" = 1 ] && echo "export HDDP_SLURM_ACCOUNTING=1"
       [ "$nodes" = 2 ] && echo "export GLOO_SOCKET_IFNAME=hddp0"
       return 0
     fi
