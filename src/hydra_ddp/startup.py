@@ -19,21 +19,27 @@ import sys
 from typing import Optional
 
 # What every worker imports (launch brings the worker, data, model and training modules, and torch),
-# after the guard that ties the forkserver's life to the launcher's.
-PRELOAD = ["hydra_ddp.forkserver_guard", "hydra_ddp.launch", "torch._dynamo"]
+# after the guard that ties the forkserver's life to the launcher's; then all of it is frozen out
+# of the garbage collector's reach.
+PRELOAD = ["hydra_ddp.forkserver_guard", "hydra_ddp.launch", "torch._dynamo", "hydra_ddp.forkserver_frozen"]
 START_METHODS = ("forkserver", "spawn")
 _QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
 
-# Arguments after which train.py launches nothing (help, config printing, shell completion), or
-# launches from other processes (a multirun's joblib or submitit jobs start their own, on first use).
-_NO_LAUNCH_HERE = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion",
-                   "-m", "--multirun")
+# Arguments after which train.py launches nothing (help, config printing, shell completion).
+_NO_LAUNCH_HERE = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
+_MULTIRUN = ("-m", "--multirun")
 
 
 def preload(argv: Optional[list[str]] = None) -> None:
     """Start the forkserver now, importing PRELOAD, when this command is going to launch workers."""
-    if argv is not None and any(arg.split("=", 1)[0] in _NO_LAUNCH_HERE for arg in argv[1:]):
-        return
+    if argv is not None:
+        args = [arg.split("=", 1)[0] for arg in argv[1:]]
+        if any(arg in _NO_LAUNCH_HERE for arg in args):
+            return
+        # A multirun's jobs launch from this process, one after another, and share the forkserver;
+        # unless another Hydra launcher runs them (joblib's or submitit's jobs start their own).
+        if any(arg in _MULTIRUN for arg in args) and any(arg.lstrip("+~") == "hydra/launcher" for arg in args):
+            return
     if "forkserver" not in multiprocessing.get_all_start_methods():  # not on Windows
         return
     from multiprocessing import forkserver
