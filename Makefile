@@ -5,11 +5,18 @@ STAMP := $(VENV)/.installed
 
 .PHONY: train test bench soak clean
 
+# Python caches the bytecode of what it imports, on first use: the install does not compile every
+# file of torch and the rest (pip does that one file at a time: half of a 150 s install here) but
+# imports what a run imports once. An environment that sets PYTHONDONTWRITEBYTECODE would
+# otherwise recompile torch at every start.
+unexport PYTHONDONTWRITEBYTECODE
+
 # The venv is rebuilt when the project's dependencies change.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
+	$(PY) -c 'import hydra_ddp.launch, torch._dynamo, tensorboard.backend.event_processing.event_accumulator'
 	touch $(STAMP)
 
 train: $(STAMP)
