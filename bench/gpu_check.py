@@ -8,6 +8,7 @@ Prints, and writes to OUT/gpu_check.md:
 - ResNet-50 (torchvision) images/s in bf16 on synthetic 224×224 data: auto settings off, the
   defaults (channels_last, bucket view, static graph), and torch.compile;
 - the transformer (+experiment=text_gpt) under ddp, fsdp and tp, with sharded checkpoints;
+- the tuner (python -m hydra_ddp.tune) on the CNN, precision and pin_memory among its knobs;
 - DataParallel against DDP where 2 or more GPUs exist (the seeds say DDP is faster);
 - where 2 or more GPUs exist: a BatchNorm model (ResNet-18) with ddp.sync_batchnorm and
   data.global_batch_size trains alike on 1 GPU and on all of them (step losses compared).
@@ -158,6 +159,11 @@ def main() -> None:
              f"{f['time_to_first_step_s'] - statistics.median(p['time_to_first_step_s'] for p in proj):+.1f} s")
     for label, f in results.items():
         emit(f"- {label}: {f['steady_samples_per_sec']:,.0f} images/s ({f['steady_samples_per_sec'] / base:.2f}× auto off)")
+    # The tuner on CUDA, where pin_memory and bf16/fp16 join its knobs: its last line, the fastest overrides.
+    tuned = subprocess.run([sys.executable, "-m", "hydra_ddp.tune", *COMMON, "data.batch_size=64",
+                            "tune.precision=true", "tune.steps=50"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    emit(f"- tuner (python -m hydra_ddp.tune tune.precision=true, the CNN): "
+         f"{(tuned.stdout.strip().splitlines() or ['no output'])[-1] if tuned.returncode == 0 else tuned.stderr[-500:]}")
     if gpus < 2:
         emit("- DataParallel vs DDP: not measured (one GPU here; needs 2 or more)")
         emit("- SyncBatchNorm world-size invariance: not measured (one GPU here; needs 2 or more)")

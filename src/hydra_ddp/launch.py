@@ -91,7 +91,12 @@ def run(cfg: DictConfig, started_at: float, task: str = "train") -> Optional[dic
         problem = _problem(plain, run_dir) if external[1].is_main and task == "train" else None
         return _unless_stopped(worker.main(plain, str(run_dir), external[1], started_at, problem=problem), run_dir,
                                quiet=not external[1].is_main)
+    return _unless_stopped(launch(plain, run_dir, started_at), run_dir)
 
+
+def launch(plain: dict[str, Any], run_dir: Path, started_at: float) -> Optional[dict[str, Any]]:
+    """Start the workers of a resolved config on this node and wait for them: the run's summary
+    (eval.py's result), None if they ended without one. Also the tuner's way to time candidates."""
     # Inside a joblib (loky) job the default context is loky's, which cannot start our workers.
     multiprocessing.set_start_method("spawn", force=True)
     launcher, n = plain["launcher"], plain["trainer"]["nproc"]
@@ -105,7 +110,7 @@ def run(cfg: DictConfig, started_at: float, task: str = "train") -> Optional[dic
     for name in ("torch.multiprocessing.spawn", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     startup.quiet_resource_tracker()
-    summary_file = run_dir / (evaluation.RESULT_FILE if task == "eval" else reporting.SUMMARY_FILE)
+    summary_file = run_dir / (evaluation.RESULT_FILE if plain["task"] == "eval" else reporting.SUMMARY_FILE)
     summary_file.unlink(missing_ok=True)  # resuming in this directory: only this run's summary counts
     signum = None
     store = _host_store(plain)  # bound before any worker starts, held until the last one has ended
@@ -124,7 +129,7 @@ def run(cfg: DictConfig, started_at: float, task: str = "train") -> Optional[dic
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
     if signum is not None and not (summary and summary["stopped_by"]):  # ended before their checkpoint
         raise Stopped({"stopped_by": signal.Signals(signum).name, "steps": None}, run_dir)
-    return _unless_stopped(summary, run_dir)
+    return summary
 
 
 def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], task: str) -> dict[str, Any]:

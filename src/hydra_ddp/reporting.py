@@ -44,7 +44,8 @@ class _Console(logging.StreamHandler):
 
 
 def setup_logging(rank: RankInfo, run_dir: Path, task: str = "train") -> None:
-    """All ranks append to run_dir/train.log (eval.log; tagged with the rank); rank 0 also prints."""
+    """All ranks append to run_dir/train.log (eval.log; tagged with the rank); rank 0 also prints,
+    but for the tuner's short runs (task "tune"), whose figures the tuner prints."""
     root = logging.getLogger()
     for handler in root.handlers[:]:  # an externally launched rank 0 still holds Hydra's handlers
         root.removeHandler(handler)
@@ -54,7 +55,7 @@ def setup_logging(rank: RankInfo, run_dir: Path, task: str = "train") -> None:
     # Python warnings (e.g. anomaly mode's forward traceback) become records: every rank's go to
     # the log file, none to the console, which keeps to one line per event.
     logging.captureWarnings(True)
-    if rank.is_main:
+    if rank.is_main and task != "tune":
         console = _Console(sys.stdout)
         console.addFilter(lambda record: not getattr(record, "file_only", False) and record.name != "py.warnings")
         handlers.append(console)

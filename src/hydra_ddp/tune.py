@@ -1,0 +1,192 @@
+"""Find the fastest settings for your model and data by timing a few real training steps under each.
+
+    python -m hydra_ddp.tune                                   # the default run's model and data
+    python -m hydra_ddp.tune model=resnet18 data=cifar10 trainer.nproc=4
+    python -m hydra_ddp.tune 'tune.knobs=[trainer.threads,ddp.bucket_cap_mb]' tune.steps=100
+    python -m hydra_ddp.tune tune.precision=true               # bf16 (fp16 on GPUs) and compressed gradients too
+
+Each candidate is a real run of your configuration, `tune.steps` steps at your world size,
+launched as train.py launches (workers forked from a forkserver that already imported torch), in
+a directory of its own; its steady samples/s decides. One knob at a time (coordinate descent):
+every value of a knob is timed with the winners so far, and a value replaces the configured one
+only when it is faster by `tune.min_gain`, which a busy machine's noise must not reach. At the end
+the configured and the tuned settings are timed in turns, side by side, and the speed-up printed
+is that measurement. Settings that change numerics beyond float tolerance (precision, gradient
+compression) are tried only with tune.precision=true.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra_ddp import startup
+
+if __name__ == "__main__":
+    startup.preload(sys.argv)  # the workers' imports start now, beside composing the config
+
+import hydra  # noqa: E402
+from hydra.core.config_store import ConfigStore  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from hydra_ddp import launch, validate  # noqa: E402
+from hydra_ddp.config import Config, register_schema  # noqa: E402
+from hydra_ddp.errors import UserError  # noqa: E402
+
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+KNOBS = ("data.num_workers", "data.pin_memory", "trainer.threads", "trainer.channels_last", "ddp.bucket_cap_mb",
+         "trainer.precision", "ddp.comm_hook")
+NUMERICS = ("trainer.precision", "ddp.comm_hook")  # change results beyond float tolerance: tune.precision
+
+
+@dataclass
+class TuneConf:
+    knobs: Optional[list[str]] = None  # which of KNOBS to try; null: every one that applies
+    steps: int = 40  # per candidate; the first tenth is warm-up, left out as in the summary's steady samples/s
+    min_gain: float = 0.05  # a value must beat the configured one by this much (5 %) to replace it
+    repeats: int = 2  # configured vs tuned, timed in turns at the end
+    precision: bool = False  # also try bf16 / fp16 and compressed gradients (results change)
+
+
+@dataclass
+class TuneConfig(Config):
+    tune: TuneConf = field(default_factory=TuneConf)
+
+
+def candidates(plain: dict[str, Any], tune: Any) -> dict[str, list[Any]]:
+    """The values worth timing for each knob, on this device, at this world size."""
+    cuda = plain["trainer"]["device"] == "cuda"
+    ddp = plain["strategy"]["name"] == "ddp"
+    ranks = plain["trainer"]["nproc"]
+    cores = len(os.sched_getaffinity(0))
+    per_rank = max(1, cores // ranks)
+    values: dict[str, list[Any]] = {
+        "data.num_workers": sorted({0, 1, 2, min(4, per_rank)}),
+        "data.pin_memory": [False, True] if cuda else [],
+        "trainer.threads": sorted({max(1, per_rank // 2), per_rank, min(cores, 2 * per_rank)}),
+        "trainer.channels_last": [True, False] if ddp else [],  # FSDP: contiguous parameters only
+        "ddp.bucket_cap_mb": [5, 25, 100] if ddp and plain["trainer"]["nproc"] * plain["launcher"]["nnodes"] > 1 else [],
+        "trainer.precision": ["32", "bf16", "16"] if cuda else ["32", "bf16"],
+        "ddp.comm_hook": ["none", "fp16", "bf16"] if ddp else [],
+    }
+    wanted = list(tune.knobs) if tune.knobs is not None else list(KNOBS)
+    unknown = [k for k in wanted if k not in KNOBS]
+    if unknown:
+        raise UserError(f"tune.knobs: unknown {', '.join(unknown)}; the knobs are {', '.join(KNOBS)}")
+    if not tune.precision:
+        wanted = [k for k in wanted if k not in NUMERICS]
+    return {k: values[k] for k in wanted if len(values[k]) > 1}
+
+
+class Timer:
+    """Times one setting: a short real run in a directory of its own, launched from this process."""
+
+    def __init__(self, cfg: DictConfig, steps: int, scratch: Path):
+        self.cfg, self.steps, self.scratch, self.runs = cfg, steps, scratch, 0
+
+    def plain(self, overrides: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+        """The resolved config of a short run with these overrides: steps only (no checkpoints,
+        loggers, progress bar or evaluation per epoch), and quiet (task "tune")."""
+        cfg = self.cfg.copy()
+        short = {"trainer.max_steps": self.steps, "trainer.epochs": 10**6, "trainer.resume": None,
+                 "trainer.init_from": None, "trainer.max_time": None, "trainer.profile": False,
+                 "trainer.eval_every_epoch": False, "trainer.progress": False, "trainer.early_stopping.patience": None,
+                 "checkpoint.every_epoch": False, "checkpoint.every_n_steps": None, "logger": {}}
+        for key, value in {**overrides, **short}.items():
+            OmegaConf.update(cfg, key, value, merge=False)
+        plain = validate.resolve(cfg, run_dir, external=None)
+        plain.update(task="tune", sweep=None, overridden=list(overrides))
+        return plain
+
+    def samples_per_sec(self, overrides: dict[str, Any]) -> float:
+        """Steady samples/s of a run with these overrides. A run that fails keeps its directory."""
+        self.runs += 1
+        run_dir = self.scratch / f"run-{self.runs}"
+        run_dir.mkdir()
+        summary = launch.launch(self.plain(overrides, run_dir), run_dir, time.time())
+        if not summary:
+            raise UserError(f"the run with {_overrides(overrides) or 'your settings'} wrote no summary: see {run_dir}")
+        shutil.rmtree(run_dir)
+        return summary["steady_samples_per_sec"]
+
+
+def tune(cfg: DictConfig, say: Any = print) -> dict[str, Any]:
+    """Coordinate descent over the knobs; returns the winners and the side-by-side speed-up."""
+    settings = cfg.tune
+    scratch = Path(tempfile.mkdtemp(prefix="hydra-ddp-tune-"))
+    timer = Timer(cfg, settings.steps, scratch)
+    configured = timer.plain({}, scratch)
+    knobs = candidates(configured, settings)
+    ranks = configured["trainer"]["nproc"] * configured["launcher"]["nnodes"]
+    say(f"timing {settings.steps} steps at {ranks} rank(s) for each value of {', '.join(knobs) or 'no knob'}")
+    chosen: dict[str, Any] = {}
+    rows = []
+    for knob, values in knobs.items():
+        current = OmegaConf.select(OmegaConf.create(configured), knob)  # threads resolved; auto stays auto
+        speeds = []
+        for value in ([] if current in values else [current]) + values:
+            try:
+                speeds.append((value, timer.samples_per_sec({**chosen, knob: value})))
+            except launch.Stopped:
+                raise
+            except UserError as error:
+                if value == current:
+                    raise
+                say(f"  {knob}={_text(value)}: failed: {error}")  # e.g. a precision this device lacks
+                continue
+            say(f"  {knob}={_text(value)}: {speeds[-1][1]:.0f} samples/s")
+        configured_speed = next(speed for value, speed in speeds if value == current)
+        best, best_speed = max(speeds, key=lambda pair: pair[1])
+        if best != current and best_speed >= configured_speed * (1 + settings.min_gain):
+            chosen[knob] = best
+        rows += [{"knob": knob, "value": value, "samples_per_sec": speed, "vs_configured": speed / configured_speed}
+                 for value, speed in speeds]
+    result: dict[str, Any] = {"overrides": chosen, "rows": rows}
+    if chosen:
+        pairs = [(timer.samples_per_sec({}), timer.samples_per_sec(chosen)) for _ in range(settings.repeats)]
+        result.update(configured=statistics.median(p[0] for p in pairs), tuned=statistics.median(p[1] for p in pairs))
+        result["speedup"] = result["tuned"] / result["configured"]
+    result["runs"] = timer.runs
+    if not any(scratch.iterdir()):  # the failed runs' directories stay, for their logs
+        scratch.rmdir()
+    return result
+
+
+def _text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _overrides(overrides: dict[str, Any]) -> str:
+    return " ".join(f"{k}={_text(v)}" for k, v in overrides.items())
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        result = tune(cfg)
+    except launch.Stopped as stop:
+        launch.say("hydra-ddp: tune: stopped by a signal; nothing chosen")
+        sys.exit(stop.exit_code)
+    except UserError as error:
+        launch.fail(error)  # one line, exit 1
+        return
+    if not result["overrides"]:
+        print(f"fastest: your settings (no value was {cfg.tune.min_gain:.0%} faster; {result['runs']} runs)")
+        return
+    print(f"fastest: {_overrides(result['overrides'])}  ({result['speedup']:.2f}× samples/s: "
+          f"{result['configured']:.0f} → {result['tuned']:.0f}, timed in turns; {result['runs']} runs)")
+
+
+if __name__ == "__main__":
+    register_schema()
+    ConfigStore.instance().store(name="schema", node=TuneConfig)  # the training schema plus `tune`
+    # A measurement, not a run: no output directory, no log file.
+    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    launch.exit_after(main)
