@@ -110,6 +110,8 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
         "wall_time_s": wall,
         "allreduce_bytes_per_step": reported.get("allreduce_bytes_per_step"),  # the project's only
         "model_state_bytes": (reported.get("model_state_bytes") or {}).get("total"),  # per rank, the largest
+        "checkpoints": reported.get("checkpoints"),
+        "checkpoint_stall_s": reported.get("checkpoint_stall_s"),  # the median save's, on rank 0
     }
 
 

@@ -19,7 +19,7 @@ _DEFINITIONS = """\
 - **peak RSS**: the largest peak resident set size (ru_maxrss) of any rank
 - **×** columns: this row / the reference row; **Δ**: this row − the reference row"""
 
-_TITLES = {"comm": "Communication hooks", "strategy": "Strategies: DDP and FSDP",
+_TITLES = {"comm": "Communication hooks", "checkpoint": "Checkpoints off the critical path", "strategy": "Strategies: DDP and FSDP",
            "strategy_gpt": "Strategies on the transformer: DDP, FSDP and tensor parallel"}
 _INTROS = {
     "strategy_gpt": "The transformer (`+experiment=text_gpt`: 4 blocks of width 128, AdamW) at 2 ranks under "
@@ -44,6 +44,12 @@ _INTROS = {
     "is a memory copy: what compression saves in bytes it may cost in compute; it pays off on slow links "
     "between nodes. "
     "Reference: none (DDP's own fp32 all-reduce).",
+    "checkpoint": "The project at 2 ranks saving a checkpoint every few steps: rank 0 copies the state to memory "
+    "at the step boundary and a background thread writes, fsyncs and renames it while training goes on "
+    "(src/hydra_ddp/checkpoint.py). **stall / save**: how long one save held rank 0 at its step boundary (the "
+    "summary's `checkpoint_stall_s`, the median save's); **stall / step**: that over the median step time. "
+    "The samples/s of the saving run include its stalls (a mid-epoch save is inside its step's time). "
+    "Reference: one checkpoint, after the timed steps.",
 }
 
 
@@ -110,6 +116,9 @@ def _table(cases: list[dict[str, Any]]) -> str:
     state = all(case.get("model_state_bytes") for case in cases) and len({c["model_state_bytes"] for c in cases}) > 1
     if state:
         headers.append("model state / rank (MB)")
+    saves = len({c.get("checkpoints") for c in cases}) > 1  # the checkpoint section: runs that save more often
+    if saves:
+        headers += ["checkpoints", "stall / save (ms)", "stall / step"]
     rows = []
     for case in cases:
         m, vs = case["median"], case["vs_reference"]
@@ -129,6 +138,9 @@ def _table(cases: list[dict[str, Any]]) -> str:
             rows[-1].append(f"{case['allreduce_bytes_per_step'] / 1024:.0f}" if case.get("allreduce_bytes_per_step") else "")
         if state:
             rows[-1].append(f"{case['model_state_bytes'] / 2**20:.2f}")
+        if saves:
+            stall = case["checkpoint_stall_s"]
+            rows[-1] += [str(case["checkpoints"]), f"{stall * 1000:.1f}", f"{stall / m['median_step_time_s']:.2f}"]
     return _markdown_table(headers, rows)
 
 

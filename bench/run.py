@@ -50,6 +50,9 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 # DDP communication hooks (src/hydra_ddp/comm.py), at 2 ranks against DDP's own all-reduce.
 COMM_HOOKS = ("none", "fp16", "bf16")
 
+# Mid-run checkpoints (rank 0 snapshots at the step boundary, a thread writes): every N steps.
+CHECKPOINT_EVERY = 20
+
 # Every setting `auto` chooses, turned off: the project as it ran before they became defaults.
 AUTO_OFF = ("trainer.channels_last=false", "ddp.gradient_as_bucket_view=false", "ddp.static_graph=false")
 
@@ -78,6 +81,11 @@ def plan(cores: int) -> dict[str, list[Case]]:
         "scaling": [Case(f"nproc={n}", "project", nproc=n) for n in world_sizes(cores)],
         "options": [Case(label, "project", overrides=overrides) for label, overrides in OPTIONS.items()],
         "comm": [Case(f"comm_hook={hook}", "project", overrides=(f"ddp.comm_hook={hook}",)) for hook in COMM_HOOKS],
+        "checkpoint": [
+            Case("a checkpoint at the end only", "project"),
+            Case(f"a checkpoint every {CHECKPOINT_EVERY} steps", "project",
+                 overrides=(f"checkpoint.every_n_steps={CHECKPOINT_EVERY}",)),
+        ],
         "strategy": [
             Case("ddp", "project"),
             Case("ddp, channels_last off", "project", overrides=("trainer.channels_last=false",)),
@@ -119,6 +127,8 @@ def run_section(name: str, cases: list[Case], workload: Workload, reps: int) -> 
             "median": median,
             "allreduce_bytes_per_step": runs[case.label][0].get("allreduce_bytes_per_step"),
             "model_state_bytes": runs[case.label][0].get("model_state_bytes"),
+            "checkpoints": runs[case.label][0].get("checkpoints"),
+            "checkpoint_stall_s": statistics.median(run["checkpoint_stall_s"] or 0.0 for run in runs[case.label]),
             "vs_reference": None if case is cases[0] else compare(median, reference),
         })
     return summary
@@ -193,7 +203,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--reps", type=positive_int, help="repetitions of each configuration (default 3; --quick: 1)")
     parser.add_argument("--steps", type=positive_int, help="training steps per run (default 200; --quick: 20)")
     parser.add_argument("--quick", action="store_true", help="a tiny run to smoke-test the harness")
-    parser.add_argument("--only", nargs="+", choices=["parity", "scaling", "options", "comm", "strategy", "strategy_gpt"],
+    parser.add_argument("--only", nargs="+", choices=["parity", "scaling", "options", "comm", "checkpoint", "strategy", "strategy_gpt"],
                         help="run these sections only (default: all)")
     parser.add_argument("--cases", nargs="+", metavar="TEXT",
                         help="only the cases whose label contains one of these (a section's reference always runs)")

@@ -6,9 +6,10 @@ inside the epoch, global step) and every rank's RNG states. It loads with
 
 Two layouts, one loading path (`read`, `model_weights`, `Checkpointer.restore`):
 - ddp: one file, `step-N.pt`, written by rank 0. Off the critical path: at the step boundary
-  rank 0 serialises the state to memory (the snapshot, and the space it needs is checked then),
-  and a background thread writes, fsyncs and publishes it while training goes on. One write at
-  a time: the next save, and the end of training or a stop (`finish`), wait for it first.
+  rank 0 copies the state's tensors to host memory (the snapshot), and a background thread
+  serialises it (checking first that the disk has room for it), writes, fsyncs and publishes it
+  while training goes on. One write at a time: the next save, and the end of training or a stop
+  (`finish`), wait for it first and learn how it went.
 - fsdp, tp, fsdp_tp: a directory, `step-N/`, written by every rank at once with
   torch.distributed.checkpoint (DCP): each rank its own shards (`__R_0.distcp`), rank 0 the
   index (`.metadata`) and the rest of the state (`meta.pt`). Written as `.step-N.tmp/` and
@@ -115,20 +116,15 @@ class Checkpointer:
         state = {**state, "rng": _gather_rng(self.device), "config": self.config, "format": FORMAT}
         if self.sharded:
             return self._save_sharded(state, step, best)
-        problem = None
+        # The previous write first: one at a time (so the free space it checks is real), and every
+        # rank learns whether it failed before this one starts.
+        self._agree(self._wait() if self.rank.is_main else None)
         if self.rank.is_main:
-            problem = self._wait()  # the previous write: one at a time, and the free space below is real
-            if problem is None:
-                try:
-                    self.dir.mkdir(parents=True, exist_ok=True)
-                    payload = _serialize(state, self.dir)  # the snapshot: training may change the tensors now
-                except OSError as e:
-                    problem = self._failed(step, e)
-            if problem is None:
-                self.writing = threading.Thread(target=self._write, args=(payload, step, best),
-                                                name="checkpoint-writer", daemon=True)
-                self.writing.start()
-        self._agree(problem)
+            # Training may change the tensors once this returns: the writer gets copies. It starts
+            # after the collective above, which it would slow down on a busy CPU.
+            self.writing = threading.Thread(target=self._write, args=(_snapshot(state), step, best),
+                                            name="checkpoint-writer", daemon=True)
+            self.writing.start()
 
     def finish(self) -> None:
         """Wait for the write in flight (end of training, a stop): every rank calls it, and learns how it went."""
@@ -154,15 +150,18 @@ class Checkpointer:
         log.error("%s", problem)
         return problem
 
-    def _write(self, payload: memoryview, step: int, best: bool) -> None:
-        """In the background: write, publish as last (and best), prune. The only writer: rank 0's one thread."""
+    def _write(self, state: dict[str, Any], step: int, best: bool) -> None:
+        """In the background: serialise, write, publish as last (and best), prune. The only writer:
+        rank 0's one thread."""
         try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            payload = _serialize(state, self.dir)
             _remove_leftovers(self.dir)
             target = self.dir / f"step-{step:08d}.pt"
             _atomic_write(payload, target)
             self._publish(target, best)
             log.info("checkpoint: step %d → %s", step, target, extra=FILE_ONLY)  # the epoch's line says enough
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001  (a full disk, or a state that does not serialise: reported, not lost in a thread)
             self.write_error = self._failed(step, e)
 
     def _save_sharded(self, state: dict[str, Any], step: int, best: bool) -> None:
@@ -449,6 +448,19 @@ def _head(model: nn.Module) -> str:
     if not linear:
         raise UserError("trainer.init_ignore=[head]: the model has no Linear layer; name its parameters instead")
     return linear[-1]
+
+
+def _snapshot(value: Any) -> Any:
+    """The state with each tensor copied to host memory (a GPU's too: the writer thread never
+    touches the device), containers rebuilt around the copies."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _snapshot(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_snapshot(item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple's fields
+    return value
 
 
 def _serialize(state: dict[str, Any], directory: Path) -> memoryview:

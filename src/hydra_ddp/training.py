@@ -174,6 +174,7 @@ class Trainer:
         # boundary and waiting for the write at the end (the write itself runs beside training).
         # A checkpoint mid-epoch is also inside its step's time.
         self.overheads = {"eval_time_s": 0.0, "checkpoint_time_s": 0.0, "checkpoints": 0}
+        self.save_stalls: list[float] = []  # how long each save held rank 0 at its step boundary
 
     # --- checkpoint state -----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -219,8 +220,10 @@ class Trainer:
         if saved_step == self.pos.step and (saved_as_best or not best):
             return
         self._check_finite_weights()
+        before = self.overheads["checkpoint_time_s"]
         with self._timed("checkpoint_time_s"):
             self.checkpointer.save(self.state(), self.pos.step, best)
+        self.save_stalls.append(self.overheads["checkpoint_time_s"] - before)
         self.overheads["checkpoints"] += 1
         self.saved = (self.pos.step, best)
 
@@ -577,6 +580,7 @@ class Trainer:
             "median_step_time_s": statistics.median(self.step_times[warm:]) if self.step_times else 0.0,
             "train_time_s": sum(self.step_times),
             **self.overheads,  # rank 0's
+            "checkpoint_stall_s": statistics.median(self.save_stalls) if self.save_stalls else None,  # per save
             "ranks": self.ranks,  # seconds per step by phase, per rank (timing.py)
             "straggler": self.straggler,
             "first_step_at": self.first_step_at,
