@@ -39,7 +39,8 @@ _INTROS = {
     "uses the whole machine. Reference: 1 rank.",
     "options": "The project at 2 ranks with each set of performance overrides (`OPTIONS` in bench/run.py). "
     "Reference: the first.",
-    "comm": "The project at 2 ranks with each DDP communication hook (`ddp.comm_hook`, src/hydra_ddp/comm.py); "
+    "comm": "The project at 2 ranks with each DDP communication hook (`ddp.comm_hook`, src/hydra_ddp/comm.py; "
+    "PowerSGD at rank 1, compressing from the first step); "
     "**all-reduce / step**: the gradient bytes each rank all-reduces per step. On one machine the all-reduce "
     "is a memory copy: what compression saves in bytes it may cost in compute; it pays off on slow links "
     "between nodes. "

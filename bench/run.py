@@ -80,7 +80,9 @@ def plan(cores: int) -> dict[str, list[Case]]:
         ],
         "scaling": [Case(f"nproc={n}", "project", nproc=n) for n in world_sizes(cores)],
         "options": [Case(label, "project", overrides=overrides) for label, overrides in OPTIONS.items()],
-        "comm": [Case(f"comm_hook={hook}", "project", overrides=(f"ddp.comm_hook={hook}",)) for hook in COMM_HOOKS],
+        "comm": [Case(f"comm_hook={hook}", "project", overrides=(f"ddp.comm_hook={hook}",)) for hook in COMM_HOOKS]
+        + [Case("comm_hook=powersgd (rank 1, from step 0)", "project",
+                overrides=("ddp.comm_hook=powersgd", "ddp.powersgd.start_step=0"))],
         "checkpoint": [
             Case("a checkpoint at the end only", "project"),
             Case(f"a checkpoint every {CHECKPOINT_EVERY} steps", "project",

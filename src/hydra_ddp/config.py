@@ -165,6 +165,16 @@ class TrainerConf:
 
 
 @dataclass
+class PowerSGDConf:
+    # ddp.comm_hook=powersgd: each weight matrix's gradient sent as a rank-`rank` approximation
+    # (1–4 in the paper; higher is closer to the exact gradient and sends more).
+    rank: int = 1
+    # Plain all-reduce before this optimizer step: the paper's warm-up (torch suggests about a
+    # tenth of the training).
+    start_step: int = 100
+
+
+@dataclass
 class DDPConf:
     # Keyword arguments of torch.nn.parallel.DistributedDataParallel.
     bucket_cap_mb: float = 25.0
@@ -172,8 +182,9 @@ class DDPConf:
     gradient_as_bucket_view: Any = "auto"
     static_graph: Any = "auto"
     # Not DDP's argument: its gradient communication hook (comm.py), none (DDP's fp32 all-reduce),
-    # fp16 or bf16 (gradients all-reduced in 16 bits).
+    # fp16 or bf16 (gradients all-reduced in 16 bits), or powersgd (low-rank, settings below).
     comm_hook: str = "none"
+    powersgd: PowerSGDConf = field(default_factory=PowerSGDConf)
     find_unused_parameters: bool = False
     # Not DDP's: BatchNorm layers become SyncBatchNorm (statistics over the global batch, so a
     # BatchNorm model trains alike at any world size). GPUs only: DDP refuses it on the CPU.

@@ -15,7 +15,7 @@ module's parameter names, so either loads at any world size and under any strate
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,15 +45,25 @@ class DDPStrategy:
         self.cfg, self.device = cfg, device
         self.module: nn.Module = nn.Module()
         self.model: nn.Module = nn.Module()
+        self.comm: Optional[comm.PowerSGD] = None  # a communication hook that keeps state
 
     def wrap(self, module: nn.Module) -> nn.Module:
         options = OmegaConf.to_container(self.cfg.ddp)
-        hook = options.pop("comm_hook")  # comm.py's, not DDP's argument
+        hook = options.pop("comm_hook")  # comm.py's, not DDP's arguments
+        options.pop("powersgd")
         options.pop("sync_batchnorm")  # applied before the model moved to its device (worker)
         self.module = module
         self.model = DDP(module, device_ids=[self.device.index] if self.device.type == "cuda" else None, **options)
-        comm.register(self.model, hook)
+        self.comm = comm.register(self.model, hook, self.cfg.ddp.powersgd)
         return self.model
+
+    def comm_state(self) -> Optional[dict[str, Any]]:
+        """The communication hook's state for a checkpoint (PowerSGD's; every rank calls it)."""
+        return self.comm.state() if self.comm else None
+
+    def load_comm_state(self, saved: Optional[dict[str, Any]], step: int) -> Optional[str]:
+        """A checkpoint's hook state into the hook; a warning, where it could not all be taken."""
+        return self.comm.load(saved, step) if self.comm else None
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.model.no_sync()

@@ -185,6 +185,7 @@ class Trainer:
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "position": asdict(self.pos),
             "monitor": self.monitor.state(),
+            "comm_hook": self.strategy.comm_state(),  # PowerSGD's error feedback and warm start
         }
 
     def resume_from(self, path: Path, state: dict[str, Any]) -> None:
@@ -192,6 +193,9 @@ class Trainer:
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         self.pos = Position(**state["position"])
+        problem = self.strategy.load_comm_state(state.get("comm_hook"), self.pos.step)
+        if problem:
+            log.warning("resuming from %s: %s", path, problem)
         self.window.first = self.pos.step + 1
         self.monitor.load(state.get("monitor"))
         if self.monitor.best_step is not None and self.monitor.best_step != self.pos.step:

@@ -64,7 +64,7 @@ def candidates(plain: dict[str, Any], tune: Any) -> dict[str, list[Any]]:
     """The values worth timing for each knob, on this device, at this world size."""
     cuda = plain["trainer"]["device"] == "cuda"
     ddp = plain["strategy"]["name"] == "ddp"
-    ranks = plain["trainer"]["nproc"]
+    ranks, world = plain["trainer"]["nproc"], plain["trainer"]["nproc"] * plain["launcher"]["nnodes"]
     cores = len(os.sched_getaffinity(0))
     per_rank = max(1, cores // ranks)
     values: dict[str, list[Any]] = {
@@ -72,9 +72,9 @@ def candidates(plain: dict[str, Any], tune: Any) -> dict[str, list[Any]]:
         "data.pin_memory": [False, True] if cuda else [],
         "trainer.threads": sorted({max(1, per_rank // 2), per_rank, min(cores, 2 * per_rank)}),
         "trainer.channels_last": [True, False] if ddp else [],  # FSDP: contiguous parameters only
-        "ddp.bucket_cap_mb": [5, 25, 100] if ddp and plain["trainer"]["nproc"] * plain["launcher"]["nnodes"] > 1 else [],
+        "ddp.bucket_cap_mb": [5, 25, 100] if ddp and world > 1 else [],
         "trainer.precision": ["32", "bf16", "16"] if cuda else ["32", "bf16"],
-        "ddp.comm_hook": ["none", "fp16", "bf16"] if ddp else [],
+        "ddp.comm_hook": ["none", "fp16", "bf16", "powersgd"] if ddp and world > 1 else [],
     }
     wanted = list(tune.knobs) if tune.knobs is not None else list(KNOBS)
     unknown = [k for k in wanted if k not in KNOBS]
@@ -101,6 +101,8 @@ class Timer:
                  "checkpoint.every_epoch": False, "checkpoint.every_n_steps": None, "logger": {}}
         for key, value in {**overrides, **short}.items():
             OmegaConf.update(cfg, key, value, merge=False)
+        if cfg.ddp.comm_hook == "powersgd":  # timed compressing, not in its warm-up of plain all-reduces
+            cfg.ddp.powersgd.start_step = 0
         plain = validate.resolve(cfg, run_dir, external=None)
         plain.update(task="tune", sweep=None, overridden=list(overrides))
         return plain

@@ -164,6 +164,10 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
     if ddp["comm_hook"] != "none" and not data_cfg["even_shards"]:
         raise UserError(f"ddp.comm_hook={ddp['comm_hook']} does not combine with data.even_shards=false (Join's "
                         "shadow all-reduces bypass the hook); use one or the other")
+    powersgd = ddp["powersgd"]
+    if ddp["comm_hook"] == "powersgd" and (powersgd["rank"] < 1 or powersgd["start_step"] < 0):
+        raise UserError(f"ddp.powersgd.rank must be 1 or more and ddp.powersgd.start_step 0 or more, got "
+                        f"{powersgd['rank']} and {powersgd['start_step']}")
     if plain["ddp"]["static_graph"] is True and trainer["accumulate"] > 1:
         raise UserError("ddp.static_graph=true does not combine with trainer.accumulate > 1 (DDP's reducer fails "
                         "on a no_sync step in a static graph); set ddp.static_graph=auto or false")

@@ -168,7 +168,8 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
             # Parameters, gradients and optimizer state held by one rank (the largest): FSDP's shards.
             "model_state_bytes": _most_over_ranks(strategy.local_state_bytes(spread, optimizer), device),
             "comm_hook": cfg.ddp.comm_hook if spread.name == "ddp" else None,
-            "allreduce_bytes_per_step": comm.bytes_per_step(model, cfg.ddp.comm_hook) if spread.name == "ddp" else None,
+            "allreduce_bytes_per_step": (comm.bytes_per_step(model, cfg.ddp.comm_hook, cfg.ddp.powersgd)
+                                         if spread.name == "ddp" else None),
             **result,
             "time_to_first_step_s": result["first_step_at"] - started_at if result["first_step_at"] else None,
             "peak_rss_mb": distributed.max_over_ranks(_peak_rss_mb(), device),
