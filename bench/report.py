@@ -89,7 +89,8 @@ def render(results: dict[str, Any]) -> str:
     if "parity" in sections:
         lines += _parity_headline(sections["parity"])
     for name, cases in sections.items():
-        lines += [f"## {_TITLES.get(name, name.capitalize())}", "", _INTROS[name], "", _table(cases), ""]
+        lines += [f"## {_TITLES.get(name, name.capitalize())}", "", _INTROS[name], "",
+                  _table(cases, stalls=name == "checkpoint"), ""]
     lines += ["## Commands", "", "One run of each side (`RUN_DIR`: a fresh temporary directory per run):", ""]
     lines += [f"    {case['command']}" for case in sections.get("parity", [])]
     return "\n".join(lines) + "\n"
@@ -108,7 +109,7 @@ def _parity_headline(cases: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def _table(cases: list[dict[str, Any]]) -> str:
+def _table(cases: list[dict[str, Any]], stalls: bool = False) -> str:
     headers = ["configuration", "samples/s", "step (ms)", "first step (s)", "peak RSS (MB)",
                "samples/s ×", "step ×", "first step Δ (s)", "RSS ×"]
     sent = any(case.get("allreduce_bytes_per_step") for case in cases) and all(c["side"] == "project" for c in cases)
@@ -117,8 +118,7 @@ def _table(cases: list[dict[str, Any]]) -> str:
     state = all(case.get("model_state_bytes") for case in cases) and len({c["model_state_bytes"] for c in cases}) > 1
     if state:
         headers.append("model state / rank (MB)")
-    saves = len({c.get("checkpoints") for c in cases}) > 1  # the checkpoint section: runs that save more often
-    if saves:
+    if stalls:
         headers += ["checkpoints", "stall / save (ms)", "stall / step"]
     rows = []
     for case in cases:
@@ -139,7 +139,7 @@ def _table(cases: list[dict[str, Any]]) -> str:
             rows[-1].append(f"{case['allreduce_bytes_per_step'] / 1024:.0f}" if case.get("allreduce_bytes_per_step") else "")
         if state:
             rows[-1].append(f"{case['model_state_bytes'] / 2**20:.2f}")
-        if saves:
+        if stalls:
             stall = case["checkpoint_stall_s"]
             rows[-1] += [str(case["checkpoints"]), f"{stall * 1000:.1f}", f"{stall / m['median_step_time_s']:.2f}"]
     return _markdown_table(headers, rows)
