@@ -129,7 +129,6 @@ def tune(cfg: DictConfig, say: Any = print) -> dict[str, Any]:
     ranks = configured["trainer"]["nproc"] * configured["launcher"]["nnodes"]
     say(f"timing {settings.steps} steps at {ranks} rank(s) for each value of {', '.join(knobs) or 'no knob'}")
     chosen: dict[str, Any] = {}
-    rows = []
     for knob, values in knobs.items():
         current = OmegaConf.select(OmegaConf.create(configured), knob)  # threads resolved; auto stays auto
         speeds = []
@@ -148,9 +147,7 @@ def tune(cfg: DictConfig, say: Any = print) -> dict[str, Any]:
         best, best_speed = max(speeds, key=lambda pair: pair[1])
         if best != current and best_speed >= configured_speed * (1 + settings.min_gain):
             chosen[knob] = best
-        rows += [{"knob": knob, "value": value, "samples_per_sec": speed, "vs_configured": speed / configured_speed}
-                 for value, speed in speeds]
-    result: dict[str, Any] = {"overrides": chosen, "rows": rows}
+    result: dict[str, Any] = {"overrides": chosen}
     if chosen:
         pairs = [(timer.samples_per_sec({}), timer.samples_per_sec(chosen)) for _ in range(settings.repeats)]
         result.update(configured=statistics.median(p[0] for p in pairs), tuned=statistics.median(p[1] for p in pairs))
@@ -177,7 +174,7 @@ def main(cfg: DictConfig) -> None:
         launch.say("hydra-ddp: tune: stopped by a signal; nothing chosen")
         sys.exit(stop.exit_code)
     except UserError as error:
-        launch.fail(error)  # one line, exit 1
+        launch.fail(error)  # one line, exit 2 (a usage error, as train.py's)
         return
     if not result["overrides"]:
         print(f"fastest: your settings (no value was {cfg.tune.min_gain:.0%} faster; {result['runs']} runs)")
