@@ -1,8 +1,8 @@
-"""`make bench`: the project's train.py against a hand-written DDP loop, world-size scaling, options.
+"""`make bench`: the project's train.py against a hand-written DDP loop, the default run, world-size scaling, options.
 
     .venv/bin/python bench/run.py                 # 3 repetitions × 200 steps of every configuration
     .venv/bin/python bench/run.py --quick         # a smoke test of the harness: 1 × 20 steps
-    .venv/bin/python bench/run.py --only comm     # one section (parity, scaling, options, comm, strategy, strategy_gpt)
+    .venv/bin/python bench/run.py --only comm     # one section (parity, default, scaling, options, comm, checkpoint, strategy, strategy_gpt)
     .venv/bin/python bench/run.py --only options --cases timing --out /tmp/bench   # one line, beside its reference
     make bench ARGS="--reps 5 --steps 500 --out /tmp/bench"
 
@@ -78,6 +78,8 @@ def plan(cores: int) -> dict[str, list[Case]]:
             Case("project, start_method=spawn", "project", overrides=("launcher.start_method=spawn",)),
             Case("project, auto settings off", "project", overrides=AUTO_OFF),
         ],
+        # `make train` as a user runs it: its wall time against its training time (not a comparison).
+        "default": [Case("make train (the default run)", "default")],
         "scaling": [Case(f"nproc={n}", "project", nproc=n) for n in world_sizes(cores)],
         "options": [Case(label, "project", overrides=overrides) for label, overrides in OPTIONS.items()],
         "comm": [Case(f"comm_hook={hook}", "project", overrides=(f"ddp.comm_hook={hook}",)) for hook in COMM_HOOKS]
@@ -134,6 +136,21 @@ def run_section(name: str, cases: list[Case], workload: Workload, reps: int) -> 
             "vs_reference": None if case is cases[0] else compare(median, reference),
         })
     return summary
+
+
+def run_default(case: Case, workload: Workload, reps: int) -> list[dict[str, Any]]:
+    """The default run, `reps` times: where its wall time goes besides training, from its summary."""
+    runs = []
+    for rep in range(1, reps + 1):
+        result = measure(case, workload)
+        runs.append(result)
+        print(f"[default {rep}/{reps}] wall {result['wall_time_s']:5.2f} s  training {result['train_time_s']:5.2f} s  "
+              f"first step {result['time_to_first_step_s']:5.2f} s", file=sys.stderr, flush=True)
+    figures = ("wall_time_s", "train_time_s", "time_to_first_step_s", "eval_time_s", "checkpoint_time_s")
+    median = {figure: statistics.median(run[figure] for run in runs) for figure in figures}
+    median["beyond_training_s"] = statistics.median(run["wall_time_s"] - run["train_time_s"] for run in runs)
+    return [{"label": case.label, "side": case.side, "command": printable(command(case, workload, Path("RUN_DIR"))[0]),
+             "runs": runs, "median": median, "checkpoints": runs[0]["checkpoints"]}]
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -205,7 +222,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--reps", type=positive_int, help="repetitions of each configuration (default 3; --quick: 1)")
     parser.add_argument("--steps", type=positive_int, help="training steps per run (default 200; --quick: 20)")
     parser.add_argument("--quick", action="store_true", help="a tiny run to smoke-test the harness")
-    parser.add_argument("--only", nargs="+", choices=["parity", "scaling", "options", "comm", "checkpoint", "strategy", "strategy_gpt"],
+    parser.add_argument("--only", nargs="+", choices=["parity", "default", "scaling", "options", "comm", "checkpoint", "strategy", "strategy_gpt"],
                         help="run these sections only (default: all)")
     parser.add_argument("--cases", nargs="+", metavar="TEXT",
                         help="only the cases whose label contains one of these (a section's reference always runs)")
@@ -239,7 +256,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name, cases in plan(m["usable_cores"]).items():
             if args.cases:  # the first case is the section's reference: the others are measured against it
                 cases = cases[:1] + [c for c in cases[1:] if any(text in c.label for text in args.cases)]
-            if (not args.only or name in args.only) and len(cases) > 1:
+            if args.only and name not in args.only:
+                continue
+            if name == "default":
+                results["sections"][name] = run_default(cases[0], workload, args.reps)
+            elif len(cases) > 1:
                 results["sections"][name] = run_section(name, cases, workload, args.reps)
     except BenchError as error:
         print(f"bench: error: {error}", file=sys.stderr)
