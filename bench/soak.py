@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -31,8 +32,8 @@ def hog() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
 
 
-def run_suite(junit: Path, pytest_args: list[str]) -> tuple[float, int, dict[str, str]]:
-    """(seconds, exit code, {test id: "failed" | "error"}) of one full run."""
+def run_suite(junit: Path, pytest_args: list[str]) -> tuple[float, int, dict[str, str], Counter]:
+    """(seconds, exit code, {test id: "failed" | "error"}, {"passed": n, "skipped": n}) of one full run."""
     started = time.monotonic()
     code = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *pytest_args],
@@ -40,19 +41,23 @@ def run_suite(junit: Path, pytest_args: list[str]) -> tuple[float, int, dict[str
     ).returncode
     seconds = time.monotonic() - started
     bad: dict[str, str] = {}
+    counts: Counter[str] = Counter()
     if junit.exists():
         for case in ET.parse(junit).getroot().iter("testcase"):
+            test = f"{case.get('classname')}::{case.get('name')}"
             for kind in ("failure", "error"):
                 if case.find(kind) is not None:
-                    bad[f"{case.get('classname')}::{case.get('name')}"] = kind
+                    bad[test] = kind
+            if test not in bad:
+                counts["skipped" if case.find("skipped") is not None else "passed"] += 1
     elif code:
         bad["(the run itself)"] = f"exit {code}, no report"
-    return seconds, code, bad
+    return seconds, code, bad, counts
 
 
 def write_report(runs: list, failures: Counter, hogged: bool, pytest_args: list[str], planned: int) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    passed = sum(1 for _, _, code, bad in runs if not bad and not code)
+    passed = sum(1 for _, _, code, bad, _ in runs if not bad and not code)
     lines = [
         "# Soak: the whole suite, run after run",
         "",
@@ -63,10 +68,11 @@ def write_report(runs: list, failures: Counter, hogged: bool, pytest_args: list[
         "",
         f"**{passed} of {len(runs)} runs passed ({planned} planned); {sum(failures.values())} test failure(s).**",
         "",
-        "| run | result | minutes | failed tests |",
-        "| ---: | --- | ---: | --- |",
-        *(f"| {i} | {'ok' if not bad and not code else 'failed'} | {s / 60:.1f} | {', '.join(bad)} |"
-          for i, s, code, bad in runs),
+        # Skipped tests are counted: a soak on a machine without Slurm or Open MPI is not the whole suite.
+        "| run | result | minutes | passed | skipped | failed tests |",
+        "| ---: | --- | ---: | ---: | ---: | --- |",
+        *(f"| {i} | {'ok' if not bad and not code else 'failed'} | {s / 60:.1f} | {counts['passed']} | "
+          f"{counts['skipped']} | {', '.join(bad)} |" for i, s, code, bad, counts in runs),
         "",
     ]
     if failures:
@@ -86,14 +92,18 @@ def main() -> int:
 
     failures: Counter[str] = Counter()
     runs: list = []
+    report = ""
+    # A soak stopped with SIGTERM (kill, a CI timeout) still stops its hog: `finally` below runs.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     spinner = None if args.no_hog else hog()
     try:
         with TemporaryDirectory() as tmp:
             for i in range(1, args.runs + 1):
-                seconds, code, bad = run_suite(Path(tmp) / f"run{i}.xml", args.pytest_args)
+                seconds, code, bad, counts = run_suite(Path(tmp) / f"run{i}.xml", args.pytest_args)
                 failures.update(bad.keys())  # one count per failing test per run (the values say how it failed)
-                runs.append((i, seconds, code, sorted(bad)))
-                print(f"soak: run {i}/{args.runs}: {'ok' if not bad and not code else 'FAILED'} in {seconds:.0f} s"
+                runs.append((i, seconds, code, sorted(bad), counts))
+                print(f"soak: run {i}/{args.runs}: {'ok' if not bad and not code else 'FAILED'} in {seconds:.0f} s, "
+                      f"{counts['passed']} passed, {counts['skipped']} skipped"
                       + (f" ({', '.join(sorted(bad))})" if bad else ""), flush=True)
                 report = write_report(runs, failures, spinner is not None, args.pytest_args, args.runs)
     finally:
@@ -101,7 +111,7 @@ def main() -> int:
             spinner.kill()
             spinner.wait()
     print(report)
-    return 1 if failures or any(code for _, _, code, _ in runs) else 0
+    return 1 if failures or any(code for _, _, code, _, _ in runs) else 0
 
 
 if __name__ == "__main__":
