@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import csv
 import os
+import re
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,6 +19,7 @@ from omegaconf import OmegaConf
 
 TENSORBOARD_DIR = "tensorboard"
 CSV_FILE = "metrics.csv"
+_EVENT_FILE = re.compile(r"^events\.out\.tfevents\.(\d+)\.")  # then host, pid, a counter
 
 
 class Logger:
@@ -37,6 +40,8 @@ class TensorBoard(Logger):
 
         # Resuming: TensorBoard hides the earlier file's events after the checkpoint's step.
         purge_step = resume_step + 1 if resume_step is not None else None
+        if purge_step is not None:
+            _after_the_newest_event_file(run_dir / TENSORBOARD_DIR)
         self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=purge_step)
         self.writer.add_text("config", "```yaml\n" + OmegaConf.to_yaml(run_config) + "```", 0)
 
@@ -56,6 +61,21 @@ class TensorBoard(Logger):
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _after_the_newest_event_file(log_dir: Path) -> None:
+    """Return once a new event file's name sorts after every one in `log_dir`.
+
+    TensorBoard reads a folder's files in name order, and a resumed run's purge hides the earlier
+    files' later steps only if its own file is read last. Names begin with the second they were
+    made in, then host and pid: a restart within the second of the attempt before it (torchrun's,
+    after a kill) could sort first, pids compared as text, and TensorBoard then purged the resumed
+    run's steps instead (seen in the soak: the curve stopped at the restart's step). So wait for the
+    next second, at most about one; a file from a clock further ahead is not waited for."""
+    seconds = [int(m.group(1)) for p in log_dir.glob("events.out.tfevents.*") if (m := _EVENT_FILE.match(p.name))]
+    delay = max(seconds, default=0) + 1 - time.time()
+    if 0 < delay <= 2:
+        time.sleep(delay)
 
 
 class CSV(Logger):
