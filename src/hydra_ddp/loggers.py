@@ -70,8 +70,9 @@ def _after_the_newest_event_file(log_dir: Path) -> None:
     files' later steps only if its own file is read last. Names begin with the second they were
     made in, then host and pid: a restart within the second of the attempt before it (torchrun's,
     after a kill) could sort first, pids compared as text, and TensorBoard then purged the resumed
-    run's steps instead (seen in the soak: the curve stopped at the restart's step). So wait for the
-    next second, at most about one; a file from a clock further ahead is not waited for."""
+    run's steps instead (seen in the soak: the curve stopped at the restart's step). So wait until
+    the second after the newest file's: under a second, or up to two when that file is from a clock
+    a second ahead; a file from a clock further ahead is not waited for."""
     seconds = [int(m.group(1)) for p in log_dir.glob("events.out.tfevents.*") if (m := _EVENT_FILE.match(p.name))]
     delay = max(seconds, default=0) + 1 - time.time()
     if 0 < delay <= 2:
