@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
-from conftest import scalars
-from hydra_ddp.loggers import TENSORBOARD_DIR, TensorBoard
+from conftest import event_files, scalars
+from hydra_ddp.loggers import TensorBoard
 
 
 def test_a_resumed_runs_event_file_is_read_last_even_when_the_earlier_one_sorts_after_it(tmp_path: Path):
@@ -18,7 +17,7 @@ def test_a_resumed_runs_event_file_is_read_last_even_when_the_earlier_one_sorts_
     for step in range(1, 31):
         first.metrics({"train/loss": float(step)}, step)
     first.close()
-    (made,) = (tmp_path / TENSORBOARD_DIR).iterdir()
+    (made,) = event_files(tmp_path)
     # The next second (a clock tick in between must not make this pass): the same second as the
     # restart below, or one after it, and higher than any name the restart could get in it.
     earlier = made.rename(made.with_name(f"events.out.tfevents.{int(time.time()) + 1:010d}.zzzz.99999999.0"))
@@ -28,6 +27,6 @@ def test_a_resumed_runs_event_file_is_read_last_even_when_the_earlier_one_sorts_
         resumed.metrics({"train/loss": -float(step)}, step)
     resumed.close()
 
-    names = sorted(os.listdir(tmp_path / TENSORBOARD_DIR))
+    names = [path.name for path in event_files(tmp_path)]
     assert len(names) == 2 and names[0] == earlier.name, names  # the resumed run's file is the last read
     assert scalars(tmp_path, "train/loss") == [(s, float(s)) for s in range(1, 21)] + [(s, -float(s)) for s in range(21, 26)]
