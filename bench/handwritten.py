@@ -79,14 +79,20 @@ def measurements(step_times: list[float], samples_per_step: int) -> dict[str, fl
     }
 
 
-def peak_rss_mb() -> float:
+def peak_rss_mb(device: torch.device) -> float:
     """The largest peak resident set size over the ranks (ru_maxrss is in KiB on Linux)."""
-    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], dtype=torch.float64)
-    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
-    return rss.item()
+    return largest(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, device)
+
+
+def largest(value: float, device: torch.device) -> float:
+    """The largest of the ranks' values (on the device: NCCL reduces nothing else)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    entered_at = time.time()  # this worker's imports done (the spawned interpreter re-imports this file)
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     device = torch.device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
     ddp_setup(rank, world_size, port, device)
@@ -96,7 +102,8 @@ def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> Non
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 
     step_times, first_step_at = train(model, loader, optimizer, args.steps, device)
-    rss = peak_rss_mb()
+    rss = peak_rss_mb(device)
+    workers_ready_at = largest(entered_at, device)
     if rank == 0:
         result = {
             "world_size": world_size,
@@ -104,6 +111,7 @@ def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> Non
             **measurements(step_times, args.batch_size * world_size),
             "first_step_at": first_step_at,
             "time_to_first_step_s": first_step_at - STARTED_AT,
+            "workers_ready_at": workers_ready_at,
             "peak_rss_mb": rss,
         }
         with open(args.out, "w") as f:

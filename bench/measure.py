@@ -24,9 +24,13 @@ REPO = Path(__file__).resolve().parents[1]
 HANDWRITTEN = Path(__file__).resolve().parent / "handwritten.py"
 
 # The figures every run yields; the report shows the median of each over the repetitions.
-METRICS = ("steady_samples_per_sec", "median_step_time_s", "time_to_first_step_s", "peak_rss_mb")
+METRICS = ("steady_samples_per_sec", "median_step_time_s", "time_to_first_step_s", "time_to_workers_ready_s", "peak_rss_mb")
 # What a run must write (summary.json, or the baseline's JSON) for those figures.
-REPORTED = ("steps", "world_size", "steady_samples_per_sec", "median_step_time_s", "first_step_at", "peak_rss_mb")
+REPORTED = ("steps", "world_size", "steady_samples_per_sec", "median_step_time_s", "first_step_at", "workers_ready_at",
+            "peak_rss_mb")
+# The least time any DDP script needs before its first step, whatever launches it: one interpreter
+# importing torch and torch._dynamo (DDP's constructor and forward use it).
+FLOOR_IMPORTS = "import torch, torch._dynamo"
 
 
 class BenchError(Exception):
@@ -106,6 +110,8 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
         "steady_samples_per_sec": reported["steady_samples_per_sec"],
         "median_step_time_s": reported["median_step_time_s"],
         "time_to_first_step_s": reported["first_step_at"] - started,
+        # When the last worker's own code began: its interpreter, its imports (or the forkserver's) done.
+        "time_to_workers_ready_s": reported["workers_ready_at"] - started,
         "peak_rss_mb": reported["peak_rss_mb"],
         "steps": reported["steps"],
         "world_size": reported["world_size"],
@@ -119,6 +125,17 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
         "eval_time_s": reported.get("eval_time_s"),
         "checkpoint_time_s": reported.get("checkpoint_time_s"),
     }
+
+
+def measure_floor() -> float:
+    """From the start of one interpreter doing FLOOR_IMPORTS to their end, on this harness's clock as
+    the runs are (not to the process's end: the interpreter's teardown of torch takes a second more)."""
+    started = time.time()
+    done = subprocess.run([sys.executable, "-c", f"{FLOOR_IMPORTS}; import time; print(time.time())"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode:
+        raise BenchError(f"`python -c {FLOOR_IMPORTS!r}` failed: {done.stderr.strip().splitlines()[-1:]}")
+    return float(done.stdout.split()[-1]) - started
 
 
 def printable(cmd: list[str]) -> str:

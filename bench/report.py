@@ -6,7 +6,7 @@ rebuilt from any saved results.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Optional
 
 _DISCLAIMER = (
     "Absolute figures vary between machines, and with whatever else runs on them: only the ratios "
@@ -19,6 +19,14 @@ _DEFINITIONS = """\
 - **peak RSS**: the largest peak resident set size (ru_maxrss) of any rank
 - **×** columns: this row / the reference row; **Δ**: this row − the reference row"""
 
+_STARTUP_INTRO = (
+    "The first step's time in two parts, medians over the repetitions (min–max of the first step in brackets). "
+    "**workers ready**: from the command's start until the last worker's own code began, its interpreter and "
+    "imports done (the project's workers are forks of the forkserver, so its imports of torch and torch._dynamo "
+    "come first); **then to the first step**: the process group, data, model and the first step, and whatever a "
+    "worker imports only then (the hand-written loop's DDP imports torch._dynamo in its constructor). **floor**: "
+    "one interpreter importing torch and torch._dynamo and nothing else, timed the same way: no DDP script starts "
+    "sooner, whatever launches it; what a configuration takes beyond it is its own start-up.")
 _TITLES = {"default": "The default run (`make train`)", "comm": "Communication hooks", "checkpoint": "Checkpoints off the critical path", "strategy": "Strategies: DDP and FSDP",
            "strategy_gpt": "Strategies on the transformer: DDP, FSDP and tensor parallel"}
 _INTROS = {
@@ -100,6 +108,8 @@ def render(results: dict[str, Any]) -> str:
     for name, cases in sections.items():
         table = _default_table(cases) if name == "default" else _table(cases, stalls=name == "checkpoint")
         lines += [f"## {_TITLES.get(name, name.capitalize())}", "", _INTROS[name], "", table, ""]
+        if name == "parity" and all("time_to_workers_ready_s" in case["median"] for case in cases):
+            lines += ["### Where the start-up goes", "", _STARTUP_INTRO, "", _startup_table(cases, results.get("startup_floor")), ""]
     lines += ["## Commands", "", "One run of each side (`RUN_DIR`: a fresh temporary directory per run):", ""]
     lines += [f"    {case['command']}" for case in sections.get("parity", []) + sections.get("default", [])]
     return "\n".join(lines) + "\n"
@@ -116,6 +126,27 @@ def _parity_headline(cases: list[dict[str, Any]]) -> list[str]:
         f"peak RSS {vs['rss_ratio']:.2f}×.**",
         "",
     ]
+
+
+def _startup_table(cases: list[dict[str, Any]], floor: Optional[dict[str, Any]]) -> str:
+    headers = ["configuration", "workers ready (s)", "then to the first step (s)", "first step (s)", "first step Δ (s)"]
+    reference = cases[0]["median"]["time_to_first_step_s"]
+    rows = []
+    for case in cases:
+        m = case["median"]
+        rows.append([case["label"], f"{m['time_to_workers_ready_s']:.2f}",
+                     f"{m['time_to_first_step_s'] - m['time_to_workers_ready_s']:.2f}",
+                     f"{m['time_to_first_step_s']:.2f}{_spread(run['time_to_first_step_s'] for run in case['runs'])}",
+                     "reference" if case is cases[0] else f"{m['time_to_first_step_s'] - reference:+.2f}"])
+    if floor:
+        rows.append([f"floor: `{floor['command']}`", "", "", f"{floor['median']:.2f}{_spread(floor['runs'])}",
+                     f"{floor['median'] - reference:+.2f}"])
+    return _markdown_table(headers, rows)
+
+
+def _spread(values: Iterable[float]) -> str:
+    values = list(values)
+    return f" ({min(values):.2f}–{max(values):.2f})" if len(values) > 1 else ""
 
 
 def _default_table(cases: list[dict[str, Any]]) -> str:

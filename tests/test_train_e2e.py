@@ -34,6 +34,9 @@ def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
     assert s["val_samples"] == 144
     assert s["monitor"]["metric"] == "val/accuracy" and s["objective"] == s["val_accuracy"]
     assert s["tested"]["step"] == s["monitor"]["best_step"] and s["test_passes"] == 1
+    # Start-up in its two parts, in order: the workers' imports done, then their first step.
+    assert 0 < s["time_to_workers_ready_s"] < s["time_to_first_step_s"] < s["wall_time_s"]
+    assert "start-up" in proc.stdout
 
     # One event file, with per-step train loss, per-epoch validation, one test, lr, throughput, the config.
     assert len(event_files(run_dir)) == 1
@@ -83,6 +86,8 @@ def test_every_launcher_and_init_method_gives_identical_losses(tmp_path: Path):
         check_ok(proc)
         results[name] = losses(tmp_path / name)
         assert len(results[name]) == 8
+        s = summary(tmp_path / name)  # under every launcher: each worker's start, before its first step
+        assert 0 < s["time_to_workers_ready_s"] < s["time_to_first_step_s"] < s["wall_time_s"], name
         assert not list((tmp_path / name).glob("*.store"))  # the file store is removed at exit
     assert results["spawn"] == results["torchrun"] == results["external"]
     assert [summary(tmp_path / name)["init_method"] for name in runs] == ["tcp", "file", "env"]

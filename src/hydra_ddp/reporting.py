@@ -148,6 +148,9 @@ def format_summary(s: dict[str, Any]) -> str:
         ("throughput", f"{s['samples_per_sec']:.0f} samples/s"),
         *([("straggler", s["straggler"]["message"])] if s.get("straggler") else []),
         ("fast settings", ", ".join(name.split(".")[-1] for name, on in s.get("settings", {}).items() if on) or "none"),
+        *([("start-up", f"workers ready at {s['time_to_workers_ready_s']:.1f} s, the first step done at "
+                        f"{s['time_to_first_step_s']:.1f} s (from the command's start)")]
+          if s.get("time_to_workers_ready_s") is not None and s.get("time_to_first_step_s") is not None else []),
         ("wall time", f"{s['wall_time_s']:.1f} s (training {s['train_time_s']:.1f} s, evaluation "
                       f"{s['eval_time_s']:.1f} s, {s['checkpoints']} checkpoint(s) {s['checkpoint_time_s']:.1f} s)"),
         ("run directory", s["run_dir"]),

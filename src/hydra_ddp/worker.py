@@ -52,8 +52,10 @@ def cpu_threads(configured: Optional[int], rank: RankInfo) -> int:
 
 
 def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
-        problem: Optional[str] = None) -> Optional[dict[str, Any]]:
-    """Train, and return the run's summary. `problem`: what rank 0 of an outside launch found wrong."""
+        problem: Optional[str] = None, entered_at: Optional[float] = None) -> Optional[dict[str, Any]]:
+    """Train, and return the run's summary. `problem`: what rank 0 of an outside launch found wrong;
+    `entered_at`: when this worker's own code began (its imports done), by default now."""
+    entered_at = entered_at or time.time()
     stop = training.StopRequest()
     stop.install()
     tqdm.monitor_interval = 0  # no monitor thread: one less thread alive when the process exits
@@ -81,7 +83,7 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
         if task == "eval":
             summary = evaluation.run(cfg, out, rank, device, started_at)
         else:
-            summary = _train(cfg, out, rank, device, stop, started_at)
+            summary = _train(cfg, out, rank, device, stop, started_at, entered_at)
         _release(cfg)
     return summary  # the same on every rank: global values only
 
@@ -105,7 +107,7 @@ def _check_same_config(cfg: DictConfig, rank: RankInfo, device: torch.device) ->
 
 
 def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, stop: training.StopRequest,
-           started_at: float) -> dict[str, Any]:
+           started_at: float, entered_at: float) -> dict[str, Any]:
     log.info(
         "rank %d/%d on %s, %d CPU thread(s), pid %d",
         rank.rank, rank.world_size, device, torch.get_num_threads(), os.getpid(),
@@ -153,6 +155,9 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
         if resume:
             trainer.resume_from(*resume)
         result = trainer.fit()
+        # Start-up in two parts: until the last worker's own code began (interpreters, imports: for
+        # forks of the forkserver, its imports), then the group, data, model and the first step.
+        workers_ready_at = distributed.max_over_ranks(entered_at, device)
         summary = {
             "world_size": rank.world_size,
             "nnodes": max(1, rank.world_size // rank.local_world_size),  # also under srun, submitit, mpirun
@@ -172,6 +177,8 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
                                          if spread.name == "ddp" else None),
             **result,
             "time_to_first_step_s": result["first_step_at"] - started_at if result["first_step_at"] else None,
+            "workers_ready_at": workers_ready_at,
+            "time_to_workers_ready_s": workers_ready_at - started_at,
             "peak_rss_mb": distributed.max_over_ranks(_peak_rss_mb(), device),
             "wall_time_s": time.time() - started_at,
             "run_dir": str(out),
@@ -245,8 +252,9 @@ _PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken p
 def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float,
          problem: Optional[str] = None) -> Optional[dict[str, Any]]:
     """Every worker's entry, whatever started it: the traceback to the log, one line to the launcher."""
+    entered_at = time.time()
     try:
-        return run(OmegaConf.create(cfg), run_dir, rank, started_at, problem)
+        return run(OmegaConf.create(cfg), run_dir, rank, started_at, problem, entered_at)
     except Exception as error:
         log.exception("rank %d failed", rank.rank, extra=reporting.FILE_ONLY)
         if isinstance(error, EveryRankError):
