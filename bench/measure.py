@@ -31,6 +31,8 @@ REPORTED = ("steps", "world_size", "steady_samples_per_sec", "median_step_time_s
 # The least time any DDP script needs before its first step, whatever launches it: one interpreter
 # importing torch and torch._dynamo (DDP's constructor and forward use it).
 FLOOR_IMPORTS = "import torch, torch._dynamo"
+# A sweep of two jobs, run one after the other in one command by Hydra's own launcher.
+SWEEP = ("trainer.seed=0,1",)
 
 
 class BenchError(Exception):
@@ -60,7 +62,9 @@ class Case:
     """One configuration to measure: the project with extra overrides, or the hand-written loop."""
 
     label: str
-    side: str  # "project", "handwritten", or "default": `make train`'s run as it is (the digits, 12 epochs)
+    # "project", "handwritten", "default": `make train`'s run as it is (the digits, 12 epochs), or
+    # "sweep": the project's command as a two-job multirun (-m SWEEP), whose second job is measured.
+    side: str
     nproc: int = 2
     overrides: tuple[str, ...] = ()
     # "images": synthetic images and the seeds' CNN; "text": the transformer (+experiment=text_gpt)
@@ -88,9 +92,12 @@ def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], P
                 f"data.dataset.test_size={workload.test_size}"]
     cmd = [
         "train.py", *data, f"trainer.nproc={case.nproc}", f"trainer.max_steps={workload.steps}", "trainer.epochs=1000",
-        "trainer.progress=false", *case.overrides, f"hydra.run.dir={out_dir}",
+        "trainer.progress=false", *case.overrides,
     ]
-    return [sys.executable, *cmd], out_dir / "summary.json"
+    if case.side == "sweep":
+        return ([sys.executable, "train.py", "-m", *cmd[1:], *SWEEP, f"hydra.sweep.dir={out_dir}"],
+                out_dir / "1" / "summary.json")
+    return [sys.executable, *cmd, f"hydra.run.dir={out_dir}"], out_dir / "summary.json"
 
 
 def measure(case: Case, workload: Workload) -> dict[str, Any]:
@@ -101,6 +108,9 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
         _run(cmd, case, timeout=120 + workload.steps)
         wall = time.time() - started
         reported = _read(result_file, case)
+        if case.side == "sweep":  # the second job's clock starts where the first job ended: its summary written
+            first = _read(result_file.parent.parent / "0" / "summary.json", case)
+            started = first["first_step_at"] - first["time_to_first_step_s"] + first["wall_time_s"]
     if case.side != "default" and (reported["steps"], reported["world_size"]) != (workload.steps, case.nproc):
         raise BenchError(
             f"{case.label}: ran {reported['steps']} steps on {reported['world_size']} rank(s), "

@@ -41,8 +41,11 @@ _INTROS = {
     "parity": "The project's `train.py` against `bench/handwritten.py`, a minimal DDP loop in the style of "
     "pytorch/examples, on the same workload at 2 ranks: with its default launcher (spawn), with torchrun's, "
     "with workers started as fresh interpreters (`launcher.start_method=spawn`) instead of forks of the "
-    "forkserver that imported torch while the config was composed, and with every `auto` fast setting "
-    "turned off (channels_last, DDP's gradient_as_bucket_view and static_graph). Reference: the hand-written loop.",
+    "forkserver that imported torch while the config was composed, with every `auto` fast setting "
+    "turned off (channels_last, DDP's gradient_as_bucket_view and static_graph), and as the second job of a "
+    "two-job sweep (`-m trainer.seed=0,1`: Hydra's own launcher runs the jobs one after the other in one "
+    "process, and they share the forkserver), its start timed from the end of the first job (its summary "
+    "written). Reference: the hand-written loop.",
     "default": "What `make train` runs (`train.py` with no overrides: the seeds' CNN on the digits, 12 epochs, "
     "a validation and a checkpoint each epoch, the test at the end), timed by this harness from the command's "
     "start to its end. **training**: the summary's `train_time_s` (the steps); **beyond training**: wall − "
@@ -116,7 +119,7 @@ def render(results: dict[str, Any]) -> str:
 
 
 def _parity_headline(cases: list[dict[str, Any]]) -> list[str]:
-    project = [c for c in cases if c["side"] == "project"]
+    project = [c for c in cases if c["side"] in ("project", "sweep")]
     vs = project[0]["vs_reference"]
     others = "".join(f"; {c['label'].removeprefix('project, ')} {c['vs_reference']['startup_difference_s']:+.1f} s"
                      for c in project[1:])

@@ -77,6 +77,8 @@ def plan(cores: int) -> dict[str, list[Case]]:
             # Workers as fresh interpreters, as before the forkserver (startup.py): what it saves.
             Case("project, start_method=spawn", "project", overrides=("launcher.start_method=spawn",)),
             Case("project, auto settings off", "project", overrides=AUTO_OFF),
+            # A multirun's later job: the parent and the forkserver are there already.
+            Case("project, a sweep's second job", "sweep"),
         ],
         # `make train` as a user runs it: its wall time against its training time (not a comparison).
         "default": [Case("make train (the default run)", "default")],
