@@ -90,14 +90,14 @@ def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], P
     else:
         data = ["data=synthetic", f"data.batch_size={workload.batch_size}", f"data.dataset.train_size={train_size}",
                 f"data.dataset.test_size={workload.test_size}"]
-    cmd = [
-        "train.py", *data, f"trainer.nproc={case.nproc}", f"trainer.max_steps={workload.steps}", "trainer.epochs=1000",
+    overrides = [
+        *data, f"trainer.nproc={case.nproc}", f"trainer.max_steps={workload.steps}", "trainer.epochs=1000",
         "trainer.progress=false", *case.overrides,
     ]
-    if case.side == "sweep":
-        return ([sys.executable, "train.py", "-m", *cmd[1:], *SWEEP, f"hydra.sweep.dir={out_dir}"],
+    if case.side == "sweep":  # Hydra takes -m before the overrides
+        return ([sys.executable, "train.py", "-m", *overrides, *SWEEP, f"hydra.sweep.dir={out_dir}"],
                 out_dir / "1" / "summary.json")
-    return [sys.executable, *cmd, f"hydra.run.dir={out_dir}"], out_dir / "summary.json"
+    return [sys.executable, "train.py", *overrides, f"hydra.run.dir={out_dir}"], out_dir / "summary.json"
 
 
 def measure(case: Case, workload: Workload) -> dict[str, Any]:

@@ -6,7 +6,7 @@ rebuilt from any saved results.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 _DISCLAIMER = (
     "Absolute figures vary between machines, and with whatever else runs on them: only the ratios "
@@ -139,17 +139,17 @@ def _startup_table(cases: list[dict[str, Any]], floor: Optional[dict[str, Any]])
         m = case["median"]
         rows.append([case["label"], f"{m['time_to_workers_ready_s']:.2f}",
                      f"{m['time_to_first_step_s'] - m['time_to_workers_ready_s']:.2f}",
-                     f"{m['time_to_first_step_s']:.2f}{_spread(run['time_to_first_step_s'] for run in case['runs'])}",
+                     f"{m['time_to_first_step_s']:.2f}{_spread([run['time_to_first_step_s'] for run in case['runs']], 2)}",
                      "reference" if case is cases[0] else f"{m['time_to_first_step_s'] - reference:+.2f}"])
     if floor:
-        rows.append([f"floor: `{floor['command']}`", "", "", f"{floor['median']:.2f}{_spread(floor['runs'])}",
+        rows.append([f"floor: `{floor['command']}`", "", "", f"{floor['median']:.2f}{_spread(floor['runs'], 2)}",
                      f"{floor['median'] - reference:+.2f}"])
     return _markdown_table(headers, rows)
 
 
-def _spread(values: Iterable[float]) -> str:
-    values = list(values)
-    return f" ({min(values):.2f}–{max(values):.2f})" if len(values) > 1 else ""
+def _spread(values: list[float], decimals: int) -> str:
+    """ (min–max) over the repetitions, after a median; nothing for a single run."""
+    return f" ({min(values):.{decimals}f}–{max(values):.{decimals}f})" if len(values) > 1 else ""
 
 
 def _default_table(cases: list[dict[str, Any]]) -> str:
@@ -158,8 +158,7 @@ def _default_table(cases: list[dict[str, Any]]) -> str:
     rows = []
     for case in cases:
         m = case["median"]
-        walls = [run["wall_time_s"] for run in case["runs"]]
-        spread = f" ({min(walls):.2f}–{max(walls):.2f})" if len(walls) > 1 else ""
+        spread = _spread([run["wall_time_s"] for run in case["runs"]], 2)
         rows.append([case["label"], f"{m['wall_time_s']:.2f}{spread}", f"{m['train_time_s']:.2f}",
                      f"{m['beyond_training_s']:+.2f}", f"{m['time_to_first_step_s']:.2f}", f"{m['eval_time_s']:.2f}",
                      str(case["checkpoints"]), f"{m['checkpoint_time_s']:.2f}"])
@@ -180,8 +179,7 @@ def _table(cases: list[dict[str, Any]], stalls: bool = False) -> str:
     rows = []
     for case in cases:
         m, vs = case["median"], case["vs_reference"]
-        rates = [run["steady_samples_per_sec"] for run in case["runs"]]
-        spread = f" ({min(rates):.0f}–{max(rates):.0f})" if len(rates) > 1 else ""
+        spread = _spread([run["steady_samples_per_sec"] for run in case["runs"]], 0)
         compared = (
             ["reference", "", "", ""]
             if vs is None

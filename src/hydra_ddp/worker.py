@@ -52,10 +52,9 @@ def cpu_threads(configured: Optional[int], rank: RankInfo) -> int:
 
 
 def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
-        problem: Optional[str] = None, entered_at: Optional[float] = None) -> Optional[dict[str, Any]]:
-    """Train, and return the run's summary. `problem`: what rank 0 of an outside launch found wrong;
-    `entered_at`: when this worker's own code began (its imports done), by default now."""
-    entered_at = entered_at or time.time()
+        entered_at: float, problem: Optional[str] = None) -> Optional[dict[str, Any]]:
+    """Train, and return the run's summary. `entered_at`: when this worker's own code began (its
+    imports done); `problem`: what rank 0 of an outside launch found wrong."""
     stop = training.StopRequest()
     stop.install()
     tqdm.monitor_interval = 0  # no monitor thread: one less thread alive when the process exits
@@ -254,7 +253,7 @@ def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float,
     """Every worker's entry, whatever started it: the traceback to the log, one line to the launcher."""
     entered_at = time.time()
     try:
-        return run(OmegaConf.create(cfg), run_dir, rank, started_at, problem, entered_at)
+        return run(OmegaConf.create(cfg), run_dir, rank, started_at, entered_at, problem)
     except Exception as error:
         log.exception("rank %d failed", rank.rank, extra=reporting.FILE_ONLY)
         if isinstance(error, EveryRankError):
