@@ -21,12 +21,13 @@ from hydra_ddp import ranks, startup  # noqa: E402  (neither imports torch)
 if __name__ == "__main__" and not ranks.external_launch():
     startup.preload(sys.argv)  # the workers' imports start now, beside the parent's (train.py's reason)
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+with startup.frozen_imports():  # train.py's reason
+    import hydra
+    from omegaconf import DictConfig
 
-from hydra_ddp import launch  # noqa: E402
-from hydra_ddp.config import register_schema  # noqa: E402
-from hydra_ddp.errors import UserError  # noqa: E402
+    from hydra_ddp import launch
+    from hydra_ddp.config import register_schema
+    from hydra_ddp.errors import UserError
 
 register_schema()
 

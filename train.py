@@ -18,12 +18,13 @@ if __name__ == "__main__" and not ranks.external_launch():
     # The workers' imports (torch, the project) start now, in a forkserver, beside the parent's own.
     startup.preload(sys.argv)
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig
+with startup.frozen_imports():  # half a million objects that live as long as the process
+    import hydra
+    from omegaconf import DictConfig
 
-from hydra_ddp import launch, monitor  # noqa: E402
-from hydra_ddp.config import register_schema  # noqa: E402
-from hydra_ddp.errors import UserError  # noqa: E402
+    from hydra_ddp import launch, monitor
+    from hydra_ddp.config import register_schema
+    from hydra_ddp.errors import UserError
 
 register_schema()
 _START = [STARTED_AT]

@@ -28,9 +28,18 @@ METRICS = ("steady_samples_per_sec", "median_step_time_s", "time_to_first_step_s
 # What a run must write (summary.json, or the baseline's JSON) for those figures.
 REPORTED = ("steps", "world_size", "steady_samples_per_sec", "median_step_time_s", "first_step_at", "workers_ready_at",
             "peak_rss_mb")
-# The least time any DDP script needs before its first step, whatever launches it: one interpreter
-# importing torch and torch._dynamo (DDP's constructor and forward use it).
+# What any DDP script imports before its first step: torch, and torch._dynamo (DDP's constructor
+# and forward use it). One interpreter doing only that is a floor for a cold start: timed as Python
+# runs it, and with the garbage collector off while the imports load, as the project's processes
+# load them (hydra_ddp.startup.frozen_imports). Keyed as the results file keeps them.
 FLOOR_IMPORTS = "import torch, torch._dynamo"
+FLOORS = {"startup_floor": FLOOR_IMPORTS, "startup_floor_gc_off": f"import gc; gc.disable(); {FLOOR_IMPORTS}"}
+# The hand-written loop ends, as pytorch/examples' scripts do, through the interpreter's teardown,
+# where gloo's threads (alive after destroy_process_group) race static destructors: now and then a
+# worker aborts with this line after rank 0 wrote the result (2 of 20 runs here). Such a run still
+# counts, and the report says how many there were. (The project's workers end with os._exit for
+# that reason: worker._exit_after_teardown.)
+ABORT_AT_EXIT = "terminate called without an active exception"
 # A sweep of two jobs, run one after the other in one command by Hydra's own launcher.
 SWEEP = ("trainer.seed=0,1",)
 
@@ -105,8 +114,10 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="hydra-ddp-bench-") as tmp:
         cmd, result_file = command(case, workload, Path(tmp))
         started = time.time()
-        _run(cmd, case, timeout=120 + workload.steps)
+        aborted_at_exit = _run(cmd, case, timeout=120 + workload.steps)
         wall = time.time() - started
+        if aborted_at_exit and not result_file.exists():
+            raise BenchError(f"{case.label}: a worker aborted ({ABORT_AT_EXIT}) before the result was written")
         reported = _read(result_file, case)
         if case.side == "sweep":  # the second job's clock starts where the first job ended: its summary written
             first = _read(result_file.parent.parent / "0" / "summary.json", case)
@@ -126,6 +137,7 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
         "steps": reported["steps"],
         "world_size": reported["world_size"],
         "wall_time_s": wall,
+        "aborted_at_exit": aborted_at_exit,  # the hand-written loop's only (ABORT_AT_EXIT)
         "allreduce_bytes_per_step": reported.get("allreduce_bytes_per_step"),  # the project's only
         "model_state_bytes": (reported.get("model_state_bytes") or {}).get("total"),  # per rank, the largest
         "checkpoints": reported.get("checkpoints"),
@@ -137,14 +149,15 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
     }
 
 
-def measure_floor() -> float:
-    """From the start of one interpreter doing FLOOR_IMPORTS to their end, on this harness's clock as
-    the runs are (not to the process's end: the interpreter's teardown of torch takes a second more)."""
+def measure_floor(imports: str) -> float:
+    """From the start of one interpreter doing `imports` (a FLOORS value) to their end, on this
+    harness's clock as the runs are (not to the process's end: the interpreter's teardown of torch
+    takes a second more)."""
     started = time.time()
-    done = subprocess.run([sys.executable, "-c", f"{FLOOR_IMPORTS}; import time; print(time.time())"], cwd=REPO,
+    done = subprocess.run([sys.executable, "-c", f"{imports}; import time; print(time.time())"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     if done.returncode:
-        raise BenchError(f"`python -c {FLOOR_IMPORTS!r}` failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise BenchError(f"`python -c {imports!r}` failed: {done.stderr.strip().splitlines()[-1:]}")
     return float(done.stdout.split()[-1]) - started
 
 
@@ -158,7 +171,9 @@ def printable(cmd: list[str]) -> str:
     return shlex.join(short(arg) for arg in cmd)
 
 
-def _run(cmd: list[str], case: Case, timeout: float) -> None:
+def _run(cmd: list[str], case: Case, timeout: float) -> bool:
+    """Run a command to its end; True where the hand-written loop aborted at its exit (ABORT_AT_EXIT),
+    which measure() accepts if the result was written whole."""
     # A session of its own, so a hung run's workers can be killed with it.
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -171,15 +186,21 @@ def _run(cmd: list[str], case: Case, timeout: float) -> None:
         if isinstance(error, subprocess.TimeoutExpired):
             raise BenchError(f"{case.label}: no result after {timeout:.0f} s, killed: {shlex.join(cmd)}") from None
         raise
+    if proc.returncode != 0 and case.side == "handwritten" and ABORT_AT_EXIT in output:
+        return True
     if proc.returncode != 0:
         tail = "\n".join(output.strip().splitlines()[-15:])
         raise BenchError(f"{case.label}: exit code {proc.returncode}: {shlex.join(cmd)}\n{tail}")
+    return False
 
 
 def _read(result_file: Path, case: Case) -> dict[str, Any]:
     if not result_file.exists():
         raise BenchError(f"{case.label}: the run finished but wrote no {result_file.name}")
-    reported = json.loads(result_file.read_text())
+    try:
+        reported = json.loads(result_file.read_text())
+    except json.JSONDecodeError as error:  # cut short: a worker killed while rank 0 wrote it
+        raise BenchError(f"{case.label}: {result_file.name} is not whole JSON ({error})") from None
     missing = [key for key in REPORTED if reported.get(key) is None]
     if missing:
         raise BenchError(f"{case.label}: {result_file.name} lacks {', '.join(missing)}: the benchmark needs them")

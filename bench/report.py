@@ -6,7 +6,7 @@ rebuilt from any saved results.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 _DISCLAIMER = (
     "Absolute figures vary between machines, and with whatever else runs on them: only the ratios "
@@ -25,8 +25,13 @@ _STARTUP_INTRO = (
     "imports done (the project's workers are forks of the forkserver, so its imports of torch and torch._dynamo "
     "come first); **then to the first step**: the process group, data, model and the first step, and whatever a "
     "worker imports only then (the hand-written loop's DDP imports torch._dynamo in its constructor). **floor**: "
-    "one interpreter importing torch and torch._dynamo and nothing else, timed the same way: no DDP script starts "
-    "sooner, whatever launches it; what a configuration takes beyond it is its own start-up.")
+    "one interpreter importing torch and torch._dynamo and nothing else, timed the same way: as Python runs it, "
+    "and with the garbage collector off while they load, as the project's processes load them "
+    "(`startup.frozen_imports`; its full passes over the imports' half a million objects are a quarter of the "
+    "time). A cold start of a DDP script that imports them so cannot start sooner; what a configuration takes "
+    "beyond it is its own start-up.")
+# The floors the results may hold (bench/measure.py FLOORS), in the order shown; older results hold the first only.
+_FLOORS = ("startup_floor", "startup_floor_gc_off")
 _TITLES = {"default": "The default run (`make train`)", "comm": "Communication hooks", "checkpoint": "Checkpoints off the critical path", "strategy": "Strategies: DDP and FSDP",
            "strategy_gpt": "Strategies on the transformer: DDP, FSDP and tensor parallel"}
 _INTROS = {
@@ -111,8 +116,9 @@ def render(results: dict[str, Any]) -> str:
     for name, cases in sections.items():
         table = _default_table(cases) if name == "default" else _table(cases, stalls=name == "checkpoint")
         lines += [f"## {_TITLES.get(name, name.capitalize())}", "", _INTROS[name], "", table, ""]
+        lines += _aborts_at_exit(cases)
         if name == "parity" and all("time_to_workers_ready_s" in case["median"] for case in cases):
-            lines += ["### Where the start-up goes", "", _STARTUP_INTRO, "", _startup_table(cases, results.get("startup_floor")), ""]
+            lines += ["### Where the start-up goes", "", _STARTUP_INTRO, "", _startup_table(cases, [results[key] for key in _FLOORS if key in results]), ""]
     lines += ["## Commands", "", "One run of each side (`RUN_DIR`: a fresh temporary directory per run):", ""]
     lines += [f"    {case['command']}" for case in sections.get("parity", []) + sections.get("default", [])]
     return "\n".join(lines) + "\n"
@@ -131,7 +137,21 @@ def _parity_headline(cases: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def _startup_table(cases: list[dict[str, Any]], floor: Optional[dict[str, Any]]) -> str:
+def _aborts_at_exit(cases: list[dict[str, Any]]) -> list[str]:
+    """A line for each configuration whose runs aborted at their exit after writing their result."""
+    lines = []
+    for case in cases:
+        aborted = sum(bool(run.get("aborted_at_exit")) for run in case["runs"])
+        if aborted:
+            lines += [f"The {case['label']} loop's workers aborted at their exit in {aborted} of {len(case['runs'])} "
+                      "runs, after rank 0 wrote the result (`terminate called without an active exception`: gloo's "
+                      "threads still running at the interpreter's teardown, as in any script that ends by returning "
+                      "from its workers); those runs count. The project's workers end with `os._exit` once "
+                      "their outputs are closed.", ""]
+    return lines
+
+
+def _startup_table(cases: list[dict[str, Any]], floors: list[dict[str, Any]]) -> str:
     headers = ["configuration", "workers ready (s)", "then to the first step (s)", "first step (s)", "first step Δ (s)"]
     reference = cases[0]["median"]["time_to_first_step_s"]
     rows = []
@@ -141,7 +161,7 @@ def _startup_table(cases: list[dict[str, Any]], floor: Optional[dict[str, Any]])
                      f"{m['time_to_first_step_s'] - m['time_to_workers_ready_s']:.2f}",
                      f"{m['time_to_first_step_s']:.2f}{_spread([run['time_to_first_step_s'] for run in case['runs']], 2)}",
                      "reference" if case is cases[0] else f"{m['time_to_first_step_s'] - reference:+.2f}"])
-    if floor:
+    for floor in floors:
         rows.append([f"floor: `{floor['command']}`", "", "", f"{floor['median']:.2f}{_spread(floor['runs'], 2)}",
                      f"{floor['median'] - reference:+.2f}"])
     return _markdown_table(headers, rows)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import report
-from measure import FLOOR_IMPORTS, METRICS, REPO, BenchError, Case, Workload, command, measure, measure_floor, printable
+from measure import FLOORS, METRICS, REPO, BenchError, Case, Workload, command, measure, measure_floor, printable
 
 # Performance options: sets of project overrides, measured at 2 ranks against the first.
 # Add a line to measure another.
@@ -106,14 +106,14 @@ def plan(cores: int) -> dict[str, list[Case]]:
 
 
 def run_section(name: str, cases: list[Case], workload: Workload, reps: int,
-                floor: Optional[list[float]] = None) -> list[dict[str, Any]]:
+                floors: Optional[dict[str, list[float]]] = None) -> list[dict[str, Any]]:
     """Every case once per repetition, interleaved (A B A B …), so drift in the machine hits all alike.
-    `floor`: also time FLOOR_IMPORTS once per repetition, appending here."""
+    `floors`: also time each of FLOORS once per repetition, appending to its list here."""
     runs: dict[str, list[dict[str, Any]]] = {case.label: [] for case in cases}
     for rep in range(1, reps + 1):
-        if floor is not None:
-            floor.append(measure_floor())
-            print(f"[{name} {rep}/{reps}] {'floor: ' + FLOOR_IMPORTS:<30} {floor[-1]:5.2f} s", file=sys.stderr, flush=True)
+        for key, times in (floors or {}).items():
+            times.append(measure_floor(FLOORS[key]))
+            print(f"[{name} {rep}/{reps}] floor: {FLOORS[key]}  {times[-1]:5.2f} s", file=sys.stderr, flush=True)
         for case in cases:
             result = measure(case, workload)
             runs[case.label].append(result)
@@ -268,10 +268,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             if name == "default":
                 results["sections"][name] = run_default(cases[0], workload, args.reps)
             elif name == "parity" and len(cases) > 1:
-                floor: list[float] = []
-                results["sections"][name] = run_section(name, cases, workload, args.reps, floor)
-                results["startup_floor"] = {"command": f"python -c {shlex.quote(FLOOR_IMPORTS)}", "runs": floor,
-                                            "median": statistics.median(floor)}
+                floors: dict[str, list[float]] = {key: [] for key in FLOORS}
+                results["sections"][name] = run_section(name, cases, workload, args.reps, floors)
+                for key, times in floors.items():
+                    results[key] = {"command": f"python -c {shlex.quote(FLOORS[key])}", "runs": times,
+                                    "median": statistics.median(times)}
             elif len(cases) > 1:
                 results["sections"][name] = run_section(name, cases, workload, args.reps)
     except BenchError as error:
