@@ -36,7 +36,7 @@ FLOOR_IMPORTS = "import torch, torch._dynamo"
 FLOORS = {"startup_floor": FLOOR_IMPORTS, "startup_floor_gc_off": f"import gc; gc.disable(); {FLOOR_IMPORTS}"}
 # The hand-written loop ends, as pytorch/examples' scripts do, through the interpreter's teardown,
 # where gloo's threads (alive after destroy_process_group) race static destructors: now and then a
-# worker aborts with this line after rank 0 wrote the result (2 of 20 runs here). Such a run still
+# worker aborts with this line after rank 0 wrote the result (2 of 40 runs here). Such a run still
 # counts, and the report says how many there were. (The project's workers end with os._exit for
 # that reason: worker._exit_after_teardown.)
 ABORT_AT_EXIT = "terminate called without an active exception"

@@ -102,7 +102,8 @@ def render(results: dict[str, Any]) -> str:
         f"an option says otherwise. {workload['steps']} steps per run, all in one epoch (steps × batch × ranks "
         f"training images); the first {workload['warmup_steps']} steps (10, or a tenth of a shorter run) are warm-up, "
         f"left out of samples/s and step time. Each configuration "
-        f"ran {results['reps']} time(s), interleaved A B A B …; every figure is the median over the repetitions.",
+        f"ran {results['reps']} time(s){_parity_reps(results)}, interleaved A B A B …; every figure is the median "
+        "over the repetitions.",
         "",
         _DEFINITIONS,
         "",
@@ -135,6 +136,12 @@ def _parity_headline(cases: list[dict[str, Any]]) -> list[str]:
         f"peak RSS {vs['rss_ratio']:.2f}×.**",
         "",
     ]
+
+
+def _parity_reps(results: dict[str, Any]) -> str:
+    """How many times the parity section ran, where that differs from the others (--parity-reps)."""
+    reps = results.get("parity_reps", results["reps"])
+    return f" ({reps} in the parity section)" if reps != results["reps"] and "parity" in results["sections"] else ""
 
 
 def _aborts_at_exit(cases: list[dict[str, Any]]) -> list[str]:
