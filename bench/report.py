@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from measure import FLOORS  # the floors' keys in the results, in the order shown (older results hold the first)
+
 _DISCLAIMER = (
     "Absolute figures vary between machines, and with whatever else runs on them: only the ratios "
     "(taken within one run of this benchmark) compare."
@@ -30,8 +32,6 @@ _STARTUP_INTRO = (
     "(`startup.frozen_imports`; its full passes over the imports' half a million objects are a quarter of the "
     "time). A cold start of a DDP script that imports them so cannot start sooner; what a configuration takes "
     "beyond it is its own start-up.")
-# The floors the results may hold (bench/measure.py FLOORS), in the order shown; older results hold the first only.
-_FLOORS = ("startup_floor", "startup_floor_gc_off")
 _TITLES = {"default": "The default run (`make train`)", "comm": "Communication hooks", "checkpoint": "Checkpoints off the critical path", "strategy": "Strategies: DDP and FSDP",
            "strategy_gpt": "Strategies on the transformer: DDP, FSDP and tensor parallel"}
 _INTROS = {
@@ -119,7 +119,7 @@ def render(results: dict[str, Any]) -> str:
         lines += [f"## {_TITLES.get(name, name.capitalize())}", "", _INTROS[name], "", table, ""]
         lines += _aborts_at_exit(cases)
         if name == "parity" and all("time_to_workers_ready_s" in case["median"] for case in cases):
-            lines += ["### Where the start-up goes", "", _STARTUP_INTRO, "", _startup_table(cases, [results[key] for key in _FLOORS if key in results]), ""]
+            lines += ["### Where the start-up goes", "", _STARTUP_INTRO, "", _startup_table(cases, [results[key] for key in FLOORS if key in results]), ""]
     lines += ["## Commands", "", "One run of each side (`RUN_DIR`: a fresh temporary directory per run):", ""]
     lines += [f"    {case['command']}" for case in sections.get("parity", []) + sections.get("default", [])]
     return "\n".join(lines) + "\n"
