@@ -33,12 +33,14 @@ def reference(tmp_path_factory) -> Path:
         (("data.num_workers=1", "data.persistent_workers=true", "data.prefetch_factor=2", "data.pin_memory=true"),
          True),  # the same batches, made in a worker process (pinning is for GPUs: ignored on the CPU)
         (("trainer.compile=true", "trainer.compile_backend=eager"), True),
+        # gloo's all-reduce instead of the shared segment: at 2 ranks the same sums.
+        (("ddp.shared_memory=false",), True),
         # Smaller buckets (other all-reduce groupings), and the fast settings `auto` turns on
         # (performance.py) turned off: within tolerance.
         (("ddp.bucket_cap_mb=1", "trainer.channels_last=false", "ddp.gradient_as_bucket_view=false",
-          "ddp.static_graph=false"), False),
+          "ddp.static_graph=false", "ddp.shared_memory=false"), False),
     ],
-    ids=["preload", "loader-workers", "compile", "ddp-buckets-and-auto-settings-off"],
+    ids=["preload", "loader-workers", "compile", "gloo-all-reduce", "ddp-buckets-and-auto-settings-off"],
 )
 def test_option_trains_the_same(reference: Path, run_dir: Path, overrides: tuple[str, ...], exact: bool):
     check_ok(run_train(run_dir, *STEPS, *overrides))
@@ -49,11 +51,13 @@ def test_option_trains_the_same(reference: Path, run_dir: Path, overrides: tuple
 
 
 def test_auto_settings_are_chosen_per_model_and_named_in_the_summary(reference: Path, run_dir: Path):
-    on = {"trainer.channels_last": True, "ddp.gradient_as_bucket_view": True, "ddp.static_graph": True}
-    assert summary(reference)["settings"] == on  # the CNN: convolutions, even shards, no compile
-    # No convolutions: no channels_last; uneven shards (Join): no static graph.
+    on = {"trainer.channels_last": True, "ddp.gradient_as_bucket_view": True, "ddp.static_graph": True,
+          "ddp.shared_memory": True}
+    assert summary(reference)["settings"] == on  # the CNN: convolutions, even shards, no compile, one host
+    # No convolutions: no channels_last; uneven shards (Join): no static graph and no shared memory.
     check_ok(run_train(run_dir, *STEPS, "model=mlp", "data.even_shards=false"))
-    assert summary(run_dir)["settings"] == {**on, "trainer.channels_last": False, "ddp.static_graph": False}
+    assert summary(run_dir)["settings"] == {**on, "trainer.channels_last": False, "ddp.static_graph": False,
+                                            "ddp.shared_memory": False}
 
 
 def test_gradient_accumulation_equals_one_larger_batch(reference: Path, tmp_path: Path):

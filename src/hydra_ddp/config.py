@@ -181,6 +181,9 @@ class DDPConf:
     # true, false, or auto: the fast choice for this run (performance.py); the summary names it.
     gradient_as_bucket_view: Any = "auto"
     static_graph: Any = "auto"
+    # Not DDP's: the gradient all-reduce through shared memory when every rank is a CPU process on
+    # this host (shared_memory.py), instead of gloo's loopback TCP. auto: wherever it can.
+    shared_memory: Any = "auto"
     # Not DDP's argument: its gradient communication hook (comm.py), none (DDP's fp32 all-reduce),
     # fp16 or bf16 (gradients all-reduced in 16 bits), or powersgd (low-rank, settings below).
     comm_hook: str = "none"

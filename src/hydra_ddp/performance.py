@@ -10,14 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
+
+from hydra_ddp import shared_memory
+from hydra_ddp.errors import EveryRankError
 
 AUTO = "auto"
 # (config section, key): the settings `auto` applies to.
-SETTINGS = (("trainer", "channels_last"), ("ddp", "gradient_as_bucket_view"), ("ddp", "static_graph"))
+SETTINGS = (("trainer", "channels_last"), ("ddp", "gradient_as_bucket_view"), ("ddp", "static_graph"),
+            ("ddp", "shared_memory"))
 
 
-def choose(cfg: Any, model: nn.Module) -> dict[str, bool]:
+def choose(cfg: Any, model: nn.Module, backend: str, device: torch.device, world_size: int,
+           local_world_size: int) -> dict[str, bool]:
     """The value of each setting for this run: the configured one, or what `auto` picks here.
 
     - channels_last, for models with 2-D convolutions: their kernels run faster on NHWC memory
@@ -29,12 +35,18 @@ def choose(cfg: Any, model: nn.Module) -> dict[str, bool]:
       it; bit-identical results (each gradient is still summed over the same ranks). Off with
       gradient accumulation (DDP's reducer asserts on a no_sync step in a static graph), uneven
       shards (Join stands in for ranks that ran out) and torch.compile (not tested with it).
+    - shared_memory: the gradient all-reduce through a shared segment instead of gloo's loopback
+      TCP, where every rank is a CPU process on this host (shared_memory.py): 1.13–1.15× samples/s
+      for the CNN at 2 ranks, measured; bit-identical at 2 ranks, the sums in another order (within
+      float tolerance) at more. Not with a comm hook (it is one), uneven shards (Join's shadow
+      all-reduces bypass hooks) or torch.compile.
     """
     auto = {
         # FSDP shards contiguous parameters only: channels_last weights are not.
         "trainer.channels_last": cfg.strategy.name == "ddp" and any(isinstance(m, nn.Conv2d) for m in model.modules()),
         "ddp.gradient_as_bucket_view": True,
         "ddp.static_graph": cfg.trainer.accumulate == 1 and cfg.data.even_shards and not cfg.trainer.compile,
+        "ddp.shared_memory": not shared_memory_blockers(cfg, backend, device, world_size, local_world_size),
     }
     chosen = {}
     for section, key in SETTINGS:
@@ -42,7 +54,34 @@ def choose(cfg: Any, model: nn.Module) -> dict[str, bool]:
             continue  # DDP's own: not used by another strategy
         value = cfg[section][key]
         chosen[f"{section}.{key}"] = auto[f"{section}.{key}"] if value == AUTO else bool(value)
+    if "ddp.shared_memory" in chosen and world_size < 2:
+        chosen["ddp.shared_memory"] = False  # one rank: nothing to all-reduce
+    if cfg.ddp.shared_memory is True and chosen.get("ddp.shared_memory"):
+        blockers = shared_memory_blockers(cfg, backend, device, world_size, local_world_size)
+        if blockers:
+            raise EveryRankError(f"ddp.shared_memory=true cannot serve this run: {'; '.join(blockers)}. "
+                                 "Set ddp.shared_memory=auto or false")
     return chosen
+
+
+def shared_memory_blockers(cfg: Any, backend: str, device: torch.device, world_size: int,
+                           local_world_size: int) -> list[str]:
+    """Why the shared-memory all-reduce cannot serve this run (empty: it can)."""
+    return config_blockers(cfg) + shared_memory.unavailable(backend, device, world_size, local_world_size)
+
+
+def config_blockers(cfg: Any) -> list[str]:
+    """The settings that rule the shared-memory all-reduce out (a plain dict or the config)."""
+    reasons = []
+    if cfg["strategy"]["name"] != "ddp":
+        reasons.append(f"strategy={cfg['strategy']['name']} (it serves DDP)")
+    if cfg["ddp"]["comm_hook"] != "none":
+        reasons.append(f"ddp.comm_hook={cfg['ddp']['comm_hook']} is a hook of its own")
+    if not cfg["data"]["even_shards"]:
+        reasons.append("data.even_shards=false (Join's shadow all-reduces bypass hooks)")
+    if cfg["trainer"]["compile"]:
+        reasons.append("trainer.compile=true")
+    return reasons
 
 
 def check(plain: dict[str, Any]) -> list[str]:

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hydra_ddp import comm
+from hydra_ddp import comm, shared_memory
 from hydra_ddp.distributed import RankInfo
 
 NAMES = ("ddp", "fsdp", "tp", "fsdp_tp")
@@ -46,15 +46,22 @@ class DDPStrategy:
         self.module: nn.Module = nn.Module()
         self.model: nn.Module = nn.Module()
         self.comm: Optional[comm.PowerSGD] = None  # a communication hook that keeps state
+        self.shared: Optional[shared_memory.SharedMemoryAllReduce] = None
 
     def wrap(self, module: nn.Module) -> nn.Module:
         options = OmegaConf.to_container(self.cfg.ddp)
         hook = options.pop("comm_hook")  # comm.py's, not DDP's arguments
         options.pop("powersgd")
         options.pop("sync_batchnorm")  # applied before the model moved to its device (worker)
+        if options.pop("shared_memory"):  # performance.choose made it true or false
+            # Before DDP: where the segment cannot be shared, every rank raises SharedMemoryUnavailable here.
+            gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+            self.shared = shared_memory.SharedMemoryAllReduce(None, gradient_bytes, self.cfg.dist.timeout_s)
         self.module = module
         self.model = DDP(module, device_ids=[self.device.index] if self.device.type == "cuda" else None, **options)
         self.comm = comm.register(self.model, hook, self.cfg.ddp.powersgd)
+        if self.shared:
+            self.model.register_comm_hook(None, self.shared.hook)
         return self.model
 
     def comm_state(self) -> Optional[dict[str, Any]]:

@@ -171,6 +171,11 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
     if plain["ddp"]["static_graph"] is True and trainer["accumulate"] > 1:
         raise UserError("ddp.static_graph=true does not combine with trainer.accumulate > 1 (DDP's reducer fails "
                         "on a no_sync step in a static graph); set ddp.static_graph=auto or false")
+    blockers = performance.config_blockers(plain) + ([f"trainer.device={trainer['device']} (it sums CPU tensors)"]
+                                                     if trainer["device"] != "cpu" else [])
+    if plain["ddp"]["shared_memory"] is True and blockers:
+        raise UserError(f"ddp.shared_memory=true does not combine with {'; '.join(blockers)}; "
+                        "set ddp.shared_memory=auto or false")
     _check_strategy(plain)
     if plain["ddp"]["sync_batchnorm"] == "auto":
         plain["ddp"]["sync_batchnorm"] = trainer["device"] == "cuda" and plain["strategy"]["name"] == "ddp"

@@ -30,7 +30,8 @@ from torch import nn
 from tqdm import tqdm
 
 from hydra_ddp import (
-    checkpoint, comm, data, distributed, evaluation, performance, reporting, startup, strategy, training,
+    checkpoint, comm, data, distributed, evaluation, performance, reporting, shared_memory, startup, strategy,
+    training,
 )
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import EveryRankError, UserError
@@ -116,7 +117,8 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, device, shard=spread.data_shard(rank))
     model = instantiate(cfg.model)
     # `auto` becomes this run's value, before anything reads it (the checkpoint's config included).
-    fast = performance.choose(cfg, model)
+    asked_shared_memory = cfg.ddp.shared_memory
+    fast = performance.choose(cfg, model, dist.get_backend(), device, rank.world_size, rank.local_world_size)
     for name, value in fast.items():
         OmegaConf.update(cfg, name, value)
     memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
@@ -127,7 +129,15 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     if cfg.ddp.sync_batchnorm and cfg.strategy.name == "ddp":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device, memory_format=memory_format)
-    train_model = spread.wrap(model)
+    try:
+        train_model = spread.wrap(model)
+    except shared_memory.SharedMemoryUnavailable as e:  # on every rank alike
+        if asked_shared_memory is True:
+            raise EveryRankError(f"ddp.shared_memory=true: {e}; set ddp.shared_memory=auto or false") from None
+        log.warning("gradients all-reduce through %s, not shared memory: %s", dist.get_backend(), e)
+        OmegaConf.update(cfg, "ddp.shared_memory", False)
+        fast["ddp.shared_memory"] = False
+        train_model = spread.wrap(model)
     optimizer = instantiate(cfg.optim)(train_model.parameters())
     if cfg.trainer.compile:
         train_model = _compiled(train_model, cfg.trainer.compile_backend)

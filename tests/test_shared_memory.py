@@ -1,0 +1,103 @@
+"""The shared-memory all-reduce (ddp.shared_memory): real processes meeting in a real segment,
+checked against gloo's all-reduce of the same tensors."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hydra_ddp import shared_memory
+
+SIZES = (1537, 10, 4099, 1)  # floats: odd sizes, each larger or smaller than the test's slot
+SLOT_BYTES = 1024  # 256 floats: most tensors go through in several chunks, over both turns
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def _leftovers() -> list[str]:
+    return sorted(p.name for p in shared_memory.SHM_DIR.glob("hydra-ddp-*"))
+
+
+def _sums(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    _group(rank, world, port)
+    shared_memory.SLOT_BYTES = SLOT_BYTES
+    summing = shared_memory.SharedMemoryAllReduce(None, 4 * sum(SIZES), timeout_s=60)
+    dist.barrier()
+    assert not _leftovers(), _leftovers()  # unlinked once every rank has mapped it
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(3):  # several steps: the slots are reused, turn by turn
+        for size in SIZES:
+            share = torch.randn(size, generator=generator) / world  # divided, as the hook does
+            expected = share.clone()
+            dist.all_reduce(expected)  # gloo's
+            summing._all_reduce(share)
+            if world == 2:
+                assert torch.equal(share, expected)  # a + b == b + a: bit-identical
+            else:
+                torch.testing.assert_close(share, expected, rtol=1e-6, atol=1e-7)
+            everyone = [torch.empty_like(share) for _ in range(world)]
+            dist.all_gather(everyone, share)
+            assert all(torch.equal(share, other) for other in everyone)  # the same bits on every rank
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sums_equal_gloos_in_chunks_on_every_rank(world: int):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_sums, args=(world, _port()), nprocs=world, start_method="spawn")
+    assert not _leftovers()
+
+
+def _peer_exits(rank: int, port: int, report: str) -> None:
+    _group(rank, 2, port)
+    summing = shared_memory.SharedMemoryAllReduce(None, 4096, timeout_s=120)
+    if rank == 1:
+        os._exit(3)  # gone before the meeting, as a killed rank would be
+    started = time.monotonic()
+    try:
+        summing._all_reduce(torch.ones(1024))
+        message = "no error"
+    except RuntimeError as e:
+        message = str(e)
+    Path(report).write_text(f"{time.monotonic() - started:.1f}\n{message}")
+    os._exit(0)
+
+
+def test_a_peer_that_exits_fails_the_waiting_rank_long_before_the_timeout(tmp_path: Path):
+    # Plain processes: mp.spawn's join would stop rank 0 itself as soon as rank 1 exits.
+    context, report, port = multiprocessing.get_context("spawn"), tmp_path / "report", _port()
+    ranks = [context.Process(target=_peer_exits, args=(r, port, str(report))) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=90)
+    assert [p.exitcode for p in ranks] == [0, 3]
+    waited, message = report.read_text().split("\n", 1)
+    assert "rank 1 (pid " in message and "exited during the gradient all-reduce" in message, message
+    assert float(waited) < 30  # found by its liveness checks, not the 120 s timeout
+
+
+def test_where_it_cannot_serve_it_says_why():
+    cpu = torch.device("cpu")
+    assert shared_memory.unavailable("gloo", cpu, 2, 2) == [] or os.uname().machine != "x86_64"
+    assert any("not every rank is on this host (2 of 4)" in r for r in shared_memory.unavailable("gloo", cpu, 4, 2))
+    assert any("CPU tensors" in r for r in shared_memory.unavailable("nccl", torch.device("cuda", 0), 2, 2))
