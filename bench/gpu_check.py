@@ -30,7 +30,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("OUT", REPO / "bench" / "results"))
 FIELDS = ("steady_samples_per_sec", "median_step_time_s", "time_to_first_step_s", "peak_rss_mb")
-AUTO_OFF = ("trainer.channels_last=false", "ddp.gradient_as_bucket_view=false", "ddp.static_graph=false")
+AUTO_OFF = ("trainer.channels_last=false", "ddp.gradient_as_bucket_view=false", "ddp.static_graph=false",
+            "ddp.shared_memory=false")  # the last is CPU-only: auto leaves it off on CUDA anyway
 COMMON = ("data=synthetic", "trainer.epochs=1000", "trainer.progress=false", "checkpoint.every_epoch=false",
           "data.dataset.test_size=256")
 

@@ -47,7 +47,8 @@ _INTROS = {
     "pytorch/examples, on the same workload at 2 ranks: with its default launcher (spawn), with torchrun's, "
     "with workers started as fresh interpreters (`launcher.start_method=spawn`) instead of forks of the "
     "forkserver that imported torch while the config was composed, with every `auto` fast setting "
-    "turned off (channels_last, DDP's gradient_as_bucket_view and static_graph), and as the second job of a "
+    "turned off (channels_last, DDP's gradient_as_bucket_view and static_graph, the shared-memory all-reduce), "
+    "and as the second job of a "
     "two-job sweep (`-m trainer.seed=0,1`: Hydra's own launcher runs the jobs one after the other in one "
     "process, and they share the forkserver), its start timed from the end of the first job (its summary "
     "written). Reference: the hand-written loop.",
@@ -65,7 +66,9 @@ _INTROS = {
     "**all-reduce / step**: the gradient bytes each rank all-reduces per step. On one machine the all-reduce "
     "is a memory copy: what compression saves in bytes it may cost in compute; it pays off on slow links "
     "between nodes. "
-    "Reference: none (DDP's own fp32 all-reduce).",
+    "A hook replaces the default shared-memory all-reduce (`ddp.shared_memory`, src/hydra_ddp/shared_memory.py), "
+    "so the reference is DDP's own fp32 all-reduce through gloo; the last row is the default. "
+    "Reference: none through gloo.",
     "checkpoint": "The project at 2 ranks saving a checkpoint every few steps: rank 0 copies the state to memory "
     "at the step boundary and a background thread writes, fsyncs and renames it while training goes on "
     "(src/hydra_ddp/checkpoint.py). **stall / save**: how long one save held rank 0 at its step boundary (the "

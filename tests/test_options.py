@@ -107,4 +107,4 @@ def test_tune_refuses_an_unknown_knob_in_one_line():
     assert proc.stderr.strip().splitlines() == [
         "hydra-ddp: error: tune.knobs: unknown trainer.speed; the knobs are " + ", ".join(
             ["data.num_workers", "data.pin_memory", "trainer.threads", "trainer.channels_last", "ddp.bucket_cap_mb",
-             "trainer.precision", "ddp.comm_hook"])], proc.stderr
+             "ddp.shared_memory", "trainer.precision", "ddp.comm_hook"])], proc.stderr

@@ -120,8 +120,12 @@ def test_failed_rank_is_named_in_one_line_and_leaves_no_orphans(run_dir: Path, l
     assert len(errors) == 1 and "rank 1" in errors[0] and "injected failure" in errors[0], proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "injected failure" in (run_dir / "train.log").read_text()  # the traceback is kept in the log
+    log = (run_dir / "train.log").read_text()
+    assert "injected failure" in log  # the traceback is kept in the log
     assert_no_orphans(proc.pid)
+    # Rank 0 went on to the shared-memory all-reduce's set-up (ddp.shared_memory) and left no segment.
+    pids = {line.rsplit(", pid ", 1)[1].strip() for line in log.splitlines() if ", pid " in line}
+    assert pids and not [p.name for p in Path("/dev/shm").glob("hydra-ddp-*") if p.name.split("-")[2] in pids]
 
 
 def test_nccl_on_cpu_fails_fast_with_one_line(run_dir: Path):

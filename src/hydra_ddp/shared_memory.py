@@ -15,8 +15,9 @@ of the gradients in memory and no socket: 1.13–1.15× samples/s for the CNN at
   gains nothing, and each meeting waits for the slowest rank).
 - The segment holds two slots per rank, used in turn, so a rank may write the next share while a
   slower one still reads the last; gradients larger than a slot go through in slot-sized chunks.
-- It is unlinked from /dev/shm as soon as every rank has mapped it: nothing is left behind by a
-  crash, and the memory goes back when the last rank exits.
+- Rank 0 makes it once every rank has come to the set-up, and unlinks it from /dev/shm as soon as
+  every rank has mapped it (or failed to): the memory goes back when the last rank exits. A rank 0
+  killed within that fraction of a second leaves one behind, removed by a later run's rank 0.
 - A rank waits spinning, then yielding its core, then sleeping in short naps; it stops with an
   error when a peer exits while it waits, or after dist.timeout_s.
 - x86-64 only: its stores are seen by other cores in the order they were made, so a counter never
@@ -25,7 +26,6 @@ of the gradients in memory and no socket: 1.13–1.15× samples/s for the CNN at
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import platform
@@ -37,9 +37,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
+from hydra_ddp.errors import UserError
 
 SHM_DIR = Path("/dev/shm")
+PREFIX = "hydra-ddp-"  # then rank 0's pid and a random part
+STALE_S = 60
 SLOT_BYTES = 8 << 20  # per rank and half: a larger gradient goes through in chunks of this size
 LINE = 64  # bytes: each rank's counter on its own cache line
 TOKEN_BYTES = 16
@@ -86,43 +88,58 @@ class SharedMemoryAllReduce:
 
     # --- set-up: one segment, mapped by every rank, or an error on every rank -------------------
     def _map(self) -> mmap.mmap:
-        token = secrets.token_bytes(TOKEN_BYTES)
-        path, problem, fd = None, "", -1
-        if self.rank == 0:
-            path = SHM_DIR / f"hydra-ddp-{os.getpid()}-{token.hex()[:12]}"
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                os.posix_fallocate(fd, 0, self.size)  # tmpfs reserves the pages now: ENOSPC here, not SIGBUS later
-            except OSError as e:
-                problem = f"cannot create {self.size} bytes in {SHM_DIR}: {e.strerror or e}"
-        shared = [str(path) if path else "", token, problem]
-        dist.broadcast_object_list(shared, src=0, group=self.group)
-        name, token, problem = shared
-        memory: Optional[mmap.mmap] = None
-        if not problem:
-            try:
-                if self.rank != 0:
-                    fd = os.open(name, os.O_RDWR)
-                memory = mmap.mmap(fd, self.size)
-                if self.rank == 0:
-                    memory[self.head - LINE : self.head - LINE + TOKEN_BYTES] = token
-            except OSError as e:
-                problem = f"rank {self.rank} cannot map {name}: {e.strerror or e}"
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-        dist.barrier(group=self.group)  # rank 0's token is written
-        if memory is not None and memory[self.head - LINE : self.head - LINE + TOKEN_BYTES] != token:
-            problem = f"rank {self.rank} maps another {name} (its own /dev/shm: another container?)"
-        problems: list[Any] = [None] * self.world
-        dist.all_gather_object(problems, problem, group=self.group)
-        if self.rank == 0 and name:
-            Path(name).unlink(missing_ok=True)  # every rank has mapped it, or never will
+        # Every rank is here before rank 0 creates anything: a rank that failed earlier leaves no segment.
+        named = [str(SHM_DIR / f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"), secrets.token_bytes(TOKEN_BYTES)]
+        dist.broadcast_object_list(named, src=0, group=self.group)
+        name, token = named
+        created = self.rank == 0
+        try:
+            problem, memory = self._create(name, token) if created else ("", None)
+            shared = [problem]
+            dist.broadcast_object_list(shared, src=0, group=self.group)  # the others wait until it exists
+            problem = shared[0]
+            if not problem and not created:
+                problem, memory = self._open(name, token)
+            problems: list[Any] = [None] * self.world
+            dist.all_gather_object(problems, problem, group=self.group)
+        finally:
+            if created:
+                Path(name).unlink(missing_ok=True)  # every rank has mapped it, or never will
         problems = [p for p in problems if p]
         if problems:
             raise SharedMemoryUnavailable(problems[0])
         assert memory is not None
         return memory
+
+    def _create(self, name: str, token: bytes) -> tuple[str, Optional[mmap.mmap]]:
+        _remove_stale()
+        fd = -1
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.posix_fallocate(fd, 0, self.size)  # tmpfs reserves the pages now: ENOSPC here, not SIGBUS later
+            memory = mmap.mmap(fd, self.size)
+        except OSError as e:
+            return f"cannot create {self.size} bytes in {SHM_DIR}: {e.strerror or e}", None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        memory[self.head - LINE : self.head - LINE + TOKEN_BYTES] = token
+        return "", memory
+
+    def _open(self, name: str, token: bytes) -> tuple[str, Optional[mmap.mmap]]:
+        try:
+            fd = os.open(name, os.O_RDWR)
+        except OSError as e:
+            return f"rank {self.rank} cannot open {name}: {e.strerror or e} (its own /dev/shm: another host or container?)", None
+        try:
+            memory = mmap.mmap(fd, self.size)
+        except OSError as e:
+            return f"rank {self.rank} cannot map {name}: {e.strerror or e}", None
+        finally:
+            os.close(fd)
+        if memory[self.head - LINE : self.head - LINE + TOKEN_BYTES] != token:
+            return f"rank {self.rank} opened another {name} (its own /dev/shm: another container?)", None
+        return "", memory
 
     def _peers(self) -> dict[int, tuple[int, str]]:
         """The other ranks' (pid, start time), where this rank can see their /proc entries."""
@@ -135,6 +152,9 @@ class SharedMemoryAllReduce:
     # DDP checks the hook's annotations against its own types: none here (this module's are strings).
     def hook(self, state, bucket):  # noqa: ANN001, ANN201
         buffer = bucket.buffer()
+        if buffer.is_sparse or not buffer.is_contiguous():
+            raise UserError("ddp.shared_memory sums dense gradients only (this model has sparse ones); "
+                            "set ddp.shared_memory=false")
         buffer.div_(self.world)  # each share divided first, as DDP's own all-reduce does
         done: torch.futures.Future = torch.futures.Future()
         self.pending.append((buffer, done))
@@ -193,6 +213,18 @@ class SharedMemoryAllReduce:
 
 class SharedMemoryUnavailable(RuntimeError):
     pass
+
+
+def _remove_stale() -> None:
+    """Segments left by a rank 0 killed while the others were still mapping (a fraction of a second
+    after it made them): their creator is gone, and they are older than any set-up in progress."""
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
+        try:
+            pid = int(path.name[len(PREFIX) :].split("-", 1)[0])
+            if not Path(f"/proc/{pid}").exists() and time.time() - path.stat().st_mtime > STALE_S:
+                path.unlink()
+        except (ValueError, OSError):
+            continue
 
 
 def _started(pid: int) -> str:

@@ -42,7 +42,7 @@ from hydra_ddp.errors import UserError  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 KNOBS = ("data.num_workers", "data.pin_memory", "trainer.threads", "trainer.channels_last", "ddp.bucket_cap_mb",
-         "trainer.precision", "ddp.comm_hook")
+         "ddp.shared_memory", "trainer.precision", "ddp.comm_hook")
 NUMERICS = ("trainer.precision", "ddp.comm_hook")  # change results beyond float tolerance: tune.precision
 
 
@@ -73,6 +73,8 @@ def candidates(plain: dict[str, Any], tune: Any) -> dict[str, list[Any]]:
         "trainer.threads": sorted({max(1, per_rank // 2), per_rank, min(cores, 2 * per_rank)}),
         "trainer.channels_last": [True, False] if ddp else [],  # FSDP: contiguous parameters only
         "ddp.bucket_cap_mb": [5, 25, 100] if ddp and world > 1 else [],
+        # auto where it can serve (one host, CPU): timed against gloo's all-reduce.
+        "ddp.shared_memory": ["auto", False] if ddp and not cuda and ranks == world > 1 else [],
         "trainer.precision": ["32", "bf16", "16"] if cuda else ["32", "bf16"],
         "ddp.comm_hook": ["none", "fp16", "bf16", "powersgd"] if ddp and world > 1 else [],
     }
