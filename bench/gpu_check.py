@@ -1,7 +1,8 @@
 """The project on CUDA, in one prepared run (under 5 minutes on one GPU): run by bench/gpu_check.sh.
 
 Prints, and writes to OUT/gpu_check.md:
-- parity: train.py against bench/handwritten.py (the seeds' CNN, batch 64, nccl, one rank per GPU);
+- parity: train.py against bench/handwritten.py (the seeds' CNN, batch 64, nccl, one rank per GPU),
+  and `auto` leaving the CPU-only ddp.shared_memory off;
 - the defaults on CUDA: the CNN with every `auto` setting off, with workers started as fresh
   interpreters (start_method=spawn: the forkserver must not have touched CUDA), with the fp16
   and bf16 communication hooks, with fp16 autocast and gradient clipping (GradScaler's unscale);
@@ -113,6 +114,9 @@ def main() -> None:
         emit(row("project CNN (train.py, nccl)", proj[-1]))
     ratio = statistics.median(p["steady_samples_per_sec"] for p in proj) / statistics.median(
         h["steady_samples_per_sec"] for h in hand)
+    chosen = proj[-1].get("settings", {})
+    if chosen.get("ddp.shared_memory"):  # it sums CPU tensors: auto must leave it off on CUDA
+        raise RuntimeError(f"the default run chose ddp.shared_memory on CUDA: {chosen}")
     # The defaults on CUDA: each auto setting off, workers as fresh interpreters, the 16-bit hooks.
     variants = {}
     for label, extra in [

@@ -13,7 +13,7 @@ import torch
 
 from conftest import (
     QUICK, assert_no_orphans, assert_same_params, check_ok, final_params, finish, run_train, scalars,
-    session_processes, start_train, summary, wait_for,
+    session_processes, start_train, summary, tmpfs, wait_for,
 )
 
 HALF, FULL = 15, 30  # steps; an epoch of digits on 2 ranks is 21 steps: both stops fall mid-epoch
@@ -303,18 +303,8 @@ def test_crash_while_exiting_after_a_complete_run_is_a_warning(run_dir: Path):
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A 6 MiB tmpfs: room for one checkpoint of the CNN (3.3 MiB with momentum), not two."""
-    import shutil
-    import subprocess
-
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root and mount(8)")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=True)
+    with tmpfs(tmp_path / "disk", "6m") as mount:
+        yield mount
 
 
 def test_full_disk_during_a_checkpoint_stops_in_one_line_and_resume_works(small_disk: Path):

@@ -14,6 +14,8 @@ import torch
 
 from hydra_ddp import shared_memory
 
+from conftest import QUICK, check_ok, run_train, summary, tmpfs
+
 SIZES = (1537, 10, 4099, 1)  # floats: odd sizes, each larger or smaller than the test's slot
 SLOT_BYTES = 1024  # 256 floats: most tensors go through in several chunks, over both turns
 
@@ -106,3 +108,19 @@ def test_where_it_cannot_serve_it_says_why():
     assert shared_memory.unavailable("gloo", cpu, 2, 2) == [] or os.uname().machine != "x86_64"
     assert any("not every rank is on this host (2 of 4)" in r for r in shared_memory.unavailable("gloo", cpu, 4, 2))
     assert any("CPU tensors" in r for r in shared_memory.unavailable("nccl", torch.device("cuda", 0), 2, 2))
+
+
+def test_a_full_tmpfs_falls_back_to_gloo_with_a_warning_or_fails_in_one_line_when_asked(tmp_path: Path):
+    # 1 MB: no room for the CNN's segment (2 turns × 2 ranks × its 1.7 MB of gradients).
+    with tmpfs(tmp_path / "shm", "1m") as shm:
+        env = {"HYDRA_DDP_SHM_DIR": str(shm)}
+        run_dir = tmp_path / "auto"
+        check_ok(run_train(run_dir, *QUICK, env=env))
+        assert summary(run_dir)["settings"]["ddp.shared_memory"] is False
+        assert "not shared memory: cannot create" in (run_dir / "train.log").read_text()
+
+        asked = run_train(tmp_path / "asked", *QUICK, "ddp.shared_memory=true", env=env)
+        assert asked.returncode != 0
+        lines = asked.stderr.strip().splitlines()
+        assert len(lines) == 1 and "ddp.shared_memory=true: cannot create" in lines[0], asked.stderr
+        assert not list(shm.iterdir())  # nothing left in it

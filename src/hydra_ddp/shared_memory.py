@@ -39,7 +39,9 @@ import torch.distributed as dist
 
 from hydra_ddp.errors import UserError
 
-SHM_DIR = Path("/dev/shm")
+# Where the segment lives: a tmpfs. HYDRA_DDP_SHM_DIR names another where /dev/shm is small
+# (Docker's default is 64 MB; the segment is 2 × world size × the gradients' bytes, at most 8 MB each).
+SHM_DIR = Path(os.environ.get("HYDRA_DDP_SHM_DIR", "/dev/shm"))
 PREFIX = "hydra-ddp-"  # then rank 0's pid and a random part
 STALE_S = 60
 SLOT_BYTES = 8 << 20  # per rank and half: a larger gradient goes through in chunks of this size
