@@ -5,7 +5,8 @@ the machine idle, and 4–5 ms beside two training ranks (their threads and gloo
 through the scheduler), a fifth of the step (measured on 2 cores). Ranks that share a host can
 instead meet in one shared segment: each writes its share of the gradients into its own slot, says
 so in its own counter, and once every counter has moved, sums the slots itself. That is two copies
-of the gradients in memory and no socket: 1.13–1.15× samples/s for the CNN at 2 ranks.
+of the gradients in memory and no socket: 1.13–1.15× samples/s for the CNN at 2 ranks side by side
+in one pair of processes, 1.06–1.16× in bench/results.
 
 - The sum is rank 0's share + rank 1's + … in that order on every rank, each share divided by the
   world size first, as DDP's own all-reduce does: at 2 ranks bit-identical to gloo's (a + b == b + a),
@@ -15,7 +16,7 @@ of the gradients in memory and no socket: 1.13–1.15× samples/s for the CNN at
   gains nothing, and each meeting waits for the slowest rank).
 - The segment holds two slots per rank, used in turn, so a rank may write the next share while a
   slower one still reads the last; gradients larger than a slot go through in slot-sized chunks.
-- Rank 0 makes it once every rank has come to the set-up, and unlinks it from /dev/shm as soon as
+- Rank 0 makes it once every rank has come to the set-up, and unlinks it from its tmpfs as soon as
   every rank has mapped it (or failed to): the memory goes back when the last rank exits. A rank 0
   killed within that fraction of a second leaves one behind, removed by a later run's rank 0.
 - A rank waits spinning, then yielding its core, then sleeping in short naps; it stops with an
