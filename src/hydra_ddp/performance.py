@@ -41,12 +41,13 @@ def choose(cfg: Any, model: nn.Module, backend: str, device: torch.device, world
       float tolerance) at more. Not with a comm hook (it is one), uneven shards (Join's shadow
       all-reduces bypass hooks) or torch.compile.
     """
+    blockers = shared_memory_blockers(cfg, backend, device, world_size, local_world_size)
     auto = {
         # FSDP shards contiguous parameters only: channels_last weights are not.
         "trainer.channels_last": cfg.strategy.name == "ddp" and any(isinstance(m, nn.Conv2d) for m in model.modules()),
         "ddp.gradient_as_bucket_view": True,
         "ddp.static_graph": cfg.trainer.accumulate == 1 and cfg.data.even_shards and not cfg.trainer.compile,
-        "ddp.shared_memory": not shared_memory_blockers(cfg, backend, device, world_size, local_world_size),
+        "ddp.shared_memory": not blockers,
     }
     chosen = {}
     for section, key in SETTINGS:
@@ -56,11 +57,9 @@ def choose(cfg: Any, model: nn.Module, backend: str, device: torch.device, world
         chosen[f"{section}.{key}"] = auto[f"{section}.{key}"] if value == AUTO else bool(value)
     if "ddp.shared_memory" in chosen and world_size < 2:
         chosen["ddp.shared_memory"] = False  # one rank: nothing to all-reduce
-    if cfg.ddp.shared_memory is True and chosen.get("ddp.shared_memory"):
-        blockers = shared_memory_blockers(cfg, backend, device, world_size, local_world_size)
-        if blockers:
-            raise EveryRankError(f"ddp.shared_memory=true cannot serve this run: {'; '.join(blockers)}. "
-                                 "Set ddp.shared_memory=auto or false")
+    if cfg.ddp.shared_memory is True and chosen.get("ddp.shared_memory") and blockers:
+        raise EveryRankError(f"ddp.shared_memory=true cannot serve this run: {'; '.join(blockers)}. "
+                             "Set ddp.shared_memory=auto or false")
     return chosen
 
 

@@ -81,16 +81,17 @@ class SharedMemoryAllReduce:
         self.slot = min(SLOT_BYTES, -(-max(gradient_bytes, 1) // LINE) * LINE)
         self.head = LINE * (self.world + 1)  # the counters, then rank 0's token
         self.size = self.head + 2 * self.world * self.slot
-        self.memory = self._map()
+        self.memory, self.pids = self._map()
         self.counters = memoryview(self.memory)[: LINE * self.world].cast("q")  # 8 per line: rank r's at r·8
         data = torch.frombuffer(self.memory, dtype=torch.uint8, offset=self.head, count=2 * self.world * self.slot)
         self.slots = data.view(2, self.world, self.slot)  # [turn, rank, bytes]
-        self.pids = self._peers()
         self.meetings = 0
         self.pending: list[tuple[torch.Tensor, torch.futures.Future]] = []
 
     # --- set-up: one segment, mapped by every rank, or an error on every rank -------------------
-    def _map(self) -> mmap.mmap:
+    def _map(self) -> tuple[mmap.mmap, dict[int, tuple[int, str]]]:
+        """The mapped segment, and the other ranks' (pid, start time) where this rank can see their
+        /proc entries (its liveness checks)."""
         # Every rank is here before rank 0 creates anything: a rank that failed earlier leaves no segment.
         named = [str(SHM_DIR / f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"), secrets.token_bytes(TOKEN_BYTES)]
         dist.broadcast_object_list(named, src=0, group=self.group)
@@ -103,16 +104,18 @@ class SharedMemoryAllReduce:
             problem = shared[0]
             if not problem and not created:
                 problem, memory = self._open(name, token)
-            problems: list[Any] = [None] * self.world
-            dist.all_gather_object(problems, problem, group=self.group)
+            everyone: list[Any] = [None] * self.world
+            dist.all_gather_object(everyone, (problem, os.getpid(), _started(os.getpid())), group=self.group)
         finally:
             if created:
                 Path(name).unlink(missing_ok=True)  # every rank has mapped it, or never will
-        problems = [p for p in problems if p]
+        problems = [p for p, _, _ in everyone if p]
         if problems:
             raise SharedMemoryUnavailable(problems[0])
         assert memory is not None
-        return memory
+        peers = {r: (pid, started) for r, (_, pid, started) in enumerate(everyone)
+                 if r != self.rank and started and _started(pid) == started}
+        return memory, peers
 
     def _create(self, name: str, token: bytes) -> tuple[str, Optional[mmap.mmap]]:
         _remove_stale()
@@ -143,13 +146,6 @@ class SharedMemoryAllReduce:
         if memory[self.head - LINE : self.head - LINE + TOKEN_BYTES] != token:
             return f"rank {self.rank} opened another {name} (its own /dev/shm: another container?)", None
         return "", memory
-
-    def _peers(self) -> dict[int, tuple[int, str]]:
-        """The other ranks' (pid, start time), where this rank can see their /proc entries."""
-        mine = (os.getpid(), _started(os.getpid()))
-        everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, mine, group=self.group)
-        return {r: tuple(p) for r, p in enumerate(everyone) if r != self.rank and p[1] and _started(p[0]) == p[1]}
 
     # --- the hook ---------------------------------------------------------------------------------
     # DDP checks the hook's annotations against its own types: none here (this module's are strings).
