@@ -134,6 +134,15 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
+def text(run_dir: Path, tag: str) -> list[str]:
+    """The texts logged under `tag` (SummaryWriter.add_text), in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    return [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(f"{tag}/text_summary")]
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional
 
 from omegaconf import OmegaConf
 
+from hydra_ddp import loggers
 from hydra_ddp.distributed import RankInfo
 
 log = logging.getLogger(__name__)
@@ -84,11 +85,13 @@ class Reporter:
             from hydra.utils import instantiate
 
             config = OmegaConf.to_container(cfg, resolve=True)
-            log.info("config\n%s", OmegaConf.to_yaml(config).rstrip(), extra=FILE_ONLY)
+            log.info("config\n%s", loggers.config_yaml(config).rstrip(), extra=FILE_ONLY)
             for name, node in (cfg.get("logger") or {}).items():
                 if node is not None:
-                    self.loggers.append(instantiate(node, run_dir=run_dir, run_config=config, resume_step=resume_step,
-                                                    _recursive_=False, _convert_="all"))
+                    # A partial of the YAML's own keys, called with the rest: passed to instantiate,
+                    # the whole config would be made a DictConfig and back, for each logger.
+                    make = instantiate(node, _partial_=True, _recursive_=False, _convert_="all")
+                    self.loggers.append(make(run_dir=run_dir, run_config=config, resume_step=resume_step))
 
     def series(self, tag: str, steps: Iterable[int], values: Iterable[float]) -> None:
         for step, value in zip(steps, values):
