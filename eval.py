@@ -29,7 +29,7 @@ with startup.frozen_imports():  # train.py's reason
     from hydra_ddp.config import register_schema
     from hydra_ddp.errors import UserError
 
-register_schema()
+register_schema(__name__)
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="eval")

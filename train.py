@@ -26,7 +26,7 @@ with startup.frozen_imports():  # half a million objects that live as long as th
     from hydra_ddp.config import register_schema
     from hydra_ddp.errors import UserError
 
-register_schema()
+register_schema(__name__)
 _START = [STARTED_AT]
 
 

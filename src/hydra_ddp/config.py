@@ -252,9 +252,15 @@ class EvalConfig(Config):
     predict: bool = False
 
 
-def register_schema() -> None:
-    """Make the schema (`schema` in conf/config.yaml's defaults) and the YAML resolvers known."""
-    ConfigStore.instance().store(name="schema", node=Config)
-    ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
+def register_schema(main_module: str = "__main__") -> None:
+    """Make the schema (`schema` in conf/config.yaml's defaults) and the YAML resolvers known.
+
+    `main_module`: the calling script's __name__. Every worker multiprocessing starts runs the
+    script again, as __mp_main__, to find its main module; a worker composes nothing, and a joblib
+    job's is given its parent's ConfigStore (Hydra's Singleton state), so there only the resolvers
+    are made: building the schema took 20-30 ms, in every worker before its first step."""
+    if main_module != "__mp_main__":
+        ConfigStore.instance().store(name="schema", node=Config)
+        ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
     OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(xs), replace=True)
     OmegaConf.register_new_resolver("eq", lambda a, b: a == b, replace=True)
