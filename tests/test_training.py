@@ -36,6 +36,11 @@ def _worker(rank: int, world: int, port: int, results):
         window.add(1, torch.tensor(float(rank)))
         window.add(2, torch.tensor(float(10 * rank)))
         results["window", rank] = window.flush(stop=rank == 2, device=torch.device("cpu"), out_of_time=rank == 1)
+        # Overlapped, as the loop does mid-epoch: sent at step 3, read after step 4 was added.
+        window.add(3, torch.tensor(float(rank)))
+        window.start(stop=rank == 0, device=torch.device("cpu"))
+        window.add(4, torch.tensor(100.0 * rank))
+        results["overlapped", rank] = window.collect(), window.flush(stop=False, device=torch.device("cpu"))
 
 
 def test_evaluation_is_exact_and_train_losses_are_global():
@@ -55,6 +60,7 @@ def test_evaluation_is_exact_and_train_losses_are_global():
         assert metrics["test_accuracy"] == expected_acc
         # Means of 0,1,2 and of 0,10,20; rank 2's stop request and rank 1's spent time reach every rank.
         assert results["window", rank] == ([1, 2], [1.0, 10.0], True, True)
+        assert results["overlapped", rank] == (([3], [1.0], True, False), ([4], [100.0], False, False))
     # Rank 0 gathers every sample's (label, prediction, probability), in dataset order.
     rows = results["eval", 0]["predictions"]
     assert torch.equal(rows[:, 0].long(), y) and torch.equal(rows[:, 1].long(), logits.argmax(1))

@@ -102,16 +102,17 @@ def test_a_diverged_loss_ends_the_run_in_one_line_and_keeps_the_last_good_checkp
 
 def test_max_time_stops_resumably_and_init_from_fine_tunes_from_the_checkpoint(tmp_path: Path):
     run_dir = tmp_path / "run"
-    # Start-up alone takes longer than a 1 s budget: the run stops at its first loss window (step 3).
+    # Start-up alone takes longer than a 1 s budget: the flags of the first loss window (sent at
+    # step 3, read while step 4 runs) stop the run at step 4.
     proc = run_train(run_dir, "trainer.max_time=1", "trainer.log_every=3", "trainer.epochs=2")
     check_ok(proc)
     s = summary(run_dir)
-    assert s["ended_by"] == "max_time" and s["steps"] == 3 and s["tested"]["step"] == 3
-    assert _step_of(run_dir / "checkpoints" / "last.pt") == 3
-    assert "trainer.max_time spent at step 3" in proc.stderr and "trainer.resume=auto" in proc.stderr
+    assert s["ended_by"] == "max_time" and s["steps"] == 4 and s["tested"]["step"] == 4
+    assert _step_of(run_dir / "checkpoints" / "last.pt") == 4
+    assert "trainer.max_time spent at step 4" in proc.stderr and "trainer.resume=auto" in proc.stderr
     check_ok(run_train(run_dir, "trainer.resume=auto", "trainer.log_every=3", "trainer.epochs=2"))
     resumed = summary(run_dir)
-    assert resumed["ended_by"] == "epochs" and resumed["resumed_from"].endswith("step-00000003.pt")
+    assert resumed["ended_by"] == "epochs" and resumed["resumed_from"].endswith("step-00000004.pt")
     assert [h["epoch"] for h in resumed["history"]] == [1, 2] and resumed["steps"] == 2 * resumed["history"][0]["step"]
 
     # Fine-tuning: the run's best weights but a fresh classifier; no learning, so step 1 shows the start.

@@ -65,9 +65,10 @@ class StopRequest:
 class LossWindow:
     """Per-step training losses made global (averaged over ranks) with one all-reduce per window.
 
-    A collective every step would stall the loop; one every `size` steps costs nothing. The
-    same all-reduce carries the stop flags (a signal; the time budget spent), so every rank stops
-    at the same step. Losses travel in
+    A collective every step would stall the loop; one every `size` steps costs little, and less
+    when it overlaps the next step (start, then collect a step later: the loop need not wait for
+    the round trip, nor for rank 0's logging). The same all-reduce carries the stop flags (a
+    signal; the time budget spent), so every rank stops at the same step. Losses travel in
     fixed slots (one per step since the last flush, with a count of the ranks that ran it), so
     every rank sends the same number of values even when some ran out of batches a step earlier
     (uneven shards); a rank learns the global last step from the counts.
@@ -77,6 +78,7 @@ class LossWindow:
     first: int = 1  # the step in the first slot: the one after the last flush (the same on every rank)
     steps: list[int] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
+    pending: Optional[tuple[Any, torch.Tensor]] = None  # a started all-reduce (its work, its tensor), not yet read
 
     def add(self, step: int, loss: torch.Tensor) -> bool:
         self.steps.append(step)
@@ -87,6 +89,14 @@ class LossWindow:
               out_of_time: bool = False) -> tuple[list[int], list[float], bool, bool]:
         """(steps, global losses, whether any rank wants to stop, whether any rank's time is up).
         Every rank calls it at the same points."""
+        self.start(stop, device, out_of_time)
+        return self.collect()
+
+    def start(self, stop: bool, device: torch.device, out_of_time: bool = False) -> None:
+        """Send the window's losses and this rank's flags; collect() reads the result. Every rank
+        calls it at the same points, with none pending."""
+        if self.pending is not None:
+            raise RuntimeError("loss window: start() while an all-reduce is pending; collect() it first")
         slots = self.size + 1  # uneven shards: one step more than a window, at an epoch's end
         if len(self.steps) > slots:
             raise RuntimeError(f"loss window holds {len(self.steps)} steps, more than its {slots} slots")
@@ -97,13 +107,22 @@ class LossWindow:
             packed[slots + where] = 1.0
         packed[-2] = 1.0 if stop else 0.0
         packed[-1] = 1.0 if out_of_time else 0.0
-        dist.all_reduce(packed)
+        self.pending = (dist.all_reduce(packed, async_op=True), packed)
+        self.steps, self.losses = [], []
+
+    def collect(self) -> tuple[list[int], list[float], bool, bool]:
+        """The started all-reduce's result, as flush() returns it (waiting for it if need be)."""
+        if self.pending is None:
+            raise RuntimeError("loss window: collect() with no all-reduce started")
+        work, packed = self.pending
+        self.pending = None
+        work.wait()
+        slots = self.size + 1
         sums, counts = packed[:slots].tolist(), packed[slots:-2].tolist()
         done = [i for i, count in enumerate(counts) if count]
         steps = [self.first + i for i in done]
         values = [sums[i] / counts[i] for i in done]
         self.first = steps[-1] + 1 if steps else self.first
-        self.steps, self.losses = [], []
         stop_flag, time_flag = packed[-2:].tolist()
         return steps, values, bool(stop_flag), bool(time_flag)
 
@@ -147,12 +166,16 @@ class Trainer:
         self.pos = Position()
         # Anomaly mode checks the (global) loss for nan at every step: a window of one.
         self.window = LossWindow(1 if cfg.trainer.detect_anomaly else cfg.trainer.log_every)
+        # Mid-epoch windows are read a step after they are sent; anomaly mode stops at the step itself.
+        self.overlap_window = not cfg.trainer.detect_anomaly
         self.profiler: Optional[Any] = None
         precision = str(cfg.trainer.precision)
         self.amp_dtype = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}[precision]
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "16")  # fp16 only: bf16 needs none
         self.memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
         self.grad_clip = cfg.trainer.grad_clip
+        # Read every step: plain ints, not config lookups.
+        self.accumulate, self.every_n_steps = cfg.trainer.accumulate, cfg.checkpoint.every_n_steps
         self.grad_norms: list[tuple[int, torch.Tensor]] = []  # (step, global norm before clipping), until logged
         max_time = cfg.trainer.max_time
         self.deadline = started_at + max_time if max_time else None
@@ -352,7 +375,7 @@ class Trainer:
 
     def _run_batches(self, max_steps: int, bar: tqdm) -> bool:
         """The epoch's batches; True when the ranks agreed to stop early."""
-        accumulate = self.cfg.trainer.accumulate
+        accumulate = self.accumulate
         micro_losses: list[torch.Tensor] = []
         samples = 0
         last = time.perf_counter()
@@ -384,8 +407,15 @@ class Trainer:
                 # the evaluation, for best.pt). With uneven shards the shortest ranks are out of
                 # batches from here on: no collective of ours until every rank has left the loop.
                 continue
-            if window_full and self._flush(bar):
+            if self.window.pending is not None and self._report(*self.window.collect(), bar):
+                self._flush(bar)  # the step since: the checkpoint's epoch loss must include it
                 return True
+            if window_full:
+                if not self.overlap_window:
+                    if self._flush(bar):
+                        return True
+                else:  # read a step later, while the next step runs
+                    self.window.start(self.stop.signum is not None, self.device, self._out_of_time())
             if self._step_checkpoint_due():
                 stop = self._flush(bar)  # the checkpoint's epoch loss must include every step so far
                 self._save()
@@ -394,7 +424,7 @@ class Trainer:
         return False
 
     def _step_checkpoint_due(self) -> bool:
-        every_n = self.cfg.checkpoint.every_n_steps
+        every_n = self.every_n_steps
         return bool(every_n) and self.pos.step % every_n == 0
 
     def _run_batch(self, x: torch.Tensor, y: torch.Tensor, sync: bool) -> torch.Tensor:
@@ -405,7 +435,8 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 loss = F.cross_entropy(self.model(x), y)
             self.timer.lap("forward")
-            self.scaler.scale(loss / self.cfg.trainer.accumulate).backward()  # DDP all-reduces here on sync
+            scaled = loss / self.accumulate if self.accumulate > 1 else loss  # no extra op in the graph for 1
+            self.scaler.scale(scaled).backward()  # DDP all-reduces here on sync
             self.timer.lap("backward")
         if sync:
             if self.grad_clip:
@@ -420,9 +451,17 @@ class Trainer:
         return loss.detach()
 
     def _flush(self, bar: tqdm) -> bool:
-        """Report the window's global losses; True when the ranks agreed to stop (a signal, the time budget)."""
-        out_of_time = self.deadline is not None and time.time() >= self.deadline
-        steps, losses, stop, time_up = self.window.flush(self.stop.signum is not None, self.device, out_of_time)
+        """Report the window's global losses (and a window started earlier, still pending); True when
+        the ranks agreed to stop (a signal, the time budget)."""
+        stop = self.window.pending is not None and self._report(*self.window.collect(), bar)
+        window = self.window.flush(self.stop.signum is not None, self.device, self._out_of_time())
+        return self._report(*window, bar) or stop
+
+    def _out_of_time(self) -> bool:
+        return self.deadline is not None and time.time() >= self.deadline
+
+    def _report(self, steps: list[int], losses: list[float], stop: bool, time_up: bool, bar: tqdm) -> bool:
+        """Log a window's global losses, act on its flags; True when the ranks agreed to stop."""
         self.reporter.series("train/loss", steps, losses)
         if self.grad_norms:
             norm_steps, norms = zip(*self.grad_norms)
@@ -432,7 +471,7 @@ class Trainer:
         self.pos.epoch_loss_count += len(losses)
         if losses:
             bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
-            self.pos.step = steps[-1]  # a rank that ran out of batches a step early catches up
+            self.pos.step = max(self.pos.step, steps[-1])  # a rank that ran out of batches a step early catches up
         if not all(math.isfinite(loss) for loss in losses):  # global values: every rank stops here
             bad = next(step for step, loss in zip(steps, losses) if not math.isfinite(loss))
             self._diverged(f"the loss is {losses[steps.index(bad)]} at step {bad}")
