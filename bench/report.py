@@ -6,7 +6,8 @@ rebuilt from any saved results.
 
 from __future__ import annotations
 
-from typing import Any
+from math import comb
+from typing import Any, Optional
 
 from measure import FLOORS  # the floors' keys in the results, in the order shown (older results hold the first)
 
@@ -105,8 +106,9 @@ def render(results: dict[str, Any]) -> str:
         f"an option says otherwise. {workload['steps']} steps per run, all in one epoch (steps × batch × ranks "
         f"training images); the first {workload['warmup_steps']} steps (10, or a tenth of a shorter run) are warm-up, "
         f"left out of samples/s and step time. Each configuration "
-        f"ran {results['reps']} time(s){_parity_reps(results)}, interleaved A B A B …; every figure is the median "
-        "over the repetitions.",
+        f"ran {results['reps']} time(s){_parity_reps(results)}, interleaved "
+        f"{'(A B C, then C B A, …)' if results.get('order') == 'forward, reversed' else 'A B A B …'}; every figure "
+        "is the median over the repetitions.",
         "",
         _DEFINITIONS,
         "",
@@ -120,6 +122,7 @@ def render(results: dict[str, Any]) -> str:
     for name, cases in sections.items():
         table = _default_table(cases) if name == "default" else _table(cases, stalls=name == "checkpoint")
         lines += [f"## {_TITLES.get(name, name.capitalize())}", "", _INTROS[name], "", table, ""]
+        lines += _paired(cases)
         lines += _aborts_at_exit(cases)
         if name == "parity" and all("time_to_workers_ready_s" in case["median"] for case in cases):
             lines += ["### Where the start-up goes", "", _STARTUP_INTRO, "", _startup_table(cases, [results[key] for key in FLOORS if key in results]), ""]
@@ -145,6 +148,36 @@ def _parity_reps(results: dict[str, Any]) -> str:
     """How many times the parity section ran, where that differs from the others (--parity-reps)."""
     reps = results.get("parity_reps", results["reps"])
     return f" ({reps} in the parity section)" if reps != results["reps"] and "parity" in results["sections"] else ""
+
+
+def _paired(cases: list[dict[str, Any]]) -> list[str]:
+    """Each case's samples/s over the reference's in the same repetition: the median of those ratios,
+    with a 95 % confidence interval of that median, where there are repetitions enough for one."""
+    if len(cases) < 2 or median_interval(len(cases[0]["runs"])) is None:
+        return []
+    reference = [run["steady_samples_per_sec"] for run in cases[0]["runs"]]
+    figures = []
+    for case in cases[1:]:
+        ratios = sorted(run["steady_samples_per_sec"] / ref for run, ref in zip(case["runs"], reference))
+        low, high = median_interval(len(ratios)) or (0, len(ratios) - 1)
+        middle = (ratios[(len(ratios) - 1) // 2] + ratios[len(ratios) // 2]) / 2
+        figures.append(f"{case['label']} **{middle:.2f}×** ({ratios[low]:.2f}–{ratios[high]:.2f})")
+    return [f"Paired, repetition by repetition: samples/s over the reference's in the same repetition, the "
+            f"median of {len(reference)} ratios (95 % confidence interval of that median, from the order "
+            f"statistics): {'; '.join(figures)}.", ""]
+
+
+def median_interval(n: int, confidence: float = 0.95) -> Optional[tuple[int, int]]:
+    """Indices (0-based, into n sorted values) of a distribution-free confidence interval for their
+    median: the k-th smallest and k-th largest, k as large as keeps the coverage at `confidence`.
+    None under 6 values, where even the whole range covers less than 95 %."""
+    tail, k = 0.0, 0
+    while True:  # P(Binomial(n, 1/2) <= k) on each side stays within the allowed miss
+        next_tail = tail + comb(n, k) / 2**n
+        if next_tail > (1 - confidence) / 2:
+            break
+        tail, k = next_tail, k + 1
+    return (k - 1, n - k) if k >= 1 else None
 
 
 def _aborts_at_exit(cases: list[dict[str, Any]]) -> list[str]:

@@ -112,14 +112,16 @@ def plan(cores: int) -> dict[str, list[Case]]:
 
 def run_section(name: str, cases: list[Case], workload: Workload, reps: int,
                 floors: Optional[dict[str, list[float]]] = None) -> list[dict[str, Any]]:
-    """Every case once per repetition, interleaved (A B A B …), so drift in the machine hits all alike.
+    """Every case once per repetition, interleaved, so drift in the machine hits all alike: in the
+    listed order, then reversed (A B C, C B A, …), so a case's distance in time from the reference
+    evens out too, and a drift over a pair of repetitions cancels in the paired ratios (report.py).
     `floors`: also time each of FLOORS once per repetition, appending to its list here."""
     runs: dict[str, list[dict[str, Any]]] = {case.label: [] for case in cases}
     for rep in range(1, reps + 1):
         for key, times in (floors or {}).items():
             times.append(measure_floor(FLOORS[key]))
             print(f"[{name} {rep}/{reps}] floor: {FLOORS[key]}  {times[-1]:5.2f} s", file=sys.stderr, flush=True)
-        for case in cases:
+        for case in cases if rep % 2 else cases[::-1]:
             result = measure(case, workload)
             runs[case.label].append(result)
             print(
@@ -263,6 +265,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "quick": args.quick,
         "reps": args.reps,
         "parity_reps": args.parity_reps,
+        "order": "forward, reversed",  # each section's cases, repetition by repetition (run_section)
         "machine": machine(),
         "workload": {**asdict(workload), "warmup_steps": workload.warmup_steps},
         "sections": {},
