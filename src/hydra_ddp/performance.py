@@ -36,7 +36,7 @@ def choose(cfg: Any, model: nn.Module, backend: str, device: torch.device, world
       gradient accumulation (DDP's reducer asserts on a no_sync step in a static graph), uneven
       shards (Join stands in for ranks that ran out) and torch.compile (not tested with it).
     - shared_memory: the gradient all-reduce through a shared segment instead of gloo's loopback
-      TCP, where every rank is a CPU process on this host (shared_memory.py): 1.06–1.23× samples/s
+      TCP, where every rank is a CPU process on this host (shared_memory.py): 1.06–1.35× samples/s
       for the CNN at 2 ranks, measured; bit-identical at 2 ranks, the sums in another order (within
       float tolerance) at more. Not with a comm hook (it is one), uneven shards (Join's shadow
       all-reduces bypass hooks) or torch.compile.

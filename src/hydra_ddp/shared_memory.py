@@ -6,7 +6,7 @@ through the scheduler), a fifth of the step (measured on 2 cores). Ranks that sh
 instead meet in one shared segment: each writes its share of the gradients into its own slot, says
 so in its own counter, and once every counter has moved, sums the slots itself. That is two copies
 of the gradients in memory and no socket: 1.13–1.15× samples/s for the CNN at 2 ranks side by side
-in one pair of processes, 1.06–1.23× in bench/results.
+in one pair of processes, 1.06–1.35× in bench/results.
 
 - The sum is rank 0's share + rank 1's + … in that order on every rank, each share divided by the
   world size first, as DDP's own all-reduce does: at 2 ranks bit-identical to gloo's (a + b == b + a),

@@ -66,9 +66,9 @@ class LossWindow:
     """Per-step training losses made global (averaged over ranks) with one all-reduce per window.
 
     A collective every step would stall the loop; one every `size` steps costs little, and less
-    when it overlaps the next step (start, then collect a step later: the loop need not wait for
-    the round trip, nor for rank 0's logging). The same all-reduce carries the stop flags (a
-    signal; the time budget spent), so every rank stops at the same step. Losses travel in
+    when it overlaps the next step (start, then collect a step later: the loop does not wait for
+    the round trip). The same all-reduce carries the stop flags (a signal; the time budget
+    spent), so every rank stops at the same step. Losses travel in
     fixed slots (one per step since the last flush, with a count of the ranks that ran it), so
     every rank sends the same number of values even when some ran out of batches a step earlier
     (uneven shards); a rank learns the global last step from the counts.
