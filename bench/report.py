@@ -153,13 +153,14 @@ def _parity_reps(results: dict[str, Any]) -> str:
 def _paired(cases: list[dict[str, Any]]) -> list[str]:
     """Each case's samples/s over the reference's in the same repetition: the median of those ratios,
     with a 95 % confidence interval of that median, where there are repetitions enough for one."""
-    if len(cases) < 2 or median_interval(len(cases[0]["runs"])) is None:
+    bounds = median_interval(len(cases[0]["runs"]))
+    if len(cases) < 2 or bounds is None:
         return []
+    low, high = bounds
     reference = [run["steady_samples_per_sec"] for run in cases[0]["runs"]]
     figures = []
     for case in cases[1:]:
         ratios = sorted(run["steady_samples_per_sec"] / ref for run, ref in zip(case["runs"], reference))
-        low, high = median_interval(len(ratios)) or (0, len(ratios) - 1)
         middle = (ratios[(len(ratios) - 1) // 2] + ratios[len(ratios) // 2]) / 2
         figures.append(f"{case['label']} **{middle:.2f}×** ({ratios[low]:.2f}–{ratios[high]:.2f})")
     return [f"Paired, repetition by repetition: samples/s over the reference's in the same repetition, the "

@@ -407,15 +407,13 @@ class Trainer:
                 # the evaluation, for best.pt). With uneven shards the shortest ranks are out of
                 # batches from here on: no collective of ours until every rank has left the loop.
                 continue
-            if self.window.pending is not None and self._report(*self.window.collect(), bar):
+            if self._report_pending(bar):
                 self._flush(bar)  # the step since: the checkpoint's epoch loss must include it
                 return True
-            if window_full:
-                if not self.overlap_window:
-                    if self._flush(bar):
-                        return True
-                else:  # read a step later, while the next step runs
-                    self.window.start(self.stop.signum is not None, self.device, self._out_of_time())
+            if window_full and self.overlap_window:
+                self.window.start(**self._window_flags())  # read a step later, while the next step runs
+            elif window_full and self._flush(bar):
+                return True
             if self._step_checkpoint_due():
                 stop = self._flush(bar)  # the checkpoint's epoch loss must include every step so far
                 self._save()
@@ -453,12 +451,17 @@ class Trainer:
     def _flush(self, bar: tqdm) -> bool:
         """Report the window's global losses (and a window started earlier, still pending); True when
         the ranks agreed to stop (a signal, the time budget)."""
-        stop = self.window.pending is not None and self._report(*self.window.collect(), bar)
-        window = self.window.flush(self.stop.signum is not None, self.device, self._out_of_time())
-        return self._report(*window, bar) or stop
+        stop = self._report_pending(bar)
+        return self._report(*self.window.flush(**self._window_flags()), bar) or stop
 
-    def _out_of_time(self) -> bool:
-        return self.deadline is not None and time.time() >= self.deadline
+    def _report_pending(self, bar: tqdm) -> bool:
+        """The window started a step ago, if any, reported; True when the ranks agreed to stop."""
+        return self.window.pending is not None and self._report(*self.window.collect(), bar)
+
+    def _window_flags(self) -> dict[str, Any]:
+        """What this rank sends with a window: a stop requested, its time budget spent."""
+        return {"stop": self.stop.signum is not None, "device": self.device,
+                "out_of_time": self.deadline is not None and time.time() >= self.deadline}
 
     def _report(self, steps: list[int], losses: list[float], stop: bool, time_up: bool, bar: tqdm) -> bool:
         """Log a window's global losses, act on its flags; True when the ranks agreed to stop."""
