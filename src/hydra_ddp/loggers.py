@@ -32,6 +32,11 @@ def config_yaml(config: dict[str, Any]) -> str:
 class Logger:
     """The interface (every method may do nothing)."""
 
+    @classmethod
+    def preload(cls) -> None:
+        """Import what the logger needs, before it is made: rank 0 calls this while the other ranks
+        are still starting, so the import does not hold them at the first collective."""
+
     def metrics(self, values: dict[str, float], step: int) -> None: ...
 
     def finish(self, summary: dict[str, Any], hparams: dict[str, Any]) -> None: ...
@@ -41,6 +46,10 @@ class Logger:
 
 class TensorBoard(Logger):
     """One event file in run_dir/tensorboard: scalars, the config as text, the hparams table."""
+
+    @classmethod
+    def preload(cls) -> None:
+        import torch.utils.tensorboard  # noqa: F401  (70 ms on this machine, after torch)
 
     def __init__(self, run_dir: Path, run_config: dict[str, Any], resume_step: Optional[int] = None):
         from torch.utils.tensorboard import SummaryWriter
@@ -160,6 +169,10 @@ class MLflow(Logger):
 
     RUN_ID_FILE = "mlflow_run_id"
     BATCH = 500  # metrics per request
+
+    @classmethod
+    def preload(cls) -> None:
+        import mlflow.tracking  # noqa: F401
 
     def __init__(self, run_dir: Path, run_config: dict[str, Any], resume_step: Optional[int] = None,
                  tracking_uri: str = "sqlite:///outputs/mlflow.db", experiment: str = "hydra-ddp",

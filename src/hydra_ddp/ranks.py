@@ -1,18 +1,17 @@
-"""Who am I: the one place rank 0 is decided. No torch here: train.py asks before importing it."""
+"""Who am I: the one place rank 0 is decided. No torch here: train.py asks before importing it,
+and nothing that delays the forkserver it starts next (dataclasses and typing: 25 ms, measured)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Mapping, Optional
+from collections import namedtuple
+from collections.abc import Mapping
 
 
-@dataclass(frozen=True)
-class RankInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
+class RankInfo(namedtuple("RankInfo", ["rank", "world_size", "local_rank", "local_world_size"])):
+    """This process among the workers (immutable): its rank and local rank, and how many there are."""
+
+    __slots__ = ()
 
     @property
     def is_main(self) -> bool:
@@ -39,7 +38,7 @@ def _launcher_name(env: Mapping[str, str]) -> str:
     return "torchrun"
 
 
-def external_launch(env: Mapping[str, str] = os.environ) -> Optional[tuple[str, RankInfo]]:
+def external_launch(env: Mapping[str, str] = os.environ) -> tuple[str, RankInfo] | None:
     """(launcher name, rank) when this process was started as a worker by an outside launcher."""
     if "RANK" not in env and srun_task(env):
         env = {**env, **srun_environment(env)}

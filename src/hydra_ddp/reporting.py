@@ -66,6 +66,20 @@ def setup_logging(rank: RankInfo, run_dir: Path, task: str = "train") -> None:
     root.setLevel(logging.INFO)
 
 
+def preload_loggers(cfg: Any) -> None:
+    """Rank 0, before the process group: the configured loggers' imports (Logger.preload). A logger
+    that cannot load fails where it is made, after the group is up, as every rank's error."""
+    from hydra.utils import get_class
+
+    for node in (cfg.get("logger") or {}).values():
+        if node is None:
+            continue
+        try:
+            getattr(get_class(node._target_), "preload", lambda: None)()
+        except Exception:  # noqa: BLE001  (the Reporter reports it)
+            pass
+
+
 def show_progress(setting: Optional[bool], rank: RankInfo) -> bool:
     """A progress bar on rank 0 when it writes to a terminal; quiet in pipes and CI."""
     if not rank.is_main:

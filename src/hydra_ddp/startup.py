@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
-from typing import Optional
 
 # The guard that ties the forkserver's life to the launcher's, then what every worker imports.
 PRELOAD = ["hydra_ddp.forkserver_guard", "hydra_ddp.forkserver_imports"]
@@ -31,7 +30,7 @@ _NO_LAUNCH_HERE = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info"
 _MULTIRUN = ("-m", "--multirun")
 
 
-def preload(argv: Optional[list[str]] = None) -> None:
+def preload(argv: list[str] | None = None) -> None:
     """Start the forkserver now, importing PRELOAD, when this command is going to launch workers."""
     if argv is not None:
         args = [arg.split("=", 1)[0] for arg in argv[1:]]
@@ -80,7 +79,7 @@ def quiet_resource_tracker() -> None:
         sys.warnoptions.append(_QUIET_TRACKER)
 
 
-def worker_parent(start_method: str) -> Optional[int]:
+def worker_parent(start_method: str) -> int | None:
     """The pid of the process that will be the workers' parent, which they die with: this process,
     or the forkserver (None if this Python does not say which pid it has)."""
     if start_method != "forkserver":
@@ -91,7 +90,7 @@ def worker_parent(start_method: str) -> Optional[int]:
     return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 
-def die_with_parent(expected_parent: Optional[int] = None) -> None:
+def die_with_parent(expected_parent: int | None = None) -> None:
     """SIGKILL this process when its parent dies (even by SIGKILL, with no chance to clean up).
 
     `expected_parent`: when given and no longer the parent, it died before this took effect."""

@@ -65,6 +65,8 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
         reporting.setup_logging(rank, Path(run_dir), task)
     device = torch.device(f"cuda:{rank.local_rank}" if cfg.trainer.device == "cuda" else "cpu")
     torch.set_num_threads(cpu_threads(cfg.trainer.threads, rank))
+    if rank.is_main and task == "train":
+        reporting.preload_loggers(cfg)  # while the other ranks start: it would hold them at the first collective
     # An outside torchrun, and torchrun across nodes, bring the env:// rendezvous (MASTER_ADDR/PORT).
     # On one node our own store is used: loopback-only, and fresh keys after a restart.
     launcher_env = "MASTER_PORT" in os.environ and (external or cfg.launcher.nnodes > 1)
