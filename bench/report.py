@@ -79,6 +79,12 @@ _INTROS = {
 }
 
 
+# The default section's runs since a0006bf each follow a timing of the floor.
+_DEFAULT_FLOORS = (" **floor**: the collector-off floor (as in the parity section), timed just before each run; "
+                   "**beyond training − floor**: the median of that difference run by run, what the project adds "
+                   "to importing torch at the machine's speed of the moment.")
+
+
 def render(results: dict[str, Any]) -> str:
     machine, workload, sections = results["machine"], results["workload"], results["sections"]
     lines = [
@@ -121,7 +127,8 @@ def render(results: dict[str, Any]) -> str:
                   f"({m['beyond_training_s']:+.1f} s), the first step at {m['time_to_first_step_s']:.1f} s.**", ""]
     for name, cases in sections.items():
         table = _default_table(cases) if name == "default" else _table(cases, stalls=name == "checkpoint")
-        lines += [f"## {_TITLES.get(name, name.capitalize())}", "", _INTROS[name], "", table, ""]
+        intro = _INTROS[name] + (_DEFAULT_FLOORS if name == "default" and "floor_s" in cases[0]["median"] else "")
+        lines += [f"## {_TITLES.get(name, name.capitalize())}", "", intro, "", table, ""]
         lines += _paired(cases)
         lines += _aborts_at_exit(cases)
         if name == "parity" and all("time_to_workers_ready_s" in case["median"] for case in cases):
@@ -217,8 +224,11 @@ def _spread(values: list[float], decimals: int) -> str:
 
 
 def _default_table(cases: list[dict[str, Any]]) -> str:
+    floors = all("floor_s" in case["median"] for case in cases)  # results up to a0006bf hold none
     headers = ["configuration", "wall (s)", "training (s)", "beyond training (s)", "first step (s)",
                "evaluation (s)", "checkpoints", "checkpoint stalls (s)"]
+    if floors:
+        headers += ["floor (s)", "beyond training − floor (s)"]
     rows = []
     for case in cases:
         m = case["median"]
@@ -226,6 +236,9 @@ def _default_table(cases: list[dict[str, Any]]) -> str:
         rows.append([case["label"], f"{m['wall_time_s']:.2f}{spread}", f"{m['train_time_s']:.2f}",
                      f"{m['beyond_training_s']:+.2f}", f"{m['time_to_first_step_s']:.2f}", f"{m['eval_time_s']:.2f}",
                      str(case["checkpoints"]), f"{m['checkpoint_time_s']:.2f}"])
+        if floors:
+            rows[-1] += [f"{m['floor_s']:.2f}{_spread([run['floor_s'] for run in case['runs']], 2)}",
+                         f"{m['beyond_floor_s']:+.2f}"]
     return _markdown_table(headers, rows)
 
 
