@@ -79,7 +79,7 @@ _INTROS = {
 }
 
 
-# The default section's runs since a0006bf each follow a timing of the floor.
+# From 5fa226c on, each of the default section's runs follows a timing of the floor.
 _DEFAULT_FLOORS = (" **floor**: the collector-off floor (as in the parity section), timed just before each run; "
                    "**beyond training − floor**: the median of that difference run by run, what the project adds "
                    "to importing torch at the machine's speed of the moment.")
