@@ -127,7 +127,7 @@ def render(results: dict[str, Any]) -> str:
                   f"({m['beyond_training_s']:+.1f} s), the first step at {m['time_to_first_step_s']:.1f} s.**", ""]
     for name, cases in sections.items():
         table = _default_table(cases) if name == "default" else _table(cases, stalls=name == "checkpoint")
-        intro = _INTROS[name] + (_DEFAULT_FLOORS if name == "default" and "floor_s" in cases[0]["median"] else "")
+        intro = _INTROS[name] + (_DEFAULT_FLOORS if name == "default" and _has_floors(cases) else "")
         lines += [f"## {_TITLES.get(name, name.capitalize())}", "", intro, "", table, ""]
         lines += _paired(cases)
         lines += _aborts_at_exit(cases)
@@ -223,8 +223,13 @@ def _spread(values: list[float], decimals: int) -> str:
     return f" ({min(values):.{decimals}f}–{max(values):.{decimals}f})" if len(values) > 1 else ""
 
 
+def _has_floors(cases: list[dict[str, Any]]) -> bool:
+    """Whether the default section's runs each carry a floor timed just before (none up to a0006bf)."""
+    return all("floor_s" in case["median"] for case in cases)
+
+
 def _default_table(cases: list[dict[str, Any]]) -> str:
-    floors = all("floor_s" in case["median"] for case in cases)  # results up to a0006bf hold none
+    floors = _has_floors(cases)
     headers = ["configuration", "wall (s)", "training (s)", "beyond training (s)", "first step (s)",
                "evaluation (s)", "checkpoints", "checkpoint stalls (s)"]
     if floors:

@@ -66,14 +66,17 @@ def setup_logging(rank: RankInfo, run_dir: Path, task: str = "train") -> None:
     root.setLevel(logging.INFO)
 
 
+def _logger_nodes(cfg: Any) -> list[Any]:
+    """The configured loggers' config nodes (a logger set to null is off)."""
+    return [node for node in (cfg.get("logger") or {}).values() if node is not None]
+
+
 def preload_loggers(cfg: Any) -> None:
     """Rank 0, before the process group: the configured loggers' imports (Logger.preload). A logger
     that cannot load fails where it is made, after the group is up, as every rank's error."""
     from hydra.utils import get_class
 
-    for node in (cfg.get("logger") or {}).values():
-        if node is None:
-            continue
+    for node in _logger_nodes(cfg):
         try:
             getattr(get_class(node._target_), "preload", lambda: None)()
         except Exception:  # noqa: BLE001  (the Reporter reports it)
@@ -100,12 +103,11 @@ class Reporter:
 
             config = OmegaConf.to_container(cfg, resolve=True)
             log.info("config\n%s", loggers.config_yaml(config).rstrip(), extra=FILE_ONLY)
-            for name, node in (cfg.get("logger") or {}).items():
-                if node is not None:
-                    # A partial of the YAML's own keys, called with the rest: passed to instantiate,
-                    # the whole config would be made a DictConfig and back, for each logger.
-                    make = instantiate(node, _partial_=True, _recursive_=False, _convert_="all")
-                    self.loggers.append(make(run_dir=run_dir, run_config=config, resume_step=resume_step))
+            for node in _logger_nodes(cfg):
+                # A partial of the YAML's own keys, called with the rest: passed to instantiate,
+                # the whole config would be made a DictConfig and back, for each logger.
+                make = instantiate(node, _partial_=True, _recursive_=False, _convert_="all")
+                self.loggers.append(make(run_dir=run_dir, run_config=config, resume_step=resume_step))
 
     def series(self, tag: str, steps: Iterable[int], values: Iterable[float]) -> None:
         for step, value in zip(steps, values):
