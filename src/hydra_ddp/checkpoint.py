@@ -26,13 +26,14 @@ import errno
 import io
 import logging
 import os
+import queue
 import random
 import re
 import shutil
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -50,7 +51,7 @@ LAST = "last.pt"
 BEST = "best.pt"
 META = "meta.pt"  # a sharded checkpoint's state besides the tensors DCP holds
 _STEP = re.compile(r"^step-(\d+)(\.pt)?$")
-# 2: the optimizer state keyed by parameter name (torch.distributed.checkpoint.state_dict), so a
+# 2: the optimizer state keyed by parameter name (DCP's state_dict layout), so a
 # checkpoint of either strategy loads into the other; 1: by position (still loaded).
 FORMAT = 2
 
@@ -101,7 +102,7 @@ class Checkpointer:
         self.device = device
         self.config = config
         self.sharded = sharded  # every rank writes its shards (DCP), else rank 0 the whole state
-        self.writing: Optional[threading.Thread] = None  # rank 0's write in flight
+        self.writer: Optional[_Writer] = None  # rank 0's, from the first save to finish()
         self.write_error: Optional[str] = None
         self.written_step = -1  # the step of this run's last sharded save
 
@@ -122,13 +123,16 @@ class Checkpointer:
         if self.rank.is_main:
             # Training may change the tensors once this returns: the writer gets copies. It starts
             # after the collective above, which it would slow down on a busy CPU.
-            self.writing = threading.Thread(target=self._write, args=(_snapshot(state), step, best),
-                                            name="checkpoint-writer", daemon=True)
-            self.writing.start()
+            self.writer = self.writer or _Writer()
+            self.writer.submit(self._write, _snapshot(state), step, best)
 
     def finish(self) -> None:
         """Wait for the write in flight (end of training, a stop): every rank calls it, and learns how it went."""
-        self._agree(self._wait() if self.rank.is_main else None)
+        problem = self._wait() if self.rank.is_main else None
+        if self.writer is not None:
+            self.writer.retire()  # no thread outlives the run (a later save starts another)
+            self.writer = None
+        self._agree(problem)
 
     def _agree(self, problem: Optional[str]) -> None:
         # Not a barrier inside `if rank == 0`: every rank learns whether the write worked, and how not.
@@ -138,9 +142,8 @@ class Checkpointer:
                             "trainer.resume=auto")
 
     def _wait(self) -> Optional[str]:
-        if self.writing is not None:
-            self.writing.join()
-            self.writing = None
+        if self.writer is not None:
+            self.writer.wait()
         problem, self.write_error = self.write_error, None
         return problem
 
@@ -448,6 +451,41 @@ def _head(model: nn.Module) -> str:
     if not linear:
         raise UserError("trainer.init_ignore=[head]: the model has no Linear layer; name its parameters instead")
     return linear[-1]
+
+
+class _Writer:
+    """Rank 0's background writer: one daemon thread that runs one write at a time.
+
+    Started once, not once per save: starting a thread waits until the new thread runs, and with
+    every core training that took 0.3–7 ms (2.7 ms on average, measured here) of each save's stall.
+    A daemon, as a hung write (a stalled network file system) must not keep the process alive.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        threading.Thread(target=self._run, name="checkpoint-writer", daemon=True).start()
+
+    def submit(self, write: Callable[..., None], *args: Any) -> None:
+        """Queue a write; the caller has waited for the one before (`wait`)."""
+        self._idle.clear()
+        self._jobs.put((write, args))
+
+    def wait(self) -> None:
+        self._idle.wait()
+
+    def retire(self) -> None:
+        """End the thread once the queue is done."""
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            write, args = job
+            try:
+                write(*args)  # reports its own failure (Checkpointer._write)
+            finally:
+                self._idle.set()
 
 
 def _snapshot(value: Any) -> Any:
