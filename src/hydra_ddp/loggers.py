@@ -13,7 +13,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Optional
 
 import yaml
 
@@ -115,6 +115,7 @@ class CSV(Logger):
                 self.rows = [r for r in reader if int(r["step"]) <= resume_step]
         self.written = 0  # rows already in the file
         self.file_columns: list[str] = []  # its header
+        self.file: Optional[IO[str]] = None  # open for appending between rewrites: a row each step
         self._rewrite()
 
     def metrics(self, values: dict[str, float], step: int) -> None:
@@ -137,12 +138,15 @@ class CSV(Logger):
         if self.file_columns != self.columns:
             self._rewrite(upto=done)
             return
-        with open(self.path, "a", newline="") as f:
-            csv.DictWriter(f, fieldnames=self.columns).writerows(self.rows[self.written:done])
+        if self.file is None:
+            self.file = open(self.path, "a", newline="")
+        csv.DictWriter(self.file, fieldnames=self.columns).writerows(self.rows[self.written:done])
+        self.file.flush()  # on disk as it comes, for whoever reads the file during the run
         self.written = done
 
     def _rewrite(self, upto: Optional[int] = None) -> None:
         upto = len(self.rows) if upto is None else upto
+        self._close_file()
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         with open(tmp, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=self.columns)
@@ -156,6 +160,12 @@ class CSV(Logger):
 
     def close(self) -> None:
         self._rewrite()
+        self._close_file()
+
+    def _close_file(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
 
 class MLflow(Logger):
