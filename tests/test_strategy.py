@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import (
-    assert_same_params, check_ok, final_params, finish, run_eval, run_train, scalars, start_train, summary, wait_for,
+    assert_same_params, check_ok, final_params, finish, free_port, run_eval, run_train, scalars, start_train, summary,
+    wait_for,
 )
 
 STEPS = 24  # an epoch of digits on 2 ranks is 21 steps: one checkpoint at its end, at step 21
@@ -154,7 +155,7 @@ def _named_like_dcp(_rank: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     torch.manual_seed(0)
     gpt = TinyGPT(context=8, dim=16, depth=2, heads=2)
-    decay = [p for n, p in gpt.named_parameters() if p.dim() >= 2]
+    decay = [p for p in gpt.parameters() if p.dim() >= 2]
     cases = [
         (MnistCNN(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), (4, 1, 28, 28), 10),
         (MnistCNN(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), (4, 1, 28, 28), 10),  # no state at all
@@ -190,11 +191,6 @@ def _named_like_dcp(_rank: int, port: int) -> None:
 def test_ddp_optimizer_state_is_named_as_dcp_names_it():
     """strategy.optimizer_state_by_name against torch.distributed.checkpoint's get_optimizer_state_dict
     on real DDP models: the same names, groups, tensors, and bytes once saved."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_named_like_dcp, args=(port,), nprocs=1, start_method="spawn")
+    mp.start_processes(_named_like_dcp, args=(free_port(),), nprocs=1, start_method="spawn")

@@ -159,8 +159,7 @@ class CSV(Logger):
         self._rewrite()
 
     def close(self) -> None:
-        self._rewrite()
-        self._close_file()
+        self._rewrite()  # which closes the file it appended to
 
     def _close_file(self) -> None:
         if self.file is not None:
