@@ -100,6 +100,22 @@ def test_a_diverged_loss_ends_the_run_in_one_line_and_keeps_the_last_good_checkp
     assert_no_orphans(proc.pid)
 
 
+def test_weights_gone_infinite_before_a_checkpoint_end_the_run_in_one_line_and_are_not_saved(run_dir: Path):
+    # The first step's loss is finite (taken before the update); the update, mostly weight decay
+    # (1e34 × 1e6 × w), is not: the check before the checkpoint after it finds inf in the weights,
+    # every rank stops there, and nothing is written (without the check, last.pt would hold them).
+    proc = run_train(run_dir, "optim.lr=1e34", "optim.weight_decay=1e6", "checkpoint.every_n_steps=1",
+                     "trainer.max_steps=20")
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "training diverged: the weights are not finite after step 1; no checkpoint was written" in lines[0]
+    assert "worker rank" not in lines[0]
+    assert not any((run_dir / "checkpoints").glob("*.pt"))
+    assert not (run_dir / "summary.json").exists()
+    assert_no_orphans(proc.pid)
+
+
 def test_max_time_stops_resumably_and_init_from_fine_tunes_from_the_checkpoint(tmp_path: Path):
     run_dir = tmp_path / "run"
     # Start-up alone takes longer than a 1 s budget: the flags of the first loss window (sent at
