@@ -10,6 +10,7 @@ import math
 import os
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -88,16 +89,22 @@ def test_early_stopping_stops_both_ranks_at_the_same_step_and_tests_the_best(run
     assert s["tested"]["step"] == s["history"][0]["step"] and "early stopping" in proc.stdout
 
 
-def test_a_diverged_loss_ends_the_run_in_one_line_and_keeps_the_last_good_checkpoint(run_dir: Path):
-    proc = run_train(run_dir, "optim.lr=1e30", "checkpoint.every_n_steps=1", "trainer.max_steps=20")
+def _diverged_in_one_line(proc: subprocess.CompletedProcess, run_dir: Path) -> str:
+    """The one line a diverged run ends with: non-zero, every rank's decision reported once, no summary."""
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "training diverged: the loss is nan at step 2" in lines[0], proc.stderr
+    assert len(lines) == 1, proc.stderr
     assert "worker rank" not in lines[0]  # every rank's decision, reported once
-    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    assert last["position"]["step"] == 1 and all(torch.isfinite(v).all() for v in last["model"].values())
     assert not (run_dir / "summary.json").exists()
     assert_no_orphans(proc.pid)
+    return lines[0]
+
+
+def test_a_diverged_loss_ends_the_run_in_one_line_and_keeps_the_last_good_checkpoint(run_dir: Path):
+    proc = run_train(run_dir, "optim.lr=1e30", "checkpoint.every_n_steps=1", "trainer.max_steps=20")
+    assert "training diverged: the loss is nan at step 2" in _diverged_in_one_line(proc, run_dir)
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert last["position"]["step"] == 1 and all(torch.isfinite(v).all() for v in last["model"].values())
 
 
 def test_weights_gone_infinite_before_a_checkpoint_end_the_run_in_one_line_and_are_not_saved(run_dir: Path):
@@ -106,14 +113,9 @@ def test_weights_gone_infinite_before_a_checkpoint_end_the_run_in_one_line_and_a
     # every rank stops there, and nothing is written (without the check, last.pt would hold them).
     proc = run_train(run_dir, "optim.lr=1e34", "optim.weight_decay=1e6", "checkpoint.every_n_steps=1",
                      "trainer.max_steps=20")
-    assert proc.returncode != 0
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert "training diverged: the weights are not finite after step 1; no checkpoint was written" in lines[0]
-    assert "worker rank" not in lines[0]
+    line = _diverged_in_one_line(proc, run_dir)
+    assert "training diverged: the weights are not finite after step 1; no checkpoint was written" in line
     assert not any((run_dir / "checkpoints").glob("*.pt"))
-    assert not (run_dir / "summary.json").exists()
-    assert_no_orphans(proc.pid)
 
 
 def test_max_time_stops_resumably_and_init_from_fine_tunes_from_the_checkpoint(tmp_path: Path):
