@@ -6,6 +6,7 @@ rebuilt from any saved results.
 
 from __future__ import annotations
 
+import statistics
 from math import comb
 from typing import Any, Optional
 
@@ -57,7 +58,12 @@ _INTROS = {
     "a validation and a checkpoint each epoch, the test at the end), timed by this harness from the command's "
     "start to its end. **training**: the summary's `train_time_s` (the steps); **beyond training**: wall − "
     "training, what a user waits for besides the steps: start-up to the first step, evaluation, checkpoint "
-    "stalls, the end. No reference: nothing else does the same.",
+    "stalls, the end. Reference: the same work written by hand in the style of pytorch/examples "
+    "(`bench/handwritten_train.py`: mp.spawn, the digits read as the project reads them, the same network, "
+    "optimizer, schedule, batch and epochs, a validation each epoch, TensorBoard scalars and a `torch.save` "
+    "checkpoint on rank 0, the test at the end; nothing else: no config, no resume, no failure handling), "
+    "timed the same way; its **training** is its steps' times summed as the project sums them. Its "
+    "**evaluation** and **checkpoint** columns stay empty: it does not time them.",
     "scaling": "The project at each world size; every rank takes cores ÷ ranks intra-op threads, so each row "
     "uses the whole machine. Reference: 1 rank.",
     "options": "The project at 2 ranks with each set of performance overrides (`OPTIONS` in bench/run.py). "
@@ -122,14 +128,12 @@ def render(results: dict[str, Any]) -> str:
     if "parity" in sections:
         lines += _parity_headline(sections["parity"])
     if "default" in sections:
-        m = sections["default"][0]["median"]
-        lines += [f"**`make train`: {m['wall_time_s']:.1f} s of wall time for {m['train_time_s']:.1f} s of training "
-                  f"({m['beyond_training_s']:+.1f} s), the first step at {m['time_to_first_step_s']:.1f} s.**", ""]
+        lines += _default_headline(sections["default"])
     for name, cases in sections.items():
         table = _default_table(cases) if name == "default" else _table(cases, stalls=name == "checkpoint")
         intro = _INTROS[name] + (_DEFAULT_FLOORS if name == "default" and _has_floors(cases) else "")
         lines += [f"## {_TITLES.get(name, name.capitalize())}", "", intro, "", table, ""]
-        lines += _paired(cases)
+        lines += _default_paired(cases) if name == "default" else _paired(cases)
         lines += _aborts_at_exit(cases)
         if name == "parity" and all("time_to_workers_ready_s" in case["median"] for case in cases):
             lines += ["### Where the start-up goes", "", _STARTUP_INTRO, "", _startup_table(cases, [results[key] for key in FLOORS if key in results]), ""]
@@ -149,6 +153,34 @@ def _parity_headline(cases: list[dict[str, Any]]) -> list[str]:
         f"peak RSS {vs['rss_ratio']:.2f}×.**",
         "",
     ]
+
+
+def _default_headline(cases: list[dict[str, Any]]) -> list[str]:
+    m = next(case for case in cases if case["side"] == "default")["median"]
+    line = (f"**`make train`: {m['wall_time_s']:.1f} s of wall time for {m['train_time_s']:.1f} s of training "
+            f"({m['beyond_training_s']:+.1f} s), the first step at {m['time_to_first_step_s']:.1f} s")
+    by_hand = [case["median"] for case in cases if case["side"] == "handwritten_train"]
+    if by_hand:  # none up to this line's commit
+        h = by_hand[0]
+        line += (f"; the same work by hand: {h['wall_time_s']:.1f} s for {h['train_time_s']:.1f} s "
+                 f"({h['beyond_training_s']:+.1f} s), the first step at {h['time_to_first_step_s']:.1f} s")
+    return [line + ".**", ""]
+
+
+def _default_paired(cases: list[dict[str, Any]]) -> list[str]:
+    """make train's wall time and time beyond training less the hand-written run's of the same
+    repetition (the runs follow one floor timing, back to back): medians and ranges."""
+    if len(cases) < 2 or cases[0]["side"] != "handwritten_train":
+        return []
+    reference = cases[0]["runs"]
+    figures = []
+    for case in cases[1:]:
+        for what, of in (("wall time", lambda run: run["wall_time_s"]),
+                         ("time beyond training", lambda run: run["wall_time_s"] - run["train_time_s"])):
+            differences = [of(run) - of(ref) for run, ref in zip(case["runs"], reference)]
+            figures.append(f"{what} **{statistics.median(differences):+.2f} s**{_spread(differences, 2)}")
+    return [f"Paired, repetition by repetition: `make train` less the hand-written run of the same repetition, "
+            f"medians over {len(reference)} repetitions (min–max): {'; '.join(figures)}.", ""]
 
 
 def _parity_reps(results: dict[str, Any]) -> str:
@@ -239,12 +271,16 @@ def _default_table(cases: list[dict[str, Any]]) -> str:
         m = case["median"]
         spread = _spread([run["wall_time_s"] for run in case["runs"]], 2)
         rows.append([case["label"], f"{m['wall_time_s']:.2f}{spread}", f"{m['train_time_s']:.2f}",
-                     f"{m['beyond_training_s']:+.2f}", f"{m['time_to_first_step_s']:.2f}", f"{m['eval_time_s']:.2f}",
-                     str(case["checkpoints"]), f"{m['checkpoint_time_s']:.2f}"])
+                     f"{m['beyond_training_s']:+.2f}", f"{m['time_to_first_step_s']:.2f}", _seconds(m["eval_time_s"]),
+                     "" if case["checkpoints"] is None else str(case["checkpoints"]), _seconds(m["checkpoint_time_s"])])
         if floors:
             rows[-1] += [f"{m['floor_s']:.2f}{_spread([run['floor_s'] for run in case['runs']], 2)}",
                          f"{m['beyond_floor_s']:+.2f}"]
     return _markdown_table(headers, rows)
+
+
+def _seconds(value: Optional[float]) -> str:
+    return "" if value is None else f"{value:.2f}"
 
 
 def _table(cases: list[dict[str, Any]], stalls: bool = False) -> str:

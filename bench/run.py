@@ -82,8 +82,10 @@ def plan(cores: int) -> dict[str, list[Case]]:
             # A multirun's later job: the parent and the forkserver are there already.
             Case("project, a sweep's second job", "sweep"),
         ],
-        # `make train` as a user runs it: its wall time against its training time (not a comparison).
-        "default": [Case("make train (the default run)", "default")],
+        # `make train` as a user runs it: its wall time against its training time, beside the same
+        # work written by hand.
+        "default": [Case("hand-written (bench/handwritten_train.py)", "handwritten_train"),
+                    Case("make train (the default run)", "default")],
         "scaling": [Case(f"nproc={n}", "project", nproc=n) for n in world_sizes(cores)],
         "options": [Case(label, "project", overrides=overrides) for label, overrides in OPTIONS.items()],
         # A hook replaces the shared-memory all-reduce: each is compared with gloo's, and the default last.
@@ -152,24 +154,34 @@ def run_section(name: str, cases: list[Case], workload: Workload, reps: int,
     return summary
 
 
-def run_default(case: Case, workload: Workload, reps: int) -> list[dict[str, Any]]:
-    """The default run, `reps` times: where its wall time goes besides training, from its summary.
-    Each run follows a timing of the collector-off floor, so the two are compared at the same moment
-    (the machine's speed drifts between the sections)."""
-    runs = []
+def run_default(cases: list[Case], workload: Workload, reps: int) -> list[dict[str, Any]]:
+    """The default run and its hand-written counterpart, `reps` times, interleaved: where their wall
+    time goes besides training, from what they report. Each repetition follows a timing of the
+    collector-off floor, so the runs are compared with it at the same moment (the machine's speed
+    drifts between the sections)."""
+    runs: dict[str, list[dict[str, Any]]] = {case.label: [] for case in cases}
     for rep in range(1, reps + 1):
         floor = measure_floor(FLOORS["startup_floor_gc_off"])
-        result = {**measure(case, workload), "floor_s": floor}
-        runs.append(result)
-        print(f"[default {rep}/{reps}] wall {result['wall_time_s']:5.2f} s  training {result['train_time_s']:5.2f} s  "
-              f"first step {result['time_to_first_step_s']:5.2f} s  floor {floor:5.2f} s", file=sys.stderr, flush=True)
-    figures = ("wall_time_s", "train_time_s", "time_to_first_step_s", "eval_time_s", "checkpoint_time_s", "floor_s")
-    median = {figure: statistics.median(run[figure] for run in runs) for figure in figures}
-    median["beyond_training_s"] = statistics.median(run["wall_time_s"] - run["train_time_s"] for run in runs)
-    # What the project adds to importing torch: the same difference less the floor timed just before.
-    median["beyond_floor_s"] = statistics.median(run["wall_time_s"] - run["train_time_s"] - run["floor_s"] for run in runs)
-    return [{"label": case.label, "side": case.side, "command": printable(command(case, workload, Path("RUN_DIR"))[0]),
-             "runs": runs, "median": median, "checkpoints": runs[0]["checkpoints"]}]
+        for case in cases if rep % 2 else cases[::-1]:
+            result = {**measure(case, workload), "floor_s": floor}
+            runs[case.label].append(result)
+            print(f"[default {rep}/{reps}] {case.label}: wall {result['wall_time_s']:5.2f} s  training "
+                  f"{result['train_time_s']:5.2f} s  first step {result['time_to_first_step_s']:5.2f} s  "
+                  f"floor {floor:5.2f} s", file=sys.stderr, flush=True)
+    summary = []
+    for case in cases:
+        case_runs = runs[case.label]
+        figures = ("wall_time_s", "train_time_s", "time_to_first_step_s", "eval_time_s", "checkpoint_time_s", "floor_s")
+        median = {figure: statistics.median(run[figure] for run in case_runs) if case_runs[0][figure] is not None
+                  else None for figure in figures}
+        median["beyond_training_s"] = statistics.median(run["wall_time_s"] - run["train_time_s"] for run in case_runs)
+        # What the run adds to importing torch: the same difference less the floor timed just before.
+        median["beyond_floor_s"] = statistics.median(
+            run["wall_time_s"] - run["train_time_s"] - run["floor_s"] for run in case_runs)
+        summary.append({"label": case.label, "side": case.side,
+                        "command": printable(command(case, workload, Path("RUN_DIR"))[0]),
+                        "runs": case_runs, "median": median, "checkpoints": case_runs[0]["checkpoints"]})
+    return summary
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -285,7 +297,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if args.only and name not in args.only:
                 continue
             if name == "default":
-                results["sections"][name] = run_default(cases[0], workload, args.reps)
+                results["sections"][name] = run_default(cases, workload, args.reps)
             elif name == "parity" and len(cases) > 1:
                 floors: dict[str, list[float]] = {key: [] for key in FLOORS}
                 results["sections"][name] = run_section(name, cases, workload, args.parity_reps, floors)
