@@ -58,12 +58,7 @@ _INTROS = {
     "a validation and a checkpoint each epoch, the test at the end), timed by this harness from the command's "
     "start to its end. **training**: the summary's `train_time_s` (the steps); **beyond training**: wall − "
     "training, what a user waits for besides the steps: start-up to the first step, evaluation, checkpoint "
-    "stalls, the end. Reference: the same work written by hand in the style of pytorch/examples "
-    "(`bench/handwritten_train.py`: mp.spawn, the digits read as the project reads them, the same network, "
-    "optimizer, schedule, batch and epochs, a validation each epoch, TensorBoard scalars and a `torch.save` "
-    "checkpoint on rank 0, the test at the end; nothing else: no config, no resume, no failure handling), "
-    "timed the same way; its **training** is its steps' times summed as the project sums them. Its "
-    "**evaluation** and **checkpoint** columns stay empty: it does not time them.",
+    "stalls, the end.",
     "scaling": "The project at each world size; every rank takes cores ÷ ranks intra-op threads, so each row "
     "uses the whole machine. Reference: 1 rank.",
     "options": "The project at 2 ranks with each set of performance overrides (`OPTIONS` in bench/run.py). "
@@ -85,9 +80,18 @@ _INTROS = {
 }
 
 
+# From f282f07 on, the default section runs the same work by hand beside make train.
+_DEFAULT_REFERENCE = (" Reference: the same work written by hand in the style of pytorch/examples "
+                      "(`bench/handwritten_train.py`: mp.spawn, the digits read as the project reads them, the same "
+                      "network, optimizer, schedule, batch and epochs, a validation each epoch, TensorBoard scalars and "
+                      "a `torch.save` checkpoint on rank 0, the test at the end; nothing else: no config, no resume, no "
+                      "failure handling), timed the same way; its **training** is its steps' times summed as the "
+                      "project sums them. Its **evaluation** and **checkpoint** columns stay empty: it does not time "
+                      "them.")
+_DEFAULT_NO_REFERENCE = " No reference: nothing else does the same."
 # From 5fa226c on, each of the default section's runs follows a timing of the floor.
-_DEFAULT_FLOORS = (" **floor**: the collector-off floor (as in the parity section), timed just before each run; "
-                   "**beyond training − floor**: the median of that difference run by run, what the project adds "
+_DEFAULT_FLOORS = (" **floor**: the collector-off floor (as in the parity section), timed just before each repetition; "
+                   "**beyond training − floor**: the median of that difference run by run, what the run adds "
                    "to importing torch at the machine's speed of the moment.")
 
 
@@ -131,7 +135,10 @@ def render(results: dict[str, Any]) -> str:
         lines += _default_headline(sections["default"])
     for name, cases in sections.items():
         table = _default_table(cases) if name == "default" else _table(cases, stalls=name == "checkpoint")
-        intro = _INTROS[name] + (_DEFAULT_FLOORS if name == "default" and _has_floors(cases) else "")
+        intro = _INTROS[name]
+        if name == "default":
+            by_hand = any(case["side"] == "handwritten_train" for case in cases)
+            intro += (_DEFAULT_REFERENCE if by_hand else _DEFAULT_NO_REFERENCE) + (_DEFAULT_FLOORS if _has_floors(cases) else "")
         lines += [f"## {_TITLES.get(name, name.capitalize())}", "", intro, "", table, ""]
         lines += _default_paired(cases) if name == "default" else _paired(cases)
         lines += _aborts_at_exit(cases)
