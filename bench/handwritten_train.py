@@ -21,9 +21,6 @@ import argparse  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import resource  # noqa: E402
-import socket  # noqa: E402
-import statistics  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -34,9 +31,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
+from handwritten import free_port, largest, measurements, peak_rss_mb  # noqa: E402  (the parity loop's, as it computes them)
 from hydra_ddp.models import MnistCNN  # noqa: E402  (the very network the project trains)
 
-WARMUP_STEPS = 10  # left out of samples/s and step time, as the project does
 LOG_INTERVAL = 10  # steps between two training-loss scalars (pytorch/examples' --log-interval)
 
 
@@ -116,33 +113,24 @@ def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> Non
                         "scheduler": scheduler.state_dict()}, os.path.join(args.run_dir, "checkpoints", "last.pt"))
     _, test_acc = evaluate(model, test_loader)
 
-    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, entered_at], dtype=torch.float64)
-    dist.all_reduce(rss, op=dist.ReduceOp.MAX)  # the largest peak RSS; the last worker ready
+    device = torch.device("cpu")
+    rss, workers_ready_at = peak_rss_mb(device), largest(entered_at, device)
     if rank == 0:
         writer.close()
-        steady = step_times[min(WARMUP_STEPS, len(step_times) // 10):]
-        samples_per_step = 32 * world_size
         result = {
             "world_size": world_size,
             "steps": step,
-            "steady_samples_per_sec": len(steady) * samples_per_step / sum(steady),
-            "median_step_time_s": statistics.median(steady),
+            **measurements(step_times, 32 * world_size),
             "train_time_s": sum(step_times),
             "first_step_at": first_step_at,
             "time_to_first_step_s": first_step_at - STARTED_AT,
-            "workers_ready_at": rss[1].item(),
-            "peak_rss_mb": rss[0].item(),
+            "workers_ready_at": workers_ready_at,
+            "peak_rss_mb": rss,
             "test_accuracy": test_acc,
         }
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
