@@ -18,7 +18,8 @@ import sys  # noqa: E402
 
 from hydra_ddp import ranks, startup  # noqa: E402  (neither imports torch)
 
-if __name__ == "__main__" and not ranks.external_launch():
+CHECK_ONLY = __name__ == "__main__" and startup.take_check_flags(sys.argv)  # --check: launch nothing
+if __name__ == "__main__" and not CHECK_ONLY and not ranks.external_launch():
     startup.preload(sys.argv)  # the workers' imports start now, beside the parent's (train.py's reason)
 
 with startup.frozen_imports():  # train.py's reason

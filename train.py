@@ -14,7 +14,8 @@ import sys  # noqa: E402
 
 from hydra_ddp import ranks, startup  # noqa: E402  (neither imports torch)
 
-if __name__ == "__main__" and not ranks.external_launch():
+CHECK_ONLY = __name__ == "__main__" and startup.take_check_flags(sys.argv)  # --check: launch nothing
+if __name__ == "__main__" and not CHECK_ONLY and not ranks.external_launch():
     # The workers' imports (torch, the project) start now, in a forkserver, beside the parent's own.
     startup.preload(sys.argv)
 

@@ -8,7 +8,8 @@ import ipaddress
 import os
 import socket
 from datetime import timedelta
-from typing import Any, Iterator, Optional
+from collections.abc import Mapping
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,33 +32,71 @@ def adopt_launcher_environment() -> None:
 
 
 
-def resolve_backend(name: str, device: str, nproc_per_node: int) -> str:
-    """The concrete backend for `name`, or a UserError saying why it cannot run here."""
-    cuda = torch.cuda.is_available()
+class Host(NamedTuple):
+    """What this machine offers a run, read once on the launch side: every decision that depends on
+    it (device, world size, backend, which GPU a rank takes) is a pure function of these facts."""
+
+    cuda: bool  # a CUDA device is usable
+    gpus: int  # GPUs this process sees (CUDA_VISIBLE_DEVICES applied: under Slurm, often a task's own)
+    nccl: bool
+    mpi: bool
+
+    @classmethod
+    def here(cls) -> "Host":
+        """This machine; or, for `train.py --check --gpus=N`, a GPU host of N GPUs (a config checked
+        on a laptop or a login node for the cluster it will run on)."""
+        assumed = os.environ.get(CHECK_GPUS_ENV)
+        if assumed:
+            return cls(cuda=True, gpus=int(assumed), nccl=True, mpi=dist.is_mpi_available())
+        cuda = torch.cuda.is_available()
+        return cls(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0, nccl=dist.is_nccl_available(),
+                   mpi=dist.is_mpi_available())
+
+
+CHECK_GPUS_ENV = "HYDRA_DDP_CHECK_GPUS"  # set by train.py --check --gpus=N (startup.take_check_flags)
+
+
+def resolve_backend(name: str, device: str, nproc_per_node: int, host: Host, outside_launch: bool = False) -> str:
+    """The concrete backend for `name`, or a UserError saying why it cannot run here. `auto` is held
+    to what it picks: nccl gets the one-GPU-per-process check an explicit backend=nccl gets."""
     if name == "auto":
-        return "nccl" if device == "cuda" else "gloo"
+        name = "nccl" if device == "cuda" else "gloo"
+        if name == "nccl" and not host.nccl:
+            return "gloo"  # a CUDA build without NCCL (Windows): gloo still runs on GPUs
     if name == "gloo":
         return name
     if name == "nccl":
-        if not cuda or not dist.is_nccl_available():
+        if not host.cuda or not host.nccl:
             raise UserError("backend=nccl needs CUDA GPUs and none are available here; use backend=gloo (or auto)")
         if device != "cuda":
             raise UserError("backend=nccl needs trainer.device=cuda; use backend=gloo to train on the CPU")
-        gpus = torch.cuda.device_count()
-        if gpus < nproc_per_node:
-            raise UserError(
-                f"backend=nccl needs one GPU per process: trainer.nproc={nproc_per_node} but this host has "
-                f"{gpus} GPU(s); set trainer.nproc={gpus} (or auto), or use backend=gloo"
-            )
+        gpu_index(0, nproc_per_node, host.gpus, outside_launch)  # one GPU per process, or one line why not
         return name
     if name == "mpi":
-        if not dist.is_mpi_available():
+        if not host.mpi:
             raise UserError(
                 "backend=mpi: this torch build has no MPI support (torch.distributed.is_mpi_available() is False); "
                 "use backend=gloo (or nccl on GPUs) — mpirun can still launch it"
             )
         return name
     raise UserError(f"unknown backend {name!r}; choose auto, gloo, nccl or mpi")
+
+
+def gpu_index(local_rank: int, local_world_size: int, visible: int, outside_launch: bool) -> int:
+    """Which of the GPUs this process sees a local rank takes: its own index when the node's ranks
+    see every GPU; 0 when an outside launcher gave each task one GPU of its own (Slurm's
+    --gpus-per-task=1 or --gpu-bind, submitit's gpus_per_task: CUDA_VISIBLE_DEVICES per task).
+    Anything else would put two ranks on one GPU, which NCCL refuses: one line, before launch."""
+    if visible >= local_world_size:
+        return local_rank
+    if visible == 1 and outside_launch:
+        return 0
+    where = "each process sees" if outside_launch else "this host has"
+    raise UserError(
+        f"one GPU per process: {local_world_size} process(es) on this node but {where} {visible} GPU(s); "
+        f"set trainer.nproc={visible} (or auto), give each task its own GPU (srun --gpus-per-task=1), "
+        "or use backend=gloo"
+    )
 
 
 def init_url(name: str, host: str, port: Optional[int], path: Optional[str]) -> str:

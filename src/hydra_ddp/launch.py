@@ -7,6 +7,7 @@ run directory to every worker.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import json
 import logging
@@ -85,6 +86,8 @@ def run(cfg: DictConfig, started_at: float, task: str = "train") -> Optional[dic
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     distributed.adopt_launcher_environment()
     external = distributed.external_launch()
+    if startup.checking():
+        return _check_only(cfg, run_dir, external, task)
     plain = _resolve(cfg, run_dir, external, task)
     if external:
         # Only rank 0 knows the run directory: its verdict reaches every rank once the group is up.
@@ -151,6 +154,26 @@ def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]]
     keys = (evaluation.override_key(o) for o in overrides if "=" in o)
     plain["overridden"] = [k for k in keys if _is_value(plain, k.split("."))]
     return plain
+
+
+def _check_only(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], task: str) -> None:
+    """train.py --check: everything a run checks before its first step, and nothing launched; one
+    line that says what would run (or the UserError's one line)."""
+    try:
+        plain = _resolve(cfg, run_dir, external, task)
+        if task == "train":
+            if external:
+                validate.check(plain, run_dir)
+            validate.dry_build(plain)
+    finally:
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()  # Hydra made it for this command; nothing was written there (only if empty)
+    launcher, trainer = plain["launcher"], plain["trainer"]
+    what = (f"{plain['strategy']['name']}, global batch {plain['data']['global_batch_size']}" if task == "train"
+            else f"eval of {plain['eval']['ckpt']} on {plain['eval']['split']}")
+    print(f"hydra-ddp: config OK: {trainer['nproc'] * launcher['nnodes']} worker(s) on {trainer['device']} "
+          f"({launcher['name']}, backend {plain['backend']['name']}, init {plain['init_method']['name']}), {what}; "
+          "nothing launched", flush=True)
 
 
 def _is_value(plain: dict[str, Any], path: list[str]) -> bool:

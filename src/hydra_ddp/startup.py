@@ -28,6 +28,36 @@ _QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
 # Arguments after which train.py launches nothing (help, config printing, shell completion).
 _NO_LAUNCH_HERE = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
 _MULTIRUN = ("-m", "--multirun")
+CHECK_ENV = "HYDRA_DDP_CHECK"  # train.py --check: compose, resolve and check, launch nothing
+_CHECK_GPUS_ENV = "HYDRA_DDP_CHECK_GPUS"  # --gpus=N with it: check for a host of N GPUs (distributed.Host)
+
+
+def take_check_flags(argv: list[str]) -> bool:
+    """`--check` (and `--gpus=N`) taken out of argv, where Hydra would refuse them: the command then
+    composes, resolves and checks the config as a run would, builds the model on the meta device
+    and puts one batch through it, prints one line and launches nothing. In the environment, so a
+    multirun's jobs check too. Hydra's own outputs (a .hydra folder, a log file) are left out."""
+    gpus = [a for a in argv[1:] if a.startswith("--gpus=")]
+    if "--check" not in argv[1:]:
+        if gpus:
+            raise SystemExit("hydra-ddp: error: --gpus=N goes with --check (a config checked for a GPU host); "
+                             "without it, trainer.nproc sets the workers")
+        return False
+    for arg in ["--check", *gpus]:
+        argv.remove(arg)
+    os.environ[CHECK_ENV] = "1"
+    if gpus:
+        count = gpus[-1].split("=", 1)[1]
+        if not count.isdigit() or int(count) < 1:
+            raise SystemExit(f"hydra-ddp: error: --gpus={count}: give the GPUs per node, a positive integer")
+        os.environ[_CHECK_GPUS_ENV] = count
+    keys = [a.lstrip("+~").split("=", 1)[0] for a in argv[1:]]
+    argv += [o for o in ("hydra.output_subdir=null", "hydra/job_logging=disabled") if o.split("=")[0] not in keys]
+    return True
+
+
+def checking() -> bool:
+    return os.environ.get(CHECK_ENV) == "1"
 
 
 def preload(argv: list[str] | None = None) -> None:

@@ -6,6 +6,7 @@ any worker starts, and written into the config the workers receive.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -13,13 +14,13 @@ import os
 import multiprocessing as mp
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from hydra_ddp import checkpoint, comm, data, distributed, monitor, performance, startup, strategy
+from hydra_ddp import checkpoint, comm, data, distributed, groups, monitor, performance, startup, strategy
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
 
@@ -37,10 +38,7 @@ def resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankIn
 def fill_in(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> dict[str, Any]:
     """Resolve the `auto`s and nulls that launching and forming the group depend on (device, world
     size, backend, init method, batch sizes). Every rank of an outside launch runs this alike."""
-    try:
-        plain: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore
-    except MissingMandatoryValue as e:
-        raise UserError(f"{e.full_key} must be set (it is ??? in the config); pass {e.full_key}=...") from None
+    plain = plain_config(cfg)
     fill_in_launch(plain, run_dir, external)
     trainer = plain["trainer"]
     # Decided here, so the checkpoint records it: the same thread count gives the same CPU kernels,
@@ -52,23 +50,38 @@ def fill_in(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankIn
     trainer["resume"] = checkpoint.resume_setting(trainer["resume"])
     trainer["max_time"] = max_time_seconds(trainer["max_time"])
     _resolve_monitor(trainer, plain["data"])
+    ddp = plain["ddp"]
+    if ddp["sync_batchnorm"] == "auto":  # settled here, alike on every rank of an outside launch
+        ddp["sync_batchnorm"] = trainer["device"] == "cuda" and plain["strategy"]["name"] == "ddp"
     if trainer["init_from"]:
         trainer["init_from"] = str(checkpoint.find(trainer["init_from"], "trainer.init_from"))
     return plain
 
 
+def plain_config(cfg: DictConfig) -> dict[str, Any]:
+    """The composed config with every interpolation resolved, or one line naming what is missing."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
+    except MissingMandatoryValue as e:
+        raise UserError(f"{e.full_key} must be set (it is ??? in the config); pass {e.full_key}=...") from None
+    except InterpolationResolutionError as e:
+        raise UserError(groups.mismatch(e)) from None
+
+
 def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
     """How this command runs: device, world size, backend, init method (train.py's and eval.py's)."""
     trainer, launcher = plain["trainer"], plain["launcher"]
-    trainer["device"] = _device(trainer["device"])
+    host = distributed.Host.here()
+    trainer["device"] = _device(trainer["device"], host)
     if external:
         launcher_name, rank = external
         launcher.update(name=launcher_name, external=True, nnodes=rank.world_size // rank.local_world_size)
         trainer["nproc"] = rank.local_world_size
     else:
-        trainer["nproc"] = _nproc(trainer["nproc"], trainer["device"])
+        trainer["nproc"] = _nproc(trainer["nproc"], trainer["device"], host)
         _check_launcher(launcher)
-    plain["backend"]["name"] = distributed.resolve_backend(plain["backend"]["name"], trainer["device"], trainer["nproc"])
+    plain["backend"]["name"] = distributed.resolve_backend(plain["backend"]["name"], trainer["device"], trainer["nproc"],
+                                                           host, outside_launch=external is not None)
     _resolve_init_method(plain["init_method"], run_dir, external is not None)
 
 
@@ -177,8 +190,6 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
         raise UserError(f"ddp.shared_memory=true does not combine with {'; '.join(blockers)}; "
                         "set ddp.shared_memory=auto or false")
     _check_strategy(plain)
-    if plain["ddp"]["sync_batchnorm"] == "auto":
-        plain["ddp"]["sync_batchnorm"] = trainer["device"] == "cuda" and plain["strategy"]["name"] == "ddp"
     if plain["ddp"]["sync_batchnorm"] not in (True, False):
         raise UserError(f"ddp.sync_batchnorm: expected true, false or auto, got {plain['ddp']['sync_batchnorm']!r}")
     if plain["ddp"]["sync_batchnorm"] and trainer["device"] != "cuda":
@@ -287,19 +298,19 @@ def _resolve_batch_size(data_cfg: dict[str, Any], world_size: int) -> None:
     data_cfg.update(batch_size=per_rank, global_batch_size=per_rank * world_size)
 
 
-def _device(name: str) -> str:
+def _device(name: str, host: distributed.Host) -> str:
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
+        return "cuda" if host.cuda else "cpu"
+    if name == "cuda" and not host.cuda:
         raise UserError("trainer.device=cuda but CUDA is not available here; use trainer.device=cpu (or auto)")
     if name not in ("cpu", "cuda"):
         raise UserError(f"trainer.device must be auto, cpu or cuda, got {name!r}")
     return name
 
 
-def _nproc(value: Any, device: str) -> int:
+def _nproc(value: Any, device: str, host: distributed.Host) -> int:
     if value == "auto":
-        return torch.cuda.device_count() if device == "cuda" else 2
+        return host.gpus if device == "cuda" else 2
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
     raise UserError(f"trainer.nproc must be a positive integer or auto, got {value!r}")
@@ -391,3 +402,42 @@ def _locate(path: str, key: str) -> Any:
         except AttributeError:
             raise UserError(f"{key}._target_={path!r}: {module_name!r} has no {'.'.join(parts[split:])!r}") from None
     raise UserError(f"{key}._target_={path!r} is not a dotted path such as package.module.Name")
+
+
+def dry_build(plain: dict[str, Any]) -> None:
+    """train.py --check: what a worker builds before its first step, without a process group: the
+    datasets, the model on the meta device (no memory, any size), one batch of two samples through
+    it and the loss, the optimizer and the schedule. What fails is one line."""
+    import torch.nn.functional as F
+    from hydra.utils import instantiate
+    from torch.utils.data import default_collate
+
+    cfg = OmegaConf.create(plain)
+    model_and_data = f"{groups.chosen('model', cfg.model)} with {groups.chosen('data', cfg.data.dataset)}"
+    with _one_line(f"{model_and_data} does not build and run one batch (checked on the meta device)"):
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
+        if not cfg.data.dataset.get("download", False):  # a download is the run's to make
+            train = data.build_datasets(cfg.data, RankInfo(0, 1, 0, 1), cfg.trainer.seed)["train"]
+            x, y = default_collate([train[i] for i in range(min(2, len(train)))])
+            loss = F.cross_entropy(model(x.to("meta")), y.to("meta"))
+            if loss.dim() != 0:
+                raise UserError(f"{model_and_data}: the loss of one batch has shape {tuple(loss.shape)}, not a scalar")
+    with _one_line(f"{groups.chosen('optim', cfg.optim)} does not build on the model's parameters"):
+        optimizer = instantiate(cfg.optim)(model.parameters())
+    if cfg.scheduler:
+        with _one_line(f"{groups.chosen('scheduler', cfg.scheduler)} does not build on the optimizer"):
+            instantiate(cfg.scheduler)(optimizer)
+
+
+@contextlib.contextmanager
+def _one_line(what: str) -> Iterator[None]:
+    """What a worker would fail with inside, as one UserError line that says `what` failed."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as error:  # noqa: BLE001
+        while error.__cause__ is not None:  # Hydra's InstantiationException wraps the real cause
+            error = error.__cause__  # type: ignore[assignment]
+        raise UserError(f"{what}: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}") from None

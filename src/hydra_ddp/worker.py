@@ -63,7 +63,7 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
     task = cfg.get("task", "train")
     if not external:
         reporting.setup_logging(rank, Path(run_dir), task)
-    device = torch.device(f"cuda:{rank.local_rank}" if cfg.trainer.device == "cuda" else "cpu")
+    device = _device(cfg.trainer.device, rank, external)
     torch.set_num_threads(cpu_threads(cfg.trainer.threads, rank))
     if rank.is_main and task == "train":
         reporting.preload_loggers(cfg)  # while the other ranks start: it would hold them at the first collective
@@ -90,14 +90,25 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
     return summary  # the same on every rank: global values only
 
 
+def _device(kind: str, rank: RankInfo, outside_launch: bool) -> torch.device:
+    """This rank's device: the CPU, or the GPU its local rank maps to among those it sees."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", distributed.gpu_index(rank.local_rank, rank.local_world_size,
+                                                      torch.cuda.device_count(), outside_launch))
+
+
+def config_fingerprint(plain: dict[str, Any]) -> str:
+    """What is trained, not how each node launches (node_rank, addresses, threads differ by design)."""
+    what = {k: v for k, v in plain.items() if k not in ("launcher", "init_method", "backend", "dist", "overridden")}
+    what["trainer"] = {k: v for k, v in plain["trainer"].items() if k not in ("nproc", "threads", "progress")}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def _check_same_config(cfg: DictConfig, rank: RankInfo, device: torch.device) -> None:
     """Every rank trains with the same values (one sweep trial's, say), or none starts: the config's
     fingerprint, compared in one all-reduce. Each rank logs it, with the values set on the command line."""
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    # What is trained, not how each node launches (node_rank, addresses, threads differ by design).
-    what = {k: v for k, v in plain.items() if k not in ("launcher", "init_method", "backend", "dist", "overridden")}
-    what["trainer"] = {k: v for k, v in plain["trainer"].items() if k not in ("nproc", "threads", "progress")}
-    digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+    digest = config_fingerprint(OmegaConf.to_container(cfg, resolve=True))
     mine = int(digest[:15], 16)  # fits an int64
     extremes = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
