@@ -68,8 +68,8 @@ def test_store_on_port_zero_holds_a_free_loopback_port():
 
 def _broadcast_worker(rank: int, port: int, results):
     info = RankInfo(rank, 2, rank, 2)
-    init = {"name": "tcp", "host": "127.0.0.1", "port": port, "path": None, "hosted": True}
-    with distributed.process_group("gloo", init, info, 30, torch.device("cpu"), launcher_env=False):
+    init = {"name": "tcp", "host": "127.0.0.1", "port": None, "path": None, "ports": [port]}  # held by the test
+    with distributed.process_group("gloo", init, info, 30, torch.device("cpu")):
         results[rank] = distributed.broadcast_text("outputs/runs/été" if rank == 0 else "other", torch.device("cpu"))
     assert not torch.distributed.is_initialized()  # torn down on exit
 

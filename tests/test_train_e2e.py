@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import QUICK, check_ok, event_files, run_train, scalars, assert_no_orphans, summary, text
+from conftest import QUICK, check_ok, event_files, free_port, run_train, scalars, assert_no_orphans, summary, text
 
 SUMMARY_KEYS = {
     "world_size", "backend", "launcher", "init_method", "epochs", "steps", "train_loss",
@@ -87,21 +88,61 @@ def test_every_launcher_and_init_method_gives_identical_losses(tmp_path: Path):
         "torchrun": (("launcher=torchrun", "init_method=file"), ()),
         "external": ((), (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")),
     }
-    results = {}
+    results, seen = {}, {}
     for name, (overrides, prefix) in runs.items():
-        proc = run_train(tmp_path / name, *QUICK, *overrides, prefix=prefix)
+        probes = tmp_path / f"{name}-probes"
+        probes.mkdir()
+        proc = run_train(tmp_path / name, *QUICK, *overrides, *_probe(probes), prefix=prefix)
         check_ok(proc)
         results[name] = losses(tmp_path / name)
         assert len(results[name]) == 8
         s = summary(tmp_path / name)  # under every launcher: each worker's start, before its first step
         assert 0 < s["time_to_workers_ready_s"] < s["time_to_first_step_s"] < s["wall_time_s"], name
         assert not list((tmp_path / name).glob("*.store"))  # the file store is removed at exit
+        seen[name] = [json.loads((probes / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert results["spawn"] == results["torchrun"] == results["external"]
     assert [summary(tmp_path / name)["init_method"] for name in runs] == ["tcp", "file", "env"]
+    # Each init method reached init_process_group as its URL, on every rank, and the group's store is
+    # the one that URL names: tcp's host and port, a file store, the outside torchrun's MASTER_PORT.
+    tcp = seen["spawn"][0]
+    assert tcp["init_method"] == f"tcp://127.0.0.1:{tcp['port']}" and tcp["store"] == "TCPStore", seen["spawn"]
+    assert seen["torchrun"][0]["init_method"] == f"file://{tmp_path / 'torchrun' / 'rendezvous.store'}"
+    assert seen["torchrun"][0]["store"] == "FileStore"
+    assert seen["external"][0]["init_method"] == "env://" and seen["external"][0]["store"] == "TCPStore"
+    for name in runs:
+        assert seen[name][0] == seen[name][1], name
     assert summary(tmp_path / "external")["launcher"] == "torchrun"
     # The outside launch made exactly one run directory: rank 1 followed rank 0.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["external", "spawn", "torchrun"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith("-probes")) == ["external", "spawn", "torchrun"]
     assert len(event_files(tmp_path / "external")) == 1
+
+
+def _probe(folder: Path) -> tuple[str, ...]:
+    return ("model._target_=probes.RendezvousProbe", f"+model.probe_dir={folder}")
+
+
+def test_init_method_env_meets_at_an_exported_master_port_and_refuses_a_busy_one(tmp_path: Path):
+    import socket
+
+    probes = tmp_path / "probes"
+    probes.mkdir()
+    port = free_port()
+    proc = run_train(tmp_path / "run", "trainer.max_steps=2", *_probe(probes),
+                     env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    check_ok(proc)
+    for rank in (0, 1):
+        seen = json.loads((probes / f"rank{rank}.json").read_text())
+        assert (seen["init_method"], seen["host"], seen["port"]) == ("env://", "127.0.0.1", port), seen
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        proc = run_train(tmp_path / "busy", "trainer.max_steps=2", env={"MASTER_PORT": str(taken)})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"hydra-ddp: error: MASTER_PORT={taken} (exported) is already in use on 127.0.0.1; export a free port, or "
+        "unset MASTER_PORT (a free one is picked)"], proc.stderr
+    assert "[rank " not in (tmp_path / "busy" / "train.log").read_text()  # refused before any worker started
 
 
 def test_legacy_distributed_launch_passes_local_rank(run_dir: Path):

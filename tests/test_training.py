@@ -28,8 +28,8 @@ def _model():
 
 def _worker(rank: int, world: int, port: int, results):
     info = RankInfo(rank, world, rank, world)
-    init = {"name": "tcp", "host": "127.0.0.1", "port": port, "path": None, "hosted": True}
-    with distributed.process_group("gloo", init, info, 30, torch.device("cpu"), launcher_env=False):
+    init = {"name": "tcp", "host": "127.0.0.1", "port": None, "path": None, "ports": [port]}  # held by the test
+    with distributed.process_group("gloo", init, info, 30, torch.device("cpu")):
         split = data.EvalSplit(_dataset(), 2, info, torch.device("cpu"), preload=rank == 1, loader_options={})
         results["eval", rank] = evaluation.evaluate(_model(), split, torch.device("cpu"), predictions=True)
         window = training.LossWindow(size=2)

@@ -99,14 +99,21 @@ def gpu_index(local_rank: int, local_world_size: int, visible: int, outside_laun
     )
 
 
-def init_url(name: str, host: str, port: Optional[int], path: Optional[str]) -> str:
+INIT_METHODS = ("env", "tcp", "file")
+
+
+def init_url(init: Mapping[str, Any], attempt: int = 0) -> str:
+    """The URL torch's own rendezvous handler for the init method reads: env:// (MASTER_ADDR and
+    MASTER_PORT), tcp://host:port, file://path. `attempt`: which of the launcher's stores (one per
+    torchrun attempt) a tcp:// group meets on."""
+    name = init["name"]
     if name == "env":
         return "env://"
     if name == "tcp":
-        return f"tcp://{host}:{port}"
+        return f"tcp://{init['host']}:{init['ports'][attempt] if init.get('ports') else init['port']}"
     if name == "file":
-        return f"file://{os.path.abspath(path)}"
-    raise UserError(f"unknown init_method {name!r}; choose env, tcp or file")
+        return f"file://{os.path.abspath(init['path'])}"
+    raise UserError(f"unknown init_method {name!r}; choose {', '.join(INIT_METHODS)}")
 
 
 def _is_loopback(host: str) -> bool:
@@ -116,9 +123,10 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def serve_store(host: str, port: int, timeout: timedelta, world_size: Optional[int] = None) -> dist.TCPStore:
+def serve_store(host: str, port: int, timeout: timedelta, setting: str = "init_method.port") -> dist.TCPStore:
     """A TCPStore server; port 0 takes a free port, bound here and held: nothing can take it between
-    choosing and binding (read the port back from `store.port`).
+    choosing and binding (read the port back from `store.port`). `setting`: what set the port, for
+    the one line a busy port gets.
 
     TCPStore alone listens on every interface: for a loopback host we bind the socket ourselves and
     hand it over, so nothing outside this machine can reach the store."""
@@ -131,28 +139,29 @@ def serve_store(host: str, port: int, timeout: timedelta, world_size: Optional[i
         except OSError as e:
             listener.close()
             if e.errno == errno.EADDRINUSE:
-                raise _port_in_use(host, port) from None
+                raise _port_in_use(host, port, setting) from None
             raise
         listener.listen()
         port = listener.getsockname()[1]
     try:
-        store = dist.TCPStore(
-            host, port, world_size, is_master=True, timeout=timeout, use_libuv=True,
-            wait_for_workers=world_size is not None, master_listen_fd=listener.fileno() if listener else None,
-        )
+        store = dist.TCPStore(host, port, None, is_master=True, timeout=timeout, use_libuv=True,
+                              wait_for_workers=False, master_listen_fd=listener.fileno() if listener else None)
     except dist.DistNetworkError as e:
         if listener is not None:
             listener.close()
         if "EADDRINUSE" in str(e):
-            raise _port_in_use(host, port) from None
+            raise _port_in_use(host, port, setting) from None
         raise
     if listener is not None:
         listener.detach()  # the store owns the descriptor now, and closes it
     return store
 
 
-def _port_in_use(host: str, port: int) -> UserError:
-    return UserError(f"port {port} on {host} is already in use; set init_method.port to a free port, "
+def _port_in_use(host: str, port: int, setting: str) -> UserError:
+    if setting == "MASTER_PORT":
+        return UserError(f"MASTER_PORT={port} (exported) is already in use on {host}; export a free port, or unset "
+                         "MASTER_PORT (a free one is picked)")
+    return UserError(f"port {port} on {host} is already in use; set {setting} to a free port, "
                      "or to null (a free one is picked)")
 
 
@@ -161,43 +170,31 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) or int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 
 
-def _store(init: Mapping[str, Any], rank: RankInfo, timeout: timedelta) -> dist.Store:
-    """The rendezvous store of a tcp:// or env:// group without a launcher's own.
-
-    `hosted`: the launching process holds the server for the whole run (bound before any worker
-    starts), and every rank connects. Otherwise (mpirun and the like) rank 0 serves it. Each restart
-    of the group gets fresh keys: a restarted group would otherwise find the dead one's.
-    """
-    hosted = init.get("hosted", False)
-    if rank.is_main and not hosted:
-        store = serve_store(init["host"], init["port"], timeout, rank.world_size)
-    else:
-        # Rank 0's own server waits until all world_size clients have checked in: they say so.
-        store = dist.TCPStore(init["host"], init["port"], None if hosted else rank.world_size, is_master=False,
-                              timeout=timeout, use_libuv=True)
-    # torchrun's count alone: a Slurm requeue is a new job with a new store, and would make two of
-    # torchrun's attempts inside it share a prefix.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"hydra_ddp/attempt{attempt}", store)
+def _join_hosted_store(init: Mapping[str, Any], attempt: int) -> None:
+    """On one node the launching process holds the rendezvous store, one per torchrun attempt, each
+    bound before any worker started: torch's env:// and tcp:// handlers make every rank its client
+    when TORCHELASTIC_USE_AGENT_STORE is set and MASTER_ADDR/MASTER_PORT name it (torch's
+    rendezvous._agent_store_serves). A restarted group meets on a fresh store: none of the dead
+    group's keys are in it."""
+    ports = init["ports"]
+    if attempt >= len(ports):
+        raise UserError(f"restart {attempt} of the group has no store: the launcher held {len(ports)} "
+                        f"(launcher.max_restarts={len(ports) - 1})")
+    os.environ.update(MASTER_ADDR=init["host"], MASTER_PORT=str(ports[attempt]), TORCHELASTIC_USE_AGENT_STORE="True")
 
 
 @contextlib.contextmanager
-def process_group(
-    backend: str, init: Mapping[str, Any], rank: RankInfo, timeout_s: int, device: torch.device, launcher_env: bool
-) -> Iterator[None]:
-    """Join the group; always leave it, so the next job in a multirun starts clean.
-
-    `launcher_env`: torchrun (or another launcher) already provides the rendezvous for env://.
-    """
+def process_group(backend: str, init: Mapping[str, Any], rank: RankInfo, timeout_s: int,
+                  device: torch.device) -> Iterator[None]:
+    """Join the group through torch's rendezvous handler for the init method's URL; always leave it,
+    so the next job in a multirun starts clean. An outside launcher's env:// is its MASTER_ADDR/PORT."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=timeout_s)
-    if init["name"] == "tcp" or (init["name"] == "env" and not launcher_env):
-        store = _store(init, rank, timeout)
-        dist.init_process_group(backend, store=store, rank=rank.rank, world_size=rank.world_size, timeout=timeout)
-    else:
-        url = init_url(init["name"], init["host"], init["port"], init["path"])
-        dist.init_process_group(backend, init_method=url, rank=rank.rank, world_size=rank.world_size, timeout=timeout)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's count alone (a Slurm requeue is a new job)
+    if init.get("ports"):
+        _join_hosted_store(init, attempt)
+    dist.init_process_group(backend, init_method=init_url(init, attempt), rank=rank.rank, world_size=rank.world_size,
+                            timeout=timedelta(seconds=timeout_s))
     try:
         yield
     finally:

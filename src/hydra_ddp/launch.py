@@ -116,7 +116,7 @@ def launch(plain: dict[str, Any], run_dir: Path, started_at: float) -> Optional[
     summary_file = run_dir / (evaluation.RESULT_FILE if plain["task"] == "eval" else reporting.SUMMARY_FILE)
     summary_file.unlink(missing_ok=True)  # resuming in this directory: only this run's summary counts
     signum = None
-    store = _host_store(plain)  # bound before any worker starts, held until the last one has ended
+    stores = _host_stores(plain)  # bound before any worker starts, held until the last one has ended
     parent = startup.worker_parent(launcher["start_method"])
     try:
         if launcher["name"] == "spawn":
@@ -126,7 +126,7 @@ def launch(plain: dict[str, Any], run_dir: Path, started_at: float) -> Optional[
     except WorkerFailed as failure:
         _completed_despite(failure, summary_file)
     finally:
-        del store  # stops its server
+        del stores  # stops their servers
         if plain["init_method"]["name"] == "file":  # made fresh for this run; stale, it could deadlock the next
             Path(plain["init_method"]["path"]).unlink(missing_ok=True)
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
@@ -193,25 +193,29 @@ def _problem(plain: dict[str, Any], run_dir: Path) -> Optional[str]:
     return None
 
 
-def _host_store(plain: dict[str, Any]) -> Optional[Any]:
+def _host_stores(plain: dict[str, Any]) -> list[Any]:
     """On a single node this process serves the rendezvous store itself, on a port it binds (port 0:
     a free one) before any worker starts and holds for the whole run: no other job can take the
-    port in between, and torchrun's restarted groups find it still there. The workers only connect."""
+    port in between. One store per torchrun attempt, so a restarted group meets on a fresh one.
+    The workers reach them through torch's own env:// or tcp:// handler, as clients
+    (distributed.process_group); torchrun's agents meet on the first."""
     init, launcher = plain["init_method"], plain["launcher"]
     if launcher["nnodes"] > 1:
-        return None  # torchrun's rendezvous on node 0 brings the workers together
+        return []  # torchrun's rendezvous on node 0 brings the workers together
     torchrun = launcher["name"] == "torchrun"
     timeout = timedelta(seconds=plain["dist"]["timeout_s"])
     if init["name"] in ("env", "tcp"):
-        store = distributed.serve_store(init["host"], init["port"] or 0, timeout)
-        init.update(port=store.port, hosted=True)
+        setting = init.get("port_from", "init_method.port")
+        stores = [distributed.serve_store(init["host"], init["port"] or 0, timeout, setting)]
+        stores += [distributed.serve_store(init["host"], 0, timeout) for _ in range(launcher["max_restarts"] if torchrun else 0)]
+        init["ports"] = [store.port for store in stores]
     elif torchrun:  # init_method=file: the agents still meet somewhere
-        store = distributed.serve_store("127.0.0.1", 0, timeout)
+        stores = [distributed.serve_store("127.0.0.1", 0, timeout)]
     else:
-        return None
+        return []
     if torchrun:
-        launcher["rdzv_endpoint"] = f"{init['host'] if init['name'] != 'file' else '127.0.0.1'}:{store.port}"
-    return store
+        launcher["rdzv_endpoint"] = f"{init['host'] if init['name'] != 'file' else '127.0.0.1'}:{stores[0].port}"
+    return stores
 
 
 def _completed_despite(failure: "WorkerFailed", summary_file: Path) -> None:
@@ -274,9 +278,9 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float, parent: O
     launcher = plain["launcher"]
     single_node = launcher["nnodes"] == 1
     if single_node:
-        # The agent joins the rendezvous on our loopback store (_host_store) as a client: its own
+        # The agent joins the rendezvous on our loopback store (_host_stores) as a client: its own
         # would listen on every interface. Nor may it open a second, shared store for the workers:
-        # they meet through ours (distributed.process_group).
+        # they meet on ours (distributed.process_group).
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(
         min_nodes=launcher["nnodes"],

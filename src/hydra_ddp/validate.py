@@ -341,16 +341,22 @@ def _check_launcher(launcher: dict[str, Any]) -> None:
 
 
 def _resolve_init_method(init: dict[str, Any], run_dir: Path, external: bool) -> None:
+    """Where the ranks meet. env: MASTER_ADDR and MASTER_PORT where exported (an outside launcher's,
+    or the user's), else init_method.host and a port the launching process binds (port null: a free
+    one); tcp: init_method.host and port; file: a fresh file in the run directory unless given."""
     name = init["name"]
-    if name in ("env", "tcp") and init["port"] is None:
-        if external and name == "env" and "MASTER_PORT" in os.environ:
-            pass  # torchrun and its kin provide the rendezvous
-        elif external:
-            raise UserError(
-                f"init_method={name} under this launcher needs init_method.port (and init_method.host: rank 0's "
-                "host), the same on every rank"
-            )
-        # else: the launching process binds a free port and holds it for the run (launch.py)
+    if name not in distributed.INIT_METHODS:
+        raise UserError(f"unknown init_method {name!r}; choose {', '.join(distributed.INIT_METHODS)}")
+    if name == "env" and "MASTER_PORT" in os.environ:
+        port = os.environ["MASTER_PORT"]
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise UserError(f"MASTER_PORT={port!r} (exported) is not a port; export a number in 1-65535, or unset it")
+        init.update(host=os.environ.get("MASTER_ADDR") or init["host"], port=int(port), port_from="MASTER_PORT")
+    elif name in ("env", "tcp") and init["port"] is None and external:
+        needs = ("MASTER_ADDR and MASTER_PORT exported (rank 0's host, a free port), the same on every rank; or "
+                 "init_method=tcp with init_method.host and init_method.port" if name == "env" else
+                 "init_method.port (and init_method.host: rank 0's host), the same on every rank")
+        raise UserError(f"init_method={name} under this launcher needs {needs}")
     elif name == "file":
         if init["path"] is None:
             if external:
@@ -365,7 +371,6 @@ def _resolve_init_method(init: dict[str, Any], run_dir: Path, external: bool) ->
         if not path.parent.is_dir():
             raise UserError(f"init_method.path: directory {str(path.parent)!r} does not exist")
         init["path"] = str(path)
-    distributed.init_url(name, init["host"], init["port"], init["path"])  # rejects unknown names
 
 
 def _check_target(node: Any, key: str) -> None:

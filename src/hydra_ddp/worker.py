@@ -67,10 +67,7 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
     torch.set_num_threads(cpu_threads(cfg.trainer.threads, rank))
     if rank.is_main and task == "train":
         reporting.preload_loggers(cfg)  # while the other ranks start: it would hold them at the first collective
-    # An outside torchrun, and torchrun across nodes, bring the env:// rendezvous (MASTER_ADDR/PORT).
-    # On one node our own store is used: loopback-only, and fresh keys after a restart.
-    launcher_env = "MASTER_PORT" in os.environ and (external or cfg.launcher.nnodes > 1)
-    with distributed.process_group(cfg.backend.name, cfg.init_method, rank, cfg.dist.timeout_s, device, launcher_env):
+    with distributed.process_group(cfg.backend.name, cfg.init_method, rank, cfg.dist.timeout_s, device):
         out = Path(run_dir)
         if external:  # every rank was started with its own idea of the run directory: rank 0's wins
             out = Path(distributed.broadcast_text(run_dir, device))

@@ -1,0 +1,54 @@
+"""`train.py --check` from Python: compose a config with Hydra's compose API and check it exactly as
+the command would (the same resolve, checks and meta-device build), launching nothing. For tests
+and for bench/gpu_check.py --dry-run, which check many configs in one process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator, Optional
+
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict, read_write
+
+from hydra_ddp import distributed, launch, startup
+from hydra_ddp.config import register_schema
+
+
+def check(conf_dir: Path, overrides: list[str], run_dir: Path, gpus: Optional[int] = None,
+          config_name: str = "config") -> None:
+    """Raise the UserError `train.py --check OVERRIDES` would print (nothing: the config is good).
+    `gpus`: check it for a host of that many GPUs (`--gpus=N`). Hydra's own composition errors
+    (an unknown group option, a misspelt key) propagate as Hydra raises them."""
+    register_schema()
+    with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None):
+        cfg = compose(config_name=config_name, overrides=[*overrides, f"hydra.run.dir={run_dir}"],
+                      return_hydra_config=True)
+    with read_write(cfg.hydra.runtime), open_dict(cfg.hydra.runtime):
+        cfg.hydra.runtime.output_dir = str(run_dir)  # what Hydra's run sets before the job starts
+    HydraConfig.instance().set_config(cfg)
+    with read_write(cfg), open_dict(cfg):
+        del cfg["hydra"]
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    with _environment({startup.CHECK_ENV: "1", distributed.CHECK_GPUS_ENV: str(gpus) if gpus else None}):
+        launch.run(cfg, 0.0, task="eval" if config_name == "eval" else "train")
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, Optional[str]]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    try:
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
