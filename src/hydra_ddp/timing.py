@@ -1,20 +1,32 @@
 """Where each rank's step time goes, and which rank the others wait for.
 
-Every rank adds up the host time of its steps by phase: waiting for the next batch (data),
-forward, backward and the optimizer. The backward of a step's last batch ends at DDP's gradient
-all-reduce, which no rank leaves before the slowest arrives: the backward time a rank spends
-beyond the fastest rank's is time spent waiting there (sync wait). The rank that waits least is
-the one the others wait for, and the phase where it spends more than the others is the cause.
+Every rank adds up the time of its steps by phase: waiting for the next batch (data), forward,
+backward, the optimizer, and the loop's own work between steps (other). The backward of a step's
+last batch ends at DDP's gradient all-reduce, which no rank leaves before the slowest arrives: the
+backward time a rank spends beyond the fastest rank's is time spent waiting there (sync wait). The
+rank that waits least is the one the others wait for, and the phase where it spends more than the
+others is the cause.
 
-A few clock reads per batch and one small all-gather per epoch: no device synchronisation (on a
-GPU the phases are host time, launches rather than kernels; the sync wait still shows).
+What is timed depends on where the work runs:
+- On the CPU (and any device but CUDA): host clocks at each phase boundary. The host does the work.
+- On CUDA: an event on the current stream at each boundary. The host only queues kernels and runs
+  ahead; the all-reduce holds the stream, not the host, at the end of backward, so host clocks
+  would show no sync wait and put it wherever the host next waits for the device. The stream's time
+  between events holds it: backward includes the all-reduce wait, and the phases add up to the
+  stream's time per step. The data phase is the stream's time from the host asking for the batch to
+  its arrival: the host's wait for the loader less what queued kernels hid of it (a hidden wait
+  costs nothing). Events are read once the stream has passed them, without waiting, and all of them
+  at the per-epoch gather, after one wait for the device: a synchronisation per phase would stall the
+  very queue it times.
+
+Per batch: a few clock reads or event records; per epoch: one small all-gather.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -28,13 +40,73 @@ ADVICE = {
     "optimizer": "check this rank's device and its CPU threads (trainer.threads), or other load on its cores",
     "other": "its work between steps (rank 0: logging and checkpoints): raise trainer.log_every or checkpoint less often",
 }
+# CUDA: once this many intervals wait, read those the stream has passed (bounded memory, no waiting);
+# at four times as many, wait for the device (the host cannot normally run that far ahead of it).
+READ_EVERY = 256
+
+
+class HostClock:
+    """Host time, added at each boundary: on the CPU the host does the work."""
+
+    def __init__(self) -> None:
+        self.mark = time.perf_counter()
+
+    def lap(self, totals: dict[str, float], phase: str) -> None:
+        now = time.perf_counter()
+        totals[phase] += now - self.mark
+        self.mark = now
+
+    def settle(self) -> None:
+        """Nothing to do: every lap is added at once."""
+
+
+def cuda_event(device: torch.device) -> Any:
+    """A timing event, recorded now on the device's current stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class StreamClock:
+    """Time on the device's stream between events recorded at the boundaries. An interval is added
+    once the stream has passed its end: recording never waits for the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.mark = cuda_event(device)
+        self.pending: list[tuple[dict[str, float], str, Any, Any]] = []  # (totals, phase, start, end), oldest first
+
+    def lap(self, totals: dict[str, float], phase: str) -> None:
+        now = cuda_event(self.device)
+        self.pending.append((totals, phase, self.mark, now))
+        self.mark = now
+        if len(self.pending) >= READ_EVERY:
+            self._read(wait=len(self.pending) >= 4 * READ_EVERY)
+
+    def settle(self) -> None:
+        """Every interval added, after waiting for the stream to pass the last boundary."""
+        self._read(wait=True)
+
+    def _read(self, wait: bool) -> None:
+        if wait:
+            self.mark.synchronize()
+        passed = 0
+        for totals, phase, start, end in self.pending:
+            if not end.query():
+                break  # the stream passes events in order: the later ones are still ahead of it
+            totals[phase] += start.elapsed_time(end) / 1000  # milliseconds
+            passed += 1
+        del self.pending[:passed]
 
 
 class StepTimer:
-    """This rank's running totals per phase (seconds) and its step count."""
+    """This rank's running totals per phase (seconds) and its step count: on CUDA devices the
+    stream's time (StreamClock), elsewhere the host's (HostClock)."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, device: Union[torch.device, str, None] = None) -> None:
         self.enabled = enabled
+        on_cuda = enabled and device is not None and torch.device(device).type == "cuda"
+        self.clock = StreamClock(torch.device(device)) if on_cuda else HostClock()
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
         # An epoch's first step is left out: it absorbs the epoch boundary (rank 0's validation
@@ -43,7 +115,6 @@ class StepTimer:
         self.scratch = dict.fromkeys(PHASES, 0.0)
         self.reported = dict.fromkeys(PHASES, 0.0)  # the totals at the last report: per-epoch deltas
         self.reported_steps = 0
-        self._mark = time.perf_counter()
 
     def batches(self, loader: Iterable) -> Iterator[Any]:
         """The loader's batches, timing the wait for each."""
@@ -53,23 +124,18 @@ class StepTimer:
         iterator = iter(loader)
         self.counting = self.scratch
         while True:
-            started = time.perf_counter()
-            self.counting["other"] += started - self._mark  # logging, checkpoints, the loss window
+            self.clock.lap(self.counting, "other")  # logging, checkpoints, the loss window
             try:
                 batch = next(iterator)
             except StopIteration:
                 return
-            self._mark = time.perf_counter()
-            self.counting["data"] += self._mark - started
+            self.clock.lap(self.counting, "data")
             yield batch
 
     def lap(self, phase: str) -> None:
         """The time since the last lap (or the batch's arrival) goes to `phase`."""
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        self.counting[phase] += now - self._mark
-        self._mark = now
+        if self.enabled:
+            self.clock.lap(self.counting, phase)
 
     def end_step(self) -> None:
         if self.counting is self.totals:
@@ -81,6 +147,7 @@ class StepTimer:
         Nothing when timing is off."""
         if not self.enabled:
             return []
+        self.clock.settle()  # CUDA: the intervals still unread, after one wait for the device
         values = [self.steps] + [self.totals[p] for p in PHASES]
         if since_last:
             values = [self.steps - self.reported_steps] + [self.totals[p] - self.reported[p] for p in PHASES]

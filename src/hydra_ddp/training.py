@@ -179,7 +179,7 @@ class Trainer:
         self.grad_norms: list[tuple[int, torch.Tensor]] = []  # (step, global norm before clipping), until logged
         max_time = cfg.trainer.max_time
         self.deadline = started_at + max_time if max_time else None
-        self.timer = StepTimer(cfg.trainer.timing)  # this rank's time per phase (timing.py): the straggler report
+        self.timer = StepTimer(cfg.trainer.timing, device)  # this rank's time per phase (timing.py): the straggler report
         self.step_times: list[float] = []  # seconds per step, this process
         self.step_samples: list[int] = []  # samples per step, this rank
         self.first_step_at: Optional[float] = None
