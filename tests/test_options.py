@@ -70,6 +70,21 @@ def test_gradient_accumulation_equals_one_larger_batch(reference: Path, tmp_path
     assert losses(small) == pytest.approx(losses(big), rel=1e-5)
 
 
+def test_an_epochs_short_last_accumulation_group_is_the_mean_of_its_own_batches(tmp_path: Path):
+    # 80 samples a rank in batches of 8: 10 batches, in groups of 3, 3, 3 and 1. The same epoch in
+    # batches of 24 (24, 24, 24 and 8 samples) is the same four steps computed directly: the last
+    # step's gradient is its one batch's mean, not a third of it.
+    common = ("data=synthetic", "data.dataset.train_size=160", "data.dataset.test_size=16", "data.val_fraction=0",
+              "trainer.epochs=1", "trainer.log_every=2", "trainer.channels_last=false")
+    accumulated, direct = tmp_path / "accumulated", tmp_path / "direct"
+    check_ok(run_train(accumulated, *common, "data.batch_size=8", "trainer.accumulate=3"))
+    check_ok(run_train(direct, *common, "data.batch_size=24"))
+    assert summary(accumulated)["steps"] == summary(direct)["steps"] == 4
+    a, b = final_params(accumulated), final_params(direct)
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=0, atol=1e-6), (key, (a[key] - b[key]).abs().max().item())
+
+
 def test_tune_loader_prints_the_best_setting():
     proc = subprocess.run(
         [sys.executable, "-m", "hydra_ddp.tune_loader", "tune.num_workers=[0,1]", "tune.batches=5"],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import pickle
 import pty
 import re
 import select
@@ -15,9 +14,8 @@ import sys
 import termios
 from pathlib import Path
 
-import numpy as np
-
 from conftest import REPO, check_ok, run_train, summary, train_env
+from support import write_cifar
 
 
 def test_overfit_preset_drives_its_fixed_batches_to_zero_loss(run_dir: Path):
@@ -38,21 +36,8 @@ def test_profile_preset_under_torchrun_leaves_a_trace_per_rank_and_a_top_ops_tab
     assert summary(run_dir)["steps"] == 8  # the preset's few steps, trained as without it
 
 
-def _write_cifar(root: Path, per_batch: int = 20) -> None:
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
-                 "labels": rng.integers(0, 10, per_batch).tolist()}
-        with open(folder / name, "wb") as f:
-            pickle.dump(batch, f)
-    with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, f)
-
-
 def test_cifar10_resnet18_experiment_trains_on_files_in_cifar10_format(tmp_path: Path):
-    _write_cifar(tmp_path / "cifar")
+    write_cifar(tmp_path / "cifar")
     run_dir = tmp_path / "run"
     proc = run_train(run_dir, "+experiment=cifar10_resnet18", f"data.dataset.root={tmp_path / 'cifar'}",
                      "trainer.max_steps=2", "data.num_workers=0")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import check_ok, run_train, scalars, summary
+from support import assert_within_float_noise
 
 TRAIN, BATCH, EPOCHS = 65, 8, 2  # 2 ranks: shards of 33 and 32 samples, 5 and 4 batches
 
@@ -60,23 +61,28 @@ def _epochs(path: Path) -> list[list[str]]:
 @pytest.mark.timeout(600)  # three runs, one of 4 processes on 2 cores
 def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Path):
     sweep = tmp_path / "sweep"
-    proc = run_train(
-        tmp_path / "unused", "-m", "trainer.nproc=1,2,4", "data.global_batch_size=128", "trainer.threads=1",
-        "data.drop_last=true", "trainer.max_steps=20", "trainer.log_every=5", "checkpoint.every_epoch=false",
-        f"hydra.sweep.dir={sweep}", timeout=540,
-    )
+    common = ("data.global_batch_size=128", "data.drop_last=true", "trainer.max_steps=20", "trainer.log_every=5",
+              "checkpoint.every_epoch=false")
+    proc = run_train(tmp_path / "unused", "-m", "trainer.nproc=1,2,4", "trainer.threads=1", *common,
+                     f"hydra.sweep.dir={sweep}", timeout=540)
     check_ok(proc)
+    # This host's float-order noise: one rank again, with only the sums' order changed (2 CPU threads;
+    # and the NCHW memory format besides).
+    noise = tmp_path / "noise"
+    check_ok(run_train(tmp_path / "unused", "-m", *common, "trainer.nproc=1", "trainer.threads=2",
+                       "trainer.channels_last=true,false", f"hydra.sweep.dir={noise}", timeout=300))
     losses = {}
     for job, world in enumerate((1, 2, 4)):
         s = summary(sweep / str(job))
         assert (s["world_size"], s["batch_size"], s["global_batch_size"]) == (world, 128 // world, 128)
         losses[world] = [v for _, v in scalars(sweep / str(job), "train/loss")]
         assert len(losses[world]) == 20
+    noisy = [[v for _, v in scalars(noise / job, "train/loss")] for job in ("0", "1")]
     # The same samples in every global batch; only float summation order differs, and its
-    # differences (about 1e-7 at first) grow with the steps.
+    # differences (about 1e-7 at first) grow with the steps, at a rate that depends on the CPU.
     for world in (2, 4):
         assert losses[world][:10] == pytest.approx(losses[1][:10], rel=1e-6), world
-        assert losses[world] == pytest.approx(losses[1], rel=1e-4), world
+        assert_within_float_noise(losses[world], losses[1], *noisy)
     rows = list(csv.DictReader(open(sweep / "scaling.csv")))
     assert [r["global_batch_size"] for r in rows] == ["128"] * 3
     assert (sweep / "scaling.png").stat().st_size > 20_000  # throughput, efficiency and the loss curves

@@ -146,8 +146,8 @@ class ImageArrays(Dataset):
 def cifar10(root: str, download: bool = False, augment: bool = False) -> tuple[Dataset, Dataset]:
     """CIFAR-10's python batches under root/cifar-10-batches-py (any files in that format: torchvision's
     md5 check is for downloads). `augment`: the standard random 4-pixel-padded crop and horizontal
-    flip for training (its random draws are not replayed by a mid-epoch resume: such a resume is
-    exact only without it)."""
+    flip for training, drawn per sample and epoch (SeededSamples): exact across a mid-epoch resume
+    and the same at any world size."""
     import pickle
 
     from torchvision import datasets, transforms
@@ -259,9 +259,10 @@ class ResumableDistributedSampler(DistributedSampler):
     of batches one batch apart (the loop keeps their collectives matched with DDP's Join).
     """
 
-    def __init__(self, *args: Any, pad: bool = True, **kwargs: Any):
+    def __init__(self, *args: Any, pad: bool = True, keyed: bool = False, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.pad = pad
+        self.keyed = keyed  # yield (epoch, index): the key a SeededSamples dataset draws its randomness from
         self.start = 0
         if not pad:
             self.num_samples = len(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]
@@ -274,8 +275,9 @@ class ResumableDistributedSampler(DistributedSampler):
         """Leave out this epoch's first `samples` indices (already trained on before the stop)."""
         self.start = samples
 
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(super().__iter__() if self.pad else self._shard(), self.start, None)
+    def __iter__(self) -> Iterator[Any]:
+        indices = itertools.islice(super().__iter__() if self.pad else self._shard(), self.start, None)
+        return ((self.epoch, index) for index in indices) if self.keyed else indices
 
     def _shard(self) -> Iterator[int]:
         n = len(self.dataset)  # type: ignore[arg-type]
@@ -286,6 +288,38 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return max(0, self.num_samples - self.start)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 64-bit seed for one sample in one epoch (splitmix64 over the three): distinct per sample and
+    epoch, and a function of nothing else, so not of the rank, the world size or the step."""
+    value = 0
+    for part in (seed, epoch, index):
+        value = (value ^ part) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+        value = (value ^ value >> 30) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        value = (value ^ value >> 27) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        value ^= value >> 31
+    return value
+
+
+class SeededSamples(Dataset):
+    """A training set whose samples draw their randomness (torchvision's random crops and flips, any
+    transform drawing from torch's generator) from a seed of (trainer.seed, epoch, sample index):
+    every sample augmented its own way, each epoch anew, and the same way at any world size, on any
+    rank, in any loader worker, and after a mid-epoch resume. The sampler hands it (epoch, index)
+    keys; the caller's own random stream (the model's dropout) is left as it was."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed(self.seed, epoch, index))
+            return self.dataset[index]
 
 
 class EvalSplit:
@@ -404,13 +438,14 @@ def carve(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]
     return Subset(train, keep.tolist()), Subset(train, held_out.tolist())
 
 
-def loader_options(data_cfg: Any, seed: int, device: torch.device) -> dict[str, Any]:
+def loader_options(data_cfg: Any, seed: int, device: torch.device, rank: int = 0) -> dict[str, Any]:
     workers = data_cfg.num_workers
     # Its own generator: starting an epoch's iterator then draws nothing from the global RNG, which
     # the model (dropout) uses, so a resumed run sees the same random numbers as an unbroken one.
+    # Per rank: the loader workers' own seeds (drawn from it) differ between ranks.
     options: dict[str, Any] = dict(
         num_workers=workers, pin_memory=data_cfg.pin_memory and device.type == "cuda",
-        generator=torch.Generator().manual_seed(seed),
+        generator=torch.Generator().manual_seed(sample_seed(seed, -1, rank)),
     )
     if workers > 0:
         options.update(persistent_workers=data_cfg.persistent_workers, prefetch_factor=data_cfg.prefetch_factor)
@@ -419,7 +454,7 @@ def loader_options(data_cfg: Any, seed: int, device: torch.device) -> dict[str, 
 
 def eval_split(dataset: Dataset, data_cfg: Any, rank: RankInfo, seed: int, device: torch.device) -> EvalSplit:
     return EvalSplit(dataset, data_cfg.eval_batch_size, rank, device, _preloaded(dataset, data_cfg),
-                     loader_options(data_cfg, seed, device))
+                     loader_options(data_cfg, seed, device, rank.rank))
 
 
 def _preloaded(dataset: Dataset, data_cfg: Any) -> bool:
@@ -435,8 +470,11 @@ def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, device: torch.device
     shard = shard or rank
     splits = build_datasets(data_cfg, rank, seed)
     train_set = splits["train"]
+    # In-memory tensors draw no randomness per sample: they are sliced whole (data.preload), unwrapped.
+    seeded = not isinstance(train_set, TensorDataset)
     train_sampler = ResumableDistributedSampler(
-        train_set, num_replicas=shard.world_size, rank=shard.rank, shuffle=True, seed=seed, pad=data_cfg.even_shards
+        train_set, num_replicas=shard.world_size, rank=shard.rank, shuffle=True, seed=seed, pad=data_cfg.even_shards,
+        keyed=seeded,
     )
     val, test = (eval_split(splits[s], data_cfg, shard, seed, device) if splits[s] is not None else None
                  for s in ("val", "test"))
@@ -444,6 +482,7 @@ def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, device: torch.device
         on_device = tuple(t.to(device) for t in train_set.tensors)  # type: ignore[attr-defined]
         train: Iterable = TensorBatches(on_device, train_sampler, data_cfg.batch_size, data_cfg.drop_last)
     else:
-        train = DataLoader(train_set, batch_size=data_cfg.batch_size, sampler=train_sampler,
-                           drop_last=data_cfg.drop_last, **loader_options(data_cfg, seed, device))
+        train = DataLoader(SeededSamples(train_set, seed) if seeded else train_set, batch_size=data_cfg.batch_size,
+                           sampler=train_sampler, drop_last=data_cfg.drop_last,
+                           **loader_options(data_cfg, seed, device, rank.rank))
     return Loaders(train, val, test, train_sampler)  # type: ignore[arg-type]

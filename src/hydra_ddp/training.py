@@ -138,6 +138,14 @@ class Position:
     epoch_loss_count: int = 0
 
 
+def accumulation_group(batch: int, accumulate: int, batches_per_epoch: int) -> int:
+    """How many batches the optimizer step of the epoch's `batch`-th (from 1) batch takes: `accumulate`,
+    but fewer for the epoch's last step when the batches do not divide (divided by its own size, it
+    takes the mean gradient of its batches, as every other step does)."""
+    first = (batch - 1) // accumulate * accumulate + 1
+    return min(accumulate, batches_per_epoch - first + 1)
+
+
 class Trainer:
     """Runs the epochs: batches, global loss logging, validation, checkpoints, stopping (on request,
     early, on the time budget, on divergence), and the one test of the selected weights at the end."""
@@ -383,7 +391,8 @@ class Trainer:
             self.pos.batch += 1
             # Gradients are all-reduced once per optimizer step, on its last batch.
             sync = self.pos.batch % accumulate == 0 or self.pos.batch == self.batches_per_epoch
-            micro_losses.append(self._run_batch(x, y, sync))
+            micro_losses.append(self._run_batch(x, y, sync, accumulation_group(self.pos.batch, accumulate,
+                                                                                self.batches_per_epoch)))
             samples += y.numel()
             if not sync:
                 continue
@@ -425,15 +434,16 @@ class Trainer:
         every_n = self.every_n_steps
         return bool(every_n) and self.pos.step % every_n == 0
 
-    def _run_batch(self, x: torch.Tensor, y: torch.Tensor, sync: bool) -> torch.Tensor:
-        """Forward and backward of one batch; the optimizer steps on `sync` batches only."""
+    def _run_batch(self, x: torch.Tensor, y: torch.Tensor, sync: bool, group: int = 1) -> torch.Tensor:
+        """Forward and backward of one batch; the optimizer steps on `sync` batches only. `group`: the
+        batches of this optimizer step, whose mean loss its gradient is."""
         x = x.to(self.device, non_blocking=True, memory_format=self.memory_format)
         y = y.to(self.device, non_blocking=True)
         with contextlib.nullcontext() if sync else self.strategy.no_sync():  # no all-reduce mid-accumulation
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 loss = F.cross_entropy(self.model(x), y)
             self.timer.lap("forward")
-            scaled = loss / self.accumulate if self.accumulate > 1 else loss  # no extra op in the graph for 1
+            scaled = loss / group if group > 1 else loss  # no extra op in the graph for 1
             self.scaler.scale(scaled).backward()  # DDP all-reduces here on sync
             self.timer.lap("backward")
         if sync:

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
@@ -122,10 +122,15 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
         "rank %d/%d on %s, %d CPU thread(s), pid %d",
         rank.rank, rank.world_size, device, torch.get_num_threads(), os.getpid(),
     )
-    seed_everything(cfg.trainer.seed)
+    seed_everything(cfg.trainer.seed)  # alike on every rank: the model's initial weights
     spread = strategy.build(cfg, device)  # DDP's replicas, FSDP's shards or tensor parallel (strategy.py)
-    loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, device, shard=spread.data_shard(rank))
+    replica = spread.data_shard(rank)  # which batches this rank reads: its own, but under tensor parallel
+    loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, device, shard=replica)
     model = instantiate(cfg.model)
+    # From here a stream per model replica (dropout's masks differ between ranks that read different
+    # batches; the ranks of a tensor-parallel replica draw alike), saved in every checkpoint. The
+    # data's randomness is per sample (data.SeededSamples), of no rank.
+    seed_everything(data.sample_seed(cfg.trainer.seed, -2, replica.rank))
     # `auto` becomes this run's value, before anything reads it (the checkpoint's config included).
     asked_shared_memory = cfg.ddp.shared_memory
     fast = performance.choose(cfg, model, dist.get_backend(), device, rank.world_size, rank.local_world_size)

@@ -1,8 +1,12 @@
-"""Test-only models that write down what the process group was built from, read from torch itself."""
+"""Test-only models that write down what a worker saw (its process group, its batches, its random
+numbers), read from torch itself, or signal the run at a planned step."""
 
 import json
+import os
+import signal
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
@@ -22,3 +26,40 @@ class RendezvousProbe(MnistCNN):
         seen = {"init_method": distributed_c10d._default_pg_init_method, "store": type(store).__name__,
                 "host": store.host if tcp else None, "port": store.port if tcp else None}
         Path(probe_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(seen))
+
+
+class InputProbe(MnistCNN):
+    """Appends to probe_dir/inputs-rank{R}.txt a digest of every training batch this rank's model is
+    given, and once the first number this rank's model draws from torch's generator (dropout's)."""
+
+    def __init__(self, probe_dir: str, **kwargs):
+        super().__init__(**kwargs)
+        self.path = Path(probe_dir, f"inputs-rank{dist.get_rank()}.txt")
+        self.drew = False
+
+    def forward(self, x):
+        if self.training:
+            import hashlib
+
+            with open(self.path, "a") as f:
+                if not self.drew:
+                    f.write(f"draw {torch.rand(1).item()!r}\n")
+                    self.drew = True
+                f.write(f"batch {hashlib.sha256(x.detach().contiguous().numpy().tobytes()).hexdigest()[:16]}\n")
+        return super().forward(x)
+
+
+class SignalAt(MnistCNN):
+    """At rank 0's `step`-th training forward, SIGTERM to every process of the run (its process group),
+    as Slurm's scancel signals a job step: the run stops, checkpointed, where it agrees to."""
+
+    def __init__(self, step: int, **kwargs):
+        super().__init__(**kwargs)
+        self.step, self.calls = step, 0
+
+    def forward(self, x):
+        if self.training and dist.get_rank() == 0:
+            self.calls += 1
+            if self.calls == self.step:
+                os.killpg(os.getpgrp(), signal.SIGTERM)
+        return super().forward(x)
