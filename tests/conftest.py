@@ -14,6 +14,8 @@ from typing import Iterator
 
 import pytest
 
+pytest_plugins = ["ci_skips"]  # under CI=true a skip fails the run
+
 REPO = Path(__file__).resolve().parents[1]
 HELPERS = Path(__file__).resolve().parent / "helpers"
 # A short real run: the default data and model, a few steps.

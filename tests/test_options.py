@@ -50,6 +50,18 @@ def test_option_trains_the_same(reference: Path, run_dir: Path, overrides: tuple
         assert losses(run_dir) == pytest.approx(losses(reference), rel=1e-4)
 
 
+@pytest.mark.timeout(300)
+def test_compile_with_inductor_the_default_backend_builds_kernels_and_trains_the_same(reference: Path, tmp_path: Path):
+    # The backend a user gets: inductor generates and builds C++ kernels (g++), which the cache shows;
+    # a failed compile would fall back to eager with a warning and build none.
+    cache = tmp_path / "inductor"
+    check_ok(run_train(tmp_path / "run", *STEPS, "trainer.compile=true", env={"TORCHINDUCTOR_CACHE_DIR": str(cache)},
+                       timeout=240))
+    assert list(cache.rglob("*.so")), sorted(p.name for p in cache.rglob("*"))[:20]
+    # Fused kernels sum in another order: over six steps, within the suite's early-step bound of 1e-6.
+    assert losses(tmp_path / "run") == pytest.approx(losses(reference), rel=1e-6)
+
+
 def test_auto_settings_are_chosen_per_model_and_named_in_the_summary(reference: Path, run_dir: Path):
     on = {"trainer.channels_last": True, "ddp.gradient_as_bucket_view": True, "ddp.static_graph": True,
           "ddp.shared_memory": True}
