@@ -12,12 +12,12 @@ HALF, FULL = 6, 12  # steps, both within the first epoch of digits on 2 ranks
 
 def test_each_hook_trains_sends_half_the_bytes_and_resumes_exactly(tmp_path: Path):
     sent = {}
-    # "none", DDP's own all-reduce, is what every other test trains with. Both hooks in one multirun,
-    # whose jobs share the forkserver's imports.
+    # Both hooks, and "none" (DDP's fp32 all-reduce through gloo) beside them, in one multirun whose
+    # jobs share the forkserver's imports.
     sweep = tmp_path / "sweep"
     check_ok(run_train(tmp_path / "unused", "-m", f"trainer.max_steps={FULL}", "trainer.log_every=2",
-                       "ddp.comm_hook=fp16,bf16", f"hydra.sweep.dir={sweep}"))
-    for job, hook in enumerate(("fp16", "bf16")):
+                       "ddp.comm_hook=fp16,bf16,none", "ddp.shared_memory=false", f"hydra.sweep.dir={sweep}"))
+    for job, hook in enumerate(("fp16", "bf16", "none")):
         run_dir = sweep / str(job)
         losses = [v for _, v in scalars(run_dir, "train/loss")]
         assert len(losses) == FULL and all(math.isfinite(v) for v in losses), (hook, losses)
@@ -25,8 +25,10 @@ def test_each_hook_trains_sends_half_the_bytes_and_resumes_exactly(tmp_path: Pat
         s = summary(run_dir)
         assert s["comm_hook"] == hook
         sent[hook] = s["allreduce_bytes_per_step"]
+    # What each hook handed to gloo's all-reduce, counted in the workers: half of DDP's fp32 bytes, and
+    # 2 bytes for each gradient element.
     elements = sum(t.numel() for t in final_params(sweep / "0").values())
-    assert sent["fp16"] == sent["bf16"] == 2 * elements  # 2 bytes a gradient element, not 4
+    assert sent["none"] == 4 * elements and sent["fp16"] == sent["bf16"] == sent["none"] // 2
 
     # Stopped halfway and resumed, a hooked run ends with the uninterrupted run's weights.
     resumed = tmp_path / "resumed"
@@ -48,7 +50,8 @@ def test_powersgd_sends_low_rank_gradients_and_resumes_exactly(tmp_path: Path):
     losses = [v for _, v in scalars(full, "train/loss")]
     assert len(losses) == FULL and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
 
-    # Rank 1: each weight matrix as (rows + columns) numbers, the vectors whole, 4 bytes each.
+    # Rank 1, as counted on the tensors the hook handed to gloo in the last step: each weight matrix
+    # as P and Q, (rows + columns) numbers, the vectors whole, 4 bytes each.
     params = final_params(full)
     def sent(t):
         rows, columns = t.shape[0], t.numel() // t.shape[0]

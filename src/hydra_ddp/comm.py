@@ -1,6 +1,9 @@
 """DDP's gradient communication hooks as a config choice (`ddp.comm_hook`).
 
-- none: DDP's own all-reduce of fp32 gradients.
+- none: the fp32 all-reduce of DDP's built-in hook (divided by the world size, then summed).
+
+Every hook counts the bytes it hands to its collective (Traffic): the summary's
+allreduce_bytes_per_step is that measurement, the last step's.
 - fp16 / bf16: gradients cast to 16 bits for the all-reduce, and back: half the bytes on the
   wire, and the sums lose precision (bf16 keeps fp32's range, fp16 three more digits). Neither
   keeps state between steps, so resume stays exact.
@@ -31,31 +34,66 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 HOOKS = ("none", "fp16", "bf16", "powersgd")
 MIN_COMPRESSION = 2  # a matrix is approximated only where that sends at most half its numbers (torch's default)
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def register(model: nn.parallel.DistributedDataParallel, name: str, powersgd: Any = None) -> Optional[PowerSGD]:
-    """Register the configured hook on the DDP model, before its first step. PowerSGD's object is
-    returned: its state goes into checkpoints."""
+class Traffic:
+    """The bytes this rank hands to the gradient all-reduce in an optimizer step: counted on the very
+    tensors each hook passes to its collective, not computed from the model (the summary's
+    allreduce_bytes_per_step). A step ends with DDP's last bucket."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.last_step: Optional[int] = None  # the last complete step's bytes
+
+    def count(self, *tensors: torch.Tensor, step_done: bool = False) -> None:
+        self.current += sum(t.numel() * t.element_size() for t in tensors)
+        if step_done:
+            self.last_step, self.current = self.current, 0
+
+    def all_reduce(self, tensor: torch.Tensor, group: Any) -> None:
+        """A summing all-reduce, counted."""
+        self.count(tensor)
+        dist.all_reduce(tensor, group=group)
+
+
+def register(model: nn.parallel.DistributedDataParallel, name: str, traffic: Traffic,
+             powersgd: Any = None) -> Optional[PowerSGD]:
+    """Register the configured hook on the DDP model, before its first step; every hook counts what
+    it sends in `traffic` (none: the same fp32 all-reduce as DDP's built-in one, divided first). PowerSGD's
+    object is returned: its state goes into checkpoints."""
     if name == "powersgd":
-        hook = PowerSGD(model.module, model.process_group, powersgd.rank, powersgd.start_step)
+        hook = PowerSGD(model.module, model.process_group, powersgd.rank, powersgd.start_step, traffic=traffic)
         model.register_comm_hook(None, hook.hook)
         return hook
-    if name != "none":
-        model.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))
+    model.register_comm_hook(None, _AllReduce(model.process_group, traffic, _DTYPES.get(name)).hook)
     return None
 
 
-def bytes_per_step(model: nn.Module, name: str, powersgd: Any = None) -> int:
-    """Gradient bytes each rank all-reduces per step (PowerSGD's: once it has started)."""
-    if name == "powersgd":
-        sizes = [_low_rank_size(p, powersgd.rank) or p.numel() for p in model.parameters() if p.requires_grad]
-        return 4 * sum(sizes)
-    per_element = 2 if name in ("fp16", "bf16") else None
-    return sum((per_element or p.element_size()) * p.numel() for p in model.parameters() if p.requires_grad)
+class _AllReduce:
+    """The bucket averaged over the ranks in one all-reduce, sent as it is or cast to 16 bits and
+    back (torch's default_hooks.allreduce_hook and fp16/bf16_compress_hook, counted)."""
+
+    def __init__(self, group: Any, traffic: Traffic, dtype: Optional[torch.dtype]):
+        self.group, self.traffic, self.dtype = group, traffic, dtype
+
+    # DDP checks the hook's annotations against its own types: none here (this module's are strings).
+    def hook(self, state, bucket):  # noqa: ANN001, ANN201
+        buffer = bucket.buffer()
+        world = dist.get_world_size(self.group)
+        sent = (buffer if self.dtype is None else buffer.to(self.dtype)).div_(world)
+        self.traffic.count(sent, step_done=bucket.is_last())
+        future = dist.all_reduce(sent, group=self.group, async_op=True).get_future()
+
+        def received(done: torch.futures.Future) -> torch.Tensor:
+            if self.dtype is None:
+                return done.value()[0]
+            return buffer.copy_(done.value()[0])
+
+        return future.then(received)
 
 
 def _low_rank_size(param: torch.Tensor, rank: int) -> Optional[int]:
@@ -70,7 +108,9 @@ def _low_rank_size(param: torch.Tensor, rank: int) -> Optional[int]:
 class PowerSGD:
     """PowerSGD as a DDP communication hook, with its state by parameter name."""
 
-    def __init__(self, module: nn.Module, group: Any, rank: int, start_step: int, seed: int = 0):
+    def __init__(self, module: nn.Module, group: Any, rank: int, start_step: int, seed: int = 0,
+                 traffic: Optional[Traffic] = None):
+        self.traffic = traffic or Traffic()
         self.names = {id(p): name for name, p in module.named_parameters()}
         self.shapes = {name: (p.shape[0], p.numel() // p.shape[0]) for name, p in module.named_parameters() if p.dim() > 1}
         self.group, self.rank, self.start_step, self.seed = group, rank, start_step, seed
@@ -84,11 +124,12 @@ class PowerSGD:
         world = dist.get_world_size(self.group)
         if self.step < self.start_step:
             buffer.div_(world)
-            dist.all_reduce(buffer, group=self.group)  # as DDP's own
+            self.traffic.all_reduce(buffer, self.group)  # as DDP's own
         else:
             self._compress(bucket, world)
         if bucket.is_last():
             self.step += 1
+            self.traffic.count(step_done=True)
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(buffer)
         return done
@@ -106,16 +147,16 @@ class PowerSGD:
             low_rank.append((name, grad, matrix))
         if whole:
             flat = torch.cat([g.reshape(-1) for g in whole]).div_(world)
-            dist.all_reduce(flat, group=self.group)
+            self.traffic.all_reduce(flat, self.group)
             for grad, part in zip(whole, flat.split([g.numel() for g in whole])):
                 grad.copy_(part.view_as(grad))
         if not low_rank:
             return
         # P = M·Q summed over ranks and orthogonalised, then Q = Mᵀ·P averaged: M ≈ P·Qᵀ.
         qs = [_orthogonal(self.qs[name]) if name in self.qs else self._first_q(name, m) for name, _, m in low_rank]
-        ps = _all_reduced([m @ q for (_, _, m), q in zip(low_rank, qs)], self.group)
+        ps = _all_reduced([m @ q for (_, _, m), q in zip(low_rank, qs)], self.group, self.traffic)
         ps = [_orthogonal(p) for p in ps]
-        qs = _all_reduced([m.t() @ p for (_, _, m), p in zip(low_rank, ps)], self.group)
+        qs = _all_reduced([m.t() @ p for (_, _, m), p in zip(low_rank, ps)], self.group, self.traffic)
         for (name, grad, matrix), p, q in zip(low_rank, ps, qs):
             approximation = p @ q.div_(world).t()
             self.errors[name] = matrix - approximation
@@ -163,8 +204,8 @@ def _orthogonal(matrix: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(matrix).Q
 
 
-def _all_reduced(tensors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
+def _all_reduced(tensors: list[torch.Tensor], group: Any, traffic: Traffic) -> list[torch.Tensor]:
     """The tensors summed over the ranks, in one all-reduce."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
+    traffic.all_reduce(flat, group)
     return [part.view_as(t) for t, part in zip(tensors, flat.split([t.numel() for t in tensors]))]

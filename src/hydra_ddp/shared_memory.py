@@ -74,8 +74,8 @@ def unavailable(backend: str, device: torch.device, world_size: int, local_world
 class SharedMemoryAllReduce:
     """A DDP communication hook summing the buckets through one shared segment."""
 
-    def __init__(self, group: Any, gradient_bytes: int, timeout_s: float):
-        self.group = group
+    def __init__(self, group: Any, gradient_bytes: int, timeout_s: float, traffic: Optional[Any] = None):
+        self.group, self.traffic = group, traffic  # comm.Traffic: the bytes summed, counted
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.timeout_s = timeout_s
         self.slot = min(SLOT_BYTES, -(-max(gradient_bytes, 1) // LINE) * LINE)
@@ -155,6 +155,8 @@ class SharedMemoryAllReduce:
             raise UserError("ddp.shared_memory sums dense gradients only (this model has sparse ones); "
                             "set ddp.shared_memory=false")
         buffer.div_(self.world)  # each share divided first, as DDP's own all-reduce does
+        if self.traffic is not None:
+            self.traffic.count(buffer, step_done=bucket.is_last())
         done: torch.futures.Future = torch.futures.Future()
         self.pending.append((buffer, done))
         if bucket.is_last():

@@ -70,22 +70,33 @@ class DDPStrategy:
         self.model: nn.Module = nn.Module()
         self.comm: Optional[comm.PowerSGD] = None  # a communication hook that keeps state
         self.shared: Optional[shared_memory.SharedMemoryAllReduce] = None
+        # What the hook sends each step; none counted under Join (uneven shards), where DDP's own
+        # all-reduce runs: Join's shadow all-reduces bypass hooks, and its average needs DDP's divisor.
+        self.traffic: Optional[comm.Traffic] = None
 
     def wrap(self, module: nn.Module) -> nn.Module:
         options = OmegaConf.to_container(self.cfg.ddp)
         hook = options.pop("comm_hook")  # comm.py's, not DDP's arguments
         options.pop("powersgd")
         options.pop("sync_batchnorm")  # applied before the model moved to its device (worker)
+        traffic = comm.Traffic()
         if options.pop("shared_memory"):  # performance.choose made it true or false
             # Before DDP: where the segment cannot be shared, every rank raises SharedMemoryUnavailable here.
             gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-            self.shared = shared_memory.SharedMemoryAllReduce(None, gradient_bytes, self.cfg.dist.timeout_s)
+            self.shared = shared_memory.SharedMemoryAllReduce(None, gradient_bytes, self.cfg.dist.timeout_s, traffic)
         self.module = module
         self.model = DDP(module, device_ids=[self.device.index] if self.device.type == "cuda" else None, **options)
-        self.comm = comm.register(self.model, hook, self.cfg.ddp.powersgd)
         if self.shared:
             self.model.register_comm_hook(None, self.shared.hook)
+            self.traffic = traffic
+        elif self.cfg.data.even_shards:
+            self.comm = comm.register(self.model, hook, traffic, self.cfg.ddp.powersgd)
+            self.traffic = traffic
         return self.model
+
+    def bytes_per_step(self) -> Optional[int]:
+        """The gradient bytes this rank sent in the last step, as its hook counted them (None: not counted)."""
+        return self.traffic.last_step if self.traffic else None
 
     def comm_state(self) -> Optional[dict[str, Any]]:
         """The communication hook's state for a checkpoint (PowerSGD's; every rank calls it)."""

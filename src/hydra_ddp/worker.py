@@ -30,7 +30,7 @@ from torch import nn
 from tqdm import tqdm
 
 from hydra_ddp import (
-    checkpoint, comm, data, distributed, evaluation, performance, reporting, shared_memory, startup, strategy,
+    checkpoint, data, distributed, evaluation, performance, reporting, shared_memory, startup, strategy,
     training,
 )
 from hydra_ddp.distributed import RankInfo
@@ -197,8 +197,7 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
             # Parameters, gradients and optimizer state held by one rank (the largest): FSDP's shards.
             "model_state_bytes": _most_over_ranks(strategy.local_state_bytes(spread, optimizer), device),
             "comm_hook": cfg.ddp.comm_hook if spread.name == "ddp" else None,
-            "allreduce_bytes_per_step": (comm.bytes_per_step(model, cfg.ddp.comm_hook, cfg.ddp.powersgd)
-                                         if spread.name == "ddp" else None),
+            "allreduce_bytes_per_step": spread.bytes_per_step() if spread.name == "ddp" else None,  # measured
             **result,
             "time_to_first_step_s": result["first_step_at"] - started_at if result["first_step_at"] else None,
             "workers_ready_at": workers_ready_at,
