@@ -42,6 +42,8 @@ def main(cfg: DictConfig) -> float | None:
     except UserError as error:
         launch.fail(error)  # one line, no traceback; in a multirun the next job still runs
         return worst  # a failed or diverged trial ranks last instead of ending the sweep
+    if CHECK_ONLY:
+        return worst if worst is not None else 0.0  # a sweeper asks each checked trial for a number
     if not summary:
         return None  # not node 0
     return summary["objective"] if summary["objective"] is not None else worst

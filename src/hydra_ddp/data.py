@@ -13,6 +13,7 @@ alike at any world size, so the metrics are bit-equal whether 1, 2 or 3 ranks ev
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import math
@@ -44,6 +45,7 @@ def _standardize(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor,
     return (train - mean) / std, (test - mean) / std
 
 
+@functools.cache  # read once a process (train.py --check reads it for every config it checks)
 def _load_digits() -> tuple[np.ndarray, np.ndarray]:
     """The digits' (images, labels), read from the file scikit-learn ships: importing
     sklearn.datasets to read it would cost each worker about 1.8 s of start-up (measured)."""

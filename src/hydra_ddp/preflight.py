@@ -24,7 +24,8 @@ def check(conf_dir: Path, overrides: list[str], run_dir: Path, gpus: Optional[in
     (an unknown group option, a misspelt key) propagate as Hydra raises them."""
     register_schema()
     with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None):
-        cfg = compose(config_name=config_name, overrides=[*overrides, f"hydra.run.dir={run_dir}"],
+        # One job's config: a search preset's sweep (hydra.mode=MULTIRUN) is checked as its base run.
+        cfg = compose(config_name=config_name, overrides=[*overrides, f"hydra.run.dir={run_dir}", "hydra.mode=RUN"],
                       return_hydra_config=True)
     with read_write(cfg.hydra.runtime), open_dict(cfg.hydra.runtime):
         cfg.hydra.runtime.output_dir = str(run_dir)  # what Hydra's run sets before the job starts

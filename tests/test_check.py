@@ -1,0 +1,99 @@
+"""`train.py --check`: a config composed, resolved and checked exactly as a run would, one line either
+way and nothing launched; and every pair of options from two groups either passes it or fails in one
+line, while a pair that passes trains."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import itertools
+import multiprocessing
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, check_ok, run_train, summary, train_env
+
+CONF = REPO / "conf"
+GROUPS = ("backend", "init_method", "launcher", "strategy", "model", "data", "optim", "scheduler", "logger", "debug",
+          "experiment", "hparams_search")
+
+
+def check_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", "--check", *args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
+                          env=train_env(), capture_output=True, text=True, timeout=120)
+
+
+def test_check_says_what_would_run_and_launches_nothing(tmp_path: Path):
+    proc = check_cli(tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == ("hydra-ddp: config OK: 2 worker(s) on cpu (spawn, backend gloo, "
+                                                    "init env), ddp, global batch 64; nothing launched")
+    assert not (tmp_path / "run").exists()  # no run directory, no log: nothing ran
+
+
+def test_a_mismatched_pair_is_one_line_naming_the_options_that_fit(tmp_path: Path):
+    for args in (("--check", "model=gpt"), ("model=gpt",)):  # checked alone, or as a run checks it first
+        proc = subprocess.run([sys.executable, "train.py", *args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
+                              env=train_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2
+        assert proc.stderr.strip().splitlines() == [
+            "hydra-ddp: error: model=gpt needs data.dataset.context, which data=digits does not have: use data=text "
+            "(or +experiment=text_gpt)"], proc.stderr
+
+
+def test_check_for_a_gpu_host_from_a_cpu_host(tmp_path: Path):
+    proc = check_cli("--gpus=8", "backend=nccl", tmp_path=tmp_path)
+    assert proc.returncode == 0 and "8 worker(s) on cuda (spawn, backend nccl" in proc.stdout, proc.stderr
+    proc = check_cli("--gpus=2", "trainer.nproc=8", tmp_path=tmp_path)  # backend=auto: nccl's check too
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "hydra-ddp: error: one GPU per process: 8 process(es) on this node but this host has 2 GPU(s); set "
+        "trainer.nproc=2 (or auto), give each task its own GPU (srun --gpus-per-task=1), or use backend=gloo"]
+
+
+def _options(group: str) -> list[str]:
+    prefix = "+" if group == "experiment" else ""
+    return [f"{prefix}{group}={path.stem}" for path in sorted((CONF / group).glob("*.yaml"))]
+
+
+def _check_pair(pair: tuple[str, str]) -> tuple[tuple[str, str], str, str]:
+    """(pair, "ok" | "error" | "crash", the line or what was raised): in a worker process of its own."""
+    from hydra_ddp import preflight
+    from hydra_ddp.errors import UserError
+
+    with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()):
+        try:
+            preflight.check(CONF, list(pair), Path(folder) / "run")
+        except UserError as error:
+            return pair, "error", str(error)
+        except Exception as error:  # noqa: BLE001  (what this test exists to find)
+            return pair, "crash", f"{type(error).__name__}: {error}"
+    return pair, "ok", ""
+
+
+@pytest.mark.timeout(900)
+def test_every_pair_of_options_passes_the_check_or_fails_in_one_line_and_a_passing_pair_trains(tmp_path: Path):
+    options = {group: _options(group) for group in GROUPS}
+    pairs = [(a, b) for one, other in itertools.combinations(GROUPS, 2) for a in options[one] for b in options[other]]
+    assert len(pairs) > 700  # every option of every group, each against every other group's
+    with multiprocessing.get_context("spawn").Pool(2) as pool:  # each check composes anew: ~0.5 s, on both cores
+        results = pool.map(_check_pair, pairs, chunksize=8)
+    crashed = [(pair, what) for pair, outcome, what in results if outcome == "crash"]
+    assert not crashed, crashed[:10]
+    long = [(pair, what) for pair, outcome, what in results if outcome == "error" and "\n" in what]
+    assert not long, long[:10]
+    passing = [pair for pair, outcome, _ in results if outcome == "ok"]
+    assert len(passing) > 300, len(passing)
+    # A bounded sample of the passing pairs trains a step, a new sample each day (its seed in the message).
+    seed = datetime.date.today().toordinal()
+    for pair in random.Random(seed).sample(passing, 3):
+        run_dir = tmp_path / "-".join(p.replace("=", "_").lstrip("+") for p in pair)
+        proc = run_train(run_dir, *pair, "trainer.max_steps=1", "trainer.epochs=1", timeout=240)
+        assert proc.returncode == 0, (f"{pair} passed the check but did not train (sample seed {seed})", proc.stderr)
+        assert summary(run_dir)["steps"] == 1, pair
