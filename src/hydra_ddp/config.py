@@ -89,8 +89,12 @@ class DataConf:
 
 @dataclass
 class DistConf:
-    # Collective timeout: a hung peer fails the others after this long.
-    timeout_s: int = 1800
+    # Collective timeout (seconds): a hung peer fails the others after this long. auto: 600 with NCCL,
+    # whose ranks often do not see a dead peer and wait for it until then (torch's own NCCL default;
+    # it bounds how long a crashed job holds its GPUs), 1800 with gloo (torch's default: a dead
+    # peer is seen at once; only a hung one waits). Raise it for rank-0-only work longer than that
+    # between collectives (a download, a huge checkpoint).
+    timeout_s: Any = "auto"
 
 
 @dataclass
@@ -162,6 +166,9 @@ class TrainerConf:
     detect_anomaly: bool = False
     # Per-rank time by phase and the straggler report (timing.py); false: none (for measuring its cost).
     timing: bool = True
+    # GPUs: the same bits run after run, at some cost in speed: deterministic cuDNN and torch kernels
+    # (torch.use_deterministic_algorithms), TF32 off, cuBLAS's fixed workspace. The CPU needs none of it.
+    deterministic: bool = False
 
 
 @dataclass
@@ -204,7 +211,8 @@ class StrategyConf:
     # fsdp: free each unit's gathered parameters after its forward (less memory, one more
     # all-gather in the backward); false keeps them until the backward.
     reshard_after_forward: bool = True
-    # fsdp: parameters cast to this for the compute (bf16, fp16), gradients reduced in fp32. null: fp32.
+    # fsdp: parameters cast to this for the compute (bf16), gradients reduced in fp32. null: fp32.
+    # (fp16 is refused: it would need loss scaling over the shards.)
     mixed_precision: Optional[str] = None
     # fsdp: parameters and optimizer state kept on the CPU between uses (GPUs only).
     cpu_offload: bool = False

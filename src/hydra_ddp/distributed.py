@@ -82,6 +82,13 @@ def resolve_backend(name: str, device: str, nproc_per_node: int, host: Host, out
     raise UserError(f"unknown backend {name!r}; choose auto, gloo, nccl or mpi")
 
 
+def group_backend(backend: str, cpu_offload: bool) -> str:
+    """The process group's backend string. FSDP's CPU offload keeps the shards on the CPU, and NCCL
+    takes CUDA tensors only: the collectives on them (the finite-weights check, the gradient norm)
+    go to gloo, the rest to NCCL, in one group (torch's backend per device)."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" and cpu_offload else backend
+
+
 def gpu_index(local_rank: int, local_world_size: int, visible: int, outside_launch: bool) -> int:
     """Which of the GPUs this process sees a local rank takes: its own index when the node's ranks
     see every GPU; 0 when an outside launcher gave each task one GPU of its own (Slurm's
@@ -193,6 +200,8 @@ def process_group(backend: str, init: Mapping[str, Any], rank: RankInfo, timeout
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's count alone (a Slurm requeue is a new job)
     if init.get("ports"):
         _join_hosted_store(init, attempt)
+    elif init["name"] == "env" and "MASTER_PORT" not in os.environ:  # mpirun: rank 0 serves at host:port
+        os.environ.update(MASTER_ADDR=init["host"], MASTER_PORT=str(init["port"]))
     dist.init_process_group(backend, init_method=init_url(init, attempt), rank=rank.rank, world_size=rank.world_size,
                             timeout=timedelta(seconds=timeout_s))
     try:

@@ -15,8 +15,10 @@ import multiprocessing
 import os
 import pickle
 import shlex
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -263,7 +265,7 @@ def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float, parent: Opti
         raise WorkerFailed(*_first_spawned_cause(context, e.error_index, _last_line(str(e))), log_file) from None
     except mp.ProcessExitedException as e:
         cause = f"killed by {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
-        raise WorkerFailed(e.error_index, cause, log_file) from None
+        raise WorkerFailed(*_first_spawned_cause(context, e.error_index, cause), log_file) from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -271,11 +273,12 @@ def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float, parent: Opti
 
 def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float, parent: Optional[int]) -> Optional[int]:
     """Run the agent; the signal that stopped it, if one did."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     launcher = plain["launcher"]
+    logs = Path(tempfile.mkdtemp(prefix="hydra-ddp-elastic-"))
     single_node = launcher["nnodes"] == 1
     if single_node:
         # The agent joins the rendezvous on our loopback store (_host_stores) as a client: its own
@@ -295,6 +298,8 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float, parent: O
         monitor_interval=launcher["monitor_interval"],
         start_method=launcher["start_method"],
         local_addr=launcher["local_addr"],
+        # The workers' error files where the failure report can read them all, removed after the run.
+        logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
     )
     # The agent passes on SIGTERM and SIGINT only: Slurm's pre-emption signals become a SIGTERM.
     as_sigterm = {sig: signal.signal(sig, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
@@ -305,26 +310,28 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float, parent: O
     except SignalException as e:
         return e.sigval  # the agent has passed the signal on and waited for the workers to stop
     except ChildFailedError as e:
-        rank, cause = _first_cause(e.failures)
+        rank, cause = _first_cause(e.failures, logs)
         raise WorkerFailed(rank, cause, run_dir / reporting.log_file(plain["task"])) from None
     finally:
+        shutil.rmtree(logs, ignore_errors=True)
         for sig, handler in as_sigterm.items():
             signal.signal(sig, handler)
         if single_node:
             os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
 
 
-def _first_cause(failures: dict[int, Any]) -> tuple[int, str]:
-    """(rank, one line) of the failure that started it. A rank whose peer died fails too, within
-    milliseconds, and may be the one the agent saw first (it reports the ranks that had failed by
-    its last look): every local rank's error file of that attempt is read, beside the reported
-    one's, and a failure of a rank's own is named before one of a rank that lost its peer."""
+def _first_cause(failures: dict[int, Any], logs: Path) -> tuple[int, str]:
+    """(rank, one line) of the failure that started it. A rank whose peer died fails too (at once, or
+    aborted later), and may be the one the agent reports: it reports one failed worker of its last
+    look. Every local rank's error file of the latest attempt is read (under `logs`, the agent's
+    log folder), beside the reported one's, and a failure of a rank's own is named before one
+    that followed it."""
     causes = {}
+    attempts = sorted(logs.glob("*/attempt_*"), key=lambda path: int(path.name.rsplit("_", 1)[1]))
     for rank, failure in failures.items():
         message = failure.message  # the error file's {"message": ..., "extraInfo": ...}, or a plain string
         causes[rank] = _last_line(message.get("message", str(message)) if isinstance(message, dict) else str(message))
-        attempt = Path(failure.error_file).parent.parent if failure.error_file else None
-        for error_file in attempt.glob("*/error.json") if attempt else ():
+        for error_file in attempts[-1].glob("*/error.json") if attempts else ():
             local_rank = int(error_file.parent.name) if error_file.parent.name.isdigit() else None
             try:
                 data = json.loads(error_file.read_text())["message"]
@@ -333,15 +340,23 @@ def _first_cause(failures: dict[int, Any]) -> tuple[int, str]:
                 continue
             if local_rank is not None and isinstance(text, str):
                 causes.setdefault(rank - failure.local_rank + local_rank, _last_line(text))
-    rank = min(causes, key=lambda r: (causes[r].startswith(worker.LOST_A_PEER), r))
+    rank = min(causes, key=lambda r: (_follows_another(causes[r]), r))
     return rank, causes[rank]
+
+
+def _follows_another(cause: str) -> bool:
+    """A failure that follows a peer's: it lost its peer (gloo sees the dead one at once), or it was
+    aborted (NCCL's watchdog ends every rank still waiting on a dead peer with SIGABRT, after
+    dist.timeout_s): the launcher names the peer's own failure first when it has both."""
+    return cause.startswith(worker.LOST_A_PEER) or "SIGABRT" in cause
 
 
 def _first_spawned_cause(context: Any, rank: int, cause: str) -> tuple[int, str]:
     """As _first_cause, under spawn: join reports the first worker it finds failed, which may be
-    one that lost its peer. Every failed worker has left its traceback in torch's error file (a
-    pickled string, in a private temporary file: torch's join reads it the same way)."""
-    if not cause.startswith(worker.LOST_A_PEER):
+    one that followed a peer's failure (lost it, or was aborted waiting for it). Every worker that
+    raised has left its traceback in torch's error file (a pickled string, in a private temporary
+    file: torch's join reads it the same way); one that died otherwise, its exit code."""
+    if not _follows_another(cause):
         return rank, cause
     for index, path in enumerate(getattr(context, "error_files", [])):
         try:
@@ -349,8 +364,12 @@ def _first_spawned_cause(context: Any, rank: int, cause: str) -> tuple[int, str]
                 line = _last_line(pickle.load(file))
         except (OSError, EOFError, pickle.UnpicklingError, AttributeError):
             continue  # this worker did not fail, or not with an exception
-        if not line.startswith(worker.LOST_A_PEER):
+        if not _follows_another(line):
             return index, line
+    for index, process in enumerate(context.processes):  # killed by something other than an abort
+        code = process.exitcode
+        if code and code < 0 and -code != signal.SIGABRT:
+            return index, f"killed by {signal.Signals(-code).name}"
     return rank, cause
 
 

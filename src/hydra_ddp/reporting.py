@@ -6,6 +6,7 @@ TensorBoard events and the summary. Non-zero ranks get a Reporter whose writes d
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ def setup_logging(rank: RankInfo, run_dir: Path, task: str = "train") -> None:
         root.removeHandler(handler)
         handler.close()
     formatter = logging.Formatter(_FORMAT.format(rank=rank.rank))
+    _crash_dumps_to(run_dir / log_file(task))
     handlers: list[logging.Handler] = [logging.FileHandler(run_dir / log_file(task), mode="a")]
     # Python warnings (e.g. anomaly mode's forward traceback) become records: every rank's go to
     # the log file, none to the console, which keeps to one line per event.
@@ -64,6 +66,19 @@ def setup_logging(rank: RankInfo, run_dir: Path, task: str = "train") -> None:
         handler.setFormatter(formatter)
         root.addHandler(handler)
     root.setLevel(logging.INFO)
+
+
+_crash_log: list[Any] = []  # the file faulthandler writes to: open for as long as it may
+
+
+def _crash_dumps_to(path: Path) -> None:
+    """A fatal signal's Python stacks (a segfault; NCCL's watchdog aborting a rank left waiting) go
+    to the log file, not to the console, which keeps to the launcher's one line."""
+    crash_log = open(path, "a")  # noqa: SIM115  (kept open: faulthandler writes to its descriptor)
+    faulthandler.enable(file=crash_log, all_threads=True)
+    for old in _crash_log:
+        old.close()
+    _crash_log[:] = [crash_log]
 
 
 def _logger_nodes(cfg: Any) -> list[Any]:

@@ -138,6 +138,13 @@ class Position:
     epoch_loss_count: int = 0
 
 
+def supervised_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The training loss, in float32 whatever the model computes in (autocast, FSDP's mixed
+    precision): a bf16 or fp16 loss would round the sum over the batch. For fp32 outputs the cast
+    is no operation."""
+    return F.cross_entropy(output.float(), target)
+
+
 def accumulation_group(batch: int, accumulate: int, batches_per_epoch: int) -> int:
     """How many batches the optimizer step of the epoch's `batch`-th (from 1) batch takes: `accumulate`,
     but fewer for the epoch's last step when the batches do not divide (divided by its own size, it
@@ -441,7 +448,7 @@ class Trainer:
         y = y.to(self.device, non_blocking=True)
         with contextlib.nullcontext() if sync else self.strategy.no_sync():  # no all-reduce mid-accumulation
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                loss = F.cross_entropy(self.model(x), y)
+                loss = supervised_loss(self.model(x), y)
             self.timer.lap("forward")
             scaled = loss / group if group > 1 else loss  # no extra op in the graph for 1
             self.scaler.scale(scaled).backward()  # DDP all-reduces here on sync

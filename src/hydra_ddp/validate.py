@@ -50,6 +50,7 @@ def fill_in(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankIn
     trainer["resume"] = checkpoint.resume_setting(trainer["resume"])
     trainer["max_time"] = max_time_seconds(trainer["max_time"])
     _resolve_monitor(trainer, plain["data"])
+    plain["backend"]["name"] = distributed.group_backend(plain["backend"]["name"], plain["strategy"]["cpu_offload"])
     ddp = plain["ddp"]
     if ddp["sync_batchnorm"] == "auto":  # settled here, alike on every rank of an outside launch
         ddp["sync_batchnorm"] = trainer["device"] == "cuda" and plain["strategy"]["name"] == "ddp"
@@ -83,6 +84,7 @@ def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tupl
     plain["backend"]["name"] = distributed.resolve_backend(plain["backend"]["name"], trainer["device"], trainer["nproc"],
                                                            host, outside_launch=external is not None)
     _resolve_init_method(plain["init_method"], run_dir, external is not None)
+    plain["dist"]["timeout_s"] = collective_timeout(plain["dist"]["timeout_s"], plain["backend"]["name"])
 
 
 def _check_strategy(plain: dict[str, Any]) -> None:
@@ -114,8 +116,9 @@ def _check_strategy(plain: dict[str, Any]) -> None:
          "leave them null and false"),
         (settings["cpu_offload"] and not on_gpu, "strategy.cpu_offload=true keeps parameters on the CPU between uses "
                                                  "on GPUs; on the CPU it has nothing to offload: leave it false"),
-        (settings["mixed_precision"] == "fp16" and not on_gpu, "strategy.mixed_precision=fp16 needs GPUs; "
-                                                              "on the CPU use bf16"),
+        (settings["mixed_precision"] == "fp16", "strategy.mixed_precision=fp16 would need loss scaling over the "
+                                                "shards, which FSDP2 here does not do (small gradients would underflow "
+                                                "silently); use bf16: fp32's range, no scaler"),
     ]
     for refused, why in refusals:
         if refused:
@@ -220,6 +223,15 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
         raise UserError("across nodes the ranks meet through torchrun's rendezvous: use init_method=env")
     if plain["init_method"]["name"] == "file" and launcher.get("max_restarts"):
         raise UserError("a restarted group cannot reuse a file:// store: use init_method=env or tcp with restarts")
+
+
+def collective_timeout(value: Any, backend: str) -> int:
+    """dist.timeout_s: auto is 600 s where NCCL runs (its ranks may wait for a dead peer until then), else 1800 s."""
+    if value == "auto":
+        return 600 if "nccl" in backend else 1800
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"dist.timeout_s must be a whole number of seconds (or auto), got {value!r}")
+    return value
 
 
 def _resolve_monitor(trainer: dict[str, Any], data_cfg: dict[str, Any]) -> None:
@@ -353,8 +365,8 @@ def _resolve_init_method(init: dict[str, Any], run_dir: Path, external: bool) ->
             raise UserError(f"MASTER_PORT={port!r} (exported) is not a port; export a number in 1-65535, or unset it")
         init.update(host=os.environ.get("MASTER_ADDR") or init["host"], port=int(port), port_from="MASTER_PORT")
     elif name in ("env", "tcp") and init["port"] is None and external:
-        needs = ("MASTER_ADDR and MASTER_PORT exported (rank 0's host, a free port), the same on every rank; or "
-                 "init_method=tcp with init_method.host and init_method.port" if name == "env" else
+        needs = ("MASTER_ADDR and MASTER_PORT exported (rank 0's host, a free port), or init_method.port (and "
+                 "init_method.host), the same on every rank" if name == "env" else
                  "init_method.port (and init_method.host: rank 0's host), the same on every rank")
         raise UserError(f"init_method={name} under this launcher needs {needs}")
     elif name == "file":

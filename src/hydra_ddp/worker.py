@@ -45,6 +45,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def deterministic_kernels() -> None:
+    """trainer.deterministic: kernels that give the same bits run after run on GPUs. cuDNN's
+    convolution choice and its nondeterministic backward (max-pool's, scatter-adds), TF32's rounding
+    and cuBLAS's split reductions otherwise vary between runs; torch raises where an op has no
+    deterministic kernel. NCCL's sums are left as NCCL orders them (the same for the same world size
+    and topology)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def cpu_threads(configured: Optional[int], rank: RankInfo) -> int:
     """Cores ÷ local world size: N ranks × all cores each would thrash."""
     if configured:
@@ -65,6 +79,8 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
         reporting.setup_logging(rank, Path(run_dir), task)
     device = _device(cfg.trainer.device, rank, external)
     torch.set_num_threads(cpu_threads(cfg.trainer.threads, rank))
+    if cfg.trainer.get("deterministic", False):  # before CUDA starts: cuBLAS reads its workspace setting once
+        deterministic_kernels()
     if rank.is_main and task == "train":
         reporting.preload_loggers(cfg)  # while the other ranks start: it would hold them at the first collective
     with distributed.process_group(cfg.backend.name, cfg.init_method, rank, cfg.dist.timeout_s, device):
@@ -84,6 +100,9 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
         else:
             summary = _train(cfg, out, rank, device, stop, started_at, entered_at)
         _release(cfg)
+        # No rank exits before rank 0 has written and closed every output: under srun
+        # --kill-on-bad-exit a stopped run's other ranks (exit 128 + signal) would end it mid-write.
+        dist.barrier()
     return summary  # the same on every rank: global values only
 
 
@@ -193,6 +212,7 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
             "batch_size": cfg.data.batch_size,
             "global_batch_size": cfg.data.global_batch_size,
             "settings": fast,
+            "deterministic": bool(cfg.trainer.get("deterministic", False)),
             "strategy": spread.name,
             # Parameters, gradients and optimizer state held by one rank (the largest): FSDP's shards.
             "model_state_bytes": _most_over_ranks(strategy.local_state_bytes(spread, optimizer), device),

@@ -146,3 +146,34 @@ def counted_synthetic(log_dir: str, **kwargs):
     test samples), not carved from the training set: only training reads are counted."""
     train, test = synthetic(**kwargs)
     return _Counted(train, log_dir), test, test
+
+
+class FailThenAbort(MnistCNN):
+    """At its second training forward rank `fail_rank` raises (as a CUDA out-of-memory would), and
+    every other rank, once that rank's process is gone, aborts (SIGABRT), as NCCL's watchdog ends
+    the ranks left waiting for a dead peer: the launcher sees both kinds of failure at once."""
+
+    def __init__(self, fail_rank: int = 1, **kwargs):
+        super().__init__(**kwargs)
+        self.fail_rank, self.calls = fail_rank, 0
+        self.pids = [None] * dist.get_world_size()
+        dist.all_gather_object(self.pids, os.getpid())
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if self.calls == 2:
+                if dist.get_rank() == self.fail_rank:
+                    raise RuntimeError("injected failure: out of memory on this rank")
+                while _alive(self.pids[self.fail_rank]):
+                    threading.Event().wait(0.001)
+                os.abort()
+        return super().forward(x)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited

@@ -63,3 +63,18 @@ class SignalAt(MnistCNN):
             if self.calls == self.step:
                 os.killpg(os.getpgrp(), signal.SIGTERM)
         return super().forward(x)
+
+
+class DeterminismProbe(MnistCNN):
+    """Writes probe_dir/rank{R}.json: the kernel settings trainer.deterministic governs, as torch holds
+    them once the run has built its model."""
+
+    def __init__(self, probe_dir: str, **kwargs):
+        super().__init__(**kwargs)
+        seen = {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                "cudnn_deterministic": torch.backends.cudnn.deterministic,
+                "cudnn_benchmark": torch.backends.cudnn.benchmark,
+                "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+                "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+                "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+        Path(probe_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(seen))
