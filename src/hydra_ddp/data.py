@@ -395,6 +395,7 @@ class Loaders(NamedTuple):
     val: Optional[EvalSplit]  # None with data.val_fraction=0: nothing to validate on
     test: EvalSplit
     train_sampler: ResumableDistributedSampler
+    batch_size: int  # per rank, of the training batches
 
 
 def build_datasets(data_cfg: Any, rank: RankInfo, seed: int) -> dict[str, Optional[Dataset]]:
@@ -487,4 +488,4 @@ def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, device: torch.device
         train = DataLoader(SeededSamples(train_set, seed) if seeded else train_set, batch_size=data_cfg.batch_size,
                            sampler=train_sampler, drop_last=data_cfg.drop_last,
                            **loader_options(data_cfg, seed, device, rank.rank))
-    return Loaders(train, val, test, train_sampler)  # type: ignore[arg-type]
+    return Loaders(train, val, test, train_sampler, data_cfg.batch_size)  # type: ignore[arg-type]

@@ -29,7 +29,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp import distributed, evaluation, reporting, scaling, startup, training, validate, worker
+from hydra_ddp import distributed, evaluation, reporting, scaling, startup, validate, worker
+from hydra_ddp.signals import STOP_SIGNALS
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -254,7 +255,7 @@ def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float, parent: Opti
             if process.is_alive():
                 os.kill(process.pid, signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in training.StopRequest.SIGNALS}
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     # A rank that fails makes its peers fail within a second; a hung one is killed after the grace
     # period (torch < 2.5 has no grace period: SIGTERM at once, then SIGKILL after 30 s).
     grace = {"grace_period": SPAWN_GRACE_S} if "grace_period" in inspect.signature(context.join).parameters else {}

@@ -20,7 +20,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from hydra_ddp import checkpoint, comm, data, distributed, groups, monitor, performance, startup, strategy
+from hydra_ddp import checkpoint, comm, data, distributed, groups, monitor, performance, startup
+from hydra_ddp.parallel import plans
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
 
@@ -45,15 +46,15 @@ def fill_in(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankIn
     # and eval.py evaluates with it (bit-equal metrics at any world size).
     trainer["threads"] = trainer["threads"] or max(1, len(os.sched_getaffinity(0)) // trainer["nproc"])
     # Model replicas, each reading its own batches: every rank but under tensor parallel (one replica).
-    replicas = _replicas(plain["strategy"], trainer["nproc"] * plain["launcher"]["nnodes"])
+    chosen = plans.plan(plain["strategy"]["name"])
+    replicas = chosen.replicas(plain["strategy"], trainer["nproc"] * plain["launcher"]["nnodes"])
     _resolve_batch_size(plain["data"], replicas)
     trainer["resume"] = checkpoint.resume_setting(trainer["resume"])
     trainer["max_time"] = max_time_seconds(trainer["max_time"])
     _resolve_monitor(trainer, plain["data"])
     plain["backend"]["name"] = distributed.group_backend(plain["backend"]["name"], plain["strategy"]["cpu_offload"])
-    ddp = plain["ddp"]
-    if ddp["sync_batchnorm"] == "auto":  # settled here, alike on every rank of an outside launch
-        ddp["sync_batchnorm"] = trainer["device"] == "cuda" and plain["strategy"]["name"] == "ddp"
+    # Settled here, alike on every rank of an outside launch.
+    plain["ddp"]["sync_batchnorm"] = chosen.sync_batchnorm(plain["ddp"]["sync_batchnorm"], trainer["device"])
     if trainer["init_from"]:
         trainer["init_from"] = str(checkpoint.find(trainer["init_from"], "trainer.init_from"))
     return plain
@@ -85,74 +86,6 @@ def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tupl
                                                            host, outside_launch=external is not None)
     _resolve_init_method(plain["init_method"], run_dir, external is not None)
     plain["dist"]["timeout_s"] = collective_timeout(plain["dist"]["timeout_s"], plain["backend"]["name"])
-
-
-def _check_strategy(plain: dict[str, Any]) -> None:
-    """What a strategy cannot do, found before launch."""
-    settings, trainer, ddp = plain["strategy"], plain["trainer"], plain["ddp"]
-    name = settings["name"]
-    if name not in strategy.NAMES:
-        raise UserError(f"unknown strategy {name!r}; choose {', '.join(strategy.NAMES)} (conf/strategy/)")
-    if settings["mixed_precision"] not in (None, "bf16", "fp16"):
-        raise UserError(f"strategy.mixed_precision must be null, bf16 or fp16, got {settings['mixed_precision']!r}")
-    if name == "ddp":
-        return
-    if name in ("tp", "fsdp_tp"):
-        _check_tp_plan(plain)
-    on_gpu = trainer["device"] == "cuda"
-    refusals = [
-        (ddp["comm_hook"] != "none", f"ddp.comm_hook={ddp['comm_hook']} is DDP's: FSDP reduce-scatters its own "
-                                     "gradients; leave it none"),
-        (not plain["data"]["even_shards"], "data.even_shards=false needs DDP's Join, which FSDP does not support; "
-                                           "keep data.even_shards=true"),
-        (trainer["compile"], f"trainer.compile=true is not supported with strategy={name} yet; leave it false"),
-        (trainer["channels_last"] is True, "trainer.channels_last=true makes convolution weights non-contiguous, "
-                                           "which FSDP cannot shard; leave it auto or false"),
-        (ddp["sync_batchnorm"] is True, "ddp.sync_batchnorm=true is DDP's; leave it auto or false"),
-        (str(trainer["precision"]) == "16", f"trainer.precision=16 (a GradScaler) is not supported with strategy={name}; "
-                                            "use strategy.mixed_precision=bf16 or trainer.precision=bf16"),
-        (name in ("tp", "fsdp_tp") and (settings["mixed_precision"] or settings["cpu_offload"]),
-         "strategy.mixed_precision and strategy.cpu_offload are not supported with tensor parallel yet; "
-         "leave them null and false"),
-        (settings["cpu_offload"] and not on_gpu, "strategy.cpu_offload=true keeps parameters on the CPU between uses "
-                                                 "on GPUs; on the CPU it has nothing to offload: leave it false"),
-        (settings["mixed_precision"] == "fp16", "strategy.mixed_precision=fp16 would need loss scaling over the "
-                                                "shards, which FSDP2 here does not do (small gradients would underflow "
-                                                "silently); use bf16: fp32's range, no scaler"),
-    ]
-    for refused, why in refusals:
-        if refused:
-            raise UserError(f"strategy={name}: {why}")
-
-
-def _replicas(settings: dict[str, Any], world: int) -> int:
-    """Model replicas, each reading its own batches: every rank, but for tensor parallel's groups."""
-    if settings["name"] == "tp":
-        return 1
-    if settings["name"] == "fsdp_tp":
-        if settings["tp_size"] < 1 or world % settings["tp_size"]:
-            raise UserError(f"strategy.tp_size={settings['tp_size']} does not divide the world size {world}: "
-                            f"choose a divisor of {world} (the mesh is world ÷ tp_size by tp_size)")
-        return world // settings["tp_size"]
-    return world
-
-
-def _check_tp_plan(plain: dict[str, Any]) -> None:
-    """Tensor parallel needs the model's plan, and a world size it splits over (built on the meta device)."""
-    from hydra.utils import instantiate
-
-    world = plain["trainer"]["nproc"] * plain["launcher"]["nnodes"]
-    size = world // _replicas(plain["strategy"], world)  # ranks per tensor-parallel group
-    try:
-        with torch.device("meta"):
-            model = instantiate(plain["model"])
-        plan = getattr(model, "tp_plan", None)
-        if plan is None:
-            raise UserError(f"strategy={plain['strategy']['name']} needs a model with a tensor-parallel plan (a tp_plan method, as "
-                            f"model=gpt has); {plain['model']['_target_']} has none: use strategy=ddp or fsdp")
-        plan(size)
-    except ValueError as e:
-        raise UserError(f"strategy={plain['strategy']['name']}: {e}") from None
 
 
 def check(plain: dict[str, Any], run_dir: Path) -> None:
@@ -192,7 +125,7 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
     if plain["ddp"]["shared_memory"] is True and blockers:
         raise UserError(f"ddp.shared_memory=true does not combine with {'; '.join(blockers)}; "
                         "set ddp.shared_memory=auto or false")
-    _check_strategy(plain)
+    plans.check(plain)
     if plain["ddp"]["sync_batchnorm"] not in (True, False):
         raise UserError(f"ddp.sync_batchnorm: expected true, false or auto, got {plain['ddp']['sync_batchnorm']!r}")
     if plain["ddp"]["sync_batchnorm"] and trainer["device"] != "cuda":

@@ -30,9 +30,11 @@ from torch import nn
 from tqdm import tqdm
 
 from hydra_ddp import (
-    checkpoint, data, distributed, evaluation, performance, reporting, shared_memory, startup, strategy,
-    training,
+    checkpoint, data, distributed, evaluation, performance, reporting, shared_memory, startup,
 )
+from hydra_ddp.parallel import strategy
+from hydra_ddp.training import trainer as training
+from hydra_ddp.training.stop import StopRequest
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import EveryRankError, UserError
 
@@ -70,7 +72,7 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
         entered_at: float, problem: Optional[str] = None) -> Optional[dict[str, Any]]:
     """Train, and return the run's summary. `entered_at`: when this worker's own code began (its
     imports done); `problem`: what rank 0 of an outside launch found wrong."""
-    stop = training.StopRequest()
+    stop = StopRequest()
     stop.install()
     tqdm.monitor_interval = 0  # no monitor thread: one less thread alive when the process exits
     external = cfg.launcher.get("external", False)
@@ -135,14 +137,14 @@ def _check_same_config(cfg: DictConfig, rank: RankInfo, device: torch.device) ->
                         "launch them with the same overrides")
 
 
-def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, stop: training.StopRequest,
+def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, stop: StopRequest,
            started_at: float, entered_at: float) -> dict[str, Any]:
     log.info(
         "rank %d/%d on %s, %d CPU thread(s), pid %d",
         rank.rank, rank.world_size, device, torch.get_num_threads(), os.getpid(),
     )
     seed_everything(cfg.trainer.seed)  # alike on every rank: the model's initial weights
-    spread = strategy.build(cfg, device)  # DDP's replicas, FSDP's shards or tensor parallel (strategy.py)
+    spread = strategy.build(cfg, device)  # DDP's replicas, FSDP's shards or tensor parallel (parallel/)
     replica = spread.data_shard(rank)  # which batches this rank reads: its own, but under tensor parallel
     loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, device, shard=replica)
     model = instantiate(cfg.model)
@@ -191,10 +193,8 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
         resume_step = 0
     reporter = reporting.Reporter(rank, out, cfg, resume_step=resume_step)
     try:
-        trainer = training.Trainer(
-            train_model, optimizer, scheduler, loaders, device, cfg, reporter, checkpointer, stop,
-            progress=reporting.show_progress(cfg.trainer.progress, rank), started_at=started_at, strategy=spread,
-        )
+        trainer = training.build(cfg, train_model, optimizer, scheduler, loaders, device, reporter, checkpointer, stop,
+                                 reporting.show_progress(cfg.trainer.progress, rank), started_at, spread)
         if resume:
             trainer.resume_from(*resume)
         result = trainer.fit()

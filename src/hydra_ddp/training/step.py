@@ -1,0 +1,95 @@
+"""One optimizer step's work: each batch's forward and backward in the run's precision, the
+gradient all-reduce on the group's last batch only, clipping, and the optimizer step."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hydra_ddp.timing import StepTimer
+
+# trainer.precision → autocast's dtype (None: fp32, no autocast).
+AUTOCAST_DTYPES: dict[str, Optional[torch.dtype]] = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
+
+
+def supervised_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The training loss, in float32 whatever the model computes in (autocast, FSDP's mixed
+    precision): a bf16 or fp16 loss would round the sum over the batch. For fp32 outputs the cast
+    is no operation."""
+    return F.cross_entropy(output.float(), target)
+
+
+def accumulation_group(batch: int, accumulate: int, batches_per_epoch: int) -> int:
+    """How many batches the optimizer step of the epoch's `batch`-th (from 1) batch takes: `accumulate`,
+    but fewer for the epoch's last step when the batches do not divide (divided by its own size, it
+    takes the mean gradient of its batches, as every other step does)."""
+    first = (batch - 1) // accumulate * accumulate + 1
+    return min(accumulate, batches_per_epoch - first + 1)
+
+
+class Step:
+    """Forward, backward and (on a group's last batch) the optimizer step, for one batch."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Any, device: torch.device,
+                 timer: StepTimer, precision: str, grad_clip: Optional[float], memory_format: torch.memory_format):
+        self.model, self.optimizer, self.strategy, self.device, self.timer = model, optimizer, strategy, device, timer
+        self.amp_dtype = AUTOCAST_DTYPES[precision]
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "16")  # fp16 only: bf16 needs none
+        self.grad_clip = grad_clip
+        self.memory_format = memory_format
+        self.grad_norms: list[tuple[int, torch.Tensor]] = []  # (step, global norm before clipping), until logged
+
+    def run(self, x: torch.Tensor, y: torch.Tensor, sync: bool, group: int, step: int) -> torch.Tensor:
+        """Forward and backward of one batch; the optimizer makes step `step` on `sync` batches only.
+        `group`: the batches of this optimizer step, whose mean loss its gradient is."""
+        x = x.to(self.device, non_blocking=True, memory_format=self.memory_format)
+        y = y.to(self.device, non_blocking=True)
+        with contextlib.nullcontext() if sync else self.strategy.no_sync():  # no all-reduce mid-accumulation
+            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                loss = supervised_loss(self.model(x), y)
+            self.timer.lap("forward")
+            scaled = loss / group if group > 1 else loss  # no extra op in the graph for 1
+            self.scaler.scale(scaled).backward()  # DDP all-reduces here on sync
+            self.timer.lap("backward")
+        if sync:
+            if self.grad_clip:
+                self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients, not the scaled ones
+                # The gradients are all-reduced already: the same norm, and the same clipping, on every rank.
+                norm = self.strategy.clip_grad_norm(self.grad_clip)  # FSDP, TP: over the shards
+                self.grad_norms.append((step, norm.detach()))
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.timer.lap("optimizer")
+        return loss.detach()
+
+    def take_grad_norms(self) -> tuple[list[int], list[float]]:
+        """The norms since the last call: (steps, values)."""
+        if not self.grad_norms:
+            return [], []
+        steps, norms = zip(*self.grad_norms)
+        self.grad_norms = []
+        return list(steps), torch.stack(norms).tolist()
+
+    def scaler_state(self) -> Optional[dict[str, Any]]:
+        return self.scaler.state_dict() if self.scaler.is_enabled() else None
+
+    def load_scaler_state(self, saved: Optional[dict[str, Any]]) -> None:
+        if saved and self.scaler.is_enabled():
+            self.scaler.load_state_dict(saved)
+
+    def sync_optimizer_state(self) -> None:
+        """After an uneven epoch, Join has given every rank the weights of the ranks that ran longest
+        (rank 0 among them); their optimizer state (momentum, Adam's moments) follows from rank 0."""
+        tensors = [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        if self.scaler.is_enabled():
+            tensors += [v for v in (self.scaler._scale, self.scaler._growth_tracker) if v is not None]
+        for value in tensors:
+            on_device = value.to(self.device)  # e.g. Adam's step counter lives on the CPU; nccl needs the GPU
+            dist.broadcast(on_device, src=0)
+            value.copy_(on_device)

@@ -1,0 +1,303 @@
+"""The training loop: epochs of optimizer steps, the global loss window, and the points where
+validation, checkpoints and stopping happen. Every rank runs all of it: collectives line up."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms import Join
+from tqdm import tqdm
+
+from hydra_ddp.checkpoint import Checkpointer
+from hydra_ddp.data import Loaders
+from hydra_ddp.monitor import Monitor
+from hydra_ddp.reporting import Reporter
+from hydra_ddp.timing import StepTimer, per_rank, straggler
+from hydra_ddp.training.position import Position
+from hydra_ddp.training.profiling import profiling
+from hydra_ddp.training.saving import Saving
+from hydra_ddp.training.step import Step, accumulation_group
+from hydra_ddp.training.stop import Ending, StopRequest
+from hydra_ddp.training.throughput import Overheads, Throughput
+from hydra_ddp.training.validation import Validation
+from hydra_ddp.training.window import LossWindow
+
+log = logging.getLogger(__name__)
+
+
+def build(cfg: Any, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Optional[Any], loaders: Loaders,
+          device: torch.device, reporter: Reporter, checkpointer: Checkpointer, stop: StopRequest, progress: bool,
+          started_at: float, strategy: Any) -> "Trainer":
+    """The loop and its collaborators, each given its own settings."""
+    settings = cfg.trainer
+    pos, overheads, monitor = Position(), Overheads(), Monitor.from_config(settings)
+    memory_format = torch.channels_last if settings.channels_last else torch.preserve_format
+    timer = StepTimer(settings.timing, device)  # this rank's time per phase (timing.py): the straggler report
+    step = Step(model, optimizer, strategy, device, timer, str(settings.precision), settings.grad_clip, memory_format)
+    return Trainer(
+        settings, model, loaders, device, step=step, timer=timer, pos=pos,
+        saving=Saving(cfg.checkpoint, checkpointer, strategy, step, scheduler, monitor, pos, overheads),
+        validation=Validation(strategy, loaders, device, memory_format, monitor, reporter, overheads),
+        ending=Ending(stop, settings.max_time, started_at),
+        throughput=Throughput(strategy.data_parallel_size()),
+        overheads=overheads, reporter=reporter, scheduler=scheduler,
+        profiler=lambda: profiling(bool(settings.profile), cfg.profiler, device, reporter.run_dir),
+        progress=progress,
+    )
+
+
+class Trainer:
+    """Runs the epochs: batches, global loss logging, validation, checkpoints, stopping (on request,
+    early, on the time budget, on divergence), and the one test of the selected weights at the end."""
+
+    def __init__(self, settings: Any, model: nn.Module, loaders: Loaders, device: torch.device, *, step: Step,
+                 timer: StepTimer, pos: Position, saving: Saving, validation: Validation, ending: Ending,
+                 throughput: Throughput, overheads: Overheads, reporter: Reporter, scheduler: Optional[Any],
+                 profiler: Any, progress: bool):
+        self.settings, self.model, self.loaders, self.device = settings, model, loaders, device
+        self.step, self.timer, self.pos, self.saving, self.validation = step, timer, pos, saving, validation
+        self.ending, self.throughput, self.overheads = ending, throughput, overheads
+        self.reporter, self.scheduler, self.make_profiler = reporter, scheduler, profiler
+        self.monitor = validation.monitor
+        self.accumulate = settings.accumulate  # read every batch: a plain int, not a config lookup
+        # Anomaly mode checks the (global) loss for nan at every step: a window of one.
+        self.window = LossWindow(1 if settings.detect_anomaly else settings.log_every)
+        # Mid-epoch windows are read a step after they are sent; anomaly mode stops at the step itself.
+        self.overlap_window = not settings.detect_anomaly
+        self.bar = tqdm(disable=True)
+        self.progress = progress
+        self.profiler: Optional[Any] = None
+        self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
+        self.batches_per_epoch = len(loaders.train)
+        self.common_batches, longest = self._epoch_lengths()
+        self.uneven = self.common_batches != longest
+        self.steps_per_epoch = math.ceil(longest / settings.accumulate)  # the same on every rank
+        self.ranks: list[dict[str, Any]] = []
+        self.straggler: Optional[dict[str, Any]] = None
+
+    def resume_from(self, path: Path, state: dict[str, Any]) -> None:
+        self.saving.resume_from(path, state)
+        self.window.first = self.pos.step + 1
+        if self.monitor.best_step is not None and self.monitor.best_step != self.pos.step:
+            self.validation.best_weights = self.saving.best_from_disk()
+        log.info("resumed from %s at epoch %d, batch %d, step %d", path, self.pos.epoch, self.pos.batch, self.pos.step)
+
+    # --- the recipe ------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        max_steps = self.settings.max_steps or self.steps_per_epoch * self.settings.epochs
+        epochs = min(self.settings.epochs, math.ceil(max_steps / self.steps_per_epoch))
+        self.bar = tqdm(total=max_steps, initial=self.pos.step, disable=not self.progress, unit="step",
+                        dynamic_ncols=True)
+        with contextlib.ExitStack() as stack:
+            self.profiler = stack.enter_context(self.make_profiler())
+            stack.enter_context(torch.autograd.set_detect_anomaly(bool(self.settings.detect_anomaly)))
+            validated_at = self._epochs(epochs, max_steps)
+        self.bar.close()
+        self._finish(validated_at, epochs)
+        return self._results(epochs)
+
+    def _epochs(self, epochs: int, max_steps: int) -> int:
+        """Train the epochs; the step of the last validation."""
+        validated_at = -1
+        while self.pos.epoch < epochs and self.pos.step < max_steps and not self.ending.now:
+            epoch = self.pos.epoch
+            self._run_epoch(epoch, max_steps)
+            if self._epoch_complete():
+                self.train_loss = self.pos.epoch_loss()
+                best = False
+                if self.settings.eval_every_epoch:
+                    best = self._validate(f"epoch {epoch + 1}/{epochs}", epoch + 1)
+                    validated_at = self.pos.step
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                self.pos.next_epoch()
+                if self.saving.due_at_epoch_end(best):
+                    self.saving.save()
+                if self.monitor.should_stop:
+                    self.ending.early_stop(self.monitor, self.pos.step)
+        return validated_at
+
+    def _finish(self, validated_at: int, epochs: int) -> None:
+        """The end: a last validation where there was none at this step, the last checkpoint, the test."""
+        stopped = self.ending.stopped_by
+        if validated_at != self.pos.step and not stopped:
+            # Ended mid-epoch (max_steps, the time budget), or no validation per epoch: validate the end.
+            if self.pos.batch:
+                self.train_loss = self.pos.epoch_loss()
+            where = f"epoch {self.pos.epoch + 1}/{epochs}, batch {self.pos.batch}" if self.pos.batch else "end"
+            self._validate(where, self.pos.epoch)
+        saves_at_end = self.saving.on or self.ending.to_be_continued  # a run that stops to be continued too
+        if saves_at_end:
+            self.saving.save()  # the last state (and best.pt)
+        self.saving.finish()
+        if not stopped:  # a signal asks for a quick exit: the test waits for the resumed run's end
+            self.validation.test(self.pos.step, self.pos.epoch, self.saving.published if saves_at_end else None)
+        self.ranks = per_rank(self.timer.gather(self.device))
+        self.straggler = straggler(self.ranks)
+        if self.straggler:
+            log.warning("straggler: %s", self.straggler["message"])
+
+    # --- an epoch's batches ---------------------------------------------------------------------
+    def _epoch_lengths(self) -> tuple[int, int]:
+        """(fewest, most) batches per epoch of any rank. Equal but for data.even_shards=false, where
+        shard lengths differ by up to one sample."""
+        if self.loaders.train_sampler.pad:
+            return self.batches_per_epoch, self.batches_per_epoch
+        counts = torch.tensor([-self.batches_per_epoch, self.batches_per_epoch], device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        return -int(counts[0].item()), int(counts[1].item())
+
+    def _epoch_complete(self) -> bool:
+        """Every rank ran all its batches (not stopped by max_steps or a signal): the same answer everywhere."""
+        done = self.pos.batch >= self.batches_per_epoch
+        if not self.uneven:
+            return done  # every rank ran the same batches
+        flag = torch.tensor([1 if done else 0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _run_epoch(self, epoch: int, max_steps: int) -> None:
+        """One epoch (or its rest, after a resume): optimizer steps of `accumulate` batches each."""
+        sampler = self.loaders.train_sampler
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        sampler.skip(self.pos.batch * self.loaders.batch_size)  # resuming mid-epoch: no batch replayed
+        self.model.train()
+        with self._join():
+            stopped = self._run_batches(max_steps)
+        if not stopped:
+            if self.uneven:
+                self.step.sync_optimizer_state()
+            self._flush()  # also brings ranks that ran out a step early to the global step
+
+    def _join(self) -> contextlib.AbstractContextManager:
+        """Uneven shards: DDP's Join lets a rank that ran out of batches shadow the others' gradient
+        all-reduces (with zeros; the average is over the ranks that still had a batch)."""
+        if self.loaders.train_sampler.pad:
+            return contextlib.nullcontext()
+        return Join([getattr(self.model, "_orig_mod", self.model)], divide_by_initial_world_size=False)
+
+    def _run_batches(self, max_steps: int) -> bool:
+        """The epoch's batches; True when the ranks agreed to stop early."""
+        accumulate = self.accumulate
+        micro_losses: list[torch.Tensor] = []
+        samples = 0
+        self.throughput.start()
+        for x, y in self.timer.batches(self.loaders.train):
+            self.pos.batch += 1
+            # Gradients are all-reduced once per optimizer step, on its last batch.
+            sync = self.pos.batch % accumulate == 0 or self.pos.batch == self.batches_per_epoch
+            group = accumulation_group(self.pos.batch, accumulate, self.batches_per_epoch)
+            micro_losses.append(self.step.run(x, y, sync, group, self.pos.step + 1))
+            samples += y.numel()
+            if not sync:
+                continue
+            loss = micro_losses[0] if len(micro_losses) == 1 else torch.stack(micro_losses).mean()
+            self.throughput.step_done(samples)
+            micro_losses, samples = [], 0
+            self.pos.step += 1
+            self.timer.end_step()
+            if self.profiler is not None:
+                self.profiler.step()
+            self.bar.update()
+            window_full = self.window.add(self.pos.step, loss)
+            if self.pos.step >= max_steps:
+                break
+            if self.pos.batch >= self.common_batches:
+                # The epoch's last batch: the flush, and the checkpoint if due, follow the loop (and
+                # the evaluation, for best.pt). With uneven shards the shortest ranks are out of
+                # batches from here on: no collective of ours until every rank has left the loop.
+                continue
+            if self._report_pending():
+                self._flush()  # the step since: the checkpoint's epoch loss must include it
+                return True
+            if window_full and self.overlap_window:
+                self.window.start(device=self.device, **self.ending.flags())  # read a step later, while the next runs
+            elif window_full and self._flush():
+                return True
+            if self.saving.due_at_step():
+                stop = self._flush()  # the checkpoint's epoch loss must include every step so far
+                self.saving.save()
+                if stop:
+                    return True
+        return False
+
+    # --- the loss window ------------------------------------------------------------------------
+    def _flush(self) -> bool:
+        """Report the window's global losses (and a window started earlier, still pending); True when
+        the ranks agreed to stop (a signal, the time budget)."""
+        stop = self._report_pending()
+        return self._report(*self.window.flush(device=self.device, **self.ending.flags())) or stop
+
+    def _report_pending(self) -> bool:
+        """The window started a step ago, if any, reported; True when the ranks agreed to stop."""
+        return self.window.pending is not None and self._report(*self.window.collect())
+
+    def _report(self, steps: list[int], losses: list[float], stop: bool, time_up: bool) -> bool:
+        """Log a window's global losses, act on its flags; True when the ranks agreed to stop."""
+        self.reporter.series("train/loss", steps, losses)
+        norm_steps, norms = self.step.take_grad_norms()
+        if norm_steps:
+            self.reporter.series("train/grad_norm", norm_steps, norms)
+        self.pos.epoch_loss_sum += sum(losses)
+        self.pos.epoch_loss_count += len(losses)
+        if losses:
+            self.bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+            self.pos.step = max(self.pos.step, steps[-1])  # a rank that ran out of batches a step early catches up
+        if not all(math.isfinite(loss) for loss in losses):  # global values: every rank stops here
+            bad = next(step for step, loss in zip(steps, losses) if not math.isfinite(loss))
+            self.saving.diverged(f"the loss is {losses[steps.index(bad)]} at step {bad}")
+        return self.ending.agree(stop, time_up, self.pos.step)
+
+    # --- validation and results -----------------------------------------------------------------
+    def _validate(self, where: str, epoch: int) -> bool:
+        """Validation (when there is a split for it) and the monitored metric; True: the best weights so far."""
+        metrics = self.validation.validate(self.train_loss)
+        scalars = {"train/epoch_loss": self.train_loss, "train/lr": self.step.optimizer.param_groups[0]["lr"],
+                   "perf/samples_per_sec": self.throughput.samples_per_sec()}
+        if "val_loss" in metrics:
+            scalars.update({"val/loss": metrics["val_loss"], "val/accuracy": metrics["val_accuracy"]})
+        epoch_ranks = per_rank(self.timer.gather(self.device, since_last=True))  # every rank's, this epoch
+        if self.timer.reported_steps:
+            for row in epoch_ranks:
+                scalars.update({f"perf/rank{row['rank']}/{k[:-6]}": v for k, v in row.items() if k.endswith("_share")})
+        self.reporter.scalars(scalars, self.pos.step)
+        best = self.validation.record(metrics, self.pos.step, epoch)
+        shown = f"  val loss {metrics['val_loss']:.4f}  val accuracy {metrics['val_accuracy']:.4f}" \
+            if "val_loss" in metrics else ""
+        log.info("%s  step %d  train loss %.4f%s%s", where, self.pos.step, self.train_loss, shown,
+                 f"  (best {self.monitor.metric})" if best else "")
+        return best
+
+    def _results(self, epochs: int) -> dict[str, Any]:
+        monitor, selected = self.monitor, self.validation.selected()
+        max_steps = self.settings.max_steps
+        return {
+            "epochs": epochs,
+            "steps": self.pos.step,
+            "train_loss": self.train_loss,
+            # The selected weights' validation (the best by the monitor, else the last validation).
+            "val_loss": selected.get("val_loss"),
+            "val_accuracy": selected.get("val_accuracy"),
+            "val_samples": selected.get("val_samples"),
+            **self.validation.test_metrics,
+            "tested": self.validation.tested,
+            "test_passes": self.loaders.test.passes,
+            "monitor": {"metric": monitor.metric, "mode": monitor.mode, "best": monitor.best,
+                        "best_step": monitor.best_step, "best_epoch": monitor.best_epoch},
+            "objective": monitor.best,  # what train.py returns to a sweeper
+            "history": self.validation.history,
+            **self.throughput.results(),
+            **self.overheads.results(),  # rank 0's
+            "ranks": self.ranks,  # seconds per step by phase, per rank (timing.py)
+            "straggler": self.straggler,
+            "first_step_at": self.throughput.first_step_at,
+            "stopped_by": self.ending.stopped_by,
+            "ended_by": self.ending.ended_by or ("max_steps" if max_steps and self.pos.step >= max_steps else "epochs"),
+        }

@@ -1,0 +1,82 @@
+"""Validation during training (the monitored metric, the best weights kept aside) and the test's
+one reading at the end, on the selected weights: exact evaluations, as the strategy sums them."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from hydra_ddp.data import Loaders
+from hydra_ddp.evaluation import evaluate
+from hydra_ddp.monitor import Monitor
+from hydra_ddp.reporting import Reporter
+from hydra_ddp.training.throughput import Overheads
+
+log = logging.getLogger(__name__)
+
+
+class Validation:
+    """The evaluations of one training run, and what they selected."""
+
+    def __init__(self, strategy: Any, loaders: Loaders, device: torch.device, memory_format: torch.memory_format,
+                 monitor: Monitor, reporter: Reporter, overheads: Overheads):
+        self.strategy, self.loaders, self.device, self.memory_format = strategy, loaders, device, memory_format
+        self.monitor, self.reporter, self.overheads = monitor, reporter, overheads
+        self.best_weights: Optional[dict[str, torch.Tensor]] = None  # a copy, on the CPU, while not the current ones
+        self.last: dict[str, Any] = {}  # the last validation's metrics
+        self.history: list[dict[str, Any]] = []  # every validation of this run
+        self.test_metrics: dict[str, Any] = {}
+        self.tested: Optional[dict[str, Any]] = None  # which weights the test used
+
+    def evaluate(self, split: Any, name: str) -> dict[str, Any]:
+        """Exact evaluation of one split, as this strategy needs it run and added up."""
+        with self.overheads.timed("eval_time_s"):
+            return evaluate(self.strategy.eval_module, split, self.device, name, self.memory_format,
+                            lockstep=self.strategy.lockstep_eval, **self.strategy.eval_reduction())
+
+    def validate(self, train_loss: float) -> dict[str, Any]:
+        """The validation split's metrics (none without one), with the epoch's training loss."""
+        metrics: dict[str, Any] = {"train_loss": train_loss}
+        if self.loaders.val is not None:
+            metrics.update(self.evaluate(self.loaders.val, "val"))
+        self.last = metrics
+        return metrics
+
+    def record(self, metrics: dict[str, Any], step: int, epoch: int) -> bool:
+        """A validation's metrics into the monitor and the history; True: the best weights so far."""
+        best = self.monitor.update(metrics, step, epoch)
+        self.history.append({"epoch": epoch, "step": step, **metrics, "best": best})
+        if best:  # kept aside (on the CPU) for the test, in case later epochs do worse
+            # FSDP: gathered to rank 0 (the others keep an empty dict, and receive them from rank 0).
+            self.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in self.strategy.model_state().items()}
+        return best
+
+    def selected(self) -> dict[str, Any]:
+        """The selected weights' validation: the best by the monitor, else the last validation."""
+        return next((h for h in self.history if h["step"] == self.monitor.best_step), self.last)
+
+    def test(self, step: int, epoch: int, checkpoint: Optional[Callable[[str], str]]) -> None:
+        """The test split's one reading, on the selected weights: the best by trainer.monitor, else the
+        last. `checkpoint`: the path a checkpoint of those weights is published at (None: none saved)."""
+        monitor = self.monitor
+        weights, tested_step = "last", step
+        if monitor.best_step is not None:
+            if monitor.best_step == step:
+                weights = "best"
+            elif self.best_weights is not None:
+                self.strategy.load_model_state(self.best_weights, everywhere=False)  # training is over
+                weights, tested_step = "best", monitor.best_step
+        self.test_metrics = self.evaluate(self.loaders.test, "test")
+        self.tested = {
+            "weights": weights, "step": tested_step,
+            "epoch": monitor.best_epoch if weights == "best" else epoch,
+            "checkpoint": checkpoint(weights) if checkpoint else None,
+            "monitor": monitor.metric, "monitor_value": monitor.best if weights == "best" else None,
+        }
+        self.reporter.scalars({"test/loss": self.test_metrics["test_loss"],
+                               "test/accuracy": self.test_metrics["test_accuracy"]}, step)
+        log.info("test (once, on the %s weights: step %d%s)  test loss %.4f  test accuracy %.4f", weights,
+                 tested_step, f", {monitor.metric} {monitor.best:.4f}" if weights == "best" else "",
+                 self.test_metrics["test_loss"], self.test_metrics["test_accuracy"])

@@ -1,0 +1,131 @@
+"""Config resolution and checks as pure functions: each bad setting of a composed config fails in
+one line naming the key, with no process started: one composition, then plain dicts."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from support import REPO
+from hydra_ddp import validate
+from hydra_ddp.config import register_schema
+from hydra_ddp.errors import UserError
+from hydra_ddp.parallel import plans
+
+register_schema()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> dict[str, Any]:
+    """The default config, filled in (device, world size, backend, batch sizes), once."""
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose(config_name="config")
+    return validate.fill_in(cfg, tmp_path_factory.mktemp("run"), None)
+
+
+def setting(path: str, value: Any) -> Callable[[dict], None]:
+    def apply(plain: dict) -> None:
+        *parents, key = path.split(".")
+        node = plain
+        for part in parents:
+            node = node[part]
+        node[key] = value
+    apply.__name__ = f"{path}={value!r}"
+    return apply
+
+
+def both(*changes: Callable[[dict], None]) -> Callable[[dict], None]:
+    def apply(plain: dict) -> None:
+        for change in changes:
+            change(plain)
+    apply.__name__ = " ".join(change.__name__ for change in changes)
+    return apply
+
+
+BAD = [
+    (setting("trainer.precision", "8"), "trainer.precision must be 32, bf16 or 16"),
+    (setting("trainer.precision", "16"), "trainer.precision=16 needs a GPU"),
+    (setting("trainer.channels_last", "yes"), "trainer.channels_last='yes': expected true, false or auto"),
+    (setting("ddp.static_graph", 2), "ddp.static_graph=2: expected true, false or auto"),
+    (setting("ddp.comm_hook", "int8"), "unknown ddp.comm_hook 'int8'"),
+    (both(setting("ddp.comm_hook", "fp16"), setting("data.even_shards", False)), "does not combine with data.even_shards=false"),
+    (both(setting("ddp.comm_hook", "powersgd"), setting("ddp.powersgd.rank", 0)), "ddp.powersgd.rank must be 1 or more"),
+    (both(setting("ddp.static_graph", True), setting("trainer.accumulate", 2)), "ddp.static_graph=true does not combine"),
+    (both(setting("ddp.shared_memory", True), setting("ddp.comm_hook", "bf16")), "ddp.shared_memory=true does not combine"),
+    (setting("ddp.sync_batchnorm", "maybe"), "ddp.sync_batchnorm: expected true, false or auto"),
+    (setting("ddp.sync_batchnorm", True), "ddp.sync_batchnorm=true needs GPUs"),
+    (setting("trainer.epochs", 0), "trainer.epochs must be at least 1"),
+    (setting("trainer.log_every", 0), "trainer.log_every must be at least 1"),
+    (setting("trainer.accumulate", 0), "trainer.accumulate must be at least 1"),
+    (setting("trainer.max_steps", -3), "trainer.max_steps must be at least 1"),
+    (setting("checkpoint.keep", 0), "checkpoint.keep must be at least 1"),
+    (setting("checkpoint.every_n_steps", 0), "checkpoint.every_n_steps must be at least 1"),
+    (setting("trainer.early_stopping.patience", 0), "trainer.early_stopping.patience must be at least 1"),
+    (both(setting("trainer.early_stopping.patience", 2), setting("trainer.monitor", None)), "needs a monitored metric"),
+    (both(setting("trainer.early_stopping.patience", 2), setting("trainer.eval_every_epoch", False)), "needs a validation every epoch"),
+    (setting("trainer.early_stopping.min_delta", -1.0), "min_delta must be 0 or more"),
+    (setting("trainer.grad_clip", 0.0), "trainer.grad_clip must be positive"),
+    (both(setting("data.even_shards", False), setting("trainer.accumulate", 2)), "data.even_shards=false does not combine with trainer.accumulate"),
+    (both(setting("data.even_shards", False), setting("trainer.compile", True)), "data.even_shards=false does not combine with trainer.compile"),
+    (setting("model._target_", "hydra_ddp.models.Nope"), "model._target_='hydra_ddp.models.Nope'"),
+    (setting("model.no_such_argument", 3), "unexpected keyword argument 'no_such_argument'"),
+    (setting("optim._target_", "nowhere.at_all.SGD"), "optim._target_='nowhere.at_all.SGD': cannot import"),
+    (setting("optim", {"lr": 0.1}), "optim needs a _target_"),
+    (setting("strategy.name", "zero3"), "unknown strategy 'zero3'"),
+    (setting("strategy.mixed_precision", "fp8"), "strategy.mixed_precision must be null, bf16 or fp16"),
+    (both(setting("strategy.name", "fsdp"), setting("ddp.comm_hook", "fp16")), "strategy=fsdp: ddp.comm_hook=fp16 is DDP's"),
+    (both(setting("strategy.name", "fsdp"), setting("data.even_shards", False)), "strategy=fsdp: data.even_shards=false needs DDP's Join"),
+    (both(setting("strategy.name", "fsdp"), setting("trainer.compile", True)), "strategy=fsdp: trainer.compile=true"),
+    (both(setting("strategy.name", "fsdp"), setting("trainer.channels_last", True)), "strategy=fsdp: trainer.channels_last=true"),
+    (both(setting("strategy.name", "fsdp"), setting("strategy.cpu_offload", True)), "strategy=fsdp: strategy.cpu_offload=true"),
+    (both(setting("strategy.name", "fsdp"), setting("strategy.mixed_precision", "fp16")), "strategy=fsdp: strategy.mixed_precision=fp16"),
+    (both(setting("strategy.name", "fsdp"), setting("trainer.precision", "16")), "strategy=fsdp: trainer.precision=16"),
+    (setting("strategy.name", "tp"), "strategy=tp needs a model with a tensor-parallel plan"),
+    (both(setting("launcher.nnodes", 2), setting("init_method.name", "tcp")), "across nodes the ranks meet through torchrun"),
+    (both(setting("init_method.name", "file"), setting("launcher.max_restarts", 2)), "cannot reuse a file:// store"),
+]
+
+
+@pytest.mark.parametrize("change, message", BAD, ids=[change.__name__ for change, _ in BAD])
+def test_a_bad_setting_is_one_line_naming_it(base: dict, tmp_path: Path, change, message: str):
+    plain = copy.deepcopy(base)
+    change(plain)
+    with pytest.raises(UserError) as error:
+        validate.check(plain, tmp_path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_default_config_passes_every_check(base: dict, tmp_path: Path):
+    validate.check(copy.deepcopy(base), tmp_path)
+
+
+@pytest.mark.parametrize("name, world, tp_size, replicas, tp", [
+    ("ddp", 8, 2, 8, 1), ("fsdp", 8, 2, 8, 1), ("tp", 8, 2, 1, 8), ("fsdp_tp", 8, 2, 4, 2), ("fsdp_tp", 6, 3, 2, 3),
+])
+def test_each_plan_says_how_many_replicas_it_makes(name, world, tp_size, replicas, tp):
+    chosen = plans.plan(name)
+    assert chosen.replicas({"tp_size": tp_size}, world) == replicas
+    assert chosen.tp_size({"tp_size": tp_size}, world) == tp
+
+
+def test_a_tp_size_that_does_not_divide_the_world_is_refused():
+    with pytest.raises(UserError, match="strategy.tp_size=3 does not divide the world size 8"):
+        plans.plan("fsdp_tp").replicas({"tp_size": 3}, 8)
+
+
+@pytest.mark.parametrize("name, device, expected", [("ddp", "cuda", True), ("ddp", "cpu", False),
+                                                    ("fsdp", "cuda", False), ("tp", "cuda", False)])
+def test_sync_batchnorm_auto_is_the_plans_to_settle(name, device, expected):
+    assert plans.plan(name).sync_batchnorm("auto", device) is expected
+    assert plans.plan(name).sync_batchnorm(False, device) is False
+
+
+def test_only_ddp_refuses_nothing_that_ddp_does(base: dict):
+    plain = copy.deepcopy(base)
+    plain["ddp"]["comm_hook"] = "fp16"
+    assert not any(refused for refused, _ in plans.plan("ddp").refusals(plain))
+    assert any(refused for refused, _ in plans.plan("fsdp").refusals(plain))

@@ -1,0 +1,96 @@
+"""The training loop's collaborators as plain objects: position, stop protocol, overheads and
+throughput bookkeeping (no process group)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from hydra_ddp.training.position import Position
+from hydra_ddp.training.step import accumulation_group
+from hydra_ddp.training.stop import Ending, StopRequest
+from hydra_ddp.training.throughput import WARMUP_STEPS, Overheads, Throughput
+
+
+def test_a_position_moves_to_the_next_epoch_in_place_and_round_trips_a_checkpoint():
+    pos = Position(epoch=2, batch=7, step=40, epoch_loss_sum=3.0, epoch_loss_count=4)
+    held = pos  # a collaborator's reference
+    assert pos.epoch_loss() == 0.75
+    pos.next_epoch()
+    assert held is pos and (pos.epoch, pos.batch, pos.step, pos.epoch_loss_count) == (3, 0, 40, 0)
+    saved = Position(epoch=5, batch=1, step=99, epoch_loss_sum=1.5, epoch_loss_count=1).state()
+    pos.load(saved)
+    assert held.state() == saved
+    with pytest.raises(TypeError):
+        pos.load({**saved, "unknown": 1})  # a checkpoint's position has exactly these fields
+
+
+@pytest.mark.parametrize("batches, accumulate, groups", [
+    (10, 4, [4, 4, 4, 4, 4, 4, 4, 4, 2, 2]), (8, 4, [4] * 8), (3, 1, [1, 1, 1]), (2, 4, [2, 2]),
+])
+def test_each_batch_knows_the_size_of_its_accumulation_group(batches, accumulate, groups):
+    assert [accumulation_group(b, accumulate, batches) for b in range(1, batches + 1)] == groups
+
+
+def test_the_ending_sends_this_ranks_flags_and_settles_what_the_ranks_agreed():
+    request = StopRequest()
+    ending = Ending(request, max_time=None, started_at=time.time())
+    assert ending.flags() == {"stop": False, "out_of_time": False} and not ending.now
+    assert ending.agree(stop=False, time_up=False, step=3) is False
+    request.signum = signal.SIGTERM
+    assert ending.flags()["stop"]
+    assert ending.agree(stop=True, time_up=True, step=4) is True
+    assert ending.stopped_by == "SIGTERM" and ending.ended_by is None and ending.to_be_continued
+
+
+def test_a_signal_to_another_rank_stops_this_one_too_and_the_budget_ends_the_run():
+    ending = Ending(StopRequest(), max_time=0.001, started_at=time.time() - 1)
+    assert ending.flags()["out_of_time"]
+    assert ending.agree(stop=False, time_up=True, step=9)
+    assert ending.ended_by == "max_time" and ending.to_be_continued and ending.now
+    other = Ending(StopRequest(), max_time=None, started_at=0.0)
+    other.agree(stop=True, time_up=False, step=1)
+    assert other.stopped_by == "a signal to another rank"
+
+
+def test_early_stopping_does_not_replace_an_earlier_ending():
+    class Stale:
+        metric, min_delta, stale, best, best_step = "val/loss", 0.0, 2, 0.5, 3
+
+    ending = Ending(StopRequest(), max_time=1.0, started_at=0.0)
+    ending.agree(stop=False, time_up=True, step=5)
+    ending.early_stop(Stale(), step=6)
+    assert ending.ended_by == "max_time"
+    fresh = Ending(StopRequest(), max_time=None, started_at=0.0)
+    fresh.early_stop(Stale(), step=6)
+    assert fresh.ended_by == "early_stopping" and not fresh.to_be_continued
+
+
+def test_overheads_count_each_save_and_its_stall():
+    overheads = Overheads()
+    for _ in range(3):
+        with overheads.saving():
+            pass
+    with overheads.timed("eval_time_s"):
+        pass
+    results = overheads.results()
+    assert results["checkpoints"] == 3 and len(overheads.save_stalls) == 3
+    assert results["checkpoint_time_s"] == pytest.approx(sum(overheads.save_stalls))
+    assert results["checkpoint_stall_s"] is not None and results["eval_time_s"] >= 0
+    with pytest.raises(RuntimeError):
+        with overheads.saving():
+            raise RuntimeError("a failed save")
+    assert overheads.checkpoints == 3  # a failed save is not counted
+
+
+def test_throughput_counts_every_replica_and_leaves_out_the_warm_up():
+    throughput = Throughput(replicas=4)
+    throughput.step_times = [1.0] * 5 + [0.5] * 95
+    throughput.step_samples = [8] * 100
+    results = throughput.results()
+    assert results["samples_per_sec"] == pytest.approx(800 * 4 / (5 + 47.5))
+    assert WARMUP_STEPS == 10  # 10 of 100 steps left out: the 5 slow ones and 5 more
+    assert results["steady_samples_per_sec"] == pytest.approx(90 * 8 * 4 / (90 * 0.5))
+    assert results["median_step_time_s"] == 0.5 and results["train_time_s"] == pytest.approx(52.5)
