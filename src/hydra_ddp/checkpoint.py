@@ -457,7 +457,7 @@ class _Writer:
     """Rank 0's background writer: one daemon thread that runs one write at a time.
 
     Started once, not once per save: starting a thread waits until the new thread runs, and with
-    every core training that took 0.3–7 ms (2.7 ms on average, measured here) of each save's stall.
+    every core training that took milliseconds of each save's stall.
     A daemon, as a hung write (a stalled network file system) must not keep the process alive.
     """
 

@@ -266,7 +266,7 @@ def register_schema(main_module: str = "__main__") -> None:
     `main_module`: the calling script's __name__. Every worker multiprocessing starts runs the
     script again, as __mp_main__, to find its main module; a worker composes nothing, and a joblib
     job's is given its parent's ConfigStore (Hydra's Singleton state), so there only the resolvers
-    are made: building the schema took 20-30 ms, in every worker before its first step."""
+    are made: building the schema would cost every worker time before its first step."""
     if main_module != "__mp_main__":
         ConfigStore.instance().store(name="schema", node=Config)
         ConfigStore.instance().store(name="eval_schema", node=EvalConfig)

@@ -48,7 +48,7 @@ def _standardize(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor,
 @functools.cache  # read once a process (train.py --check reads it for every config it checks)
 def _load_digits() -> tuple[np.ndarray, np.ndarray]:
     """The digits' (images, labels), read from the file scikit-learn ships: importing
-    sklearn.datasets to read it would cost each worker about 1.8 s of start-up (measured)."""
+    sklearn.datasets to read it would cost each worker seconds of start-up."""
     spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
     path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" if spec else None
     if path is None or not path.is_file():  # another layout: let scikit-learn find it

@@ -27,7 +27,7 @@ from typing import Any, Callable, NoReturn, Optional
 import torch.multiprocessing as mp
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from hydra_ddp import distributed, evaluation, reporting, scaling, startup, validate, worker
 from hydra_ddp.signals import STOP_SIGNALS
@@ -60,8 +60,8 @@ def exit_after(entry: Callable[[], Any]) -> NoReturn:
     """Run train.py's entry point, then end the process without the interpreter's teardown.
 
     Exit handlers run and other threads are waited for, as at any exit; what is skipped is freeing
-    torch's thousands of modules and objects one by one, which took 1.3 s after `import torch`
-    alone (measured here), at the end of every command, with every output already closed.
+    torch's thousands of modules and objects one by one, which takes seconds after `import torch`
+    alone, at the end of every command, with every output already closed.
     """
     try:
         entry()

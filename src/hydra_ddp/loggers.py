@@ -49,7 +49,7 @@ class TensorBoard(Logger):
 
     @classmethod
     def preload(cls) -> None:
-        import torch.utils.tensorboard  # noqa: F401  (70 ms on this machine, after torch)
+        import torch.utils.tensorboard  # noqa: F401  (its import is the slow part of a logger's start)
 
     def __init__(self, run_dir: Path, run_config: dict[str, Any], resume_step: Optional[int] = None):
         from torch.utils.tensorboard import SummaryWriter

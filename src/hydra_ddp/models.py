@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 
 class MnistCNN(nn.Module):
-    """The seeds' MNIST CNN: conv 1→20 k5, conv 20→50 k5, fc 800→500, fc 500→10 (at 28×28)."""
+    """The classic MNIST CNN of PyTorch's first examples (LeNet's shape): conv 1→20 k5, conv 20→50 k5, fc 800→500, fc 500→10 (at 28×28)."""
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 28):
         super().__init__()

@@ -27,7 +27,7 @@ def choose(cfg: Any, model: nn.Module, backend: str, device: torch.device, world
     """The value of each setting for this run: the configured one, or what `auto` picks here.
 
     - channels_last, for models with 2-D convolutions: their kernels run faster on NHWC memory
-      (1.25–1.31× samples/s for the CNN on the CPU, measured); the sums change order, within
+      (bench/results/REPORT.md); the sums change order, within
       float tolerance. Other models gain nothing from it.
     - gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, not copied in and out
       of them; bit-identical results, less memory.
@@ -36,8 +36,8 @@ def choose(cfg: Any, model: nn.Module, backend: str, device: torch.device, world
       gradient accumulation (DDP's reducer asserts on a no_sync step in a static graph), uneven
       shards (Join stands in for ranks that ran out) and torch.compile (not tested with it).
     - shared_memory: the gradient all-reduce through a shared segment instead of gloo's loopback
-      TCP, where every rank is a CPU process on this host (shared_memory.py): 1.06–1.35× samples/s
-      for the CNN at 2 ranks, measured; bit-identical at 2 ranks, the sums in another order (within
+      TCP, where every rank is a CPU process on this host (shared_memory.py; bench/results/REPORT.md);
+      bit-identical at 2 ranks, the sums in another order (within
       float tolerance) at more. Not with a comm hook (it is one), uneven shards (Join's shadow
       all-reduces bypass hooks) or torch.compile.
     """

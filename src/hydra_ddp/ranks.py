@@ -1,5 +1,5 @@
 """Who am I: the one place rank 0 is decided. No torch here: train.py asks before importing it,
-and nothing that delays the forkserver it starts next (dataclasses and typing: 25 ms, measured)."""
+and nothing that delays the forkserver it starts next (not even dataclasses or typing)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """DDP's gradient all-reduce through shared memory, for CPU ranks on one host (`ddp.shared_memory`).
 
-gloo sends a CPU all-reduce through loopback TCP: for the CNN's 1.7 MB of gradients 1.5 ms with
-the machine idle, and 4–5 ms beside two training ranks (their threads and gloo's wake each other
-through the scheduler), a fifth of the step (measured on 2 cores). Ranks that share a host can
+gloo sends a CPU all-reduce through loopback TCP: beside training ranks its threads and theirs wake
+each other through the scheduler, and the wait is a large share of a small model's step. Ranks that share a host can
 instead meet in one shared segment: each writes its share of the gradients into its own slot, says
 so in its own counter, and once every counter has moved, sums the slots itself. That is two copies
-of the gradients in memory and no socket: 1.13–1.15× samples/s for the CNN at 2 ranks side by side
-in one pair of processes, 1.06–1.35× in bench/results.
+of the gradients in memory and no socket (its speed-up: bench/results/REPORT.md).
 
 - The sum is rank 0's share + rank 1's + … in that order on every rank, each share divided by the
   world size first, as DDP's own all-reduce does: at 2 ranks bit-identical to gloo's (a + b == b + a),

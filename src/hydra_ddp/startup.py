@@ -86,8 +86,7 @@ def frozen_imports() -> Iterator[None]:
     load, then they go to its permanent generation (gc.freeze), out of every later collection.
 
     Importing torch and torch._dynamo creates half a million objects, and the collector's full
-    passes over them while they load took a quarter of the time (2.25 s with, 1.70 s without,
-    medians of 10 alternating runs here). Frozen, a full collection later (as at the end of every
+    passes over them while they load are a large share of the import's time. Frozen, a full collection later (as at the end of every
     run) takes milliseconds, and a worker forked from this process does not copy its pages by
     touching them: Python's documented recipe for processes that fork (gc.freeze). The garbage
     the imports leave is frozen with them, about 7 MB, once per process.
