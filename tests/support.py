@@ -1,12 +1,221 @@
-"""Data the tests make for themselves (nothing is downloaded): files in the formats the project reads."""
+"""The tests' kit: run train.py (and eval.py) as a user would, read back what a run leaves behind
+(its summary, TensorBoard scalars and texts, step losses, metrics.csv, checkpoints), make the data
+the tests need (nothing is downloaded), and compare runs.
+
+Tests import it as `from support import ...`: tests/ has no __init__.py, so pytest's default
+(`prepend`) import mode puts it first on sys.path before importing conftest.py or any test module
+there. conftest.py holds only fixtures, hooks and plugins."""
 
 from __future__ import annotations
 
+import contextlib
+import csv
+import json
+import os
 import pickle
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
+import pytest
 
+REPO = Path(__file__).resolve().parents[1]
+HELPERS = Path(__file__).resolve().parent / "helpers"
+# A short real run: the default data and model, a few steps.
+QUICK = ("trainer.max_steps=8", "trainer.log_every=3")
+
+
+# --- Running train.py and eval.py ------------------------------------------------------------------
+
+def train_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # Test-only models and datasets (tests/helpers) must be importable by every worker.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HELPERS), env.get("PYTHONPATH")]))
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def start_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = (), script: str = "train.py",
+                env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `python train.py OVERRIDES hydra.run.dir=RUN_DIR` (or under a launcher given as prefix;
+    `env`: variables added to the environment).
+
+    It gets a session of its own: the test can find (and on timeout kill) every process it started.
+    """
+    cmd = [*(prefix or (sys.executable,)), str(REPO / script), *overrides, f"hydra.run.dir={run_dir}"]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env={**train_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 150) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"train.py ran past {timeout} s\nstdout:\n{out}\nstderr:\n{err}") from None
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    result.pid = proc.pid  # type: ignore[attr-defined]  # the session id of everything it started
+    return result
+
+
+def run_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = (), timeout: float = 150,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return finish(start_train(run_dir, *overrides, prefix=prefix, env=env), timeout)
+
+
+def run_eval(run_dir: Path, *overrides: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    """`python eval.py OVERRIDES hydra.run.dir=RUN_DIR`."""
+    return finish(start_train(run_dir, *overrides, script="eval.py"), timeout)
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    """Poll until condition() is truthy; fail naming `what` (or the run's output, if it ended)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"run ended (exit {proc.returncode}) before {what}: {proc.communicate()}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def session_processes(sid: int) -> dict[int, str]:
+    """Live processes left in a finished run's session (pid: command line)."""
+    pids = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":  # fields[3]: session id
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                pids[int(entry)] = cmdline
+    return pids
+
+
+def assert_no_orphans(sid: int, grace_s: float = 10.0) -> None:
+    """Nothing a run started outlives it by more than grace_s (a helper such as multiprocessing's
+    resource tracker exits on its own once its parent has gone, a moment later)."""
+    deadline = time.monotonic() + grace_s
+    while (left := session_processes(sid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes left behind: {left}"
+
+
+def free_port() -> int:
+    """A port that was free a moment ago: only for launchers that need a port named in advance
+    (mpirun); train.py's own launches bind port 0 and hold it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- What a run leaves behind ----------------------------------------------------------------------
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def event_files(run_dir: Path) -> list[Path]:
+    return sorted(run_dir.rglob("events.out.tfevents.*"))
+
+
+def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    # The whole folder: a resumed run adds a file, and TensorBoard drops the old one's later steps.
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def step_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """The run's training loss as TensorBoard holds it (tag train/loss): (step, loss) in step order.
+    Compare these where the steps matter too (a resumed run: no step twice, none lost)."""
+    return scalars(run_dir, "train/loss")
+
+
+def losses(run_dir: Path) -> list[float]:
+    """step_losses' values alone: the loss curve, in step order."""
+    return [loss for _, loss in step_losses(run_dir)]
+
+
+def csv_step_losses(run_dir: Path) -> list[tuple[int, str]]:
+    """metrics.csv's training losses: (step, loss as written, unparsed) for the rows that have one."""
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [(int(r["step"]), r["train/loss"]) for r in csv.DictReader(f) if r["train/loss"]]
+
+
+def text(run_dir: Path, tag: str) -> list[str]:
+    """The texts logged under `tag` (SummaryWriter.add_text), in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    return [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(f"{tag}/text_summary")]
+
+
+def final_params(run_dir: Path) -> dict:
+    """The last checkpoint's model weights: a file (ddp), or every rank's shards put together."""
+    from hydra_ddp import checkpoint
+
+    path = checkpoint.find(str(run_dir), "test")
+    path = (run_dir / "checkpoints" / "last").resolve() if path.is_dir() else run_dir / "checkpoints" / "last.pt"
+    return checkpoint.model_weights(path, checkpoint.read(path, "test"))
+
+
+def assert_same_params(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch_equal(a[key], b[key]), key
+
+
+def torch_equal(x, y) -> bool:
+    import torch
+
+    return torch.equal(x, y)
+
+
+# --- Places to run in ------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of `size` (mount's units: 6m) mounted at `where`: a small disk or /dev/shm.
+    Skips the test where mounting is not allowed (needs root and mount(8))."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root and mount(8)")
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+# --- Data the tests make for themselves: files in the formats the project reads --------------------
 
 def write_cifar(root: Path, per_batch: int = 20, identical: bool = False) -> Path:
     """CIFAR-10's python batches (data_batch_1…5, test_batch, batches.meta) under
@@ -24,6 +233,19 @@ def write_cifar(root: Path, per_batch: int = 20, identical: bool = False) -> Pat
     (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [f"class{i}" for i in range(10)]}))
     return root
 
+
+def make_image_folder(root: Path, classes=("cat", "dog"), per_class=5, size=10) -> Path:
+    from PIL import Image
+
+    for c, name in enumerate(classes):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = np.full((size, size, 3), 40 * c + i, dtype=np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{i}.png")
+    return root
+
+
+# --- Comparing runs --------------------------------------------------------------------------------
 
 def relative_gaps(got: list[float], expected: list[float]) -> list[float]:
     """|got - expected| / |expected| step by step, as a running maximum (the gap so far)."""

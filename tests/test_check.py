@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, check_ok, run_train, summary, train_env
+from support import REPO, check_ok, run_train, summary, train_env
 
 CONF = REPO / "conf"
 GROUPS = ("backend", "init_method", "launcher", "strategy", "model", "data", "optim", "scheduler", "logger", "debug",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from conftest import assert_same_params, check_ok, final_params, run_train, scalars, summary
+from support import assert_same_params, check_ok, final_params, losses, run_train, summary
 
 HALF, FULL = 6, 12  # steps, both within the first epoch of digits on 2 ranks
 
@@ -19,9 +19,9 @@ def test_each_hook_trains_sends_half_the_bytes_and_resumes_exactly(tmp_path: Pat
                        "ddp.comm_hook=fp16,bf16,none", "ddp.shared_memory=false", f"hydra.sweep.dir={sweep}"))
     for job, hook in enumerate(("fp16", "bf16", "none")):
         run_dir = sweep / str(job)
-        losses = [v for _, v in scalars(run_dir, "train/loss")]
-        assert len(losses) == FULL and all(math.isfinite(v) for v in losses), (hook, losses)
-        assert losses[-1] < losses[0], (hook, losses)  # it learns
+        curve = losses(run_dir)
+        assert len(curve) == FULL and all(math.isfinite(v) for v in curve), (hook, curve)
+        assert curve[-1] < curve[0], (hook, curve)  # it learns
         s = summary(run_dir)
         assert s["comm_hook"] == hook
         sent[hook] = s["allreduce_bytes_per_step"]
@@ -47,8 +47,8 @@ def test_powersgd_sends_low_rank_gradients_and_resumes_exactly(tmp_path: Path):
     hook = ("ddp.comm_hook=powersgd", "ddp.powersgd.start_step=4", "ddp.bucket_cap_mb=0.5", "trainer.log_every=2")
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     check_ok(run_train(full, *hook, f"trainer.max_steps={FULL}"))
-    losses = [v for _, v in scalars(full, "train/loss")]
-    assert len(losses) == FULL and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    curve = losses(full)
+    assert len(curve) == FULL and all(math.isfinite(v) for v in curve) and curve[-1] < curve[0], curve
 
     # Rank 1, as counted on the tensors the hook handed to gloo in the last step: each weight matrix
     # as P and Q, (rows + columns) numbers, the vectors whole, 4 bytes each.

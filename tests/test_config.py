@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from conftest import REPO, train_env
+from support import REPO, train_env
 from hydra_ddp import validate
 from hydra_ddp.config import register_schema
 from hydra_ddp.distributed import RankInfo

@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 from hydra_ddp import data
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
+from support import make_image_folder
 
 
 def test_digits_are_28x28_standardised_and_split():
@@ -68,17 +69,6 @@ def test_mnist_reads_idx_files(tmp_path: Path):
     assert (len(train), len(test)) == (12, 5)
     x, y = train[0]
     assert x.shape == (1, 28, 28) and 0 <= y <= 9
-
-
-def make_image_folder(root: Path, classes=("cat", "dog"), per_class=5, size=10) -> Path:
-    from PIL import Image
-
-    for c, name in enumerate(classes):
-        (root / name).mkdir(parents=True)
-        for i in range(per_class):
-            pixels = np.full((size, size, 3), 40 * c + i, dtype=np.uint8)
-            Image.fromarray(pixels).save(root / name / f"{i}.png")
-    return root
 
 
 def test_image_folder_splits_a_folder_of_pngs(tmp_path: Path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import os
 import random
 import signal
@@ -11,21 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (
-    QUICK, assert_no_orphans, assert_same_params, check_ok, final_params, finish, run_train, scalars,
-    session_processes, start_train, summary, tmpfs, wait_for,
+from support import (
+    QUICK, assert_no_orphans, assert_same_params, check_ok, csv_step_losses, final_params, finish,
+    make_image_folder, run_train, session_processes, start_train, step_losses, summary, tmpfs, wait_for,
 )
 
 HALF, FULL = 15, 30  # steps; an epoch of digits on 2 ranks is 21 steps: both stops fall mid-epoch
-
-
-def losses(run_dir: Path) -> list[tuple[int, float]]:
-    return scalars(run_dir, "train/loss")
-
-
-def csv_losses(run_dir: Path) -> list[tuple[int, str]]:
-    with open(run_dir / "metrics.csv", newline="") as f:
-        return [(int(r["step"]), r["train/loss"]) for r in csv.DictReader(f) if r["train/loss"]]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +32,8 @@ def test_stop_and_resume_mid_epoch_is_bit_identical(straight: Path, run_dir: Pat
     check_ok(run_train(run_dir, f"trainer.max_steps={FULL}", "trainer.resume=auto"))
     s = summary(run_dir)
     assert s["steps"] == FULL and s["resumed_from"].endswith(f"step-{HALF:08d}.pt")
-    assert losses(run_dir) == losses(straight)
-    assert csv_losses(run_dir) == csv_losses(straight)  # metrics.csv continues too: no step twice, none lost
+    assert step_losses(run_dir) == step_losses(straight)
+    assert csv_step_losses(run_dir) == csv_step_losses(straight)  # metrics.csv continues too: no step twice, none lost
     assert_same_params(final_params(run_dir), final_params(straight))
 
 
@@ -89,7 +79,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_continues_exactly(
 
     check_ok(run_train(run_dir, f"launcher={launcher}", f"trainer.max_steps={FULL}", "trainer.resume=auto"))
     assert summary(run_dir)["steps"] == FULL
-    assert losses(run_dir) == losses(straight)
+    assert step_losses(run_dir) == step_losses(straight)
     assert_same_params(final_params(run_dir), final_params(straight))
 
 
@@ -217,8 +207,6 @@ def _listening_addresses(pids: set[int]) -> set[str]:
 
 def test_dataset_that_does_not_divide_does_not_hang(tmp_path: Path, run_dir: Path):
     """9 training images, 2 ranks, batch 4: the train sampler pads, so both ranks run 2 batches an epoch."""
-    from test_data import make_image_folder
-
     root = make_image_folder(tmp_path / "images", classes=("a", "b"), per_class=6)
     proc = run_train(run_dir, "data=imagefolder", f"data.dataset.root={root}", "data.num_classes=2",
                      "data.image_size=16", "data.dataset.test_fraction=0.25", "data.batch_size=4",
@@ -272,7 +260,7 @@ def test_chaos_kills_under_torchrun_restarts_finish_bit_identical(tmp_path: Path
     s = summary(chaotic)
     assert s["steps"] == CHAOS_STEPS and s["resumed_from"], plan  # the last attempt continued from a checkpoint
     assert_same_params(final_params(chaotic), final_params(straight))  # plan printed above
-    assert losses(chaotic) == losses(straight), plan  # every step's loss once, as if uninterrupted
+    assert step_losses(chaotic) == step_losses(straight), plan  # every step's loss once, as if uninterrupted
     assert_no_orphans(proc.pid)
 
 

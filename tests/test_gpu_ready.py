@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, QUICK, check_ok, run_train, summary
+from support import REPO, QUICK, check_ok, run_train, summary
 from hydra_ddp import distributed, ranks, training, validate, worker
 from hydra_ddp.config import register_schema
 from hydra_ddp.errors import UserError

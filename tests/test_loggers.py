@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from conftest import event_files, scalars
+from support import event_files, scalars
 from hydra_ddp.loggers import TensorBoard
 
 

@@ -10,13 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, check_ok, final_params, run_train, scalars, summary, train_env
+from support import REPO, check_ok, final_params, losses, run_train, summary, train_env
 
 STEPS = ("trainer.max_steps=6", "trainer.log_every=2")
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [v for _, v in scalars(run_dir, "train/loss")]
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,7 @@ import sys
 import termios
 from pathlib import Path
 
-from conftest import REPO, check_ok, run_train, summary, train_env
-from support import write_cifar
+from support import REPO, check_ok, run_train, summary, train_env, write_cifar
 
 
 def test_overfit_preset_drives_its_fixed_batches_to_zero_loss(run_dir: Path):

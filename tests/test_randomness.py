@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_same_params, check_ok, final_params, finish, run_train, scalars, start_train, summary
-from support import write_cifar
+from support import (
+    assert_same_params, check_ok, final_params, finish, losses, run_train, start_train, summary, write_cifar,
+)
 
 PER_FILE = 64  # 5 training files: 320 images, 288 after validation's tenth; 9 steps of 32 an epoch
 
@@ -41,7 +42,7 @@ def test_augmented_training_is_the_same_at_any_world_size_and_resumes_exactly_mi
     common = (*augmented(root), "data.global_batch_size=32", "trainer.max_steps=12")
     sweep = tmp_path / "sweep"
     check_ok(run_train(tmp_path / "unused", "-m", *common, "trainer.nproc=1,2", f"hydra.sweep.dir={sweep}", timeout=300))
-    one, two = ([v for _, v in scalars(sweep / job, "train/loss")] for job in ("0", "1"))
+    one, two = (losses(sweep / job) for job in ("0", "1"))
     assert len(one) == len(two) == 12
     # Global batch b is the same samples with the same crops and flips at either world size: only the
     # float summation order differs.
@@ -56,5 +57,5 @@ def test_augmented_training_is_the_same_at_any_world_size_and_resumes_exactly_mi
     assert 5 <= steps < 9, steps  # mid-epoch
     check_ok(run_train(stopped, *common, "trainer.resume=auto"))
     assert summary(stopped)["steps"] == 12
-    assert [v for _, v in scalars(stopped, "train/loss")] == two
+    assert losses(stopped) == two
     assert_same_params(final_params(stopped), final_params(sweep / "1"))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import QUICK, REPO, check_ok, run_train, summary, train_env
+from support import QUICK, REPO, check_ok, finish, free_port, run_train, start_train, step_losses, summary, train_env
 
 
 def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_runs(tmp_path: Path):
@@ -111,8 +111,6 @@ class TwoHosts:
 def test_two_nodes_in_network_namespaces_match_one_node(tmp_path: Path):
     import os
 
-    from conftest import finish, scalars, start_train
-
     if os.geteuid() != 0:
         pytest.skip("creating network namespaces needs root")
     single = tmp_path / "single"
@@ -138,13 +136,11 @@ def test_two_nodes_in_network_namespaces_match_one_node(tmp_path: Path):
     other = ({tmp_path / "node0", tmp_path / "node1"} - set(owners)).pop()
     assert not (other / "tensorboard").exists() and not (other / "checkpoints").exists()
     assert summary(owners[0])["world_size"] == 2 and summary(owners[0])["nnodes"] == 2
-    assert scalars(owners[0], "train/loss") == scalars(single, "train/loss")
+    assert step_losses(owners[0]) == step_losses(single)
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (apt-get install openmpi-bin)")
 def test_mpirun_starts_the_workers(run_dir: Path):
-    from conftest import free_port
-
     prefix = ("mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", sys.executable)
     proc = run_train(run_dir, *QUICK, "backend=gloo", f"init_method.port={free_port()}", prefix=prefix)
     check_ok(proc)

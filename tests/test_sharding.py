@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import check_ok, run_train, scalars, summary
-from support import assert_within_float_noise
+from support import assert_within_float_noise, check_ok, losses, run_train, summary
 
 TRAIN, BATCH, EPOCHS = 65, 8, 2  # 2 ranks: shards of 33 and 32 samples, 5 and 4 batches
 
@@ -71,18 +70,18 @@ def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Pa
     noise = tmp_path / "noise"
     check_ok(run_train(tmp_path / "unused", "-m", *common, "trainer.nproc=1", "trainer.threads=2",
                        "trainer.channels_last=true,false", f"hydra.sweep.dir={noise}", timeout=300))
-    losses = {}
+    curves = {}
     for job, world in enumerate((1, 2, 4)):
         s = summary(sweep / str(job))
         assert (s["world_size"], s["batch_size"], s["global_batch_size"]) == (world, 128 // world, 128)
-        losses[world] = [v for _, v in scalars(sweep / str(job), "train/loss")]
-        assert len(losses[world]) == 20
-    noisy = [[v for _, v in scalars(noise / job, "train/loss")] for job in ("0", "1")]
+        curves[world] = losses(sweep / str(job))
+        assert len(curves[world]) == 20
+    noisy = [losses(noise / job) for job in ("0", "1")]
     # The same samples in every global batch; only float summation order differs, and its
     # differences (about 1e-7 at first) grow with the steps, at a rate that depends on the CPU.
     for world in (2, 4):
-        assert losses[world][:10] == pytest.approx(losses[1][:10], rel=1e-6), world
-        assert_within_float_noise(losses[world], losses[1], *noisy)
+        assert curves[world][:10] == pytest.approx(curves[1][:10], rel=1e-6), world
+        assert_within_float_noise(curves[world], curves[1], *noisy)
     rows = list(csv.DictReader(open(sweep / "scaling.csv")))
     assert [r["global_batch_size"] for r in rows] == ["128"] * 3
     assert (sweep / "scaling.png").stat().st_size > 20_000  # throughput, efficiency and the loss curves

@@ -14,7 +14,7 @@ import torch
 
 from hydra_ddp import shared_memory
 
-from conftest import QUICK, check_ok, run_train, summary, tmpfs
+from support import QUICK, check_ok, run_train, summary, tmpfs
 
 SIZES = (1537, 10, 4099, 1)  # floats: odd sizes, each larger or smaller than the test's slot
 SLOT_BYTES = 1024  # 256 floats: most tensors go through in several chunks, over both turns

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (
-    REPO, assert_same_params, check_ok, final_params, finish, run_train, scalars, start_train, summary, train_env,
+from support import (
+    REPO, assert_same_params, check_ok, final_params, finish, losses, run_train, start_train, summary, train_env,
     wait_for,
 )
 
@@ -20,10 +20,6 @@ from conftest import (
 # test signals the job once the first is written, and 60 steps remain for the signal to arrive.
 # One thread per rank everywhere: two nodes of one task would take two each, another summation order.
 RUN = ("trainer.max_steps=64", "trainer.log_every=2", "checkpoint.every_n_steps=4", "trainer.threads=1")
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [v for _, v in scalars(run_dir, "train/loss")]
 
 
 @pytest.fixture(scope="module")

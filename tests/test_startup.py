@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO, train_env
+from support import REPO, train_env
 
 # A worker forked from the forkserver that train.py starts (startup.preload) reports on its garbage
 # collector; and frozen_imports hands back the collector as it found it.

@@ -11,18 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (
-    assert_same_params, check_ok, final_params, finish, free_port, run_eval, run_train, scalars, start_train, summary,
-    wait_for,
+from support import (
+    assert_same_params, assert_within_float_noise, check_ok, final_params, finish, free_port, losses, run_eval,
+    run_train, start_train, summary, wait_for,
 )
-from support import assert_within_float_noise
 
 STEPS = 24  # an epoch of digits on 2 ranks is 21 steps: one checkpoint at its end, at step 21
 COMMON = (f"trainer.max_steps={STEPS}", "trainer.log_every=2", "checkpoint.every_n_steps=4")
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [v for _, v in scalars(run_dir, "train/loss")]
 
 
 @pytest.mark.timeout(400)

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import QUICK, check_ok, event_files, free_port, run_train, scalars, assert_no_orphans, summary, text
+from support import (
+    QUICK, assert_no_orphans, check_ok, event_files, free_port, run_train, scalars, step_losses, summary, text,
+)
 
 SUMMARY_KEYS = {
     "world_size", "backend", "launcher", "init_method", "epochs", "steps", "train_loss",
@@ -42,7 +44,7 @@ def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
 
     # One event file, with per-step train loss, per-epoch validation, one test, lr, throughput, the config.
     assert len(event_files(run_dir)) == 1
-    train_loss = scalars(run_dir, "train/loss")
+    train_loss = step_losses(run_dir)
     assert [step for step, _ in train_loss] == list(range(1, s["steps"] + 1))
     val_accuracy = scalars(run_dir, "val/accuracy")
     assert len(val_accuracy) == 2 and max(v for _, v in val_accuracy) == pytest.approx(s["val_accuracy"])
@@ -77,10 +79,6 @@ def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
     assert_no_orphans(proc.pid)
 
 
-def losses(run_dir: Path) -> list[tuple[int, float]]:
-    return scalars(run_dir, "train/loss")
-
-
 def test_every_launcher_and_init_method_gives_identical_losses(tmp_path: Path):
     # The default run (spawn, env) is test_default_run_leaves_one_complete_run_directory's.
     runs = {
@@ -94,7 +92,7 @@ def test_every_launcher_and_init_method_gives_identical_losses(tmp_path: Path):
         probes.mkdir()
         proc = run_train(tmp_path / name, *QUICK, *overrides, *_probe(probes), prefix=prefix)
         check_ok(proc)
-        results[name] = losses(tmp_path / name)
+        results[name] = step_losses(tmp_path / name)
         assert len(results[name]) == 8
         s = summary(tmp_path / name)  # under every launcher: each worker's start, before its first step
         assert 0 < s["time_to_workers_ready_s"] < s["time_to_first_step_s"] < s["wall_time_s"], name

@@ -18,8 +18,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import (QUICK, assert_no_orphans, check_ok, finish, run_eval, run_train, scalars, start_train, summary,
-                      wait_for)
+from support import (
+    QUICK, assert_no_orphans, check_ok, finish, losses, run_eval, run_train, scalars, start_train, summary, wait_for,
+)
 
 
 def _val_wall_times(run_dir: Path) -> list[float]:
@@ -155,8 +156,8 @@ def test_grad_clip_bounds_every_step_under_bf16_autocast(run_dir: Path):
                        "trainer.precision=bf16", "checkpoint.every_n_steps=1", "checkpoint.keep=5", *QUICK))
     norms = scalars(run_dir, "train/grad_norm")
     assert [step for step, _ in norms] == list(range(1, 9)) and all(n > clip for _, n in norms)
-    losses = [v for _, v in scalars(run_dir, "train/loss")]
-    assert len(losses) == 8 and all(math.isfinite(v) for v in losses), losses  # bf16 autocast trains
+    curve = losses(run_dir)
+    assert len(curve) == 8 and all(math.isfinite(v) for v in curve), curve  # bf16 autocast trains
     # Plain SGD moves the weights by lr × the clipped gradient: its norm is exactly the clip.
     w = [torch.load(run_dir / "checkpoints" / f"step-{i:08d}.pt", weights_only=True)["model"] for i in (6, 7)]
     moved = torch.cat([(w[1][k] - w[0][k]).flatten() for k in w[0]]).norm().item()
@@ -234,7 +235,7 @@ def test_mlflow_run_reads_back_and_continues_after_sigterm_without_duplicate_ste
     run = runs[0]
     history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss"))
     assert [step for step, _ in history] == list(range(1, 31))  # the whole curve, no step twice
-    assert [v for _, v in history] == pytest.approx([v for _, v in scalars(run_dir, "train/loss")])
+    assert [v for _, v in history] == pytest.approx(losses(run_dir))
     assert run.data.params["optim.lr"] == "0.02" and run.data.params["trainer.max_steps"] == "30"
     assert (run.data.tags["world_size"], run.data.tags["backend"], run.data.tags["launcher"]) == ("2", "gloo", "spawn")
     assert run.data.tags["tested_checkpoint"].endswith("best.pt")
