@@ -18,6 +18,7 @@ from hydra_ddp import validate
 from hydra_ddp.config import register_schema
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
+from hydra_ddp.rundir import RunDir
 
 register_schema()
 
@@ -56,7 +57,7 @@ def test_defaults_leave_ports_to_the_launch_and_make_a_fresh_store(tmp_path: Pat
     env = resolved(tmp_path)["init_method"]
     assert env["name"] == "env" and env["port"] is None
     store = resolved(tmp_path, "init_method=file")["init_method"]
-    assert store["path"] == str(tmp_path / validate.STORE_FILE)
+    assert store["path"] == str(RunDir(tmp_path).rendezvous_store)
     torchrun = resolved(tmp_path, "launcher=torchrun")["launcher"]
     assert torchrun["rdzv_endpoint"] is None and torchrun["rdzv_id"]
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from support import REPO, QUICK, check_ok, run_train, summary
-from hydra_ddp import distributed, ranks, training, validate, worker
+from hydra_ddp import distributed, ranks, validate, worker
+from hydra_ddp.training import step as training
 from hydra_ddp.config import register_schema
 from hydra_ddp.errors import UserError
 

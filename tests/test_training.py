@@ -10,7 +10,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from hydra_ddp import data, distributed, evaluation, training
+from hydra_ddp import data, distributed, evaluation
+from hydra_ddp.training import window as training
 from hydra_ddp.distributed import RankInfo
 
 SAMPLES = 11  # does not divide by 3 ranks: padding would count samples twice

@@ -43,10 +43,10 @@ from torch import nn
 from hydra_ddp.distributed import RankInfo, first_error, restart_count
 from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.reporting import FILE_ONLY
+from hydra_ddp.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
-DIRNAME = "checkpoints"
 LAST = "last.pt"
 BEST = "best.pt"
 META = "meta.pt"  # a sharded checkpoint's state besides the tensors DCP holds
@@ -97,7 +97,7 @@ class Checkpointer:
     def __init__(self, cfg: Any, run_dir: Path, rank: RankInfo, device: torch.device, config: dict[str, Any],
                  sharded: bool = False):
         self.cfg = cfg
-        self.dir = run_dir / DIRNAME
+        self.dir = RunDir(run_dir).checkpoints
         self.rank = rank
         self.device = device
         self.config = config
@@ -375,12 +375,12 @@ def find(where: str, key: str) -> Path:
     """A checkpoint (a file, or a sharded checkpoint's directory), or a run directory's best (else its last)."""
     path = Path(where).expanduser().resolve()
     if path.is_dir() and not (path / ".metadata").is_file():
-        for folder in (path / DIRNAME, path):
+        for folder in (RunDir(path).checkpoints, path):
             for name in ("best", "last"):
                 found = _published(folder, name)
                 if found is not None:
                     return found
-        raise UserError(f"{key}={where}: {str(path)!r} holds no checkpoint ({DIRNAME}/best or {DIRNAME}/last, "
+        raise UserError(f"{key}={where}: {str(path)!r} holds no checkpoint (checkpoints/best or checkpoints/last, "
                         "as .pt files or directories)")
     if not path.exists():
         raise UserError(f"{key}={where}: no checkpoint file or run directory at {str(path)!r}")

@@ -10,3 +10,16 @@ class UserError(Exception):
 class EveryRankError(UserError):
     """Raised by every rank at the same point, on a decision they share (a diverged loss, a failed
     checkpoint write): the launcher reports it once, as the run's, not as one rank's."""
+
+
+class WorkerError(UserError):
+    """A worker's failure reduced to one line for the parent; the traceback stays in the log file."""
+
+
+# Marks the failure of a rank that lost a peer (which failed first, for its own reason): the
+# launcher names the peer's failure when it has both (launch's report).
+LOST_A_PEER = "lost a peer: "
+# Marks a failure every rank shares (EveryRankError): the launcher names no rank for it.
+EVERY_RANK = "every rank: "
+PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+             "communicator was aborted", "remote process exited")

@@ -26,11 +26,10 @@ from torch import nn
 from hydra_ddp import checkpoint, data, reporting
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
+from hydra_ddp.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
-RESULT_FILE = "eval.json"
-PREDICTIONS_FILE = "predictions.csv"
 
 
 @torch.no_grad()
@@ -155,14 +154,14 @@ def run(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, starte
         "checkpoint": job.ckpt, "step": job.step, "epoch": job.epoch, "split": job.split, **metrics,
         "world_size": rank.world_size, "launcher": cfg.launcher.name, "device": device.type,
         "eval_time_s": time.perf_counter() - started, "wall_time_s": time.time() - started_at, "run_dir": str(out),
-        "predictions": str(out / PREDICTIONS_FILE) if job.predict else None, "stopped_by": None,
+        "predictions": str(RunDir(out).predictions) if job.predict else None, "stopped_by": None,
     }
     if rank.is_main:
         if rows is not None:
-            _write_predictions(rows, out / PREDICTIONS_FILE)
-        reporting.write_json(result, out / RESULT_FILE)
+            _write_predictions(rows, RunDir(out).predictions)
+        reporting.write_json(result, RunDir(out).eval_result)
         name = job.split
-        log.info("%s of %s (step %d) on %d rank(s): %s loss %r, %s accuracy %r (%d samples)", RESULT_FILE, job.ckpt,
+        log.info("%s of %s (step %d) on %d rank(s): %s loss %r, %s accuracy %r (%d samples)", RunDir(out).eval_result.name, job.ckpt,
                  job.step, rank.world_size, name, result[f"{name}_loss"], name, result[f"{name}_accuracy"],
                  result[f"{name}_samples"])
     return result

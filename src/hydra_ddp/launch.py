@@ -31,7 +31,8 @@ from omegaconf import DictConfig
 
 from hydra_ddp import distributed, evaluation, reporting, scaling, startup, validate, worker
 from hydra_ddp.signals import STOP_SIGNALS
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import EVERY_RANK, LOST_A_PEER, UserError
+from hydra_ddp.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def launch(plain: dict[str, Any], run_dir: Path, started_at: float) -> Optional[
     for name in ("torch.multiprocessing.spawn", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     startup.quiet_resource_tracker()
-    summary_file = run_dir / (evaluation.RESULT_FILE if plain["task"] == "eval" else reporting.SUMMARY_FILE)
+    summary_file = RunDir(run_dir).result(plain["task"])
     summary_file.unlink(missing_ok=True)  # resuming in this directory: only this run's summary counts
     signum = None
     stores = _host_stores(plain)  # bound before any worker starts, held until the last one has ended
@@ -243,7 +244,7 @@ def _unless_stopped(summary: Optional[dict[str, Any]], run_dir: Path, quiet: boo
 
 
 def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float, parent: Optional[int]) -> None:
-    log_file = run_dir / reporting.log_file(plain["task"])
+    log_file = RunDir(run_dir).log(plain["task"])
     context = mp.start_processes(
         worker.spawn_entry, args=(plain, str(run_dir), started_at, parent), nprocs=plain["trainer"]["nproc"],
         join=False, start_method=plain["launcher"]["start_method"],
@@ -312,7 +313,7 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float, parent: O
         return e.sigval  # the agent has passed the signal on and waited for the workers to stop
     except ChildFailedError as e:
         rank, cause = _first_cause(e.failures, logs)
-        raise WorkerFailed(rank, cause, run_dir / reporting.log_file(plain["task"])) from None
+        raise WorkerFailed(rank, cause, RunDir(run_dir).log(plain["task"])) from None
     finally:
         shutil.rmtree(logs, ignore_errors=True)
         for sig, handler in as_sigterm.items():
@@ -349,7 +350,7 @@ def _follows_another(cause: str) -> bool:
     """A failure that follows a peer's: it lost its peer (gloo sees the dead one at once), or it was
     aborted (NCCL's watchdog ends every rank still waiting on a dead peer with SIGABRT, after
     dist.timeout_s): the launcher names the peer's own failure first when it has both."""
-    return cause.startswith(worker.LOST_A_PEER) or "SIGABRT" in cause
+    return cause.startswith(LOST_A_PEER) or "SIGABRT" in cause
 
 
 def _first_spawned_cause(context: Any, rank: int, cause: str) -> tuple[int, str]:
@@ -377,8 +378,8 @@ def _first_spawned_cause(context: Any, rank: int, cause: str) -> tuple[int, str]
 class WorkerFailed(UserError):
     def __init__(self, rank: int, cause: str, log_file: Path):
         self.rank, self.cause = rank, cause
-        if cause.startswith(worker.EVERY_RANK):  # the run's failure, not one rank's
-            super().__init__(f"{cause[len(worker.EVERY_RANK):]} (log: {log_file})")
+        if cause.startswith(EVERY_RANK):  # the run's failure, not one rank's
+            super().__init__(f"{cause[len(EVERY_RANK):]} (log: {log_file})")
             return
         super().__init__(f"worker rank {rank} failed: {cause} (full traceback: {log_file})")
 
@@ -422,11 +423,11 @@ def fail(error: UserError) -> None:
     and the sweep goes on; the report's callback exits non-zero at the end.
     """
     message = str(error)
-    message = message[len(worker.EVERY_RANK):] if message.startswith(worker.EVERY_RANK) else message  # an outside launch's rank
+    message = message[len(EVERY_RANK):] if message.startswith(EVERY_RANK) else message  # an outside launch's rank
     if not getattr(error, "quiet", False):
         say(f"hydra-ddp: error: {message}")
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(error, Stopped):  # a stop ends the sweep too
-        (Path(hydra_cfg.runtime.output_dir) / scaling.ERROR_FILE).write_text(f"{message}\n")
+        RunDir(hydra_cfg.runtime.output_dir).error.write_text(f"{message}\n")
         return
     sys.exit(error.exit_code)

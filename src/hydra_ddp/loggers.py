@@ -17,8 +17,8 @@ from typing import IO, Any, Optional
 
 import yaml
 
-TENSORBOARD_DIR = "tensorboard"
-CSV_FILE = "metrics.csv"
+from hydra_ddp.rundir import RunDir
+
 _EVENT_FILE = re.compile(r"^events\.out\.tfevents\.(\d+)\.")  # then host, pid, a counter
 
 
@@ -57,8 +57,8 @@ class TensorBoard(Logger):
         # Resuming: TensorBoard hides the earlier file's events after the checkpoint's step.
         purge_step = resume_step + 1 if resume_step is not None else None
         if purge_step is not None:
-            _after_the_newest_event_file(run_dir / TENSORBOARD_DIR)
-        self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=purge_step)
+            _after_the_newest_event_file(RunDir(run_dir).tensorboard)
+        self.writer = SummaryWriter(log_dir=str(RunDir(run_dir).tensorboard), purge_step=purge_step)
         self.writer.add_text("config", "```yaml\n" + config_yaml(run_config) + "```", 0)
 
     def metrics(self, values: dict[str, float], step: int) -> None:
@@ -104,7 +104,7 @@ class CSV(Logger):
     """
 
     def __init__(self, run_dir: Path, run_config: dict[str, Any], resume_step: Optional[int] = None,
-                 filename: str = CSV_FILE):
+                 filename: str = RunDir(".").metrics_csv.name):
         self.path = run_dir / filename
         self.rows: list[dict[str, Any]] = []
         self.columns: list[str] = ["step"]
@@ -176,7 +176,6 @@ class MLflow(Logger):
     and logs no step twice. The jobs of a multirun are children of one parent run per sweep.
     """
 
-    RUN_ID_FILE = "mlflow_run_id"
     BATCH = 500  # metrics per request
 
     @classmethod
@@ -195,7 +194,7 @@ class MLflow(Logger):
 
         self.client = MlflowClient(tracking_uri=tracking_uri)
         experiment_id = self._experiment(experiment, artifact_location)
-        id_file = run_dir / self.RUN_ID_FILE
+        id_file = RunDir(run_dir).mlflow_run_id
         self.logged: dict[str, int] = {}  # resumed: the last step already logged, per metric
         self.resumed = resume_step is not None and id_file.exists()
         if self.resumed:
@@ -235,7 +234,7 @@ class MLflow(Logger):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         with open(sweep_dir / ".mlflow.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            id_file = sweep_dir / self.RUN_ID_FILE
+            id_file = RunDir(sweep_dir).mlflow_run_id
             if id_file.exists():
                 return id_file.read_text().split()[0]
             parent = self.client.create_run(experiment_id, run_name=f"sweep {sweep_dir.name}",
@@ -248,7 +247,7 @@ class MLflow(Logger):
     def end_sweep(cls, sweep_dir: Path, jobs: int, failed: int, best: Optional[tuple[str, float]]) -> None:
         """Close a sweep's parent run, when its jobs logged to MLflow: FINISHED (FAILED if a job
         failed), with the job counts and the best job's value of the monitored metric."""
-        id_file = sweep_dir / cls.RUN_ID_FILE
+        id_file = RunDir(sweep_dir).mlflow_run_id
         if not id_file.exists():
             return
         from mlflow.tracking import MlflowClient

@@ -18,18 +18,13 @@ from omegaconf import OmegaConf
 
 from hydra_ddp import loggers
 from hydra_ddp.distributed import RankInfo
+from hydra_ddp.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
-LOG_FILE = "train.log"  # eval.py's workers: eval.log
-SUMMARY_FILE = "summary.json"
 _FORMAT = "[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s"
 # `extra=` for records that belong in the log file only (tracebacks: the console gets one line).
 FILE_ONLY = {"file_only": True}
-
-
-def log_file(task: str) -> str:
-    return "eval.log" if task == "eval" else LOG_FILE
 
 
 class _Console(logging.StreamHandler):
@@ -53,8 +48,8 @@ def setup_logging(rank: RankInfo, run_dir: Path, task: str = "train") -> None:
         root.removeHandler(handler)
         handler.close()
     formatter = logging.Formatter(_FORMAT.format(rank=rank.rank))
-    _crash_dumps_to(run_dir / log_file(task))
-    handlers: list[logging.Handler] = [logging.FileHandler(run_dir / log_file(task), mode="a")]
+    _crash_dumps_to(RunDir(run_dir).log(task))
+    handlers: list[logging.Handler] = [logging.FileHandler(RunDir(run_dir).log(task), mode="a")]
     # Python warnings (e.g. anomaly mode's forward traceback) become records: every rank's go to
     # the log file, none to the console, which keeps to one line per event.
     logging.captureWarnings(True)
@@ -140,7 +135,7 @@ class Reporter:
         if not self.is_main:
             return
         # Atomic: the parent takes a summary.json of this run as proof that the run completed.
-        write_json(summary, self.run_dir / SUMMARY_FILE)
+        write_json(summary, RunDir(self.run_dir).summary)
         log.info("run summary\n%s", format_summary(summary))
 
     def close(self) -> None:

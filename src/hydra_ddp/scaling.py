@@ -23,14 +23,10 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp.loggers import CSV_FILE, TENSORBOARD_DIR
-from hydra_ddp.reporting import SUMMARY_FILE
+from hydra_ddp.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
-ERROR_FILE = "error.txt"  # a job's one-line failure, written by train.py
-# How Slurm ended a job that never finished (cancelled, timeout…): hydra_plugins/hydra_ddp_slurm.
-STATE_FILE = "slurm_state.txt"
 COLUMNS = ["job", "swept", "status", "world_size", "global_batch_size", "samples_per_sec", "speedup", "efficiency",
            "test_accuracy", "test_loss", "wall_time_s", "error"]
 TRIAL_COLUMNS = ["rank", "job", "swept", "status", "monitor", "objective", "val_loss", "val_accuracy", "test_loss",
@@ -51,7 +47,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     for job_dir in jobs:
         swept = " ".join(o for o in overrides[job_dir] if o not in common) or "(default)"
         row: dict[str, Any] = {"job": int(job_dir.name), "swept": swept}
-        summary_file = job_dir / SUMMARY_FILE
+        summary_file = RunDir(job_dir).summary
         if summary_file.exists():
             s = json.loads(summary_file.read_text())
             row.update(status="ok", **{k: s.get(k) for k in ("world_size", "global_batch_size", "samples_per_sec",
@@ -61,7 +57,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
             if s.get("stopped_by"):
                 row["status"] = f"stopped ({s['stopped_by']})"
         else:
-            error, state = job_dir / ERROR_FILE, job_dir / STATE_FILE
+            error, state = RunDir(job_dir).error, RunDir(job_dir).slurm_state
             row.update(status=state.read_text().strip() if state.exists() else "failed",
                        error=error.read_text().strip() if error.exists() else "no summary.json")
         row["run_dir"] = str(job_dir)
@@ -112,14 +108,14 @@ def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
 def train_losses(job_dir: Path) -> list[tuple[int, float]]:
     """(step, global train loss) from a job's metrics.csv (else its TensorBoard file): what the
     loss panel overlays."""
-    if (job_dir / CSV_FILE).is_file():
-        with open(job_dir / CSV_FILE, newline="") as f:
+    if RunDir(job_dir).metrics_csv.is_file():
+        with open(RunDir(job_dir).metrics_csv, newline="") as f:
             return [(int(r["step"]), float(r["train/loss"])) for r in csv.DictReader(f) if r.get("train/loss")]
-    if not (job_dir / TENSORBOARD_DIR).is_dir():
+    if not RunDir(job_dir).tensorboard.is_dir():
         return []
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(job_dir / TENSORBOARD_DIR), size_guidance={"scalars": 0})
+    acc = EventAccumulator(str(RunDir(job_dir).tensorboard), size_guidance={"scalars": 0})
     acc.Reload()
     if "train/loss" not in acc.Tags().get("scalars", []):
         return []

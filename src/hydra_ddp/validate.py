@@ -24,8 +24,8 @@ from hydra_ddp import checkpoint, comm, data, distributed, groups, monitor, perf
 from hydra_ddp.parallel import plans
 from hydra_ddp.distributed import RankInfo
 from hydra_ddp.errors import UserError
+from hydra_ddp.rundir import RunDir
 
-STORE_FILE = "rendezvous.store"
 DEFAULT_BATCH_SIZE = 32  # per rank, when neither data.batch_size nor data.global_batch_size is set
 
 
@@ -91,7 +91,7 @@ def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tupl
 def check(plain: dict[str, Any], run_dir: Path) -> None:
     """Everything else that would fail a run later: found before any worker starts."""
     trainer, launcher, data_cfg = plain["trainer"], plain["launcher"], plain["data"]
-    if trainer["resume"] is None and checkpoint.step_checkpoints(run_dir / checkpoint.DIRNAME):
+    if trainer["resume"] is None and checkpoint.step_checkpoints(RunDir(run_dir).checkpoints):
         raise UserError(
             f"{run_dir} holds checkpoints of an earlier run; continue it with trainer.resume=auto, "
             "or start anew in another hydra.run.dir (nothing was overwritten)"
@@ -306,7 +306,7 @@ def _resolve_init_method(init: dict[str, Any], run_dir: Path, external: bool) ->
         if init["path"] is None:
             if external:
                 raise UserError("init_method=file under an outside launcher needs init_method.path, shared by all ranks")
-            init["path"] = str(run_dir / STORE_FILE)
+            init["path"] = str(RunDir(run_dir).rendezvous_store)
         path = Path(init["path"]).expanduser().resolve()
         if path.exists() and path.stat().st_size > 0:
             raise UserError(

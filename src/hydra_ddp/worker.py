@@ -36,7 +36,7 @@ from hydra_ddp.parallel import strategy
 from hydra_ddp.training import trainer as training
 from hydra_ddp.training.stop import StopRequest
 from hydra_ddp.distributed import RankInfo
-from hydra_ddp.errors import EveryRankError, UserError
+from hydra_ddp.errors import EVERY_RANK, LOST_A_PEER, PEER_GONE, EveryRankError, UserError, WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -279,19 +279,6 @@ def _hparams(cfg: DictConfig, rank: RankInfo) -> dict[str, Any]:
     }
 
 
-class WorkerError(UserError):
-    """A worker's failure reduced to one line for the parent; the traceback stays in the log file."""
-
-
-# Marks the failure of a rank that lost a peer (which failed first, for its own reason): the
-# launcher names the peer's failure when it has both (launch._first_cause).
-LOST_A_PEER = "lost a peer: "
-# Marks a failure every rank shares (EveryRankError): the launcher names no rank for it.
-EVERY_RANK = "every rank: "
-_PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
-              "communicator was aborted", "remote process exited")
-
-
 def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float,
          problem: Optional[str] = None) -> Optional[dict[str, Any]]:
     """Every worker's entry, whatever started it: the traceback to the log, one line to the launcher."""
@@ -307,7 +294,7 @@ def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float,
         while error.__cause__ is not None:  # e.g. Hydra's InstantiationException wraps the real cause
             error = error.__cause__
         line = f"{type(error).__name__}: {error}".splitlines()[0]
-        if any(sign in line.lower() for sign in _PEER_GONE):
+        if any(sign in line.lower() for sign in PEER_GONE):
             line = LOST_A_PEER + line
         raise WorkerError(line) from None
 

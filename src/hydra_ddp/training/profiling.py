@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hydra_ddp.rundir import RunDir
+
 log = logging.getLogger(__name__)
 
 
@@ -22,7 +24,7 @@ def profiling(enabled: bool, settings: Any, device: torch.device, run_dir: Path)
     from torch.profiler import ProfilerActivity, profile, schedule
 
     cuda = device.type == "cuda"
-    out = run_dir / "profile"
+    out = RunDir(run_dir).profile
     out.mkdir(exist_ok=True)
 
     def ready(prof: Any) -> None:

@@ -23,6 +23,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 from omegaconf import OmegaConf, open_dict
 
+from hydra_ddp.rundir import RunDir
+
 QUEUE_CHECK_S = (2.0, 60.0)  # the first and the longest interval between two squeue calls
 
 
@@ -62,8 +64,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
         message = f"Slurm job {job.job_id} ended {job.ended} without a result" + (f" ({job.why})" if job.why else "")
         if Path(job.paths.stderr).exists():
             message += f"; its log: {job.paths.stderr}"
-        (job_dir / scaling.ERROR_FILE).write_text(f"{message}\n")
-        (job_dir / scaling.STATE_FILE).write_text(f"{job.ended.lower()}\n")
+        RunDir(job_dir).error.write_text(f"{message}\n")
+        RunDir(job_dir).slurm_state.write_text(f"{job.ended.lower()}\n")
         print(f"hydra-ddp: warning: job #{num} ({' '.join(overrides) or 'no overrides'}): {message}", file=sys.stderr)
         return JobReturn(overrides=overrides, cfg=config, working_dir=str(job_dir), status=JobStatus.COMPLETED,
                          _return_value=monitor.worst(config.trainer.monitor, config.trainer.monitor_mode))
