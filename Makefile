@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
-	$(PY) -c 'import hydra_ddp.launch, torch._dynamo, tensorboard.backend.event_processing.event_accumulator'
+	$(PY) -c 'import hydra_ddp.launch.command, hydra_ddp.training.worker, torch._dynamo, tensorboard.backend.event_processing.event_accumulator'
 	touch $(STAMP)
 
 train: $(STAMP)

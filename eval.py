@@ -16,7 +16,7 @@ STARTED_AT = time.time()  # before the imports: wall time counts them too
 
 import sys  # noqa: E402
 
-from hydra_ddp import ranks, startup  # noqa: E402  (neither imports torch)
+from hydra_ddp.launch import ranks, startup  # noqa: E402  (neither imports torch)
 
 CHECK_ONLY = __name__ == "__main__" and startup.take_check_flags(sys.argv)  # --check: launch nothing
 if __name__ == "__main__" and not CHECK_ONLY and not ranks.external_launch():
@@ -26,8 +26,8 @@ with startup.frozen_imports():  # train.py's reason
     import hydra
     from omegaconf import DictConfig
 
-    from hydra_ddp import launch
-    from hydra_ddp.config import register_schema
+    from hydra_ddp.launch import command
+    from hydra_ddp.config.schema import register_schema
     from hydra_ddp.errors import UserError
 
 register_schema(__name__)
@@ -36,13 +36,13 @@ register_schema(__name__)
 @hydra.main(version_base=None, config_path="conf", config_name="eval")
 def main(cfg: DictConfig) -> float | None:
     try:
-        result = launch.run(cfg, STARTED_AT, task="eval")
+        result = command.run(cfg, STARTED_AT, task="eval")
     except UserError as error:
-        launch.fail(error)
+        command.fail(error)
         return None
     return result[f"{cfg.split}_accuracy"] if result else None
 
 
 if __name__ == "__main__":
-    launch.adopt_external_launch(sys.argv)
-    launch.exit_after(main)
+    command.adopt_external_launch(sys.argv)
+    command.exit_after(main)

@@ -12,7 +12,7 @@ STARTED_AT = time.time()  # before the imports: wall time counts them too
 
 import sys  # noqa: E402
 
-from hydra_ddp import ranks, startup  # noqa: E402  (neither imports torch)
+from hydra_ddp.launch import ranks, startup  # noqa: E402  (neither imports torch)
 
 CHECK_ONLY = __name__ == "__main__" and startup.take_check_flags(sys.argv)  # --check: launch nothing
 if __name__ == "__main__" and not CHECK_ONLY and not ranks.external_launch():
@@ -23,8 +23,9 @@ with startup.frozen_imports():  # half a million objects that live as long as th
     import hydra
     from omegaconf import DictConfig
 
-    from hydra_ddp import launch, monitor
-    from hydra_ddp.config import register_schema
+    from hydra_ddp import monitor
+    from hydra_ddp.launch import command
+    from hydra_ddp.config.schema import register_schema
     from hydra_ddp.errors import UserError
 
 register_schema(__name__)
@@ -38,9 +39,9 @@ def main(cfg: DictConfig) -> float | None:
     worst = monitor.worst(cfg.trainer.monitor, cfg.trainer.monitor_mode)  # a value every finished run beats
     started_at = _START.pop() if _START else time.time()  # a multirun's later jobs in this process: now
     try:
-        summary = launch.run(cfg, started_at)
+        summary = command.run(cfg, started_at)
     except UserError as error:
-        launch.fail(error)  # one line, no traceback; in a multirun the next job still runs
+        command.fail(error)  # one line, no traceback; in a multirun the next job still runs
         return worst  # a failed or diverged trial ranks last instead of ending the sweep
     if CHECK_ONLY:
         return worst if worst is not None else 0.0  # a sweeper asks each checked trial for a number
@@ -50,5 +51,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    launch.adopt_external_launch(sys.argv)
-    launch.exit_after(main)  # without the interpreter's teardown: seconds, at the end of every command
+    command.adopt_external_launch(sys.argv)
+    command.exit_after(main)  # without the interpreter's teardown: seconds, at the end of every command

@@ -26,7 +26,7 @@ One GPU (trainer.nproc=1 on any host, so the figures compare across hosts; nccl)
   every 20 steps (sharded, DCP, under fsdp and tp);
 - ResNet-50 (torchvision) images/s in bf16 on synthetic 224×224 data held on the GPU, batch 128:
   auto settings off, and the defaults (channels_last, bucket view, static graph);
-- the tuner (python -m hydra_ddp.tune tune.precision=true) on the CNN, over pin_memory and precision;
+- the tuner (python -m hydra_ddp.tools.tune tune.precision=true) on the CNN, over pin_memory and precision;
 - ResNet-50 with torch.compile: last, as the longest, the first to go when time runs short.
 
 All GPUs (where 2 or more are visible, trainer.nproc = their count; else recorded as skipped):
@@ -51,7 +51,7 @@ All GPUs (where 2 or more are visible, trainer.nproc = their count; else recorde
 - DataParallel against DDP on ResNet-18, 224×224, bf16 autocast, 32 per GPU.
 The DataParallel cases report the seeds' claim as holding or not; they fail only if a run does.
 
-The dry run checks each train.py launch with hydra_ddp.preflight.check (`train.py --check
+The dry run checks each train.py launch with hydra_ddp.launch.preflight.check (`train.py --check
 --gpus=N`: one-GPU cases for 1 GPU, all-GPU cases for 2 and 8) and bench/handwritten.py's
 arguments with its own parser. It does not check eval.py's side (that needs the run's
 checkpoint), the tuner's tune.* arguments (only the run it tunes), nor the outside launcher's
@@ -266,8 +266,8 @@ def parity(case: Case, run: Session) -> dict:
 def tuner(case: Case, run: Session) -> dict:
     """The tuner's last line: the fastest overrides it found."""
     knobs = "tune.knobs=[data.pin_memory,trainer.precision]"
-    done = run.command([sys.executable, "-m", "hydra_ddp.tune", *case.overrides(0, run.gpus), knobs,
-                      "tune.precision=true", "tune.steps=40", "tune.repeats=1"], "python -m hydra_ddp.tune")
+    done = run.command([sys.executable, "-m", "hydra_ddp.tools.tune", *case.overrides(0, run.gpus), knobs,
+                      "tune.precision=true", "tune.steps=40", "tune.repeats=1"], "python -m hydra_ddp.tools.tune")
     return {"note": (done.stdout.strip().splitlines() or ["no output"])[-1]}
 
 
@@ -573,7 +573,7 @@ def report(what: str, verdict: tuple[bool, str]) -> list[str]:
 
 def check_train(case: Case, i: int, gpus: int, run_dir: Path) -> tuple[bool, str]:
     """train.py --check --gpus=N of launch i, in process: (good, its line)."""
-    from hydra_ddp import preflight
+    from hydra_ddp.launch import preflight
     from hydra_ddp.errors import UserError
 
     said = io.StringIO()

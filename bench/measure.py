@@ -32,7 +32,7 @@ REPORTED = ("steps", "world_size", "steady_samples_per_sec", "median_step_time_s
 # What any DDP script imports before its first step: torch, and torch._dynamo (DDP's constructor
 # and forward use it). One interpreter doing only that is a floor for a cold start: timed as Python
 # runs it, and with the garbage collector off while the imports load, as the project's processes
-# load them (hydra_ddp.startup.frozen_imports). Keyed as the results file keeps them.
+# load them (hydra_ddp.launch.startup.frozen_imports). Keyed as the results file keeps them.
 FLOOR_IMPORTS = "import torch, torch._dynamo"
 FLOORS = {"startup_floor": FLOOR_IMPORTS, "startup_floor_gc_off": f"import gc; gc.disable(); {FLOOR_IMPORTS}"}
 # The hand-written loop ends, as pytorch/examples' scripts do, through the interpreter's teardown,

@@ -41,7 +41,7 @@ _INTROS = {
     "`ddp`, `fsdp` and `tp`, on the same global batch of sequences (64 bytes each; `tp`'s two ranks form one "
     "replica and read the same batch). **samples/s**: tokens (every predicted byte is a sample). **model state / rank** as above (AdamW: two "
     "moments per parameter). Reference: ddp.",
-    "strategy": "The project at 2 ranks under each `strategy` (src/hydra_ddp/strategy.py). **model state / rank**: "
+    "strategy": "The project at 2 ranks under each `strategy` (src/hydra_ddp/parallel/strategy.py). **model state / rank**: "
     "the bytes of parameters, gradients and optimizer state (SGD's momentum) one rank holds, counting local "
     "shards only (the summary's `model_state_bytes`, the largest rank's). FSDP cannot shard channels_last "
     "weights, so it runs without them: the second row is DDP on the same footing. Reference: ddp.",
@@ -63,17 +63,17 @@ _INTROS = {
     "uses the whole machine. Reference: 1 rank.",
     "options": "The project at 2 ranks with each set of performance overrides (`OPTIONS` in bench/run.py). "
     "Reference: the first.",
-    "comm": "The project at 2 ranks with each DDP communication hook (`ddp.comm_hook`, src/hydra_ddp/comm.py; "
+    "comm": "The project at 2 ranks with each DDP communication hook (`ddp.comm_hook`, src/hydra_ddp/parallel/comm.py; "
     "PowerSGD at rank 1, compressing from the first step); "
     "**all-reduce / step**: the gradient bytes each rank all-reduces per step. On one machine the all-reduce "
     "is a memory copy: what compression saves in bytes it may cost in compute; it pays off on slow links "
     "between nodes. "
-    "A hook replaces the default shared-memory all-reduce (`ddp.shared_memory`, src/hydra_ddp/shared_memory.py), "
+    "A hook replaces the default shared-memory all-reduce (`ddp.shared_memory`, src/hydra_ddp/parallel/shared_memory.py), "
     "so the reference is DDP's own fp32 all-reduce through gloo; the last row is the default. "
     "Reference: none through gloo.",
     "checkpoint": "The project at 2 ranks saving a checkpoint every few steps: rank 0 copies the state to memory "
     "at the step boundary and a background thread writes, fsyncs and renames it while training goes on "
-    "(src/hydra_ddp/checkpoint.py). **stall / save**: how long one save held rank 0 at its step boundary (the "
+    "(src/hydra_ddp/training/checkpointing.py). **stall / save**: how long one save held rank 0 at its step boundary (the "
     "summary's `checkpoint_stall_s`, the median save's); **stall / step**: that over the median step time. "
     "The samples/s of the saving run include its stalls (a mid-epoch save is inside its step's time). "
     "Reference: one checkpoint, after the timed steps.",

@@ -44,11 +44,11 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "shared memory off (gloo's all-reduce)": ("ddp.shared_memory=false",),
     "num_workers=1": ("data.num_workers=1", "data.persistent_workers=true"),
     "torch.compile (inductor)": ("trainer.compile=true",),
-    # What the per-rank timing (src/hydra_ddp/timing.py) costs: the defaults have it on.
+    # What the per-rank timing (src/hydra_ddp/training/timing.py) costs: the defaults have it on.
     "per-rank timing off": ("trainer.timing=false",),
 }
 
-# DDP communication hooks (src/hydra_ddp/comm.py), at 2 ranks against DDP's own all-reduce through gloo.
+# DDP communication hooks (src/hydra_ddp/parallel/comm.py), at 2 ranks against DDP's own all-reduce through gloo.
 COMM_HOOKS = ("fp16", "bf16")
 
 # Mid-run checkpoints (rank 0 snapshots at the step boundary, a thread writes): every N steps.

@@ -175,11 +175,11 @@ def text(run_dir: Path, tag: str) -> list[str]:
 
 def final_params(run_dir: Path) -> dict:
     """The last checkpoint's model weights: a file (ddp), or every rank's shards put together."""
-    from hydra_ddp import checkpoint
+    from hydra_ddp import checkpoints
 
-    path = checkpoint.find(str(run_dir), "test")
+    path = checkpoints.find(str(run_dir), "test")
     path = (run_dir / "checkpoints" / "last").resolve() if path.is_dir() else run_dir / "checkpoints" / "last.pt"
-    return checkpoint.model_weights(path, checkpoint.read(path, "test"))
+    return checkpoints.model_weights(path, checkpoints.read(path, "test"))
 
 
 def assert_same_params(a: dict, b: dict) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, check_ok, run_train, summary, train_env
+from support import REPO, run_train, summary, train_env
 
 CONF = REPO / "conf"
 GROUPS = ("backend", "init_method", "launcher", "strategy", "model", "data", "optim", "scheduler", "logger", "debug",
@@ -64,7 +64,7 @@ def _options(group: str) -> list[str]:
 
 def _check_pair(pair: tuple[str, str]) -> tuple[tuple[str, str], str, str]:
     """(pair, "ok" | "error" | "crash", the line or what was raised): in a worker process of its own."""
-    from hydra_ddp import preflight
+    from hydra_ddp.launch import preflight
     from hydra_ddp.errors import UserError
 
     with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()):

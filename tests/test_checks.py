@@ -1,5 +1,5 @@
 """Config resolution and checks as pure functions: each bad setting of a composed config fails in
-one line naming the key, with no process started: one composition, then plain dicts."""
+one line naming the key, with no process started: one composition, then plain dicts resolved."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from support import REPO
-from hydra_ddp import validate
-from hydra_ddp.config import register_schema
+from hydra_ddp.config import resolve
+from hydra_ddp.config.schema import register_schema
 from hydra_ddp.errors import UserError
 from hydra_ddp.parallel import plans
 
@@ -20,11 +20,10 @@ register_schema()
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> dict[str, Any]:
-    """The default config, filled in (device, world size, backend, batch sizes), once."""
+def base() -> dict[str, Any]:
+    """The default config as composed, made plain (not yet settled), once."""
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose(config_name="config")
-    return validate.fill_in(cfg, tmp_path_factory.mktemp("run"), None)
+        return resolve.plain_config(compose(config_name="config"))
 
 
 def setting(path: str, value: Any) -> Callable[[dict], None]:
@@ -85,7 +84,9 @@ BAD = [
     (both(setting("strategy.name", "fsdp"), setting("strategy.mixed_precision", "fp16")), "strategy=fsdp: strategy.mixed_precision=fp16"),
     (both(setting("strategy.name", "fsdp"), setting("trainer.precision", "16")), "strategy=fsdp: trainer.precision=16"),
     (setting("strategy.name", "tp"), "strategy=tp needs a model with a tensor-parallel plan"),
-    (both(setting("launcher.nnodes", 2), setting("init_method.name", "tcp")), "across nodes the ranks meet through torchrun"),
+    (both(setting("launcher.name", "torchrun"), setting("launcher.nnodes", 2), setting("launcher.rdzv_endpoint", "node0:29400"),
+          setting("launcher.rdzv_id", "job"), setting("init_method.name", "tcp")), "across nodes the ranks meet through torchrun"),
+    (setting("launcher.nnodes", 2), "launcher=spawn runs on one node"),
     (both(setting("init_method.name", "file"), setting("launcher.max_restarts", 2)), "cannot reuse a file:// store"),
 ]
 
@@ -95,12 +96,16 @@ def test_a_bad_setting_is_one_line_naming_it(base: dict, tmp_path: Path, change,
     plain = copy.deepcopy(base)
     change(plain)
     with pytest.raises(UserError) as error:
-        validate.check(plain, tmp_path)
+        resolve.resolve_plain(plain, tmp_path, None)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
 def test_the_default_config_passes_every_check(base: dict, tmp_path: Path):
-    validate.check(copy.deepcopy(base), tmp_path)
+    plain = resolve.resolve_plain(copy.deepcopy(base), tmp_path, None)
+    assert "auto" not in [plain["trainer"]["nproc"], plain["trainer"]["device"], plain["dist"]["timeout_s"],
+                          plain["trainer"]["channels_last"], plain["ddp"]["sync_batchnorm"]]
+    assert set(plain["settled"]) == {"trainer.channels_last", "ddp.gradient_as_bucket_view", "ddp.static_graph",
+                                     "ddp.shared_memory"}  # the defaults' autos, each settled once, here
 
 
 @pytest.mark.parametrize("name, world, tp_size, replicas, tp", [
@@ -125,7 +130,7 @@ def test_sync_batchnorm_auto_is_the_plans_to_settle(name, device, expected):
 
 
 def test_only_ddp_refuses_nothing_that_ddp_does(base: dict):
-    plain = copy.deepcopy(base)
+    plain = resolve.resolve_plain(copy.deepcopy(base), Path("/nonexistent"), None)
     plain["ddp"]["comm_hook"] = "fp16"
     assert not any(refused for refused, _ in plans.plan("ddp").refusals(plain))
     assert any(refused for refused, _ in plans.plan("fsdp").refusals(plain))

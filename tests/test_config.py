@@ -14,9 +14,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from support import REPO, train_env
-from hydra_ddp import validate
-from hydra_ddp.config import register_schema
-from hydra_ddp.distributed import RankInfo
+from hydra_ddp.config import resolve
+from hydra_ddp.config.schema import register_schema
+from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.errors import UserError
 from hydra_ddp.rundir import RunDir
 
@@ -29,7 +29,7 @@ def compose_cfg(*overrides: str):
 
 
 def resolved(tmp_path: Path, *overrides: str, external=None) -> dict:
-    return validate.resolve(compose_cfg(*overrides), tmp_path, external)
+    return resolve.resolve(compose_cfg(*overrides), tmp_path, external)
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,7 @@ def test_defaults_leave_ports_to_the_launch_and_make_a_fresh_store(tmp_path: Pat
 @pytest.mark.parametrize(
     "overrides, world, per_rank",
     [
-        ([], 2, validate.DEFAULT_BATCH_SIZE),
+        ([], 2, resolve.DEFAULT_BATCH_SIZE),
         (["data.batch_size=16"], 2, 16),
         (["data.global_batch_size=128"], 1, 128),
         (["data.global_batch_size=128"], 2, 64),
@@ -191,7 +191,7 @@ def test_validation_settings_resolve(tmp_path: Path):
 
 
 def test_an_optuna_search_must_optimise_the_monitor_in_its_direction():
-    from hydra_ddp import scaling
+    from hydra_ddp.reporting import scaling
 
     def search(*overrides):
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
 from hydra_ddp import data
-from hydra_ddp.distributed import RankInfo
+from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.errors import UserError
 from support import make_image_folder
 
@@ -95,7 +95,7 @@ def test_image_folder_checks_name_the_path(tmp_path: Path):
 
 
 def _data_cfg(**overrides):
-    from hydra_ddp.config import DataConf
+    from hydra_ddp.config.schema import DataConf
 
     dataset = {"_target_": "hydra_ddp.data.synthetic", "train_size": 10, "test_size": 7, "image_size": 4}
     overrides = {"val_fraction": 0.0, **overrides}

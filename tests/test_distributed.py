@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hydra_ddp import distributed
-from hydra_ddp.distributed import RankInfo
+from hydra_ddp.parallel import distributed
+from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.errors import UserError
 
 

@@ -168,12 +168,12 @@ def test_crash_during_checkpoint_write_keeps_the_previous_one(tmp_path: Path):
     code = """
 import os, signal, sys, torch
 from pathlib import Path
-from hydra_ddp import checkpoint
+from hydra_ddp.training import atomic_files
 target = Path(sys.argv[1])
-checkpoint._atomic_write(checkpoint._serialize({"v": torch.ones(3)}, target.parent), target)
+atomic_files.atomic_write(atomic_files.serialize({"v": torch.ones(3)}, target.parent), target)
 real_replace = os.replace
 os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # die at the worst moment
-checkpoint._atomic_write(checkpoint._serialize({"v": torch.zeros(3)}, target.parent), target)
+atomic_files.atomic_write(atomic_files.serialize({"v": torch.zeros(3)}, target.parent), target)
 """
     proc = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL

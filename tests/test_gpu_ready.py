@@ -13,9 +13,12 @@ import pytest
 import torch
 
 from support import REPO, QUICK, check_ok, run_train, summary
-from hydra_ddp import distributed, ranks, validate, worker
+from hydra_ddp.parallel import distributed
+from hydra_ddp.launch import ranks
+from hydra_ddp.config import checks, resolve
+from hydra_ddp.training import worker
 from hydra_ddp.training import step as training
-from hydra_ddp.config import register_schema
+from hydra_ddp.config.schema import register_schema
 from hydra_ddp.errors import UserError
 
 register_schema()
@@ -51,10 +54,10 @@ def test_every_auto_is_settled_alike_on_every_rank_of_an_outside_launch(tmp_path
         assert found and found[1].rank == rank
         for key, value in {**env, **(ranks.srun_environment(env) if launcher == "srun" else {})}.items():
             monkeypatch.setenv(key, value)
-        plain = validate.fill_in(_compose(*EVERY_AUTO), tmp_path / f"rank{rank}", found)
+        plain = resolve.fill_in(_compose(*EVERY_AUTO), tmp_path / f"rank{rank}", found)
         if rank == 0:
             with pytest.raises(UserError, match="data=cifar10"):  # rank 0's check runs, and changes nothing
-                validate.check(plain, tmp_path / "rank0")
+                checks.check(plain, tmp_path / "rank0")
         prints.append(worker.config_fingerprint(plain))
         assert plain["ddp"]["sync_batchnorm"] is False  # settled: no GPU here
     assert prints[0] == prints[1]
@@ -108,21 +111,21 @@ def _gpu_host(monkeypatch, gpus: int = 2) -> None:
 
 def test_cpu_offload_on_nccl_gives_its_cpu_shards_gloo(tmp_path: Path, monkeypatch):
     _gpu_host(monkeypatch)
-    plain = validate.fill_in(_compose("+experiment=text_gpt", "strategy=fsdp", "strategy.cpu_offload=true"), tmp_path,
+    plain = resolve.fill_in(_compose("+experiment=text_gpt", "strategy=fsdp", "strategy.cpu_offload=true"), tmp_path,
                              None)
     assert plain["backend"]["name"] == "cpu:gloo,cuda:nccl"
     assert plain["dist"]["timeout_s"] == 600  # NCCL's: a dead peer may go unseen until then
-    plain = validate.fill_in(_compose("+experiment=text_gpt", "strategy=fsdp"), tmp_path, None)
+    plain = resolve.fill_in(_compose("+experiment=text_gpt", "strategy=fsdp"), tmp_path, None)
     assert plain["backend"]["name"] == "nccl"
     assert distributed.group_backend("gloo", cpu_offload=True) == "gloo"  # gloo takes both devices already
 
 
 def test_fp16_under_fsdp_is_refused_in_one_line_and_the_loss_is_float32(tmp_path: Path, monkeypatch):
     _gpu_host(monkeypatch)
-    plain = validate.fill_in(_compose("+experiment=text_gpt", "strategy=fsdp", "strategy.mixed_precision=fp16"),
+    plain = resolve.fill_in(_compose("+experiment=text_gpt", "strategy=fsdp", "strategy.mixed_precision=fp16"),
                              tmp_path, None)
     with pytest.raises(UserError, match="mixed_precision=fp16 .* use bf16") as refused:
-        validate.check(plain, tmp_path)
+        checks.check(plain, tmp_path)
     assert "\n" not in str(refused.value)
     # Whatever the model computes in, the loss is summed in float32.
     logits, target = torch.randn(64, 10).to(torch.bfloat16), torch.randint(0, 10, (64,))

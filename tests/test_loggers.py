@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from support import event_files, scalars
-from hydra_ddp.loggers import TensorBoard
+from hydra_ddp.reporting.loggers import TensorBoard
 
 
 def test_a_resumed_runs_event_file_is_read_last_even_when_the_earlier_one_sorts_after_it(tmp_path: Path):

@@ -95,7 +95,7 @@ def test_an_epochs_short_last_accumulation_group_is_the_mean_of_its_own_batches(
 
 def test_tune_loader_prints_the_best_setting():
     proc = subprocess.run(
-        [sys.executable, "-m", "hydra_ddp.tune_loader", "tune.num_workers=[0,1]", "tune.batches=5"],
+        [sys.executable, "-m", "hydra_ddp.tools.tune_loader", "tune.num_workers=[0,1]", "tune.batches=5"],
         cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -108,7 +108,7 @@ def test_tune_times_real_steps_and_prints_the_fastest_overrides():
     # 5 % noise margin.
     cores = len(os.sched_getaffinity(0))
     proc = subprocess.run(
-        [sys.executable, "-m", "hydra_ddp.tune", f"trainer.threads={cores}", "tune.knobs=[trainer.threads]",
+        [sys.executable, "-m", "hydra_ddp.tools.tune", f"trainer.threads={cores}", "tune.knobs=[trainer.threads]",
          "tune.steps=12", "tune.repeats=1"],
         cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=150,
     )
@@ -124,7 +124,7 @@ def test_tune_times_real_steps_and_prints_the_fastest_overrides():
 
 
 def test_tune_refuses_an_unknown_knob_in_one_line():
-    proc = subprocess.run([sys.executable, "-m", "hydra_ddp.tune", "tune.knobs=[trainer.speed]"],
+    proc = subprocess.run([sys.executable, "-m", "hydra_ddp.tools.tune", "tune.knobs=[trainer.speed]"],
                           cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2  # a usage error, as train.py's
     assert proc.stderr.strip().splitlines() == [

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from support import QUICK, REPO, check_ok, finish, free_port, run_train, start_train, step_losses, summary, train_env
+from support import QUICK, check_ok, finish, free_port, run_train, start_train, step_losses, summary
 
 
 def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_runs(tmp_path: Path):
@@ -51,7 +51,7 @@ def test_failed_job_is_a_failed_row_and_the_sweep_goes_on(tmp_path: Path):
     rows = list(csv.DictReader(open(sweep / "sweep.csv")))
     assert [(r["swept"], r["status"], r["rank"]) for r in rows] == [("backend=gloo", "ok", "1"), ("backend=mpi", "failed", "")]
     assert "MPI" in rows[1]["error"] and float(rows[0]["objective"]) == summary(sweep / "0")["val_accuracy"]
-    assert f"Best: job 0 (backend=gloo), val/accuracy" in (sweep / "sweep.md").read_text()
+    assert "Best: job 0 (backend=gloo), val/accuracy" in (sweep / "sweep.md").read_text()
     assert "1 of 2 jobs failed" in proc.stderr
 
 

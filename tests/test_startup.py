@@ -13,7 +13,7 @@ from support import REPO, train_env
 # collector; and frozen_imports hands back the collector as it found it.
 PROBE = """
 import gc, json, multiprocessing, sys
-from hydra_ddp import startup
+from hydra_ddp.launch import startup
 
 def report(queue):
     queue.put({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(), "torch": "torch._dynamo" in sys.modules})

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hydra_ddp import timing
-from hydra_ddp.timing import PHASES, StepTimer, per_rank, straggler
+from hydra_ddp.training import timing
+from hydra_ddp.training.timing import PHASES, StepTimer, per_rank, straggler
 
 # Seconds per phase of one batch; powers of two, so that the sums are exact.
 HOST = {"data": 0.5, "forward": 0.25, "backward": 0.125, "optimizer": 0.0625, "other": 0.03125}

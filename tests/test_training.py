@@ -5,14 +5,15 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from hydra_ddp import data, distributed, evaluation
+from hydra_ddp import data
+from hydra_ddp.parallel import distributed
+from hydra_ddp.training import evaluation
 from hydra_ddp.training import window as training
-from hydra_ddp.distributed import RankInfo
+from hydra_ddp.parallel.distributed import RankInfo
 
 SAMPLES = 11  # does not divide by 3 ranks: padding would count samples twice
 
@@ -89,7 +90,7 @@ def test_monitor_selects_the_best_and_counts_patience_with_min_delta():
 
 
 def test_the_straggler_is_the_rank_that_waits_least_named_with_its_extra_cost():
-    from hydra_ddp.timing import per_rank, straggler
+    from hydra_ddp.training.timing import per_rank, straggler
 
     def rank(data, forward, backward, steps=10):  # seconds per step → totals
         return {"steps": steps, "data": data * steps, "forward": forward * steps, "backward": backward * steps,

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hydra_ddp import shared_memory
-from hydra_ddp.errors import EveryRankError
+from hydra_ddp.errors import UserError
+from hydra_ddp.parallel import shared_memory
 
 AUTO = "auto"
 # (config section, key): the settings `auto` applies to.
@@ -22,13 +22,13 @@ SETTINGS = (("trainer", "channels_last"), ("ddp", "gradient_as_bucket_view"), ("
             ("ddp", "shared_memory"))
 
 
-def choose(cfg: Any, model: nn.Module, backend: str, device: torch.device, world_size: int,
-           local_world_size: int) -> dict[str, bool]:
-    """The value of each setting for this run: the configured one, or what `auto` picks here.
+def choose(plain: dict[str, Any], has_conv2d: bool, world_size: int, local_world_size: int) -> dict[str, bool]:
+    """The value of each setting for this run: the configured one, or what `auto` picks here. Run
+    once, on the launch side, on the resolved config (device and backend settled).
 
     - channels_last, for models with 2-D convolutions: their kernels run faster on NHWC memory
-      (bench/results/REPORT.md); the sums change order, within
-      float tolerance. Other models gain nothing from it.
+      (bench/results/REPORT.md); the sums change order, within float tolerance. Other models gain
+      nothing from it.
     - gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, not copied in and out
       of them; bit-identical results, less memory.
     - static_graph: DDP records the order gradients become ready in the first step and buckets by
@@ -37,36 +37,55 @@ def choose(cfg: Any, model: nn.Module, backend: str, device: torch.device, world
       shards (Join stands in for ranks that ran out) and torch.compile (not tested with it).
     - shared_memory: the gradient all-reduce through a shared segment instead of gloo's loopback
       TCP, where every rank is a CPU process on this host (shared_memory.py; bench/results/REPORT.md);
-      bit-identical at 2 ranks, the sums in another order (within
-      float tolerance) at more. Not with a comm hook (it is one), uneven shards (Join's shadow
-      all-reduces bypass hooks) or torch.compile.
+      bit-identical at 2 ranks, the sums in another order (within float tolerance) at more. Not with
+      a comm hook (it is one), uneven shards (Join's shadow all-reduces bypass hooks) or torch.compile.
+      Whether the segment can be made is the workers' to find: where it cannot, an `auto` falls back.
     """
-    blockers = shared_memory_blockers(cfg, backend, device, world_size, local_world_size)
+    ddp, trainer = plain["strategy"]["name"] == "ddp", plain["trainer"]
+    blockers = config_blockers(plain) + shared_memory.unavailable(
+        plain["backend"]["name"], trainer["device"], world_size, local_world_size)
     auto = {
         # FSDP shards contiguous parameters only: channels_last weights are not.
-        "trainer.channels_last": cfg.strategy.name == "ddp" and any(isinstance(m, nn.Conv2d) for m in model.modules()),
+        "trainer.channels_last": ddp and has_conv2d,
         "ddp.gradient_as_bucket_view": True,
-        "ddp.static_graph": cfg.trainer.accumulate == 1 and cfg.data.even_shards and not cfg.trainer.compile,
-        "ddp.shared_memory": not blockers,
+        "ddp.static_graph": trainer["accumulate"] == 1 and plain["data"]["even_shards"] and not trainer["compile"],
+        "ddp.shared_memory": not blockers and world_size > 1,  # one rank: nothing to all-reduce
     }
+    wrong = check(plain)
+    if wrong:
+        raise UserError(f"{', '.join(wrong)}: expected true, false or auto")
     chosen = {}
     for section, key in SETTINGS:
-        if section == "ddp" and cfg.strategy.name != "ddp":
+        if section == "ddp" and not ddp:
             continue  # DDP's own: not used by another strategy
-        value = cfg[section][key]
+        value = plain[section][key]
         chosen[f"{section}.{key}"] = auto[f"{section}.{key}"] if value == AUTO else bool(value)
-    if "ddp.shared_memory" in chosen and world_size < 2:
-        chosen["ddp.shared_memory"] = False  # one rank: nothing to all-reduce
-    if cfg.ddp.shared_memory is True and chosen.get("ddp.shared_memory") and blockers:
-        raise EveryRankError(f"ddp.shared_memory=true cannot serve this run: {'; '.join(blockers)}. "
-                             "Set ddp.shared_memory=auto or false")
+    if plain["ddp"]["shared_memory"] is True and ddp and world_size > 1 and blockers:
+        raise UserError(f"ddp.shared_memory=true does not combine with {'; '.join(blockers)}; "
+                        "set ddp.shared_memory=auto or false")
+    if chosen.get("ddp.shared_memory") and world_size < 2:
+        chosen["ddp.shared_memory"] = False
     return chosen
 
 
-def shared_memory_blockers(cfg: Any, backend: str, device: torch.device, world_size: int,
-                           local_world_size: int) -> list[str]:
-    """Why the shared-memory all-reduce cannot serve this run (empty: it can)."""
-    return config_blockers(cfg) + shared_memory.unavailable(backend, device, world_size, local_world_size)
+def needs_model(plain: dict[str, Any]) -> bool:
+    """Whether choose() needs to know the model (channels_last's auto, under DDP)."""
+    return plain["trainer"]["channels_last"] == AUTO and plain["strategy"]["name"] == "ddp"
+
+
+def has_conv2d(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+def settings(cfg: Any) -> dict[str, bool]:
+    """The run's settled values of SETTINGS (DDP's only under DDP), as the summary names them."""
+    return {f"{section}.{key}": bool(cfg[section][key]) for section, key in SETTINGS
+            if section != "ddp" or cfg["strategy"]["name"] == "ddp"}
+
+
+def memory_format(channels_last: bool) -> torch.memory_format:
+    """The memory format inputs and weights take: trainer.channels_last, settled."""
+    return torch.channels_last if channels_last else torch.preserve_format
 
 
 def config_blockers(cfg: Any) -> list[str]:
@@ -84,6 +103,6 @@ def config_blockers(cfg: Any) -> list[str]:
 
 
 def check(plain: dict[str, Any]) -> list[str]:
-    """The settings whose value is neither true, false nor auto (for validate.check)."""
+    """The settings whose value is neither true, false nor auto (for checks.check)."""
     return [f"{section}.{key}={plain[section][key]!r}" for section, key in SETTINGS
             if plain[section][key] not in (True, False, AUTO)]

@@ -1,6 +1,5 @@
 """Test-only models that fail in chosen ranks, to exercise failure reporting through real launchers."""
 
-import atexit
 import os
 import signal
 import threading
@@ -66,7 +65,7 @@ class ChaosCNN(MnistCNN):
 
     @staticmethod
     def _die_in_checkpoint(rank: int, n: int) -> None:
-        from hydra_ddp import checkpoint
+        from hydra_ddp.training import checkpointing
 
         seen = [0]
         if rank == 0:
@@ -81,7 +80,7 @@ class ChaosCNN(MnistCNN):
 
             os.replace = replace
         else:
-            real_first_error = checkpoint.first_error
+            real_first_error = checkpointing.first_error
 
             def first_error(problem, device):  # rank 0 is writing; this rank waits for its verdict
                 seen[0] += 1
@@ -89,7 +88,7 @@ class ChaosCNN(MnistCNN):
                     _die()
                 return real_first_error(problem, device)
 
-            checkpoint.first_error = first_error
+            checkpointing.first_error = first_error
 
 
 def _die():

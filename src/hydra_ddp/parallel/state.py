@@ -83,20 +83,29 @@ class ShardedState:
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """Gathered: the full weights on rank 0 (on the CPU), none on the other ranks."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
         return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_model_state(self, state: dict[str, torch.Tensor], everywhere: bool = True) -> None:
         """Each rank keeps its shard of the full weights: read by every rank (`everywhere`), or
         held by rank 0 alone and sent from there."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
 
         set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=True,
                                                                            broadcast_from_rank0=not everywhere))
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
         return get_optimizer_state_dict(self.module, optimizer,
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -18,9 +18,8 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hydra_ddp import comm, shared_memory
-from hydra_ddp.distributed import RankInfo
-from hydra_ddp.parallel import plans, state
+from hydra_ddp.parallel import comm, plans, shared_memory, state
+from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.parallel.plans import Plan
 
 
@@ -40,13 +39,14 @@ class Replicas:
         # all-reduce runs: Join's shadow all-reduces bypass hooks, and its average needs DDP's divisor.
         self.traffic: Optional[comm.Traffic] = None
 
-    def wrap(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, shared: bool) -> nn.Module:
         options = OmegaConf.to_container(self.cfg.ddp)
         hook = options.pop("comm_hook")  # comm.py's, not DDP's arguments
         options.pop("powersgd")
         options.pop("sync_batchnorm")  # applied before the model moved to its device (worker)
         traffic = comm.Traffic()
-        if options.pop("shared_memory"):  # performance.choose made it true or false
+        options.pop("shared_memory")
+        if shared:
             # Before DDP: where the segment cannot be shared, every rank raises SharedMemoryUnavailable here.
             gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
             self.shared = shared_memory.SharedMemoryAllReduce(None, gradient_bytes, self.cfg.dist.timeout_s, traffic)
@@ -82,10 +82,13 @@ class Strategy:
             # imported while the run starts, not at the first of them in the middle of training.
             import torch.distributed.checkpoint.state_dict  # noqa: F401
 
-    def wrap(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, shared_memory: Optional[bool] = None) -> nn.Module:
+        """The module spread as planned. `shared_memory`: the gradient all-reduce's setting, where not
+        ddp.shared_memory's (a segment that could not be made: gloo's)."""
         self.module = module
         if self.replicas:
-            self.model = self.replicas.wrap(module)
+            shared = self.cfg.ddp.shared_memory if shared_memory is None else shared_memory
+            self.model = self.replicas.wrap(module, bool(shared))
             self.state = state.WholeState(module, self.model)
             return self.model
         start_from_rank0(module)
@@ -101,7 +104,11 @@ class Strategy:
         """Megatron style over `tp_size` ranks: the model's plan (`tp_plan(size)`: submodule →
         "colwise" or "rowwise") splits those linears' weights, the rest is replicated."""
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
         # Ranks r = dp × tp_size + tp: a replica's tp ranks are neighbours (on one node, fast links).
         self.mesh = init_device_mesh(self.device.type, (self.dp_size, self.tp_size), mesh_dim_names=("dp", "tp"))
@@ -111,7 +118,12 @@ class Strategy:
 
     def _shard(self, module: nn.Module, mesh: Any) -> None:
         """FSDP2: fully_shard each unit, then the root, over `mesh` (None: all ranks)."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
         settings = self.cfg.strategy
         dtype = {None: None, "bf16": torch.bfloat16}[settings.mixed_precision]  # fp16 is refused (plans.py)

@@ -10,10 +10,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hydra_ddp import checkpoint
-from hydra_ddp.checkpoint import Checkpointer
+from hydra_ddp import checkpoints
 from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.monitor import Monitor
+from hydra_ddp.training.checkpointing import Checkpointer
 from hydra_ddp.training.position import Position
 from hydra_ddp.training.step import Step
 from hydra_ddp.training.throughput import Overheads
@@ -66,7 +66,7 @@ class Saving:
         path = self.checkpointer.published("best")
         try:
             state = self.checkpointer.load(path)
-            weights = checkpoint.model_weights(path, state)
+            weights = checkpoints.model_weights(path, state)
         except UserError as e:
             log.warning("the best weights so far are not in %s (%s): the test will use the last weights", path, e)
             return None

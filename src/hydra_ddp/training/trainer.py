@@ -4,9 +4,9 @@ validation, checkpoints and stopping happen. Every rank runs all of it: collecti
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from pathlib import Path
-import logging
 from typing import Any, Optional
 
 import torch
@@ -15,17 +15,18 @@ from torch import nn
 from torch.distributed.algorithms import Join
 from tqdm import tqdm
 
-from hydra_ddp.checkpoint import Checkpointer
+from hydra_ddp import performance
 from hydra_ddp.data import Loaders
 from hydra_ddp.monitor import Monitor
-from hydra_ddp.reporting import Reporter
-from hydra_ddp.timing import StepTimer, per_rank, straggler
+from hydra_ddp.reporting.run_report import Reporter
+from hydra_ddp.training.checkpointing import Checkpointer
 from hydra_ddp.training.position import Position
 from hydra_ddp.training.profiling import profiling
 from hydra_ddp.training.saving import Saving
 from hydra_ddp.training.step import Step, accumulation_group
 from hydra_ddp.training.stop import Ending, StopRequest
 from hydra_ddp.training.throughput import Overheads, Throughput
+from hydra_ddp.training.timing import StepTimer, per_rank, straggler
 from hydra_ddp.training.validation import Validation
 from hydra_ddp.training.window import LossWindow
 
@@ -38,7 +39,7 @@ def build(cfg: Any, model: nn.Module, optimizer: torch.optim.Optimizer, schedule
     """The loop and its collaborators, each given its own settings."""
     settings = cfg.trainer
     pos, overheads, monitor = Position(), Overheads(), Monitor.from_config(settings)
-    memory_format = torch.channels_last if settings.channels_last else torch.preserve_format
+    memory_format = performance.memory_format(settings.channels_last)
     timer = StepTimer(settings.timing, device)  # this rank's time per phase (timing.py): the straggler report
     step = Step(model, optimizer, strategy, device, timer, str(settings.precision), settings.grad_clip, memory_format)
     return Trainer(

@@ -9,9 +9,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from hydra_ddp.data import Loaders
-from hydra_ddp.evaluation import evaluate
 from hydra_ddp.monitor import Monitor
-from hydra_ddp.reporting import Reporter
+from hydra_ddp.reporting.run_report import Reporter
+from hydra_ddp.training.evaluation import evaluate
 from hydra_ddp.training.throughput import Overheads
 
 log = logging.getLogger(__name__)

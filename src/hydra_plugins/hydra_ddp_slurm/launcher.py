@@ -51,7 +51,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
 
     def _unfinished(self, job: Job, overrides: list[str], num: int) -> JobReturn:
         """Leave in the job's directory what the sweep report reads; return what a failed trial returns."""
-        from hydra_ddp import monitor, scaling
+        from hydra_ddp import monitor
 
         assert self.config is not None and self.hydra_context is not None
         config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)

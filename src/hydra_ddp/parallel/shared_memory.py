@@ -52,12 +52,12 @@ NAP_S = 50e-6
 LIVENESS_EVERY_S = 0.5  # while waiting: are the ranks we wait for still alive?
 
 
-def unavailable(backend: str, device: torch.device, world_size: int, local_world_size: int) -> list[str]:
+def unavailable(backend: str, device: str, world_size: int, local_world_size: int) -> list[str]:
     """Why the shared-memory all-reduce cannot serve this run (empty: it can). The config-level
     conditions (DDP, no comm hook, even shards, no compile) are checked by performance.py."""
     reasons = []
-    if device.type != "cpu":
-        reasons.append(f"it sums CPU tensors (this run is on {device.type})")
+    if device != "cpu":
+        reasons.append(f"it sums CPU tensors (this run is on {device})")
     if local_world_size != world_size:
         reasons.append(f"not every rank is on this host ({local_world_size} of {world_size})")
     if platform.machine().lower() not in ("x86_64", "amd64"):

@@ -1,14 +1,7 @@
-"""Exact distributed evaluation, and eval.py's job: a saved checkpoint evaluated on one split.
-
-Metrics are bit-equal at any world size: each chunk of the split (data.EvalSplit) is one batch
-wherever it runs, its per-sample losses are summed in order, the chunks' sums travel in their own
-slots of one all-reduce (a slot gets one rank's value plus zeros: exact), and every rank adds
-the chunks up in chunk order.
-"""
+"""Exact distributed evaluation, and eval.py's job in the workers: a saved checkpoint evaluated on one split."""
 
 from __future__ import annotations
 
-import copy
 import csv
 import logging
 import os
@@ -20,16 +13,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
-from hydra_ddp import checkpoint, data, reporting
-from hydra_ddp.distributed import RankInfo
-from hydra_ddp.errors import UserError
+from hydra_ddp import checkpoints, data, performance
+from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.reporting import run_report
 from hydra_ddp.rundir import RunDir
 
 log = logging.getLogger(__name__)
-
 
 
 @torch.no_grad()
@@ -76,62 +68,6 @@ def evaluate(model: nn.Module, split: data.EvalSplit, device: torch.device, name
     return metrics
 
 
-# --- eval.py: the parent's half ------------------------------------------------------------------
-def resolve(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
-    """eval.py's config: the checkpoint's own (model, data, seed, precision: what it was trained
-    with), the command line's overrides on top, and this command's launch settings."""
-    path = checkpoint.find(str(cfg.ckpt), "ckpt")
-    saved = checkpoint.read(path, "ckpt")
-    composed = OmegaConf.to_container(cfg, resolve=True)
-    plain = copy.deepcopy(saved["config"])
-    for group in ("backend", "init_method", "launcher", "dist"):
-        plain[group] = composed[group]
-    # The run's CPU threads per rank stay (the same kernels, the same bits) unless set on the command line.
-    for key in ("nproc", "device", "progress"):
-        plain["trainer"][key] = composed["trainer"][key]
-    for override in overrides:
-        _apply(plain, composed, override)
-    split = composed["split"]
-    if split not in data.SPLITS:
-        raise UserError(f"split={split!r}: choose {', '.join(data.SPLITS)}")
-    if split == "val" and not plain["data"]["val_fraction"]:
-        raise UserError("split=val: this run had no validation split (data.val_fraction=0); choose split=test or train")
-    plain["eval"] = {"ckpt": str(path), "split": split, "predict": bool(composed["predict"]),
-                     "step": saved["position"]["step"], "epoch": saved["position"]["epoch"]}
-    plain["task"] = "eval"
-    _check_model(plain["model"], saved["model"], path)
-    return plain
-
-
-def override_key(override: str) -> str:
-    """The config key a Hydra command-line override sets: `+a.b@pkg=v` → `a.b`."""
-    return override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
-
-
-def _apply(plain: dict[str, Any], composed: dict[str, Any], override: str) -> None:
-    """One command-line override onto the checkpoint's config: a group (model=mlp) replaces the
-    section; a key (data.eval_batch_size=64) takes the composed value."""
-    key = override_key(override)
-    if key in ("ckpt", "split", "predict") or key.startswith("hydra"):
-        return
-    parts = key.split(".")
-    source, target = composed, plain
-    for part in parts[:-1]:
-        source, target = source[part], target.setdefault(part, {})
-    if parts[-1] in source:
-        target[parts[-1]] = copy.deepcopy(source[parts[-1]])
-    else:
-        target.pop(parts[-1], None)  # ~key
-
-
-def _check_model(model_cfg: dict[str, Any], saved: dict[str, torch.Tensor], path: Path) -> None:
-    """The checkpoint's weights fit the model to evaluate: built on the meta device, no memory."""
-    with torch.device("meta"):
-        model = instantiate(model_cfg)
-    checkpoint.check_compatible(model, saved, path, fix="evaluate it with the model it was saved from "
-                                                       "(leave model= out: the checkpoint's is the default)")
-
-
 # --- eval.py: every worker's half ----------------------------------------------------------------
 def run(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, started_at: float) -> dict[str, Any]:
     """Evaluate the checkpoint on the split; rank 0 writes eval.json (and predictions.csv)."""
@@ -141,11 +77,11 @@ def run(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, starte
     model = instantiate(cfg.model)
     if rank.is_main:  # only rank 0 reads the file: it need not be on every node
         path = Path(job.ckpt)
-        model.load_state_dict(checkpoint.model_weights(path, checkpoint.read(path, "ckpt")))
+        model.load_state_dict(checkpoints.model_weights(path, checkpoints.read(path, "ckpt")))
     model.to(device)
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, src=0)
-    memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
+    memory_format = performance.memory_format(cfg.trainer.channels_last)
     model.to(memory_format=memory_format)  # as the run evaluated it: the same bits
     started = time.perf_counter()
     metrics = evaluate(model, split, device, job.split, memory_format, predictions=job.predict)
@@ -159,7 +95,7 @@ def run(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, starte
     if rank.is_main:
         if rows is not None:
             _write_predictions(rows, RunDir(out).predictions)
-        reporting.write_json(result, RunDir(out).eval_result)
+        run_report.write_json(result, RunDir(out).eval_result)
         name = job.split
         log.info("%s of %s (step %d) on %d rank(s): %s loss %r, %s accuracy %r (%d samples)", RunDir(out).eval_result.name, job.ckpt,
                  job.step, rank.world_size, name, result[f"{name}_loss"], name, result[f"{name}_accuracy"],
@@ -175,5 +111,3 @@ def _write_predictions(rows: torch.Tensor, path: Path) -> None:
         for index, (label, predicted, probability) in enumerate(rows.tolist()):
             writer.writerow([index, int(label), int(predicted), f"{probability:.6f}"])
     os.replace(tmp, path)
-
-

@@ -8,7 +8,7 @@ report, `sweep.csv` and `sweep.md`: every trial's parameters and metrics ranked 
 (trainer.monitor's best value, a validation metric), naming the best trial's run directory.
 A job that failed is a failed row, not a crash of the report. Also runs on its own:
 
-    python -m hydra_ddp.scaling outputs/multirun/DATE/TIME
+    python -m hydra_ddp.reporting.scaling outputs/multirun/DATE/TIME
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ class SweepReport(Callback):
         kind, rows = written
         failed = [r for r in rows if failed_row(r)]
         best = rank_trials([dict(r) for r in rows])[0]
-        from hydra_ddp.loggers import MLflow
+        from hydra_ddp.reporting.loggers import MLflow
 
         MLflow.end_sweep(sweep_dir, len(rows), len(failed),
                          (best["monitor"], best["objective"]) if best.get("rank") == 1 and best.get("monitor") else None)
@@ -295,7 +295,7 @@ def check_search(config: DictConfig) -> Optional[str]:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m hydra_ddp.scaling SWEEP_DIR")
+        raise SystemExit("usage: python -m hydra_ddp.reporting.scaling SWEEP_DIR")
     written = report(Path(sys.argv[1]))
     if not written:
         raise SystemExit(f"no job directories under {sys.argv[1]}")

@@ -14,7 +14,6 @@ import logging
 import os
 import random
 import resource
-import signal
 import sys
 import time
 from pathlib import Path
@@ -25,18 +24,26 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
-from hydra_ddp import (
-    checkpoint, data, distributed, evaluation, performance, reporting, shared_memory, startup,
+from hydra_ddp import checkpoints, data, performance
+from hydra_ddp.errors import (
+    EVERY_RANK,
+    LOST_A_PEER,
+    PEER_GONE,
+    EveryRankError,
+    UserError,
+    WorkerError,
 )
-from hydra_ddp.parallel import strategy
+from hydra_ddp.launch import startup
+from hydra_ddp.parallel import distributed, shared_memory, strategy
+from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.reporting import ranklog, run_report
+from hydra_ddp.training import checkpointing, evaluation
 from hydra_ddp.training import trainer as training
 from hydra_ddp.training.stop import StopRequest
-from hydra_ddp.distributed import RankInfo
-from hydra_ddp.errors import EVERY_RANK, LOST_A_PEER, PEER_GONE, EveryRankError, UserError, WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +68,6 @@ def deterministic_kernels() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
-def cpu_threads(configured: Optional[int], rank: RankInfo) -> int:
-    """Cores ÷ local world size: N ranks × all cores each would thrash."""
-    if configured:
-        return configured
-    return max(1, len(os.sched_getaffinity(0)) // rank.local_world_size)
-
-
 def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
         entered_at: float, problem: Optional[str] = None) -> Optional[dict[str, Any]]:
     """Train, and return the run's summary. `entered_at`: when this worker's own code began (its
@@ -78,18 +78,18 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
     external = cfg.launcher.get("external", False)
     task = cfg.get("task", "train")
     if not external:
-        reporting.setup_logging(rank, Path(run_dir), task)
+        ranklog.setup_logging(rank, Path(run_dir), task)
     device = _device(cfg.trainer.device, rank, external)
-    torch.set_num_threads(cpu_threads(cfg.trainer.threads, rank))
+    torch.set_num_threads(cfg.trainer.threads)  # settled on the launch side (config.resolve)
     if cfg.trainer.get("deterministic", False):  # before CUDA starts: cuBLAS reads its workspace setting once
         deterministic_kernels()
     if rank.is_main and task == "train":
-        reporting.preload_loggers(cfg)  # while the other ranks start: it would hold them at the first collective
+        run_report.preload_loggers(cfg)  # while the other ranks start: it would hold them at the first collective
     with distributed.process_group(cfg.backend.name, cfg.init_method, rank, cfg.dist.timeout_s, device):
         out = Path(run_dir)
         if external:  # every rank was started with its own idea of the run directory: rank 0's wins
             out = Path(distributed.broadcast_text(run_dir, device))
-            reporting.setup_logging(rank, out, task)
+            ranklog.setup_logging(rank, out, task)
             problem = distributed.first_error(problem, device)
             if problem:
                 raise EveryRankError(problem)  # the same line on every rank, before anything is built
@@ -152,36 +152,31 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     # batches; the ranks of a tensor-parallel replica draw alike), saved in every checkpoint. The
     # data's randomness is per sample (data.SeededSamples), of no rank.
     seed_everything(data.sample_seed(cfg.trainer.seed, -2, replica.rank))
-    # `auto` becomes this run's value, before anything reads it (the checkpoint's config included).
-    asked_shared_memory = cfg.ddp.shared_memory
-    fast = performance.choose(cfg, model, dist.get_backend(), device, rank.world_size, rank.local_world_size)
-    for name, value in fast.items():
-        OmegaConf.update(cfg, name, value)
-    memory_format = torch.channels_last if cfg.trainer.channels_last else torch.preserve_format
+    fast = performance.settings(cfg)  # settled on the launch side; the summary names them
+    memory_format = performance.memory_format(cfg.trainer.channels_last)
     if cfg.trainer.init_from and rank.is_main:
         # Rank 0's weights: the strategy starts every rank from them (a resumed run's then replace them).
-        skipped = checkpoint.load_weights(model, Path(cfg.trainer.init_from), list(cfg.trainer.init_ignore))
+        skipped = checkpoints.load_weights(model, Path(cfg.trainer.init_from), list(cfg.trainer.init_ignore))
         log.info("weights from %s%s", cfg.trainer.init_from, f" (fresh: {', '.join(skipped)})" if skipped else "")
     if cfg.ddp.sync_batchnorm and cfg.strategy.name == "ddp":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device, memory_format=memory_format)
     try:
         train_model = spread.wrap(model)
-    except shared_memory.SharedMemoryUnavailable as e:  # on every rank alike
-        if asked_shared_memory is True:
+    except shared_memory.SharedMemoryUnavailable as e:  # on every rank alike: the one setting a worker settles
+        if "ddp.shared_memory" not in cfg.settled:  # asked for, not chosen
             raise EveryRankError(f"ddp.shared_memory=true: {e}; set ddp.shared_memory=auto or false") from None
         log.warning("gradients all-reduce through %s, not shared memory: %s", dist.get_backend(), e)
-        OmegaConf.update(cfg, "ddp.shared_memory", False)
-        fast["ddp.shared_memory"] = False
-        train_model = spread.wrap(model)
+        fast["ddp.shared_memory"] = False  # recorded in the summary
+        train_model = spread.wrap(model, shared_memory=False)
     optimizer = instantiate(cfg.optim)(train_model.parameters())
     if cfg.trainer.compile:
         train_model = _compiled(train_model, cfg.trainer.compile_backend)
     scheduler = instantiate(cfg.scheduler)(optimizer) if cfg.scheduler else None
-    checkpointer = checkpoint.Checkpointer(cfg.checkpoint, out, rank, device, OmegaConf.to_container(cfg, resolve=True),
+    checkpointer = checkpointing.Checkpointer(cfg.checkpoint, out, rank, device, OmegaConf.to_container(cfg, resolve=True),
                                            sharded=spread.sharded_checkpoints)
     # Rank 0 picks the checkpoint (on every node the same file: checkpoints live with rank 0).
-    resume = checkpointer.choose(checkpoint.resume_setting(cfg.trainer.resume)) if rank.is_main else None
+    resume = checkpointer.choose(checkpoints.resume_setting(cfg.trainer.resume)) if rank.is_main else None
     chosen = distributed.broadcast_text(str(resume[0]) if resume else "", device)
     if chosen and not rank.is_main:
         resume = Path(chosen), checkpointer.load(Path(chosen))
@@ -189,12 +184,12 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     # Resuming: the loggers drop what the earlier run logged after the checkpoint's step. Asked to
     # resume with no checkpoint yet (a restart before the first one): all of it, the run starts over.
     resume_step = resume[1]["position"]["step"] if resume else None
-    if resume is None and checkpoint.resume_setting(cfg.trainer.resume) == "auto":
+    if resume is None and checkpoints.resume_setting(cfg.trainer.resume) == "auto":
         resume_step = 0
-    reporter = reporting.Reporter(rank, out, cfg, resume_step=resume_step)
+    reporter = run_report.Reporter(rank, out, cfg, resume_step=resume_step)
     try:
         trainer = training.build(cfg, train_model, optimizer, scheduler, loaders, device, reporter, checkpointer, stop,
-                                 reporting.show_progress(cfg.trainer.progress, rank), started_at, spread)
+                                 run_report.show_progress(cfg.trainer.progress, rank), started_at, spread)
         if resume:
             trainer.resume_from(*resume)
         result = trainer.fit()
@@ -286,7 +281,7 @@ def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float,
     try:
         return run(OmegaConf.create(cfg), run_dir, rank, started_at, entered_at, problem)
     except Exception as error:
-        log.exception("rank %d failed", rank.rank, extra=reporting.FILE_ONLY)
+        log.exception("rank %d failed", rank.rank, extra=ranklog.FILE_ONLY)
         if isinstance(error, EveryRankError):
             raise WorkerError(EVERY_RANK + str(error)) from None
         if isinstance(error, UserError):

@@ -1,13 +1,8 @@
-"""Starting the workers: spawn, torchrun's machinery from Python, or none (an outside launcher did).
-
-The parent resolves the config once (`validate.resolve`) and hands the plain result and the
-run directory to every worker.
-"""
+"""Starting the workers on this node (spawn, or torchrun's machinery from Python), holding the rendezvous store, and naming the first failure."""
 
 from __future__ import annotations
 
-import atexit
-import contextlib
+import importlib
 import inspect
 import json
 import logging
@@ -19,86 +14,43 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, Optional
 
 import torch.multiprocessing as mp
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig
 
-from hydra_ddp import distributed, evaluation, reporting, scaling, startup, validate, worker
-from hydra_ddp.signals import STOP_SIGNALS
 from hydra_ddp.errors import EVERY_RANK, LOST_A_PEER, UserError
+from hydra_ddp.launch import startup
+from hydra_ddp.parallel import distributed
 from hydra_ddp.rundir import RunDir
+from hydra_ddp.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
+
 
 SPAWN_GRACE_S = 5.0  # how long the other workers get to exit after one fails, before SIGTERM, then SIGKILL
 
 
-def adopt_external_launch(argv: list[str]) -> None:
-    """Prepare argv when this process is already a worker of torchrun, torch.distributed.launch or mpirun.
-
-    The legacy launcher appends `--local-rank=N`, which Hydra would reject: it becomes LOCAL_RANK.
-    Ranks other than 0 then skip Hydra's output directory and log file: rank 0 decides the
-    run directory and tells the others once the process group is up.
-    """
-    for arg in [a for a in argv[1:] if a.startswith(("--local-rank=", "--local_rank="))]:
-        os.environ["LOCAL_RANK"] = arg.split("=", 1)[1]
-        argv.remove(arg)
-    found = distributed.external_launch()
-    if found and not found[1].is_main:
-        # Hydra's "disabled" logging would also disable every logger that exists by then (the
-        # project's, created at import): this rank's lines would never reach the run's log file.
-        argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
-                 "hydra.job_logging.disable_existing_loggers=false", "hydra.hydra_logging.disable_existing_loggers=false"]
+# The workers' entry points, by name: the launch side never imports the worker side. A worker
+# process imports it as it starts (under forkserver, the forkserver has: startup.PRELOAD), and so
+# does an outside launch's rank, which is a worker itself.
+WORKER = "hydra_ddp.training.worker"
 
 
-def exit_after(entry: Callable[[], Any]) -> NoReturn:
-    """Run train.py's entry point, then end the process without the interpreter's teardown.
-
-    Exit handlers run and other threads are waited for, as at any exit; what is skipped is freeing
-    torch's thousands of modules and objects one by one, which takes seconds after `import torch`
-    alone, at the end of every command, with every output already closed.
-    """
-    try:
-        entry()
-        code: Any = 0
-    except SystemExit as stop:
-        code = stop.code
-    # What the interpreter does first at exit, in its order: threading's exit hooks (which stop
-    # executors' threads, e.g. joblib's), then waiting for non-daemon threads, then atexit's handlers.
-    shutdown_threads = getattr(threading, "_shutdown", None)
-    if shutdown_threads is None:  # not CPython: exit the usual way
-        sys.exit(code)
-    shutdown_threads()
-    atexit._run_exitfuncs()
-    if code is not None and not isinstance(code, int):
-        say(str(code))  # as the interpreter prints a SystemExit's message
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
+def worker_entry(name: str) -> Callable[..., Any]:
+    return getattr(importlib.import_module(WORKER), name)
 
 
-def run(cfg: DictConfig, started_at: float, task: str = "train") -> Optional[dict[str, Any]]:
-    """Validate, launch, wait; the summary of a finished run, or eval.py's result (task="eval").
-    None on a non-zero node."""
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    distributed.adopt_launcher_environment()
-    external = distributed.external_launch()
-    if startup.checking():
-        return _check_only(cfg, run_dir, external, task)
-    plain = _resolve(cfg, run_dir, external, task)
-    if external:
-        # Only rank 0 knows the run directory: its verdict reaches every rank once the group is up.
-        problem = _problem(plain, run_dir) if external[1].is_main and task == "train" else None
-        return _unless_stopped(worker.main(plain, str(run_dir), external[1], started_at, problem=problem), run_dir,
-                               quiet=not external[1].is_main)
-    return _unless_stopped(launch(plain, run_dir, started_at), run_dir)
+def _spawned(local_rank: int, *args: Any) -> None:
+    """torch.multiprocessing's target (pickled by name): the worker's spawn entry."""
+    worker_entry("spawn_entry")(local_rank, *args)
+
+
+def _elastic(*args: Any) -> Any:
+    """torchelastic's entry point (pickled by name): the worker's elastic entry."""
+    return worker_entry("elastic_entry")(*args)
 
 
 def launch(plain: dict[str, Any], run_dir: Path, started_at: float) -> Optional[dict[str, Any]]:
@@ -139,64 +91,6 @@ def launch(plain: dict[str, Any], run_dir: Path, started_at: float) -> Optional[
     return summary
 
 
-def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], task: str) -> dict[str, Any]:
-    """The plain config for the workers. Under an outside launcher every rank fills it in alike and
-    rank 0 alone checks what depends on its run directory (_problem)."""
-    overrides = list(HydraConfig.get().overrides.task)
-    if task == "eval":
-        plain = evaluation.resolve(cfg, overrides)
-        validate.fill_in_launch(plain, run_dir, external)
-    elif external:
-        plain = validate.fill_in(cfg, run_dir, external)
-    else:
-        plain = validate.resolve(cfg, run_dir, external)
-    plain["task"] = task
-    hydra_cfg = HydraConfig.get()
-    plain["sweep"] = ({"dir": str(Path(hydra_cfg.sweep.dir).resolve()), "job": hydra_cfg.job.num}
-                      if hydra_cfg.mode == RunMode.MULTIRUN else None)  # loggers group a sweep's jobs
-    # The keys set on the command line (a sweep trial's): every worker logs its own values of them.
-    keys = (evaluation.override_key(o) for o in overrides if "=" in o)
-    plain["overridden"] = [k for k in keys if _is_value(plain, k.split("."))]
-    return plain
-
-
-def _check_only(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], task: str) -> None:
-    """train.py --check: everything a run checks before its first step, and nothing launched; one
-    line that says what would run (or the UserError's one line)."""
-    try:
-        plain = _resolve(cfg, run_dir, external, task)
-        if task == "train":
-            if external:
-                validate.check(plain, run_dir)
-            validate.dry_build(plain)
-    finally:
-        with contextlib.suppress(OSError):
-            run_dir.rmdir()  # Hydra made it for this command; nothing was written there (only if empty)
-    launcher, trainer = plain["launcher"], plain["trainer"]
-    what = (f"{plain['strategy']['name']}, global batch {plain['data']['global_batch_size']}" if task == "train"
-            else f"eval of {plain['eval']['ckpt']} on {plain['eval']['split']}")
-    print(f"hydra-ddp: config OK: {trainer['nproc'] * launcher['nnodes']} worker(s) on {trainer['device']} "
-          f"({launcher['name']}, backend {plain['backend']['name']}, init {plain['init_method']['name']}), {what}; "
-          "nothing launched", flush=True)
-
-
-def _is_value(plain: dict[str, Any], path: list[str]) -> bool:
-    node: Any = plain
-    for part in path:
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return not isinstance(node, (dict, list))
-
-
-def _problem(plain: dict[str, Any], run_dir: Path) -> Optional[str]:
-    try:
-        validate.check(plain, run_dir)
-    except UserError as error:
-        return str(error)
-    return None
-
-
 def _host_stores(plain: dict[str, Any]) -> list[Any]:
     """On a single node this process serves the rendezvous store itself, on a port it binds (port 0:
     a free one) before any worker starts and holds for the whole run: no other job can take the
@@ -232,21 +126,10 @@ def _completed_despite(failure: "WorkerFailed", summary_file: Path) -> None:
         f"completed ({summary_file} written): the results are complete")
 
 
-def _unless_stopped(summary: Optional[dict[str, Any]], run_dir: Path, quiet: bool = False) -> Optional[dict[str, Any]]:
-    """The summary of a finished run; a run that stopped early on a signal is a Stopped error
-    (`quiet`: an outside launch's other ranks, which know no run directory: rank 0 says it)."""
-    if summary and summary["stopped_by"]:
-        raise Stopped(summary, run_dir, quiet)
-    if summary and summary.get("ended_by") == "max_time":
-        say(f"hydra-ddp: trainer.max_time spent at step {summary['steps']}: tested and checkpointed; continue "
-            f"with: {_again(run_dir)}")
-    return summary
-
-
 def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float, parent: Optional[int]) -> None:
     log_file = RunDir(run_dir).log(plain["task"])
     context = mp.start_processes(
-        worker.spawn_entry, args=(plain, str(run_dir), started_at, parent), nprocs=plain["trainer"]["nproc"],
+        _spawned, args=(plain, str(run_dir), started_at, parent), nprocs=plain["trainer"]["nproc"],
         join=False, start_method=plain["launcher"]["start_method"],
     )
 
@@ -275,7 +158,10 @@ def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float, parent: Opti
 
 def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float, parent: Optional[int]) -> Optional[int]:
     """Run the agent; the signal that stopped it, if one did."""
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.api import (
+        DefaultLogsSpecs,
+        SignalException,
+    )
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -307,7 +193,7 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float, parent: O
     as_sigterm = {sig: signal.signal(sig, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
                   for sig in (signal.SIGUSR1, signal.SIGUSR2)}
     try:
-        elastic_launch(config, worker.elastic_entry)(plain, str(run_dir), started_at, parent)
+        elastic_launch(config, _elastic)(plain, str(run_dir), started_at, parent)
         return None
     except SignalException as e:
         return e.sigval  # the agent has passed the signal on and waited for the workers to stop
@@ -384,6 +270,12 @@ class WorkerFailed(UserError):
         super().__init__(f"worker rank {rank} failed: {cause} (full traceback: {log_file})")
 
 
+def _last_line(text: str) -> str:
+    """The worker's one-line WorkerError from the end of a traceback (or torchelastic's message)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].split("WorkerError: ", 1)[-1] if lines else "unknown error"
+
+
 class Stopped(UserError):
     """The workers stopped early on a signal, after writing a checkpoint."""
 
@@ -403,31 +295,8 @@ def _again(run_dir: Path) -> str:
     return shlex.join(["python", "train.py", *kept, f"hydra.run.dir={run_dir}", "trainer.resume=auto"])
 
 
-def _last_line(text: str) -> str:
-    """The worker's one-line WorkerError from the end of a traceback (or torchelastic's message)."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1].split("WorkerError: ", 1)[-1] if lines else "unknown error"
-
-
 def say(line: str) -> None:
     """One line on stderr in one write: the ranks of an outside launch share the stream, and a line
     written in pieces (print writes the text, then the newline) can land inside another rank's."""
     sys.stderr.flush()
     os.write(sys.stderr.fileno(), f"{line}\n".encode())
-
-
-def fail(error: UserError) -> None:
-    """One line on stderr and a non-zero exit: the user's problem needs no traceback.
-
-    In a multirun the job's directory keeps the line (error.txt, read by the scaling report)
-    and the sweep goes on; the report's callback exits non-zero at the end.
-    """
-    message = str(error)
-    message = message[len(EVERY_RANK):] if message.startswith(EVERY_RANK) else message  # an outside launch's rank
-    if not getattr(error, "quiet", False):
-        say(f"hydra-ddp: error: {message}")
-    hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(error, Stopped):  # a stop ends the sweep too
-        RunDir(hydra_cfg.runtime.output_dir).error.write_text(f"{message}\n")
-        return
-    sys.exit(error.exit_code)

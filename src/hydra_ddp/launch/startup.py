@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterator
 
 # The guard that ties the forkserver's life to the launcher's, then what every worker imports.
-PRELOAD = ["hydra_ddp.forkserver_guard", "hydra_ddp.forkserver_imports"]
+PRELOAD = ["hydra_ddp.launch.forkserver_guard", "hydra_ddp.launch.forkserver_imports"]
 START_METHODS = ("forkserver", "spawn")
 _QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
 
@@ -113,7 +113,7 @@ def worker_parent(start_method: str) -> int | None:
     or the forkserver (None if this Python does not say which pid it has)."""
     if start_method != "forkserver":
         return os.getpid()
-    preload()  # started here if train.py did not (a multirun's job, or launch.run called from Python)
+    preload()  # started here if train.py did not (a multirun's job, or command.run called from Python)
     from multiprocessing import forkserver
 
     return getattr(forkserver._forkserver, "_forkserver_pid", None)

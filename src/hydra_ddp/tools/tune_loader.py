@@ -1,7 +1,7 @@
 """Time the data pipeline alone over num_workers × pin_memory, and print the best setting.
 
-    python -m hydra_ddp.tune_loader data=imagefolder data.dataset.root=DIR
-    python -m hydra_ddp.tune_loader 'tune.num_workers=[0,2,4]' tune.batches=50
+    python -m hydra_ddp.tools.tune_loader data=imagefolder data.dataset.root=DIR
+    python -m hydra_ddp.tools.tune_loader 'tune.num_workers=[0,2,4]' tune.batches=50
 
 As the seeds advise: find the loader settings that keep up with training before training.
 One process, the training loader as one rank of `trainer.nproc` would see it.
@@ -21,9 +21,10 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp import data, validate
-from hydra_ddp.config import Config, register_schema
-from hydra_ddp.distributed import RankInfo
+from hydra_ddp import data
+from hydra_ddp.config import resolve
+from hydra_ddp.config.schema import Config, register_schema
+from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.errors import UserError
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
@@ -56,7 +57,7 @@ def time_loader(data_cfg: Any, rank: RankInfo, device: torch.device, batches: in
 
 
 def tune(cfg: DictConfig) -> list[dict[str, Any]]:
-    plain = validate.resolve(cfg, Path.cwd(), external=None)
+    plain = resolve.resolve(cfg, Path.cwd(), external=None)
     nproc = plain["trainer"]["nproc"]
     device = torch.device("cuda" if plain["trainer"]["device"] == "cuda" else "cpu")
     rank = RankInfo(0, nproc, 0, nproc)

@@ -15,7 +15,7 @@ The launcher and the workers take them as a stop request; workers set their own 
 
 import signal
 
-from hydra_ddp import startup
+from hydra_ddp.launch import startup
 
 startup.die_with_parent()
 for _signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):

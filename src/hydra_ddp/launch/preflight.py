@@ -13,8 +13,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict, read_write
 
-from hydra_ddp import distributed, launch, startup
-from hydra_ddp.config import register_schema
+from hydra_ddp.parallel import distributed
+from hydra_ddp.launch import command, startup
+from hydra_ddp.config.schema import register_schema
 
 
 def check(conf_dir: Path, overrides: list[str], run_dir: Path, gpus: Optional[int] = None,
@@ -34,7 +35,7 @@ def check(conf_dir: Path, overrides: list[str], run_dir: Path, gpus: Optional[in
         del cfg["hydra"]
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     with _environment({startup.CHECK_ENV: "1", distributed.CHECK_GPUS_ENV: str(gpus) if gpus else None}):
-        launch.run(cfg, 0.0, task="eval" if config_name == "eval" else "train")
+        command.run(cfg, 0.0, task="eval" if config_name == "eval" else "train")
 
 
 @contextlib.contextmanager

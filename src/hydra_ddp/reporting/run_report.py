@@ -1,12 +1,7 @@
-"""What a run shows and leaves behind: rank-tagged logs, rank 0's TensorBoard file, summary.json.
-
-Every rank logs to the run's one log file; only rank 0 prints to the console, writes
-TensorBoard events and the summary. Non-zero ranks get a Reporter whose writes do nothing.
-"""
+"""Rank 0's reporting of a run: the loggers (preloaded while the ranks start), the progress bar, summary.json and the summary printed at the end."""
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import logging
 import os
@@ -16,64 +11,12 @@ from typing import Any, Iterable, Optional
 
 from omegaconf import OmegaConf
 
-from hydra_ddp import loggers
-from hydra_ddp.distributed import RankInfo
+from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.reporting import loggers
+from hydra_ddp.reporting.ranklog import FILE_ONLY
 from hydra_ddp.rundir import RunDir
 
 log = logging.getLogger(__name__)
-
-_FORMAT = "[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s"
-# `extra=` for records that belong in the log file only (tracebacks: the console gets one line).
-FILE_ONLY = {"file_only": True}
-
-
-class _Console(logging.StreamHandler):
-    """Console records written through tqdm: a progress bar on the terminal is cleared first and
-    drawn again below the line, so bar and record never share a line."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        from tqdm import tqdm
-
-        try:
-            tqdm.write(self.format(record), file=self.stream)
-        except Exception:
-            self.handleError(record)
-
-
-def setup_logging(rank: RankInfo, run_dir: Path, task: str = "train") -> None:
-    """All ranks append to run_dir/train.log (eval.log; tagged with the rank); rank 0 also prints,
-    but for the tuner's short runs (task "tune"), whose figures the tuner prints."""
-    root = logging.getLogger()
-    for handler in root.handlers[:]:  # an externally launched rank 0 still holds Hydra's handlers
-        root.removeHandler(handler)
-        handler.close()
-    formatter = logging.Formatter(_FORMAT.format(rank=rank.rank))
-    _crash_dumps_to(RunDir(run_dir).log(task))
-    handlers: list[logging.Handler] = [logging.FileHandler(RunDir(run_dir).log(task), mode="a")]
-    # Python warnings (e.g. anomaly mode's forward traceback) become records: every rank's go to
-    # the log file, none to the console, which keeps to one line per event.
-    logging.captureWarnings(True)
-    if rank.is_main and task != "tune":
-        console = _Console(sys.stdout)
-        console.addFilter(lambda record: not getattr(record, "file_only", False) and record.name != "py.warnings")
-        handlers.append(console)
-    for handler in handlers:
-        handler.setFormatter(formatter)
-        root.addHandler(handler)
-    root.setLevel(logging.INFO)
-
-
-_crash_log: list[Any] = []  # the file faulthandler writes to: open for as long as it may
-
-
-def _crash_dumps_to(path: Path) -> None:
-    """A fatal signal's Python stacks (a segfault; NCCL's watchdog aborting a rank left waiting) go
-    to the log file, not to the console, which keeps to the launcher's one line."""
-    crash_log = open(path, "a")  # noqa: SIM115  (kept open: faulthandler writes to its descriptor)
-    faulthandler.enable(file=crash_log, all_threads=True)
-    for old in _crash_log:
-        old.close()
-    _crash_log[:] = [crash_log]
 
 
 def _logger_nodes(cfg: Any) -> list[Any]:

@@ -1,9 +1,9 @@
 """Find the fastest settings for your model and data by timing a few real training steps under each.
 
-    python -m hydra_ddp.tune                                   # the default run's model and data
-    python -m hydra_ddp.tune model=resnet18 data=cifar10 trainer.nproc=4
-    python -m hydra_ddp.tune 'tune.knobs=[trainer.threads,ddp.bucket_cap_mb]' tune.steps=100
-    python -m hydra_ddp.tune tune.precision=true               # bf16 (fp16 on GPUs) and compressed gradients too
+    python -m hydra_ddp.tools.tune                                   # the default run's model and data
+    python -m hydra_ddp.tools.tune model=resnet18 data=cifar10 trainer.nproc=4
+    python -m hydra_ddp.tools.tune 'tune.knobs=[trainer.threads,ddp.bucket_cap_mb]' tune.steps=100
+    python -m hydra_ddp.tools.tune tune.precision=true               # bf16 (fp16 on GPUs) and compressed gradients too
 
 Each candidate is a real run of your configuration, `tune.steps` steps at your world size,
 launched as train.py launches (workers forked from a forkserver that already imported torch), in
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hydra_ddp import startup
+from hydra_ddp.launch import startup
 
 if __name__ == "__main__":
     startup.preload(sys.argv)  # the workers' imports start now, beside composing the config
@@ -36,8 +36,9 @@ import hydra  # noqa: E402
 from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from hydra_ddp import launch, validate  # noqa: E402
-from hydra_ddp.config import Config, register_schema  # noqa: E402
+from hydra_ddp.config import resolve  # noqa: E402
+from hydra_ddp.launch import command, workers  # noqa: E402
+from hydra_ddp.config.schema import Config, register_schema  # noqa: E402
 from hydra_ddp.errors import UserError  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
@@ -105,7 +106,7 @@ class Timer:
             OmegaConf.update(cfg, key, value, merge=False)
         if cfg.ddp.comm_hook == "powersgd":  # timed compressing, not in its warm-up of plain all-reduces
             cfg.ddp.powersgd.start_step = 0
-        plain = validate.resolve(cfg, run_dir, external=None)
+        plain = resolve.resolve(cfg, run_dir, external=None)
         plain.update(task="tune", sweep=None, overridden=list(overrides))
         return plain
 
@@ -114,7 +115,7 @@ class Timer:
         self.runs += 1
         run_dir = self.scratch / f"run-{self.runs}"
         run_dir.mkdir()
-        summary = launch.launch(self.plain(overrides, run_dir), run_dir, time.time())
+        summary = workers.launch(self.plain(overrides, run_dir), run_dir, time.time())
         if not summary:
             raise UserError(f"the run with {_overrides(overrides) or 'your settings'} wrote no summary: see {run_dir}")
         shutil.rmtree(run_dir)
@@ -137,7 +138,7 @@ def tune(cfg: DictConfig, say: Any = print) -> dict[str, Any]:
         for value in ([] if current in values else [current]) + values:
             try:
                 speeds.append((value, timer.samples_per_sec({**chosen, knob: value})))
-            except launch.Stopped:
+            except command.Stopped:
                 raise
             except UserError as error:
                 if value == current:
@@ -172,11 +173,11 @@ def _overrides(overrides: dict[str, Any]) -> str:
 def main(cfg: DictConfig) -> None:
     try:
         result = tune(cfg)
-    except launch.Stopped as stop:
-        launch.say("hydra-ddp: tune: stopped by a signal; nothing chosen")
+    except command.Stopped as stop:
+        command.say("hydra-ddp: tune: stopped by a signal; nothing chosen")
         sys.exit(stop.exit_code)
     except UserError as error:
-        launch.fail(error)  # one line, exit 2 (a usage error, as train.py's)
+        command.fail(error)  # one line, exit 2 (a usage error, as train.py's)
         return
     if not result["overrides"]:
         print(f"fastest: your settings (no value was {cfg.tune.min_gain:.0%} faster; {result['runs']} runs)")
@@ -190,4 +191,4 @@ if __name__ == "__main__":
     ConfigStore.instance().store(name="schema", node=TuneConfig)  # the training schema plus `tune`
     # A measurement, not a run: no output directory, no log file.
     sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
-    launch.exit_after(main)
+    command.exit_after(main)

@@ -3,15 +3,14 @@
 Hydra merges `conf/*.yaml` onto these dataclasses, so a misspelt key or a value of the
 wrong type fails at composition time, before anything is launched. Groups whose objects
 are built with `_target_` (model, data.dataset, optim, scheduler) stay open (`Any`) so a
-user can add their own in YAML; `hydra_ddp.validate` checks those before launch.
+user can add their own in YAML; `hydra_ddp.config.checks` checks those before launch.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
-
-import math
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf

@@ -7,15 +7,20 @@ import errno
 import ipaddress
 import os
 import socket
-from datetime import timedelta
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from hydra_ddp.errors import UserError
-from hydra_ddp.ranks import RankInfo, external_launch, srun_environment, srun_task  # noqa: F401  (re-exported: callers ask the group's module)
+from hydra_ddp.launch.ranks import (  # noqa: F401  (re-exported: callers ask the group's module)
+    RankInfo,
+    external_launch,
+    srun_environment,
+    srun_task,
+)
 
 
 def adopt_launcher_environment() -> None:

@@ -1,0 +1,70 @@
+"""eval.py's config: the checkpoint's own config, the command line's overrides on top, this command's launch settings."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from hydra_ddp import checkpoints, data
+from hydra_ddp.errors import UserError
+
+
+# --- eval.py: the parent's half ------------------------------------------------------------------
+def resolve(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
+    """eval.py's config: the checkpoint's own (model, data, seed, precision: what it was trained
+    with), the command line's overrides on top, and this command's launch settings."""
+    path = checkpoints.find(str(cfg.ckpt), "ckpt")
+    saved = checkpoints.read(path, "ckpt")
+    composed = OmegaConf.to_container(cfg, resolve=True)
+    plain = copy.deepcopy(saved["config"])
+    for group in ("backend", "init_method", "launcher", "dist"):
+        plain[group] = composed[group]
+    # The run's CPU threads per rank stay (the same kernels, the same bits) unless set on the command line.
+    for key in ("nproc", "device", "progress"):
+        plain["trainer"][key] = composed["trainer"][key]
+    for override in overrides:
+        _apply(plain, composed, override)
+    split = composed["split"]
+    if split not in data.SPLITS:
+        raise UserError(f"split={split!r}: choose {', '.join(data.SPLITS)}")
+    if split == "val" and not plain["data"]["val_fraction"]:
+        raise UserError("split=val: this run had no validation split (data.val_fraction=0); choose split=test or train")
+    plain["eval"] = {"ckpt": str(path), "split": split, "predict": bool(composed["predict"]),
+                     "step": saved["position"]["step"], "epoch": saved["position"]["epoch"]}
+    plain["task"] = "eval"
+    _check_model(plain["model"], saved["model"], path)
+    return plain
+
+
+def override_key(override: str) -> str:
+    """The config key a Hydra command-line override sets: `+a.b@pkg=v` → `a.b`."""
+    return override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+
+
+def _apply(plain: dict[str, Any], composed: dict[str, Any], override: str) -> None:
+    """One command-line override onto the checkpoint's config: a group (model=mlp) replaces the
+    section; a key (data.eval_batch_size=64) takes the composed value."""
+    key = override_key(override)
+    if key in ("ckpt", "split", "predict") or key.startswith("hydra"):
+        return
+    parts = key.split(".")
+    source, target = composed, plain
+    for part in parts[:-1]:
+        source, target = source[part], target.setdefault(part, {})
+    if parts[-1] in source:
+        target[parts[-1]] = copy.deepcopy(source[parts[-1]])
+    else:
+        target.pop(parts[-1], None)  # ~key
+
+
+def _check_model(model_cfg: dict[str, Any], saved: dict[str, torch.Tensor], path: Path) -> None:
+    """The checkpoint's weights fit the model to evaluate: built on the meta device, no memory."""
+    with torch.device("meta"):
+        model = instantiate(model_cfg)
+    checkpoints.check_compatible(model, saved, path, fix="evaluate it with the model it was saved from "
+                                                       "(leave model= out: the checkpoint's is the default)")

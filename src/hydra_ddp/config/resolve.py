@@ -1,0 +1,259 @@
+"""Config resolution: the composed config becomes the plain one every worker receives, with every auto and null that launching depends on settled, once, before any worker starts."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
+
+from hydra_ddp import checkpoints, monitor, performance
+from hydra_ddp.config import groups
+from hydra_ddp.config.checks import check
+from hydra_ddp.errors import UserError
+from hydra_ddp.launch import startup
+from hydra_ddp.parallel import distributed, plans
+from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.rundir import RunDir
+
+DEFAULT_BATCH_SIZE = 32  # per rank, when neither data.batch_size nor data.global_batch_size is set
+
+
+def resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> dict[str, Any]:
+    """The plain config every worker receives: filled in, then checked."""
+    return resolve_plain(plain_config(cfg), run_dir, external)
+
+
+def resolve_plain(plain: dict[str, Any], run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> dict[str, Any]:
+    """resolve() from the composed config made plain (a test's, a tool's)."""
+    settle(plain, run_dir, external)
+    check(plain, run_dir)
+    return plain
+
+
+def fill_in(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> dict[str, Any]:
+    """The plain config, settled but not checked (an outside launch's ranks: rank 0 checks)."""
+    plain = plain_config(cfg)
+    settle(plain, run_dir, external)
+    return plain
+
+
+def settle(plain: dict[str, Any], run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
+    """Resolve every `auto` and null the run depends on (device, world size, backend, init method,
+    batch sizes, the fast settings), once. Every rank of an outside launch runs this alike."""
+    fill_in_launch(plain, run_dir, external)
+    trainer = plain["trainer"]
+    # Model replicas, each reading its own batches: every rank but under tensor parallel (one replica).
+    chosen = plans.plan(plain["strategy"]["name"])
+    replicas = chosen.replicas(plain["strategy"], trainer["nproc"] * plain["launcher"]["nnodes"])
+    _resolve_batch_size(plain["data"], replicas)
+    trainer["resume"] = checkpoints.resume_setting(trainer["resume"])
+    trainer["max_time"] = max_time_seconds(trainer["max_time"])
+    _resolve_monitor(trainer, plain["data"])
+    plain["backend"]["name"] = distributed.group_backend(plain["backend"]["name"], plain["strategy"]["cpu_offload"])
+    # Settled here, alike on every rank of an outside launch.
+    plain["ddp"]["sync_batchnorm"] = chosen.sync_batchnorm(plain["ddp"]["sync_batchnorm"], trainer["device"])
+    if trainer["init_from"]:
+        trainer["init_from"] = str(checkpoints.find(trainer["init_from"], "trainer.init_from"))
+    _settle_fast_settings(plain)
+
+
+def _settle_fast_settings(plain: dict[str, Any]) -> None:
+    """performance.choose's values into the config; `settled` records which were auto (where the
+    workers find a shared-memory segment cannot be made, an auto falls back, a true fails)."""
+    trainer, world = plain["trainer"], plain["trainer"]["nproc"] * plain["launcher"]["nnodes"]
+    chosen = performance.choose(plain, performance.needs_model(plain) and _has_conv2d(plain["model"]),
+                                world, trainer["nproc"])
+    plain["settled"] = {}
+    for name, value in chosen.items():
+        section, key = name.split(".")
+        if plain[section][key] == performance.AUTO:
+            plain["settled"][name] = value
+        plain[section][key] = value
+
+
+def _has_conv2d(model_cfg: Any) -> bool:
+    """Whether the model has 2-D convolutions, built on the meta device (no memory). A model that
+    does not build is the checks' to report, in one line: none is assumed here."""
+    try:
+        with torch.device("meta"):
+            return performance.has_conv2d(instantiate(model_cfg))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def plain_config(cfg: DictConfig) -> dict[str, Any]:
+    """The composed config with every interpolation resolved, or one line naming what is missing."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
+    except MissingMandatoryValue as e:
+        raise UserError(f"{e.full_key} must be set (it is ??? in the config); pass {e.full_key}=...") from None
+    except InterpolationResolutionError as e:
+        raise UserError(groups.mismatch(e)) from None
+
+
+def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
+    """How this command runs: device, world size, backend, init method (train.py's and eval.py's)."""
+    trainer, launcher = plain["trainer"], plain["launcher"]
+    host = distributed.Host.here()
+    trainer["device"] = _device(trainer["device"], host)
+    if external:
+        launcher_name, rank = external
+        launcher.update(name=launcher_name, external=True, nnodes=rank.world_size // rank.local_world_size)
+        trainer["nproc"] = rank.local_world_size
+    else:
+        trainer["nproc"] = _nproc(trainer["nproc"], trainer["device"], host)
+        _check_launcher(launcher)
+    plain["backend"]["name"] = distributed.resolve_backend(plain["backend"]["name"], trainer["device"], trainer["nproc"],
+                                                           host, outside_launch=external is not None)
+    _resolve_init_method(plain["init_method"], run_dir, external is not None)
+    plain["dist"]["timeout_s"] = collective_timeout(plain["dist"]["timeout_s"], plain["backend"]["name"])
+    # Decided here, so the checkpoint records it: the same thread count gives the same CPU kernels,
+    # and eval.py evaluates with it (bit-equal metrics at any world size). N ranks × all cores would thrash.
+    trainer["threads"] = trainer["threads"] or max(1, len(os.sched_getaffinity(0)) // trainer["nproc"])
+
+
+def collective_timeout(value: Any, backend: str) -> int:
+    """dist.timeout_s: auto is 600 s where NCCL runs (its ranks may wait for a dead peer until then), else 1800 s."""
+    if value == "auto":
+        return 600 if "nccl" in backend else 1800
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"dist.timeout_s must be a whole number of seconds (or auto), got {value!r}")
+    return value
+
+
+def _resolve_monitor(trainer: dict[str, Any], data_cfg: dict[str, Any]) -> None:
+    """The monitored metric must exist; without validation (data.val_fraction=0) a val/ metric has no
+    values, and nothing is monitored."""
+    name = trainer["monitor"]
+    if name is not None and name not in monitor.METRICS:
+        raise UserError(f"trainer.monitor={name!r} is not a metric of this run; choose one of "
+                        f"{', '.join(monitor.METRICS)} (or null)")
+    if trainer["monitor_mode"] not in ("auto", "min", "max"):
+        raise UserError(f"trainer.monitor_mode must be auto, min or max, got {trainer['monitor_mode']!r}")
+    fraction = data_cfg["val_fraction"]
+    if not 0 <= fraction < 1:
+        raise UserError(f"data.val_fraction must be in [0, 1), got {fraction}")
+    if fraction == 0 and name is not None and name.startswith("val/"):
+        trainer["monitor"] = None
+
+
+def max_time_seconds(value: Any) -> Optional[float]:
+    """trainer.max_time: seconds, or "[D:]HH:MM:SS" (as Lightning and Slurm write a time limit)."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, str) and ":" in value:
+            parts = [float(p) for p in value.split(":")]
+            if not 3 <= len(parts) <= 4:
+                raise ValueError
+            seconds = sum(p * unit for p, unit in zip(reversed(parts), (1, 60, 3600, 86400)))
+        else:
+            seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise UserError(f"trainer.max_time={value!r}: give seconds (e.g. 3600) or [D:]HH:MM:SS (e.g. 00:12:00:00)")
+    return seconds
+
+
+def _resolve_batch_size(data_cfg: dict[str, Any], world_size: int) -> None:
+    """Per-rank batch from data.batch_size, or data.global_batch_size ÷ world size (one or the other)."""
+    per_rank, total = data_cfg["batch_size"], data_cfg["global_batch_size"]
+    if per_rank is not None and total is not None:
+        raise UserError(
+            f"data.batch_size={per_rank} (per rank) and data.global_batch_size={total} exclude each other: "
+            "set one and leave the other null"
+        )
+    if total is not None:
+        if total < 1 or total % world_size:
+            raise UserError(
+                f"data.global_batch_size={total} does not divide by the world size {world_size}: "
+                f"choose a multiple of {world_size}, or set the per-rank data.batch_size instead"
+            )
+        per_rank = total // world_size
+    per_rank = DEFAULT_BATCH_SIZE if per_rank is None else per_rank
+    if per_rank < 1:
+        raise UserError(f"data.batch_size must be at least 1, got {per_rank}")
+    data_cfg.update(batch_size=per_rank, global_batch_size=per_rank * world_size)
+
+
+def _device(name: str, host: distributed.Host) -> str:
+    if name == "auto":
+        return "cuda" if host.cuda else "cpu"
+    if name == "cuda" and not host.cuda:
+        raise UserError("trainer.device=cuda but CUDA is not available here; use trainer.device=cpu (or auto)")
+    if name not in ("cpu", "cuda"):
+        raise UserError(f"trainer.device must be auto, cpu or cuda, got {name!r}")
+    return name
+
+
+def _nproc(value: Any, device: str, host: distributed.Host) -> int:
+    if value == "auto":
+        return host.gpus if device == "cuda" else 2
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise UserError(f"trainer.nproc must be a positive integer or auto, got {value!r}")
+
+
+def _check_launcher(launcher: dict[str, Any]) -> None:
+    name = launcher["name"]
+    if name == "spawn":
+        if launcher["nnodes"] != 1:
+            raise UserError("launcher=spawn runs on one node; use launcher=torchrun for launcher.nnodes > 1")
+    elif name == "torchrun":
+        if launcher["nnodes"] < 1 or not 0 <= launcher["node_rank"] < launcher["nnodes"]:
+            raise UserError(
+                f"launcher.node_rank={launcher['node_rank']} must be in [0, launcher.nnodes={launcher['nnodes']})"
+            )
+        if launcher["nnodes"] > 1 and not (launcher["rdzv_endpoint"] and launcher["rdzv_id"]):
+            raise UserError(
+                "a multi-node launcher=torchrun needs launcher.rdzv_endpoint=HOST:PORT (node 0) and the same "
+                "launcher.rdzv_id on every node"
+            )
+        # A single node's rendezvous endpoint is the launching process's own store (launch.py).
+        launcher["rdzv_id"] = launcher["rdzv_id"] or uuid.uuid4().hex[:12]
+    else:
+        raise UserError(f"unknown launcher {name!r}; choose spawn or torchrun")
+    method, available = launcher["start_method"], [m for m in startup.START_METHODS if m in mp.get_all_start_methods()]
+    if method not in available:
+        raise UserError(f"launcher.start_method={method!r} is not available here; choose {' or '.join(available)}")
+
+
+def _resolve_init_method(init: dict[str, Any], run_dir: Path, external: bool) -> None:
+    """Where the ranks meet. env: MASTER_ADDR and MASTER_PORT where exported (an outside launcher's,
+    or the user's), else init_method.host and a port the launching process binds (port null: a free
+    one); tcp: init_method.host and port; file: a fresh file in the run directory unless given."""
+    name = init["name"]
+    if name not in distributed.INIT_METHODS:
+        raise UserError(f"unknown init_method {name!r}; choose {', '.join(distributed.INIT_METHODS)}")
+    if name == "env" and "MASTER_PORT" in os.environ:
+        port = os.environ["MASTER_PORT"]
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise UserError(f"MASTER_PORT={port!r} (exported) is not a port; export a number in 1-65535, or unset it")
+        init.update(host=os.environ.get("MASTER_ADDR") or init["host"], port=int(port), port_from="MASTER_PORT")
+    elif name in ("env", "tcp") and init["port"] is None and external:
+        needs = ("MASTER_ADDR and MASTER_PORT exported (rank 0's host, a free port), or init_method.port (and "
+                 "init_method.host), the same on every rank" if name == "env" else
+                 "init_method.port (and init_method.host: rank 0's host), the same on every rank")
+        raise UserError(f"init_method={name} under this launcher needs {needs}")
+    elif name == "file":
+        if init["path"] is None:
+            if external:
+                raise UserError("init_method=file under an outside launcher needs init_method.path, shared by all ranks")
+            init["path"] = str(RunDir(run_dir).rendezvous_store)
+        path = Path(init["path"]).expanduser().resolve()
+        if path.exists() and path.stat().st_size > 0:
+            raise UserError(
+                f"init_method.path {str(path)!r} is a leftover store from another run (not empty): "
+                "reusing it can deadlock; delete it or point init_method.path at a new file"
+            )
+        if not path.parent.is_dir():
+            raise UserError(f"init_method.path: directory {str(path.parent)!r} does not exist")
+        init["path"] = str(path)

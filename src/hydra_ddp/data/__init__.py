@@ -1,0 +1,22 @@
+"""Datasets (built from conf/data/*.yaml through `_target_`), samplers and loaders.
+
+Every dataset function returns `(train, test)`, or `(train, val, test)` where the source has a
+validation split of its own; otherwise `data.val_fraction` of the training set becomes the
+validation split, chosen by `trainer.seed` (the same on every rank and every launcher).
+
+Training shards with DistributedSampler (padded so every rank runs the same number of steps,
+unless `data.even_shards=false`). Evaluation splits into fixed chunks of `eval_batch_size`
+consecutive samples, dealt to the ranks in turn: every sample counts once, and a chunk is computed
+alike at any world size, so the metrics are bit-equal whether 1, 2 or 3 ranks evaluate
+(evaluation.py sums the chunks in order).
+"""
+
+# The package's API: the sources' builders are what conf/data/*.yaml names (hydra_ddp.data.digits).
+from hydra_ddp.data.loading import (  # noqa: F401
+    EvalSplit, Loaders, TensorBatches, build_datasets, build_loaders, carve, eval_split, loader_options,
+)
+from hydra_ddp.data.sampling import ResumableDistributedSampler, SeededSamples, sample_seed  # noqa: F401
+from hydra_ddp.data.sources import (  # noqa: F401
+    CIFAR10_FILES, SPLITS, ImageArrays, check_source, cifar10, digits, image_folder, mnist, python_source, split_folders,
+    synthetic,
+)

@@ -1,0 +1,186 @@
+"""Loaders: the splits built alike on every rank, the training loader (sharded, seeded per sample) and the evaluation splits in fixed chunks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Iterator, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
+
+from hydra_ddp.data.sampling import (
+    ResumableDistributedSampler,
+    SeededSamples,
+    sample_seed,
+)
+from hydra_ddp.errors import UserError
+from hydra_ddp.parallel.distributed import RankInfo
+
+
+class EvalSplit:
+    """One split for evaluation, this rank's part: chunks of `batch_size` consecutive samples
+    (chunk c holds samples c·B … c·B+B-1), chunk c on rank c mod W. No padding, so every sample
+    counts once; and a chunk is the same batch at any world size, so its sums are too.
+
+    Iterating yields (chunk, first sample index, inputs, labels); `passes` counts the iterations
+    begun (the test split's must end at one).
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, rank: RankInfo, device: torch.device,
+                 preload: bool, loader_options: dict[str, Any]):
+        self.samples = len(dataset)  # type: ignore[arg-type]
+        self.batch_size = batch_size
+        self.num_chunks = math.ceil(self.samples / batch_size)
+        self.chunks = range(rank.rank, self.num_chunks, rank.world_size)
+        self.rounds = math.ceil(self.num_chunks / rank.world_size)  # the most chunks any rank holds
+        self.dataset = dataset
+        self.passes = 0
+        self.tensors = tuple(t.to(device) for t in dataset.tensors) if preload else None  # type: ignore[attr-defined]
+        self.loader = None if preload else DataLoader(
+            dataset, batch_sampler=[list(self._indices(c)) for c in self.chunks], **loader_options
+        )
+
+    def _indices(self, chunk: int) -> range:
+        return range(chunk * self.batch_size, min(self.samples, (chunk + 1) * self.batch_size))
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def filler(self) -> torch.Tensor:
+        """One sample as a batch: the input of the forwards a rank runs past its own chunks when every
+        rank must run as many (a sharded model gathers its parameters in each)."""
+        if self.tensors is not None:
+            return self.tensors[0][:1]
+        return self.dataset[0][0].unsqueeze(0)
+
+    def __iter__(self) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        self.passes += 1
+        if self.tensors is not None:
+            for chunk in self.chunks:
+                where = self._indices(chunk)
+                x, y = (t[where.start : where.stop] for t in self.tensors)
+                yield chunk, where.start, x, y
+        else:
+            for chunk, (x, y) in zip(self.chunks, self.loader):
+                yield chunk, chunk * self.batch_size, x, y
+
+
+class TensorBatches:
+    """Batches sliced from whole tensors (a preloaded TensorDataset): one indexing op per batch
+    instead of a Python call per sample. Same sampler, same order: the same batches as a DataLoader."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], sampler: Sampler[int], batch_size: int, drop_last: bool):
+        self.tensors, self.sampler, self.batch_size, self.drop_last = tensors, sampler, batch_size, drop_last
+
+    def __len__(self) -> int:
+        n = len(self.sampler)  # type: ignore[arg-type]
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        indices = torch.tensor(list(self.sampler), dtype=torch.long, device=self.tensors[0].device)
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            batch = indices[start : start + self.batch_size]
+            yield tuple(t[batch] for t in self.tensors)
+
+
+class Loaders(NamedTuple):
+    train: Iterable
+    val: Optional[EvalSplit]  # None with data.val_fraction=0: nothing to validate on
+    test: EvalSplit
+    train_sampler: ResumableDistributedSampler
+    batch_size: int  # per rank, of the training batches
+
+
+def build_datasets(data_cfg: Any, rank: RankInfo, seed: int) -> dict[str, Optional[Dataset]]:
+    """{"train", "val", "test"}: the source's splits, with validation carved from training where the
+    source has none (val is None with data.val_fraction=0). Every rank builds them, alike; a
+    download happens once, on rank 0, while the others wait."""
+    dataset_cfg = data_cfg.dataset
+    if dataset_cfg.get("download", False):
+        splits = instantiate(dataset_cfg) if rank.is_main else None
+        dist.barrier()
+        splits = splits if rank.is_main else instantiate(dataset_cfg)
+    else:
+        splits = instantiate(dataset_cfg)
+    if not isinstance(splits, (tuple, list)) or len(splits) not in (2, 3):
+        raise UserError(f"data.dataset ({dataset_cfg.get('_target_')}) must return (train, test) or "
+                        f"(train, val, test), got {type(splits).__name__}")
+    train, *val, test = splits
+    if data_cfg.overfit_batches:  # the first samples, trained and validated on: loss must reach ~0
+        n = min(len(train), data_cfg.overfit_batches * data_cfg.batch_size * rank.world_size)
+        train = TensorDataset(*(t[:n] for t in train.tensors)) if isinstance(train, TensorDataset) \
+            else Subset(train, list(range(n)))
+        return {"train": train, "val": train, "test": test}
+    fraction = data_cfg.val_fraction
+    if fraction == 0:
+        return {"train": train, "val": None, "test": test}
+    if val:
+        return {"train": train, "val": val[0], "test": test}
+    train, carved = carve(train, fraction, seed)
+    return {"train": train, "val": carved, "test": test}
+
+
+def carve(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """(rest, validation): `fraction` of the training set, chosen by a permutation seeded with `seed`.
+    In-memory tensors stay whole tensors (sliced), so data.preload keeps working."""
+    n = len(train)  # type: ignore[arg-type]
+    n_val = max(1, round(n * fraction))
+    if n_val >= n:
+        raise UserError(f"data.val_fraction={fraction} leaves no training samples out of {n}; choose a smaller one")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    keep, held_out = order[n_val:].sort().values, order[:n_val].sort().values  # in dataset order
+    if isinstance(train, TensorDataset):
+        return TensorDataset(*(t[keep] for t in train.tensors)), TensorDataset(*(t[held_out] for t in train.tensors))
+    return Subset(train, keep.tolist()), Subset(train, held_out.tolist())
+
+
+def loader_options(data_cfg: Any, seed: int, device: torch.device, rank: int = 0) -> dict[str, Any]:
+    workers = data_cfg.num_workers
+    # Its own generator: starting an epoch's iterator then draws nothing from the global RNG, which
+    # the model (dropout) uses, so a resumed run sees the same random numbers as an unbroken one.
+    # Per rank: the loader workers' own seeds (drawn from it) differ between ranks.
+    options: dict[str, Any] = dict(
+        num_workers=workers, pin_memory=data_cfg.pin_memory and device.type == "cuda",
+        generator=torch.Generator().manual_seed(sample_seed(seed, -1, rank)),
+    )
+    if workers > 0:
+        options.update(persistent_workers=data_cfg.persistent_workers, prefetch_factor=data_cfg.prefetch_factor)
+    return options
+
+
+def eval_split(dataset: Dataset, data_cfg: Any, rank: RankInfo, seed: int, device: torch.device) -> EvalSplit:
+    return EvalSplit(dataset, data_cfg.eval_batch_size, rank, device, _preloaded(dataset, data_cfg),
+                     loader_options(data_cfg, seed, device, rank.rank))
+
+
+def _preloaded(dataset: Dataset, data_cfg: Any) -> bool:
+    if data_cfg.preload and not isinstance(dataset, TensorDataset):
+        raise UserError("data.preload=true needs in-memory TensorDatasets (digits, synthetic); set it false")
+    return bool(data_cfg.preload)
+
+
+def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, device: torch.device,
+                  shard: Optional[RankInfo] = None) -> Loaders:
+    """This rank's loaders. `shard`: which share of the data it reads when that is not its rank's
+    (tensor parallel: the ranks of a model replica read the same batches)."""
+    shard = shard or rank
+    splits = build_datasets(data_cfg, rank, seed)
+    train_set = splits["train"]
+    # In-memory tensors draw no randomness per sample: they are sliced whole (data.preload), unwrapped.
+    seeded = not isinstance(train_set, TensorDataset)
+    train_sampler = ResumableDistributedSampler(
+        train_set, num_replicas=shard.world_size, rank=shard.rank, shuffle=True, seed=seed, pad=data_cfg.even_shards,
+        keyed=seeded,
+    )
+    val, test = (eval_split(splits[s], data_cfg, shard, seed, device) if splits[s] is not None else None
+                 for s in ("val", "test"))
+    if _preloaded(train_set, data_cfg):
+        on_device = tuple(t.to(device) for t in train_set.tensors)  # type: ignore[attr-defined]
+        train: Iterable = TensorBatches(on_device, train_sampler, data_cfg.batch_size, data_cfg.drop_last)
+    else:
+        train = DataLoader(SeededSamples(train_set, seed) if seeded else train_set, batch_size=data_cfg.batch_size,
+                           sampler=train_sampler, drop_last=data_cfg.drop_last,
+                           **loader_options(data_cfg, seed, device, rank.rank))
+    return Loaders(train, val, test, train_sampler, data_cfg.batch_size)  # type: ignore[arg-type]

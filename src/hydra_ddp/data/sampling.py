@@ -1,0 +1,80 @@
+"""Which samples a rank trains on, and the randomness each sample draws: a sampler that resumes mid-epoch, and a seed per (epoch, sample)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler that can start part-way into an epoch, for an exact mid-epoch resume.
+
+    `pad=False`: disjoint shards (rank r takes positions r, r+W, … of the epoch's shuffle), every
+    sample once per epoch; shard lengths then differ by at most one sample, and ranks may run out
+    of batches one batch apart (the loop keeps their collectives matched with DDP's Join).
+    """
+
+    def __init__(self, *args: Any, pad: bool = True, keyed: bool = False, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.pad = pad
+        self.keyed = keyed  # yield (epoch, index): the key a SeededSamples dataset draws its randomness from
+        self.start = 0
+        if not pad:
+            self.num_samples = len(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.start = 0
+
+    def skip(self, samples: int) -> None:
+        """Leave out this epoch's first `samples` indices (already trained on before the stop)."""
+        self.start = samples
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = itertools.islice(super().__iter__() if self.pad else self._shard(), self.start, None)
+        return ((self.epoch, index) for index in indices) if self.keyed else indices
+
+    def _shard(self) -> Iterator[int]:
+        n = len(self.dataset)  # type: ignore[arg-type]
+        # The same shuffle as DistributedSampler's: one permutation per epoch, equal on every rank.
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)) \
+            if self.shuffle else torch.arange(n)
+        return iter(order[self.rank :: self.num_replicas].tolist())
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.start)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 64-bit seed for one sample in one epoch (splitmix64 over the three): distinct per sample and
+    epoch, and a function of nothing else, so not of the rank, the world size or the step."""
+    value = 0
+    for part in (seed, epoch, index):
+        value = (value ^ part) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+        value = (value ^ value >> 30) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        value = (value ^ value >> 27) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        value ^= value >> 31
+    return value
+
+
+class SeededSamples(Dataset):
+    """A training set whose samples draw their randomness (torchvision's random crops and flips, any
+    transform drawing from torch's generator) from a seed of (trainer.seed, epoch, sample index):
+    every sample augmented its own way, each epoch anew, and the same way at any world size, on any
+    rank, in any loader worker, and after a mid-epoch resume. The sampler hands it (epoch, index)
+    keys; the caller's own random stream (the model's dropout) is left as it was."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed(self.seed, epoch, index))
+            return self.dataset[index]

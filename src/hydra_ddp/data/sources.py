@@ -1,0 +1,237 @@
+"""The data sources conf/data/*.yaml builds through `_target_`: each returns (train, test), or (train, val, test) where the source has a validation split of its own. Offline by default: scikit-learn's digits as shipped, synthetic data, files on disk."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, Subset, TensorDataset
+
+from hydra_ddp.errors import UserError
+
+SPLITS = ("train", "val", "test")
+
+
+def _split(n: int, test_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_test = max(1, round(n * test_fraction))
+    return order[n_test:], order[:n_test]
+
+
+def _standardize(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mean, std = train.mean(), train.std()
+    return (train - mean) / std, (test - mean) / std
+
+
+@functools.cache  # read once a process (train.py --check reads it for every config it checks)
+def _load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The digits' (images, labels), read from the file scikit-learn ships: importing
+    sklearn.datasets to read it would cost each worker seconds of start-up."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" if spec else None
+    if path is None or not path.is_file():  # another layout: let scikit-learn find it
+        from sklearn.datasets import load_digits
+
+        raw = load_digits()
+        return raw.images, raw.target
+    table = np.loadtxt(path, delimiter=",")  # 64 pixels, then the label, per row (as load_digits reads it)
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
+
+
+def digits(image_size: int = 28, test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset]:
+    """scikit-learn's 1,797 8×8 digits, bilinearly resized to image_size², held in memory."""
+    raw_images, raw_labels = _load_digits()
+    images = torch.from_numpy(raw_images).float().unsqueeze(1) / 16.0
+    images = F.interpolate(images, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    labels = torch.from_numpy(raw_labels).long()
+    train_idx, test_idx = _split(len(labels), test_fraction, seed)
+    train_x, test_x = _standardize(images[train_idx], images[test_idx])
+    return TensorDataset(train_x, labels[train_idx]), TensorDataset(test_x, labels[test_idx])
+
+
+def python_source(context: int = 64, max_bytes: int = 262_144, test_fraction: float = 0.1,
+                  seed: int = 0) -> tuple[Dataset, Dataset]:
+    """Byte-level language modelling on text every machine with Python has: the standard library's
+    own top-level source files, in name order, up to max_bytes. Samples are disjoint windows of
+    `context` + 1 bytes: the input is the first `context`, the target the same shifted by one."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    text = bytearray()
+    for path in sorted(root.glob("*.py")):
+        text += path.read_bytes()
+        if len(text) >= max_bytes:
+            break
+    windows = torch.from_numpy(np.frombuffer(bytes(text[:max_bytes]), dtype=np.uint8).astype(np.int64))
+    count = (len(windows) - 1) // (context + 1)
+    if count < 2:
+        raise UserError(f"data=text: {len(windows)} bytes make fewer than 2 windows of data.dataset.context={context}")
+    windows = windows[: count * (context + 1)].view(count, context + 1)
+    train_idx, test_idx = _split(count, test_fraction, seed)
+    return (TensorDataset(windows[train_idx, :-1], windows[train_idx, 1:]),
+            TensorDataset(windows[test_idx, :-1], windows[test_idx, 1:]))
+
+
+def synthetic(
+    train_size: int = 8192,
+    test_size: int = 1024,
+    in_channels: int = 1,
+    image_size: int = 28,
+    num_classes: int = 10,
+    seed: int = 0,
+) -> tuple[Dataset, Dataset]:
+    """Random images and labels, generated in memory (same on every rank: seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = train_size + test_size
+    x = torch.randn(n, in_channels, image_size, image_size, generator=gen)
+    y = torch.randint(0, num_classes, (n,), generator=gen)
+    return TensorDataset(x[:train_size], y[:train_size]), TensorDataset(x[train_size:], y[train_size:])
+
+
+def _require_dir(root: str, what: str) -> Path:
+    path = Path(root).expanduser().resolve()
+    if not path.is_dir():
+        raise UserError(f"{what}: directory {str(path)!r} does not exist; set data.dataset.root to it")
+    return path
+
+
+def mnist(root: str, download: bool = False) -> tuple[Dataset, Dataset]:
+    from torchvision import datasets, transforms
+
+    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+    return (
+        datasets.MNIST(root, train=True, download=download, transform=tf),
+        datasets.MNIST(root, train=False, download=download, transform=tf),
+    )
+
+
+CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+
+
+class ImageArrays(Dataset):
+    """uint8 H×W×C images and their labels in memory, each image through a torchvision transform."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, transform: Any):
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        return self.transform(Image.fromarray(self.images[index])), int(self.labels[index])
+
+
+def cifar10(root: str, download: bool = False, augment: bool = False) -> tuple[Dataset, Dataset]:
+    """CIFAR-10's python batches under root/cifar-10-batches-py (any files in that format: torchvision's
+    md5 check is for downloads). `augment`: the standard random 4-pixel-padded crop and horizontal
+    flip for training, drawn per sample and epoch (SeededSamples): exact across a mid-epoch resume
+    and the same at any world size."""
+    import pickle
+
+    from torchvision import datasets, transforms
+
+    if download:
+        datasets.CIFAR10(root, train=True, download=True)
+        datasets.CIFAR10(root, train=False, download=True)
+    folder = Path(root) / "cifar-10-batches-py"
+
+    def read(names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        images, labels = [], []
+        for name in names:
+            with open(folder / name, "rb") as f:
+                batch = pickle.load(f, encoding="latin1")
+            images.append(batch["data"])
+            labels += batch["labels"]
+        return np.concatenate(images).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), np.array(labels)
+
+    normalize = [transforms.ToTensor(), transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))]
+    flips = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
+    return (ImageArrays(*read(CIFAR10_FILES[:5]), transforms.Compose(flips + normalize)),
+            ImageArrays(*read(CIFAR10_FILES[5:]), transforms.Compose(normalize)))
+
+
+def image_folder(
+    root: str, image_size: int = 64, grayscale: bool = False, test_fraction: float = 0.2, seed: int = 0
+) -> tuple[Dataset, ...]:
+    """root/<class>/<image>, split into train and test by a seeded permutation; or root/train/<class>/…
+    with root/val/ and root/test/ beside it, each used where present (a missing test/ is split
+    from train/ as above; a missing val/ is carved later by data.val_fraction)."""
+    from torchvision import datasets, transforms
+
+    steps = [transforms.Resize(image_size), transforms.CenterCrop(image_size)]
+    if grayscale:
+        steps.append(transforms.Grayscale(1))
+    steps.append(transforms.ToTensor())
+    transform = transforms.Compose(steps)
+    folders = split_folders(Path(root))
+    if not folders:
+        full = datasets.ImageFolder(str(root), transform=transform)
+        train_idx, test_idx = _split(len(full), test_fraction, seed)
+        return Subset(full, train_idx.tolist()), Subset(full, test_idx.tolist())
+    train = datasets.ImageFolder(str(folders["train"]), transform=transform)
+    if "test" in folders:
+        test: Dataset = datasets.ImageFolder(str(folders["test"]), transform=transform)
+    else:
+        train_idx, test_idx = _split(len(train), test_fraction, seed)
+        train, test = Subset(train, train_idx.tolist()), Subset(train, test_idx.tolist())
+    if "val" in folders:
+        return train, datasets.ImageFolder(str(folders["val"]), transform=transform), test
+    return train, test
+
+
+def split_folders(root: Path) -> dict[str, Path]:
+    """{split: folder} when root holds train/ (and val/, test/) and nothing else; {} for root/<class>/."""
+    subfolders = {d.name: Path(d.path) for d in os.scandir(root) if d.is_dir()} if root.is_dir() else {}
+    if "train" in subfolders and set(subfolders) <= set(SPLITS):
+        return subfolders
+    return {}
+
+
+def check_source(dataset_cfg: Any, num_classes: int) -> None:
+    """Fail before launch, naming the path, when a dataset's files are missing.
+
+    Checks the datasets shipped here that read from disk; a user's own `_target_` is checked
+    when it is built.
+    """
+    target = str(dataset_cfg.get("_target_", ""))
+    root = dataset_cfg.get("root")
+    if target.endswith(".image_folder"):
+        path = _require_dir(root, "data=imagefolder")
+        folders = split_folders(path) or {"": path}
+        found = {split: _class_folders(folder) for split, folder in folders.items()}
+        classes = found.get("train", found.get(""))
+        for split, names in found.items():
+            if names != classes:
+                raise UserError(f"data=imagefolder: {str(folders[split])!r} has classes {names}, train/ has "
+                                f"{classes}: every split needs the same class folders")
+        if len(classes) != num_classes:
+            raise UserError(
+                f"data=imagefolder: {str(path)!r} has {len(classes)} classes but data.num_classes={num_classes}; "
+                f"set data.num_classes={len(classes)}"
+            )
+    elif target.endswith((".mnist", ".cifar10")) and not dataset_cfg.get("download", False):
+        path = _require_dir(root, f"data={target.rsplit('.', 1)[1]}")
+        missing = [n for n in CIFAR10_FILES if not (path / "cifar-10-batches-py" / n).is_file()]
+        if target.endswith(".cifar10") and missing:
+            raise UserError(f"data=cifar10: {str(path / 'cifar-10-batches-py')!r} lacks {', '.join(missing)} (CIFAR-10's "
+                            "python version); set data.dataset.root, or data.dataset.download=true where the network allows")
+
+
+def _class_folders(path: Path) -> list[str]:
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    classes = sorted(d.name for d in os.scandir(path) if d.is_dir())
+    if not classes:
+        raise UserError(f"data=imagefolder: {str(path)!r} has no class subfolders (expected root/<class>/<image>)")
+    empty = [c for c in classes if not any(f.lower().endswith(IMG_EXTENSIONS) for f in os.listdir(path / c))]
+    if empty:
+        raise UserError(f"data=imagefolder: class folder(s) {empty} under {str(path)!r} hold no images")
+    return classes

@@ -1,0 +1,173 @@
+"""The command's side of a run: resolve the config, check it, launch (or join an outside launch), and report the outcome in one line."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Optional
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from hydra_ddp.config import checks, from_checkpoint, resolve
+from hydra_ddp.errors import EVERY_RANK, UserError
+from hydra_ddp.launch import startup, workers
+from hydra_ddp.launch.workers import Stopped, _again, say
+from hydra_ddp.parallel import distributed
+from hydra_ddp.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def adopt_external_launch(argv: list[str]) -> None:
+    """Prepare argv when this process is already a worker of torchrun, torch.distributed.launch or mpirun.
+
+    The legacy launcher appends `--local-rank=N`, which Hydra would reject: it becomes LOCAL_RANK.
+    Ranks other than 0 then skip Hydra's output directory and log file: rank 0 decides the
+    run directory and tells the others once the process group is up.
+    """
+    for arg in [a for a in argv[1:] if a.startswith(("--local-rank=", "--local_rank="))]:
+        os.environ["LOCAL_RANK"] = arg.split("=", 1)[1]
+        argv.remove(arg)
+    found = distributed.external_launch()
+    if found and not found[1].is_main:
+        # Hydra's "disabled" logging would also disable every logger that exists by then (the
+        # project's, created at import): this rank's lines would never reach the run's log file.
+        argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
+                 "hydra.job_logging.disable_existing_loggers=false", "hydra.hydra_logging.disable_existing_loggers=false"]
+
+
+def exit_after(entry: Callable[[], Any]) -> NoReturn:
+    """Run train.py's entry point, then end the process without the interpreter's teardown.
+
+    Exit handlers run and other threads are waited for, as at any exit; what is skipped is freeing
+    torch's thousands of modules and objects one by one, which takes seconds after `import torch`
+    alone, at the end of every command, with every output already closed.
+    """
+    try:
+        entry()
+        code: Any = 0
+    except SystemExit as stop:
+        code = stop.code
+    # What the interpreter does first at exit, in its order: threading's exit hooks (which stop
+    # executors' threads, e.g. joblib's), then waiting for non-daemon threads, then atexit's handlers.
+    shutdown_threads = getattr(threading, "_shutdown", None)
+    if shutdown_threads is None:  # not CPython: exit the usual way
+        sys.exit(code)
+    shutdown_threads()
+    atexit._run_exitfuncs()
+    if code is not None and not isinstance(code, int):
+        say(str(code))  # as the interpreter prints a SystemExit's message
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
+def run(cfg: DictConfig, started_at: float, task: str = "train") -> Optional[dict[str, Any]]:
+    """Validate, launch, wait; the summary of a finished run, or eval.py's result (task="eval").
+    None on a non-zero node."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    distributed.adopt_launcher_environment()
+    external = distributed.external_launch()
+    if startup.checking():
+        return _check_only(cfg, run_dir, external, task)
+    plain = _resolve(cfg, run_dir, external, task)
+    if external:
+        # Only rank 0 knows the run directory: its verdict reaches every rank once the group is up.
+        problem = _problem(plain, run_dir) if external[1].is_main and task == "train" else None
+        return _unless_stopped(workers.worker_entry("main")(plain, str(run_dir), external[1], started_at, problem=problem), run_dir,
+                               quiet=not external[1].is_main)
+    return _unless_stopped(workers.launch(plain, run_dir, started_at), run_dir)
+
+
+def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], task: str) -> dict[str, Any]:
+    """The plain config for the workers. Under an outside launcher every rank fills it in alike and
+    rank 0 alone checks what depends on its run directory (_problem)."""
+    overrides = list(HydraConfig.get().overrides.task)
+    if task == "eval":
+        plain = from_checkpoint.resolve(cfg, overrides)
+        resolve.fill_in_launch(plain, run_dir, external)
+    elif external:
+        plain = resolve.fill_in(cfg, run_dir, external)
+    else:
+        plain = resolve.resolve(cfg, run_dir, external)
+    plain["task"] = task
+    hydra_cfg = HydraConfig.get()
+    plain["sweep"] = ({"dir": str(Path(hydra_cfg.sweep.dir).resolve()), "job": hydra_cfg.job.num}
+                      if hydra_cfg.mode == RunMode.MULTIRUN else None)  # loggers group a sweep's jobs
+    # The keys set on the command line (a sweep trial's): every worker logs its own values of them.
+    keys = (from_checkpoint.override_key(o) for o in overrides if "=" in o)
+    plain["overridden"] = [k for k in keys if _is_value(plain, k.split("."))]
+    return plain
+
+
+def _check_only(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], task: str) -> None:
+    """train.py --check: everything a run checks before its first step, and nothing launched; one
+    line that says what would run (or the UserError's one line)."""
+    try:
+        plain = _resolve(cfg, run_dir, external, task)
+        if task == "train":
+            if external:
+                checks.check(plain, run_dir)
+            checks.dry_build(plain)
+    finally:
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()  # Hydra made it for this command; nothing was written there (only if empty)
+    launcher, trainer = plain["launcher"], plain["trainer"]
+    what = (f"{plain['strategy']['name']}, global batch {plain['data']['global_batch_size']}" if task == "train"
+            else f"eval of {plain['eval']['ckpt']} on {plain['eval']['split']}")
+    print(f"hydra-ddp: config OK: {trainer['nproc'] * launcher['nnodes']} worker(s) on {trainer['device']} "
+          f"({launcher['name']}, backend {plain['backend']['name']}, init {plain['init_method']['name']}), {what}; "
+          "nothing launched", flush=True)
+
+
+def _is_value(plain: dict[str, Any], path: list[str]) -> bool:
+    node: Any = plain
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return not isinstance(node, (dict, list))
+
+
+def _problem(plain: dict[str, Any], run_dir: Path) -> Optional[str]:
+    try:
+        checks.check(plain, run_dir)
+    except UserError as error:
+        return str(error)
+    return None
+
+
+def _unless_stopped(summary: Optional[dict[str, Any]], run_dir: Path, quiet: bool = False) -> Optional[dict[str, Any]]:
+    """The summary of a finished run; a run that stopped early on a signal is a Stopped error
+    (`quiet`: an outside launch's other ranks, which know no run directory: rank 0 says it)."""
+    if summary and summary["stopped_by"]:
+        raise Stopped(summary, run_dir, quiet)
+    if summary and summary.get("ended_by") == "max_time":
+        say(f"hydra-ddp: trainer.max_time spent at step {summary['steps']}: tested and checkpointed; continue "
+            f"with: {_again(run_dir)}")
+    return summary
+
+
+def fail(error: UserError) -> None:
+    """One line on stderr and a non-zero exit: the user's problem needs no traceback.
+
+    In a multirun the job's directory keeps the line (error.txt, read by the scaling report)
+    and the sweep goes on; the report's callback exits non-zero at the end.
+    """
+    message = str(error)
+    message = message[len(EVERY_RANK):] if message.startswith(EVERY_RANK) else message  # an outside launch's rank
+    if not getattr(error, "quiet", False):
+        say(f"hydra-ddp: error: {message}")
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(error, Stopped):  # a stop ends the sweep too
+        RunDir(hydra_cfg.runtime.output_dir).error.write_text(f"{message}\n")
+        return
+    sys.exit(error.exit_code)

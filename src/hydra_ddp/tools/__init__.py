@@ -1,0 +1,1 @@
+"""Tools beside training: the tuner of the fast settings (tune) and of the data loader (tune_loader)."""
