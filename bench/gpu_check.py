@@ -33,7 +33,7 @@ All GPUs (where 2 or more are visible, trainer.nproc = their count; else recorde
 - the CNN under DDP over NCCL: every rank on its own GPU (train.log's "rank r/N on cuda:r"), its
   samples/s against one GPU's;
 - a dead peer (tests/helpers faulty.FailOnRank, rank 1): a non-zero exit within the case's 60 s
-  (dist.timeout_s is 1800 s) and exactly one error line, naming rank 1;
+  (backend.timeout_s is 600 s under NCCL) and exactly one error line, naming rank 1;
 - ResNet-18 with ddp.sync_batchnorm=true and a global batch of 128: the step losses at 1 GPU
   and at all of them agree within 1e-2 relative (cuDNN's default TF32 convolutions widen it);
 - DataParallel against DDP (bench/handwritten.py --parallel dp|ddp), the CNN at 64 per GPU: the

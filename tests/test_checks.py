@@ -102,7 +102,7 @@ def test_a_bad_setting_is_one_line_naming_it(base: dict, tmp_path: Path, change,
 
 def test_the_default_config_passes_every_check(base: dict, tmp_path: Path):
     plain = resolve.resolve_plain(copy.deepcopy(base), tmp_path, None)
-    assert "auto" not in [plain["trainer"]["nproc"], plain["trainer"]["device"], plain["dist"]["timeout_s"],
+    assert "auto" not in [plain["trainer"]["nproc"], plain["trainer"]["device"], plain["backend"]["timeout_s"],
                           plain["trainer"]["channels_last"], plain["ddp"]["sync_batchnorm"]]
     assert set(plain["settled"]) == {"trainer.channels_last", "ddp.gradient_as_bucket_view", "ddp.static_graph",
                                      "ddp.shared_memory"}  # the defaults' autos, each settled once, here
@@ -134,3 +134,24 @@ def test_only_ddp_refuses_nothing_that_ddp_does(base: dict):
     plain["ddp"]["comm_hook"] = "fp16"
     assert not any(refused for refused, _ in plans.plan("ddp").refusals(plain))
     assert any(refused for refused, _ in plans.plan("fsdp").refusals(plain))
+
+
+def test_a_renamed_key_still_works_for_a_release_with_one_line_naming_the_new(base: dict, tmp_path: Path, capsys):
+    plain = copy.deepcopy(base)
+    plain["dist"]["timeout_s"] = 99
+    resolved = resolve.resolve_plain(plain, tmp_path, None)
+    assert resolved["backend"]["timeout_s"] == 99 and "dist" not in resolved
+    assert capsys.readouterr().err == ("hydra-ddp: deprecated: dist.timeout_s is now backend.timeout_s; "
+                                       "the old name goes in the next release\n")
+    quiet = resolve.resolve_plain(copy.deepcopy(base), tmp_path, None)  # not set: no line, the default settled
+    assert quiet["backend"]["timeout_s"] == 1800 and capsys.readouterr().err == ""
+
+
+def test_fsdp_tp_is_fsdp_with_a_tensor_parallel_size_and_eval_composes_without_an_optimizer():
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        fsdp = resolve.plain_config(compose(config_name="config", overrides=["strategy=fsdp"]))["strategy"]
+        both = resolve.plain_config(compose(config_name="config", overrides=["strategy=fsdp_tp",
+                                                                             "strategy.cpu_offload=true"]))["strategy"]
+        evaluation = compose(config_name="eval", overrides=["ckpt=somewhere"])
+    assert both == {**fsdp, "name": "fsdp_tp", "tp_size": 2, "cpu_offload": True}
+    assert "optim" not in evaluation and "scheduler" not in evaluation or evaluation.scheduler is None

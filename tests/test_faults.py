@@ -109,7 +109,7 @@ def test_killed_worker_under_spawn_stops_the_job_and_names_the_rank(run_dir: Pat
 
 
 def test_hung_peer_fails_the_run_within_the_timeout(run_dir: Path):
-    proc = run_train(run_dir, *QUICK, "dist.timeout_s=5", "model._target_=faulty.HangOnRank", "+model.hang_rank=1",
+    proc = run_train(run_dir, *QUICK, "backend.timeout_s=5", "model._target_=faulty.HangOnRank", "+model.hang_rank=1",
                      timeout=90)
     assert proc.returncode != 0
     assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr
@@ -210,7 +210,7 @@ def test_dataset_that_does_not_divide_does_not_hang(tmp_path: Path, run_dir: Pat
     root = make_image_folder(tmp_path / "images", classes=("a", "b"), per_class=6)
     proc = run_train(run_dir, "data=imagefolder", f"data.dataset.root={root}", "data.num_classes=2",
                      "data.image_size=16", "data.dataset.test_fraction=0.25", "data.batch_size=4",
-                     "trainer.epochs=2", "dist.timeout_s=30", "model=mlp", "data.val_fraction=0")  # all 9 train
+                     "trainer.epochs=2", "backend.timeout_s=30", "model=mlp", "data.val_fraction=0")  # all 9 train
     check_ok(proc)
     s = summary(run_dir)
     assert s["steps"] == 4 and s["test_samples"] == 3  # 12 images: 9 train, 3 test, each counted once

@@ -26,7 +26,7 @@ register_schema()
 # Every key whose value `auto` (or null) lets the launch side decide.
 EVERY_AUTO = ("trainer.nproc=auto", "trainer.device=auto", "backend=auto", "trainer.threads=null",
               "trainer.channels_last=auto", "ddp.gradient_as_bucket_view=auto", "ddp.static_graph=auto",
-              "ddp.shared_memory=auto", "ddp.sync_batchnorm=auto", "trainer.monitor_mode=auto", "dist.timeout_s=auto",
+              "ddp.shared_memory=auto", "ddp.sync_batchnorm=auto", "trainer.monitor_mode=auto", "backend.timeout_s=auto",
               "+experiment=cifar10_resnet18", "data.dataset.root=/nonexistent")
 
 
@@ -114,7 +114,7 @@ def test_cpu_offload_on_nccl_gives_its_cpu_shards_gloo(tmp_path: Path, monkeypat
     plain = resolve.fill_in(_compose("+experiment=text_gpt", "strategy=fsdp", "strategy.cpu_offload=true"), tmp_path,
                              None)
     assert plain["backend"]["name"] == "cpu:gloo,cuda:nccl"
-    assert plain["dist"]["timeout_s"] == 600  # NCCL's: a dead peer may go unseen until then
+    assert plain["backend"]["timeout_s"] == 600  # NCCL's: a dead peer may go unseen until then
     plain = resolve.fill_in(_compose("+experiment=text_gpt", "strategy=fsdp"), tmp_path, None)
     assert plain["backend"]["name"] == "nccl"
     assert distributed.group_backend("gloo", cpu_offload=True) == "gloo"  # gloo takes both devices already

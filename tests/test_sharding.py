@@ -22,7 +22,7 @@ def test_uneven_shards_see_every_sample_once_per_epoch_and_end_equal(tmp_path: P
         run_dir, "data=synthetic", "data.even_shards=false", f"data.batch_size={BATCH}", f"trainer.epochs={EPOCHS}",
         "data.dataset._target_=faulty.counted_synthetic", f"+data.dataset.log_dir={logs}",
         f"data.dataset.train_size={TRAIN}", "data.dataset.test_size=16", "trainer.log_every=2",
-        "model._target_=faulty.Recorder", f"+model.log_dir={logs}", "dist.timeout_s=60",
+        "model._target_=faulty.Recorder", f"+model.log_dir={logs}", "backend.timeout_s=60",
         "data.eval_batch_size=4",  # 4 chunks of validation: both ranks evaluate, and so mark each epoch's end
     )
     check_ok(proc)

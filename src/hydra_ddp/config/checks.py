@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoints, data, performance
 from hydra_ddp.config import groups
+from hydra_ddp.config.schema import PRECISIONS
 from hydra_ddp.errors import UserError
 from hydra_ddp.parallel import comm, plans
 from hydra_ddp.parallel.distributed import RankInfo
@@ -34,7 +35,7 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
     _check_target(plain["optim"], "optim")
     if plain["scheduler"]:
         _check_target(plain["scheduler"], "scheduler")
-    if str(trainer["precision"]) not in ("32", "bf16", "16"):
+    if str(trainer["precision"]) not in PRECISIONS:
         raise UserError(f"trainer.precision must be 32, bf16 or 16, got {trainer['precision']!r}")
     wrong = performance.check(plain)
     if wrong:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -100,6 +101,7 @@ def plain_config(cfg: DictConfig) -> dict[str, Any]:
 
 def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
     """How this command runs: device, world size, backend, init method (train.py's and eval.py's)."""
+    _apply_renames(plain, announce=external is None or external[1].is_main)
     trainer, launcher = plain["trainer"], plain["launcher"]
     host = distributed.Host.here()
     trainer["device"] = _device(trainer["device"], host)
@@ -113,18 +115,38 @@ def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tupl
     plain["backend"]["name"] = distributed.resolve_backend(plain["backend"]["name"], trainer["device"], trainer["nproc"],
                                                            host, outside_launch=external is not None)
     _resolve_init_method(plain["init_method"], run_dir, external is not None)
-    plain["dist"]["timeout_s"] = collective_timeout(plain["dist"]["timeout_s"], plain["backend"]["name"])
+    plain["backend"]["timeout_s"] = collective_timeout(plain["backend"]["timeout_s"], plain["backend"]["name"])
     # Decided here, so the checkpoint records it: the same thread count gives the same CPU kernels,
     # and eval.py evaluates with it (bit-equal metrics at any world size). N ranks × all cores would thrash.
     trainer["threads"] = trainer["threads"] or max(1, len(os.sched_getaffinity(0)) // trainer["nproc"])
 
 
+# Keys that moved: the old spelling works for one release, with one line naming the new.
+RENAMED = {"dist.timeout_s": "backend.timeout_s"}
+# Sections that hold only renamed keys: gone from the resolved config.
+RETIRED = ("dist",)
+
+
+def _apply_renames(plain: dict[str, Any], announce: bool) -> None:
+    """A value set under a key's old name moves to its new one (rank 0 says so, once)."""
+    for old, new in RENAMED.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        value = plain.get(old_section, {}).get(old_key)
+        if value is None:
+            continue
+        if announce:
+            sys.stderr.write(f"hydra-ddp: deprecated: {old} is now {new}; the old name goes in the next release\n")
+        plain[new_section][new_key] = value
+    for section in RETIRED:
+        plain.pop(section, None)
+
+
 def collective_timeout(value: Any, backend: str) -> int:
-    """dist.timeout_s: auto is 600 s where NCCL runs (its ranks may wait for a dead peer until then), else 1800 s."""
+    """backend.timeout_s: auto is 600 s where NCCL runs (its ranks may wait for a dead peer until then), else 1800 s."""
     if value == "auto":
         return 600 if "nccl" in backend else 1800
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"dist.timeout_s must be a whole number of seconds (or auto), got {value!r}")
+        raise UserError(f"backend.timeout_s must be a whole number of seconds (or auto), got {value!r}")
     return value
 
 

@@ -18,8 +18,14 @@ from omegaconf import MISSING, OmegaConf
 
 @dataclass
 class BackendConf:
-    # auto: nccl when CUDA is available, else gloo.
+    # The process group's backend. auto: nccl when CUDA is available, else gloo.
     name: str = "auto"
+    # Collective timeout (seconds): a hung peer fails the others after this long. auto: 600 with NCCL,
+    # whose ranks often do not see a dead peer and wait for it until then (torch's own NCCL default;
+    # it bounds how long a crashed job holds its GPUs), 1800 with gloo (torch's default: a dead
+    # peer is seen at once; only a hung one waits). Raise it for rank-0-only work longer than that
+    # between collectives (a download, a huge checkpoint).
+    timeout_s: Any = "auto"
 
 
 @dataclass
@@ -88,12 +94,8 @@ class DataConf:
 
 @dataclass
 class DistConf:
-    # Collective timeout (seconds): a hung peer fails the others after this long. auto: 600 with NCCL,
-    # whose ranks often do not see a dead peer and wait for it until then (torch's own NCCL default;
-    # it bounds how long a crashed job holds its GPUs), 1800 with gloo (torch's default: a dead
-    # peer is seen at once; only a hung one waits). Raise it for rank-0-only work longer than that
-    # between collectives (a download, a huge checkpoint).
-    timeout_s: Any = "auto"
+    # Deprecated: dist.timeout_s is backend.timeout_s (config.resolve.RENAMED). Gone in the next release.
+    timeout_s: Any = None
 
 
 @dataclass
@@ -112,6 +114,10 @@ class EarlyStoppingConf:
     # than min_delta (null: never). All ranks stop at the same step: the metric is global.
     patience: Optional[int] = None
     min_delta: float = 0.0
+
+
+# trainer.precision: 32, bf16 (autocast, CPU or GPU) or 16 (GPU autocast with a GradScaler).
+PRECISIONS = ("32", "bf16", "16")
 
 
 @dataclass

@@ -101,7 +101,7 @@ def _host_stores(plain: dict[str, Any]) -> list[Any]:
     if launcher["nnodes"] > 1:
         return []  # torchrun's rendezvous on node 0 brings the workers together
     torchrun = launcher["name"] == "torchrun"
-    timeout = timedelta(seconds=plain["dist"]["timeout_s"])
+    timeout = timedelta(seconds=plain["backend"]["timeout_s"])
     if init["name"] in ("env", "tcp"):
         setting = init.get("port_from", "init_method.port")
         stores = [distributed.serve_store(init["host"], init["port"] or 0, timeout, setting)]
@@ -235,7 +235,7 @@ def _first_cause(failures: dict[int, Any], logs: Path) -> tuple[int, str]:
 def _follows_another(cause: str) -> bool:
     """A failure that follows a peer's: it lost its peer (gloo sees the dead one at once), or it was
     aborted (NCCL's watchdog ends every rank still waiting on a dead peer with SIGABRT, after
-    dist.timeout_s): the launcher names the peer's own failure first when it has both."""
+    backend.timeout_s): the launcher names the peer's own failure first when it has both."""
     return cause.startswith(LOST_A_PEER) or "SIGABRT" in cause
 
 

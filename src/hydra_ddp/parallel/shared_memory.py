@@ -18,7 +18,7 @@ of the gradients in memory and no socket (its speed-up: bench/results/REPORT.md)
   every rank has mapped it (or failed to): the memory goes back when the last rank exits. A rank 0
   killed within that fraction of a second leaves one behind, removed by a later run's rank 0.
 - A rank waits spinning, then yielding its core, then sleeping in short naps; it stops with an
-  error when a peer exits while it waits, or after dist.timeout_s.
+  error when a peer exits while it waits, or after backend.timeout_s.
 - x86-64 only: its stores are seen by other cores in the order they were made, so a counter never
   moves before the data it announces is visible.
 """
@@ -197,7 +197,7 @@ class SharedMemoryAllReduce:
                 check_liveness_at = now + LIVENESS_EVERY_S
                 if now - since > self.timeout_s:
                     names = ", ".join(str(r) for r in behind)
-                    raise RuntimeError(f"timed out after {self.timeout_s:g} s (dist.timeout_s) waiting for rank(s) "
+                    raise RuntimeError(f"timed out after {self.timeout_s:g} s (backend.timeout_s) waiting for rank(s) "
                                        f"{names} at the gradient all-reduce")
             if checks <= SPINS + YIELDS:
                 os.sched_yield()

@@ -49,7 +49,7 @@ class Replicas:
         if shared:
             # Before DDP: where the segment cannot be shared, every rank raises SharedMemoryUnavailable here.
             gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-            self.shared = shared_memory.SharedMemoryAllReduce(None, gradient_bytes, self.cfg.dist.timeout_s, traffic)
+            self.shared = shared_memory.SharedMemoryAllReduce(None, gradient_bytes, self.cfg.backend.timeout_s, traffic)
         model = DDP(module, device_ids=[self.device.index] if self.device.type == "cuda" else None, **options)
         if self.shared:
             model.register_comm_hook(None, self.shared.hook)

@@ -38,7 +38,8 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from hydra_ddp.config import resolve  # noqa: E402
 from hydra_ddp.launch import command, workers  # noqa: E402
-from hydra_ddp.config.schema import Config, register_schema  # noqa: E402
+from hydra_ddp.config.schema import PRECISIONS, Config, register_schema  # noqa: E402
+from hydra_ddp.parallel import comm  # noqa: E402
 from hydra_ddp.errors import UserError  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
@@ -48,7 +49,7 @@ NUMERICS = ("trainer.precision", "ddp.comm_hook")  # change results beyond float
 
 
 @dataclass
-class TuneConf:
+class SettingsTuneConf:
     knobs: Optional[list[str]] = None  # which of KNOBS to try; null: every one that applies
     steps: int = 40  # per candidate; the first tenth is warm-up, left out as in the summary's steady samples/s
     min_gain: float = 0.05  # a value must beat the configured one by this much (5 %) to replace it
@@ -57,8 +58,8 @@ class TuneConf:
 
 
 @dataclass
-class TuneConfig(Config):
-    tune: TuneConf = field(default_factory=TuneConf)
+class SettingsTuneConfig(Config):
+    tune: SettingsTuneConf = field(default_factory=SettingsTuneConf)
 
 
 def candidates(plain: dict[str, Any], tune: Any) -> dict[str, list[Any]]:
@@ -76,8 +77,8 @@ def candidates(plain: dict[str, Any], tune: Any) -> dict[str, list[Any]]:
         "ddp.bucket_cap_mb": [5, 25, 100] if ddp and world > 1 else [],
         # auto where it can serve (one host, CPU): timed against gloo's all-reduce.
         "ddp.shared_memory": ["auto", False] if ddp and not cuda and ranks == world > 1 else [],
-        "trainer.precision": ["32", "bf16", "16"] if cuda else ["32", "bf16"],
-        "ddp.comm_hook": ["none", "fp16", "bf16", "powersgd"] if ddp and world > 1 else [],
+        "trainer.precision": [p for p in PRECISIONS if cuda or p != "16"],  # fp16 needs a GPU
+        "ddp.comm_hook": list(comm.HOOKS) if ddp and world > 1 else [],
     }
     wanted = list(tune.knobs) if tune.knobs is not None else list(KNOBS)
     unknown = [k for k in wanted if k not in KNOBS]
@@ -188,7 +189,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     register_schema()
-    ConfigStore.instance().store(name="schema", node=TuneConfig)  # the training schema plus `tune`
+    ConfigStore.instance().store(name="schema", node=SettingsTuneConfig)  # the training schema plus `tune`
     # A measurement, not a run: no output directory, no log file.
     sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
     command.exit_after(main)

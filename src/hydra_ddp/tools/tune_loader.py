@@ -31,15 +31,15 @@ CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 @dataclass
-class TuneConf:
+class LoaderTuneConf:
     num_workers: list[int] = field(default_factory=lambda: [0, 1, 2, 4])
     pin_memory: list[bool] = field(default_factory=lambda: [False, True])
     batches: int = 30  # timed, after one warm-up batch
 
 
 @dataclass
-class TuneConfig(Config):
-    tune: TuneConf = field(default_factory=TuneConf)
+class LoaderTuneConfig(Config):
+    tune: LoaderTuneConf = field(default_factory=LoaderTuneConf)
 
 
 def time_loader(data_cfg: Any, rank: RankInfo, device: torch.device, batches: int) -> float:
@@ -86,7 +86,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     register_schema()
-    ConfigStore.instance().store(name="schema", node=TuneConfig)  # the training schema plus `tune`
+    ConfigStore.instance().store(name="schema", node=LoaderTuneConfig)  # the training schema plus `tune`
     # A measurement, not a run: no output directory, no log file.
     sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
     main()

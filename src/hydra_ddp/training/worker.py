@@ -85,7 +85,7 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
         deterministic_kernels()
     if rank.is_main and task == "train":
         run_report.preload_loggers(cfg)  # while the other ranks start: it would hold them at the first collective
-    with distributed.process_group(cfg.backend.name, cfg.init_method, rank, cfg.dist.timeout_s, device):
+    with distributed.process_group(cfg.backend.name, cfg.init_method, rank, cfg.backend.timeout_s, device):
         out = Path(run_dir)
         if external:  # every rank was started with its own idea of the run directory: rank 0's wins
             out = Path(distributed.broadcast_text(run_dir, device))
@@ -279,7 +279,7 @@ def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float,
     """Every worker's entry, whatever started it: the traceback to the log, one line to the launcher."""
     entered_at = time.time()
     try:
-        return run(OmegaConf.create(cfg), run_dir, rank, started_at, entered_at, problem)
+        return run(_read_only(cfg), run_dir, rank, started_at, entered_at, problem)
     except Exception as error:
         log.exception("rank %d failed", rank.rank, extra=ranklog.FILE_ONLY)
         if isinstance(error, EveryRankError):
@@ -292,6 +292,14 @@ def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float,
         if any(sign in line.lower() for sign in PEER_GONE):
             line = LOST_A_PEER + line
         raise WorkerError(line) from None
+
+
+def _read_only(plain: dict[str, Any]) -> DictConfig:
+    """The resolved config as the worker reads it: every value settled on the launch side, none
+    changed here (an assignment raises)."""
+    cfg = OmegaConf.create(plain)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
 
 
 def spawn_entry(local_rank: int, cfg: dict, run_dir: str, started_at: float, parent_pid: Optional[int]) -> None:
