@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test bench soak clean
+.PHONY: train test test-fast bench soak clean
 
 # Python caches the bytecode of what it imports, on first use: the install does not compile every
 # file of torch and the rest (pip does that one file at a time: half of a 150 s install here) but
@@ -24,6 +24,14 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
+
+# The inner loop: the pure-logic tests (config resolution and checks, the loop's parts, timing, the
+# package's shape) and a few end-to-end runs (outside torchrun, the start-up): a few minutes.
+FAST_TESTS := tests/test_architecture.py tests/test_checks.py tests/test_loop_parts.py tests/test_timing.py \
+	tests/test_config.py tests/test_data.py tests/test_models.py tests/test_training.py tests/test_gpu_ready.py \
+	tests/test_startup.py tests/test_ci.py
+test-fast: $(STAMP)
+	$(PY) -m pytest -q $(FAST_TESTS) $(ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/run.py $(ARGS)

@@ -42,15 +42,16 @@ def check(conf_dir: Path, overrides: list[str], run_dir: Path, gpus: Optional[in
 def _environment(values: dict[str, Optional[str]]) -> Iterator[None]:
     saved = {key: os.environ.get(key) for key in values}
     try:
-        for key, value in values.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _set_environment(values)
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _set_environment(saved)
+
+
+def _set_environment(values: dict[str, Optional[str]]) -> None:
+    """Each variable set, or unset where its value is None."""
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

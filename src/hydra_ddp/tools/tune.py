@@ -42,7 +42,7 @@ from hydra_ddp.config.schema import PRECISIONS, Config, register_schema  # noqa:
 from hydra_ddp.parallel import comm  # noqa: E402
 from hydra_ddp.errors import UserError  # noqa: E402
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[3] / "conf")  # the repository's conf/ (src/hydra_ddp/tools/)
 KNOBS = ("data.num_workers", "data.pin_memory", "trainer.threads", "trainer.channels_last", "ddp.bucket_cap_mb",
          "ddp.shared_memory", "trainer.precision", "ddp.comm_hook")
 NUMERICS = ("trainer.precision", "ddp.comm_hook")  # change results beyond float tolerance: tune.precision

@@ -27,7 +27,7 @@ from hydra_ddp.config.schema import Config, register_schema
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.errors import UserError
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[3] / "conf")  # the repository's conf/ (src/hydra_ddp/tools/)
 
 
 @dataclass
