@@ -155,3 +155,23 @@ def test_fsdp_tp_is_fsdp_with_a_tensor_parallel_size_and_eval_composes_without_a
         evaluation = compose(config_name="eval", overrides=["ckpt=somewhere"])
     assert both == {**fsdp, "name": "fsdp_tp", "tp_size": 2, "cpu_offload": True}
     assert "optim" not in evaluation and "scheduler" not in evaluation or evaluation.scheduler is None
+
+
+def test_a_model_built_only_in_the_workers_leaves_channels_last_to_them_and_they_record_it(
+        base: dict, tmp_path: Path, monkeypatch):
+    from torch import nn
+
+    from hydra_ddp import performance
+    from support import HELPERS
+
+    monkeypatch.syspath_prepend(str(HELPERS))
+    plain = copy.deepcopy(base)
+    plain["model"] = {**plain["model"], "_target_": "faulty.ChaosCNN"}  # asks for its rank as it is built
+    resolved = resolve.resolve_plain(plain, tmp_path, None)
+    assert resolved["trainer"]["channels_last"] == "auto" and "trainer.channels_last" not in resolved["settled"]
+    assert resolve.resolve_plain(copy.deepcopy(base), tmp_path, None)["trainer"]["channels_last"] is True
+    conv, dense = nn.Sequential(nn.Conv2d(1, 2, 3)), nn.Sequential(nn.Linear(2, 2))
+    assert performance.settings(resolved, conv)["trainer.channels_last"] is True
+    assert performance.settings(resolved, dense)["trainer.channels_last"] is False
+    recorded = performance.record(copy.deepcopy(resolved), performance.settings(resolved, conv))
+    assert recorded["trainer"]["channels_last"] is True and resolved["trainer"]["channels_last"] == "auto"

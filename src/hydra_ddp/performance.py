@@ -8,7 +8,7 @@ summary names the values the run used.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -22,9 +22,11 @@ SETTINGS = (("trainer", "channels_last"), ("ddp", "gradient_as_bucket_view"), ("
             ("ddp", "shared_memory"))
 
 
-def choose(plain: dict[str, Any], has_conv2d: bool, world_size: int, local_world_size: int) -> dict[str, bool]:
+def choose(plain: dict[str, Any], has_conv2d: Optional[bool], world_size: int, local_world_size: int) -> dict[str, bool]:
     """The value of each setting for this run: the configured one, or what `auto` picks here. Run
-    once, on the launch side, on the resolved config (device and backend settled).
+    once, on the launch side, on the resolved config (device and backend settled). `has_conv2d`
+    None: the model could not be built before launch, and channels_last's auto is left to the
+    workers (settings()).
 
     - channels_last, for models with 2-D convolutions: their kernels run faster on NHWC memory
       (bench/results/REPORT.md); the sums change order, within float tolerance. Other models gain
@@ -46,7 +48,7 @@ def choose(plain: dict[str, Any], has_conv2d: bool, world_size: int, local_world
         plain["backend"]["name"], trainer["device"], world_size, local_world_size)
     auto = {
         # FSDP shards contiguous parameters only: channels_last weights are not.
-        "trainer.channels_last": ddp and has_conv2d,
+        "trainer.channels_last": ddp and has_conv2d if has_conv2d is not None else None,
         "ddp.gradient_as_bucket_view": True,
         "ddp.static_graph": trainer["accumulate"] == 1 and plain["data"]["even_shards"] and not trainer["compile"],
         "ddp.shared_memory": not blockers and world_size > 1,  # one rank: nothing to all-reduce
@@ -59,6 +61,8 @@ def choose(plain: dict[str, Any], has_conv2d: bool, world_size: int, local_world
         if section == "ddp" and not ddp:
             continue  # DDP's own: not used by another strategy
         value = plain[section][key]
+        if value == AUTO and auto[f"{section}.{key}"] is None:
+            continue  # the workers' to settle, from the model they build
         chosen[f"{section}.{key}"] = auto[f"{section}.{key}"] if value == AUTO else bool(value)
     if plain["ddp"]["shared_memory"] is True and ddp and world_size > 1 and blockers:
         raise UserError(f"ddp.shared_memory=true does not combine with {'; '.join(blockers)}; "
@@ -77,10 +81,23 @@ def has_conv2d(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
-def settings(cfg: Any) -> dict[str, bool]:
-    """The run's settled values of SETTINGS (DDP's only under DDP), as the summary names them."""
-    return {f"{section}.{key}": bool(cfg[section][key]) for section, key in SETTINGS
-            if section != "ddp" or cfg["strategy"]["name"] == "ddp"}
+def settings(cfg: Any, model: nn.Module) -> dict[str, bool]:
+    """The run's values of SETTINGS (DDP's only under DDP), as the summary names them: settled on
+    the launch side, but channels_last for a model that could only be built in the workers."""
+    ddp = cfg["strategy"]["name"] == "ddp"
+    values = {f"{section}.{key}": cfg[section][key] for section, key in SETTINGS if section != "ddp" or ddp}
+    if values["trainer.channels_last"] == AUTO:
+        values["trainer.channels_last"] = ddp and has_conv2d(model)
+    return {name: bool(value) for name, value in values.items()}
+
+
+def record(config: dict[str, Any], values: dict[str, bool]) -> dict[str, Any]:
+    """`config` (a plain copy, for a checkpoint) with the values the run used: what eval.py and a
+    resumed run read back."""
+    for name, value in values.items():
+        section, key = name.split(".")
+        config[section][key] = value
+    return config
 
 
 def memory_format(channels_last: bool) -> torch.memory_format:

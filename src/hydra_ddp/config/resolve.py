@@ -69,7 +69,7 @@ def _settle_fast_settings(plain: dict[str, Any]) -> None:
     """performance.choose's values into the config; `settled` records which were auto (where the
     workers find a shared-memory segment cannot be made, an auto falls back, a true fails)."""
     trainer, world = plain["trainer"], plain["trainer"]["nproc"] * plain["launcher"]["nnodes"]
-    chosen = performance.choose(plain, performance.needs_model(plain) and _has_conv2d(plain["model"]),
+    chosen = performance.choose(plain, _has_conv2d(plain["model"]) if performance.needs_model(plain) else False,
                                 world, trainer["nproc"])
     plain["settled"] = {}
     for name, value in chosen.items():
@@ -79,14 +79,16 @@ def _settle_fast_settings(plain: dict[str, Any]) -> None:
         plain[section][key] = value
 
 
-def _has_conv2d(model_cfg: Any) -> bool:
-    """Whether the model has 2-D convolutions, built on the meta device (no memory). A model that
-    does not build is the checks' to report, in one line: none is assumed here."""
+def _has_conv2d(model_cfg: Any) -> Optional[bool]:
+    """Whether the model has 2-D convolutions, built on the meta device (no memory); None where it
+    cannot be built before launch (a model that asks for its rank as it is built): the workers
+    settle channels_last from the model they build, and record it. A model that does not build at
+    all is the checks' to report, in one line."""
     try:
         with torch.device("meta"):
             return performance.has_conv2d(instantiate(model_cfg))
     except Exception:  # noqa: BLE001
-        return False
+        return None
 
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:

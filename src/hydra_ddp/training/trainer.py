@@ -15,7 +15,6 @@ from torch import nn
 from torch.distributed.algorithms import Join
 from tqdm import tqdm
 
-from hydra_ddp import performance
 from hydra_ddp.data import Loaders
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.reporting.run_report import Reporter
@@ -35,11 +34,10 @@ log = logging.getLogger(__name__)
 
 def build(cfg: Any, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Optional[Any], loaders: Loaders,
           device: torch.device, reporter: Reporter, checkpointer: Checkpointer, stop: StopRequest, progress: bool,
-          started_at: float, strategy: Any) -> "Trainer":
+          started_at: float, strategy: Any, memory_format: torch.memory_format) -> "Trainer":
     """The loop and its collaborators, each given its own settings."""
     settings = cfg.trainer
     pos, overheads, monitor = Position(), Overheads(), Monitor.from_config(settings)
-    memory_format = performance.memory_format(settings.channels_last)
     timer = StepTimer(settings.timing, device)  # this rank's time per phase (timing.py): the straggler report
     step = Step(model, optimizer, strategy, device, timer, str(settings.precision), settings.grad_clip, memory_format)
     return Trainer(

@@ -152,8 +152,8 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     # batches; the ranks of a tensor-parallel replica draw alike), saved in every checkpoint. The
     # data's randomness is per sample (data.SeededSamples), of no rank.
     seed_everything(data.sample_seed(cfg.trainer.seed, -2, replica.rank))
-    fast = performance.settings(cfg)  # settled on the launch side; the summary names them
-    memory_format = performance.memory_format(cfg.trainer.channels_last)
+    fast = performance.settings(cfg, model)  # settled on the launch side; the summary names them
+    memory_format = performance.memory_format(fast["trainer.channels_last"])
     if cfg.trainer.init_from and rank.is_main:
         # Rank 0's weights: the strategy starts every rank from them (a resumed run's then replace them).
         skipped = checkpoints.load_weights(model, Path(cfg.trainer.init_from), list(cfg.trainer.init_ignore))
@@ -173,7 +173,8 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     if cfg.trainer.compile:
         train_model = _compiled(train_model, cfg.trainer.compile_backend)
     scheduler = instantiate(cfg.scheduler)(optimizer) if cfg.scheduler else None
-    checkpointer = checkpointing.Checkpointer(cfg.checkpoint, out, rank, device, OmegaConf.to_container(cfg, resolve=True),
+    config = performance.record(OmegaConf.to_container(cfg, resolve=True), fast)  # what the run used
+    checkpointer = checkpointing.Checkpointer(cfg.checkpoint, out, rank, device, config,
                                            sharded=spread.sharded_checkpoints)
     # Rank 0 picks the checkpoint (on every node the same file: checkpoints live with rank 0).
     resume = checkpointer.choose(checkpoints.resume_setting(cfg.trainer.resume)) if rank.is_main else None
@@ -189,7 +190,7 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     reporter = run_report.Reporter(rank, out, cfg, resume_step=resume_step)
     try:
         trainer = training.build(cfg, train_model, optimizer, scheduler, loaders, device, reporter, checkpointer, stop,
-                                 run_report.show_progress(cfg.trainer.progress, rank), started_at, spread)
+                                 run_report.show_progress(cfg.trainer.progress, rank), started_at, spread, memory_format)
         if resume:
             trainer.resume_from(*resume)
         result = trainer.fit()
