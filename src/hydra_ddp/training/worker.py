@@ -1,7 +1,8 @@
 """One worker process, from a plain resolved config: process group → data → model → loop → outputs.
 
-Workers never run Hydra: the parent composed and validated the config once and hands it over
-as a plain dict, so a run has one output directory whatever started the workers.
+Workers never run Hydra: the launch side composed, settled and checked the config once and hands
+it over as a plain dict, read here read-only, so a run has one output directory and one config
+whatever started the workers.
 """
 
 from __future__ import annotations
