@@ -17,7 +17,7 @@ and trainer.max_steps ending each run, so host memory does not grow with the GPU
 
 One GPU (trainer.nproc=1 on any host, so the figures compare across hosts; nccl):
 - parity: train.py against bench/handwritten.py (the seeds' CNN, batch 64), A B A B, and `auto`
-  leaving the CPU-only ddp.shared_memory off;
+  leaving the CPU-only strategy.shared_memory off;
 - the CNN with every `auto` setting off; with workers started as fresh interpreters
   (start_method=spawn: the forkserver must not have touched CUDA); with the fp16 communication
   hook; with fp16 autocast and gradient clipping (GradScaler's unscale); under FSDP2 with bf16
@@ -34,7 +34,7 @@ All GPUs (where 2 or more are visible, trainer.nproc = their count; else recorde
   samples/s against one GPU's;
 - a dead peer (tests/helpers faulty.FailOnRank, rank 1): a non-zero exit within the case's 60 s
   (backend.timeout_s is 600 s under NCCL) and exactly one error line, naming rank 1;
-- ResNet-18 with ddp.sync_batchnorm=true and a global batch of 128: the step losses at 1 GPU
+- ResNet-18 with strategy.sync_batchnorm=true and a global batch of 128: the step losses at 1 GPU
   and at all of them agree within 1e-2 relative (cuDNN's default TF32 convolutions widen it);
 - DataParallel against DDP (bench/handwritten.py --parallel dp|ddp), the CNN at 64 per GPU: the
   ratio of their samples/s after warm-up, and GPU 0's peak allocated memory under DataParallel
@@ -45,7 +45,7 @@ All GPUs (where 2 or more are visible, trainer.nproc = their count; else recorde
   an uninterrupted run: the final weights (checkpoints/last.pt) within 1e-4;
 - eval.py ckpt=RUN_DIR on a finished run: the same test accuracy and loss as the run's summary;
 - an outside launcher (python -m torch.distributed.run --standalone --nproc_per_node=N);
-- PowerSGD (ddp.comm_hook=powersgd, from step 10);
+- PowerSGD (strategy.comm_hook=powersgd, from step 10);
 - FSDP2 with CPU offload, on the transformer;
 - FSDP2 with fp16 mixed precision: a one-line refusal (exit 2) is recorded as refused, not failed;
 - DataParallel against DDP on ResNet-18, 224×224, bf16 autocast, 32 per GPU.
@@ -106,8 +106,8 @@ BOUNDED = ("trainer.epochs=1000", "trainer.progress=false", "checkpoint.every_ep
 # 4096 images of 28×28 (13 MB): several steps an epoch at 64 per rank on up to 8 GPUs.
 SMALL_IMAGES = ("data=synthetic", "data.dataset.train_size=4096", "data.dataset.test_size=256")
 CNN = (*SMALL_IMAGES, "data.batch_size=64", *BOUNDED)
-AUTO_OFF = ("trainer.channels_last=false", "ddp.gradient_as_bucket_view=false", "ddp.static_graph=false",
-            "ddp.shared_memory=false")  # the last is CPU-only: auto leaves it off on CUDA anyway
+AUTO_OFF = ("trainer.channels_last=false", "strategy.gradient_as_bucket_view=false", "strategy.static_graph=false",
+            "strategy.shared_memory=false")  # the last is CPU-only: auto leaves it off on CUDA anyway
 # The transformer on Python's source: 64 KiB make about 12 batches of 64 sequences an epoch.
 GPT = ("+experiment=text_gpt", "data.global_batch_size=64", "data.dataset.max_bytes=65536",
        "checkpoint.every_n_steps=20", *BOUNDED)
@@ -116,7 +116,7 @@ RESNET50 = ("model=torchvision", "model.name=resnet50", "data=synthetic", "data.
             "data.num_classes=1000", "data.dataset.train_size=576", "data.dataset.test_size=128", "data.batch_size=128",
             "data.eval_batch_size=128", "data.preload=true", "trainer.precision=bf16", "trainer.max_steps=40", *BOUNDED)
 # A BatchNorm model at a fixed global batch: the same batches at any world size.
-SYNC_BN = ("model=resnet18", *SMALL_IMAGES, "data.global_batch_size=128", "ddp.sync_batchnorm=true",
+SYNC_BN = ("model=resnet18", *SMALL_IMAGES, "data.global_batch_size=128", "strategy.sync_batchnorm=true",
            "trainer.log_every=5", "trainer.max_steps=20", *BOUNDED)
 ONE_RANK, EVERY_GPU = "trainer.nproc=1", "trainer.nproc={gpus}"
 HAND_CNN = ("--device=cuda", "--steps=200", "--batch-size=64", "--train-size=4096")
@@ -254,8 +254,8 @@ def parity(case: Case, run: Session) -> dict:
         hand.append(run.handwritten(case.bench_args(0, run.gpus), f"hand{i}"))
         project.append(run.train(case.overrides(0, run.gpus), run.scratch / f"run{i}"))
     chosen = project[-1].get("settings", {})
-    if chosen.get("ddp.shared_memory"):  # it sums CPU tensors: auto must leave it off on CUDA
-        raise CaseFailed(f"the default run chose ddp.shared_memory on CUDA: {chosen}")
+    if chosen.get("strategy.shared_memory"):  # it sums CPU tensors: auto must leave it off on CUDA
+        raise CaseFailed(f"the default run chose strategy.shared_memory on CUDA: {chosen}")
     figures = {key: statistics.median(p[key] for p in project) for key in FIGURES}
     hand_rate = statistics.median(h["steady_samples_per_sec"] for h in hand)
     ratio = figures["steady_samples_per_sec"] / hand_rate
@@ -389,7 +389,7 @@ CASES = [
     Case(DEFAULTS, ONE, parity, runs=(CNN_ONE,), bench=((*HAND_CNN, "--nproc=1"),), timeout_s=150),
     Case("CNN, auto settings off", ONE, one_run, runs=((*CNN_ONE, *AUTO_OFF),), baseline=DEFAULTS),
     Case("CNN, start_method=spawn", ONE, one_run, runs=((*CNN_ONE, "launcher.start_method=spawn"),), baseline=DEFAULTS),
-    Case("CNN, comm_hook=fp16", ONE, one_run, runs=((*CNN_ONE, "ddp.comm_hook=fp16"),), baseline=DEFAULTS),
+    Case("CNN, comm_hook=fp16", ONE, one_run, runs=((*CNN_ONE, "strategy.comm_hook=fp16"),), baseline=DEFAULTS),
     # GradScaler's unscale before clipping runs only on the GPU (fp16): it must train and log.
     Case("CNN, fp16 + grad_clip=1", ONE, one_run, runs=((*CNN_ONE, "trainer.precision=16", "trainer.grad_clip=1.0"),),
          baseline=DEFAULTS),
@@ -418,7 +418,7 @@ CASES = [
     Case("eval.py ckpt=RUN_DIR", ALL, evaluate, runs=((*RESUMABLE, "trainer.max_steps=20"),), timeout_s=90),
     Case("outside launcher: torch.distributed.run", ALL, outside_launcher, runs=((*CNN, "trainer.max_steps=100"),)),
     Case("PowerSGD", ALL, powersgd, baseline=NCCL_ALL,
-         runs=((*CNN, EVERY_GPU, "trainer.max_steps=100", "ddp.comm_hook=powersgd", "ddp.powersgd.start_step=10"),)),
+         runs=((*CNN, EVERY_GPU, "trainer.max_steps=100", "strategy.comm_hook=powersgd", "strategy.powersgd.start_step=10"),)),
     Case("GPT, FSDP2 + CPU offload", ALL, model_state, timeout_s=90,
          runs=((*GPT, EVERY_GPU, "trainer.max_steps=40", "strategy=fsdp", "strategy.cpu_offload=true"),)),
     Case("CNN, FSDP2 fp16", ALL, one_run, may_refuse=True,

@@ -63,12 +63,12 @@ _INTROS = {
     "uses the whole machine. Reference: 1 rank.",
     "options": "The project at 2 ranks with each set of performance overrides (`OPTIONS` in bench/run.py). "
     "Reference: the first.",
-    "comm": "The project at 2 ranks with each DDP communication hook (`ddp.comm_hook`, src/hydra_ddp/parallel/comm.py; "
+    "comm": "The project at 2 ranks with each DDP communication hook (`strategy.comm_hook`, src/hydra_ddp/parallel/comm.py; "
     "PowerSGD at rank 1, compressing from the first step); "
     "**all-reduce / step**: the gradient bytes each rank all-reduces per step. On one machine the all-reduce "
     "is a memory copy: what compression saves in bytes it may cost in compute; it pays off on slow links "
     "between nodes. "
-    "A hook replaces the default shared-memory all-reduce (`ddp.shared_memory`, src/hydra_ddp/parallel/shared_memory.py), "
+    "A hook replaces the default shared-memory all-reduce (`strategy.shared_memory`, src/hydra_ddp/parallel/shared_memory.py), "
     "so the reference is DDP's own fp32 all-reduce through gloo; the last row is the default. "
     "Reference: none through gloo.",
     "checkpoint": "The project at 2 ranks saving a checkpoint every few steps: rank 0 copies the state to memory "

@@ -39,9 +39,9 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "precision=bf16": ("trainer.precision=bf16",),
     "accumulate=2 (no_sync)": ("trainer.accumulate=2",),
     # The fast settings `auto` turns on (src/hydra_ddp/performance.py), turned off one by one.
-    "ddp: bucket view + static graph off": ("ddp.gradient_as_bucket_view=false", "ddp.static_graph=false"),
+    "ddp: bucket view + static graph off": ("strategy.gradient_as_bucket_view=false", "strategy.static_graph=false"),
     "channels_last off": ("trainer.channels_last=false",),
-    "shared memory off (gloo's all-reduce)": ("ddp.shared_memory=false",),
+    "shared memory off (gloo's all-reduce)": ("strategy.shared_memory=false",),
     "num_workers=1": ("data.num_workers=1", "data.persistent_workers=true"),
     "torch.compile (inductor)": ("trainer.compile=true",),
     # What the per-rank timing (src/hydra_ddp/training/timing.py) costs: the defaults have it on.
@@ -55,8 +55,8 @@ COMM_HOOKS = ("fp16", "bf16")
 CHECKPOINT_EVERY = 20
 
 # Every setting `auto` chooses, turned off: the project as it ran before they became defaults.
-AUTO_OFF = ("trainer.channels_last=false", "ddp.gradient_as_bucket_view=false", "ddp.static_graph=false",
-            "ddp.shared_memory=false")
+AUTO_OFF = ("trainer.channels_last=false", "strategy.gradient_as_bucket_view=false", "strategy.static_graph=false",
+            "strategy.shared_memory=false")
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -89,10 +89,10 @@ def plan(cores: int) -> dict[str, list[Case]]:
         "scaling": [Case(f"nproc={n}", "project", nproc=n) for n in world_sizes(cores)],
         "options": [Case(label, "project", overrides=overrides) for label, overrides in OPTIONS.items()],
         # A hook replaces the shared-memory all-reduce: each is compared with gloo's, and the default last.
-        "comm": [Case("comm_hook=none, gloo's all-reduce", "project", overrides=("ddp.shared_memory=false",))]
-        + [Case(f"comm_hook={hook}", "project", overrides=(f"ddp.comm_hook={hook}",)) for hook in COMM_HOOKS]
+        "comm": [Case("comm_hook=none, gloo's all-reduce", "project", overrides=("strategy.shared_memory=false",))]
+        + [Case(f"comm_hook={hook}", "project", overrides=(f"strategy.comm_hook={hook}",)) for hook in COMM_HOOKS]
         + [Case("comm_hook=powersgd (rank 1, from step 0)", "project",
-                overrides=("ddp.comm_hook=powersgd", "ddp.powersgd.start_step=0")),
+                overrides=("strategy.comm_hook=powersgd", "strategy.powersgd.start_step=0")),
            Case("comm_hook=none, shared memory (the default)", "project")],
         "checkpoint": [
             Case("a checkpoint at the end only", "project"),

@@ -49,14 +49,14 @@ BAD = [
     (setting("trainer.precision", "8"), "trainer.precision must be 32, bf16 or 16"),
     (setting("trainer.precision", "16"), "trainer.precision=16 needs a GPU"),
     (setting("trainer.channels_last", "yes"), "trainer.channels_last='yes': expected true, false or auto"),
-    (setting("ddp.static_graph", 2), "ddp.static_graph=2: expected true, false or auto"),
-    (setting("ddp.comm_hook", "int8"), "unknown ddp.comm_hook 'int8'"),
-    (both(setting("ddp.comm_hook", "fp16"), setting("data.even_shards", False)), "does not combine with data.even_shards=false"),
-    (both(setting("ddp.comm_hook", "powersgd"), setting("ddp.powersgd.rank", 0)), "ddp.powersgd.rank must be 1 or more"),
-    (both(setting("ddp.static_graph", True), setting("trainer.accumulate", 2)), "ddp.static_graph=true does not combine"),
-    (both(setting("ddp.shared_memory", True), setting("ddp.comm_hook", "bf16")), "ddp.shared_memory=true does not combine"),
-    (setting("ddp.sync_batchnorm", "maybe"), "ddp.sync_batchnorm: expected true, false or auto"),
-    (setting("ddp.sync_batchnorm", True), "ddp.sync_batchnorm=true needs GPUs"),
+    (setting("strategy.static_graph", 2), "strategy.static_graph=2: expected true, false or auto"),
+    (setting("strategy.comm_hook", "int8"), "unknown strategy.comm_hook 'int8'"),
+    (both(setting("strategy.comm_hook", "fp16"), setting("data.even_shards", False)), "does not combine with data.even_shards=false"),
+    (both(setting("strategy.comm_hook", "powersgd"), setting("strategy.powersgd.rank", 0)), "strategy.powersgd.rank must be 1 or more"),
+    (both(setting("strategy.static_graph", True), setting("trainer.accumulate", 2)), "strategy.static_graph=true does not combine"),
+    (both(setting("strategy.shared_memory", True), setting("strategy.comm_hook", "bf16")), "strategy.shared_memory=true does not combine"),
+    (setting("strategy.sync_batchnorm", "maybe"), "strategy.sync_batchnorm: expected true, false or auto"),
+    (setting("strategy.sync_batchnorm", True), "strategy.sync_batchnorm=true needs GPUs"),
     (setting("trainer.epochs", 0), "trainer.epochs must be at least 1"),
     (setting("trainer.log_every", 0), "trainer.log_every must be at least 1"),
     (setting("trainer.accumulate", 0), "trainer.accumulate must be at least 1"),
@@ -76,7 +76,7 @@ BAD = [
     (setting("optim", {"lr": 0.1}), "optim needs a _target_"),
     (setting("strategy.name", "zero3"), "unknown strategy 'zero3'"),
     (setting("strategy.mixed_precision", "fp8"), "strategy.mixed_precision must be null, bf16 or fp16"),
-    (both(setting("strategy.name", "fsdp"), setting("ddp.comm_hook", "fp16")), "strategy=fsdp: ddp.comm_hook=fp16 is DDP's"),
+    (both(setting("strategy.name", "fsdp"), setting("strategy.comm_hook", "fp16")), "strategy=fsdp: strategy.comm_hook=fp16 is DDP's"),
     (both(setting("strategy.name", "fsdp"), setting("data.even_shards", False)), "strategy=fsdp: data.even_shards=false needs DDP's Join"),
     (both(setting("strategy.name", "fsdp"), setting("trainer.compile", True)), "strategy=fsdp: trainer.compile=true"),
     (both(setting("strategy.name", "fsdp"), setting("trainer.channels_last", True)), "strategy=fsdp: trainer.channels_last=true"),
@@ -103,9 +103,9 @@ def test_a_bad_setting_is_one_line_naming_it(base: dict, tmp_path: Path, change,
 def test_the_default_config_passes_every_check(base: dict, tmp_path: Path):
     plain = resolve.resolve_plain(copy.deepcopy(base), tmp_path, None)
     assert "auto" not in [plain["trainer"]["nproc"], plain["trainer"]["device"], plain["backend"]["timeout_s"],
-                          plain["trainer"]["channels_last"], plain["ddp"]["sync_batchnorm"]]
-    assert set(plain["settled"]) == {"trainer.channels_last", "ddp.gradient_as_bucket_view", "ddp.static_graph",
-                                     "ddp.shared_memory"}  # the defaults' autos, each settled once, here
+                          plain["trainer"]["channels_last"], plain["strategy"]["sync_batchnorm"]]
+    assert set(plain["settled"]) == {"trainer.channels_last", "strategy.gradient_as_bucket_view", "strategy.static_graph",
+                                     "strategy.shared_memory"}  # the defaults' autos, each settled once, here
 
 
 @pytest.mark.parametrize("name, world, tp_size, replicas, tp", [
@@ -131,7 +131,7 @@ def test_sync_batchnorm_auto_is_the_plans_to_settle(name, device, expected):
 
 def test_only_ddp_refuses_nothing_that_ddp_does(base: dict):
     plain = resolve.resolve_plain(copy.deepcopy(base), Path("/nonexistent"), None)
-    plain["ddp"]["comm_hook"] = "fp16"
+    plain["strategy"]["comm_hook"] = "fp16"
     assert not any(refused for refused, _ in plans.plan("ddp").refusals(plain))
     assert any(refused for refused, _ in plans.plan("fsdp").refusals(plain))
 
@@ -175,3 +175,16 @@ def test_a_model_built_only_in_the_workers_leaves_channels_last_to_them_and_they
     assert performance.settings(resolved, dense)["trainer.channels_last"] is False
     recorded = performance.record(copy.deepcopy(resolved), performance.settings(resolved, conv))
     assert recorded["trainer"]["channels_last"] is True and resolved["trainer"]["channels_last"] == "auto"
+
+
+def test_ddps_old_section_moves_into_the_ddp_strategy_with_a_line_per_key(base: dict, tmp_path: Path, capsys):
+    plain = copy.deepcopy(base)
+    plain["ddp"]["comm_hook"] = "powersgd"
+    plain["ddp"]["powersgd"]["rank"] = 2
+    resolved = resolve.resolve_plain(plain, tmp_path, None)
+    assert resolved["strategy"]["comm_hook"] == "powersgd" and resolved["strategy"]["powersgd"] == {"rank": 2,
+                                                                                                   "start_step": 100}
+    assert "ddp" not in resolved
+    assert capsys.readouterr().err.splitlines() == [
+        f"hydra-ddp: deprecated: ddp.{key} is now strategy.{key}; the old name goes in the next release"
+        for key in ("comm_hook", "powersgd.rank")]

@@ -1,4 +1,4 @@
-"""DDP communication hooks (ddp.comm_hook): each trains across real gloo ranks, and resume stays exact."""
+"""DDP communication hooks (strategy.comm_hook): each trains across real gloo ranks, and resume stays exact."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def test_each_hook_trains_sends_half_the_bytes_and_resumes_exactly(tmp_path: Pat
     # jobs share the forkserver's imports.
     sweep = tmp_path / "sweep"
     check_ok(run_train(tmp_path / "unused", "-m", f"trainer.max_steps={FULL}", "trainer.log_every=2",
-                       "ddp.comm_hook=fp16,bf16,none", "ddp.shared_memory=false", f"hydra.sweep.dir={sweep}"))
+                       "strategy.comm_hook=fp16,bf16,none", "strategy.shared_memory=false", f"hydra.sweep.dir={sweep}"))
     for job, hook in enumerate(("fp16", "bf16", "none")):
         run_dir = sweep / str(job)
         curve = losses(run_dir)
@@ -32,9 +32,9 @@ def test_each_hook_trains_sends_half_the_bytes_and_resumes_exactly(tmp_path: Pat
 
     # Stopped halfway and resumed, a hooked run ends with the uninterrupted run's weights.
     resumed = tmp_path / "resumed"
-    check_ok(run_train(resumed, f"trainer.max_steps={HALF}", "trainer.log_every=2", "ddp.comm_hook=bf16"))
+    check_ok(run_train(resumed, f"trainer.max_steps={HALF}", "trainer.log_every=2", "strategy.comm_hook=bf16"))
     check_ok(run_train(resumed, f"trainer.max_steps={FULL}", "trainer.log_every=2", "trainer.resume=auto",
-                       "ddp.comm_hook=bf16"))
+                       "strategy.comm_hook=bf16"))
     assert summary(resumed)["steps"] == FULL
     assert_same_params(final_params(resumed), final_params(sweep / "1"))
 
@@ -44,7 +44,7 @@ def test_powersgd_sends_low_rank_gradients_and_resumes_exactly(tmp_path: Path):
 
     # Several DDP buckets (0.5 MB each of the CNN's 1.7 MB), compressing from step 4: stopped at
     # step 6 with error feedback and warm-start state in flight, and resumed.
-    hook = ("ddp.comm_hook=powersgd", "ddp.powersgd.start_step=4", "ddp.bucket_cap_mb=0.5", "trainer.log_every=2")
+    hook = ("strategy.comm_hook=powersgd", "strategy.powersgd.start_step=4", "strategy.bucket_cap_mb=0.5", "trainer.log_every=2")
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     check_ok(run_train(full, *hook, f"trainer.max_steps={FULL}"))
     curve = losses(full)

@@ -25,8 +25,8 @@ register_schema()
 
 # Every key whose value `auto` (or null) lets the launch side decide.
 EVERY_AUTO = ("trainer.nproc=auto", "trainer.device=auto", "backend=auto", "trainer.threads=null",
-              "trainer.channels_last=auto", "ddp.gradient_as_bucket_view=auto", "ddp.static_graph=auto",
-              "ddp.shared_memory=auto", "ddp.sync_batchnorm=auto", "trainer.monitor_mode=auto", "backend.timeout_s=auto",
+              "trainer.channels_last=auto", "strategy.gradient_as_bucket_view=auto", "strategy.static_graph=auto",
+              "strategy.shared_memory=auto", "strategy.sync_batchnorm=auto", "trainer.monitor_mode=auto", "backend.timeout_s=auto",
               "+experiment=cifar10_resnet18", "data.dataset.root=/nonexistent")
 
 
@@ -59,13 +59,13 @@ def test_every_auto_is_settled_alike_on_every_rank_of_an_outside_launch(tmp_path
             with pytest.raises(UserError, match="data=cifar10"):  # rank 0's check runs, and changes nothing
                 checks.check(plain, tmp_path / "rank0")
         prints.append(worker.config_fingerprint(plain))
-        assert plain["ddp"]["sync_batchnorm"] is False  # settled: no GPU here
+        assert plain["strategy"]["sync_batchnorm"] is False  # settled: no GPU here
     assert prints[0] == prints[1]
 
 
 def test_sync_batchnorm_auto_under_an_outside_torchrun_trains(run_dir: Path):
     prefix = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
-    check_ok(run_train(run_dir, "ddp.sync_batchnorm=auto", "trainer.max_steps=2", prefix=prefix))
+    check_ok(run_train(run_dir, "strategy.sync_batchnorm=auto", "trainer.max_steps=2", prefix=prefix))
     assert summary(run_dir)["steps"] == 2
 
 

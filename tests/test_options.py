@@ -30,11 +30,11 @@ def reference(tmp_path_factory) -> Path:
          True),  # the same batches, made in a worker process (pinning is for GPUs: ignored on the CPU)
         (("trainer.compile=true", "trainer.compile_backend=eager"), True),
         # gloo's all-reduce instead of the shared segment: at 2 ranks the same sums.
-        (("ddp.shared_memory=false",), True),
+        (("strategy.shared_memory=false",), True),
         # Smaller buckets (other all-reduce groupings), and the fast settings `auto` turns on
         # (performance.py) turned off: within tolerance.
-        (("ddp.bucket_cap_mb=1", "trainer.channels_last=false", "ddp.gradient_as_bucket_view=false",
-          "ddp.static_graph=false", "ddp.shared_memory=false"), False),
+        (("strategy.bucket_cap_mb=1", "trainer.channels_last=false", "strategy.gradient_as_bucket_view=false",
+          "strategy.static_graph=false", "strategy.shared_memory=false"), False),
     ],
     ids=["preload", "loader-workers", "compile", "gloo-all-reduce", "ddp-buckets-and-auto-settings-off"],
 )
@@ -59,13 +59,13 @@ def test_compile_with_inductor_the_default_backend_builds_kernels_and_trains_the
 
 
 def test_auto_settings_are_chosen_per_model_and_named_in_the_summary(reference: Path, run_dir: Path):
-    on = {"trainer.channels_last": True, "ddp.gradient_as_bucket_view": True, "ddp.static_graph": True,
-          "ddp.shared_memory": True}
+    on = {"trainer.channels_last": True, "strategy.gradient_as_bucket_view": True, "strategy.static_graph": True,
+          "strategy.shared_memory": True}
     assert summary(reference)["settings"] == on  # the CNN: convolutions, even shards, no compile, one host
     # No convolutions: no channels_last; uneven shards (Join): no static graph and no shared memory.
     check_ok(run_train(run_dir, *STEPS, "model=mlp", "data.even_shards=false"))
-    assert summary(run_dir)["settings"] == {**on, "trainer.channels_last": False, "ddp.static_graph": False,
-                                            "ddp.shared_memory": False}
+    assert summary(run_dir)["settings"] == {**on, "trainer.channels_last": False, "strategy.static_graph": False,
+                                            "strategy.shared_memory": False}
 
 
 def test_gradient_accumulation_equals_one_larger_batch(reference: Path, tmp_path: Path):
@@ -129,5 +129,5 @@ def test_tune_refuses_an_unknown_knob_in_one_line():
     assert proc.returncode == 2  # a usage error, as train.py's
     assert proc.stderr.strip().splitlines() == [
         "hydra-ddp: error: tune.knobs: unknown trainer.speed; the knobs are " + ", ".join(
-            ["data.num_workers", "data.pin_memory", "trainer.threads", "trainer.channels_last", "ddp.bucket_cap_mb",
-             "ddp.shared_memory", "trainer.precision", "ddp.comm_hook"])], proc.stderr
+            ["data.num_workers", "data.pin_memory", "trainer.threads", "trainer.channels_last", "strategy.bucket_cap_mb",
+             "strategy.shared_memory", "trainer.precision", "strategy.comm_hook"])], proc.stderr

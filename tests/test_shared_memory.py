@@ -1,4 +1,4 @@
-"""The shared-memory all-reduce (ddp.shared_memory): real processes meeting in a real segment,
+"""The shared-memory all-reduce (strategy.shared_memory): real processes meeting in a real segment,
 checked against gloo's all-reduce of the same tensors."""
 
 from __future__ import annotations
@@ -115,11 +115,11 @@ def test_a_full_tmpfs_falls_back_to_gloo_with_a_warning_or_fails_in_one_line_whe
         env = {"HYDRA_DDP_SHM_DIR": str(shm)}
         run_dir = tmp_path / "auto"
         check_ok(run_train(run_dir, *QUICK, env=env))
-        assert summary(run_dir)["settings"]["ddp.shared_memory"] is False
+        assert summary(run_dir)["settings"]["strategy.shared_memory"] is False
         assert "not shared memory: cannot create" in (run_dir / "train.log").read_text()
 
-        asked = run_train(tmp_path / "asked", *QUICK, "ddp.shared_memory=true", env=env)
+        asked = run_train(tmp_path / "asked", *QUICK, "strategy.shared_memory=true", env=env)
         assert asked.returncode != 0
         lines = asked.stderr.strip().splitlines()
-        assert len(lines) == 1 and "ddp.shared_memory=true: cannot create" in lines[0], asked.stderr
+        assert len(lines) == 1 and "strategy.shared_memory=true: cannot create" in lines[0], asked.stderr
         assert not list(shm.iterdir())  # nothing left in it

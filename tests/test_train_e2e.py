@@ -64,7 +64,7 @@ def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
     [config_text] = text(run_dir, "config")
     config_text = config_text.removeprefix("```yaml\n").removesuffix("```")
     config = yaml.safe_load(config_text)
-    assert config["trainer"]["epochs"] == 2 and config["trainer"]["nproc"] == 2 and config["ddp"]["shared_memory"] is True
+    assert config["trainer"]["epochs"] == 2 and config["trainer"]["nproc"] == 2 and config["strategy"]["shared_memory"] is True
 
     # The resolved config, one log file holding every rank, and the console showing rank 0 only.
     assert (run_dir / ".hydra" / "config.yaml").exists()
@@ -169,7 +169,7 @@ def test_failed_rank_is_named_in_one_line_and_leaves_no_orphans(run_dir: Path, l
     log = (run_dir / "train.log").read_text()
     assert "injected failure" in log  # the traceback is kept in the log
     assert_no_orphans(proc.pid)
-    # Rank 0 went on to the shared-memory all-reduce's set-up (ddp.shared_memory) and left no segment.
+    # Rank 0 went on to the shared-memory all-reduce's set-up (strategy.shared_memory) and left no segment.
     pids = {line.rsplit(", pid ", 1)[1].strip() for line in log.splitlines() if ", pid " in line}
     assert pids and not [p.name for p in Path("/dev/shm").glob("hydra-ddp-*") if p.name.split("-")[2] in pids]
 

@@ -18,8 +18,8 @@ from hydra_ddp.parallel import shared_memory
 
 AUTO = "auto"
 # (config section, key): the settings `auto` applies to.
-SETTINGS = (("trainer", "channels_last"), ("ddp", "gradient_as_bucket_view"), ("ddp", "static_graph"),
-            ("ddp", "shared_memory"))
+SETTINGS = (("trainer", "channels_last"), ("strategy", "gradient_as_bucket_view"), ("strategy", "static_graph"),
+            ("strategy", "shared_memory"))
 
 
 def choose(plain: dict[str, Any], has_conv2d: Optional[bool], world_size: int, local_world_size: int) -> dict[str, bool]:
@@ -49,26 +49,26 @@ def choose(plain: dict[str, Any], has_conv2d: Optional[bool], world_size: int, l
     auto = {
         # FSDP shards contiguous parameters only: channels_last weights are not.
         "trainer.channels_last": ddp and has_conv2d if has_conv2d is not None else None,
-        "ddp.gradient_as_bucket_view": True,
-        "ddp.static_graph": trainer["accumulate"] == 1 and plain["data"]["even_shards"] and not trainer["compile"],
-        "ddp.shared_memory": not blockers and world_size > 1,  # one rank: nothing to all-reduce
+        "strategy.gradient_as_bucket_view": True,
+        "strategy.static_graph": trainer["accumulate"] == 1 and plain["data"]["even_shards"] and not trainer["compile"],
+        "strategy.shared_memory": not blockers and world_size > 1,  # one rank: nothing to all-reduce
     }
     wrong = check(plain)
     if wrong:
         raise UserError(f"{', '.join(wrong)}: expected true, false or auto")
     chosen = {}
     for section, key in SETTINGS:
-        if section == "ddp" and not ddp:
+        if section == "strategy" and not ddp:
             continue  # DDP's own: not used by another strategy
         value = plain[section][key]
         if value == AUTO and auto[f"{section}.{key}"] is None:
             continue  # the workers' to settle, from the model they build
         chosen[f"{section}.{key}"] = auto[f"{section}.{key}"] if value == AUTO else bool(value)
-    if plain["ddp"]["shared_memory"] is True and ddp and world_size > 1 and blockers:
-        raise UserError(f"ddp.shared_memory=true does not combine with {'; '.join(blockers)}; "
-                        "set ddp.shared_memory=auto or false")
-    if chosen.get("ddp.shared_memory") and world_size < 2:
-        chosen["ddp.shared_memory"] = False
+    if plain["strategy"]["shared_memory"] is True and ddp and world_size > 1 and blockers:
+        raise UserError(f"strategy.shared_memory=true does not combine with {'; '.join(blockers)}; "
+                        "set strategy.shared_memory=auto or false")
+    if chosen.get("strategy.shared_memory") and world_size < 2:
+        chosen["strategy.shared_memory"] = False
     return chosen
 
 
@@ -85,7 +85,7 @@ def settings(cfg: Any, model: nn.Module) -> dict[str, bool]:
     """The run's values of SETTINGS (DDP's only under DDP), as the summary names them: settled on
     the launch side, but channels_last for a model that could only be built in the workers."""
     ddp = cfg["strategy"]["name"] == "ddp"
-    values = {f"{section}.{key}": cfg[section][key] for section, key in SETTINGS if section != "ddp" or ddp}
+    values = {f"{section}.{key}": cfg[section][key] for section, key in SETTINGS if section != "strategy" or ddp}
     if values["trainer.channels_last"] == AUTO:
         values["trainer.channels_last"] = ddp and has_conv2d(model)
     return {name: bool(value) for name, value in values.items()}
@@ -110,8 +110,8 @@ def config_blockers(cfg: Any) -> list[str]:
     reasons = []
     if cfg["strategy"]["name"] != "ddp":
         reasons.append(f"strategy={cfg['strategy']['name']} (it serves DDP)")
-    if cfg["ddp"]["comm_hook"] != "none":
-        reasons.append(f"ddp.comm_hook={cfg['ddp']['comm_hook']} is a hook of its own")
+    if cfg["strategy"]["comm_hook"] != "none":
+        reasons.append(f"strategy.comm_hook={cfg['strategy']['comm_hook']} is a hook of its own")
     if not cfg["data"]["even_shards"]:
         reasons.append("data.even_shards=false (Join's shadow all-reduces bypass hooks)")
     if cfg["trainer"]["compile"]:

@@ -40,29 +40,29 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
     wrong = performance.check(plain)
     if wrong:
         raise UserError(f"{', '.join(wrong)}: expected true, false or auto")
-    ddp = plain["ddp"]
+    ddp = plain["strategy"]  # DDP's knobs are the ddp strategy's
     if ddp["comm_hook"] not in comm.HOOKS:
-        raise UserError(f"unknown ddp.comm_hook {ddp['comm_hook']!r}; choose {', '.join(comm.HOOKS)}")
+        raise UserError(f"unknown strategy.comm_hook {ddp['comm_hook']!r}; choose {', '.join(comm.HOOKS)}")
     if ddp["comm_hook"] != "none" and not data_cfg["even_shards"]:
-        raise UserError(f"ddp.comm_hook={ddp['comm_hook']} does not combine with data.even_shards=false (Join's "
+        raise UserError(f"strategy.comm_hook={ddp['comm_hook']} does not combine with data.even_shards=false (Join's "
                         "shadow all-reduces bypass the hook); use one or the other")
     powersgd = ddp["powersgd"]
     if ddp["comm_hook"] == "powersgd" and (powersgd["rank"] < 1 or powersgd["start_step"] < 0):
-        raise UserError(f"ddp.powersgd.rank must be 1 or more and ddp.powersgd.start_step 0 or more, got "
+        raise UserError(f"strategy.powersgd.rank must be 1 or more and strategy.powersgd.start_step 0 or more, got "
                         f"{powersgd['rank']} and {powersgd['start_step']}")
-    if plain["ddp"]["static_graph"] is True and trainer["accumulate"] > 1:
-        raise UserError("ddp.static_graph=true does not combine with trainer.accumulate > 1 (DDP's reducer fails "
-                        "on a no_sync step in a static graph); set ddp.static_graph=auto or false")
+    if plain["strategy"]["static_graph"] is True and trainer["accumulate"] > 1:
+        raise UserError("strategy.static_graph=true does not combine with trainer.accumulate > 1 (DDP's reducer fails "
+                        "on a no_sync step in a static graph); set strategy.static_graph=auto or false")
     blockers = performance.config_blockers(plain) + ([f"trainer.device={trainer['device']} (it sums CPU tensors)"]
                                                      if trainer["device"] != "cpu" else [])
-    if plain["ddp"]["shared_memory"] is True and blockers:
-        raise UserError(f"ddp.shared_memory=true does not combine with {'; '.join(blockers)}; "
-                        "set ddp.shared_memory=auto or false")
+    if plain["strategy"]["shared_memory"] is True and blockers:
+        raise UserError(f"strategy.shared_memory=true does not combine with {'; '.join(blockers)}; "
+                        "set strategy.shared_memory=auto or false")
     plans.check(plain)
-    if plain["ddp"]["sync_batchnorm"] not in (True, False):
-        raise UserError(f"ddp.sync_batchnorm: expected true, false or auto, got {plain['ddp']['sync_batchnorm']!r}")
-    if plain["ddp"]["sync_batchnorm"] and trainer["device"] != "cuda":
-        raise UserError("ddp.sync_batchnorm=true needs GPUs (this torch's DDP refuses SyncBatchNorm on the CPU); "
+    if plain["strategy"]["sync_batchnorm"] not in (True, False):
+        raise UserError(f"strategy.sync_batchnorm: expected true, false or auto, got {plain['strategy']['sync_batchnorm']!r}")
+    if plain["strategy"]["sync_batchnorm"] and trainer["device"] != "cuda":
+        raise UserError("strategy.sync_batchnorm=true needs GPUs (this torch's DDP refuses SyncBatchNorm on the CPU); "
                         "set it false, or train with trainer.device=cuda")
     if str(trainer["precision"]) == "16" and trainer["device"] != "cuda":
         raise UserError("trainer.precision=16 needs a GPU (fp16 autocast with a GradScaler); on the CPU use bf16")
@@ -82,8 +82,8 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
         if trainer["compile"]:
             raise UserError("data.even_shards=false does not combine with trainer.compile=true (DDP's Join "
                             "wraps the uncompiled model); use one or the other")
-        if plain["ddp"]["sync_batchnorm"]:
-            raise UserError("data.even_shards=false does not combine with ddp.sync_batchnorm=true (Join cannot "
+        if plain["strategy"]["sync_batchnorm"]:
+            raise UserError("data.even_shards=false does not combine with strategy.sync_batchnorm=true (Join cannot "
                             "stand in for SyncBatchNorm's collectives); use one or the other")
     if launcher["nnodes"] > 1 and plain["init_method"]["name"] != "env":
         raise UserError("across nodes the ranks meet through torchrun's rendezvous: use init_method=env")

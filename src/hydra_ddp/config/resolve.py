@@ -59,7 +59,7 @@ def settle(plain: dict[str, Any], run_dir: Path, external: Optional[tuple[str, R
     _resolve_monitor(trainer, plain["data"])
     plain["backend"]["name"] = distributed.group_backend(plain["backend"]["name"], plain["strategy"]["cpu_offload"])
     # Settled here, alike on every rank of an outside launch.
-    plain["ddp"]["sync_batchnorm"] = chosen.sync_batchnorm(plain["ddp"]["sync_batchnorm"], trainer["device"])
+    plain["strategy"]["sync_batchnorm"] = chosen.sync_batchnorm(plain["strategy"]["sync_batchnorm"], trainer["device"])
     if trainer["init_from"]:
         trainer["init_from"] = str(checkpoints.find(trainer["init_from"], "trainer.init_from"))
     _settle_fast_settings(plain)
@@ -124,21 +124,32 @@ def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tupl
 
 
 # Keys that moved: the old spelling works for one release, with one line naming the new.
-RENAMED = {"dist.timeout_s": "backend.timeout_s"}
+RENAMED = {"dist.timeout_s": "backend.timeout_s",
+           # DDP's knobs are the ddp strategy's (conf/strategy/ddp.yaml).
+           **{f"ddp.{key}": f"strategy.{key}" for key in (
+               "bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "shared_memory", "comm_hook",
+               "powersgd.rank", "powersgd.start_step", "find_unused_parameters", "sync_batchnorm")}}
 # Sections that hold only renamed keys: gone from the resolved config.
-RETIRED = ("dist",)
+RETIRED = ("dist", "ddp")
 
 
 def _apply_renames(plain: dict[str, Any], announce: bool) -> None:
     """A value set under a key's old name moves to its new one (rank 0 says so, once)."""
     for old, new in RENAMED.items():
-        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
-        value = plain.get(old_section, {}).get(old_key)
+        *old_parents, old_key = old.split(".")
+        node = plain
+        for part in old_parents:
+            node = node.get(part) or {}
+        value = node.get(old_key)
         if value is None:
             continue
         if announce:
             sys.stderr.write(f"hydra-ddp: deprecated: {old} is now {new}; the old name goes in the next release\n")
-        plain[new_section][new_key] = value
+        *new_parents, new_key = new.split(".")
+        node = plain
+        for part in new_parents:
+            node = node[part]
+        node[new_key] = value
     for section in RETIRED:
         plain.pop(section, None)
 

@@ -178,7 +178,7 @@ class TrainerConf:
 
 @dataclass
 class PowerSGDConf:
-    # ddp.comm_hook=powersgd: each weight matrix's gradient sent as a rank-`rank` approximation
+    # strategy.comm_hook=powersgd: each weight matrix's gradient sent as a rank-`rank` approximation
     # (1–4 in the paper; higher is closer to the exact gradient and sends more).
     rank: int = 1
     # Plain all-reduce before this optimizer step: the paper's warm-up (torch suggests about a
@@ -187,42 +187,59 @@ class PowerSGDConf:
 
 
 @dataclass
-class DDPConf:
-    # Keyword arguments of torch.nn.parallel.DistributedDataParallel.
+class StrategyConf:
+    # ddp: a replica per rank; fsdp: FSDP2, parameters, gradients and optimizer state sharded over
+    # the ranks; tp: tensor parallel over all ranks; fsdp_tp: a 2-D mesh, tensor parallel in groups
+    # of tp_size, FSDP across them (parallel/plans.py says what each takes and refuses).
+    name: str = "ddp"
+    # --- ddp: keyword arguments of torch.nn.parallel.DistributedDataParallel ---
     bucket_cap_mb: float = 25.0
     # true, false, or auto: the fast choice for this run (performance.py); the summary names it.
     gradient_as_bucket_view: Any = "auto"
     static_graph: Any = "auto"
-    # Not DDP's: the gradient all-reduce through shared memory when every rank is a CPU process on
-    # this host (shared_memory.py), instead of gloo's loopback TCP. auto: wherever it can.
+    find_unused_parameters: bool = False
+    # --- ddp: the gradient all-reduce and the model, beside DDP's arguments ---
+    # The gradient all-reduce through shared memory when every rank is a CPU process on this host
+    # (parallel/shared_memory.py), instead of gloo's loopback TCP. auto: wherever it can.
     shared_memory: Any = "auto"
-    # Not DDP's argument: its gradient communication hook (comm.py), none (DDP's fp32 all-reduce),
-    # fp16 or bf16 (gradients all-reduced in 16 bits), or powersgd (low-rank, settings below).
+    # DDP's gradient communication hook (parallel/comm.py): none (DDP's fp32 all-reduce), fp16 or bf16
+    # (gradients all-reduced in 16 bits), or powersgd (low-rank, settings below).
     comm_hook: str = "none"
     powersgd: PowerSGDConf = field(default_factory=PowerSGDConf)
-    find_unused_parameters: bool = False
-    # Not DDP's: BatchNorm layers become SyncBatchNorm (statistics over the global batch, so a
-    # BatchNorm model trains alike at any world size). GPUs only: DDP refuses it on the CPU.
-    # auto: on with CUDA, off on the CPU.
+    # BatchNorm layers become SyncBatchNorm (statistics over the global batch, so a BatchNorm model
+    # trains alike at any world size). GPUs only: DDP refuses it on the CPU. auto: on with CUDA.
     sync_batchnorm: Any = False
+    # --- fsdp, fsdp_tp ---
+    # Free each unit's gathered parameters after its forward (less memory, one more all-gather in
+    # the backward); false keeps them until the backward.
+    reshard_after_forward: bool = True
+    # Parameters cast to this for the compute (bf16), gradients reduced in fp32. null: fp32.
+    # (fp16 is refused: it would need loss scaling over the shards.)
+    mixed_precision: Optional[str] = None
+    # Parameters and optimizer state kept on the CPU between uses (GPUs only).
+    cpu_offload: bool = False
+    # --- fsdp_tp: ranks per tensor-parallel group (the world size divided by it: FSDP's dimension) ---
+    tp_size: int = 2
 
 
 @dataclass
-class StrategyConf:
-    # ddp: a replica per rank (DDP's own knobs: the `ddp` section); fsdp: FSDP2, parameters,
-    # gradients and optimizer state sharded over the ranks; tp: tensor parallel over all ranks;
-    # fsdp_tp: a 2-D mesh, tensor parallel in groups of tp_size, FSDP across them (strategy.py).
-    name: str = "ddp"
-    # fsdp: free each unit's gathered parameters after its forward (less memory, one more
-    # all-gather in the backward); false keeps them until the backward.
-    reshard_after_forward: bool = True
-    # fsdp: parameters cast to this for the compute (bf16), gradients reduced in fp32. null: fp32.
-    # (fp16 is refused: it would need loss scaling over the shards.)
-    mixed_precision: Optional[str] = None
-    # fsdp: parameters and optimizer state kept on the CPU between uses (GPUs only).
-    cpu_offload: bool = False
-    # fsdp_tp: ranks per tensor-parallel group (the world size divided by it: FSDP's dimension).
-    tp_size: int = 2
+class DeprecatedPowerSGDConf:
+    rank: Optional[int] = None
+    start_step: Optional[int] = None
+
+
+@dataclass
+class DDPConf:
+    # Deprecated: DDP's knobs are the ddp strategy's (strategy.*, conf/strategy/ddp.yaml); a value set
+    # here moves there with one line (config.resolve.RENAMED). Gone in the next release.
+    bucket_cap_mb: Optional[float] = None
+    gradient_as_bucket_view: Any = None
+    static_graph: Any = None
+    shared_memory: Any = None
+    comm_hook: Optional[str] = None
+    powersgd: DeprecatedPowerSGDConf = field(default_factory=DeprecatedPowerSGDConf)
+    find_unused_parameters: Optional[bool] = None
+    sync_batchnorm: Any = None
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""DDP's gradient communication hooks as a config choice (`ddp.comm_hook`).
+"""DDP's gradient communication hooks as a config choice (`strategy.comm_hook`).
 
 - none: the fp32 all-reduce of DDP's built-in hook (divided by the world size, then summed).
 
@@ -11,7 +11,7 @@ allreduce_bytes_per_step is that measurement, the last step's.
   Vogels et al. 2019, the algorithm of torch's powerSGD_hook): (rows + columns) × r numbers
   instead of rows × columns, with error feedback (what the approximation left out is added to
   the next step's gradient) and warm start (last step's Q). Vectors (biases, norms) and matrices
-  too small to gain are all-reduced whole. Before `ddp.powersgd.start_step` every step is a plain
+  too small to gain are all-reduced whole. Before `strategy.powersgd.start_step` every step is a plain
   all-reduce.
 
 They pay off where the network is the bottleneck (many nodes, slow links); on one machine,

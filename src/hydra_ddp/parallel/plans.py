@@ -41,19 +41,19 @@ class Plan:
 
     def refusals(self, plain: dict[str, Any]) -> list[tuple[bool, str]]:
         """(refused, why) for what this strategy cannot do with these settings."""
-        settings, trainer, ddp = plain["strategy"], plain["trainer"], plain["ddp"]
+        settings, trainer = plain["strategy"], plain["trainer"]
         if self.replicate:
             return []
         name = self.name
         return [
-            (ddp["comm_hook"] != "none", f"ddp.comm_hook={ddp['comm_hook']} is DDP's: FSDP reduce-scatters its own "
+            (settings["comm_hook"] != "none", f"strategy.comm_hook={settings['comm_hook']} is DDP's: FSDP reduce-scatters its own "
                                          "gradients; leave it none"),
             (not plain["data"]["even_shards"], "data.even_shards=false needs DDP's Join, which FSDP does not "
                                                "support; keep data.even_shards=true"),
             (trainer["compile"], f"trainer.compile=true is not supported with strategy={name} yet; leave it false"),
             (trainer["channels_last"] is True, "trainer.channels_last=true makes convolution weights non-contiguous, "
                                                "which FSDP cannot shard; leave it auto or false"),
-            (ddp["sync_batchnorm"] is True, "ddp.sync_batchnorm=true is DDP's; leave it auto or false"),
+            (settings["sync_batchnorm"] is True, "strategy.sync_batchnorm=true is DDP's; leave it auto or false"),
             (str(trainer["precision"]) == "16", f"trainer.precision=16 (a GradScaler) is not supported with "
                                                 f"strategy={name}; use strategy.mixed_precision=bf16 or "
                                                 "trainer.precision=bf16"),
@@ -69,7 +69,7 @@ class Plan:
         ]
 
     def sync_batchnorm(self, setting: Any, device: str) -> Any:
-        """ddp.sync_batchnorm's `auto`: on with CUDA under DDP (the only strategy it serves)."""
+        """strategy.sync_batchnorm's `auto`: on with CUDA under DDP (the only strategy it serves)."""
         return device == "cuda" and self.replicate if setting == "auto" else setting
 
 

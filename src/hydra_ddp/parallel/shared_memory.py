@@ -1,4 +1,4 @@
-"""DDP's gradient all-reduce through shared memory, for CPU ranks on one host (`ddp.shared_memory`).
+"""DDP's gradient all-reduce through shared memory, for CPU ranks on one host (`strategy.shared_memory`).
 
 gloo sends a CPU all-reduce through loopback TCP: beside training ranks its threads and theirs wake
 each other through the scheduler, and the wait is a large share of a small model's step. Ranks that share a host can
@@ -150,8 +150,8 @@ class SharedMemoryAllReduce:
     def hook(self, state, bucket):  # noqa: ANN001, ANN201
         buffer = bucket.buffer()
         if buffer.is_sparse or not buffer.is_contiguous():
-            raise UserError("ddp.shared_memory sums dense gradients only (this model has sparse ones); "
-                            "set ddp.shared_memory=false")
+            raise UserError("strategy.shared_memory sums dense gradients only (this model has sparse ones); "
+                            "set strategy.shared_memory=false")
         buffer.div_(self.world)  # each share divided first, as DDP's own all-reduce does
         if self.traffic is not None:
             self.traffic.count(buffer, step_done=bucket.is_last())

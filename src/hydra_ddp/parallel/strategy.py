@@ -23,6 +23,10 @@ from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.parallel.plans import Plan
 
 
+# The ddp strategy's settings that are DistributedDataParallel's own keyword arguments.
+DDP_ARGUMENTS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
+
+
 def build(cfg: Any, device: torch.device) -> "Strategy":
     return Strategy(plans.plan(cfg.strategy.name), cfg, device)
 
@@ -40,12 +44,9 @@ class Replicas:
         self.traffic: Optional[comm.Traffic] = None
 
     def wrap(self, module: nn.Module, shared: bool) -> nn.Module:
-        options = OmegaConf.to_container(self.cfg.ddp)
-        hook = options.pop("comm_hook")  # comm.py's, not DDP's arguments
-        options.pop("powersgd")
-        options.pop("sync_batchnorm")  # applied before the model moved to its device (worker)
+        settings = self.cfg.strategy
+        options = {key: settings[key] for key in DDP_ARGUMENTS}  # the rest is comm.py's, shared_memory.py's
         traffic = comm.Traffic()
-        options.pop("shared_memory")
         if shared:
             # Before DDP: where the segment cannot be shared, every rank raises SharedMemoryUnavailable here.
             gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
@@ -55,7 +56,7 @@ class Replicas:
             model.register_comm_hook(None, self.shared.hook)
             self.traffic = traffic
         elif self.cfg.data.even_shards:
-            self.comm = comm.register(model, hook, traffic, self.cfg.ddp.powersgd)
+            self.comm = comm.register(model, settings.comm_hook, traffic, settings.powersgd)
             self.traffic = traffic
         return model
 
@@ -84,10 +85,10 @@ class Strategy:
 
     def wrap(self, module: nn.Module, shared_memory: Optional[bool] = None) -> nn.Module:
         """The module spread as planned. `shared_memory`: the gradient all-reduce's setting, where not
-        ddp.shared_memory's (a segment that could not be made: gloo's)."""
+        strategy.shared_memory's (a segment that could not be made: gloo's)."""
         self.module = module
         if self.replicas:
-            shared = self.cfg.ddp.shared_memory if shared_memory is None else shared_memory
+            shared = self.cfg.strategy.shared_memory if shared_memory is None else shared_memory
             self.model = self.replicas.wrap(module, bool(shared))
             self.state = state.WholeState(module, self.model)
             return self.model

@@ -2,7 +2,7 @@
 
     python -m hydra_ddp.tools.tune                                   # the default run's model and data
     python -m hydra_ddp.tools.tune model=resnet18 data=cifar10 trainer.nproc=4
-    python -m hydra_ddp.tools.tune 'tune.knobs=[trainer.threads,ddp.bucket_cap_mb]' tune.steps=100
+    python -m hydra_ddp.tools.tune 'tune.knobs=[trainer.threads,strategy.bucket_cap_mb]' tune.steps=100
     python -m hydra_ddp.tools.tune tune.precision=true               # bf16 (fp16 on GPUs) and compressed gradients too
 
 Each candidate is a real run of your configuration, `tune.steps` steps at your world size,
@@ -43,9 +43,9 @@ from hydra_ddp.parallel import comm  # noqa: E402
 from hydra_ddp.errors import UserError  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[3] / "conf")  # the repository's conf/ (src/hydra_ddp/tools/)
-KNOBS = ("data.num_workers", "data.pin_memory", "trainer.threads", "trainer.channels_last", "ddp.bucket_cap_mb",
-         "ddp.shared_memory", "trainer.precision", "ddp.comm_hook")
-NUMERICS = ("trainer.precision", "ddp.comm_hook")  # change results beyond float tolerance: tune.precision
+KNOBS = ("data.num_workers", "data.pin_memory", "trainer.threads", "trainer.channels_last", "strategy.bucket_cap_mb",
+         "strategy.shared_memory", "trainer.precision", "strategy.comm_hook")
+NUMERICS = ("trainer.precision", "strategy.comm_hook")  # change results beyond float tolerance: tune.precision
 
 
 @dataclass
@@ -74,11 +74,11 @@ def candidates(plain: dict[str, Any], tune: Any) -> dict[str, list[Any]]:
         "data.pin_memory": [False, True] if cuda else [],
         "trainer.threads": sorted({max(1, per_rank // 2), per_rank, min(cores, 2 * per_rank)}),
         "trainer.channels_last": [True, False] if ddp else [],  # FSDP: contiguous parameters only
-        "ddp.bucket_cap_mb": [5, 25, 100] if ddp and world > 1 else [],
+        "strategy.bucket_cap_mb": [5, 25, 100] if ddp and world > 1 else [],
         # auto where it can serve (one host, CPU): timed against gloo's all-reduce.
-        "ddp.shared_memory": ["auto", False] if ddp and not cuda and ranks == world > 1 else [],
+        "strategy.shared_memory": ["auto", False] if ddp and not cuda and ranks == world > 1 else [],
         "trainer.precision": [p for p in PRECISIONS if cuda or p != "16"],  # fp16 needs a GPU
-        "ddp.comm_hook": list(comm.HOOKS) if ddp and world > 1 else [],
+        "strategy.comm_hook": list(comm.HOOKS) if ddp and world > 1 else [],
     }
     wanted = list(tune.knobs) if tune.knobs is not None else list(KNOBS)
     unknown = [k for k in wanted if k not in KNOBS]
@@ -105,8 +105,8 @@ class Timer:
                  "checkpoint.every_epoch": False, "checkpoint.every_n_steps": None, "logger": {}}
         for key, value in {**overrides, **short}.items():
             OmegaConf.update(cfg, key, value, merge=False)
-        if cfg.ddp.comm_hook == "powersgd":  # timed compressing, not in its warm-up of plain all-reduces
-            cfg.ddp.powersgd.start_step = 0
+        if cfg.strategy.comm_hook == "powersgd":  # timed compressing, not in its warm-up of plain all-reduces
+            cfg.strategy.powersgd.start_step = 0
         plain = resolve.resolve(cfg, run_dir, external=None)
         plain.update(task="tune", sweep=None, overridden=list(overrides))
         return plain

@@ -159,16 +159,16 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
         # Rank 0's weights: the strategy starts every rank from them (a resumed run's then replace them).
         skipped = checkpoints.load_weights(model, Path(cfg.trainer.init_from), list(cfg.trainer.init_ignore))
         log.info("weights from %s%s", cfg.trainer.init_from, f" (fresh: {', '.join(skipped)})" if skipped else "")
-    if cfg.ddp.sync_batchnorm and cfg.strategy.name == "ddp":
+    if cfg.strategy.sync_batchnorm and cfg.strategy.name == "ddp":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device, memory_format=memory_format)
     try:
         train_model = spread.wrap(model)
     except shared_memory.SharedMemoryUnavailable as e:  # on every rank alike: the one setting a worker settles
-        if "ddp.shared_memory" not in cfg.settled:  # asked for, not chosen
-            raise EveryRankError(f"ddp.shared_memory=true: {e}; set ddp.shared_memory=auto or false") from None
+        if "strategy.shared_memory" not in cfg.settled:  # asked for, not chosen
+            raise EveryRankError(f"strategy.shared_memory=true: {e}; set strategy.shared_memory=auto or false") from None
         log.warning("gradients all-reduce through %s, not shared memory: %s", dist.get_backend(), e)
-        fast["ddp.shared_memory"] = False  # recorded in the summary
+        fast["strategy.shared_memory"] = False  # recorded in the summary
         train_model = spread.wrap(model, shared_memory=False)
     optimizer = instantiate(cfg.optim)(train_model.parameters())
     if cfg.trainer.compile:
@@ -213,7 +213,7 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
             "strategy": spread.name,
             # Parameters, gradients and optimizer state held by one rank (the largest): FSDP's shards.
             "model_state_bytes": _most_over_ranks(strategy.local_state_bytes(spread, optimizer), device),
-            "comm_hook": cfg.ddp.comm_hook if spread.name == "ddp" else None,
+            "comm_hook": cfg.strategy.comm_hook if spread.name == "ddp" else None,
             "allreduce_bytes_per_step": spread.bytes_per_step() if spread.name == "ddp" else None,  # measured
             **result,
             "time_to_first_step_s": result["first_step_at"] - started_at if result["first_step_at"] else None,
