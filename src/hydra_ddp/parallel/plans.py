@@ -1,7 +1,7 @@
 """Each strategy's rules, decided from the config alone (before launch, no process group): what it
 is made of, how many model replicas it makes, and what it refuses.
 
-- ddp: a whole replica on every rank; DDP all-reduces the gradients (its knobs: the `ddp` section).
+- ddp: a whole replica on every rank; DDP all-reduces the gradients (its knobs: strategy.*, conf/strategy/ddp.yaml).
 - fsdp: FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over the ranks.
 - tp: tensor parallel over all ranks with the model's plan (`tp_plan`); one model replica.
 - fsdp_tp: a 2-D mesh [dp, tp], tensor parallel inside groups of `tp_size`, FSDP across them.
