@@ -37,9 +37,6 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
         _check_target(plain["scheduler"], "scheduler")
     if str(trainer["precision"]) not in PRECISIONS:
         raise UserError(f"trainer.precision must be 32, bf16 or 16, got {trainer['precision']!r}")
-    wrong = performance.check(plain)
-    if wrong:
-        raise UserError(f"{', '.join(wrong)}: expected true, false or auto")
     ddp = plain["strategy"]  # DDP's knobs are the ddp strategy's
     if ddp["comm_hook"] not in comm.HOOKS:
         raise UserError(f"unknown strategy.comm_hook {ddp['comm_hook']!r}; choose {', '.join(comm.HOOKS)}")
