@@ -36,7 +36,7 @@ register_schema(__name__)
 @hydra.main(version_base=None, config_path="conf", config_name="eval")
 def main(cfg: DictConfig) -> float | None:
     try:
-        result = command.run(cfg, STARTED_AT, task="eval")
+        result = command.run(cfg, STARTED_AT, job="eval")
     except UserError as error:
         command.fail(error)
         return None

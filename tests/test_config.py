@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ValidationError
+from omegaconf.errors import ReadonlyConfigError, ValidationError
 
 from support import REPO, train_env
-from hydra_ddp.config import resolve
+from hydra_ddp.config import resolve, run_config
 from hydra_ddp.config.schema import register_schema
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.errors import UserError
@@ -50,6 +50,36 @@ def test_every_group_option_composes_and_validates(tmp_path: Path, overrides: li
     plain = resolved(tmp_path, *overrides)
     assert plain["backend"]["name"] == "gloo"  # no CUDA here
     assert plain["trainer"]["nproc"] == 2 and plain["trainer"]["device"] == "cpu"
+    frozen = run_config.freeze(plain)  # the one form the launcher hands every worker
+    assert _holds(run_config.thaw(frozen), plain)  # every settled value, as it was
+
+
+def _holds(whole: dict, part: dict) -> bool:
+    """`whole` has every key of `part` with the same value (a frozen config adds the schema's defaults)."""
+    return all(key in whole and (_holds(whole[key], value) if isinstance(value, dict) and value else whole[key] == value)
+               for key, value in part.items())
+
+
+def test_the_resolved_config_is_typed_and_read_only(tmp_path: Path):
+    cfg = run_config.freeze(resolved(tmp_path))
+    assert cfg.trainer.nproc == 2 and cfg.job == "train" and set(cfg) == set(run_config.SECTIONS)
+    with pytest.raises(ReadonlyConfigError):
+        cfg.trainer.epochs = 3
+    with pytest.raises(ReadonlyConfigError):
+        cfg.data.batch_size = 3
+    held = run_config.with_values(cfg, {"init_method.ports": [1234], "launcher.rdzv_endpoint": "127.0.0.1:1234"})
+    assert held.init_method.ports == [1234] and held.launcher.rdzv_endpoint == "127.0.0.1:1234"
+    assert cfg.init_method.ports is None  # a copy: the original is untouched
+    with pytest.raises(ReadonlyConfigError):
+        held.init_method.port = 1
+    plain = resolved(tmp_path)
+    plain["trainer"]["epochs"] = "many"  # a value of the wrong type: one line, not a traceback
+    with pytest.raises(UserError, match="does not fit the schema.*epochs"):
+        run_config.freeze(plain)
+    with pytest.raises(UserError, match="does not fit the schema"):
+        run_config.freeze({**resolved(tmp_path), "surprise": 1})
+    with pytest.raises(UserError, match="job='fit'"):
+        run_config.freeze({**resolved(tmp_path), "job": "fit"})
 
 
 def test_defaults_leave_ports_to_the_launch_and_make_a_fresh_store(tmp_path: Path):

@@ -36,7 +36,6 @@ def resolve(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
         raise UserError("split=val: this run had no validation split (data.val_fraction=0); choose split=test or train")
     plain["eval"] = {"ckpt": str(path), "split": split, "predict": bool(composed["predict"]),
                      "step": saved["position"]["step"], "epoch": saved["position"]["epoch"]}
-    plain["task"] = "eval"
     _check_model(plain["model"], saved["model"], path)
     return plain
 

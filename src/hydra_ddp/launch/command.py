@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from hydra_ddp.config import checks, from_checkpoint, resolve
+from hydra_ddp.config import checks, from_checkpoint, resolve, run_config
 from hydra_ddp.errors import EVERY_RANK, UserError
 from hydra_ddp.launch import startup, workers
 from hydra_ddp.launch.workers import Stopped, _again, say
@@ -70,35 +70,35 @@ def exit_after(entry: Callable[[], Any]) -> NoReturn:
     os._exit(code or 0)
 
 
-def run(cfg: DictConfig, started_at: float, task: str = "train") -> Optional[dict[str, Any]]:
-    """Validate, launch, wait; the summary of a finished run, or eval.py's result (task="eval").
+def run(cfg: DictConfig, started_at: float, job: str = "train") -> Optional[dict[str, Any]]:
+    """Resolve, check, launch, wait; the summary of a finished run, or eval.py's result (job="eval").
     None on a non-zero node."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     distributed.adopt_launcher_environment()
     external = distributed.external_launch()
     if startup.checking():
-        return _check_only(cfg, run_dir, external, task)
-    plain = _resolve(cfg, run_dir, external, task)
+        return _check_only(cfg, run_dir, external, job)
+    resolved = run_config.freeze(_resolve(cfg, run_dir, external, job))
     if external:
         # Only rank 0 knows the run directory: its verdict reaches every rank once the group is up.
-        problem = _problem(plain, run_dir) if external[1].is_main and task == "train" else None
-        return _unless_stopped(workers.worker_entry("main")(plain, str(run_dir), external[1], started_at, problem=problem), run_dir,
-                               quiet=not external[1].is_main)
-    return _unless_stopped(workers.launch(plain, run_dir, started_at), run_dir)
+        problem = _problem(resolved, run_dir) if external[1].is_main and job == "train" else None
+        return _unless_stopped(workers.worker_entry("main")(resolved, str(run_dir), external[1], started_at, problem=problem),
+                               run_dir, quiet=not external[1].is_main)
+    return _unless_stopped(workers.launch(resolved, run_dir, started_at), run_dir)
 
 
-def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], task: str) -> dict[str, Any]:
-    """The plain config for the workers. Under an outside launcher every rank fills it in alike and
-    rank 0 alone checks what depends on its run directory (_problem)."""
+def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], job: str) -> dict[str, Any]:
+    """The settled config, plain, before it is frozen. Under an outside launcher every rank settles
+    it alike and rank 0 alone checks what depends on its run directory (_problem)."""
     overrides = list(HydraConfig.get().overrides.task)
-    if task == "eval":
+    if job == "eval":
         plain = from_checkpoint.resolve(cfg, overrides)
         resolve.fill_in_launch(plain, run_dir, external)
     elif external:
         plain = resolve.fill_in(cfg, run_dir, external)
     else:
         plain = resolve.resolve(cfg, run_dir, external)
-    plain["task"] = task
+    plain["job"] = job
     hydra_cfg = HydraConfig.get()
     plain["sweep"] = ({"dir": str(Path(hydra_cfg.sweep.dir).resolve()), "job": hydra_cfg.job.num}
                       if hydra_cfg.mode == RunMode.MULTIRUN else None)  # loggers group a sweep's jobs
@@ -108,12 +108,13 @@ def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]]
     return plain
 
 
-def _check_only(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], task: str) -> None:
+def _check_only(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], job: str) -> None:
     """train.py --check: everything a run checks before its first step, and nothing launched; one
     line that says what would run (or the UserError's one line)."""
     try:
-        plain = _resolve(cfg, run_dir, external, task)
-        if task == "train":
+        plain = _resolve(cfg, run_dir, external, job)
+        run_config.freeze(plain)  # what a run would hand its workers
+        if job == "train":
             if external:
                 checks.check(plain, run_dir)
             checks.dry_build(plain)
@@ -121,7 +122,7 @@ def _check_only(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, An
         with contextlib.suppress(OSError):
             run_dir.rmdir()  # Hydra made it for this command; nothing was written there (only if empty)
     launcher, trainer = plain["launcher"], plain["trainer"]
-    what = (f"{plain['strategy']['name']}, global batch {plain['data']['global_batch_size']}" if task == "train"
+    what = (f"{plain['strategy']['name']}, global batch {plain['data']['global_batch_size']}" if job == "train"
             else f"eval of {plain['eval']['ckpt']} on {plain['eval']['split']}")
     print(f"hydra-ddp: config OK: {trainer['nproc'] * launcher['nnodes']} worker(s) on {trainer['device']} "
           f"({launcher['name']}, backend {plain['backend']['name']}, init {plain['init_method']['name']}), {what}; "
@@ -137,9 +138,9 @@ def _is_value(plain: dict[str, Any], path: list[str]) -> bool:
     return not isinstance(node, (dict, list))
 
 
-def _problem(plain: dict[str, Any], run_dir: Path) -> Optional[str]:
+def _problem(resolved: DictConfig, run_dir: Path) -> Optional[str]:
     try:
-        checks.check(plain, run_dir)
+        checks.check(run_config.thaw(resolved), run_dir)
     except UserError as error:
         return str(error)
     return None

@@ -35,7 +35,7 @@ def check(conf_dir: Path, overrides: list[str], run_dir: Path, gpus: Optional[in
         del cfg["hydra"]
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     with _environment({startup.CHECK_ENV: "1", distributed.CHECK_GPUS_ENV: str(gpus) if gpus else None}):
-        command.run(cfg, 0.0, task="eval" if config_name == "eval" else "train")
+        command.run(cfg, 0.0, job="eval" if config_name == "eval" else "train")
 
 
 @contextlib.contextmanager

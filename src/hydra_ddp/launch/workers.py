@@ -20,7 +20,9 @@ from typing import Any, Callable, Optional
 
 import torch.multiprocessing as mp
 from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
 
+from hydra_ddp.config import run_config
 from hydra_ddp.errors import EVERY_RANK, LOST_A_PEER, UserError
 from hydra_ddp.launch import startup
 from hydra_ddp.parallel import distributed
@@ -53,67 +55,69 @@ def _elastic(*args: Any) -> Any:
     return worker_entry("elastic_entry")(*args)
 
 
-def launch(plain: dict[str, Any], run_dir: Path, started_at: float) -> Optional[dict[str, Any]]:
+def launch(cfg: DictConfig, run_dir: Path, started_at: float) -> Optional[dict[str, Any]]:
     """Start the workers of a resolved config on this node and wait for them: the run's summary
     (eval.py's result), None if they ended without one. Also the tuner's way to time candidates."""
     # Inside a joblib (loky) job the default context is loky's, which cannot start our workers.
     multiprocessing.set_start_method("spawn", force=True)
-    launcher, n = plain["launcher"], plain["trainer"]["nproc"]
+    launcher, n = cfg["launcher"], cfg["trainer"]["nproc"]
     log.info(
         "launching %d worker(s) with %s, backend %s, init %s → %s",
-        n * launcher["nnodes"], launcher["name"], plain["backend"]["name"], plain["init_method"]["name"], run_dir,
+        n * launcher["nnodes"], launcher["name"], cfg["backend"]["name"], cfg["init_method"]["name"], run_dir,
     )
-    if plain["init_method"]["name"] == "file":  # created private, before any rank writes its address there
-        os.close(os.open(plain["init_method"]["path"], os.O_WRONLY | os.O_CREAT, 0o600))
+    if cfg["init_method"]["name"] == "file":  # created private, before any rank writes its address there
+        os.close(os.open(cfg["init_method"]["path"], os.O_WRONLY | os.O_CREAT, 0o600))
     # These would repeat each child's failure on the console; WorkerFailed reports it in one line.
     for name in ("torch.multiprocessing.spawn", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     startup.quiet_resource_tracker()
-    summary_file = RunDir(run_dir).result(plain["task"])
+    summary_file = RunDir(run_dir).result(cfg.job)
     summary_file.unlink(missing_ok=True)  # resuming in this directory: only this run's summary counts
     signum = None
-    stores = _host_stores(plain)  # bound before any worker starts, held until the last one has ended
+    stores, held = _host_stores(cfg)  # bound before any worker starts, held until the last one has ended
+    cfg = run_config.with_values(cfg, held)  # the workers meet on those stores
     parent = startup.worker_parent(launcher["start_method"])
     try:
         if launcher["name"] == "spawn":
-            _spawn(plain, run_dir, started_at, parent)
+            _spawn(cfg, run_dir, started_at, parent)
         else:
-            signum = _torchrun(plain, run_dir, started_at, parent)
+            signum = _torchrun(cfg, run_dir, started_at, parent)
     except WorkerFailed as failure:
         _completed_despite(failure, summary_file)
     finally:
         del stores  # stops their servers
-        if plain["init_method"]["name"] == "file":  # made fresh for this run; stale, it could deadlock the next
-            Path(plain["init_method"]["path"]).unlink(missing_ok=True)
+        if cfg["init_method"]["name"] == "file":  # made fresh for this run; stale, it could deadlock the next
+            Path(cfg["init_method"]["path"]).unlink(missing_ok=True)
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
     if signum is not None and not (summary and summary["stopped_by"]):  # ended before their checkpoint
         raise Stopped({"stopped_by": signal.Signals(signum).name, "steps": None}, run_dir)
     return summary
 
 
-def _host_stores(plain: dict[str, Any]) -> list[Any]:
+def _host_stores(cfg: DictConfig) -> tuple[list[Any], dict[str, Any]]:
     """On a single node this process serves the rendezvous store itself, on a port it binds (port 0:
     a free one) before any worker starts and holds for the whole run: no other job can take the
     port in between. One store per torchrun attempt, so a restarted group meets on a fresh one.
     The workers reach them through torch's own env:// or tcp:// handler, as clients
-    (distributed.process_group); torchrun's agents meet on the first."""
-    init, launcher = plain["init_method"], plain["launcher"]
+    (distributed.process_group); torchrun's agents meet on the first. Also the config's values
+    that say where (init_method.ports, launcher.rdzv_endpoint)."""
+    init, launcher = cfg["init_method"], cfg["launcher"]
     if launcher["nnodes"] > 1:
-        return []  # torchrun's rendezvous on node 0 brings the workers together
+        return [], {}  # torchrun's rendezvous on node 0 brings the workers together
     torchrun = launcher["name"] == "torchrun"
-    timeout = timedelta(seconds=plain["backend"]["timeout_s"])
+    timeout = timedelta(seconds=cfg["backend"]["timeout_s"])
     if init["name"] in ("env", "tcp"):
         setting = init.get("port_from", "init_method.port")
         stores = [distributed.serve_store(init["host"], init["port"] or 0, timeout, setting)]
         stores += [distributed.serve_store(init["host"], 0, timeout) for _ in range(launcher["max_restarts"] if torchrun else 0)]
-        init["ports"] = [store.port for store in stores]
+        held = {"init_method.ports": [store.port for store in stores]}
     elif torchrun:  # init_method=file: the agents still meet somewhere
-        stores = [distributed.serve_store("127.0.0.1", 0, timeout)]
+        stores, held = [distributed.serve_store("127.0.0.1", 0, timeout)], {}
     else:
-        return []
+        return [], {}
     if torchrun:
-        launcher["rdzv_endpoint"] = f"{init['host'] if init['name'] != 'file' else '127.0.0.1'}:{stores[0].port}"
-    return stores
+        held["launcher.rdzv_endpoint"] = f"{init['host'] if init['name'] != 'file' else '127.0.0.1'}:{stores[0].port}"
+    return stores, held
 
 
 def _completed_despite(failure: "WorkerFailed", summary_file: Path) -> None:
@@ -126,11 +130,11 @@ def _completed_despite(failure: "WorkerFailed", summary_file: Path) -> None:
         f"completed ({summary_file} written): the results are complete")
 
 
-def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float, parent: Optional[int]) -> None:
-    log_file = RunDir(run_dir).log(plain["task"])
+def _spawn(cfg: DictConfig, run_dir: Path, started_at: float, parent: Optional[int]) -> None:
+    log_file = RunDir(run_dir).log(cfg.job)
     context = mp.start_processes(
-        _spawned, args=(plain, str(run_dir), started_at, parent), nprocs=plain["trainer"]["nproc"],
-        join=False, start_method=plain["launcher"]["start_method"],
+        _spawned, args=(cfg, str(run_dir), started_at, parent), nprocs=cfg["trainer"]["nproc"],
+        join=False, start_method=cfg["launcher"]["start_method"],
     )
 
     def forward(signum: int, frame: Any) -> None:
@@ -156,7 +160,7 @@ def _spawn(plain: dict[str, Any], run_dir: Path, started_at: float, parent: Opti
             signal.signal(sig, handler)
 
 
-def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float, parent: Optional[int]) -> Optional[int]:
+def _torchrun(cfg: DictConfig, run_dir: Path, started_at: float, parent: Optional[int]) -> Optional[int]:
     """Run the agent; the signal that stopped it, if one did."""
     from torch.distributed.elastic.multiprocessing.api import (
         DefaultLogsSpecs,
@@ -165,7 +169,7 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float, parent: O
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    launcher = plain["launcher"]
+    launcher = cfg["launcher"]
     logs = Path(tempfile.mkdtemp(prefix="hydra-ddp-elastic-"))
     single_node = launcher["nnodes"] == 1
     if single_node:
@@ -176,7 +180,7 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float, parent: O
     config = LaunchConfig(
         min_nodes=launcher["nnodes"],
         max_nodes=launcher["nnodes"],
-        nproc_per_node=plain["trainer"]["nproc"],
+        nproc_per_node=cfg["trainer"]["nproc"],
         run_id=launcher["rdzv_id"],
         role="trainer",
         rdzv_endpoint=launcher["rdzv_endpoint"],
@@ -193,13 +197,13 @@ def _torchrun(plain: dict[str, Any], run_dir: Path, started_at: float, parent: O
     as_sigterm = {sig: signal.signal(sig, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
                   for sig in (signal.SIGUSR1, signal.SIGUSR2)}
     try:
-        elastic_launch(config, _elastic)(plain, str(run_dir), started_at, parent)
+        elastic_launch(config, _elastic)(cfg, str(run_dir), started_at, parent)
         return None
     except SignalException as e:
         return e.sigval  # the agent has passed the signal on and waited for the workers to stop
     except ChildFailedError as e:
         rank, cause = _first_cause(e.failures, logs)
-        raise WorkerFailed(rank, cause, RunDir(run_dir).log(plain["task"])) from None
+        raise WorkerFailed(rank, cause, RunDir(run_dir).log(cfg.job)) from None
     finally:
         shutil.rmtree(logs, ignore_errors=True)
         for sig, handler in as_sigterm.items():

@@ -31,20 +31,20 @@ class _Console(logging.StreamHandler):
             self.handleError(record)
 
 
-def setup_logging(rank: RankInfo, run_dir: Path, task: str = "train") -> None:
+def setup_logging(rank: RankInfo, run_dir: Path, job: str = "train") -> None:
     """All ranks append to run_dir/train.log (eval.log; tagged with the rank); rank 0 also prints,
-    but for the tuner's short runs (task "tune"), whose figures the tuner prints."""
+    but for the tuner's short runs (job "tune"), whose figures the tuner prints."""
     root = logging.getLogger()
     for handler in root.handlers[:]:  # an externally launched rank 0 still holds Hydra's handlers
         root.removeHandler(handler)
         handler.close()
     formatter = logging.Formatter(_FORMAT.format(rank=rank.rank))
-    _crash_dumps_to(RunDir(run_dir).log(task))
-    handlers: list[logging.Handler] = [logging.FileHandler(RunDir(run_dir).log(task), mode="a")]
+    _crash_dumps_to(RunDir(run_dir).log(job))
+    handlers: list[logging.Handler] = [logging.FileHandler(RunDir(run_dir).log(job), mode="a")]
     # Python warnings (e.g. anomaly mode's forward traceback) become records: every rank's go to
     # the log file, none to the console, which keeps to one line per event.
     logging.captureWarnings(True)
-    if rank.is_main and task != "tune":
+    if rank.is_main and job != "tune":
         console = _Console(sys.stdout)
         console.addFilter(lambda record: not getattr(record, "file_only", False) and record.name != "py.warnings")
         handlers.append(console)

@@ -36,7 +36,7 @@ import hydra  # noqa: E402
 from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from hydra_ddp.config import resolve  # noqa: E402
+from hydra_ddp.config import resolve, run_config  # noqa: E402
 from hydra_ddp.launch import command, workers  # noqa: E402
 from hydra_ddp.config.schema import PRECISIONS, Config, register_schema  # noqa: E402
 from hydra_ddp.parallel import comm  # noqa: E402
@@ -95,9 +95,9 @@ class Timer:
     def __init__(self, cfg: DictConfig, steps: int, scratch: Path):
         self.cfg, self.steps, self.scratch, self.runs = cfg, steps, scratch, 0
 
-    def plain(self, overrides: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    def resolved(self, overrides: dict[str, Any], run_dir: Path) -> DictConfig:
         """The resolved config of a short run with these overrides: steps only (no checkpoints,
-        loggers, progress bar or evaluation per epoch), and quiet (task "tune")."""
+        loggers, progress bar or evaluation per epoch), and quiet (job "tune")."""
         cfg = self.cfg.copy()
         short = {"trainer.max_steps": self.steps, "trainer.epochs": 10**6, "trainer.resume": None,
                  "trainer.init_from": None, "trainer.max_time": None, "trainer.profile": False,
@@ -108,15 +108,15 @@ class Timer:
         if cfg.strategy.comm_hook == "powersgd":  # timed compressing, not in its warm-up of plain all-reduces
             cfg.strategy.powersgd.start_step = 0
         plain = resolve.resolve(cfg, run_dir, external=None)
-        plain.update(task="tune", sweep=None, overridden=list(overrides))
-        return plain
+        plain.update(job="tune", sweep=None, overridden=list(overrides))
+        return run_config.freeze(plain)
 
     def samples_per_sec(self, overrides: dict[str, Any]) -> float:
         """Steady samples/s of a run with these overrides. A run that fails keeps its directory."""
         self.runs += 1
         run_dir = self.scratch / f"run-{self.runs}"
         run_dir.mkdir()
-        summary = workers.launch(self.plain(overrides, run_dir), run_dir, time.time())
+        summary = workers.launch(self.resolved(overrides, run_dir), run_dir, time.time())
         if not summary:
             raise UserError(f"the run with {_overrides(overrides) or 'your settings'} wrote no summary: see {run_dir}")
         shutil.rmtree(run_dir)
@@ -128,13 +128,13 @@ def tune(cfg: DictConfig, say: Any = print) -> dict[str, Any]:
     settings = cfg.tune
     scratch = Path(tempfile.mkdtemp(prefix="hydra-ddp-tune-"))
     timer = Timer(cfg, settings.steps, scratch)
-    configured = timer.plain({}, scratch)
+    configured = timer.resolved({}, scratch)
     knobs = candidates(configured, settings)
     ranks = configured["trainer"]["nproc"] * configured["launcher"]["nnodes"]
     say(f"timing {settings.steps} steps at {ranks} rank(s) for each value of {', '.join(knobs) or 'no knob'}")
     chosen: dict[str, Any] = {}
     for knob, values in knobs.items():
-        current = OmegaConf.select(OmegaConf.create(configured), knob)  # threads resolved; auto stays auto
+        current = OmegaConf.select(configured, knob)  # threads resolved; auto stays auto
         speeds = []
         for value in ([] if current in values else [current]) + values:
             try:

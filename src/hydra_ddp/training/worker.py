@@ -1,8 +1,8 @@
-"""One worker process, from a plain resolved config: process group → data → model → loop → outputs.
+"""One worker process, from the resolved config: process group → data → model → loop → outputs.
 
 Workers never run Hydra: the launch side composed, settled and checked the config once and hands
-it over as a plain dict, read here read-only, so a run has one output directory and one config
-whatever started the workers.
+it over as the read-only RunConfig (config.run_config), so a run has one output directory and one
+config whatever started the workers.
 """
 
 from __future__ import annotations
@@ -77,20 +77,20 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
     stop.install()
     tqdm.monitor_interval = 0  # no monitor thread: one less thread alive when the process exits
     external = cfg.launcher.get("external", False)
-    task = cfg.get("task", "train")
+    job = cfg.job
     if not external:
-        ranklog.setup_logging(rank, Path(run_dir), task)
+        ranklog.setup_logging(rank, Path(run_dir), job)
     device = _device(cfg.trainer.device, rank, external)
     torch.set_num_threads(cfg.trainer.threads)  # settled on the launch side (config.resolve)
     if cfg.trainer.get("deterministic", False):  # before CUDA starts: cuBLAS reads its workspace setting once
         deterministic_kernels()
-    if rank.is_main and task == "train":
+    if rank.is_main and job == "train":
         run_report.preload_loggers(cfg)  # while the other ranks start: it would hold them at the first collective
     with distributed.process_group(cfg.backend.name, cfg.init_method, rank, cfg.backend.timeout_s, device):
         out = Path(run_dir)
         if external:  # every rank was started with its own idea of the run directory: rank 0's wins
             out = Path(distributed.broadcast_text(run_dir, device))
-            ranklog.setup_logging(rank, out, task)
+            ranklog.setup_logging(rank, out, job)
             problem = distributed.first_error(problem, device)
             if problem:
                 raise EveryRankError(problem)  # the same line on every rank, before anything is built
@@ -98,7 +98,7 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
         # Everything the run builds lives in _train's frame and is gone when it returns, before the
         # group is destroyed. (gloo's threads still outlive destroy_process_group, held in C++:
         # workers end with os._exit for that reason, see _exit_after_teardown.)
-        if task == "eval":
+        if job == "eval":
             summary = evaluation.run(cfg, out, rank, device, started_at)
         else:
             summary = _train(cfg, out, rank, device, stop, started_at, entered_at)
@@ -276,12 +276,12 @@ def _hparams(cfg: DictConfig, rank: RankInfo) -> dict[str, Any]:
     }
 
 
-def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float,
+def main(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
          problem: Optional[str] = None) -> Optional[dict[str, Any]]:
     """Every worker's entry, whatever started it: the traceback to the log, one line to the launcher."""
     entered_at = time.time()
     try:
-        return run(_read_only(cfg), run_dir, rank, started_at, entered_at, problem)
+        return run(cfg, run_dir, rank, started_at, entered_at, problem)
     except Exception as error:
         log.exception("rank %d failed", rank.rank, extra=ranklog.FILE_ONLY)
         if isinstance(error, EveryRankError):
@@ -296,17 +296,9 @@ def main(cfg: dict, run_dir: str, rank: RankInfo, started_at: float,
         raise WorkerError(line) from None
 
 
-def _read_only(plain: dict[str, Any]) -> DictConfig:
-    """The resolved config as the worker reads it: every value settled on the launch side, none
-    changed here (an assignment raises)."""
-    cfg = OmegaConf.create(plain)
-    OmegaConf.set_readonly(cfg, True)
-    return cfg
-
-
-def spawn_entry(local_rank: int, cfg: dict, run_dir: str, started_at: float, parent_pid: Optional[int]) -> None:
+def spawn_entry(local_rank: int, cfg: DictConfig, run_dir: str, started_at: float, parent_pid: Optional[int]) -> None:
     """torch.multiprocessing.spawn target: single node, rank = local rank."""
-    n = cfg["trainer"]["nproc"]
+    n = cfg.trainer.nproc
     # No orphan keeps training, or holding a GPU, after its launcher is gone. The parent is the
     # launcher, or the forkserver that forked this worker, which dies with it (forkserver_guard).
     startup.die_with_parent(parent_pid)
@@ -331,7 +323,7 @@ def _exit_after_teardown() -> None:
 
 
 @record  # writes the exception to torchelastic's error file, so the parent can name it
-def elastic_entry(cfg: dict, run_dir: str, started_at: float, parent_pid: Optional[int]) -> Optional[dict[str, Any]]:
+def elastic_entry(cfg: DictConfig, run_dir: str, started_at: float, parent_pid: Optional[int]) -> Optional[dict[str, Any]]:
     """elastic_launch target: torchelastic has set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
     _, rank = distributed.external_launch()
     startup.die_with_parent(parent_pid)  # as spawn_entry's

@@ -1,0 +1,112 @@
+"""The run's config in its one final form: typed by the schema, every `auto` settled, read-only from launch to loop.
+
+The launch side composes (Hydra, onto `schema.Config`), settles and checks once (`resolve`), then
+`freeze` makes this object. The launcher hands it to every worker as it is; the loop, the summary
+and the checkpoint read it; nothing assigns to it (an assignment raises).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hydra_ddp.config import schema
+from hydra_ddp.errors import UserError
+
+JOBS = ("train", "eval", "tune")  # what the workers run: train.py's, eval.py's, the tuner's short runs
+
+
+@dataclass
+class RunLauncherConf(schema.LauncherConf):
+    # Started by torchrun, Slurm or mpirun: this command launched nothing.
+    external: bool = False
+
+
+@dataclass
+class RunInitMethodConf(schema.InitMethodConf):
+    # The setting that named the port (an exported MASTER_PORT, say), for the line when it is taken.
+    port_from: str = "init_method.port"
+    # The stores this command holds on a single node, one per torchrun attempt (launch.workers).
+    ports: Optional[list[int]] = None
+
+
+@dataclass
+class SweepConf:
+    dir: str = ""  # the multirun's directory (loggers group a sweep's jobs by it)
+    job: int = 0
+
+
+@dataclass
+class EvalJobConf:
+    """eval.py's job: what it evaluates, and where that checkpoint stood."""
+
+    ckpt: str = ""
+    split: str = "test"
+    predict: bool = False
+    step: int = 0
+    epoch: int = 0
+
+
+@dataclass
+class RunConfig:
+    """The resolved config. The composition-time sections whose keys moved (dist, ddp) are gone."""
+
+    backend: schema.BackendConf = field(default_factory=schema.BackendConf)
+    init_method: RunInitMethodConf = field(default_factory=RunInitMethodConf)
+    launcher: RunLauncherConf = field(default_factory=RunLauncherConf)
+    trainer: schema.TrainerConf = field(default_factory=schema.TrainerConf)
+    checkpoint: schema.CheckpointConf = field(default_factory=schema.CheckpointConf)
+    strategy: schema.StrategyConf = field(default_factory=schema.StrategyConf)
+    profiler: schema.ProfilerConf = field(default_factory=schema.ProfilerConf)
+    data: schema.DataConf = field(default_factory=schema.DataConf)
+    model: Any = None
+    optim: Any = None
+    scheduler: Any = None
+    logger: Any = field(default_factory=dict)
+    job: str = "train"  # one of JOBS
+    # The fast settings that were `auto`, and what the launch side (or, for what needs the device,
+    # the worker) settled them to.
+    settled: dict[str, Any] = field(default_factory=dict)
+    sweep: Optional[SweepConf] = None
+    # Keys set on the command line (a sweep trial's): every worker logs its values of them.
+    overridden: list[str] = field(default_factory=list)
+    eval: Optional[EvalJobConf] = None
+
+
+SECTIONS = tuple(f.name for f in fields(RunConfig))
+
+
+def freeze(plain: dict[str, Any]) -> DictConfig:
+    """The settled plain config as the typed, read-only RunConfig; a key or value the schema does not
+    take is one line (a checkpoint's config from another version, say)."""
+    if plain.get("job", "train") not in JOBS:
+        raise UserError(f"job={plain['job']!r}: one of {', '.join(JOBS)}")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), plain)
+    except OmegaConfBaseException as error:
+        where = f"{error.full_key}: " if getattr(error, "full_key", None) else ""
+        raise UserError(f"the resolved config does not fit the schema: {where}{str(error).splitlines()[0]}") from None
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def thaw(cfg: DictConfig) -> dict[str, Any]:
+    """A plain copy of the resolved config (what a checkpoint, a summary or a logger records)."""
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def with_values(cfg: DictConfig, values: dict[str, Any]) -> DictConfig:
+    """A frozen copy of `cfg` with `values` (dotted keys) set: what the launcher settles last, once
+    it holds the rendezvous stores, before any worker starts."""
+    if not values:
+        return cfg
+    settled = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(settled, False)
+    for key, value in values.items():
+        OmegaConf.update(settled, key, value, merge=False)
+    OmegaConf.set_readonly(settled, True)
+    return settled
