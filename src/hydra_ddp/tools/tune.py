@@ -108,6 +108,7 @@ class Timer:
         if cfg.strategy.comm_hook == "powersgd":  # timed compressing, not in its warm-up of plain all-reduces
             cfg.strategy.powersgd.start_step = 0
         plain = resolve.resolve(cfg, run_dir, external=None)
+        plain.pop("tune")  # the tuner's own settings, not the run's
         plain.update(job="tune", sweep=None, overridden=list(overrides))
         return run_config.freeze(plain)
 
