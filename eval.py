@@ -35,12 +35,13 @@ register_schema(__name__)
 
 @hydra.main(version_base=None, config_path="conf", config_name="eval")
 def main(cfg: DictConfig) -> float | None:
+    """Returns the task's first metric on the split (its loss, for the built-in tasks)."""
     try:
         result = command.run(cfg, STARTED_AT, job="eval")
     except UserError as error:
         command.fail(error)
         return None
-    return result[f"{cfg.split}_accuracy"] if result else None
+    return result[f"{cfg.split}_{result['metrics'][0]}"] if result else None
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ _START = [STARTED_AT]
 def main(cfg: DictConfig) -> float | None:
     """Returns what a Hydra sweeper (e.g. Optuna) optimises: the best value of trainer.monitor
     (a validation metric: never the test set's)."""
-    worst = monitor.worst(cfg.trainer.monitor, cfg.trainer.monitor_mode)  # a value every finished run beats
+    worst = monitor.worst_for(cfg)  # a value every finished run beats
     started_at = _START.pop() if _START else time.time()  # a multirun's later jobs in this process: now
     try:
         summary = command.run(cfg, started_at)

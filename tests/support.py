@@ -71,9 +71,16 @@ def run_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = (), time
     return finish(start_train(run_dir, *overrides, prefix=prefix, env=env), timeout)
 
 
-def run_eval(run_dir: Path, *overrides: str, timeout: float = 150) -> subprocess.CompletedProcess:
+def run_eval(run_dir: Path, *overrides: str, timeout: float = 150,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python eval.py OVERRIDES hydra.run.dir=RUN_DIR`."""
-    return finish(start_train(run_dir, *overrides, script="eval.py"), timeout)
+    return finish(start_train(run_dir, *overrides, script="eval.py", env=env), timeout)
+
+
+def with_pythonpath(*folders: Path) -> dict[str, str]:
+    """The environment addition that makes a user's own package (in `folders`) importable by train.py
+    and every worker, beside the tests' helpers."""
+    return {"PYTHONPATH": os.pathsep.join([*map(str, folders), train_env()["PYTHONPATH"]])}
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:

@@ -20,7 +20,7 @@ import pytest
 from support import REPO, run_train, summary, train_env
 
 CONF = REPO / "conf"
-GROUPS = ("backend", "init_method", "launcher", "strategy", "model", "data", "optim", "scheduler", "logger", "debug",
+GROUPS = ("backend", "init_method", "launcher", "strategy", "task", "model", "data", "optim", "scheduler", "logger", "debug",
           "experiment", "hparams_search")
 
 

@@ -17,7 +17,7 @@ from hydra_ddp.parallel import distributed
 from hydra_ddp.launch import ranks
 from hydra_ddp.config import checks, resolve
 from hydra_ddp.training import worker
-from hydra_ddp.training import step as training
+from hydra_ddp import tasks
 from hydra_ddp.config.schema import register_schema
 from hydra_ddp.errors import UserError
 
@@ -127,14 +127,21 @@ def test_fp16_under_fsdp_is_refused_in_one_line_and_the_loss_is_float32(tmp_path
     with pytest.raises(UserError, match="mixed_precision=fp16 .* use bf16") as refused:
         checks.check(plain, tmp_path)
     assert "\n" not in str(refused.value)
-    # Whatever the model computes in, the loss is summed in float32.
+    # Whatever the model computes in, the loss is summed in float32 (by every built-in task).
+    for task in (tasks.Classification(), tasks.LanguageModel(), tasks.Segmentation(10)):
+        _float32_loss(task)
+    regression = tasks.Regression().loss(torch.randn(8, 1).to(torch.bfloat16), torch.randn(8))
+    assert regression.dtype == torch.float32
+
+
+def _float32_loss(task) -> None:
     logits, target = torch.randn(64, 10).to(torch.bfloat16), torch.randint(0, 10, (64,))
-    loss = training.supervised_loss(logits, target)
+    loss = task.loss(logits, target)
     assert loss.dtype == torch.float32
     assert loss == torch.nn.functional.cross_entropy(logits.float(), target)
     full = torch.randn(8, 10)
-    assert training.supervised_loss(full, target[:8]).data_ptr() != full.data_ptr()  # fp32: the same values
-    assert torch.equal(training.supervised_loss(full, target[:8]), torch.nn.functional.cross_entropy(full, target[:8]))
+    assert task.loss(full, target[:8]).data_ptr() != full.data_ptr()  # fp32: the same values
+    assert torch.equal(task.loss(full, target[:8]), torch.nn.functional.cross_entropy(full, target[:8]))
 
 
 def test_deterministic_sets_every_kernel_switch_in_the_workers(tmp_path: Path):

@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
+from hydra_ddp import tasks
 from hydra_ddp import data
 from hydra_ddp.parallel import distributed
 from hydra_ddp.training import evaluation
@@ -33,7 +34,8 @@ def _worker(rank: int, world: int, port: int, results):
     init = {"name": "tcp", "host": "127.0.0.1", "port": None, "path": None, "ports": [port]}  # held by the test
     with distributed.process_group("gloo", init, info, 30, torch.device("cpu")):
         split = data.EvalSplit(_dataset(), 2, info, torch.device("cpu"), preload=rank == 1, loader_options={})
-        results["eval", rank] = evaluation.evaluate(_model(), split, torch.device("cpu"), predictions=True)
+        results["eval", rank] = evaluation.evaluate(_model(), split, torch.device("cpu"), tasks.Classification(),
+                                                    predictions=True)
         window = training.LossWindow(size=2)
         window.add(1, torch.tensor(float(rank)))
         window.add(2, torch.tensor(float(10 * rank)))

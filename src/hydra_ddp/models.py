@@ -44,6 +44,24 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class SegNet(nn.Module):
+    """A small fully convolutional segmenter: 3×3 convolutions that keep the image's size, then a 1×1
+    convolution to per-pixel class logits (batch, classes, H, W), for task=segmentation."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 3, width: int = 16, depth: int = 3):
+        super().__init__()
+        layers: list[nn.Module] = []
+        channels = in_channels
+        for _ in range(depth):
+            layers += [nn.Conv2d(channels, width, 3, padding=1), nn.ReLU()]
+            channels = width
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Conv2d(channels, num_classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
 class _RepeatChannels(nn.Module):
     """Feeds grayscale images to a network that expects RGB."""
 

@@ -8,24 +8,60 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
-
-# What a validation reports, by the name trainer.monitor uses (TensorBoard's tags).
-METRICS = ("val/loss", "val/accuracy", "train/loss")
+from typing import Any, Mapping, Optional
 
 
-def mode_of(metric: str, configured: str) -> str:
-    """min or max: `auto` is min for a loss, max for an accuracy."""
+AUTO = "auto"
+
+
+def names(directions: Mapping[str, str]) -> list[str]:
+    """What trainer.monitor may name (TensorBoard's tags): the task's metrics on the validation
+    split (`directions`: the task's metric → its better direction), and the training loss."""
+    return [f"val/{name}" for name in directions] + ["train/loss"]
+
+
+def mode_of(metric: str, configured: str, directions: Mapping[str, str] = {}) -> str:
+    """min or max: `auto` is the task's direction for the metric (min for a loss)."""
     if configured != "auto":
         return configured
+    split, _, name = metric.partition("/")
+    if split == "val" and name in directions:
+        return directions[name]
     return "min" if metric.endswith("loss") else "max"
 
 
+def settle(metric: Optional[str], mode: str, directions: Mapping[str, str], default: str) -> tuple[Optional[str], str]:
+    """trainer.monitor and monitor_mode with `auto` settled: the task's `default` metric on the
+    validation split, in the metric's direction."""
+    if metric == AUTO:
+        metric = f"val/{default}"
+    return metric, mode_of(metric, mode, directions) if metric else mode
+
+
+def of_config(cfg: Any) -> tuple[Optional[str], str]:
+    """settle() for a composed config: the monitored metric and its mode, by its task (built here;
+    a task that does not build settles by the names alone, and the run then says what is wrong)."""
+    from hydra_ddp import tasks  # the task's class: the user's module, maybe
+
+    try:
+        task = tasks.build(cfg.task)
+        directions, default = dict(task.metrics), task.monitored
+    except Exception:  # noqa: BLE001
+        directions, default = {}, "loss"
+    return settle(cfg.trainer.monitor, cfg.trainer.monitor_mode, directions, default)
+
+
 def worst(metric: Optional[str], mode: str) -> Optional[float]:
-    """What a failed or diverged run reports to a sweeper: a value every finished run beats."""
+    """What a failed or diverged run reports to a sweeper: a value every finished run beats (`mode`
+    settled: min or max)."""
     if metric is None:
         return None
-    return -math.inf if mode_of(metric, mode) == "max" else math.inf
+    return -math.inf if mode == "max" else math.inf
+
+
+def worst_for(cfg: Any) -> Optional[float]:
+    """worst() for a composed config, in its task's direction."""
+    return worst(*of_config(cfg))
 
 
 @dataclass

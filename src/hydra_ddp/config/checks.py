@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import torch
 from omegaconf import OmegaConf
 
-from hydra_ddp import checkpoints, data, performance
+from hydra_ddp import checkpoints, data, performance, tasks
 from hydra_ddp.config import groups
 from hydra_ddp.config.schema import PRECISIONS
 from hydra_ddp.errors import UserError
@@ -147,20 +147,23 @@ def _locate(path: str, key: str) -> Any:
 def dry_build(plain: dict[str, Any]) -> None:
     """train.py --check: what a worker builds before its first step, without a process group: the
     datasets, the model on the meta device (no memory, any size), one batch of two samples through
-    it and the loss, the optimizer and the schedule. What fails is one line."""
-    import torch.nn.functional as F
+    it and the task's loss, the optimizer and the schedule. What fails is one line."""
     from hydra.utils import instantiate
     from torch.utils.data import default_collate
 
     cfg = OmegaConf.create(plain)
     model_and_data = f"{groups.chosen('model', cfg.model)} with {groups.chosen('data', cfg.data.dataset)}"
+    task = tasks.build(cfg.task)
     with _one_line(f"{model_and_data} does not build and run one batch (checked on the meta device)"):
         with torch.device("meta"):
             model = instantiate(cfg.model)
         if not cfg.data.dataset.get("download", False):  # a download is the run's to make
             train = data.build_datasets(cfg.data, RankInfo(0, 1, 0, 1), cfg.trainer.seed)["train"]
+            problem = tasks.misfit(task, train, cfg.data.num_classes)
+            if problem:
+                raise UserError(problem)
             x, y = default_collate([train[i] for i in range(min(2, len(train)))])
-            loss = F.cross_entropy(model(x.to("meta")), y.to("meta"))
+            loss = task.loss(model(x.to("meta")), y.to("meta"))
             if loss.dim() != 0:
                 raise UserError(f"{model_and_data}: the loss of one batch has shape {tuple(loss.shape)}, not a scalar")
     with _one_line(f"{groups.chosen('optim', cfg.optim)} does not build on the model's parameters"):

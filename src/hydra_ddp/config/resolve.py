@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from hydra_ddp import checkpoints, monitor, performance
+from hydra_ddp import checkpoints, monitor, performance, tasks
 from hydra_ddp.config import groups
 from hydra_ddp.config.checks import check
 from hydra_ddp.errors import UserError
@@ -56,7 +56,7 @@ def settle(plain: dict[str, Any], run_dir: Path, external: Optional[tuple[str, R
     _resolve_batch_size(plain["data"], replicas)
     trainer["resume"] = checkpoints.resume_setting(trainer["resume"])
     trainer["max_time"] = max_time_seconds(trainer["max_time"])
-    _resolve_monitor(trainer, plain["data"])
+    _resolve_monitor(trainer, plain["data"], tasks.build(plain["task"]))
     plain["backend"]["name"] = distributed.group_backend(plain["backend"]["name"], plain["strategy"]["cpu_offload"])
     # Settled here, alike on every rank of an outside launch.
     plain["strategy"]["sync_batchnorm"] = chosen.sync_batchnorm(plain["strategy"]["sync_batchnorm"], trainer["device"])
@@ -163,15 +163,18 @@ def collective_timeout(value: Any, backend: str) -> int:
     return value
 
 
-def _resolve_monitor(trainer: dict[str, Any], data_cfg: dict[str, Any]) -> None:
-    """The monitored metric must exist; without validation (data.val_fraction=0) a val/ metric has no
+def _resolve_monitor(trainer: dict[str, Any], data_cfg: dict[str, Any], task: tasks.Task) -> None:
+    """The monitored metric must be one the task reports (auto: the task's choice; its direction
+    settles monitor_mode=auto); without validation (data.val_fraction=0) a val/ metric has no
     values, and nothing is monitored."""
-    name = trainer["monitor"]
-    if name is not None and name not in monitor.METRICS:
-        raise UserError(f"trainer.monitor={name!r} is not a metric of this run; choose one of "
-                        f"{', '.join(monitor.METRICS)} (or null)")
     if trainer["monitor_mode"] not in ("auto", "min", "max"):
         raise UserError(f"trainer.monitor_mode must be auto, min or max, got {trainer['monitor_mode']!r}")
+    name, trainer["monitor_mode"] = monitor.settle(trainer["monitor"], trainer["monitor_mode"], task.metrics,
+                                                   task.monitored)
+    trainer["monitor"] = name
+    if name is not None and name not in monitor.names(task.metrics):
+        raise UserError(f"trainer.monitor={name!r} is not a metric of this task; choose one of "
+                        f"{', '.join(monitor.names(task.metrics))} (or null, or auto)")
     fraction = data_cfg["val_fraction"]
     if not 0 <= fraction < 1:
         raise UserError(f"data.val_fraction must be in [0, 1), got {fraction}")

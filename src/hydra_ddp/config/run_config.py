@@ -63,6 +63,7 @@ class RunConfig:
     strategy: schema.StrategyConf = field(default_factory=schema.StrategyConf)
     profiler: schema.ProfilerConf = field(default_factory=schema.ProfilerConf)
     data: schema.DataConf = field(default_factory=schema.DataConf)
+    task: Any = field(default_factory=lambda: {"_target_": "hydra_ddp.tasks.Classification"})  # an older checkpoint's
     model: Any = None
     optim: Any = None
     scheduler: Any = None

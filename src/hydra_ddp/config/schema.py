@@ -137,9 +137,10 @@ class TrainerConf:
     # Validate at the end of every epoch (else once, at the end of training).
     eval_every_epoch: bool = True
     # The one metric that selects best.pt, drives early stopping and is what train.py returns to a
-    # Hydra sweeper: val/loss, val/accuracy or train/loss (null: none; the test then uses the last weights).
-    monitor: Optional[str] = "val/accuracy"
-    # min or max; auto: min for a loss, max for an accuracy.
+    # Hydra sweeper: val/<a metric of the task> or train/loss. auto: the task's choice (val/accuracy
+    # for classification); null: none (the test then uses the last weights).
+    monitor: Optional[str] = "auto"
+    # min or max; auto: the metric's direction, as the task declares it.
     monitor_mode: str = "auto"
     early_stopping: EarlyStoppingConf = field(default_factory=EarlyStoppingConf)
     # null: a progress bar when rank 0's stderr is a terminal.
@@ -264,6 +265,8 @@ class Config:
     ddp: DDPConf = field(default_factory=DDPConf)
     profiler: ProfilerConf = field(default_factory=ProfilerConf)
     data: DataConf = field(default_factory=DataConf)
+    # What is learnt (conf/task/): the loss, the metrics, the predictions; a `_target_` class.
+    task: Any = MISSING
     model: Any = MISSING
     optim: Any = MISSING
     scheduler: Any = None

@@ -17,6 +17,6 @@ from hydra_ddp.data.loading import (  # noqa: F401
 )
 from hydra_ddp.data.sampling import ResumableDistributedSampler, SeededSamples, sample_seed  # noqa: F401
 from hydra_ddp.data.sources import (  # noqa: F401
-    CIFAR10_FILES, SPLITS, ImageArrays, check_source, cifar10, digits, image_folder, mnist, python_source, split_folders,
-    synthetic,
+    CIFAR10_FILES, SPLITS, ImageArrays, check_source, cifar10, diabetes, digits, image_folder, mnist, python_source, shapes,
+    split_folders, synthetic, synthetic_regression,
 )

@@ -1,4 +1,4 @@
-"""The data sources conf/data/*.yaml builds through `_target_`: each returns (train, test), or (train, val, test) where the source has a validation split of its own. Offline by default: scikit-learn's digits as shipped, synthetic data, files on disk."""
+"""The data sources conf/data/*.yaml builds through `_target_`: each returns (train, test), or (train, val, test) where the source has a validation split of its own. Offline by default: scikit-learn's digits and diabetes as shipped, synthetic data, files on disk."""
 
 from __future__ import annotations
 
@@ -29,13 +29,19 @@ def _standardize(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor,
     return (train - mean) / std, (test - mean) / std
 
 
+def _shipped_path(name: str) -> Path | None:
+    """Where scikit-learn keeps a data file it ships (found without importing it), or None."""
+    spec = importlib.util.find_spec("sklearn")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / name if spec else None
+    return path if path is not None and path.is_file() else None
+
+
 @functools.cache  # read once a process (train.py --check reads it for every config it checks)
 def _load_digits() -> tuple[np.ndarray, np.ndarray]:
     """The digits' (images, labels), read from the file scikit-learn ships: importing
     sklearn.datasets to read it would cost each worker seconds of start-up."""
-    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
-    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" if spec else None
-    if path is None or not path.is_file():  # another layout: let scikit-learn find it
+    path = _shipped_path("digits.csv.gz")
+    if path is None:  # another layout: let scikit-learn find it
         from sklearn.datasets import load_digits
 
         raw = load_digits()
@@ -92,6 +98,59 @@ def synthetic(
     x = torch.randn(n, in_channels, image_size, image_size, generator=gen)
     y = torch.randint(0, num_classes, (n,), generator=gen)
     return TensorDataset(x[:train_size], y[:train_size]), TensorDataset(x[train_size:], y[train_size:])
+
+
+def _shipped_table(name: str) -> np.ndarray:
+    """A table scikit-learn ships in sklearn/datasets/data/, read without importing sklearn."""
+    path = _shipped_path(name)
+    if path is None:
+        raise UserError(f"scikit-learn's {name} was not found (is scikit-learn installed?): pip install scikit-learn")
+    return np.loadtxt(path)
+
+
+def diabetes(test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset]:
+    """scikit-learn's diabetes regression data (442 patients, 10 measurements, a disease-progression
+    score), read from the files it ships. Features and targets standardized by the training split's
+    mean and spread (per feature), so an MSE of 1 is a prediction no better than the mean."""
+    features = torch.from_numpy(_shipped_table("diabetes_data_raw.csv.gz")).float()
+    targets = torch.from_numpy(_shipped_table("diabetes_target.csv.gz")).float()
+    train_idx, test_idx = _split(len(targets), test_fraction, seed)
+    mean, std = features[train_idx].mean(0), features[train_idx].std(0)
+    t_mean, t_std = targets[train_idx].mean(), targets[train_idx].std()
+    x, y = (features - mean) / std, (targets - t_mean) / t_std
+    return TensorDataset(x[train_idx], y[train_idx]), TensorDataset(x[test_idx], y[test_idx])
+
+
+def synthetic_regression(train_size: int = 4096, test_size: int = 512, in_features: int = 16, noise: float = 0.1,
+                         seed: int = 0) -> tuple[Dataset, Dataset]:
+    """y = sin(x · w₁) + x · w₂ + noise, for random x: a regression target a small MLP can learn."""
+    gen = torch.Generator().manual_seed(seed)
+    n = train_size + test_size
+    x = torch.randn(n, in_features, generator=gen)
+    w1, w2 = torch.randn(in_features, generator=gen) / in_features**0.5, torch.randn(in_features, generator=gen) / 4
+    y = torch.sin(2 * x @ w1) + x @ w2 + noise * torch.randn(n, generator=gen)
+    return TensorDataset(x[:train_size], y[:train_size]), TensorDataset(x[train_size:], y[train_size:])
+
+
+def shapes(train_size: int = 1024, test_size: int = 256, image_size: int = 16, seed: int = 0) -> tuple[Dataset, Dataset]:
+    """Segmentation of synthetic shapes: each grey image holds a filled square (class 1) and a filled
+    disc (class 2) at random places and sizes, over noise; the mask gives each pixel's class
+    (0: background; the disc is drawn over the square)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = train_size + test_size
+    rows, cols = torch.meshgrid(torch.arange(image_size), torch.arange(image_size), indexing="ij")
+    masks = torch.zeros(n, image_size, image_size, dtype=torch.int64)
+    low, high = max(2, image_size // 8), max(3, image_size // 3)
+    for i in range(n):
+        side, radius = (int(v) for v in torch.randint(low, high, (2,), generator=gen))
+        top, left = (int(v) for v in torch.randint(0, image_size - side + 1, (2,), generator=gen))
+        masks[i, top:top + side, left:left + side] = 1
+        cy, cx = (float(v) for v in torch.randint(radius, image_size - radius, (2,), generator=gen))
+        masks[i][(rows - cy) ** 2 + (cols - cx) ** 2 <= radius**2] = 2
+    brightness = torch.tensor([0.0, 0.6, 1.0])  # background, square, disc
+    images = (brightness[masks] + 0.3 * torch.randn(n, image_size, image_size, generator=gen)).unsqueeze(1)
+    return (TensorDataset(images[:train_size], masks[:train_size]),
+            TensorDataset(images[train_size:], masks[train_size:]))
 
 
 def _require_dir(root: str, what: str) -> Path:

@@ -68,8 +68,9 @@ class TensorBoard(Logger):
     def finish(self, summary: dict[str, Any], hparams: dict[str, Any]) -> None:
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-        metrics = {f"hparam/{k}": summary[k] for k in ("val_accuracy", "val_loss", "test_accuracy", "test_loss",
-                                                       "samples_per_sec") if summary.get(k) is not None}
+        names = summary.get("metrics", [])  # the task's
+        keys = [f"{split}_{name}" for split in ("val", "test") for name in names] + ["samples_per_sec"]
+        metrics = {f"hparam/{k}": summary[k] for k in keys if summary.get(k) is not None}
         # Written into this writer's own file: SummaryWriter.add_hparams would open a second one.
         for event in hparams_summary(hparams, metrics):
             self.writer.file_writer.add_summary(event)

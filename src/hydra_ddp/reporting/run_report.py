@@ -107,15 +107,16 @@ def format_summary(s: dict[str, Any]) -> str:
         ("epochs / steps", f"{s['epochs']} / {s['steps']} (ended by {ended})"),
         ("train loss", f"{s['train_loss']:.4f}"),
     ]
-    if s.get("val_loss") is not None:
-        rows.append(("val loss / accuracy", f"{s['val_loss']:.4f} / {s['val_accuracy']:.4f}"
+    names = s.get("metrics", ["loss", "accuracy"])  # the task's metrics
+    if s.get("val_samples") is not None:
+        rows.append((f"val {' / '.join(names)}", " / ".join(f"{s[f'val_{name}']:.4f}" for name in names)
                      + (f" (best {monitor['metric']}, step {monitor['best_step']})" if monitor["best_step"] is not None
                         else " (last)")))
     if tested:
         on = (f"{tested['weights']} weights, step {tested['step']}"
               + (f": {tested['checkpoint']}" if tested["checkpoint"] else ""))
-        rows += [("test loss", f"{s['test_loss']:.4f}"),
-                 ("test accuracy", f"{s['test_accuracy']:.4f} ({s['test_samples']} samples; once, on the {on})")]
+        rows += [(f"test {name}", f"{s[f'test_{name}']:.4f}") for name in names]
+        rows[-1] = (rows[-1][0], f"{rows[-1][1]} ({s['test_samples']} samples; once, on the {on})")
     rows += [
         ("throughput", f"{s['samples_per_sec']:.0f} samples/s"),
         *([("straggler", s["straggler"]["message"])] if s.get("straggler") else []),

@@ -27,10 +27,18 @@ from hydra_ddp.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
+# The task's test (and, for a search, validation) metrics go between these: metric_columns.
 COLUMNS = ["job", "swept", "status", "world_size", "global_batch_size", "samples_per_sec", "speedup", "efficiency",
-           "test_accuracy", "test_loss", "wall_time_s", "error"]
-TRIAL_COLUMNS = ["rank", "job", "swept", "status", "monitor", "objective", "val_loss", "val_accuracy", "test_loss",
-                 "test_accuracy", "steps", "ended_by", "wall_time_s", "run_dir", "error"]
+           "wall_time_s", "error"]
+TRIAL_COLUMNS = ["rank", "job", "swept", "status", "monitor", "objective", "steps", "ended_by", "wall_time_s",
+                 "run_dir", "error"]
+METRICS_AT = {"scaling": 8, "trials": 6}  # where in COLUMNS and TRIAL_COLUMNS the metric columns go
+
+
+def metric_columns(rows: list[dict[str, Any]], splits: tuple[str, ...]) -> list[str]:
+    """{split}_{metric} for the metrics the jobs' tasks report (in their order; every job's, once)."""
+    names = list(dict.fromkeys(name for r in rows for name in r.get("metrics") or ()))
+    return [f"{split}_{name}" for split in splits for name in names]
 
 
 def _overrides(job_dir: Path) -> list[str]:
@@ -50,9 +58,10 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         summary_file = RunDir(job_dir).summary
         if summary_file.exists():
             s = json.loads(summary_file.read_text())
-            row.update(status="ok", **{k: s.get(k) for k in ("world_size", "global_batch_size", "samples_per_sec",
-                                                            "test_accuracy", "test_loss", "wall_time_s", "val_loss",
-                                                            "val_accuracy", "objective", "steps", "ended_by")})
+            names = s.get("metrics", ["loss", "accuracy"])  # the task's
+            row.update(status="ok", metrics=names, **{k: s.get(k) for k in (
+                "world_size", "global_batch_size", "samples_per_sec", "wall_time_s", "objective", "steps", "ended_by",
+                *(f"{split}_{name}" for split in ("val", "test") for name in names))})
             row.update(monitor=(s.get("monitor") or {}).get("metric"), mode=(s.get("monitor") or {}).get("mode"))
             if s.get("stopped_by"):
                 row["status"] = f"stopped ({s['stopped_by']})"
@@ -86,18 +95,19 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 
 def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
+    metrics = metric_columns(rows, ("test",))
+    at = METRICS_AT["scaling"]
     with open(sweep_dir / "scaling.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=COLUMNS[:at] + metrics + COLUMNS[at:], extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    header = ("| job | swept | status | world size | global batch | samples/s | speed-up | efficiency | test acc "
-              "| test loss | wall s |")
-    lines = [f"# Scaling report: {sweep_dir}", "", header, "|" + " --- |" * 11]
+    header = ("| job | swept | status | world size | global batch | samples/s | speed-up | efficiency | "
+              + "".join(f"{m.replace('_', ' ')} | " for m in metrics) + "wall s |")
+    lines = [f"# Scaling report: {sweep_dir}", "", header, "|" + " --- |" * (9 + len(metrics))]
     for r in rows:
         cells = [r["job"], r["swept"], r["status"] + (f": {r['error']}" if r.get("error") else ""),
                  r.get("world_size"), r.get("global_batch_size"), r.get("samples_per_sec"), r.get("speedup"),
-                 r.get("efficiency"),
-                 r.get("test_accuracy"), r.get("test_loss"), r.get("wall_time_s")]
+                 r.get("efficiency"), *(r.get(m) for m in metrics), r.get("wall_time_s")]
         lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
     lines += ["", "Speed-up is over the smallest world size's samples/s; efficiency is speed-up divided by the",
               "world-size ratio (1.0 is perfect scaling). Throughput counts training steps only.", ""]
@@ -199,8 +209,10 @@ def rank_trials(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def write_trials(rows: list[dict[str, Any]], sweep_dir: Path) -> list[dict[str, Any]]:
     ranked = rank_trials(rows)
+    metrics = metric_columns(ranked, ("val", "test"))
+    at = METRICS_AT["trials"]
     with open(sweep_dir / "sweep.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=TRIAL_COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=TRIAL_COLUMNS[:at] + metrics + TRIAL_COLUMNS[at:], extrasaction="ignore")
         writer.writeheader()
         writer.writerows(ranked)
     monitor = next((r["monitor"] for r in ranked if r.get("monitor")), None)
@@ -209,12 +221,13 @@ def write_trials(rows: list[dict[str, Any]], sweep_dir: Path) -> list[dict[str, 
     if best:
         lines += [f"Best: job {best['job']} ({best['swept']}), {monitor} {_fmt(best['objective'], 4)}: "
                   f"{best['run_dir']}", ""]
-    lines += [f"| rank | job | parameters | status | {monitor or 'objective'} (best) | val loss | val acc | test loss "
-              "| test acc | steps | ended by | wall s |", "|" + " --- |" * 12]
+    lines += [f"| rank | job | parameters | status | {monitor or 'objective'} (best) | "
+              + "".join(f"{m.replace('_', ' ')} | " for m in metrics) + "steps | ended by | wall s |",
+              "|" + " --- |" * (8 + len(metrics))]
     for r in ranked:
         cells = [r["rank"], r["job"], r["swept"], r["status"] + (f": {r['error']}" if r.get("error") else ""),
-                 r.get("objective"), r.get("val_loss"), r.get("val_accuracy"), r.get("test_loss"),
-                 r.get("test_accuracy"), r.get("steps"), r.get("ended_by"), r.get("wall_time_s")]
+                 r.get("objective"), *(r.get(m) for m in metrics), r.get("steps"), r.get("ended_by"),
+                 r.get("wall_time_s")]
         lines.append("| " + " | ".join(_fmt(c, 4) for c in cells) + " |")
     lines += ["", "Ranked by the objective: trainer.monitor's best value over each trial's validations (never the",
               "test set's). Each trial's test metrics are of its selected weights, read once.", ""]
@@ -280,12 +293,12 @@ def check_search(config: DictConfig) -> Optional[str]:
     direction = (config.hydra.get("sweeper") or {}).get("direction")
     if direction is None or not _searching(config):
         return None
-    from hydra_ddp.monitor import mode_of
+    from hydra_ddp import monitor
 
-    metric = config.trainer.monitor
+    metric, mode = monitor.of_config(config)
     if metric is None:
         return "the Optuna sweeper optimises trainer.monitor: set it (e.g. trainer.monitor=val/accuracy)"
-    wanted = {"max": "maximize", "min": "minimize"}[mode_of(metric, config.trainer.monitor_mode)]
+    wanted = {"max": "maximize", "min": "minimize"}[mode]
     given = [str(d).lower().split(".")[-1] for d in (direction if not isinstance(direction, str) else [direction])]
     if given != [wanted]:
         return (f"hydra.sweeper.direction={direction} but trainer.monitor={metric} is best at its "

@@ -11,26 +11,31 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
-from hydra_ddp import checkpoints, data, performance
+from hydra_ddp import checkpoints, data, performance, tasks
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.reporting import run_report
 from hydra_ddp.rundir import RunDir
+from hydra_ddp.tasks import Task
 
 log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, split: data.EvalSplit, device: torch.device, name: str = "test",
+def evaluate(model: nn.Module, split: data.EvalSplit, device: torch.device, task: Task, name: str = "test",
              memory_format: torch.memory_format = torch.preserve_format,
              predictions: bool = False, lockstep: bool = False, reduce: bool = True,
              group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
-    """{name}_loss, {name}_accuracy, {name}_samples over the whole split (the same on every rank);
-    with `predictions`, also rank 0's (label, predicted class, probability) per sample, in dataset order.
+    """{name}_{metric} for each of the task's metrics, and {name}_samples, over the whole split (the
+    same on every rank); with `predictions`, also rank 0's rows of the task's prediction columns,
+    one per sample, in dataset order.
+
+    Each chunk's state of sums (task.state) has its own row; the rows are all-reduced (each is
+    nonzero on one rank only: adding zeros is exact) and added in chunk order, so the totals, and
+    the metrics, are the same bits at any world size.
 
     Takes the unwrapped module: ranks may hold different chunk counts, and DDP's forward would
     start collectives that then fail to line up. A sharded (FSDP) module's forward must run on
@@ -40,28 +45,27 @@ def evaluate(model: nn.Module, split: data.EvalSplit, device: torch.device, name
     parallel), its sums are whole already.
     """
     model.eval()
-    sums = torch.zeros(split.num_chunks, 3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    rows = torch.zeros(split.samples if predictions else 0, 3, dtype=torch.float64, device=device)
+    # Per chunk: the task's state, then the samples counted.
+    sums = torch.zeros(split.num_chunks, task.state_size + 1, dtype=torch.float64, device=device)
+    rows = torch.zeros(split.samples if predictions else 0, len(task.prediction_columns), dtype=torch.float64,
+                       device=device)
     for chunk, first, x, y in split:
         x = x.to(device, non_blocking=True, memory_format=memory_format)
         y = y.to(device, non_blocking=True)
-        logits = model(x).float()
-        losses = F.cross_entropy(logits, y, reduction="none").double()
-        predicted = logits.argmax(1)
-        sums[chunk, 0] = losses.sum()
-        sums[chunk, 1] = (predicted == y).sum()
-        sums[chunk, 2] = y.numel()
+        output = model(x)
+        sums[chunk, :-1] = task.state(output, y)
+        sums[chunk, -1] = len(y)
         if predictions:
-            probability = logits.softmax(1).gather(1, predicted[:, None])[:, 0]
-            rows[first : first + len(y)] = torch.stack([y.double(), predicted.double(), probability.double()], 1)
+            rows[first : first + len(y)] = task.predict(output, y)
     if lockstep:
         for _ in range(split.rounds - len(split)):
             model(split.filler().to(device, memory_format=memory_format))
     if reduce:
         dist.all_reduce(sums, group=group)
-    loss_sum, correct, count = sums.sum(0).tolist()
-    metrics: dict[str, Any] = {f"{name}_loss": loss_sum / count, f"{name}_accuracy": correct / count,
-                               f"{name}_samples": int(count)}
+    *state, samples = sums.sum(0).tolist()
+    values = task.compute(state)
+    metrics: dict[str, Any] = {f"{name}_{metric}": values[metric] for metric in task.metrics}
+    metrics[f"{name}_samples"] = int(samples)
     if predictions and reduce:
         dist.reduce(rows, dst=0, group=group)
         metrics["predictions"] = rows.cpu()
@@ -74,6 +78,7 @@ def run(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, starte
     job = cfg.eval
     splits = data.build_datasets(cfg.data, rank, cfg.trainer.seed)
     split = data.eval_split(splits[job.split], cfg.data, rank, cfg.trainer.seed, device)
+    task = tasks.build(cfg.task)
     model = instantiate(cfg.model)
     if rank.is_main:  # only rank 0 reads the file: it need not be on every node
         path = Path(job.ckpt)
@@ -84,30 +89,32 @@ def run(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, starte
     memory_format = performance.memory_format(cfg.trainer.channels_last)
     model.to(memory_format=memory_format)  # as the run evaluated it: the same bits
     started = time.perf_counter()
-    metrics = evaluate(model, split, device, job.split, memory_format, predictions=job.predict)
+    metrics = evaluate(model, split, device, task, job.split, memory_format, predictions=job.predict)
     rows = metrics.pop("predictions", None)
     result = {
         "checkpoint": job.ckpt, "step": job.step, "epoch": job.epoch, "split": job.split, **metrics,
+        "metrics": list(task.metrics),
         "world_size": rank.world_size, "launcher": cfg.launcher.name, "device": device.type,
         "eval_time_s": time.perf_counter() - started, "wall_time_s": time.time() - started_at, "run_dir": str(out),
         "predictions": str(RunDir(out).predictions) if job.predict else None, "stopped_by": None,
     }
     if rank.is_main:
         if rows is not None:
-            _write_predictions(rows, RunDir(out).predictions)
+            _write_predictions(rows, task, RunDir(out).predictions)
         run_report.write_json(result, RunDir(out).eval_result)
         name = job.split
-        log.info("%s of %s (step %d) on %d rank(s): %s loss %r, %s accuracy %r (%d samples)", RunDir(out).eval_result.name, job.ckpt,
-                 job.step, rank.world_size, name, result[f"{name}_loss"], name, result[f"{name}_accuracy"],
-                 result[f"{name}_samples"])
+        shown = ", ".join(f"{name} {metric} {result[f'{name}_{metric}']!r}" for metric in task.metrics)
+        log.info("%s of %s (step %d) on %d rank(s): %s (%d samples)", RunDir(out).eval_result.name, job.ckpt,
+                 job.step, rank.world_size, shown, result[f"{name}_samples"])
     return result
 
 
-def _write_predictions(rows: torch.Tensor, path: Path) -> None:
+def _write_predictions(rows: torch.Tensor, task: Task, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
+    whole = [column in task.integer_columns for column in task.prediction_columns]
     with open(tmp, "w", newline="") as file:
         writer = csv.writer(file)
-        writer.writerow(["index", "label", "predicted", "probability"])
-        for index, (label, predicted, probability) in enumerate(rows.tolist()):
-            writer.writerow([index, int(label), int(predicted), f"{probability:.6f}"])
+        writer.writerow(["index", *task.prediction_columns])
+        for index, row in enumerate(rows.tolist()):
+            writer.writerow([index, *(int(v) if integer else f"{v:.6f}" for v, integer in zip(row, whole))])
     os.replace(tmp, path)

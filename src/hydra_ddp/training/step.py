@@ -8,20 +8,14 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from hydra_ddp.errors import EveryRankError
+from hydra_ddp.tasks import Task
 from hydra_ddp.training.timing import StepTimer
 
 # trainer.precision → autocast's dtype (None: fp32, no autocast).
 AUTOCAST_DTYPES: dict[str, Optional[torch.dtype]] = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
-
-
-def supervised_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The training loss, in float32 whatever the model computes in (autocast, FSDP's mixed
-    precision): a bf16 or fp16 loss would round the sum over the batch. For fp32 outputs the cast
-    is no operation."""
-    return F.cross_entropy(output.float(), target)
 
 
 def accumulation_group(batch: int, accumulate: int, batches_per_epoch: int) -> int:
@@ -35,9 +29,11 @@ def accumulation_group(batch: int, accumulate: int, batches_per_epoch: int) -> i
 class Step:
     """Forward, backward and (on a group's last batch) the optimizer step, for one batch."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Any, device: torch.device,
+    def __init__(self, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer, strategy: Any, device: torch.device,
                  timer: StepTimer, precision: str, grad_clip: Optional[float], memory_format: torch.memory_format):
-        self.model, self.optimizer, self.strategy, self.device, self.timer = model, optimizer, strategy, device, timer
+        self.model, self.task, self.optimizer, self.strategy = model, task, optimizer, strategy
+        self.device, self.timer = device, timer
+        self.loss_checked = False
         self.amp_dtype = AUTOCAST_DTYPES[precision]
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "16")  # fp16 only: bf16 needs none
         self.grad_clip = grad_clip
@@ -51,7 +47,9 @@ class Step:
         y = y.to(self.device, non_blocking=True)
         with contextlib.nullcontext() if sync else self.strategy.no_sync():  # no all-reduce mid-accumulation
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                loss = supervised_loss(self.model(x), y)
+                loss = self.task.loss(self.model(x), y)
+            if not self.loss_checked:
+                self._check(loss)
             self.timer.lap("forward")
             scaled = loss / group if group > 1 else loss  # no extra op in the graph for 1
             self.scaler.scale(scaled).backward()  # DDP all-reduces here on sync
@@ -67,6 +65,15 @@ class Step:
             self.optimizer.zero_grad(set_to_none=True)
             self.timer.lap("optimizer")
         return loss.detach()
+
+    def _check(self, loss: Any) -> None:
+        """The task's loss, once: a scalar tensor with a gradient, or one line on every rank (each
+        computes the same first batch's shape)."""
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise EveryRankError(f"task {type(self.task).__name__}: its loss is {shape}, not a scalar; reduce it "
+                                 "(e.g. .mean()) in the task's loss()")
+        self.loss_checked = True
 
     def take_grad_norms(self) -> tuple[list[int], list[float]]:
         """The norms since the last call: (steps, values)."""

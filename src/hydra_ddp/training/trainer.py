@@ -18,6 +18,7 @@ from tqdm import tqdm
 from hydra_ddp.data import Loaders
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.reporting.run_report import Reporter
+from hydra_ddp.tasks import Task
 from hydra_ddp.training.checkpointing import Checkpointer
 from hydra_ddp.training.position import Position
 from hydra_ddp.training.profiling import profiling
@@ -32,18 +33,19 @@ from hydra_ddp.training.window import LossWindow
 log = logging.getLogger(__name__)
 
 
-def build(cfg: Any, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Optional[Any], loaders: Loaders,
-          device: torch.device, reporter: Reporter, checkpointer: Checkpointer, stop: StopRequest, progress: bool,
-          started_at: float, strategy: Any, memory_format: torch.memory_format) -> "Trainer":
+def build(cfg: Any, task: Task, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Optional[Any],
+          loaders: Loaders, device: torch.device, reporter: Reporter, checkpointer: Checkpointer, stop: StopRequest,
+          progress: bool, started_at: float, strategy: Any, memory_format: torch.memory_format) -> "Trainer":
     """The loop and its collaborators, each given its own settings."""
     settings = cfg.trainer
     pos, overheads, monitor = Position(), Overheads(), Monitor.from_config(settings)
     timer = StepTimer(settings.timing, device)  # this rank's time per phase (timing.py): the straggler report
-    step = Step(model, optimizer, strategy, device, timer, str(settings.precision), settings.grad_clip, memory_format)
+    step = Step(model, task, optimizer, strategy, device, timer, str(settings.precision), settings.grad_clip,
+                memory_format)
     return Trainer(
         settings, model, loaders, device, step=step, timer=timer, pos=pos,
         saving=Saving(cfg.checkpoint, checkpointer, strategy, step, scheduler, monitor, pos, overheads),
-        validation=Validation(strategy, loaders, device, memory_format, monitor, reporter, overheads),
+        validation=Validation(strategy, task, loaders, device, memory_format, monitor, reporter, overheads),
         ending=Ending(stop, settings.max_time, started_at),
         throughput=Throughput(strategy.data_parallel_size()),
         overheads=overheads, reporter=reporter, scheduler=scheduler,
@@ -194,7 +196,7 @@ class Trainer:
             sync = self.pos.batch % accumulate == 0 or self.pos.batch == self.batches_per_epoch
             group = accumulation_group(self.pos.batch, accumulate, self.batches_per_epoch)
             micro_losses.append(self.step.run(x, y, sync, group, self.pos.step + 1))
-            samples += y.numel()
+            samples += len(y)  # samples, not targets (a sequence's tokens, an image's pixels)
             if not sync:
                 continue
             loss = micro_losses[0] if len(micro_losses) == 1 else torch.stack(micro_losses).mean()
@@ -260,16 +262,16 @@ class Trainer:
         metrics = self.validation.validate(self.train_loss)
         scalars = {"train/epoch_loss": self.train_loss, "train/lr": self.step.optimizer.param_groups[0]["lr"],
                    "perf/samples_per_sec": self.throughput.samples_per_sec()}
-        if "val_loss" in metrics:
-            scalars.update({"val/loss": metrics["val_loss"], "val/accuracy": metrics["val_accuracy"]})
+        validated = "val_samples" in metrics
+        if validated:
+            scalars.update(self.validation.tagged(metrics, "val"))
         epoch_ranks = per_rank(self.timer.gather(self.device, since_last=True))  # every rank's, this epoch
         if self.timer.reported_steps:
             for row in epoch_ranks:
                 scalars.update({f"perf/rank{row['rank']}/{k[:-6]}": v for k, v in row.items() if k.endswith("_share")})
         self.reporter.scalars(scalars, self.pos.step)
         best = self.validation.record(metrics, self.pos.step, epoch)
-        shown = f"  val loss {metrics['val_loss']:.4f}  val accuracy {metrics['val_accuracy']:.4f}" \
-            if "val_loss" in metrics else ""
+        shown = f"  {self.validation.shown(metrics, 'val')}" if validated else ""
         log.info("%s  step %d  train loss %.4f%s%s", where, self.pos.step, self.train_loss, shown,
                  f"  (best {self.monitor.metric})" if best else "")
         return best
@@ -282,9 +284,8 @@ class Trainer:
             "steps": self.pos.step,
             "train_loss": self.train_loss,
             # The selected weights' validation (the best by the monitor, else the last validation).
-            "val_loss": selected.get("val_loss"),
-            "val_accuracy": selected.get("val_accuracy"),
-            "val_samples": selected.get("val_samples"),
+            **{f"val_{name}": selected.get(f"val_{name}") for name in [*self.validation.task.metrics, "samples"]},
+            "metrics": list(self.validation.task.metrics),  # the task's, in its order (reports' columns)
             **self.validation.test_metrics,
             "tested": self.validation.tested,
             "test_passes": self.loaders.test.passes,

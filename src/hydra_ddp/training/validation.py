@@ -11,6 +11,7 @@ import torch
 from hydra_ddp.data import Loaders
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.reporting.run_report import Reporter
+from hydra_ddp.tasks import Task
 from hydra_ddp.training.evaluation import evaluate
 from hydra_ddp.training.throughput import Overheads
 
@@ -20,9 +21,10 @@ log = logging.getLogger(__name__)
 class Validation:
     """The evaluations of one training run, and what they selected."""
 
-    def __init__(self, strategy: Any, loaders: Loaders, device: torch.device, memory_format: torch.memory_format,
-                 monitor: Monitor, reporter: Reporter, overheads: Overheads):
-        self.strategy, self.loaders, self.device, self.memory_format = strategy, loaders, device, memory_format
+    def __init__(self, strategy: Any, task: Task, loaders: Loaders, device: torch.device,
+                 memory_format: torch.memory_format, monitor: Monitor, reporter: Reporter, overheads: Overheads):
+        self.strategy, self.task, self.loaders, self.device = strategy, task, loaders, device
+        self.memory_format = memory_format
         self.monitor, self.reporter, self.overheads = monitor, reporter, overheads
         self.best_weights: Optional[dict[str, torch.Tensor]] = None  # a copy, on the CPU, while not the current ones
         self.last: dict[str, Any] = {}  # the last validation's metrics
@@ -33,7 +35,7 @@ class Validation:
     def evaluate(self, split: Any, name: str) -> dict[str, Any]:
         """Exact evaluation of one split, as this strategy needs it run and added up."""
         with self.overheads.timed("eval_time_s"):
-            return evaluate(self.strategy.eval_module, split, self.device, name, self.memory_format,
+            return evaluate(self.strategy.eval_module, split, self.device, self.task, name, self.memory_format,
                             lockstep=self.strategy.lockstep_eval, **self.strategy.eval_reduction())
 
     def validate(self, train_loss: float) -> dict[str, Any]:
@@ -75,8 +77,15 @@ class Validation:
             "checkpoint": checkpoint(weights) if checkpoint else None,
             "monitor": monitor.metric, "monitor_value": monitor.best if weights == "best" else None,
         }
-        self.reporter.scalars({"test/loss": self.test_metrics["test_loss"],
-                               "test/accuracy": self.test_metrics["test_accuracy"]}, step)
-        log.info("test (once, on the %s weights: step %d%s)  test loss %.4f  test accuracy %.4f", weights,
+        self.reporter.scalars(self.tagged(self.test_metrics, "test"), step)
+        log.info("test (once, on the %s weights: step %d%s)  %s", weights,
                  tested_step, f", {monitor.metric} {monitor.best:.4f}" if weights == "best" else "",
-                 self.test_metrics["test_loss"], self.test_metrics["test_accuracy"])
+                 self.shown(self.test_metrics, "test"))
+
+    def tagged(self, metrics: dict[str, Any], split: str) -> dict[str, float]:
+        """The task's metrics of a split by their TensorBoard tags: {split}_{name} as {split}/{name}."""
+        return {f"{split}/{name}": metrics[f"{split}_{name}"] for name in self.task.metrics}
+
+    def shown(self, metrics: dict[str, Any], split: str) -> str:
+        """The task's metrics of a split for the log: `val loss 0.1234  val accuracy 0.9876`."""
+        return "  ".join(f"{split} {name} {metrics[f'{split}_{name}']:.4f}" for name in self.task.metrics)

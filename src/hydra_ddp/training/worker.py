@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
-from hydra_ddp import checkpoints, data, performance
+from hydra_ddp import checkpoints, data, performance, tasks
 from hydra_ddp.errors import (
     EVERY_RANK,
     LOST_A_PEER,
@@ -148,6 +148,10 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     spread = strategy.build(cfg, device)  # DDP's replicas, FSDP's shards or tensor parallel (parallel/)
     replica = spread.data_shard(rank)  # which batches this rank reads: its own, but under tensor parallel
     loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, device, shard=replica)
+    task = tasks.build(cfg.task)
+    problem = tasks.misfit(task, loaders.train_sampler.dataset, cfg.data.num_classes)
+    if problem:
+        raise EveryRankError(problem)  # every rank reads the same first sample
     model = instantiate(cfg.model)
     # From here a stream per model replica (dropout's masks differ between ranks that read different
     # batches; the ranks of a tensor-parallel replica draw alike), saved in every checkpoint. The
@@ -190,7 +194,7 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
         resume_step = 0
     reporter = run_report.Reporter(rank, out, cfg, resume_step=resume_step)
     try:
-        trainer = training.build(cfg, train_model, optimizer, scheduler, loaders, device, reporter, checkpointer, stop,
+        trainer = training.build(cfg, task, train_model, optimizer, scheduler, loaders, device, reporter, checkpointer, stop,
                                  run_report.show_progress(cfg.trainer.progress, rank), started_at, spread, memory_format)
         if resume:
             trainer.resume_from(*resume)

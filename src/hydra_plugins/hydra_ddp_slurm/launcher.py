@@ -68,7 +68,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
         RunDir(job_dir).slurm_state.write_text(f"{job.ended.lower()}\n")
         print(f"hydra-ddp: warning: job #{num} ({' '.join(overrides) or 'no overrides'}): {message}", file=sys.stderr)
         return JobReturn(overrides=overrides, cfg=config, working_dir=str(job_dir), status=JobStatus.COMPLETED,
-                         _return_value=monitor.worst(config.trainer.monitor, config.trainer.monitor_mode))
+                         _return_value=monitor.worst_for(config))
 
 
 class Job:

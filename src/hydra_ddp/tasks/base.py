@@ -1,0 +1,99 @@
+"""The task interface, and building a task from its config with its declarations checked."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from hydra_ddp.errors import UserError
+
+# What the project itself reports beside a task's metrics, per split (test_samples, test_passes):
+# a task's metric may not take these names.
+RESERVED = ("samples", "passes")
+
+
+class Task:
+    """How a batch becomes the loss, which metrics an evaluation reports, what a prediction is.
+
+    Subclass it for your own experiment and name it in conf/task/ (`_target_: my_package.MyTask`).
+
+    Metrics are exact at any world size because they come from a *state of sums*: `state(output,
+    target)` is one evaluation chunk's vector of `state_size` float64 sums (per-sample losses,
+    counts, a confusion matrix...). The evaluation keeps each chunk's vector in its own slot and adds
+    them in chunk order, which no world size changes, then `compute(total)` turns the total into
+    the metrics. Counts are exact in float64 up to 2**53.
+    """
+
+    # Each metric's name and its better direction ("min" or "max"): what trainer.monitor=val/<name>
+    # may name, and what monitor_mode=auto picks. The first is shown first.
+    metrics: dict[str, str] = {"loss": "min"}
+    # What trainer.monitor=auto monitors: val/<this> (one of `metrics`).
+    monitored: str = "loss"
+    state_size: int = 1
+    # eval.py predict=true: predictions.csv's columns after the sample's index, one row per sample;
+    # those in integer_columns are written as integers, the others with 6 decimals.
+    prediction_columns: tuple[str, ...] = ()
+    integer_columns: tuple[str, ...] = ()
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The batch's training loss: a scalar (its gradient is the step's), best in float32."""
+        raise NotImplementedError
+
+    def state(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """One evaluation chunk's sums: a float64 vector of `state_size` values."""
+        raise NotImplementedError
+
+    def compute(self, total: list[float]) -> dict[str, float]:
+        """The metrics (every name in `metrics`) from the sums over the whole split."""
+        raise NotImplementedError
+
+    def predict(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """One row of `prediction_columns` per sample of the batch."""
+        raise UserError(f"{type(self).__name__} writes no predictions (it names no prediction_columns); "
+                        "run eval.py without predict=true")
+
+    def check_target(self, target: torch.Tensor, outputs: int) -> Optional[str]:
+        """What is wrong with one sample's target for this task (None: it fits). `outputs`: data.num_classes."""
+        return None
+
+
+def build(task_cfg: Any) -> Task:
+    """The configured task, its declarations checked: one line for what does not fit."""
+    from hydra.utils import instantiate
+
+    task = instantiate(task_cfg)
+    if not isinstance(task, Task):
+        raise UserError(f"task._target_={task_cfg['_target_']!r} is not a hydra_ddp.tasks.Task: subclass it")
+    problem = _declaration_problem(task)
+    if problem:
+        raise UserError(f"task {type(task).__name__}: {problem}")
+    return task
+
+
+def _declaration_problem(task: Task) -> Optional[str]:
+    if not task.metrics:
+        return "it names no metrics; give `metrics` ({name: 'min' or 'max'})"
+    for name, direction in task.metrics.items():
+        if name in RESERVED:
+            return (f"its metric {name!r} is also what the evaluation itself reports (test_{name}); "
+                    f"rename it (these names are the project's: {', '.join(RESERVED)})")
+        if not name.isidentifier():
+            return f"its metric name {name!r} is not a plain name (letters, digits, _)"
+        if direction not in ("min", "max"):
+            return f"its metric {name!r} has direction {direction!r}: say 'min' or 'max'"
+    if task.monitored not in task.metrics:
+        return f"monitored={task.monitored!r} is not one of its metrics ({', '.join(task.metrics)})"
+    if task.state_size < 1:
+        return f"state_size={task.state_size}: a state holds at least one sum"
+    unknown = set(task.integer_columns) - set(task.prediction_columns)
+    if unknown:
+        return f"integer_columns names {sorted(unknown)}, which are not prediction_columns"
+    return None
+
+
+def misfit(task: Task, dataset: Any, outputs: int) -> Optional[str]:
+    """Why the task cannot learn from this dataset, judged by its first sample's target (None: it fits)."""
+    target = dataset[0][1]
+    problem = task.check_target(torch.as_tensor(target), outputs)
+    return f"task {type(task).__name__} does not fit the data: {problem}" if problem else None

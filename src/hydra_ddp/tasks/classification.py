@@ -1,0 +1,87 @@
+"""Classification (a class per sample) and language modelling (a class per position: the next token)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from hydra_ddp.tasks.base import Task
+
+
+class Classification(Task):
+    """Cross-entropy over class logits (batch, classes); accuracy of the argmax. Targets are class
+    indices, one per sample (subclasses take one per position: the loss and accuracy then count
+    positions)."""
+
+    metrics = {"loss": "min", "accuracy": "max"}
+    monitored = "accuracy"
+    state_size = 3  # the per-target losses' sum, the correct predictions, the targets
+    prediction_columns = ("label", "predicted", "probability")
+    integer_columns = ("label", "predicted")
+    target_dims = 0  # a label per sample
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # In float32 whatever the model computes in (autocast, FSDP's mixed precision): a bf16 or
+        # fp16 loss would round the sum over the batch. For fp32 outputs the cast is no operation.
+        return F.cross_entropy(output.float(), target)
+
+    def state(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = output.float()
+        losses = F.cross_entropy(logits, target, reduction="none").double()
+        correct = (logits.argmax(1) == target).sum()
+        return torch.stack([losses.sum(), correct.double(), torch.tensor(float(target.numel()), dtype=torch.float64,
+                                                                          device=losses.device)])
+
+    def compute(self, total: list[float]) -> dict[str, float]:
+        loss_sum, correct, count = total
+        return {"loss": loss_sum / count, "accuracy": correct / count}
+
+    def predict(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = output.float()
+        predicted = logits.argmax(1)
+        probability = logits.softmax(1).gather(1, predicted[:, None])[:, 0]
+        return torch.stack([target.double(), predicted.double(), probability.double()], 1)
+
+    def check_target(self, target: torch.Tensor, outputs: int) -> Optional[str]:
+        if target.is_floating_point() or target.dtype == torch.bool:
+            return (f"it needs integer class labels, and the data's targets are {_dtype(target)}: choose a task "
+                    "for them (task=regression for real values)")
+        if target.dim() != self.target_dims:
+            return (f"it takes {self.wants}, and the data's targets have shape {tuple(target.shape)}: choose "
+                    "task=classification for one label per sample, task=language_model for a next token per "
+                    "position, task=segmentation for a mask")
+        return None
+
+    @property
+    def wants(self) -> str:
+        return "one class label per sample" if self.target_dims == 0 else f"{self.target_dims}-D targets per sample"
+
+
+class LanguageModel(Classification):
+    """Next-token prediction: logits (batch, vocab, time) against the next tokens (batch, time).
+    The loss and accuracy are per token; perplexity is exp of the per-token loss."""
+
+    metrics = {"loss": "min", "accuracy": "max", "perplexity": "min"}
+    monitored = "loss"
+    prediction_columns = ("tokens", "correct", "loss")  # per window: its tokens, those predicted, its mean loss
+    integer_columns = ("tokens", "correct")
+    target_dims = 1  # the next token at every position
+    wants = "a sequence of next tokens per sample"  # type: ignore[assignment]
+
+    def compute(self, total: list[float]) -> dict[str, float]:
+        metrics = super().compute(total)
+        return {**metrics, "perplexity": math.exp(min(metrics["loss"], 700.0))}  # exp(>709) overflows a float
+
+    def predict(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = output.float()
+        losses = F.cross_entropy(logits, target, reduction="none").flatten(1)
+        correct = (logits.argmax(1) == target).flatten(1).sum(1)
+        tokens = torch.full_like(correct, losses.shape[1])
+        return torch.stack([tokens.double(), correct.double(), losses.double().mean(1)], 1)
+
+
+def _dtype(target: torch.Tensor) -> str:
+    return str(target.dtype).removeprefix("torch.")
