@@ -102,7 +102,7 @@ def test_every_chunking_gives_the_same_bits_when_chunks_are_added_in_order():
     (torch.tensor(2), tasks.LanguageModel(), "a sequence of next tokens per sample"),
 ])
 def test_a_task_that_does_not_fit_the_data_says_why(target, task, message):
-    problem = tasks.misfit(task, [(torch.zeros(1), target)], outputs=1)
+    problem = tasks.misfit(task, target, outputs=1)
     assert problem is not None and "\n" not in problem
     assert problem.startswith(f"task {type(task).__name__} does not fit the data: ")
     assert re.search(message, problem), problem

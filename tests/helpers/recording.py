@@ -51,3 +51,10 @@ def digits_slow_on_rank(slow_rank: int, delay_s: float, **kwargs):
     """The default digits, their training reads slow on one rank (validation keeps its own pace)."""
     train, test = digits(**kwargs)
     return SlowOnRank(train, slow_rank, delay_s), test, test
+
+
+def digits_recording_train(reads: str, **kwargs):
+    """The default digits, their training split recorded (into READS, made here)."""
+    Path(reads).mkdir(parents=True, exist_ok=True)
+    train, test = digits(**kwargs)
+    return Recorded(train, reads), test

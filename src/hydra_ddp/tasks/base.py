@@ -92,8 +92,7 @@ def _declaration_problem(task: Task) -> Optional[str]:
     return None
 
 
-def misfit(task: Task, dataset: Any, outputs: int) -> Optional[str]:
-    """Why the task cannot learn from this dataset, judged by its first sample's target (None: it fits)."""
-    target = dataset[0][1]
+def misfit(task: Task, target: Any, outputs: int) -> Optional[str]:
+    """Why the task cannot learn from data with this sample's target (None: it fits)."""
     problem = task.check_target(torch.as_tensor(target), outputs)
     return f"task {type(task).__name__} does not fit the data: {problem}" if problem else None

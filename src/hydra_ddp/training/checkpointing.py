@@ -282,14 +282,25 @@ class Checkpointer:
 
 
     def _check_same_batches(self, state: dict[str, Any], path: Path) -> None:
-        """Mid-epoch, the position counts batches: they must be the batches the checkpoint counted."""
+        """Mid-epoch, the position counts global batches: this run's must be the checkpoint's. The
+        b-th global batch of an epoch is the same samples at any world size (DistributedSampler's
+        interleave makes the ranks' b-th batches one contiguous slice of the epoch's permutation),
+        so a run may continue at another world size with the same global batch."""
         if not state["position"]["batch"]:
             return
         saved = state["config"]
-        then = (saved["data"]["batch_size"], saved["trainer"]["accumulate"], len(state["rng"]))
-        now = (self.config["data"]["batch_size"], self.config["trainer"]["accumulate"], self.rank.world_size)
+        then = (_global_batch(saved, len(state["rng"])), saved["trainer"]["accumulate"])
+        now = (self.config["data"]["global_batch_size"], self.config["trainer"]["accumulate"])
         if then != now:
             raise UserError(
-                f"checkpoint {str(path)!r} stopped mid-epoch with data.batch_size, trainer.accumulate and world "
-                f"size {then}, this run has {now}: resume with the same ones (or from an epoch-end checkpoint)"
+                f"checkpoint {str(path)!r} stopped mid-epoch with a global batch of {then[0]} and trainer.accumulate="
+                f"{then[1]}, this run has {now[0]} and {now[1]}: resume with data.global_batch_size={then[0]} and "
+                f"trainer.accumulate={then[1]} (the per-rank batch follows the world size), or from an epoch-end "
+                "checkpoint"
             )
+
+
+def _global_batch(saved: dict[str, Any], ranks: int) -> int:
+    """A checkpoint's global batch: recorded in its config, or (older checkpoints) per-rank batch × ranks."""
+    recorded = saved["data"].get("global_batch_size")
+    return recorded if recorded is not None else saved["data"]["batch_size"] * ranks

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hydra_ddp.errors import EveryRankError
-from hydra_ddp.tasks import Task
+from hydra_ddp.tasks import Task, misfit
 from hydra_ddp.training.timing import StepTimer
 
 # trainer.precision → autocast's dtype (None: fp32, no autocast).
@@ -30,10 +30,12 @@ class Step:
     """Forward, backward and (on a group's last batch) the optimizer step, for one batch."""
 
     def __init__(self, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer, strategy: Any, device: torch.device,
-                 timer: StepTimer, precision: str, grad_clip: Optional[float], memory_format: torch.memory_format):
+                 timer: StepTimer, precision: str, grad_clip: Optional[float], memory_format: torch.memory_format,
+                 outputs: int):
         self.model, self.task, self.optimizer, self.strategy = model, task, optimizer, strategy
         self.device, self.timer = device, timer
-        self.loss_checked = False
+        self.outputs = outputs  # data.num_classes: what the model makes per sample
+        self.checked = False  # the first batch: the task fits the data, its loss is a scalar
         self.amp_dtype = AUTOCAST_DTYPES[precision]
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "16")  # fp16 only: bf16 needs none
         self.grad_clip = grad_clip
@@ -43,13 +45,15 @@ class Step:
     def run(self, x: torch.Tensor, y: torch.Tensor, sync: bool, group: int, step: int) -> torch.Tensor:
         """Forward and backward of one batch; the optimizer makes step `step` on `sync` batches only.
         `group`: the batches of this optimizer step, whose mean loss its gradient is."""
+        if not self.checked:
+            self._check_fit(y)
         x = x.to(self.device, non_blocking=True, memory_format=self.memory_format)
         y = y.to(self.device, non_blocking=True)
         with contextlib.nullcontext() if sync else self.strategy.no_sync():  # no all-reduce mid-accumulation
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 loss = self.task.loss(self.model(x), y)
-            if not self.loss_checked:
-                self._check(loss)
+            if not self.checked:
+                self._check_loss(loss)
             self.timer.lap("forward")
             scaled = loss / group if group > 1 else loss  # no extra op in the graph for 1
             self.scaler.scale(scaled).backward()  # DDP all-reduces here on sync
@@ -66,14 +70,21 @@ class Step:
             self.timer.lap("optimizer")
         return loss.detach()
 
-    def _check(self, loss: Any) -> None:
-        """The task's loss, once: a scalar tensor with a gradient, or one line on every rank (each
-        computes the same first batch's shape)."""
+    def _check_fit(self, y: torch.Tensor) -> None:
+        """The task fits the data, judged on the first batch's first target: on every rank alike (the
+        same kind of data), before the first forward."""
+        problem = misfit(self.task, y[0], self.outputs)
+        if problem:
+            raise EveryRankError(problem)
+
+    def _check_loss(self, loss: Any) -> None:
+        """The task's loss, once: a scalar tensor, or one line on every rank (each computes the same
+        first batch's shape)."""
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise EveryRankError(f"task {type(self.task).__name__}: its loss is {shape}, not a scalar; reduce it "
                                  "(e.g. .mean()) in the task's loss()")
-        self.loss_checked = True
+        self.checked = True
 
     def take_grad_norms(self) -> tuple[list[int], list[float]]:
         """The norms since the last call: (steps, values)."""

@@ -41,7 +41,7 @@ def build(cfg: Any, task: Task, model: nn.Module, optimizer: torch.optim.Optimiz
     pos, overheads, monitor = Position(), Overheads(), Monitor.from_config(settings)
     timer = StepTimer(settings.timing, device)  # this rank's time per phase (timing.py): the straggler report
     step = Step(model, task, optimizer, strategy, device, timer, str(settings.precision), settings.grad_clip,
-                memory_format)
+                memory_format, outputs=cfg.data.num_classes)
     return Trainer(
         settings, model, loaders, device, step=step, timer=timer, pos=pos,
         saving=Saving(cfg.checkpoint, checkpointer, strategy, step, scheduler, monitor, pos, overheads),
@@ -52,6 +52,16 @@ def build(cfg: Any, task: Task, model: nn.Module, optimizer: torch.optim.Optimiz
         profiler=lambda: profiling(bool(settings.profile), cfg.profiler, device, reporter.run_dir),
         progress=progress,
     )
+
+
+def epoch_lengths(loaders: Loaders, batches_per_epoch: int, device: torch.device) -> tuple[int, int]:
+    """(fewest, most) batches per epoch of any rank. Equal but for data.even_shards=false, where
+    shard lengths differ by up to one sample."""
+    if loaders.train_sampler.pad:
+        return batches_per_epoch, batches_per_epoch
+    counts = torch.tensor([-batches_per_epoch, batches_per_epoch], device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    return -int(counts[0].item()), int(counts[1].item())
 
 
 class Trainer:
@@ -77,14 +87,20 @@ class Trainer:
         self.profiler: Optional[Any] = None
         self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
         self.batches_per_epoch = len(loaders.train)
-        self.common_batches, longest = self._epoch_lengths()
+        self.common_batches, longest = epoch_lengths(loaders, self.batches_per_epoch, device)
         self.uneven = self.common_batches != longest
         self.steps_per_epoch = math.ceil(longest / settings.accumulate)  # the same on every rank
         self.ranks: list[dict[str, Any]] = []
         self.straggler: Optional[dict[str, Any]] = None
+        self.world_size = dist.get_world_size()
+        pos.started(self.world_size)  # a resumed run's history replaces it
 
     def resume_from(self, path: Path, state: dict[str, Any]) -> None:
         self.saving.resume_from(path, state)
+        resize = self.pos.continued_at(self.world_size, saved_ranks=len(state["rng"]))
+        if resize:
+            self.reporter.scalars({"perf/world_size": self.world_size}, self.pos.step)
+            log.info("world size %(from)d → %(world_size)d at step %(step)d (%(cause)s)", resize)
         self.window.first = self.pos.step + 1
         if self.monitor.best_step is not None and self.monitor.best_step != self.pos.step:
             self.validation.best_weights = self.saving.best_from_disk()
@@ -146,15 +162,6 @@ class Trainer:
             log.warning("straggler: %s", self.straggler["message"])
 
     # --- an epoch's batches ---------------------------------------------------------------------
-    def _epoch_lengths(self) -> tuple[int, int]:
-        """(fewest, most) batches per epoch of any rank. Equal but for data.even_shards=false, where
-        shard lengths differ by up to one sample."""
-        if self.loaders.train_sampler.pad:
-            return self.batches_per_epoch, self.batches_per_epoch
-        counts = torch.tensor([-self.batches_per_epoch, self.batches_per_epoch], device=self.device)
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        return -int(counts[0].item()), int(counts[1].item())
-
     def _epoch_complete(self) -> bool:
         """Every rank ran all its batches (not stopped by max_steps or a signal): the same answer everywhere."""
         done = self.pos.batch >= self.batches_per_epoch
@@ -298,6 +305,7 @@ class Trainer:
             "ranks": self.ranks,  # seconds per step by phase, per rank (timing.py)
             "straggler": self.straggler,
             "first_step_at": self.throughput.first_step_at,
+            "world_size_history": self.pos.world_sizes,
             "stopped_by": self.ending.stopped_by,
             "ended_by": self.ending.ended_by or ("max_steps" if max_steps and self.pos.step >= max_steps else "epochs"),
         }

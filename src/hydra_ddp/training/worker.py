@@ -149,9 +149,6 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
     replica = spread.data_shard(rank)  # which batches this rank reads: its own, but under tensor parallel
     loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, device, shard=replica)
     task = tasks.build(cfg.task)
-    problem = tasks.misfit(task, loaders.train_sampler.dataset, cfg.data.num_classes)
-    if problem:
-        raise EveryRankError(problem)  # every rank reads the same first sample
     model = instantiate(cfg.model)
     # From here a stream per model replica (dropout's masks differ between ranks that read different
     # batches; the ranks of a tensor-parallel replica draw alike), saved in every checkpoint. The
