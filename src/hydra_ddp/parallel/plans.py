@@ -111,6 +111,13 @@ def check_tp_plan(plain: dict[str, Any], chosen: Plan) -> None:
     try:
         with torch.device("meta"):
             model = instantiate(plain["model"])
+    except Exception as error:  # noqa: BLE001  (the model's own complaint: a shape it cannot take, say)
+        while error.__cause__ is not None:  # Hydra's InstantiationException wraps the real cause
+            error = error.__cause__  # type: ignore[assignment]
+        line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UserError(f"strategy={chosen.name}: {plain['model']['_target_']} does not build: "
+                        f"{type(error).__name__}: {line}") from None
+    try:
         tp_plan = getattr(model, "tp_plan", None)
         if tp_plan is None:
             raise UserError(f"strategy={chosen.name} needs a model with a tensor-parallel plan (a tp_plan method, as "
