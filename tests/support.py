@@ -279,3 +279,38 @@ def assert_within_float_noise(got: list[float], expected: list[float], *noise: l
            if gap > factor * bound + floor]
     assert not bad, (f"gap beyond {factor}x this host's float-order noise (+{floor}) at (step, gap, noise): "
                      f"{[(s, f'{g:.2e}', f'{b:.2e}') for s, g, b in bad[:5]]}")
+
+
+# --- Two hosts on one machine ------------------------------------------------------------------
+class TwoHosts:
+    """Two network namespaces joined by a veth pair: two hosts on one machine (needs root and iproute2)."""
+
+    SUBNET = "10.231.77"
+
+    def __init__(self, tag: str):
+        self.names = [f"hddp-{tag}-a", f"hddp-{tag}-b"]
+        self.addresses = [f"{self.SUBNET}.1", f"{self.SUBNET}.2"]
+
+    def _ip(self, *args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+    def __enter__(self) -> "TwoHosts":
+        try:
+            for name in self.names:
+                self._ip("netns", "add", name)
+            self._ip("link", "add", "hddp-va", "type", "veth", "peer", "name", "hddp-vb")
+            for end, name, address in zip(("hddp-va", "hddp-vb"), self.names, self.addresses):
+                self._ip("link", "set", end, "netns", name)
+                self._ip("-n", name, "link", "set", end, "name", "hddp0")  # the same name on both hosts
+                self._ip("-n", name, "addr", "add", f"{address}/24", "dev", "hddp0")
+                self._ip("-n", name, "link", "set", "hddp0", "up")
+                self._ip("-n", name, "link", "set", "lo", "up")
+        except (subprocess.CalledProcessError, OSError) as e:
+            self.__exit__()
+            detail = getattr(e, "stderr", "") or str(e)
+            pytest.skip(f"network namespaces cannot be created here: {detail.strip()}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self.names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)

@@ -45,6 +45,11 @@ def both(*changes: Callable[[dict], None]) -> Callable[[dict], None]:
     return apply
 
 
+# An elastic run of one to two nodes of two ranks with a global batch of 64: fine as it stands.
+ELASTIC = (setting("launcher.name", "torchrun"), setting("launcher.nnodes", "1:2"), setting("launcher.max_restarts", 2),
+           setting("launcher.rdzv_endpoint", "node0:29400"), setting("launcher.rdzv_id", "job"),
+           setting("data.global_batch_size", 64))
+
 BAD = [
     (setting("trainer.precision", "8"), "trainer.precision must be 32, bf16 or 16"),
     (setting("trainer.precision", "16"), "trainer.precision=16 needs a GPU"),
@@ -88,6 +93,17 @@ BAD = [
           setting("launcher.rdzv_id", "job"), setting("init_method.name", "tcp")), "across nodes the ranks meet through torchrun"),
     (setting("launcher.nnodes", 2), "launcher=spawn runs on one node"),
     (both(setting("init_method.name", "file"), setting("launcher.max_restarts", 2)), "cannot reuse a file:// store"),
+    # Elastic ranges (launcher.nnodes=MIN:MAX).
+    (both(setting("launcher.name", "torchrun"), setting("launcher.nnodes", "3:2")), "launcher.nnodes=3:2: the range MIN:MAX needs 1 <= MIN <= MAX"),
+    (both(setting("launcher.name", "torchrun"), setting("launcher.nnodes", "two")), "launcher.nnodes='two': give a node count (2) or an elastic range"),
+    (setting("launcher.nnodes", "1:2"), "launcher=spawn runs on one node"),
+    (both(*ELASTIC, setting("launcher.max_restarts", 0)), "(elastic): set launcher.max_restarts to 1 or more"),
+    (both(*ELASTIC, setting("data.global_batch_size", None)), "(elastic) needs data.global_batch_size"),
+    (both(*ELASTIC, setting("launcher.nnodes", "2:3")), "data.global_batch_size=64 does not divide over 6 model replicas at world size 6, which launcher.nnodes=2:3 allows"),
+    (both(*ELASTIC, setting("strategy.name", "fsdp_tp"), setting("strategy.tp_size", 4)), "strategy.tp_size=4 does not divide the world size 2"),
+    # Tasks.
+    (setting("trainer.monitor", "val/r2"), "trainer.monitor='val/r2' is not a metric of this task; choose one of val/loss, val/accuracy, train/loss"),
+    (setting("task._target_", "torch.nn.Identity"), "is not a hydra_ddp.tasks.Task: subclass it"),
 ]
 
 
@@ -98,6 +114,17 @@ def test_a_bad_setting_is_one_line_naming_it(base: dict, tmp_path: Path, change,
     with pytest.raises(UserError) as error:
         resolve.resolve_plain(plain, tmp_path, None)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_elastic_range_settles_its_bounds_and_resumes_at_each_restart(base: dict, tmp_path: Path):
+    plain = copy.deepcopy(base)
+    both(*ELASTIC)(plain)
+    resolved = resolve.resolve_plain(plain, tmp_path, None)
+    launcher = resolved["launcher"]
+    assert (launcher["min_nodes"], launcher["nnodes"], resolved["trainer"]["resume"]) == (1, 2, "auto")
+    assert resolved["data"]["global_batch_size"] == 64 and resolved["data"]["batch_size"] == 16  # at the most nodes
+    fixed = resolve.resolve_plain(copy.deepcopy(base), tmp_path, None)["launcher"]
+    assert (fixed["min_nodes"], fixed["nnodes"]) == (1, 1)
 
 
 def test_the_default_config_passes_every_check(base: dict, tmp_path: Path):

@@ -52,3 +52,24 @@ def test_a_mid_epoch_resume_with_another_global_batch_is_one_line(tmp_path: Path
     line = [line for line in proc.stderr.splitlines() if line.startswith("hydra-ddp: error:")]
     assert len(line) == 1 and "stopped mid-epoch with a global batch of 32 and trainer.accumulate=1, this run has 64 " \
         "and 1: resume with data.global_batch_size=32 and trainer.accumulate=1" in line[0], proc.stderr
+
+
+def test_a_resize_names_its_cause():
+    from hydra_ddp.training.position import resize_cause
+
+    assert resize_cause(False, {}) == "resume"
+    assert resize_cause(False, {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "0"}) == "resume"
+    assert resize_cause(True, {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "0"}) == "rescale"
+    assert resize_cause(True, {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "1"}) == "restart"
+    assert resize_cause(False, {"SLURM_RESTART_COUNT": "2"}) == "requeue"
+
+
+def test_an_elastic_worker_takes_its_share_of_the_global_batch_at_the_size_it_was_given():
+    from hydra_ddp.config import elastic, run_config
+
+    cfg = run_config.freeze({"launcher": {"name": "torchrun", "nnodes": 4, "min_nodes": 1},
+                             "data": {"global_batch_size": 64, "batch_size": 8}, "strategy": {"name": "ddp"}})
+    assert elastic.at_world_size(cfg, 8) is None  # the most nodes: as resolved
+    assert elastic.at_world_size(cfg, 2) == {"data.batch_size": 32}
+    fixed = run_config.freeze({"launcher": {"nnodes": 2, "min_nodes": 2}, "data": {"global_batch_size": 64, "batch_size": 16}})
+    assert elastic.at_world_size(fixed, 4) is None  # not elastic: nothing to settle

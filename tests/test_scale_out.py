@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import csv
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from support import QUICK, check_ok, finish, free_port, run_train, start_train, step_losses, summary
+from support import QUICK, TwoHosts, check_ok, finish, free_port, run_train, start_train, step_losses, summary
 
 
 def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_runs(tmp_path: Path):
@@ -70,40 +69,6 @@ def test_eight_parallel_jobs_never_collide_on_a_port(tmp_path: Path):
     assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}, rows
     ran = {(summary(sweep / str(i))["launcher"], summary(sweep / str(i))["init_method"]) for i in range(8)}
     assert ran == {(launcher, init) for launcher in ("spawn", "torchrun") for init in ("env", "file")}
-
-
-class TwoHosts:
-    """Two network namespaces joined by a veth pair: two hosts on one machine (needs root and iproute2)."""
-
-    SUBNET = "10.231.77"
-
-    def __init__(self, tag: str):
-        self.names = [f"hddp-{tag}-a", f"hddp-{tag}-b"]
-        self.addresses = [f"{self.SUBNET}.1", f"{self.SUBNET}.2"]
-
-    def _ip(self, *args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-    def __enter__(self) -> "TwoHosts":
-        try:
-            for name in self.names:
-                self._ip("netns", "add", name)
-            self._ip("link", "add", "hddp-va", "type", "veth", "peer", "name", "hddp-vb")
-            for end, name, address in zip(("hddp-va", "hddp-vb"), self.names, self.addresses):
-                self._ip("link", "set", end, "netns", name)
-                self._ip("-n", name, "link", "set", end, "name", "hddp0")  # the same name on both hosts
-                self._ip("-n", name, "addr", "add", f"{address}/24", "dev", "hddp0")
-                self._ip("-n", name, "link", "set", "hddp0", "up")
-                self._ip("-n", name, "link", "set", "lo", "up")
-        except (subprocess.CalledProcessError, OSError) as e:
-            self.__exit__()
-            detail = getattr(e, "stderr", "") or str(e)
-            pytest.skip(f"network namespaces cannot be created here: {detail.strip()}")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name in self.names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
 
 @pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2's `ip` is not installed")

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from hydra_ddp import checkpoints, monitor, performance, tasks
-from hydra_ddp.config import groups
+from hydra_ddp.config import elastic, groups
 from hydra_ddp.config.checks import check
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import startup
@@ -48,11 +48,14 @@ def fill_in(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankIn
 def settle(plain: dict[str, Any], run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
     """Resolve every `auto` and null the run depends on (device, world size, backend, init method,
     batch sizes, the fast settings), once. Every rank of an outside launch runs this alike."""
+    requested_global_batch = plain["data"]["global_batch_size"]
     fill_in_launch(plain, run_dir, external)
     trainer = plain["trainer"]
     # Model replicas, each reading its own batches: every rank but under tensor parallel (one replica).
     chosen = plans.plan(plain["strategy"]["name"])
     replicas = chosen.replicas(plain["strategy"], trainer["nproc"] * plain["launcher"]["nnodes"])
+    if elastic.is_elastic(plain["launcher"]):
+        elastic.check(plain, requested_global_batch)  # at every world size in the range
     _resolve_batch_size(plain["data"], replicas)
     trainer["resume"] = checkpoints.resume_setting(trainer["resume"])
     trainer["max_time"] = max_time_seconds(trainer["max_time"])
@@ -109,10 +112,12 @@ def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tupl
     trainer["device"] = _device(trainer["device"], host)
     if external:
         launcher_name, rank = external
-        launcher.update(name=launcher_name, external=True, nnodes=rank.world_size // rank.local_world_size)
+        nodes = rank.world_size // rank.local_world_size
+        launcher.update(name=launcher_name, external=True, nnodes=nodes, min_nodes=nodes)
         trainer["nproc"] = rank.local_world_size
     else:
         trainer["nproc"] = _nproc(trainer["nproc"], trainer["device"], host)
+        elastic.settle_nodes(launcher)
         _check_launcher(launcher)
     plain["backend"]["name"] = distributed.resolve_backend(plain["backend"]["name"], trainer["device"], trainer["nproc"],
                                                            host, outside_launch=external is not None)

@@ -24,6 +24,8 @@ JOBS = ("train", "eval", "tune")  # what the workers run: train.py's, eval.py's,
 class RunLauncherConf(schema.LauncherConf):
     # Started by torchrun, Slurm or mpirun: this command launched nothing.
     external: bool = False
+    # The fewest nodes (nnodes: the most); below nnodes: an elastic run (config.elastic).
+    min_nodes: Optional[int] = None
 
 
 @dataclass

@@ -44,7 +44,9 @@ class InitMethodConf:
 class LauncherConf:
     # spawn: torch.multiprocessing; torchrun: torch.distributed.launcher (elastic, c10d).
     name: str = "spawn"
-    nnodes: int = 1
+    # Nodes: N, or an elastic range "MIN:MAX" (torchrun's form): the run trains with the nodes present
+    # between the bounds, restarting the group (from the last checkpoint) when one is lost or joins.
+    nnodes: Any = 1
     node_rank: int = 0
     rdzv_backend: str = "c10d"
     # null: 127.0.0.1 with a free port (single node). Multi-node: "host:port" of node 0.
@@ -53,6 +55,8 @@ class LauncherConf:
     # This node's address as the other nodes reach it (null: its hostname's).
     local_addr: Optional[str] = None
     max_restarts: int = 0
+    # torchrun's --rdzv-conf: the rendezvous' own settings (join_timeout, last_call_timeout, ...).
+    rdzv_conf: dict[str, Any] = field(default_factory=dict)
     monitor_interval: float = 0.1
     # forkserver: workers are forks of a process that imported torch while the config was composed
     # (startup.py); spawn: each worker a fresh interpreter that imports everything itself.

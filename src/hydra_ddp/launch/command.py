@@ -124,7 +124,10 @@ def _check_only(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, An
     launcher, trainer = plain["launcher"], plain["trainer"]
     what = (f"{plain['strategy']['name']}, global batch {plain['data']['global_batch_size']}" if job == "train"
             else f"eval of {plain['eval']['ckpt']} on {plain['eval']['split']}")
-    print(f"hydra-ddp: config OK: {trainer['nproc'] * launcher['nnodes']} worker(s) on {trainer['device']} "
+    workers = trainer["nproc"] * launcher["nnodes"]
+    if (launcher.get("min_nodes") or launcher["nnodes"]) != launcher["nnodes"]:  # elastic: as many as are present
+        workers = f"{trainer['nproc'] * launcher['min_nodes']}-{workers}"
+    print(f"hydra-ddp: config OK: {workers} worker(s) on {trainer['device']} "
           f"({launcher['name']}, backend {plain['backend']['name']}, init {plain['init_method']['name']}), {what}; "
           "nothing launched", flush=True)
 

@@ -177,15 +177,20 @@ def _torchrun(cfg: DictConfig, run_dir: Path, started_at: float, parent: Optiona
         # would listen on every interface. Nor may it open a second, shared store for the workers:
         # they meet on ours (distributed.process_group).
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    elif (launcher["min_nodes"] or launcher["nnodes"]) != launcher["nnodes"]:
+        # Elastic: rank 0's agent keeps the workers' store of its first round when it shares the
+        # rendezvous store, and never announces it to a node that joins later, which then waits for
+        # it until the rendezvous times out (torch 2.14). Each round's rank 0 announces a fresh one.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(
-        min_nodes=launcher["nnodes"],
+        min_nodes=launcher["min_nodes"] or launcher["nnodes"],  # below nnodes: elastic (config.elastic)
         max_nodes=launcher["nnodes"],
         nproc_per_node=cfg["trainer"]["nproc"],
         run_id=launcher["rdzv_id"],
         role="trainer",
         rdzv_endpoint=launcher["rdzv_endpoint"],
         rdzv_backend=launcher["rdzv_backend"],
-        rdzv_configs={"is_host": False if single_node else launcher["node_rank"] == 0},
+        rdzv_configs={**launcher["rdzv_conf"], "is_host": False if single_node else launcher["node_rank"] == 0},
         max_restarts=launcher["max_restarts"],
         monitor_interval=launcher["monitor_interval"],
         start_method=launcher["start_method"],

@@ -30,15 +30,15 @@ class Position:
     def started(self, world_size: int) -> None:
         self.world_sizes = [{"step": 0, "world_size": world_size, "cause": "start"}]
 
-    def continued_at(self, world_size: int, saved_ranks: int) -> Optional[dict[str, Any]]:
-        """After load(): the run continues at `world_size` from a checkpoint that `saved_ranks` wrote.
-        A new world size is recorded, and returned."""
+    def continued_at(self, world_size: int, saved_ranks: int, cause: str) -> Optional[dict[str, Any]]:
+        """After load(): the run continues at `world_size` from a checkpoint that `saved_ranks` wrote
+        (`cause`: resize_cause's). A new world size is recorded, and returned."""
         if not self.world_sizes:  # a checkpoint from before the history was kept
             self.world_sizes = [{"step": 0, "world_size": saved_ranks, "cause": "start"}]
         before = self.world_sizes[-1]["world_size"]
         if before == world_size:
             return None
-        entry = {"step": self.step, "from": before, "world_size": world_size, "cause": resize_cause()}
+        entry = {"step": self.step, "from": before, "world_size": world_size, "cause": cause}
         self.world_sizes.append(entry)
         return entry
 
@@ -50,11 +50,14 @@ class Position:
             setattr(self, key, value)
 
 
-def resize_cause(env: Any = os.environ) -> str:
-    """Why a run continues from a checkpoint: torchrun restarted its workers (elastic: a node lost
-    or joined), Slurm requeued the job, or the user resumed it."""
+def resize_cause(elastic: bool, env: Any = os.environ) -> str:
+    """Why a run continues from a checkpoint: torchrun restarted a failed group ("restart": a node
+    lost), an elastic group re-formed with the nodes present ("rescale": a node joined), Slurm
+    requeued the job ("requeue"), or the user resumed it ("resume")."""
     if int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
         return "restart"
     if int(env.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
         return "requeue"
+    if elastic and "TORCHELASTIC_RUN_ID" in env:  # a scale-up re-forms the group without spending a restart
+        return "rescale"
     return "resume"

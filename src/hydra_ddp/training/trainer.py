@@ -95,9 +95,10 @@ class Trainer:
         self.world_size = dist.get_world_size()
         pos.started(self.world_size)  # a resumed run's history replaces it
 
-    def resume_from(self, path: Path, state: dict[str, Any]) -> None:
+    def resume_from(self, path: Path, state: dict[str, Any], cause: str = "resume") -> None:
+        """Continue from a checkpoint (`cause`: why, should the world size differ; position.resize_cause)."""
         self.saving.resume_from(path, state)
-        resize = self.pos.continued_at(self.world_size, saved_ranks=len(state["rng"]))
+        resize = self.pos.continued_at(self.world_size, saved_ranks=len(state["rng"]), cause=cause)
         if resize:
             self.reporter.scalars({"perf/world_size": self.world_size}, self.pos.step)
             log.info("world size %(from)d → %(world_size)d at step %(step)d (%(cause)s)", resize)

@@ -30,6 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 from hydra_ddp import checkpoints, data, performance, tasks
+from hydra_ddp.config import elastic, run_config
 from hydra_ddp.errors import (
     EVERY_RANK,
     LOST_A_PEER,
@@ -44,6 +45,7 @@ from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.reporting import ranklog, run_report
 from hydra_ddp.training import checkpointing, evaluation
 from hydra_ddp.training import trainer as training
+from hydra_ddp.training.position import resize_cause
 from hydra_ddp.training.stop import StopRequest
 
 log = logging.getLogger(__name__)
@@ -144,6 +146,10 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
         "rank %d/%d on %s, %d CPU thread(s), pid %d",
         rank.rank, rank.world_size, device, torch.get_num_threads(), os.getpid(),
     )
+    settled = elastic.at_world_size(cfg, rank.world_size)  # an elastic run: the size its rendezvous gave
+    if settled:
+        cfg = run_config.with_values(cfg, settled)
+        log.info("world size %d: %s", rank.world_size, " ".join(f"{k}={v}" for k, v in settled.items()))
     seed_everything(cfg.trainer.seed)  # alike on every rank: the model's initial weights
     spread = strategy.build(cfg, device)  # DDP's replicas, FSDP's shards or tensor parallel (parallel/)
     replica = spread.data_shard(rank)  # which batches this rank reads: its own, but under tensor parallel
@@ -194,7 +200,7 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
         trainer = training.build(cfg, task, train_model, optimizer, scheduler, loaders, device, reporter, checkpointer, stop,
                                  run_report.show_progress(cfg.trainer.progress, rank), started_at, spread, memory_format)
         if resume:
-            trainer.resume_from(*resume)
+            trainer.resume_from(*resume, cause=resize_cause(elastic.is_elastic(cfg.launcher)))
         result = trainer.fit()
         # Start-up in two parts: until the last worker's own code began (interpreters, imports: for
         # forks of the forkserver, its imports), then the group, data, model and the first step.

@@ -1,0 +1,71 @@
+"""Elastic runs (launcher.nnodes=MIN:MAX, torchrun's form): the node range, what must hold at every world size in it, and the per-rank batch at the world size a rendezvous gives."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from hydra_ddp.errors import UserError
+from hydra_ddp.parallel import plans
+
+
+def node_range(value: Any) -> tuple[int, int]:
+    """launcher.nnodes: N, or "MIN:MAX" (torchrun's elastic form)."""
+    text = str(value).strip()
+    low, sep, high = text.partition(":")
+    try:
+        bounds = (int(low), int(high)) if sep else (int(text), int(text))
+    except ValueError:
+        raise UserError(f"launcher.nnodes={value!r}: give a node count (2) or an elastic range MIN:MAX (1:4)") from None
+    if bounds[0] < 1 or bounds[0] > bounds[1]:
+        raise UserError(f"launcher.nnodes={value}: the range MIN:MAX needs 1 <= MIN <= MAX")
+    return bounds
+
+
+def settle_nodes(launcher: dict[str, Any]) -> None:
+    """launcher.min_nodes and launcher.nnodes (the most nodes) from the configured count or range."""
+    launcher["min_nodes"], launcher["nnodes"] = node_range(launcher["nnodes"])
+
+
+def is_elastic(launcher: Any) -> bool:
+    return launcher.get("min_nodes") is not None and launcher["min_nodes"] != launcher["nnodes"]
+
+
+def world_sizes(plain: Any) -> list[int]:
+    """Every world size the run may train at, smallest first."""
+    launcher, nproc = plain["launcher"], plain["trainer"]["nproc"]
+    return [nproc * nodes for nodes in range(launcher["min_nodes"], launcher["nnodes"] + 1)]
+
+
+def check(plain: dict[str, Any], global_batch: Optional[int]) -> None:
+    """What an elastic run needs before launch: torchrun with restarts to spend, a global batch (the
+    configured one) that every allowed world size divides, a strategy that fits each, and resuming
+    from the last checkpoint at each restart. `global_batch`: data.global_batch_size as configured."""
+    launcher, trainer = plain["launcher"], plain["trainer"]
+    span = f"launcher.nnodes={launcher['min_nodes']}:{launcher['nnodes']}"
+    if launcher["name"] != "torchrun":
+        raise UserError(f"{span} (elastic) needs launcher=torchrun")
+    if launcher["max_restarts"] < 1:
+        raise UserError(f"{span} (elastic): set launcher.max_restarts to 1 or more; a lost node costs the group a "
+                        "restart (a joining one does not)")
+    if global_batch is None:
+        raise UserError(f"{span} (elastic) needs data.global_batch_size (not the per-rank data.batch_size): a resized "
+                        "run then keeps its batches, and continues mid-epoch at the sample where it stopped")
+    chosen = plans.plan(plain["strategy"]["name"])
+    for nodes, world in zip(range(launcher["min_nodes"], launcher["nnodes"] + 1), world_sizes(plain)):
+        replicas = chosen.replicas(plain["strategy"], world)  # tensor parallel that does not fit: one line
+        if chosen.tensor_parallel:  # the model's plan splits at this world size too
+            plans.check_tp_plan({**plain, "launcher": {**launcher, "nnodes": nodes}}, chosen)
+        if global_batch % replicas:
+            raise UserError(f"data.global_batch_size={global_batch} does not divide over {replicas} model replicas at "
+                            f"world size {world}, which {span} allows: choose a multiple of every one")
+    trainer["resume"] = trainer["resume"] or "auto"  # each restart continues from the last checkpoint
+
+
+def at_world_size(cfg: Any, world: int) -> Optional[dict[str, Any]]:
+    """The values an elastic run's workers settle at the world size the rendezvous gave (the per-rank
+    batch), or None where there is nothing to settle."""
+    if not is_elastic(cfg.launcher):
+        return None
+    replicas = plans.plan(cfg.strategy.name).replicas(cfg.strategy, world)
+    per_rank = cfg.data.global_batch_size // replicas
+    return None if per_rank == cfg.data.batch_size else {"data.batch_size": per_rank}
