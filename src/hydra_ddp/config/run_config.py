@@ -65,6 +65,7 @@ class RunConfig:
     strategy: schema.StrategyConf = field(default_factory=schema.StrategyConf)
     profiler: schema.ProfilerConf = field(default_factory=schema.ProfilerConf)
     data: schema.DataConf = field(default_factory=schema.DataConf)
+    trial: schema.TrialConf = field(default_factory=schema.TrialConf)
     task: Any = field(default_factory=lambda: {"_target_": "hydra_ddp.tasks.Classification"})  # an older checkpoint's
     model: Any = None
     optim: Any = None

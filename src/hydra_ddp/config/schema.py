@@ -258,6 +258,17 @@ class ProfilerConf:
 
 
 @dataclass
+class TrialConf:
+    # Set by the search's sweeper (hydra/sweeper=optuna) on each trial's job: which trial of which
+    # study, where the study lives, and the pruner that may stop it after a validation. null: no search.
+    number: Optional[int] = None
+    study: Optional[str] = None
+    storage: Optional[str] = None
+    pruner: str = "none"
+    pruner_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Config:
     backend: BackendConf = field(default_factory=BackendConf)
     init_method: InitMethodConf = field(default_factory=InitMethodConf)
@@ -269,6 +280,7 @@ class Config:
     ddp: DDPConf = field(default_factory=DDPConf)
     profiler: ProfilerConf = field(default_factory=ProfilerConf)
     data: DataConf = field(default_factory=DataConf)
+    trial: TrialConf = field(default_factory=TrialConf)
     # What is learnt (conf/task/): the loss, the metrics, the predictions; a `_target_` class.
     task: Any = MISSING
     model: Any = MISSING

@@ -53,7 +53,9 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     common = set.intersection(*(set(o) for o in overrides.values())) if jobs else set()
     rows = []
     for job_dir in jobs:
-        swept = " ".join(o for o in overrides[job_dir] if o not in common) or "(default)"
+        # A search's trial identity (trial.*) is the job's number, not a parameter.
+        swept = " ".join(o for o in overrides[job_dir] if o not in common and not o.lstrip("+").startswith("trial.")) \
+            or "(default)"
         row: dict[str, Any] = {"job": int(job_dir.name), "swept": swept}
         summary_file = RunDir(job_dir).summary
         if summary_file.exists():
@@ -65,6 +67,8 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
             row.update(monitor=(s.get("monitor") or {}).get("metric"), mode=(s.get("monitor") or {}).get("mode"))
             if s.get("stopped_by"):
                 row["status"] = f"stopped ({s['stopped_by']})"
+            elif s.get("ended_by") == "pruned":
+                row["status"] = "pruned"  # by the search's pruner: ranked by its best value so far
         else:
             error, state = RunDir(job_dir).error, RunDir(job_dir).slurm_state
             row.update(status=state.read_text().strip() if state.exists() else "failed",
@@ -197,8 +201,9 @@ def varies_world_size(rows: list[dict[str, Any]]) -> bool:
 
 
 def rank_trials(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Best first by the objective (in the monitored metric's direction); failed trials last."""
-    scored = [r for r in rows if r["status"] == "ok" and r.get("objective") is not None]
+    """Best first by the objective (in the monitored metric's direction), pruned trials among them
+    by their best value so far; failed trials last."""
+    scored = [r for r in rows if r["status"] in ("ok", "pruned") and r.get("objective") is not None]
     mode = scored[0]["mode"] if scored else "max"
     scored.sort(key=lambda r: (-r["objective"] if mode == "max" else r["objective"], r["job"]))
     ranked = scored + [r for r in rows if r not in scored]
@@ -256,6 +261,8 @@ class SweepReport(Callback):
             sys.exit(2)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if (config.hydra.get("sweeper") or {}).get("role") == "helper":
+            return  # a search's helper process: the main sweeper reports once every trial has ended
         sweep_dir = Path(config.hydra.sweep.dir)
         written = report(sweep_dir) if sweep_dir.is_dir() else None
         if not written:
@@ -280,7 +287,7 @@ class SweepReport(Callback):
 
 def failed_row(row: dict[str, Any]) -> bool:
     """Failed, or ended by Slurm (cancelled, timeout…); a run stopped by a signal has its summary."""
-    return row["status"] != "ok" and not row["status"].startswith("stopped")
+    return row["status"] not in ("ok", "pruned") and not row["status"].startswith("stopped")
 
 
 def _searching(config: DictConfig) -> bool:
@@ -298,6 +305,10 @@ def check_search(config: DictConfig) -> Optional[str]:
     metric, mode = monitor.of_config(config)
     if metric is None:
         return "the Optuna sweeper optimises trainer.monitor: set it (e.g. trainer.monitor=val/accuracy)"
+    pruner = (config.hydra.get("sweeper") or {}).get("pruner", "none")
+    if pruner != "none" and metric.startswith("val/") and not config.data.val_fraction:  # nothing is monitored
+        return (f"hydra.sweeper.pruner={pruner} needs a monitored metric after each epoch, and data.val_fraction=0 "
+                "leaves no validation: set data.val_fraction (e.g. 0.1), or hydra.sweeper.pruner=none")
     wanted = {"max": "maximize", "min": "minimize"}[mode]
     given = [str(d).lower().split(".")[-1] for d in (direction if not isinstance(direction, str) else [direction])]
     if given != [wanted]:

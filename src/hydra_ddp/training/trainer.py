@@ -22,6 +22,7 @@ from hydra_ddp.tasks import Task
 from hydra_ddp.training.checkpointing import Checkpointer
 from hydra_ddp.training.position import Position
 from hydra_ddp.training.profiling import profiling
+from hydra_ddp.training.pruning import Pruning
 from hydra_ddp.training.saving import Saving
 from hydra_ddp.training.step import Step, accumulation_group
 from hydra_ddp.training.stop import Ending, StopRequest
@@ -46,7 +47,7 @@ def build(cfg: Any, task: Task, model: nn.Module, optimizer: torch.optim.Optimiz
         settings, model, loaders, device, step=step, timer=timer, pos=pos,
         saving=Saving(cfg.checkpoint, checkpointer, strategy, step, scheduler, monitor, pos, overheads),
         validation=Validation(strategy, task, loaders, device, memory_format, monitor, reporter, overheads),
-        ending=Ending(stop, settings.max_time, started_at),
+        ending=Ending(stop, settings.max_time, started_at, Pruning.of(cfg, reporter.is_main, device)),
         throughput=Throughput(strategy.data_parallel_size()),
         overheads=overheads, reporter=reporter, scheduler=scheduler,
         profiler=lambda: profiling(bool(settings.profile), cfg.profiler, device, reporter.run_dir),
@@ -138,8 +139,8 @@ class Trainer:
                 self.pos.next_epoch()
                 if self.saving.due_at_epoch_end(best):
                     self.saving.save()
-                if self.monitor.should_stop:
-                    self.ending.early_stop(self.monitor, self.pos.step)
+                if self.settings.eval_every_epoch:
+                    self.ending.after_validation(self.monitor, self.validation.last, self.pos.step, epoch + 1)
         return validated_at
 
     def _finish(self, validated_at: int, epochs: int) -> None:

@@ -1,0 +1,88 @@
+"""Export a checkpoint's model for use elsewhere: its plain state dict (safetensors or torch) and the model's config beside it, loadable without this project.
+
+    python -m hydra_ddp.export ckpt=RUN_DIR_OR_CHECKPOINT [format=safetensors|torch] [out=PATH]
+
+ckpt: a run directory (its best checkpoint, else its last), a checkpoint file (ddp) or a sharded
+checkpoint's directory (fsdp, tp, fsdp_tp: read with DCP in this one process). The weights are
+the full model's, on the CPU, under the model's own parameter names: no optimizer, no project
+class, nothing but tensors. Beside them, OUT's stem + ".yaml" holds the model's config (its
+`_target_` and arguments, as the run resolved them) and the data's shape, so that
+
+    model = MyNet(**{k: v for k, v in config["model"].items() if k != "_target_"})
+    model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
+
+rebuilds it anywhere the model's class is importable.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+FORMATS = {"safetensors": ".safetensors", "torch": ".pt"}
+
+
+def export(ckpt: str, out: Path, fmt: str) -> tuple[Path, Path]:
+    """Write the weights and the config; their paths."""
+    import torch
+    import yaml
+
+    from hydra_ddp import checkpoints
+
+    path = checkpoints.find(ckpt, "ckpt")
+    state = checkpoints.read(path, "ckpt")
+    # Contiguous copies of their own: safetensors refuses tensors that share memory (tied weights).
+    weights = {name: tensor.detach().to("cpu").contiguous().clone()
+               for name, tensor in checkpoints.model_weights(path, state).items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(weights, str(out), metadata={"checkpoint": str(path), "step": str(state["position"]["step"])})
+    else:
+        torch.save(weights, out)
+    config = state["config"]
+    described = {"model": config["model"], "task": config.get("task"),
+                 "data": {key: config["data"][key] for key in ("in_channels", "image_size", "num_classes")},
+                 "checkpoint": str(path), "step": state["position"]["step"], "format": fmt}
+    written = out.with_name(out.stem + ".yaml")
+    written.write_text("# The model's config for the weights beside this file (exported by hydra_ddp.export):\n"
+                       "# build model._target_ with the other model keys, then load_state_dict.\n"
+                       + yaml.safe_dump(described, sort_keys=False))
+    return out, written
+
+
+def _arguments(argv: list[str]) -> dict[str, str]:
+    from hydra_ddp.errors import UserError
+
+    given: dict[str, str] = {}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in ("ckpt", "format", "out"):
+            raise UserError(f"{arg!r}: give ckpt=PATH, and optionally format=safetensors|torch and out=PATH")
+        given[key] = value
+    if "ckpt" not in given:
+        raise UserError("ckpt=PATH is missing: a run directory, a checkpoint file or a sharded checkpoint's directory")
+    fmt = given.get("format") or ("torch" if given.get("out", "").endswith((".pt", ".pth")) else "safetensors")
+    if fmt not in FORMATS:
+        raise UserError(f"format={fmt!r}: choose {' or '.join(FORMATS)}")
+    given.update(format=fmt, out=given.get("out") or f"model{FORMATS[fmt]}")
+    return given
+
+
+def main(argv: list[str]) -> int:
+    from hydra_ddp.errors import UserError
+
+    try:
+        args = _arguments(argv)
+        weights, config = export(args["ckpt"], Path(args["out"]).expanduser().resolve(), args["format"])
+    except UserError as error:
+        print(f"hydra-ddp: error: {error}", file=sys.stderr)
+        return 2
+    print(f"hydra-ddp: exported {weights} ({args['format']}) and {config}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,181 @@
+"""The sweeper and its configs (hydra/sweeper: optuna; hydra/sweeper/sampler: tpe, random, cmaes, grid).
+
+No `from __future__ import annotations`: Hydra loads plugin modules outside sys.modules, where
+dataclasses cannot resolve string annotations."""
+
+
+import functools
+import logging
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from hydra.plugins.sweeper import Sweeper
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TPESamplerConf:
+    _target_: str = "optuna.samplers.TPESampler"
+    seed: Optional[int] = None
+    n_startup_trials: int = 10
+    multivariate: bool = False
+
+
+@dataclass
+class RandomSamplerConf:
+    _target_: str = "optuna.samplers.RandomSampler"
+    seed: Optional[int] = None
+
+
+@dataclass
+class CmaEsSamplerConf:
+    _target_: str = "optuna.samplers.CmaEsSampler"
+    seed: Optional[int] = None
+    n_startup_trials: int = 1
+
+
+@dataclass
+class GridSamplerConf:
+    # The grid is the search space's choice() and range() values (hydra_ddp.search.space.grid).
+    _target_: str = "optuna.samplers.GridSampler"
+    _partial_: bool = True
+    seed: Optional[int] = None
+
+
+@dataclass
+class OptunaSweeperConf:
+    _target_: str = "hydra_plugins.hydra_ddp_optuna.sweeper.OptunaSweeper"
+    defaults: list[Any] = field(default_factory=lambda: [{"sampler": "tpe"}])
+    sampler: Any = MISSING
+    direction: str = "minimize"  # trainer.monitor's: maximize for an accuracy (checked before the first trial)
+    study_name: Optional[str] = None  # null: "search"
+    # null: a journal file in the sweep directory (hydra_ddp.search.study); or an Optuna storage URL.
+    storage: Optional[str] = None
+    n_trials: int = 20  # in the study, over every run of the command with this sweep directory
+    n_jobs: int = 1  # trials in flight: a new one starts as soon as one ends
+    pruner: str = "median"  # median, hyperband or none: stops a hopeless trial after a validation
+    pruner_args: dict[str, Any] = field(default_factory=dict)  # e.g. {n_startup_trials: 5} (Optuna's own)
+    params: Optional[dict[str, str]] = None
+    role: str = "main"  # helper: one of the n_jobs - 1 processes the main sweeper starts
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="optuna", node=OptunaSweeperConf, provider="hydra_ddp")
+for _name, _node in (("tpe", TPESamplerConf), ("random", RandomSamplerConf), ("cmaes", CmaEsSamplerConf),
+                     ("grid", GridSamplerConf)):
+    ConfigStore.instance().store(group="hydra/sweeper/sampler", name=_name, node=_node, provider="hydra_ddp")
+
+
+class OptunaSweeper(Sweeper):
+    def __init__(self, sampler: Any, direction: str, study_name: Optional[str], storage: Optional[str], n_trials: int,
+                 n_jobs: int, pruner: str, params: Optional[DictConfig], pruner_args: Any = None, role: str = "main"):
+        self.sampler_cfg, self.direction, self.study_name = sampler, str(direction), study_name or "search"
+        self.storage, self.n_trials, self.n_jobs, self.pruner = storage, n_trials, n_jobs, pruner
+        self.params = OmegaConf.to_container(params) if params else {}
+        self.role = role
+        self.pruner_args = dict(pruner_args or {})
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(config=config, hydra_context=hydra_context,
+                                                                task_function=task_function)
+        self.sweep_dir = Path(config.hydra.sweep.dir).resolve()
+
+    def sweep(self, arguments: list[str]) -> None:
+        from hydra_ddp.errors import UserError
+
+        try:
+            self._search(arguments)
+        except UserError as error:
+            print(f"hydra-ddp: error: {error}", file=sys.stderr)
+            sys.exit(2)
+
+    def _search(self, arguments: list[str]) -> None:
+        import optuna
+        from hydra.utils import instantiate
+
+        from hydra_ddp.errors import UserError
+        from hydra_ddp.search import space, study as studies
+
+        searched, fixed = space.parse(self.params, arguments)
+        if self.pruner not in studies.PRUNERS:
+            raise UserError(f"hydra.sweeper.pruner={self.pruner!r}: choose {', '.join(studies.PRUNERS)}")
+        studies.pruner_of(self.pruner, self.pruner_args)  # its arguments, checked before the first trial
+        if self.n_trials < 1 or self.n_jobs < 1:
+            raise UserError("hydra.sweeper.n_trials and hydra.sweeper.n_jobs must be at least 1")
+        # Hydra builds the sampler with the sweeper (a partial for the grid); a config where it did not.
+        sampler = self.sampler_cfg if not isinstance(self.sampler_cfg, DictConfig) else instantiate(self.sampler_cfg)
+        if isinstance(sampler, functools.partial):  # the grid sampler, given its grid
+            sampler = sampler(search_space=space.grid(searched))
+        self.sweep_dir.mkdir(parents=True, exist_ok=True)
+        location = self.storage or str(self.sweep_dir / studies.JOURNAL)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.create_study(study_name=self.study_name, storage=studies.storage_of(location), sampler=sampler,
+                                    direction=self.direction, load_if_exists=True)
+        helpers = []
+        if self.role == "main":
+            stranded = studies.recover(study, self.sweep_dir)
+            done = studies.started(study)
+            log.info("study %r in %s: %d of %d trials done%s", self.study_name, location, done, self.n_trials,
+                     f" ({len(stranded)} left running by a stopped sweep: failed)" if stranded else "")
+            helpers = [self._helper() for _ in range(self.n_jobs - 1)]
+        identity = [f"trial.study={self.study_name}", f"trial.storage={location}", f"trial.pruner={self.pruner}",
+                    *(f"+trial.pruner_args.{k}={v}" for k, v in self.pruner_args.items())]
+        try:
+            while True:
+                with studies.exclusive(self.sweep_dir):
+                    if studies.started(study) >= self.n_trials:
+                        break
+                    trial = study.ask(searched)
+                overrides = [*(f"{k}={v}" for k, v in fixed.items()),
+                             *(space.as_override(k, v) for k, v in trial.params.items()),
+                             *identity, f"trial.number={trial.number}"]
+                returned = self.launcher.launch([overrides], initial_job_idx=trial.number)[0]
+                self._tell(study, trial.number, returned)
+        finally:
+            for helper in helpers:
+                helper.wait()
+        if self.role == "main":
+            self._results(study)
+
+    def _tell(self, study: Any, number: int, returned: Any) -> None:
+        from hydra.core.utils import JobStatus
+        from optuna.trial import TrialState
+
+        from hydra_ddp.search import study as studies
+
+        job_dir = Path(returned.hydra_cfg.hydra.runtime.output_dir) if returned.hydra_cfg else self.sweep_dir / str(number)
+        value = returned._return_value if returned.status == JobStatus.COMPLETED else None
+        state, value = studies.outcome(job_dir, value)
+        if state == "complete":
+            study.tell(number, value)
+        else:
+            study.tell(number, state=TrialState.PRUNED if state == "pruned" else TrialState.FAIL)
+        log.info("trial %d: %s%s", number, state, f" ({value:.6g})" if value is not None else "")
+
+    def _helper(self) -> subprocess.Popen:
+        """Another sweeper process on the same study: the same command, as a helper, in this sweep directory."""
+        argv = [a for a in sys.argv[1:] if not a.startswith(("hydra.sweep.dir=", "hydra.sweeper.role="))]
+        return subprocess.Popen([sys.executable, sys.argv[0], *argv, f"hydra.sweep.dir={self.sweep_dir}",
+                                 "hydra.sweeper.role=helper"])
+
+    def _results(self, study: Any) -> None:
+        from optuna.trial import TrialState
+
+        finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if not finished:
+            log.warning("no trial completed")
+            return
+        best = study.best_trial
+        OmegaConf.save(OmegaConf.create({"name": "optuna", "best_params": best.params, "best_value": best.value,
+                                         "best_trial": best.number}),
+                       self.sweep_dir / "optimization_results.yaml")
+        log.info("best trial %d: %s = %.6g (%s)", best.number, self.direction, best.value,
+                 " ".join(f"{k}={v}" for k, v in best.params.items()))
