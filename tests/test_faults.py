@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import signal
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from support import (
-    QUICK, assert_no_orphans, assert_same_params, check_ok, csv_step_losses, final_params, finish,
+    HELPERS, QUICK, assert_no_orphans, assert_same_params, check_ok, csv_step_losses, final_params, finish,
     make_image_folder, run_train, session_processes, start_train, step_losses, summary, tmpfs, wait_for,
 )
 
@@ -108,12 +109,28 @@ def test_killed_worker_under_spawn_stops_the_job_and_names_the_rank(run_dir: Pat
     assert_no_orphans(done.pid)
 
 
-def test_hung_peer_fails_the_run_within_the_timeout(run_dir: Path):
+# The waiting rank's place: the shared-memory all-reduce (the CPU default), or gloo's under DDP's backward.
+@pytest.mark.parametrize("shared_memory, waits_in", [("auto", "the shared-memory all-reduce"),
+                                                     ("false", "the backward (DDP's gradient all-reduce)")])
+def test_hung_peer_fails_the_run_within_the_timeout_naming_the_stuck_rank_and_line(run_dir: Path, shared_memory: str,
+                                                                                   waits_in: str):
     proc = run_train(run_dir, *QUICK, "backend.timeout_s=5", "model._target_=faulty.HangOnRank", "+model.hang_rank=1",
-                     timeout=90)
+                     f"strategy.shared_memory={shared_memory}", timeout=90)
     assert proc.returncode != 0
-    assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    stacks = run_dir / "stacks"
+    hang_line = next(n for n, line in enumerate((HELPERS / "faulty.py").read_text().splitlines(), 1) if "Event().wait()" in line)
+    line = proc.stderr.strip()
+    assert line.startswith("hydra-ddp: error: a collective timed out after 5 s (backend.timeout_s): rank 1 stuck for "), line
+    assert f" s at faulty.py:{hang_line} in forward (threading.Event().wait())" in line, line
+    assert f"its stack: {stacks / 'rank1.txt'}; the others: rank 0 waits in {waits_in} at step.py:" in line, line
+    # Every rank left its stack: the stuck one in the model's forward, the other in the all-reduce.
+    assert f'tests/helpers/faulty.py", line {hang_line}, in forward' in (stacks / "rank1.txt").read_text()
+    assert "in _run_batches" in (stacks / "rank0.txt").read_text()
+    if shared_memory == "false":  # gloo's flight recorder: rank 0 one collective further than rank 1
+        assert "(collective #" in line and "after collective #" in line
+        entries = [pickle.loads((stacks / f"rank{r}.fr").read_bytes())["entries"] for r in (0, 1)]
+        assert max(e["collective_seq_id"] for e in entries[0]) == max(e["collective_seq_id"] for e in entries[1]) + 1
     assert_no_orphans(proc.pid)
 
 

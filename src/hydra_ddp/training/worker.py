@@ -42,7 +42,7 @@ from hydra_ddp.errors import (
 from hydra_ddp.launch import startup
 from hydra_ddp.parallel import distributed, shared_memory, strategy
 from hydra_ddp.parallel.distributed import RankInfo
-from hydra_ddp.reporting import ranklog, run_report
+from hydra_ddp.reporting import hangs, ranklog, run_report
 from hydra_ddp.training import checkpointing, evaluation
 from hydra_ddp.training import trainer as training
 from hydra_ddp.training.position import resize_cause
@@ -88,6 +88,7 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
         deterministic_kernels()
     if rank.is_main and job == "train":
         run_report.preload_loggers(cfg)  # while the other ranks start: it would hold them at the first collective
+    hangs.enable_flight_recorder(cfg.backend.name, None if external else Path(run_dir))
     with distributed.process_group(cfg.backend.name, cfg.init_method, rank, cfg.backend.timeout_s, device):
         out = Path(run_dir)
         if external:  # every rank was started with its own idea of the run directory: rank 0's wins
@@ -96,18 +97,20 @@ def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
             problem = distributed.first_error(problem, device)
             if problem:
                 raise EveryRankError(problem)  # the same line on every rank, before anything is built
-        _check_same_config(cfg, rank, device)
-        # Everything the run builds lives in _train's frame and is gone when it returns, before the
-        # group is destroyed. (gloo's threads still outlive destroy_process_group, held in C++:
-        # workers end with os._exit for that reason, see _exit_after_teardown.)
-        if job == "eval":
-            summary = evaluation.run(cfg, out, rank, device, started_at)
-        else:
-            summary = _train(cfg, out, rank, device, stop, started_at, entered_at)
-        _release(cfg)
-        # No rank exits before rank 0 has written and closed every output: under srun
-        # --kill-on-bad-exit a stopped run's other ranks (exit 128 + signal) would end it mid-write.
-        dist.barrier()
+        # Until the last barrier: a rank that stops making progress leaves its stack (reporting.hangs).
+        with hangs.Watchdog(out, rank.rank, hangs.stall_after_s(cfg.backend.timeout_s)):
+            _check_same_config(cfg, rank, device)
+            # Everything the run builds lives in _train's frame and is gone when it returns, before
+            # the group is destroyed. (gloo's threads still outlive destroy_process_group, held in
+            # C++: workers end with os._exit for that reason, see _exit_after_teardown.)
+            if job == "eval":
+                summary = evaluation.run(cfg, out, rank, device, started_at)
+            else:
+                summary = _train(cfg, out, rank, device, stop, started_at, entered_at)
+            _release(cfg)
+            # No rank exits before rank 0 has written and closed every output: under srun
+            # --kill-on-bad-exit a stopped run's other ranks (exit 128 + signal) would end it mid-write.
+            dist.barrier()
     return summary  # the same on every rank: global values only
 
 
@@ -300,6 +303,9 @@ def main(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
         line = f"{type(error).__name__}: {error}".splitlines()[0]
         if any(sign in line.lower() for sign in PEER_GONE):
             line = LOST_A_PEER + line
+        elif "timed out" in line.lower() or "timeout" in line.lower():
+            hung = hangs.describe(Path(run_dir), cfg.backend.timeout_s)  # who was stuck where: the run's failure
+            line = EVERY_RANK + hung if hung else line
         raise WorkerError(line) from None
 
 

@@ -1,0 +1,211 @@
+"""Finding a hung rank: each worker's watchdog leaves its stack in the run directory when it stops making progress, and a collective's timeout is reported as which rank was stuck where.
+
+A rank is stalled when its main thread's Python call chain has not changed for `stall_after_s`
+(half the collective timeout, at most 5 minutes): no heartbeat to place in the loop, so a stall
+in training, validation, a checkpoint or a user's own code is caught alike. The watchdog then
+writes RUN/stacks/rankR.txt (every thread's stack, for a person), rankR.json (where, since when:
+for the report) and, where the backend keeps a flight recorder (gloo: torch's, in memory),
+rankR.fr (its last collectives, torch's pickle). NCCL
+dumps its own recorder on a timeout, to RUN/stacks/nccl_trace_rankR. A rank that moves again
+removes its files and logs the stall. The timeout's one line is then made from every rank's
+files (`describe`): `rank 1 stuck for 60 s at faulty.py:42 in forward (time.sleep(60)) ...`.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import linecache
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from types import FrameType
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+STACKS = "stacks"  # the folder in the run directory
+FLIGHT_RECORDER_ENTRIES = "2000"  # collectives each rank's recorder keeps (torch's own suggestion)
+# Where a rank that waits for its peers is seen from Python: (file's path ends with, function or
+# None for any, what it is called in the report).
+_WAITS = (
+    ("hydra_ddp/parallel/shared_memory.py", None, "the shared-memory all-reduce"),
+    ("torch/distributed/distributed_c10d.py", None, None),  # named by its function: all_reduce, barrier…
+    ("torch/autograd/graph.py", "_engine_run_backward", "the backward (DDP's gradient all-reduce)"),
+)
+_LIBRARY = (f"{os.sep}site-packages{os.sep}", f"{os.sep}lib{os.sep}python3", "<frozen ")
+
+
+def stall_after_s(timeout_s: float) -> float:
+    """How long without progress before a rank leaves its stack: well before the collective timeout
+    fires (so the stuck rank's stack is there when the waiting ones fail), and not hours."""
+    return max(1.0, min(timeout_s / 2, 300.0))
+
+
+def enable_flight_recorder(backend: str, run_dir: Optional[Path]) -> None:
+    """Before the process group is made: torch's flight recorder on (unless the user set it), and
+    NCCL's dump on a timeout into the run's stacks folder (`run_dir` None: an outside launch's rank,
+    which learns the run directory only from the group; NCCL's dump then goes to its default place)."""
+    if "nccl" in backend:
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        if run_dir is not None:
+            (run_dir / STACKS).mkdir(parents=True, exist_ok=True)
+            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(run_dir / STACKS / "nccl_trace_rank_"))
+    else:
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
+
+
+class Watchdog:
+    """A daemon thread that samples the main thread's call chain and dumps it once it stops changing."""
+
+    def __init__(self, run_dir: Path, rank: int, stall_after: float):
+        self.folder, self.rank, self.stall_after = Path(run_dir) / STACKS, rank, stall_after
+        self.every = min(1.0, stall_after / 4)
+        self.main = threading.main_thread().ident
+        self.stop = threading.Event()
+        self.dumped = False
+        self.last_collective: Optional[str] = None
+        self.thread = threading.Thread(target=self._watch, name="hydra-ddp-watchdog", daemon=True)
+
+    def __enter__(self) -> "Watchdog":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()  # not joined: it wakes within `every` and ends; a failing run must not wait on it
+
+    def _watch(self) -> None:
+        chain, since = None, time.time()
+        while not self.stop.wait(self.every):
+            frame = sys._current_frames().get(self.main)
+            now_chain = _chain(frame)
+            if now_chain != chain:
+                if self.dumped:
+                    self._moved_on(since)
+                chain, since = now_chain, time.time()
+            elif frame is not None and time.time() - since >= self.stall_after:
+                self._dump(frame, since)
+
+    def _dump(self, frame: FrameType, since: float) -> None:
+        """Write (again: the time stalled grows) this rank's stack, its place, and its flight recorder."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        place = where(frame)
+        stalled = time.time() - since
+        name = self.folder / f"rank{self.rank}"
+        header = (f"rank {self.rank} (pid {os.getpid()}, {socket.gethostname()}): no progress for {stalled:.0f} s, "
+                  f"at {place['at']} in {place['function']}"
+                  + (f", waiting in {place['waits_in']}" if place["waits_in"] else "") + "\n\n")
+        with open(f"{name}.txt.tmp", "w") as out:
+            out.write(header + "The main thread (most recent call last):\n" + "".join(traceback.format_stack(frame)))
+            out.write("\nEvery thread (most recent call first; 'Current' is the watchdog's):\n")
+            out.flush()
+            faulthandler.dump_traceback(out, all_threads=True)
+        os.replace(f"{name}.txt.tmp", f"{name}.txt")
+        if not self.dumped:  # the recorder's last collective does not change while the rank is stuck
+            self.last_collective = _dump_flight_recorder(Path(f"{name}.fr"))
+        _write_json({"rank": self.rank, "pid": os.getpid(), "since": since, "written": time.time(), **place,
+                     "last_collective": self.last_collective}, Path(f"{name}.json"))
+        self.dumped = True
+
+    def _moved_on(self, since: float) -> None:
+        """The stall ended (a long checkpoint, say): its files go, a line in the log stays."""
+        log.warning("rank %d made no progress for %.0f s, then moved on", self.rank, time.time() - since)
+        for suffix in (".txt", ".json", ".fr"):
+            (self.folder / f"rank{self.rank}{suffix}").unlink(missing_ok=True)
+        self.dumped = False
+
+
+def _chain(frame: Optional[FrameType]) -> Optional[tuple[int, ...]]:
+    """The call chain's identity: its frames and their code, not the line (a waiting loop moves
+    between its lines without making progress)."""
+    ids = []
+    while frame is not None:
+        ids += (id(frame), id(frame.f_code))
+        frame = frame.f_back
+    return tuple(ids) or None
+
+
+def where(frame: FrameType) -> dict[str, Any]:
+    """A stack's place for the report: the innermost line of the user's or the project's code (not
+    a library's), its function and source text, and the collective it waits in, if any."""
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    waits = [i for i, f in enumerate(frames) if _wait_name(f)]
+    waits_in = _wait_name(frames[waits[0]]) if waits else None
+    # A waiting rank is placed where its code called the collective, past the machinery of the wait.
+    outside = frames[waits[-1] + 1:] if waits else frames
+    own = next((f for f in outside if "hydra_ddp" in f.f_code.co_filename
+                or not any(part in f.f_code.co_filename for part in _LIBRARY)), frames[0])
+    code = linecache.getline(own.f_code.co_filename, own.f_lineno).split("  #")[0].strip()
+    return {"at": f"{Path(own.f_code.co_filename).name}:{own.f_lineno}", "function": own.f_code.co_name,
+            "code": code, "waits_in": waits_in}
+
+
+def _wait_name(frame: FrameType) -> Optional[str]:
+    path = frame.f_code.co_filename.replace(os.sep, "/")
+    for ending, function, name in _WAITS:
+        if path.endswith(ending) and function in (None, frame.f_code.co_name):
+            return name or frame.f_code.co_name
+    return None
+
+
+def _dump_flight_recorder(path: Path) -> Optional[str]:
+    """The process group's flight recorder (torch's pickle, as NCCL's dump writes it), if it has
+    one; its last collective, e.g. "#13 gloo:all_reduce"."""
+    try:
+        import pickle
+
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        trace = _dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+        entries = pickle.loads(trace).get("entries") or []
+    except Exception:  # no group, no recorder in this torch, or a backend without one
+        return None
+    path.write_bytes(trace)
+    last = max(entries, key=lambda e: e.get("collective_seq_id", 0), default=None)
+    return f"#{last['collective_seq_id']} {last['profiling_name']}" if last else None
+
+
+def _write_json(value: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+
+
+def describe(run_dir: Path, timeout_s: float) -> Optional[str]:
+    """A collective's timeout as one line from the ranks' stall files: the rank(s) not waiting for
+    a peer, stuck where and for how long, then where the others wait. None when no rank left one
+    (another node's, on storage this one does not share)."""
+    folder = Path(run_dir) / STACKS
+    stalls = []
+    for path in sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else -1):
+        try:
+            stalls.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not stalls:
+        return None
+    now = time.time()
+    stuck = [s for s in stalls if not s.get("waits_in")]
+    waiting = [s for s in stalls if s.get("waits_in")]
+    parts = [f"rank {s['rank']} stuck for {now - s['since']:.0f} s at {s['at']} in {s['function']}"
+             + (f" ({s['code']})" if s.get("code") else "")
+             + (f" after collective {s['last_collective']}" if s.get("last_collective") else "")
+             + f", its stack: {folder / ('rank%d.txt' % s['rank'])}" for s in stuck]
+    if waiting:
+        places: dict[str, list[str]] = {}
+        for s in waiting:
+            at = f"{s['waits_in']} at {s['at']}" + (f" (collective {s['last_collective']})" if s.get("last_collective") else "")
+            places.setdefault(at, []).append(str(s["rank"]))
+        said = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(r)} wait{'' if len(r) > 1 else 's'} in {p}"
+                         for p, r in places.items())
+        parts.append(("the others: " if stuck else "") + said)
+    return f"a collective timed out after {timeout_s:g} s (backend.timeout_s): " + "; ".join(parts)

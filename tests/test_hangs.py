@@ -1,0 +1,83 @@
+"""reporting.hangs in one process: the watchdog leaves the main thread's stack when it stalls and
+removes it when it moves on; a stack's place; the timeout's line from the ranks' files."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+from hydra_ddp.reporting import hangs
+
+
+def _stalled_here(seconds: float) -> None:
+    threading.Event().wait(seconds)  # the main thread makes no progress, as a hung rank's
+
+
+def test_the_watchdog_dumps_a_stalled_main_thread_and_clears_it_when_it_moves_on(tmp_path: Path):
+    stacks = tmp_path / hangs.STACKS
+    seen: dict[str, str] = {}
+
+    def read_while_stalled() -> None:  # the main thread cannot: it is the one stalled
+        while not (stacks / "rank3.json").exists():
+            time.sleep(0.02)
+        seen.update(json=(stacks / "rank3.json").read_text(), text=(stacks / "rank3.txt").read_text())
+
+    reader = threading.Thread(target=read_while_stalled, daemon=True)
+    with hangs.Watchdog(tmp_path, 3, stall_after=0.4) as dog:
+        reader.start()
+        _stalled_here(1.5)
+        reader.join(timeout=5)
+        place, text = json.loads(seen["json"]), seen["text"]
+        # Moving on again (this loop's calls change the chain), the files go.
+        deadline = time.monotonic() + 5
+        while (stacks / "rank3.json").exists() and time.monotonic() < deadline:
+            sum(range(1000))
+    assert not (stacks / "rank3.json").exists() and not (stacks / "rank3.txt").exists()
+    assert place["rank"] == 3 and place["function"] == "_stalled_here" and place["waits_in"] is None
+    assert place["at"] == f"test_hangs.py:{_stalled_here.__code__.co_firstlineno + 1}"
+    assert place["code"] == "threading.Event().wait(seconds)" and place["last_collective"] is None  # no group here
+    assert text.startswith("rank 3 (pid ") and "The main thread (most recent call last):" in text
+    assert "in _stalled_here" in text and "Every thread" in text
+    assert dog.stop.is_set()
+
+
+def test_a_busy_main_thread_is_not_stalled(tmp_path: Path):
+    with hangs.Watchdog(tmp_path, 0, stall_after=0.3):
+        end = time.monotonic() + 1.2
+        while time.monotonic() < end:
+            json.dumps({"step": time.monotonic()})  # new calls all the time: progress
+    assert not (tmp_path / hangs.STACKS).exists()
+
+
+def test_the_stall_threshold_comes_well_before_the_timeout():
+    assert hangs.stall_after_s(5) == 2.5 and hangs.stall_after_s(1800) == 300 and hangs.stall_after_s(1) == 1
+
+
+def _write(folder: Path, rank: int, **place) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "since": time.time() - 61, **place}))
+
+
+def test_the_timeout_names_the_stuck_rank_first_then_where_the_others_wait(tmp_path: Path):
+    stacks = tmp_path / hangs.STACKS
+    wait = {"at": "step.py:59", "function": "run", "code": "loss.backward()", "waits_in": "all_reduce",
+            "last_collective": "#13 gloo:all_reduce"}
+    for rank in (0, 2, 10):
+        _write(stacks, rank, **wait)
+    _write(stacks, 1, at="faulty.py:42", function="forward", code="time.sleep(60)", waits_in=None,
+           last_collective="#12 gloo:all_reduce")
+    assert hangs.describe(tmp_path, 60) == (
+        f"a collective timed out after 60 s (backend.timeout_s): rank 1 stuck for 61 s at faulty.py:42 in forward "
+        f"(time.sleep(60)) after collective #12 gloo:all_reduce, its stack: {stacks / 'rank1.txt'}; the others: "
+        "ranks 0, 2, 10 wait in all_reduce at step.py:59 (collective #13 gloo:all_reduce)")
+
+
+def test_ranks_all_waiting_in_different_collectives_are_each_placed(tmp_path: Path):
+    stacks = tmp_path / hangs.STACKS
+    _write(stacks, 0, at="trainer.py:80", function="_epoch_complete", code="", waits_in="all_reduce")
+    _write(stacks, 1, at="saving.py:40", function="save", code="", waits_in="barrier")
+    assert hangs.describe(tmp_path, 5).endswith(
+        "rank 0 waits in all_reduce at trainer.py:80; rank 1 waits in barrier at saving.py:40")
+    assert hangs.describe(tmp_path / "elsewhere", 5) is None  # no rank left a file here
