@@ -171,6 +171,41 @@ def csv_step_losses(run_dir: Path) -> list[tuple[int, str]]:
         return [(int(r["step"]), r["train/loss"]) for r in csv.DictReader(f) if r["train/loss"]]
 
 
+def wandb_starts(run_dir: Path) -> list[dict]:
+    """logger=wandb's local files, read with wandb's own protobuf Records: one dict per start of the
+    job (a resumed run adds one), oldest first, each with the run's id, group, name, config (as
+    logged), history rows, last summary, artifacts' references and whether it was marked
+    preempting."""
+    from hydra_ddp.reporting import wandb_logger
+
+    starts = []
+    for path in sorted((run_dir / "wandb").glob("*run-*/run-*.wandb")):
+        start = {"path": path, "history": [], "summary": {}, "artifacts": [], "preempting": False}
+        for record in wandb_logger.records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                start.update(id=record.run.run_id, group=record.run.run_group, name=record.run.display_name,
+                             project=record.run.project,
+                             config={u.key: json.loads(u.value_json) for u in record.run.config.update})
+            elif kind == "history":
+                start["history"].append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                         for i in record.history.item})
+            elif kind == "summary":
+                start["summary"].update({u.key or "/".join(u.nested_key): json.loads(u.value_json)
+                                         for u in record.summary.update})
+            elif kind == "artifact":
+                start["artifacts"].append((record.artifact.type, [m.ref for m in record.artifact.manifest.contents]))
+            elif kind == "preempting":
+                start["preempting"] = True
+        starts.append(start)
+    return starts
+
+
+def wandb_series(starts: list[dict], key: str) -> list[tuple[int, float]]:
+    """One metric across a W&B run's starts: (training step, value) in the order logged."""
+    return [(row["trainer/step"], row[key]) for start in starts for row in start["history"] if key in row]
+
+
 def text(run_dir: Path, tag: str) -> list[str]:
     """The texts logged under `tag` (SummaryWriter.add_text), in step order."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

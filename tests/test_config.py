@@ -233,15 +233,16 @@ def test_an_optuna_search_must_optimise_the_monitor_in_its_direction():
     assert "set it" in scaling.check_search(search("trainer.monitor=null"))
 
 
-def test_mlflow_logger_without_mlflow_installed_fails_before_launch(tmp_path: Path):
-    """As if MLflow were not installed (a None entry in sys.modules is how Python marks a module
-    that must not be imported): one line saying how to install it, and no worker started."""
-    code = ("import runpy, sys; sys.modules['mlflow'] = None; "
-            f"sys.argv = ['train.py', 'logger=[tensorboard,mlflow]', 'hydra.run.dir={tmp_path / 'run'}']; "
+@pytest.mark.parametrize("package, title", [("mlflow", "MLflow"), ("wandb", "Weights & Biases")])
+def test_a_tracker_without_its_package_installed_fails_before_launch(tmp_path: Path, package: str, title: str):
+    """As if the package were not installed (a None entry in sys.modules is how Python marks a
+    module that must not be imported): one line saying how to install it, and no worker started."""
+    code = (f"import runpy, sys; sys.modules['{package}'] = None; "
+            f"sys.argv = ['train.py', 'logger=[tensorboard,{package}]', 'hydra.run.dir={tmp_path / 'run'}']; "
             "runpy.run_path('train.py', run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=train_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "needs MLflow" in lines[0] and "pip install -e '.[mlflow]'" in lines[0], proc.stderr
+    assert len(lines) == 1 and f"needs {title}" in lines[0] and f"pip install -e '.[{package}]'" in lines[0], proc.stderr
     assert "launching" not in (tmp_path / "run" / "train.log").read_text()

@@ -1,4 +1,4 @@
-"""The loggers on their own: what a resumed run leaves in TensorBoard, read back as TensorBoard reads it."""
+"""The loggers on their own: what a resumed run leaves in TensorBoard, read back as TensorBoard reads it; W&B's mode and the reader of its run file."""
 
 from __future__ import annotations
 
@@ -30,3 +30,42 @@ def test_a_resumed_runs_event_file_is_read_last_even_when_the_earlier_one_sorts_
     names = [path.name for path in event_files(tmp_path)]
     assert len(names) == 2 and names[0] == earlier.name, names  # the resumed run's file is the last read
     assert scalars(tmp_path, "train/loss") == [(s, float(s)) for s in range(1, 21)] + [(s, -float(s)) for s in range(21, 26)]
+
+
+def test_wandb_mode_auto_is_offline_without_an_account_and_follows_wandb_mode(tmp_path: Path, monkeypatch):
+    from hydra_ddp.reporting.wandb_logger import choose_mode
+
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: never logged in
+    assert choose_mode("auto") == "offline"
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password k3y\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert choose_mode("auto") == "online"  # `wandb login` wrote it
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    assert choose_mode("auto") == "offline"  # logged in elsewhere, not at this server
+    monkeypatch.setenv("WANDB_API_KEY", "k3y")
+    assert choose_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert choose_mode("auto") == "disabled" and choose_mode("offline") == "offline"
+
+
+def test_wandb_run_file_reads_back_records_that_span_blocks(tmp_path: Path, monkeypatch):
+    """The reader of W&B's own run file (LevelDB's log format): a config larger than a 32 KiB
+    block comes back whole, and the logged rows in order."""
+    import wandb
+
+    from hydra_ddp.reporting import wandb_logger
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    big = {"notes": "x" * 100_000, "nested": {"lr": 0.5}}
+    run = wandb.init(project="p", id="abcd1234", mode="offline", dir=str(tmp_path), config=big,
+                     settings=wandb.Settings(console="off", x_disable_stats=True, disable_git=True))
+    for step in range(3):
+        run.log({"loss": 1.0 / (step + 1)}, step=step)
+    run.finish()
+    (path,) = wandb_logger.run_files(tmp_path, "abcd1234")
+    configs = [r.run.config for r in wandb_logger.records(path) if r.WhichOneof("record_type") == "run"]
+    assert {u.key: u.value_json for u in configs[0].update}["notes"] == '"' + "x" * 100_000 + '"'
+    assert [(row["_step"], row["loss"]) for row in wandb_logger.history(path)] == [(0, 1.0), (1, 0.5), (2, 1 / 3)]
+    assert len(wandb_logger.new_run_id()) == 8

@@ -9,16 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from support import QUICK, TwoHosts, check_ok, finish, free_port, run_train, start_train, step_losses, summary
+from support import (
+    QUICK, TwoHosts, check_ok, finish, free_port, run_train, start_train, step_losses, summary, wandb_starts,
+)
 
 
-def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_runs(tmp_path: Path):
+def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_and_wandb_runs(tmp_path: Path):
     from mlflow.tracking import MlflowClient
 
     sweep, uri = tmp_path / "sweep", f"sqlite:///{tmp_path}/mlflow.db"
     proc = run_train(tmp_path / "unused", "-m", *QUICK, "trainer.nproc=1,2", f"hydra.sweep.dir={sweep}",
-                     "logger=[tensorboard,mlflow]", f"logger.mlflow.tracking_uri={uri}",
-                     f"logger.mlflow.artifact_location={tmp_path / 'artifacts'}")
+                     "logger=[tensorboard,mlflow,wandb]", f"logger.mlflow.tracking_uri={uri}",
+                     f"logger.mlflow.artifact_location={tmp_path / 'artifacts'}", "logger.wandb.mode=offline")
     check_ok(proc)
     # One parent run per sweep, its jobs as children; the sweep's end closes it with the best value.
     client = MlflowClient(tracking_uri=uri)
@@ -33,6 +35,13 @@ def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_runs(tmp
     best = max(summary(sweep / str(i))["val_accuracy"] for i in (0, 1))
     assert parent.data.metrics["best/val/accuracy"] == pytest.approx(best)
     assert [summary(sweep / str(i))["world_size"] for i in (0, 1)] == [1, 2]
+    # W&B: one run per job (not per rank), the sweep's jobs in one group named after it.
+    jobs = [wandb_starts(sweep / str(i)) for i in (0, 1)]
+    assert [len(starts) for starts in jobs] == [1, 1]
+    assert len({starts[0]["id"] for starts in jobs}) == 2
+    assert {starts[0]["group"] for starts in jobs} == {f"{tmp_path.name}/sweep"}
+    assert [starts[0]["name"] for starts in jobs] == [f"{tmp_path.name}/sweep/0", f"{tmp_path.name}/sweep/1"]
+    assert [starts[0]["config"]["trainer"]["nproc"] for starts in jobs] == [1, 2]
     rows = list(csv.DictReader(open(sweep / "scaling.csv")))
     assert [r["swept"] for r in rows] == ["trainer.nproc=1", "trainer.nproc=2"]
     assert [r["status"] for r in rows] == ["ok", "ok"]

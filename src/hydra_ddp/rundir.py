@@ -44,3 +44,4 @@ class RunDir:
     slurm_state = property(lambda self: self.path / "slurm_state.txt")
     rendezvous_store = property(lambda self: self.path / "rendezvous.store")
     mlflow_run_id = property(lambda self: self.path / "mlflow_run_id")
+    wandb_run_id = property(lambda self: self.path / "wandb_run_id")  # logger=wandb; its files in wandb/

@@ -70,8 +70,10 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
             raise UserError(f"{key} must be at least 1 (or null where allowed), got {value}")
     _check_workflow(plain)
     for name, logger in (plain.get("logger") or {}).items():
-        if logger and "mlflow" in str(logger.get("_target_", "")).lower() and importlib.util.find_spec("mlflow") is None:
-            raise UserError(f"logger={name} needs MLflow, which is not installed: pip install -e '.[mlflow]'")
+        target = str((logger or {}).get("_target_", "")).lower()
+        for package, extra, title in (("mlflow", "mlflow", "MLflow"), ("wandb", "wandb", "Weights & Biases")):
+            if package in target and importlib.util.find_spec(package) is None:
+                raise UserError(f"logger={name} needs {title} ({package}), which is not installed: pip install -e '.[{extra}]'")
     if not data_cfg["even_shards"]:
         if trainer["accumulate"] > 1:
             raise UserError("data.even_shards=false does not combine with trainer.accumulate > 1 "

@@ -286,7 +286,7 @@ class Config:
     model: Any = MISSING
     optim: Any = MISSING
     scheduler: Any = None
-    # Rank 0's loggers, by name (conf/logger/: tensorboard, csv, mlflow), each a `_target_` class.
+    # Rank 0's loggers, by name (conf/logger/: tensorboard, csv, mlflow, wandb), each a `_target_` class.
     logger: Any = field(default_factory=dict)
 
 
