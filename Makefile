@@ -29,7 +29,7 @@ test: $(STAMP)
 # package's shape) and a few end-to-end runs (outside torchrun, the start-up): a few minutes.
 FAST_TESTS := tests/test_architecture.py tests/test_checks.py tests/test_loop_parts.py tests/test_timing.py \
 	tests/test_config.py tests/test_data.py tests/test_models.py tests/test_training.py tests/test_gpu_ready.py \
-	tests/test_startup.py tests/test_ci.py tests/test_hangs.py
+	tests/test_startup.py tests/test_ci.py tests/test_hangs.py tests/test_flops.py
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(FAST_TESTS) $(ARGS)
 

@@ -46,6 +46,11 @@ def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_and_wand
     assert [r["swept"] for r in rows] == ["trainer.nproc=1", "trainer.nproc=2"]
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert float(rows[0]["speedup"]) == 1.0 and float(rows[1]["efficiency"]) > 0
+    # Model FLOP/s per rank and the MFU, from each job's summary.
+    for row, i in zip(rows, (0, 1)):
+        assert float(row["flops_per_sec_per_rank"]) == pytest.approx(summary(sweep / str(i))["flops"]["per_sec_per_rank"])
+        assert 0 < float(row["mfu"]) < 1
+    assert "| model FLOP/s per rank | MFU |" in (sweep / "scaling.md").read_text()
     assert "| trainer.nproc=2 | ok |" in (sweep / "scaling.md").read_text()
     assert (sweep / "scaling.png").stat().st_size > 10_000
     assert "Scaling report" in proc.stdout

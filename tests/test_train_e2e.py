@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -41,6 +42,13 @@ def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
     # Start-up in its two parts, in order: the workers' imports done, then their first step.
     assert 0 < s["time_to_workers_ready_s"] < s["time_to_first_step_s"] < s["wall_time_s"]
     assert "start-up" in proc.stdout
+    # Model FLOPs: the CNN's forward and backward per sample (hand count in test_flops.py), the CPU
+    # peak measured on the ranks, the MFU between them.
+    flops = s["flops"]
+    assert flops["per_sample"] == 13_182_000 and flops["peak_source"].startswith("measured: fp32")
+    assert flops["per_sec_per_rank"] == pytest.approx(13_182_000 * s["steady_samples_per_sec"] / 2)
+    assert 0 < flops["mfu"] < 1 and flops["mfu"] == pytest.approx(flops["per_sec_per_rank"] / flops["peak_per_rank"])
+    assert re.search(r"model FLOP/s +[\d.]+ GFLOP/s per rank .*; MFU 0\.\d+ of [\d.]+ GFLOP/s \(measured", proc.stdout)
 
     # One event file, with per-step train loss, per-epoch validation, one test, lr, throughput, the config.
     assert len(event_files(run_dir)) == 1

@@ -179,6 +179,9 @@ class TrainerConf:
     # GPUs: the same bits run after run, at some cost in speed: deterministic cuDNN and torch kernels
     # (torch.use_deterministic_algorithms), TF32 off, cuBLAS's fixed workspace. The CPU needs none of it.
     deterministic: bool = False
+    # One device's peak FLOP/s for the model FLOP utilisation (MFU) in the summary; null: the GPU
+    # table in reporting/flops.py, or on the CPU a short matmul measured at the run's threads.
+    peak_flops: Optional[float] = None
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional
 from omegaconf import OmegaConf
 
 from hydra_ddp.parallel.distributed import RankInfo
-from hydra_ddp.reporting import loggers
+from hydra_ddp.reporting import flops, loggers
 from hydra_ddp.reporting.ranklog import FILE_ONLY
 from hydra_ddp.rundir import RunDir
 
@@ -119,6 +119,7 @@ def format_summary(s: dict[str, Any]) -> str:
         rows[-1] = (rows[-1][0], f"{rows[-1][1]} ({s['test_samples']} samples; once, on the {on})")
     rows += [
         ("throughput", f"{s['samples_per_sec']:.0f} samples/s"),
+        *([("model FLOP/s", flops.line(s["flops"]))] if s.get("flops") and flops.line(s["flops"]) else []),
         *([("straggler", s["straggler"]["message"])] if s.get("straggler") else []),
         ("fast settings", ", ".join(name.split(".")[-1] for name, on in s.get("settings", {}).items() if on) or "none"),
         *([("start-up", f"workers ready at {s['time_to_workers_ready_s']:.1f} s, the first step done at "

@@ -29,10 +29,10 @@ log = logging.getLogger(__name__)
 
 # The task's test (and, for a search, validation) metrics go between these: metric_columns.
 COLUMNS = ["job", "swept", "status", "world_size", "global_batch_size", "samples_per_sec", "speedup", "efficiency",
-           "wall_time_s", "error"]
+           "flops_per_sec_per_rank", "mfu", "wall_time_s", "error"]
 TRIAL_COLUMNS = ["rank", "job", "swept", "status", "monitor", "objective", "steps", "ended_by", "wall_time_s",
                  "run_dir", "error"]
-METRICS_AT = {"scaling": 8, "trials": 6}  # where in COLUMNS and TRIAL_COLUMNS the metric columns go
+METRICS_AT = {"scaling": 10, "trials": 6}  # where in COLUMNS and TRIAL_COLUMNS the metric columns go
 
 
 def metric_columns(rows: list[dict[str, Any]], splits: tuple[str, ...]) -> list[str]:
@@ -65,6 +65,8 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
                 "world_size", "global_batch_size", "samples_per_sec", "wall_time_s", "objective", "steps", "ended_by",
                 *(f"{split}_{name}" for split in ("val", "test") for name in names))})
             row.update(monitor=(s.get("monitor") or {}).get("metric"), mode=(s.get("monitor") or {}).get("mode"))
+            model_flops = s.get("flops") or {}  # reporting/flops.py: achieved per rank, and the MFU
+            row.update(flops_per_sec_per_rank=model_flops.get("per_sec_per_rank"), mfu=model_flops.get("mfu"))
             if s.get("stopped_by"):
                 row["status"] = f"stopped ({s['stopped_by']})"
             elif s.get("ended_by") == "pruned":
@@ -99,6 +101,8 @@ def _fmt(value: Any, digits: int = 3) -> str:
 
 
 def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
+    from hydra_ddp.reporting import flops  # torch: imported at the sweep's end, not at the launcher's start
+
     metrics = metric_columns(rows, ("test",))
     at = METRICS_AT["scaling"]
     with open(sweep_dir / "scaling.csv", "w", newline="") as f:
@@ -106,15 +110,17 @@ def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
         writer.writeheader()
         writer.writerows(rows)
     header = ("| job | swept | status | world size | global batch | samples/s | speed-up | efficiency | "
-              + "".join(f"{m.replace('_', ' ')} | " for m in metrics) + "wall s |")
-    lines = [f"# Scaling report: {sweep_dir}", "", header, "|" + " --- |" * (9 + len(metrics))]
+              "model FLOP/s per rank | MFU | " + "".join(f"{m.replace('_', ' ')} | " for m in metrics) + "wall s |")
+    lines = [f"# Scaling report: {sweep_dir}", "", header, "|" + " --- |" * (11 + len(metrics))]
     for r in rows:
+        achieved = flops.si(r["flops_per_sec_per_rank"], "FLOP/s") if r.get("flops_per_sec_per_rank") else None
         cells = [r["job"], r["swept"], r["status"] + (f": {r['error']}" if r.get("error") else ""),
                  r.get("world_size"), r.get("global_batch_size"), r.get("samples_per_sec"), r.get("speedup"),
-                 r.get("efficiency"), *(r.get(m) for m in metrics), r.get("wall_time_s")]
+                 r.get("efficiency"), achieved, r.get("mfu"), *(r.get(m) for m in metrics), r.get("wall_time_s")]
         lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
     lines += ["", "Speed-up is over the smallest world size's samples/s; efficiency is speed-up divided by the",
-              "world-size ratio (1.0 is perfect scaling). Throughput counts training steps only.", ""]
+              "world-size ratio (1.0 is perfect scaling). Throughput counts training steps only. Model FLOP/s",
+              "and MFU: the summary's `flops` (counted once per run; the peak as each summary names it).", ""]
     (sweep_dir / "scaling.md").write_text("\n".join(lines))
     plot(rows, sweep_dir / "scaling.png", sweep_dir)
 

@@ -41,12 +41,14 @@ class Step:
         self.grad_clip = grad_clip
         self.memory_format = memory_format
         self.grad_norms: list[tuple[int, torch.Tensor]] = []  # (step, global norm before clipping), until logged
+        self.batch_shapes: Optional[tuple[tuple[torch.Size, torch.dtype], tuple[torch.Size, torch.dtype]]] = None
 
     def run(self, x: torch.Tensor, y: torch.Tensor, sync: bool, group: int, step: int) -> torch.Tensor:
         """Forward and backward of one batch; the optimizer makes step `step` on `sync` batches only.
         `group`: the batches of this optimizer step, whose mean loss its gradient is."""
         if not self.checked:
             self._check_fit(y)
+            self.batch_shapes = ((x.shape, x.dtype), (y.shape, y.dtype))  # for the FLOP count (reporting/flops.py)
         x = x.to(self.device, non_blocking=True, memory_format=self.memory_format)
         y = y.to(self.device, non_blocking=True)
         with contextlib.nullcontext() if sync else self.strategy.no_sync():  # no all-reduce mid-accumulation

@@ -42,7 +42,7 @@ from hydra_ddp.errors import (
 from hydra_ddp.launch import startup
 from hydra_ddp.parallel import distributed, shared_memory, strategy
 from hydra_ddp.parallel.distributed import RankInfo
-from hydra_ddp.reporting import hangs, ranklog, run_report
+from hydra_ddp.reporting import flops, hangs, ranklog, run_report
 from hydra_ddp.training import checkpointing, evaluation
 from hydra_ddp.training import trainer as training
 from hydra_ddp.training.position import resize_cause
@@ -230,6 +230,8 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
             "workers_ready_at": workers_ready_at,
             "time_to_workers_ready_s": workers_ready_at - started_at,
             "peak_rss_mb": distributed.max_over_ranks(_peak_rss_mb(), device),
+            "flops": _flops(cfg, task, trainer.step.batch_shapes, result.get("steady_samples_per_sec")
+                            or result.get("samples_per_sec"), rank, device),
             "wall_time_s": time.time() - started_at,
             "run_dir": str(out),
             "resumed_from": str(resume[0]) if resume else None,
@@ -249,6 +251,21 @@ def _release(cfg: DictConfig) -> None:
 
         torch._dynamo.reset()
     gc.collect()
+
+
+def _flops(cfg: DictConfig, task: tasks.Task, shapes: Any, samples_per_sec: Optional[float], rank: RankInfo,
+           device: torch.device) -> dict[str, Any]:
+    """Model FLOPs per sample (the first batch's shapes, counted on the meta device) and the MFU."""
+    per_sample = None
+    if shapes is not None:
+        try:
+            per_sample = flops.count(lambda: instantiate(cfg.model), task.loss, *shapes) / shapes[0][0][0]
+        except Exception as e:  # noqa: BLE001  (a model that cannot be built or run on the meta device)
+            log.warning("no FLOP count: the model does not run on the meta device (%s: %s)", type(e).__name__, e)
+    value, source = flops.peak(device, str(cfg.trainer.precision), torch.get_num_threads(), cfg.trainer.peak_flops)
+    if value is not None and source.startswith("measured"):  # every rank measured at once: the best
+        value = distributed.max_over_ranks(value, device)
+    return flops.report(per_sample, samples_per_sec, rank.world_size, value, source)
 
 
 def _compiled(model: nn.Module, backend: str) -> nn.Module:

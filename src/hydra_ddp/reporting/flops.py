@@ -1,0 +1,119 @@
+"""Model FLOPs and FLOP utilisation (MFU): one step counted on a meta-device copy of the model, against a peak.
+
+Counted with torch's own FlopCounterMode (matmuls, convolutions, attention; elementwise ops are
+not counted, as in every MFU figure of the field). On the meta device nothing is computed or
+allocated, so the count costs no time at any model size and needs no collective: a sharded
+(FSDP, TP) model's count is the whole model's, divided over the ranks as the work is.
+
+The peak: `trainer.peak_flops` when set; on a GPU, the vendor's dense figure from PEAK_FLOPS for
+the run's precision; on the CPU, a short matmul measured on every rank at once, at the run's
+threads and dtype (so two ranks sharing cores share them here too), reported as measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Dense (no sparsity) peak FLOP/s by GPU name, from the vendors' data sheets: bf16/fp16 tensor
+# cores, TF32 tensor cores, plain fp32. Matched in order against torch.cuda.get_device_name().
+PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H200", {"bf16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("H100 PCIe", {"bf16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
+    ("H100", {"bf16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM
+    ("A100", {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    ("L40S", {"bf16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
+    ("L4", {"bf16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    ("A10", {"bf16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
+    ("RTX 4090", {"bf16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12}),
+    ("V100", {"bf16": 125e12, "tf32": 15.7e12, "fp32": 15.7e12}),  # fp16 tensor cores; no bf16 or TF32
+]
+_MEASURE_S = 0.1  # the CPU peak's matmuls: the best of about this long
+_MEASURE_N = 256
+
+
+def count(build_model: Callable[[], torch.nn.Module], loss: Callable[[Any, Any], torch.Tensor],
+          inputs: tuple[torch.Size, torch.dtype], targets: tuple[torch.Size, torch.dtype]) -> int:
+    """FLOPs of one forward and backward of the model on a batch of these shapes, on the meta device."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = build_model()
+    x = torch.empty(inputs[0], dtype=inputs[1], device="meta")
+    y = torch.empty(targets[0], dtype=targets[1], device="meta")
+    with FlopCounterMode(display=False) as counter:
+        loss(model(x), y).backward()
+    return int(counter.get_total_flops())
+
+
+def gpu_peak(name: str, precision: str, tf32: bool) -> Optional[tuple[float, str]]:
+    """(peak FLOP/s, where it is from) for a GPU named `name` at trainer.precision, if in the table."""
+    kind = "bf16" if precision in ("bf16", "16") else ("tf32" if tf32 else "fp32")
+    for key, peaks in PEAK_FLOPS:
+        if key in name:
+            return peaks[kind], f"{key} {kind} data-sheet peak"
+    return None
+
+
+def measure_cpu_peak(dtype: torch.dtype = torch.float32, seconds: float = _MEASURE_S, n: int = _MEASURE_N) -> float:
+    """FLOP/s of an n×n matmul in this process at its threads: the best of short repeats."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    torch.mm(a, b, out=out)  # warm-up: the kernel's choice, the caches
+    best, repeats, deadline = 0.0, 4, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        started = time.perf_counter()
+        for _ in range(repeats):
+            torch.mm(a, b, out=out)
+        best = max(best, repeats * 2 * n**3 / (time.perf_counter() - started))
+    return best
+
+
+def peak(device: torch.device, precision: str, threads: int, override: Optional[float]) -> tuple[Optional[float], str]:
+    """One device's (one rank's) peak FLOP/s and where it is from; (None, why) when unknown."""
+    if override:
+        return float(override), "trainer.peak_flops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        found = gpu_peak(name, precision, torch.backends.cuda.matmul.allow_tf32)
+        return found if found else (None, f"{name} is not in reporting/flops.py's table: set trainer.peak_flops")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    dtype_name = "bf16" if precision == "bf16" else "fp32"
+    return measure_cpu_peak(dtype), f"measured: {dtype_name} {_MEASURE_N}×{_MEASURE_N} matmul, {threads} thread(s) per rank"
+
+
+def report(flops_per_sample: Optional[float], samples_per_sec: Optional[float], world_size: int,
+           peak_flops: Optional[float], source: str) -> dict[str, Any]:
+    """The summary's `flops`: per sample, achieved per rank (the mean: model FLOPs ÷ ranks), MFU."""
+    per_rank = (flops_per_sample * samples_per_sec / world_size
+                if flops_per_sample is not None and samples_per_sec else None)
+    return {
+        "per_sample": flops_per_sample,
+        "per_sec_per_rank": per_rank,
+        "peak_per_rank": peak_flops,
+        "peak_source": source,
+        "mfu": per_rank / peak_flops if per_rank is not None and peak_flops else None,
+    }
+
+
+def si(value: float, unit: str = "FLOP") -> str:
+    """1.23 GFLOP, 4.5 TFLOP/s…"""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def line(flops: dict[str, Any]) -> Optional[str]:
+    """The summary's row: achieved FLOP/s per rank and the MFU against its peak."""
+    if not flops.get("per_sec_per_rank"):
+        return None
+    text = f"{si(flops['per_sec_per_rank'], 'FLOP/s')} per rank ({si(flops['per_sample'])} per sample, forward and backward)"
+    if flops.get("mfu") is not None:
+        return f"{text}; MFU {flops['mfu']:.3f} of {si(flops['peak_per_rank'], 'FLOP/s')} ({flops['peak_source']})"
+    return f"{text}; no MFU: {flops['peak_source']}"
