@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from hydra_ddp.config import checks, from_checkpoint, resolve, run_config
 from hydra_ddp.errors import EVERY_RANK, UserError
-from hydra_ddp.launch import startup, workers
+from hydra_ddp.launch import kubernetes, startup, workers
 from hydra_ddp.launch.workers import Stopped, _again, say
 from hydra_ddp.parallel import distributed
 from hydra_ddp.rundir import RunDir
@@ -26,12 +26,20 @@ log = logging.getLogger(__name__)
 
 
 def adopt_external_launch(argv: list[str]) -> None:
-    """Prepare argv when this process is already a worker of torchrun, torch.distributed.launch or mpirun.
+    """Prepare argv when this process is already a worker of torchrun, torch.distributed.launch or mpirun,
+    or a Kubernetes pod's train.py that launches the pod's workers itself (kubernetes.py).
 
     The legacy launcher appends `--local-rank=N`, which Hydra would reject: it becomes LOCAL_RANK.
     Ranks other than 0 then skip Hydra's output directory and log file: rank 0 decides the
     run directory and tells the others once the process group is up.
     """
+    if kubernetes.launches_workers(os.environ):
+        try:
+            kubernetes.adopt(argv)
+        except UserError as error:  # before Hydra: nothing composed, nothing launched
+            say(f"hydra-ddp: error: {error}")
+            exit_after(lambda: sys.exit(error.exit_code))  # as a run ends: without torch's seconds of teardown
+        return
     for arg in [a for a in argv[1:] if a.startswith(("--local-rank=", "--local_rank="))]:
         os.environ["LOCAL_RANK"] = arg.split("=", 1)[1]
         argv.remove(arg)

@@ -7,6 +7,8 @@ import os
 from collections import namedtuple
 from collections.abc import Mapping
 
+from hydra_ddp.launch import kubernetes
+
 
 class RankInfo(namedtuple("RankInfo", ["rank", "world_size", "local_rank", "local_world_size"])):
     """This process among the workers (immutable): its rank and local rank, and how many there are."""
@@ -26,6 +28,7 @@ _RANK_ENVS = (
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH, Intel MPI
 )
+ONE_PER_POD = "kubernetes (PyTorchJob)"  # a pod's one worker, RANK and WORLD_SIZE from its controller
 
 
 def _launcher_name(env: Mapping[str, str]) -> str:
@@ -35,21 +38,26 @@ def _launcher_name(env: Mapping[str, str]) -> str:
         return "mpirun"
     if "SLURM_STEP_ID" in env and "TORCHELASTIC_RUN_ID" not in env:  # srun's tasks, not torchrun's under srun
         return "srun"
+    if kubernetes.in_pod(env) and "TORCHELASTIC_RUN_ID" not in env:  # RANK and WORLD_SIZE the pod's, no PET_*
+        return ONE_PER_POD
     return "torchrun"
 
 
 def external_launch(env: Mapping[str, str] = os.environ) -> tuple[str, RankInfo] | None:
     """(launcher name, rank) when this process was started as a worker by an outside launcher."""
+    if kubernetes.launches_workers(env):
+        return None  # `python train.py` in a pod with PET_*: it launches the pod's workers (RANK counts pods)
     if "RANK" not in env and srun_task(env):
         env = {**env, **srun_environment(env)}
     for rank, world, local, local_world in _RANK_ENVS:
         if rank in env and world in env:
-            world_size = int(env[world])
-            return _launcher_name(env), RankInfo(
+            world_size, name = int(env[world]), _launcher_name(env)
+            alone = name == ONE_PER_POD  # without local ranks: local rank 0 of 1; elsewhere one node of all
+            return name, RankInfo(
                 rank=int(env[rank]),
                 world_size=world_size,
-                local_rank=int(env.get(local, env[rank])),
-                local_world_size=int(env.get(local_world, world_size)),
+                local_rank=int(env.get(local, 0 if alone else env[rank])),
+                local_world_size=int(env.get(local_world, 1 if alone else world_size)),
             )
     return None
 
