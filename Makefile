@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-fast bench soak clean
+.PHONY: train test test-fast bench soak look clean
 
 # Python caches the bytecode of what it imports, on first use: the install does not compile every
 # file of torch and the rest (pip does that one file at a time: half of a 150 s install here) but
@@ -32,6 +32,11 @@ FAST_TESTS := tests/test_architecture.py tests/test_checks.py tests/test_loop_pa
 	tests/test_startup.py tests/test_ci.py tests/test_hangs.py tests/test_flops.py
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(FAST_TESTS) $(ARGS)
+
+# TensorBoard and the MLflow UI served against real runs and looked at in headless Chromium: the
+# screenshots into docs/img (the loggers' page shows them). The suite runs the same tests.
+look: $(STAMP)
+	LOOK_DIR=docs/img $(PY) -m pytest -q tests/test_ui.py $(ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/run.py $(ARGS)

@@ -68,6 +68,10 @@ class TensorBoard(Logger):
     def finish(self, summary: dict[str, Any], hparams: dict[str, Any]) -> None:
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
+        if summary.get("stopped_by"):
+            # To be continued (trainer.resume): the hparams entry is the finished run's. TensorBoard
+            # keeps a run's first, so one written now would show the stopped run's metrics for good.
+            return
         names = summary.get("metrics", [])  # the task's
         keys = [f"{split}_{name}" for split in ("val", "test") for name in names] + ["samples_per_sec"]
         metrics = {f"hparam/{k}": summary[k] for k in keys if summary.get(k) is not None}
