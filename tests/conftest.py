@@ -56,3 +56,33 @@ def slurm_cluster():
         if tag:
             namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
             assert f"hddp-{tag}-" not in namespaces and f"hddp-slurm {tag}" not in Path("/etc/hosts").read_text()
+
+
+# The servers and browsers the tests start (servers.py): none may outlive the suite.
+_SERVER_NAMES = ("tensorboard", "mlflow", "chromium", "uvicorn", "gunicorn")
+_before: set[int] = set()
+
+
+def _servers_running() -> dict[int, str]:
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z" and any(name in cmdline for name in _SERVER_NAMES) and "pytest" not in cmdline:
+                found[int(entry)] = cmdline
+    return found
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _before.update(_servers_running())  # someone else's (a developer's own tensorboard) are not the suite's
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    left = {pid: cmd for pid, cmd in _servers_running().items() if pid not in _before}
+    if left:
+        session.exitstatus = 1
+        print(f"\nprocesses the tests started are still running after the suite: {left}")

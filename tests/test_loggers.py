@@ -64,6 +64,7 @@ def test_wandb_run_file_reads_back_records_that_span_blocks(tmp_path: Path, monk
     for step in range(3):
         run.log({"loss": 1.0 / (step + 1)}, step=step)
     run.finish()
+    wandb.teardown()  # waits for W&B's service to write the file out (run.finish() does not)
     (path,) = wandb_logger.run_files(tmp_path, "abcd1234")
     configs = [r.run.config for r in wandb_logger.records(path) if r.WhichOneof("record_type") == "run"]
     assert {u.key: u.value_json for u in configs[0].update}["notes"] == '"' + "x" * 100_000 + '"'

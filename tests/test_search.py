@@ -99,20 +99,21 @@ def test_a_trial_starts_as_soon_as_one_of_those_in_flight_ends(tmp_path: Path):
     sweep.mkdir()
     # The study's first trials, queued through Optuna's own API: a long one, then two short ones.
     study = optuna.create_study(study_name="digits", storage=storage_of(str(sweep / JOURNAL)), direction="maximize")
-    for epochs in (30, 1, 1):
+    # The long one: ten times a short one's epochs, beside the two that follow one after the other.
+    for epochs in (10, 1, 1):
         study.enqueue_trial({"trainer.epochs": epochs})
     slow = ("data.dataset._target_=recording.digits_slow_on_rank", "+data.dataset.slow_rank=0",
             "+data.dataset.delay_s=0.001")
     check_ok(run_train(tmp_path / "unused", "-m", "hparams_search=digits", "hydra.sweeper.n_trials=3",
-                       "hydra.sweeper.n_jobs=2", "hydra.sweeper.pruner=none", "trainer.epochs=choice(1,30)", *slow,
+                       "hydra.sweeper.n_jobs=2", "hydra.sweeper.pruner=none", "trainer.epochs=choice(1,10)", *slow,
                        "optim.lr=0.05", "data.batch_size=32", "optim.weight_decay=0", f"hydra.sweep.dir={sweep}",
                        timeout=360))
     trials = _study(sweep).trials
-    assert [t.params["trainer.epochs"] for t in trials] == [30, 1, 1] and {t.state.name for t in trials} == {"COMPLETE"}
+    assert [t.params["trainer.epochs"] for t in trials] == [10, 1, 1] and {t.state.name for t in trials} == {"COMPLETE"}
     long_ended = (sweep / "0" / "summary.json").stat().st_mtime
     third_started = (sweep / "2" / ".hydra" / "config.yaml").stat().st_mtime
     assert third_started < long_ended, "the third trial waited for the long one"
-    assert summary(sweep / "0")["epochs"] == 30 and summary(sweep / "2")["epochs"] == 1
+    assert summary(sweep / "0")["epochs"] == 10 and summary(sweep / "2")["epochs"] == 1
 
 
 @pytest.mark.timeout(400)

@@ -1,6 +1,7 @@
 """Every output opened in the tool a user opens it with: TensorBoard and the MLflow UI served from
-the project's venv on loopback against real runs' outputs, read through their HTTP APIs, and
-looked at in headless Chromium (screenshots: LOOK_DIR, which `make look` points at docs/img)."""
+the project's venv on loopback against real runs' outputs and read through their HTTP APIs; and,
+marked `look` (`make look`, not in `make test`), looked at in headless Chromium, the screenshots
+going to LOOK_DIR (make look: docs/img)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import pytest
 import servers
 from support import QUICK, check_ok, finish, losses, run_train, start_train, summary, wait_for
 
-pytestmark = pytest.mark.skipif(servers.CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium)")
-
 RUN_COLOUR = (255, 112, 67)  # TensorBoard's colour for the first run (#ff7043)
 
 
 def _shot(tmp: Path, name: str) -> Path:
+    if servers.CHROMIUM is None:
+        pytest.skip("Chromium is not installed (apt-get install chromium)")
     """Where a screenshot goes: LOOK_DIR when set (make look: docs/img), else the test's folder."""
     folder = Path(os.environ["LOOK_DIR"]) if os.environ.get("LOOK_DIR") else tmp
     folder.mkdir(parents=True, exist_ok=True)
@@ -68,13 +69,6 @@ def test_tensorboard_shows_the_resumed_run_once_with_one_continuous_curve(output
         assert {"lr", "world_size", "model"} <= {h["name"] for h in experiment["hparamInfos"]}
         assert "hparam/test_accuracy" in {m["name"]["tag"] for m in experiment["metricInfos"]}
 
-        # In a browser: the scalars dashboard draws the loss curve; the time-series page names the
-        # run and the metric.
-        shot = _shot(tmp_path, "tensorboard.png")
-        servers.browse(f"{url}/#scalars&tagFilter=train%2Floss", shot)
-        assert servers.drawn_line_span(shot, RUN_COLOUR) > 150, "no train/loss curve drawn"
-        page = servers.browse(f"{url}/?tagFilter=train%2Floss#timeseries", tmp_path / "timeseries.png")
-        assert "tensorboard" in page and "train/loss" in page
 
 
 @pytest.mark.timeout(400)
@@ -104,7 +98,29 @@ def test_mlflow_ui_as_the_docs_give_it_serves_the_run_and_the_sweep_as_parent_an
             parents[0]["info"]["run_id"]}
         assert sorted(r["info"]["run_name"] for r in children) == ["sweep/0", "sweep/1"]
 
-        # In a browser: the run's page names it and lists its metrics.
+
+# --- Looked at in a real browser (make look: Chromium's start and render cost more than CI's budget) ---
+
+@pytest.mark.look
+@pytest.mark.timeout(400)
+def test_tensorboard_in_a_browser_draws_the_loss_curve_and_names_the_run(outputs: Path, tmp_path: Path):
+    with servers.tensorboard(outputs / "run", tmp_path / "tensorboard.log") as url:
+        # The scalars dashboard draws the curve; the time-series page's text names the run and the metric.
+        shot = _shot(tmp_path, "tensorboard.png")
+        servers.browse(f"{url}/#scalars&tagFilter=train%2Floss", shot)
+        assert servers.drawn_line_span(shot, RUN_COLOUR) > 150, "no train/loss curve drawn"
+        page = servers.browse(f"{url}/?tagFilter=train%2Floss#timeseries", tmp_path / "timeseries.png")
+        assert "tensorboard" in page and "train/loss" in page
+
+
+@pytest.mark.look
+@pytest.mark.timeout(400)
+def test_the_mlflow_run_page_in_a_browser_names_the_run_and_its_metrics(outputs: Path, tmp_path: Path):
+    with servers.mlflow_ui(outputs, "sqlite:///outputs/mlflow.db", tmp_path / "mlflow.log") as url:
+        api = f"{url}/api/2.0/mlflow"
+        experiment = servers.get(f"{api}/experiments/get-by-name?experiment_name=hydra-ddp")["experiment"]
+        runs = servers.get(f"{api}/runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]
+        run = next(r for r in runs if r["info"]["run_name"] == "run")
         page = servers.browse(f"{url}/#/experiments/{experiment['experiment_id']}/runs/{run['info']['run_id']}",
                               _shot(tmp_path, "mlflow_run.png"), wait_ms=20000)
         assert run["info"]["run_id"] in page and "Finished" in page

@@ -8,6 +8,7 @@ and the checkpoint read it; nothing assigns to it (an assignment raises).
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -84,13 +85,19 @@ class RunConfig:
 SECTIONS = tuple(f.name for f in fields(RunConfig))
 
 
+@functools.lru_cache(maxsize=1)
+def _template() -> DictConfig:
+    """The schema as a config, made once a process (half of freeze's time)."""
+    return OmegaConf.structured(RunConfig)
+
+
 def freeze(plain: dict[str, Any]) -> DictConfig:
     """The settled plain config as the typed, read-only RunConfig; a key or value the schema does not
     take is one line (a checkpoint's config from another version, say)."""
     if plain.get("job", "train") not in JOBS:
         raise UserError(f"job={plain['job']!r}: one of {', '.join(JOBS)}")
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), plain)
+        cfg = OmegaConf.merge(_template(), plain)  # merge copies the template: it stays as made
     except OmegaConfBaseException as error:
         where = f"{error.full_key}: " if getattr(error, "full_key", None) else ""
         raise UserError(f"the resolved config does not fit the schema: {where}{str(error).splitlines()[0]}") from None

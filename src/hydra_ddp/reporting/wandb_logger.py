@@ -159,8 +159,7 @@ class WandB(Logger):
             self._log_checkpoint(Path(tested["checkpoint"]), tested)
         if summary.get("stopped_by"):  # resumable: preempted, not finished, unless the job comes back
             self.run.mark_preempting()
-        self.run.finish()
-        self.finished = True
+        self._end(0)
 
     def _log_checkpoint(self, path: Path, tested: dict[str, Any]) -> None:
         import wandb
@@ -177,5 +176,14 @@ class WandB(Logger):
 
     def close(self) -> None:
         if not self.finished:  # stopped by a failure: the run failed, the files so far are kept
-            self.run.finish(exit_code=1)
-            self.finished = True
+            self._end(1)
+
+    def _end(self, exit_code: int) -> None:
+        """Finish the run and wait for W&B's service to write (or upload) all of it: its own atexit
+        hook does not run in a multiprocessing worker, and run.finish() alone returns before the
+        service has flushed the run file (seen: a file cut at a block boundary)."""
+        import wandb
+
+        self.run.finish(exit_code=exit_code)
+        wandb.teardown(exit_code=exit_code)
+        self.finished = True
