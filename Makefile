@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-fast bench soak look clean
+.PHONY: train test test-fast bench soak look docs clean
 
 # Python caches the bytecode of what it imports, on first use: the install does not compile every
 # file of torch and the rest (pip does that one file at a time: half of a 150 s install here) but
@@ -39,6 +39,12 @@ test-fast: $(STAMP)
 look: $(STAMP)
 	LOOK_DIR=docs/img $(PY) -m pytest -q -m look tests/test_ui.py $(ARGS)
 
+# The manual as a site (mkdocs.yml), strictly: a broken link, a missing page or a file outside the
+# nav fails. Its home page is README.md with the links made the site's.
+docs: $(STAMP)
+	sed -e 's#](docs/#](#g' README.md > docs/index.md
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 bench: $(STAMP)
 	$(PY) bench/run.py $(ARGS)
 
@@ -48,4 +54,4 @@ soak: $(STAMP)
 	$(PY) bench/soak.py --runs $(RUNS) $(if $(ARGS),-- $(ARGS))
 
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) outputs site docs/index.md

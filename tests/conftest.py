@@ -58,31 +58,25 @@ def slurm_cluster():
             assert f"hddp-{tag}-" not in namespaces and f"hddp-slurm {tag}" not in Path("/etc/hosts").read_text()
 
 
-# The servers and browsers the tests start (servers.py): none may outlive the suite.
-_SERVER_NAMES = ("tensorboard", "mlflow", "chromium", "uvicorn", "gunicorn")
-_before: set[int] = set()
-
-
+# The servers and browsers the tests start (servers.py marks their environment): none may outlive the suite.
 def _servers_running() -> dict[int, str]:
+    from servers import MARK
+
     found = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes()
                 cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            if state != "Z" and any(name in cmdline for name in _SERVER_NAMES) and "pytest" not in cmdline:
+            if f"{MARK}={os.getpid()}".encode() in environ.split(b"\0"):
                 found[int(entry)] = cmdline
     return found
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    _before.update(_servers_running())  # someone else's (a developer's own tensorboard) are not the suite's
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    left = {pid: cmd for pid, cmd in _servers_running().items() if pid not in _before}
+    left = _servers_running()
     if left:
         session.exitstatus = 1
         print(f"\nprocesses the tests started are still running after the suite: {left}")

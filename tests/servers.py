@@ -22,6 +22,7 @@ from support import assert_no_orphans, free_port
 
 BIN = Path(sys.executable).parent  # the venv's console scripts: tensorboard, mlflow
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+MARK = "HDDP_TEST_SERVER"  # in a server's and a browser's environment: the pytest process's pid (conftest checks)
 READY_S = 90  # a server's start on a busy 2-core machine (mlflow's imports, tensorboard's plugins)
 
 
@@ -60,7 +61,8 @@ def serve(argv: list[str], ready_path: str, log: Path, cwd: Optional[Path] = Non
         port = free_port()
         with open(log, "ab") as out:
             proc = subprocess.Popen([a.replace("{port}", str(port)) for a in argv], stdout=out, cwd=cwd,
-                                    stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "NO_PROXY": "*"})
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "NO_PROXY": "*", MARK: str(os.getpid())})
         try:
             base = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + READY_S
@@ -137,7 +139,7 @@ def browse(url: str, screenshot: Path, wait_ms: int = 15000, size: str = "1400,1
     pages = []
     for extra in ([f"--screenshot={screenshot}"], ["--dump-dom"]):
         proc = subprocess.Popen([*common, *extra, url], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                start_new_session=True, text=True)
+                                start_new_session=True, text=True, env={**os.environ, MARK: str(os.getpid())})
         try:
             out, _ = proc.communicate(timeout=120)
         finally:

@@ -33,7 +33,7 @@ class InitMethodConf:
     # env: the launcher's rendezvous (torchrun's MASTER_ADDR/PORT) where there is one, else a store
     # at host:port, as tcp (on loopback: reachable from this machine only); file: file://path.
     name: str = "env"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # tcp and env without a launcher's: the store's address (node 0's, for several nodes)
     # null: a free port picked at launch, never a fixed one that collides with another job.
     port: Optional[int] = None
     # null: a fresh file inside the run directory (a reused file store can deadlock).
@@ -47,17 +47,17 @@ class LauncherConf:
     # Nodes: N, or an elastic range "MIN:MAX" (torchrun's form): the run trains with the nodes present
     # between the bounds, restarting the group (from the last checkpoint) when one is lost or joins.
     nnodes: Any = 1
-    node_rank: int = 0
-    rdzv_backend: str = "c10d"
+    node_rank: int = 0  # this node's index, 0 to nnodes − 1 (node 0 holds the rendezvous)
+    rdzv_backend: str = "c10d"  # torchrun's rendezvous backend (c10d: torch's own TCP store)
     # null: 127.0.0.1 with a free port (single node). Multi-node: "host:port" of node 0.
     rdzv_endpoint: Optional[str] = None
-    rdzv_id: Optional[str] = None
+    rdzv_id: Optional[str] = None  # the job's id, the same on every node (null: one made for the run)
     # This node's address as the other nodes reach it (null: its hostname's).
     local_addr: Optional[str] = None
-    max_restarts: int = 0
+    max_restarts: int = 0  # torchrun: restarts of the whole group after a failure (elastic needs at least 1)
     # torchrun's --rdzv-conf: the rendezvous' own settings (join_timeout, last_call_timeout, ...).
     rdzv_conf: dict[str, Any] = field(default_factory=dict)
-    monitor_interval: float = 0.1
+    monitor_interval: float = 0.1  # torchrun's agent: seconds between its checks of the workers
     # forkserver: workers are forks of a process that imported torch while the config was composed
     # (startup.py); spawn: each worker a fresh interpreter that imports everything itself.
     start_method: str = "forkserver"
@@ -67,8 +67,8 @@ class LauncherConf:
 class DataConf:
     # Shape of one sample and the label count: models read these through interpolation.
     in_channels: int = 1
-    image_size: int = 28
-    num_classes: int = 10
+    image_size: int = 28  # a sample's height and width
+    num_classes: int = 10  # classes (or outputs a sample) the model predicts
     # `_target_` returning (train, test), or (train, val, test) where the source has a validation split.
     dataset: Any = MISSING
     # Without a validation split of the source's own: this share of the training set, chosen by
@@ -77,13 +77,13 @@ class DataConf:
     # Per rank; or set global_batch_size instead (one of the two; both null: 32 per rank), and the
     # per-rank batch is global ÷ world size: runs at any world size then compare like with like.
     batch_size: Optional[int] = None
-    global_batch_size: Optional[int] = None
+    global_batch_size: Optional[int] = None  # samples per optimizer step over all ranks (see batch_size)
     eval_batch_size: int = 256  # per rank
-    num_workers: int = 0
-    pin_memory: bool = False
-    persistent_workers: bool = False
-    prefetch_factor: Optional[int] = None
-    drop_last: bool = False
+    num_workers: int = 0  # DataLoader worker processes per rank (0: the rank's own process loads)
+    pin_memory: bool = False  # DataLoader's pinned host memory, for faster copies to a GPU
+    persistent_workers: bool = False  # DataLoader workers kept alive between epochs
+    prefetch_factor: Optional[int] = None  # batches each DataLoader worker loads ahead (null: DataLoader's default)
+    drop_last: bool = False  # drop each rank's last, smaller training batch
     # true: DistributedSampler pads each rank's shard to the same length by repeating samples.
     # false: disjoint shards, every sample once per epoch; DDP's Join matches the collectives of
     # ranks that run out of batches first.
@@ -106,8 +106,8 @@ class DistConf:
 class CheckpointConf:
     # Checkpoints go to <run dir>/checkpoints: step-N.pt, last.pt and best.pt (hard links); under the
     # sharded strategies step-N/ directories of every rank's shards (DCP), last and best (links).
-    every_epoch: bool = True
-    every_n_steps: Optional[int] = None
+    every_epoch: bool = True  # a checkpoint at the end of every epoch
+    every_n_steps: Optional[int] = None  # also one every N optimizer steps, mid-epoch too (null: none)
     keep: int = 3  # step checkpoints kept (last and best are kept besides)
     # best.pt: the checkpoint with the best trainer.monitor value (written whenever it improves).
 
@@ -117,7 +117,7 @@ class EarlyStoppingConf:
     # Stop after this many validations in a row without an improvement of trainer.monitor by more
     # than min_delta (null: never). All ranks stop at the same step: the metric is global.
     patience: Optional[int] = None
-    min_delta: float = 0.0
+    min_delta: float = 0.0  # the least change of the monitored value that counts as an improvement
 
 
 # trainer.precision: 32, bf16 (autocast, CPU or GPU) or 16 (GPU autocast with a GradScaler).
@@ -128,10 +128,10 @@ PRECISIONS = ("32", "bf16", "16")
 class TrainerConf:
     # int, or "auto": the GPU count with CUDA, else 2 (a real 2-process run on any laptop).
     nproc: Any = "auto"
-    epochs: int = 12
+    epochs: int = 12  # passes over the training set (trainer.max_steps may stop earlier)
     # Stop after this many optimizer steps (null: run all epochs). For smoke tests and benchmarks.
     max_steps: Optional[int] = None
-    seed: int = 0
+    seed: int = 0  # the run's seed: the initial weights, the data order, every random stream
     # auto: cuda when available, else cpu.
     device: str = "auto"
     # Intra-op threads per worker; null: cores / local world size.
@@ -157,7 +157,7 @@ class TrainerConf:
     accumulate: int = 1
     # torch.compile the DDP model (off: compiling takes time a short run does not win back).
     compile: bool = False
-    compile_backend: str = "inductor"
+    compile_backend: str = "inductor"  # torch.compile's backend when trainer.compile=true
     # channels_last memory format; auto: for models with 2-D convolutions (performance.py).
     channels_last: Any = "auto"
     # Clip the global gradient norm to this (null: no clipping); logged as train/grad_norm.
@@ -201,11 +201,11 @@ class StrategyConf:
     # of tp_size, FSDP across them (parallel/plans.py says what each takes and refuses).
     name: str = "ddp"
     # --- ddp: keyword arguments of torch.nn.parallel.DistributedDataParallel ---
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = 25.0  # DDP's gradient bucket size (MB): smaller starts the all-reduce sooner, larger sends fewer messages
     # true, false, or auto: the fast choice for this run (performance.py); the summary names it.
     gradient_as_bucket_view: Any = "auto"
-    static_graph: Any = "auto"
-    find_unused_parameters: bool = False
+    static_graph: Any = "auto"  # DDP's static_graph: true, false or auto (performance.py)
+    find_unused_parameters: bool = False  # DDP's search for parameters a forward did not use (slow; only for models that skip some)
     # --- ddp: the gradient all-reduce and the model, beside DDP's arguments ---
     # The gradient all-reduce through shared memory when every rank is a CPU process on this host
     # (parallel/shared_memory.py), instead of gloo's loopback TCP. auto: wherever it can.
@@ -226,14 +226,15 @@ class StrategyConf:
     mixed_precision: Optional[str] = None
     # Parameters and optimizer state kept on the CPU between uses (GPUs only).
     cpu_offload: bool = False
-    # --- fsdp_tp: ranks per tensor-parallel group (the world size divided by it: FSDP's dimension) ---
+    # --- fsdp_tp ---
+    # Ranks per tensor-parallel group (the world size divided by it: FSDP's dimension).
     tp_size: int = 2
 
 
 @dataclass
 class DeprecatedPowerSGDConf:
-    rank: Optional[int] = None
-    start_step: Optional[int] = None
+    rank: Optional[int] = None  # deprecated: strategy.powersgd.rank
+    start_step: Optional[int] = None  # deprecated: strategy.powersgd.start_step
 
 
 @dataclass
@@ -241,21 +242,21 @@ class DDPConf:
     # Deprecated: DDP's knobs are the ddp strategy's (strategy.*, conf/strategy/ddp.yaml); a value set
     # here moves there with one line (config.resolve.RENAMED). Gone in the next release.
     bucket_cap_mb: Optional[float] = None
-    gradient_as_bucket_view: Any = None
-    static_graph: Any = None
-    shared_memory: Any = None
-    comm_hook: Optional[str] = None
+    gradient_as_bucket_view: Any = None  # deprecated: strategy.gradient_as_bucket_view
+    static_graph: Any = None  # deprecated: strategy.static_graph
+    shared_memory: Any = None  # deprecated: strategy.shared_memory
+    comm_hook: Optional[str] = None  # deprecated: strategy.comm_hook
     powersgd: DeprecatedPowerSGDConf = field(default_factory=DeprecatedPowerSGDConf)
-    find_unused_parameters: Optional[bool] = None
-    sync_batchnorm: Any = None
+    find_unused_parameters: Optional[bool] = None  # deprecated: strategy.find_unused_parameters
+    sync_batchnorm: Any = None  # deprecated: strategy.sync_batchnorm
 
 
 @dataclass
 class ProfilerConf:
     # Steps skipped, warmed up, then recorded (torch.profiler.schedule, once).
     wait: int = 1
-    warmup: int = 1
-    active: int = 3
+    warmup: int = 1  # steps profiled but not recorded, after the skipped ones
+    active: int = 3  # steps recorded
     ranks: Optional[list[int]] = None  # null: every rank
     row_limit: int = 15  # rows of the top-operators table in the log
 
@@ -265,10 +266,10 @@ class TrialConf:
     # Set by the search's sweeper (hydra/sweeper=optuna) on each trial's job: which trial of which
     # study, where the study lives, and the pruner that may stop it after a validation. null: no search.
     number: Optional[int] = None
-    study: Optional[str] = None
-    storage: Optional[str] = None
-    pruner: str = "none"
-    pruner_args: dict[str, Any] = field(default_factory=dict)
+    study: Optional[str] = None  # the Optuna study's name
+    storage: Optional[str] = None  # where the study lives (a journal file or a database URL)
+    pruner: str = "none"  # median, hyperband or none: may stop the trial after a validation
+    pruner_args: dict[str, Any] = field(default_factory=dict)  # the pruner's own keyword arguments
 
 
 @dataclass
