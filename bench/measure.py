@@ -1,7 +1,8 @@
 """One measured run of either side: the command, its start time, and the figures the run reports.
 
 The project's side is `train.py` on synthetic data, read back from the run's summary.json; the
-baseline is `bench/handwritten.py`, which writes the same fields. Time to first step is taken
+baselines are `bench/handwritten.py` and `bench/expert.py` (the same loop tuned by hand), which
+write the same fields. Time to first step is taken
 from this process's clock before the command starts, so interpreter start-up and imports count
 the same on both sides.
 """
@@ -22,6 +23,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 HANDWRITTEN = Path(__file__).resolve().parent / "handwritten.py"
+EXPERT = Path(__file__).resolve().parent / "expert.py"  # the same loop with stock PyTorch's tuning
 HANDWRITTEN_TRAIN = Path(__file__).resolve().parent / "handwritten_train.py"  # `make train`'s work, by hand
 
 # The figures every run yields; the report shows the median of each over the repetitions.
@@ -72,7 +74,7 @@ class Case:
     """One configuration to measure: the project with extra overrides, or the hand-written loop."""
 
     label: str
-    # "project", "handwritten", "default": `make train`'s run as it is (the digits, 12 epochs),
+    # "project", "handwritten", "expert" (bench/expert.py), "default": `make train`'s run as it is (the digits, 12 epochs),
     # "handwritten_train": the same work by hand (bench/handwritten_train.py), or
     # "sweep": the project's command as a two-job multirun (-m SWEEP), whose second job is measured.
     side: str
@@ -86,10 +88,10 @@ class Case:
 def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], Path]:
     """The command line for a case, and the JSON file it leaves its figures in."""
     train_size = workload.train_size(case.nproc)
-    if case.side == "handwritten":
+    if case.side in ("handwritten", "expert"):
         out = out_dir / "result.json"
         cmd = [
-            str(HANDWRITTEN), str(out), f"--steps={workload.steps}", f"--nproc={case.nproc}",
+            str(HANDWRITTEN if case.side == "handwritten" else EXPERT), str(out), f"--steps={workload.steps}", f"--nproc={case.nproc}",
             f"--batch-size={workload.batch_size}", f"--train-size={train_size}",
         ]
         return [sys.executable, *cmd], out
@@ -193,7 +195,7 @@ def _run(cmd: list[str], case: Case, timeout: float) -> bool:
         if isinstance(error, subprocess.TimeoutExpired):
             raise BenchError(f"{case.label}: no result after {timeout:.0f} s, killed: {shlex.join(cmd)}") from None
         raise
-    if proc.returncode != 0 and case.side in ("handwritten", "handwritten_train") and ABORT_AT_EXIT in output:
+    if proc.returncode != 0 and case.side in ("handwritten", "expert", "handwritten_train") and ABORT_AT_EXIT in output:
         return True
     if proc.returncode != 0:
         tail = "\n".join(output.strip().splitlines()[-15:])

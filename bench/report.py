@@ -80,6 +80,17 @@ _INTROS = {
 }
 
 
+# The parity section's second reference, where its results have one (bench/expert.py).
+_EXPERT = (" Second reference: `bench/expert.py`, the same loop tuned by hand as an expert would, with stock "
+           "PyTorch only: the model and its inputs in channels_last, DDP's `gradient_as_bucket_view=True` and "
+           "`static_graph=True`, and workers forked from a forkserver that imported torch and torch._dynamo, "
+           "started before the parent imports torch (one thread per rank, as in the plain loop). Beyond those the "
+           "project adds: the shared-memory all-reduce on the CPU (`strategy.shared_memory`, "
+           "src/hydra_ddp/parallel/shared_memory.py) in place of gloo's, which the tuned loop uses; the config "
+           "machinery (Hydra's composition, resolution and checks before launch, overlapped with the forkserver's "
+           "imports), whose start-up cost is the first step's Δ against the tuned loop; and exact resume "
+           "(a run stopped and resumed equals one uninterrupted), which neither loop has.")
+
 # From f282f07 on, the default section runs the same work by hand beside make train.
 _DEFAULT_REFERENCE = (" Reference: the same work written by hand in the style of pytorch/examples "
                       "(`bench/handwritten_train.py`: mp.spawn, the digits read as the project reads them, the same "
@@ -136,17 +147,28 @@ def render(results: dict[str, Any]) -> str:
     for name, cases in sections.items():
         table = _default_table(cases) if name == "default" else _table(cases, stalls=name == "checkpoint")
         intro = _INTROS[name]
+        if name == "parity" and _expert(cases):
+            intro += _EXPERT
         if name == "default":
             by_hand = any(case["side"] == "handwritten_train" for case in cases)
             intro += (_DEFAULT_REFERENCE if by_hand else _DEFAULT_NO_REFERENCE) + (_DEFAULT_FLOORS if _has_floors(cases) else "")
         lines += [f"## {_TITLES.get(name, name.capitalize())}", "", intro, "", table, ""]
         lines += _default_paired(cases) if name == "default" else _paired(cases)
+        if name == "parity" and _expert(cases):
+            lines += _paired([_expert(cases), *(case for case in cases if case["side"] in ("project", "sweep"))],
+                             "the loop tuned by hand's")
         lines += _aborts_at_exit(cases)
         if name == "parity" and all("time_to_workers_ready_s" in case["median"] for case in cases):
-            lines += ["### Where the start-up goes", "", _STARTUP_INTRO, "", _startup_table(cases, [results[key] for key in FLOORS if key in results]), ""]
+            tuned = " The loop tuned by hand's workers are forks of its own forkserver." if _expert(cases) else ""
+            lines += ["### Where the start-up goes", "", _STARTUP_INTRO + tuned, "", _startup_table(cases, [results[key] for key in FLOORS if key in results]), ""]
     lines += ["## Commands", "", "One run of each side (`RUN_DIR`: a fresh temporary directory per run):", ""]
     lines += [f"    {case['command']}" for case in sections.get("parity", []) + sections.get("default", [])]
     return "\n".join(lines) + "\n"
+
+
+def _expert(cases: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The parity section's loop tuned by hand (bench/expert.py), if its results have one."""
+    return next((case for case in cases if case["side"] == "expert"), None)
 
 
 def _parity_headline(cases: list[dict[str, Any]]) -> list[str]:
@@ -154,6 +176,20 @@ def _parity_headline(cases: list[dict[str, Any]]) -> list[str]:
     vs = project[0]["vs_reference"]
     others = "".join(f"; {c['label'].removeprefix('project, ')} {c['vs_reference']['startup_difference_s']:+.1f} s"
                      for c in project[1:])
+    expert = _expert(cases)
+    if expert:  # against both references: the plain loop, then the tuned one
+        p, e, t = project[0]["median"], expert["median"], expert["vs_reference"]
+        return [
+            f"**Project (train.py): throughput {vs['throughput_ratio']:.2f}× a plain DDP loop, "
+            f"{p['steady_samples_per_sec'] / e['steady_samples_per_sec']:.2f}× one tuned by hand; step time "
+            f"{vs['step_time_ratio']:.2f}× / {p['median_step_time_s'] / e['median_step_time_s']:.2f}×; time to "
+            f"first step {vs['startup_difference_s']:+.1f} s / "
+            f"{p['time_to_first_step_s'] - e['time_to_first_step_s']:+.1f} s; peak RSS {vs['rss_ratio']:.2f}× / "
+            f"{p['peak_rss_mb'] / e['peak_rss_mb']:.2f}×. The loop tuned by hand against the plain one: throughput "
+            f"{t['throughput_ratio']:.2f}×, time to first step {t['startup_difference_s']:+.1f} s. Time to first "
+            f"step against the plain loop{others.replace('; ', ': ', 1)}.**",
+            "",
+        ]
     return [
         f"**Project / hand-written: throughput {vs['throughput_ratio']:.2f}×, step time "
         f"{vs['step_time_ratio']:.2f}×, time to first step {vs['startup_difference_s']:+.1f} s{others}, "
@@ -196,9 +232,9 @@ def _parity_reps(results: dict[str, Any]) -> str:
     return f" ({reps} in the parity section)" if reps != results["reps"] and "parity" in results["sections"] else ""
 
 
-def _paired(cases: list[dict[str, Any]]) -> list[str]:
-    """Each case's samples/s over the reference's in the same repetition: the median of those ratios,
-    with a 95 % confidence interval of that median, where there are repetitions enough for one."""
+def _paired(cases: list[dict[str, Any]], against: str = "the reference's") -> list[str]:
+    """Each case's samples/s over the reference's (the first case's) in the same repetition: the median
+    of those ratios, with a 95 % confidence interval of that median, where there are repetitions enough for one."""
     bounds = median_interval(len(cases[0]["runs"]))
     if len(cases) < 2 or bounds is None:
         return []
@@ -209,7 +245,7 @@ def _paired(cases: list[dict[str, Any]]) -> list[str]:
         ratios = sorted(run["steady_samples_per_sec"] / ref for run, ref in zip(case["runs"], reference))
         middle = (ratios[(len(ratios) - 1) // 2] + ratios[len(ratios) // 2]) / 2
         figures.append(f"{case['label']} **{middle:.2f}×** ({ratios[low]:.2f}–{ratios[high]:.2f})")
-    return [f"Paired, repetition by repetition: samples/s over the reference's in the same repetition, the "
+    return [f"Paired, repetition by repetition: samples/s over {against} in the same repetition, the "
             f"median of {len(reference)} ratios (95 % confidence interval of that median, from the order "
             f"statistics): {'; '.join(figures)}.", ""]
 

@@ -1,4 +1,4 @@
-"""`make bench`: the project's train.py against a hand-written DDP loop, the default run, world-size scaling, options.
+"""`make bench`: the project's train.py against a DDP loop written by hand (plain, and tuned), the default run, world-size scaling, options.
 
     .venv/bin/python bench/run.py                 # 3 repetitions × 200 steps of every configuration
     .venv/bin/python bench/run.py --quick         # a smoke test of the harness: 1 × 20 steps
@@ -6,8 +6,9 @@
     .venv/bin/python bench/run.py --only options --cases timing --out /tmp/bench   # one line, beside its reference
     make bench ARGS="--reps 5 --steps 500 --out /tmp/bench"
 
-Prints the report and writes it to OUT/REPORT.md (replaced each time), with every run's figures
-in OUT/<timestamp>.json. Run it on a quiet machine: it measures wall-clock time.
+Prints the report and writes it to OUT/REPORT.md (replaced each time; --report names another
+file, so that an --only run leaves a full report beside it whole), with every run's figures in
+OUT/<timestamp>.json. Run it on a quiet machine: it measures wall-clock time.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def plan(cores: int) -> dict[str, list[Case]]:
     return {
         "parity": [
             Case("hand-written", "handwritten"),
+            # The same loop with the stock one-liners the project turns on (channels_last, DDP's
+            # gradient_as_bucket_view and static_graph, a forkserver): the second reference.
+            Case("expert (hand-tuned)", "expert"),
             Case("project (train.py)", "project"),
             Case("project, launcher=torchrun", "project", overrides=("launcher=torchrun",)),
             # Workers as fresh interpreters, as before the forkserver (startup.py): what it saves.
@@ -232,9 +236,9 @@ def _commit() -> str:
         return "unknown"
 
 
-def save(results: dict[str, Any], text: str, out_dir: Path, stamp: str) -> list[Path]:
+def save(results: dict[str, Any], text: str, out_dir: Path, stamp: str, report_name: str = "REPORT.md") -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = {out_dir / f"{stamp}.json": json.dumps(results, indent=2) + "\n", out_dir / "REPORT.md": text}
+    files = {out_dir / f"{stamp}.json": json.dumps(results, indent=2) + "\n", out_dir / report_name: text}
     for path, content in files.items():
         tmp = path.with_name(path.name + ".tmp")  # a crash never leaves half a file
         tmp.write_text(content)
@@ -262,6 +266,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--cases", nargs="+", metavar="TEXT",
                         help="only the cases whose label contains one of these (a section's reference always runs)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT.relative_to(REPO)})")
+    parser.add_argument("--report", default="REPORT.md", metavar="NAME",
+                        help="the report's file name in --out (default REPORT.md; e.g. PARITY.md for an --only run "
+                             "beside a full report)")
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
     args.parity_reps = args.parity_reps or args.reps
@@ -311,7 +318,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     text = report.render(results)
     print(text)
-    for path in save(results, text, args.out, time.strftime("%Y%m%d-%H%M%S", now)):
+    for path in save(results, text, args.out, time.strftime("%Y%m%d-%H%M%S", now), args.report):
         print(f"wrote {path}", file=sys.stderr)
     return 0
 

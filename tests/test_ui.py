@@ -1,5 +1,6 @@
-"""Every output opened in the tool a user opens it with: TensorBoard and the MLflow UI served from
-the project's venv on loopback against real runs' outputs and read through their HTTP APIs; and,
+"""Every output opened in the tool a user opens it with: MLflow and W&B read back through their own
+clients; TensorBoard and the MLflow UI served from the project's venv on loopback against real
+runs' outputs and read through their HTTP APIs; and,
 marked `look` (`make look`, not in `make test`), looked at in headless Chromium, the screenshots
 going to LOOK_DIR (make look: docs/img)."""
 
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 
 import servers
-from support import QUICK, check_ok, finish, losses, run_train, start_train, summary, wait_for
+from support import (
+    QUICK, check_ok, finish, losses, run_train, start_train, summary, wait_for, wandb_series, wandb_starts,
+)
 
 RUN_COLOUR = (255, 112, 67)  # TensorBoard's colour for the first run (#ff7043)
 
@@ -28,23 +31,62 @@ def _shot(tmp: Path, name: str) -> Path:
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> Path:
-    """A run stopped by SIGTERM and resumed (trainer.resume=auto), and a two-job multirun, both into
-    outputs/mlflow.db as the default mlflow logger config puts it (relative to the launch folder)."""
+    """A run stopped by SIGTERM and resumed (trainer.resume=auto) with every logger (W&B offline),
+    and a two-job multirun, both into outputs/mlflow.db as the default mlflow logger config puts it
+    (relative to the launch folder)."""
     base = tmp_path_factory.mktemp("outputs")
     store = f"sqlite:///{base}/outputs/mlflow.db"
-    common = ("logger=[tensorboard,csv,mlflow]", f"logger.mlflow.tracking_uri={store}",
-              f"logger.mlflow.artifact_location={base}/outputs/mlartifacts",
+    common = ("logger=[tensorboard,csv,mlflow,wandb]", f"logger.mlflow.tracking_uri={store}",
+              f"logger.mlflow.artifact_location={base}/outputs/mlartifacts", "logger.wandb.mode=offline",
               "trainer.max_steps=30", "checkpoint.every_n_steps=4", "trainer.log_every=2")
     run_dir = base / "run"
     proc = start_train(run_dir, *common)
     wait_for(lambda: (run_dir / "checkpoints" / "step-00000004.pt").exists(), 120, "the first checkpoint", proc)
-    os.killpg(proc.pid, signal.SIGTERM)
-    assert finish(proc, timeout=60).returncode == 128 + signal.SIGTERM
+    os.killpg(proc.pid, signal.SIGTERM)  # to every process of the run, as Slurm's scancel signals a job step
+    stopped = finish(proc, timeout=60)
+    assert stopped.returncode == 128 + signal.SIGTERM and "checkpoint saved" in stopped.stderr, stopped.stderr
     check_ok(run_train(run_dir, *common, "trainer.resume=auto"))
     check_ok(run_train(base / "unused", "-m", *QUICK, "trainer.nproc=1", "optim.lr=0.01,0.02",
                        f"hydra.sweep.dir={base / 'sweep'}", "logger=[tensorboard,mlflow]",
                        f"logger.mlflow.tracking_uri={store}", f"logger.mlflow.artifact_location={base}/outputs/mlartifacts"))
     return base
+
+
+@pytest.mark.timeout(300)
+def test_mlflow_and_wandb_runs_read_back_and_continue_after_sigterm_without_duplicate_steps(outputs: Path):
+    """Through their own clients: MLflow's tracking client on the store, wandb's own records."""
+    from mlflow.tracking import MlflowClient
+
+    run_dir = outputs / "run"
+    client = MlflowClient(tracking_uri=f"sqlite:///{outputs}/outputs/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("hydra-ddp").experiment_id])
+    [run] = [r for r in runs if r.info.run_name == "run"]  # the resumed run is the same MLflow run
+    assert run.info.status == "FINISHED"
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss"))
+    assert [step for step, _ in history] == list(range(1, 31))  # the whole curve, no step twice
+    assert [v for _, v in history] == pytest.approx(losses(run_dir))
+    assert run.data.params["optim.lr"] == "0.02" and run.data.params["trainer.max_steps"] == "30"
+    assert (run.data.tags["world_size"], run.data.tags["backend"], run.data.tags["launcher"]) == ("2", "gloo", "spawn")
+    assert run.data.tags["tested_checkpoint"].endswith("best.pt")
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["summary.json"]
+
+    # W&B: one offline run from rank 0 of the two, both starts under the id the run directory keeps.
+    starts = wandb_starts(run_dir)
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    assert len(starts) == 2 and {s["id"] for s in starts} == {run_id}, [s["path"] for s in starts]
+    assert all(s["path"].parent.name.startswith("offline-run-") for s in starts)
+    assert starts[0]["preempting"] and not starts[1]["preempting"]  # the stopped start, not the finished one
+    curve = wandb_series(starts, "train/loss")
+    assert [step for step, _ in curve] == list(range(1, 31))  # continued, no step twice
+    assert [v for _, v in curve] == pytest.approx(losses(run_dir))
+    rows = [row["_step"] for s in starts for row in s["history"]]
+    assert rows == sorted(set(rows)), rows  # W&B's own row counter only grows: `wandb sync` appends
+    config = starts[1]["config"]
+    assert config["optim"]["lr"] == 0.02 and config["trainer"]["max_steps"] == 30
+    done = summary(run_dir)
+    assert starts[1]["summary"]["test_accuracy"] == done["test_accuracy"] and starts[1]["summary"]["steps"] == 30
+    assert [(kind, refs) for kind, refs in starts[1]["artifacts"]] == [
+        ("model", [Path(done["tested"]["checkpoint"]).resolve().as_uri()])]  # a reference, not an upload
 
 
 @pytest.mark.timeout(400)

@@ -20,7 +20,6 @@ from omegaconf import OmegaConf
 
 from support import (
     QUICK, assert_no_orphans, check_ok, finish, losses, run_eval, run_train, scalars, start_train, summary, wait_for,
-    wandb_series, wandb_starts,
 )
 
 
@@ -213,50 +212,3 @@ def test_a_rank_slowed_by_its_data_is_named_with_the_cause(run_dir: Path):
     assert slow["data_share"] > 0.5 and other["sync_wait_share"] > 0.5  # rank 0 waits for rank 1's batches
     assert "straggler            rank 1: data wait" in proc.stdout and "data.num_workers" in proc.stdout
     assert scalars(run_dir, "perf/rank1/data")[0][1] > 0.5  # per rank, in the loggers too
-
-
-@pytest.mark.timeout(300)
-def test_mlflow_and_wandb_runs_read_back_and_continue_after_sigterm_without_duplicate_steps(tmp_path: Path,
-                                                                                            run_dir: Path):
-    from mlflow.tracking import MlflowClient
-
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    common = ("logger=[tensorboard,mlflow,wandb]", f"logger.mlflow.tracking_uri={uri}",
-              f"logger.mlflow.artifact_location={tmp_path / 'artifacts'}", "logger.wandb.mode=offline",
-              "trainer.max_steps=30", "checkpoint.every_n_steps=4", "trainer.log_every=2")
-    proc = start_train(run_dir, *common)
-    wait_for(lambda: (run_dir / "checkpoints" / "step-00000004.pt").exists(), 120, "the first checkpoint", proc)
-    os.killpg(proc.pid, signal.SIGTERM)  # to every process of the run, as Slurm's scancel signals a job step
-    stopped = finish(proc, timeout=60)
-    assert stopped.returncode == 128 + signal.SIGTERM and "checkpoint saved" in stopped.stderr, stopped.stderr
-    check_ok(run_train(run_dir, *common, "trainer.resume=auto"))
-
-    client = MlflowClient(tracking_uri=uri)
-    runs = client.search_runs([client.get_experiment_by_name("hydra-ddp").experiment_id])
-    assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # the resumed run is the same MLflow run
-    run = runs[0]
-    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss"))
-    assert [step for step, _ in history] == list(range(1, 31))  # the whole curve, no step twice
-    assert [v for _, v in history] == pytest.approx(losses(run_dir))
-    assert run.data.params["optim.lr"] == "0.02" and run.data.params["trainer.max_steps"] == "30"
-    assert (run.data.tags["world_size"], run.data.tags["backend"], run.data.tags["launcher"]) == ("2", "gloo", "spawn")
-    assert run.data.tags["tested_checkpoint"].endswith("best.pt")
-    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["summary.json"]
-
-    # W&B: one offline run from rank 0 of the two, both starts under the id the run directory keeps.
-    starts = wandb_starts(run_dir)
-    run_id = (run_dir / "wandb_run_id").read_text().strip()
-    assert len(starts) == 2 and {s["id"] for s in starts} == {run_id}, [s["path"] for s in starts]
-    assert all(s["path"].parent.name.startswith("offline-run-") for s in starts)
-    assert starts[0]["preempting"] and not starts[1]["preempting"]  # the stopped start, not the finished one
-    curve = wandb_series(starts, "train/loss")
-    assert [step for step, _ in curve] == list(range(1, 31))  # continued, no step twice
-    assert [v for _, v in curve] == pytest.approx(losses(run_dir))
-    rows = [row["_step"] for s in starts for row in s["history"]]
-    assert rows == sorted(set(rows)), rows  # W&B's own row counter only grows: `wandb sync` appends
-    config = starts[1]["config"]
-    assert config["optim"]["lr"] == 0.02 and config["trainer"]["max_steps"] == 30
-    done = summary(run_dir)
-    assert starts[1]["summary"]["test_accuracy"] == done["test_accuracy"] and starts[1]["summary"]["steps"] == 30
-    assert [(kind, refs) for kind, refs in starts[1]["artifacts"]] == [
-        ("model", [Path(done["tested"]["checkpoint"]).resolve().as_uri()])]  # a reference, not an upload

@@ -5,6 +5,7 @@ and for bench/gpu_check.py --dry-run, which check many configs in one process.""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from pathlib import Path
 from typing import Iterator, Optional
@@ -23,7 +24,7 @@ def check(conf_dir: Path, overrides: list[str], run_dir: Path, gpus: Optional[in
     """Raise the UserError `train.py --check OVERRIDES` would print (nothing: the config is good).
     `gpus`: check it for a host of that many GPUs (`--gpus=N`). Hydra's own composition errors
     (an unknown group option, a misspelt key) propagate as Hydra raises them."""
-    register_schema()
+    _register_schema()
     with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None):
         # One job's config: a search preset's sweep (hydra.mode=MULTIRUN) is checked as its base run.
         cfg = compose(config_name=config_name, overrides=[*overrides, f"hydra.run.dir={run_dir}", "hydra.mode=RUN"],
@@ -36,6 +37,12 @@ def check(conf_dir: Path, overrides: list[str], run_dir: Path, gpus: Optional[in
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     with _environment({startup.CHECK_ENV: "1", distributed.CHECK_GPUS_ENV: str(gpus) if gpus else None}):
         command.run(cfg, 0.0, job="eval" if config_name == "eval" else "train")
+
+
+@functools.lru_cache(maxsize=1)
+def _register_schema() -> None:
+    """Once a process: the ConfigStore keeps it across Hydra's initialisations (many checks, one process)."""
+    register_schema()
 
 
 @contextlib.contextmanager
