@@ -13,6 +13,31 @@ from support import REPO
 
 pytest_plugins = ["ci_skips"]  # under CI=true a skip fails the run
 
+PAIR_TEST = "test_every_pair_of_options_passes_the_check_or_fails_in_one_line_and_a_passing_pair_trains"
+
+
+def _idle() -> None:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # only the CPU time no one else wants
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The every-pair check (tests/pair_checks.py: minutes of pure CPU) starts now, in the
+    background at the CPU's idle priority, so it runs in the time the suite's runs leave the cores
+    idle (waiting for their peers, their timeouts, their daemons) and slows none of them; its test
+    goes last and reads its results."""
+    import sys
+    import tempfile
+
+    chosen = [item for item in items if item.name == PAIR_TEST]
+    if not chosen or len(items) == 1 or config.option.collectonly:
+        return  # alone: the test checks the pairs itself
+    items[:] = [item for item in items if item.name != PAIR_TEST] + chosen
+    out = Path(tempfile.mkdtemp(prefix="hddp-pairs-")) / "pairs.json"
+    with open(out.with_suffix(".log"), "w") as log:
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "pair_checks.py"), str(out)], cwd=REPO,
+                                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_idle, start_new_session=True)
+    config.pair_checks = (proc, out)
+
 
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
@@ -76,6 +101,10 @@ def _servers_running() -> dict[int, str]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    background = getattr(session.config, "pair_checks", None)
+    if background is not None and background[0].poll() is None:  # the test did not run to its end
+        os.killpg(background[0].pid, 9)
+        background[0].wait()
     left = _servers_running()
     if left:
         session.exitstatus = 1
