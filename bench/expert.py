@@ -23,7 +23,6 @@ if __name__ == "__main__":  # tuned: the forkserver imports torch while this pro
     multiprocessing.forkserver.ensure_running()
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 
 import torch  # noqa: E402
@@ -35,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from handwritten import (  # noqa: E402  (the plain loop's pieces, so only the tuning differs)
-    MnistCNN, ddp_setup, free_port, largest, measurements, parse_args, peak_rss_mb, prepare_dataloader,
+    MnistCNN, ddp_setup, free_port, largest, parse_args, peak_rss_mb, prepare_dataloader, write_result,
 )
 
 
@@ -79,17 +78,8 @@ def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> Non
     rss = peak_rss_mb(device)
     workers_ready_at = largest(entered_at, device)
     if rank == 0:
-        result = {
-            "world_size": world_size,
-            "steps": len(step_times),
-            **measurements(step_times, args.batch_size * world_size),
-            "first_step_at": first_step_at,
-            "time_to_first_step_s": first_step_at - STARTED_AT,
-            "workers_ready_at": workers_ready_at,
-            "peak_rss_mb": rss,
-        }
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_result(args.out, world_size, len(step_times), step_times, args.batch_size * world_size, first_step_at,
+                     STARTED_AT, workers_ready_at=workers_ready_at, peak_rss_mb=rss)
     dist.destroy_process_group()
 
 

@@ -25,7 +25,7 @@ import os  # noqa: E402
 import resource  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
-from typing import Optional  # noqa: E402
+from typing import Any, Optional  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -104,6 +104,15 @@ def measurements(step_times: list[float], samples_per_step: int) -> dict[str, fl
     }
 
 
+def write_result(out: str, world_size: int, steps: int, step_times: list[float], samples_per_step: int,
+                 first_step_at: float, started_at: float, **more: Any) -> None:
+    """Rank 0's measurements, as bench/measure.py reads them (more: the loop's own figures)."""
+    result = {"world_size": world_size, "steps": steps, **measurements(step_times, samples_per_step),
+              "first_step_at": first_step_at, "time_to_first_step_s": first_step_at - started_at, **more}
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
 def peak_rss_mb(device: torch.device) -> float:
     """The largest peak resident set size over the ranks (ru_maxrss is in KiB on Linux)."""
     return largest(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, device)
@@ -140,18 +149,8 @@ def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> Non
     rss, memory = peak_rss_mb(device), peak_memory_mb(device)
     workers_ready_at = largest(entered_at, device)
     if rank == 0:
-        result = {
-            "world_size": world_size,
-            "steps": len(step_times),
-            **measurements(step_times, args.batch_size * world_size),
-            "first_step_at": first_step_at,
-            "time_to_first_step_s": first_step_at - STARTED_AT,
-            "workers_ready_at": workers_ready_at,
-            "peak_rss_mb": rss,
-            "peak_memory_mb": memory,
-        }
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_result(args.out, world_size, len(step_times), step_times, args.batch_size * world_size, first_step_at,
+                     STARTED_AT, workers_ready_at=workers_ready_at, peak_rss_mb=rss, peak_memory_mb=memory)
     dist.destroy_process_group()
 
 
@@ -166,17 +165,9 @@ def main_dataparallel(args: argparse.Namespace) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 
     step_times, first_step_at = train(model, loader, optimizer, args.steps, device, args.precision)
-    result = {
-        "world_size": args.nproc,
-        "steps": len(step_times),
-        **measurements(step_times, args.batch_size * args.nproc),
-        "first_step_at": first_step_at,
-        "time_to_first_step_s": first_step_at - STARTED_AT,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "peak_memory_mb": [torch.cuda.max_memory_allocated(i) / 2**20 for i in range(args.nproc)] if cuda else None,
-    }
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(args.out, args.nproc, len(step_times), step_times, args.batch_size * args.nproc, first_step_at,
+                 STARTED_AT, peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                 peak_memory_mb=[torch.cuda.max_memory_allocated(i) / 2**20 for i in range(args.nproc)] if cuda else None)
 
 
 def free_port() -> int:

@@ -19,7 +19,6 @@ STARTED_AT = time.time()  # before the imports, as in train.py
 
 import argparse  # noqa: E402
 import importlib.util  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -31,7 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
-from handwritten import free_port, largest, measurements, peak_rss_mb  # noqa: E402  (the parity loop's, as it computes them)
+from handwritten import free_port, largest, peak_rss_mb, write_result  # noqa: E402  (the parity loop's, as it computes them)
 from hydra_ddp.models import MnistCNN  # noqa: E402  (the very network the project trains)
 
 LOG_INTERVAL = 10  # steps between two training-loss scalars (pytorch/examples' --log-interval)
@@ -117,19 +116,9 @@ def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> Non
     rss, workers_ready_at = peak_rss_mb(device), largest(entered_at, device)
     if rank == 0:
         writer.close()
-        result = {
-            "world_size": world_size,
-            "steps": step,
-            **measurements(step_times, 32 * world_size),
-            "train_time_s": sum(step_times),
-            "first_step_at": first_step_at,
-            "time_to_first_step_s": first_step_at - STARTED_AT,
-            "workers_ready_at": workers_ready_at,
-            "peak_rss_mb": rss,
-            "test_accuracy": test_acc,
-        }
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_result(args.out, world_size, step, step_times, 32 * world_size, first_step_at, STARTED_AT,
+                     train_time_s=sum(step_times), workers_ready_at=workers_ready_at, peak_rss_mb=rss,
+                     test_accuracy=test_acc)
     dist.destroy_process_group()
 
 
