@@ -188,11 +188,9 @@ def wandb_starts(run_dir: Path) -> list[dict]:
                              project=record.run.project,
                              config={u.key: json.loads(u.value_json) for u in record.run.config.update})
             elif kind == "history":
-                start["history"].append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                                         for i in record.history.item})
+                start["history"].append(wandb_logger.values(record.history.item))
             elif kind == "summary":
-                start["summary"].update({u.key or "/".join(u.nested_key): json.loads(u.value_json)
-                                         for u in record.summary.update})
+                start["summary"].update(wandb_logger.values(record.summary.update))
             elif kind == "artifact":
                 start["artifacts"].append((record.artifact.type, [m.ref for m in record.artifact.manifest.contents]))
             elif kind == "preempting":

@@ -140,7 +140,7 @@ def _cell(text: str) -> str:
 
 def render() -> tuple[str, list[str]]:
     """The page's text, and the keys that have no doc."""
-    docs = field_docs((Path(schema.__file__)).read_text())
+    docs = field_docs(Path(schema.__file__).read_text())
     config = _default_config()
     missing: list[str] = []
     lines = ["# Configuration reference", "",
@@ -162,7 +162,7 @@ def render() -> tuple[str, list[str]]:
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
         if not dataclasses.is_dataclass(default):
             continue
-        section = rows(type(default), f"{name}.", field_docs(Path(schema.__file__).read_text()), config, missing)
+        section = rows(type(default), f"{name}.", docs, config, missing)
         deprecated = "Deprecated" in (docs.get((type(default).__name__, next(iter(dataclasses.fields(default))).name)) or "")
         lines += ["", f"## `{name}`" + (" (deprecated)" if deprecated else ""), "",
                   "| key | type | default | allowed | what it does |", "| --- | --- | --- | --- | --- |"]

@@ -86,14 +86,14 @@ def run_files(wandb_root: Path, run_id: str) -> list[Path]:
     return sorted(wandb_root.glob(f"wandb/*-{run_id}/run-{run_id}.wandb"))
 
 
+def values(items: Any) -> dict[str, Any]:
+    """A history row's or a summary update's items ({key or nested key: value}) as a dict."""
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+
+
 def history(path: Path) -> list[dict[str, Any]]:
     """The rows a run file logged, each a dict (its `_step` included)."""
-    rows = []
-    for record in records(path):
-        if record.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
-    return rows
+    return [values(record.history.item) for record in records(path) if record.WhichOneof("record_type") == "history"]
 
 
 class WandB(Logger):
