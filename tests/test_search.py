@@ -157,3 +157,52 @@ def test_each_sampler_builds_with_its_seed(sampler: str, kind: str):
         built = built(search_space=space.grid(searched))
         assert sorted(built._all_grids) == [(16, 8), (16, 16), (32, 8), (32, 16)]  # shuffled by the seed
     assert type(built).__name__ == kind and cfg.hydra.sweeper.sampler.seed == 3
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random", "cmaes", "grid"])
+def test_each_trial_draws_from_a_stream_of_its_own_and_a_seeded_search_draws_the_same_again(sampler: str):
+    """Sweeper processes on one study (n_jobs > 1) used to build the same seeded sampler, so their
+    startup trials drew the same values. Each trial's sampler now has its trial's own seed: two
+    processes' first asks differ, and the same trial number draws the same values in a rerun."""
+    import optuna
+    from hydra import compose, initialize_config_dir
+
+    from hydra_plugins.hydra_ddp_optuna.sweeper import OptunaSweeper
+    from support import REPO
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=["hydra/sweeper=optuna", f"hydra/sweeper/sampler={sampler}",
+                                                       "hydra.sweeper.sampler.seed=0"], return_hydra_config=True)
+    sweeper = OptunaSweeper(sampler=cfg.hydra.sweeper.sampler, direction="maximize", study_name="s", storage=None,
+                            n_trials=8, n_jobs=2, pruner="none", params=None)
+    grid = {"optim.lr": "choice(0.1, 0.2, 0.3, 0.4)", "data.batch_size": "choice(16, 32)"}
+    searched, _ = space.parse(grid if sampler == "grid" else {"optim.lr": "tag(log, interval(0.002, 0.1))",
+                                                              "optim.weight_decay": "interval(0, 0.01)"}, [])
+
+    def draws(streams) -> list[dict]:
+        study = optuna.create_study(direction="maximize")
+        asked = []
+        for stream in streams:  # as two processes on one study ask, one after the other
+            study.sampler = sweeper._sampler(searched, stream=stream)
+            asked.append(study.ask(searched).params)
+        return asked
+
+    first = draws([0, 1, 2, 3])
+    assert len({tuple(sorted(p.items())) for p in first}) == 4, first  # no two trials alike
+    assert draws([0, 1, 2, 3]) == first  # seeded: the same again
+    if sampler != "grid":  # the grid's points are one shuffle for every process; it skips those already taken
+        assert draws([0])[0] != draws([1])[0]
+
+
+@pytest.mark.timeout(400)
+def test_two_sweeper_processes_on_one_study_run_no_trial_twice(tmp_path: Path):
+    """The README's search shape (n_jobs=2, a seeded TPE, its startup trials random): four trials,
+    four different sets of values."""
+    sweep = tmp_path / "sweep"
+    check_ok(run_train(tmp_path / "unused", "-m", "hparams_search=digits", "hydra.sweeper.n_trials=4",
+                       "hydra.sweeper.n_jobs=2", "hydra.sweeper.pruner=none", *QUICK, f"hydra.sweep.dir={sweep}",
+                       timeout=360))
+    trials = _study(sweep).trials
+    assert len(trials) == 4 and {t.state.name for t in trials} == {"COMPLETE"}
+    drawn = [tuple(sorted(t.params.items())) for t in trials]
+    assert len(set(drawn)) == 4, drawn

@@ -34,6 +34,14 @@ def storage_of(location: str) -> Any:
     return JournalStorage(JournalFileBackend(location))
 
 
+def trial_seed(seed: int, stream: int) -> int:
+    """A sampler seed of the search's `seed` for one trial: independent streams for 0, 1, 2, ...
+    (numpy's SeedSequence), the same for the same pair."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([int(seed), stream]).generate_state(1)[0])
+
+
 def pruner_of(name: str, args: Any = None) -> Any:
     """Optuna's pruner by name, with its own arguments (e.g. MedianPruner's n_startup_trials)."""
     import optuna

@@ -4,7 +4,6 @@ No `from __future__ import annotations`: Hydra loads plugin modules outside sys.
 dataclasses cannot resolve string annotations."""
 
 
-import functools
 import logging
 import subprocess
 import sys
@@ -63,6 +62,10 @@ class OptunaSweeperConf:
     pruner_args: dict[str, Any] = field(default_factory=dict)  # e.g. {n_startup_trials: 5} (Optuna's own)
     params: Optional[dict[str, str]] = None
     role: str = "main"  # helper: one of the n_jobs - 1 processes the main sweeper starts
+    # The sampler stays a config (Hydra would build it once, with the sweeper): each trial's is built
+    # from it with a seed of its own (search.study.trial_seed), so processes sharing a study draw
+    # apart, and a seeded search draws the same values for the same trial numbers.
+    _recursive_: bool = False
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="optuna", node=OptunaSweeperConf, provider="hydra_ddp")
@@ -99,7 +102,6 @@ class OptunaSweeper(Sweeper):
 
     def _search(self, arguments: list[str]) -> None:
         import optuna
-        from hydra.utils import instantiate
 
         from hydra_ddp.errors import UserError
         from hydra_ddp.search import space, study as studies
@@ -110,10 +112,7 @@ class OptunaSweeper(Sweeper):
         studies.pruner_of(self.pruner, self.pruner_args)  # its arguments, checked before the first trial
         if self.n_trials < 1 or self.n_jobs < 1:
             raise UserError("hydra.sweeper.n_trials and hydra.sweeper.n_jobs must be at least 1")
-        # Hydra builds the sampler with the sweeper (a partial for the grid); a config where it did not.
-        sampler = self.sampler_cfg if not isinstance(self.sampler_cfg, DictConfig) else instantiate(self.sampler_cfg)
-        if isinstance(sampler, functools.partial):  # the grid sampler, given its grid
-            sampler = sampler(search_space=space.grid(searched))
+        sampler = self._sampler(searched, stream=0)  # the grid's values checked before the first trial
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         location = self.storage or str(self.sweep_dir / studies.JOURNAL)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -133,6 +132,8 @@ class OptunaSweeper(Sweeper):
                 with studies.exclusive(self.sweep_dir):
                     if studies.started(study) >= self.n_trials:
                         break
+                    # A trial number not yet asked for (a queued trial's ask adds none, and samples nothing).
+                    study.sampler = self._sampler(searched, stream=len(study.get_trials(deepcopy=False)))
                     trial = study.ask(searched)
                 overrides = [*(f"{k}={v}" for k, v in fixed.items()),
                              *(space.as_override(k, v) for k, v in trial.params.items()),
@@ -144,6 +145,21 @@ class OptunaSweeper(Sweeper):
                 helper.wait()
         if self.role == "main":
             self._results(study)
+
+    def _sampler(self, searched: dict[str, Any], stream: int) -> Any:
+        """The sampler for the trial asked for when the study holds `stream` trials: its seed (when
+        one is set) made that trial's own. Every sweeper process built the same seeded sampler before,
+        so n_jobs > 1 drew the same startup trials in each process."""
+        from hydra.utils import instantiate
+
+        from hydra_ddp.search import space, study as studies
+
+        seed = self.sampler_cfg.get("seed")
+        if self.sampler_cfg.get("_partial_"):  # the grid sampler, given its grid
+            # Its seed shuffles the grid, whose ids must mean the same in every process: one seed. It
+            # never picks a grid point another trial holds (asks are one at a time: studies.exclusive).
+            return instantiate(self.sampler_cfg)(search_space=space.grid(searched))
+        return instantiate(self.sampler_cfg, seed=None if seed is None else studies.trial_seed(seed, stream))
 
     def _tell(self, study: Any, number: int, returned: Any) -> None:
         from hydra.core.utils import JobStatus
