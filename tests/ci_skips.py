@@ -23,6 +23,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         report.longrepr = f"skipped under CI=true, which allows no skip (the install step must provide it): {reason}"
 
 
+_modules_skipped: list[str] = []
+
+
 def pytest_collectreport(report: pytest.CollectReport) -> None:
-    if _in_ci() and report.skipped:  # a whole module skipped (pytest.importorskip at import)
-        report.outcome = "failed"
+    """A whole module skipped (pytest.importorskip at import). pytest's own reporters have counted it
+    as a skip by now: the report stays one, and the exit status below fails the run."""
+    if _in_ci() and report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _modules_skipped.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for line in _modules_skipped:
+        terminalreporter.write_line(f"FAILED (a module skipped under CI=true, which allows no skip: the install "
+                                    f"step must provide it) {line}", red=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _modules_skipped and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
