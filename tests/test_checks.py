@@ -104,6 +104,18 @@ BAD = [
     # Tasks.
     (setting("trainer.monitor", "val/r2"), "trainer.monitor='val/r2' is not a metric of this task; choose one of val/loss, val/accuracy, train/loss"),
     (setting("task._target_", "torch.nn.Identity"), "is not a hydra_ddp.tasks.Task: subclass it"),
+    # Every group that builds an object by _target_: its name imports, its keys are the builder's.
+    (setting("task._target_", "hydra_ddp.tasks.Nope"), "task._target_='hydra_ddp.tasks.Nope': 'hydra_ddp.tasks' has no 'Nope'"),
+    (setting("task._target_", "nowhere.Task"), "task._target_='nowhere.Task': cannot import 'nowhere'"),
+    (setting("task.no_such_argument", 1), "task (hydra_ddp.tasks.Classification): got an unexpected keyword argument"),
+    (setting("task", {"ignore_index": 1}), "task needs a _target_"),
+    (setting("data.dataset._target_", "hydra_ddp.data.nope"), "data.dataset._target_='hydra_ddp.data.nope'"),
+    (setting("scheduler._target_", "torch.optim.lr_scheduler.Nope"), "scheduler._target_='torch.optim.lr_scheduler.Nope'"),
+    (setting("scheduler.no_such_argument", 1), "scheduler (torch.optim.lr_scheduler.StepLR): got an unexpected keyword"),
+    (setting("optim.no_such_argument", 1), "optim (torch.optim.SGD): got an unexpected keyword argument"),
+    (setting("logger.csv._target_", "hydra_ddp.reporting.loggers.Nope"), "logger.csv._target_='hydra_ddp.reporting.loggers.Nope'"),
+    (setting("logger.extra", {"_target_": "nowhere.Logger"}), "logger.extra._target_='nowhere.Logger': cannot import"),
+    (setting("logger.csv.no_such_argument", 1), "logger.csv (hydra_ddp.reporting.loggers.CSV): got an unexpected keyword"),
 ]
 
 

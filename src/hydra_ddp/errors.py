@@ -23,3 +23,17 @@ LOST_A_PEER = "lost a peer: "
 EVERY_RANK = "every rank: "
 PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
              "communicator was aborted", "remote process exited")
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The exception at the bottom of a chain (Hydra's InstantiationException wraps the one the
+    user's class raised)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+def first_line(error: BaseException) -> str:
+    """`Type: first line of the message`: an exception as one line."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"

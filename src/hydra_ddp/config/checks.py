@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import importlib.util
-import inspect
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -13,9 +11,9 @@ import torch
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoints, data, performance, tasks
-from hydra_ddp.config import groups
+from hydra_ddp.config import groups, targets
 from hydra_ddp.config.schema import PRECISIONS
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, first_line, root_cause
 from hydra_ddp.parallel import comm, plans
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.rundir import RunDir
@@ -30,11 +28,11 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
             "or start anew in another hydra.run.dir (nothing was overwritten)"
         )
     data.check_source(data_cfg["dataset"], data_cfg["num_classes"])
-    _check_target(data_cfg["dataset"], "data.dataset")
-    _check_target(plain["model"], "model")
-    _check_target(plain["optim"], "optim")
+    targets.check(data_cfg["dataset"], "data.dataset")
+    targets.check(plain["model"], "model")
+    targets.check(plain["optim"], "optim")
     if plain["scheduler"]:
-        _check_target(plain["scheduler"], "scheduler")
+        targets.check(plain["scheduler"], "scheduler")
     if str(trainer["precision"]) not in PRECISIONS:
         raise UserError(f"trainer.precision must be 32, bf16 or 16, got {trainer['precision']!r}")
     ddp = plain["strategy"]  # DDP's knobs are the ddp strategy's
@@ -71,6 +69,7 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
     _check_workflow(plain)
     for name, logger in (plain.get("logger") or {}).items():
         target = str((logger or {}).get("_target_", "")).lower()
+        targets.check(logger, f"logger.{name}")
         for package, extra, title in (("mlflow", "mlflow", "MLflow"), ("wandb", "wandb", "Weights & Biases")):
             if package in target and importlib.util.find_spec(package) is None:
                 raise UserError(f"logger={name} needs {title} ({package}), which is not installed: pip install -e '.[{extra}]'")
@@ -110,42 +109,6 @@ def _check_workflow(plain: dict[str, Any]) -> None:
         checkpoints.check_init(plain["model"], Path(trainer["init_from"]), list(trainer["init_ignore"]))
 
 
-def _check_target(node: Any, key: str) -> None:
-    """The `_target_` imports and takes the configured arguments (the object is not built)."""
-    if not isinstance(node, dict) or "_target_" not in node:
-        raise UserError(f"{key} needs a _target_ (the class or function that builds it)")
-    target = _locate(node["_target_"], key)
-    kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
-    try:
-        signature = inspect.signature(target)
-    except (TypeError, ValueError):
-        return  # some builtins have no signature: they are checked when built
-    try:
-        signature.bind_partial(**kwargs)
-    except TypeError as e:
-        raise UserError(f"{key} ({node['_target_']}): {e}; fix the key in conf/{key}/ or on the command line") from None
-
-
-def _locate(path: str, key: str) -> Any:
-    """The object named by a dotted path, or a UserError naming the part that fails."""
-    parts = path.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        module_name = ".".join(parts[:split])
-        try:
-            obj = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name and module_name.startswith(e.name) and split > 1:
-                continue  # maybe a class attribute path; try a shorter module
-            raise UserError(f"{key}._target_={path!r}: cannot import {module_name!r} ({e})") from None
-        try:
-            for attr in parts[split:]:
-                obj = getattr(obj, attr)
-            return obj
-        except AttributeError:
-            raise UserError(f"{key}._target_={path!r}: {module_name!r} has no {'.'.join(parts[split:])!r}") from None
-    raise UserError(f"{key}._target_={path!r} is not a dotted path such as package.module.Name")
-
-
 def dry_build(plain: dict[str, Any]) -> None:
     """train.py --check: what a worker builds before its first step, without a process group: the
     datasets, the model on the meta device (no memory, any size), one batch of two samples through
@@ -183,6 +146,4 @@ def _one_line(what: str) -> Iterator[None]:
     except UserError:
         raise
     except Exception as error:  # noqa: BLE001
-        while error.__cause__ is not None:  # Hydra's InstantiationException wraps the real cause
-            error = error.__cause__  # type: ignore[assignment]
-        raise UserError(f"{what}: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}") from None
+        raise UserError(f"{what}: {first_line(root_cause(error))}") from None

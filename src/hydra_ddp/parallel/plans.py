@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, first_line, root_cause
 
 
 @dataclass(frozen=True)
@@ -112,11 +112,8 @@ def check_tp_plan(plain: dict[str, Any], chosen: Plan) -> None:
         with torch.device("meta"):
             model = instantiate(plain["model"])
     except Exception as error:  # noqa: BLE001  (the model's own complaint: a shape it cannot take, say)
-        while error.__cause__ is not None:  # Hydra's InstantiationException wraps the real cause
-            error = error.__cause__  # type: ignore[assignment]
-        line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise UserError(f"strategy={chosen.name}: {plain['model']['_target_']} does not build: "
-                        f"{type(error).__name__}: {line}") from None
+                        f"{first_line(root_cause(error))}") from None
     try:
         tp_plan = getattr(model, "tp_plan", None)
         if tp_plan is None:

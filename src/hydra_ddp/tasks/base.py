@@ -6,7 +6,9 @@ from typing import Any, Optional
 
 import torch
 
-from hydra_ddp.errors import UserError
+from omegaconf import DictConfig, OmegaConf
+
+from hydra_ddp.errors import UserError, first_line, root_cause
 
 # What the project itself reports beside a task's metrics, per split (test_samples, test_passes):
 # a task's metric may not take these names.
@@ -62,7 +64,14 @@ def build(task_cfg: Any) -> Task:
     """The configured task, its declarations checked: one line for what does not fit."""
     from hydra.utils import instantiate
 
-    task = instantiate(task_cfg)
+    from hydra_ddp.config import targets
+
+    plain = OmegaConf.to_container(task_cfg, resolve=True) if isinstance(task_cfg, DictConfig) else task_cfg
+    targets.check(plain, "task")  # the name imports and takes its keys: one line before it is built
+    try:
+        task = instantiate(task_cfg)
+    except Exception as error:  # noqa: BLE001  (the task's own complaint about its arguments)
+        raise UserError(f"task ({plain['_target_']}) does not build: {first_line(root_cause(error))}") from None
     if not isinstance(task, Task):
         raise UserError(f"task._target_={task_cfg['_target_']!r} is not a hydra_ddp.tasks.Task: subclass it")
     problem = _declaration_problem(task)

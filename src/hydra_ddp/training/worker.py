@@ -38,6 +38,8 @@ from hydra_ddp.errors import (
     EveryRankError,
     UserError,
     WorkerError,
+    first_line,
+    root_cause,
 )
 from hydra_ddp.launch import startup
 from hydra_ddp.parallel import distributed, shared_memory, strategy
@@ -315,9 +317,7 @@ def main(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
             raise WorkerError(EVERY_RANK + str(error)) from None
         if isinstance(error, UserError):
             raise WorkerError(str(error)) from None  # already one line that says what to do
-        while error.__cause__ is not None:  # e.g. Hydra's InstantiationException wraps the real cause
-            error = error.__cause__
-        line = f"{type(error).__name__}: {error}".splitlines()[0]
+        line = first_line(root_cause(error))
         if any(sign in line.lower() for sign in PEER_GONE):
             line = LOST_A_PEER + line
         elif "timed out" in line.lower() or "timeout" in line.lower():
