@@ -16,6 +16,8 @@ Data: synthetic sets of a fixed size (a few global batches at 8 GPUs, reused epo
 and trainer.max_steps ending each run, so host memory does not grow with the GPU count.
 
 One GPU (trainer.nproc=1 on any host, so the figures compare across hosts; nccl):
+- the step timer's CUDA-event clock against a synchronised host clock (tests/test_timing.py's
+  cuda_check: within 2× over matmuls queued on the stream);
 - parity: train.py against bench/handwritten.py (the seeds' CNN, batch 64), A B A B, and `auto`
   leaving the CPU-only strategy.shared_memory off;
 - the CNN with every `auto` setting off; with workers started as fresh interpreters
@@ -47,7 +49,8 @@ All GPUs (where 2 or more are visible, trainer.nproc = their count; else recorde
 - an outside launcher (python -m torch.distributed.run --standalone --nproc_per_node=N);
 - PowerSGD (strategy.comm_hook=powersgd, from step 10);
 - FSDP2 with CPU offload, on the transformer;
-- FSDP2 with fp16 mixed precision: a one-line refusal (exit 2) is recorded as refused, not failed;
+- FSDP2 with fp16 mixed precision: the one-line refusal it expects (exit 2, "would need loss
+  scaling") is recorded as refused; another refusal or error fails the case;
 - DataParallel against DDP on ResNet-18, 224×224, bf16 autocast, 32 per GPU.
 The DataParallel cases report the seeds' claim as holding or not; they fail only if a run does.
 
@@ -86,6 +89,11 @@ from typing import Callable, Optional  # noqa: E402
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+# The project and the worker-side test models (faulty.FailOnRank): importable in this process (the
+# dry run builds them) and in every worker (ENV below), whoever runs the script and from where.
+for _folder in (REPO / "tests" / "helpers", REPO / "tests", REPO / "src"):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 CONF = REPO / "conf"
 OUT = Path(os.environ.get("OUT", REPO / "bench" / "results"))
 ONE, ALL = "one GPU", "all GPUs"
@@ -95,7 +103,7 @@ DRY_RUN_GPUS = {ONE: (1,), ALL: (2, 8)}
 # The worker-side test models (faulty.FailOnRank) must import in every worker.
 ENV = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO / "tests" / "helpers"),
-                                                   os.environ.get("PYTHONPATH")])),
+                                                   str(REPO / "tests"), os.environ.get("PYTHONPATH")])),
        "PYTHONUNBUFFERED": "1"}
 FIGURES = ("steady_samples_per_sec", "median_step_time_s", "time_to_first_step_s", "peak_rss_mb")
 
@@ -145,9 +153,12 @@ class Case:
     measure: Callable[["Case", "Session"], dict]
     runs: tuple[tuple[str, ...], ...] = ()  # train.py overrides of each launch; "{gpus}": the GPU count
     bench: tuple[tuple[str, ...], ...] = ()  # bench/handwritten.py's arguments of each launch
+    calls: tuple[str, ...] = ()  # "module:function" run in a process of its own (tests/ and src/ importable)
     baseline: Optional[str] = None  # the case whose samples/s this one's are shown against
     timeout_s: float = 60
-    may_refuse: bool = False  # a one-line refusal (exit 2) is recorded as refused, not failed
+    # A one-line refusal (exit 2) holding this text is recorded as refused, not failed; any other
+    # refusal, or an error of another kind, fails the case.
+    refusal: Optional[str] = None
 
     def overrides(self, i: int, gpus: int) -> list[str]:
         return [arg.replace("{gpus}", str(gpus)) for arg in self.runs[i]]
@@ -184,8 +195,7 @@ class Session:
         done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
         if check and proc.returncode != 0:
             lines = err.strip().splitlines()
-            if self.case.may_refuse and proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(
-                    "hydra-ddp: error:"):
+            if refused_as_expected(self.case, proc.returncode, lines):
                 raise Refused(lines[0])
             raise CaseFailed(f"{what} exited {proc.returncode}: {one_line(out, err)}", tail(out, err))
         return done
@@ -215,6 +225,12 @@ def stop(proc: subprocess.Popen) -> tuple[str, str]:
         with contextlib.suppress(subprocess.TimeoutExpired):
             return proc.communicate(timeout=10)
     return "", "(output lost: a process outside its session still holds the pipe)"
+
+
+def refused_as_expected(case: Case, code: int, lines: list[str]) -> bool:
+    """The run was refused in one line, and with the refusal the case expects."""
+    return (case.refusal is not None and code == 2 and len(lines) == 1
+            and lines[0].startswith("hydra-ddp: error:") and case.refusal in lines[0])
 
 
 def one_line(out: str, err: str) -> str:
@@ -374,6 +390,16 @@ def outside_launcher(case: Case, run: Session) -> dict:
     return {**figures_of(summary), "note": f"{summary['world_size']} ranks, launcher {summary.get('launcher')}"}
 
 
+def calls(case: Case, run: Session) -> dict:
+    """Each of the case's functions in a process of its own: it asserts, and its last line is the note."""
+    notes = []
+    for call in case.calls:
+        module, function = call.split(":")
+        done = run.command([sys.executable, "-c", f"import {module}; {module}.{function}()"], call)
+        notes.append((done.stdout.strip().splitlines() or ["ok"])[-1])
+    return {"note": "; ".join(notes)}
+
+
 def powersgd(case: Case, run: Session) -> dict:
     summary = run.train(case.overrides(0, run.gpus), run.scratch / "run")
     if summary.get("comm_hook") != "powersgd":
@@ -386,6 +412,8 @@ CNN_ONE = (*CNN, ONE_RANK, "trainer.max_steps=200")
 GPT_ONE = (*GPT, ONE_RANK, "trainer.max_steps=60")
 RESUMABLE = (*CNN, EVERY_GPU, "checkpoint.every_n_steps=20")
 CASES = [
+    # The step timer's CUDA-event clock against a synchronised host clock (tests/test_timing.py).
+    Case("the stream clock", ONE, calls, calls=("test_timing:cuda_check",)),
     Case(DEFAULTS, ONE, parity, runs=(CNN_ONE,), bench=((*HAND_CNN, "--nproc=1"),), timeout_s=150),
     Case("CNN, auto settings off", ONE, one_run, runs=((*CNN_ONE, *AUTO_OFF),), baseline=DEFAULTS),
     Case("CNN, start_method=spawn", ONE, one_run, runs=((*CNN_ONE, "launcher.start_method=spawn"),), baseline=DEFAULTS),
@@ -421,7 +449,7 @@ CASES = [
          runs=((*CNN, EVERY_GPU, "trainer.max_steps=100", "strategy.comm_hook=powersgd", "strategy.powersgd.start_step=10"),)),
     Case("GPT, FSDP2 + CPU offload", ALL, model_state, timeout_s=90,
          runs=((*GPT, EVERY_GPU, "trainer.max_steps=40", "strategy=fsdp", "strategy.cpu_offload=true"),)),
-    Case("CNN, FSDP2 fp16", ALL, one_run, may_refuse=True,
+    Case("CNN, FSDP2 fp16", ALL, one_run, refusal="strategy.mixed_precision=fp16 would need loss scaling",
          runs=((*CNN, EVERY_GPU, "trainer.max_steps=100", "strategy=fsdp", "strategy.mixed_precision=fp16"),)),
     Case("DDP vs DataParallel, ResNet-18 224² bf16 (hand-written)", ALL, dp_vs_ddp, timeout_s=120,
          bench=((*HAND_RESNET, "--parallel=ddp"), (*HAND_RESNET, "--parallel=dp"))),
@@ -553,6 +581,9 @@ def dry_run(cases: list[Case]) -> int:
                     checks += 1
                     what = f"{case.name} [{gpus} GPU(s)] train.py launch {i + 1}/{len(case.runs)}"
                     problems += report(what, check_train(case, i, gpus, Path(scratch) / f"run{checks}"))
+                for call in case.calls:
+                    checks += 1
+                    problems += report(f"{case.name} [{gpus} GPU(s)] {call}", check_call(call))
                 for i in range(len(case.bench)):
                     checks += 1
                     what = f"{case.name} [{gpus} GPU(s)] bench/handwritten.py launch {i + 1}/{len(case.bench)}"
@@ -581,10 +612,22 @@ def check_train(case: Case, i: int, gpus: int, run_dir: Path) -> tuple[bool, str
         with contextlib.redirect_stdout(said):
             preflight.check(CONF, case.overrides(i, gpus), run_dir, gpus=gpus)
     except UserError as error:
-        return case.may_refuse, f"{'refused: ' if case.may_refuse else ''}hydra-ddp: error: {error}"
+        line = f"hydra-ddp: error: {error}"
+        expected = refused_as_expected(case, 2, [line])
+        return expected, f"{'refused: ' if expected else ''}{line}"
     except Exception as error:  # noqa: BLE001  (Hydra's composition errors, among others)
         return False, f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
     return True, said.getvalue().strip()
+
+
+def check_call(call: str) -> tuple[bool, str]:
+    """The function a case calls imports here (it runs only on a GPU): (good, its line)."""
+    module, _, function = call.partition(":")
+    try:
+        found = callable(getattr(importlib.import_module(module), function, None))
+    except Exception as error:  # noqa: BLE001
+        return False, f"{type(error).__name__}: {error}"
+    return found, "imports" if found else f"{module} has no function {function}"
 
 
 def check_bench(handwritten, args: list[str]) -> tuple[bool, str]:

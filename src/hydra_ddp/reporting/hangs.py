@@ -163,14 +163,19 @@ def _dump_flight_recorder(path: Path) -> Optional[str]:
     try:
         import pickle
 
+        import torch.distributed as dist
         from torch._C._distributed_c10d import _dump_fr_trace
 
+        if not dist.is_initialized():  # the recorder outlives a destroyed group: its entries are not this one's
+            return None
         trace = _dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False)
         entries = pickle.loads(trace).get("entries") or []
-    except Exception:  # no group, no recorder in this torch, or a backend without one
+    except Exception:  # no recorder in this torch, or a backend without one
         return None
     path.write_bytes(trace)
-    last = max(entries, key=lambda e: e.get("collective_seq_id", 0), default=None)
+    newest_group = max((e.get("pg_id", 0) for e in entries), default=0)
+    last = max((e for e in entries if e.get("pg_id", 0) == newest_group), key=lambda e: e.get("record_id", 0),
+               default=None)
     return f"#{last['collective_seq_id']} {last['profiling_name']}" if last else None
 
 
