@@ -4,8 +4,8 @@ line, while a pair that passes trains."""
 
 from __future__ import annotations
 
-import datetime
 import json
+import os
 import random
 import subprocess
 import sys
@@ -71,9 +71,12 @@ def test_every_pair_of_options_passes_the_check_or_fails_in_one_line_and_a_passi
     assert not long, long[:10]
     passing = [pair for pair, outcome, _ in results if outcome == "ok"]
     assert len(passing) > 300, len(passing)
-    # A bounded sample of the passing pairs trains a step, a new sample each day (its seed in the message).
-    seed = datetime.date.today().toordinal()
-    for pair in random.Random(seed).sample(passing, 3):
+    # A bounded sample of the passing pairs trains a step: seeded (HDDP_PAIR_SEED, else 0), so a failure
+    # reruns as it was; the pairs it chose are printed.
+    seed = int(os.environ.get("HDDP_PAIR_SEED", "0"))
+    chosen = random.Random(seed).sample(sorted(passing), 3)
+    print(f"pairs trained (HDDP_PAIR_SEED={seed}): {chosen}")
+    for pair in chosen:
         run_dir = tmp_path / "-".join(p.replace("=", "_").lstrip("+") for p in pair)
         proc = run_train(run_dir, *pair, "trainer.max_steps=1", "trainer.epochs=1", timeout=240)
         assert proc.returncode == 0, (f"{pair} passed the check but did not train (sample seed {seed})", proc.stderr)

@@ -24,7 +24,12 @@ import shlex
 import subprocess
 import sys
 import textwrap
-import tomllib
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, before the standard library took it in
+    import tomli as tomllib  # type: ignore[no-redef]
+
 from pathlib import Path
 
 import pytest

@@ -242,6 +242,9 @@ def test_ctrl_c_in_a_terminal_checkpoints_once_and_stops(straight: Path, run_dir
     done = finish(proc, timeout=25)
     assert done.returncode == 128 + signal.SIGINT, done.stderr
     assert "stopped by SIGINT" in done.stderr
+    stopped = summary(run_dir)
+    assert stopped["stopped_by"] == stopped["ended_by"] == "SIGINT"  # the printed summary said "ended by epochs"
+    assert "(ended by SIGINT: checkpointed, to be continued)" in done.stdout + _log(run_dir)
     assert_no_orphans(done.pid)
     check_ok(run_train(run_dir, f"trainer.max_steps={FULL}", "trainer.resume=auto"))
     assert_same_params(final_params(run_dir), final_params(straight))

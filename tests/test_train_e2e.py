@@ -187,8 +187,16 @@ def test_nccl_on_cpu_fails_fast_with_one_line(run_dir: Path):
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "nccl" in lines[0] and "gloo" in lines[0], proc.stderr
-    log = (run_dir / "train.log").read_text()  # Hydra's log of the command: refused before launching anything
-    assert "[rank " not in log and "launching" not in log, log
+    # Refused before anything was launched or logged: the directory Hydra made for the run is gone.
+    assert not run_dir.exists(), sorted(p.name for p in run_dir.rglob("*"))
+
+
+def test_a_refusal_in_a_directory_that_holds_a_run_keeps_every_file(run_dir: Path):
+    check_ok(run_train(run_dir, "trainer.max_steps=2"))
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    proc = run_train(run_dir, "trainer.max_steps=2")  # no trainer.resume: refused, "holds checkpoints"
+    assert proc.returncode == 2 and "holds checkpoints" in proc.stderr
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
 
 
 def test_outside_launch_problem_found_by_rank_zero_stops_every_rank_with_its_line(run_dir: Path):

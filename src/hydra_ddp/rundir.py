@@ -8,8 +8,12 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Union
+
+# What Hydra writes into a run directory before the job's code runs: .hydra/ and the log file.
+HYDRA_FILES = frozenset({"config.yaml", "hydra.yaml", "overrides.yaml"})
 
 
 class RunDir:
@@ -45,3 +49,20 @@ class RunDir:
     rendezvous_store = property(lambda self: self.path / "rendezvous.store")
     mlflow_run_id = property(lambda self: self.path / "mlflow_run_id")
     wandb_run_id = property(lambda self: self.path / "wandb_run_id")  # logger=wandb; its files in wandb/
+
+    def discard_if_untouched(self, job: str) -> bool:
+        """Remove a run directory that holds only what Hydra made for this command (.hydra/, an
+        empty log): a config refused before launch leaves no run behind. Anything else in it (an
+        earlier run's checkpoints, a line in the log) keeps it all. Whether it was removed."""
+        hydra, log = self.path / ".hydra", self.log(job)
+        try:
+            entries = {p.name for p in self.path.iterdir()}
+            # .hydra/ is there: Hydra made this directory for the run (not so an outside launch's other
+            # ranks, whose run directory is the working one).
+            untouched = (hydra.is_dir() and entries <= {".hydra", log.name} and {p.name for p in hydra.iterdir()} <= HYDRA_FILES
+                         and (not log.exists() or log.stat().st_size == 0))
+        except OSError:
+            return False
+        if untouched:
+            shutil.rmtree(self.path, ignore_errors=True)
+        return untouched

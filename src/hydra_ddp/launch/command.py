@@ -182,4 +182,5 @@ def fail(error: UserError) -> None:
     if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(error, Stopped):  # a stop ends the sweep too
         RunDir(hydra_cfg.runtime.output_dir).error.write_text(f"{message}\n")
         return
+    RunDir(hydra_cfg.runtime.output_dir).discard_if_untouched(hydra_cfg.job.name)  # refused: no run left behind
     sys.exit(error.exit_code)

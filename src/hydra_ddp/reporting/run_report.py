@@ -98,6 +98,8 @@ def format_summary(s: dict[str, Any]) -> str:
     tested, monitor = s["tested"] or {}, s["monitor"]
     ended = {"early_stopping": f"early stopping (best at epoch {monitor['best_epoch']})",
              "max_time": "trainer.max_time spent"}.get(s["ended_by"], s["ended_by"])
+    if s.get("stopped_by"):
+        ended = f"{s['stopped_by']}: checkpointed, to be continued"
     rows = [
         ("world size", f"{s['world_size']} ({s['nnodes']} node(s) × {s['nproc_per_node']}, {s['device']})"),
         ("backend / launcher", f"{s['backend']} / {s['launcher']}"),

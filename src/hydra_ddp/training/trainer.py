@@ -309,5 +309,6 @@ class Trainer:
             "first_step_at": self.throughput.first_step_at,
             "world_size_history": self.pos.world_sizes,
             "stopped_by": self.ending.stopped_by,
-            "ended_by": self.ending.ended_by or ("max_steps" if max_steps and self.pos.step >= max_steps else "epochs"),
+            "ended_by": (self.ending.stopped_by or self.ending.ended_by
+                         or ("max_steps" if max_steps and self.pos.step >= max_steps else "epochs")),
         }
