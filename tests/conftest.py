@@ -45,6 +45,17 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def spawned(tmp_path_factory) -> Path:
+    """The default launch (spawn, 2 ranks) of a short run (support.QUICK), made once: what every other
+    launcher's run of the same config must match bit for bit (losses and final weights)."""
+    from support import QUICK, check_ok, run_train
+
+    run = tmp_path_factory.mktemp("spawned") / "run"
+    check_ok(run_train(run, *QUICK))
+    return run
+
+
+@pytest.fixture(scope="session")
 def slurm_cluster():
     """A real Slurm cluster for the session (tests/slurm/cluster.sh: munged, slurmctld and a slurmd
     per node on free ports, in a folder of their own): two nodes, n1 and n2, each in a network

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from support import (
-    QUICK, TwoHosts, check_ok, finish, free_port, run_train, start_train, step_losses, summary, wandb_starts,
+    QUICK, TwoHosts, assert_same_params, check_ok, final_params, finish, free_port, run_train, start_train, step_losses, summary, wandb_starts,
 )
 
 
@@ -119,10 +119,12 @@ def test_two_nodes_in_network_namespaces_match_one_node(tmp_path: Path):
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (apt-get install openmpi-bin)")
-def test_mpirun_starts_the_workers(run_dir: Path):
+def test_mpirun_starts_the_workers_and_they_train_as_spawns_do(run_dir: Path, spawned: Path):
     prefix = ("mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", sys.executable)
     proc = run_train(run_dir, *QUICK, "backend=gloo", f"init_method.port={free_port()}", prefix=prefix)
     check_ok(proc)
     s = summary(run_dir)
     assert s["world_size"] == 2 and s["launcher"] == "mpirun"
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["run"]  # one run directory
+    assert step_losses(run_dir) == step_losses(spawned)  # bit for bit, and the final weights too
+    assert_same_params(final_params(run_dir), final_params(spawned))

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from support import (
-    QUICK, assert_no_orphans, check_ok, event_files, free_port, run_train, scalars, step_losses, summary, text,
+    QUICK, assert_no_orphans, assert_same_params, check_ok, event_files, final_params, free_port, run_train, scalars,
+    step_losses, summary, text,
 )
 
 SUMMARY_KEYS = {
@@ -151,11 +152,13 @@ def test_init_method_env_meets_at_an_exported_master_port_and_refuses_a_busy_one
     assert "[rank " not in (tmp_path / "busy" / "train.log").read_text()  # refused before any worker started
 
 
-def test_legacy_distributed_launch_passes_local_rank(run_dir: Path):
+def test_legacy_distributed_launch_passes_local_rank_and_trains_as_spawn_does(run_dir: Path, spawned: Path):
     prefix = (sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2")
     proc = run_train(run_dir, *QUICK, prefix=prefix)
     check_ok(proc)
     assert summary(run_dir)["world_size"] == 2
+    assert step_losses(run_dir) == step_losses(spawned)  # bit for bit, and the final weights too
+    assert_same_params(final_params(run_dir), final_params(spawned))
 
 
 def test_explicit_file_store_path_can_be_reused(tmp_path: Path):

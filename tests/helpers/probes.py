@@ -78,3 +78,20 @@ class DeterminismProbe(MnistCNN):
                 "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
                 "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
         Path(probe_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(seen))
+
+
+def float64(of: str, **kwargs) -> torch.nn.Module:
+    """The model `of` (a dotted class path) built with `kwargs`, its parameters and floating inputs in
+    float64: a test's model for comparing runs whose sums run in another order (another world size,
+    another strategy). Summation order moves float64 losses by about 1e-16 relative, far from the
+    flips (a ReLU or max-pool choice going the other way) that float32's 1e-7 meets within 20
+    steps, so such runs agree to a bound that holds on any x86 host. Test-only: not a precision."""
+    from hydra.utils import get_class
+
+    model = get_class(of)(**kwargs).double()
+
+    def cast(module, args):
+        return tuple(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+    model.register_forward_pre_hook(cast)
+    return model

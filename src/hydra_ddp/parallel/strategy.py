@@ -243,8 +243,10 @@ def clip_global_norm(parameters: Iterator[nn.Parameter], max_norm: float, device
         else:
             total += g.double().pow(2).sum() / world
     dist.all_reduce(total)
-    norm = total.sqrt().float()
-    scale = min(1.0, max_norm / (norm.item() + 1e-6))
+    # torch.nn.utils.clip_grad_norm_'s arithmetic, in the gradients' dtype (a float32 norm would round
+    # a float64 model's scale; it moved such a run by 1e-9 from one rank's).
+    norm = total.sqrt().to(grads[0].dtype if grads else torch.float32)
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0).item()
     for g in grads:
         g.mul_(scale)
     return norm

@@ -15,6 +15,12 @@ from hydra_ddp.errors import UserError, first_line, root_cause
 RESERVED = ("samples", "passes")
 
 
+def full_precision(output: torch.Tensor) -> torch.Tensor:
+    """A model's output in float32 at least, for a loss or a metric: a bf16 or fp16 output (autocast,
+    FSDP's mixed precision) would round the sums over a batch; float32 and float64 stay as they are."""
+    return output if output.dtype in (torch.float32, torch.float64) else output.float()
+
+
 class Task:
     """How a batch becomes the loss, which metrics an evaluation reports, what a prediction is.
 

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hydra_ddp.tasks.base import Task
+from hydra_ddp.tasks.base import Task, full_precision
 
 
 class Classification(Task):
@@ -26,10 +26,10 @@ class Classification(Task):
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # In float32 whatever the model computes in (autocast, FSDP's mixed precision): a bf16 or
         # fp16 loss would round the sum over the batch. For fp32 outputs the cast is no operation.
-        return F.cross_entropy(output.float(), target)
+        return F.cross_entropy(full_precision(output), target)
 
     def state(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits = output.float()
+        logits = full_precision(output)
         losses = F.cross_entropy(logits, target, reduction="none").double()
         correct = (logits.argmax(1) == target).sum()
         return torch.stack([losses.sum(), correct.double(), torch.tensor(float(target.numel()), dtype=torch.float64,
@@ -40,7 +40,7 @@ class Classification(Task):
         return {"loss": loss_sum / count, "accuracy": correct / count}
 
     def predict(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits = output.float()
+        logits = full_precision(output)
         predicted = logits.argmax(1)
         probability = logits.softmax(1).gather(1, predicted[:, None])[:, 0]
         return torch.stack([target.double(), predicted.double(), probability.double()], 1)
@@ -76,7 +76,7 @@ class LanguageModel(Classification):
         return {**metrics, "perplexity": math.exp(min(metrics["loss"], 700.0))}  # exp(>709) overflows a float
 
     def predict(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits = output.float()
+        logits = full_precision(output)
         losses = F.cross_entropy(logits, target, reduction="none").flatten(1)
         correct = (logits.argmax(1) == target).flatten(1).sum(1)
         tokens = torch.full_like(correct, losses.shape[1])

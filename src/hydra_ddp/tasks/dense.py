@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hydra_ddp.errors import UserError
-from hydra_ddp.tasks.base import Task
+from hydra_ddp.tasks.base import Task, full_precision
 from hydra_ddp.tasks.classification import _dtype
 
 
@@ -22,11 +22,12 @@ class Regression(Task):
     prediction_columns = ("target", "predicted")
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(output.float().reshape(target.shape), target.float())
+        out = full_precision(output)
+        return F.mse_loss(out.reshape(target.shape), target.to(out.dtype))
 
     def state(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         target = target.float()
-        error = (output.float().reshape(target.shape) - target).double()
+        error = (full_precision(output).reshape(target.shape) - target).double()
         t = target.double()
         count = torch.tensor(float(target.numel()), dtype=torch.float64, device=t.device)
         return torch.stack([error.square().sum(), error.abs().sum(), count, t.sum(), t.square().sum()])
@@ -68,10 +69,10 @@ class Segmentation(Task):
         self.state_size = 2 + num_classes * num_classes  # the losses' sum, the pixels, the confusion matrix
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(output.float(), target)
+        return F.cross_entropy(full_precision(output), target)
 
     def state(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits = output.float()
+        logits = full_precision(output)
         losses = F.cross_entropy(logits, target, reduction="none").double()
         k = self.num_classes
         confusion = torch.bincount((target * k + logits.argmax(1)).flatten(), minlength=k * k).double()
