@@ -64,18 +64,3 @@ def test_no_strategy_borrows_another_strategys_code():
         assert not [base for base in node.bases if isinstance(base, ast.Name) and base.id in classes], \
             f"{name} inherits from another class of strategy.py"
     assert "Strategy" in classes
-
-
-def test_a_moved_modules_old_target_still_resolves_with_one_line_naming_the_new(capsys):
-    from hydra._internal.utils import _locate
-
-    import hydra_ddp
-    from hydra_ddp.reporting.loggers import CSV
-
-    hydra_ddp._warned.discard("loggers")
-    assert _locate("hydra_ddp.loggers.CSV") is CSV
-    err = capsys.readouterr().err
-    assert err == ("hydra-ddp: deprecated: hydra_ddp.loggers is now hydra_ddp.reporting.loggers; "
-                   "the old path goes in the next release\n")
-    with pytest.raises(AttributeError):
-        hydra_ddp.no_such_module  # noqa: B018

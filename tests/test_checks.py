@@ -175,17 +175,6 @@ def test_only_ddp_refuses_nothing_that_ddp_does(base: dict):
     assert any(refused for refused, _ in plans.plan("fsdp").refusals(plain))
 
 
-def test_a_renamed_key_still_works_for_a_release_with_one_line_naming_the_new(base: dict, tmp_path: Path, capsys):
-    plain = copy.deepcopy(base)
-    plain["dist"]["timeout_s"] = 99
-    resolved = resolve.resolve_plain(plain, tmp_path, None)
-    assert resolved["backend"]["timeout_s"] == 99 and "dist" not in resolved
-    assert capsys.readouterr().err == ("hydra-ddp: deprecated: dist.timeout_s is now backend.timeout_s; "
-                                       "the old name goes in the next release\n")
-    quiet = resolve.resolve_plain(copy.deepcopy(base), tmp_path, None)  # not set: no line, the default settled
-    assert quiet["backend"]["timeout_s"] == 1800 and capsys.readouterr().err == ""
-
-
 def test_fsdp_tp_is_fsdp_with_a_tensor_parallel_size_and_eval_composes_without_an_optimizer():
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         fsdp = resolve.plain_config(compose(config_name="config", overrides=["strategy=fsdp"]))["strategy"]
@@ -214,16 +203,3 @@ def test_a_model_built_only_in_the_workers_leaves_channels_last_to_them_and_they
     assert performance.settings(resolved, dense)["trainer.channels_last"] is False
     recorded = performance.record(copy.deepcopy(resolved), performance.settings(resolved, conv))
     assert recorded["trainer"]["channels_last"] is True and resolved["trainer"]["channels_last"] == "auto"
-
-
-def test_ddps_old_section_moves_into_the_ddp_strategy_with_a_line_per_key(base: dict, tmp_path: Path, capsys):
-    plain = copy.deepcopy(base)
-    plain["ddp"]["comm_hook"] = "powersgd"
-    plain["ddp"]["powersgd"]["rank"] = 2
-    resolved = resolve.resolve_plain(plain, tmp_path, None)
-    assert resolved["strategy"]["comm_hook"] == "powersgd" and resolved["strategy"]["powersgd"] == {"rank": 2,
-                                                                                                   "start_step": 100}
-    assert "ddp" not in resolved
-    assert capsys.readouterr().err.splitlines() == [
-        f"hydra-ddp: deprecated: ddp.{key} is now strategy.{key}; the old name goes in the next release"
-        for key in ("comm_hook", "powersgd.rank")]

@@ -62,8 +62,11 @@ def read(path: Path, key: str, device: Optional[torch.device] = None) -> dict[st
             state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
         raise UserError(f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]) from None
-    if not isinstance(state, dict) or state.get("format") not in (1, FORMAT):
+    if not isinstance(state, dict) or "format" not in state:
         raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint")
+    if state["format"] != FORMAT:
+        raise UserError(f"{key}: {str(path)!r} is a checkpoint of format {state['format']} (hydra-ddp 0.1.0's DDP-only "
+                        f"runs); this version reads format {FORMAT}: train it again, or read it with 0.1.0")
     return state
 
 

@@ -163,8 +163,7 @@ def render() -> tuple[str, list[str]]:
         if not dataclasses.is_dataclass(default):
             continue
         section = rows(type(default), f"{name}.", docs, config, missing)
-        deprecated = "Deprecated" in (docs.get((type(default).__name__, next(iter(dataclasses.fields(default))).name)) or "")
-        lines += ["", f"## `{name}`" + (" (deprecated)" if deprecated else ""), "",
+        lines += ["", f"## `{name}`", "",
                   "| key | type | default | allowed | what it does |", "| --- | --- | --- | --- | --- |"]
         lines += [f"| `{k}` | {t} | `{_cell(d)}` | {a} | {_cell(doc)} |" for k, t, d, a, doc in section]
     eval_only = [f for f in dataclasses.fields(schema.EvalConfig) if f.name not in top]

@@ -106,7 +106,6 @@ def plain_config(cfg: DictConfig) -> dict[str, Any]:
 
 def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
     """How this command runs: device, world size, backend, init method (train.py's and eval.py's)."""
-    _apply_renames(plain, announce=external is None or external[1].is_main)
     trainer, launcher = plain["trainer"], plain["launcher"]
     host = distributed.Host.here()
     trainer["device"] = _device(trainer["device"], host)
@@ -126,37 +125,6 @@ def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tupl
     # Decided here, so the checkpoint records it: the same thread count gives the same CPU kernels,
     # and eval.py evaluates with it (bit-equal metrics at any world size). N ranks × all cores would thrash.
     trainer["threads"] = trainer["threads"] or max(1, len(os.sched_getaffinity(0)) // trainer["nproc"])
-
-
-# Keys that moved: the old spelling works for one release, with one line naming the new.
-RENAMED = {"dist.timeout_s": "backend.timeout_s",
-           # DDP's knobs are the ddp strategy's (conf/strategy/ddp.yaml).
-           **{f"ddp.{key}": f"strategy.{key}" for key in (
-               "bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "shared_memory", "comm_hook",
-               "powersgd.rank", "powersgd.start_step", "find_unused_parameters", "sync_batchnorm")}}
-# Sections that hold only renamed keys: gone from the resolved config.
-RETIRED = ("dist", "ddp")
-
-
-def _apply_renames(plain: dict[str, Any], announce: bool) -> None:
-    """A value set under a key's old name moves to its new one (rank 0 says so, once)."""
-    for old, new in RENAMED.items():
-        *old_parents, old_key = old.split(".")
-        node = plain
-        for part in old_parents:
-            node = node.get(part) or {}
-        value = node.get(old_key)
-        if value is None:
-            continue
-        if announce:
-            sys.stderr.write(f"hydra-ddp: deprecated: {old} is now {new}; the old name goes in the next release\n")
-        *new_parents, new_key = new.split(".")
-        node = plain
-        for part in new_parents:
-            node = node[part]
-        node[new_key] = value
-    for section in RETIRED:
-        plain.pop(section, None)
 
 
 def collective_timeout(value: Any, backend: str) -> int:

@@ -97,12 +97,6 @@ class DataConf:
 
 
 @dataclass
-class DistConf:
-    # Deprecated: dist.timeout_s is backend.timeout_s (config.resolve.RENAMED). Gone in the next release.
-    timeout_s: Any = None
-
-
-@dataclass
 class CheckpointConf:
     # Checkpoints go to <run dir>/checkpoints: step-N.pt, last.pt and best.pt (hard links); under the
     # sharded strategies step-N/ directories of every rank's shards (DCP), last and best (links).
@@ -232,26 +226,6 @@ class StrategyConf:
 
 
 @dataclass
-class DeprecatedPowerSGDConf:
-    rank: Optional[int] = None  # deprecated: strategy.powersgd.rank
-    start_step: Optional[int] = None  # deprecated: strategy.powersgd.start_step
-
-
-@dataclass
-class DDPConf:
-    # Deprecated: DDP's knobs are the ddp strategy's (strategy.*, conf/strategy/ddp.yaml); a value set
-    # here moves there with one line (config.resolve.RENAMED). Gone in the next release.
-    bucket_cap_mb: Optional[float] = None
-    gradient_as_bucket_view: Any = None  # deprecated: strategy.gradient_as_bucket_view
-    static_graph: Any = None  # deprecated: strategy.static_graph
-    shared_memory: Any = None  # deprecated: strategy.shared_memory
-    comm_hook: Optional[str] = None  # deprecated: strategy.comm_hook
-    powersgd: DeprecatedPowerSGDConf = field(default_factory=DeprecatedPowerSGDConf)
-    find_unused_parameters: Optional[bool] = None  # deprecated: strategy.find_unused_parameters
-    sync_batchnorm: Any = None  # deprecated: strategy.sync_batchnorm
-
-
-@dataclass
 class ProfilerConf:
     # Steps skipped, warmed up, then recorded (torch.profiler.schedule, once).
     wait: int = 1
@@ -277,11 +251,9 @@ class Config:
     backend: BackendConf = field(default_factory=BackendConf)
     init_method: InitMethodConf = field(default_factory=InitMethodConf)
     launcher: LauncherConf = field(default_factory=LauncherConf)
-    dist: DistConf = field(default_factory=DistConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     strategy: StrategyConf = field(default_factory=StrategyConf)
-    ddp: DDPConf = field(default_factory=DDPConf)
     profiler: ProfilerConf = field(default_factory=ProfilerConf)
     data: DataConf = field(default_factory=DataConf)
     trial: TrialConf = field(default_factory=TrialConf)

@@ -266,12 +266,9 @@ class Checkpointer:
         self._check_same_batches(state, path)
         if path.is_dir():
             strategy.load_sharded(path, optimizer)
-        elif state.get("format", 1) >= 2:  # optimizer state keyed by parameter name
+        else:
             strategy.load_model_state(state["model"], everywhere=True)
             strategy.load_optimizer_state(optimizer, state["optimizer"])
-        else:  # by position in the optimizer (format 1: DDP runs before strategies)
-            strategy.load_model_state(state["model"], everywhere=True)
-            optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state.get("scheduler") is not None:
             scheduler.load_state_dict(state["scheduler"])
         rng = state["rng"]

@@ -126,7 +126,7 @@ def _device(kind: str, rank: RankInfo, outside_launch: bool) -> torch.device:
 
 def config_fingerprint(plain: dict[str, Any]) -> str:
     """What is trained, not how each node launches (node_rank, addresses, threads differ by design)."""
-    what = {k: v for k, v in plain.items() if k not in ("launcher", "init_method", "backend", "dist", "overridden")}
+    what = {k: v for k, v in plain.items() if k not in ("launcher", "init_method", "backend", "overridden")}
     what["trainer"] = {k: v for k, v in plain["trainer"].items() if k not in ("nproc", "threads", "progress")}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
