@@ -53,9 +53,6 @@ def choose(plain: dict[str, Any], has_conv2d: Optional[bool], world_size: int, l
         "strategy.static_graph": trainer["accumulate"] == 1 and plain["data"]["even_shards"] and not trainer["compile"],
         "strategy.shared_memory": not blockers and world_size > 1,  # one rank: nothing to all-reduce
     }
-    wrong = check(plain)
-    if wrong:
-        raise UserError(f"{', '.join(wrong)}: expected true, false or auto")
     chosen = {}
     for section, key in SETTINGS:
         if section == "strategy" and not ddp:
@@ -117,9 +114,3 @@ def config_blockers(cfg: Any) -> list[str]:
     if cfg["trainer"]["compile"]:
         reasons.append("trainer.compile=true")
     return reasons
-
-
-def check(plain: dict[str, Any]) -> list[str]:
-    """The settings whose value is neither true, false nor auto (for checks.check)."""
-    return [f"{section}.{key}={plain[section][key]!r}" for section, key in SETTINGS
-            if plain[section][key] not in (True, False, AUTO)]

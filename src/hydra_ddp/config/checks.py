@@ -12,9 +12,8 @@ from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoints, data, performance, tasks
 from hydra_ddp.config import groups, targets
-from hydra_ddp.config.schema import PRECISIONS
 from hydra_ddp.errors import UserError, first_line, root_cause
-from hydra_ddp.parallel import comm, plans
+from hydra_ddp.parallel import plans
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.rundir import RunDir
 
@@ -27,24 +26,27 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
             f"{run_dir} holds checkpoints of an earlier run; continue it with trainer.resume=auto, "
             "or start anew in another hydra.run.dir (nothing was overwritten)"
         )
-    data.check_source(data_cfg["dataset"], data_cfg["num_classes"])
     targets.check(data_cfg["dataset"], "data.dataset")
+    data.check_source(data_cfg["dataset"], data_cfg["num_classes"])
     targets.check(plain["model"], "model")
     targets.check(plain["optim"], "optim")
-    if plain["scheduler"]:
+    if plain["scheduler"] is not None:  # null: a constant learning rate (scheduler=none)
         targets.check(plain["scheduler"], "scheduler")
-    if str(trainer["precision"]) not in PRECISIONS:
-        raise UserError(f"trainer.precision must be 32, bf16 or 16, got {trainer['precision']!r}")
+    resume = trainer["resume"]
+    if resume not in (None, "auto") and not Path(str(resume)).expanduser().exists():
+        raise UserError(f"trainer.resume={resume}: no checkpoint at {str(Path(str(resume)).expanduser().resolve())!r}; "
+                        "give a checkpoint (checkpoints/step-N.pt, or a sharded step-N directory), or auto")
+    if trainer["compile_backend"] != "inductor" or trainer["compile"]:  # torch._dynamo only when asked for
+        import torch._dynamo
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if trainer["compile_backend"] not in backends:
+            raise UserError(f"trainer.compile_backend={trainer['compile_backend']!r}: choose one of torch.compile's "
+                            f"backends ({', '.join(backends)})")
     ddp = plain["strategy"]  # DDP's knobs are the ddp strategy's
-    if ddp["comm_hook"] not in comm.HOOKS:
-        raise UserError(f"unknown strategy.comm_hook {ddp['comm_hook']!r}; choose {', '.join(comm.HOOKS)}")
     if ddp["comm_hook"] != "none" and not data_cfg["even_shards"]:
         raise UserError(f"strategy.comm_hook={ddp['comm_hook']} does not combine with data.even_shards=false (Join's "
                         "shadow all-reduces bypass the hook); use one or the other")
-    powersgd = ddp["powersgd"]
-    if ddp["comm_hook"] == "powersgd" and (powersgd["rank"] < 1 or powersgd["start_step"] < 0):
-        raise UserError(f"strategy.powersgd.rank must be 1 or more and strategy.powersgd.start_step 0 or more, got "
-                        f"{powersgd['rank']} and {powersgd['start_step']}")
     if plain["strategy"]["static_graph"] is True and trainer["accumulate"] > 1:
         raise UserError("strategy.static_graph=true does not combine with trainer.accumulate > 1 (DDP's reducer fails "
                         "on a no_sync step in a static graph); set strategy.static_graph=auto or false")
@@ -54,20 +56,21 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
         raise UserError(f"strategy.shared_memory=true does not combine with {'; '.join(blockers)}; "
                         "set strategy.shared_memory=auto or false")
     plans.check(plain)
-    if plain["strategy"]["sync_batchnorm"] not in (True, False):
-        raise UserError(f"strategy.sync_batchnorm: expected true, false or auto, got {plain['strategy']['sync_batchnorm']!r}")
     if plain["strategy"]["sync_batchnorm"] and trainer["device"] != "cuda":
         raise UserError("strategy.sync_batchnorm=true needs GPUs (this torch's DDP refuses SyncBatchNorm on the CPU); "
                         "set it false, or train with trainer.device=cuda")
     if str(trainer["precision"]) == "16" and trainer["device"] != "cuda":
         raise UserError("trainer.precision=16 needs a GPU (fp16 autocast with a GradScaler); on the CPU use bf16")
-    for key, value in [(f"trainer.{k}", trainer[k]) for k in ("epochs", "log_every", "accumulate", "max_steps")] + [
-        ("checkpoint.keep", plain["checkpoint"]["keep"]), ("checkpoint.every_n_steps", plain["checkpoint"]["every_n_steps"])
-    ]:
-        if value is not None and value < 1:
-            raise UserError(f"{key} must be at least 1 (or null where allowed), got {value}")
     _check_workflow(plain)
-    for name, logger in (plain.get("logger") or {}).items():
+    _check_loading(data_cfg)
+    world = trainer["nproc"] * launcher["nnodes"]
+    ranks = plain["profiler"]["ranks"]
+    if ranks is not None and not all(isinstance(r, int) and 0 <= r < world for r in ranks):
+        raise UserError(f"profiler.ranks={list(ranks)}: ranks of this run, 0 to {world - 1} (or null: every rank)")
+    loggers = plain.get("logger")
+    if loggers is not None and not isinstance(loggers, dict):
+        raise UserError(f"logger={loggers!r}: name the loggers, e.g. logger=[tensorboard,csv] (options: conf/logger/)")
+    for name, logger in (loggers or {}).items():
         target = str((logger or {}).get("_target_", "")).lower()
         targets.check(logger, f"logger.{name}")
         for package, extra, title in (("mlflow", "mlflow", "MLflow"), ("wandb", "wandb", "Weights & Biases")):
@@ -89,22 +92,26 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
         raise UserError("a restarted group cannot reuse a file:// store: use init_method=env or tcp with restarts")
 
 
+def _check_loading(data_cfg: dict[str, Any]) -> None:
+    """DataLoader settings that only its worker processes use: with none they would do nothing."""
+    if data_cfg["num_workers"] == 0:
+        for key, inert in (("persistent_workers", data_cfg["persistent_workers"]),
+                           ("prefetch_factor", data_cfg["prefetch_factor"] is not None)):
+            if inert:
+                raise UserError(f"data.{key} is for DataLoader worker processes, and data.num_workers=0 starts none: "
+                                f"set data.num_workers (e.g. 2), or leave data.{key} unset")
+
+
 def _check_workflow(plain: dict[str, Any]) -> None:
     """Validation, selection, early stopping, clipping and fine-tuning settings."""
     trainer = plain["trainer"]
     stopping = trainer["early_stopping"]
     if stopping["patience"] is not None:
-        if stopping["patience"] < 1:
-            raise UserError(f"trainer.early_stopping.patience must be at least 1 (or null: off), got {stopping['patience']}")
         if trainer["monitor"] is None:
             raise UserError("trainer.early_stopping needs a monitored metric: set trainer.monitor (without validation, "
                             "data.val_fraction=0, only train/loss has values)")
         if not trainer["eval_every_epoch"]:
             raise UserError("trainer.early_stopping needs a validation every epoch: set trainer.eval_every_epoch=true")
-    if stopping["min_delta"] < 0:
-        raise UserError(f"trainer.early_stopping.min_delta must be 0 or more, got {stopping['min_delta']}")
-    if trainer["grad_clip"] is not None and not trainer["grad_clip"] > 0:
-        raise UserError(f"trainer.grad_clip must be positive (or null: no clipping), got {trainer['grad_clip']}")
     if trainer["init_from"]:
         checkpoints.check_init(plain["model"], Path(trainer["init_from"]), list(trainer["init_ignore"]))
 

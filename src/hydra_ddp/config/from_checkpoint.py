@@ -10,7 +10,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp import checkpoints, data
+from hydra_ddp import checkpoints
+from hydra_ddp.config import domains, schema
 from hydra_ddp.errors import UserError
 
 
@@ -22,16 +23,15 @@ def resolve(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     saved = checkpoints.read(path, "ckpt")
     composed = OmegaConf.to_container(cfg, resolve=True)
     plain = copy.deepcopy(saved["config"])
-    for group in ("backend", "init_method", "launcher", "dist"):
+    for group in ("backend", "init_method", "launcher"):
         plain[group] = composed[group]
     # The run's CPU threads per rank stay (the same kernels, the same bits) unless set on the command line.
     for key in ("nproc", "device", "progress"):
         plain["trainer"][key] = composed["trainer"][key]
     for override in overrides:
         _apply(plain, composed, override)
+    domains.check(composed, schema.EvalConfig)  # the command line's values, in their domains
     split = composed["split"]
-    if split not in data.SPLITS:
-        raise UserError(f"split={split!r}: choose {', '.join(data.SPLITS)}")
     if split == "val" and not plain["data"]["val_fraction"]:
         raise UserError("split=val: this run had no validation split (data.val_fraction=0); choose split=test or train")
     plain["eval"] = {"ckpt": str(path), "split": split, "predict": bool(composed["predict"]),

@@ -15,10 +15,11 @@ import dataclasses
 import io
 import sys
 import tokenize
+import typing
 from pathlib import Path
 from typing import Any, Optional
 
-from hydra_ddp.config import schema
+from hydra_ddp.config import domains, schema
 
 REPO = Path(__file__).resolve().parents[3]
 OUT = REPO / "docs" / "reference" / "config.md"
@@ -26,9 +27,6 @@ OUT = REPO / "docs" / "reference" / "config.md"
 NAMED_GROUPS = ("backend", "init_method", "launcher", "strategy")
 # Groups whose objects are built with `_target_`: open to the user's own classes.
 TARGET_GROUPS = ("task", "model", "data", "optim", "scheduler", "logger")
-ALLOWED = {"trainer.precision": schema.PRECISIONS, "eval.split": ("test", "val", "train"),
-           "strategy.comm_hook": ("none", "fp16", "bf16", "powersgd"), "trainer.monitor_mode": ("auto", "min", "max"),
-           "trial.pruner": ("median", "hyperband", "none"), "strategy.mixed_precision": ("null", "bf16")}
 
 
 def field_docs(source: str) -> dict[tuple[str, str], str]:
@@ -56,6 +54,19 @@ def field_docs(source: str) -> dict[tuple[str, str], str]:
             if text:
                 docs[(node.name, item.target.id)] = text
     return docs
+
+
+def allowed(cls: type, name: str) -> str:
+    """The "allowed" cell of a field: its domain's words (domains.py), null where the type takes it."""
+    domain, hint = domains.domain_of(cls, name), typing.get_type_hints(cls)[name]
+    if hint is bool or hint == Optional[bool]:
+        text = "`true`, `false`"
+    elif isinstance(domain, (domains.Free, domains.Checked)) or domain is None:
+        return ""
+    else:
+        text = domain.allowed()
+    nullable = hint is not Any and type(None) in typing.get_args(hint)
+    return f"{text}, or `null`" if nullable and text else text
 
 
 def _type(hint: Any) -> str:
@@ -110,7 +121,7 @@ def rows(cls: type, prefix: str, docs: dict[tuple[str, str], str], config: dict[
          missing: list[str]) -> list[tuple[str, str, str, str, str]]:
     """(key, type, default, allowed, doc) for every field of `cls` and its nested sections."""
     out = []
-    hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)  # Annotated[...] stripped: the type alone
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
@@ -120,17 +131,10 @@ def rows(cls: type, prefix: str, docs: dict[tuple[str, str], str], config: dict[
         doc = docs.get((cls.__name__, f.name))
         if doc is None:
             missing.append(key)
-        hint = eval(hints[f.name], vars(schema)) if isinstance(hints[f.name], str) else hints[f.name]  # noqa: S307
-        allowed = ALLOWED.get(key)
-        if f.name == "name" and prefix.rstrip(".") in NAMED_GROUPS:
-            allowed = tuple(_options(prefix.rstrip(".")))
-        elif allowed is None and hint is bool:
-            allowed = ("true", "false")
-        elif allowed is None and default == "auto" and hint is Any:
-            allowed = ("auto", "true", "false") if "true" in (doc or "") else ("auto", "…")
+        hint = hints[f.name]
         value = _lookup(config, key)
         shown = "(a `_target_` config)" if isinstance(value, dict) and "_target_" in value else _value(value)
-        out.append((key, _type(hint), shown, ", ".join(f"`{a}`" for a in allowed) if allowed else "", doc or ""))
+        out.append((key, _type(hint), shown, allowed(cls, f.name), doc or ""))
     return out
 
 
@@ -173,8 +177,8 @@ def render() -> tuple[str, list[str]]:
         if doc is None:
             missing.append(f"eval.{f.name}")
         default = "(required)" if f.default is dataclasses.MISSING or f.default == "???" else _value(f.default)
-        allowed = ALLOWED.get(f"eval.{f.name}", ("true", "false") if f.type in (bool, "bool") else ())
-        lines.append(f"| `{f.name}` | {_type(f.type)} | `{default}` | {', '.join(f'`{a}`' for a in allowed)} | "
+        hint = typing.get_type_hints(schema.EvalConfig)[f.name]
+        lines.append(f"| `{f.name}` | {_type(hint)} | `{default}` | {allowed(schema.EvalConfig, f.name)} | "
                      f"{_cell(doc or '')} |")
     return "\n".join(lines) + "\n", missing
 

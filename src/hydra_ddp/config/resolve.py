@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from hydra_ddp import checkpoints, monitor, performance, tasks
-from hydra_ddp.config import elastic, groups
+from hydra_ddp.config import domains, elastic, groups, schema
 from hydra_ddp.config.checks import check
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import startup
@@ -105,7 +105,9 @@ def plain_config(cfg: DictConfig) -> dict[str, Any]:
 
 
 def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
-    """How this command runs: device, world size, backend, init method (train.py's and eval.py's)."""
+    """How this command runs: device, world size, backend, init method (train.py's and eval.py's).
+    First, every key's value in its domain (the schema's annotations), or one line naming it."""
+    domains.check(plain, schema.Config)
     trainer, launcher = plain["trainer"], plain["launcher"]
     host = distributed.Host.here()
     trainer["device"] = _device(trainer["device"], host)
@@ -131,27 +133,20 @@ def collective_timeout(value: Any, backend: str) -> int:
     """backend.timeout_s: auto is 600 s where NCCL runs (its ranks may wait for a dead peer until then), else 1800 s."""
     if value == "auto":
         return 600 if "nccl" in backend else 1800
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"backend.timeout_s must be a whole number of seconds (or auto), got {value!r}")
-    return value
+    return int(value)
 
 
 def _resolve_monitor(trainer: dict[str, Any], data_cfg: dict[str, Any], task: tasks.Task) -> None:
     """The monitored metric must be one the task reports (auto: the task's choice; its direction
     settles monitor_mode=auto); without validation (data.val_fraction=0) a val/ metric has no
     values, and nothing is monitored."""
-    if trainer["monitor_mode"] not in ("auto", "min", "max"):
-        raise UserError(f"trainer.monitor_mode must be auto, min or max, got {trainer['monitor_mode']!r}")
     name, trainer["monitor_mode"] = monitor.settle(trainer["monitor"], trainer["monitor_mode"], task.metrics,
                                                    task.monitored)
     trainer["monitor"] = name
     if name is not None and name not in monitor.names(task.metrics):
         raise UserError(f"trainer.monitor={name!r} is not a metric of this task; choose one of "
                         f"{', '.join(monitor.names(task.metrics))} (or null, or auto)")
-    fraction = data_cfg["val_fraction"]
-    if not 0 <= fraction < 1:
-        raise UserError(f"data.val_fraction must be in [0, 1), got {fraction}")
-    if fraction == 0 and name is not None and name.startswith("val/"):
+    if data_cfg["val_fraction"] == 0 and name is not None and name.startswith("val/"):
         trainer["monitor"] = None
 
 
@@ -200,17 +195,13 @@ def _device(name: str, host: distributed.Host) -> str:
         return "cuda" if host.cuda else "cpu"
     if name == "cuda" and not host.cuda:
         raise UserError("trainer.device=cuda but CUDA is not available here; use trainer.device=cpu (or auto)")
-    if name not in ("cpu", "cuda"):
-        raise UserError(f"trainer.device must be auto, cpu or cuda, got {name!r}")
     return name
 
 
 def _nproc(value: Any, device: str, host: distributed.Host) -> int:
     if value == "auto":
         return host.gpus if device == "cuda" else 2
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
-    raise UserError(f"trainer.nproc must be a positive integer or auto, got {value!r}")
+    return int(value)
 
 
 def _check_launcher(launcher: dict[str, Any]) -> None:
@@ -230,8 +221,6 @@ def _check_launcher(launcher: dict[str, Any]) -> None:
             )
         # A single node's rendezvous endpoint is the launching process's own store (launch.py).
         launcher["rdzv_id"] = launcher["rdzv_id"] or uuid.uuid4().hex[:12]
-    else:
-        raise UserError(f"unknown launcher {name!r}; choose spawn or torchrun")
     method, available = launcher["start_method"], [m for m in startup.START_METHODS if m in mp.get_all_start_methods()]
     if method not in available:
         raise UserError(f"launcher.start_method={method!r} is not available here; choose {' or '.join(available)}")
@@ -242,8 +231,6 @@ def _resolve_init_method(init: dict[str, Any], run_dir: Path, external: bool) ->
     or the user's), else init_method.host and a port the launching process binds (port null: a free
     one); tcp: init_method.host and port; file: a fresh file in the run directory unless given."""
     name = init["name"]
-    if name not in distributed.INIT_METHODS:
-        raise UserError(f"unknown init_method {name!r}; choose {', '.join(distributed.INIT_METHODS)}")
     if name == "env" and "MASTER_PORT" in os.environ:
         port = os.environ["MASTER_PORT"]
         if not port.isdigit() or not 0 < int(port) < 65536:

@@ -10,79 +10,88 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
+
+from hydra_ddp.config.domains import AUTO_BOOL, AtLeast, Checked, Free, Number, OneOf, Pattern, Positive
 
 
 @dataclass
 class BackendConf:
     # The process group's backend. auto: nccl when CUDA is available, else gloo.
-    name: str = "auto"
+    name: Annotated[str, OneOf("auto", "gloo", "nccl", "mpi")] = "auto"
     # Collective timeout (seconds): a hung peer fails the others after this long. auto: 600 with NCCL,
     # whose ranks often do not see a dead peer and wait for it until then (torch's own NCCL default;
     # it bounds how long a crashed job holds its GPUs), 1800 with gloo (torch's default: a dead
     # peer is seen at once; only a hung one waits). Raise it for rank-0-only work longer than that
     # between collectives (a download, a huge checkpoint).
-    timeout_s: Any = "auto"
+    timeout_s: Annotated[Any, AtLeast(1, "auto")] = "auto"
 
 
 @dataclass
 class InitMethodConf:
     # env: the launcher's rendezvous (torchrun's MASTER_ADDR/PORT) where there is one, else a store
     # at host:port, as tcp (on loopback: reachable from this machine only); file: file://path.
-    name: str = "env"
-    host: str = "127.0.0.1"  # tcp and env without a launcher's: the store's address (node 0's, for several nodes)
+    name: Annotated[str, OneOf("env", "tcp", "file")] = "env"
+    # tcp and env without a launcher's: the store's address (node 0's, for several nodes)
+    host: Annotated[str, Free("a host name or address")] = "127.0.0.1"
     # null: a free port picked at launch, never a fixed one that collides with another job.
-    port: Optional[int] = None
+    port: Annotated[Optional[int], Number(low=1, high=65535, whole=True)] = None
     # null: a fresh file inside the run directory (a reused file store can deadlock).
-    path: Optional[str] = None
+    path: Annotated[Optional[str], Checked("config.resolve: its folder exists, the file is empty")] = None
 
 
 @dataclass
 class LauncherConf:
     # spawn: torch.multiprocessing; torchrun: torch.distributed.launcher (elastic, c10d).
-    name: str = "spawn"
+    name: Annotated[str, OneOf("spawn", "torchrun")] = "spawn"
     # Nodes: N, or an elastic range "MIN:MAX" (torchrun's form): the run trains with the nodes present
     # between the bounds, restarting the group (from the last checkpoint) when one is lost or joins.
-    nnodes: Any = 1
-    node_rank: int = 0  # this node's index, 0 to nnodes − 1 (node 0 holds the rendezvous)
-    rdzv_backend: str = "c10d"  # torchrun's rendezvous backend (c10d: torch's own TCP store)
+    nnodes: Annotated[Any, Checked("config.elastic: a node count or MIN:MAX")] = 1
+    node_rank: Annotated[int, AtLeast(0)] = 0  # this node's index, 0 to nnodes − 1 (node 0 holds the rendezvous)
+    # torchrun's rendezvous backend (c10d: torch's own TCP store)
+    rdzv_backend: Annotated[str, OneOf("c10d", "static", "etcd", "etcd-v2")] = "c10d"
     # null: 127.0.0.1 with a free port (single node). Multi-node: "host:port" of node 0.
-    rdzv_endpoint: Optional[str] = None
-    rdzv_id: Optional[str] = None  # the job's id, the same on every node (null: one made for the run)
+    rdzv_endpoint: Annotated[Optional[str], Pattern(r"[^\s:]+(:\d{1,5})?", "HOST or HOST:PORT")] = None
+    # the job's id, the same on every node (null: one made for the run)
+    rdzv_id: Annotated[Optional[str], Free("any word, the same on every node")] = None
     # This node's address as the other nodes reach it (null: its hostname's).
-    local_addr: Optional[str] = None
-    max_restarts: int = 0  # torchrun: restarts of the whole group after a failure (elastic needs at least 1)
+    local_addr: Annotated[Optional[str], Free("a host name or address")] = None
+    # torchrun: restarts of the whole group after a failure (elastic needs at least 1)
+    max_restarts: Annotated[int, AtLeast(0)] = 0
     # torchrun's --rdzv-conf: the rendezvous' own settings (join_timeout, last_call_timeout, ...).
-    rdzv_conf: dict[str, Any] = field(default_factory=dict)
-    monitor_interval: float = 0.1  # torchrun's agent: seconds between its checks of the workers
+    rdzv_conf: Annotated[dict[str, Any], Free("torchrun's own settings")] = field(default_factory=dict)
+    monitor_interval: Annotated[float, Positive()] = 0.1  # torchrun's agent: seconds between its checks of the workers
     # forkserver: workers are forks of a process that imported torch while the config was composed
     # (startup.py); spawn: each worker a fresh interpreter that imports everything itself.
-    start_method: str = "forkserver"
+    start_method: Annotated[str, OneOf("forkserver", "spawn")] = "forkserver"
 
 
 @dataclass
 class DataConf:
     # Shape of one sample and the label count: models read these through interpolation.
-    in_channels: int = 1
-    image_size: int = 28  # a sample's height and width
-    num_classes: int = 10  # classes (or outputs a sample) the model predicts
+    in_channels: Annotated[int, AtLeast(1)] = 1
+    image_size: Annotated[int, AtLeast(1)] = 28  # a sample's height and width
+    num_classes: Annotated[int, AtLeast(1)] = 10  # classes (or outputs a sample) the model predicts
     # `_target_` returning (train, test), or (train, val, test) where the source has a validation split.
-    dataset: Any = MISSING
+    dataset: Annotated[Any, Checked("config.targets: a _target_ config")] = MISSING
     # Without a validation split of the source's own: this share of the training set, chosen by
     # trainer.seed (the same on every rank). 0: no validation, nothing is monitored.
-    val_fraction: float = 0.1
+    val_fraction: Annotated[float, Number(low=0, high=1, below=True)] = 0.1
     # Per rank; or set global_batch_size instead (one of the two; both null: 32 per rank), and the
     # per-rank batch is global ÷ world size: runs at any world size then compare like with like.
-    batch_size: Optional[int] = None
-    global_batch_size: Optional[int] = None  # samples per optimizer step over all ranks (see batch_size)
-    eval_batch_size: int = 256  # per rank
-    num_workers: int = 0  # DataLoader worker processes per rank (0: the rank's own process loads)
+    batch_size: Annotated[Optional[int], AtLeast(1)] = None
+    # samples per optimizer step over all ranks (see batch_size)
+    global_batch_size: Annotated[Optional[int], AtLeast(1)] = None
+    eval_batch_size: Annotated[int, AtLeast(1)] = 256  # per rank
+    # DataLoader worker processes per rank (0: the rank's own process loads)
+    num_workers: Annotated[int, AtLeast(0)] = 0
     pin_memory: bool = False  # DataLoader's pinned host memory, for faster copies to a GPU
     persistent_workers: bool = False  # DataLoader workers kept alive between epochs
-    prefetch_factor: Optional[int] = None  # batches each DataLoader worker loads ahead (null: DataLoader's default)
+    # batches each DataLoader worker loads ahead (null: DataLoader's default)
+    prefetch_factor: Annotated[Optional[int], AtLeast(1)] = None
     drop_last: bool = False  # drop each rank's last, smaller training batch
     # true: DistributedSampler pads each rank's shard to the same length by repeating samples.
     # false: disjoint shards, every sample once per epoch; DDP's Join matches the collectives of
@@ -93,7 +102,7 @@ class DataConf:
     preload: bool = False
     # Train on this many fixed batches only (the first samples; also the validation split): a
     # pipeline that works must drive their loss to about zero (debug=overfit). null: all data.
-    overfit_batches: Optional[int] = None
+    overfit_batches: Annotated[Optional[int], AtLeast(1)] = None
 
 
 @dataclass
@@ -101,8 +110,9 @@ class CheckpointConf:
     # Checkpoints go to <run dir>/checkpoints: step-N.pt, last.pt and best.pt (hard links); under the
     # sharded strategies step-N/ directories of every rank's shards (DCP), last and best (links).
     every_epoch: bool = True  # a checkpoint at the end of every epoch
-    every_n_steps: Optional[int] = None  # also one every N optimizer steps, mid-epoch too (null: none)
-    keep: int = 3  # step checkpoints kept (last and best are kept besides)
+    # also one every N optimizer steps, mid-epoch too (null: none)
+    every_n_steps: Annotated[Optional[int], AtLeast(1)] = None
+    keep: Annotated[int, AtLeast(1)] = 3  # step checkpoints kept (last and best are kept besides)
     # best.pt: the checkpoint with the best trainer.monitor value (written whenever it improves).
 
 
@@ -110,60 +120,68 @@ class CheckpointConf:
 class EarlyStoppingConf:
     # Stop after this many validations in a row without an improvement of trainer.monitor by more
     # than min_delta (null: never). All ranks stop at the same step: the metric is global.
-    patience: Optional[int] = None
-    min_delta: float = 0.0  # the least change of the monitored value that counts as an improvement
+    patience: Annotated[Optional[int], AtLeast(1)] = None
+    # the least change of the monitored value that counts as an improvement
+    min_delta: Annotated[float, AtLeast(0, whole=False)] = 0.0
 
 
+# The groups that build an object: a `_target_` config (config.targets checks it before launch).
+TARGET = Checked("config.targets: a _target_ config")
 # trainer.precision: 32, bf16 (autocast, CPU or GPU) or 16 (GPU autocast with a GradScaler).
 PRECISIONS = ("32", "bf16", "16")
+# strategy.comm_hook: DDP's gradient communication hooks (parallel/comm.py).
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 
 @dataclass
 class TrainerConf:
     # int, or "auto": the GPU count with CUDA, else 2 (a real 2-process run on any laptop).
-    nproc: Any = "auto"
-    epochs: int = 12  # passes over the training set (trainer.max_steps may stop earlier)
+    nproc: Annotated[Any, AtLeast(1, "auto")] = "auto"
+    epochs: Annotated[int, AtLeast(1)] = 12  # passes over the training set (trainer.max_steps may stop earlier)
     # Stop after this many optimizer steps (null: run all epochs). For smoke tests and benchmarks.
-    max_steps: Optional[int] = None
-    seed: int = 0  # the run's seed: the initial weights, the data order, every random stream
+    max_steps: Annotated[Optional[int], AtLeast(1)] = None
+    # the run's seed: the initial weights, the data order, every random stream
+    seed: Annotated[int, Number(low=0, high=2**63 - 1, whole=True)] = 0
     # auto: cuda when available, else cpu.
-    device: str = "auto"
+    device: Annotated[str, OneOf("auto", "cpu", "cuda")] = "auto"
     # Intra-op threads per worker; null: cores / local world size.
-    threads: Optional[int] = None
+    threads: Annotated[Optional[int], AtLeast(1)] = None
     # Train loss reaches TensorBoard every step, all-reduced in groups of this many steps.
-    log_every: int = 10
+    log_every: Annotated[int, AtLeast(1)] = 10
     # Validate at the end of every epoch (else once, at the end of training).
     eval_every_epoch: bool = True
     # The one metric that selects best.pt, drives early stopping and is what train.py returns to a
     # Hydra sweeper: val/<a metric of the task> or train/loss. auto: the task's choice (val/accuracy
     # for classification); null: none (the test then uses the last weights).
-    monitor: Optional[str] = "auto"
+    monitor: Annotated[Optional[str], Checked("config.resolve: a metric of the task, or auto")] = "auto"
     # min or max; auto: the metric's direction, as the task declares it.
-    monitor_mode: str = "auto"
+    monitor_mode: Annotated[str, OneOf("auto", "min", "max")] = "auto"
     early_stopping: EarlyStoppingConf = field(default_factory=EarlyStoppingConf)
     # null: a progress bar when rank 0's stderr is a terminal.
     progress: Optional[bool] = None
     # null: start fresh; a checkpoint path; or auto: the newest good checkpoint in the run directory.
-    resume: Optional[str] = None
+    resume: Annotated[Optional[str], Checked("checkpoints: a checkpoint, a run directory, or auto")] = None
     # "32", "bf16" (autocast, CPU or GPU) or "16" (GPU autocast with a GradScaler).
-    precision: str = "32"
+    precision: Annotated[str, OneOf(*PRECISIONS)] = "32"
     # Batches per optimizer step; DDP skips the gradient all-reduce (no_sync) on all but the last.
-    accumulate: int = 1
+    accumulate: Annotated[int, AtLeast(1)] = 1
     # torch.compile the DDP model (off: compiling takes time a short run does not win back).
     compile: bool = False
-    compile_backend: str = "inductor"  # torch.compile's backend when trainer.compile=true
+    # torch.compile's backend when trainer.compile=true
+    compile_backend: Annotated[str, Checked("config.checks: one of torch.compile's backends")] = "inductor"
     # channels_last memory format; auto: for models with 2-D convolutions (performance.py).
-    channels_last: Any = "auto"
+    channels_last: Annotated[Any, AUTO_BOOL] = "auto"
     # Clip the global gradient norm to this (null: no clipping); logged as train/grad_norm.
-    grad_clip: Optional[float] = None
+    grad_clip: Annotated[Optional[float], Positive()] = None
     # A wall-clock budget (seconds, or "[D:]HH:MM:SS") counted from the command's start: checkpoint,
     # test, and stop; trainer.resume=auto continues. null: none.
-    max_time: Optional[Any] = None
+    max_time: Annotated[Optional[Any], Checked("config.resolve: seconds or [D:]HH:MM:SS")] = None
     # Fine-tuning: the model weights of this checkpoint (a file, or a run directory: its best.pt,
     # else last.pt) in a fresh run: new optimizer, schedule and step 0. A resumed run ignores it.
-    init_from: Optional[str] = None
+    init_from: Annotated[Optional[str], Checked("checkpoints: a checkpoint or a run directory")] = None
     # Parameters not taken from init_from (names or prefixes, e.g. [fc2]; "head": the last Linear).
-    init_ignore: list[str] = field(default_factory=list)
+    init_ignore: Annotated[list[str], Checked("checkpoints.check_init: names or prefixes of the model's")] = field(
+        default_factory=list)
     # torch.profiler on the schedule in `profiler`: one trace per rank in run_dir/profile/ (debug=profile).
     profile: bool = False
     # Autograd anomaly detection (slow: finds the op that made a nan), with the loss checked every step.
@@ -175,17 +193,17 @@ class TrainerConf:
     deterministic: bool = False
     # One device's peak FLOP/s for the model FLOP utilisation (MFU) in the summary; null: the GPU
     # table in reporting/flops.py, or on the CPU a short matmul measured at the run's threads.
-    peak_flops: Optional[float] = None
+    peak_flops: Annotated[Optional[float], Positive()] = None
 
 
 @dataclass
 class PowerSGDConf:
     # strategy.comm_hook=powersgd: each weight matrix's gradient sent as a rank-`rank` approximation
     # (1–4 in the paper; higher is closer to the exact gradient and sends more).
-    rank: int = 1
+    rank: Annotated[int, AtLeast(1)] = 1
     # Plain all-reduce before this optimizer step: the paper's warm-up (torch suggests about a
     # tenth of the training).
-    start_step: int = 100
+    start_step: Annotated[int, AtLeast(0)] = 100
 
 
 @dataclass
@@ -193,57 +211,63 @@ class StrategyConf:
     # ddp: a replica per rank; fsdp: FSDP2, parameters, gradients and optimizer state sharded over
     # the ranks; tp: tensor parallel over all ranks; fsdp_tp: a 2-D mesh, tensor parallel in groups
     # of tp_size, FSDP across them (parallel/plans.py says what each takes and refuses).
-    name: str = "ddp"
+    name: Annotated[str, OneOf("ddp", "fsdp", "tp", "fsdp_tp")] = "ddp"
     # --- ddp: keyword arguments of torch.nn.parallel.DistributedDataParallel ---
-    bucket_cap_mb: float = 25.0  # DDP's gradient bucket size (MB): smaller starts the all-reduce sooner, larger sends fewer messages
+    # DDP's gradient bucket size (MB): smaller starts the all-reduce sooner, larger sends fewer messages
+    bucket_cap_mb: Annotated[float, Positive()] = 25.0
     # true, false, or auto: the fast choice for this run (performance.py); the summary names it.
-    gradient_as_bucket_view: Any = "auto"
-    static_graph: Any = "auto"  # DDP's static_graph: true, false or auto (performance.py)
-    find_unused_parameters: bool = False  # DDP's search for parameters a forward did not use (slow; only for models that skip some)
+    gradient_as_bucket_view: Annotated[Any, AUTO_BOOL] = "auto"
+    static_graph: Annotated[Any, AUTO_BOOL] = "auto"  # DDP's static_graph: true, false or auto (performance.py)
+    # DDP's search for parameters a forward did not use (slow; only for models that skip some)
+    find_unused_parameters: bool = False
     # --- ddp: the gradient all-reduce and the model, beside DDP's arguments ---
     # The gradient all-reduce through shared memory when every rank is a CPU process on this host
     # (parallel/shared_memory.py), instead of gloo's loopback TCP. auto: wherever it can.
-    shared_memory: Any = "auto"
+    shared_memory: Annotated[Any, AUTO_BOOL] = "auto"
     # DDP's gradient communication hook (parallel/comm.py): none (DDP's fp32 all-reduce), fp16 or bf16
     # (gradients all-reduced in 16 bits), or powersgd (low-rank, settings below).
-    comm_hook: str = "none"
+    comm_hook: Annotated[str, OneOf(*COMM_HOOKS)] = "none"
     powersgd: PowerSGDConf = field(default_factory=PowerSGDConf)
     # BatchNorm layers become SyncBatchNorm (statistics over the global batch, so a BatchNorm model
     # trains alike at any world size). GPUs only: DDP refuses it on the CPU. auto: on with CUDA.
-    sync_batchnorm: Any = False
+    sync_batchnorm: Annotated[Any, AUTO_BOOL] = False
     # --- fsdp, fsdp_tp ---
     # Free each unit's gathered parameters after its forward (less memory, one more all-gather in
     # the backward); false keeps them until the backward.
     reshard_after_forward: bool = True
     # Parameters cast to this for the compute (bf16), gradients reduced in fp32. null: fp32.
     # (fp16 is refused: it would need loss scaling over the shards.)
-    mixed_precision: Optional[str] = None
+    mixed_precision: Annotated[Optional[str], OneOf("bf16", "fp16")] = None
     # Parameters and optimizer state kept on the CPU between uses (GPUs only).
     cpu_offload: bool = False
     # --- fsdp_tp ---
     # Ranks per tensor-parallel group (the world size divided by it: FSDP's dimension).
-    tp_size: int = 2
+    tp_size: Annotated[int, AtLeast(1)] = 2
 
 
 @dataclass
 class ProfilerConf:
     # Steps skipped, warmed up, then recorded (torch.profiler.schedule, once).
-    wait: int = 1
-    warmup: int = 1  # steps profiled but not recorded, after the skipped ones
-    active: int = 3  # steps recorded
-    ranks: Optional[list[int]] = None  # null: every rank
-    row_limit: int = 15  # rows of the top-operators table in the log
+    wait: Annotated[int, AtLeast(0)] = 1
+    warmup: Annotated[int, AtLeast(0)] = 1  # steps profiled but not recorded, after the skipped ones
+    active: Annotated[int, AtLeast(1)] = 3  # steps recorded
+    ranks: Annotated[Optional[list[int]], Checked("config.checks: ranks of the run")] = None  # null: every rank
+    row_limit: Annotated[int, AtLeast(1)] = 15  # rows of the top-operators table in the log
 
 
 @dataclass
 class TrialConf:
     # Set by the search's sweeper (hydra/sweeper=optuna) on each trial's job: which trial of which
     # study, where the study lives, and the pruner that may stop it after a validation. null: no search.
-    number: Optional[int] = None
-    study: Optional[str] = None  # the Optuna study's name
-    storage: Optional[str] = None  # where the study lives (a journal file or a database URL)
-    pruner: str = "none"  # median, hyperband or none: may stop the trial after a validation
-    pruner_args: dict[str, Any] = field(default_factory=dict)  # the pruner's own keyword arguments
+    number: Annotated[Optional[int], AtLeast(0)] = None
+    study: Annotated[Optional[str], Free("the sweeper's: any name")] = None  # the Optuna study's name
+    # where the study lives (a journal file or a database URL)
+    storage: Annotated[Optional[str], Free("the sweeper's: a journal file or a database URL")] = None
+    # median, hyperband or none: may stop the trial after a validation
+    pruner: Annotated[str, OneOf("median", "hyperband", "none")] = "none"
+    # The pruner's own keyword arguments.
+    pruner_args: Annotated[dict[str, Any], Checked("search.study.pruner_of: the pruner's own arguments")] = field(
+        default_factory=dict)
 
 
 @dataclass
@@ -258,12 +282,13 @@ class Config:
     data: DataConf = field(default_factory=DataConf)
     trial: TrialConf = field(default_factory=TrialConf)
     # What is learnt (conf/task/): the loss, the metrics, the predictions; a `_target_` class.
-    task: Any = MISSING
-    model: Any = MISSING
-    optim: Any = MISSING
-    scheduler: Any = None
+    task: Annotated[Any, TARGET] = MISSING
+    model: Annotated[Any, TARGET] = MISSING
+    optim: Annotated[Any, TARGET] = MISSING
+    scheduler: Annotated[Any, TARGET] = None
     # Rank 0's loggers, by name (conf/logger/: tensorboard, csv, mlflow, wandb), each a `_target_` class.
-    logger: Any = field(default_factory=dict)
+    logger: Annotated[Any, Checked("config.checks: names of conf/logger/ options, each a _target_ config")] = field(
+        default_factory=dict)
 
 
 @dataclass
@@ -271,8 +296,8 @@ class EvalConfig(Config):
     """eval.py's: the run's groups (the checkpoint's model and data are used unless overridden)."""
 
     # A checkpoint (a file or a sharded step-N directory), or a run directory (its best, else last).
-    ckpt: str = MISSING
-    split: str = "test"  # test, val or train
+    ckpt: Annotated[str, Checked("checkpoints: a checkpoint or a run directory")] = MISSING
+    split: Annotated[str, OneOf("test", "val", "train")] = "test"  # test, val or train
     # Also write predictions.csv: sample index, label, predicted class, its probability.
     predict: bool = False
 

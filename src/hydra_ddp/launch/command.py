@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from hydra_ddp.config import checks, from_checkpoint, resolve, run_config
 from hydra_ddp.errors import EVERY_RANK, UserError
-from hydra_ddp.launch import kubernetes, startup, workers
+from hydra_ddp.launch import composition, kubernetes, startup, workers
 from hydra_ddp.launch.workers import Stopped, _again, say
 from hydra_ddp.parallel import distributed
 from hydra_ddp.rundir import RunDir
@@ -52,12 +52,14 @@ def adopt_external_launch(argv: list[str]) -> None:
 
 
 def exit_after(entry: Callable[[], Any]) -> NoReturn:
-    """Run train.py's entry point, then end the process without the interpreter's teardown.
+    """Run train.py's entry point (Hydra's composition errors in one line: composition.py), then end
+    the process without the interpreter's teardown.
 
     Exit handlers run and other threads are waited for, as at any exit; what is skipped is freeing
     torch's thousands of modules and objects one by one, which takes seconds after `import torch`
     alone, at the end of every command, with every output already closed.
     """
+    composition.report_in_one_line()
     try:
         entry()
         code: Any = 0

@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-HOOKS = ("none", "fp16", "bf16", "powersgd")
 MIN_COMPRESSION = 2  # a matrix is approximated only where that sends at most half its numbers (torch's default)
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

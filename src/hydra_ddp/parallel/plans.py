@@ -92,8 +92,6 @@ def check(plain: dict[str, Any]) -> None:
     the model, is checked by check_tp_plan)."""
     settings = plain["strategy"]
     chosen = plan(settings["name"])
-    if settings["mixed_precision"] not in (None, "bf16", "fp16"):
-        raise UserError(f"strategy.mixed_precision must be null, bf16 or fp16, got {settings['mixed_precision']!r}")
     if chosen.tensor_parallel:
         check_tp_plan(plain, chosen)
     for refused, why in chosen.refusals(plain):

@@ -38,8 +38,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from hydra_ddp.config import resolve, run_config  # noqa: E402
 from hydra_ddp.launch import command, workers  # noqa: E402
-from hydra_ddp.config.schema import PRECISIONS, Config, register_schema  # noqa: E402
-from hydra_ddp.parallel import comm  # noqa: E402
+from hydra_ddp.config.schema import COMM_HOOKS, PRECISIONS, Config, register_schema  # noqa: E402
 from hydra_ddp.errors import UserError  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[3] / "conf")  # the repository's conf/ (src/hydra_ddp/tools/)
@@ -78,7 +77,7 @@ def candidates(plain: dict[str, Any], tune: Any) -> dict[str, list[Any]]:
         # auto where it can serve (one host, CPU): timed against gloo's all-reduce.
         "strategy.shared_memory": ["auto", False] if ddp and not cuda and ranks == world > 1 else [],
         "trainer.precision": [p for p in PRECISIONS if cuda or p != "16"],  # fp16 needs a GPU
-        "strategy.comm_hook": list(comm.HOOKS) if ddp and world > 1 else [],
+        "strategy.comm_hook": list(COMM_HOOKS) if ddp and world > 1 else [],
     }
     wanted = list(tune.knobs) if tune.knobs is not None else list(KNOBS)
     unknown = [k for k in wanted if k not in KNOBS]

@@ -9,34 +9,41 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from hydra_ddp.config.domains import AtLeast, Checked, Free, Number, OneOf
+from hydra_ddp.search.study import PRUNERS
+
 log = logging.getLogger(__name__)
+
+
+# A sampler's seed: numpy's SeedSequence takes 0 to 2**32 - 1 (search.study.trial_seed).
+SEED = Number(low=0, high=2**32 - 1, whole=True)
 
 
 @dataclass
 class TPESamplerConf:
     _target_: str = "optuna.samplers.TPESampler"
-    seed: Optional[int] = None
-    n_startup_trials: int = 10
+    seed: Annotated[Optional[int], SEED] = None
+    n_startup_trials: Annotated[int, AtLeast(0)] = 10
     multivariate: bool = False
 
 
 @dataclass
 class RandomSamplerConf:
     _target_: str = "optuna.samplers.RandomSampler"
-    seed: Optional[int] = None
+    seed: Annotated[Optional[int], SEED] = None
 
 
 @dataclass
 class CmaEsSamplerConf:
     _target_: str = "optuna.samplers.CmaEsSampler"
-    seed: Optional[int] = None
-    n_startup_trials: int = 1
+    seed: Annotated[Optional[int], SEED] = None
+    n_startup_trials: Annotated[int, AtLeast(0)] = 1
 
 
 @dataclass
@@ -44,7 +51,7 @@ class GridSamplerConf:
     # The grid is the search space's choice() and range() values (hydra_ddp.search.space.grid).
     _target_: str = "optuna.samplers.GridSampler"
     _partial_: bool = True
-    seed: Optional[int] = None
+    seed: Annotated[Optional[int], SEED] = None
 
 
 @dataclass
@@ -52,16 +59,20 @@ class OptunaSweeperConf:
     _target_: str = "hydra_plugins.hydra_ddp_optuna.sweeper.OptunaSweeper"
     defaults: list[Any] = field(default_factory=lambda: [{"sampler": "tpe"}])
     sampler: Any = MISSING
-    direction: str = "minimize"  # trainer.monitor's: maximize for an accuracy (checked before the first trial)
-    study_name: Optional[str] = None  # null: "search"
+    # trainer.monitor's: maximize for an accuracy (checked before the first trial)
+    direction: Annotated[str, OneOf("minimize", "maximize")] = "minimize"
+    study_name: Annotated[Optional[str], Free("any name")] = None  # null: "search"
     # null: a journal file in the sweep directory (hydra_ddp.search.study); or an Optuna storage URL.
-    storage: Optional[str] = None
-    n_trials: int = 20  # in the study, over every run of the command with this sweep directory
-    n_jobs: int = 1  # trials in flight: a new one starts as soon as one ends
-    pruner: str = "median"  # median, hyperband or none: stops a hopeless trial after a validation
-    pruner_args: dict[str, Any] = field(default_factory=dict)  # e.g. {n_startup_trials: 5} (Optuna's own)
-    params: Optional[dict[str, str]] = None
-    role: str = "main"  # helper: one of the n_jobs - 1 processes the main sweeper starts
+    storage: Annotated[Optional[str], Free("a file or Optuna's storage URL")] = None
+    # In the study, over every run of the command with this sweep directory.
+    n_trials: Annotated[int, AtLeast(1)] = 20
+    n_jobs: Annotated[int, AtLeast(1)] = 1  # trials in flight: a new one starts as soon as one ends
+    # median, hyperband or none: stops a hopeless trial after a validation
+    pruner: Annotated[str, OneOf(*PRUNERS)] = "median"
+    # e.g. {n_startup_trials: 5} (Optuna's own)
+    pruner_args: Annotated[dict[str, Any], Checked("search.study.pruner_of")] = field(default_factory=dict)
+    params: Annotated[Optional[dict[str, str]], Checked("search.space.parse")] = None
+    role: Annotated[str, OneOf("main", "helper")] = "main"  # helper: one of the n_jobs - 1 processes the main sweeper starts
     # The sampler stays a config (Hydra would build it once, with the sweeper): each trial's is built
     # from it with a seed of its own (search.study.trial_seed), so processes sharing a study draw
     # apart, and a seeded search draws the same values for the same trial numbers.
@@ -69,8 +80,8 @@ class OptunaSweeperConf:
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="optuna", node=OptunaSweeperConf, provider="hydra_ddp")
-for _name, _node in (("tpe", TPESamplerConf), ("random", RandomSamplerConf), ("cmaes", CmaEsSamplerConf),
-                     ("grid", GridSamplerConf)):
+SAMPLERS = {"tpe": TPESamplerConf, "random": RandomSamplerConf, "cmaes": CmaEsSamplerConf, "grid": GridSamplerConf}
+for _name, _node in SAMPLERS.items():
     ConfigStore.instance().store(group="hydra/sweeper/sampler", name=_name, node=_node, provider="hydra_ddp")
 
 
@@ -107,11 +118,7 @@ class OptunaSweeper(Sweeper):
         from hydra_ddp.search import space, study as studies
 
         searched, fixed = space.parse(self.params, arguments)
-        if self.pruner not in studies.PRUNERS:
-            raise UserError(f"hydra.sweeper.pruner={self.pruner!r}: choose {', '.join(studies.PRUNERS)}")
-        studies.pruner_of(self.pruner, self.pruner_args)  # its arguments, checked before the first trial
-        if self.n_trials < 1 or self.n_jobs < 1:
-            raise UserError("hydra.sweeper.n_trials and hydra.sweeper.n_jobs must be at least 1")
+        self.check()
         sampler = self._sampler(searched, stream=0)  # the grid's values checked before the first trial
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         location = self.storage or str(self.sweep_dir / studies.JOURNAL)
@@ -145,6 +152,25 @@ class OptunaSweeper(Sweeper):
                 helper.wait()
         if self.role == "main":
             self._results(study)
+
+    def check(self) -> None:
+        """The sweeper's own settings, each in its domain (config.domains), one line naming the first
+        that is not: before the first trial."""
+        from hydra_ddp.config import domains
+        from hydra_ddp.errors import UserError
+        from hydra_ddp.search import study as studies
+
+        settings = {"direction": self.direction, "n_trials": self.n_trials, "n_jobs": self.n_jobs,
+                    "pruner": self.pruner, "role": self.role}
+        sampler = OmegaConf.to_container(self.sampler_cfg) if isinstance(self.sampler_cfg, DictConfig) else {}
+        kind = next((conf for conf in SAMPLERS.values() if conf._target_ == sampler.get("_target_")), None)
+        for node, cls, where in ((settings, OptunaSweeperConf, "hydra.sweeper"), (sampler, kind, "hydra.sweeper.sampler")):
+            try:
+                if cls is not None:
+                    domains.check(node, cls)
+            except UserError as error:
+                raise UserError(f"{where}.{error}") from None
+        studies.pruner_of(self.pruner, self.pruner_args)  # its arguments, checked before the first trial
 
     def _sampler(self, searched: dict[str, Any], stream: int) -> Any:
         """The sampler for the trial asked for when the study holds `stream` trials: its seed (when
