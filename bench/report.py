@@ -31,8 +31,8 @@ _STARTUP_INTRO = (
     "worker imports only then (the hand-written loop's DDP imports torch._dynamo in its constructor). **floor**: "
     "one interpreter importing torch and torch._dynamo and nothing else, timed the same way: as Python runs it, "
     "and with the garbage collector off while they load, as the project's processes load them "
-    "(`startup.frozen_imports`; its full passes over the imports' half a million objects are a quarter of the "
-    "time). A cold start of a DDP script that imports them so cannot start sooner; what a configuration takes "
+    "(`startup.frozen_imports`, which spares the collector its full passes over the imports' half a million "
+    "objects; the table gives both times). A cold start of a DDP script that imports them so cannot start sooner; what a configuration takes "
     "beyond it is its own start-up.")
 _TITLES = {"default": "The default run (`make train`)", "comm": "Communication hooks", "checkpoint": "Checkpoints off the critical path", "strategy": "Strategies: DDP and FSDP",
            "strategy_gpt": "Strategies on the transformer: DDP, FSDP and tensor parallel"}

@@ -285,6 +285,84 @@ def make_image_folder(root: Path, classes=("cat", "dog"), per_class=5, size=10) 
     return root
 
 
+# --- A user's own task, model and data, in a package of their own (tests/test_tasks.py, the docs' ~/lab) ---
+LAB = {
+    "mylab/__init__.py": "",
+    "mylab/task.py": '''
+        import torch
+        import torch.nn.functional as F
+        from hydra_ddp.tasks import Task
+
+        class Binary(Task):
+            """Yes/no from one logit: logistic loss; balanced accuracy (the mean of the two classes' recalls)."""
+            metrics = {"loss": "min", "balanced_accuracy": "max"}
+            state_size = 5  # loss sum, count, true positives, positives, true negatives
+            prediction_columns = ("label", "score")
+            integer_columns = ("label",)
+
+            def loss(self, output, target):
+                return F.binary_cross_entropy_with_logits(output.float().reshape(-1), target.float())
+
+            def state(self, output, target):
+                logit, y = output.float().reshape(-1), target.float()
+                losses = F.binary_cross_entropy_with_logits(logit, y, reduction="none").double()
+                said = logit > 0
+                return torch.stack([losses.sum(), torch.tensor(float(len(y)), dtype=torch.float64),
+                                    (said & (y == 1)).sum().double(), (y == 1).sum().double(),
+                                    (~said & (y == 0)).sum().double()])
+
+            def compute(self, total):
+                loss, count, tp, positives, tn = total
+                return {"loss": loss / count, "balanced_accuracy": (tp / positives + tn / (count - positives)) / 2}
+
+            def predict(self, output, target):
+                return torch.stack([target.double(), output.double().reshape(-1)], 1)
+
+        class PerSample(Binary):
+            """A mistake a user makes: the loss left unreduced."""
+            def loss(self, output, target):
+                return F.binary_cross_entropy_with_logits(output.float().reshape(-1), target.float(), reduction="none")
+    ''',
+    "mylab/model.py": '''
+        from torch import nn
+
+        class Scorer(nn.Module):
+            def __init__(self, features: int):
+                super().__init__()
+                self.net = nn.Sequential(nn.Linear(features, 16), nn.ReLU(), nn.Linear(16, 1))
+
+            def forward(self, x):
+                return self.net(x)
+    ''',
+    "mylab/data.py": '''
+        import torch
+        from torch.utils.data import TensorDataset
+
+        def blobs(features: int = 8, size: int = 600, seed: int = 0):
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(size, features, generator=gen)
+            y = (x[:, 0] + 0.5 * x[:, 1] > 0.3).long()  # unbalanced on purpose
+            return TensorDataset(x[:500], y[:500]), TensorDataset(x[500:], y[500:])
+    ''',
+    "labconf/task/binary.yaml": "_target_: mylab.task.Binary\n",
+    "labconf/model/scorer.yaml": "_target_: mylab.model.Scorer\nfeatures: 8\n",
+    "labconf/data/blobs.yaml": "num_classes: 1\ndataset:\n  _target_: mylab.data.blobs\n  features: 8\n",
+}
+
+
+
+
+def write_lab(folder: Path) -> Path:
+    """LAB's files under `folder`: the package `mylab` and its config folder `labconf`."""
+    import textwrap
+
+    for name, text in LAB.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return folder
+
+
 # --- Comparing runs --------------------------------------------------------------------------------
 
 def relative_gaps(got: list[float], expected: list[float]) -> list[float]:

@@ -1,242 +1,388 @@
-"""The docs cannot drift: the config reference is the schema's, and every shell command in README.md
-and docs/ runs here, or its block is marked as needing what this machine lacks.
+"""The docs cannot drift: every fence names its language, every shell command in README.md and
+docs/ runs here for real, and the config reference is the schema's.
 
-A block is marked by an HTML comment on the line before its fence: `<!-- doc-test: needs-gpu -->`
-or `<!-- doc-test: needs-cluster -->` (several hosts, Slurm, Kubernetes). The others run:
+Every command of a `bash` block runs as written, by bash, in a project folder made for the test
+(`project`: the repository's train.py, eval.py, conf/, scripts/, Makefile and .venv, linked), with
+the block's own variables, and with only a small-run suffix appended (SUFFIXES: two training
+steps, two search trials, a short tuning, a free port for a server). Launchers run as they are
+given: torchrun, torch.distributed.launch, mpirun, sbatch (on the suite's own Slurm cluster,
+tests/slurm), submitit's local launcher; the two commands of a two-node pair run at once; a
+sweep runs every value. A server (tensorboard, mlflow ui) is started, asked for a page and
+stopped. A command that composes the same config as one already run (the same words, or the
+same composed config for a plain train.py run) runs once.
 
-- `train.py` and `eval.py`, however launched (python, torchrun, mpirun, sbatch with the project's
-  script, `make train ARGS=...`, the tuners' train.py overrides): composed, resolved and checked
-  exactly as `train.py --check` does (the same code: preflight.check; a GPU host's command as
-  `--check --gpus=N`), a sweep's first value and a search's space left to the sweeper;
-  placeholders (a run's DATE/TIME, DIR, /data/cifar, ~/lab) stand for fixtures made here: a tiny
-  real run, CIFAR-10 files, an image folder, the user's package of tests/test_tasks.py;
-- `python -m hydra_ddp.export`: run for real against the tiny run;
-- shell variables a block sets (`export X=...`, `X=...`) expand in its later lines;
-- `make TARGET`: the target exists (`make -n`); `pip install -e '.[EXTRA]'`: the extra exists;
-- a tool the docs open a run with (tensorboard, mlflow, wandb): it is installed in the venv
-  (tests/test_ui.py serves the first two as the docs give them).
+The docs' placeholders are real in the project folder: `outputs/runs/DATE/TIME` is a finished run
+there, `path/to/step-00000100.pt` one of its checkpoints, `data/` holds CIFAR-10's files, `~` is a
+home with the user's package of docs/tasks.md in `~/lab`. A few stand for what no folder can be,
+and are replaced (PLACEHOLDERS): `node0` (node 0's host), `/shared/...` (a shared file system),
+`/data/cifar`, `DIR` and `N` (your images and their classes).
+
+A block that cannot run here is marked by an HTML comment on the line before its fence,
+`<!-- doc-test: MARK -->` with a MARK of MARKS (docs/testing.md lists them): it is skipped, or for
+`installs`, checked only (the extras it installs are the project's). The test prints
+how many commands ran, how many were checked only (the marked `installs`) and how many were
+skipped, by mark.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
+import shutil
+import signal
+import socket
 import subprocess
 import sys
-import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pytest
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser, before the standard library took it in
     import tomli as tomllib  # type: ignore[no-redef]
 
-from pathlib import Path
-
-import pytest
-
-from support import QUICK, REPO, check_ok, run_train, train_env
+from support import QUICK, REPO, check_ok, make_image_folder, run_train, train_env, write_cifar, write_lab
 
 # docs/index.md is README.md's copy, made by `make docs`.
 PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*.md") if p.name != "index.md")]
-SHELLS = ("bash", "sh", "shell", "console")
-MARKS = ("needs-gpu", "needs-cluster")
-VENV_TOOLS = ("tensorboard", "mlflow", "wandb")
+SHELLS = ("bash",)
+MARKS = {
+    "needs-gpu": "a GPU host's command (NCCL, CUDA); bench/gpu_check.py runs those when a GPU is lent",
+    "needs-cluster": "several real hosts, a GPU partition, a container registry or a Kubernetes cluster",
+    "needs-account": "a hosted service's account (W&B's servers)",
+    "the-suite": "make test: the suite this test is part of",
+    "installs": "changes the environment the suite runs in: checked only (the extras it names exist)",
+}
+TIMEOUT_S = 300  # one command, a sweep or a pair of nodes included
 
 
-def shell_blocks(path: Path) -> list[tuple[int, str | None, list[str]]]:
-    """(line, mark, commands) for each shell block of a page: continuation lines joined."""
-    blocks, lines = [], path.read_text().split("\n")
-    i = 0
+@dataclass
+class Block:
+    page: Path
+    line: int
+    lang: str
+    mark: Optional[str]
+    commands: list[str] = field(default_factory=list)
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(REPO)}:{self.line}"
+
+
+def blocks(path: Path) -> list[Block]:
+    """Every fenced block of a page, its language and mark; a shell block's commands with their
+    continuation lines joined and comment lines left out."""
+    found, lines, i = [], path.read_text().split("\n"), 0
     while i < len(lines):
-        fence = re.match(r"^(\s*)```(\w*)", lines[i])
+        fence = re.match(r"^\s*```(\S*)", lines[i])
         if not fence:
             i += 1
             continue
-        lang, start = fence.group(2), i
-        body = []
+        start, body = i, []
         i += 1
         while i < len(lines) and not lines[i].strip().startswith("```"):
             body.append(lines[i])
             i += 1
         i += 1
-        if lang not in SHELLS:
-            continue
         before = "\n".join(lines[max(0, start - 2):start])
-        mark = next((m for m in MARKS if f"doc-test: {m}" in before), None)
-        commands, current = [], ""
-        for line in body:
-            current += line.rstrip("\\").rstrip() + " " if line.rstrip().endswith("\\") else line
+        mark = next((m for m in MARKS if f"<!-- doc-test: {m} -->" in before), None)
+        block = Block(path, start + 1, fence.group(1), mark)
+        current = ""
+        for line in body if block.lang in SHELLS else []:
+            current += line.rstrip()[:-1].rstrip() + " " if line.rstrip().endswith("\\") else line
             if not line.rstrip().endswith("\\"):
                 if current.strip() and not current.strip().startswith("#"):
-                    commands.append(current.strip())
+                    block.commands.append(current.strip())
                 current = ""
-        blocks.append((start + 1, mark, commands))
-    return blocks
+        found.append(block)
+    return found
 
 
-def _words(command: str) -> list[str]:
-    return shlex.split(command, comments=True)
+BLOCKS = [block for page in PAGES for block in blocks(page)]
 
 
-def _train_overrides(words: list[str]) -> tuple[list[str], int | None]:
-    """A train.py command's overrides as one job checks them, and --gpus=N if given."""
-    gpus, overrides = None, []
-    for word in words:
-        if word.startswith("--gpus="):
-            gpus = int(word.split("=", 1)[1])
-        elif word.startswith("-"):  # -m, --check, --cfg job, ...: the job's config is what is checked
-            continue
-        elif "=" in word:
-            key, value = word.split("=", 1)
-            if re.match(r"^(interval|choice|range|tag)\(", value) or key.startswith(
-                    ("hydra.sweeper", "hydra.launcher", "hydra.sweep.", "hydra.run.", "tune.")):
-                continue  # the sweeper's, the launcher's and the tuner's own
-            if "," in value and not value.startswith(("[", "{", "'", '"')):
-                value = value.split(",")[0]  # a sweep: its first job
-            overrides.append(f"{key}={value}")
-    return overrides, gpus
-
-
-def _commands():
+def test_every_fence_names_its_language_and_every_mark_is_known():
+    bare = [block.where for block in BLOCKS if not block.lang]
+    assert not bare, f"fences without a language (a command block is bash, output text): {bare}"
     for page in PAGES:
-        for line, mark, commands in shell_blocks(page):
-            for command in commands:
-                yield page, line, mark, command
+        for found in re.findall(r"^<!-- doc-test: ([\w-]+) -->$", page.read_text(), re.MULTILINE):
+            assert found in MARKS, f"{page.name}: unknown doc-test mark {found!r} (one of {', '.join(MARKS)})"
+    assert sum(len(b.commands) for b in BLOCKS if b.lang in SHELLS) > 60  # README.md and docs/: the test reads them
 
 
-COMMANDS = list(_commands())
+def test_the_marks_are_the_ones_docs_testing_md_lists():
+    listed = (REPO / "docs" / "testing.md").read_text()
+    assert all(f"`{mark}`" in listed for mark in MARKS), [m for m in MARKS if f"`{m}`" not in listed]
 
 
-def test_the_docs_have_shell_blocks_and_every_mark_is_known():
-    assert len(COMMANDS) > 40  # README.md and docs/: the test reads them
-    for page in PAGES:
-        for found in re.findall(r"doc-test: ([\w-]+)", page.read_text()):
-            assert found in MARKS, f"{page.name}: unknown doc-test mark {found!r} (one of {MARKS})"
+# --- The project folder the commands run in --------------------------------------------------------
+
+PLACEHOLDERS = {  # what no folder can be: replaced, word by word
+    r"\bnode0(?=:)": "127.0.0.1",  # node 0's host name: this machine
+    r"(?<![\w/.])/shared/": "{project}/shared/",  # a file system every node shares
+    r"(?<![\w/.])/data/cifar\b": "{project}/data",  # your CIFAR-10 download
+    r"\bdata\.dataset\.root=DIR\b": "data.dataset.root={images}",  # your image folder
+    r"\bdata\.num_classes=N\b": "data.num_classes=2",  # its classes
+}
 
 
 @pytest.fixture(scope="module")
-def fixtures(tmp_path_factory) -> dict[str, Path]:
-    """What the docs' placeholders stand for: a tiny real run (eval.py's and the exporter's
-    checkpoint, a fine-tune's init_from), CIFAR-10 files, an image folder, a user's own package."""
-    from support import make_image_folder, write_cifar
-    from test_tasks import LAB
-
-    base = tmp_path_factory.mktemp("docs")
-    check_ok(run_train(base / "run", *QUICK))
-    home = base / "home"
-    for name, text in LAB.items():
-        (home / "lab" / name).parent.mkdir(parents=True, exist_ok=True)
-        (home / "lab" / name).write_text(textwrap.dedent(text))  # as tests/test_tasks.py writes them
-    return {"run": base / "run", "cifar": write_cifar(base / "cifar"), "images": make_image_folder(base / "images"),
-            "home": home}
-
-
-def _expand(command: str, env: dict[str, str], home: Path) -> str:
-    """$VAR, ${VAR} and ~ as the shell would, from the block's own assignments and a fake home."""
-    command = re.sub(r"(^|[\s=:\[])~(?=/)", lambda m: m.group(1) + str(home), command)
-    return re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m.group(1), str(home) if m.group(1) == "HOME" else m.group(0)),
-                  command)
+def project(tmp_path_factory) -> Path:
+    """A folder to run the docs' commands in, as a user's clone would be after `make train`."""
+    folder = tmp_path_factory.mktemp("project")
+    for name in ("train.py", "eval.py", "conf", "scripts", "Makefile", "pyproject.toml", "src"):
+        (folder / name).symlink_to(REPO / name)
+    (folder / ".venv").symlink_to(Path(sys.executable).parents[1])
+    run = folder / "outputs" / "runs" / "DATE" / "TIME"
+    check_ok(run_train(run, *QUICK, "checkpoint.every_n_steps=4"))
+    (folder / "path" / "to").mkdir(parents=True)
+    shutil.copy(run / "checkpoints" / "last.pt", folder / "path" / "to" / "step-00000100.pt")
+    write_cifar(folder / "data")
+    make_image_folder(folder / "images")
+    write_lab(folder / "home" / "lab")
+    return folder
 
 
-def _placeholders(words: list[str], fx: dict[str, Path]) -> list[str]:
-    """The docs' placeholders (DATE/TIME runs, DIR, /data/cifar, N) as this test's fixtures."""
-    out = []
-    for word in words:
-        key, _, value = word.partition("=")
-        if "DATE/TIME" in value or key == "ckpt":
-            word = f"{key}={fx['run']}"
-        elif key == "data.dataset.root":
-            word = f"{key}={fx['images'] if any('imagefolder' in w for w in words) else fx['cifar']}"
-        elif key == "data.num_classes" and value == "N":
-            word = f"{key}=2"
-        out.append(word)
-    if any(w in ("data=cifar10", "+experiment=cifar10_resnet18") for w in out) and not any(
-            w.startswith("data.dataset.root=") for w in out):
-        out.append(f"data.dataset.root={fx['cifar']}")
-    return out
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def _after(words: list[str], script: str) -> list[str] | None:
-    """The arguments after `script` (train.py, a .sbatch file) in a launcher's command line."""
+def _program(words: list[str]) -> str:
+    return Path(words[0]).name if words else ""
+
+
+def _script(words: list[str]) -> Optional[str]:
+    """train.py, eval.py, a tool's module, or what the command runs."""
     for i, word in enumerate(words):
-        if word == script or word.endswith("/" + script) or (script == ".sbatch" and word.endswith(".sbatch")):
-            return words[i + 1:]
+        if word in ("train.py", "eval.py") or word.endswith(("/train.py", "/eval.py")):
+            return Path(word).name
+        if word == "-m" and i + 1 < len(words) and words[i + 1].startswith("hydra_ddp."):
+            return words[i + 1]
     return None
 
 
-@pytest.mark.timeout(600)
-def test_every_shell_command_in_the_docs_runs(fixtures: dict[str, Path], tmp_path: Path, monkeypatch):
-    from hydra_ddp.launch import preflight
+def suffix(words: list[str]) -> list[str]:
+    """SUFFIXES: what a small run of this command appends (nothing for one that launches nothing)."""
+    script = _script(words)
+    if {"--check", "--cfg", "--help", "--info"} & set(words):
+        return []
+    if script == "train.py":
+        extra = ["trainer.max_steps=2"]
+        if any(w.startswith("hparams_search=") for w in words):
+            extra.append("hydra.sweeper.n_trials=2")
+        return extra
+    if script == "hydra_ddp.tools.tune":
+        return ["tune.steps=4", "tune.repeats=1"]
+    if script == "hydra_ddp.tools.tune_loader":
+        return ["tune.batches=2", "tune.num_workers=[0,1]"]
+    if _program(words) == "make" and "train" in words:
+        return ["ARGS=trainer.max_steps=2"]
+    if _program(words) in ("tensorboard", "mlflow"):
+        return [f"--port={_free_port()}"]
+    return []
 
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    failures, ran, env, block = [], 0, {}, None
 
-    def check(overrides: list[str], name: str, config_name: str = "config") -> None:
-        overrides, gpus = _train_overrides(_placeholders(overrides, fixtures))
-        if any(o in ("backend=nccl", "trainer.device=cuda") for o in overrides) and gpus is None:
-            nproc = next((o.split("=")[1] for o in overrides if o.startswith("trainer.nproc=")), "8")
-            gpus = int(nproc) if nproc.isdigit() else 8  # a GPU host's command: checked as --check --gpus=N does
-        preflight.check(REPO / "conf", overrides, tmp_path / name, gpus=gpus, config_name=config_name)
+SERVERS = {"tensorboard": "/data/runs", "mlflow": "/api/2.0/mlflow/experiments/search?max_results=1"}
 
-    for page, line, mark, command in COMMANDS:
-        if mark:
-            continue
-        if (page, line) != block:  # a block's variables are its own
-            block, env = (page, line), {}
-        where = f"{page.relative_to(REPO)}:{line}: {command}"
+
+@dataclass
+class Outcome:
+    ran: int = 0
+    distinct: int = 0
+    checked: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)
+    failures: list[str] = field(default_factory=list)
+
+
+def _without_comment(command: str) -> str:
+    return re.sub(r"\s+#\s.*$", "", command)
+
+
+def _placed(command: str, project: Path) -> str:
+    for pattern, value in PLACEHOLDERS.items():
+        command = re.sub(pattern, value.format(project=project, images=project / "images"), command)
+    return command
+
+
+def _key(words: list[str], env_lines: list[str]) -> str:
+    """What makes a command the same as another: its words after the block's variables, with the
+    program's path left out; a plain train.py run's composed config."""
+    normal = " ".join(["python" if w.endswith("/python") else w for w in words])
+    plain = (_script(words) == "train.py" and _program(words) in ("python", "python3")
+             and not any(w.startswith("-") for w in words[1:]) and not env_lines)
+    if plain:
+        from hydra import compose, initialize_config_dir
+        from omegaconf import OmegaConf
+
+        overrides = words[2:]
+        hydras = sorted(w for w in overrides if w.startswith("hydra"))  # where it runs: not in the job's config
         try:
-            words = _words(_expand(command, env, fixtures["home"]))
-            if not words:
+            with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+                composed = OmegaConf.to_container(compose(config_name="config", overrides=overrides))
+            return "train.py " + json.dumps([composed, hydras], sort_keys=True, default=str)
+        except Exception:  # noqa: BLE001  (the run itself will say)
+            pass
+    return normal + " | " + " ".join(env_lines)
+
+
+def _expand(command: str, env_lines: list[str], project: Path, env: dict[str, str]) -> list[str]:
+    """The command's words as bash makes them, after the block's assignments (variables, ~, quotes)."""
+    script = "\n".join([*env_lines, f"set -- {command}", 'printf "%s\\0" "$@"'])
+    out = subprocess.run(["bash", "-c", script], cwd=project, env=env, capture_output=True, text=True, timeout=30).stdout
+    return out.split("\0")[:-1]
+
+
+def _start(script: str, project: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(["bash", "-c", script], cwd=project, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return -9, out, f"timed out after {timeout:.0f} s\n{err}"
+    return proc.returncode, out, err
+
+
+def _serve(script: str, path: str, port: int, project: Path, env: dict[str, str]) -> str:
+    """Start a server as the docs give it, wait until it answers `path`; stop it. Empty: it answered."""
+    import urllib.request
+
+    proc = _start(script, project, env)
+    deadline, problem = time.monotonic() + 120, f"no answer on port {port} within 120 s"
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return f"exited {proc.returncode} before answering: {proc.stderr.read()[-500:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+                    json.loads(response.read())
+                    return ""
+            except OSError:
+                time.sleep(0.5)
+        return problem
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _sbatch(script: str, project: Path, env: dict[str, str]) -> str:
+    """A job submitted as the docs give it, waited for on the suite's cluster; empty: it ran to the end."""
+    code, out, err = _finish(_start(script, project, env), 60)
+    job = re.search(r"Submitted batch job (\d+)", out)
+    if code or not job:
+        return f"sbatch exited {code}: {err.strip()[-500:]}"
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        queued = subprocess.run(["squeue", "-h", "-j", job.group(1)], env=env, capture_output=True, text=True,
+                                timeout=30).stdout.strip()
+        if not queued:
+            break
+        time.sleep(1)
+    else:
+        subprocess.run(["scancel", job.group(1)], env=env, timeout=30)
+        return f"job {job.group(1)} did not finish within {TIMEOUT_S} s"
+    log = next(project.glob(f"slurm-*-{job.group(1)}.out"), None)
+    text = log.read_text() if log else ""
+    return "" if "hydra-ddp: error" not in text and "Traceback" not in text and log else \
+        f"job {job.group(1)}: {text.strip()[-500:] or 'no output file'}"
+
+
+def _pairs(commands: list[str]) -> list[list[str]]:
+    """The block's commands, a two-node pair (node_rank=0 then =1, else the same) as one group."""
+    groups: list[list[str]] = []
+    for command in commands:
+        if groups and "launcher.node_rank=1" in command and len(groups[-1]) == 1 and \
+                "launcher.node_rank=0" in groups[-1][0]:
+            groups[-1].append(command)
+        else:
+            groups.append([command])
+    return groups
+
+
+@pytest.mark.timeout(3000)
+def test_every_shell_command_in_the_docs_runs(project: Path, request: pytest.FixtureRequest,
+                                               capsys: pytest.CaptureFixture):
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    outcome = Outcome()
+    venv_bin = str(project / ".venv" / "bin")
+    base_env = {**train_env(), "HOME": str(project / "home"), "PATH": f"{venv_bin}:{os.environ['PATH']}",
+                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "WANDB_MODE": "offline",
+                "PYTHONPATH": train_env()["PYTHONPATH"]}
+    for block in BLOCKS:
+        if block.lang not in SHELLS or not block.commands:
+            continue
+        if block.mark == "installs":  # checked only: the extras it names are the project's
+            for command in block.commands:
+                outcome.checked += 1
+                absent = [name for extra in re.findall(r"\.\[([\w,-]+)\]", command) for name in extra.split(",")
+                          if name not in extras]
+                if absent or "pip install" not in command:
+                    outcome.failures.append(f"{block.where}: {command}\n    → not a pip install of the project's extras "
+                                            f"(pyproject.toml has no {absent})")
+            continue
+        if block.mark:
+            outcome.skipped[block.mark] = outcome.skipped.get(block.mark, 0) + len(block.commands)
+            continue
+        env_lines: list[str] = []  # the block's assignments so far, replayed before each command
+        for group in _pairs(block.commands):
+            first = _without_comment(group[0])
+            if re.match(r"^(export\s+)?\w+=", first) and len(group) == 1:
+                env_lines.append(_placed(first, project))
+                outcome.ran += 1
                 continue
-            assignment = re.match(r"^(?:export\s+)?(\w+)=(.*)$", " ".join(words))
-            if assignment and len(words) <= 2 and (words[0] == "export" or "=" in words[0]):
-                env[assignment.group(1)] = assignment.group(2)
-                if assignment.group(1) == "PYTHONPATH":
-                    for folder in assignment.group(2).split(":"):
-                        monkeypatch.syspath_prepend(folder)
-                ran += 1
+            scripts, key_words = [], []
+            for command in group:
+                placed = _placed(_without_comment(command), project)
+                words = _expand(placed, env_lines, project, base_env)
+                extra = suffix(words)
+                scripts.append("\n".join([*env_lines, f"{placed} {shlex.join(extra)}".strip()]))
+                key_words.append(words + extra)
+            outcome.ran += len(group)
+            key = " && ".join(_key(w, env_lines) for w in key_words)
+            if key in outcome.seen:
                 continue
-            program = Path(words[0]).name
-            if program == "make":
-                target = words[1] if len(words) > 1 and "=" not in words[1] else "all"
-                args = next((w.split("=", 1)[1] for w in words if w.startswith("ARGS=")), "")
-                assert subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, timeout=60).returncode == 0, \
-                    f"no make target {target!r}"
-                if target == "train":
-                    check(shlex.split(args), f"run{ran}")
-            elif program == "pip" or words[:3] == ["python", "-m", "pip"]:
-                for extra in re.findall(r"\.\[([\w,-]+)\]", command):
-                    for name in extra.split(","):
-                        assert name in extras, f"pyproject.toml has no extra {name!r}"
-            elif program in VENV_TOOLS:
-                assert (Path(sys.executable).parent / program).exists(), f"{program} is not installed by the project"
+            outcome.seen.add(key)
+            outcome.distinct += len(group)
+            words = key_words[0]
+            program = _program(words)
+            if program == "make" and subprocess.run(["make", "-q", ".venv/.installed"], cwd=REPO).returncode:
+                problem = "the venv is older than pyproject.toml: run make first (make here would reinstall it)"
+            elif program in SERVERS:
+                port = int(words[-1].split("=")[1])
+                problem = _serve(scripts[0], SERVERS[program], port, project, base_env)
             elif program == "sbatch":
-                script = next(w for w in words if w.endswith(".sbatch"))
-                assert (REPO / script).exists(), f"no {script}"
-                check(_after(words, ".sbatch"), f"run{ran}")
-            elif _after(words, "train.py") is not None:  # python, torchrun, torch.distributed.launch, mpirun
-                check(_after(words, "train.py"), f"run{ran}")
-            elif _after(words, "eval.py") is not None:
-                check(_after(words, "eval.py"), f"eval{ran}", "eval")
-            elif words[1:3] in (["-m", "hydra_ddp.tools.tune"], ["-m", "hydra_ddp.tools.tune_loader"]):
-                check(words[3:], f"run{ran}")
-            elif words[1:3] == ["-m", "hydra_ddp.export"]:
-                args = [f"out={tmp_path / 'export' / Path(w.split('=', 1)[1]).name}" if w.startswith("out=") else w
-                        for w in _placeholders(words[3:], fixtures)]
-                if not any(a.startswith("out=") for a in args):
-                    args.append(f"out={tmp_path / 'export' / 'model.safetensors'}")
-                proc = subprocess.run([sys.executable, "-m", "hydra_ddp.export", *args], cwd=tmp_path, env=train_env(),
-                                      capture_output=True, text=True, timeout=120)
-                assert proc.returncode == 0, proc.stderr.strip()
+                cluster = request.getfixturevalue("slurm_cluster")
+                problem = _sbatch(scripts[0], project, {**base_env, **cluster.env, "PYTHON": sys.executable})
             else:
-                raise AssertionError("a command the doc test does not know how to run: run it here, or mark its "
-                                     "block doc-test: needs-gpu / needs-cluster")
-            ran += 1
-        except Exception as error:  # noqa: BLE001  (every failing command listed at once)
-            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            failures.append(f"{where}\n    → {type(error).__name__}: {first}")
-    assert not failures, f"{len(failures)} command(s) in the docs fail:\n" + "\n".join(failures)
-    assert ran > 30
+                procs = [_start(script, project, base_env) for script in scripts]
+                results = [_finish(proc, TIMEOUT_S) for proc in procs]
+                problem = "; ".join(f"exit {code}: {(err.strip() or out.strip())[-400:]}"
+                                    for code, out, err in results if code)
+            if problem:
+                outcome.failures.append(f"{block.where}: {' / '.join(group)}\n    → {problem}")
+    with capsys.disabled():
+        skipped = ", ".join(f"{n} {mark}" for mark, n in sorted(outcome.skipped.items()))
+        print(f"\ndocs: {outcome.ran} commands ran ({outcome.distinct} distinct runs), {outcome.checked} checked only "
+              f"(marked installs), {sum(outcome.skipped.values())} skipped ({skipped})")
+    assert not outcome.failures, f"{len(outcome.failures)} command(s) in the docs fail:\n" + "\n".join(outcome.failures)
+    assert outcome.ran > 60
 
 
 def test_the_config_reference_is_the_schemas_and_every_field_has_a_doc():

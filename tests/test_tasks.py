@@ -7,7 +7,6 @@ import csv
 import json
 import math
 import re
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,8 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
 from support import (
-    QUICK, REPO, assert_float64_alike, check_ok, csv_losses, float64, losses, run_eval, run_train, summary, with_pythonpath,
+    QUICK, REPO, assert_float64_alike, check_ok, csv_losses, float64, losses, run_eval, run_train, summary,
+    with_pythonpath, write_lab,
 )
 from hydra_ddp import tasks
 from hydra_ddp.config import resolve
@@ -102,7 +102,7 @@ def test_every_chunking_gives_the_same_bits_when_chunks_are_added_in_order():
     (torch.tensor(2), tasks.LanguageModel(), "a sequence of next tokens per sample"),
 ])
 def test_a_task_that_does_not_fit_the_data_says_why(target, task, message):
-    problem = tasks.misfit(task, target, outputs=1)
+    problem = tasks.misfit(task, [target], outputs=1)
     assert problem is not None and "\n" not in problem
     assert problem.startswith(f"task {type(task).__name__} does not fit the data: ")
     assert re.search(message, problem), problem
@@ -147,79 +147,11 @@ def test_the_monitor_names_a_metric_of_the_task_and_takes_its_direction(tmp_path
         assert (trainer["monitor"], trainer["monitor_mode"]) == chosen, overrides
 
 
-# --- A user's own task, model and data, in a package of their own -------------------------------
-LAB = {
-    "mylab/__init__.py": "",
-    "mylab/task.py": '''
-        import torch
-        import torch.nn.functional as F
-        from hydra_ddp.tasks import Task
-
-        class Binary(Task):
-            """Yes/no from one logit: logistic loss; balanced accuracy (the mean of the two classes' recalls)."""
-            metrics = {"loss": "min", "balanced_accuracy": "max"}
-            state_size = 5  # loss sum, count, true positives, positives, true negatives
-            prediction_columns = ("label", "score")
-            integer_columns = ("label",)
-
-            def loss(self, output, target):
-                return F.binary_cross_entropy_with_logits(output.float().reshape(-1), target.float())
-
-            def state(self, output, target):
-                logit, y = output.float().reshape(-1), target.float()
-                losses = F.binary_cross_entropy_with_logits(logit, y, reduction="none").double()
-                said = logit > 0
-                return torch.stack([losses.sum(), torch.tensor(float(len(y)), dtype=torch.float64),
-                                    (said & (y == 1)).sum().double(), (y == 1).sum().double(),
-                                    (~said & (y == 0)).sum().double()])
-
-            def compute(self, total):
-                loss, count, tp, positives, tn = total
-                return {"loss": loss / count, "balanced_accuracy": (tp / positives + tn / (count - positives)) / 2}
-
-            def predict(self, output, target):
-                return torch.stack([target.double(), output.double().reshape(-1)], 1)
-
-        class PerSample(Binary):
-            """A mistake a user makes: the loss left unreduced."""
-            def loss(self, output, target):
-                return F.binary_cross_entropy_with_logits(output.float().reshape(-1), target.float(), reduction="none")
-    ''',
-    "mylab/model.py": '''
-        from torch import nn
-
-        class Scorer(nn.Module):
-            def __init__(self, features: int):
-                super().__init__()
-                self.net = nn.Sequential(nn.Linear(features, 16), nn.ReLU(), nn.Linear(16, 1))
-
-            def forward(self, x):
-                return self.net(x)
-    ''',
-    "mylab/data.py": '''
-        import torch
-        from torch.utils.data import TensorDataset
-
-        def blobs(features: int = 8, size: int = 600, seed: int = 0):
-            gen = torch.Generator().manual_seed(seed)
-            x = torch.randn(size, features, generator=gen)
-            y = (x[:, 0] + 0.5 * x[:, 1] > 0.3).long()  # unbalanced on purpose
-            return TensorDataset(x[:500], y[:500]), TensorDataset(x[500:], y[500:])
-    ''',
-    "labconf/task/binary.yaml": "_target_: mylab.task.Binary\n",
-    "labconf/model/scorer.yaml": "_target_: mylab.model.Scorer\nfeatures: 8\n",
-    "labconf/data/blobs.yaml": "num_classes: 1\ndataset:\n  _target_: mylab.data.blobs\n  features: 8\n",
-}
-
-
 @pytest.fixture
 def lab(tmp_path: Path) -> tuple[tuple[str, ...], dict[str, str]]:
     """A user's package and config folder outside the repository: the overrides that choose them and
     the environment that imports them."""
-    for name, text in LAB.items():
-        path = tmp_path / "lab" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
+    write_lab(tmp_path / "lab")
     overrides = (f"hydra.searchpath=[file://{tmp_path / 'lab' / 'labconf'}]", "task=binary", "model=scorer", "data=blobs",
                  "trainer.monitor=val/balanced_accuracy", "optim=adam", "scheduler=none")
     return overrides, with_pythonpath(tmp_path / "lab")

@@ -109,7 +109,15 @@ def test_tensorboard_shows_the_resumed_run_once_with_one_continuous_curve(output
         assert servers.get(f"{url}/data/plugin/text/tags") == {"tensorboard": ["config/text_summary"]}
         experiment = servers.get(f"{url}/data/plugin/hparams/experiment", {"experimentName": ""})
         assert {"lr", "world_size", "model"} <= {h["name"] for h in experiment["hparamInfos"]}
-        assert "hparam/test_accuracy" in {m["name"]["tag"] for m in experiment["metricInfos"]}
+        # Its columns are the run's own series (no one-point hparam/* cards above the curves).
+        assert {"test/accuracy", "val/accuracy", "perf/samples_per_sec"} <= {m["name"]["tag"] for m in
+                                                                          experiment["metricInfos"]}
+        assert not [tag for tag in tags if tag.startswith("hparam/")], tags
+        groups = servers.get(f"{url}/data/plugin/hparams/session_groups",
+                             {"experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS"],
+                              "colParams": [], "startIndex": 0, "sliceSize": 10})["sessionGroups"]
+        shown = {v["name"]["tag"]: v["value"] for v in groups[0]["metricValues"]}
+        assert shown["test/accuracy"] == pytest.approx(s["test_accuracy"])  # the tested weights
 
 
 
@@ -120,6 +128,8 @@ def test_mlflow_ui_as_the_docs_give_it_serves_the_run_and_the_sweep_as_parent_an
     with servers.mlflow_ui(outputs, "sqlite:///outputs/mlflow.db", tmp_path / "mlflow.log") as url:
         api = f"{url}/api/2.0/mlflow"
         experiment = servers.get(f"{api}/experiments/get-by-name?experiment_name=hydra-ddp")["experiment"]
+        kind = {t["key"]: t["value"] for t in experiment.get("tags", [])}.get("mlflow.experimentKind")
+        assert kind == "custom_model_development"  # MLflow 3's UI opens it in its training view, not GenAI's
         runs = servers.get(f"{api}/runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]
         by_name = {r["info"]["run_name"]: r for r in runs}
         run = by_name["run"]
@@ -143,22 +153,32 @@ def test_mlflow_ui_as_the_docs_give_it_serves_the_run_and_the_sweep_as_parent_an
 
 # --- Looked at in a real browser (make look: Chromium's start and render cost more than CI's budget) ---
 
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> Path:
+    """What a user's first `make train` makes (the default config, every epoch), with the MLflow
+    logger beside the default ones, into outputs/mlflow.db under the launch folder: the screenshots'."""
+    base = tmp_path_factory.mktemp("default")
+    store = f"sqlite:///{base}/outputs/mlflow.db"
+    check_ok(run_train(base / "run", "logger=[tensorboard,csv,mlflow]", f"logger.mlflow.tracking_uri={store}",
+                       f"logger.mlflow.artifact_location={base}/outputs/mlartifacts", timeout=240))
+    return base
+
+
 @pytest.mark.look
 @pytest.mark.timeout(400)
-def test_tensorboard_in_a_browser_draws_the_loss_curve_and_names_the_run(outputs: Path, tmp_path: Path):
-    with servers.tensorboard(outputs / "run", tmp_path / "tensorboard.log") as url:
-        # The scalars dashboard draws the curve; the time-series page's text names the run and the metric.
+def test_tensorboard_in_a_browser_shows_the_default_runs_curves_first(default_run: Path, tmp_path: Path):
+    with servers.tensorboard(default_run / "run", tmp_path / "tensorboard.log") as url:
+        # What a user sees first: the time-series view, its cards sorted by tag; no one-point hparam cards.
         shot = _shot(tmp_path, "tensorboard.png")
-        servers.browse(f"{url}/#scalars&tagFilter=train%2Floss", shot)
-        assert servers.drawn_line_span(shot, RUN_COLOUR) > 150, "no train/loss curve drawn"
-        page = servers.browse(f"{url}/?tagFilter=train%2Floss#timeseries", tmp_path / "timeseries.png")
-        assert "tensorboard" in page and "train/loss" in page
+        page = servers.browse(f"{url}/#timeseries", shot)
+        assert "train/loss" in page and "val/accuracy" in page and "hparam/" not in page
+        assert servers.drawn_line_span(shot, RUN_COLOUR) > 150, "no curve drawn"
 
 
 @pytest.mark.look
 @pytest.mark.timeout(400)
-def test_the_mlflow_run_page_in_a_browser_names_the_run_and_its_metrics(outputs: Path, tmp_path: Path):
-    with servers.mlflow_ui(outputs, "sqlite:///outputs/mlflow.db", tmp_path / "mlflow.log") as url:
+def test_the_mlflow_run_page_in_a_browser_names_the_run_and_its_metrics(default_run: Path, tmp_path: Path):
+    with servers.mlflow_ui(default_run, "sqlite:///outputs/mlflow.db", tmp_path / "mlflow.log") as url:
         api = f"{url}/api/2.0/mlflow"
         experiment = servers.get(f"{api}/experiments/get-by-name?experiment_name=hydra-ddp")["experiment"]
         runs = servers.get(f"{api}/runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]

@@ -133,6 +133,11 @@ def test_max_time_stops_resumably_and_init_from_fine_tunes_from_the_checkpoint(t
     resumed = summary(run_dir)
     assert resumed["ended_by"] == "epochs" and resumed["resumed_from"].endswith("step-00000004.pt")
     assert [h["epoch"] for h in resumed["history"]] == [1, 2] and resumed["steps"] == 2 * resumed["history"][0]["step"]
+    assert "differs from the checkpoint's" not in (run_dir / "train.log").read_text()  # the same run, continued
+    # Continued with other values: they apply, and the log says which differ from the checkpoint's.
+    check_ok(run_train(run_dir, "trainer.resume=auto", "trainer.log_every=3", "trainer.epochs=3", "optim.lr=0.05"))
+    warned = [line for line in (run_dir / "train.log").read_text().splitlines() if "differs from the checkpoint's" in line]
+    assert len(warned) == 1 and "optim.lr: 0.02 → 0.05" in warned[0] and "trainer.epochs: 2 → 3" in warned[0], warned
 
     # Fine-tuning: the run's best weights but a fresh classifier; no learning, so step 1 shows the start.
     source = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["model"]

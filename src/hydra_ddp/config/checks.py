@@ -131,7 +131,7 @@ def dry_build(plain: dict[str, Any]) -> None:
             model = instantiate(cfg.model)
         if not cfg.data.dataset.get("download", False):  # a download is the run's to make
             train = data.build_datasets(cfg.data, RankInfo(0, 1, 0, 1), cfg.trainer.seed)["train"]
-            problem = tasks.misfit(task, train[0][1], cfg.data.num_classes)
+            problem = tasks.misfit(task, [train[i][1] for i in range(min(64, len(train)))], cfg.data.num_classes)
             if problem:
                 raise UserError(problem)
             x, y = default_collate([train[i] for i in range(min(2, len(train)))])

@@ -73,12 +73,17 @@ class TensorBoard(Logger):
             # keeps a run's first, so one written now would show the stopped run's metrics for good.
             return
         names = summary.get("metrics", [])  # the task's
-        keys = [f"{split}_{name}" for split in ("val", "test") for name in names] + ["samples_per_sec"]
-        metrics = {f"hparam/{k}": summary[k] for k in keys if summary.get(k) is not None}
+        # The hparams table's columns are scalar series the run logged already (the test's metrics,
+        # the last validation, the throughput): TensorBoard shows each series' last value there. A
+        # series of their own (hparam/...) would stand, one point each, above the curves, which
+        # TensorBoard's time-series view sorts by name.
+        keys = {f"test/{name}": f"test_{name}" for name in names}
+        keys.update({f"val/{name}": f"val_{name}" for name in names})
+        keys["perf/samples_per_sec"] = "samples_per_sec"
+        metrics = {tag: summary[key] for tag, key in keys.items() if summary.get(key) is not None}
         # Written into this writer's own file: SummaryWriter.add_hparams would open a second one.
         for event in hparams_summary(hparams, metrics):
             self.writer.file_writer.add_summary(event)
-        self.metrics(metrics, summary["steps"])
 
     def close(self) -> None:
         self.writer.close()
@@ -228,7 +233,9 @@ class MLflow(Logger):
             return found.experiment_id
         location = Path(artifact_location).resolve().as_uri() if artifact_location else None
         try:
-            return self.client.create_experiment(name, artifact_location=location)
+            # A model-training experiment: MLflow 3's UI otherwise opens it in its GenAI view.
+            return self.client.create_experiment(name, artifact_location=location,
+                                                 tags={"mlflow.experimentKind": "custom_model_development"})
         except Exception:  # created meanwhile by a parallel job
             return self.client.get_experiment_by_name(name).experiment_id
 

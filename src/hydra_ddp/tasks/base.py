@@ -107,7 +107,20 @@ def _declaration_problem(task: Task) -> Optional[str]:
     return None
 
 
-def misfit(task: Task, target: Any, outputs: int) -> Optional[str]:
-    """Why the task cannot learn from data with this sample's target (None: it fits)."""
-    problem = task.check_target(torch.as_tensor(target), outputs)
-    return f"task {type(task).__name__} does not fit the data: {problem}" if problem else None
+def beyond_classes(target: torch.Tensor, outputs: int) -> Optional[str]:
+    """A class index the model has no output for (the ignored, negative ones aside)."""
+    highest = int(target.max()) if target.numel() else -1
+    if highest >= outputs:
+        return (f"its class labels go up to {highest}, and the model makes data.num_classes={outputs} output(s): "
+                f"set data.num_classes to the data's class count (at least {highest + 1})")
+    return None
+
+
+def misfit(task: Task, targets: Any, outputs: int) -> Optional[str]:
+    """Why the task cannot learn from data with these samples' targets (None: it fits): each target
+    of a few samples (the first batch's), checked by the task."""
+    for target in targets:
+        problem = task.check_target(torch.as_tensor(target), outputs)
+        if problem:
+            return f"task {type(task).__name__} does not fit the data: {problem}"
+    return None

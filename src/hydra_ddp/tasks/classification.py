@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hydra_ddp.tasks.base import Task, full_precision
+from hydra_ddp.tasks.base import Task, beyond_classes, full_precision
 
 
 class Classification(Task):
@@ -53,7 +53,7 @@ class Classification(Task):
             return (f"it takes {self.wants}, and the data's targets have shape {tuple(target.shape)}: choose "
                     "task=classification for one label per sample, task=language_model for a next token per "
                     "position, task=segmentation for a mask")
-        return None
+        return beyond_classes(target, outputs)
 
     @property
     def wants(self) -> str:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hydra_ddp.errors import UserError
-from hydra_ddp.tasks.base import Task, full_precision
+from hydra_ddp.tasks.base import Task, beyond_classes, full_precision
 from hydra_ddp.tasks.classification import _dtype
 
 
@@ -104,4 +104,4 @@ class Segmentation(Task):
                     f"shape {tuple(target.shape)}: choose a dataset with masks (data=shapes)")
         if target.is_floating_point():
             return f"its masks must hold class indices, and the data's are {_dtype(target)}"
-        return None
+        return beyond_classes(target, outputs)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hydra_ddp.errors import EveryRankError
+from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.tasks import Task, misfit
 from hydra_ddp.training.timing import StepTimer
 
@@ -73,11 +73,15 @@ class Step:
         return loss.detach()
 
     def _check_fit(self, y: torch.Tensor) -> None:
-        """The task fits the data, judged on the first batch's first target: on every rank alike (the
-        same kind of data), before the first forward."""
-        problem = misfit(self.task, y[0], self.outputs)
+        """The task fits the data, before the first forward: judged on the first batch's first target
+        on every rank alike (the same kind of data: the run's failure), then on the rest of this
+        rank's first batch (a class label beyond data.num_classes, say: this rank's failure)."""
+        problem = misfit(self.task, y[:1], self.outputs)
         if problem:
             raise EveryRankError(problem)
+        problem = misfit(self.task, y[1:], self.outputs)
+        if problem:
+            raise UserError(problem)
 
     def _check_loss(self, loss: Any) -> None:
         """The task's loss, once: a scalar tensor, or one line on every rank (each computes the same

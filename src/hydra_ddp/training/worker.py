@@ -124,11 +124,29 @@ def _device(kind: str, rank: RankInfo, outside_launch: bool) -> torch.device:
                                                       torch.cuda.device_count(), outside_launch))
 
 
-def config_fingerprint(plain: dict[str, Any]) -> str:
-    """What is trained, not how each node launches (node_rank, addresses, threads differ by design)."""
+def what_is_trained(plain: dict[str, Any]) -> dict[str, Any]:
+    """The config without how each node launches (node_rank, addresses, threads differ by design)."""
     what = {k: v for k, v in plain.items() if k not in ("launcher", "init_method", "backend", "overridden")}
     what["trainer"] = {k: v for k, v in plain["trainer"].items() if k not in ("nproc", "threads", "progress")}
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+    return what
+
+
+def config_fingerprint(plain: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(what_is_trained(plain), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """`key: then → now` for each value of what is trained that differs between a checkpoint's config
+    and this run's (the resume setting and the job's own bookkeeping aside)."""
+    def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(node, dict) or not node:
+            return {prefix.rstrip("."): node}
+        return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+
+    ignored = ("trainer.resume", "trainer.max_time", "sweep", "job", "trial", "eval")
+    then, current = flat(what_is_trained(saved)), flat(what_is_trained(now))
+    return [f"{key}: {then.get(key)!r} → {current.get(key)!r}" for key in sorted(set(then) | set(current))
+            if then.get(key) != current.get(key) and not key.startswith(ignored)]
 
 
 def _check_same_config(cfg: DictConfig, rank: RankInfo, device: torch.device) -> None:
@@ -191,6 +209,10 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
                                            sharded=spread.sharded_checkpoints)
     # Rank 0 picks the checkpoint (on every node the same file: checkpoints live with rank 0).
     resume = checkpointer.choose(checkpoints.resume_setting(cfg.trainer.resume)) if rank.is_main else None
+    changed = config_changes(resume[1]["config"], config) if resume else []
+    if changed:  # the checkpoint's values are not restored: the run goes on with this command's
+        log.warning("resuming %s with a config that differs from the checkpoint's (this command's values apply; "
+                    "pass the checkpoint's overrides to continue the same run): %s", resume[0], "; ".join(changed))
     chosen = distributed.broadcast_text(str(resume[0]) if resume else "", device)
     if chosen and not rank.is_main:
         resume = Path(chosen), checkpointer.load(Path(chosen))
