@@ -4,6 +4,7 @@ by composition, and every module opening with its job (static reads of src/, no 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,13 @@ def test_no_strategy_borrows_another_strategys_code():
         assert not [base for base in node.bases if isinstance(base, ast.Name) and base.id in classes], \
             f"{name} inherits from another class of strategy.py"
     assert "Strategy" in classes
+
+
+def test_docs_architecture_md_lists_every_module_and_no_module_that_is_gone():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    listed = set(re.findall(r"^\s+((?:[\w]+/)*[\w]+\.py)\s", text, re.MULTILINE))
+    here = {str(p.relative_to(PACKAGE)) for p in MODULES if p.name != "__init__.py"}
+    plugins = {str(p.relative_to(REPO / "src" / "hydra_plugins")) for p in (REPO / "src" / "hydra_plugins").rglob("*.py")
+               if p.name != "__init__.py"}
+    assert here | plugins == listed, (f"missing from docs/architecture.md: {sorted((here | plugins) - listed)}; "
+                                      f"listed but gone: {sorted(listed - here - plugins)}")

@@ -114,6 +114,22 @@ def test_every_fence_names_its_language_and_every_mark_is_known():
         for found in re.findall(r"^<!-- doc-test: ([\w-]+) -->$", page.read_text(), re.MULTILINE):
             assert found in MARKS, f"{page.name}: unknown doc-test mark {found!r} (one of {', '.join(MARKS)})"
     assert sum(len(b.commands) for b in BLOCKS if b.lang in SHELLS) > 60  # README.md and docs/: the test reads them
+    # The site shows about 90 characters of a code line: longer ones scroll, hiding their comments.
+    long = [f"{page.relative_to(REPO)}: {line}" for page in PAGES for block in _fenced_lines(page)
+            for line in block if len(line) > 90]
+    assert not long, "command lines over 90 characters (put the comment above, or continue with \\):\n" + "\n".join(long)
+
+
+def _fenced_lines(page: Path) -> list[list[str]]:
+    """The lines of each bash block of a page."""
+    out, lines, inside = [], page.read_text().split("\n"), False
+    for line in lines:
+        if line.strip().startswith("```"):
+            inside = line.strip() == "```bash"
+            out.append([])
+        elif inside:
+            out[-1].append(line)
+    return out
 
 
 def test_the_marks_are_the_ones_docs_testing_md_lists():
