@@ -68,7 +68,7 @@ def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
     assert [r["rank"] for r in s["ranks"]] == [0, 1] and s["straggler"] is None, s["ranks"]
     assert "straggler" not in proc.stdout
     assert len(scalars(run_dir, "train/lr")) == 2
-    assert len(scalars(run_dir, "perf/samples_per_sec")) == 2
+    assert len(scalars(run_dir, "train/samples_per_sec")) == 2
     # The resolved config as YAML, in the event file and in the log: the values this run trained with.
     [config_text] = text(run_dir, "config")
     config_text = config_text.removeprefix("```yaml\n").removesuffix("```")

@@ -110,7 +110,7 @@ def test_tensorboard_shows_the_resumed_run_once_with_one_continuous_curve(output
         experiment = servers.get(f"{url}/data/plugin/hparams/experiment", {"experimentName": ""})
         assert {"lr", "world_size", "model"} <= {h["name"] for h in experiment["hparamInfos"]}
         # Its columns are the run's own series (no one-point hparam/* cards above the curves).
-        assert {"test/accuracy", "val/accuracy", "perf/samples_per_sec"} <= {m["name"]["tag"] for m in
+        assert {"test/accuracy", "val/accuracy", "train/samples_per_sec"} <= {m["name"]["tag"] for m in
                                                                           experiment["metricInfos"]}
         assert not [tag for tag in tags if tag.startswith("hparam/")], tags
         groups = servers.get(f"{url}/data/plugin/hparams/session_groups",
@@ -171,8 +171,11 @@ def test_tensorboard_in_a_browser_shows_the_default_runs_curves_first(default_ru
         # What a user sees first: the time-series view, its cards sorted by tag; no one-point hparam cards.
         shot = _shot(tmp_path, "tensorboard.png")
         page = servers.browse(f"{url}/#timeseries", shot)
-        assert "train/loss" in page and "val/accuracy" in page and "hparam/" not in page
-        assert servers.drawn_line_span(shot, RUN_COLOUR) > 150, "no curve drawn"
+        assert "train/loss" in page and "hparam/" not in page
+        # The scalars dashboard draws the loss curve in the run's colour.
+        curve = tmp_path / "scalars.png"
+        servers.browse(f"{url}/#scalars&tagFilter=train%2Floss", curve)
+        assert servers.drawn_line_span(curve, RUN_COLOUR) > 150, "no train/loss curve drawn"
 
 
 @pytest.mark.look
@@ -183,7 +186,8 @@ def test_the_mlflow_run_page_in_a_browser_names_the_run_and_its_metrics(default_
         experiment = servers.get(f"{api}/experiments/get-by-name?experiment_name=hydra-ddp")["experiment"]
         runs = servers.get(f"{api}/runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]
         run = next(r for r in runs if r["info"]["run_name"] == "run")
-        page = servers.browse(f"{url}/#/experiments/{experiment['experiment_id']}/runs/{run['info']['run_id']}",
-                              _shot(tmp_path, "mlflow_run.png"), wait_ms=20000)
+        # MLflow 3 opens in its GenAI view unless asked for the training one (or switched in its sidebar).
+        page = servers.browse(f"{url}/#/experiments/{experiment['experiment_id']}/runs/{run['info']['run_id']}"
+                              "?workflowType=machine_learning", _shot(tmp_path, "mlflow_run.png"), wait_ms=20000)
         assert run["info"]["run_id"] in page and "Finished" in page
         assert "train/loss" in page and "test/accuracy" in page and "world_size" in page

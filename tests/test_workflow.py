@@ -216,4 +216,4 @@ def test_a_rank_slowed_by_its_data_is_named_with_the_cause(run_dir: Path):
     slow, other = s["ranks"][1], s["ranks"][0]
     assert slow["data_share"] > 0.5 and other["sync_wait_share"] > 0.5  # rank 0 waits for rank 1's batches
     assert "straggler            rank 1: data wait" in proc.stdout and "data.num_workers" in proc.stdout
-    assert scalars(run_dir, "perf/rank1/data")[0][1] > 0.5  # per rank, in the loggers too
+    assert scalars(run_dir, "train/time/rank1/data")[0][1] > 0.5  # per rank, in the loggers too

@@ -79,7 +79,7 @@ class TensorBoard(Logger):
         # TensorBoard's time-series view sorts by name.
         keys = {f"test/{name}": f"test_{name}" for name in names}
         keys.update({f"val/{name}": f"val_{name}" for name in names})
-        keys["perf/samples_per_sec"] = "samples_per_sec"
+        keys["train/samples_per_sec"] = "samples_per_sec"
         metrics = {tag: summary[key] for tag, key in keys.items() if summary.get(key) is not None}
         # Written into this writer's own file: SummaryWriter.add_hparams would open a second one.
         for event in hparams_summary(hparams, metrics):

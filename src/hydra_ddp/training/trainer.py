@@ -101,7 +101,7 @@ class Trainer:
         self.saving.resume_from(path, state)
         resize = self.pos.continued_at(self.world_size, saved_ranks=len(state["rng"]), cause=cause)
         if resize:
-            self.reporter.scalars({"perf/world_size": self.world_size}, self.pos.step)
+            self.reporter.scalars({"train/world_size": self.world_size}, self.pos.step)
             log.info("world size %(from)d → %(world_size)d at step %(step)d (%(cause)s)", resize)
         self.window.first = self.pos.step + 1
         if self.monitor.best_step is not None and self.monitor.best_step != self.pos.step:
@@ -270,14 +270,14 @@ class Trainer:
         """Validation (when there is a split for it) and the monitored metric; True: the best weights so far."""
         metrics = self.validation.validate(self.train_loss)
         scalars = {"train/epoch_loss": self.train_loss, "train/lr": self.step.optimizer.param_groups[0]["lr"],
-                   "perf/samples_per_sec": self.throughput.samples_per_sec()}
+                   "train/samples_per_sec": self.throughput.samples_per_sec()}
         validated = "val_samples" in metrics
         if validated:
             scalars.update(self.validation.tagged(metrics, "val"))
         epoch_ranks = per_rank(self.timer.gather(self.device, since_last=True))  # every rank's, this epoch
         if self.timer.reported_steps:
             for row in epoch_ranks:
-                scalars.update({f"perf/rank{row['rank']}/{k[:-6]}": v for k, v in row.items() if k.endswith("_share")})
+                scalars.update({f"train/time/rank{row['rank']}/{k[:-6]}": v for k, v in row.items() if k.endswith("_share")})
         self.reporter.scalars(scalars, self.pos.step)
         best = self.validation.record(metrics, self.pos.step, epoch)
         shown = f"  {self.validation.shown(metrics, 'val')}" if validated else ""
