@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-fast bench soak look docs clean
+.PHONY: train test test-fast lint format bench soak look docs clean
 
 # Python caches the bytecode of what it imports, on first use: the install does not compile every
 # file of torch and the rest (pip does that one file at a time: half of a 150 s install here) but
@@ -32,6 +32,16 @@ FAST_TESTS := tests/test_architecture.py tests/test_checks.py tests/test_loop_pa
 	tests/test_startup.py tests/test_ci.py tests/test_hangs.py tests/test_flops.py
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(FAST_TESTS) $(ARGS)
+
+# The linter and the formatter (pyproject.toml's [tool.ruff]): `make format` rewrites, this only checks.
+LINTED := src tests bench train.py eval.py
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format $(LINTED)
+	$(VENV)/bin/ruff check --fix $(LINTED)
 
 # TensorBoard and the MLflow UI served against real runs and looked at in headless Chromium
 # (Debian's: apt-get install chromium), the screenshots into docs/img (the loggers' page shows

@@ -26,9 +26,9 @@ with startup.frozen_imports():  # train.py's reason
     import hydra
     from omegaconf import DictConfig
 
-    from hydra_ddp.launch import command
     from hydra_ddp.config.schema import register_schema
     from hydra_ddp.errors import UserError
+    from hydra_ddp.launch import command
 
 register_schema(__name__)
 

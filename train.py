@@ -1,9 +1,9 @@
 """Train a model with DistributedDataParallel: compose the config, validate it, launch, summarise.
 
-    python train.py                                   # 2 CPU workers (or one per GPU)
-    python train.py backend=nccl launcher=torchrun trainer.nproc=8
-    python train.py -m trainer.nproc=1,2,4            # a sweep over world sizes
-    torchrun --standalone --nproc_per_node=2 train.py # launched from outside: no second launch
+python train.py                                   # 2 CPU workers (or one per GPU)
+python train.py backend=nccl launcher=torchrun trainer.nproc=8
+python train.py -m trainer.nproc=1,2,4            # a sweep over world sizes
+torchrun --standalone --nproc_per_node=2 train.py # launched from outside: no second launch
 """
 
 import time
@@ -24,9 +24,9 @@ with startup.frozen_imports():  # half a million objects that live as long as th
     from omegaconf import DictConfig
 
     from hydra_ddp import monitor
-    from hydra_ddp.launch import command
     from hydra_ddp.config.schema import register_schema
     from hydra_ddp.errors import UserError
+    from hydra_ddp.launch import command
 
 register_schema(__name__)
 _START = [STARTED_AT]

@@ -34,7 +34,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from handwritten import (  # noqa: E402  (the plain loop's pieces, so only the tuning differs)
-    MnistCNN, ddp_setup, free_port, largest, parse_args, peak_rss_mb, prepare_dataloader, write_result,
+    MnistCNN,
+    ddp_setup,
+    free_port,
+    largest,
+    parse_args,
+    peak_rss_mb,
+    prepare_dataloader,
+    write_result,
 )
 
 
@@ -78,8 +85,17 @@ def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> Non
     rss = peak_rss_mb(device)
     workers_ready_at = largest(entered_at, device)
     if rank == 0:
-        write_result(args.out, world_size, len(step_times), step_times, args.batch_size * world_size, first_step_at,
-                     STARTED_AT, workers_ready_at=workers_ready_at, peak_rss_mb=rss)
+        write_result(
+            args.out,
+            world_size,
+            len(step_times),
+            step_times,
+            args.batch_size * world_size,
+            first_step_at,
+            STARTED_AT,
+            workers_ready_at=workers_ready_at,
+            peak_rss_mb=rss,
+        )
     dist.destroy_process_group()
 
 

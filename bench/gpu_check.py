@@ -82,9 +82,10 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Callable, Optional  # noqa: E402
+from typing import Optional  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -101,35 +102,83 @@ DEADLINE_S = {ONE: 270, ALL: 550}  # from the start: 5 minutes on one GPU, and t
 MIN_START_S = 15  # less than this left: a launch would not reach its first step
 DRY_RUN_GPUS = {ONE: (1,), ALL: (2, 8)}
 # The worker-side test models (faulty.FailOnRank) must import in every worker.
-ENV = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
-       "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO / "tests" / "helpers"),
-                                                   str(REPO / "tests"), os.environ.get("PYTHONPATH")])),
-       "PYTHONUNBUFFERED": "1"}
+ENV = {
+    **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+    "PYTHONPATH": os.pathsep.join(
+        filter(
+            None,
+            [str(REPO / "src"), str(REPO / "tests" / "helpers"), str(REPO / "tests"), os.environ.get("PYTHONPATH")],
+        )
+    ),
+    "PYTHONUNBUFFERED": "1",
+}
 FIGURES = ("steady_samples_per_sec", "median_step_time_s", "time_to_first_step_s", "peak_rss_mb")
 
 # A run over a small set reused epoch after epoch, ended by trainer.max_steps: no per-epoch
 # validation or checkpoint inside the timing, no ragged last batch (torch.compile would recompile).
-BOUNDED = ("trainer.epochs=1000", "trainer.progress=false", "checkpoint.every_epoch=false",
-           "trainer.eval_every_epoch=false", "data.drop_last=true", "backend=nccl")
+BOUNDED = (
+    "trainer.epochs=1000",
+    "trainer.progress=false",
+    "checkpoint.every_epoch=false",
+    "trainer.eval_every_epoch=false",
+    "data.drop_last=true",
+    "backend=nccl",
+)
 # 4096 images of 28×28 (13 MB): several steps an epoch at 64 per rank on up to 8 GPUs.
 SMALL_IMAGES = ("data=synthetic", "data.dataset.train_size=4096", "data.dataset.test_size=256")
 CNN = (*SMALL_IMAGES, "data.batch_size=64", *BOUNDED)
-AUTO_OFF = ("trainer.channels_last=false", "strategy.gradient_as_bucket_view=false", "strategy.static_graph=false",
-            "strategy.shared_memory=false")  # the last is CPU-only: auto leaves it off on CUDA anyway
+AUTO_OFF = (
+    "trainer.channels_last=false",
+    "strategy.gradient_as_bucket_view=false",
+    "strategy.static_graph=false",
+    "strategy.shared_memory=false",
+)  # the last is CPU-only: auto leaves it off on CUDA anyway
 # The transformer on Python's source: 64 KiB make about 12 batches of 64 sequences an epoch.
-GPT = ("+experiment=text_gpt", "data.global_batch_size=64", "data.dataset.max_bytes=65536",
-       "checkpoint.every_n_steps=20", *BOUNDED)
+GPT = (
+    "+experiment=text_gpt",
+    "data.global_batch_size=64",
+    "data.dataset.max_bytes=65536",
+    "checkpoint.every_n_steps=20",
+    *BOUNDED,
+)
 # 576 images of 224×224 (350 MB, held on the GPU): 4 batches of 128 an epoch.
-RESNET50 = ("model=torchvision", "model.name=resnet50", "data=synthetic", "data.in_channels=3", "data.image_size=224",
-            "data.num_classes=1000", "data.dataset.train_size=576", "data.dataset.test_size=128", "data.batch_size=128",
-            "data.eval_batch_size=128", "data.preload=true", "trainer.precision=bf16", "trainer.max_steps=40", *BOUNDED)
+RESNET50 = (
+    "model=torchvision",
+    "model.name=resnet50",
+    "data=synthetic",
+    "data.in_channels=3",
+    "data.image_size=224",
+    "data.num_classes=1000",
+    "data.dataset.train_size=576",
+    "data.dataset.test_size=128",
+    "data.batch_size=128",
+    "data.eval_batch_size=128",
+    "data.preload=true",
+    "trainer.precision=bf16",
+    "trainer.max_steps=40",
+    *BOUNDED,
+)
 # A BatchNorm model at a fixed global batch: the same batches at any world size.
-SYNC_BN = ("model=resnet18", *SMALL_IMAGES, "data.global_batch_size=128", "strategy.sync_batchnorm=true",
-           "trainer.log_every=5", "trainer.max_steps=20", *BOUNDED)
+SYNC_BN = (
+    "model=resnet18",
+    *SMALL_IMAGES,
+    "data.global_batch_size=128",
+    "strategy.sync_batchnorm=true",
+    "trainer.log_every=5",
+    "trainer.max_steps=20",
+    *BOUNDED,
+)
 ONE_RANK, EVERY_GPU = "trainer.nproc=1", "trainer.nproc={gpus}"
 HAND_CNN = ("--device=cuda", "--steps=200", "--batch-size=64", "--train-size=4096")
-HAND_RESNET = ("--device=cuda", "--steps=30", "--batch-size=32", "--train-size=512", "--model=resnet18",
-               "--precision=bf16", "--nproc={gpus}")  # 512 images of 224×224: 300 MB a process
+HAND_RESNET = (
+    "--device=cuda",
+    "--steps=30",
+    "--batch-size=32",
+    "--train-size=512",
+    "--model=resnet18",
+    "--precision=bf16",
+    "--nproc={gpus}",
+)  # 512 images of 224×224: 300 MB a process
 
 
 class CaseFailed(Exception):
@@ -179,16 +228,21 @@ class Session:
         timeout = self.deadline - time.monotonic()
         if timeout <= 0:
             raise (OutOfTime if self.cut_by_section else CaseFailed)(f"{what}: no time left")
-        proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             out, err = stop(proc)
-            why = (f"the case's {self.case.timeout_s:.0f} s ran out" if not self.cut_by_section
-                   else "the section's time ran out")
+            why = (
+                f"the case's {self.case.timeout_s:.0f} s ran out"
+                if not self.cut_by_section
+                else "the section's time ran out"
+            )
             raise (OutOfTime if self.cut_by_section else CaseFailed)(
-                f"{what} stopped after {timeout:.0f} s: {why}", tail(out, err)) from None
+                f"{what} stopped after {timeout:.0f} s: {why}", tail(out, err)
+            ) from None
         finally:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)  # a worker that outlived its launcher holds a GPU
@@ -200,8 +254,14 @@ class Session:
             raise CaseFailed(f"{what} exited {proc.returncode}: {one_line(out, err)}", tail(out, err))
         return done
 
-    def train(self, overrides: list[str], run_dir: Path, script: str = "train.py", prefix: tuple[str, ...] = (),
-              result: str = "summary.json") -> dict:
+    def train(
+        self,
+        overrides: list[str],
+        run_dir: Path,
+        script: str = "train.py",
+        prefix: tuple[str, ...] = (),
+        result: str = "summary.json",
+    ) -> dict:
         """Run train.py (or eval.py) with these overrides in run_dir: its summary (eval.json)."""
         self.command([*(prefix or (sys.executable,)), script, *overrides, f"hydra.run.dir={run_dir}"], script)
         if not (run_dir / result).exists():
@@ -229,8 +289,13 @@ def stop(proc: subprocess.Popen) -> tuple[str, str]:
 
 def refused_as_expected(case: Case, code: int, lines: list[str]) -> bool:
     """The run was refused in one line, and with the refusal the case expects."""
-    return (case.refusal is not None and code == 2 and len(lines) == 1
-            and lines[0].startswith("hydra-ddp: error:") and case.refusal in lines[0])
+    return (
+        case.refusal is not None
+        and code == 2
+        and len(lines) == 1
+        and lines[0].startswith("hydra-ddp: error:")
+        and case.refusal in lines[0]
+    )
 
 
 def one_line(out: str, err: str) -> str:
@@ -251,6 +316,7 @@ def figures_of(summary: dict) -> dict:
 
 # What each case measures and checks, given its launches (Case.runs, Case.bench).
 
+
 def one_run(case: Case, run: Session) -> dict:
     """One train.py run: its throughput and start-up."""
     return figures_of(run.train(case.overrides(0, run.gpus), run.scratch / "run"))
@@ -259,8 +325,11 @@ def one_run(case: Case, run: Session) -> dict:
 def model_state(case: Case, run: Session) -> dict:
     """One run of a sharding strategy: its figures and the model state it holds per rank."""
     summary = run.train(case.overrides(0, run.gpus), run.scratch / "run")
-    return {**figures_of(summary), "model_state_mb": summary["model_state_bytes"]["total"] / 2**20,
-            "note": f"model state/rank {summary['model_state_bytes']['total'] / 2**20:.2f} MB"}
+    return {
+        **figures_of(summary),
+        "model_state_mb": summary["model_state_bytes"]["total"] / 2**20,
+        "note": f"model state/rank {summary['model_state_bytes']['total'] / 2**20:.2f} MB",
+    }
 
 
 def parity(case: Case, run: Session) -> dict:
@@ -275,15 +344,30 @@ def parity(case: Case, run: Session) -> dict:
     figures = {key: statistics.median(p[key] for p in project) for key in FIGURES}
     hand_rate = statistics.median(h["steady_samples_per_sec"] for h in hand)
     ratio = figures["steady_samples_per_sec"] / hand_rate
-    return {**figures, "handwritten_samples_per_sec": hand_rate, "parity": ratio,
-            "note": f"project / hand-written samples/s {ratio:.3f}× (hand-written {hand_rate:,.0f}; medians of 2)"}
+    return {
+        **figures,
+        "handwritten_samples_per_sec": hand_rate,
+        "parity": ratio,
+        "note": f"project / hand-written samples/s {ratio:.3f}× (hand-written {hand_rate:,.0f}; medians of 2)",
+    }
 
 
 def tuner(case: Case, run: Session) -> dict:
     """The tuner's last line: the fastest overrides it found."""
     knobs = "tune.knobs=[data.pin_memory,trainer.precision]"
-    done = run.command([sys.executable, "-m", "hydra_ddp.tools.tune", *case.overrides(0, run.gpus), knobs,
-                      "tune.precision=true", "tune.steps=40", "tune.repeats=1"], "python -m hydra_ddp.tools.tune")
+    done = run.command(
+        [
+            sys.executable,
+            "-m",
+            "hydra_ddp.tools.tune",
+            *case.overrides(0, run.gpus),
+            knobs,
+            "tune.precision=true",
+            "tune.steps=40",
+            "tune.repeats=1",
+        ],
+        "python -m hydra_ddp.tools.tune",
+    )
     return {"note": (done.stdout.strip().splitlines() or ["no output"])[-1]}
 
 
@@ -294,8 +378,9 @@ def rank_per_gpu(case: Case, run: Session) -> dict:
     placed = dict(re.findall(r"rank (\d+)/\d+ on (\S+),", (run_dir / "train.log").read_text()))
     wanted = {str(r): f"cuda:{r}" for r in range(run.gpus)}
     if summary["world_size"] != run.gpus or placed != wanted:
-        raise CaseFailed(f"world size {summary['world_size']}, ranks placed {placed}; wanted rank r on cuda:r "
-                         f"for {run.gpus} ranks")
+        raise CaseFailed(
+            f"world size {summary['world_size']}, ranks placed {placed}; wanted rank r on cuda:r for {run.gpus} ranks"
+        )
     return {**figures_of(summary), "note": f"{run.gpus} ranks, rank r on cuda:r"}
 
 
@@ -309,11 +394,15 @@ def dead_peer(case: Case, run: Session) -> dict:
     if done.returncode == 0:
         raise CaseFailed("the run with a failing rank 1 exited 0")
     if len(errors) != 1 or "rank 1" not in errors[0]:
-        raise CaseFailed(f"{len(errors)} error line(s), wanted one naming rank 1: {one_line(done.stdout, done.stderr)}",
-                         tail(done.stdout, done.stderr))
+        raise CaseFailed(
+            f"{len(errors)} error line(s), wanted one naming rank 1: {one_line(done.stdout, done.stderr)}",
+            tail(done.stdout, done.stderr),
+        )
     others = len(done.stderr.strip().splitlines()) - 1
-    return {"seconds_to_fail": took,
-            "note": f"exit {done.returncode} after {took:.1f} s ({others} other stderr line(s)): {errors[0][:200]}"}
+    return {
+        "seconds_to_fail": took,
+        "note": f"exit {done.returncode} after {took:.1f} s ({others} other stderr line(s)): {errors[0][:200]}",
+    }
 
 
 def step_losses(run_dir: Path) -> list[float]:
@@ -334,8 +423,10 @@ def same_losses(case: Case, run: Session) -> dict:
     worst = max(abs(a - b) / abs(b) for a, b in zip(many, one))
     if worst > 1e-2:
         raise CaseFailed(f"step losses at 1 and {run.gpus} GPUs differ by up to {worst:.1e} relative (over 1e-2)")
-    return {"worst_relative_difference": worst,
-            "note": f"largest relative step-loss difference, 1 vs {run.gpus} GPUs over {len(one)} steps: {worst:.1e}"}
+    return {
+        "worst_relative_difference": worst,
+        "note": f"largest relative step-loss difference, 1 vs {run.gpus} GPUs over {len(one)} steps: {worst:.1e}",
+    }
 
 
 def dp_vs_ddp(case: Case, run: Session) -> dict:
@@ -344,12 +435,16 @@ def dp_vs_ddp(case: Case, run: Session) -> dict:
     speedup = ddp["steady_samples_per_sec"] / dp["steady_samples_per_sec"]
     dp_gpu0, ddp_most = dp["peak_memory_mb"][0], max(ddp["peak_memory_mb"])
     verdict = "holds" if speedup > 1 and dp_gpu0 > ddp_most else "DOES NOT HOLD"
-    return {**figures_of(ddp), "ddp_over_dp_samples_per_sec": speedup,
-            "dp_samples_per_sec": dp["steady_samples_per_sec"],
-            "dp_peak_memory_mb": dp["peak_memory_mb"], "ddp_peak_memory_mb": ddp["peak_memory_mb"],
-            "note": f"DDP / DataParallel samples/s {speedup:.2f}× (DP {dp['steady_samples_per_sec']:,.0f}); GPU 0 "
-                    f"peak {dp_gpu0:,.0f} MB under DP, at most {ddp_most:,.0f} MB per GPU under DDP; "
-                    f"the seeds' claim {verdict}"}
+    return {
+        **figures_of(ddp),
+        "ddp_over_dp_samples_per_sec": speedup,
+        "dp_samples_per_sec": dp["steady_samples_per_sec"],
+        "dp_peak_memory_mb": dp["peak_memory_mb"],
+        "ddp_peak_memory_mb": ddp["peak_memory_mb"],
+        "note": f"DDP / DataParallel samples/s {speedup:.2f}× (DP {dp['steady_samples_per_sec']:,.0f}); GPU 0 "
+        f"peak {dp_gpu0:,.0f} MB under DP, at most {ddp_most:,.0f} MB per GPU under DDP; "
+        f"the seeds' claim {verdict}",
+    }
 
 
 def resume(case: Case, run: Session) -> dict:
@@ -360,13 +455,18 @@ def resume(case: Case, run: Session) -> dict:
     resumed = run.train(case.overrides(2, run.gpus), parts)
     if not resumed.get("resumed_from"):
         raise CaseFailed("the second half did not resume (summary: resumed_from is empty)")
-    a, b = (torch.load(d / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["model"]
-            for d in (whole, parts))
+    a, b = (
+        torch.load(d / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["model"]
+        for d in (whole, parts)
+    )
     worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
     if worst > 1e-4:
         raise CaseFailed(f"resumed weights differ from the uninterrupted run's by up to {worst:.1e} (over 1e-4)")
-    return {"max_weight_difference": worst, "note": f"resumed at {resumed['resumed_from']}: final weights "
-            f"{'bitwise equal to' if worst == 0 else f'within {worst:.1e} of'} the uninterrupted run's"}
+    return {
+        "max_weight_difference": worst,
+        "note": f"resumed at {resumed['resumed_from']}: final weights "
+        f"{'bitwise equal to' if worst == 0 else f'within {worst:.1e} of'} the uninterrupted run's",
+    }
 
 
 def evaluate(case: Case, run: Session) -> dict:
@@ -376,10 +476,13 @@ def evaluate(case: Case, run: Session) -> dict:
     result = run.train([f"ckpt={run_dir}"], run.scratch / "eval", script="eval.py", result="eval.json")
     loss_gap = abs(result["test_loss"] - summary["test_loss"]) / abs(summary["test_loss"])
     if result["test_accuracy"] != summary["test_accuracy"] or loss_gap > 1e-5:
-        raise CaseFailed(f"eval.py: test accuracy {result['test_accuracy']}, loss {result['test_loss']}; the run's "
-                         f"{summary['test_accuracy']}, {summary['test_loss']}")
-    return {"note": f"eval.py on {result['world_size']} GPU(s): test accuracy {result['test_accuracy']:.4f}, "
-                    "the run's own"}
+        raise CaseFailed(
+            f"eval.py: test accuracy {result['test_accuracy']}, loss {result['test_loss']}; the run's "
+            f"{summary['test_accuracy']}, {summary['test_loss']}"
+        )
+    return {
+        "note": f"eval.py on {result['world_size']} GPU(s): test accuracy {result['test_accuracy']:.4f}, the run's own"
+    }
 
 
 def outside_launcher(case: Case, run: Session) -> dict:
@@ -419,40 +522,120 @@ CASES = [
     Case("CNN, start_method=spawn", ONE, one_run, runs=((*CNN_ONE, "launcher.start_method=spawn"),), baseline=DEFAULTS),
     Case("CNN, comm_hook=fp16", ONE, one_run, runs=((*CNN_ONE, "strategy.comm_hook=fp16"),), baseline=DEFAULTS),
     # GradScaler's unscale before clipping runs only on the GPU (fp16): it must train and log.
-    Case("CNN, fp16 + grad_clip=1", ONE, one_run, runs=((*CNN_ONE, "trainer.precision=16", "trainer.grad_clip=1.0"),),
-         baseline=DEFAULTS),
-    Case("CNN, FSDP2 bf16 + grad_clip=1", ONE, model_state, baseline=DEFAULTS,
-         runs=((*CNN_ONE, "strategy=fsdp", "strategy.mixed_precision=bf16", "trainer.grad_clip=1.0"),)),
+    Case(
+        "CNN, fp16 + grad_clip=1",
+        ONE,
+        one_run,
+        runs=((*CNN_ONE, "trainer.precision=16", "trainer.grad_clip=1.0"),),
+        baseline=DEFAULTS,
+    ),
+    Case(
+        "CNN, FSDP2 bf16 + grad_clip=1",
+        ONE,
+        model_state,
+        baseline=DEFAULTS,
+        runs=((*CNN_ONE, "strategy=fsdp", "strategy.mixed_precision=bf16", "trainer.grad_clip=1.0"),),
+    ),
     # DTensor, DCP checkpoints and the global-norm clipping on CUDA (tensor parallel on a one-rank mesh).
-    *(Case(f"GPT, strategy={name}", ONE, model_state, runs=((*GPT_ONE, f"strategy={name}"),),
-           baseline=None if name == "ddp" else "GPT, strategy=ddp", timeout_s=90) for name in ("ddp", "fsdp", "tp")),
+    *(
+        Case(
+            f"GPT, strategy={name}",
+            ONE,
+            model_state,
+            runs=((*GPT_ONE, f"strategy={name}"),),
+            baseline=None if name == "ddp" else "GPT, strategy=ddp",
+            timeout_s=90,
+        )
+        for name in ("ddp", "fsdp", "tp")
+    ),
     Case("ResNet-50 bf16, auto settings off", ONE, one_run, runs=((*RESNET50, ONE_RANK, *AUTO_OFF),), timeout_s=90),
-    Case("ResNet-50 bf16, defaults", ONE, one_run, runs=((*RESNET50, ONE_RANK),),
-         baseline="ResNet-50 bf16, auto settings off", timeout_s=90),
+    Case(
+        "ResNet-50 bf16, defaults",
+        ONE,
+        one_run,
+        runs=((*RESNET50, ONE_RANK),),
+        baseline="ResNet-50 bf16, auto settings off",
+        timeout_s=90,
+    ),
     Case("tuner: pin_memory, precision (CNN)", ONE, tuner, runs=((*CNN, ONE_RANK),), timeout_s=120),
-    Case("ResNet-50 bf16 + torch.compile", ONE, one_run, runs=((*RESNET50, ONE_RANK, "trainer.compile=true"),),
-         baseline="ResNet-50 bf16, auto settings off", timeout_s=180),
-
+    Case(
+        "ResNet-50 bf16 + torch.compile",
+        ONE,
+        one_run,
+        runs=((*RESNET50, ONE_RANK, "trainer.compile=true"),),
+        baseline="ResNet-50 bf16, auto settings off",
+        timeout_s=180,
+    ),
     Case(NCCL_ALL, ALL, rank_per_gpu, runs=((*CNN, EVERY_GPU, "trainer.max_steps=200"),), baseline=DEFAULTS),
-    Case("a dead peer: rank 1 fails at start", ALL, dead_peer,
-         runs=((*CNN, EVERY_GPU, "trainer.max_steps=200", "model._target_=faulty.FailOnRank", "+model.fail_rank=1"),)),
-    Case("ResNet-18 + SyncBatchNorm, 1 GPU vs all", ALL, same_losses,
-         runs=((*SYNC_BN, ONE_RANK), (*SYNC_BN, EVERY_GPU)), timeout_s=120),
-    Case("DDP vs DataParallel, CNN (hand-written)", ALL, dp_vs_ddp, timeout_s=120,
-         bench=((*HAND_CNN, "--nproc={gpus}", "--parallel=ddp"), (*HAND_CNN, "--nproc={gpus}", "--parallel=dp"))),
-    Case("resume on CUDA: 20 + 20 steps vs 40", ALL, resume, timeout_s=150, runs=(
-        (*RESUMABLE, "trainer.max_steps=40"), (*RESUMABLE, "trainer.max_steps=20"),
-        (*RESUMABLE, "trainer.max_steps=40", "trainer.resume=auto"))),
+    Case(
+        "a dead peer: rank 1 fails at start",
+        ALL,
+        dead_peer,
+        runs=((*CNN, EVERY_GPU, "trainer.max_steps=200", "model._target_=faulty.FailOnRank", "+model.fail_rank=1"),),
+    ),
+    Case(
+        "ResNet-18 + SyncBatchNorm, 1 GPU vs all",
+        ALL,
+        same_losses,
+        runs=((*SYNC_BN, ONE_RANK), (*SYNC_BN, EVERY_GPU)),
+        timeout_s=120,
+    ),
+    Case(
+        "DDP vs DataParallel, CNN (hand-written)",
+        ALL,
+        dp_vs_ddp,
+        timeout_s=120,
+        bench=((*HAND_CNN, "--nproc={gpus}", "--parallel=ddp"), (*HAND_CNN, "--nproc={gpus}", "--parallel=dp")),
+    ),
+    Case(
+        "resume on CUDA: 20 + 20 steps vs 40",
+        ALL,
+        resume,
+        timeout_s=150,
+        runs=(
+            (*RESUMABLE, "trainer.max_steps=40"),
+            (*RESUMABLE, "trainer.max_steps=20"),
+            (*RESUMABLE, "trainer.max_steps=40", "trainer.resume=auto"),
+        ),
+    ),
     Case("eval.py ckpt=RUN_DIR", ALL, evaluate, runs=((*RESUMABLE, "trainer.max_steps=20"),), timeout_s=90),
     Case("outside launcher: torch.distributed.run", ALL, outside_launcher, runs=((*CNN, "trainer.max_steps=100"),)),
-    Case("PowerSGD", ALL, powersgd, baseline=NCCL_ALL,
-         runs=((*CNN, EVERY_GPU, "trainer.max_steps=100", "strategy.comm_hook=powersgd", "strategy.powersgd.start_step=10"),)),
-    Case("GPT, FSDP2 + CPU offload", ALL, model_state, timeout_s=90,
-         runs=((*GPT, EVERY_GPU, "trainer.max_steps=40", "strategy=fsdp", "strategy.cpu_offload=true"),)),
-    Case("CNN, FSDP2 fp16", ALL, one_run, refusal="strategy.mixed_precision=fp16 would need loss scaling",
-         runs=((*CNN, EVERY_GPU, "trainer.max_steps=100", "strategy=fsdp", "strategy.mixed_precision=fp16"),)),
-    Case("DDP vs DataParallel, ResNet-18 224² bf16 (hand-written)", ALL, dp_vs_ddp, timeout_s=120,
-         bench=((*HAND_RESNET, "--parallel=ddp"), (*HAND_RESNET, "--parallel=dp"))),
+    Case(
+        "PowerSGD",
+        ALL,
+        powersgd,
+        baseline=NCCL_ALL,
+        runs=(
+            (
+                *CNN,
+                EVERY_GPU,
+                "trainer.max_steps=100",
+                "strategy.comm_hook=powersgd",
+                "strategy.powersgd.start_step=10",
+            ),
+        ),
+    ),
+    Case(
+        "GPT, FSDP2 + CPU offload",
+        ALL,
+        model_state,
+        timeout_s=90,
+        runs=((*GPT, EVERY_GPU, "trainer.max_steps=40", "strategy=fsdp", "strategy.cpu_offload=true"),),
+    ),
+    Case(
+        "CNN, FSDP2 fp16",
+        ALL,
+        one_run,
+        refusal="strategy.mixed_precision=fp16 would need loss scaling",
+        runs=((*CNN, EVERY_GPU, "trainer.max_steps=100", "strategy=fsdp", "strategy.mixed_precision=fp16"),),
+    ),
+    Case(
+        "DDP vs DataParallel, ResNet-18 224² bf16 (hand-written)",
+        ALL,
+        dp_vs_ddp,
+        timeout_s=120,
+        bench=((*HAND_RESNET, "--parallel=ddp"), (*HAND_RESNET, "--parallel=dp")),
+    ),
 ]
 
 
@@ -473,8 +656,12 @@ def run_case(case: Case, gpus: int) -> Result:
     if case.section == ALL and gpus < 2:
         return Result(case.name, case.section, "skipped", reason=f"needs 2 or more GPUs; {gpus} here")
     if section_deadline - now < MIN_START_S:
-        return Result(case.name, case.section, "skipped",
-                      reason=f"out of time: the section ends {DEADLINE_S[case.section]} s after the start")
+        return Result(
+            case.name,
+            case.section,
+            "skipped",
+            reason=f"out of time: the section ends {DEADLINE_S[case.section]} s after the start",
+        )
     result = Result(case.name, case.section, "ok", baseline=case.baseline)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
         session = Session(case, gpus, Path(scratch), now + case.timeout_s, section_deadline)
@@ -494,26 +681,39 @@ def run_case(case: Case, gpus: int) -> Result:
 
 
 def host() -> dict:
-    return {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "cpu_cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpu_cores": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
 
 
 def markdown(about: dict, results: list[Result]) -> str:
     by_name = {r.name: r for r in results}
-    lines = [f"# GPU check: {about['gpu']} × {about['gpus']}, torch {about['torch']} (CUDA {about['cuda']}), "
-             f"{about['cpu_cores']} CPU cores, {about['date']}", "",
-             "Absolute figures vary between machines; compare the ratios. One-GPU cases run one rank.", "",
-             "| case | section | status | samples/s | vs baseline | median step ms | first step s | peak RSS MB "
-             "| s | notes |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        f"# GPU check: {about['gpu']} × {about['gpus']}, torch {about['torch']} (CUDA {about['cuda']}), "
+        f"{about['cpu_cores']} CPU cores, {about['date']}",
+        "",
+        "Absolute figures vary between machines; compare the ratios. One-GPU cases run one rank.",
+        "",
+        "| case | section | status | samples/s | vs baseline | median step ms | first step s | peak RSS MB "
+        "| s | notes |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in results:
         f = r.figures
         rate, base = f.get("steady_samples_per_sec"), by_name.get(r.baseline)
         base_rate = base.figures.get("steady_samples_per_sec") if base else None
-        cells = [f"{rate:,.0f}" if rate else "", f"{rate / base_rate:.2f}× {r.baseline}" if rate and base_rate else "",
-                 f"{f['median_step_time_s'] * 1000:.2f}" if "median_step_time_s" in f else "",
-                 f"{f['time_to_first_step_s']:.1f}" if "time_to_first_step_s" in f else "",
-                 f"{f['peak_rss_mb']:.0f}" if "peak_rss_mb" in f else ""]
+        cells = [
+            f"{rate:,.0f}" if rate else "",
+            f"{rate / base_rate:.2f}× {r.baseline}" if rate and base_rate else "",
+            f"{f['median_step_time_s'] * 1000:.2f}" if "median_step_time_s" in f else "",
+            f"{f['time_to_first_step_s']:.1f}" if "time_to_first_step_s" in f else "",
+            f"{f['peak_rss_mb']:.0f}" if "peak_rss_mb" in f else "",
+        ]
         notes = r.reason or f.get("note", "")
         lines.append(f"| {r.name} | {r.section} | {r.status} | {' | '.join(cells)} | {r.seconds:.0f} | {notes} |")
     return "\n".join(lines) + "\n"
@@ -521,8 +721,12 @@ def markdown(about: dict, results: list[Result]) -> str:
 
 def write(about: dict, results: list[Result]) -> None:
     """Both result files, whole, again: what a kill leaves is every case finished so far."""
-    report = {"host": about, "deadlines_s": DEADLINE_S, "failed": sum(r.status == "failed" for r in results),
-              "cases": [asdict(r) for r in results]}
+    report = {
+        "host": about,
+        "deadlines_s": DEADLINE_S,
+        "failed": sum(r.status == "failed" for r in results),
+        "cases": [asdict(r) for r in results],
+    }
     OUT.mkdir(parents=True, exist_ok=True)
     for name, text in (("gpu_check.md", markdown(about, results)), ("gpu_check.json", json.dumps(report, indent=2))):
         (OUT / f"{name}.tmp").write_text(text + ("" if text.endswith("\n") else "\n"))
@@ -545,6 +749,7 @@ def check_on_gpus(cases: list[Case]) -> int:
 
 
 # The dry run: every launch of every case checked on the CPU, nothing launched.
+
 
 def handwritten_module():
     spec = importlib.util.spec_from_file_location("handwritten", REPO / "bench" / "handwritten.py")
@@ -571,8 +776,11 @@ def dry_run(cases: list[Case]) -> int:
     names = [case.name for case in cases]
     known = {case.name for case in (*CASES, *cases)}  # --only leaves a case's baseline out, not undefined
     problems = [f"case named twice: {name}" for name in sorted({n for n in names if names.count(n) > 1})]
-    problems += [f"{case.name}: baseline {case.baseline!r} is no case" for case in cases
-                 if case.baseline and case.baseline not in known]
+    problems += [
+        f"{case.name}: baseline {case.baseline!r} is no case"
+        for case in cases
+        if case.baseline and case.baseline not in known
+    ]
     handwritten, checks = handwritten_module(), 0
     with rank_zero_group(), tempfile.TemporaryDirectory(prefix="gpu-check-dry-") as scratch:
         for case in cases:
@@ -604,8 +812,8 @@ def report(what: str, verdict: tuple[bool, str]) -> list[str]:
 
 def check_train(case: Case, i: int, gpus: int, run_dir: Path) -> tuple[bool, str]:
     """train.py --check --gpus=N of launch i, in process: (good, its line)."""
-    from hydra_ddp.launch import preflight
     from hydra_ddp.errors import UserError
+    from hydra_ddp.launch import preflight
 
     said = io.StringIO()
     try:

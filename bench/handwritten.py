@@ -64,7 +64,11 @@ def prepare_dataloader(size: int, batch_size: int, rank: int, world_size: int, s
 
 
 def train(
-    model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, steps: int, device: torch.device,
+    model: nn.Module,
+    loader: DataLoader,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    device: torch.device,
     precision: str = "32",
 ) -> tuple[list[float], float]:
     """Run `steps` steps; each step's duration (from the previous step's end), and when the first ended."""
@@ -104,11 +108,25 @@ def measurements(step_times: list[float], samples_per_step: int) -> dict[str, fl
     }
 
 
-def write_result(out: str, world_size: int, steps: int, step_times: list[float], samples_per_step: int,
-                 first_step_at: float, started_at: float, **more: Any) -> None:
+def write_result(
+    out: str,
+    world_size: int,
+    steps: int,
+    step_times: list[float],
+    samples_per_step: int,
+    first_step_at: float,
+    started_at: float,
+    **more: Any,
+) -> None:
     """Rank 0's measurements, as bench/measure.py reads them (more: the loop's own figures)."""
-    result = {"world_size": world_size, "steps": steps, **measurements(step_times, samples_per_step),
-              "first_step_at": first_step_at, "time_to_first_step_s": first_step_at - started_at, **more}
+    result = {
+        "world_size": world_size,
+        "steps": steps,
+        **measurements(step_times, samples_per_step),
+        "first_step_at": first_step_at,
+        "time_to_first_step_s": first_step_at - started_at,
+        **more,
+    }
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
 
@@ -149,8 +167,18 @@ def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> Non
     rss, memory = peak_rss_mb(device), peak_memory_mb(device)
     workers_ready_at = largest(entered_at, device)
     if rank == 0:
-        write_result(args.out, world_size, len(step_times), step_times, args.batch_size * world_size, first_step_at,
-                     STARTED_AT, workers_ready_at=workers_ready_at, peak_rss_mb=rss, peak_memory_mb=memory)
+        write_result(
+            args.out,
+            world_size,
+            len(step_times),
+            step_times,
+            args.batch_size * world_size,
+            first_step_at,
+            STARTED_AT,
+            workers_ready_at=workers_ready_at,
+            peak_rss_mb=rss,
+            peak_memory_mb=memory,
+        )
     dist.destroy_process_group()
 
 
@@ -165,9 +193,17 @@ def main_dataparallel(args: argparse.Namespace) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 
     step_times, first_step_at = train(model, loader, optimizer, args.steps, device, args.precision)
-    write_result(args.out, args.nproc, len(step_times), step_times, args.batch_size * args.nproc, first_step_at,
-                 STARTED_AT, peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                 peak_memory_mb=[torch.cuda.max_memory_allocated(i) / 2**20 for i in range(args.nproc)] if cuda else None)
+    write_result(
+        args.out,
+        args.nproc,
+        len(step_times),
+        step_times,
+        args.batch_size * args.nproc,
+        first_step_at,
+        STARTED_AT,
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        peak_memory_mb=[torch.cuda.max_memory_allocated(i) / 2**20 for i in range(args.nproc)] if cuda else None,
+    )
 
 
 def free_port() -> int:

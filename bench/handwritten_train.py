@@ -30,14 +30,16 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
-from handwritten import free_port, largest, peak_rss_mb, write_result  # noqa: E402  (the parity loop's, as it computes them)
 from hydra_ddp.models import MnistCNN  # noqa: E402  (the very network the project trains)
+
+from handwritten import free_port, largest, peak_rss_mb, write_result  # noqa: E402  (the parity loop's, as it computes them)
 
 LOG_INTERVAL = 10  # steps between two training-loss scalars (pytorch/examples' --log-interval)
 
 
 def load_digits() -> tuple[TensorDataset, TensorDataset, TensorDataset]:
-    """(train, validation, test): the 1,797 digits, bilinearly resized, standardised by the training set's statistics."""
+    """(train, validation, test): the 1,797 digits, bilinearly resized, standardised by the training
+    set's statistics."""
     spec = importlib.util.find_spec("sklearn")
     table = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz", delimiter=",")
     images = torch.from_numpy(table[:, :-1].reshape(-1, 1, 8, 8)).float() / 16.0
@@ -60,8 +62,10 @@ def evaluate(model: DDP, loader: DataLoader) -> tuple[float, float]:
     with torch.no_grad():
         for x, y in loader:
             logits = model.module(x)
-            totals += torch.tensor([F.cross_entropy(logits, y, reduction="sum").item(),
-                                    (logits.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
+            totals += torch.tensor(
+                [F.cross_entropy(logits, y, reduction="sum").item(), (logits.argmax(1) == y).sum().item(), len(y)],
+                dtype=torch.float64,
+            )
     dist.all_reduce(totals)
     model.train()
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
@@ -77,7 +81,9 @@ def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> Non
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
     train_loader = DataLoader(train_set, batch_size=32, sampler=sampler)
     val_loader, test_loader = (
-        DataLoader(s, batch_size=256, sampler=DistributedSampler(s, world_size, rank, shuffle=False)) for s in (val_set, test_set))
+        DataLoader(s, batch_size=256, sampler=DistributedSampler(s, world_size, rank, shuffle=False))
+        for s in (val_set, test_set)
+    )
     model = DDP(MnistCNN())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
@@ -108,17 +114,34 @@ def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> Non
         if writer is not None:
             writer.add_scalar("val/loss", val_loss, step)
             writer.add_scalar("val/accuracy", val_acc, step)
-            torch.save({"epoch": epoch, "model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict()}, os.path.join(args.run_dir, "checkpoints", "last.pt"))
+            torch.save(
+                {
+                    "epoch": epoch,
+                    "model": model.module.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                },
+                os.path.join(args.run_dir, "checkpoints", "last.pt"),
+            )
     _, test_acc = evaluate(model, test_loader)
 
     device = torch.device("cpu")
     rss, workers_ready_at = peak_rss_mb(device), largest(entered_at, device)
     if rank == 0:
         writer.close()
-        write_result(args.out, world_size, step, step_times, 32 * world_size, first_step_at, STARTED_AT,
-                     train_time_s=sum(step_times), workers_ready_at=workers_ready_at, peak_rss_mb=rss,
-                     test_accuracy=test_acc)
+        write_result(
+            args.out,
+            world_size,
+            step,
+            step_times,
+            32 * world_size,
+            first_step_at,
+            STARTED_AT,
+            train_time_s=sum(step_times),
+            workers_ready_at=workers_ready_at,
+            peak_rss_mb=rss,
+            test_accuracy=test_acc,
+        )
     dist.destroy_process_group()
 
 

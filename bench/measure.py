@@ -27,10 +27,23 @@ EXPERT = Path(__file__).resolve().parent / "expert.py"  # the same loop with sto
 HANDWRITTEN_TRAIN = Path(__file__).resolve().parent / "handwritten_train.py"  # `make train`'s work, by hand
 
 # The figures every run yields; the report shows the median of each over the repetitions.
-METRICS = ("steady_samples_per_sec", "median_step_time_s", "time_to_first_step_s", "time_to_workers_ready_s", "peak_rss_mb")
+METRICS = (
+    "steady_samples_per_sec",
+    "median_step_time_s",
+    "time_to_first_step_s",
+    "time_to_workers_ready_s",
+    "peak_rss_mb",
+)
 # What a run must write (summary.json, or the baseline's JSON) for those figures.
-REPORTED = ("steps", "world_size", "steady_samples_per_sec", "median_step_time_s", "first_step_at", "workers_ready_at",
-            "peak_rss_mb")
+REPORTED = (
+    "steps",
+    "world_size",
+    "steady_samples_per_sec",
+    "median_step_time_s",
+    "first_step_at",
+    "workers_ready_at",
+    "peak_rss_mb",
+)
 # What any DDP script imports before its first step: torch, and torch._dynamo (DDP's constructor
 # and forward use it). One interpreter doing only that is a floor for a cold start: timed as Python
 # runs it, and with the garbage collector off while the imports load, as the project's processes
@@ -74,7 +87,8 @@ class Case:
     """One configuration to measure: the project with extra overrides, or the hand-written loop."""
 
     label: str
-    # "project", "handwritten", "expert" (bench/expert.py), "default": `make train`'s run as it is (the digits, 12 epochs),
+    # "project", "handwritten", "expert" (bench/expert.py), "default": `make train`'s run as it is
+    # (the digits, 12 epochs),
     # "handwritten_train": the same work by hand (bench/handwritten_train.py), or
     # "sweep": the project's command as a two-job multirun (-m SWEEP), whose second job is measured.
     side: str
@@ -91,28 +105,49 @@ def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], P
     if case.side in ("handwritten", "expert"):
         out = out_dir / "result.json"
         cmd = [
-            str(HANDWRITTEN if case.side == "handwritten" else EXPERT), str(out), f"--steps={workload.steps}", f"--nproc={case.nproc}",
-            f"--batch-size={workload.batch_size}", f"--train-size={train_size}",
+            str(HANDWRITTEN if case.side == "handwritten" else EXPERT),
+            str(out),
+            f"--steps={workload.steps}",
+            f"--nproc={case.nproc}",
+            f"--batch-size={workload.batch_size}",
+            f"--train-size={train_size}",
         ]
         return [sys.executable, *cmd], out
     if case.side == "handwritten_train":
-        return [sys.executable, str(HANDWRITTEN_TRAIN), str(out_dir / "result.json"), f"--run-dir={out_dir}"], \
-            out_dir / "result.json"
+        return [
+            sys.executable,
+            str(HANDWRITTEN_TRAIN),
+            str(out_dir / "result.json"),
+            f"--run-dir={out_dir}",
+        ], out_dir / "result.json"
     if case.side == "default":  # what `make train` runs: no override but where the run directory goes
         return [sys.executable, "train.py", f"hydra.run.dir={out_dir}"], out_dir / "summary.json"
     if case.task == "text":  # windows of 65 bytes, enough for every step in one epoch, 20 % held out
-        data = ["+experiment=text_gpt", f"data.global_batch_size={workload.batch_size}",
-                f"data.dataset.max_bytes={int(workload.steps * workload.batch_size * 65 * 1.3)}"]
+        data = [
+            "+experiment=text_gpt",
+            f"data.global_batch_size={workload.batch_size}",
+            f"data.dataset.max_bytes={int(workload.steps * workload.batch_size * 65 * 1.3)}",
+        ]
     else:
-        data = ["data=synthetic", f"data.batch_size={workload.batch_size}", f"data.dataset.train_size={train_size}",
-                f"data.dataset.test_size={workload.test_size}"]
+        data = [
+            "data=synthetic",
+            f"data.batch_size={workload.batch_size}",
+            f"data.dataset.train_size={train_size}",
+            f"data.dataset.test_size={workload.test_size}",
+        ]
     overrides = [
-        *data, f"trainer.nproc={case.nproc}", f"trainer.max_steps={workload.steps}", "trainer.epochs=1000",
-        "trainer.progress=false", *case.overrides,
+        *data,
+        f"trainer.nproc={case.nproc}",
+        f"trainer.max_steps={workload.steps}",
+        "trainer.epochs=1000",
+        "trainer.progress=false",
+        *case.overrides,
     ]
     if case.side == "sweep":  # Hydra takes -m before the overrides
-        return ([sys.executable, "train.py", "-m", *overrides, *SWEEP, f"hydra.sweep.dir={out_dir}"],
-                out_dir / "1" / "summary.json")
+        return (
+            [sys.executable, "train.py", "-m", *overrides, *SWEEP, f"hydra.sweep.dir={out_dir}"],
+            out_dir / "1" / "summary.json",
+        )
     return [sys.executable, "train.py", *overrides, f"hydra.run.dir={out_dir}"], out_dir / "summary.json"
 
 
@@ -163,8 +198,13 @@ def measure_floor(imports: str) -> float:
     harness's clock as the runs are (not to the process's end: the interpreter's teardown of torch
     takes a second more)."""
     started = time.time()
-    done = subprocess.run([sys.executable, "-c", f"{imports}; import time; print(time.time())"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", f"{imports}; import time; print(time.time())"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if done.returncode:
         raise BenchError(f"`python -c {imports!r}` failed: {done.stderr.strip().splitlines()[-1:]}")
     return float(done.stdout.split()[-1]) - started

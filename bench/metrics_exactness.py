@@ -47,8 +47,10 @@ def _split() -> dict[str, torch.Tensor]:
     target = torch.randn(SAMPLES, generator=gen) * 50 + 150  # a score like diabetes's, in float32
     masks = torch.randint(0, CLASSES, (SAMPLES // 10, SIDE, SIDE), generator=gen)
     return {
-        "reg_target": target, "reg_output": target + torch.randn(SAMPLES, generator=gen) * 40,
-        "seg_target": masks, "seg_output": torch.randn(SAMPLES // 10, CLASSES, SIDE, SIDE, generator=gen) + masks[:, None],
+        "reg_target": target,
+        "reg_output": target + torch.randn(SAMPLES, generator=gen) * 40,
+        "seg_target": masks,
+        "seg_output": torch.randn(SAMPLES // 10, CLASSES, SIDE, SIDE, generator=gen) + masks[:, None],
     }
 
 
@@ -79,12 +81,15 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         reg_mine = _chunks(SAMPLES, world, rank, CHUNK)
         seg_mine = _chunks(len(data["seg_target"]), world, rank, CHUNK // 10)
         regression = tasks.Regression()
-        values, spent = _ours(regression, data["reg_output"][:, None], data["reg_target"], reg_mine, -(-SAMPLES // CHUNK))
+        values, spent = _ours(
+            regression, data["reg_output"][:, None], data["reg_target"], reg_mine, -(-SAMPLES // CHUNK)
+        )
         out["ours"] = {"regression": {k: values[k] for k in ("mse", "mae", "r2")}, "time_per_chunk_s": {}}
         out["ours"]["time_per_chunk_s"]["regression"] = spent / max(1, len(reg_mine))
         segmentation = tasks.Segmentation(CLASSES)
-        values, spent = _ours(segmentation, data["seg_output"], data["seg_target"], seg_mine,
-                              -(-len(data["seg_target"]) // (CHUNK // 10)))
+        values, spent = _ours(
+            segmentation, data["seg_output"], data["seg_target"], seg_mine, -(-len(data["seg_target"]) // (CHUNK // 10))
+        )
         out["ours"]["segmentation"] = {"mean_iou": values["mean_iou"], "pixel_accuracy": values["pixel_accuracy"]}
         out["ours"]["time_per_chunk_s"]["segmentation"] = spent / max(1, len(seg_mine))
 
@@ -126,27 +131,55 @@ def main() -> None:
         for task in ("regression", "segmentation"):
             for metric in found[1][way][task]:
                 values = [found[w][way][task][metric] for w in (1, 2, 3)]
-                table.append({"way": way, "task": task, "metric": metric, "values_hex": [float(v).hex() for v in values],
-                              "bit_equal_at_1_2_3": len({float(v).hex() for v in values}) == 1,
-                              "largest_relative_gap": max(abs(v - values[0]) / abs(values[0]) for v in values)})
+                table.append(
+                    {
+                        "way": way,
+                        "task": task,
+                        "metric": metric,
+                        "values_hex": [float(v).hex() for v in values],
+                        "bit_equal_at_1_2_3": len({float(v).hex() for v in values}) == 1,
+                        "largest_relative_gap": max(abs(v - values[0]) / abs(values[0]) for v in values),
+                    }
+                )
     result = {
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.processor() or platform.machine(),
-        "cpu": _cpu(), "torch": torch.__version__, "torchmetrics": found[1]["torchmetrics"]["version"],
-        "samples": SAMPLES, "chunk": CHUNK, "metrics": table,
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": platform.processor() or platform.machine(),
+        "cpu": _cpu(),
+        "torch": torch.__version__,
+        "torchmetrics": found[1]["torchmetrics"]["version"],
+        "samples": SAMPLES,
+        "chunk": CHUNK,
+        "metrics": table,
         "time_per_chunk_s": {way: found[1][way]["time_per_chunk_s"] for way in ("ours", "torchmetrics")},
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "metrics_exactness.json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = [f"# Task metrics at world sizes 1, 2, 3: hydra-ddp's states of sums against torchmetrics {result['torchmetrics']}",
-             "", f"{result['when']}, {result['cpu']}, torch {result['torch']}; {SAMPLES} regression samples, "
-             f"{SAMPLES // 10} masks of {SIDE}x{SIDE}, chunks dealt to the ranks in turn (bench/metrics_exactness.py).", "",
-             "| way | task | metric | bit-equal at 1, 2, 3 ranks | largest relative gap |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['way']} | {r['task']} | {r['metric']} | {'yes' if r['bit_equal_at_1_2_3'] else 'no'} | "
-              f"{r['largest_relative_gap']:.1e} |" for r in table]
+    lines = [
+        "# Task metrics at world sizes 1, 2, 3: hydra-ddp's states of sums against torchmetrics "
+        f"{result['torchmetrics']}",
+        "",
+        f"{result['when']}, {result['cpu']}, torch {result['torch']}; {SAMPLES} regression samples, "
+        f"{SAMPLES // 10} masks of {SIDE}x{SIDE}, chunks dealt to the ranks in turn (bench/metrics_exactness.py).",
+        "",
+        "| way | task | metric | bit-equal at 1, 2, 3 ranks | largest relative gap |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {r['way']} | {r['task']} | {r['metric']} | {'yes' if r['bit_equal_at_1_2_3'] else 'no'} | "
+        f"{r['largest_relative_gap']:.1e} |"
+        for r in table
+    ]
     times = result["time_per_chunk_s"]
-    lines += ["", "Per-chunk work at one rank (one thread), microseconds:", "",
-              "| way | regression (3 metrics) | segmentation (2 metrics) |", "| --- | --- | --- |"]
-    lines += [f"| {way} | {times[way]['regression'] * 1e6:.0f} | {times[way]['segmentation'] * 1e6:.0f} |" for way in times]
+    lines += [
+        "",
+        "Per-chunk work at one rank (one thread), microseconds:",
+        "",
+        "| way | regression (3 metrics) | segmentation (2 metrics) |",
+        "| --- | --- | --- |",
+    ]
+    lines += [
+        f"| {way} | {times[way]['regression'] * 1e6:.0f} | {times[way]['segmentation'] * 1e6:.0f} |" for way in times
+    ]
     (RESULTS / "metrics_exactness.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

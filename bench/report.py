@@ -33,9 +33,15 @@ _STARTUP_INTRO = (
     "and with the garbage collector off while they load, as the project's processes load them "
     "(`startup.frozen_imports`, which spares the collector its full passes over the imports' half a million "
     "objects; the table gives both times). A cold start of a DDP script that imports them so cannot start sooner; what a configuration takes "
-    "beyond it is its own start-up.")
-_TITLES = {"default": "The default run (`make train`)", "comm": "Communication hooks", "checkpoint": "Checkpoints off the critical path", "strategy": "Strategies: DDP and FSDP",
-           "strategy_gpt": "Strategies on the transformer: DDP, FSDP and tensor parallel"}
+    "beyond it is its own start-up."
+)
+_TITLES = {
+    "default": "The default run (`make train`)",
+    "comm": "Communication hooks",
+    "checkpoint": "Checkpoints off the critical path",
+    "strategy": "Strategies: DDP and FSDP",
+    "strategy_gpt": "Strategies on the transformer: DDP, FSDP and tensor parallel",
+}
 _INTROS = {
     "strategy_gpt": "The transformer (`+experiment=text_gpt`: 4 blocks of width 128, AdamW) at 2 ranks under "
     "`ddp`, `fsdp` and `tp`, on the same global batch of sequences (64 bytes each; `tp`'s two ranks form one "
@@ -81,29 +87,35 @@ _INTROS = {
 
 
 # The parity section's second reference, where its results have one (bench/expert.py).
-_EXPERT = (" Second reference: `bench/expert.py`, the same loop tuned by hand as an expert would, with stock "
-           "PyTorch only: the model and its inputs in channels_last, DDP's `gradient_as_bucket_view=True` and "
-           "`static_graph=True`, and workers forked from a forkserver that imported torch and torch._dynamo, "
-           "started before the parent imports torch (one thread per rank, as in the plain loop). Beyond those the "
-           "project adds: the shared-memory all-reduce on the CPU (`strategy.shared_memory`, "
-           "src/hydra_ddp/parallel/shared_memory.py) in place of gloo's, which the tuned loop uses; the config "
-           "machinery (Hydra's composition, resolution and checks before launch, overlapped with the forkserver's "
-           "imports), whose start-up cost is the first step's Δ against the tuned loop; and exact resume "
-           "(a run stopped and resumed equals one uninterrupted), which neither loop has.")
+_EXPERT = (
+    " Second reference: `bench/expert.py`, the same loop tuned by hand as an expert would, with stock "
+    "PyTorch only: the model and its inputs in channels_last, DDP's `gradient_as_bucket_view=True` and "
+    "`static_graph=True`, and workers forked from a forkserver that imported torch and torch._dynamo, "
+    "started before the parent imports torch (one thread per rank, as in the plain loop). Beyond those the "
+    "project adds: the shared-memory all-reduce on the CPU (`strategy.shared_memory`, "
+    "src/hydra_ddp/parallel/shared_memory.py) in place of gloo's, which the tuned loop uses; the config "
+    "machinery (Hydra's composition, resolution and checks before launch, overlapped with the forkserver's "
+    "imports), whose start-up cost is the first step's Δ against the tuned loop; and exact resume "
+    "(a run stopped and resumed equals one uninterrupted), which neither loop has."
+)
 
 # From f282f07 on, the default section runs the same work by hand beside make train.
-_DEFAULT_REFERENCE = (" Reference: the same work written by hand in the style of pytorch/examples "
-                      "(`bench/handwritten_train.py`: mp.spawn, the digits read as the project reads them, the same "
-                      "network, optimizer, schedule, batch and epochs, a validation each epoch, TensorBoard scalars and "
-                      "a `torch.save` checkpoint on rank 0, the test at the end; nothing else: no config, no resume, no "
-                      "failure handling), timed the same way; its **training** is its steps' times summed as the "
-                      "project sums them. Its **evaluation** and **checkpoint** columns stay empty: it does not time "
-                      "them.")
+_DEFAULT_REFERENCE = (
+    " Reference: the same work written by hand in the style of pytorch/examples "
+    "(`bench/handwritten_train.py`: mp.spawn, the digits read as the project reads them, the same "
+    "network, optimizer, schedule, batch and epochs, a validation each epoch, TensorBoard scalars and "
+    "a `torch.save` checkpoint on rank 0, the test at the end; nothing else: no config, no resume, no "
+    "failure handling), timed the same way; its **training** is its steps' times summed as the "
+    "project sums them. Its **evaluation** and **checkpoint** columns stay empty: it does not time "
+    "them."
+)
 _DEFAULT_NO_REFERENCE = " No reference: nothing else does the same."
 # From 5fa226c on, each of the default section's runs follows a timing of the floor.
-_DEFAULT_FLOORS = (" **floor**: the collector-off floor (as in the parity section), timed just before each repetition; "
-                   "**beyond training − floor**: the median of that difference run by run, what the run adds "
-                   "to importing torch at the machine's speed of the moment.")
+_DEFAULT_FLOORS = (
+    " **floor**: the collector-off floor (as in the parity section), timed just before each repetition; "
+    "**beyond training − floor**: the median of that difference run by run, what the run adds "
+    "to importing torch at the machine's speed of the moment."
+)
 
 
 def render(results: dict[str, Any]) -> str:
@@ -151,16 +163,27 @@ def render(results: dict[str, Any]) -> str:
             intro += _EXPERT
         if name == "default":
             by_hand = any(case["side"] == "handwritten_train" for case in cases)
-            intro += (_DEFAULT_REFERENCE if by_hand else _DEFAULT_NO_REFERENCE) + (_DEFAULT_FLOORS if _has_floors(cases) else "")
+            intro += (_DEFAULT_REFERENCE if by_hand else _DEFAULT_NO_REFERENCE) + (
+                _DEFAULT_FLOORS if _has_floors(cases) else ""
+            )
         lines += [f"## {_TITLES.get(name, name.capitalize())}", "", intro, "", table, ""]
         lines += _default_paired(cases) if name == "default" else _paired(cases)
         if name == "parity" and _expert(cases):
-            lines += _paired([_expert(cases), *(case for case in cases if case["side"] in ("project", "sweep"))],
-                             "the loop tuned by hand's")
+            lines += _paired(
+                [_expert(cases), *(case for case in cases if case["side"] in ("project", "sweep"))],
+                "the loop tuned by hand's",
+            )
         lines += _aborts_at_exit(cases)
         if name == "parity" and all("time_to_workers_ready_s" in case["median"] for case in cases):
             tuned = " The loop tuned by hand's workers are forks of its own forkserver." if _expert(cases) else ""
-            lines += ["### Where the start-up goes", "", _STARTUP_INTRO + tuned, "", _startup_table(cases, [results[key] for key in FLOORS if key in results]), ""]
+            lines += [
+                "### Where the start-up goes",
+                "",
+                _STARTUP_INTRO + tuned,
+                "",
+                _startup_table(cases, [results[key] for key in FLOORS if key in results]),
+                "",
+            ]
     lines += ["## Commands", "", "One run of each side (`RUN_DIR`: a fresh temporary directory per run):", ""]
     lines += [f"    {case['command']}" for case in sections.get("parity", []) + sections.get("default", [])]
     return "\n".join(lines) + "\n"
@@ -174,8 +197,10 @@ def _expert(cases: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
 def _parity_headline(cases: list[dict[str, Any]]) -> list[str]:
     project = [c for c in cases if c["side"] in ("project", "sweep")]
     vs = project[0]["vs_reference"]
-    others = "".join(f"; {c['label'].removeprefix('project, ')} {c['vs_reference']['startup_difference_s']:+.1f} s"
-                     for c in project[1:])
+    others = "".join(
+        f"; {c['label'].removeprefix('project, ')} {c['vs_reference']['startup_difference_s']:+.1f} s"
+        for c in project[1:]
+    )
     expert = _expert(cases)
     if expert:  # against both references: the plain loop, then the tuned one
         p, e, t = project[0]["median"], expert["median"], expert["vs_reference"]
@@ -200,13 +225,17 @@ def _parity_headline(cases: list[dict[str, Any]]) -> list[str]:
 
 def _default_headline(cases: list[dict[str, Any]]) -> list[str]:
     m = next(case for case in cases if case["side"] == "default")["median"]
-    line = (f"**`make train`: {m['wall_time_s']:.1f} s of wall time for {m['train_time_s']:.1f} s of training "
-            f"({m['beyond_training_s']:+.1f} s), the first step at {m['time_to_first_step_s']:.1f} s")
+    line = (
+        f"**`make train`: {m['wall_time_s']:.1f} s of wall time for {m['train_time_s']:.1f} s of training "
+        f"({m['beyond_training_s']:+.1f} s), the first step at {m['time_to_first_step_s']:.1f} s"
+    )
     by_hand = [case["median"] for case in cases if case["side"] == "handwritten_train"]
     if by_hand:  # none up to this line's commit
         h = by_hand[0]
-        line += (f"; the same work by hand: {h['wall_time_s']:.1f} s for {h['train_time_s']:.1f} s "
-                 f"({h['beyond_training_s']:+.1f} s), the first step at {h['time_to_first_step_s']:.1f} s")
+        line += (
+            f"; the same work by hand: {h['wall_time_s']:.1f} s for {h['train_time_s']:.1f} s "
+            f"({h['beyond_training_s']:+.1f} s), the first step at {h['time_to_first_step_s']:.1f} s"
+        )
     return [line + ".**", ""]
 
 
@@ -218,12 +247,17 @@ def _default_paired(cases: list[dict[str, Any]]) -> list[str]:
     reference = cases[0]["runs"]
     figures = []
     for case in cases[1:]:
-        for what, of in (("wall time", lambda run: run["wall_time_s"]),
-                         ("time beyond training", lambda run: run["wall_time_s"] - run["train_time_s"])):
+        for what, of in (
+            ("wall time", lambda run: run["wall_time_s"]),
+            ("time beyond training", lambda run: run["wall_time_s"] - run["train_time_s"]),
+        ):
             differences = [of(run) - of(ref) for run, ref in zip(case["runs"], reference)]
             figures.append(f"{what} **{statistics.median(differences):+.2f} s**{_spread(differences, 2)}")
-    return [f"Paired, repetition by repetition: `make train` less the hand-written run of the same repetition, "
-            f"medians over {len(reference)} repetitions (min–max): {'; '.join(figures)}.", ""]
+    return [
+        f"Paired, repetition by repetition: `make train` less the hand-written run of the same repetition, "
+        f"medians over {len(reference)} repetitions (min–max): {'; '.join(figures)}.",
+        "",
+    ]
 
 
 def _parity_reps(results: dict[str, Any]) -> str:
@@ -245,9 +279,12 @@ def _paired(cases: list[dict[str, Any]], against: str = "the reference's") -> li
         ratios = sorted(run["steady_samples_per_sec"] / ref for run, ref in zip(case["runs"], reference))
         middle = (ratios[(len(ratios) - 1) // 2] + ratios[len(ratios) // 2]) / 2
         figures.append(f"{case['label']} **{middle:.2f}×** ({ratios[low]:.2f}–{ratios[high]:.2f})")
-    return [f"Paired, repetition by repetition: samples/s over {against} in the same repetition, the "
-            f"median of {len(reference)} ratios (95 % confidence interval of that median, from the order "
-            f"statistics): {'; '.join(figures)}.", ""]
+    return [
+        f"Paired, repetition by repetition: samples/s over {against} in the same repetition, the "
+        f"median of {len(reference)} ratios (95 % confidence interval of that median, from the order "
+        f"statistics): {'; '.join(figures)}.",
+        "",
+    ]
 
 
 def median_interval(n: int, confidence: float = 0.95) -> Optional[tuple[int, int]]:
@@ -269,11 +306,14 @@ def _aborts_at_exit(cases: list[dict[str, Any]]) -> list[str]:
     for case in cases:
         aborted = sum(bool(run.get("aborted_at_exit")) for run in case["runs"])
         if aborted:
-            lines += [f"The {case['label']} loop's workers aborted at their exit in {aborted} of {len(case['runs'])} "
-                      "runs, after rank 0 wrote the result (`terminate called without an active exception`: gloo's "
-                      "threads still running at the interpreter's teardown, as in any script that ends by returning "
-                      "from its workers); those runs count. The project's workers end with `os._exit` once "
-                      "their outputs are closed.", ""]
+            lines += [
+                f"The {case['label']} loop's workers aborted at their exit in {aborted} of {len(case['runs'])} "
+                "runs, after rank 0 wrote the result (`terminate called without an active exception`: gloo's "
+                "threads still running at the interpreter's teardown, as in any script that ends by returning "
+                "from its workers); those runs count. The project's workers end with `os._exit` once "
+                "their outputs are closed.",
+                "",
+            ]
     return lines
 
 
@@ -283,18 +323,30 @@ def _startup_table(cases: list[dict[str, Any]], floors: list[dict[str, Any]]) ->
     rows = []
     for case in cases:
         m = case["median"]
-        rows.append([case["label"], f"{m['time_to_workers_ready_s']:.2f}",
-                     f"{m['time_to_first_step_s'] - m['time_to_workers_ready_s']:.2f}",
-                     f"{m['time_to_first_step_s']:.2f}{_spread([run['time_to_first_step_s'] for run in case['runs']], 2)}",
-                     "reference" if case is cases[0] else f"{m['time_to_first_step_s'] - reference:+.2f}"])
+        rows.append(
+            [
+                case["label"],
+                f"{m['time_to_workers_ready_s']:.2f}",
+                f"{m['time_to_first_step_s'] - m['time_to_workers_ready_s']:.2f}",
+                f"{m['time_to_first_step_s']:.2f}{_spread([run['time_to_first_step_s'] for run in case['runs']], 2)}",
+                "reference" if case is cases[0] else f"{m['time_to_first_step_s'] - reference:+.2f}",
+            ]
+        )
     for floor in floors:
-        rows.append([f"floor: `{floor['command']}`", "", "", f"{floor['median']:.2f}{_spread(floor['runs'], 2)}",
-                     f"{floor['median'] - reference:+.2f}"])
+        rows.append(
+            [
+                f"floor: `{floor['command']}`",
+                "",
+                "",
+                f"{floor['median']:.2f}{_spread(floor['runs'], 2)}",
+                f"{floor['median'] - reference:+.2f}",
+            ]
+        )
     return _markdown_table(headers, rows)
 
 
 def _spread(values: list[float], decimals: int) -> str:
-    """ (min–max) over the repetitions, after a median; nothing for a single run."""
+    """(min–max) over the repetitions, after a median; nothing for a single run."""
     return f" ({min(values):.{decimals}f}–{max(values):.{decimals}f})" if len(values) > 1 else ""
 
 
@@ -305,20 +357,39 @@ def _has_floors(cases: list[dict[str, Any]]) -> bool:
 
 def _default_table(cases: list[dict[str, Any]]) -> str:
     floors = _has_floors(cases)
-    headers = ["configuration", "wall (s)", "training (s)", "beyond training (s)", "first step (s)",
-               "evaluation (s)", "checkpoints", "checkpoint stalls (s)"]
+    headers = [
+        "configuration",
+        "wall (s)",
+        "training (s)",
+        "beyond training (s)",
+        "first step (s)",
+        "evaluation (s)",
+        "checkpoints",
+        "checkpoint stalls (s)",
+    ]
     if floors:
         headers += ["floor (s)", "beyond training − floor (s)"]
     rows = []
     for case in cases:
         m = case["median"]
         spread = _spread([run["wall_time_s"] for run in case["runs"]], 2)
-        rows.append([case["label"], f"{m['wall_time_s']:.2f}{spread}", f"{m['train_time_s']:.2f}",
-                     f"{m['beyond_training_s']:+.2f}", f"{m['time_to_first_step_s']:.2f}", _seconds(m["eval_time_s"]),
-                     "" if case["checkpoints"] is None else str(case["checkpoints"]), _seconds(m["checkpoint_time_s"])])
+        rows.append(
+            [
+                case["label"],
+                f"{m['wall_time_s']:.2f}{spread}",
+                f"{m['train_time_s']:.2f}",
+                f"{m['beyond_training_s']:+.2f}",
+                f"{m['time_to_first_step_s']:.2f}",
+                _seconds(m["eval_time_s"]),
+                "" if case["checkpoints"] is None else str(case["checkpoints"]),
+                _seconds(m["checkpoint_time_s"]),
+            ]
+        )
         if floors:
-            rows[-1] += [f"{m['floor_s']:.2f}{_spread([run['floor_s'] for run in case['runs']], 2)}",
-                         f"{m['beyond_floor_s']:+.2f}"]
+            rows[-1] += [
+                f"{m['floor_s']:.2f}{_spread([run['floor_s'] for run in case['runs']], 2)}",
+                f"{m['beyond_floor_s']:+.2f}",
+            ]
     return _markdown_table(headers, rows)
 
 
@@ -327,8 +398,17 @@ def _seconds(value: Optional[float]) -> str:
 
 
 def _table(cases: list[dict[str, Any]], stalls: bool = False) -> str:
-    headers = ["configuration", "samples/s", "step (ms)", "first step (s)", "peak RSS (MB)",
-               "samples/s ×", "step ×", "first step Δ (s)", "RSS ×"]
+    headers = [
+        "configuration",
+        "samples/s",
+        "step (ms)",
+        "first step (s)",
+        "peak RSS (MB)",
+        "samples/s ×",
+        "step ×",
+        "first step Δ (s)",
+        "RSS ×",
+    ]
     sent = any(case.get("allreduce_bytes_per_step") for case in cases) and all(c["side"] == "project" for c in cases)
     if sent:
         headers.append("all-reduce / step (KB)")
@@ -344,15 +424,27 @@ def _table(cases: list[dict[str, Any]], stalls: bool = False) -> str:
         compared = (
             ["reference", "", "", ""]
             if vs is None
-            else [f"{vs['throughput_ratio']:.2f}", f"{vs['step_time_ratio']:.2f}",
-                  f"{vs['startup_difference_s']:+.2f}", f"{vs['rss_ratio']:.2f}"]
+            else [
+                f"{vs['throughput_ratio']:.2f}",
+                f"{vs['step_time_ratio']:.2f}",
+                f"{vs['startup_difference_s']:+.2f}",
+                f"{vs['rss_ratio']:.2f}",
+            ]
         )
-        rows.append([
-            case["label"], f"{m['steady_samples_per_sec']:.0f}{spread}", f"{m['median_step_time_s'] * 1000:.1f}",
-            f"{m['time_to_first_step_s']:.2f}", f"{m['peak_rss_mb']:.0f}", *compared,
-        ])
+        rows.append(
+            [
+                case["label"],
+                f"{m['steady_samples_per_sec']:.0f}{spread}",
+                f"{m['median_step_time_s'] * 1000:.1f}",
+                f"{m['time_to_first_step_s']:.2f}",
+                f"{m['peak_rss_mb']:.0f}",
+                *compared,
+            ]
+        )
         if sent:
-            rows[-1].append(f"{case['allreduce_bytes_per_step'] / 1024:.0f}" if case.get("allreduce_bytes_per_step") else "")
+            rows[-1].append(
+                f"{case['allreduce_bytes_per_step'] / 1024:.0f}" if case.get("allreduce_bytes_per_step") else ""
+            )
         if state:
             rows[-1].append(f"{case['model_state_bytes'] / 2**20:.2f}")
         if stalls:

@@ -1,8 +1,10 @@
-"""`make bench`: the project's train.py against a DDP loop written by hand (plain, and tuned), the default run, world-size scaling, options.
+"""`make bench`: the project's train.py against a DDP loop written by hand (plain, and tuned), the
+default run, world-size scaling, options.
 
     .venv/bin/python bench/run.py                 # 3 repetitions × 200 steps of every configuration
     .venv/bin/python bench/run.py --quick         # a smoke test of the harness: 1 × 20 steps
-    .venv/bin/python bench/run.py --only comm     # one section (parity, default, scaling, options, comm, checkpoint, strategy, strategy_gpt)
+    # one section (parity, default, scaling, options, comm, checkpoint, strategy, strategy_gpt):
+    .venv/bin/python bench/run.py --only comm
     .venv/bin/python bench/run.py --only options --cases timing --out /tmp/bench   # one line, beside its reference
     make bench ARGS="--reps 5 --steps 500 --out /tmp/bench"
 
@@ -56,8 +58,12 @@ COMM_HOOKS = ("fp16", "bf16")
 CHECKPOINT_EVERY = 20
 
 # Every setting `auto` chooses, turned off: the project as it ran before they became defaults.
-AUTO_OFF = ("trainer.channels_last=false", "strategy.gradient_as_bucket_view=false", "strategy.static_graph=false",
-            "strategy.shared_memory=false")
+AUTO_OFF = (
+    "trainer.channels_last=false",
+    "strategy.gradient_as_bucket_view=false",
+    "strategy.static_graph=false",
+    "strategy.shared_memory=false",
+)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -88,36 +94,51 @@ def plan(cores: int) -> dict[str, list[Case]]:
         ],
         # `make train` as a user runs it: its wall time against its training time, beside the same
         # work written by hand.
-        "default": [Case("hand-written (bench/handwritten_train.py)", "handwritten_train"),
-                    Case("make train (the default run)", "default")],
+        "default": [
+            Case("hand-written (bench/handwritten_train.py)", "handwritten_train"),
+            Case("make train (the default run)", "default"),
+        ],
         "scaling": [Case(f"nproc={n}", "project", nproc=n) for n in world_sizes(cores)],
         "options": [Case(label, "project", overrides=overrides) for label, overrides in OPTIONS.items()],
         # A hook replaces the shared-memory all-reduce: each is compared with gloo's, and the default last.
         "comm": [Case("comm_hook=none, gloo's all-reduce", "project", overrides=("strategy.shared_memory=false",))]
         + [Case(f"comm_hook={hook}", "project", overrides=(f"strategy.comm_hook={hook}",)) for hook in COMM_HOOKS]
-        + [Case("comm_hook=powersgd (rank 1, from step 0)", "project",
-                overrides=("strategy.comm_hook=powersgd", "strategy.powersgd.start_step=0")),
-           Case("comm_hook=none, shared memory (the default)", "project")],
+        + [
+            Case(
+                "comm_hook=powersgd (rank 1, from step 0)",
+                "project",
+                overrides=("strategy.comm_hook=powersgd", "strategy.powersgd.start_step=0"),
+            ),
+            Case("comm_hook=none, shared memory (the default)", "project"),
+        ],
         "checkpoint": [
             Case("a checkpoint at the end only", "project"),
-            Case(f"a checkpoint every {CHECKPOINT_EVERY} steps", "project",
-                 overrides=(f"checkpoint.every_n_steps={CHECKPOINT_EVERY}",)),
+            Case(
+                f"a checkpoint every {CHECKPOINT_EVERY} steps",
+                "project",
+                overrides=(f"checkpoint.every_n_steps={CHECKPOINT_EVERY}",),
+            ),
         ],
         "strategy": [
             Case("ddp", "project"),
             Case("ddp, channels_last off", "project", overrides=("trainer.channels_last=false",)),
             Case("fsdp", "project", overrides=("strategy=fsdp",)),
-            Case("fsdp, reshard_after_forward=false", "project",
-                 overrides=("strategy=fsdp", "strategy.reshard_after_forward=false")),
+            Case(
+                "fsdp, reshard_after_forward=false",
+                "project",
+                overrides=("strategy=fsdp", "strategy.reshard_after_forward=false"),
+            ),
         ],
         "strategy_gpt": [
-            Case(f"gpt: {name}", "project", overrides=(f"strategy={name}",), task="text") for name in ("ddp", "fsdp", "tp")
+            Case(f"gpt: {name}", "project", overrides=(f"strategy={name}",), task="text")
+            for name in ("ddp", "fsdp", "tp")
         ],
     }
 
 
-def run_section(name: str, cases: list[Case], workload: Workload, reps: int,
-                floors: Optional[dict[str, list[float]]] = None) -> list[dict[str, Any]]:
+def run_section(
+    name: str, cases: list[Case], workload: Workload, reps: int, floors: Optional[dict[str, list[float]]] = None
+) -> list[dict[str, Any]]:
     """Every case once per repetition, interleaved, so drift in the machine hits all alike: in the
     listed order, then reversed (A B C, C B A, …), so a case's distance in time from the reference
     evens out too, and a drift over a pair of repetitions cancels in the paired ratios (report.py).
@@ -132,7 +153,8 @@ def run_section(name: str, cases: list[Case], workload: Workload, reps: int,
             runs[case.label].append(result)
             print(
                 f"[{name} {rep}/{reps}] {case.label:<30} {result['steady_samples_per_sec']:6.0f} samples/s  "
-                f"step {result['median_step_time_s'] * 1000:6.1f} ms  first step {result['time_to_first_step_s']:5.2f} s  "
+                f"step {result['median_step_time_s'] * 1000:6.1f} ms  "
+                f"first step {result['time_to_first_step_s']:5.2f} s  "
                 f"RSS {result['peak_rss_mb']:4.0f} MB",
                 file=sys.stderr,
                 flush=True,
@@ -141,20 +163,22 @@ def run_section(name: str, cases: list[Case], workload: Workload, reps: int,
     summary = []
     for case in cases:
         median = medians(runs[case.label])
-        summary.append({
-            "label": case.label,
-            "side": case.side,
-            "nproc": case.nproc,
-            "overrides": list(case.overrides),
-            "command": printable(command(case, workload, Path("RUN_DIR"))[0]),
-            "runs": runs[case.label],
-            "median": median,
-            "allreduce_bytes_per_step": runs[case.label][0].get("allreduce_bytes_per_step"),
-            "model_state_bytes": runs[case.label][0].get("model_state_bytes"),
-            "checkpoints": runs[case.label][0].get("checkpoints"),
-            "checkpoint_stall_s": statistics.median(run["checkpoint_stall_s"] or 0.0 for run in runs[case.label]),
-            "vs_reference": None if case is cases[0] else compare(median, reference),
-        })
+        summary.append(
+            {
+                "label": case.label,
+                "side": case.side,
+                "nproc": case.nproc,
+                "overrides": list(case.overrides),
+                "command": printable(command(case, workload, Path("RUN_DIR"))[0]),
+                "runs": runs[case.label],
+                "median": median,
+                "allreduce_bytes_per_step": runs[case.label][0].get("allreduce_bytes_per_step"),
+                "model_state_bytes": runs[case.label][0].get("model_state_bytes"),
+                "checkpoints": runs[case.label][0].get("checkpoints"),
+                "checkpoint_stall_s": statistics.median(run["checkpoint_stall_s"] or 0.0 for run in runs[case.label]),
+                "vs_reference": None if case is cases[0] else compare(median, reference),
+            }
+        )
     return summary
 
 
@@ -169,22 +193,36 @@ def run_default(cases: list[Case], workload: Workload, reps: int) -> list[dict[s
         for case in cases if rep % 2 else cases[::-1]:
             result = {**measure(case, workload), "floor_s": floor}
             runs[case.label].append(result)
-            print(f"[default {rep}/{reps}] {case.label}: wall {result['wall_time_s']:5.2f} s  training "
-                  f"{result['train_time_s']:5.2f} s  first step {result['time_to_first_step_s']:5.2f} s  "
-                  f"floor {floor:5.2f} s", file=sys.stderr, flush=True)
+            print(
+                f"[default {rep}/{reps}] {case.label}: wall {result['wall_time_s']:5.2f} s  training "
+                f"{result['train_time_s']:5.2f} s  first step {result['time_to_first_step_s']:5.2f} s  "
+                f"floor {floor:5.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     summary = []
     for case in cases:
         case_runs = runs[case.label]
         figures = ("wall_time_s", "train_time_s", "time_to_first_step_s", "eval_time_s", "checkpoint_time_s", "floor_s")
-        median = {figure: statistics.median(run[figure] for run in case_runs) if case_runs[0][figure] is not None
-                  else None for figure in figures}
+        median = {
+            figure: statistics.median(run[figure] for run in case_runs) if case_runs[0][figure] is not None else None
+            for figure in figures
+        }
         median["beyond_training_s"] = statistics.median(run["wall_time_s"] - run["train_time_s"] for run in case_runs)
         # What the run adds to importing torch: the same difference less the floor timed just before.
         median["beyond_floor_s"] = statistics.median(
-            run["wall_time_s"] - run["train_time_s"] - run["floor_s"] for run in case_runs)
-        summary.append({"label": case.label, "side": case.side,
-                        "command": printable(command(case, workload, Path("RUN_DIR"))[0]),
-                        "runs": case_runs, "median": median, "checkpoints": case_runs[0]["checkpoints"]})
+            run["wall_time_s"] - run["train_time_s"] - run["floor_s"] for run in case_runs
+        )
+        summary.append(
+            {
+                "label": case.label,
+                "side": case.side,
+                "command": printable(command(case, workload, Path("RUN_DIR"))[0]),
+                "runs": case_runs,
+                "median": median,
+                "checkpoints": case_runs[0]["checkpoints"],
+            }
+        )
     return summary
 
 
@@ -253,22 +291,41 @@ def positive_int(value: str) -> int:
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--reps", type=positive_int, help="repetitions of each configuration (default 3; --quick: 1)")
-    parser.add_argument("--parity-reps", type=positive_int,
-                        help="repetitions in the parity section (default: --reps). Its ratios against the hand-written "
-                             "loop are the acceptance figures, and one run's samples/s varies by ±10%% here between "
-                             "processes of the same command: more repetitions steady their medians")
+    parser.add_argument(
+        "--parity-reps",
+        type=positive_int,
+        help="repetitions in the parity section (default: --reps). Its ratios against the hand-written "
+        "loop are the acceptance figures, and one run's samples/s varies by ±10%% here between "
+        "processes of the same command: more repetitions steady their medians",
+    )
     parser.add_argument("--steps", type=positive_int, help="training steps per run (default 200; --quick: 20)")
     parser.add_argument("--quick", action="store_true", help="a tiny run to smoke-test the harness")
-    parser.add_argument("--only", nargs="+", choices=["parity", "default", "scaling", "options", "comm", "checkpoint", "strategy", "strategy_gpt"],
-                        help="run these sections only (default: all)")
-    parser.add_argument("--cases", nargs="+", metavar="TEXT",
-                        help="only the cases whose label contains one of these (a section's reference always runs)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT.relative_to(REPO)})")
-    parser.add_argument("--report", default="REPORT.md", metavar="NAME",
-                        help="the report's file name in --out (default REPORT.md; e.g. PARITY.md for an --only run "
-                             "beside a full report)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=["parity", "default", "scaling", "options", "comm", "checkpoint", "strategy", "strategy_gpt"],
+        help="run these sections only (default: all)",
+    )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        metavar="TEXT",
+        help="only the cases whose label contains one of these (a section's reference always runs)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT.relative_to(REPO)})"
+    )
+    parser.add_argument(
+        "--report",
+        default="REPORT.md",
+        metavar="NAME",
+        help="the report's file name in --out (default REPORT.md; e.g. PARITY.md for an --only run "
+        "beside a full report)",
+    )
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
     args.parity_reps = args.parity_reps or args.reps
@@ -295,8 +352,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         "sections": {},
     }
     m = results["machine"]
-    print(f"{m['cpu_count']} cores ({m['usable_cores']} usable), torch {m['torch']}: "
-          f"{args.reps} repetition(s) × {args.steps} steps", file=sys.stderr)
+    print(
+        f"{m['cpu_count']} cores ({m['usable_cores']} usable), torch {m['torch']}: "
+        f"{args.reps} repetition(s) × {args.steps} steps",
+        file=sys.stderr,
+    )
     try:
         for name, cases in plan(m["usable_cores"]).items():
             if args.cases:  # the first case is the section's reference: the others are measured against it
@@ -309,8 +369,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 floors: dict[str, list[float]] = {key: [] for key in FLOORS}
                 results["sections"][name] = run_section(name, cases, workload, args.parity_reps, floors)
                 for key, times in floors.items():
-                    results[key] = {"command": f"python -c {shlex.quote(FLOORS[key])}", "runs": times,
-                                    "median": statistics.median(times)}
+                    results[key] = {
+                        "command": f"python -c {shlex.quote(FLOORS[key])}",
+                        "runs": times,
+                        "median": statistics.median(times),
+                    }
             elif len(cases) > 1:
                 results["sections"][name] = run_section(name, cases, workload, args.reps)
     except BenchError as error:

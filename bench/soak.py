@@ -71,13 +71,20 @@ def write_report(runs: list, failures: Counter, hogged: bool, pytest_args: list[
         # Skipped tests are counted: a soak on a machine without Slurm or Open MPI is not the whole suite.
         "| run | result | minutes | passed | skipped | failed tests |",
         "| ---: | --- | ---: | ---: | ---: | --- |",
-        *(f"| {i} | {'ok' if not bad and not code else 'failed'} | {s / 60:.1f} | {counts['passed']} | "
-          f"{counts['skipped']} | {', '.join(bad)} |" for i, s, code, bad, counts in runs),
+        *(
+            f"| {i} | {'ok' if not bad and not code else 'failed'} | {s / 60:.1f} | {counts['passed']} | "
+            f"{counts['skipped']} | {', '.join(bad)} |"
+            for i, s, code, bad, counts in runs
+        ),
         "",
     ]
     if failures:
-        lines += ["| test | failures |", "| --- | ---: |",
-                  *(f"| `{test}` | {n} of {len(runs)} |" for test, n in failures.most_common()), ""]
+        lines += [
+            "| test | failures |",
+            "| --- | ---: |",
+            *(f"| `{test}` | {n} of {len(runs)} |" for test, n in failures.most_common()),
+            "",
+        ]
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     REPORT.write_text("\n".join(lines))  # after every run: a soak cut short still leaves its report
     return "\n".join(lines)
@@ -102,9 +109,12 @@ def main() -> int:
                 seconds, code, bad, counts = run_suite(Path(tmp) / f"run{i}.xml", args.pytest_args)
                 failures.update(bad.keys())  # one count per failing test per run (the values say how it failed)
                 runs.append((i, seconds, code, sorted(bad), counts))
-                print(f"soak: run {i}/{args.runs}: {'ok' if not bad and not code else 'FAILED'} in {seconds:.0f} s, "
-                      f"{counts['passed']} passed, {counts['skipped']} skipped"
-                      + (f" ({', '.join(sorted(bad))})" if bad else ""), flush=True)
+                print(
+                    f"soak: run {i}/{args.runs}: {'ok' if not bad and not code else 'FAILED'} in {seconds:.0f} s, "
+                    f"{counts['passed']} passed, {counts['skipped']} skipped"
+                    + (f" ({', '.join(sorted(bad))})" if bad else ""),
+                    flush=True,
+                )
                 report = write_report(runs, failures, spinner is not None, args.pytest_args, args.runs)
     finally:
         if spinner:

@@ -41,8 +41,12 @@ def per_step_cost(enabled: bool) -> float:
 
 def default_step_time() -> float:
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, str(REPO / "train.py"), "trainer.epochs=3", f"hydra.run.dir={tmp}/run"],
-                       cwd=REPO, check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, str(REPO / "train.py"), "trainer.epochs=3", f"hydra.run.dir={tmp}/run"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
         return json.loads((Path(tmp) / "run" / "summary.json").read_text())["median_step_time_s"]
 
 

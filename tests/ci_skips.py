@@ -36,8 +36,10 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     for line in _modules_skipped:
-        terminalreporter.write_line(f"FAILED (a module skipped under CI=true, which allows no skip: the install "
-                                    f"step must provide it) {line}", red=True)
+        terminalreporter.write_line(
+            f"FAILED (a module skipped under CI=true, which allows no skip: the install step must provide it) {line}",
+            red=True,
+        )
 
 
 @pytest.hookimpl(trylast=True)

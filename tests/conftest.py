@@ -34,8 +34,14 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     items[:] = [item for item in items if item.name != PAIR_TEST] + chosen
     out = Path(tempfile.mkdtemp(prefix="hddp-pairs-")) / "pairs.json"
     with open(out.with_suffix(".log"), "w") as log:
-        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "pair_checks.py"), str(out)], cwd=REPO,
-                                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_idle, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "pair_checks.py"), str(out)],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_idle,
+            start_new_session=True,
+        )
     config.pair_checks = (proc, out)
 
 
@@ -70,8 +76,10 @@ def slurm_cluster():
         pytest.skip("the Slurm tests start munged and slurmd, which need root")
     missing = [tool for tool in ("munged", "mungekey", "slurmctld", "slurmd", "sbatch") if shutil.which(tool) is None]
     if missing:
-        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing): "
-                    "apt-get install --no-install-recommends slurmctld slurmd slurm-client munge")
+        pytest.skip(
+            f"Slurm is not installed ({', '.join(missing)} missing): "
+            "apt-get install --no-install-recommends slurmctld slurmd slurm-client munge"
+        )
     nodes = 2 if shutil.which("ip") and shutil.which("nsenter") else 1
     folder = Path(tempfile.mkdtemp(prefix="hddp-slurm-", dir="/tmp"))  # munged's socket needs 755 parents
     script = str(REPO / "tests" / "slurm" / "cluster.sh")
@@ -79,7 +87,9 @@ def slurm_cluster():
     try:
         assert up.returncode == 0, f"the Slurm cluster did not start: {up.stderr}"
         # `export NAME=VALUE` lines: SLURM_CONF, and with two nodes the interface gloo must use there.
-        env = dict(line.removeprefix("export ").split("=", 1) for line in up.stdout.split("\n") if line.startswith("export "))
+        env = dict(
+            line.removeprefix("export ").split("=", 1) for line in up.stdout.split("\n") if line.startswith("export ")
+        )
         accounting = env.pop("HDDP_SLURM_ACCOUNTING", None) == "1"
         yield types.SimpleNamespace(env=env, nodes=nodes, accounting=accounting)
     finally:
@@ -88,7 +98,9 @@ def slurm_cluster():
         subprocess.run([script, "down", str(folder)], capture_output=True, text=True, timeout=90)
         shutil.rmtree(folder, ignore_errors=True)
         # Nothing of the cluster is left: no daemon it started, no namespace, no host name.
-        assert not [pid for pid in daemons if Path(f"/proc/{pid}").exists()], "a Slurm or munge daemon outlived the cluster"
+        assert not [pid for pid in daemons if Path(f"/proc/{pid}").exists()], (
+            "a Slurm or munge daemon outlived the cluster"
+        )
         if tag:
             namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
             assert f"hddp-{tag}-" not in namespaces and f"hddp-slurm {tag}" not in Path("/etc/hosts").read_text()

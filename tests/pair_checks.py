@@ -18,8 +18,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
-GROUPS = ("backend", "init_method", "launcher", "strategy", "task", "model", "data", "optim", "scheduler", "logger", "debug",
-          "experiment", "hparams_search")
+GROUPS = (
+    "backend",
+    "init_method",
+    "launcher",
+    "strategy",
+    "task",
+    "model",
+    "data",
+    "optim",
+    "scheduler",
+    "logger",
+    "debug",
+    "experiment",
+    "hparams_search",
+)
 
 
 def options(group: str) -> list[str]:
@@ -38,8 +51,13 @@ def defaults() -> set[str]:
     import yaml
 
     entries = yaml.safe_load((CONF / "config.yaml").read_text())["defaults"]
-    return {f"{group}={option}" for entry in entries if isinstance(entry, dict)
-            for group, option in entry.items() if isinstance(option, str)}
+    return {
+        f"{group}={option}"
+        for entry in entries
+        if isinstance(entry, dict)
+        for group, option in entry.items()
+        if isinstance(option, str)
+    }
 
 
 def check(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], str, str]:
@@ -64,8 +82,9 @@ def check_all() -> list[tuple[tuple[str, str], str, str]]:
     every, default = pairs(), defaults()
     essence = {pair: tuple(option for option in pair if option not in default) for pair in every}
     with multiprocessing.get_context("spawn").Pool(2) as pool:  # each check composes anew, on both cores
-        outcomes = {key: (outcome, what) for key, outcome, what in
-                    pool.map(check, sorted(set(essence.values())), chunksize=8)}
+        outcomes = {
+            key: (outcome, what) for key, outcome, what in pool.map(check, sorted(set(essence.values())), chunksize=8)
+        }
     return [(pair, *outcomes[essence[pair]]) for pair in every]
 
 

@@ -15,8 +15,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from support import assert_no_orphans, free_port
 
@@ -60,15 +61,22 @@ def serve(argv: list[str], ready_path: str, log: Path, cwd: Optional[Path] = Non
     for attempt in range(tries):
         port = free_port()
         with open(log, "ab") as out:
-            proc = subprocess.Popen([a.replace("{port}", str(port)) for a in argv], stdout=out, cwd=cwd,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, "NO_PROXY": "*", MARK: str(os.getpid())})
+            proc = subprocess.Popen(
+                [a.replace("{port}", str(port)) for a in argv],
+                stdout=out,
+                cwd=cwd,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, "NO_PROXY": "*", MARK: str(os.getpid())},
+            )
         try:
             base = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + READY_S
             while proc.poll() is None and not _answers(base + ready_path):
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"{argv[0]} did not answer {ready_path} in {READY_S} s: {log.read_text()[-3000:]}")
+                    raise AssertionError(
+                        f"{argv[0]} did not answer {ready_path} in {READY_S} s: {log.read_text()[-3000:]}"
+                    )
                 time.sleep(0.2)
             if proc.poll() is not None:
                 text = log.read_text()
@@ -100,14 +108,42 @@ def stop(proc: subprocess.Popen) -> None:
 
 def tensorboard(logdir: Path, log: Path) -> contextlib.AbstractContextManager[str]:
     # --load_fast=false: TensorBoard's own Python reader, no data-server binary; loopback only.
-    return serve([str(BIN / "tensorboard"), "--logdir", str(logdir), "--host", "127.0.0.1", "--port", "{port}",
-                  "--load_fast=false", "--reload_interval=0"], "/data/runs", log)
+    return serve(
+        [
+            str(BIN / "tensorboard"),
+            "--logdir",
+            str(logdir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "--load_fast=false",
+            "--reload_interval=0",
+        ],
+        "/data/runs",
+        log,
+    )
 
 
 def mlflow_ui(cwd: Path, store_uri: str, log: Path) -> contextlib.AbstractContextManager[str]:
     """`mlflow ui --backend-store-uri STORE` as the docs give it (with a port), from `cwd`."""
-    return serve([str(BIN / "mlflow"), "ui", "--backend-store-uri", store_uri, "--host", "127.0.0.1", "--port", "{port}",
-                  "--workers", "1"], "/health", log, cwd=cwd)
+    return serve(
+        [
+            str(BIN / "mlflow"),
+            "ui",
+            "--backend-store-uri",
+            store_uri,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "--workers",
+            "1",
+        ],
+        "/health",
+        log,
+        cwd=cwd,
+    )
 
 
 def drawn_line_span(png: Path, colour: tuple[int, int, int], below: int = 80, tolerance: int = 12) -> int:
@@ -117,8 +153,10 @@ def drawn_line_span(png: Path, colour: tuple[int, int, int], below: int = 80, to
 
     image = Image.open(png).convert("RGB")
     pixels, (width, height) = image.load(), image.size
-    columns = [any(all(abs(c - k) <= tolerance for c, k in zip(pixels[x, y], colour)) for y in range(below, height))
-               for x in range(width)]
+    columns = [
+        any(all(abs(c - k) <= tolerance for c, k in zip(pixels[x, y], colour)) for y in range(below, height))
+        for x in range(width)
+    ]
     best = run = 0
     for hit in columns:
         run = run + 1 if hit else 0
@@ -134,12 +172,27 @@ def browse(url: str, screenshot: Path, wait_ms: int = 15000, size: str = "1400,1
     import tempfile
 
     profile = tempfile.mkdtemp(prefix="chromium-")  # a fresh profile each time, removed after
-    common = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
-              f"--window-size={size}", f"--virtual-time-budget={wait_ms}", f"--user-data-dir={profile}"]
+    common = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--no-first-run",
+        f"--window-size={size}",
+        f"--virtual-time-budget={wait_ms}",
+        f"--user-data-dir={profile}",
+    ]
     pages = []
     for extra in ([f"--screenshot={screenshot}"], ["--dump-dom"]):
-        proc = subprocess.Popen([*common, *extra, url], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                start_new_session=True, text=True, env={**os.environ, MARK: str(os.getpid())})
+        proc = subprocess.Popen(
+            [*common, *extra, url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            text=True,
+            env={**os.environ, MARK: str(os.getpid())},
+        )
         try:
             out, _ = proc.communicate(timeout=120)
         finally:

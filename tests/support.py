@@ -17,8 +17,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -31,6 +31,7 @@ QUICK = ("trainer.max_steps=8", "trainer.log_every=3")
 
 # --- Running train.py and eval.py ------------------------------------------------------------------
 
+
 def train_env() -> dict[str, str]:
     env = dict(os.environ)
     # Test-only models and datasets (tests/helpers) must be importable by every worker.
@@ -40,8 +41,13 @@ def train_env() -> dict[str, str]:
     return env
 
 
-def start_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = (), script: str = "train.py",
-                env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_train(
+    run_dir: Path,
+    *overrides: str,
+    prefix: tuple[str, ...] = (),
+    script: str = "train.py",
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
     """Start `python train.py OVERRIDES hydra.run.dir=RUN_DIR` (or under a launcher given as prefix;
     `env`: variables added to the environment).
 
@@ -49,7 +55,12 @@ def start_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = (), sc
     """
     cmd = [*(prefix or (sys.executable,)), str(REPO / script), *overrides, f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(
-        cmd, cwd=REPO, env={**train_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cmd,
+        cwd=REPO,
+        env={**train_env(), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
     )
 
@@ -66,13 +77,19 @@ def finish(proc: subprocess.Popen, timeout: float = 150) -> subprocess.Completed
     return result
 
 
-def run_train(run_dir: Path, *overrides: str, prefix: tuple[str, ...] = (), timeout: float = 150,
-              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_train(
+    run_dir: Path,
+    *overrides: str,
+    prefix: tuple[str, ...] = (),
+    timeout: float = 150,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     return finish(start_train(run_dir, *overrides, prefix=prefix, env=env), timeout)
 
 
-def run_eval(run_dir: Path, *overrides: str, timeout: float = 150,
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_eval(
+    run_dir: Path, *overrides: str, timeout: float = 150, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`python eval.py OVERRIDES hydra.run.dir=RUN_DIR`."""
     return finish(start_train(run_dir, *overrides, script="eval.py", env=env), timeout)
 
@@ -137,6 +154,7 @@ def free_port() -> int:
 
 # --- What a run leaves behind ----------------------------------------------------------------------
 
+
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -184,9 +202,13 @@ def wandb_starts(run_dir: Path) -> list[dict]:
         for record in wandb_logger.records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
-                start.update(id=record.run.run_id, group=record.run.run_group, name=record.run.display_name,
-                             project=record.run.project,
-                             config={u.key: json.loads(u.value_json) for u in record.run.config.update})
+                start.update(
+                    id=record.run.run_id,
+                    group=record.run.run_group,
+                    name=record.run.display_name,
+                    project=record.run.project,
+                    config={u.key: json.loads(u.value_json) for u in record.run.config.update},
+                )
             elif kind == "history":
                 start["history"].append(wandb_logger.values(record.history.item))
             elif kind == "summary":
@@ -236,6 +258,7 @@ def torch_equal(x, y) -> bool:
 
 # --- Places to run in ------------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def tmpfs(where: Path, size: str) -> Iterator[Path]:
     """A real tmpfs of `size` (mount's units: 6m) mounted at `where`: a small disk or /dev/shm.
@@ -245,8 +268,9 @@ def tmpfs(where: Path, size: str) -> Iterator[Path]:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a tmpfs needs root and mount(8)")
     where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
@@ -256,6 +280,7 @@ def tmpfs(where: Path, size: str) -> Iterator[Path]:
 
 
 # --- Data the tests make for themselves: files in the formats the project reads --------------------
+
 
 def write_cifar(root: Path, per_batch: int = 20, identical: bool = False) -> Path:
     """CIFAR-10's python batches (data_batch_1…5, test_batch, batches.meta) under
@@ -323,7 +348,7 @@ LAB = {
             def loss(self, output, target):
                 return F.binary_cross_entropy_with_logits(output.float().reshape(-1), target.float(), reduction="none")
     ''',
-    "mylab/model.py": '''
+    "mylab/model.py": """
         from torch import nn
 
         class Scorer(nn.Module):
@@ -333,8 +358,8 @@ LAB = {
 
             def forward(self, x):
                 return self.net(x)
-    ''',
-    "mylab/data.py": '''
+    """,
+    "mylab/data.py": """
         import torch
         from torch.utils.data import TensorDataset
 
@@ -343,13 +368,11 @@ LAB = {
             x = torch.randn(size, features, generator=gen)
             y = (x[:, 0] + 0.5 * x[:, 1] > 0.3).long()  # unbalanced on purpose
             return TensorDataset(x[:500], y[:500]), TensorDataset(x[500:], y[500:])
-    ''',
+    """,
     "labconf/task/binary.yaml": "_target_: mylab.task.Binary\n",
     "labconf/model/scorer.yaml": "_target_: mylab.model.Scorer\nfeatures: 8\n",
     "labconf/data/blobs.yaml": "num_classes: 1\ndataset:\n  _target_: mylab.data.blobs\n  features: 8\n",
 }
-
-
 
 
 def write_lab(folder: Path) -> Path:
@@ -365,6 +388,7 @@ def write_lab(folder: Path) -> Path:
 
 # --- Comparing runs --------------------------------------------------------------------------------
 
+
 def relative_gaps(got: list[float], expected: list[float]) -> list[float]:
     """|got - expected| / |expected| step by step, as a running maximum (the gap so far)."""
     assert len(got) == len(expected), (len(got), len(expected))
@@ -375,8 +399,14 @@ def relative_gaps(got: list[float], expected: list[float]) -> list[float]:
     return gaps
 
 
-def assert_within_float_noise(got: list[float], expected: list[float], *noise: list[float], ceiling: float,
-                              factor: float = 10.0, floor: float = 1e-6) -> None:
+def assert_within_float_noise(
+    got: list[float],
+    expected: list[float],
+    *noise: list[float],
+    ceiling: float,
+    factor: float = 10.0,
+    floor: float = 1e-6,
+) -> None:
     """`got` trains like `expected` but for the order of float32 sums, over a run's first steps. How
     far that order alone moves a run depends on the CPU's kernels, so the bound is measured on this
     host, in this test: `noise` holds `expected`'s run trained again with only the summation order
@@ -390,14 +420,17 @@ def assert_within_float_noise(got: list[float], expected: list[float], *noise: l
     compared over many steps train in float64 instead (FLOAT64, assert_float64_alike)."""
     limit = [max(column) for column in zip(*(relative_gaps(run, expected) for run in noise))]
     bounds = [factor * bound + floor for bound in limit]
-    assert max(bounds) <= ceiling, (f"this host's float-order noise gives a bound of {max(bounds):.2e}, over the "
-                                    f"ceiling {ceiling:.0e}: runs that should differ only in the order of their "
-                                    f"sums differ more (noise gaps {[f'{b:.1e}' for b in limit]})")
+    assert max(bounds) <= ceiling, (
+        f"this host's float-order noise gives a bound of {max(bounds):.2e}, over the "
+        f"ceiling {ceiling:.0e}: runs that should differ only in the order of their "
+        f"sums differ more (noise gaps {[f'{b:.1e}' for b in limit]})"
+    )
     gaps = relative_gaps(got, expected)
-    bad = [(step, gap, bound) for step, (gap, bound) in enumerate(zip(gaps, limit), 1)
-           if gap > factor * bound + floor]
-    assert not bad, (f"gap beyond {factor}x this host's float-order noise (+{floor}) at (step, gap, noise): "
-                     f"{[(s, f'{g:.2e}', f'{b:.2e}') for s, g, b in bad[:5]]}")
+    bad = [(step, gap, bound) for step, (gap, bound) in enumerate(zip(gaps, limit), 1) if gap > factor * bound + floor]
+    assert not bad, (
+        f"gap beyond {factor}x this host's float-order noise (+{floor}) at (step, gap, noise): "
+        f"{[(s, f'{g:.2e}', f'{b:.2e}') for s, g, b in bad[:5]]}"
+    )
 
 
 # Runs compared across world sizes or strategies train their model in float64 (tests/helpers
@@ -424,8 +457,9 @@ def csv_losses(run_dir: Path) -> list[float]:
 def assert_float64_alike(got: list[float], expected: list[float], bound: float = FLOAT64_BOUND) -> None:
     """Two float64 runs (float64()) that differ only in the order of their sums: every value within `bound`."""
     gaps = relative_gaps(got, expected)
-    assert gaps and max(gaps) <= bound, (f"float64 runs apart by up to {max(gaps):.2e} (bound {bound:.0e}), "
-                                         f"step by step: {[f'{g:.1e}' for g in gaps]}")
+    assert gaps and max(gaps) <= bound, (
+        f"float64 runs apart by up to {max(gaps):.2e} (bound {bound:.0e}), step by step: {[f'{g:.1e}' for g in gaps]}"
+    )
 
 
 # --- Two hosts on one machine ------------------------------------------------------------------
@@ -441,7 +475,7 @@ class TwoHosts:
     def _ip(self, *args: str) -> None:
         subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
-    def __enter__(self) -> "TwoHosts":
+    def __enter__(self) -> TwoHosts:
         try:
             for name in self.names:
                 self._ip("netns", "add", name)

@@ -62,8 +62,9 @@ def test_no_strategy_borrows_another_strategys_code():
     tree = ast.parse((PACKAGE / "parallel" / "strategy.py").read_text())
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     for name, node in classes.items():
-        assert not [base for base in node.bases if isinstance(base, ast.Name) and base.id in classes], \
+        assert not [base for base in node.bases if isinstance(base, ast.Name) and base.id in classes], (
             f"{name} inherits from another class of strategy.py"
+        )
     assert "Strategy" in classes
 
 
@@ -71,7 +72,12 @@ def test_docs_architecture_md_lists_every_module_and_no_module_that_is_gone():
     text = (REPO / "docs" / "architecture.md").read_text()
     listed = set(re.findall(r"^\s+((?:[\w]+/)*[\w]+\.py)\s", text, re.MULTILINE))
     here = {str(p.relative_to(PACKAGE)) for p in MODULES if p.name != "__init__.py"}
-    plugins = {str(p.relative_to(REPO / "src" / "hydra_plugins")) for p in (REPO / "src" / "hydra_plugins").rglob("*.py")
-               if p.name != "__init__.py"}
-    assert here | plugins == listed, (f"missing from docs/architecture.md: {sorted((here | plugins) - listed)}; "
-                                      f"listed but gone: {sorted(listed - here - plugins)}")
+    plugins = {
+        str(p.relative_to(REPO / "src" / "hydra_plugins"))
+        for p in (REPO / "src" / "hydra_plugins").rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    assert here | plugins == listed, (
+        f"missing from docs/architecture.md: {sorted((here | plugins) - listed)}; "
+        f"listed but gone: {sorted(listed - here - plugins)}"
+    )

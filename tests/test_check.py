@@ -17,28 +17,42 @@ import pair_checks
 from support import REPO, run_train, summary, train_env
 
 
-
 def check_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "train.py", "--check", *args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
-                          env=train_env(), capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "train.py", "--check", *args, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_check_says_what_would_run_and_launches_nothing(tmp_path: Path):
     proc = check_cli(tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == ("hydra-ddp: config OK: 2 worker(s) on cpu (spawn, backend gloo, "
-                                                    "init env), ddp, global batch 64; nothing launched")
+    assert proc.stdout.strip().splitlines()[-1] == (
+        "hydra-ddp: config OK: 2 worker(s) on cpu (spawn, backend gloo, "
+        "init env), ddp, global batch 64; nothing launched"
+    )
     assert not (tmp_path / "run").exists()  # no run directory, no log: nothing ran
 
 
 def test_a_mismatched_pair_is_one_line_naming_the_options_that_fit(tmp_path: Path):
     for args in (("--check", "model=gpt"), ("model=gpt",)):  # checked alone, or as a run checks it first
-        proc = subprocess.run([sys.executable, "train.py", *args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
-                              env=train_env(), capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "train.py", *args, f"hydra.run.dir={tmp_path / 'run'}"],
+            cwd=REPO,
+            env=train_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 2
         assert proc.stderr.strip().splitlines() == [
             "hydra-ddp: error: model=gpt needs data.dataset.context, which data=digits does not have: use data=text "
-            "(or +experiment=text_gpt)"], proc.stderr
+            "(or +experiment=text_gpt)"
+        ], proc.stderr
 
 
 def test_check_for_a_gpu_host_from_a_cpu_host(tmp_path: Path):
@@ -48,12 +62,14 @@ def test_check_for_a_gpu_host_from_a_cpu_host(tmp_path: Path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "hydra-ddp: error: one GPU per process: 8 process(es) on this node but this host has 2 GPU(s); set "
-        "trainer.nproc=2 (or auto), give each task its own GPU (srun --gpus-per-task=1), or use backend=gloo"]
+        "trainer.nproc=2 (or auto), give each task its own GPU (srun --gpus-per-task=1), or use backend=gloo"
+    ]
 
 
 @pytest.mark.timeout(900)
 def test_every_pair_of_options_passes_the_check_or_fails_in_one_line_and_a_passing_pair_trains(
-        tmp_path: Path, request: pytest.FixtureRequest):
+    tmp_path: Path, request: pytest.FixtureRequest
+):
     assert len(pair_checks.pairs()) > 700  # every option of every group, each against every other group's
     # The checks ran in the background since the suite began (conftest.py: pair_checks.py at the
     # CPU's idle priority); this test runs last and waits for them. Run alone, it waits the whole time.

@@ -4,17 +4,19 @@ one line naming the key, with no process started: one composition, then plain di
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from support import REPO
 from hydra_ddp.config import resolve
 from hydra_ddp.config.schema import register_schema
 from hydra_ddp.errors import UserError
 from hydra_ddp.parallel import plans
+
+from support import REPO
 
 register_schema()
 
@@ -33,6 +35,7 @@ def setting(path: str, value: Any) -> Callable[[dict], None]:
         for part in parents:
             node = node[part]
         node[key] = value
+
     apply.__name__ = f"{path}={value!r}"
     return apply
 
@@ -41,14 +44,20 @@ def both(*changes: Callable[[dict], None]) -> Callable[[dict], None]:
     def apply(plain: dict) -> None:
         for change in changes:
             change(plain)
+
     apply.__name__ = " ".join(change.__name__ for change in changes)
     return apply
 
 
 # An elastic run of one to two nodes of two ranks with a global batch of 64: fine as it stands.
-ELASTIC = (setting("launcher.name", "torchrun"), setting("launcher.nnodes", "1:2"), setting("launcher.max_restarts", 2),
-           setting("launcher.rdzv_endpoint", "node0:29400"), setting("launcher.rdzv_id", "job"),
-           setting("data.global_batch_size", 64))
+ELASTIC = (
+    setting("launcher.name", "torchrun"),
+    setting("launcher.nnodes", "1:2"),
+    setting("launcher.max_restarts", 2),
+    setting("launcher.rdzv_endpoint", "node0:29400"),
+    setting("launcher.rdzv_id", "job"),
+    setting("data.global_batch_size", 64),
+)
 
 BAD = [
     (setting("trainer.precision", "8"), "trainer.precision='8': choose one of 32, bf16, 16"),
@@ -56,10 +65,22 @@ BAD = [
     (setting("trainer.channels_last", "yes"), "trainer.channels_last='yes': choose one of auto, true, false"),
     (setting("strategy.static_graph", 2), "strategy.static_graph=2: choose one of auto, true, false"),
     (setting("strategy.comm_hook", "int8"), "strategy.comm_hook='int8': choose one of none, fp16, bf16, powersgd"),
-    (both(setting("strategy.comm_hook", "fp16"), setting("data.even_shards", False)), "does not combine with data.even_shards=false"),
-    (both(setting("strategy.comm_hook", "powersgd"), setting("strategy.powersgd.rank", 0)), "strategy.powersgd.rank=0: give a whole number, at least 1"),
-    (both(setting("strategy.static_graph", True), setting("trainer.accumulate", 2)), "strategy.static_graph=true does not combine"),
-    (both(setting("strategy.shared_memory", True), setting("strategy.comm_hook", "bf16")), "strategy.shared_memory=true does not combine"),
+    (
+        both(setting("strategy.comm_hook", "fp16"), setting("data.even_shards", False)),
+        "does not combine with data.even_shards=false",
+    ),
+    (
+        both(setting("strategy.comm_hook", "powersgd"), setting("strategy.powersgd.rank", 0)),
+        "strategy.powersgd.rank=0: give a whole number, at least 1",
+    ),
+    (
+        both(setting("strategy.static_graph", True), setting("trainer.accumulate", 2)),
+        "strategy.static_graph=true does not combine",
+    ),
+    (
+        both(setting("strategy.shared_memory", True), setting("strategy.comm_hook", "bf16")),
+        "strategy.shared_memory=true does not combine",
+    ),
     (setting("strategy.sync_batchnorm", "maybe"), "strategy.sync_batchnorm='maybe': choose one of auto, true, false"),
     (setting("strategy.sync_batchnorm", True), "strategy.sync_batchnorm=true needs GPUs"),
     (setting("trainer.epochs", 0), "trainer.epochs=0: give a whole number, at least 1"),
@@ -68,54 +89,123 @@ BAD = [
     (setting("trainer.max_steps", -3), "trainer.max_steps=-3: give a whole number, at least 1"),
     (setting("checkpoint.keep", 0), "checkpoint.keep=0: give a whole number, at least 1"),
     (setting("checkpoint.every_n_steps", 0), "checkpoint.every_n_steps=0: give a whole number, at least 1"),
-    (setting("trainer.early_stopping.patience", 0), "trainer.early_stopping.patience=0: give a whole number, at least 1"),
+    (
+        setting("trainer.early_stopping.patience", 0),
+        "trainer.early_stopping.patience=0: give a whole number, at least 1",
+    ),
     (both(setting("trainer.early_stopping.patience", 2), setting("trainer.monitor", None)), "needs a monitored metric"),
-    (both(setting("trainer.early_stopping.patience", 2), setting("trainer.eval_every_epoch", False)), "needs a validation every epoch"),
-    (setting("trainer.early_stopping.min_delta", -1.0), "trainer.early_stopping.min_delta=-1.0: give a number, at least 0"),
+    (
+        both(setting("trainer.early_stopping.patience", 2), setting("trainer.eval_every_epoch", False)),
+        "needs a validation every epoch",
+    ),
+    (
+        setting("trainer.early_stopping.min_delta", -1.0),
+        "trainer.early_stopping.min_delta=-1.0: give a number, at least 0",
+    ),
     (setting("trainer.grad_clip", 0.0), "trainer.grad_clip=0.0: give a number, above 0"),
-    (both(setting("data.even_shards", False), setting("trainer.accumulate", 2)), "data.even_shards=false does not combine with trainer.accumulate"),
-    (both(setting("data.even_shards", False), setting("trainer.compile", True)), "data.even_shards=false does not combine with trainer.compile"),
+    (
+        both(setting("data.even_shards", False), setting("trainer.accumulate", 2)),
+        "data.even_shards=false does not combine with trainer.accumulate",
+    ),
+    (
+        both(setting("data.even_shards", False), setting("trainer.compile", True)),
+        "data.even_shards=false does not combine with trainer.compile",
+    ),
     (setting("model._target_", "hydra_ddp.models.Nope"), "model._target_='hydra_ddp.models.Nope'"),
     (setting("model.no_such_argument", 3), "unexpected keyword argument 'no_such_argument'"),
     (setting("optim._target_", "nowhere.at_all.SGD"), "optim._target_='nowhere.at_all.SGD': cannot import"),
     (setting("optim", {"lr": 0.1}), "optim needs a _target_"),
     (setting("strategy.name", "zero3"), "strategy.name='zero3': choose one of ddp, fsdp, tp, fsdp_tp"),
     (setting("strategy.mixed_precision", "fp8"), "strategy.mixed_precision='fp8': choose one of bf16, fp16"),
-    (both(setting("strategy.name", "fsdp"), setting("strategy.comm_hook", "fp16")), "strategy=fsdp: strategy.comm_hook=fp16 is DDP's"),
-    (both(setting("strategy.name", "fsdp"), setting("data.even_shards", False)), "strategy=fsdp: data.even_shards=false needs DDP's Join"),
+    (
+        both(setting("strategy.name", "fsdp"), setting("strategy.comm_hook", "fp16")),
+        "strategy=fsdp: strategy.comm_hook=fp16 is DDP's",
+    ),
+    (
+        both(setting("strategy.name", "fsdp"), setting("data.even_shards", False)),
+        "strategy=fsdp: data.even_shards=false needs DDP's Join",
+    ),
     (both(setting("strategy.name", "fsdp"), setting("trainer.compile", True)), "strategy=fsdp: trainer.compile=true"),
-    (both(setting("strategy.name", "fsdp"), setting("trainer.channels_last", True)), "strategy=fsdp: trainer.channels_last=true"),
-    (both(setting("strategy.name", "fsdp"), setting("strategy.cpu_offload", True)), "strategy=fsdp: strategy.cpu_offload=true"),
-    (both(setting("strategy.name", "fsdp"), setting("strategy.mixed_precision", "fp16")), "strategy=fsdp: strategy.mixed_precision=fp16"),
+    (
+        both(setting("strategy.name", "fsdp"), setting("trainer.channels_last", True)),
+        "strategy=fsdp: trainer.channels_last=true",
+    ),
+    (
+        both(setting("strategy.name", "fsdp"), setting("strategy.cpu_offload", True)),
+        "strategy=fsdp: strategy.cpu_offload=true",
+    ),
+    (
+        both(setting("strategy.name", "fsdp"), setting("strategy.mixed_precision", "fp16")),
+        "strategy=fsdp: strategy.mixed_precision=fp16",
+    ),
     (both(setting("strategy.name", "fsdp"), setting("trainer.precision", "16")), "strategy=fsdp: trainer.precision=16"),
     (setting("strategy.name", "tp"), "strategy=tp needs a model with a tensor-parallel plan"),
-    (both(setting("launcher.name", "torchrun"), setting("launcher.nnodes", 2), setting("launcher.rdzv_endpoint", "node0:29400"),
-          setting("launcher.rdzv_id", "job"), setting("init_method.name", "tcp")), "across nodes the ranks meet through torchrun"),
+    (
+        both(
+            setting("launcher.name", "torchrun"),
+            setting("launcher.nnodes", 2),
+            setting("launcher.rdzv_endpoint", "node0:29400"),
+            setting("launcher.rdzv_id", "job"),
+            setting("init_method.name", "tcp"),
+        ),
+        "across nodes the ranks meet through torchrun",
+    ),
     (setting("launcher.nnodes", 2), "launcher=spawn runs on one node"),
     (both(setting("init_method.name", "file"), setting("launcher.max_restarts", 2)), "cannot reuse a file:// store"),
     # Elastic ranges (launcher.nnodes=MIN:MAX).
-    (both(setting("launcher.name", "torchrun"), setting("launcher.nnodes", "3:2")), "launcher.nnodes=3:2: the range MIN:MAX needs 1 <= MIN <= MAX"),
-    (both(setting("launcher.name", "torchrun"), setting("launcher.nnodes", "two")), "launcher.nnodes='two': give a node count (2) or an elastic range"),
+    (
+        both(setting("launcher.name", "torchrun"), setting("launcher.nnodes", "3:2")),
+        "launcher.nnodes=3:2: the range MIN:MAX needs 1 <= MIN <= MAX",
+    ),
+    (
+        both(setting("launcher.name", "torchrun"), setting("launcher.nnodes", "two")),
+        "launcher.nnodes='two': give a node count (2) or an elastic range",
+    ),
     (setting("launcher.nnodes", "1:2"), "launcher=spawn runs on one node"),
     (both(*ELASTIC, setting("launcher.max_restarts", 0)), "(elastic): set launcher.max_restarts to 1 or more"),
     (both(*ELASTIC, setting("data.global_batch_size", None)), "(elastic) needs data.global_batch_size"),
-    (both(*ELASTIC, setting("launcher.nnodes", "2:3")), "data.global_batch_size=64 does not divide over 6 model replicas at world size 6, which launcher.nnodes=2:3 allows"),
-    (both(*ELASTIC, setting("strategy.name", "fsdp_tp"), setting("strategy.tp_size", 4)), "strategy.tp_size=4 does not divide the world size 2"),
+    (
+        both(*ELASTIC, setting("launcher.nnodes", "2:3")),
+        "data.global_batch_size=64 does not divide over 6 model replicas at world size 6, "
+        "which launcher.nnodes=2:3 allows",
+    ),
+    (
+        both(*ELASTIC, setting("strategy.name", "fsdp_tp"), setting("strategy.tp_size", 4)),
+        "strategy.tp_size=4 does not divide the world size 2",
+    ),
     # Tasks.
-    (setting("trainer.monitor", "val/r2"), "trainer.monitor='val/r2' is not a metric of this task; choose one of val/loss, val/accuracy, train/loss"),
+    (
+        setting("trainer.monitor", "val/r2"),
+        "trainer.monitor='val/r2' is not a metric of this task; choose one of val/loss, val/accuracy, train/loss",
+    ),
     (setting("task._target_", "torch.nn.Identity"), "is not a hydra_ddp.tasks.Task: subclass it"),
     # Every group that builds an object by _target_: its name imports, its keys are the builder's.
-    (setting("task._target_", "hydra_ddp.tasks.Nope"), "task._target_='hydra_ddp.tasks.Nope': 'hydra_ddp.tasks' has no 'Nope'"),
+    (
+        setting("task._target_", "hydra_ddp.tasks.Nope"),
+        "task._target_='hydra_ddp.tasks.Nope': 'hydra_ddp.tasks' has no 'Nope'",
+    ),
     (setting("task._target_", "nowhere.Task"), "task._target_='nowhere.Task': cannot import 'nowhere'"),
     (setting("task.no_such_argument", 1), "task (hydra_ddp.tasks.Classification): got an unexpected keyword argument"),
     (setting("task", {"ignore_index": 1}), "task needs a _target_"),
     (setting("data.dataset._target_", "hydra_ddp.data.nope"), "data.dataset._target_='hydra_ddp.data.nope'"),
-    (setting("scheduler._target_", "torch.optim.lr_scheduler.Nope"), "scheduler._target_='torch.optim.lr_scheduler.Nope'"),
-    (setting("scheduler.no_such_argument", 1), "scheduler (torch.optim.lr_scheduler.StepLR): got an unexpected keyword"),
+    (
+        setting("scheduler._target_", "torch.optim.lr_scheduler.Nope"),
+        "scheduler._target_='torch.optim.lr_scheduler.Nope'",
+    ),
+    (
+        setting("scheduler.no_such_argument", 1),
+        "scheduler (torch.optim.lr_scheduler.StepLR): got an unexpected keyword",
+    ),
     (setting("optim.no_such_argument", 1), "optim (torch.optim.SGD): got an unexpected keyword argument"),
-    (setting("logger.csv._target_", "hydra_ddp.reporting.loggers.Nope"), "logger.csv._target_='hydra_ddp.reporting.loggers.Nope'"),
+    (
+        setting("logger.csv._target_", "hydra_ddp.reporting.loggers.Nope"),
+        "logger.csv._target_='hydra_ddp.reporting.loggers.Nope'",
+    ),
     (setting("logger.extra", {"_target_": "nowhere.Logger"}), "logger.extra._target_='nowhere.Logger': cannot import"),
-    (setting("logger.csv.no_such_argument", 1), "logger.csv (hydra_ddp.reporting.loggers.CSV): got an unexpected keyword"),
+    (
+        setting("logger.csv.no_such_argument", 1),
+        "logger.csv (hydra_ddp.reporting.loggers.CSV): got an unexpected keyword",
+    ),
 ]
 
 
@@ -141,15 +231,31 @@ def test_an_elastic_range_settles_its_bounds_and_resumes_at_each_restart(base: d
 
 def test_the_default_config_passes_every_check(base: dict, tmp_path: Path):
     plain = resolve.resolve_plain(copy.deepcopy(base), tmp_path, None)
-    assert "auto" not in [plain["trainer"]["nproc"], plain["trainer"]["device"], plain["backend"]["timeout_s"],
-                          plain["trainer"]["channels_last"], plain["strategy"]["sync_batchnorm"]]
-    assert set(plain["settled"]) == {"trainer.channels_last", "strategy.gradient_as_bucket_view", "strategy.static_graph",
-                                     "strategy.shared_memory"}  # the defaults' autos, each settled once, here
+    assert "auto" not in [
+        plain["trainer"]["nproc"],
+        plain["trainer"]["device"],
+        plain["backend"]["timeout_s"],
+        plain["trainer"]["channels_last"],
+        plain["strategy"]["sync_batchnorm"],
+    ]
+    assert set(plain["settled"]) == {
+        "trainer.channels_last",
+        "strategy.gradient_as_bucket_view",
+        "strategy.static_graph",
+        "strategy.shared_memory",
+    }  # the defaults' autos, each settled once, here
 
 
-@pytest.mark.parametrize("name, world, tp_size, replicas, tp", [
-    ("ddp", 8, 2, 8, 1), ("fsdp", 8, 2, 8, 1), ("tp", 8, 2, 1, 8), ("fsdp_tp", 8, 2, 4, 2), ("fsdp_tp", 6, 3, 2, 3),
-])
+@pytest.mark.parametrize(
+    "name, world, tp_size, replicas, tp",
+    [
+        ("ddp", 8, 2, 8, 1),
+        ("fsdp", 8, 2, 8, 1),
+        ("tp", 8, 2, 1, 8),
+        ("fsdp_tp", 8, 2, 4, 2),
+        ("fsdp_tp", 6, 3, 2, 3),
+    ],
+)
 def test_each_plan_says_how_many_replicas_it_makes(name, world, tp_size, replicas, tp):
     chosen = plans.plan(name)
     assert chosen.replicas({"tp_size": tp_size}, world) == replicas
@@ -161,8 +267,10 @@ def test_a_tp_size_that_does_not_divide_the_world_is_refused():
         plans.plan("fsdp_tp").replicas({"tp_size": 3}, 8)
 
 
-@pytest.mark.parametrize("name, device, expected", [("ddp", "cuda", True), ("ddp", "cpu", False),
-                                                    ("fsdp", "cuda", False), ("tp", "cuda", False)])
+@pytest.mark.parametrize(
+    "name, device, expected",
+    [("ddp", "cuda", True), ("ddp", "cpu", False), ("fsdp", "cuda", False), ("tp", "cuda", False)],
+)
 def test_sync_batchnorm_auto_is_the_plans_to_settle(name, device, expected):
     assert plans.plan(name).sync_batchnorm("auto", device) is expected
     assert plans.plan(name).sync_batchnorm(False, device) is False
@@ -178,18 +286,21 @@ def test_only_ddp_refuses_nothing_that_ddp_does(base: dict):
 def test_fsdp_tp_is_fsdp_with_a_tensor_parallel_size_and_eval_composes_without_an_optimizer():
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         fsdp = resolve.plain_config(compose(config_name="config", overrides=["strategy=fsdp"]))["strategy"]
-        both = resolve.plain_config(compose(config_name="config", overrides=["strategy=fsdp_tp",
-                                                                             "strategy.cpu_offload=true"]))["strategy"]
+        both = resolve.plain_config(
+            compose(config_name="config", overrides=["strategy=fsdp_tp", "strategy.cpu_offload=true"])
+        )["strategy"]
         evaluation = compose(config_name="eval", overrides=["ckpt=somewhere"])
     assert both == {**fsdp, "name": "fsdp_tp", "tp_size": 2, "cpu_offload": True}
     assert "optim" not in evaluation and "scheduler" not in evaluation or evaluation.scheduler is None
 
 
 def test_a_model_built_only_in_the_workers_leaves_channels_last_to_them_and_they_record_it(
-        base: dict, tmp_path: Path, monkeypatch):
+    base: dict, tmp_path: Path, monkeypatch
+):
     from torch import nn
 
     from hydra_ddp import performance
+
     from support import HELPERS
 
     monkeypatch.syspath_prepend(str(HELPERS))

@@ -15,8 +15,17 @@ def test_each_hook_trains_sends_half_the_bytes_and_resumes_exactly(tmp_path: Pat
     # Both hooks, and "none" (DDP's fp32 all-reduce through gloo) beside them, in one multirun whose
     # jobs share the forkserver's imports.
     sweep = tmp_path / "sweep"
-    check_ok(run_train(tmp_path / "unused", "-m", f"trainer.max_steps={FULL}", "trainer.log_every=2",
-                       "strategy.comm_hook=fp16,bf16,none", "strategy.shared_memory=false", f"hydra.sweep.dir={sweep}"))
+    check_ok(
+        run_train(
+            tmp_path / "unused",
+            "-m",
+            f"trainer.max_steps={FULL}",
+            "trainer.log_every=2",
+            "strategy.comm_hook=fp16,bf16,none",
+            "strategy.shared_memory=false",
+            f"hydra.sweep.dir={sweep}",
+        )
+    )
     for job, hook in enumerate(("fp16", "bf16", "none")):
         run_dir = sweep / str(job)
         curve = losses(run_dir)
@@ -33,8 +42,15 @@ def test_each_hook_trains_sends_half_the_bytes_and_resumes_exactly(tmp_path: Pat
     # Stopped halfway and resumed, a hooked run ends with the uninterrupted run's weights.
     resumed = tmp_path / "resumed"
     check_ok(run_train(resumed, f"trainer.max_steps={HALF}", "trainer.log_every=2", "strategy.comm_hook=bf16"))
-    check_ok(run_train(resumed, f"trainer.max_steps={FULL}", "trainer.log_every=2", "trainer.resume=auto",
-                       "strategy.comm_hook=bf16"))
+    check_ok(
+        run_train(
+            resumed,
+            f"trainer.max_steps={FULL}",
+            "trainer.log_every=2",
+            "trainer.resume=auto",
+            "strategy.comm_hook=bf16",
+        )
+    )
     assert summary(resumed)["steps"] == FULL
     assert_same_params(final_params(resumed), final_params(sweep / "1"))
 
@@ -44,7 +60,12 @@ def test_powersgd_sends_low_rank_gradients_and_resumes_exactly(tmp_path: Path):
 
     # Several DDP buckets (0.5 MB each of the CNN's 1.7 MB), compressing from step 4: stopped at
     # step 6 with error feedback and warm-start state in flight, and resumed.
-    hook = ("strategy.comm_hook=powersgd", "strategy.powersgd.start_step=4", "strategy.bucket_cap_mb=0.5", "trainer.log_every=2")
+    hook = (
+        "strategy.comm_hook=powersgd",
+        "strategy.powersgd.start_step=4",
+        "strategy.bucket_cap_mb=0.5",
+        "trainer.log_every=2",
+    )
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     check_ok(run_train(full, *hook, f"trainer.max_steps={FULL}"))
     curve = losses(full)
@@ -53,9 +74,11 @@ def test_powersgd_sends_low_rank_gradients_and_resumes_exactly(tmp_path: Path):
     # Rank 1, as counted on the tensors the hook handed to gloo in the last step: each weight matrix
     # as P and Q, (rows + columns) numbers, the vectors whole, 4 bytes each.
     params = final_params(full)
+
     def sent(t):
         rows, columns = t.shape[0], t.numel() // t.shape[0]
         return rows + columns if t.dim() > 1 and 2 * (rows + columns) <= rows * columns else t.numel()
+
     s = summary(full)
     assert s["comm_hook"] == "powersgd"
     assert s["allreduce_bytes_per_step"] == 4 * sum(sent(t) for t in params.values())

@@ -13,12 +13,13 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ReadonlyConfigError, ValidationError
 
-from support import REPO, train_env
 from hydra_ddp.config import resolve, run_config
 from hydra_ddp.config.schema import register_schema
-from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.errors import UserError
+from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.rundir import RunDir
+
+from support import REPO, train_env
 
 register_schema()
 
@@ -56,8 +57,10 @@ def test_every_group_option_composes_and_validates(tmp_path: Path, overrides: li
 
 def _holds(whole: dict, part: dict) -> bool:
     """`whole` has every key of `part` with the same value (a frozen config adds the schema's defaults)."""
-    return all(key in whole and (_holds(whole[key], value) if isinstance(value, dict) and value else whole[key] == value)
-               for key, value in part.items())
+    return all(
+        key in whole and (_holds(whole[key], value) if isinstance(value, dict) and value else whole[key] == value)
+        for key, value in part.items()
+    )
 
 
 def test_the_resolved_config_is_typed_and_read_only(tmp_path: Path):
@@ -160,9 +163,15 @@ def test_wrong_type_fails_at_composition():
         (["trainer.channels_last=sometimes"], "trainer.channels_last='sometimes': choose one of auto, true, false"),
         (["launcher.start_method=fork"], "launcher.start_method='fork': choose one of forkserver, spawn"),
         (["strategy.comm_hook=topk"], "choose one of none, fp16, bf16, powersgd"),
-        (["strategy.comm_hook=powersgd", "strategy.powersgd.rank=0"], "strategy.powersgd.rank=0: give a whole number, at least 1"),
+        (
+            ["strategy.comm_hook=powersgd", "strategy.powersgd.rank=0"],
+            "strategy.powersgd.rank=0: give a whole number, at least 1",
+        ),
         (["strategy.comm_hook=fp16", "data.even_shards=false"], "even_shards"),
-        (["strategy.shared_memory=true", "strategy.comm_hook=bf16"], "shared_memory=true does not combine with strategy.comm_hook"),
+        (
+            ["strategy.shared_memory=true", "strategy.comm_hook=bf16"],
+            "shared_memory=true does not combine with strategy.comm_hook",
+        ),
         (["strategy.shared_memory=true", "strategy=fsdp"], "strategy=fsdp"),
         (["strategy.shared_memory=maybe"], "choose one of auto, true, false"),
         (["trainer.monitor=val/acc"], "val/loss, val/accuracy, train/loss"),
@@ -221,28 +230,35 @@ def test_validation_settings_resolve(tmp_path: Path):
 
 
 def test_an_optuna_search_must_optimise_the_monitor_in_its_direction():
-    from hydra_ddp.reporting import scaling
+    from hydra_ddp.reporting import trials
 
     def search(*overrides):
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-            return compose(config_name="config", overrides=["hparams_search=digits", *overrides], return_hydra_config=True)
+            return compose(
+                config_name="config", overrides=["hparams_search=digits", *overrides], return_hydra_config=True
+            )
 
-    assert scaling.check_search(search()) is None
-    assert scaling.check_search(search("trainer.monitor=val/loss", "hydra.sweeper.direction=minimize")) is None
-    assert "set hydra.sweeper.direction=minimize" in scaling.check_search(search("trainer.monitor=val/loss"))
-    assert "set it" in scaling.check_search(search("trainer.monitor=null"))
+    assert trials.check_search(search()) is None
+    assert trials.check_search(search("trainer.monitor=val/loss", "hydra.sweeper.direction=minimize")) is None
+    assert "set hydra.sweeper.direction=minimize" in trials.check_search(search("trainer.monitor=val/loss"))
+    assert "set it" in trials.check_search(search("trainer.monitor=null"))
 
 
 @pytest.mark.parametrize("package, title", [("mlflow", "MLflow"), ("wandb", "Weights & Biases")])
 def test_a_tracker_without_its_package_installed_fails_before_launch(tmp_path: Path, package: str, title: str):
     """As if the package were not installed (a None entry in sys.modules is how Python marks a
     module that must not be imported): one line saying how to install it, and no worker started."""
-    code = (f"import runpy, sys; sys.modules['{package}'] = None; "
-            f"sys.argv = ['train.py', 'logger=[tensorboard,{package}]', 'hydra.run.dir={tmp_path / 'run'}']; "
-            "runpy.run_path('train.py', run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=train_env(), capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        f"import runpy, sys; sys.modules['{package}'] = None; "
+        f"sys.argv = ['train.py', 'logger=[tensorboard,{package}]', 'hydra.run.dir={tmp_path / 'run'}']; "
+        "runpy.run_path('train.py', run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"needs {title}" in lines[0] and f"pip install -e '.[{package}]'" in lines[0], proc.stderr
+    assert len(lines) == 1 and f"needs {title}" in lines[0] and f"pip install -e '.[{package}]'" in lines[0], (
+        proc.stderr
+    )
     assert not (tmp_path / "run").exists()  # refused before launch: no run directory left

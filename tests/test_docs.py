@@ -90,7 +90,7 @@ def blocks(path: Path) -> list[Block]:
             body.append(lines[i])
             i += 1
         i += 1
-        before = "\n".join(lines[max(0, start - 2):start])
+        before = "\n".join(lines[max(0, start - 2) : start])
         mark = next((m for m in MARKS if f"<!-- doc-test: {m} -->" in before), None)
         block = Block(path, start + 1, fence.group(1), mark)
         current = ""
@@ -115,9 +115,16 @@ def test_every_fence_names_its_language_and_every_mark_is_known():
             assert found in MARKS, f"{page.name}: unknown doc-test mark {found!r} (one of {', '.join(MARKS)})"
     assert sum(len(b.commands) for b in BLOCKS if b.lang in SHELLS) > 60  # README.md and docs/: the test reads them
     # The site shows about 90 characters of a code line: longer ones scroll, hiding their comments.
-    long = [f"{page.relative_to(REPO)}: {line}" for page in PAGES for block in _fenced_lines(page)
-            for line in block if len(line) > 90]
-    assert not long, "command lines over 90 characters (put the comment above, or continue with \\):\n" + "\n".join(long)
+    long = [
+        f"{page.relative_to(REPO)}: {line}"
+        for page in PAGES
+        for block in _fenced_lines(page)
+        for line in block
+        if len(line) > 90
+    ]
+    assert not long, "command lines over 90 characters (put the comment above, or continue with \\):\n" + "\n".join(
+        long
+    )
 
 
 def _fenced_lines(page: Path) -> list[list[str]]:
@@ -233,8 +240,12 @@ def _key(words: list[str], env_lines: list[str]) -> str:
     """What makes a command the same as another: its words after the block's variables, with the
     program's path left out; a plain train.py run's composed config."""
     normal = " ".join(["python" if w.endswith("/python") else w for w in words])
-    plain = (_script(words) == "train.py" and _program(words) in ("python", "python3")
-             and not any(w.startswith("-") for w in words[1:]) and not env_lines)
+    plain = (
+        _script(words) == "train.py"
+        and _program(words) in ("python", "python3")
+        and not any(w.startswith("-") for w in words[1:])
+        and not env_lines
+    )
     if plain:
         from hydra import compose, initialize_config_dir
         from omegaconf import OmegaConf
@@ -253,13 +264,22 @@ def _key(words: list[str], env_lines: list[str]) -> str:
 def _expand(command: str, env_lines: list[str], project: Path, env: dict[str, str]) -> list[str]:
     """The command's words as bash makes them, after the block's assignments (variables, ~, quotes)."""
     script = "\n".join([*env_lines, f"set -- {command}", 'printf "%s\\0" "$@"'])
-    out = subprocess.run(["bash", "-c", script], cwd=project, env=env, capture_output=True, text=True, timeout=30).stdout
+    out = subprocess.run(
+        ["bash", "-c", script], cwd=project, env=env, capture_output=True, text=True, timeout=30
+    ).stdout
     return out.split("\0")[:-1]
 
 
 def _start(script: str, project: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(["bash", "-c", script], cwd=project, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
@@ -306,8 +326,9 @@ def _sbatch(script: str, project: Path, env: dict[str, str]) -> str:
         return f"sbatch exited {code}: {err.strip()[-500:]}"
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
-        queued = subprocess.run(["squeue", "-h", "-j", job.group(1)], env=env, capture_output=True, text=True,
-                                timeout=30).stdout.strip()
+        queued = subprocess.run(
+            ["squeue", "-h", "-j", job.group(1)], env=env, capture_output=True, text=True, timeout=30
+        ).stdout.strip()
         if not queued:
             break
         time.sleep(1)
@@ -316,16 +337,23 @@ def _sbatch(script: str, project: Path, env: dict[str, str]) -> str:
         return f"job {job.group(1)} did not finish within {TIMEOUT_S} s"
     log = next(project.glob(f"slurm-*-{job.group(1)}.out"), None)
     text = log.read_text() if log else ""
-    return "" if "hydra-ddp: error" not in text and "Traceback" not in text and log else \
-        f"job {job.group(1)}: {text.strip()[-500:] or 'no output file'}"
+    return (
+        ""
+        if "hydra-ddp: error" not in text and "Traceback" not in text and log
+        else f"job {job.group(1)}: {text.strip()[-500:] or 'no output file'}"
+    )
 
 
 def _pairs(commands: list[str]) -> list[list[str]]:
     """The block's commands, a two-node pair (node_rank=0 then =1, else the same) as one group."""
     groups: list[list[str]] = []
     for command in commands:
-        if groups and "launcher.node_rank=1" in command and len(groups[-1]) == 1 and \
-                "launcher.node_rank=0" in groups[-1][0]:
+        if (
+            groups
+            and "launcher.node_rank=1" in command
+            and len(groups[-1]) == 1
+            and "launcher.node_rank=0" in groups[-1][0]
+        ):
             groups[-1].append(command)
         else:
             groups.append([command])
@@ -333,25 +361,38 @@ def _pairs(commands: list[str]) -> list[list[str]]:
 
 
 @pytest.mark.timeout(3000)
-def test_every_shell_command_in_the_docs_runs(project: Path, request: pytest.FixtureRequest,
-                                               capsys: pytest.CaptureFixture):
+def test_every_shell_command_in_the_docs_runs(
+    project: Path, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture
+):
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     outcome = Outcome()
     venv_bin = str(project / ".venv" / "bin")
-    base_env = {**train_env(), "HOME": str(project / "home"), "PATH": f"{venv_bin}:{os.environ['PATH']}",
-                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "WANDB_MODE": "offline",
-                "PYTHONPATH": train_env()["PYTHONPATH"]}
+    base_env = {
+        **train_env(),
+        "HOME": str(project / "home"),
+        "PATH": f"{venv_bin}:{os.environ['PATH']}",
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "WANDB_MODE": "offline",
+        "PYTHONPATH": train_env()["PYTHONPATH"],
+    }
     for block in BLOCKS:
         if block.lang not in SHELLS or not block.commands:
             continue
         if block.mark == "installs":  # checked only: the extras it names are the project's
             for command in block.commands:
                 outcome.checked += 1
-                absent = [name for extra in re.findall(r"\.\[([\w,-]+)\]", command) for name in extra.split(",")
-                          if name not in extras]
+                absent = [
+                    name
+                    for extra in re.findall(r"\.\[([\w,-]+)\]", command)
+                    for name in extra.split(",")
+                    if name not in extras
+                ]
                 if absent or "pip install" not in command:
-                    outcome.failures.append(f"{block.where}: {command}\n    → not a pip install of the project's extras "
-                                            f"(pyproject.toml has no {absent})")
+                    outcome.failures.append(
+                        f"{block.where}: {command}\n    → not a pip install of the project's extras "
+                        f"(pyproject.toml has no {absent})"
+                    )
             continue
         if block.mark:
             outcome.skipped[block.mark] = outcome.skipped.get(block.mark, 0) + len(block.commands)
@@ -389,14 +430,17 @@ def test_every_shell_command_in_the_docs_runs(project: Path, request: pytest.Fix
             else:
                 procs = [_start(script, project, base_env) for script in scripts]
                 results = [_finish(proc, TIMEOUT_S) for proc in procs]
-                problem = "; ".join(f"exit {code}: {(err.strip() or out.strip())[-400:]}"
-                                    for code, out, err in results if code)
+                problem = "; ".join(
+                    f"exit {code}: {(err.strip() or out.strip())[-400:]}" for code, out, err in results if code
+                )
             if problem:
                 outcome.failures.append(f"{block.where}: {' / '.join(group)}\n    → {problem}")
     with capsys.disabled():
         skipped = ", ".join(f"{n} {mark}" for mark, n in sorted(outcome.skipped.items()))
-        print(f"\ndocs: {outcome.ran} commands ran ({outcome.distinct} distinct runs), {outcome.checked} checked only "
-              f"(marked installs), {sum(outcome.skipped.values())} skipped ({skipped})")
+        print(
+            f"\ndocs: {outcome.ran} commands ran ({outcome.distinct} distinct runs), {outcome.checked} checked only "
+            f"(marked installs), {sum(outcome.skipped.values())} skipped ({skipped})"
+        )
     assert not outcome.failures, f"{len(outcome.failures)} command(s) in the docs fail:\n" + "\n".join(outcome.failures)
     assert outcome.ran > 60
 
@@ -406,7 +450,9 @@ def test_the_config_reference_is_the_schemas_and_every_field_has_a_doc():
 
     text, missing = reference.render()
     assert not missing, f"schema fields with no doc comment (add one above the field): {missing}"
-    assert reference.OUT.read_text() == text, "docs/reference/config.md is out of date: python -m hydra_ddp.config.reference"
+    assert reference.OUT.read_text() == text, (
+        "docs/reference/config.md is out of date: python -m hydra_ddp.config.reference"
+    )
 
 
 def test_the_reference_lists_every_key_of_the_default_config():

@@ -13,35 +13,77 @@ from pathlib import Path
 import pytest
 
 from support import (
-    TwoHosts, assert_float64_alike, check_ok, csv_step_losses, finish, float64, run_train, start_train, step_losses,
-    summary, wait_for,
+    TwoHosts,
+    assert_float64_alike,
+    check_ok,
+    csv_step_losses,
+    finish,
+    float64,
+    run_train,
+    start_train,
+    step_losses,
+    summary,
+    wait_for,
 )
 
-pytestmark = [pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2's `ip` is not installed"),
-              pytest.mark.skipif(os.geteuid() != 0, reason="creating network namespaces needs root")]
+pytestmark = [
+    pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2's `ip` is not installed"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="creating network namespaces needs root"),
+]
 
 # The digits, rank 0's reads slowed (5 ms a sample) so that a run lasts long enough to be resized
 # mid-run; 2 epochs of 45 steps of a global batch of 32, a checkpoint every 10 steps, all kept.
 # float64 (support.py): at another world size only the order of sums differs, decided within FLOAT64_BOUND.
-DATA = ("data.dataset._target_=recording.digits_slow_on_rank", "+data.dataset.slow_rank=0", "data.global_batch_size=32",
-        "trainer.epochs=2", "trainer.log_every=1", "checkpoint.every_n_steps=10", "checkpoint.keep=100", *float64())
+DATA = (
+    "data.dataset._target_=recording.digits_slow_on_rank",
+    "+data.dataset.slow_rank=0",
+    "data.global_batch_size=32",
+    "trainer.epochs=2",
+    "trainer.log_every=1",
+    "checkpoint.every_n_steps=10",
+    "checkpoint.keep=100",
+    *float64(),
+)
 SLOW, FAST = "+data.dataset.delay_s=0.005", "+data.dataset.delay_s=0"
-ELASTIC = ("launcher=torchrun", "trainer.nproc=1", "launcher.nnodes=1:2", "launcher.max_restarts=2",
-           "launcher.rdzv_id=elastic", "+launcher.rdzv_conf.last_call_timeout=2")
+ELASTIC = (
+    "launcher=torchrun",
+    "trainer.nproc=1",
+    "launcher.nnodes=1:2",
+    "launcher.max_restarts=2",
+    "launcher.rdzv_id=elastic",
+    "+launcher.rdzv_conf.last_call_timeout=2",
+)
 
 
 def _node(hosts: TwoHosts, i: int, run_dir: Path):
     """One node's train.py: both nodes write to one run directory, as on a shared filesystem."""
-    return start_train(run_dir, *ELASTIC, *DATA, SLOW, "trainer.threads=1", f"launcher.node_rank={i}",
-                       f"launcher.rdzv_endpoint={hosts.addresses[0]}:29613", f"launcher.local_addr={hosts.addresses[i]}",
-                       prefix=("ip", "netns", "exec", hosts.names[i], "env", "GLOO_SOCKET_IFNAME=hddp0", sys.executable))
+    return start_train(
+        run_dir,
+        *ELASTIC,
+        *DATA,
+        SLOW,
+        "trainer.threads=1",
+        f"launcher.node_rank={i}",
+        f"launcher.rdzv_endpoint={hosts.addresses[0]}:29613",
+        f"launcher.local_addr={hosts.addresses[i]}",
+        prefix=("ip", "netns", "exec", hosts.names[i], "env", "GLOO_SOCKET_IFNAME=hddp0", sys.executable),
+    )
 
 
 def _resumed(tmp_path: Path, name: str, world: int, checkpoint: Path) -> Path:
     """An uninterrupted run at `world` ranks of one node from `checkpoint`, one thread a rank as the nodes'."""
     run_dir = tmp_path / name
-    check_ok(run_train(run_dir, *DATA, FAST, f"trainer.nproc={world}", "trainer.threads=1",
-                       f"trainer.resume={checkpoint}", timeout=300))
+    check_ok(
+        run_train(
+            run_dir,
+            *DATA,
+            FAST,
+            f"trainer.nproc={world}",
+            "trainer.threads=1",
+            f"trainer.resume={checkpoint}",
+            timeout=300,
+        )
+    )
     return run_dir
 
 
@@ -86,8 +128,10 @@ def test_a_lost_node_leaves_the_other_to_finish_as_a_resumed_run_would(tmp_path:
     two = tmp_path / "two"
     check_ok(run_train(two, *DATA, FAST, "trainer.nproc=2", "trainer.threads=1", timeout=300))
     assert _until(csv_step_losses(run_dir), resumed) == _until(csv_step_losses(two), resumed)
-    assert_float64_alike([float(v) for _, v in csv_step_losses(run_dir)] + [s["test_loss"]],
-                         [float(v) for _, v in csv_step_losses(two)] + [summary(two)["test_loss"]])
+    assert_float64_alike(
+        [float(v) for _, v in csv_step_losses(run_dir)] + [s["test_loss"]],
+        [float(v) for _, v in csv_step_losses(two)] + [summary(two)["test_loss"]],
+    )
 
 
 @pytest.mark.timeout(480)

@@ -41,9 +41,22 @@ with torch.no_grad():
 
 def _fresh_logits(tmp_path: Path, weights: Path, batch: torch.Tensor) -> torch.Tensor:
     torch.save(batch, tmp_path / "batch.pt")
-    proc = subprocess.run([sys.executable, "-I", "-c", LOADER, str(REPO / "src" / "hydra_ddp" / "models.py"),
-                           str(weights.with_name(weights.stem + ".yaml")), str(weights), str(tmp_path / "batch.pt"),
-                           str(tmp_path / "logits.pt")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-c",
+            LOADER,
+            str(REPO / "src" / "hydra_ddp" / "models.py"),
+            str(weights.with_name(weights.stem + ".yaml")),
+            str(weights),
+            str(tmp_path / "batch.pt"),
+            str(tmp_path / "logits.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return torch.load(tmp_path / "logits.pt", weights_only=True)
 
@@ -86,14 +99,22 @@ def _test_batch(config: dict, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     from hydra_ddp import data
     from hydra_ddp.parallel.distributed import RankInfo
 
-    test = data.build_datasets(OmegaConf.create(config["data"]), RankInfo(0, 1, 0, 1), config["trainer"]["seed"])["test"]
+    test = data.build_datasets(OmegaConf.create(config["data"]), RankInfo(0, 1, 0, 1), config["trainer"]["seed"])[
+        "test"
+    ]
     x, y = zip(*(test[i] for i in range(size)))
     return torch.stack(x), torch.stack([torch.as_tensor(t) for t in y])
 
 
 def _export(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hydra_ddp.export", *args], cwd=tmp_path, env=train_env(),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "hydra_ddp.export", *args],
+        cwd=tmp_path,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _predictions(eval_dir: Path) -> list[dict]:
@@ -120,8 +141,10 @@ def test_a_ddp_run_exports_weights_that_load_without_the_project(tmp_path: Path)
     probabilities = fresh.softmax(1)
     assert [int(r["predicted"]) for r in rows] == fresh.argmax(1).tolist()
     bound = _host_noise(run_dir, eval_batch, 16, lambda logits: logits.softmax(1).max(1).values)
-    assert all(abs(float(r["probability"]) - p.item()) <= bound + _rounding(r["probability"])
-               for r, p in zip(rows, probabilities.max(1).values))
+    assert all(
+        abs(float(r["probability"]) - p.item()) <= bound + _rounding(r["probability"])
+        for r, p in zip(rows, probabilities.max(1).values)
+    )
 
 
 def _test_batch_of(run_dir: Path, size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,8 +159,17 @@ def _test_batch_of(run_dir: Path, size: int | None) -> tuple[torch.Tensor, torch
 @pytest.mark.timeout(300)
 def test_a_sharded_fsdp_tp_checkpoint_exports_the_whole_model(tmp_path: Path):
     run_dir = tmp_path / "run"
-    check_ok(run_train(run_dir, "+experiment=text_gpt", "strategy=fsdp_tp", "trainer.nproc=2", "strategy.tp_size=2",
-                       "trainer.max_steps=4", "model.depth=2"))
+    check_ok(
+        run_train(
+            run_dir,
+            "+experiment=text_gpt",
+            "strategy=fsdp_tp",
+            "trainer.nproc=2",
+            "strategy.tp_size=2",
+            "trainer.max_steps=4",
+            "model.depth=2",
+        )
+    )
     assert (run_dir / "checkpoints" / "best").is_dir()  # a sharded checkpoint (DCP)
     check_ok(run_eval(tmp_path / "eval", f"ckpt={run_dir}", "trainer.nproc=1", "predict=true"))
     weights = tmp_path / "gpt.pt"
@@ -153,17 +185,21 @@ def test_a_sharded_fsdp_tp_checkpoint_exports_the_whole_model(tmp_path: Path):
     correct = (fresh.argmax(1) == y).sum(1).tolist()
     losses = torch.nn.functional.cross_entropy(fresh, y, reduction="none").mean(1).tolist()
     assert [int(r["correct"]) for r in rows] == correct
-    bound = _host_noise(run_dir, eval_x, 8,
-                        lambda logits: torch.nn.functional.cross_entropy(logits, y, reduction="none").mean(1))
+    bound = _host_noise(
+        run_dir, eval_x, 8, lambda logits: torch.nn.functional.cross_entropy(logits, y, reduction="none").mean(1)
+    )
     assert all(abs(float(r["loss"]) - loss) <= bound + _rounding(r["loss"]) for r, loss in zip(rows, losses))
 
 
-@pytest.mark.parametrize("args, message", [
-    ((), "ckpt=PATH is missing"),
-    (("ckpt=x", "format=onnx"), "format='onnx': choose safetensors or torch"),
-    (("checkpoint=x",), "'checkpoint=x': give ckpt=PATH"),
-    (("ckpt=/nowhere/at/all",), "ckpt"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((), "ckpt=PATH is missing"),
+        (("ckpt=x", "format=onnx"), "format='onnx': choose safetensors or torch"),
+        (("checkpoint=x",), "'checkpoint=x': give ckpt=PATH"),
+        (("ckpt=/nowhere/at/all",), "ckpt"),
+    ],
+)
 def test_bad_export_arguments_are_one_line(tmp_path: Path, args, message):
     proc = _export(tmp_path, *args)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr

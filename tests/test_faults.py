@@ -12,8 +12,22 @@ import pytest
 import torch
 
 from support import (
-    HELPERS, QUICK, assert_no_orphans, assert_same_params, check_ok, csv_step_losses, final_params, finish,
-    make_image_folder, run_train, session_processes, start_train, step_losses, summary, tmpfs, wait_for,
+    HELPERS,
+    QUICK,
+    assert_no_orphans,
+    assert_same_params,
+    check_ok,
+    csv_step_losses,
+    final_params,
+    finish,
+    make_image_folder,
+    run_train,
+    session_processes,
+    start_train,
+    step_losses,
+    summary,
+    tmpfs,
+    wait_for,
 )
 
 HALF, FULL = 15, 30  # steps; an epoch of digits on 2 ranks is 21 steps: both stops fall mid-epoch
@@ -61,8 +75,13 @@ def test_checkpoints_load_with_weights_only_and_keep_the_last_k(straight: Path, 
 def test_sigterm_to_the_launcher_checkpoints_and_resume_continues_exactly(
     straight: Path, run_dir: Path, launcher: str, signum: int, exit_signal: int
 ):
-    proc = start_train(run_dir, f"launcher={launcher}", f"trainer.max_steps={FULL}", "checkpoint.every_n_steps=4",
-                       "trainer.log_every=2")
+    proc = start_train(
+        run_dir,
+        f"launcher={launcher}",
+        f"trainer.max_steps={FULL}",
+        "checkpoint.every_n_steps=4",
+        "trainer.log_every=2",
+    )
     wait_for(lambda: (run_dir / "checkpoints" / "step-00000004.pt").exists(), 90, "the first checkpoint", proc)
     # A single-node run's rendezvous (our store, gloo's sockets, torchrun's agent) listens on loopback only.
     addresses = _listening_addresses(set(session_processes(proc.pid)))
@@ -110,18 +129,32 @@ def test_killed_worker_under_spawn_stops_the_job_and_names_the_rank(run_dir: Pat
 
 
 # The waiting rank's place: the shared-memory all-reduce (the CPU default), or gloo's under DDP's backward.
-@pytest.mark.parametrize("shared_memory, waits_in", [("auto", "the shared-memory all-reduce"),
-                                                     ("false", "the backward (DDP's gradient all-reduce)")])
-def test_hung_peer_fails_the_run_within_the_timeout_naming_the_stuck_rank_and_line(run_dir: Path, shared_memory: str,
-                                                                                   waits_in: str):
-    proc = run_train(run_dir, *QUICK, "backend.timeout_s=5", "model._target_=faulty.HangOnRank", "+model.hang_rank=1",
-                     f"strategy.shared_memory={shared_memory}", timeout=90)
+@pytest.mark.parametrize(
+    "shared_memory, waits_in",
+    [("auto", "the shared-memory all-reduce"), ("false", "the backward (DDP's gradient all-reduce)")],
+)
+def test_hung_peer_fails_the_run_within_the_timeout_naming_the_stuck_rank_and_line(
+    run_dir: Path, shared_memory: str, waits_in: str
+):
+    proc = run_train(
+        run_dir,
+        *QUICK,
+        "backend.timeout_s=5",
+        "model._target_=faulty.HangOnRank",
+        "+model.hang_rank=1",
+        f"strategy.shared_memory={shared_memory}",
+        timeout=90,
+    )
     assert proc.returncode != 0
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     stacks = run_dir / "stacks"
-    hang_line = next(n for n, line in enumerate((HELPERS / "faulty.py").read_text().splitlines(), 1) if "Event().wait()" in line)
+    hang_line = next(
+        n for n, line in enumerate((HELPERS / "faulty.py").read_text().splitlines(), 1) if "Event().wait()" in line
+    )
     line = proc.stderr.strip()
-    assert line.startswith("hydra-ddp: error: a collective timed out after 5 s (backend.timeout_s): rank 1 stuck for "), line
+    assert line.startswith(
+        "hydra-ddp: error: a collective timed out after 5 s (backend.timeout_s): rank 1 stuck for "
+    ), line
     assert f" s at faulty.py:{hang_line} in forward (threading.Event().wait())" in line, line
     assert f"its stack: {stacks / 'rank1.txt'}; the others: rank 0 waits in {waits_in} at step.py:" in line, line
     # Every rank left its stack: the stuck one in the model's forward, the other in the all-reduce.
@@ -225,9 +258,19 @@ def _listening_addresses(pids: set[int]) -> set[str]:
 def test_dataset_that_does_not_divide_does_not_hang(tmp_path: Path, run_dir: Path):
     """9 training images, 2 ranks, batch 4: the train sampler pads, so both ranks run 2 batches an epoch."""
     root = make_image_folder(tmp_path / "images", classes=("a", "b"), per_class=6)
-    proc = run_train(run_dir, "data=imagefolder", f"data.dataset.root={root}", "data.num_classes=2",
-                     "data.image_size=16", "data.dataset.test_fraction=0.25", "data.batch_size=4",
-                     "trainer.epochs=2", "backend.timeout_s=30", "model=mlp", "data.val_fraction=0")  # all 9 train
+    proc = run_train(
+        run_dir,
+        "data=imagefolder",
+        f"data.dataset.root={root}",
+        "data.num_classes=2",
+        "data.image_size=16",
+        "data.dataset.test_fraction=0.25",
+        "data.batch_size=4",
+        "trainer.epochs=2",
+        "backend.timeout_s=30",
+        "model=mlp",
+        "data.val_fraction=0",
+    )  # all 9 train
     check_ok(proc)
     s = summary(run_dir)
     assert s["steps"] == 4 and s["test_samples"] == 3  # 12 images: 9 train, 3 test, each counted once
@@ -265,15 +308,26 @@ def _chaos_plan(rng: random.Random) -> str:
 def test_chaos_kills_under_torchrun_restarts_finish_bit_identical(tmp_path: Path):
     # Validation in chunks of 32: both ranks evaluate (in one chunk of 256 only rank 0 would, and a
     # planned kill of rank 1 "during evaluation" would never come).
-    common = (f"trainer.max_steps={CHAOS_STEPS}", "checkpoint.every_n_steps=4", "trainer.log_every=2",
-              "data.eval_batch_size=32")
+    common = (
+        f"trainer.max_steps={CHAOS_STEPS}",
+        "checkpoint.every_n_steps=4",
+        "trainer.log_every=2",
+        "data.eval_batch_size=32",
+    )
     straight = tmp_path / "straight"
     check_ok(run_train(straight, *common))
     plan = _chaos_plan(random.Random(int.from_bytes(os.urandom(4), "big")))
     chaotic = tmp_path / "chaos"
     print(f"chaos plan (attempt:kind:rank:n): {plan}")  # shown with a failure: rerun it with this plan
-    proc = run_train(chaotic, *common, "launcher=torchrun", "launcher.max_restarts=3",
-                     "model._target_=faulty.ChaosCNN", f"+model.chaos='{plan}'", timeout=400)
+    proc = run_train(
+        chaotic,
+        *common,
+        "launcher=torchrun",
+        "launcher.max_restarts=3",
+        "model._target_=faulty.ChaosCNN",
+        f"+model.chaos='{plan}'",
+        timeout=400,
+    )
     assert proc.returncode == 0, f"plan {plan}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     starts = [line for line in _log(chaotic).splitlines() if "[rank 0]" in line and "CPU thread(s)" in line]
     assert len(starts) == 4, f"plan {plan}: expected 3 kills and 4 attempts, saw {len(starts)}"
@@ -286,8 +340,13 @@ def test_chaos_kills_under_torchrun_restarts_finish_bit_identical(tmp_path: Path
 
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
 def test_sigkill_to_the_parent_leaves_no_worker_and_resume_is_exact(straight: Path, run_dir: Path, launcher: str):
-    proc = start_train(run_dir, f"launcher={launcher}", f"trainer.max_steps={FULL}", "checkpoint.every_n_steps=4",
-                       "trainer.log_every=2")
+    proc = start_train(
+        run_dir,
+        f"launcher={launcher}",
+        f"trainer.max_steps={FULL}",
+        "checkpoint.every_n_steps=4",
+        "trainer.log_every=2",
+    )
     wait_for(lambda: (run_dir / "checkpoints" / "step-00000004.pt").exists(), 90, "the first checkpoint", proc)
     os.kill(proc.pid, signal.SIGKILL)  # no handler runs: the workers must notice on their own
     proc.wait(timeout=30)
@@ -330,7 +389,10 @@ def test_full_disk_during_a_checkpoint_stops_in_one_line_and_resume_works(small_
     assert not list((run_dir / "checkpoints").glob(".*.tmp"))  # nothing half-written left behind
 
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)  # room made
-    check_ok(run_train(run_dir, "trainer.max_steps=10", "checkpoint.every_n_steps=2", "trainer.log_every=2",
-                       "trainer.resume=auto"))
+    check_ok(
+        run_train(
+            run_dir, "trainer.max_steps=10", "checkpoint.every_n_steps=2", "trainer.log_every=2", "trainer.resume=auto"
+        )
+    )
     s = summary(run_dir)
     assert s["steps"] == 10 and s["resumed_from"].endswith("step-00000002.pt")

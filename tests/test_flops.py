@@ -11,8 +11,9 @@ from hydra_ddp.reporting import flops
 
 
 def _count(build, batch: int, inputs: tuple[int, ...]) -> int:
-    return flops.count(build, F.cross_entropy, (torch.Size((batch, *inputs)), torch.float32),
-                       (torch.Size((batch,)), torch.int64))
+    return flops.count(
+        build, F.cross_entropy, (torch.Size((batch, *inputs)), torch.float32), (torch.Size((batch,)), torch.int64)
+    )
 
 
 def test_the_mlps_count_is_the_hand_count():
@@ -41,8 +42,12 @@ def test_the_transformers_count_is_the_palm_formula():
     mixing (PaLM, appendix B). Token and position look-ups are not matmuls."""
     dim, depth, context, vocab = 128, 4, 64, 256
     n = depth * 12 * dim * dim + dim * vocab  # q, k, v, out: 4·d²; the MLP: 8·d²; the head
-    count = flops.count(lambda: TinyGPT(vocab, context, dim, depth, heads=4, mlp_ratio=4), F.cross_entropy,
-                        (torch.Size((8, context)), torch.int64), (torch.Size((8, context)), torch.int64))
+    count = flops.count(
+        lambda: TinyGPT(vocab, context, dim, depth, heads=4, mlp_ratio=4),
+        F.cross_entropy,
+        (torch.Size((8, context)), torch.int64),
+        (torch.Size((8, context)), torch.int64),
+    )
     assert count == 8 * (6 * n * context + 12 * depth * context**2 * dim)
 
 
@@ -74,6 +79,10 @@ def test_the_report_divides_the_model_flops_over_the_ranks():
     r = flops.report(1e6, 1000.0, world_size=4, peak_flops=1e9, source="trainer.peak_flops")
     assert r["per_sec_per_rank"] == pytest.approx(2.5e8) and r["mfu"] == pytest.approx(0.25)
     assert "250 MFLOP/s per rank (1 MFLOP per sample" in flops.line(r) and "MFU 0.250 of 1 GFLOP/s" in flops.line(r)
-    no_peak = flops.report(1e6, 1000.0, world_size=4, peak_flops=None, source="X is not in the table: set trainer.peak_flops")
-    assert no_peak["mfu"] is None and flops.line(no_peak).endswith("no MFU: X is not in the table: set trainer.peak_flops")
+    no_peak = flops.report(
+        1e6, 1000.0, world_size=4, peak_flops=None, source="X is not in the table: set trainer.peak_flops"
+    )
+    assert no_peak["mfu"] is None and flops.line(no_peak).endswith(
+        "no MFU: X is not in the table: set trainer.peak_flops"
+    )
     assert flops.report(None, 1000.0, 4, 1e9, "s")["per_sec_per_rank"] is None

@@ -25,12 +25,20 @@ def gpu_check():
 def test_dry_run_checks_every_launch_of_every_case_and_passes():
     # As its docs run it: from the repository, nothing on PYTHONPATH (the script finds its own helpers).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=110)
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--dry-run"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     module = gpu_check()
-    expected = sum(len(module.DRY_RUN_GPUS[case.section]) * (len(case.runs) + len(case.bench) + len(case.calls))
-                   for case in module.CASES)
+    expected = sum(
+        len(module.DRY_RUN_GPUS[case.section]) * (len(case.runs) + len(case.bench) + len(case.calls))
+        for case in module.CASES
+    )
     checked = [line for line in proc.stdout.splitlines() if line.startswith("dry-run ok: ")]
     assert len(checked) == expected, proc.stdout
     assert f"dry-run: {expected} launch checks over {len(module.CASES)} cases, 0 problem(s)" in proc.stdout
@@ -43,15 +51,28 @@ def test_dry_run_checks_every_launch_of_every_case_and_passes():
 def test_dry_run_reports_a_case_the_project_would_refuse(capsys):
     module = gpu_check()
     broken = [
-        module.Case("tensor parallel on the CNN", module.ONE, module.one_run,
-                    runs=((*module.CNN, module.ONE_RANK, "strategy=tp"),)),
+        module.Case(
+            "tensor parallel on the CNN",
+            module.ONE,
+            module.one_run,
+            runs=((*module.CNN, module.ONE_RANK, "strategy=tp"),),
+        ),
         module.Case("a misspelt option", module.ALL, module.one_run, runs=((*module.CNN, "trainer.nprocs=2"),)),
-        module.Case("a bad bench argument", module.ONE, module.parity, runs=((*module.CNN,),),
-                    bench=(("--device=tpu",),), baseline="no such case"),
+        module.Case(
+            "a bad bench argument",
+            module.ONE,
+            module.parity,
+            runs=((*module.CNN,),),
+            bench=(("--device=tpu",),),
+            baseline="no such case",
+        ),
     ]
     assert module.dry_run(broken) == 1 + 2 + 1 + 1  # tp; the key at 2 and at 8 GPUs; the argument; the baseline
     out = capsys.readouterr().out
-    assert "dry-run FAILED: tensor parallel on the CNN [1 GPU(s)] train.py launch 1/1: hydra-ddp: error: strategy=tp needs a model" in out
+    assert (
+        "dry-run FAILED: tensor parallel on the CNN [1 GPU(s)] train.py launch 1/1: "
+        "hydra-ddp: error: strategy=tp needs a model" in out
+    )
     assert "dry-run FAILED: a misspelt option [8 GPU(s)]" in out and "nprocs" in out
     assert "dry-run FAILED: a bad bench argument [1 GPU(s)] bench/handwritten.py launch 1/1:" in out and "tpu" in out
     assert "baseline 'no such case' is no case" in out

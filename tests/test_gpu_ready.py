@@ -12,22 +12,33 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import REPO, QUICK, check_ok, run_train, summary
-from hydra_ddp.parallel import distributed
-from hydra_ddp.launch import ranks
-from hydra_ddp.config import checks, resolve
-from hydra_ddp.training import worker
 from hydra_ddp import tasks
+from hydra_ddp.config import checks, fingerprint, resolve
 from hydra_ddp.config.schema import register_schema
 from hydra_ddp.errors import UserError
+from hydra_ddp.launch import ranks
+from hydra_ddp.parallel import distributed
+
+from support import QUICK, REPO, check_ok, run_train, summary
 
 register_schema()
 
 # Every key whose value `auto` (or null) lets the launch side decide.
-EVERY_AUTO = ("trainer.nproc=auto", "trainer.device=auto", "backend=auto", "trainer.threads=null",
-              "trainer.channels_last=auto", "strategy.gradient_as_bucket_view=auto", "strategy.static_graph=auto",
-              "strategy.shared_memory=auto", "strategy.sync_batchnorm=auto", "trainer.monitor_mode=auto", "backend.timeout_s=auto",
-              "+experiment=cifar10_resnet18", "data.dataset.root=/nonexistent")
+EVERY_AUTO = (
+    "trainer.nproc=auto",
+    "trainer.device=auto",
+    "backend=auto",
+    "trainer.threads=null",
+    "trainer.channels_last=auto",
+    "strategy.gradient_as_bucket_view=auto",
+    "strategy.static_graph=auto",
+    "strategy.shared_memory=auto",
+    "strategy.sync_batchnorm=auto",
+    "trainer.monitor_mode=auto",
+    "backend.timeout_s=auto",
+    "+experiment=cifar10_resnet18",
+    "data.dataset.root=/nonexistent",
+)
 
 
 def _compose(*overrides: str):
@@ -37,8 +48,15 @@ def _compose(*overrides: str):
         return compose(config_name="config", overrides=list(overrides))
 
 
-SRUN = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "n1", "SLURMD_NODENAME": "n1",
-        "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "42", "SLURM_NODEID": "0"}
+SRUN = {
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_NODELIST": "n1",
+    "SLURMD_NODENAME": "n1",
+    "SLURM_STEP_TASKS_PER_NODE": "2",
+    "SLURM_JOB_ID": "42",
+    "SLURM_NODEID": "0",
+}
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "srun"])
@@ -47,9 +65,18 @@ def test_every_auto_is_settled_alike_on_every_rank_of_an_outside_launch(tmp_path
     directory). The fingerprints the ranks compare must agree."""
     prints = []
     for rank in (0, 1):
-        env = ({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"} if launcher == "torchrun"
-               else {**SRUN, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)})
+        env = (
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500",
+            }
+            if launcher == "torchrun"
+            else {**SRUN, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}
+        )
         found = ranks.external_launch(env)
         assert found and found[1].rank == rank
         for key, value in {**env, **(ranks.srun_environment(env) if launcher == "srun" else {})}.items():
@@ -58,7 +85,7 @@ def test_every_auto_is_settled_alike_on_every_rank_of_an_outside_launch(tmp_path
         if rank == 0:
             with pytest.raises(UserError, match="data=cifar10"):  # rank 0's check runs, and changes nothing
                 checks.check(plain, tmp_path / "rank0")
-        prints.append(worker.config_fingerprint(plain))
+        prints.append(fingerprint.config_fingerprint(plain))
         assert plain["strategy"]["sync_batchnorm"] is False  # settled: no GPU here
     assert prints[0] == prints[1]
 
@@ -111,8 +138,9 @@ def _gpu_host(monkeypatch, gpus: int = 2) -> None:
 
 def test_cpu_offload_on_nccl_gives_its_cpu_shards_gloo(tmp_path: Path, monkeypatch):
     _gpu_host(monkeypatch)
-    plain = resolve.fill_in(_compose("+experiment=text_gpt", "strategy=fsdp", "strategy.cpu_offload=true"), tmp_path,
-                             None)
+    plain = resolve.fill_in(
+        _compose("+experiment=text_gpt", "strategy=fsdp", "strategy.cpu_offload=true"), tmp_path, None
+    )
     assert plain["backend"]["name"] == "cpu:gloo,cuda:nccl"
     assert plain["backend"]["timeout_s"] == 600  # NCCL's: a dead peer may go unseen until then
     plain = resolve.fill_in(_compose("+experiment=text_gpt", "strategy=fsdp"), tmp_path, None)
@@ -122,8 +150,9 @@ def test_cpu_offload_on_nccl_gives_its_cpu_shards_gloo(tmp_path: Path, monkeypat
 
 def test_fp16_under_fsdp_is_refused_in_one_line_and_the_loss_is_float32(tmp_path: Path, monkeypatch):
     _gpu_host(monkeypatch)
-    plain = resolve.fill_in(_compose("+experiment=text_gpt", "strategy=fsdp", "strategy.mixed_precision=fp16"),
-                             tmp_path, None)
+    plain = resolve.fill_in(
+        _compose("+experiment=text_gpt", "strategy=fsdp", "strategy.mixed_precision=fp16"), tmp_path, None
+    )
     with pytest.raises(UserError, match="mixed_precision=fp16 .* use bf16") as refused:
         checks.check(plain, tmp_path)
     assert "\n" not in str(refused.value)
@@ -147,19 +176,35 @@ def _float32_loss(task) -> None:
 def test_deterministic_sets_every_kernel_switch_in_the_workers(tmp_path: Path):
     probes = tmp_path / "probes"
     probes.mkdir()
-    check_ok(run_train(tmp_path / "run", *QUICK, "trainer.deterministic=true", "model._target_=probes.DeterminismProbe",
-                       f"+model.probe_dir={probes}"))
+    check_ok(
+        run_train(
+            tmp_path / "run",
+            *QUICK,
+            "trainer.deterministic=true",
+            "model._target_=probes.DeterminismProbe",
+            f"+model.probe_dir={probes}",
+        )
+    )
     for rank in (0, 1):
         seen = json.loads((probes / f"rank{rank}.json").read_text())
-        assert seen == {"deterministic_algorithms": True, "cudnn_deterministic": True, "cudnn_benchmark": False,
-                        "cudnn_tf32": False, "matmul_tf32": False, "cublas_workspace": ":4096:8"}, seen
+        assert seen == {
+            "deterministic_algorithms": True,
+            "cudnn_deterministic": True,
+            "cudnn_benchmark": False,
+            "cudnn_tf32": False,
+            "matmul_tf32": False,
+            "cublas_workspace": ":4096:8",
+        }, seen
     assert summary(tmp_path / "run")["deterministic"] is True
 
 
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
 def test_the_first_failure_is_named_when_the_other_ranks_were_aborted(run_dir: Path, launcher: str):
-    proc = run_train(run_dir, *QUICK, f"launcher={launcher}", "model._target_=faulty.FailThenAbort", "+model.fail_rank=1")
+    proc = run_train(
+        run_dir, *QUICK, f"launcher={launcher}", "model._target_=faulty.FailThenAbort", "+model.fail_rank=1"
+    )
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [
         f"hydra-ddp: error: worker rank 1 failed: RuntimeError: injected failure: out of memory on this rank "
-        f"(full traceback: {run_dir / 'train.log'})"], proc.stderr
+        f"(full traceback: {run_dir / 'train.log'})"
+    ], proc.stderr

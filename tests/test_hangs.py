@@ -62,16 +62,29 @@ def _write(folder: Path, rank: int, **place) -> None:
 
 def test_the_timeout_names_the_stuck_rank_first_then_where_the_others_wait(tmp_path: Path):
     stacks = tmp_path / hangs.STACKS
-    wait = {"at": "step.py:59", "function": "run", "code": "loss.backward()", "waits_in": "all_reduce",
-            "last_collective": "#13 gloo:all_reduce"}
+    wait = {
+        "at": "step.py:59",
+        "function": "run",
+        "code": "loss.backward()",
+        "waits_in": "all_reduce",
+        "last_collective": "#13 gloo:all_reduce",
+    }
     for rank in (0, 2, 10):
         _write(stacks, rank, **wait)
-    _write(stacks, 1, at="faulty.py:42", function="forward", code="time.sleep(60)", waits_in=None,
-           last_collective="#12 gloo:all_reduce")
+    _write(
+        stacks,
+        1,
+        at="faulty.py:42",
+        function="forward",
+        code="time.sleep(60)",
+        waits_in=None,
+        last_collective="#12 gloo:all_reduce",
+    )
     assert hangs.describe(tmp_path, 60) == (
         f"a collective timed out after 60 s (backend.timeout_s): rank 1 stuck for 61 s at faulty.py:42 in forward "
         f"(time.sleep(60)) after collective #12 gloo:all_reduce, its stack: {stacks / 'rank1.txt'}; the others: "
-        "ranks 0, 2, 10 wait in all_reduce at step.py:59 (collective #13 gloo:all_reduce)")
+        "ranks 0, 2, 10 wait in all_reduce at step.py:59 (collective #13 gloo:all_reduce)"
+    )
 
 
 def test_ranks_all_waiting_in_different_collectives_are_each_placed(tmp_path: Path):
@@ -79,5 +92,6 @@ def test_ranks_all_waiting_in_different_collectives_are_each_placed(tmp_path: Pa
     _write(stacks, 0, at="trainer.py:80", function="_epoch_complete", code="", waits_in="all_reduce")
     _write(stacks, 1, at="saving.py:40", function="save", code="", waits_in="barrier")
     assert hangs.describe(tmp_path, 5).endswith(
-        "rank 0 waits in all_reduce at trainer.py:80; rank 1 waits in barrier at saving.py:40")
+        "rank 0 waits in all_reduce at trainer.py:80; rank 1 waits in barrier at saving.py:40"
+    )
     assert hangs.describe(tmp_path / "elsewhere", 5) is None  # no rank left a file here

@@ -21,68 +21,123 @@ from pathlib import Path
 import pytest
 import yaml
 
-from support import (
-    QUICK, REPO, TwoHosts, assert_same_params, check_ok, final_params, finish, run_train, step_losses, summary,
-    train_env,
-)
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import kubernetes, ranks
 from hydra_ddp.launch.ranks import RankInfo
 
+from support import (
+    QUICK,
+    REPO,
+    TwoHosts,
+    assert_same_params,
+    check_ok,
+    final_params,
+    finish,
+    run_train,
+    step_losses,
+    summary,
+    train_env,
+)
+
 MANIFEST = REPO / "scripts" / "k8s" / "trainjob.yaml"
 IMAGE_ROOT = "/workspace"  # the project's place in the image (scripts/k8s/Dockerfile)
 IN_POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}  # the kubelet's, in every container
-TRAINJOB = {**IN_POD, "PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "1",
-            "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29500"}
+TRAINJOB = {
+    **IN_POD,
+    "PET_NNODES": "2",
+    "PET_NPROC_PER_NODE": "2",
+    "PET_NODE_RANK": "1",
+    "PET_MASTER_ADDR": "job-node-0-0.job",
+    "PET_MASTER_PORT": "29500",
+}
 # The training-operator's pod 1 of 2 (nprocPerNode: 2): WORLD_SIZE counts the workers, RANK the pods.
-PYTORCHJOB = {**TRAINJOB, "PET_MASTER_ADDR": "job-master-0", "PET_MASTER_PORT": "23456", "RANK": "1", "WORLD_SIZE": "4",
-              "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
+PYTORCHJOB = {
+    **TRAINJOB,
+    "PET_MASTER_ADDR": "job-master-0",
+    "PET_MASTER_PORT": "23456",
+    "RANK": "1",
+    "WORLD_SIZE": "4",
+    "MASTER_ADDR": "job-master-0",
+    "MASTER_PORT": "23456",
+}
 # A short run, one thread a rank on both sides (a thread count changes the float sums' order).
 SETTINGS = (*QUICK, "trainer.threads=1")
 
 
 # --- The pods' variables, read -------------------------------------------------------------------
 
-@pytest.mark.parametrize("env, expected", [
-    (TRAINJOB, None),  # python train.py in a TrainJob's pod: it launches the pod's workers
-    (PYTORCHJOB, None),  # ... in a PyTorchJob's: its RANK and WORLD_SIZE count pods, not workers
-    # torchrun train.py in a pod: its workers are torchrun's, whatever PET_* say
-    ({**PYTORCHJOB, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-      "TORCHELASTIC_RUN_ID": "job"}, ("torchrun", RankInfo(3, 4, 1, 2))),
-    # a pod given no PET_*, only RANK and WORLD_SIZE: one worker per pod, the pod's RANK its rank
-    ({**IN_POD, "RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"},
-     ("kubernetes (PyTorchJob)", RankInfo(1, 3, 0, 1))),
-    ({"RANK": "1", "WORLD_SIZE": "3"}, ("torchrun", RankInfo(1, 3, 1, 3))),  # outside a pod: as before
-])
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        (TRAINJOB, None),  # python train.py in a TrainJob's pod: it launches the pod's workers
+        (PYTORCHJOB, None),  # ... in a PyTorchJob's: its RANK and WORLD_SIZE count pods, not workers
+        # torchrun train.py in a pod: its workers are torchrun's, whatever PET_* say
+        (
+            {
+                **PYTORCHJOB,
+                "RANK": "3",
+                "WORLD_SIZE": "4",
+                "LOCAL_RANK": "1",
+                "LOCAL_WORLD_SIZE": "2",
+                "TORCHELASTIC_RUN_ID": "job",
+            },
+            ("torchrun", RankInfo(3, 4, 1, 2)),
+        ),
+        # a pod given no PET_*, only RANK and WORLD_SIZE: one worker per pod, the pod's RANK its rank
+        (
+            {**IN_POD, "RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"},
+            ("kubernetes (PyTorchJob)", RankInfo(1, 3, 0, 1)),
+        ),
+        ({"RANK": "1", "WORLD_SIZE": "3"}, ("torchrun", RankInfo(1, 3, 1, 3))),  # outside a pod: as before
+    ],
+)
 def test_a_pods_variables_say_who_launches_the_workers(env, expected):
     assert ranks.external_launch(env) == expected
 
 
 def test_a_pods_variables_become_torchruns_launch_settings():
     assert kubernetes.pod_overrides(PYTORCHJOB, ["trainer.max_steps=3"]) == [
-        "launcher=torchrun", "launcher.nnodes=2", "launcher.node_rank=1", "launcher.rdzv_endpoint=job-master-0:23456",
-        "launcher.rdzv_id=job-master-0", "trainer.nproc=2"]
+        "launcher=torchrun",
+        "launcher.nnodes=2",
+        "launcher.node_rank=1",
+        "launcher.rdzv_endpoint=job-master-0:23456",
+        "launcher.rdzv_id=job-master-0",
+        "trainer.nproc=2",
+    ]
     # Overrides that agree are kept as given; one node needs no launcher; a word leaves trainer.nproc as configured.
     assert kubernetes.pod_overrides(TRAINJOB, ["launcher=torchrun", "+launcher.nnodes=02", "trainer.nproc=2"]) == [
-        "launcher.node_rank=1", "launcher.rdzv_endpoint=job-node-0-0.job:29500", "launcher.rdzv_id=job-node-0-0.job"]
+        "launcher.node_rank=1",
+        "launcher.rdzv_endpoint=job-node-0-0.job:29500",
+        "launcher.rdzv_id=job-node-0-0.job",
+    ]
     assert kubernetes.pod_overrides({**IN_POD, "PET_NNODES": "1", "PET_NPROC_PER_NODE": "auto"}, []) == []
     assert "launcher.local_addr=10.0.0.5" in kubernetes.pod_overrides({**TRAINJOB, "PET_LOCAL_ADDR": "10.0.0.5"}, [])
-    # The pod-level RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT leave the environment: torchrun's agent sets each worker's.
+    # The pod-level RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT leave the environment: torchrun's
+    # agent sets each worker's.
     environ, argv = dict(PYTORCHJOB), ["train.py", "trainer.max_steps=3"]
     kubernetes.adopt(argv, environ)
     assert argv[2:] == kubernetes.pod_overrides(PYTORCHJOB, []) and environ == {
-        k: v for k, v in PYTORCHJOB.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        k: v for k, v in PYTORCHJOB.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
 
 
-@pytest.mark.parametrize("env, overrides, says", [
-    ({**TRAINJOB, "PET_NODE_RANK": "2"}, [], "PET_NODE_RANK=2 must be this pod's index among the job's 2 nodes"),
-    ({**TRAINJOB, "PET_NNODES": "two"}, [], "PET_NNODES='two' is not a node count"),
-    ({**TRAINJOB, "PET_MASTER_PORT": "99999"}, [], "needs node 0's address and port"),
-    ({**TRAINJOB, "PET_NPROC_PER_NODE": "0"}, [], "PET_NPROC_PER_NODE='0' is not a number of processes"),
-    (TRAINJOB, ["launcher.nnodes=3"], "launcher.nnodes=3 on the command line disagrees with this pod's environment, "
-                                      "which says launcher.nnodes=2 (PET_NNODES=2)"),
-    (TRAINJOB, ["launcher=spawn"], "launcher=spawn on the command line disagrees"),
-])
+@pytest.mark.parametrize(
+    "env, overrides, says",
+    [
+        ({**TRAINJOB, "PET_NODE_RANK": "2"}, [], "PET_NODE_RANK=2 must be this pod's index among the job's 2 nodes"),
+        ({**TRAINJOB, "PET_NNODES": "two"}, [], "PET_NNODES='two' is not a node count"),
+        ({**TRAINJOB, "PET_MASTER_PORT": "99999"}, [], "needs node 0's address and port"),
+        ({**TRAINJOB, "PET_NPROC_PER_NODE": "0"}, [], "PET_NPROC_PER_NODE='0' is not a number of processes"),
+        (
+            TRAINJOB,
+            ["launcher.nnodes=3"],
+            "launcher.nnodes=3 on the command line disagrees with this pod's environment, "
+            "which says launcher.nnodes=2 (PET_NNODES=2)",
+        ),
+        (TRAINJOB, ["launcher=spawn"], "launcher=spawn on the command line disagrees"),
+    ],
+)
 def test_a_pods_bad_or_contradicted_variables_say_what_is_wrong(env, overrides, says):
     with pytest.raises(UserError, match=re.escape(says)):
         kubernetes.pod_overrides(env, overrides)
@@ -90,13 +145,15 @@ def test_a_pods_bad_or_contradicted_variables_say_what_is_wrong(env, overrides, 
 
 # --- train.py in a pod ------------------------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_a_bad_pod_environment_is_one_line_before_anything_is_composed(run_dir: Path):
     proc = run_train(run_dir, env={**PYTORCHJOB, "PET_NODE_RANK": "2"}, timeout=50)
     assert proc.returncode != 0
     assert proc.stderr.splitlines() == [
         "hydra-ddp: error: PET_NODE_RANK=2 must be this pod's index among the job's 2 nodes (PET_NNODES=2): 0 to 1; "
-        "Kubeflow sets both, check the job's numNodes"], proc.stderr
+        "Kubeflow sets both, check the job's numNodes"
+    ], proc.stderr
     assert not run_dir.exists()  # Hydra never ran
 
 
@@ -109,13 +166,19 @@ def test_a_pytorchjob_pod_with_pet_variables_checks_as_its_node_of_torchrun(run_
 
 # --- The manifest's pods, as two hosts ---------------------------------------------------------------
 
+
 def _trainjob() -> dict:
     (job,) = [doc for doc in yaml.safe_load_all(MANIFEST.read_text()) if doc and doc.get("kind") == "TrainJob"]
-    assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and job["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    assert (
+        job["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+        and job["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    )
     return job
 
 
-def _pod(job: dict, index: int, addresses: list[str], controller_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+def _pod(
+    job: dict, index: int, addresses: list[str], controller_env: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
     """Pod `index`'s command line and environment, as the cluster would make them from the manifest.
 
     Taken as written: trainer.command, trainer.args, trainer.env; an env value from the downward
@@ -128,8 +191,10 @@ def _pod(job: dict, index: int, addresses: list[str], controller_env: dict[str, 
     controller's variables). The kubelet's KUBERNETES_SERVICE_HOST marks a pod; gloo is told the
     pods' network interface (GLOO_SOCKET_IFNAME; in a pod, its hostname's address serves)."""
     trainer = job["spec"]["trainer"]
-    command = [part.replace(IMAGE_ROOT, str(REPO), 1) if part.startswith(f"{IMAGE_ROOT}/") else part
-               for part in trainer["command"]]
+    command = [
+        part.replace(IMAGE_ROOT, str(REPO), 1) if part.startswith(f"{IMAGE_ROOT}/") else part
+        for part in trainer["command"]
+    ]
     written = {}
     for var in trainer.get("env", []):
         if "valueFrom" in var:
@@ -137,10 +202,21 @@ def _pod(job: dict, index: int, addresses: list[str], controller_env: dict[str, 
             written[var["name"]] = addresses[index]
         else:
             written[var["name"]] = var["value"]
-    pet = {"PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
-           "PET_NODE_RANK": str(index), "PET_MASTER_ADDR": addresses[0], "PET_MASTER_PORT": "29500"}
-    env = {**train_env(), **written, **IN_POD, **(controller_env or pet), "GLOO_SOCKET_IFNAME": "hddp0",
-           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
+    pet = {
+        "PET_NNODES": str(trainer["numNodes"]),
+        "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+        "PET_NODE_RANK": str(index),
+        "PET_MASTER_ADDR": addresses[0],
+        "PET_MASTER_PORT": "29500",
+    }
+    env = {
+        **train_env(),
+        **written,
+        **IN_POD,
+        **(controller_env or pet),
+        "GLOO_SOCKET_IFNAME": "hddp0",
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+    }
     return [*command, *trainer["args"]], env
 
 
@@ -151,9 +227,16 @@ def _run_pods(hosts: TwoHosts, tmp_path: Path, job: dict, controller_env=lambda 
     for index in range(2):
         command, env = _pod(job, index, hosts.addresses, controller_env(index))
         run_dir = tmp_path / f"pod{index}"
-        procs.append(subprocess.Popen(
-            ["ip", "netns", "exec", hosts.names[index], *command, *SETTINGS, f"hydra.run.dir={run_dir}"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                ["ip", "netns", "exec", hosts.names[index], *command, *SETTINGS, f"hydra.run.dir={run_dir}"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
     try:
         results = [finish(proc, timeout=120) for proc in procs]
     finally:  # the other pod too, when one ran past its time
@@ -185,8 +268,9 @@ def _trains_as_one_node(pods: list[Path], one_node: Path, launcher: str) -> None
     assert_same_params(final_params(pods[0]), final_params(one_node))
 
 
-needs_namespaces = pytest.mark.skipif(shutil.which("ip") is None or os.geteuid() != 0,
-                                      reason="network namespaces need root and iproute2's `ip`")
+needs_namespaces = pytest.mark.skipif(
+    shutil.which("ip") is None or os.geteuid() != 0, reason="network namespaces need root and iproute2's `ip`"
+)
 
 
 @needs_namespaces
@@ -206,7 +290,15 @@ def test_pods_given_only_rank_and_world_size_train_as_one_node_of_two(tmp_path: 
     controller or a pod spec of one's own; the training-operator also sets PET_*): one worker per
     pod, its rank the pod's RANK, meeting at the master's MASTER_ADDR:MASTER_PORT (23456)."""
     with TwoHosts(str(os.getpid())) as hosts:
-        pods = _run_pods(hosts, tmp_path, _trainjob(), lambda index: {
-            "RANK": str(index), "WORLD_SIZE": "2", "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": "23456"})
+        pods = _run_pods(
+            hosts,
+            tmp_path,
+            _trainjob(),
+            lambda index: {
+                "RANK": str(index),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": hosts.addresses[0],
+                "MASTER_PORT": "23456",
+            },
+        )
     _trains_as_one_node(pods, one_node, "kubernetes (PyTorchJob)")
-

@@ -1,12 +1,14 @@
-"""The loggers on their own: what a resumed run leaves in TensorBoard, read back as TensorBoard reads it; W&B's mode and the reader of its run file."""
+"""The loggers on their own: what a resumed run leaves in TensorBoard, read back as TensorBoard reads
+it; W&B's mode and the reader of its run file."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from support import event_files, scalars
 from hydra_ddp.reporting.loggers import TensorBoard
+
+from support import event_files, scalars
 
 
 def test_a_resumed_runs_event_file_is_read_last_even_when_the_earlier_one_sorts_after_it(tmp_path: Path):
@@ -29,7 +31,9 @@ def test_a_resumed_runs_event_file_is_read_last_even_when_the_earlier_one_sorts_
 
     names = [path.name for path in event_files(tmp_path)]
     assert len(names) == 2 and names[0] == earlier.name, names  # the resumed run's file is the last read
-    assert scalars(tmp_path, "train/loss") == [(s, float(s)) for s in range(1, 21)] + [(s, -float(s)) for s in range(21, 26)]
+    assert scalars(tmp_path, "train/loss") == [(s, float(s)) for s in range(1, 21)] + [
+        (s, -float(s)) for s in range(21, 26)
+    ]
 
 
 def test_wandb_mode_auto_is_offline_without_an_account_and_follows_wandb_mode(tmp_path: Path, monkeypatch):
@@ -59,8 +63,14 @@ def test_wandb_run_file_reads_back_records_that_span_blocks(tmp_path: Path, monk
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     big = {"notes": "x" * 100_000, "nested": {"lr": 0.5}}
-    run = wandb.init(project="p", id="abcd1234", mode="offline", dir=str(tmp_path), config=big,
-                     settings=wandb.Settings(console="off", x_disable_stats=True, disable_git=True))
+    run = wandb.init(
+        project="p",
+        id="abcd1234",
+        mode="offline",
+        dir=str(tmp_path),
+        config=big,
+        settings=wandb.Settings(console="off", x_disable_stats=True, disable_git=True),
+    )
     for step in range(3):
         run.log({"loss": 1.0 / (step + 1)}, step=step)
     run.finish()

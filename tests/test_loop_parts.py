@@ -27,9 +27,15 @@ def test_a_position_moves_to_the_next_epoch_in_place_and_round_trips_a_checkpoin
         pos.load({**saved, "unknown": 1})  # a checkpoint's position has exactly these fields
 
 
-@pytest.mark.parametrize("batches, accumulate, groups", [
-    (10, 4, [4, 4, 4, 4, 4, 4, 4, 4, 2, 2]), (8, 4, [4] * 8), (3, 1, [1, 1, 1]), (2, 4, [2, 2]),
-])
+@pytest.mark.parametrize(
+    "batches, accumulate, groups",
+    [
+        (10, 4, [4, 4, 4, 4, 4, 4, 4, 4, 2, 2]),
+        (8, 4, [4] * 8),
+        (3, 1, [1, 1, 1]),
+        (2, 4, [2, 2]),
+    ],
+)
 def test_each_batch_knows_the_size_of_its_accumulation_group(batches, accumulate, groups):
     assert [accumulation_group(b, accumulate, batches) for b in range(1, batches + 1)] == groups
 

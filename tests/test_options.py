@@ -26,15 +26,25 @@ def reference(tmp_path_factory) -> Path:
     "overrides, exact",
     [
         (("data.preload=true",), True),  # the same batches, sliced from tensors
-        (("data.num_workers=1", "data.persistent_workers=true", "data.prefetch_factor=2", "data.pin_memory=true"),
-         True),  # the same batches, made in a worker process (pinning is for GPUs: ignored on the CPU)
+        (
+            ("data.num_workers=1", "data.persistent_workers=true", "data.prefetch_factor=2", "data.pin_memory=true"),
+            True,
+        ),  # the same batches, made in a worker process (pinning is for GPUs: ignored on the CPU)
         (("trainer.compile=true", "trainer.compile_backend=eager"), True),
         # gloo's all-reduce instead of the shared segment: at 2 ranks the same sums.
         (("strategy.shared_memory=false",), True),
         # Smaller buckets (other all-reduce groupings), and the fast settings `auto` turns on
         # (performance.py) turned off: within tolerance.
-        (("strategy.bucket_cap_mb=1", "trainer.channels_last=false", "strategy.gradient_as_bucket_view=false",
-          "strategy.static_graph=false", "strategy.shared_memory=false"), False),
+        (
+            (
+                "strategy.bucket_cap_mb=1",
+                "trainer.channels_last=false",
+                "strategy.gradient_as_bucket_view=false",
+                "strategy.static_graph=false",
+                "strategy.shared_memory=false",
+            ),
+            False,
+        ),
     ],
     ids=["preload", "loader-workers", "compile", "gloo-all-reduce", "ddp-buckets-and-auto-settings-off"],
 )
@@ -51,21 +61,32 @@ def test_compile_with_inductor_the_default_backend_builds_kernels_and_trains_the
     # The backend a user gets: inductor generates and builds C++ kernels (g++), which the cache shows;
     # a failed compile would fall back to eager with a warning and build none.
     cache = tmp_path / "inductor"
-    check_ok(run_train(tmp_path / "run", *STEPS, "trainer.compile=true", env={"TORCHINDUCTOR_CACHE_DIR": str(cache)},
-                       timeout=240))
+    check_ok(
+        run_train(
+            tmp_path / "run", *STEPS, "trainer.compile=true", env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}, timeout=240
+        )
+    )
     assert list(cache.rglob("*.so")), sorted(p.name for p in cache.rglob("*"))[:20]
     # Fused kernels sum in another order: over six steps, within the suite's early-step bound of 1e-6.
     assert losses(tmp_path / "run") == pytest.approx(losses(reference), rel=1e-6)
 
 
 def test_auto_settings_are_chosen_per_model_and_named_in_the_summary(reference: Path, run_dir: Path):
-    on = {"trainer.channels_last": True, "strategy.gradient_as_bucket_view": True, "strategy.static_graph": True,
-          "strategy.shared_memory": True}
+    on = {
+        "trainer.channels_last": True,
+        "strategy.gradient_as_bucket_view": True,
+        "strategy.static_graph": True,
+        "strategy.shared_memory": True,
+    }
     assert summary(reference)["settings"] == on  # the CNN: convolutions, even shards, no compile, one host
     # No convolutions: no channels_last; uneven shards (Join): no static graph and no shared memory.
     check_ok(run_train(run_dir, *STEPS, "model=mlp", "data.even_shards=false"))
-    assert summary(run_dir)["settings"] == {**on, "trainer.channels_last": False, "strategy.static_graph": False,
-                                            "strategy.shared_memory": False}
+    assert summary(run_dir)["settings"] == {
+        **on,
+        "trainer.channels_last": False,
+        "strategy.static_graph": False,
+        "strategy.shared_memory": False,
+    }
 
 
 def test_gradient_accumulation_equals_one_larger_batch(reference: Path, tmp_path: Path):
@@ -82,8 +103,15 @@ def test_an_epochs_short_last_accumulation_group_is_the_mean_of_its_own_batches(
     # 80 samples a rank in batches of 8: 10 batches, in groups of 3, 3, 3 and 1. The same epoch in
     # batches of 24 (24, 24, 24 and 8 samples) is the same four steps computed directly: the last
     # step's gradient is its one batch's mean, not a third of it.
-    common = ("data=synthetic", "data.dataset.train_size=160", "data.dataset.test_size=16", "data.val_fraction=0",
-              "trainer.epochs=1", "trainer.log_every=2", "trainer.channels_last=false")
+    common = (
+        "data=synthetic",
+        "data.dataset.train_size=160",
+        "data.dataset.test_size=16",
+        "data.val_fraction=0",
+        "trainer.epochs=1",
+        "trainer.log_every=2",
+        "trainer.channels_last=false",
+    )
     accumulated, direct = tmp_path / "accumulated", tmp_path / "direct"
     check_ok(run_train(accumulated, *common, "data.batch_size=8", "trainer.accumulate=3"))
     check_ok(run_train(direct, *common, "data.batch_size=24"))
@@ -96,7 +124,11 @@ def test_an_epochs_short_last_accumulation_group_is_the_mean_of_its_own_batches(
 def test_tune_loader_prints_the_best_setting():
     proc = subprocess.run(
         [sys.executable, "-m", "hydra_ddp.tools.tune_loader", "tune.num_workers=[0,1]", "tune.batches=5"],
-        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "samples/s" in proc.stdout and "best: data.num_workers=" in proc.stdout
@@ -108,26 +140,56 @@ def test_tune_times_real_steps_and_prints_the_fastest_overrides():
     # 5 % noise margin.
     cores = len(os.sched_getaffinity(0))
     proc = subprocess.run(
-        [sys.executable, "-m", "hydra_ddp.tools.tune", f"trainer.threads={cores}", "tune.knobs=[trainer.threads]",
-         "tune.steps=12", "tune.repeats=1"],
-        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=150,
+        [
+            sys.executable,
+            "-m",
+            "hydra_ddp.tools.tune",
+            f"trainer.threads={cores}",
+            "tune.knobs=[trainer.threads]",
+            "tune.steps=12",
+            "tune.repeats=1",
+        ],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
     assert proc.returncode == 0, proc.stderr
     timed = [line.split(":")[0].strip() for line in proc.stdout.splitlines() if line.endswith("samples/s")]
     values = sorted({max(1, cores // 4), max(1, cores // 2), cores})  # half, all and twice cores ÷ ranks
     assert timed == [f"trainer.threads={n}" for n in values], proc.stdout
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("fastest: trainer.threads=") and not last.startswith(f"fastest: trainer.threads={cores} "), last
+    assert last.startswith("fastest: trainer.threads=") and not last.startswith(f"fastest: trainer.threads={cores} "), (
+        last
+    )
     speedup = float(last.split("(", 1)[1].split("×", 1)[0])
     assert speedup > 1.05, last  # timed again side by side, after the search
     assert f"{len(values) + 2} runs" in last  # each value, then configured and tuned once each
 
 
 def test_tune_refuses_an_unknown_knob_in_one_line():
-    proc = subprocess.run([sys.executable, "-m", "hydra_ddp.tools.tune", "tune.knobs=[trainer.speed]"],
-                          cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hydra_ddp.tools.tune", "tune.knobs=[trainer.speed]"],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2  # a usage error, as train.py's
     assert proc.stderr.strip().splitlines() == [
-        "hydra-ddp: error: tune.knobs: unknown trainer.speed; the knobs are " + ", ".join(
-            ["data.num_workers", "data.pin_memory", "trainer.threads", "trainer.channels_last", "strategy.bucket_cap_mb",
-             "strategy.shared_memory", "trainer.precision", "strategy.comm_hook"])], proc.stderr
+        "hydra-ddp: error: tune.knobs: unknown trainer.speed; the knobs are "
+        + ", ".join(
+            [
+                "data.num_workers",
+                "data.pin_memory",
+                "trainer.threads",
+                "trainer.channels_last",
+                "strategy.bucket_cap_mb",
+                "strategy.shared_memory",
+                "trainer.precision",
+                "strategy.comm_hook",
+            ]
+        )
+    ], proc.stderr

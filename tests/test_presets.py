@@ -38,8 +38,13 @@ def test_profile_preset_under_torchrun_leaves_a_trace_per_rank_and_a_top_ops_tab
 def test_cifar10_resnet18_experiment_trains_on_files_in_cifar10_format(tmp_path: Path):
     write_cifar(tmp_path / "cifar")
     run_dir = tmp_path / "run"
-    proc = run_train(run_dir, "+experiment=cifar10_resnet18", f"data.dataset.root={tmp_path / 'cifar'}",
-                     "trainer.max_steps=2", "data.num_workers=0")
+    proc = run_train(
+        run_dir,
+        "+experiment=cifar10_resnet18",
+        f"data.dataset.root={tmp_path / 'cifar'}",
+        "trainer.max_steps=2",
+        "data.num_workers=0",
+    )
     check_ok(proc)
     s = summary(run_dir)
     assert s["steps"] == 2 and s["global_batch_size"] == 128 and s["test_samples"] == 20
@@ -63,9 +68,15 @@ def test_log_lines_and_the_progress_bar_never_share_a_line_in_a_terminal(run_dir
     main, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a 120-column terminal
     os.set_blocking(main, False)
-    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "trainer.epochs=3", f"hydra.run.dir={run_dir}"],
-                            cwd=REPO, env=train_env(), stdin=secondary, stdout=secondary,
-                            stderr=secondary, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), "trainer.epochs=3", f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        env=train_env(),
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        start_new_session=True,
+    )
     os.close(secondary)
     chunks = []
     while True:

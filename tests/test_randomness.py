@@ -10,23 +10,44 @@ from pathlib import Path
 import pytest
 
 from support import (
-    assert_same_params, check_ok, final_params, finish, losses, run_train, start_train, summary, write_cifar,
+    assert_same_params,
+    check_ok,
+    final_params,
+    finish,
+    losses,
+    run_train,
+    start_train,
+    summary,
+    write_cifar,
 )
 
 PER_FILE = 64  # 5 training files: 320 images, 288 after validation's tenth; 9 steps of 32 an epoch
 
 
 def augmented(root: Path) -> tuple[str, ...]:
-    return ("data=cifar10", f"data.dataset.root={root}", "data.dataset.augment=true", "trainer.threads=1",
-            "trainer.log_every=2")
+    return (
+        "data=cifar10",
+        f"data.dataset.root={root}",
+        "data.dataset.augment=true",
+        "trainer.threads=1",
+        "trainer.log_every=2",
+    )
 
 
 def test_two_ranks_augment_their_batches_differently_and_draw_their_own_numbers(tmp_path: Path):
     probes = tmp_path / "probes"
     probes.mkdir()
     root = write_cifar(tmp_path / "data", PER_FILE, identical=True)
-    check_ok(run_train(tmp_path / "run", *augmented(root), "data.batch_size=16", "trainer.max_steps=3",
-                       "model._target_=probes.InputProbe", f"+model.probe_dir={probes}"))
+    check_ok(
+        run_train(
+            tmp_path / "run",
+            *augmented(root),
+            "data.batch_size=16",
+            "trainer.max_steps=3",
+            "model._target_=probes.InputProbe",
+            f"+model.probe_dir={probes}",
+        )
+    )
     seen = [(probes / f"inputs-rank{rank}.txt").read_text().splitlines() for rank in (0, 1)]
     batches = [[line for line in lines if line.startswith("batch")] for lines in seen]
     draws = [[line for line in lines if line.startswith("draw")] for lines in seen]
@@ -41,7 +62,9 @@ def test_augmented_training_is_the_same_at_any_world_size_and_resumes_exactly_mi
     root = write_cifar(tmp_path / "data", PER_FILE)
     common = (*augmented(root), "data.global_batch_size=32", "trainer.max_steps=12")
     sweep = tmp_path / "sweep"
-    check_ok(run_train(tmp_path / "unused", "-m", *common, "trainer.nproc=1,2", f"hydra.sweep.dir={sweep}", timeout=300))
+    check_ok(
+        run_train(tmp_path / "unused", "-m", *common, "trainer.nproc=1,2", f"hydra.sweep.dir={sweep}", timeout=300)
+    )
     one, two = (losses(sweep / job) for job in ("0", "1"))
     assert len(one) == len(two) == 12
     # Global batch b is the same samples with the same crops and flips at either world size: only the

@@ -11,8 +11,12 @@ import pytest
 from support import check_ok, run_train, summary
 
 TRAIN_SAMPLES = 1438  # the digits' training split (1,797 less the 359 held out for test)
-RECORDED = ("data.dataset._target_=recording.digits_recording_train", "data.val_fraction=0",
-            "data.global_batch_size=32", "trainer.epochs=1")
+RECORDED = (
+    "data.dataset._target_=recording.digits_recording_train",
+    "data.val_fraction=0",
+    "data.global_batch_size=32",
+    "trainer.epochs=1",
+)
 
 
 def _read(reads: Path) -> Counter:
@@ -23,35 +27,76 @@ def _read(reads: Path) -> Counter:
 def test_a_mid_epoch_checkpoint_continues_at_another_world_size_with_every_sample_once(tmp_path: Path):
     first = tmp_path / "first"
     # Stopped at step 3 of 45, mid-epoch, at 1 and at 2 ranks, under ddp and fsdp (a file; a sharded directory).
-    check_ok(run_train(tmp_path / "unused", "-m", *RECORDED, "trainer.nproc=1,2", "strategy=ddp,fsdp",
-                       "trainer.max_steps=3", "checkpoint.every_n_steps=3", "+data.dataset.reads=${hydra:runtime.output_dir}/reads",
-                       f"hydra.sweep.dir={first}", timeout=300))
+    check_ok(
+        run_train(
+            tmp_path / "unused",
+            "-m",
+            *RECORDED,
+            "trainer.nproc=1,2",
+            "strategy=ddp,fsdp",
+            "trainer.max_steps=3",
+            "checkpoint.every_n_steps=3",
+            "+data.dataset.reads=${hydra:runtime.output_dir}/reads",
+            f"hydra.sweep.dir={first}",
+            timeout=300,
+        )
+    )
     for job in range(4):
         before = summary(first / str(job))
         after, world = tmp_path / f"after{job}", 3 - before["world_size"]  # 1 → 2, 2 → 1
-        check_ok(run_train(after, *RECORDED, f"trainer.nproc={world}", f"strategy={before['strategy']}",
-                           f"trainer.resume={next((first / str(job) / 'checkpoints').glob('step-00000003*'))}",
-                           f"+data.dataset.reads={after / 'reads'}"))
+        check_ok(
+            run_train(
+                after,
+                *RECORDED,
+                f"trainer.nproc={world}",
+                f"strategy={before['strategy']}",
+                f"trainer.resume={next((first / str(job) / 'checkpoints').glob('step-00000003*'))}",
+                f"+data.dataset.reads={after / 'reads'}",
+            )
+        )
         seen = _read(first / str(job) / "reads") + _read(after / "reads")
         assert sum(_read(first / str(job) / "reads").values()) == 3 * 32, job  # three global batches, no read ahead
         assert seen == Counter(range(TRAIN_SAMPLES)), (job, [i for i, n in seen.items() if n != 1][:10])
         s = summary(after)
-        assert (s["world_size"], s["strategy"], s["steps"], s["global_batch_size"]) == (world, before["strategy"], 45, 32)
+        assert (s["world_size"], s["strategy"], s["steps"], s["global_batch_size"]) == (
+            world,
+            before["strategy"],
+            45,
+            32,
+        )
         assert s["world_size_history"] == [
             {"step": 0, "world_size": before["world_size"], "cause": "start"},
-            {"step": 3, "from": before["world_size"], "world_size": world, "cause": "resume"}]
+            {"step": 3, "from": before["world_size"], "world_size": world, "cause": "resume"},
+        ]
 
 
 def test_a_mid_epoch_resume_with_another_global_batch_is_one_line(tmp_path: Path):
     first = tmp_path / "first"
-    check_ok(run_train(first, "trainer.nproc=1", "data.batch_size=32", "trainer.max_steps=3",
-                       "checkpoint.every_n_steps=3", "trainer.epochs=1"))
-    proc = run_train(tmp_path / "after", "trainer.nproc=2", "data.batch_size=32", "trainer.epochs=1",
-                     f"trainer.resume={first / 'checkpoints' / 'step-00000003.pt'}")
+    check_ok(
+        run_train(
+            first,
+            "trainer.nproc=1",
+            "data.batch_size=32",
+            "trainer.max_steps=3",
+            "checkpoint.every_n_steps=3",
+            "trainer.epochs=1",
+        )
+    )
+    proc = run_train(
+        tmp_path / "after",
+        "trainer.nproc=2",
+        "data.batch_size=32",
+        "trainer.epochs=1",
+        f"trainer.resume={first / 'checkpoints' / 'step-00000003.pt'}",
+    )
     assert proc.returncode != 0
     line = [line for line in proc.stderr.splitlines() if line.startswith("hydra-ddp: error:")]
-    assert len(line) == 1 and "stopped mid-epoch with a global batch of 32 and trainer.accumulate=1, this run has 64 " \
-        "and 1: resume with data.global_batch_size=32 and trainer.accumulate=1" in line[0], proc.stderr
+    assert (
+        len(line) == 1
+        and "stopped mid-epoch with a global batch of 32 and trainer.accumulate=1, this run has 64 "
+        "and 1: resume with data.global_batch_size=32 and trainer.accumulate=1"
+        in line[0]
+    ), proc.stderr
 
 
 def test_a_resize_names_its_cause():
@@ -67,9 +112,16 @@ def test_a_resize_names_its_cause():
 def test_an_elastic_worker_takes_its_share_of_the_global_batch_at_the_size_it_was_given():
     from hydra_ddp.config import elastic, run_config
 
-    cfg = run_config.freeze({"launcher": {"name": "torchrun", "nnodes": 4, "min_nodes": 1},
-                             "data": {"global_batch_size": 64, "batch_size": 8}, "strategy": {"name": "ddp"}})
+    cfg = run_config.freeze(
+        {
+            "launcher": {"name": "torchrun", "nnodes": 4, "min_nodes": 1},
+            "data": {"global_batch_size": 64, "batch_size": 8},
+            "strategy": {"name": "ddp"},
+        }
+    )
     assert elastic.at_world_size(cfg, 8) is None  # the most nodes: as resolved
     assert elastic.at_world_size(cfg, 2) == {"data.batch_size": 32}
-    fixed = run_config.freeze({"launcher": {"nnodes": 2, "min_nodes": 2}, "data": {"global_batch_size": 64, "batch_size": 16}})
+    fixed = run_config.freeze(
+        {"launcher": {"nnodes": 2, "min_nodes": 2}, "data": {"global_batch_size": 64, "batch_size": 16}}
+    )
     assert elastic.at_world_size(fixed, 4) is None  # not elastic: nothing to settle

@@ -10,7 +10,18 @@ from pathlib import Path
 import pytest
 
 from support import (
-    QUICK, TwoHosts, assert_same_params, check_ok, final_params, finish, free_port, run_train, start_train, step_losses, summary, wandb_starts,
+    QUICK,
+    TwoHosts,
+    assert_same_params,
+    check_ok,
+    final_params,
+    finish,
+    free_port,
+    run_train,
+    start_train,
+    step_losses,
+    summary,
+    wandb_starts,
 )
 
 
@@ -18,9 +29,17 @@ def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_and_wand
     from mlflow.tracking import MlflowClient
 
     sweep, uri = tmp_path / "sweep", f"sqlite:///{tmp_path}/mlflow.db"
-    proc = run_train(tmp_path / "unused", "-m", *QUICK, "trainer.nproc=1,2", f"hydra.sweep.dir={sweep}",
-                     "logger=[tensorboard,mlflow,wandb]", f"logger.mlflow.tracking_uri={uri}",
-                     f"logger.mlflow.artifact_location={tmp_path / 'artifacts'}", "logger.wandb.mode=offline")
+    proc = run_train(
+        tmp_path / "unused",
+        "-m",
+        *QUICK,
+        "trainer.nproc=1,2",
+        f"hydra.sweep.dir={sweep}",
+        "logger=[tensorboard,mlflow,wandb]",
+        f"logger.mlflow.tracking_uri={uri}",
+        f"logger.mlflow.artifact_location={tmp_path / 'artifacts'}",
+        "logger.wandb.mode=offline",
+    )
     check_ok(proc)
     # One parent run per sweep, its jobs as children; the sweep's end closes it with the best value.
     client = MlflowClient(tracking_uri=uri)
@@ -48,7 +67,9 @@ def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_and_wand
     assert float(rows[0]["speedup"]) == 1.0 and float(rows[1]["efficiency"]) > 0
     # Model FLOP/s per rank and the MFU, from each job's summary.
     for row, i in zip(rows, (0, 1)):
-        assert float(row["flops_per_sec_per_rank"]) == pytest.approx(summary(sweep / str(i))["flops"]["per_sec_per_rank"])
+        assert float(row["flops_per_sec_per_rank"]) == pytest.approx(
+            summary(sweep / str(i))["flops"]["per_sec_per_rank"]
+        )
         assert 0 < float(row["mfu"]) < 1
     assert "| model FLOP/s per rank | MFU |" in (sweep / "scaling.md").read_text()
     assert "| trainer.nproc=2 | ok |" in (sweep / "scaling.md").read_text()
@@ -62,7 +83,10 @@ def test_failed_job_is_a_failed_row_and_the_sweep_goes_on(tmp_path: Path):
     assert proc.returncode != 0  # a sweep with a failed job does not pass for a success
     # Not a sweep over world sizes: the trials report, the job that ran first, the failed one last.
     rows = list(csv.DictReader(open(sweep / "sweep.csv")))
-    assert [(r["swept"], r["status"], r["rank"]) for r in rows] == [("backend=gloo", "ok", "1"), ("backend=mpi", "failed", "")]
+    assert [(r["swept"], r["status"], r["rank"]) for r in rows] == [
+        ("backend=gloo", "ok", "1"),
+        ("backend=mpi", "failed", ""),
+    ]
     assert "MPI" in rows[1]["error"] and float(rows[0]["objective"]) == summary(sweep / "0")["val_accuracy"]
     assert "Best: job 0 (backend=gloo), val/accuracy" in (sweep / "sweep.md").read_text()
     assert "1 of 2 jobs failed" in proc.stderr
@@ -75,9 +99,20 @@ def test_eight_parallel_jobs_never_collide_on_a_port(tmp_path: Path):
     job keeps it affordable: the store, its port and the rendezvous through it are the same at any size.
     Both launchers and both single-node stores (TCP, file) run inside joblib's worker processes."""
     sweep = tmp_path / "sweep"
-    proc = run_train(tmp_path / "unused", "-m", "trainer.max_steps=4", "trainer.log_every=2", "trainer.nproc=1",
-                     "hydra/launcher=joblib", "hydra.launcher.n_jobs=4", "launcher=spawn,torchrun",
-                     "init_method=env,file", "trainer.seed=0,1", f"hydra.sweep.dir={sweep}", timeout=540)
+    proc = run_train(
+        tmp_path / "unused",
+        "-m",
+        "trainer.max_steps=4",
+        "trainer.log_every=2",
+        "trainer.nproc=1",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=4",
+        "launcher=spawn,torchrun",
+        "init_method=env,file",
+        "trainer.seed=0,1",
+        f"hydra.sweep.dir={sweep}",
+        timeout=540,
+    )
     check_ok(proc)
     rows = list(csv.DictReader(open(sweep / "sweep.csv")))
     assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}, rows
@@ -99,10 +134,16 @@ def test_two_nodes_in_network_namespaces_match_one_node(tmp_path: Path):
         env_prefix = ("env", "GLOO_SOCKET_IFNAME=hddp0")  # gloo talks over the link between the hosts
         procs = [
             start_train(
-                tmp_path / f"node{i}", *QUICK, "launcher=torchrun", "trainer.nproc=1", "trainer.threads=1",
+                tmp_path / f"node{i}",
+                *QUICK,
+                "launcher=torchrun",
+                "trainer.nproc=1",
+                "trainer.threads=1",
                 "launcher.nnodes=2",
-                f"launcher.node_rank={i}", f"launcher.rdzv_endpoint={hosts.addresses[0]}:29611",
-                "launcher.rdzv_id=two-hosts", f"launcher.local_addr={hosts.addresses[i]}",
+                f"launcher.node_rank={i}",
+                f"launcher.rdzv_endpoint={hosts.addresses[0]}:29611",
+                "launcher.rdzv_id=two-hosts",
+                f"launcher.local_addr={hosts.addresses[i]}",
                 prefix=("ip", "netns", "exec", hosts.names[i], *env_prefix, sys.executable),
             )
             for i in range(2)

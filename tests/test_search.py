@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from support import QUICK, check_ok, finish, run_train, start_train, summary, wait_for
 from hydra_ddp.config.schema import register_schema
 from hydra_ddp.errors import UserError
 from hydra_ddp.search import space
+
+from support import QUICK, check_ok, finish, run_train, start_train, summary, wait_for
 
 register_schema()
 
@@ -31,25 +32,39 @@ def _study(sweep: Path, name: str = "digits"):
 def test_the_search_space_takes_hydras_sweep_syntax():
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    searched, fixed = space.parse({"optim.lr": "tag(log, interval(0.002, 0.1))", "data.batch_size": "choice(16, 32, 64)"},
-                                  ["model.hidden=range(16, 65, 16)", "optim.momentum=0.8", "trainer.seed=interval(0, 1)"])
-    assert searched == {"optim.lr": FloatDistribution(0.002, 0.1, log=True),
-                        "data.batch_size": CategoricalDistribution([16, 32, 64]),
-                        "model.hidden": IntDistribution(16, 64, step=16), "trainer.seed": FloatDistribution(0.0, 1.0)}
+    searched, fixed = space.parse(
+        {"optim.lr": "tag(log, interval(0.002, 0.1))", "data.batch_size": "choice(16, 32, 64)"},
+        ["model.hidden=range(16, 65, 16)", "optim.momentum=0.8", "trainer.seed=interval(0, 1)"],
+    )
+    assert searched == {
+        "optim.lr": FloatDistribution(0.002, 0.1, log=True),
+        "data.batch_size": CategoricalDistribution([16, 32, 64]),
+        "model.hidden": IntDistribution(16, 64, step=16),
+        "trainer.seed": FloatDistribution(0.0, 1.0),
+    }
     assert fixed == {"optim.momentum": "0.8"}
     # The command line over the params: a value there fixes a key the params search.
     assert space.parse({"optim.lr": "choice(0.1, 0.2)", "data.batch_size": "choice(16, 32)"}, ["optim.lr=0.3"]) == (
-        {"data.batch_size": CategoricalDistribution([16, 32])}, {"optim.lr": "0.3"})
+        {"data.batch_size": CategoricalDistribution([16, 32])},
+        {"optim.lr": "0.3"},
+    )
     assert space.as_override("optim.lr", 1e-6) == "optim.lr=1e-06" and space.as_override("x", True) == "x=true"
 
 
-@pytest.mark.parametrize("params, arguments, message", [
-    ({}, [], "the search space is empty"),
-    ({"optim.lr": "0.1"}, [], "the search space is empty"),
-    ({"optim.lr": "interval(0.1)"}, [], "the search space does not parse"),
-    ({"optim.lr": "tag(log, interval(0, 1))"}, [], "optim.lr: interval(0.0, 1.0) needs start < end and start > 0 (log)"),
-    ({"data.batch_size": "range(64, 16)"}, [], "data.batch_size: range(64, 16, 1) holds no value"),
-])
+@pytest.mark.parametrize(
+    "params, arguments, message",
+    [
+        ({}, [], "the search space is empty"),
+        ({"optim.lr": "0.1"}, [], "the search space is empty"),
+        ({"optim.lr": "interval(0.1)"}, [], "the search space does not parse"),
+        (
+            {"optim.lr": "tag(log, interval(0, 1))"},
+            [],
+            "optim.lr: interval(0.0, 1.0) needs start < end and start > 0 (log)",
+        ),
+        ({"data.batch_size": "range(64, 16)"}, [], "data.batch_size: range(64, 16, 1) holds no value"),
+    ],
+)
 def test_a_bad_search_space_is_one_line(params, arguments, message):
     with pytest.raises(UserError) as refused:
         space.parse(params, arguments)
@@ -57,11 +72,17 @@ def test_a_bad_search_space_is_one_line(params, arguments, message):
 
 
 def test_a_pruner_without_a_monitored_metric_is_refused_before_the_first_trial(tmp_path: Path):
-    proc = run_train(tmp_path / "unused", "-m", "hparams_search=digits", "data.val_fraction=0",
-                     f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    proc = run_train(
+        tmp_path / "unused",
+        "-m",
+        "hparams_search=digits",
+        "data.val_fraction=0",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "hydra-ddp: error: hydra.sweeper.pruner=median needs a monitored metric after each epoch, and "
-        "data.val_fraction=0 leaves no validation: set data.val_fraction (e.g. 0.1), or hydra.sweeper.pruner=none"]
+        "data.val_fraction=0 leaves no validation: set data.val_fraction (e.g. 0.1), or hydra.sweeper.pruner=none"
+    ]
     assert not (tmp_path / "sweep" / "0").exists()
 
 
@@ -70,10 +91,22 @@ def test_hopeless_trials_are_pruned_and_the_best_is_reported(tmp_path: Path):
     sweep = tmp_path / "sweep"
     # lr 1e-6 learns nothing, lr 10 jumps around: once 2 trials are complete, a trial whose accuracy
     # after an epoch is below the median of theirs at that epoch stops there.
-    check_ok(run_train(tmp_path / "unused", "-m", "hparams_search=digits", "hydra.sweeper.n_trials=6", "trainer.epochs=3",
-                       "optim.lr=choice(0.05,0.000001,10)", "data.batch_size=32", "optim.weight_decay=0",
-                       "+hydra.sweeper.pruner_args={n_startup_trials:2}", "hydra.sweeper.sampler.seed=1",
-                       f"hydra.sweep.dir={sweep}", timeout=360))
+    check_ok(
+        run_train(
+            tmp_path / "unused",
+            "-m",
+            "hparams_search=digits",
+            "hydra.sweeper.n_trials=6",
+            "trainer.epochs=3",
+            "optim.lr=choice(0.05,0.000001,10)",
+            "data.batch_size=32",
+            "optim.weight_decay=0",
+            "+hydra.sweeper.pruner_args={n_startup_trials:2}",
+            "hydra.sweeper.sampler.seed=1",
+            f"hydra.sweep.dir={sweep}",
+            timeout=360,
+        )
+    )
     rows = list(csv.DictReader(open(sweep / "sweep.csv")))
     assert len(rows) == 6
     pruned = [r for r in rows if r["status"] == "pruned"]
@@ -102,12 +135,28 @@ def test_a_trial_starts_as_soon_as_one_of_those_in_flight_ends(tmp_path: Path):
     # The long one: ten times a short one's epochs, beside the two that follow one after the other.
     for epochs in (10, 1, 1):
         study.enqueue_trial({"trainer.epochs": epochs})
-    slow = ("data.dataset._target_=recording.digits_slow_on_rank", "+data.dataset.slow_rank=0",
-            "+data.dataset.delay_s=0.001")
-    check_ok(run_train(tmp_path / "unused", "-m", "hparams_search=digits", "hydra.sweeper.n_trials=3",
-                       "hydra.sweeper.n_jobs=2", "hydra.sweeper.pruner=none", "trainer.epochs=choice(1,10)", *slow,
-                       "optim.lr=0.05", "data.batch_size=32", "optim.weight_decay=0", f"hydra.sweep.dir={sweep}",
-                       timeout=360))
+    slow = (
+        "data.dataset._target_=recording.digits_slow_on_rank",
+        "+data.dataset.slow_rank=0",
+        "+data.dataset.delay_s=0.001",
+    )
+    check_ok(
+        run_train(
+            tmp_path / "unused",
+            "-m",
+            "hparams_search=digits",
+            "hydra.sweeper.n_trials=3",
+            "hydra.sweeper.n_jobs=2",
+            "hydra.sweeper.pruner=none",
+            "trainer.epochs=choice(1,10)",
+            *slow,
+            "optim.lr=0.05",
+            "data.batch_size=32",
+            "optim.weight_decay=0",
+            f"hydra.sweep.dir={sweep}",
+            timeout=360,
+        )
+    )
     trials = _study(sweep).trials
     assert [t.params["trainer.epochs"] for t in trials] == [10, 1, 1] and {t.state.name for t in trials} == {"COMPLETE"}
     long_ended = (sweep / "0" / "summary.json").stat().st_mtime
@@ -119,8 +168,16 @@ def test_a_trial_starts_as_soon_as_one_of_those_in_flight_ends(tmp_path: Path):
 @pytest.mark.timeout(400)
 def test_a_killed_search_continues_to_n_trials_when_run_again(tmp_path: Path):
     sweep = tmp_path / "sweep"
-    command = ("-m", "hparams_search=digits", "hydra.sweeper.n_trials=4", *QUICK, "optim.lr=choice(0.05,0.02)",
-               "data.batch_size=32", "optim.weight_decay=0", f"hydra.sweep.dir={sweep}")
+    command = (
+        "-m",
+        "hparams_search=digits",
+        "hydra.sweeper.n_trials=4",
+        *QUICK,
+        "optim.lr=choice(0.05,0.02)",
+        "data.batch_size=32",
+        "optim.weight_decay=0",
+        f"hydra.sweep.dir={sweep}",
+    )
     first = start_train(tmp_path / "unused", *command)
     done = lambda: [d for d in sweep.glob("[0-9]*") if (d / "summary.json").exists()]  # noqa: E731
     wait_for(lambda: len(done()) >= 2, 240, "two finished trials", first)
@@ -138,8 +195,10 @@ def test_a_killed_search_continues_to_n_trials_when_run_again(tmp_path: Path):
     assert len(rows) == len([d for d in sweep.glob("[0-9]*") if d.is_dir()])
 
 
-@pytest.mark.parametrize("sampler, kind", [("tpe", "TPESampler"), ("random", "RandomSampler"),
-                                           ("cmaes", "CmaEsSampler"), ("grid", "GridSampler")])
+@pytest.mark.parametrize(
+    "sampler, kind",
+    [("tpe", "TPESampler"), ("random", "RandomSampler"), ("cmaes", "CmaEsSampler"), ("grid", "GridSampler")],
+)
 def test_each_sampler_builds_with_its_seed(sampler: str, kind: str):
     import functools
 
@@ -149,8 +208,11 @@ def test_each_sampler_builds_with_its_seed(sampler: str, kind: str):
     from support import REPO
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=["hydra/sweeper=optuna", f"hydra/sweeper/sampler={sampler}",
-                                                       "hydra.sweeper.sampler.seed=3"], return_hydra_config=True)
+        cfg = compose(
+            config_name="config",
+            overrides=["hydra/sweeper=optuna", f"hydra/sweeper/sampler={sampler}", "hydra.sweeper.sampler.seed=3"],
+            return_hydra_config=True,
+        )
     built = instantiate(cfg.hydra.sweeper.sampler)
     if isinstance(built, functools.partial):  # the grid: given the space's values by the sweeper
         searched, _ = space.parse({"data.batch_size": "choice(16, 32)", "model.hidden": "range(8, 17, 8)"}, [])
@@ -168,16 +230,32 @@ def test_each_trial_draws_from_a_stream_of_its_own_and_a_seeded_search_draws_the
     from hydra import compose, initialize_config_dir
 
     from hydra_plugins.hydra_ddp_optuna.sweeper import OptunaSweeper
+
     from support import REPO
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=["hydra/sweeper=optuna", f"hydra/sweeper/sampler={sampler}",
-                                                       "hydra.sweeper.sampler.seed=0"], return_hydra_config=True)
-    sweeper = OptunaSweeper(sampler=cfg.hydra.sweeper.sampler, direction="maximize", study_name="s", storage=None,
-                            n_trials=8, n_jobs=2, pruner="none", params=None)
+        cfg = compose(
+            config_name="config",
+            overrides=["hydra/sweeper=optuna", f"hydra/sweeper/sampler={sampler}", "hydra.sweeper.sampler.seed=0"],
+            return_hydra_config=True,
+        )
+    sweeper = OptunaSweeper(
+        sampler=cfg.hydra.sweeper.sampler,
+        direction="maximize",
+        study_name="s",
+        storage=None,
+        n_trials=8,
+        n_jobs=2,
+        pruner="none",
+        params=None,
+    )
     grid = {"optim.lr": "choice(0.1, 0.2, 0.3, 0.4)", "data.batch_size": "choice(16, 32)"}
-    searched, _ = space.parse(grid if sampler == "grid" else {"optim.lr": "tag(log, interval(0.002, 0.1))",
-                                                              "optim.weight_decay": "interval(0, 0.01)"}, [])
+    searched, _ = space.parse(
+        grid
+        if sampler == "grid"
+        else {"optim.lr": "tag(log, interval(0.002, 0.1))", "optim.weight_decay": "interval(0, 0.01)"},
+        [],
+    )
 
     def draws(streams) -> list[dict]:
         study = optuna.create_study(direction="maximize")
@@ -199,9 +277,19 @@ def test_two_sweeper_processes_on_one_study_run_no_trial_twice(tmp_path: Path):
     """The README's search shape (n_jobs=2, a seeded TPE, its startup trials random): four trials,
     four different sets of values."""
     sweep = tmp_path / "sweep"
-    check_ok(run_train(tmp_path / "unused", "-m", "hparams_search=digits", "hydra.sweeper.n_trials=4",
-                       "hydra.sweeper.n_jobs=2", "hydra.sweeper.pruner=none", *QUICK, f"hydra.sweep.dir={sweep}",
-                       timeout=360))
+    check_ok(
+        run_train(
+            tmp_path / "unused",
+            "-m",
+            "hparams_search=digits",
+            "hydra.sweeper.n_trials=4",
+            "hydra.sweeper.n_jobs=2",
+            "hydra.sweeper.pruner=none",
+            *QUICK,
+            f"hydra.sweep.dir={sweep}",
+            timeout=360,
+        )
+    )
     trials = _study(sweep).trials
     assert len(trials) == 4 and {t.state.name for t in trials} == {"COMPLETE"}
     drawn = [tuple(sorted(t.params.items())) for t in trials]

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from support import (
-    assert_float64_alike, assert_within_float_noise, check_ok, csv_losses, float64, run_train, summary,
+    assert_float64_alike,
+    assert_within_float_noise,
+    check_ok,
+    csv_losses,
+    float64,
+    run_train,
+    summary,
 )
 
 TRAIN, BATCH, EPOCHS = 65, 8, 2  # 2 ranks: shards of 33 and 32 samples, 5 and 4 batches
@@ -21,10 +27,19 @@ def test_uneven_shards_see_every_sample_once_per_epoch_and_end_equal(tmp_path: P
     logs.mkdir()
     run_dir = tmp_path / "run"
     proc = run_train(
-        run_dir, "data=synthetic", "data.even_shards=false", f"data.batch_size={BATCH}", f"trainer.epochs={EPOCHS}",
-        "data.dataset._target_=faulty.counted_synthetic", f"+data.dataset.log_dir={logs}",
-        f"data.dataset.train_size={TRAIN}", "data.dataset.test_size=16", "trainer.log_every=2",
-        "model._target_=faulty.Recorder", f"+model.log_dir={logs}", "backend.timeout_s=60",
+        run_dir,
+        "data=synthetic",
+        "data.even_shards=false",
+        f"data.batch_size={BATCH}",
+        f"trainer.epochs={EPOCHS}",
+        "data.dataset._target_=faulty.counted_synthetic",
+        f"+data.dataset.log_dir={logs}",
+        f"data.dataset.train_size={TRAIN}",
+        "data.dataset.test_size=16",
+        "trainer.log_every=2",
+        "model._target_=faulty.Recorder",
+        f"+model.log_dir={logs}",
+        "backend.timeout_s=60",
         "data.eval_batch_size=4",  # 4 chunks of validation: both ranks evaluate, and so mark each epoch's end
     )
     check_ok(proc)
@@ -64,11 +79,26 @@ def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Pa
     """The same samples in every global batch at any world size: only the order of float sums differs.
     Decided in float64 over 20 steps (FLOAT64_BOUND); float32, the default, over the first 5 steps,
     against this host's float-order noise (later, a flip makes float32's gap grow past any noise run)."""
-    common = ("data.global_batch_size=128", "data.drop_last=true", "trainer.log_every=5",
-              "checkpoint.every_epoch=false", "trainer.threads=1")
+    common = (
+        "data.global_batch_size=128",
+        "data.drop_last=true",
+        "trainer.log_every=5",
+        "checkpoint.every_epoch=false",
+        "trainer.threads=1",
+    )
     sweep = tmp_path / "sweep"
-    check_ok(run_train(tmp_path / "unused", "-m", "trainer.nproc=1,2,4", *common, "trainer.max_steps=20", *float64(),
-                       f"hydra.sweep.dir={sweep}", timeout=540))
+    check_ok(
+        run_train(
+            tmp_path / "unused",
+            "-m",
+            "trainer.nproc=1,2,4",
+            *common,
+            "trainer.max_steps=20",
+            *float64(),
+            f"hydra.sweep.dir={sweep}",
+            timeout=540,
+        )
+    )
     curves = {}
     for job, world in enumerate((1, 2, 4)):
         s = summary(sweep / str(job))
@@ -83,10 +113,30 @@ def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Pa
 
     # float32 over 5 steps: the world sizes, then this host's noise (one rank, 2 threads, both memory formats).
     short, noise = tmp_path / "float32", tmp_path / "noise"
-    check_ok(run_train(tmp_path / "unused", "-m", "trainer.nproc=1,2,4", *common, "trainer.max_steps=5",
-                       f"hydra.sweep.dir={short}", timeout=300))
-    check_ok(run_train(tmp_path / "unused", "-m", *common[:-1], "trainer.max_steps=5", "trainer.nproc=1",
-                       "trainer.threads=2", "trainer.channels_last=true,false", f"hydra.sweep.dir={noise}", timeout=300))
+    check_ok(
+        run_train(
+            tmp_path / "unused",
+            "-m",
+            "trainer.nproc=1,2,4",
+            *common,
+            "trainer.max_steps=5",
+            f"hydra.sweep.dir={short}",
+            timeout=300,
+        )
+    )
+    check_ok(
+        run_train(
+            tmp_path / "unused",
+            "-m",
+            *common[:-1],
+            "trainer.max_steps=5",
+            "trainer.nproc=1",
+            "trainer.threads=2",
+            "trainer.channels_last=true,false",
+            f"hydra.sweep.dir={noise}",
+            timeout=300,
+        )
+    )
     reference, noisy = csv_losses(short / "0"), [csv_losses(noise / job) for job in ("0", "1")]
     for job in ("1", "2"):
         # Ceiling 1e-5 over 5 steps: about 80 float32 units (1.2e-7), room for a few units of reordered

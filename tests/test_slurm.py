@@ -12,7 +12,16 @@ from pathlib import Path
 import pytest
 
 from support import (
-    REPO, assert_same_params, check_ok, final_params, finish, losses, run_train, start_train, summary, train_env,
+    REPO,
+    assert_same_params,
+    check_ok,
+    final_params,
+    finish,
+    losses,
+    run_train,
+    start_train,
+    summary,
+    train_env,
     wait_for,
 )
 
@@ -39,9 +48,19 @@ def test_submitit_launcher_runs_one_group_across_two_nodes(slurm_cluster, refere
     if slurm_cluster.nodes != 2:
         pytest.skip("the cluster has one node: two need iproute2 and nsenter")
     sweep = tmp_path / "sweep"
-    proc = run_train(tmp_path / "unused", "-m", *RUN, "hydra/launcher=slurm", "hydra.launcher.nodes=2",
-                     "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=1",
-                     "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}", env=slurm_cluster.env, timeout=240)
+    proc = run_train(
+        tmp_path / "unused",
+        "-m",
+        *RUN,
+        "hydra/launcher=slurm",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.tasks_per_node=1",
+        "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.timeout_min=10",
+        f"hydra.sweep.dir={sweep}",
+        env=slurm_cluster.env,
+        timeout=240,
+    )
     check_ok(proc)
     s = summary(sweep / "0")
     assert (s["world_size"], s["nnodes"], s["launcher"]) == (2, 2, "submitit (slurm)"), s
@@ -57,10 +76,19 @@ def test_submitit_launcher_on_one_node_reports_a_cancelled_job(slurm_cluster, re
     # Three jobs of one node and two tasks, one at a time: the first is the reference run; the third
     # is cancelled at once, while the whole array waits (Slurm keeps no record of it), the second
     # once the first runs (accounting says CANCELLED).
-    proc = start_train(tmp_path / "unused", "-m", *RUN, "trainer.seed=0,1,2", "hydra/launcher=slurm",
-                       "hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1",
-                       "hydra.launcher.array_parallelism=1", "hydra.launcher.timeout_min=10",
-                       f"hydra.sweep.dir={sweep}", env=env)
+    proc = start_train(
+        tmp_path / "unused",
+        "-m",
+        *RUN,
+        "trainer.seed=0,1,2",
+        "hydra/launcher=slurm",
+        "hydra.launcher.tasks_per_node=2",
+        "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.array_parallelism=1",
+        "hydra.launcher.timeout_min=10",
+        f"hydra.sweep.dir={sweep}",
+        env=env,
+    )
     tasks: dict[str, str] = {}
 
     def queue_shows(*wanted: str) -> bool:  # an array job's tasks are JOB_0, JOB_1, JOB_2
@@ -90,9 +118,22 @@ def test_sbatch_script_is_preempted_requeued_and_resumes_exactly(slurm_cluster, 
     run_dir, output = tmp_path / "run", tmp_path / "slurm.out"
     env = {**train_env(), **slurm_cluster.env, "PYTHON": sys.executable}
     # One node, two tasks (the script's own #SBATCH lines).
-    job = subprocess.run(["sbatch", "--parsable", f"--output={output}", str(REPO / "scripts/slurm/train.sbatch"), *RUN,
-                          f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True, check=True,
-                         timeout=30).stdout.strip()
+    job = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            f"--output={output}",
+            str(REPO / "scripts/slurm/train.sbatch"),
+            *RUN,
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout.strip()
     seen: list[str] = []
 
     def state() -> str:  # the job's state and reason as squeue lists them ("" once it has left the queue)

@@ -42,8 +42,9 @@ if __name__ == "__main__":
 def test_forkserver_workers_inherit_frozen_imports_with_the_collector_on(tmp_path: Path):
     script = tmp_path / "probe.py"  # a file: the forked worker imports its target from it
     script.write_text(PROBE)
-    done = subprocess.run([sys.executable, str(script)], cwd=REPO, env=train_env(), capture_output=True, text=True,
-                          timeout=150)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=150
+    )
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.splitlines()[-1])
     # Off while the imports load, back on after; left off where it was off.

@@ -12,13 +12,30 @@ from pathlib import Path
 import pytest
 
 from support import (
-    assert_float64_alike, assert_same_params, check_ok, csv_losses, final_params, finish, float64, free_port, losses,
-    run_eval, run_train, start_train, summary, wait_for,
+    assert_float64_alike,
+    assert_same_params,
+    check_ok,
+    csv_losses,
+    final_params,
+    finish,
+    float64,
+    free_port,
+    losses,
+    run_eval,
+    run_train,
+    start_train,
+    summary,
+    wait_for,
 )
 
 STEPS = 24  # an epoch of digits on 2 ranks is 21 steps: one checkpoint at its end, at step 21
-COMMON = (f"trainer.max_steps={STEPS}", "trainer.log_every=2", "checkpoint.every_n_steps=4", "trainer.threads=1",
-          *float64())
+COMMON = (
+    f"trainer.max_steps={STEPS}",
+    "trainer.log_every=2",
+    "checkpoint.every_n_steps=4",
+    "trainer.threads=1",
+    *float64(),
+)
 
 
 @pytest.mark.timeout(400)
@@ -39,10 +56,20 @@ def test_fsdp_trains_like_ddp_resumes_exactly_and_reshards(tmp_path: Path):
     # Sharded checkpoints: a directory per step, each rank's shards in it (DCP), the newest 3 kept,
     # `last` and `best` links to them; ddp's are one file per step.
     ckpts = fsdp / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["best", "last", "step-00000020", "step-00000021",
-                                                       "step-00000024"]
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "best",
+        "last",
+        "step-00000020",
+        "step-00000021",
+        "step-00000024",
+    ]
     assert os.readlink(ckpts / "last") == "step-00000024" and os.readlink(ckpts / "best") == "step-00000021"
-    assert sorted(p.name for p in (ckpts / "last").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert sorted(p.name for p in (ckpts / "last").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "meta.pt",
+    ]
     assert (ddp / "checkpoints" / "step-00000024.pt").is_file()
 
     # Stopped by SIGTERM and resumed at 2 ranks: the uninterrupted run's weights, bit for bit.
@@ -72,8 +99,16 @@ def test_fsdp_trains_like_ddp_resumes_exactly_and_reshards(tmp_path: Path):
     epoch_end = fsdp / "checkpoints" / "step-00000021"
     at_21 = next(h for h in s["history"] if h["step"] == 21)
     resumed_dir = tmp_path / "one-rank-ddp"
-    check_ok(run_train(resumed_dir, *COMMON[3:], "trainer.max_steps=21", "trainer.nproc=1", "strategy=ddp",
-                       f"trainer.resume={epoch_end}"))
+    check_ok(
+        run_train(
+            resumed_dir,
+            *COMMON[3:],
+            "trainer.max_steps=21",
+            "trainer.nproc=1",
+            "strategy=ddp",
+            f"trainer.resume={epoch_end}",
+        )
+    )
     resumed = summary(resumed_dir)
     assert resumed["steps"] == 21 and resumed["world_size"] == 1 and resumed["strategy"] == "ddp"
     assert_float64_alike([resumed["val_loss"]], [at_21["val_loss"]])
@@ -81,16 +116,26 @@ def test_fsdp_trains_like_ddp_resumes_exactly_and_reshards(tmp_path: Path):
 
 # The transformer, small: 2 blocks of width 32 on 64 KiB of text; a global batch of 32 sequences
 # (25 steps an epoch), so one rank, FSDP over 2 and tensor parallel over 2 all train on the same batches.
-GPT = ("+experiment=text_gpt", "model.dim=32", "model.depth=2", "data.dataset.context=32",
-       "data.dataset.max_bytes=65536", "data.global_batch_size=32", "trainer.max_steps=20", "trainer.log_every=2",
-       *float64("hydra_ddp.models.TinyGPT"))
+GPT = (
+    "+experiment=text_gpt",
+    "model.dim=32",
+    "model.depth=2",
+    "data.dataset.context=32",
+    "data.dataset.max_bytes=65536",
+    "data.global_batch_size=32",
+    "trainer.max_steps=20",
+    "trainer.log_every=2",
+    *float64("hydra_ddp.models.TinyGPT"),
+)
 
 
 @pytest.mark.timeout(300)
 def test_fsdp_and_tensor_parallel_train_the_transformer_like_one_rank(tmp_path: Path):
     # fsdp_tp: 4 processes on a 2×2 mesh (tensor parallel in pairs, FSDP across the pairs).
-    runs = {"one-rank": ("trainer.nproc=1",), "fsdp_tp": ("strategy=fsdp_tp", "trainer.nproc=4", "strategy.tp_size=2",
-                                                         "trainer.threads=1")}
+    runs = {
+        "one-rank": ("trainer.nproc=1",),
+        "fsdp_tp": ("strategy=fsdp_tp", "trainer.nproc=4", "strategy.tp_size=2", "trainer.threads=1"),
+    }
     for name, overrides in runs.items():
         check_ok(run_train(tmp_path / name, *GPT, *overrides))
     # fsdp and tp at 2 ranks in one multirun (jobs 0 and 1), sharing the forkserver's imports.
@@ -119,7 +164,7 @@ def test_fsdp_and_tensor_parallel_train_the_transformer_like_one_rank(tmp_path: 
     assert_float64_alike([evaluated["test_loss"]], [s["fsdp_tp"]["test_loss"]])  # the mesh split its matmuls
 
 
-def _tied_and_wrapped() -> "torch.nn.Module":
+def _tied_and_wrapped() -> torch.nn.Module:  # noqa: F821  (torch is imported inside)
     """A module with a parameter two layers share and a layer inside activation checkpointing's
     wrapper: the cases where a parameter's name is not simply its path."""
     import torch
@@ -133,7 +178,7 @@ def _tied_and_wrapped() -> "torch.nn.Module":
             self.head = torch.nn.Linear(8, 16, bias=False)
             self.head.weight = self.embed.weight
 
-        def forward(self, x: "torch.Tensor") -> "torch.Tensor":
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.head(torch.relu(self.body(self.embed(x)))).transpose(1, 2)  # (batch, classes, time)
 
     return Tied()
@@ -158,8 +203,15 @@ def _named_like_dcp(_rank: int, port: int) -> None:
     cases = [
         (MnistCNN(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), (4, 1, 28, 28), 10),
         (MnistCNN(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), (4, 1, 28, 28), 10),  # no state at all
-        (gpt, lambda m: torch.optim.AdamW([{"params": decay}, {"params": [p for p in m.parameters()
-                                          if p.dim() < 2], "weight_decay": 0.0}], lr=1e-3), (4, 8), 256),
+        (
+            gpt,
+            lambda m: torch.optim.AdamW(
+                [{"params": decay}, {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+                lr=1e-3,
+            ),
+            (4, 8),
+            256,
+        ),
         (_tied_and_wrapped(), lambda m: torch.optim.Adam(m.parameters(), lr=1e-3), (4, 3), 16),
     ]
     for module, make_optimizer, shape, classes in cases:

@@ -14,14 +14,24 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
-from support import (
-    QUICK, REPO, assert_float64_alike, check_ok, csv_losses, float64, losses, run_eval, run_train, summary,
-    with_pythonpath, write_lab,
-)
 from hydra_ddp import tasks
 from hydra_ddp.config import resolve
 from hydra_ddp.config.schema import register_schema
 from hydra_ddp.errors import UserError
+
+from support import (
+    QUICK,
+    REPO,
+    assert_float64_alike,
+    check_ok,
+    csv_losses,
+    float64,
+    run_eval,
+    run_train,
+    summary,
+    with_pythonpath,
+    write_lab,
+)
 
 register_schema()
 
@@ -94,13 +104,16 @@ def test_every_chunking_gives_the_same_bits_when_chunks_are_added_in_order():
         assert task.compute(slots.sum(0).tolist()) == task.compute(torch.stack(states).sum(0).tolist())
 
 
-@pytest.mark.parametrize("target, task, message", [
-    (torch.tensor(3), tasks.Regression(), "needs real-valued targets, and the data's are int64"),
-    (torch.tensor(0.5), tasks.Classification(), "needs integer class labels, and the data's targets are float32"),
-    (torch.tensor(3), tasks.Segmentation(3), r"needs a mask .* shape \(\)"),
-    (torch.zeros(8, 8, dtype=torch.long), tasks.Classification(), r"one class label per sample.* shape \(8, 8\)"),
-    (torch.tensor(2), tasks.LanguageModel(), "a sequence of next tokens per sample"),
-])
+@pytest.mark.parametrize(
+    "target, task, message",
+    [
+        (torch.tensor(3), tasks.Regression(), "needs real-valued targets, and the data's are int64"),
+        (torch.tensor(0.5), tasks.Classification(), "needs integer class labels, and the data's targets are float32"),
+        (torch.tensor(3), tasks.Segmentation(3), r"needs a mask .* shape \(\)"),
+        (torch.zeros(8, 8, dtype=torch.long), tasks.Classification(), r"one class label per sample.* shape \(8, 8\)"),
+        (torch.tensor(2), tasks.LanguageModel(), "a sequence of next tokens per sample"),
+    ],
+)
 def test_a_task_that_does_not_fit_the_data_says_why(target, task, message):
     problem = tasks.misfit(task, [target], outputs=1)
     assert problem is not None and "\n" not in problem
@@ -116,11 +129,14 @@ class _Sideways(tasks.Task):
     metrics = {"loss": "min", "score": "up"}
 
 
-@pytest.mark.parametrize("target, message", [
-    (f"{__name__}._Reserved", "its metric 'samples' is also what the evaluation itself reports"),
-    (f"{__name__}._Sideways", "its metric 'score' has direction 'up'"),
-    ("torch.nn.Linear", "is not a hydra_ddp.tasks.Task: subclass it"),
-])
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        (f"{__name__}._Reserved", "its metric 'samples' is also what the evaluation itself reports"),
+        (f"{__name__}._Sideways", "its metric 'score' has direction 'up'"),
+        ("torch.nn.Linear", "is not a hydra_ddp.tasks.Task: subclass it"),
+    ],
+)
 def test_a_task_that_declares_what_cannot_work_is_one_line(target, message):
     cfg = {"_target_": target, **({"in_features": 1, "out_features": 1} if "Linear" in target else {})}
     with pytest.raises(UserError, match=message) as refused:
@@ -135,14 +151,21 @@ def _resolved(tmp_path: Path, *overrides: str) -> dict:
 
 def test_the_monitor_names_a_metric_of_the_task_and_takes_its_direction(tmp_path: Path):
     regression = ("task=regression", "data=diabetes", "model=mlp")
-    with pytest.raises(UserError, match="trainer.monitor='val/accuracy' is not a metric of this task; choose one of "
-                                        "val/loss, val/mse, val/mae, val/r2, train/loss"):
+    with pytest.raises(
+        UserError,
+        match="trainer.monitor='val/accuracy' is not a metric of this task; choose one of "
+        "val/loss, val/mse, val/mae, val/r2, train/loss",
+    ):
         _resolved(tmp_path, *regression, "trainer.monitor=val/accuracy")
     assert _resolved(tmp_path, *regression, "trainer.monitor=val/r2")["trainer"]["monitor_mode"] == "max"
     assert _resolved(tmp_path, *regression, "trainer.monitor=val/mae")["trainer"]["monitor_mode"] == "min"
     # auto: the task's own choice, in its direction.
-    for overrides, chosen in ((regression, ("val/loss", "min")), (("+experiment=shapes_segnet",), ("val/mean_iou", "max")),
-                              ((), ("val/accuracy", "max")), (("+experiment=text_gpt",), ("val/loss", "min"))):
+    for overrides, chosen in (
+        (regression, ("val/loss", "min")),
+        (("+experiment=shapes_segnet",), ("val/mean_iou", "max")),
+        ((), ("val/accuracy", "max")),
+        (("+experiment=text_gpt",), ("val/loss", "min")),
+    ):
         trainer = _resolved(tmp_path, *overrides, "trainer.monitor=auto")["trainer"]
         assert (trainer["monitor"], trainer["monitor_mode"]) == chosen, overrides
 
@@ -152,8 +175,15 @@ def lab(tmp_path: Path) -> tuple[tuple[str, ...], dict[str, str]]:
     """A user's package and config folder outside the repository: the overrides that choose them and
     the environment that imports them."""
     write_lab(tmp_path / "lab")
-    overrides = (f"hydra.searchpath=[file://{tmp_path / 'lab' / 'labconf'}]", "task=binary", "model=scorer", "data=blobs",
-                 "trainer.monitor=val/balanced_accuracy", "optim=adam", "scheduler=none")
+    overrides = (
+        f"hydra.searchpath=[file://{tmp_path / 'lab' / 'labconf'}]",
+        "task=binary",
+        "model=scorer",
+        "data=blobs",
+        "trainer.monitor=val/balanced_accuracy",
+        "optim=adam",
+        "scheduler=none",
+    )
     return overrides, with_pythonpath(tmp_path / "lab")
 
 
@@ -168,16 +198,31 @@ def test_a_users_own_task_trains_evaluates_exactly_and_is_searched(tmp_path: Pat
     assert s["objective"] == s["val_balanced_accuracy"] > 0.7 and s["test_samples"] == 100
     # eval.py on its checkpoint: the run's test metrics, bit for bit, at 1 and at 2 ranks.
     for ranks in (1, 2):
-        check_ok(run_eval(tmp_path / f"eval{ranks}", f"ckpt={run_dir}", f"trainer.nproc={ranks}", "predict=true", env=env))
+        check_ok(
+            run_eval(tmp_path / f"eval{ranks}", f"ckpt={run_dir}", f"trainer.nproc={ranks}", "predict=true", env=env)
+        )
         result = json.loads((tmp_path / f"eval{ranks}" / "eval.json").read_text())
-        assert {k: result[k] for k in ("test_loss", "test_balanced_accuracy", "test_samples")} == \
-               {k: s[k] for k in ("test_loss", "test_balanced_accuracy", "test_samples")}
+        assert {k: result[k] for k in ("test_loss", "test_balanced_accuracy", "test_samples")} == {
+            k: s[k] for k in ("test_loss", "test_balanced_accuracy", "test_samples")
+        }
     rows = list(csv.DictReader(open(tmp_path / "eval1" / "predictions.csv")))
     assert list(rows[0]) == ["index", "label", "score"] and len(rows) == 100 and rows[0]["label"] in ("0", "1")
     # An Optuna search whose objective is the task's own metric.
     sweep = tmp_path / "sweep"
-    check_ok(run_train(tmp_path / "unused", "-m", *overrides, "hparams_search=digits", "hydra.sweeper.n_trials=2", *QUICK,
-                       "optim.weight_decay=0", f"hydra.sweep.dir={sweep}", env=env, timeout=300))
+    check_ok(
+        run_train(
+            tmp_path / "unused",
+            "-m",
+            *overrides,
+            "hparams_search=digits",
+            "hydra.sweeper.n_trials=2",
+            *QUICK,
+            "optim.weight_decay=0",
+            f"hydra.sweep.dir={sweep}",
+            env=env,
+            timeout=300,
+        )
+    )
     trials = list(csv.DictReader(open(sweep / "sweep.csv")))
     assert len(trials) == 2 and {t["status"] for t in trials} == {"ok"}
     assert all(float(t["objective"]) == summary(Path(t["run_dir"]))["val_balanced_accuracy"] for t in trials)
@@ -189,10 +234,12 @@ def test_a_task_whose_loss_is_not_a_scalar_is_one_line_before_anything_is_lost(t
     bad = (*overrides, "task._target_=mylab.task.PerSample")
     check = run_train(tmp_path / "checked", "--check", *bad, env=env)
     assert check.returncode == 2 and check.stderr.strip().splitlines() == [
-        "hydra-ddp: error: model=scorer with data=blobs: the loss of one batch has shape (2,), not a scalar"], check.stderr
+        "hydra-ddp: error: model=scorer with data=blobs: the loss of one batch has shape (2,), not a scalar"
+    ], check.stderr
     run = run_train(tmp_path / "run", *bad, *QUICK, env=env)
     assert run.returncode != 0 and run.stderr.strip().splitlines()[-1].startswith(
-        "hydra-ddp: error: task PerSample: its loss is (")
+        "hydra-ddp: error: task PerSample: its loss is ("
+    )
     assert "not a scalar; reduce it (e.g. .mean()) in the task's loss()" in run.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -204,7 +251,8 @@ def test_a_task_that_does_not_fit_the_data_stops_every_rank_in_one_line(tmp_path
     assert lines == [
         "hydra-ddp: error: task Regression does not fit the data: it needs real-valued targets, and the data's are "
         "int64 (class labels?): choose a regression dataset (data=diabetes, data=synthetic_regression) or "
-        f"task=classification (log: {tmp_path / 'run' / 'train.log'})"], proc.stderr
+        f"task=classification (log: {tmp_path / 'run' / 'train.log'})"
+    ], proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -217,22 +265,32 @@ def test_regression_on_diabetes_reports_r2_and_eval_at_one_rank_gives_its_test_m
     assert 0 < s["test_r2"] < 1 and s["test_mse"] == s["test_loss"]
     check_ok(run_eval(tmp_path / "eval", f"ckpt={run_dir}", "trainer.nproc=1"))
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
-    assert {k: v for k, v in result.items() if k.startswith("test_")} == \
-           {k: v for k, v in s.items() if k.startswith("test_") and k != "test_passes"}
+    assert {k: v for k, v in result.items() if k.startswith("test_")} == {
+        k: v for k, v in s.items() if k.startswith("test_") and k != "test_passes"
+    }
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("experiment, model", [("diabetes_mlp", "hydra_ddp.models.MLP"),
-                                               ("shapes_segnet", "hydra_ddp.models.SegNet")])
-def test_regression_and_segmentation_train_alike_at_1_and_2_ranks_and_under_fsdp(tmp_path: Path, experiment: str,
-                                                                                  model: str):
+@pytest.mark.parametrize(
+    "experiment, model", [("diabetes_mlp", "hydra_ddp.models.MLP"), ("shapes_segnet", "hydra_ddp.models.SegNet")]
+)
+def test_regression_and_segmentation_train_alike_at_1_and_2_ranks_and_under_fsdp(
+    tmp_path: Path, experiment: str, model: str
+):
     # drop_last: a short last batch would differ in its padding between world sizes. float64: only the
     # order of sums differs, so the runs agree within FLOAT64_BOUND over every step (support.py).
-    common = (f"+experiment={experiment}", "trainer.max_steps=10", "trainer.log_every=1", "data.drop_last=true",
-              "trainer.threads=1", *float64(model))
+    common = (
+        f"+experiment={experiment}",
+        "trainer.max_steps=10",
+        "trainer.log_every=1",
+        "data.drop_last=true",
+        "trainer.threads=1",
+        *float64(model),
+    )
     worlds, sharded = tmp_path / "worlds", tmp_path / "fsdp"
-    check_ok(run_train(tmp_path / "unused", "-m", "trainer.nproc=1,2", *common, f"hydra.sweep.dir={worlds}",
-                       timeout=300))
+    check_ok(
+        run_train(tmp_path / "unused", "-m", "trainer.nproc=1,2", *common, f"hydra.sweep.dir={worlds}", timeout=300)
+    )
     check_ok(run_train(sharded, "strategy=fsdp", *common, timeout=300))
     one, two = worlds / "0", worlds / "1"
     assert (summary(one)["world_size"], summary(two)["world_size"]) == (1, 2)
@@ -243,22 +301,28 @@ def test_regression_and_segmentation_train_alike_at_1_and_2_ranks_and_under_fsdp
     assert summary(sharded)["strategy"] == "fsdp"
     assert_float64_alike(csv_losses(sharded), reference)
     metrics = summary(two)["metrics"]
-    assert metrics == (["loss", "mse", "mae", "r2"] if experiment == "diabetes_mlp"
-                       else ["loss", "pixel_accuracy", "mean_iou"])
+    assert metrics == (
+        ["loss", "mse", "mae", "r2"] if experiment == "diabetes_mlp" else ["loss", "pixel_accuracy", "mean_iou"]
+    )
     if experiment != "shapes_segnet":
         return
     # Evaluating the same weights: bit-equal metrics at 1, 2 and 3 ranks (the segmentation's confusion
     # matrix too).
     ckpt = two
     evals = tmp_path / "evals"
-    check_ok(run_eval(tmp_path / "unused", "-m", f"ckpt={ckpt}", "trainer.nproc=1,2,3", f"hydra.sweep.dir={evals}",
-                      timeout=300))
+    check_ok(
+        run_eval(
+            tmp_path / "unused", "-m", f"ckpt={ckpt}", "trainer.nproc=1,2,3", f"hydra.sweep.dir={evals}", timeout=300
+        )
+    )
     results = [json.loads((evals / str(job) / "eval.json").read_text()) for job in range(3)]
     assert [r["world_size"] for r in results] == [1, 2, 3]
     for r in results:
-        assert {k: r[k] for k in ("test_loss", "test_pixel_accuracy", "test_mean_iou", "test_samples")} == \
-               {k: results[0][k] for k in ("test_loss", "test_pixel_accuracy", "test_mean_iou", "test_samples")}
+        assert {k: r[k] for k in ("test_loss", "test_pixel_accuracy", "test_mean_iou", "test_samples")} == {
+            k: results[0][k] for k in ("test_loss", "test_pixel_accuracy", "test_mean_iou", "test_samples")
+        }
     tested = summary(ckpt)  # eval.py on a run directory takes the weights its test took (best.pt)
-    assert {k: v for k, v in results[0].items() if k.startswith("test_")} == \
-           {k: v for k, v in tested.items() if k.startswith("test_") and k != "test_passes"}
+    assert {k: v for k, v in results[0].items() if k.startswith("test_")} == {
+        k: v for k, v in tested.items() if k.startswith("test_") and k != "test_passes"
+    }
     assert 0 < results[0]["test_mean_iou"] <= 1

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -23,8 +23,14 @@ STREAM = {"data": 0.0078125, "forward": 1.0, "backward": 2.0, "optimizer": 0.25,
 
 def totals(data: float, forward: float, backward: float, steps: int = 10) -> dict[str, float]:
     """A rank's gathered totals from its seconds per step."""
-    return {"steps": steps, "data": data * steps, "forward": forward * steps, "backward": backward * steps,
-            "optimizer": 0.001 * steps, "other": 0.001 * steps}
+    return {
+        "steps": steps,
+        "data": data * steps,
+        "forward": forward * steps,
+        "backward": backward * steps,
+        "optimizer": 0.001 * steps,
+        "other": 0.001 * steps,
+    }
 
 
 def test_a_rank_slow_in_forward_is_named_for_the_others_sync_wait():
@@ -45,6 +51,7 @@ def test_no_notable_wait_names_nobody():
 
 def run_epoch(timer: StepTimer, advance: Callable[[str], None], batches: int = 3):
     """The training loop's calls for one epoch; advance(phase) moves the clocks on by that phase's time."""
+
     def loader() -> Iterator[int]:
         for i in range(batches):
             advance("data")  # inside next(): the wait for the batch
@@ -61,8 +68,11 @@ def run_epoch(timer: StepTimer, advance: Callable[[str], None], batches: int = 3
 def expected(seconds: dict[str, float], epochs: int, batches: int = 3) -> dict[str, float]:
     """An epoch's first step is left out, but not the loop's work after it."""
     counted = epochs * (batches - 1)
-    return {"steps": counted, **{p: seconds[p] * counted for p in PHASES[:-1]},
-            "other": seconds["other"] * epochs * batches}
+    return {
+        "steps": counted,
+        **{p: seconds[p] * counted for p in PHASES[:-1]},
+        "other": seconds["other"] * epochs * batches,
+    }
 
 
 class ManualClock:
@@ -121,7 +131,7 @@ class ManualStream:
     def advance(self, phase: str) -> None:
         self.now += STREAM[phase]
 
-    def record(self, device: torch.device) -> "Event":
+    def record(self, device: torch.device) -> Event:
         assert device.type == "cuda"
         self.recorded += 1
         self.passed = max(self.passed, self.recorded - self.lag)
@@ -139,7 +149,7 @@ class Event:
         self.stream.waits += 1
         self.stream.passed = max(self.stream.passed, self.index + 1)
 
-    def elapsed_time(self, end: "Event") -> float:
+    def elapsed_time(self, end: Event) -> float:
         assert self.query() and end.query(), "an event read before the stream passed it"
         return (end.at - self.at) * 1000  # milliseconds, like torch.cuda.Event's
 
@@ -153,7 +163,8 @@ def stream_timer(monkeypatch: pytest.MonkeyPatch, lag: int) -> tuple[StepTimer, 
 
 
 def test_on_cuda_the_phases_are_the_streams_time_read_after_one_wait_at_the_gather(
-        host: ManualClock, monkeypatch: pytest.MonkeyPatch, one_rank: None):
+    host: ManualClock, monkeypatch: pytest.MonkeyPatch, one_rank: None
+):
     timer, stream = stream_timer(monkeypatch, lag=10**9)  # the stream passes nothing by itself
 
     def advance(phase: str) -> None:  # the host's time and the stream's differ: the stream's count
@@ -167,8 +178,9 @@ def test_on_cuda_the_phases_are_the_streams_time_read_after_one_wait_at_the_gath
     assert stream.waits == 1 and not timer.clock.pending
 
 
-def test_on_cuda_passed_events_are_read_as_they_pile_up_without_waiting(host: ManualClock,
-                                                                         monkeypatch: pytest.MonkeyPatch):
+def test_on_cuda_passed_events_are_read_as_they_pile_up_without_waiting(
+    host: ManualClock, monkeypatch: pytest.MonkeyPatch
+):
     monkeypatch.setattr(timing, "READ_EVERY", 8)
     timer, stream = stream_timer(monkeypatch, lag=3)  # a stream a few events behind the host
     for _ in range(20):
@@ -179,8 +191,9 @@ def test_on_cuda_passed_events_are_read_as_they_pile_up_without_waiting(host: Ma
     assert {"steps": timer.steps, **timer.totals} == expected(STREAM, epochs=20)
 
 
-def test_on_cuda_a_stream_far_behind_is_waited_for_to_bound_the_events_kept(host: ManualClock,
-                                                                          monkeypatch: pytest.MonkeyPatch):
+def test_on_cuda_a_stream_far_behind_is_waited_for_to_bound_the_events_kept(
+    host: ManualClock, monkeypatch: pytest.MonkeyPatch
+):
     monkeypatch.setattr(timing, "READ_EVERY", 8)
     timer, stream = stream_timer(monkeypatch, lag=10**9)
     for _ in range(10):

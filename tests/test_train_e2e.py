@@ -13,13 +13,36 @@ import pytest
 import yaml
 
 from support import (
-    QUICK, assert_no_orphans, assert_same_params, check_ok, event_files, final_params, free_port, run_train, scalars,
-    step_losses, summary, text,
+    QUICK,
+    assert_no_orphans,
+    assert_same_params,
+    check_ok,
+    event_files,
+    final_params,
+    free_port,
+    run_train,
+    scalars,
+    step_losses,
+    summary,
+    text,
 )
 
 SUMMARY_KEYS = {
-    "world_size", "backend", "launcher", "init_method", "epochs", "steps", "train_loss",
-    "val_loss", "val_accuracy", "test_loss", "test_accuracy", "tested", "monitor", "objective", "samples_per_sec",
+    "world_size",
+    "backend",
+    "launcher",
+    "init_method",
+    "epochs",
+    "steps",
+    "train_loss",
+    "val_loss",
+    "val_accuracy",
+    "test_loss",
+    "test_accuracy",
+    "tested",
+    "monitor",
+    "objective",
+    "samples_per_sec",
     "wall_time_s",
 }
 
@@ -73,7 +96,11 @@ def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
     [config_text] = text(run_dir, "config")
     config_text = config_text.removeprefix("```yaml\n").removesuffix("```")
     config = yaml.safe_load(config_text)
-    assert config["trainer"]["epochs"] == 2 and config["trainer"]["nproc"] == 2 and config["strategy"]["shared_memory"] is True
+    assert (
+        config["trainer"]["epochs"] == 2
+        and config["trainer"]["nproc"] == 2
+        and config["strategy"]["shared_memory"] is True
+    )
 
     # The resolved config, one log file holding every rank, and the console showing rank 0 only.
     assert (run_dir / ".hydra" / "config.yaml").exists()
@@ -120,7 +147,11 @@ def test_every_launcher_and_init_method_gives_identical_losses(tmp_path: Path):
         assert seen[name][0] == seen[name][1], name
     assert summary(tmp_path / "external")["launcher"] == "torchrun"
     # The outside launch made exactly one run directory: rank 1 followed rank 0.
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith("-probes")) == ["external", "spawn", "torchrun"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith("-probes")) == [
+        "external",
+        "spawn",
+        "torchrun",
+    ]
     assert len(event_files(tmp_path / "external")) == 1
 
 
@@ -134,8 +165,12 @@ def test_init_method_env_meets_at_an_exported_master_port_and_refuses_a_busy_one
     probes = tmp_path / "probes"
     probes.mkdir()
     port = free_port()
-    proc = run_train(tmp_path / "run", "trainer.max_steps=2", *_probe(probes),
-                     env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    proc = run_train(
+        tmp_path / "run",
+        "trainer.max_steps=2",
+        *_probe(probes),
+        env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+    )
     check_ok(proc)
     for rank in (0, 1):
         seen = json.loads((probes / f"rank{rank}.json").read_text())
@@ -148,7 +183,8 @@ def test_init_method_env_meets_at_an_exported_master_port_and_refuses_a_busy_one
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"hydra-ddp: error: MASTER_PORT={taken} (exported) is already in use on 127.0.0.1; export a free port, or "
-        "unset MASTER_PORT (a free one is picked)"], proc.stderr
+        "unset MASTER_PORT (a free one is picked)"
+    ], proc.stderr
     assert "[rank " not in (tmp_path / "busy" / "train.log").read_text()  # refused before any worker started
 
 

@@ -9,12 +9,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from hydra_ddp import tasks
-from hydra_ddp import data
+from hydra_ddp import data, tasks
 from hydra_ddp.parallel import distributed
+from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.training import evaluation
 from hydra_ddp.training import window as training
-from hydra_ddp.parallel.distributed import RankInfo
 
 SAMPLES = 11  # does not divide by 3 ranks: padding would count samples twice
 
@@ -34,8 +33,9 @@ def _worker(rank: int, world: int, port: int, results):
     init = {"name": "tcp", "host": "127.0.0.1", "port": None, "path": None, "ports": [port]}  # held by the test
     with distributed.process_group("gloo", init, info, 30, torch.device("cpu")):
         split = data.EvalSplit(_dataset(), 2, info, torch.device("cpu"), preload=rank == 1, loader_options={})
-        results["eval", rank] = evaluation.evaluate(_model(), split, torch.device("cpu"), tasks.Classification(),
-                                                    predictions=True)
+        results["eval", rank] = evaluation.evaluate(
+            _model(), split, torch.device("cpu"), tasks.Classification(), predictions=True
+        )
         window = training.LossWindow(size=2)
         window.add(1, torch.tensor(float(rank)))
         window.add(2, torch.tensor(float(10 * rank)))
@@ -95,8 +95,14 @@ def test_the_straggler_is_the_rank_that_waits_least_named_with_its_extra_cost():
     from hydra_ddp.training.timing import per_rank, straggler
 
     def rank(data, forward, backward, steps=10):  # seconds per step → totals
-        return {"steps": steps, "data": data * steps, "forward": forward * steps, "backward": backward * steps,
-                "optimizer": 0.001 * steps, "other": 0.001 * steps}
+        return {
+            "steps": steps,
+            "data": data * steps,
+            "forward": forward * steps,
+            "backward": backward * steps,
+            "optimizer": 0.001 * steps,
+            "other": 0.001 * steps,
+        }
 
     # Rank 2 waits 60 ms per step for data; the others wait for it inside their backward.
     rows = per_rank([rank(0.001, 0.02, 0.09), rank(0.001, 0.02, 0.09), rank(0.061, 0.02, 0.03)])

@@ -14,7 +14,16 @@ import pytest
 
 import servers
 from support import (
-    QUICK, check_ok, finish, losses, run_train, start_train, summary, wait_for, wandb_series, wandb_starts,
+    QUICK,
+    check_ok,
+    finish,
+    losses,
+    run_train,
+    start_train,
+    summary,
+    wait_for,
+    wandb_series,
+    wandb_starts,
 )
 
 RUN_COLOUR = (255, 112, 67)  # TensorBoard's colour for the first run (#ff7043)
@@ -36,9 +45,15 @@ def outputs(tmp_path_factory) -> Path:
     (relative to the launch folder)."""
     base = tmp_path_factory.mktemp("outputs")
     store = f"sqlite:///{base}/outputs/mlflow.db"
-    common = ("logger=[tensorboard,csv,mlflow,wandb]", f"logger.mlflow.tracking_uri={store}",
-              f"logger.mlflow.artifact_location={base}/outputs/mlartifacts", "logger.wandb.mode=offline",
-              "trainer.max_steps=30", "checkpoint.every_n_steps=4", "trainer.log_every=2")
+    common = (
+        "logger=[tensorboard,csv,mlflow,wandb]",
+        f"logger.mlflow.tracking_uri={store}",
+        f"logger.mlflow.artifact_location={base}/outputs/mlartifacts",
+        "logger.wandb.mode=offline",
+        "trainer.max_steps=30",
+        "checkpoint.every_n_steps=4",
+        "trainer.log_every=2",
+    )
     run_dir = base / "run"
     proc = start_train(run_dir, *common)
     wait_for(lambda: (run_dir / "checkpoints" / "step-00000004.pt").exists(), 120, "the first checkpoint", proc)
@@ -46,9 +61,19 @@ def outputs(tmp_path_factory) -> Path:
     stopped = finish(proc, timeout=60)
     assert stopped.returncode == 128 + signal.SIGTERM and "checkpoint saved" in stopped.stderr, stopped.stderr
     check_ok(run_train(run_dir, *common, "trainer.resume=auto"))
-    check_ok(run_train(base / "unused", "-m", *QUICK, "trainer.nproc=1", "optim.lr=0.01,0.02",
-                       f"hydra.sweep.dir={base / 'sweep'}", "logger=[tensorboard,mlflow]",
-                       f"logger.mlflow.tracking_uri={store}", f"logger.mlflow.artifact_location={base}/outputs/mlartifacts"))
+    check_ok(
+        run_train(
+            base / "unused",
+            "-m",
+            *QUICK,
+            "trainer.nproc=1",
+            "optim.lr=0.01,0.02",
+            f"hydra.sweep.dir={base / 'sweep'}",
+            "logger=[tensorboard,mlflow]",
+            f"logger.mlflow.tracking_uri={store}",
+            f"logger.mlflow.artifact_location={base}/outputs/mlartifacts",
+        )
+    )
     return base
 
 
@@ -86,7 +111,8 @@ def test_mlflow_and_wandb_runs_read_back_and_continue_after_sigterm_without_dupl
     done = summary(run_dir)
     assert starts[1]["summary"]["test_accuracy"] == done["test_accuracy"] and starts[1]["summary"]["steps"] == 30
     assert [(kind, refs) for kind, refs in starts[1]["artifacts"]] == [
-        ("model", [Path(done["tested"]["checkpoint"]).resolve().as_uri()])]  # a reference, not an upload
+        ("model", [Path(done["tested"]["checkpoint"]).resolve().as_uri()])
+    ]  # a reference, not an upload
 
 
 @pytest.mark.timeout(400)
@@ -98,8 +124,10 @@ def test_tensorboard_shows_the_resumed_run_once_with_one_continuous_curve(output
         assert {"train/loss", "val/loss", "val/accuracy", "test/loss", "test/accuracy"} <= tags.keys()
 
         def series(tag: str) -> list[tuple[int, float]]:
-            return [(step, value) for _, step, value in
-                    servers.get(f"{url}/data/plugin/scalars/scalars?run=tensorboard&tag={tag}")]
+            return [
+                (step, value)
+                for _, step, value in servers.get(f"{url}/data/plugin/scalars/scalars?run=tensorboard&tag={tag}")
+            ]
 
         curve = series("train/loss")
         assert [step for step, _ in curve] == list(range(1, 31))  # continued after the SIGTERM, no step twice
@@ -110,20 +138,28 @@ def test_tensorboard_shows_the_resumed_run_once_with_one_continuous_curve(output
         experiment = servers.get(f"{url}/data/plugin/hparams/experiment", {"experimentName": ""})
         assert {"lr", "world_size", "model"} <= {h["name"] for h in experiment["hparamInfos"]}
         # Its columns are the run's own series (no one-point hparam/* cards above the curves).
-        assert {"test/accuracy", "val/accuracy", "train/samples_per_sec"} <= {m["name"]["tag"] for m in
-                                                                          experiment["metricInfos"]}
+        assert {"test/accuracy", "val/accuracy", "train/samples_per_sec"} <= {
+            m["name"]["tag"] for m in experiment["metricInfos"]
+        }
         assert not [tag for tag in tags if tag.startswith("hparam/")], tags
-        groups = servers.get(f"{url}/data/plugin/hparams/session_groups",
-                             {"experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS"],
-                              "colParams": [], "startIndex": 0, "sliceSize": 10})["sessionGroups"]
+        groups = servers.get(
+            f"{url}/data/plugin/hparams/session_groups",
+            {
+                "experimentName": "",
+                "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS"],
+                "colParams": [],
+                "startIndex": 0,
+                "sliceSize": 10,
+            },
+        )["sessionGroups"]
         shown = {v["name"]["tag"]: v["value"] for v in groups[0]["metricValues"]}
         assert shown["test/accuracy"] == pytest.approx(s["test_accuracy"])  # the tested weights
 
 
-
 @pytest.mark.timeout(400)
-def test_mlflow_ui_as_the_docs_give_it_serves_the_run_and_the_sweep_as_parent_and_children(outputs: Path,
-                                                                                            tmp_path: Path):
+def test_mlflow_ui_as_the_docs_give_it_serves_the_run_and_the_sweep_as_parent_and_children(
+    outputs: Path, tmp_path: Path
+):
     s = summary(outputs / "run")
     with servers.mlflow_ui(outputs, "sqlite:///outputs/mlflow.db", tmp_path / "mlflow.log") as url:
         api = f"{url}/api/2.0/mlflow"
@@ -147,11 +183,13 @@ def test_mlflow_ui_as_the_docs_give_it_serves_the_run_and_the_sweep_as_parent_an
         children = [r for r in runs if any(t["key"] == "mlflow.parentRunId" for t in r["data"]["tags"])]
         assert len(parents) == 1 and len(children) == 2
         assert {t["value"] for r in children for t in r["data"]["tags"] if t["key"] == "mlflow.parentRunId"} == {
-            parents[0]["info"]["run_id"]}
+            parents[0]["info"]["run_id"]
+        }
         assert sorted(r["info"]["run_name"] for r in children) == ["sweep/0", "sweep/1"]
 
 
 # --- Looked at in a real browser (make look: Chromium's start and render cost more than CI's budget) ---
+
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory) -> Path:
@@ -159,8 +197,15 @@ def default_run(tmp_path_factory) -> Path:
     logger beside the default ones, into outputs/mlflow.db under the launch folder: the screenshots'."""
     base = tmp_path_factory.mktemp("default")
     store = f"sqlite:///{base}/outputs/mlflow.db"
-    check_ok(run_train(base / "run", "logger=[tensorboard,csv,mlflow]", f"logger.mlflow.tracking_uri={store}",
-                       f"logger.mlflow.artifact_location={base}/outputs/mlartifacts", timeout=240))
+    check_ok(
+        run_train(
+            base / "run",
+            "logger=[tensorboard,csv,mlflow]",
+            f"logger.mlflow.tracking_uri={store}",
+            f"logger.mlflow.artifact_location={base}/outputs/mlartifacts",
+            timeout=240,
+        )
+    )
     return base
 
 
@@ -187,7 +232,11 @@ def test_the_mlflow_run_page_in_a_browser_names_the_run_and_its_metrics(default_
         runs = servers.get(f"{api}/runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]
         run = next(r for r in runs if r["info"]["run_name"] == "run")
         # MLflow 3 opens in its GenAI view unless asked for the training one (or switched in its sidebar).
-        page = servers.browse(f"{url}/#/experiments/{experiment['experiment_id']}/runs/{run['info']['run_id']}"
-                              "?workflowType=machine_learning", _shot(tmp_path, "mlflow_run.png"), wait_ms=20000)
+        page = servers.browse(
+            f"{url}/#/experiments/{experiment['experiment_id']}/runs/{run['info']['run_id']}"
+            "?workflowType=machine_learning",
+            _shot(tmp_path, "mlflow_run.png"),
+            wait_ms=20000,
+        )
         assert run["info"]["run_id"] in page and "Finished" in page
         assert "train/loss" in page and "test/accuracy" in page and "world_size" in page

@@ -14,18 +14,22 @@ from typing import Any
 import pytest
 from hydra import compose, initialize_config_dir
 
-from support import REPO
 from hydra_ddp.config import domains, resolve, schema
 from hydra_ddp.config.reference import NAMED_GROUPS
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import composition
 
+from support import REPO
+
 schema.register_schema()
 
 KEYS = domains.fields(schema.Config)
 # eval.py's own keys (ckpt, split, predict).
-EVAL_KEYS = [(key, cls, name) for key, cls, name in domains.fields(schema.EvalConfig)
-             if cls is schema.EvalConfig and name not in {f.name for f in dataclasses.fields(schema.Config)}]
+EVAL_KEYS = [
+    (key, cls, name)
+    for key, cls, name in domains.fields(schema.EvalConfig)
+    if cls is schema.EvalConfig and name not in {f.name for f in dataclasses.fields(schema.Config)}
+]
 WORD = "no_such_option"
 # Probes a Checked key takes as meaningful, each with its reason.
 MEANINGFUL = {
@@ -61,8 +65,11 @@ def base() -> dict[str, Any]:
 
 
 def test_every_key_has_a_domain_or_is_a_bool():
-    bare = [key for key, cls, name in KEYS + EVAL_KEYS
-            if domains.domain_of(cls, name) is None and _base_type(cls, name) is not bool]
+    bare = [
+        key
+        for key, cls, name in KEYS + EVAL_KEYS
+        if domains.domain_of(cls, name) is None and _base_type(cls, name) is not bool
+    ]
     assert not bare, f"keys with no domain (Annotated[type, OneOf/Number/Pattern/Checked/Free] in schema.py): {bare}"
 
 
@@ -86,7 +93,8 @@ CASES = [(key, cls, name, probe) for key, cls, name in KEYS for probe in _probes
 
 @pytest.mark.parametrize("key, cls, name, probe", CASES, ids=[f"{c[0]}={c[3]!r}" for c in CASES])
 def test_a_zero_a_negative_or_an_unknown_word_is_meaningful_or_refused_in_one_line(
-        base: dict, tmp_path: Path, key: str, cls: type, name: str, probe: Any):
+    base: dict, tmp_path: Path, key: str, cls: type, name: str, probe: Any
+):
     plain = copy.deepcopy(base)
     _set(plain, key, probe)
     domain = domains.domain_of(cls, name)
@@ -116,8 +124,11 @@ def test_a_value_of_the_wrong_type_is_one_line_naming_the_key(key: str, cls: typ
 
 
 # ckpt is checkpoints.find's (refused in one line: tests/test_workflow.py), predict a bool.
-EVAL_DOMAINS = [(key, cls, name) for key, cls, name in EVAL_KEYS
-                if isinstance(domains.domain_of(cls, name), (domains.OneOf, domains.Number, domains.Pattern))]
+EVAL_DOMAINS = [
+    (key, cls, name)
+    for key, cls, name in EVAL_KEYS
+    if isinstance(domains.domain_of(cls, name), (domains.OneOf, domains.Number, domains.Pattern))
+]
 
 
 @pytest.mark.parametrize("key, cls, name", EVAL_DOMAINS, ids=[c[0] for c in EVAL_DOMAINS])
@@ -142,8 +153,10 @@ def _sweeper_cases() -> list[tuple[str, type, str, Any]]:
     from hydra_plugins.hydra_ddp_optuna import sweeper
 
     cases = []
-    for cls, where in ((sweeper.OptunaSweeperConf, "hydra.sweeper"),
-                       *((conf, "hydra.sweeper.sampler") for conf in sweeper.SAMPLERS.values())):
+    for cls, where in (
+        (sweeper.OptunaSweeperConf, "hydra.sweeper"),
+        *((conf, "hydra.sweeper.sampler") for conf in sweeper.SAMPLERS.values()),
+    ):
         for key, owner, name in domains.fields(cls):
             if name.startswith("_") or name in ("defaults", "sampler"):
                 continue
@@ -157,9 +170,15 @@ SWEEPER_CASES = _sweeper_cases()
 def test_every_sweeper_setting_has_a_domain_or_is_a_bool():
     from hydra_plugins.hydra_ddp_optuna import sweeper
 
-    bare = [f"{cls.__name__}.{name}" for cls in (sweeper.OptunaSweeperConf, *sweeper.SAMPLERS.values())
-            for _, owner, name in domains.fields(cls) if not name.startswith("_") and name not in ("defaults", "sampler")
-            and domains.domain_of(owner, name) is None and _base_type(owner, name) is not bool]
+    bare = [
+        f"{cls.__name__}.{name}"
+        for cls in (sweeper.OptunaSweeperConf, *sweeper.SAMPLERS.values())
+        for _, owner, name in domains.fields(cls)
+        if not name.startswith("_")
+        and name not in ("defaults", "sampler")
+        and domains.domain_of(owner, name) is None
+        and _base_type(owner, name) is not bool
+    ]
     assert not bare, bare
 
 
@@ -169,8 +188,9 @@ def test_a_sweeper_setting_is_meaningful_or_refused_in_one_line(key: str, cls: t
 
     from hydra_plugins.hydra_ddp_optuna import sweeper
 
-    settings = dict(direction="maximize", study_name=None, storage=None, n_trials=4, n_jobs=1, pruner="median",
-                    params=None)
+    settings = dict(
+        direction="maximize", study_name=None, storage=None, n_trials=4, n_jobs=1, pruner="median", params=None
+    )
     sampler = {"_target_": "optuna.samplers.TPESampler", "seed": 0, "n_startup_trials": 2}
     if key.startswith("hydra.sweeper.sampler."):
         target = next(conf._target_ for conf in sweeper.SAMPLERS.values() if conf.__name__ == cls.__name__)
@@ -184,5 +204,6 @@ def test_a_sweeper_setting_is_meaningful_or_refused_in_one_line(key: str, cls: t
     except UserError as error:
         assert "\n" not in str(error) and str(error).startswith(f"{key}="), str(error)
         return
-    assert isinstance(domain, (domains.Free, domains.Checked)) or domain.problem(probe) is None, \
+    assert isinstance(domain, (domains.Free, domains.Checked)) or domain.problem(probe) is None, (
         f"{key}={probe!r} was accepted, and its domain refuses it"
+    )

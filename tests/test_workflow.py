@@ -7,9 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +17,14 @@ import torch
 from omegaconf import OmegaConf
 
 from support import (
-    QUICK, assert_no_orphans, check_ok, finish, losses, run_eval, run_train, scalars, start_train, summary, wait_for,
+    QUICK,
+    assert_no_orphans,
+    check_ok,
+    losses,
+    run_eval,
+    run_train,
+    scalars,
+    summary,
 )
 
 
@@ -40,8 +45,14 @@ def test_selected_on_validation_tested_once_and_eval_py_gives_the_same_bits_at_a
     run_dir, reads = tmp_path / "run", tmp_path / "reads"
     reads.mkdir()
     # Selecting the highest validation loss picks the first epoch: the tested weights are not the last ones.
-    proc = run_train(run_dir, "trainer.epochs=3", "trainer.monitor=val/loss", "trainer.monitor_mode=max",
-                     "data.dataset._target_=recording.digits_recording_test", f"+data.dataset.reads={reads}")
+    proc = run_train(
+        run_dir,
+        "trainer.epochs=3",
+        "trainer.monitor=val/loss",
+        "trainer.monitor_mode=max",
+        "data.dataset._target_=recording.digits_recording_test",
+        f"+data.dataset.reads={reads}",
+    )
     check_ok(proc)
     s = summary(run_dir)
     first_epoch_step = s["history"][0]["step"]
@@ -112,11 +123,14 @@ def test_weights_gone_infinite_before_a_checkpoint_end_the_run_in_one_line_and_a
     # The first step's loss is finite (taken before the update); the update, mostly weight decay
     # (1e34 × 1e6 × w), is not: the check before the checkpoint after it finds inf in the weights,
     # every rank stops there, and nothing is written (without the check, last.pt would hold them).
-    proc = run_train(run_dir, "optim.lr=1e34", "optim.weight_decay=1e6", "checkpoint.every_n_steps=1",
-                     "trainer.max_steps=20")
+    proc = run_train(
+        run_dir, "optim.lr=1e34", "optim.weight_decay=1e6", "checkpoint.every_n_steps=1", "trainer.max_steps=20"
+    )
     line = _diverged_in_one_line(proc, run_dir)
     assert "training diverged: the weights are not finite after step 1; no checkpoint was written" in line
-    assert (run_dir / "train.log").is_file() and not list(run_dir.rglob("*.pt"))  # the run's folder: no checkpoint in it
+    assert (run_dir / "train.log").is_file() and not list(
+        run_dir.rglob("*.pt")
+    )  # the run's folder: no checkpoint in it
 
 
 def test_max_time_stops_resumably_and_init_from_fine_tunes_from_the_checkpoint(tmp_path: Path):
@@ -136,14 +150,24 @@ def test_max_time_stops_resumably_and_init_from_fine_tunes_from_the_checkpoint(t
     assert "differs from the checkpoint's" not in (run_dir / "train.log").read_text()  # the same run, continued
     # Continued with other values: they apply, and the log says which differ from the checkpoint's.
     check_ok(run_train(run_dir, "trainer.resume=auto", "trainer.log_every=3", "trainer.epochs=3", "optim.lr=0.05"))
-    warned = [line for line in (run_dir / "train.log").read_text().splitlines() if "differs from the checkpoint's" in line]
+    warned = [
+        line for line in (run_dir / "train.log").read_text().splitlines() if "differs from the checkpoint's" in line
+    ]
     assert len(warned) == 1 and "optim.lr: 0.02 → 0.05" in warned[0] and "trainer.epochs: 2 → 3" in warned[0], warned
 
     # Fine-tuning: the run's best weights but a fresh classifier; no learning, so step 1 shows the start.
     source = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["model"]
     tuned_dir = tmp_path / "tuned"
-    check_ok(run_train(tuned_dir, f"trainer.init_from={run_dir}", "trainer.init_ignore=[head]", "optim.lr=0",
-                       "trainer.max_steps=1", "checkpoint.every_n_steps=1"))
+    check_ok(
+        run_train(
+            tuned_dir,
+            f"trainer.init_from={run_dir}",
+            "trainer.init_ignore=[head]",
+            "optim.lr=0",
+            "trainer.max_steps=1",
+            "checkpoint.every_n_steps=1",
+        )
+    )
     start = torch.load(tuned_dir / "checkpoints" / "last.pt", weights_only=True)
     assert start["position"]["step"] == 1 and summary(tuned_dir)["init_from"].endswith("best.pt")
     assert all(torch.equal(start["model"][k], source[k]) for k in source if not k.startswith("fc2."))
@@ -157,8 +181,18 @@ def test_max_time_stops_resumably_and_init_from_fine_tunes_from_the_checkpoint(t
 
 def test_grad_clip_bounds_every_step_under_bf16_autocast(run_dir: Path):
     clip, lr = 0.1, 0.02
-    check_ok(run_train(run_dir, f"trainer.grad_clip={clip}", f"optim.lr={lr}", "optim.momentum=0",
-                       "trainer.precision=bf16", "checkpoint.every_n_steps=1", "checkpoint.keep=5", *QUICK))
+    check_ok(
+        run_train(
+            run_dir,
+            f"trainer.grad_clip={clip}",
+            f"optim.lr={lr}",
+            "optim.momentum=0",
+            "trainer.precision=bf16",
+            "checkpoint.every_n_steps=1",
+            "checkpoint.keep=5",
+            *QUICK,
+        )
+    )
     norms = scalars(run_dir, "train/grad_norm")
     assert [step for step, _ in norms] == list(range(1, 9)) and all(n > clip for _, n in norms)
     curve = losses(run_dir)
@@ -173,9 +207,18 @@ def test_grad_clip_bounds_every_step_under_bf16_autocast(run_dir: Path):
 def test_optuna_search_ranks_trials_and_every_rank_uses_its_trial_values(tmp_path: Path):
     sweep = tmp_path / "sweep"
     # The ready search, smaller; lr 1e30 diverges: those trials rank last, and the search goes on.
-    proc = run_train(tmp_path / "unused", "-m", "hparams_search=digits", "hydra.sweeper.n_trials=4", *QUICK,
-                     "optim.lr=choice(0.05,1e30)", "data.batch_size=choice(16,32)", "optim.weight_decay=0",
-                     f"hydra.sweep.dir={sweep}", timeout=360)
+    proc = run_train(
+        tmp_path / "unused",
+        "-m",
+        "hparams_search=digits",
+        "hydra.sweeper.n_trials=4",
+        *QUICK,
+        "optim.lr=choice(0.05,1e30)",
+        "data.batch_size=choice(16,32)",
+        "optim.weight_decay=0",
+        f"hydra.sweep.dir={sweep}",
+        timeout=360,
+    )
     check_ok(proc)
     rows = list(csv.DictReader(open(sweep / "sweep.csv")))
     assert len(rows) == 4 and {r["status"] for r in rows} == {"ok", "failed"}, rows
@@ -183,7 +226,7 @@ def test_optuna_search_ranks_trials_and_every_rank_uses_its_trial_values(tmp_pat
     assert [r["rank"] for r in rows] == [str(i + 1) for i in range(len(ok))] + [""] * (4 - len(ok))
     objectives = [float(r["objective"]) for r in ok]
     assert objectives == sorted(objectives, reverse=True)  # val/accuracy: best first
-    assert all("optim.lr=0.05" in r["swept"] for r in ok) and all("diverged" in r["error"] for r in rows[len(ok):])
+    assert all("optim.lr=0.05" in r["swept"] for r in ok) and all("diverged" in r["error"] for r in rows[len(ok) :])
     best = OmegaConf.load(sweep / "optimization_results.yaml")
     assert best.best_value == objectives[0] and f"Best: job {ok[0]['job']}" in (sweep / "sweep.md").read_text()
     for job in (sweep / r["job"] for r in rows):
@@ -208,8 +251,14 @@ def test_ranks_handed_different_configs_refuse_to_train(run_dir: Path):
 
 
 def test_a_rank_slowed_by_its_data_is_named_with_the_cause(run_dir: Path):
-    proc = run_train(run_dir, "data.dataset._target_=recording.digits_slow_on_rank", "+data.dataset.slow_rank=1",
-                     "+data.dataset.delay_s=0.003", "trainer.max_steps=24", "trainer.log_every=4")
+    proc = run_train(
+        run_dir,
+        "data.dataset._target_=recording.digits_slow_on_rank",
+        "+data.dataset.slow_rank=1",
+        "+data.dataset.delay_s=0.003",
+        "trainer.max_steps=24",
+        "trainer.log_every=4",
+    )
     check_ok(proc)
     s = summary(run_dir)
     assert s["straggler"]["rank"] == 1 and s["straggler"]["cause"] == "data", s["ranks"]

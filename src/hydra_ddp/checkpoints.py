@@ -1,4 +1,5 @@
-"""Checkpoint files: where a run's are, reading them (a file, or a sharded step directory), and checking that their weights fit a model. Shared by the launch side and the workers."""
+"""Checkpoint files: where a run's are, reading them (a file, or a sharded step directory), and
+checking that their weights fit a model. Shared by the launch side and the workers."""
 
 from __future__ import annotations
 
@@ -41,8 +42,11 @@ def step_checkpoints(folder: Path) -> list[Path]:
     directories (with their index: one a writer left half-done is still named `.step-N.tmp`)."""
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir()
-             if (m := _STEP.match(p.name)) and (m.group(2) or (p / ".metadata").is_file())]
+    found = [
+        (int(m.group(1)), p)
+        for p in folder.iterdir()
+        if (m := _STEP.match(p.name)) and (m.group(2) or (p / ".metadata").is_file())
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -61,12 +65,16 @@ def read(path: Path, key: str, device: Optional[torch.device] = None) -> dict[st
         else:
             state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
-        raise UserError(f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]) from None
+        raise UserError(
+            f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]
+        ) from None
     if not isinstance(state, dict) or "format" not in state:
         raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint")
     if state["format"] != FORMAT:
-        raise UserError(f"{key}: {str(path)!r} is a checkpoint of format {state['format']} (hydra-ddp 0.1.0's DDP-only "
-                        f"runs); this version reads format {FORMAT}: train it again, or read it with 0.1.0")
+        raise UserError(
+            f"{key}: {str(path)!r} is a checkpoint of format {state['format']} (hydra-ddp 0.1.0's DDP-only "
+            f"runs); this version reads format {FORMAT}: train it again, or read it with 0.1.0"
+        )
     return state
 
 
@@ -80,12 +88,16 @@ def _read_sharded(path: Path, key: str) -> dict[str, Any]:
         state = torch.load(path / META, map_location="cpu", weights_only=True)
         index = FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as e:
-        raise UserError(f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]) from None
+        raise UserError(
+            f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]
+        ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint")
-    state["model"] = {name[len("model."):]: torch.empty(item.size, dtype=item.properties.dtype, device="meta")
-                      for name, item in index.items()
-                      if name.startswith("model.") and isinstance(item, TensorStorageMetadata)}
+    state["model"] = {
+        name[len("model.") :]: torch.empty(item.size, dtype=item.properties.dtype, device="meta")
+        for name, item in index.items()
+        if name.startswith("model.") and isinstance(item, TensorStorageMetadata)
+    }
     return state
 
 
@@ -102,7 +114,9 @@ def model_weights(path: Path, state: dict[str, Any]) -> dict[str, torch.Tensor]:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
     except Exception as e:
-        raise UserError(f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]) from None
+        raise UserError(
+            f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]
+        ) from None
     return weights
 
 
@@ -115,8 +129,10 @@ def find(where: str, key: str) -> Path:
                 found = _published(folder, name)
                 if found is not None:
                     return found
-        raise UserError(f"{key}={where}: {str(path)!r} holds no checkpoint (checkpoints/best or checkpoints/last, "
-                        "as .pt files or directories)")
+        raise UserError(
+            f"{key}={where}: {str(path)!r} holds no checkpoint (checkpoints/best or checkpoints/last, "
+            "as .pt files or directories)"
+        )
     if not path.exists():
         raise UserError(f"{key}={where}: no checkpoint file or run directory at {str(path)!r}")
     return path
@@ -140,7 +156,8 @@ def check_compatible_keys(own: dict[str, torch.Tensor], saved: dict[str, torch.T
     missing = sorted(own.keys() - saved.keys())
     unexpected = sorted(saved.keys() - own.keys())
     reshaped = sorted(
-        f"{k} {tuple(saved[k].shape)}→{tuple(own[k].shape)}" for k in own.keys() & saved.keys()
+        f"{k} {tuple(saved[k].shape)}→{tuple(own[k].shape)}"
+        for k in own.keys() & saved.keys()
         if saved[k].shape != own[k].shape
     )
     problems = [
@@ -171,9 +188,12 @@ def check_init(model_cfg: dict[str, Any], path: Path, ignore: list[str]) -> None
     with torch.device("meta"):
         model = instantiate(model_cfg)
     skipped = ignored_keys(model, saved.keys() | model.state_dict().keys(), ignore)
-    check_compatible_keys({k: v for k, v in model.state_dict().items() if k not in skipped},
-                          {k: v for k, v in saved.items() if k not in skipped}, path,
-                          fix="leave those out with trainer.init_ignore=[NAME,…] (e.g. [head]: the last Linear layer)")
+    check_compatible_keys(
+        {k: v for k, v in model.state_dict().items() if k not in skipped},
+        {k: v for k, v in saved.items() if k not in skipped},
+        path,
+        fix="leave those out with trainer.init_ignore=[NAME,…] (e.g. [head]: the last Linear layer)",
+    )
 
 
 def ignored_keys(model: nn.Module, keys: Any, ignore: list[str]) -> set[str]:

@@ -21,8 +21,14 @@ class WorkerError(UserError):
 LOST_A_PEER = "lost a peer: "
 # Marks a failure every rank shares (EveryRankError): the launcher names no rank for it.
 EVERY_RANK = "every rank: "
-PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
-             "communicator was aborted", "remote process exited")
+PEER_GONE = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "connection refused",
+    "communicator was aborted",
+    "remote process exited",
+)
 
 
 def root_cause(error: BaseException) -> BaseException:

@@ -1,4 +1,5 @@
-"""Export a checkpoint's model for use elsewhere: its plain state dict (safetensors or torch) and the model's config beside it, loadable without this project.
+"""Export a checkpoint's model for use elsewhere: its plain state dict (safetensors or torch) and the
+model's config beside it, loadable without this project.
 
     python -m hydra_ddp.export ckpt=RUN_DIR_OR_CHECKPOINT [format=safetensors|torch] [out=PATH]
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 FORMATS = {"safetensors": ".safetensors", "torch": ".pt"}
 
@@ -33,8 +33,10 @@ def export(ckpt: str, out: Path, fmt: str) -> tuple[Path, Path]:
     path = checkpoints.find(ckpt, "ckpt")
     state = checkpoints.read(path, "ckpt")
     # Contiguous copies of their own: safetensors refuses tensors that share memory (tied weights).
-    weights = {name: tensor.detach().to("cpu").contiguous().clone()
-               for name, tensor in checkpoints.model_weights(path, state).items()}
+    weights = {
+        name: tensor.detach().to("cpu").contiguous().clone()
+        for name, tensor in checkpoints.model_weights(path, state).items()
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "safetensors":
         from safetensors.torch import save_file
@@ -43,13 +45,20 @@ def export(ckpt: str, out: Path, fmt: str) -> tuple[Path, Path]:
     else:
         torch.save(weights, out)
     config = state["config"]
-    described = {"model": config["model"], "task": config.get("task"),
-                 "data": {key: config["data"][key] for key in ("in_channels", "image_size", "num_classes")},
-                 "checkpoint": str(path), "step": state["position"]["step"], "format": fmt}
+    described = {
+        "model": config["model"],
+        "task": config.get("task"),
+        "data": {key: config["data"][key] for key in ("in_channels", "image_size", "num_classes")},
+        "checkpoint": str(path),
+        "step": state["position"]["step"],
+        "format": fmt,
+    }
     written = out.with_name(out.stem + ".yaml")
-    written.write_text("# The model's config for the weights beside this file (exported by hydra_ddp.export):\n"
-                       "# build model._target_ with the other model keys, then load_state_dict.\n"
-                       + yaml.safe_dump(described, sort_keys=False))
+    written.write_text(
+        "# The model's config for the weights beside this file (exported by hydra_ddp.export):\n"
+        "# build model._target_ with the other model keys, then load_state_dict.\n"
+        + yaml.safe_dump(described, sort_keys=False)
+    )
     return out, written
 
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class MnistCNN(nn.Module):
-    """The classic MNIST CNN of PyTorch's first examples (LeNet's shape): conv 1→20 k5, conv 20→50 k5, fc 800→500, fc 500→10 (at 28×28)."""
+    """The classic MNIST CNN of PyTorch's first examples (LeNet's shape): conv 1→20 k5, conv 20→50
+    k5, fc 800→500, fc 500→10 (at 28×28)."""
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 28):
         super().__init__()
@@ -69,7 +70,9 @@ class _RepeatChannels(nn.Module):
         return x.expand(-1, 3, -1, -1)
 
 
-def torchvision_classifier(name: str, num_classes: int = 10, in_channels: int = 3, small_input: bool = False) -> nn.Module:
+def torchvision_classifier(
+    name: str, num_classes: int = 10, in_channels: int = 3, small_input: bool = False
+) -> nn.Module:
     """Any torchvision classification model by name, randomly initialised (no weight download).
 
     `small_input` (ResNets): the CIFAR stem, a 3×3 stride-1 convolution and no max-pool, so 32×32
@@ -103,8 +106,15 @@ class TinyGPT(nn.Module):
     back: `tp_plan` splits them for tensor parallel), and the blocks are its FSDP units
     (`shard_units`)."""
 
-    def __init__(self, vocab_size: int = 256, context: int = 64, dim: int = 128, depth: int = 4, heads: int = 4,
-                 mlp_ratio: int = 4):
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        context: int = 64,
+        dim: int = 128,
+        depth: int = 4,
+        heads: int = 4,
+        mlp_ratio: int = 4,
+    ):
         super().__init__()
         if dim % heads:
             raise ValueError(f"TinyGPT: dim ({dim}) must be a multiple of heads ({heads})")
@@ -131,8 +141,10 @@ class TinyGPT(nn.Module):
         block = self.blocks[0]
         heads, hidden = block.q.out_features // block.head_dim, block.fc1.out_features
         if heads % size or hidden % size:
-            raise ValueError(f"TinyGPT: {heads} heads and an MLP of {hidden} do not split over {size} ranks; "
-                             "choose model.heads (and dim × mlp_ratio) divisible by the world size")
+            raise ValueError(
+                f"TinyGPT: {heads} heads and an MLP of {hidden} do not split over {size} ranks; "
+                "choose model.heads (and dim × mlp_ratio) divisible by the world size"
+            )
         styles = {"q": "colwise", "k": "colwise", "v": "colwise", "proj": "rowwise", "fc1": "colwise", "fc2": "rowwise"}
         return {f"blocks.{i}.{name}": style for i in range(len(self.blocks)) for name, style in styles.items()}
 

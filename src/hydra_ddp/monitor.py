@@ -7,9 +7,9 @@ reaches the same decision at the same step without a collective of its own.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Optional
-
+from typing import Any, Optional
 
 AUTO = "auto"
 
@@ -77,11 +77,15 @@ class Monitor:
     stale: int = 0
 
     @classmethod
-    def from_config(cls, trainer_cfg: Any) -> "Monitor":
+    def from_config(cls, trainer_cfg: Any) -> Monitor:
         metric = trainer_cfg.monitor
         stopping = trainer_cfg.early_stopping
-        return cls(metric, mode_of(metric, trainer_cfg.monitor_mode) if metric else "max",
-                   stopping.patience, stopping.min_delta)
+        return cls(
+            metric,
+            mode_of(metric, trainer_cfg.monitor_mode) if metric else "max",
+            stopping.patience,
+            stopping.min_delta,
+        )
 
     def value(self, metrics: dict[str, float]) -> Optional[float]:
         return metrics.get(self.metric.replace("/", "_")) if self.metric else None

@@ -18,11 +18,17 @@ from hydra_ddp.parallel import shared_memory
 
 AUTO = "auto"
 # (config section, key): the settings `auto` applies to.
-SETTINGS = (("trainer", "channels_last"), ("strategy", "gradient_as_bucket_view"), ("strategy", "static_graph"),
-            ("strategy", "shared_memory"))
+SETTINGS = (
+    ("trainer", "channels_last"),
+    ("strategy", "gradient_as_bucket_view"),
+    ("strategy", "static_graph"),
+    ("strategy", "shared_memory"),
+)
 
 
-def choose(plain: dict[str, Any], has_conv2d: Optional[bool], world_size: int, local_world_size: int) -> dict[str, bool]:
+def choose(
+    plain: dict[str, Any], has_conv2d: Optional[bool], world_size: int, local_world_size: int
+) -> dict[str, bool]:
     """The value of each setting for this run: the configured one, or what `auto` picks here. Run
     once, on the launch side, on the resolved config (device and backend settled). `has_conv2d`
     None: the model could not be built before launch, and channels_last's auto is left to the
@@ -45,7 +51,8 @@ def choose(plain: dict[str, Any], has_conv2d: Optional[bool], world_size: int, l
     """
     ddp, trainer = plain["strategy"]["name"] == "ddp", plain["trainer"]
     blockers = config_blockers(plain) + shared_memory.unavailable(
-        plain["backend"]["name"], trainer["device"], world_size, local_world_size)
+        plain["backend"]["name"], trainer["device"], world_size, local_world_size
+    )
     auto = {
         # FSDP shards contiguous parameters only: channels_last weights are not.
         "trainer.channels_last": ddp and has_conv2d if has_conv2d is not None else None,
@@ -62,8 +69,10 @@ def choose(plain: dict[str, Any], has_conv2d: Optional[bool], world_size: int, l
             continue  # the workers' to settle, from the model they build
         chosen[f"{section}.{key}"] = auto[f"{section}.{key}"] if value == AUTO else bool(value)
     if plain["strategy"]["shared_memory"] is True and ddp and world_size > 1 and blockers:
-        raise UserError(f"strategy.shared_memory=true does not combine with {'; '.join(blockers)}; "
-                        "set strategy.shared_memory=auto or false")
+        raise UserError(
+            f"strategy.shared_memory=true does not combine with {'; '.join(blockers)}; "
+            "set strategy.shared_memory=auto or false"
+        )
     if chosen.get("strategy.shared_memory") and world_size < 2:
         chosen["strategy.shared_memory"] = False
     return chosen

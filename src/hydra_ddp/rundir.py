@@ -1,9 +1,9 @@
 """A run's directory and the name of everything written in it: the one place an output is named.
 
-    RUN_DIR/train.log (eval.log)   every rank's log        RUN_DIR/summary.json (eval.json)  the result
-    RUN_DIR/checkpoints/           step-N, last, best      RUN_DIR/metrics.csv, tensorboard/ the loggers'
-    RUN_DIR/predictions.csv        eval.py predict=true    RUN_DIR/profile/rankR.json        trainer.profile
-    RUN_DIR/error.txt              a sweep job's failure   RUN_DIR/rendezvous.store          init_method=file
+RUN_DIR/train.log (eval.log)   every rank's log        RUN_DIR/summary.json (eval.json)  the result
+RUN_DIR/checkpoints/           step-N, last, best      RUN_DIR/metrics.csv, tensorboard/ the loggers'
+RUN_DIR/predictions.csv        eval.py predict=true    RUN_DIR/profile/rankR.json        trainer.profile
+RUN_DIR/error.txt              a sweep job's failure   RUN_DIR/rendezvous.store          init_method=file
 """
 
 from __future__ import annotations
@@ -59,8 +59,12 @@ class RunDir:
             entries = {p.name for p in self.path.iterdir()}
             # .hydra/ is there: Hydra made this directory for the run (not so an outside launch's other
             # ranks, whose run directory is the working one).
-            untouched = (hydra.is_dir() and entries <= {".hydra", log.name} and {p.name for p in hydra.iterdir()} <= HYDRA_FILES
-                         and (not log.exists() or log.stat().st_size == 0))
+            untouched = (
+                hydra.is_dir()
+                and entries <= {".hydra", log.name}
+                and {p.name for p in hydra.iterdir()} <= HYDRA_FILES
+                and (not log.exists() or log.stat().st_size == 0)
+            )
         except OSError:
             return False
         if untouched:

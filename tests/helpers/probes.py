@@ -23,8 +23,12 @@ class RendezvousProbe(MnistCNN):
         while isinstance(store, dist.PrefixStore):
             store = store.underlying_store
         tcp = isinstance(store, dist.TCPStore)
-        seen = {"init_method": distributed_c10d._default_pg_init_method, "store": type(store).__name__,
-                "host": store.host if tcp else None, "port": store.port if tcp else None}
+        seen = {
+            "init_method": distributed_c10d._default_pg_init_method,
+            "store": type(store).__name__,
+            "host": store.host if tcp else None,
+            "port": store.port if tcp else None,
+        }
         Path(probe_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(seen))
 
 
@@ -71,12 +75,14 @@ class DeterminismProbe(MnistCNN):
 
     def __init__(self, probe_dir: str, **kwargs):
         super().__init__(**kwargs)
-        seen = {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-                "cudnn_deterministic": torch.backends.cudnn.deterministic,
-                "cudnn_benchmark": torch.backends.cudnn.benchmark,
-                "cudnn_tf32": torch.backends.cudnn.allow_tf32,
-                "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
-                "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+        seen = {
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+            "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        }
         Path(probe_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(seen))
 
 

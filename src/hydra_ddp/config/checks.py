@@ -1,11 +1,13 @@
-"""Config checks: everything that would fail a run later, found before any worker starts, as one line; and train.py --check's dry build on the meta device."""
+"""Config checks: everything that would fail a run later, found before any worker starts, as one line;
+and train.py --check's dry build on the meta device."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -34,31 +36,44 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
         targets.check(plain["scheduler"], "scheduler")
     resume = trainer["resume"]
     if resume not in (None, "auto") and not Path(str(resume)).expanduser().exists():
-        raise UserError(f"trainer.resume={resume}: no checkpoint at {str(Path(str(resume)).expanduser().resolve())!r}; "
-                        "give a checkpoint (checkpoints/step-N.pt, or a sharded step-N directory), or auto")
+        raise UserError(
+            f"trainer.resume={resume}: no checkpoint at {str(Path(str(resume)).expanduser().resolve())!r}; "
+            "give a checkpoint (checkpoints/step-N.pt, or a sharded step-N directory), or auto"
+        )
     if trainer["compile_backend"] != "inductor" or trainer["compile"]:  # torch._dynamo only when asked for
         import torch._dynamo
 
         backends = torch._dynamo.list_backends(exclude_tags=())
         if trainer["compile_backend"] not in backends:
-            raise UserError(f"trainer.compile_backend={trainer['compile_backend']!r}: choose one of torch.compile's "
-                            f"backends ({', '.join(backends)})")
+            raise UserError(
+                f"trainer.compile_backend={trainer['compile_backend']!r}: choose one of torch.compile's "
+                f"backends ({', '.join(backends)})"
+            )
     ddp = plain["strategy"]  # DDP's knobs are the ddp strategy's
     if ddp["comm_hook"] != "none" and not data_cfg["even_shards"]:
-        raise UserError(f"strategy.comm_hook={ddp['comm_hook']} does not combine with data.even_shards=false (Join's "
-                        "shadow all-reduces bypass the hook); use one or the other")
+        raise UserError(
+            f"strategy.comm_hook={ddp['comm_hook']} does not combine with data.even_shards=false (Join's "
+            "shadow all-reduces bypass the hook); use one or the other"
+        )
     if plain["strategy"]["static_graph"] is True and trainer["accumulate"] > 1:
-        raise UserError("strategy.static_graph=true does not combine with trainer.accumulate > 1 (DDP's reducer fails "
-                        "on a no_sync step in a static graph); set strategy.static_graph=auto or false")
-    blockers = performance.config_blockers(plain) + ([f"trainer.device={trainer['device']} (it sums CPU tensors)"]
-                                                     if trainer["device"] != "cpu" else [])
+        raise UserError(
+            "strategy.static_graph=true does not combine with trainer.accumulate > 1 (DDP's reducer fails "
+            "on a no_sync step in a static graph); set strategy.static_graph=auto or false"
+        )
+    blockers = performance.config_blockers(plain) + (
+        [f"trainer.device={trainer['device']} (it sums CPU tensors)"] if trainer["device"] != "cpu" else []
+    )
     if plain["strategy"]["shared_memory"] is True and blockers:
-        raise UserError(f"strategy.shared_memory=true does not combine with {'; '.join(blockers)}; "
-                        "set strategy.shared_memory=auto or false")
+        raise UserError(
+            f"strategy.shared_memory=true does not combine with {'; '.join(blockers)}; "
+            "set strategy.shared_memory=auto or false"
+        )
     plans.check(plain)
     if plain["strategy"]["sync_batchnorm"] and trainer["device"] != "cuda":
-        raise UserError("strategy.sync_batchnorm=true needs GPUs (this torch's DDP refuses SyncBatchNorm on the CPU); "
-                        "set it false, or train with trainer.device=cuda")
+        raise UserError(
+            "strategy.sync_batchnorm=true needs GPUs (this torch's DDP refuses SyncBatchNorm on the CPU); "
+            "set it false, or train with trainer.device=cuda"
+        )
     if str(trainer["precision"]) == "16" and trainer["device"] != "cuda":
         raise UserError("trainer.precision=16 needs a GPU (fp16 autocast with a GradScaler); on the CPU use bf16")
     _check_workflow(plain)
@@ -75,17 +90,25 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
         targets.check(logger, f"logger.{name}")
         for package, extra, title in (("mlflow", "mlflow", "MLflow"), ("wandb", "wandb", "Weights & Biases")):
             if package in target and importlib.util.find_spec(package) is None:
-                raise UserError(f"logger={name} needs {title} ({package}), which is not installed: pip install -e '.[{extra}]'")
+                raise UserError(
+                    f"logger={name} needs {title} ({package}), which is not installed: pip install -e '.[{extra}]'"
+                )
     if not data_cfg["even_shards"]:
         if trainer["accumulate"] > 1:
-            raise UserError("data.even_shards=false does not combine with trainer.accumulate > 1 "
-                            "(ranks end their epoch at different batches); use one or the other")
+            raise UserError(
+                "data.even_shards=false does not combine with trainer.accumulate > 1 "
+                "(ranks end their epoch at different batches); use one or the other"
+            )
         if trainer["compile"]:
-            raise UserError("data.even_shards=false does not combine with trainer.compile=true (DDP's Join "
-                            "wraps the uncompiled model); use one or the other")
+            raise UserError(
+                "data.even_shards=false does not combine with trainer.compile=true (DDP's Join "
+                "wraps the uncompiled model); use one or the other"
+            )
         if plain["strategy"]["sync_batchnorm"]:
-            raise UserError("data.even_shards=false does not combine with strategy.sync_batchnorm=true (Join cannot "
-                            "stand in for SyncBatchNorm's collectives); use one or the other")
+            raise UserError(
+                "data.even_shards=false does not combine with strategy.sync_batchnorm=true (Join cannot "
+                "stand in for SyncBatchNorm's collectives); use one or the other"
+            )
     if launcher["nnodes"] > 1 and plain["init_method"]["name"] != "env":
         raise UserError("across nodes the ranks meet through torchrun's rendezvous: use init_method=env")
     if plain["init_method"]["name"] == "file" and launcher.get("max_restarts"):
@@ -95,11 +118,15 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
 def _check_loading(data_cfg: dict[str, Any]) -> None:
     """DataLoader settings that only its worker processes use: with none they would do nothing."""
     if data_cfg["num_workers"] == 0:
-        for key, inert in (("persistent_workers", data_cfg["persistent_workers"]),
-                           ("prefetch_factor", data_cfg["prefetch_factor"] is not None)):
+        for key, inert in (
+            ("persistent_workers", data_cfg["persistent_workers"]),
+            ("prefetch_factor", data_cfg["prefetch_factor"] is not None),
+        ):
             if inert:
-                raise UserError(f"data.{key} is for DataLoader worker processes, and data.num_workers=0 starts none: "
-                                f"set data.num_workers (e.g. 2), or leave data.{key} unset")
+                raise UserError(
+                    f"data.{key} is for DataLoader worker processes, and data.num_workers=0 starts none: "
+                    f"set data.num_workers (e.g. 2), or leave data.{key} unset"
+                )
 
 
 def _check_workflow(plain: dict[str, Any]) -> None:
@@ -108,8 +135,10 @@ def _check_workflow(plain: dict[str, Any]) -> None:
     stopping = trainer["early_stopping"]
     if stopping["patience"] is not None:
         if trainer["monitor"] is None:
-            raise UserError("trainer.early_stopping needs a monitored metric: set trainer.monitor (without validation, "
-                            "data.val_fraction=0, only train/loss has values)")
+            raise UserError(
+                "trainer.early_stopping needs a monitored metric: set trainer.monitor (without validation, "
+                "data.val_fraction=0, only train/loss has values)"
+            )
         if not trainer["eval_every_epoch"]:
             raise UserError("trainer.early_stopping needs a validation every epoch: set trainer.eval_every_epoch=true")
     if trainer["init_from"]:

@@ -150,7 +150,7 @@ def domain_of(cls: type, name: str) -> Optional[Domain]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True)
 

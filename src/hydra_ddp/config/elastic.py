@@ -1,4 +1,5 @@
-"""Elastic runs (launcher.nnodes=MIN:MAX, torchrun's form): the node range, what must hold at every world size in it, and the per-rank batch at the world size a rendezvous gives."""
+"""Elastic runs (launcher.nnodes=MIN:MAX, torchrun's form): the node range, what must hold at every
+world size in it, and the per-rank batch at the world size a rendezvous gives."""
 
 from __future__ import annotations
 
@@ -45,19 +46,25 @@ def check(plain: dict[str, Any], global_batch: Optional[int]) -> None:
     if launcher["name"] != "torchrun":
         raise UserError(f"{span} (elastic) needs launcher=torchrun")
     if launcher["max_restarts"] < 1:
-        raise UserError(f"{span} (elastic): set launcher.max_restarts to 1 or more; a lost node costs the group a "
-                        "restart (a joining one does not)")
+        raise UserError(
+            f"{span} (elastic): set launcher.max_restarts to 1 or more; a lost node costs the group a "
+            "restart (a joining one does not)"
+        )
     if global_batch is None:
-        raise UserError(f"{span} (elastic) needs data.global_batch_size (not the per-rank data.batch_size): a resized "
-                        "run then keeps its batches, and continues mid-epoch at the sample where it stopped")
+        raise UserError(
+            f"{span} (elastic) needs data.global_batch_size (not the per-rank data.batch_size): a resized "
+            "run then keeps its batches, and continues mid-epoch at the sample where it stopped"
+        )
     chosen = plans.plan(plain["strategy"]["name"])
     for nodes, world in zip(range(launcher["min_nodes"], launcher["nnodes"] + 1), world_sizes(plain)):
         replicas = chosen.replicas(plain["strategy"], world)  # tensor parallel that does not fit: one line
         if chosen.tensor_parallel:  # the model's plan splits at this world size too
             plans.check_tp_plan({**plain, "launcher": {**launcher, "nnodes": nodes}}, chosen)
         if global_batch % replicas:
-            raise UserError(f"data.global_batch_size={global_batch} does not divide over {replicas} model replicas at "
-                            f"world size {world}, which {span} allows: choose a multiple of every one")
+            raise UserError(
+                f"data.global_batch_size={global_batch} does not divide over {replicas} model replicas at "
+                f"world size {world}, which {span} allows: choose a multiple of every one"
+            )
     trainer["resume"] = trainer["resume"] or "auto"  # each restart continues from the last checkpoint
 
 

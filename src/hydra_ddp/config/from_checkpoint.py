@@ -1,4 +1,5 @@
-"""eval.py's config: the checkpoint's own config, the command line's overrides on top, this command's launch settings."""
+"""eval.py's config: the checkpoint's own config, the command line's overrides on top, this command's
+launch settings."""
 
 from __future__ import annotations
 
@@ -34,8 +35,13 @@ def resolve(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     split = composed["split"]
     if split == "val" and not plain["data"]["val_fraction"]:
         raise UserError("split=val: this run had no validation split (data.val_fraction=0); choose split=test or train")
-    plain["eval"] = {"ckpt": str(path), "split": split, "predict": bool(composed["predict"]),
-                     "step": saved["position"]["step"], "epoch": saved["position"]["epoch"]}
+    plain["eval"] = {
+        "ckpt": str(path),
+        "split": split,
+        "predict": bool(composed["predict"]),
+        "step": saved["position"]["step"],
+        "epoch": saved["position"]["epoch"],
+    }
     _check_model(plain["model"], saved["model"], path)
     return plain
 
@@ -65,5 +71,9 @@ def _check_model(model_cfg: dict[str, Any], saved: dict[str, torch.Tensor], path
     """The checkpoint's weights fit the model to evaluate: built on the meta device, no memory."""
     with torch.device("meta"):
         model = instantiate(model_cfg)
-    checkpoints.check_compatible(model, saved, path, fix="evaluate it with the model it was saved from "
-                                                       "(leave model= out: the checkpoint's is the default)")
+    checkpoints.check_compatible(
+        model,
+        saved,
+        path,
+        fix="evaluate it with the model it was saved from (leave model= out: the checkpoint's is the default)",
+    )

@@ -25,12 +25,23 @@ def mismatch(error: InterpolationResolutionError) -> str:
     asking, lacking = node.split(".")[0], missing.split(".")[0]
     asker = f"{asking}={choices[asking]}" if asking in choices else node
     if lacking not in choices or conf is None:
-        return (f"{asker} refers to {missing}, which this config does not have: choose groups that fit together "
-                f"(python train.py --check tells before a run)")
-    having = [name for name in _options(conf, lacking) if _defines(conf / lacking / f"{name}.yaml", missing.split(".")[1:])]
-    fix = f"use {' or '.join(f'{lacking}={name}' for name in having)}" if having else f"no {lacking} option in conf/ has it"
-    recipes = [name for name in _options(conf, "experiment")
-               if _selects(conf / "experiment" / f"{name}.yaml", {asking: choices.get(asking), lacking: set(having)})]
+        return (
+            f"{asker} refers to {missing}, which this config does not have: choose groups that fit together "
+            f"(python train.py --check tells before a run)"
+        )
+    having = [
+        name for name in _options(conf, lacking) if _defines(conf / lacking / f"{name}.yaml", missing.split(".")[1:])
+    ]
+    fix = (
+        f"use {' or '.join(f'{lacking}={name}' for name in having)}"
+        if having
+        else f"no {lacking} option in conf/ has it"
+    )
+    recipes = [
+        name
+        for name in _options(conf, "experiment")
+        if _selects(conf / "experiment" / f"{name}.yaml", {asking: choices.get(asking), lacking: set(having)})
+    ]
     if recipes:
         fix += f" (or {' or '.join(f'+experiment={name}' for name in recipes)})"
     return f"{asker} needs {missing}, which {lacking}={choices[lacking]} does not have: {fix}"
@@ -53,8 +64,14 @@ def _choices_and_conf() -> tuple[dict[str, str], Optional[Path]]:
     if not HydraConfig.initialized():
         return {}, None
     runtime = HydraConfig.get().runtime
-    conf = next((Path(source.path.removeprefix("file://")) for source in runtime.config_sources
-                 if source.provider == "main" and source.schema == "file"), None)
+    conf = next(
+        (
+            Path(source.path.removeprefix("file://"))
+            for source in runtime.config_sources
+            if source.provider == "main" and source.schema == "file"
+        ),
+        None,
+    )
     return {k: v for k, v in runtime.choices.items() if isinstance(v, str)}, conf
 
 
@@ -85,5 +102,7 @@ def _selects(path: Path, wanted: dict[str, Any]) -> bool:
         if isinstance(entry, dict):
             for key, value in entry.items():
                 chosen[key.removeprefix("override ").lstrip("/")] = value
-    return all(chosen.get(group) == option or (isinstance(option, set) and chosen.get(group) in option)
-               for group, option in wanted.items())
+    return all(
+        chosen.get(group) == option or (isinstance(option, set) and chosen.get(group) in option)
+        for group, option in wanted.items()
+    )

@@ -1,4 +1,5 @@
-"""The configuration reference (docs/reference/config.md), generated from the schema: every key, its type, default, allowed values and the schema's own comment on it.
+"""The configuration reference (docs/reference/config.md), generated from the schema: every key, its
+type, default, allowed values and the schema's own comment on it.
 
     python -m hydra_ddp.config.reference            # rewrite docs/reference/config.md
     python -m hydra_ddp.config.reference --check    # exit 1 if it is out of date (the tests do this)
@@ -76,7 +77,7 @@ def _type(hint: Any) -> str:
         return hint.__name__
     text = str(hint).replace("typing.", "")
     if text.startswith("Optional["):
-        return f"{_type_name(text[len('Optional['):-1])} or null"
+        return f"{_type_name(text[len('Optional[') : -1])} or null"
     return _type_name(text)
 
 
@@ -117,8 +118,9 @@ def _lookup(config: dict[str, Any], key: str) -> Any:
     return node
 
 
-def rows(cls: type, prefix: str, docs: dict[tuple[str, str], str], config: dict[str, Any],
-         missing: list[str]) -> list[tuple[str, str, str, str, str]]:
+def rows(
+    cls: type, prefix: str, docs: dict[tuple[str, str], str], config: dict[str, Any], missing: list[str]
+) -> list[tuple[str, str, str, str, str]]:
     """(key, type, default, allowed, doc) for every field of `cls` and its nested sections."""
     out = []
     hints = typing.get_type_hints(cls)  # Annotated[...] stripped: the type alone
@@ -147,19 +149,33 @@ def render() -> tuple[str, list[str]]:
     docs = field_docs(Path(schema.__file__).read_text())
     config = _default_config()
     missing: list[str] = []
-    lines = ["# Configuration reference", "",
-             "Generated from `src/hydra_ddp/config/schema.py` by `python -m hydra_ddp.config.reference`: do not edit "
-             "by hand (a test fails when it is out of date or a field has no doc). Each key is set on the command line "
-             "(`python train.py trainer.epochs=3`) or in `conf/`. **default** is the default run's value, as "
-             "`conf/config.yaml` composes it.", "",
-             "## Config groups", "",
-             "Chosen by name (`python train.py strategy=fsdp`); each option is `conf/GROUP/NAME.yaml`.", "",
-             "| group | options | builds |", "| --- | --- | --- |"]
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `src/hydra_ddp/config/schema.py` by `python -m hydra_ddp.config.reference`: do not edit "
+        "by hand (a test fails when it is out of date or a field has no doc). Each key is set on the command line "
+        "(`python train.py trainer.epochs=3`) or in `conf/`. **default** is the default run's value, as "
+        "`conf/config.yaml` composes it.",
+        "",
+        "## Config groups",
+        "",
+        "Chosen by name (`python train.py strategy=fsdp`); each option is `conf/GROUP/NAME.yaml`.",
+        "",
+        "| group | options | builds |",
+        "| --- | --- | --- |",
+    ]
     for group in (*NAMED_GROUPS, *TARGET_GROUPS, "debug", "experiment", "hparams_search"):
-        builds = ("the section of the same name below" if group in NAMED_GROUPS else
-                  "a `_target_` object: your own class too" if group in TARGET_GROUPS else
-                  {"debug": "a debugging preset (overrides)", "experiment": "a whole experiment (`+experiment=NAME`)",
-                   "hparams_search": "an Optuna search (`-m`, search.md)"}[group])
+        builds = (
+            "the section of the same name below"
+            if group in NAMED_GROUPS
+            else "a `_target_` object: your own class too"
+            if group in TARGET_GROUPS
+            else {
+                "debug": "a debugging preset (overrides)",
+                "experiment": "a whole experiment (`+experiment=NAME`)",
+                "hparams_search": "an Optuna search (`-m`, search.md)",
+            }[group]
+        )
         lines.append(f"| `{group}` | {', '.join(f'`{o}`' for o in _options(group))} | {builds} |")
     top = {f.name: f for f in dataclasses.fields(schema.Config)}
     for name, f in top.items():
@@ -167,19 +183,31 @@ def render() -> tuple[str, list[str]]:
         if not dataclasses.is_dataclass(default):
             continue
         section = rows(type(default), f"{name}.", docs, config, missing)
-        lines += ["", f"## `{name}`", "",
-                  "| key | type | default | allowed | what it does |", "| --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"## `{name}`",
+            "",
+            "| key | type | default | allowed | what it does |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         lines += [f"| `{k}` | {t} | `{_cell(d)}` | {a} | {_cell(doc)} |" for k, t, d, a, doc in section]
     eval_only = [f for f in dataclasses.fields(schema.EvalConfig) if f.name not in top]
-    lines += ["", "## `eval.py` only", "", "| key | type | default | allowed | what it does |", "| --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "## `eval.py` only",
+        "",
+        "| key | type | default | allowed | what it does |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for f in eval_only:
         doc = docs.get(("EvalConfig", f.name))
         if doc is None:
             missing.append(f"eval.{f.name}")
         default = "(required)" if f.default is dataclasses.MISSING or f.default == "???" else _value(f.default)
         hint = typing.get_type_hints(schema.EvalConfig)[f.name]
-        lines.append(f"| `{f.name}` | {_type(hint)} | `{default}` | {allowed(schema.EvalConfig, f.name)} | "
-                     f"{_cell(doc or '')} |")
+        lines.append(
+            f"| `{f.name}` | {_type(hint)} | `{default}` | {allowed(schema.EvalConfig, f.name)} | {_cell(doc or '')} |"
+        )
     return "\n".join(lines) + "\n", missing
 
 
@@ -190,8 +218,10 @@ def main(argv: list[str]) -> int:
         return 1
     if "--check" in argv:
         if not OUT.exists() or OUT.read_text() != text:
-            print(f"hydra-ddp: error: {OUT.relative_to(REPO)} is out of date: run python -m hydra_ddp.config.reference",
-                  file=sys.stderr)
+            print(
+                f"hydra-ddp: error: {OUT.relative_to(REPO)} is out of date: run python -m hydra_ddp.config.reference",
+                file=sys.stderr,
+            )
             return 1
         return 0
     OUT.parent.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,10 @@
-"""Config resolution: the composed config becomes the plain one every worker receives, with every auto and null that launching depends on settled, once, before any worker starts."""
+"""Config resolution: the composed config becomes the plain one every worker receives, with every auto
+and null that launching depends on settled, once, before any worker starts."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import sys
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -72,8 +72,9 @@ def _settle_fast_settings(plain: dict[str, Any]) -> None:
     """performance.choose's values into the config; `settled` records which were auto (where the
     workers find a shared-memory segment cannot be made, an auto falls back, a true fails)."""
     trainer, world = plain["trainer"], plain["trainer"]["nproc"] * plain["launcher"]["nnodes"]
-    chosen = performance.choose(plain, _has_conv2d(plain["model"]) if performance.needs_model(plain) else False,
-                                world, trainer["nproc"])
+    chosen = performance.choose(
+        plain, _has_conv2d(plain["model"]) if performance.needs_model(plain) else False, world, trainer["nproc"]
+    )
     plain["settled"] = {}
     for name, value in chosen.items():
         section, key = name.split(".")
@@ -120,8 +121,9 @@ def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tupl
         trainer["nproc"] = _nproc(trainer["nproc"], trainer["device"], host)
         elastic.settle_nodes(launcher)
         _check_launcher(launcher)
-    plain["backend"]["name"] = distributed.resolve_backend(plain["backend"]["name"], trainer["device"], trainer["nproc"],
-                                                           host, outside_launch=external is not None)
+    plain["backend"]["name"] = distributed.resolve_backend(
+        plain["backend"]["name"], trainer["device"], trainer["nproc"], host, outside_launch=external is not None
+    )
     _resolve_init_method(plain["init_method"], run_dir, external is not None)
     plain["backend"]["timeout_s"] = collective_timeout(plain["backend"]["timeout_s"], plain["backend"]["name"])
     # Decided here, so the checkpoint records it: the same thread count gives the same CPU kernels,
@@ -140,12 +142,15 @@ def _resolve_monitor(trainer: dict[str, Any], data_cfg: dict[str, Any], task: ta
     """The monitored metric must be one the task reports (auto: the task's choice; its direction
     settles monitor_mode=auto); without validation (data.val_fraction=0) a val/ metric has no
     values, and nothing is monitored."""
-    name, trainer["monitor_mode"] = monitor.settle(trainer["monitor"], trainer["monitor_mode"], task.metrics,
-                                                   task.monitored)
+    name, trainer["monitor_mode"] = monitor.settle(
+        trainer["monitor"], trainer["monitor_mode"], task.metrics, task.monitored
+    )
     trainer["monitor"] = name
     if name is not None and name not in monitor.names(task.metrics):
-        raise UserError(f"trainer.monitor={name!r} is not a metric of this task; choose one of "
-                        f"{', '.join(monitor.names(task.metrics))} (or null, or auto)")
+        raise UserError(
+            f"trainer.monitor={name!r} is not a metric of this task; choose one of "
+            f"{', '.join(monitor.names(task.metrics))} (or null, or auto)"
+        )
     if data_cfg["val_fraction"] == 0 and name is not None and name.startswith("val/"):
         trainer["monitor"] = None
 
@@ -237,14 +242,19 @@ def _resolve_init_method(init: dict[str, Any], run_dir: Path, external: bool) ->
             raise UserError(f"MASTER_PORT={port!r} (exported) is not a port; export a number in 1-65535, or unset it")
         init.update(host=os.environ.get("MASTER_ADDR") or init["host"], port=int(port), port_from="MASTER_PORT")
     elif name in ("env", "tcp") and init["port"] is None and external:
-        needs = ("MASTER_ADDR and MASTER_PORT exported (rank 0's host, a free port), or init_method.port (and "
-                 "init_method.host), the same on every rank" if name == "env" else
-                 "init_method.port (and init_method.host: rank 0's host), the same on every rank")
+        needs = (
+            "MASTER_ADDR and MASTER_PORT exported (rank 0's host, a free port), or init_method.port (and "
+            "init_method.host), the same on every rank"
+            if name == "env"
+            else "init_method.port (and init_method.host: rank 0's host), the same on every rank"
+        )
         raise UserError(f"init_method={name} under this launcher needs {needs}")
     elif name == "file":
         if init["path"] is None:
             if external:
-                raise UserError("init_method=file under an outside launcher needs init_method.path, shared by all ranks")
+                raise UserError(
+                    "init_method=file under an outside launcher needs init_method.path, shared by all ranks"
+                )
             init["path"] = str(RunDir(run_dir).rendezvous_store)
         path = Path(init["path"]).expanduser().resolve()
         if path.exists() and path.stat().st_size > 0:

@@ -181,7 +181,8 @@ class TrainerConf:
     init_from: Annotated[Optional[str], Checked("checkpoints: a checkpoint or a run directory")] = None
     # Parameters not taken from init_from (names or prefixes, e.g. [fc2]; "head": the last Linear).
     init_ignore: Annotated[list[str], Checked("checkpoints.check_init: names or prefixes of the model's")] = field(
-        default_factory=list)
+        default_factory=list
+    )
     # torch.profiler on the schedule in `profiler`: one trace per rank in run_dir/profile/ (debug=profile).
     profile: bool = False
     # Autograd anomaly detection (slow: finds the op that made a nan), with the loss checked every step.
@@ -267,7 +268,8 @@ class TrialConf:
     pruner: Annotated[str, OneOf("median", "hyperband", "none")] = "none"
     # The pruner's own keyword arguments.
     pruner_args: Annotated[dict[str, Any], Checked("search.study.pruner_of: the pruner's own arguments")] = field(
-        default_factory=dict)
+        default_factory=dict
+    )
 
 
 @dataclass
@@ -288,7 +290,8 @@ class Config:
     scheduler: Annotated[Any, TARGET] = None
     # Rank 0's loggers, by name (conf/logger/: tensorboard, csv, mlflow, wandb), each a `_target_` class.
     logger: Annotated[Any, Checked("config.checks: names of conf/logger/ options, each a _target_ config")] = field(
-        default_factory=dict)
+        default_factory=dict
+    )
 
 
 @dataclass

@@ -24,7 +24,9 @@ def check(node: Any, key: str) -> None:
         signature.bind_partial(**kwargs)
     except TypeError as e:
         group = key.split(".")[0]
-        raise UserError(f"{key} ({node['_target_']}): {e}; fix the key in conf/{group}/ or on the command line") from None
+        raise UserError(
+            f"{key} ({node['_target_']}): {e}; fix the key in conf/{group}/ or on the command line"
+        ) from None
 
 
 def locate(path: str, key: str) -> Any:

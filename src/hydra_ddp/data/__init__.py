@@ -13,10 +13,29 @@ alike at any world size, so the metrics are bit-equal whether 1, 2 or 3 ranks ev
 
 # The package's API: the sources' builders are what conf/data/*.yaml names (hydra_ddp.data.digits).
 from hydra_ddp.data.loading import (  # noqa: F401
-    EvalSplit, Loaders, TensorBatches, build_datasets, build_loaders, carve, eval_split, loader_options,
+    EvalSplit,
+    Loaders,
+    TensorBatches,
+    build_datasets,
+    build_loaders,
+    carve,
+    eval_split,
+    loader_options,
 )
 from hydra_ddp.data.sampling import ResumableDistributedSampler, SeededSamples, sample_seed  # noqa: F401
 from hydra_ddp.data.sources import (  # noqa: F401
-    CIFAR10_FILES, SPLITS, ImageArrays, check_source, cifar10, diabetes, digits, image_folder, mnist, python_source, shapes,
-    split_folders, synthetic, synthetic_regression,
+    CIFAR10_FILES,
+    SPLITS,
+    ImageArrays,
+    check_source,
+    cifar10,
+    diabetes,
+    digits,
+    image_folder,
+    mnist,
+    python_source,
+    shapes,
+    split_folders,
+    synthetic,
+    synthetic_regression,
 )

@@ -1,9 +1,11 @@
-"""Loaders: the splits built alike on every rank, the training loader (sharded, seeded per sample) and the evaluation splits in fixed chunks."""
+"""Loaders: the splits built alike on every rank, the training loader (sharded, seeded per sample) and
+the evaluation splits in fixed chunks."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Iterator, NamedTuple, Optional
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,8 +30,15 @@ class EvalSplit:
     begun (the test split's must end at one).
     """
 
-    def __init__(self, dataset: Dataset, batch_size: int, rank: RankInfo, device: torch.device,
-                 preload: bool, loader_options: dict[str, Any]):
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        rank: RankInfo,
+        device: torch.device,
+        preload: bool,
+        loader_options: dict[str, Any],
+    ):
         self.samples = len(dataset)  # type: ignore[arg-type]
         self.batch_size = batch_size
         self.num_chunks = math.ceil(self.samples / batch_size)
@@ -38,8 +47,10 @@ class EvalSplit:
         self.dataset = dataset
         self.passes = 0
         self.tensors = tuple(t.to(device) for t in dataset.tensors) if preload else None  # type: ignore[attr-defined]
-        self.loader = None if preload else DataLoader(
-            dataset, batch_sampler=[list(self._indices(c)) for c in self.chunks], **loader_options
+        self.loader = (
+            None
+            if preload
+            else DataLoader(dataset, batch_sampler=[list(self._indices(c)) for c in self.chunks], **loader_options)
         )
 
     def _indices(self, chunk: int) -> range:
@@ -105,13 +116,18 @@ def build_datasets(data_cfg: Any, rank: RankInfo, seed: int) -> dict[str, Option
     else:
         splits = instantiate(dataset_cfg)
     if not isinstance(splits, (tuple, list)) or len(splits) not in (2, 3):
-        raise UserError(f"data.dataset ({dataset_cfg.get('_target_')}) must return (train, test) or "
-                        f"(train, val, test), got {type(splits).__name__}")
+        raise UserError(
+            f"data.dataset ({dataset_cfg.get('_target_')}) must return (train, test) or "
+            f"(train, val, test), got {type(splits).__name__}"
+        )
     train, *val, test = splits
     if data_cfg.overfit_batches:  # the first samples, trained and validated on: loss must reach ~0
         n = min(len(train), data_cfg.overfit_batches * data_cfg.batch_size * rank.world_size)
-        train = TensorDataset(*(t[:n] for t in train.tensors)) if isinstance(train, TensorDataset) \
+        train = (
+            TensorDataset(*(t[:n] for t in train.tensors))
+            if isinstance(train, TensorDataset)
             else Subset(train, list(range(n)))
+        )
         return {"train": train, "val": train, "test": test}
     fraction = data_cfg.val_fraction
     if fraction == 0:
@@ -142,7 +158,8 @@ def loader_options(data_cfg: Any, seed: int, device: torch.device, rank: int = 0
     # the model (dropout) uses, so a resumed run sees the same random numbers as an unbroken one.
     # Per rank: the loader workers' own seeds (drawn from it) differ between ranks.
     options: dict[str, Any] = dict(
-        num_workers=workers, pin_memory=data_cfg.pin_memory and device.type == "cuda",
+        num_workers=workers,
+        pin_memory=data_cfg.pin_memory and device.type == "cuda",
         generator=torch.Generator().manual_seed(sample_seed(seed, -1, rank)),
     )
     if workers > 0:
@@ -151,8 +168,14 @@ def loader_options(data_cfg: Any, seed: int, device: torch.device, rank: int = 0
 
 
 def eval_split(dataset: Dataset, data_cfg: Any, rank: RankInfo, seed: int, device: torch.device) -> EvalSplit:
-    return EvalSplit(dataset, data_cfg.eval_batch_size, rank, device, _preloaded(dataset, data_cfg),
-                     loader_options(data_cfg, seed, device, rank.rank))
+    return EvalSplit(
+        dataset,
+        data_cfg.eval_batch_size,
+        rank,
+        device,
+        _preloaded(dataset, data_cfg),
+        loader_options(data_cfg, seed, device, rank.rank),
+    )
 
 
 def _preloaded(dataset: Dataset, data_cfg: Any) -> bool:
@@ -161,8 +184,9 @@ def _preloaded(dataset: Dataset, data_cfg: Any) -> bool:
     return bool(data_cfg.preload)
 
 
-def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, device: torch.device,
-                  shard: Optional[RankInfo] = None) -> Loaders:
+def build_loaders(
+    data_cfg: Any, rank: RankInfo, seed: int, device: torch.device, shard: Optional[RankInfo] = None
+) -> Loaders:
     """This rank's loaders. `shard`: which share of the data it reads when that is not its rank's
     (tensor parallel: the ranks of a model replica read the same batches)."""
     shard = shard or rank
@@ -171,16 +195,26 @@ def build_loaders(data_cfg: Any, rank: RankInfo, seed: int, device: torch.device
     # In-memory tensors draw no randomness per sample: they are sliced whole (data.preload), unwrapped.
     seeded = not isinstance(train_set, TensorDataset)
     train_sampler = ResumableDistributedSampler(
-        train_set, num_replicas=shard.world_size, rank=shard.rank, shuffle=True, seed=seed, pad=data_cfg.even_shards,
+        train_set,
+        num_replicas=shard.world_size,
+        rank=shard.rank,
+        shuffle=True,
+        seed=seed,
+        pad=data_cfg.even_shards,
         keyed=seeded,
     )
-    val, test = (eval_split(splits[s], data_cfg, shard, seed, device) if splits[s] is not None else None
-                 for s in ("val", "test"))
+    val, test = (
+        eval_split(splits[s], data_cfg, shard, seed, device) if splits[s] is not None else None for s in ("val", "test")
+    )
     if _preloaded(train_set, data_cfg):
         on_device = tuple(t.to(device) for t in train_set.tensors)  # type: ignore[attr-defined]
         train: Iterable = TensorBatches(on_device, train_sampler, data_cfg.batch_size, data_cfg.drop_last)
     else:
-        train = DataLoader(SeededSamples(train_set, seed) if seeded else train_set, batch_size=data_cfg.batch_size,
-                           sampler=train_sampler, drop_last=data_cfg.drop_last,
-                           **loader_options(data_cfg, seed, device, rank.rank))
+        train = DataLoader(
+            SeededSamples(train_set, seed) if seeded else train_set,
+            batch_size=data_cfg.batch_size,
+            sampler=train_sampler,
+            drop_last=data_cfg.drop_last,
+            **loader_options(data_cfg, seed, device, rank.rank),
+        )
     return Loaders(train, val, test, train_sampler, data_cfg.batch_size)  # type: ignore[arg-type]

@@ -1,9 +1,11 @@
-"""Which samples a rank trains on, and the randomness each sample draws: a sampler that resumes mid-epoch, and a seed per (epoch, sample)."""
+"""Which samples a rank trains on, and the randomness each sample draws: a sampler that resumes
+mid-epoch, and a seed per (epoch, sample)."""
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler
@@ -40,8 +42,11 @@ class ResumableDistributedSampler(DistributedSampler):
     def _shard(self) -> Iterator[int]:
         n = len(self.dataset)  # type: ignore[arg-type]
         # The same shuffle as DistributedSampler's: one permutation per epoch, equal on every rank.
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)) \
-            if self.shuffle else torch.arange(n)
+        order = (
+            torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            if self.shuffle
+            else torch.arange(n)
+        )
         return iter(order[self.rank :: self.num_replicas].tolist())
 
     def __len__(self) -> int:

@@ -1,4 +1,6 @@
-"""The data sources conf/data/*.yaml builds through `_target_`: each returns (train, test), or (train, val, test) where the source has a validation split of its own. Offline by default: scikit-learn's digits and diabetes as shipped, synthetic data, files on disk."""
+"""The data sources conf/data/*.yaml builds through `_target_`: each returns (train, test), or (train,
+val, test) where the source has a validation split of its own. Offline by default: scikit-learn's
+digits and diabetes as shipped, synthetic data, files on disk."""
 
 from __future__ import annotations
 
@@ -61,8 +63,9 @@ def digits(image_size: int = 28, test_fraction: float = 0.2, seed: int = 0) -> t
     return TensorDataset(train_x, labels[train_idx]), TensorDataset(test_x, labels[test_idx])
 
 
-def python_source(context: int = 64, max_bytes: int = 262_144, test_fraction: float = 0.1,
-                  seed: int = 0) -> tuple[Dataset, Dataset]:
+def python_source(
+    context: int = 64, max_bytes: int = 262_144, test_fraction: float = 0.1, seed: int = 0
+) -> tuple[Dataset, Dataset]:
     """Byte-level language modelling on text every machine with Python has: the standard library's
     own top-level source files, in name order, up to max_bytes. Samples are disjoint windows of
     `context` + 1 bytes: the input is the first `context`, the target the same shifted by one."""
@@ -80,8 +83,10 @@ def python_source(context: int = 64, max_bytes: int = 262_144, test_fraction: fl
         raise UserError(f"data=text: {len(windows)} bytes make fewer than 2 windows of data.dataset.context={context}")
     windows = windows[: count * (context + 1)].view(count, context + 1)
     train_idx, test_idx = _split(count, test_fraction, seed)
-    return (TensorDataset(windows[train_idx, :-1], windows[train_idx, 1:]),
-            TensorDataset(windows[test_idx, :-1], windows[test_idx, 1:]))
+    return (
+        TensorDataset(windows[train_idx, :-1], windows[train_idx, 1:]),
+        TensorDataset(windows[test_idx, :-1], windows[test_idx, 1:]),
+    )
 
 
 def synthetic(
@@ -121,8 +126,9 @@ def diabetes(test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Datase
     return TensorDataset(x[train_idx], y[train_idx]), TensorDataset(x[test_idx], y[test_idx])
 
 
-def synthetic_regression(train_size: int = 4096, test_size: int = 512, in_features: int = 16, noise: float = 0.1,
-                         seed: int = 0) -> tuple[Dataset, Dataset]:
+def synthetic_regression(
+    train_size: int = 4096, test_size: int = 512, in_features: int = 16, noise: float = 0.1, seed: int = 0
+) -> tuple[Dataset, Dataset]:
     """y = sin(x · w₁) + x · w₂ + noise, for random x: a regression target a small MLP can learn."""
     gen = torch.Generator().manual_seed(seed)
     n = train_size + test_size
@@ -132,7 +138,9 @@ def synthetic_regression(train_size: int = 4096, test_size: int = 512, in_featur
     return TensorDataset(x[:train_size], y[:train_size]), TensorDataset(x[train_size:], y[train_size:])
 
 
-def shapes(train_size: int = 1024, test_size: int = 256, image_size: int = 16, seed: int = 0) -> tuple[Dataset, Dataset]:
+def shapes(
+    train_size: int = 1024, test_size: int = 256, image_size: int = 16, seed: int = 0
+) -> tuple[Dataset, Dataset]:
     """Segmentation of synthetic shapes: each grey image holds a filled square (class 1) and a filled
     disc (class 2) at random places and sizes, over noise; the mask gives each pixel's class
     (0: background; the disc is drawn over the square)."""
@@ -144,13 +152,15 @@ def shapes(train_size: int = 1024, test_size: int = 256, image_size: int = 16, s
     for i in range(n):
         side, radius = (int(v) for v in torch.randint(low, high, (2,), generator=gen))
         top, left = (int(v) for v in torch.randint(0, image_size - side + 1, (2,), generator=gen))
-        masks[i, top:top + side, left:left + side] = 1
+        masks[i, top : top + side, left : left + side] = 1
         cy, cx = (float(v) for v in torch.randint(radius, image_size - radius, (2,), generator=gen))
         masks[i][(rows - cy) ** 2 + (cols - cx) ** 2 <= radius**2] = 2
     brightness = torch.tensor([0.0, 0.6, 1.0])  # background, square, disc
     images = (brightness[masks] + 0.3 * torch.randn(n, image_size, image_size, generator=gen)).unsqueeze(1)
-    return (TensorDataset(images[:train_size], masks[:train_size]),
-            TensorDataset(images[train_size:], masks[train_size:]))
+    return (
+        TensorDataset(images[:train_size], masks[:train_size]),
+        TensorDataset(images[train_size:], masks[train_size:]),
+    )
 
 
 def _require_dir(root: str, what: str) -> Path:
@@ -213,8 +223,10 @@ def cifar10(root: str, download: bool = False, augment: bool = False) -> tuple[D
 
     normalize = [transforms.ToTensor(), transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))]
     flips = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
-    return (ImageArrays(*read(CIFAR10_FILES[:5]), transforms.Compose(flips + normalize)),
-            ImageArrays(*read(CIFAR10_FILES[5:]), transforms.Compose(normalize)))
+    return (
+        ImageArrays(*read(CIFAR10_FILES[:5]), transforms.Compose(flips + normalize)),
+        ImageArrays(*read(CIFAR10_FILES[5:]), transforms.Compose(normalize)),
+    )
 
 
 def image_folder(
@@ -269,8 +281,10 @@ def check_source(dataset_cfg: Any, num_classes: int) -> None:
         classes = found.get("train", found.get(""))
         for split, names in found.items():
             if names != classes:
-                raise UserError(f"data=imagefolder: {str(folders[split])!r} has classes {names}, train/ has "
-                                f"{classes}: every split needs the same class folders")
+                raise UserError(
+                    f"data=imagefolder: {str(folders[split])!r} has classes {names}, train/ has "
+                    f"{classes}: every split needs the same class folders"
+                )
         if len(classes) != num_classes:
             raise UserError(
                 f"data=imagefolder: {str(path)!r} has {len(classes)} classes but data.num_classes={num_classes}; "
@@ -280,8 +294,10 @@ def check_source(dataset_cfg: Any, num_classes: int) -> None:
         path = _require_dir(root, f"data={target.rsplit('.', 1)[1]}")
         missing = [n for n in CIFAR10_FILES if not (path / "cifar-10-batches-py" / n).is_file()]
         if target.endswith(".cifar10") and missing:
-            raise UserError(f"data=cifar10: {str(path / 'cifar-10-batches-py')!r} lacks {', '.join(missing)} (CIFAR-10's "
-                            "python version); set data.dataset.root, or data.dataset.download=true where the network allows")
+            raise UserError(
+                f"data=cifar10: {str(path / 'cifar-10-batches-py')!r} lacks {', '.join(missing)} (CIFAR-10's "
+                "python version); set data.dataset.root, or data.dataset.download=true where the network allows"
+            )
 
 
 def _class_folders(path: Path) -> list[str]:

@@ -1,4 +1,5 @@
-"""The command's side of a run: resolve the config, check it, launch (or join an outside launch), and report the outcome in one line."""
+"""The command's side of a run: resolve the config, check it, launch (or join an outside launch), and
+report the outcome in one line."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, NoReturn, Optional
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -38,7 +40,8 @@ def adopt_external_launch(argv: list[str]) -> None:
             kubernetes.adopt(argv)
         except UserError as error:  # before Hydra: nothing composed, nothing launched
             say(f"hydra-ddp: error: {error}")
-            exit_after(lambda: sys.exit(error.exit_code))  # as a run ends: without torch's seconds of teardown
+            code = error.exit_code
+            exit_after(lambda: sys.exit(code))  # as a run ends: without torch's seconds of teardown
         return
     for arg in [a for a in argv[1:] if a.startswith(("--local-rank=", "--local_rank="))]:
         os.environ["LOCAL_RANK"] = arg.split("=", 1)[1]
@@ -47,8 +50,14 @@ def adopt_external_launch(argv: list[str]) -> None:
     if found and not found[1].is_main:
         # Hydra's "disabled" logging would also disable every logger that exists by then (the
         # project's, created at import): this rank's lines would never reach the run's log file.
-        argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
-                 "hydra.job_logging.disable_existing_loggers=false", "hydra.hydra_logging.disable_existing_loggers=false"]
+        argv += [
+            "hydra.output_subdir=null",
+            "hydra.run.dir=.",
+            "hydra/job_logging=disabled",
+            "hydra/hydra_logging=disabled",
+            "hydra.job_logging.disable_existing_loggers=false",
+            "hydra.hydra_logging.disable_existing_loggers=false",
+        ]
 
 
 def exit_after(entry: Callable[[], Any]) -> NoReturn:
@@ -92,8 +101,11 @@ def run(cfg: DictConfig, started_at: float, job: str = "train") -> Optional[dict
     if external:
         # Only rank 0 knows the run directory: its verdict reaches every rank once the group is up.
         problem = _problem(resolved, run_dir) if external[1].is_main and job == "train" else None
-        return _unless_stopped(workers.worker_entry("main")(resolved, str(run_dir), external[1], started_at, problem=problem),
-                               run_dir, quiet=not external[1].is_main)
+        return _unless_stopped(
+            workers.worker_entry("main")(resolved, str(run_dir), external[1], started_at, problem=problem),
+            run_dir,
+            quiet=not external[1].is_main,
+        )
     return _unless_stopped(workers.launch(resolved, run_dir, started_at), run_dir)
 
 
@@ -110,8 +122,11 @@ def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]]
         plain = resolve.resolve(cfg, run_dir, external)
     plain["job"] = job
     hydra_cfg = HydraConfig.get()
-    plain["sweep"] = ({"dir": str(Path(hydra_cfg.sweep.dir).resolve()), "job": hydra_cfg.job.num}
-                      if hydra_cfg.mode == RunMode.MULTIRUN else None)  # loggers group a sweep's jobs
+    plain["sweep"] = (
+        {"dir": str(Path(hydra_cfg.sweep.dir).resolve()), "job": hydra_cfg.job.num}
+        if hydra_cfg.mode == RunMode.MULTIRUN
+        else None
+    )  # loggers group a sweep's jobs
     # The keys set on the command line (a sweep trial's): every worker logs its own values of them.
     keys = (from_checkpoint.override_key(o) for o in overrides if "=" in o)
     plain["overridden"] = [k for k in keys if _is_value(plain, k.split("."))]
@@ -132,14 +147,20 @@ def _check_only(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, An
         with contextlib.suppress(OSError):
             run_dir.rmdir()  # Hydra made it for this command; nothing was written there (only if empty)
     launcher, trainer = plain["launcher"], plain["trainer"]
-    what = (f"{plain['strategy']['name']}, global batch {plain['data']['global_batch_size']}" if job == "train"
-            else f"eval of {plain['eval']['ckpt']} on {plain['eval']['split']}")
+    what = (
+        f"{plain['strategy']['name']}, global batch {plain['data']['global_batch_size']}"
+        if job == "train"
+        else f"eval of {plain['eval']['ckpt']} on {plain['eval']['split']}"
+    )
     workers = trainer["nproc"] * launcher["nnodes"]
     if (launcher.get("min_nodes") or launcher["nnodes"]) != launcher["nnodes"]:  # elastic: as many as are present
         workers = f"{trainer['nproc'] * launcher['min_nodes']}-{workers}"
-    print(f"hydra-ddp: config OK: {workers} worker(s) on {trainer['device']} "
-          f"({launcher['name']}, backend {plain['backend']['name']}, init {plain['init_method']['name']}), {what}; "
-          "nothing launched", flush=True)
+    print(
+        f"hydra-ddp: config OK: {workers} worker(s) on {trainer['device']} "
+        f"({launcher['name']}, backend {plain['backend']['name']}, init {plain['init_method']['name']}), {what}; "
+        "nothing launched",
+        flush=True,
+    )
 
 
 def _is_value(plain: dict[str, Any], path: list[str]) -> bool:
@@ -165,8 +186,10 @@ def _unless_stopped(summary: Optional[dict[str, Any]], run_dir: Path, quiet: boo
     if summary and summary["stopped_by"]:
         raise Stopped(summary, run_dir, quiet)
     if summary and summary.get("ended_by") == "max_time":
-        say(f"hydra-ddp: trainer.max_time spent at step {summary['steps']}: tested and checkpointed; continue "
-            f"with: {_again(run_dir)}")
+        say(
+            f"hydra-ddp: trainer.max_time spent at step {summary['steps']}: tested and checkpointed; continue "
+            f"with: {_again(run_dir)}"
+        )
     return summary
 
 
@@ -177,7 +200,7 @@ def fail(error: UserError) -> None:
     and the sweep goes on; the report's callback exits non-zero at the end.
     """
     message = str(error)
-    message = message[len(EVERY_RANK):] if message.startswith(EVERY_RANK) else message  # an outside launch's rank
+    message = message[len(EVERY_RANK) :] if message.startswith(EVERY_RANK) else message  # an outside launch's rank
     if not getattr(error, "quiet", False):
         say(f"hydra-ddp: error: {message}")
     hydra_cfg = HydraConfig.get()

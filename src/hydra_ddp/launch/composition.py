@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 _TYPE = re.compile(r"Value '(.*)' (?:of type '(\w+)' could not be converted to (\w+)|is not a valid (\w+))")
 _MISSING_OPTION = re.compile(r"Could not find '([^']+)/([^']+)'")
@@ -20,8 +21,9 @@ def one_line(error: BaseException) -> Optional[str]:
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
 
-    if not isinstance(error, (ConfigCompositionException, MissingConfigException, OverrideParseException,
-                              OmegaConfBaseException)):
+    if not isinstance(
+        error, (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException)
+    ):
         return None
     text = str(error)
     cause = error.__cause__ if error.__cause__ is not None else error
@@ -29,8 +31,12 @@ def one_line(error: BaseException) -> Optional[str]:
     found = _TYPE.search(f"{text}\n{cause}")
     if found and key:
         value, _, wanted, plain = found.groups()
-        kind = {"Integer": "a whole number", "Float": "a number", "Boolean": "true or false",
-                "bool": "true or false"}.get(wanted or plain, (wanted or plain or "another type").lower())
+        kind = {
+            "Integer": "a whole number",
+            "Float": "a number",
+            "Boolean": "true or false",
+            "bool": "true or false",
+        }.get(wanted or plain, (wanted or plain or "another type").lower())
         return f"{key}={value!r}: give {kind} (docs/reference/config.md: every key's type)"
     missing = _MISSING_OPTION.search(text)
     if missing:
@@ -40,8 +46,10 @@ def one_line(error: BaseException) -> Optional[str]:
         return f"{group}={option}: no such option in conf/{group}/; {fix}"
     absent = _NOT_IN.search(f"{text}\n{cause}")
     if absent and key:
-        return (f"{key}: no such key in the config (misspelt?); docs/reference/config.md lists every key, and "
-                f"+{key}=... adds one to a group that takes its own (a model's, an optimizer's)")
+        return (
+            f"{key}: no such key in the config (misspelt?); docs/reference/config.md lists every key, and "
+            f"+{key}=... adds one to a group that takes its own (a model's, an optimizer's)"
+        )
     if isinstance(error, OverrideParseException):
         return f"an override does not parse: {text.splitlines()[0]} (Hydra's override syntax: key=value)"
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
@@ -74,4 +82,5 @@ def report_in_one_line() -> None:
 def _raise(error: BaseException) -> Callable[[], Any]:
     def again() -> Any:
         raise error
+
     return again

@@ -18,7 +18,12 @@ from collections.abc import Mapping, MutableMapping
 from hydra_ddp.errors import UserError
 
 NNODES, NPROC, NODE_RANK, MASTER_ADDR, MASTER_PORT = (
-    "PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+    "PET_NNODES",
+    "PET_NPROC_PER_NODE",
+    "PET_NODE_RANK",
+    "PET_MASTER_ADDR",
+    "PET_MASTER_PORT",
+)
 # Read where set (the controllers don't): torchrun's --rdzv-id and --local-addr.
 RDZV_ID, LOCAL_ADDR = "PET_RDZV_ID", "PET_LOCAL_ADDR"
 IN_POD = "KUBERNETES_SERVICE_HOST"  # the kubelet sets it in every container
@@ -45,23 +50,33 @@ def pod_settings(env: Mapping[str, str]) -> dict[str, str]:
     nnodes = env[NNODES].strip()
     low, _, high = nnodes.partition(":")  # "MIN:MAX": elastic, as torchrun reads it
     if not (low.isdigit() and (high or low).isdigit() and 1 <= int(low) <= int(high or low)):
-        raise UserError(f"{NNODES}={nnodes!r} is not a node count: the pod's job should set a positive integer "
-                        "(Kubeflow: the job's numNodes)")
+        raise UserError(
+            f"{NNODES}={nnodes!r} is not a node count: the pod's job should set a positive integer "
+            "(Kubeflow: the job's numNodes)"
+        )
     most = int(high or low)
     settings = {}
     if most > 1:
         rank = env.get(NODE_RANK, "").strip()
         if not rank.isdigit() or int(rank) >= most:
-            raise UserError(f"{NODE_RANK}={rank or '(unset)'} must be this pod's index among the job's {most} nodes "
-                            f"({NNODES}={nnodes}): 0 to {most - 1}; Kubeflow sets both, check the job's numNodes")
+            raise UserError(
+                f"{NODE_RANK}={rank or '(unset)'} must be this pod's index among the job's {most} nodes "
+                f"({NNODES}={nnodes}): 0 to {most - 1}; Kubeflow sets both, check the job's numNodes"
+            )
         addr, port = env.get(MASTER_ADDR, "").strip(), env.get(MASTER_PORT, "").strip()
         if not addr or not (port.isdigit() and 0 < int(port) < 65536):
-            raise UserError(f"{NNODES}={nnodes} needs node 0's address and port in {MASTER_ADDR} and {MASTER_PORT} "
-                            f"(a port 1-65535), got {addr!r} and {port!r}")
-        settings = {"launcher": "torchrun", "launcher.nnodes": nnodes, "launcher.node_rank": str(int(rank)),
-                    "launcher.rdzv_endpoint": f"{addr}:{int(port)}",
-                    # The same on every pod of one job and on no other: node 0's address names the job.
-                    "launcher.rdzv_id": env.get(RDZV_ID) or addr}
+            raise UserError(
+                f"{NNODES}={nnodes} needs node 0's address and port in {MASTER_ADDR} and {MASTER_PORT} "
+                f"(a port 1-65535), got {addr!r} and {port!r}"
+            )
+        settings = {
+            "launcher": "torchrun",
+            "launcher.nnodes": nnodes,
+            "launcher.node_rank": str(int(rank)),
+            "launcher.rdzv_endpoint": f"{addr}:{int(port)}",
+            # The same on every pod of one job and on no other: node 0's address names the job.
+            "launcher.rdzv_id": env.get(RDZV_ID) or addr,
+        }
         if env.get(LOCAL_ADDR):  # else the pod's hostname's address, as torchrun's
             settings["launcher.local_addr"] = env[LOCAL_ADDR]
     nproc = env.get(NPROC, "").strip()
@@ -85,8 +100,10 @@ def pod_overrides(env: Mapping[str, str], overrides: list[str]) -> list[str]:
             given[key] = value.strip().strip("'\"")
     for key, value in given.items():
         if _canonical(value) != _canonical(settings[key]):
-            raise UserError(f"{key}={value} on the command line disagrees with this pod's environment, which "
-                            f"says {key}={settings[key]} ({_source(key, env)}); drop the override, or change the job")
+            raise UserError(
+                f"{key}={value} on the command line disagrees with this pod's environment, which "
+                f"says {key}={settings[key]} ({_source(key, env)}); drop the override, or change the job"
+            )
     return [f"{key}={value}" for key, value in settings.items() if key not in given]
 
 
@@ -103,7 +120,13 @@ def _canonical(value: str) -> str:
 
 def _source(key: str, env: Mapping[str, str]) -> str:
     """The pod's variables a setting comes from, with their values."""
-    names = {"launcher": [NNODES], "launcher.nnodes": [NNODES], "launcher.node_rank": [NODE_RANK],
-             "launcher.rdzv_endpoint": [MASTER_ADDR, MASTER_PORT], "trainer.nproc": [NPROC],
-             "launcher.rdzv_id": [RDZV_ID if env.get(RDZV_ID) else MASTER_ADDR], "launcher.local_addr": [LOCAL_ADDR]}[key]
+    names = {
+        "launcher": [NNODES],
+        "launcher.nnodes": [NNODES],
+        "launcher.node_rank": [NODE_RANK],
+        "launcher.rdzv_endpoint": [MASTER_ADDR, MASTER_PORT],
+        "trainer.nproc": [NPROC],
+        "launcher.rdzv_id": [RDZV_ID if env.get(RDZV_ID) else MASTER_ADDR],
+        "launcher.local_addr": [LOCAL_ADDR],
+    }[key]
     return ", ".join(f"{name}={env[name]}" for name in names)

@@ -7,28 +7,33 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict, read_write
 
-from hydra_ddp.parallel import distributed
-from hydra_ddp.launch import command, startup
 from hydra_ddp.config.schema import register_schema
+from hydra_ddp.launch import command, startup
+from hydra_ddp.parallel import distributed
 
 
-def check(conf_dir: Path, overrides: list[str], run_dir: Path, gpus: Optional[int] = None,
-          config_name: str = "config") -> None:
+def check(
+    conf_dir: Path, overrides: list[str], run_dir: Path, gpus: Optional[int] = None, config_name: str = "config"
+) -> None:
     """Raise the UserError `train.py --check OVERRIDES` would print (nothing: the config is good).
     `gpus`: check it for a host of that many GPUs (`--gpus=N`). Hydra's own composition errors
     (an unknown group option, a misspelt key) propagate as Hydra raises them."""
     _register_schema()
     with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None):
         # One job's config: a search preset's sweep (hydra.mode=MULTIRUN) is checked as its base run.
-        cfg = compose(config_name=config_name, overrides=[*overrides, f"hydra.run.dir={run_dir}", "hydra.mode=RUN"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name=config_name,
+            overrides=[*overrides, f"hydra.run.dir={run_dir}", "hydra.mode=RUN"],
+            return_hydra_config=True,
+        )
     with read_write(cfg.hydra.runtime), open_dict(cfg.hydra.runtime):
         cfg.hydra.runtime.output_dir = str(run_dir)  # what Hydra's run sets before the job starts
     HydraConfig.instance().set_config(cfg)

@@ -75,11 +75,16 @@ def srun_environment(env: Mapping[str, str]) -> dict[str, str]:
 
     hosts = _parse_node_list(env["SLURM_STEP_NODELIST"])
     node = hosts.index(env["SLURMD_NODENAME"]) if env.get("SLURMD_NODENAME") in hosts else int(env["SLURM_NODEID"])
-    per_node = [int(n) for group in env["SLURM_STEP_TASKS_PER_NODE"].split(",")  # "2(x3),1": 2, 2, 2, 1
-                for n in [group.split("(")[0]] * (int(group.split("(x")[1].rstrip(")")) if "(x" in group else 1)]
+    per_node = [
+        int(n)
+        for group in env["SLURM_STEP_TASKS_PER_NODE"].split(",")  # "2(x3),1": 2, 2, 2, 1
+        for n in [group.split("(")[0]] * (int(group.split("(x")[1].rstrip(")")) if "(x" in group else 1)
+    ]
     return {
-        "RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_STEP_NUM_TASKS"],
-        "LOCAL_RANK": env["SLURM_LOCALID"], "LOCAL_WORLD_SIZE": str(per_node[node]),
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": env["SLURM_STEP_NUM_TASKS"],
+        "LOCAL_RANK": env["SLURM_LOCALID"],
+        "LOCAL_WORLD_SIZE": str(per_node[node]),
         "MASTER_ADDR": env.get("MASTER_ADDR") or hosts[0],
         "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + int(env["SLURM_JOB_ID"]) % 20000),
     }

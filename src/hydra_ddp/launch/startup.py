@@ -40,8 +40,10 @@ def take_check_flags(argv: list[str]) -> bool:
     gpus = [a for a in argv[1:] if a.startswith("--gpus=")]
     if "--check" not in argv[1:]:
         if gpus:
-            raise SystemExit("hydra-ddp: error: --gpus=N goes with --check (a config checked for a GPU host); "
-                             "without it, trainer.nproc sets the workers")
+            raise SystemExit(
+                "hydra-ddp: error: --gpus=N goes with --check (a config checked for a GPU host); "
+                "without it, trainer.nproc sets the workers"
+            )
         return False
     for arg in ["--check", *gpus]:
         argv.remove(arg)
@@ -86,9 +88,10 @@ def frozen_imports() -> Iterator[None]:
     load, then they go to its permanent generation (gc.freeze), out of every later collection.
 
     Importing torch and torch._dynamo creates half a million objects, and the collector's full
-    passes over them while they load are a large share of the import's time. Frozen, a full collection later (as at the end of every
-    run) takes milliseconds, and a worker forked from this process does not copy its pages by
-    touching them: Python's documented recipe for processes that fork (gc.freeze). The garbage
+    passes over them while they load are a large share of the import's time. Frozen, a full
+    collection later (as at the end of every run) takes milliseconds, and a worker forked from this
+    process does not copy its pages by touching them: Python's documented recipe for processes that
+    fork (gc.freeze). The garbage
     the imports leave is frozen with them, about 7 MB, once per process.
     """
     was_enabled = gc.isenabled()

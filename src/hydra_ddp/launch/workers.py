@@ -1,4 +1,5 @@
-"""Starting the workers on this node (spawn, or torchrun's machinery from Python), holding the rendezvous store, and naming the first failure."""
+"""Starting the workers on this node (spawn, or torchrun's machinery from Python), holding the
+rendezvous store, and naming the first failure."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch.multiprocessing as mp
 from hydra.core.hydra_config import HydraConfig
@@ -63,7 +65,11 @@ def launch(cfg: DictConfig, run_dir: Path, started_at: float) -> Optional[dict[s
     launcher, n = cfg["launcher"], cfg["trainer"]["nproc"]
     log.info(
         "launching %d worker(s) with %s, backend %s, init %s → %s",
-        n * launcher["nnodes"], launcher["name"], cfg["backend"]["name"], cfg["init_method"]["name"], run_dir,
+        n * launcher["nnodes"],
+        launcher["name"],
+        cfg["backend"]["name"],
+        cfg["init_method"]["name"],
+        run_dir,
     )
     if cfg["init_method"]["name"] == "file":  # created private, before any rank writes its address there
         os.close(os.open(cfg["init_method"]["path"], os.O_WRONLY | os.O_CREAT, 0o600))
@@ -109,7 +115,10 @@ def _host_stores(cfg: DictConfig) -> tuple[list[Any], dict[str, Any]]:
     if init["name"] in ("env", "tcp"):
         setting = init.get("port_from", "init_method.port")
         stores = [distributed.serve_store(init["host"], init["port"] or 0, timeout, setting)]
-        stores += [distributed.serve_store(init["host"], 0, timeout) for _ in range(launcher["max_restarts"] if torchrun else 0)]
+        stores += [
+            distributed.serve_store(init["host"], 0, timeout)
+            for _ in range(launcher["max_restarts"] if torchrun else 0)
+        ]
         held = {"init_method.ports": [store.port for store in stores]}
     elif torchrun:  # init_method=file: the agents still meet somewhere
         stores, held = [distributed.serve_store("127.0.0.1", 0, timeout)], {}
@@ -120,21 +129,26 @@ def _host_stores(cfg: DictConfig) -> tuple[list[Any], dict[str, Any]]:
     return stores, held
 
 
-def _completed_despite(failure: "WorkerFailed", summary_file: Path) -> None:
+def _completed_despite(failure: WorkerFailed, summary_file: Path) -> None:
     """A worker that fails after rank 0 wrote this run's summary failed in its teardown: the summary
     is written after the last collective, so every rank had finished its work. Warn, and keep the run."""
     if not summary_file.exists():
         raise failure
     json.loads(summary_file.read_text())  # whole (written atomically), or this fails loudly
-    say(f"hydra-ddp: warning: worker rank {failure.rank} ended badly ({failure.cause}) while exiting, after the run "
-        f"completed ({summary_file} written): the results are complete")
+    say(
+        f"hydra-ddp: warning: worker rank {failure.rank} ended badly ({failure.cause}) while exiting, after the run "
+        f"completed ({summary_file} written): the results are complete"
+    )
 
 
 def _spawn(cfg: DictConfig, run_dir: Path, started_at: float, parent: Optional[int]) -> None:
     log_file = RunDir(run_dir).log(cfg.job)
     context = mp.start_processes(
-        _spawned, args=(cfg, str(run_dir), started_at, parent), nprocs=cfg["trainer"]["nproc"],
-        join=False, start_method=cfg["launcher"]["start_method"],
+        _spawned,
+        args=(cfg, str(run_dir), started_at, parent),
+        nprocs=cfg["trainer"]["nproc"],
+        join=False,
+        start_method=cfg["launcher"]["start_method"],
     )
 
     def forward(signum: int, frame: Any) -> None:
@@ -199,8 +213,10 @@ def _torchrun(cfg: DictConfig, run_dir: Path, started_at: float, parent: Optiona
         logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
     )
     # The agent passes on SIGTERM and SIGINT only: Slurm's pre-emption signals become a SIGTERM.
-    as_sigterm = {sig: signal.signal(sig, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
-                  for sig in (signal.SIGUSR1, signal.SIGUSR2)}
+    as_sigterm = {
+        sig: signal.signal(sig, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+        for sig in (signal.SIGUSR1, signal.SIGUSR2)
+    }
     try:
         elastic_launch(config, _elastic)(cfg, str(run_dir), started_at, parent)
         return None
@@ -274,7 +290,7 @@ class WorkerFailed(UserError):
     def __init__(self, rank: int, cause: str, log_file: Path):
         self.rank, self.cause = rank, cause
         if cause.startswith(EVERY_RANK):  # the run's failure, not one rank's
-            super().__init__(f"{cause[len(EVERY_RANK):]} (log: {log_file})")
+            super().__init__(f"{cause[len(EVERY_RANK) :]} (log: {log_file})")
             return
         super().__init__(f"worker rank {rank} failed: {cause} (full traceback: {log_file})")
 
@@ -293,8 +309,11 @@ class Stopped(UserError):
         self.exit_code = 128 + signum if signum else 1
         self.quiet = quiet
         again = _again(run_dir)
-        where = (f"at step {summary['steps']}; checkpoint saved in {run_dir / 'checkpoints'}" if summary["steps"]
-                 else "before the workers wrote a checkpoint; the last one is kept")
+        where = (
+            f"at step {summary['steps']}; checkpoint saved in {run_dir / 'checkpoints'}"
+            if summary["steps"]
+            else "before the workers wrote a checkpoint; the last one is kept"
+        )
         super().__init__(f"stopped by {summary['stopped_by']} {where}; continue with: {again}")
 
 

@@ -59,8 +59,9 @@ class Traffic:
         dist.all_reduce(tensor, group=group)
 
 
-def register(model: nn.parallel.DistributedDataParallel, name: str, traffic: Traffic,
-             powersgd: Any = None) -> Optional[PowerSGD]:
+def register(
+    model: nn.parallel.DistributedDataParallel, name: str, traffic: Traffic, powersgd: Any = None
+) -> Optional[PowerSGD]:
     """Register the configured hook on the DDP model, before its first step; every hook counts what
     it sends in `traffic` (none: the same fp32 all-reduce as DDP's built-in one, divided first). PowerSGD's
     object is returned: its state goes into checkpoints."""
@@ -107,11 +108,20 @@ def _low_rank_size(param: torch.Tensor, rank: int) -> Optional[int]:
 class PowerSGD:
     """PowerSGD as a DDP communication hook, with its state by parameter name."""
 
-    def __init__(self, module: nn.Module, group: Any, rank: int, start_step: int, seed: int = 0,
-                 traffic: Optional[Traffic] = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        group: Any,
+        rank: int,
+        start_step: int,
+        seed: int = 0,
+        traffic: Optional[Traffic] = None,
+    ):
         self.traffic = traffic or Traffic()
         self.names = {id(p): name for name, p in module.named_parameters()}
-        self.shapes = {name: (p.shape[0], p.numel() // p.shape[0]) for name, p in module.named_parameters() if p.dim() > 1}
+        self.shapes = {
+            name: (p.shape[0], p.numel() // p.shape[0]) for name, p in module.named_parameters() if p.dim() > 1
+        }
         self.group, self.rank, self.start_step, self.seed = group, rank, start_step, seed
         self.step = 0  # optimizer steps seen (the hook runs once per bucket and step)
         self.errors: dict[str, torch.Tensor] = {}  # this rank's: what the approximations left out
@@ -177,16 +187,26 @@ class PowerSGD:
             mine = torch.cat([self.errors[n].reshape(-1) for n in names])
             errors = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
             dist.all_gather(errors, mine, group=self.group)
-        return {"hook": "powersgd", "rank": self.rank, "step": self.step, "q": dict(self.qs),
-                "error_names": names, "errors": errors}
+        return {
+            "hook": "powersgd",
+            "rank": self.rank,
+            "step": self.step,
+            "q": dict(self.qs),
+            "error_names": names,
+            "errors": errors,
+        }
 
     def load(self, saved: Optional[dict[str, Any]], step: int) -> Optional[str]:
         """Continue from a checkpoint's state, or without one from its step; a warning where part
         of it cannot be taken (the run goes on, no longer exactly as the uninterrupted one)."""
         self.step = step
         if not saved or saved.get("hook") != "powersgd" or saved["rank"] != self.rank:
-            return (f"the checkpoint holds no PowerSGD state of rank {self.rank}: warm start and error feedback "
-                    "begin afresh" if step > self.start_step else None)
+            return (
+                f"the checkpoint holds no PowerSGD state of rank {self.rank}: warm start and error feedback "
+                "begin afresh"
+                if step > self.start_step
+                else None
+            )
         self.qs = {name: q.clone() for name, q in saved["q"].items()}
         errors, world = saved["errors"], dist.get_world_size(self.group)
         if errors and len(errors) != world:

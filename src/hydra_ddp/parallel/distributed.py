@@ -7,9 +7,9 @@ import errno
 import ipaddress
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,6 @@ def adopt_launcher_environment() -> None:
         os.environ.update(srun_environment(os.environ))
 
 
-
 class Host(NamedTuple):
     """What this machine offers a run, read once on the launch side: every decision that depends on
     it (device, world size, backend, which GPU a rank takes) is a pure function of these facts."""
@@ -47,15 +46,19 @@ class Host(NamedTuple):
     mpi: bool
 
     @classmethod
-    def here(cls) -> "Host":
+    def here(cls) -> Host:
         """This machine; or, for `train.py --check --gpus=N`, a GPU host of N GPUs (a config checked
         on a laptop or a login node for the cluster it will run on)."""
         assumed = os.environ.get(CHECK_GPUS_ENV)
         if assumed:
             return cls(cuda=True, gpus=int(assumed), nccl=True, mpi=dist.is_mpi_available())
         cuda = torch.cuda.is_available()
-        return cls(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0, nccl=dist.is_nccl_available(),
-                   mpi=dist.is_mpi_available())
+        return cls(
+            cuda=cuda,
+            gpus=torch.cuda.device_count() if cuda else 0,
+            nccl=dist.is_nccl_available(),
+            mpi=dist.is_mpi_available(),
+        )
 
 
 CHECK_GPUS_ENV = "HYDRA_DDP_CHECK_GPUS"  # set by train.py --check --gpus=N (startup.take_check_flags)
@@ -156,8 +159,16 @@ def serve_store(host: str, port: int, timeout: timedelta, setting: str = "init_m
         listener.listen()
         port = listener.getsockname()[1]
     try:
-        store = dist.TCPStore(host, port, None, is_master=True, timeout=timeout, use_libuv=True,
-                              wait_for_workers=False, master_listen_fd=listener.fileno() if listener else None)
+        store = dist.TCPStore(
+            host,
+            port,
+            None,
+            is_master=True,
+            timeout=timeout,
+            use_libuv=True,
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno() if listener else None,
+        )
     except dist.DistNetworkError as e:
         if listener is not None:
             listener.close()
@@ -171,10 +182,13 @@ def serve_store(host: str, port: int, timeout: timedelta, setting: str = "init_m
 
 def _port_in_use(host: str, port: int, setting: str) -> UserError:
     if setting == "MASTER_PORT":
-        return UserError(f"MASTER_PORT={port} (exported) is already in use on {host}; export a free port, or unset "
-                         "MASTER_PORT (a free one is picked)")
-    return UserError(f"port {port} on {host} is already in use; set {setting} to a free port, "
-                     "or to null (a free one is picked)")
+        return UserError(
+            f"MASTER_PORT={port} (exported) is already in use on {host}; export a free port, or unset "
+            "MASTER_PORT (a free one is picked)"
+        )
+    return UserError(
+        f"port {port} on {host} is already in use; set {setting} to a free port, or to null (a free one is picked)"
+    )
 
 
 def restart_count() -> int:
@@ -190,25 +204,35 @@ def _join_hosted_store(init: Mapping[str, Any], attempt: int) -> None:
     group's keys are in it."""
     ports = init["ports"]
     if attempt >= len(ports):
-        raise UserError(f"restart {attempt} of the group has no store: the launcher held {len(ports)} "
-                        f"(launcher.max_restarts={len(ports) - 1})")
+        raise UserError(
+            f"restart {attempt} of the group has no store: the launcher held {len(ports)} "
+            f"(launcher.max_restarts={len(ports) - 1})"
+        )
     os.environ.update(MASTER_ADDR=init["host"], MASTER_PORT=str(ports[attempt]), TORCHELASTIC_USE_AGENT_STORE="True")
 
 
 @contextlib.contextmanager
-def process_group(backend: str, init: Mapping[str, Any], rank: RankInfo, timeout_s: int,
-                  device: torch.device) -> Iterator[None]:
+def process_group(
+    backend: str, init: Mapping[str, Any], rank: RankInfo, timeout_s: int, device: torch.device
+) -> Iterator[None]:
     """Join the group through torch's rendezvous handler for the init method's URL; always leave it,
     so the next job in a multirun starts clean. An outside launcher's env:// is its MASTER_ADDR/PORT."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's count alone (a Slurm requeue is a new job)
+    attempt = int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    )  # torchrun's count alone (a Slurm requeue is a new job)
     if init.get("ports"):
         _join_hosted_store(init, attempt)
     elif init["name"] == "env" and "MASTER_PORT" not in os.environ:  # mpirun: rank 0 serves at host:port
         os.environ.update(MASTER_ADDR=init["host"], MASTER_PORT=str(init["port"]))
-    dist.init_process_group(backend, init_method=init_url(init, attempt), rank=rank.rank, world_size=rank.world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=init_url(init, attempt),
+        rank=rank.rank,
+        world_size=rank.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
     try:
         yield
     finally:
@@ -234,6 +258,13 @@ def first_error(error: Optional[str], device: torch.device) -> Optional[str]:
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
     src = int(lowest.item())
     return None if src == world else broadcast_text(error or "", device, src)
+
+
+def most_over_ranks(values: dict[str, int], device: torch.device) -> dict[str, int]:
+    """Each value's maximum over the ranks (one all-reduce)."""
+    packed = torch.tensor(list(values.values()), dtype=torch.int64, device=device)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    return dict(zip(values, packed.tolist()))
 
 
 def max_over_ranks(value: float, device: torch.device) -> float:

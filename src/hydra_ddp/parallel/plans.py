@@ -35,8 +35,10 @@ class Plan:
         """Model replicas, each reading its own batches: every rank, but for tensor parallel's groups."""
         size = self.tp_size(settings, world)
         if size < 1 or world % size:
-            raise UserError(f"strategy.tp_size={size} does not divide the world size {world}: "
-                            f"choose a divisor of {world} (the mesh is world ÷ tp_size by tp_size)")
+            raise UserError(
+                f"strategy.tp_size={size} does not divide the world size {world}: "
+                f"choose a divisor of {world} (the mesh is world ÷ tp_size by tp_size)"
+            )
         return world // size
 
     def refusals(self, plain: dict[str, Any]) -> list[tuple[bool, str]]:
@@ -46,26 +48,44 @@ class Plan:
             return []
         name = self.name
         return [
-            (settings["comm_hook"] != "none", f"strategy.comm_hook={settings['comm_hook']} is DDP's: FSDP reduce-scatters its own "
-                                         "gradients; leave it none"),
-            (not plain["data"]["even_shards"], "data.even_shards=false needs DDP's Join, which FSDP does not "
-                                               "support; keep data.even_shards=true"),
+            (
+                settings["comm_hook"] != "none",
+                f"strategy.comm_hook={settings['comm_hook']} is DDP's: FSDP reduce-scatters its own "
+                "gradients; leave it none",
+            ),
+            (
+                not plain["data"]["even_shards"],
+                "data.even_shards=false needs DDP's Join, which FSDP does not support; keep data.even_shards=true",
+            ),
             (trainer["compile"], f"trainer.compile=true is not supported with strategy={name} yet; leave it false"),
-            (trainer["channels_last"] is True, "trainer.channels_last=true makes convolution weights non-contiguous, "
-                                               "which FSDP cannot shard; leave it auto or false"),
+            (
+                trainer["channels_last"] is True,
+                "trainer.channels_last=true makes convolution weights non-contiguous, "
+                "which FSDP cannot shard; leave it auto or false",
+            ),
             (settings["sync_batchnorm"] is True, "strategy.sync_batchnorm=true is DDP's; leave it auto or false"),
-            (str(trainer["precision"]) == "16", f"trainer.precision=16 (a GradScaler) is not supported with "
-                                                f"strategy={name}; use strategy.mixed_precision=bf16 or "
-                                                "trainer.precision=bf16"),
-            (self.tensor_parallel and bool(settings["mixed_precision"] or settings["cpu_offload"]),
-             "strategy.mixed_precision and strategy.cpu_offload are not supported with tensor parallel yet; "
-             "leave them null and false"),
-            (settings["cpu_offload"] and trainer["device"] != "cuda",
-             "strategy.cpu_offload=true keeps parameters on the CPU between uses on GPUs; on the CPU it has "
-             "nothing to offload: leave it false"),
-            (settings["mixed_precision"] == "fp16", "strategy.mixed_precision=fp16 would need loss scaling over the "
-                                                    "shards, which FSDP2 here does not do (small gradients would "
-                                                    "underflow silently); use bf16: fp32's range, no scaler"),
+            (
+                str(trainer["precision"]) == "16",
+                f"trainer.precision=16 (a GradScaler) is not supported with "
+                f"strategy={name}; use strategy.mixed_precision=bf16 or "
+                "trainer.precision=bf16",
+            ),
+            (
+                self.tensor_parallel and bool(settings["mixed_precision"] or settings["cpu_offload"]),
+                "strategy.mixed_precision and strategy.cpu_offload are not supported with tensor parallel yet; "
+                "leave them null and false",
+            ),
+            (
+                settings["cpu_offload"] and trainer["device"] != "cuda",
+                "strategy.cpu_offload=true keeps parameters on the CPU between uses on GPUs; on the CPU it has "
+                "nothing to offload: leave it false",
+            ),
+            (
+                settings["mixed_precision"] == "fp16",
+                "strategy.mixed_precision=fp16 would need loss scaling over the "
+                "shards, which FSDP2 here does not do (small gradients would "
+                "underflow silently); use bf16: fp32's range, no scaler",
+            ),
         ]
 
     def sync_batchnorm(self, setting: Any, device: str) -> Any:
@@ -73,12 +93,15 @@ class Plan:
         return device == "cuda" and self.replicate if setting == "auto" else setting
 
 
-PLANS = {plan.name: plan for plan in (
-    Plan("ddp", replicate=True),
-    Plan("fsdp", shard=True),
-    Plan("tp", tensor_parallel=True),
-    Plan("fsdp_tp", shard=True, tensor_parallel=True),
-)}
+PLANS = {
+    plan.name: plan
+    for plan in (
+        Plan("ddp", replicate=True),
+        Plan("fsdp", shard=True),
+        Plan("tp", tensor_parallel=True),
+        Plan("fsdp_tp", shard=True, tensor_parallel=True),
+    )
+}
 
 
 def plan(name: str) -> Plan:
@@ -110,13 +133,16 @@ def check_tp_plan(plain: dict[str, Any], chosen: Plan) -> None:
         with torch.device("meta"):
             model = instantiate(plain["model"])
     except Exception as error:  # noqa: BLE001  (the model's own complaint: a shape it cannot take, say)
-        raise UserError(f"strategy={chosen.name}: {plain['model']['_target_']} does not build: "
-                        f"{first_line(root_cause(error))}") from None
+        raise UserError(
+            f"strategy={chosen.name}: {plain['model']['_target_']} does not build: {first_line(root_cause(error))}"
+        ) from None
     try:
         tp_plan = getattr(model, "tp_plan", None)
         if tp_plan is None:
-            raise UserError(f"strategy={chosen.name} needs a model with a tensor-parallel plan (a tp_plan method, as "
-                            f"model=gpt has); {plain['model']['_target_']} has none: use strategy=ddp or fsdp")
+            raise UserError(
+                f"strategy={chosen.name} needs a model with a tensor-parallel plan (a tp_plan method, as "
+                f"model=gpt has); {plain['model']['_target_']} has none: use strategy=ddp or fsdp"
+            )
         tp_plan(size)
     except ValueError as e:
         raise UserError(f"strategy={chosen.name}: {e}") from None

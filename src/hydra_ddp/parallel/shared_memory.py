@@ -111,8 +111,11 @@ class SharedMemoryAllReduce:
         if problems:
             raise SharedMemoryUnavailable(problems[0])
         assert memory is not None
-        peers = {r: (pid, started) for r, (_, pid, started) in enumerate(everyone)
-                 if r != self.rank and started and _started(pid) == started}
+        peers = {
+            r: (pid, started)
+            for r, (_, pid, started) in enumerate(everyone)
+            if r != self.rank and started and _started(pid) == started
+        }
         return memory, peers
 
     def _create(self, name: str, token: bytes) -> tuple[str, Optional[mmap.mmap]]:
@@ -134,7 +137,11 @@ class SharedMemoryAllReduce:
         try:
             fd = os.open(name, os.O_RDWR)
         except OSError as e:
-            return f"rank {self.rank} cannot open {name}: {e.strerror or e} (its own /dev/shm: another host or container?)", None
+            return (
+                f"rank {self.rank} cannot open {name}: {e.strerror or e} "
+                "(its own /dev/shm: another host or container?)",
+                None,
+            )
         try:
             memory = mmap.mmap(fd, self.size)
         except OSError as e:
@@ -150,8 +157,10 @@ class SharedMemoryAllReduce:
     def hook(self, state, bucket):  # noqa: ANN001, ANN201
         buffer = bucket.buffer()
         if buffer.is_sparse or not buffer.is_contiguous():
-            raise UserError("strategy.shared_memory sums dense gradients only (this model has sparse ones); "
-                            "set strategy.shared_memory=false")
+            raise UserError(
+                "strategy.shared_memory sums dense gradients only (this model has sparse ones); "
+                "set strategy.shared_memory=false"
+            )
         buffer.div_(self.world)  # each share divided first, as DDP's own all-reduce does
         if self.traffic is not None:
             self.traffic.count(buffer, step_done=bucket.is_last())
@@ -197,8 +206,10 @@ class SharedMemoryAllReduce:
                 check_liveness_at = now + LIVENESS_EVERY_S
                 if now - since > self.timeout_s:
                     names = ", ".join(str(r) for r in behind)
-                    raise RuntimeError(f"timed out after {self.timeout_s:g} s (backend.timeout_s) waiting for rank(s) "
-                                       f"{names} at the gradient all-reduce")
+                    raise RuntimeError(
+                        f"timed out after {self.timeout_s:g} s (backend.timeout_s) waiting for rank(s) "
+                        f"{names} at the gradient all-reduce"
+                    )
             if checks <= SPINS + YIELDS:
                 os.sched_yield()
             else:

@@ -4,7 +4,8 @@ module's parameter names, so either loads at any world size and under any strate
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,9 +24,12 @@ def optimizer_state_by_name(module: nn.Module, optimizer: torch.optim.Optimizer)
     names = {param: _plain_name(name) for name, param in module.named_parameters()}
     by_position = [names[param] for group in optimizer.param_groups for param in group["params"]]
     state = optimizer.state_dict()
-    return {"state": {by_position[index]: value for index, value in state["state"].items()},
-            "param_groups": [{**group, "params": [by_position[index] for index in group["params"]]}
-                             for group in state["param_groups"]]}
+    return {
+        "state": {by_position[index]: value for index, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [by_position[index] for index in group["params"]]} for group in state["param_groups"]
+        ],
+    }
 
 
 def _plain_name(name: str) -> str:
@@ -98,8 +102,9 @@ class ShardedState:
             set_model_state_dict,
         )
 
-        set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=True,
-                                                                           broadcast_from_rank0=not everywhere))
+        set_model_state_dict(
+            self.module, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=not everywhere)
+        )
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
@@ -107,8 +112,9 @@ class ShardedState:
             get_optimizer_state_dict,
         )
 
-        return get_optimizer_state_dict(self.module, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_optimizer_state_dict(
+            self.module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict

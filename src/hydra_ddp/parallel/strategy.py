@@ -10,7 +10,8 @@ gradient synchronisation that accumulation skips.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,12 +23,11 @@ from hydra_ddp.parallel import comm, plans, shared_memory, state
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.parallel.plans import Plan
 
-
 # The ddp strategy's settings that are DistributedDataParallel's own keyword arguments.
 DDP_ARGUMENTS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
 
 
-def build(cfg: Any, device: torch.device) -> "Strategy":
+def build(cfg: Any, device: torch.device) -> Strategy:
     return Strategy(plans.plan(cfg.strategy.name), cfg, device)
 
 
@@ -168,9 +168,12 @@ class Strategy:
         """Which share of the data this rank reads: its replica's (every tp rank of a replica alike)."""
         if self.tp_size == 1:
             return rank
-        return RankInfo(rank=rank.rank // self.tp_size, world_size=self.dp_size,
-                        local_rank=rank.local_rank // self.tp_size,
-                        local_world_size=max(1, rank.local_world_size // self.tp_size))
+        return RankInfo(
+            rank=rank.rank // self.tp_size,
+            world_size=self.dp_size,
+            local_rank=rank.local_rank // self.tp_size,
+            local_world_size=max(1, rank.local_world_size // self.tp_size),
+        )
 
     def data_parallel_size(self) -> int:
         """How many different batches one step trains on (the replicas)."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 
@@ -37,8 +38,12 @@ _MEASURE_S = 0.1  # the CPU peak's matmuls: the best of about this long
 _MEASURE_N = 256
 
 
-def count(build_model: Callable[[], torch.nn.Module], loss: Callable[[Any, Any], torch.Tensor],
-          inputs: tuple[torch.Size, torch.dtype], targets: tuple[torch.Size, torch.dtype]) -> int:
+def count(
+    build_model: Callable[[], torch.nn.Module],
+    loss: Callable[[Any, Any], torch.Tensor],
+    inputs: tuple[torch.Size, torch.dtype],
+    targets: tuple[torch.Size, torch.dtype],
+) -> int:
     """FLOPs of one forward and backward of the model on a batch of these shapes, on the meta device."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -84,14 +89,22 @@ def peak(device: torch.device, precision: str, threads: int, override: Optional[
         return found if found else (None, f"{name} is not in reporting/flops.py's table: set trainer.peak_flops")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     dtype_name = "bf16" if precision == "bf16" else "fp32"
-    return measure_cpu_peak(dtype), f"measured: {dtype_name} {_MEASURE_N}×{_MEASURE_N} matmul, {threads} thread(s) per rank"
+    return measure_cpu_peak(
+        dtype
+    ), f"measured: {dtype_name} {_MEASURE_N}×{_MEASURE_N} matmul, {threads} thread(s) per rank"
 
 
-def report(flops_per_sample: Optional[float], samples_per_sec: Optional[float], world_size: int,
-           peak_flops: Optional[float], source: str) -> dict[str, Any]:
+def report(
+    flops_per_sample: Optional[float],
+    samples_per_sec: Optional[float],
+    world_size: int,
+    peak_flops: Optional[float],
+    source: str,
+) -> dict[str, Any]:
     """The summary's `flops`: per sample, achieved per rank (the mean: model FLOPs ÷ ranks), MFU."""
-    per_rank = (flops_per_sample * samples_per_sec / world_size
-                if flops_per_sample is not None and samples_per_sec else None)
+    per_rank = (
+        flops_per_sample * samples_per_sec / world_size if flops_per_sample is not None and samples_per_sec else None
+    )
     return {
         "per_sample": flops_per_sample,
         "per_sec_per_rank": per_rank,
@@ -113,7 +126,36 @@ def line(flops: dict[str, Any]) -> Optional[str]:
     """The summary's row: achieved FLOP/s per rank and the MFU against its peak."""
     if not flops.get("per_sec_per_rank"):
         return None
-    text = f"{si(flops['per_sec_per_rank'], 'FLOP/s')} per rank ({si(flops['per_sample'])} per sample, forward and backward)"
+    text = (
+        f"{si(flops['per_sec_per_rank'], 'FLOP/s')} per rank "
+        f"({si(flops['per_sample'])} per sample, forward and backward)"
+    )
     if flops.get("mfu") is not None:
         return f"{text}; MFU {flops['mfu']:.3f} of {si(flops['peak_per_rank'], 'FLOP/s')} ({flops['peak_source']})"
     return f"{text}; no MFU: {flops['peak_source']}"
+
+
+def measure(
+    build_model: Callable[[], Any],
+    loss: Callable[..., Any],
+    shapes: Any,
+    samples_per_sec: Optional[float],
+    precision: str,
+    peak_flops: Optional[float],
+    world_size: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """A run's model FLOPs per sample (the first batch's shapes, counted on the meta device) and its
+    MFU, on every rank alike."""
+    from hydra_ddp.parallel import distributed
+
+    per_sample = None
+    if shapes is not None:
+        try:
+            per_sample = count(build_model, loss, *shapes) / shapes[0][0][0]
+        except Exception as e:  # noqa: BLE001  (a model that cannot be built or run on the meta device)
+            log.warning("no FLOP count: the model does not run on the meta device (%s: %s)", type(e).__name__, e)
+    value, source = peak(device, precision, torch.get_num_threads(), peak_flops)
+    if value is not None and source.startswith("measured"):  # every rank measured at once: the best
+        value = distributed.max_over_ranks(value, device)
+    return report(per_sample, samples_per_sec, world_size, value, source)

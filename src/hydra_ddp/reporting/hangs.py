@@ -1,4 +1,5 @@
-"""Finding a hung rank: each worker's watchdog leaves its stack in the run directory when it stops making progress, and a collective's timeout is reported as which rank was stuck where.
+"""Finding a hung rank: each worker's watchdog leaves its stack in the run directory when it stops
+making progress, and a collective's timeout is reported as which rank was stuck where.
 
 A rank is stalled when its main thread's Python call chain has not changed for `stall_after_s`
 (half the collective timeout, at most 5 minutes): no heartbeat to place in the loop, so a stall
@@ -73,7 +74,7 @@ class Watchdog:
         self.last_collective: Optional[str] = None
         self.thread = threading.Thread(target=self._watch, name="hydra-ddp-watchdog", daemon=True)
 
-    def __enter__(self) -> "Watchdog":
+    def __enter__(self) -> Watchdog:
         self.thread.start()
         return self
 
@@ -98,9 +99,12 @@ class Watchdog:
         place = where(frame)
         stalled = time.time() - since
         name = self.folder / f"rank{self.rank}"
-        header = (f"rank {self.rank} (pid {os.getpid()}, {socket.gethostname()}): no progress for {stalled:.0f} s, "
-                  f"at {place['at']} in {place['function']}"
-                  + (f", waiting in {place['waits_in']}" if place["waits_in"] else "") + "\n\n")
+        header = (
+            f"rank {self.rank} (pid {os.getpid()}, {socket.gethostname()}): no progress for {stalled:.0f} s, "
+            f"at {place['at']} in {place['function']}"
+            + (f", waiting in {place['waits_in']}" if place["waits_in"] else "")
+            + "\n\n"
+        )
         with open(f"{name}.txt.tmp", "w") as out:
             out.write(header + "The main thread (most recent call last):\n" + "".join(traceback.format_stack(frame)))
             out.write("\nEvery thread (most recent call first; 'Current' is the watchdog's):\n")
@@ -109,8 +113,17 @@ class Watchdog:
         os.replace(f"{name}.txt.tmp", f"{name}.txt")
         if not self.dumped:  # the recorder's last collective does not change while the rank is stuck
             self.last_collective = _dump_flight_recorder(Path(f"{name}.fr"))
-        _write_json({"rank": self.rank, "pid": os.getpid(), "since": since, "written": time.time(), **place,
-                     "last_collective": self.last_collective}, Path(f"{name}.json"))
+        _write_json(
+            {
+                "rank": self.rank,
+                "pid": os.getpid(),
+                "since": since,
+                "written": time.time(),
+                **place,
+                "last_collective": self.last_collective,
+            },
+            Path(f"{name}.json"),
+        )
         self.dumped = True
 
     def _moved_on(self, since: float) -> None:
@@ -141,12 +154,22 @@ def where(frame: FrameType) -> dict[str, Any]:
     waits = [i for i, f in enumerate(frames) if _wait_name(f)]
     waits_in = _wait_name(frames[waits[0]]) if waits else None
     # A waiting rank is placed where its code called the collective, past the machinery of the wait.
-    outside = frames[waits[-1] + 1:] if waits else frames
-    own = next((f for f in outside if "hydra_ddp" in f.f_code.co_filename
-                or not any(part in f.f_code.co_filename for part in _LIBRARY)), frames[0])
+    outside = frames[waits[-1] + 1 :] if waits else frames
+    own = next(
+        (
+            f
+            for f in outside
+            if "hydra_ddp" in f.f_code.co_filename or not any(part in f.f_code.co_filename for part in _LIBRARY)
+        ),
+        frames[0],
+    )
     code = linecache.getline(own.f_code.co_filename, own.f_lineno).split("  #")[0].strip()
-    return {"at": f"{Path(own.f_code.co_filename).name}:{own.f_lineno}", "function": own.f_code.co_name,
-            "code": code, "waits_in": waits_in}
+    return {
+        "at": f"{Path(own.f_code.co_filename).name}:{own.f_lineno}",
+        "function": own.f_code.co_name,
+        "code": code,
+        "waits_in": waits_in,
+    }
 
 
 def _wait_name(frame: FrameType) -> Optional[str]:
@@ -174,8 +197,9 @@ def _dump_flight_recorder(path: Path) -> Optional[str]:
         return None
     path.write_bytes(trace)
     newest_group = max((e.get("pg_id", 0) for e in entries), default=0)
-    last = max((e for e in entries if e.get("pg_id", 0) == newest_group), key=lambda e: e.get("record_id", 0),
-               default=None)
+    last = max(
+        (e for e in entries if e.get("pg_id", 0) == newest_group), key=lambda e: e.get("record_id", 0), default=None
+    )
     return f"#{last['collective_seq_id']} {last['profiling_name']}" if last else None
 
 
@@ -201,16 +225,23 @@ def describe(run_dir: Path, timeout_s: float) -> Optional[str]:
     now = time.time()
     stuck = [s for s in stalls if not s.get("waits_in")]
     waiting = [s for s in stalls if s.get("waits_in")]
-    parts = [f"rank {s['rank']} stuck for {now - s['since']:.0f} s at {s['at']} in {s['function']}"
-             + (f" ({s['code']})" if s.get("code") else "")
-             + (f" after collective {s['last_collective']}" if s.get("last_collective") else "")
-             + f", its stack: {folder / ('rank%d.txt' % s['rank'])}" for s in stuck]
+    parts = [
+        f"rank {s['rank']} stuck for {now - s['since']:.0f} s at {s['at']} in {s['function']}"
+        + (f" ({s['code']})" if s.get("code") else "")
+        + (f" after collective {s['last_collective']}" if s.get("last_collective") else "")
+        + f", its stack: {folder / ('rank' + str(s['rank']) + '.txt')}"
+        for s in stuck
+    ]
     if waiting:
         places: dict[str, list[str]] = {}
         for s in waiting:
-            at = f"{s['waits_in']} at {s['at']}" + (f" (collective {s['last_collective']})" if s.get("last_collective") else "")
+            at = f"{s['waits_in']} at {s['at']}" + (
+                f" (collective {s['last_collective']})" if s.get("last_collective") else ""
+            )
             places.setdefault(at, []).append(str(s["rank"]))
-        said = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(r)} wait{'' if len(r) > 1 else 's'} in {p}"
-                         for p, r in places.items())
+        said = "; ".join(
+            f"rank{'s' if len(r) > 1 else ''} {', '.join(r)} wait{'' if len(r) > 1 else 's'} in {p}"
+            for p, r in places.items()
+        )
         parts.append(("the others: " if stuck else "") + said)
     return f"a collective timed out after {timeout_s:g} s (backend.timeout_s): " + "; ".join(parts)

@@ -113,8 +113,13 @@ class CSV(Logger):
     wider header; a resumed run keeps the rows up to its checkpoint's step.
     """
 
-    def __init__(self, run_dir: Path, run_config: dict[str, Any], resume_step: Optional[int] = None,
-                 filename: str = RunDir(".").metrics_csv.name):
+    def __init__(
+        self,
+        run_dir: Path,
+        run_config: dict[str, Any],
+        resume_step: Optional[int] = None,
+        filename: str = RunDir(".").metrics_csv.name,
+    ):
         self.path = run_dir / filename
         self.rows: list[dict[str, Any]] = []
         self.columns: list[str] = ["step"]
@@ -150,7 +155,7 @@ class CSV(Logger):
             return
         if self.file is None:
             self.file = open(self.path, "a", newline="")
-        csv.DictWriter(self.file, fieldnames=self.columns).writerows(self.rows[self.written:done])
+        csv.DictWriter(self.file, fieldnames=self.columns).writerows(self.rows[self.written : done])
         self.file.flush()  # on disk as it comes, for whoever reads the file during the run
         self.written = done
 
@@ -192,9 +197,15 @@ class MLflow(Logger):
     def preload(cls) -> None:
         import mlflow.tracking  # noqa: F401
 
-    def __init__(self, run_dir: Path, run_config: dict[str, Any], resume_step: Optional[int] = None,
-                 tracking_uri: str = "sqlite:///outputs/mlflow.db", experiment: str = "hydra-ddp",
-                 artifact_location: Optional[str] = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        run_config: dict[str, Any],
+        resume_step: Optional[int] = None,
+        tracking_uri: str = "sqlite:///outputs/mlflow.db",
+        experiment: str = "hydra-ddp",
+        artifact_location: Optional[str] = None,
+    ):
         import logging
 
         from mlflow.tracking import MlflowClient
@@ -214,13 +225,17 @@ class MLflow(Logger):
             sweep = run_config.get("sweep")
             tags = {
                 "world_size": str(run_config["trainer"]["nproc"] * run_config["launcher"]["nnodes"]),
-                "backend": str(run_config["backend"]["name"]), "launcher": str(run_config["launcher"]["name"]),
+                "backend": str(run_config["backend"]["name"]),
+                "launcher": str(run_config["launcher"]["name"]),
                 "run_dir": str(run_dir),
             }
             if sweep:
                 tags["mlflow.parentRunId"] = self._parent(experiment_id, Path(sweep["dir"]))
-            run = self.client.create_run(experiment_id, tags=tags, run_name=run_dir.name if not sweep else
-                                         f"{Path(sweep['dir']).name}/{sweep['job']}")
+            run = self.client.create_run(
+                experiment_id,
+                tags=tags,
+                run_name=run_dir.name if not sweep else f"{Path(sweep['dir']).name}/{sweep['job']}",
+            )
             self.run_id = run.info.run_id
             id_file.write_text(self.run_id + "\n")
             self._log_params(run_config)
@@ -234,8 +249,9 @@ class MLflow(Logger):
         location = Path(artifact_location).resolve().as_uri() if artifact_location else None
         try:
             # A model-training experiment: MLflow 3's UI otherwise opens it in its GenAI view.
-            return self.client.create_experiment(name, artifact_location=location,
-                                                 tags={"mlflow.experimentKind": "custom_model_development"})
+            return self.client.create_experiment(
+                name, artifact_location=location, tags={"mlflow.experimentKind": "custom_model_development"}
+            )
         except Exception:  # created meanwhile by a parallel job
             return self.client.get_experiment_by_name(name).experiment_id
 
@@ -249,8 +265,9 @@ class MLflow(Logger):
             id_file = RunDir(sweep_dir).mlflow_run_id
             if id_file.exists():
                 return id_file.read_text().split()[0]
-            parent = self.client.create_run(experiment_id, run_name=f"sweep {sweep_dir.name}",
-                                            tags={"sweep_dir": str(sweep_dir)})
+            parent = self.client.create_run(
+                experiment_id, run_name=f"sweep {sweep_dir.name}", tags={"sweep_dir": str(sweep_dir)}
+            )
             # The store too: the sweep's end (end_sweep, in the launching process) closes the parent run.
             id_file.write_text(f"{parent.info.run_id}\n{self.client.tracking_uri}\n")
             return parent.info.run_id

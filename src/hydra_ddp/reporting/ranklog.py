@@ -1,4 +1,5 @@
-"""Every rank's log: the console (rank 0, one line per failure) and the run's log file (every rank, tracebacks included), and a crashed rank's stack."""
+"""Every rank's log: the console (rank 0, one line per failure) and the run's log file (every rank,
+tracebacks included), and a crashed rank's stack."""
 
 from __future__ import annotations
 

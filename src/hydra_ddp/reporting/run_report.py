@@ -1,4 +1,5 @@
-"""Rank 0's reporting of a run: the loggers (preloaded while the ranks start), the progress bar, summary.json and the summary printed at the end."""
+"""Rank 0's reporting of a run: the loggers (preloaded while the ranks start), the progress bar,
+summary.json and the summary printed at the end."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
@@ -96,27 +98,47 @@ def write_json(value: Any, path: Path) -> None:
 
 def format_summary(s: dict[str, Any]) -> str:
     tested, monitor = s["tested"] or {}, s["monitor"]
-    ended = {"early_stopping": f"early stopping (best at epoch {monitor['best_epoch']})",
-             "max_time": "trainer.max_time spent"}.get(s["ended_by"], s["ended_by"])
+    ended = {
+        "early_stopping": f"early stopping (best at epoch {monitor['best_epoch']})",
+        "max_time": "trainer.max_time spent",
+    }.get(s["ended_by"], s["ended_by"])
     if s.get("stopped_by"):
         ended = f"{s['stopped_by']}: checkpointed, to be continued"
     rows = [
         ("world size", f"{s['world_size']} ({s['nnodes']} node(s) × {s['nproc_per_node']}, {s['device']})"),
         ("backend / launcher", f"{s['backend']} / {s['launcher']}"),
         ("init method", s["init_method"]),
-        *([("strategy", f"{s['strategy']}, {s['model_state_bytes']['total'] / 2**20:.2f} MB of model state per rank "
-                        "(parameters, gradients, optimizer)")] if s.get("model_state_bytes") else []),
+        *(
+            [
+                (
+                    "strategy",
+                    f"{s['strategy']}, {s['model_state_bytes']['total'] / 2**20:.2f} MB of model state per rank "
+                    "(parameters, gradients, optimizer)",
+                )
+            ]
+            if s.get("model_state_bytes")
+            else []
+        ),
         ("epochs / steps", f"{s['epochs']} / {s['steps']} (ended by {ended})"),
         ("train loss", f"{s['train_loss']:.4f}"),
     ]
     names = s.get("metrics", ["loss", "accuracy"])  # the task's metrics
     if s.get("val_samples") is not None:
-        rows.append((f"val {' / '.join(names)}", " / ".join(f"{s[f'val_{name}']:.4f}" for name in names)
-                     + (f" (best {monitor['metric']}, step {monitor['best_step']})" if monitor["best_step"] is not None
-                        else " (last)")))
+        rows.append(
+            (
+                f"val {' / '.join(names)}",
+                " / ".join(f"{s[f'val_{name}']:.4f}" for name in names)
+                + (
+                    f" (best {monitor['metric']}, step {monitor['best_step']})"
+                    if monitor["best_step"] is not None
+                    else " (last)"
+                ),
+            )
+        )
     if tested:
-        on = (f"{tested['weights']} weights, step {tested['step']}"
-              + (f": {tested['checkpoint']}" if tested["checkpoint"] else ""))
+        on = f"{tested['weights']} weights, step {tested['step']}" + (
+            f": {tested['checkpoint']}" if tested["checkpoint"] else ""
+        )
         rows += [(f"test {name}", f"{s[f'test_{name}']:.4f}") for name in names]
         rows[-1] = (rows[-1][0], f"{rows[-1][1]} ({s['test_samples']} samples; once, on the {on})")
     rows += [
@@ -124,12 +146,39 @@ def format_summary(s: dict[str, Any]) -> str:
         *([("model FLOP/s", flops.line(s["flops"]))] if s.get("flops") and flops.line(s["flops"]) else []),
         *([("straggler", s["straggler"]["message"])] if s.get("straggler") else []),
         ("fast settings", ", ".join(name.split(".")[-1] for name, on in s.get("settings", {}).items() if on) or "none"),
-        *([("start-up", f"workers ready at {s['time_to_workers_ready_s']:.1f} s, the first step done at "
-                        f"{s['time_to_first_step_s']:.1f} s (from the command's start)")]
-          if s.get("time_to_workers_ready_s") is not None and s.get("time_to_first_step_s") is not None else []),
-        ("wall time", f"{s['wall_time_s']:.1f} s (training {s['train_time_s']:.1f} s, evaluation "
-                      f"{s['eval_time_s']:.1f} s, {s['checkpoints']} checkpoint(s) {s['checkpoint_time_s']:.1f} s)"),
+        *(
+            [
+                (
+                    "start-up",
+                    f"workers ready at {s['time_to_workers_ready_s']:.1f} s, the first step done at "
+                    f"{s['time_to_first_step_s']:.1f} s (from the command's start)",
+                )
+            ]
+            if s.get("time_to_workers_ready_s") is not None and s.get("time_to_first_step_s") is not None
+            else []
+        ),
+        (
+            "wall time",
+            f"{s['wall_time_s']:.1f} s (training {s['train_time_s']:.1f} s, evaluation "
+            f"{s['eval_time_s']:.1f} s, {s['checkpoints']} checkpoint(s) {s['checkpoint_time_s']:.1f} s)",
+        ),
         ("run directory", s["run_dir"]),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def hparams(cfg: Any, world_size: int) -> dict[str, Any]:
+    """The run's key settings, for the loggers' hparams tables."""
+    return {
+        "world_size": world_size,
+        "backend": cfg.backend.name,
+        "launcher": cfg.launcher.name,
+        "model": cfg.model._target_.rsplit(".", 1)[-1],
+        "optim": cfg.optim._target_.rsplit(".", 1)[-1],
+        "lr": cfg.optim.get("lr"),
+        "weight_decay": cfg.optim.get("weight_decay"),
+        "batch_size": cfg.data.batch_size,
+        "epochs": cfg.trainer.epochs,
+        "seed": cfg.trainer.seed,
+    }

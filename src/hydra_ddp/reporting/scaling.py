@@ -1,4 +1,5 @@
-"""The sweep report: at the end of a multirun, every job's summary.json side by side.
+"""The sweep report: at the end of a multirun, every job's summary.json side by side (the scaling
+report here, the trials report in trials.py).
 
 A Hydra callback (`on_multirun_end`, registered in conf/config.yaml) writes it in the sweep
 directory. A sweep over world sizes gets the scaling report, `scaling.csv`, `scaling.md` and
@@ -23,22 +24,27 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from hydra_ddp.reporting.trials import check_search, fmt, metric_columns, rank_trials, searching, write_trials
 from hydra_ddp.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
 # The task's test (and, for a search, validation) metrics go between these: metric_columns.
-COLUMNS = ["job", "swept", "status", "world_size", "global_batch_size", "samples_per_sec", "speedup", "efficiency",
-           "flops_per_sec_per_rank", "mfu", "wall_time_s", "error"]
-TRIAL_COLUMNS = ["rank", "job", "swept", "status", "monitor", "objective", "steps", "ended_by", "wall_time_s",
-                 "run_dir", "error"]
-METRICS_AT = {"scaling": 10, "trials": 6}  # where in COLUMNS and TRIAL_COLUMNS the metric columns go
-
-
-def metric_columns(rows: list[dict[str, Any]], splits: tuple[str, ...]) -> list[str]:
-    """{split}_{metric} for the metrics the jobs' tasks report (in their order; every job's, once)."""
-    names = list(dict.fromkeys(name for r in rows for name in r.get("metrics") or ()))
-    return [f"{split}_{name}" for split in splits for name in names]
+COLUMNS = [
+    "job",
+    "swept",
+    "status",
+    "world_size",
+    "global_batch_size",
+    "samples_per_sec",
+    "speedup",
+    "efficiency",
+    "flops_per_sec_per_rank",
+    "mfu",
+    "wall_time_s",
+    "error",
+]
+METRICS_AT = 10  # where in COLUMNS the metric columns go
 
 
 def _overrides(job_dir: Path) -> list[str]:
@@ -54,16 +60,32 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     rows = []
     for job_dir in jobs:
         # A search's trial identity (trial.*) is the job's number, not a parameter.
-        swept = " ".join(o for o in overrides[job_dir] if o not in common and not o.lstrip("+").startswith("trial.")) \
+        swept = (
+            " ".join(o for o in overrides[job_dir] if o not in common and not o.lstrip("+").startswith("trial."))
             or "(default)"
+        )
         row: dict[str, Any] = {"job": int(job_dir.name), "swept": swept}
         summary_file = RunDir(job_dir).summary
         if summary_file.exists():
             s = json.loads(summary_file.read_text())
             names = s.get("metrics", ["loss", "accuracy"])  # the task's
-            row.update(status="ok", metrics=names, **{k: s.get(k) for k in (
-                "world_size", "global_batch_size", "samples_per_sec", "wall_time_s", "objective", "steps", "ended_by",
-                *(f"{split}_{name}" for split in ("val", "test") for name in names))})
+            row.update(
+                status="ok",
+                metrics=names,
+                **{
+                    k: s.get(k)
+                    for k in (
+                        "world_size",
+                        "global_batch_size",
+                        "samples_per_sec",
+                        "wall_time_s",
+                        "objective",
+                        "steps",
+                        "ended_by",
+                        *(f"{split}_{name}" for split in ("val", "test") for name in names),
+                    )
+                },
+            )
             row.update(monitor=(s.get("monitor") or {}).get("metric"), mode=(s.get("monitor") or {}).get("mode"))
             model_flops = s.get("flops") or {}  # reporting/flops.py: achieved per rank, and the MFU
             row.update(flops_per_sec_per_rank=model_flops.get("per_sec_per_rank"), mfu=model_flops.get("mfu"))
@@ -73,8 +95,10 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
                 row["status"] = "pruned"  # by the search's pruner: ranked by its best value so far
         else:
             error, state = RunDir(job_dir).error, RunDir(job_dir).slurm_state
-            row.update(status=state.read_text().strip() if state.exists() else "failed",
-                       error=error.read_text().strip() if error.exists() else "no summary.json")
+            row.update(
+                status=state.read_text().strip() if state.exists() else "failed",
+                error=error.read_text().strip() if error.exists() else "no summary.json",
+            )
         row["run_dir"] = str(job_dir)
         rows.append(row)
     _add_speedup(rows)
@@ -92,35 +116,44 @@ def _add_speedup(rows: list[dict[str, Any]]) -> None:
         r["efficiency"] = r["speedup"] / (r["world_size"] / base["world_size"])
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.{digits}f}" if abs(value) < 100 else f"{value:,.0f}"
-    return str(value)
-
-
 def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
     from hydra_ddp.reporting import flops  # torch: imported at the sweep's end, not at the launcher's start
 
     metrics = metric_columns(rows, ("test",))
-    at = METRICS_AT["scaling"]
+    at = METRICS_AT
     with open(sweep_dir / "scaling.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS[:at] + metrics + COLUMNS[at:], extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    header = ("| job | swept | status | world size | global batch | samples/s | speed-up | efficiency | "
-              "model FLOP/s per rank | MFU | " + "".join(f"{m.replace('_', ' ')} | " for m in metrics) + "wall s |")
+    header = (
+        "| job | swept | status | world size | global batch | samples/s | speed-up | efficiency | "
+        "model FLOP/s per rank | MFU | " + "".join(f"{m.replace('_', ' ')} | " for m in metrics) + "wall s |"
+    )
     lines = [f"# Scaling report: {sweep_dir}", "", header, "|" + " --- |" * (11 + len(metrics))]
     for r in rows:
         achieved = flops.si(r["flops_per_sec_per_rank"], "FLOP/s") if r.get("flops_per_sec_per_rank") else None
-        cells = [r["job"], r["swept"], r["status"] + (f": {r['error']}" if r.get("error") else ""),
-                 r.get("world_size"), r.get("global_batch_size"), r.get("samples_per_sec"), r.get("speedup"),
-                 r.get("efficiency"), achieved, r.get("mfu"), *(r.get(m) for m in metrics), r.get("wall_time_s")]
-        lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
-    lines += ["", "Speed-up is over the smallest world size's samples/s; efficiency is speed-up divided by the",
-              "world-size ratio (1.0 is perfect scaling). Throughput counts training steps only. Model FLOP/s",
-              "and MFU: the summary's `flops` (counted once per run; the peak as each summary names it).", ""]
+        cells = [
+            r["job"],
+            r["swept"],
+            r["status"] + (f": {r['error']}" if r.get("error") else ""),
+            r.get("world_size"),
+            r.get("global_batch_size"),
+            r.get("samples_per_sec"),
+            r.get("speedup"),
+            r.get("efficiency"),
+            achieved,
+            r.get("mfu"),
+            *(r.get(m) for m in metrics),
+            r.get("wall_time_s"),
+        ]
+        lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
+    lines += [
+        "",
+        "Speed-up is over the smallest world size's samples/s; efficiency is speed-up divided by the",
+        "world-size ratio (1.0 is perfect scaling). Throughput counts training steps only. Model FLOP/s",
+        "and MFU: the summary's `flops` (counted once per run; the peak as each summary names it).",
+        "",
+    ]
     (sweep_dir / "scaling.md").write_text("\n".join(lines))
     plot(rows, sweep_dir / "scaling.png", sweep_dir)
 
@@ -195,7 +228,7 @@ def plot(rows: list[dict[str, Any]], path: Path, sweep_dir: Optional[Path] = Non
     if failed:
         ended = "; ".join(f"job {r['job']} {r['status']} ({r['swept']})" for r in failed)
         fig.text(0.5, 0.01, f"not finished: {ended}", ha="center", color="tab:red")
-    fig.suptitle("Scaling: " + (", ".join(sorted({r['swept'].split('=')[0] for r in rows})) or "sweep"))
+    fig.suptitle("Scaling: " + (", ".join(sorted({r["swept"].split("=")[0] for r in rows})) or "sweep"))
     fig.tight_layout(rect=(0, 0.04 if failed else 0, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -203,47 +236,8 @@ def plot(rows: list[dict[str, Any]], path: Path, sweep_dir: Optional[Path] = Non
 
 def varies_world_size(rows: list[dict[str, Any]]) -> bool:
     return len({r["world_size"] for r in rows if r["status"] == "ok"}) > 1 or any(
-        "trainer.nproc=" in r["swept"] or "launcher.nnodes=" in r["swept"] for r in rows)
-
-
-def rank_trials(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Best first by the objective (in the monitored metric's direction), pruned trials among them
-    by their best value so far; failed trials last."""
-    scored = [r for r in rows if r["status"] in ("ok", "pruned") and r.get("objective") is not None]
-    mode = scored[0]["mode"] if scored else "max"
-    scored.sort(key=lambda r: (-r["objective"] if mode == "max" else r["objective"], r["job"]))
-    ranked = scored + [r for r in rows if r not in scored]
-    for place, r in enumerate(ranked, 1):
-        r["rank"] = place if r in scored else None
-    return ranked
-
-
-def write_trials(rows: list[dict[str, Any]], sweep_dir: Path) -> list[dict[str, Any]]:
-    ranked = rank_trials(rows)
-    metrics = metric_columns(ranked, ("val", "test"))
-    at = METRICS_AT["trials"]
-    with open(sweep_dir / "sweep.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=TRIAL_COLUMNS[:at] + metrics + TRIAL_COLUMNS[at:], extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(ranked)
-    monitor = next((r["monitor"] for r in ranked if r.get("monitor")), None)
-    best = ranked[0] if ranked and ranked[0]["rank"] == 1 else None
-    lines = [f"# Sweep report: {sweep_dir}", ""]
-    if best:
-        lines += [f"Best: job {best['job']} ({best['swept']}), {monitor} {_fmt(best['objective'], 4)}: "
-                  f"{best['run_dir']}", ""]
-    lines += [f"| rank | job | parameters | status | {monitor or 'objective'} (best) | "
-              + "".join(f"{m.replace('_', ' ')} | " for m in metrics) + "steps | ended by | wall s |",
-              "|" + " --- |" * (8 + len(metrics))]
-    for r in ranked:
-        cells = [r["rank"], r["job"], r["swept"], r["status"] + (f": {r['error']}" if r.get("error") else ""),
-                 r.get("objective"), *(r.get(m) for m in metrics), r.get("steps"), r.get("ended_by"),
-                 r.get("wall_time_s")]
-        lines.append("| " + " | ".join(_fmt(c, 4) for c in cells) + " |")
-    lines += ["", "Ranked by the objective: trainer.monitor's best value over each trial's validations (never the",
-              "test set's). Each trial's test metrics are of its selected weights, read once.", ""]
-    (sweep_dir / "sweep.md").write_text("\n".join(lines))
-    return ranked
+        "trainer.nproc=" in r["swept"] or "launcher.nnodes=" in r["swept"] for r in rows
+    )
 
 
 def report(sweep_dir: Path) -> Optional[tuple[str, list[dict[str, Any]]]]:
@@ -278,49 +272,31 @@ class SweepReport(Callback):
         best = rank_trials([dict(r) for r in rows])[0]
         from hydra_ddp.reporting.loggers import MLflow
 
-        MLflow.end_sweep(sweep_dir, len(rows), len(failed),
-                         (best["monitor"], best["objective"]) if best.get("rank") == 1 and best.get("monitor") else None)
+        MLflow.end_sweep(
+            sweep_dir,
+            len(rows),
+            len(failed),
+            (best["monitor"], best["objective"]) if best.get("rank") == 1 and best.get("monitor") else None,
+        )
         log.info("%s report: %s", kind, sweep_dir / f"{kind}.md")
         print((sweep_dir / f"{kind}.md").read_text())
-        if failed and _searching(config):  # a search goes past failed or diverged trials: they rank last
-            print(f"hydra-ddp: warning: {len(failed)} of {len(rows)} trials failed (ranked last in "
-                  f"{sweep_dir / 'sweep.md'})", file=sys.stderr)
+        if failed and searching(config):  # a search goes past failed or diverged trials: they rank last
+            print(
+                f"hydra-ddp: warning: {len(failed)} of {len(rows)} trials failed (ranked last in "
+                f"{sweep_dir / 'sweep.md'})",
+                file=sys.stderr,
+            )
         elif failed:  # a sweep with a failed job does not pass for a success
-            print(f"hydra-ddp: error: {len(failed)} of {len(rows)} jobs failed (see {sweep_dir / f'{kind}.md'})",
-                  file=sys.stderr)
+            print(
+                f"hydra-ddp: error: {len(failed)} of {len(rows)} jobs failed (see {sweep_dir / f'{kind}.md'})",
+                file=sys.stderr,
+            )
             sys.exit(1)
 
 
 def failed_row(row: dict[str, Any]) -> bool:
     """Failed, or ended by Slurm (cancelled, timeout…); a run stopped by a signal has its summary."""
     return row["status"] not in ("ok", "pruned") and not row["status"].startswith("stopped")
-
-
-def _searching(config: DictConfig) -> bool:
-    """An optimising sweeper (Optuna) rather than a grid of jobs."""
-    return "optuna" in str((config.hydra.get("sweeper") or {}).get("_target_", ""))
-
-
-def check_search(config: DictConfig) -> Optional[str]:
-    """An optimising sweeper (Optuna) needs a monitored metric, optimised in its own direction."""
-    direction = (config.hydra.get("sweeper") or {}).get("direction")
-    if direction is None or not _searching(config):
-        return None
-    from hydra_ddp import monitor
-
-    metric, mode = monitor.of_config(config)
-    if metric is None:
-        return "the Optuna sweeper optimises trainer.monitor: set it (e.g. trainer.monitor=val/accuracy)"
-    pruner = (config.hydra.get("sweeper") or {}).get("pruner", "none")
-    if pruner != "none" and metric.startswith("val/") and not config.data.val_fraction:  # nothing is monitored
-        return (f"hydra.sweeper.pruner={pruner} needs a monitored metric after each epoch, and data.val_fraction=0 "
-                "leaves no validation: set data.val_fraction (e.g. 0.1), or hydra.sweeper.pruner=none")
-    wanted = {"max": "maximize", "min": "minimize"}[mode]
-    given = [str(d).lower().split(".")[-1] for d in (direction if not isinstance(direction, str) else [direction])]
-    if given != [wanted]:
-        return (f"hydra.sweeper.direction={direction} but trainer.monitor={metric} is best at its "
-                f"{'highest' if wanted == 'maximize' else 'lowest'}: set hydra.sweeper.direction={wanted}")
-    return None
 
 
 if __name__ == "__main__":

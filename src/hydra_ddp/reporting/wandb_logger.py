@@ -19,8 +19,9 @@ import os
 import secrets
 import string
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 from urllib.parse import urlparse
 
 from hydra_ddp.reporting.loggers import Logger
@@ -107,13 +108,24 @@ class WandB(Logger):
     def preload(cls) -> None:
         import wandb  # noqa: F401
 
-    def __init__(self, run_dir: Path, run_config: dict[str, Any], resume_step: Optional[int] = None,
-                 project: str = "hydra-ddp", entity: Optional[str] = None, mode: str = "auto",
-                 dir: Optional[str] = None, tags: Optional[list[str]] = None, checkpoint_artifact: str = "reference"):
+    def __init__(
+        self,
+        run_dir: Path,
+        run_config: dict[str, Any],
+        resume_step: Optional[int] = None,
+        project: str = "hydra-ddp",
+        entity: Optional[str] = None,
+        mode: str = "auto",
+        dir: Optional[str] = None,
+        tags: Optional[list[str]] = None,
+        checkpoint_artifact: str = "reference",
+    ):
         import wandb
 
         if checkpoint_artifact not in ("reference", "upload", "none"):
-            raise ValueError(f"logger.wandb.checkpoint_artifact: expected reference, upload or none, got {checkpoint_artifact!r}")
+            raise ValueError(
+                f"logger.wandb.checkpoint_artifact: expected reference, upload or none, got {checkpoint_artifact!r}"
+            )
         self.checkpoint_artifact = checkpoint_artifact
         self.root = Path(dir) if dir else Path(run_dir)
         id_file = RunDir(run_dir).wandb_run_id
@@ -135,11 +147,23 @@ class WandB(Logger):
             sweep_dir = Path(sweep["dir"])
             group = f"{sweep_dir.parent.name}/{sweep_dir.name}"  # multirun/DATE/TIME: DATE/TIME
             name = f"{group}/{sweep['job']}"
-        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, disable_git=True,
-                                  save_code=False, x_disable_meta=True)
-        self.run = wandb.init(project=project, entity=entity, id=run_id, resume="allow" if resumed else None,
-                              mode=choose_mode(mode), dir=str(self.root), group=group, name=name or Path(run_dir).name,
-                              job_type="train", tags=tags, config=run_config, settings=settings)
+        settings = wandb.Settings(
+            console="off", silent=True, x_disable_stats=True, disable_git=True, save_code=False, x_disable_meta=True
+        )
+        self.run = wandb.init(
+            project=project,
+            entity=entity,
+            id=run_id,
+            resume="allow" if resumed else None,
+            mode=choose_mode(mode),
+            dir=str(self.root),
+            group=group,
+            name=name or Path(run_dir).name,
+            job_type="train",
+            tags=tags,
+            config=run_config,
+            settings=settings,
+        )
         id_file.write_text(run_id + "\n")
         self.run.define_metric(STEP)
         self.run.define_metric("*", step_metric=STEP)
@@ -164,8 +188,11 @@ class WandB(Logger):
     def _log_checkpoint(self, path: Path, tested: dict[str, Any]) -> None:
         import wandb
 
-        artifact = wandb.Artifact(f"model-{self.run.id}", type="model",
-                                  metadata={"step": tested.get("step"), "weights": tested.get("weights")})
+        artifact = wandb.Artifact(
+            f"model-{self.run.id}",
+            type="model",
+            metadata={"step": tested.get("step"), "weights": tested.get("weights")},
+        )
         if self.checkpoint_artifact == "reference":
             artifact.add_reference(path.resolve().as_uri(), name=path.name)
         elif path.is_dir():  # a sharded (DCP) checkpoint

@@ -29,8 +29,10 @@ def parse(params: dict[str, Any], arguments: list[str]) -> tuple[dict[str, Any],
         else:
             fixed[key] = override.get_value_element_as_str()
     if not searched:
-        raise UserError("the search space is empty: give hydra.sweeper.params (or a sweep on the command line), "
-                        "e.g. optim.lr='tag(log, interval(1e-4, 1e-1))'")
+        raise UserError(
+            "the search space is empty: give hydra.sweeper.params (or a sweep on the command line), "
+            "e.g. optim.lr='tag(log, interval(1e-4, 1e-1))'"
+        )
     return searched, fixed
 
 
@@ -49,8 +51,10 @@ def distribution(key: str, override: Any) -> Any:
     if isinstance(value, IntervalSweep):
         low, high = float(value.start), float(value.end)
         if not low < high or (log and low <= 0):
-            raise UserError(f"{key}: interval({value.start}, {value.end}) needs start < end"
-                            + (" and start > 0 (log)" if log else ""))
+            raise UserError(
+                f"{key}: interval({value.start}, {value.end}) needs start < end"
+                + (" and start > 0 (log)" if log else "")
+            )
         return FloatDistribution(low, high, log=log)
     if isinstance(value, RangeSweep):
         start, stop, step = value.start, value.stop, value.step
@@ -61,8 +65,10 @@ def distribution(key: str, override: Any) -> Any:
         if all(isinstance(v, int) for v in (start, stop, step)):
             return IntDistribution(start, last, step=step, log=False)
         return FloatDistribution(float(start), float(last), step=float(step))
-    raise UserError(f"{key}: {override.get_value_element_as_str()} is not a sweep this search takes "
-                    "(interval, choice, range, tag(log, ...))")
+    raise UserError(
+        f"{key}: {override.get_value_element_as_str()} is not a sweep this search takes "
+        "(interval, choice, range, tag(log, ...))"
+    )
 
 
 def _plain(value: Any) -> Any:

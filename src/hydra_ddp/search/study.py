@@ -15,8 +15,9 @@ import contextlib
 import fcntl
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from hydra_ddp.rundir import RunDir
 
@@ -48,8 +49,11 @@ def pruner_of(name: str, args: Any = None) -> Any:
 
     from hydra_ddp.errors import UserError
 
-    kind = {"median": optuna.pruners.MedianPruner, "hyperband": optuna.pruners.HyperbandPruner,
-            "none": optuna.pruners.NopPruner}[name]
+    kind = {
+        "median": optuna.pruners.MedianPruner,
+        "hyperband": optuna.pruners.HyperbandPruner,
+        "none": optuna.pruners.NopPruner,
+    }[name]
     try:
         return kind(**dict(args or {}))
     except TypeError as error:
@@ -60,8 +64,11 @@ def started(study: Any) -> int:
     """Trials begun (running or ended), not those queued (enqueue_trial) and not yet asked for."""
     from optuna.trial import TrialState
 
-    return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED,
-                                                         TrialState.FAIL)))
+    return len(
+        study.get_trials(
+            deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+        )
+    )
 
 
 def recover(study: Any, sweep_dir: Path) -> list[int]:

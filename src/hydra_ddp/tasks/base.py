@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp.errors import UserError, first_line, root_cause
@@ -58,8 +57,10 @@ class Task:
 
     def predict(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """One row of `prediction_columns` per sample of the batch."""
-        raise UserError(f"{type(self).__name__} writes no predictions (it names no prediction_columns); "
-                        "run eval.py without predict=true")
+        raise UserError(
+            f"{type(self).__name__} writes no predictions (it names no prediction_columns); "
+            "run eval.py without predict=true"
+        )
 
     def check_target(self, target: torch.Tensor, outputs: int) -> Optional[str]:
         """What is wrong with one sample's target for this task (None: it fits). `outputs`: data.num_classes."""
@@ -91,8 +92,10 @@ def _declaration_problem(task: Task) -> Optional[str]:
         return "it names no metrics; give `metrics` ({name: 'min' or 'max'})"
     for name, direction in task.metrics.items():
         if name in RESERVED:
-            return (f"its metric {name!r} is also what the evaluation itself reports (test_{name}); "
-                    f"rename it (these names are the project's: {', '.join(RESERVED)})")
+            return (
+                f"its metric {name!r} is also what the evaluation itself reports (test_{name}); "
+                f"rename it (these names are the project's: {', '.join(RESERVED)})"
+            )
         if not name.isidentifier():
             return f"its metric name {name!r} is not a plain name (letters, digits, _)"
         if direction not in ("min", "max"):
@@ -111,8 +114,10 @@ def beyond_classes(target: torch.Tensor, outputs: int) -> Optional[str]:
     """A class index the model has no output for (the ignored, negative ones aside)."""
     highest = int(target.max()) if target.numel() else -1
     if highest >= outputs:
-        return (f"its class labels go up to {highest}, and the model makes data.num_classes={outputs} output(s): "
-                f"set data.num_classes to the data's class count (at least {highest + 1})")
+        return (
+            f"its class labels go up to {highest}, and the model makes data.num_classes={outputs} output(s): "
+            f"set data.num_classes to the data's class count (at least {highest + 1})"
+        )
     return None
 
 

@@ -32,8 +32,13 @@ class Classification(Task):
         logits = full_precision(output)
         losses = F.cross_entropy(logits, target, reduction="none").double()
         correct = (logits.argmax(1) == target).sum()
-        return torch.stack([losses.sum(), correct.double(), torch.tensor(float(target.numel()), dtype=torch.float64,
-                                                                          device=losses.device)])
+        return torch.stack(
+            [
+                losses.sum(),
+                correct.double(),
+                torch.tensor(float(target.numel()), dtype=torch.float64, device=losses.device),
+            ]
+        )
 
     def compute(self, total: list[float]) -> dict[str, float]:
         loss_sum, correct, count = total
@@ -47,12 +52,16 @@ class Classification(Task):
 
     def check_target(self, target: torch.Tensor, outputs: int) -> Optional[str]:
         if target.is_floating_point() or target.dtype == torch.bool:
-            return (f"it needs integer class labels, and the data's targets are {_dtype(target)}: choose a task "
-                    "for them (task=regression for real values)")
+            return (
+                f"it needs integer class labels, and the data's targets are {_dtype(target)}: choose a task "
+                "for them (task=regression for real values)"
+            )
         if target.dim() != self.target_dims:
-            return (f"it takes {self.wants}, and the data's targets have shape {tuple(target.shape)}: choose "
-                    "task=classification for one label per sample, task=language_model for a next token per "
-                    "position, task=segmentation for a mask")
+            return (
+                f"it takes {self.wants}, and the data's targets have shape {tuple(target.shape)}: choose "
+                "task=classification for one label per sample, task=language_model for a next token per "
+                "position, task=segmentation for a mask"
+            )
         return beyond_classes(target, outputs)
 
     @property

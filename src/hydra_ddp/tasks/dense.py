@@ -36,8 +36,12 @@ class Regression(Task):
         squared, absolute, count, t_sum, t_squares = total
         spread = t_squares - t_sum * t_sum / count  # Σ (t − mean)²
         mse = squared / count
-        return {"loss": mse, "mse": mse, "mae": absolute / count,
-                "r2": 1.0 - squared / spread if spread > 0 else float("nan")}
+        return {
+            "loss": mse,
+            "mse": mse,
+            "mae": absolute / count,
+            "r2": 1.0 - squared / spread if spread > 0 else float("nan"),
+        }
 
     def predict(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if target[0].numel() != 1:
@@ -46,11 +50,15 @@ class Regression(Task):
 
     def check_target(self, target: torch.Tensor, outputs: int) -> Optional[str]:
         if not target.is_floating_point():
-            return (f"it needs real-valued targets, and the data's are {_dtype(target)} (class labels?): choose "
-                    "a regression dataset (data=diabetes, data=synthetic_regression) or task=classification")
+            return (
+                f"it needs real-valued targets, and the data's are {_dtype(target)} (class labels?): choose "
+                "a regression dataset (data=diabetes, data=synthetic_regression) or task=classification"
+            )
         if target.numel() != outputs:
-            return (f"each sample has {target.numel()} target value(s) and the model makes data.num_classes={outputs} "
-                    "output(s): make them equal")
+            return (
+                f"each sample has {target.numel()} target value(s) and the model makes data.num_classes={outputs} "
+                "output(s): make them equal"
+            )
         return None
 
 
@@ -76,22 +84,26 @@ class Segmentation(Task):
         losses = F.cross_entropy(logits, target, reduction="none").double()
         k = self.num_classes
         confusion = torch.bincount((target * k + logits.argmax(1)).flatten(), minlength=k * k).double()
-        head = torch.stack([losses.sum(), torch.tensor(float(target.numel()), dtype=torch.float64,
-                                                       device=losses.device)])
+        head = torch.stack(
+            [losses.sum(), torch.tensor(float(target.numel()), dtype=torch.float64, device=losses.device)]
+        )
         return torch.cat([head, confusion])
 
     def compute(self, total: list[float]) -> dict[str, float]:
         loss_sum, pixels, *cells = total
         k = self.num_classes
-        confusion = [cells[i * k:(i + 1) * k] for i in range(k)]  # [true][predicted]
+        confusion = [cells[i * k : (i + 1) * k] for i in range(k)]  # [true][predicted]
         correct = sum(confusion[i][i] for i in range(k))
         ious = []
         for i in range(k):
             union = sum(confusion[i]) + sum(row[i] for row in confusion) - confusion[i][i]
             if union > 0:
                 ious.append(confusion[i][i] / union)
-        return {"loss": loss_sum / pixels, "pixel_accuracy": correct / pixels,
-                "mean_iou": sum(ious) / len(ious) if ious else float("nan")}
+        return {
+            "loss": loss_sum / pixels,
+            "pixel_accuracy": correct / pixels,
+            "mean_iou": sum(ious) / len(ious) if ious else float("nan"),
+        }
 
     def predict(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         correct = (output.argmax(1) == target).flatten(1).sum(1)
@@ -100,8 +112,10 @@ class Segmentation(Task):
 
     def check_target(self, target: torch.Tensor, outputs: Any) -> Optional[str]:
         if target.dim() != 2:
-            return (f"it needs a mask (height × width of class indices) per sample, and the data's targets have "
-                    f"shape {tuple(target.shape)}: choose a dataset with masks (data=shapes)")
+            return (
+                f"it needs a mask (height × width of class indices) per sample, and the data's targets have "
+                f"shape {tuple(target.shape)}: choose a dataset with masks (data=shapes)"
+            )
         if target.is_floating_point():
             return f"its masks must hold class indices, and the data's are {_dtype(target)}"
         return beyond_classes(target, outputs)

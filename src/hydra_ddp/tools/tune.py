@@ -37,13 +37,21 @@ from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from hydra_ddp.config import resolve, run_config  # noqa: E402
-from hydra_ddp.launch import command, workers  # noqa: E402
 from hydra_ddp.config.schema import COMM_HOOKS, PRECISIONS, Config, register_schema  # noqa: E402
 from hydra_ddp.errors import UserError  # noqa: E402
+from hydra_ddp.launch import command, workers  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[3] / "conf")  # the repository's conf/ (src/hydra_ddp/tools/)
-KNOBS = ("data.num_workers", "data.pin_memory", "trainer.threads", "trainer.channels_last", "strategy.bucket_cap_mb",
-         "strategy.shared_memory", "trainer.precision", "strategy.comm_hook")
+KNOBS = (
+    "data.num_workers",
+    "data.pin_memory",
+    "trainer.threads",
+    "trainer.channels_last",
+    "strategy.bucket_cap_mb",
+    "strategy.shared_memory",
+    "trainer.precision",
+    "strategy.comm_hook",
+)
 NUMERICS = ("trainer.precision", "strategy.comm_hook")  # change results beyond float tolerance: tune.precision
 
 
@@ -98,10 +106,20 @@ class Timer:
         """The resolved config of a short run with these overrides: steps only (no checkpoints,
         loggers, progress bar or evaluation per epoch), and quiet (job "tune")."""
         cfg = self.cfg.copy()
-        short = {"trainer.max_steps": self.steps, "trainer.epochs": 10**6, "trainer.resume": None,
-                 "trainer.init_from": None, "trainer.max_time": None, "trainer.profile": False,
-                 "trainer.eval_every_epoch": False, "trainer.progress": False, "trainer.early_stopping.patience": None,
-                 "checkpoint.every_epoch": False, "checkpoint.every_n_steps": None, "logger": {}}
+        short = {
+            "trainer.max_steps": self.steps,
+            "trainer.epochs": 10**6,
+            "trainer.resume": None,
+            "trainer.init_from": None,
+            "trainer.max_time": None,
+            "trainer.profile": False,
+            "trainer.eval_every_epoch": False,
+            "trainer.progress": False,
+            "trainer.early_stopping.patience": None,
+            "checkpoint.every_epoch": False,
+            "checkpoint.every_n_steps": None,
+            "logger": {},
+        }
         for key, value in {**overrides, **short}.items():
             OmegaConf.update(cfg, key, value, merge=False)
         if cfg.strategy.comm_hook == "powersgd":  # timed compressing, not in its warm-up of plain all-reduces
@@ -183,8 +201,10 @@ def main(cfg: DictConfig) -> None:
     if not result["overrides"]:
         print(f"fastest: your settings (no value was {cfg.tune.min_gain:.0%} faster; {result['runs']} runs)")
         return
-    print(f"fastest: {_overrides(result['overrides'])}  ({result['speedup']:.2f}× samples/s: "
-          f"{result['configured']:.0f} → {result['tuned']:.0f}, timed in turns; {result['runs']} runs)")
+    print(
+        f"fastest: {_overrides(result['overrides'])}  ({result['speedup']:.2f}× samples/s: "
+        f"{result['configured']:.0f} → {result['tuned']:.0f}, timed in turns; {result['runs']} runs)"
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from hydra_ddp import data
 from hydra_ddp.config import resolve
 from hydra_ddp.config.schema import Config, register_schema
-from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.errors import UserError
+from hydra_ddp.parallel.distributed import RankInfo
 
 CONF_DIR = str(Path(__file__).resolve().parents[3] / "conf")  # the repository's conf/ (src/hydra_ddp/tools/)
 
@@ -66,8 +66,13 @@ def tune(cfg: DictConfig) -> list[dict[str, Any]]:
         if pin and device.type != "cuda":
             continue  # pinned memory only speeds up copies to a GPU
         data_cfg = OmegaConf.create({**plain["data"], "num_workers": workers, "pin_memory": pin, "preload": False})
-        rows.append({"num_workers": workers, "pin_memory": pin,
-                     "samples_per_sec": time_loader(data_cfg, rank, device, cfg.tune.batches)})
+        rows.append(
+            {
+                "num_workers": workers,
+                "pin_memory": pin,
+                "samples_per_sec": time_loader(data_cfg, rank, device, cfg.tune.batches),
+            }
+        )
     return rows
 
 

@@ -1,4 +1,5 @@
-"""Files that a crash never leaves torn: rank 0's background writer, atomic writes, links and directory swaps, fsync'd; the state snapshot a write takes."""
+"""Files that a crash never leaves torn: rank 0's background writer, atomic writes, links and directory
+swaps, fsync'd; the state snapshot a write takes."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import os
 import queue
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -70,8 +72,10 @@ def serialize(state: dict[str, Any], directory: Path) -> memoryview:
     payload = buffer.getbuffer()
     free = shutil.disk_usage(directory).free
     if free < len(payload):
-        raise OSError(errno.ENOSPC, f"not enough space: it needs {mb(len(payload))}, "
-                                    f"{mb(free)} free on the file system of {directory}")
+        raise OSError(
+            errno.ENOSPC,
+            f"not enough space: it needs {mb(len(payload))}, {mb(free)} free on the file system of {directory}",
+        )
     return payload
 
 

@@ -60,7 +60,9 @@ def _pack_rng(device: torch.device) -> torch.Tensor:
     parts = [
         torch.get_rng_state().double(),
         torch.from_numpy(keys.astype(np.float64)),
-        torch.tensor([pos, has_gauss, cached, version, np.nan if gauss_next is None else gauss_next], dtype=torch.float64),
+        torch.tensor(
+            [pos, has_gauss, cached, version, np.nan if gauss_next is None else gauss_next], dtype=torch.float64
+        ),
         torch.tensor(py_state, dtype=torch.float64),
     ]
     if device.type == "cuda":
@@ -75,7 +77,9 @@ def _unpack_rng(packed: torch.Tensor, device: torch.device) -> None:
     py_state, cuda_state = rest[:625], rest[625:]
     torch.set_rng_state(torch_state.to(torch.uint8))
     np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
-    random.setstate((int(version), tuple(int(v) for v in py_state.tolist()), None if np.isnan(gauss_next) else gauss_next))
+    random.setstate(
+        (int(version), tuple(int(v) for v in py_state.tolist()), None if np.isnan(gauss_next) else gauss_next)
+    )
     if device.type == "cuda" and cuda_state.numel():
         torch.cuda.set_rng_state(cuda_state.to(torch.uint8), device)
 
@@ -90,8 +94,15 @@ def _gather_rng(device: torch.device) -> list[torch.Tensor]:
 class Checkpointer:
     """Saves every rank's state (through rank 0, or each rank its shards); loads it back on every rank."""
 
-    def __init__(self, cfg: Any, run_dir: Path, rank: RankInfo, device: torch.device, config: dict[str, Any],
-                 sharded: bool = False):
+    def __init__(
+        self,
+        cfg: Any,
+        run_dir: Path,
+        rank: RankInfo,
+        device: torch.device,
+        config: dict[str, Any],
+        sharded: bool = False,
+    ):
         self.cfg = cfg
         self.dir = RunDir(run_dir).checkpoints
         self.rank = rank
@@ -134,8 +145,9 @@ class Checkpointer:
         # Not a barrier inside `if rank == 0`: every rank learns whether the write worked, and how not.
         problem = first_error(problem, self.device)
         if problem:
-            raise EveryRankError(f"{problem}; the previous checkpoint is intact: make room, then continue with "
-                            "trainer.resume=auto")
+            raise EveryRankError(
+                f"{problem}; the previous checkpoint is intact: make room, then continue with trainer.resume=auto"
+            )
 
     def _wait(self) -> Optional[str]:
         if self.writer is not None:
@@ -181,9 +193,14 @@ class Checkpointer:
                 problem = self._failed(step, e)
         self._agree(problem)  # nobody writes into the directory before rank 0 has cleared it
         if self.written_step < 0:  # the first save: every rank must see the directory rank 0 made
-            unseen = None if self.dir.is_dir() else (
-                f"rank {self.rank.rank} does not see rank 0's checkpoint directory {self.dir}: sharded checkpoints "
-                "need a file system every node shares (set hydra.run.dir to one)")
+            unseen = (
+                None
+                if self.dir.is_dir()
+                else (
+                    f"rank {self.rank.rank} does not see rank 0's checkpoint directory {self.dir}: sharded checkpoints "
+                    "need a file system every node shares (set hydra.run.dir to one)"
+                )
+            )
             unseen = first_error(unseen, self.device)
             if unseen:
                 raise EveryRankError(unseen)
@@ -191,8 +208,9 @@ class Checkpointer:
         again = self.written_step == step and target.is_dir()
         if not again:
             try:
-                dcp.save({"model": state["model"], "optimizer": state["optimizer"]},
-                         storage_writer=dcp.FileSystemWriter(tmp))
+                dcp.save(
+                    {"model": state["model"], "optimizer": state["optimizer"]}, storage_writer=dcp.FileSystemWriter(tmp)
+                )
             except CheckpointException as e:  # raised on every rank, with every rank's failure
                 problem = self._failed(step, first_failure(e))
         if self.rank.is_main:
@@ -273,10 +291,12 @@ class Checkpointer:
             scheduler.load_state_dict(state["scheduler"])
         rng = state["rng"]
         if len(rng) != self.rank.world_size:
-            log.warning("checkpoint saved with %d ranks, resuming with %d: RNG streams restart from rank 0's",
-                        len(rng), self.rank.world_size)
+            log.warning(
+                "checkpoint saved with %d ranks, resuming with %d: RNG streams restart from rank 0's",
+                len(rng),
+                self.rank.world_size,
+            )
         _unpack_rng(rng[self.rank.rank % len(rng)].cpu(), self.device)
-
 
     def _check_same_batches(self, state: dict[str, Any], path: Path) -> None:
         """Mid-epoch, the position counts global batches: this run's must be the checkpoint's. The

@@ -25,10 +25,18 @@ log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, split: data.EvalSplit, device: torch.device, task: Task, name: str = "test",
-             memory_format: torch.memory_format = torch.preserve_format,
-             predictions: bool = False, lockstep: bool = False, reduce: bool = True,
-             group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
+def evaluate(
+    model: nn.Module,
+    split: data.EvalSplit,
+    device: torch.device,
+    task: Task,
+    name: str = "test",
+    memory_format: torch.memory_format = torch.preserve_format,
+    predictions: bool = False,
+    lockstep: bool = False,
+    reduce: bool = True,
+    group: Optional[dist.ProcessGroup] = None,
+) -> dict[str, Any]:
     """{name}_{metric} for each of the task's metrics, and {name}_samples, over the whole split (the
     same on every rank); with `predictions`, also rank 0's rows of the task's prediction columns,
     one per sample, in dataset order.
@@ -47,8 +55,9 @@ def evaluate(model: nn.Module, split: data.EvalSplit, device: torch.device, task
     model.eval()
     # Per chunk: the task's state, then the samples counted.
     sums = torch.zeros(split.num_chunks, task.state_size + 1, dtype=torch.float64, device=device)
-    rows = torch.zeros(split.samples if predictions else 0, len(task.prediction_columns), dtype=torch.float64,
-                       device=device)
+    rows = torch.zeros(
+        split.samples if predictions else 0, len(task.prediction_columns), dtype=torch.float64, device=device
+    )
     for chunk, first, x, y in split:
         x = x.to(device, non_blocking=True, memory_format=memory_format)
         y = y.to(device, non_blocking=True)
@@ -92,11 +101,20 @@ def run(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, starte
     metrics = evaluate(model, split, device, task, job.split, memory_format, predictions=job.predict)
     rows = metrics.pop("predictions", None)
     result = {
-        "checkpoint": job.ckpt, "step": job.step, "epoch": job.epoch, "split": job.split, **metrics,
+        "checkpoint": job.ckpt,
+        "step": job.step,
+        "epoch": job.epoch,
+        "split": job.split,
+        **metrics,
         "metrics": list(task.metrics),
-        "world_size": rank.world_size, "launcher": cfg.launcher.name, "device": device.type,
-        "eval_time_s": time.perf_counter() - started, "wall_time_s": time.time() - started_at, "run_dir": str(out),
-        "predictions": str(RunDir(out).predictions) if job.predict else None, "stopped_by": None,
+        "world_size": rank.world_size,
+        "launcher": cfg.launcher.name,
+        "device": device.type,
+        "eval_time_s": time.perf_counter() - started,
+        "wall_time_s": time.time() - started_at,
+        "run_dir": str(out),
+        "predictions": str(RunDir(out).predictions) if job.predict else None,
+        "stopped_by": None,
     }
     if rank.is_main:
         if rows is not None:
@@ -104,8 +122,15 @@ def run(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, starte
         run_report.write_json(result, RunDir(out).eval_result)
         name = job.split
         shown = ", ".join(f"{name} {metric} {result[f'{name}_{metric}']!r}" for metric in task.metrics)
-        log.info("%s of %s (step %d) on %d rank(s): %s (%d samples)", RunDir(out).eval_result.name, job.ckpt,
-                 job.step, rank.world_size, shown, result[f"{name}_samples"])
+        log.info(
+            "%s of %s (step %d) on %d rank(s): %s (%d samples)",
+            RunDir(out).eval_result.name,
+            job.ckpt,
+            job.step,
+            rank.world_size,
+            shown,
+            result[f"{name}_samples"],
+        )
     return result
 
 

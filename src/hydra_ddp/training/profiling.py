@@ -30,10 +30,17 @@ def profiling(enabled: bool, settings: Any, device: torch.device, run_dir: Path)
     def ready(prof: Any) -> None:
         trace = out / f"rank{rank}.json"
         prof.export_chrome_trace(str(trace))
-        table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
-                                          row_limit=settings.row_limit)
-        log.info("profile of rank %d (steps %d…%d): %s\n%s", rank, settings.wait + settings.warmup + 1,
-                 settings.wait + settings.warmup + settings.active, trace, table)
+        table = prof.key_averages().table(
+            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=settings.row_limit
+        )
+        log.info(
+            "profile of rank %d (steps %d…%d): %s\n%s",
+            rank,
+            settings.wait + settings.warmup + 1,
+            settings.wait + settings.warmup + settings.active,
+            trace,
+            table,
+        )
 
     return profile(
         activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),

@@ -24,13 +24,16 @@ class Pruning:
 
             from hydra_ddp.search.study import pruner_of, storage_of
 
-            study = optuna.load_study(study_name=trial_cfg.study, storage=storage_of(trial_cfg.storage),
-                                      pruner=pruner_of(trial_cfg.pruner, trial_cfg.pruner_args))
+            study = optuna.load_study(
+                study_name=trial_cfg.study,
+                storage=storage_of(trial_cfg.storage),
+                pruner=pruner_of(trial_cfg.pruner, trial_cfg.pruner_args),
+            )
             trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, trial_cfg.number)
             self.trial = optuna.trial.Trial(study, trial_id)
 
     @classmethod
-    def of(cls, cfg: Any, is_main: bool, device: torch.device) -> Optional["Pruning"]:
+    def of(cls, cfg: Any, is_main: bool, device: torch.device) -> Optional[Pruning]:
         """The run's pruning, or None outside a search (or with hydra.sweeper.pruner=none)."""
         trial = cfg.get("trial")
         if trial is None or trial.number is None or trial.pruner == "none":

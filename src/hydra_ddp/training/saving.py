@@ -24,8 +24,17 @@ log = logging.getLogger(__name__)
 class Saving:
     """The loop's checkpoints (the `checkpoint` section's cadence), through the Checkpointer."""
 
-    def __init__(self, cadence: Any, checkpointer: Checkpointer, strategy: Any, step: Step, scheduler: Optional[Any],
-                 monitor: Monitor, pos: Position, overheads: Overheads):
+    def __init__(
+        self,
+        cadence: Any,
+        checkpointer: Checkpointer,
+        strategy: Any,
+        step: Step,
+        scheduler: Optional[Any],
+        monitor: Monitor,
+        pos: Position,
+        overheads: Overheads,
+    ):
         self.every_epoch, self.every_n_steps = bool(cadence.every_epoch), cadence.every_n_steps  # read every step
         self.checkpointer, self.strategy, self.step, self.scheduler = checkpointer, strategy, step, scheduler
         self.monitor, self.pos, self.overheads = monitor, pos, overheads
@@ -71,8 +80,12 @@ class Saving:
             log.warning("the best weights so far are not in %s (%s): the test will use the last weights", path, e)
             return None
         if state["position"]["step"] != self.monitor.best_step:
-            log.warning("%s is from step %d, not the best step %d: the test will use the last weights",
-                        path, state["position"]["step"], self.monitor.best_step)
+            log.warning(
+                "%s is from step %d, not the best step %d: the test will use the last weights",
+                path,
+                state["position"]["step"],
+                self.monitor.best_step,
+            )
             return None
         return {k: v.cpu() for k, v in weights.items()}
 
@@ -107,6 +120,9 @@ class Saving:
         """Stop every rank with one line; the last checkpoint (written from finite weights) is kept."""
         self.checkpointer.finish()  # a write in flight completes: it is the last good one
         last = self.checkpointer.published("last")
-        kept = (f"the last good checkpoint is kept: {last} (step {self.saved[0]})" if self.saved[0] >= 0
-                else "no checkpoint was written")
+        kept = (
+            f"the last good checkpoint is kept: {last} (step {self.saved[0]})"
+            if self.saved[0] >= 0
+            else "no checkpoint was written"
+        )
         raise EveryRankError(f"training diverged: {what}; {kept}. Lower optim.lr, or set trainer.grad_clip")

@@ -29,9 +29,19 @@ def accumulation_group(batch: int, accumulate: int, batches_per_epoch: int) -> i
 class Step:
     """Forward, backward and (on a group's last batch) the optimizer step, for one batch."""
 
-    def __init__(self, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer, strategy: Any, device: torch.device,
-                 timer: StepTimer, precision: str, grad_clip: Optional[float], memory_format: torch.memory_format,
-                 outputs: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        task: Task,
+        optimizer: torch.optim.Optimizer,
+        strategy: Any,
+        device: torch.device,
+        timer: StepTimer,
+        precision: str,
+        grad_clip: Optional[float],
+        memory_format: torch.memory_format,
+        outputs: int,
+    ):
         self.model, self.task, self.optimizer, self.strategy = model, task, optimizer, strategy
         self.device, self.timer = device, timer
         self.outputs = outputs  # data.num_classes: what the model makes per sample
@@ -88,8 +98,10 @@ class Step:
         first batch's shape)."""
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise EveryRankError(f"task {type(self.task).__name__}: its loss is {shape}, not a scalar; reduce it "
-                                 "(e.g. .mean()) in the task's loss()")
+            raise EveryRankError(
+                f"task {type(self.task).__name__}: its loss is {shape}, not a scalar; reduce it "
+                "(e.g. .mean()) in the task's loss()"
+            )
         self.checked = True
 
     def take_grad_norms(self) -> tuple[list[int], list[float]]:

@@ -42,8 +42,9 @@ class Ending:
     the test waits for the resumed run's end); `ended_by`: early_stopping or max_time (checkpoint,
     test, and finish)."""
 
-    def __init__(self, request: StopRequest, max_time: Optional[float], started_at: float,
-                 pruning: Optional[Any] = None):
+    def __init__(
+        self, request: StopRequest, max_time: Optional[float], started_at: float, pruning: Optional[Any] = None
+    ):
         self.request = request
         self.pruning = pruning  # a search trial's (training.pruning), or None
         self.max_time = max_time
@@ -62,8 +63,10 @@ class Ending:
 
     def flags(self) -> dict[str, bool]:
         """What this rank sends with a loss window: a stop requested, its time budget spent."""
-        return {"stop": self.request.signum is not None,
-                "out_of_time": self.deadline is not None and time.time() >= self.deadline}
+        return {
+            "stop": self.request.signum is not None,
+            "out_of_time": self.deadline is not None and time.time() >= self.deadline,
+        }
 
     def agree(self, stop: bool, time_up: bool, step: int) -> bool:
         """Act on a window's global flags; True when the ranks agreed to stop."""
@@ -73,8 +76,9 @@ class Ending:
             log.warning("stop requested (%s): saving a checkpoint at step %d and exiting", name, step)
         elif time_up and not self.ended_by:
             self.ended_by = "max_time"
-            log.warning("trainer.max_time (%gs) is spent: a checkpoint at step %d, the test, and the end",
-                        self.max_time, step)
+            log.warning(
+                "trainer.max_time (%gs) is spent: a checkpoint at step %d, the test, and the end", self.max_time, step
+            )
         return stop or time_up
 
     def after_validation(self, monitor: Any, metrics: dict[str, Any], step: int, epoch: int) -> None:
@@ -83,14 +87,25 @@ class Ending:
             self.early_stop(monitor, step)
         if self.pruning is not None and self.pruning.should_prune(monitor.value(metrics), epoch) and not self.ended_by:
             self.ended_by = "pruned"
-            log.warning("pruned at step %d: the search's pruner stops this trial (%s %.6g)", step, monitor.metric,
-                        monitor.value(metrics))
+            log.warning(
+                "pruned at step %d: the search's pruner stops this trial (%s %.6g)",
+                step,
+                monitor.metric,
+                monitor.value(metrics),
+            )
 
     def early_stop(self, monitor: Any, step: int) -> None:
         """The monitored metric stopped improving (monitor.should_stop)."""
         if self.ended_by:
             return
         self.ended_by = "early_stopping"
-        log.warning("early stopping at step %d: %s has not improved by more than %g for %d validation(s) "
-                    "(best %.6g at step %d)", step, monitor.metric, monitor.min_delta,
-                    monitor.stale, monitor.best, monitor.best_step)
+        log.warning(
+            "early stopping at step %d: %s has not improved by more than %g for %d validation(s) "
+            "(best %.6g at step %d)",
+            step,
+            monitor.metric,
+            monitor.min_delta,
+            monitor.stale,
+            monitor.best,
+            monitor.best_step,
+        )

@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 WARMUP_STEPS = 10  # excluded from the steady-state throughput and step time
 
@@ -42,9 +43,12 @@ class Overheads:
         self.checkpoints += 1
 
     def results(self) -> dict[str, Any]:
-        return {"eval_time_s": self.eval_time_s, "checkpoint_time_s": self.checkpoint_time_s,
-                "checkpoints": self.checkpoints,
-                "checkpoint_stall_s": statistics.median(self.save_stalls) if self.save_stalls else None}  # per save
+        return {
+            "eval_time_s": self.eval_time_s,
+            "checkpoint_time_s": self.checkpoint_time_s,
+            "checkpoints": self.checkpoints,
+            "checkpoint_stall_s": statistics.median(self.save_stalls) if self.save_stalls else None,
+        }  # per save
 
 
 class Throughput:

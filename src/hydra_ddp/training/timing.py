@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Iterable, Iterator, Optional, Union
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,8 @@ ADVICE = {
     "data": "raise data.num_workers (or data.preload=true for in-memory data), or check this rank's data source",
     "forward": "check this rank's device and its CPU threads (trainer.threads), or other load on its cores",
     "optimizer": "check this rank's device and its CPU threads (trainer.threads), or other load on its cores",
-    "other": "its work between steps (rank 0: logging and checkpoints): raise trainer.log_every or checkpoint less often",
+    "other": "its work between steps (rank 0: logging and checkpoints): raise trainer.log_every or checkpoint "
+    "less often",
 }
 # CUDA: once this many intervals wait, read those the stream has passed (bounded memory, no waiting);
 # at four times as many, wait for the device (the host cannot normally run that far ahead of it).
@@ -168,10 +170,22 @@ def per_rank(gathered: list[dict[str, float]]) -> list[dict[str, Any]]:
     rows = []
     for rank, s in enumerate(per_step):
         step = sum(s.values())
-        phases = {"data": s["data"], "forward": s["forward"], "backward": backward,
-                  "sync_wait": s["backward"] - backward, "optimizer": s["optimizer"], "other": s["other"]}
-        rows.append({"rank": rank, "step_time_s": step, **{f"{k}_s": v for k, v in phases.items()},
-                     **{f"{k}_share": v / step if step else 0.0 for k, v in phases.items()}})
+        phases = {
+            "data": s["data"],
+            "forward": s["forward"],
+            "backward": backward,
+            "sync_wait": s["backward"] - backward,
+            "optimizer": s["optimizer"],
+            "other": s["other"],
+        }
+        rows.append(
+            {
+                "rank": rank,
+                "step_time_s": step,
+                **{f"{k}_s": v for k, v in phases.items()},
+                **{f"{k}_share": v / step if step else 0.0 for k, v in phases.items()},
+            }
+        )
     return rows
 
 
@@ -191,7 +205,11 @@ def straggler(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     label = "data wait" if cause == "data" else cause
     others_share = statistics.median(r[f"{cause}_share"] for r in others)
     return {
-        "rank": slow["rank"], "cause": cause, "others_wait_share": waiting,
-        "message": (f"rank {slow['rank']}: {label} {slow[f'{cause}_share']:.0%} of step time (others "
-                    f"{others_share:.0%}; they wait {waiting:.0%} of theirs for it) → {ADVICE[cause]}"),
+        "rank": slow["rank"],
+        "cause": cause,
+        "others_wait_share": waiting,
+        "message": (
+            f"rank {slow['rank']}: {label} {slow[f'{cause}_share']:.0%} of step time (others "
+            f"{others_share:.0%}; they wait {waiting:.0%} of theirs for it) → {ADVICE[cause]}"
+        ),
     }

@@ -34,22 +34,53 @@ from hydra_ddp.training.window import LossWindow
 log = logging.getLogger(__name__)
 
 
-def build(cfg: Any, task: Task, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Optional[Any],
-          loaders: Loaders, device: torch.device, reporter: Reporter, checkpointer: Checkpointer, stop: StopRequest,
-          progress: bool, started_at: float, strategy: Any, memory_format: torch.memory_format) -> "Trainer":
+def build(
+    cfg: Any,
+    task: Task,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Optional[Any],
+    loaders: Loaders,
+    device: torch.device,
+    reporter: Reporter,
+    checkpointer: Checkpointer,
+    stop: StopRequest,
+    progress: bool,
+    started_at: float,
+    strategy: Any,
+    memory_format: torch.memory_format,
+) -> Trainer:
     """The loop and its collaborators, each given its own settings."""
     settings = cfg.trainer
     pos, overheads, monitor = Position(), Overheads(), Monitor.from_config(settings)
     timer = StepTimer(settings.timing, device)  # this rank's time per phase (timing.py): the straggler report
-    step = Step(model, task, optimizer, strategy, device, timer, str(settings.precision), settings.grad_clip,
-                memory_format, outputs=cfg.data.num_classes)
+    step = Step(
+        model,
+        task,
+        optimizer,
+        strategy,
+        device,
+        timer,
+        str(settings.precision),
+        settings.grad_clip,
+        memory_format,
+        outputs=cfg.data.num_classes,
+    )
     return Trainer(
-        settings, model, loaders, device, step=step, timer=timer, pos=pos,
+        settings,
+        model,
+        loaders,
+        device,
+        step=step,
+        timer=timer,
+        pos=pos,
         saving=Saving(cfg.checkpoint, checkpointer, strategy, step, scheduler, monitor, pos, overheads),
         validation=Validation(strategy, task, loaders, device, memory_format, monitor, reporter, overheads),
         ending=Ending(stop, settings.max_time, started_at, Pruning.of(cfg, reporter.is_main, device)),
         throughput=Throughput(strategy.data_parallel_size()),
-        overheads=overheads, reporter=reporter, scheduler=scheduler,
+        overheads=overheads,
+        reporter=reporter,
+        scheduler=scheduler,
         profiler=lambda: profiling(bool(settings.profile), cfg.profiler, device, reporter.run_dir),
         progress=progress,
     )
@@ -69,10 +100,26 @@ class Trainer:
     """Runs the epochs: batches, global loss logging, validation, checkpoints, stopping (on request,
     early, on the time budget, on divergence), and the one test of the selected weights at the end."""
 
-    def __init__(self, settings: Any, model: nn.Module, loaders: Loaders, device: torch.device, *, step: Step,
-                 timer: StepTimer, pos: Position, saving: Saving, validation: Validation, ending: Ending,
-                 throughput: Throughput, overheads: Overheads, reporter: Reporter, scheduler: Optional[Any],
-                 profiler: Any, progress: bool):
+    def __init__(
+        self,
+        settings: Any,
+        model: nn.Module,
+        loaders: Loaders,
+        device: torch.device,
+        *,
+        step: Step,
+        timer: StepTimer,
+        pos: Position,
+        saving: Saving,
+        validation: Validation,
+        ending: Ending,
+        throughput: Throughput,
+        overheads: Overheads,
+        reporter: Reporter,
+        scheduler: Optional[Any],
+        profiler: Any,
+        progress: bool,
+    ):
         self.settings, self.model, self.loaders, self.device = settings, model, loaders, device
         self.step, self.timer, self.pos, self.saving, self.validation = step, timer, pos, saving, validation
         self.ending, self.throughput, self.overheads = ending, throughput, overheads
@@ -112,15 +159,16 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         max_steps = self.settings.max_steps or self.steps_per_epoch * self.settings.epochs
         epochs = min(self.settings.epochs, math.ceil(max_steps / self.steps_per_epoch))
-        self.bar = tqdm(total=max_steps, initial=self.pos.step, disable=not self.progress, unit="step",
-                        dynamic_ncols=True)
+        self.bar = tqdm(
+            total=max_steps, initial=self.pos.step, disable=not self.progress, unit="step", dynamic_ncols=True
+        )
         with contextlib.ExitStack() as stack:
             self.profiler = stack.enter_context(self.make_profiler())
             stack.enter_context(torch.autograd.set_detect_anomaly(bool(self.settings.detect_anomaly)))
             validated_at = self._epochs(epochs, max_steps)
         self.bar.close()
         self._finish(validated_at, epochs)
-        return self._results(epochs)
+        return results(self, epochs)
 
     def _epochs(self, epochs: int, max_steps: int) -> int:
         """Train the epochs; the step of the last validation."""
@@ -269,46 +317,67 @@ class Trainer:
     def _validate(self, where: str, epoch: int) -> bool:
         """Validation (when there is a split for it) and the monitored metric; True: the best weights so far."""
         metrics = self.validation.validate(self.train_loss)
-        scalars = {"train/epoch_loss": self.train_loss, "train/lr": self.step.optimizer.param_groups[0]["lr"],
-                   "train/samples_per_sec": self.throughput.samples_per_sec()}
+        scalars = {
+            "train/epoch_loss": self.train_loss,
+            "train/lr": self.step.optimizer.param_groups[0]["lr"],
+            "train/samples_per_sec": self.throughput.samples_per_sec(),
+        }
         validated = "val_samples" in metrics
         if validated:
             scalars.update(self.validation.tagged(metrics, "val"))
         epoch_ranks = per_rank(self.timer.gather(self.device, since_last=True))  # every rank's, this epoch
         if self.timer.reported_steps:
             for row in epoch_ranks:
-                scalars.update({f"train/time/rank{row['rank']}/{k[:-6]}": v for k, v in row.items() if k.endswith("_share")})
+                scalars.update(
+                    {f"train/time/rank{row['rank']}/{k[:-6]}": v for k, v in row.items() if k.endswith("_share")}
+                )
         self.reporter.scalars(scalars, self.pos.step)
         best = self.validation.record(metrics, self.pos.step, epoch)
         shown = f"  {self.validation.shown(metrics, 'val')}" if validated else ""
-        log.info("%s  step %d  train loss %.4f%s%s", where, self.pos.step, self.train_loss, shown,
-                 f"  (best {self.monitor.metric})" if best else "")
+        log.info(
+            "%s  step %d  train loss %.4f%s%s",
+            where,
+            self.pos.step,
+            self.train_loss,
+            shown,
+            f"  (best {self.monitor.metric})" if best else "",
+        )
         return best
 
-    def _results(self, epochs: int) -> dict[str, Any]:
-        monitor, selected = self.monitor, self.validation.selected()
-        max_steps = self.settings.max_steps
-        return {
-            "epochs": epochs,
-            "steps": self.pos.step,
-            "train_loss": self.train_loss,
-            # The selected weights' validation (the best by the monitor, else the last validation).
-            **{f"val_{name}": selected.get(f"val_{name}") for name in [*self.validation.task.metrics, "samples"]},
-            "metrics": list(self.validation.task.metrics),  # the task's, in its order (reports' columns)
-            **self.validation.test_metrics,
-            "tested": self.validation.tested,
-            "test_passes": self.loaders.test.passes,
-            "monitor": {"metric": monitor.metric, "mode": monitor.mode, "best": monitor.best,
-                        "best_step": monitor.best_step, "best_epoch": monitor.best_epoch},
-            "objective": monitor.best,  # what train.py returns to a sweeper
-            "history": self.validation.history,
-            **self.throughput.results(),
-            **self.overheads.results(),  # rank 0's
-            "ranks": self.ranks,  # seconds per step by phase, per rank (timing.py)
-            "straggler": self.straggler,
-            "first_step_at": self.throughput.first_step_at,
-            "world_size_history": self.pos.world_sizes,
-            "stopped_by": self.ending.stopped_by,
-            "ended_by": (self.ending.stopped_by or self.ending.ended_by
-                         or ("max_steps" if max_steps and self.pos.step >= max_steps else "epochs")),
-        }
+
+def results(trainer: Trainer, epochs: int) -> dict[str, Any]:
+    """The run's outcome, as summary.json holds it (the worker adds how it ran)."""
+    monitor, selected = trainer.monitor, trainer.validation.selected()
+    max_steps = trainer.settings.max_steps
+    return {
+        "epochs": epochs,
+        "steps": trainer.pos.step,
+        "train_loss": trainer.train_loss,
+        # The selected weights' validation (the best by the monitor, else the last validation).
+        **{f"val_{name}": selected.get(f"val_{name}") for name in [*trainer.validation.task.metrics, "samples"]},
+        "metrics": list(trainer.validation.task.metrics),  # the task's, in its order (reports' columns)
+        **trainer.validation.test_metrics,
+        "tested": trainer.validation.tested,
+        "test_passes": trainer.loaders.test.passes,
+        "monitor": {
+            "metric": monitor.metric,
+            "mode": monitor.mode,
+            "best": monitor.best,
+            "best_step": monitor.best_step,
+            "best_epoch": monitor.best_epoch,
+        },
+        "objective": monitor.best,  # what train.py returns to a sweeper
+        "history": trainer.validation.history,
+        **trainer.throughput.results(),
+        **trainer.overheads.results(),  # rank 0's
+        "ranks": trainer.ranks,  # seconds per step by phase, per rank (timing.py)
+        "straggler": trainer.straggler,
+        "first_step_at": trainer.throughput.first_step_at,
+        "world_size_history": trainer.pos.world_sizes,
+        "stopped_by": trainer.ending.stopped_by,
+        "ended_by": (
+            trainer.ending.stopped_by
+            or trainer.ending.ended_by
+            or ("max_steps" if max_steps and trainer.pos.step >= max_steps else "epochs")
+        ),
+    }

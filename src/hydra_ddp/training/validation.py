@@ -4,7 +4,8 @@ one reading at the end, on the selected weights: exact evaluations, as the strat
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 
@@ -21,8 +22,17 @@ log = logging.getLogger(__name__)
 class Validation:
     """The evaluations of one training run, and what they selected."""
 
-    def __init__(self, strategy: Any, task: Task, loaders: Loaders, device: torch.device,
-                 memory_format: torch.memory_format, monitor: Monitor, reporter: Reporter, overheads: Overheads):
+    def __init__(
+        self,
+        strategy: Any,
+        task: Task,
+        loaders: Loaders,
+        device: torch.device,
+        memory_format: torch.memory_format,
+        monitor: Monitor,
+        reporter: Reporter,
+        overheads: Overheads,
+    ):
         self.strategy, self.task, self.loaders, self.device = strategy, task, loaders, device
         self.memory_format = memory_format
         self.monitor, self.reporter, self.overheads = monitor, reporter, overheads
@@ -35,8 +45,16 @@ class Validation:
     def evaluate(self, split: Any, name: str) -> dict[str, Any]:
         """Exact evaluation of one split, as this strategy needs it run and added up."""
         with self.overheads.timed("eval_time_s"):
-            return evaluate(self.strategy.eval_module, split, self.device, self.task, name, self.memory_format,
-                            lockstep=self.strategy.lockstep_eval, **self.strategy.eval_reduction())
+            return evaluate(
+                self.strategy.eval_module,
+                split,
+                self.device,
+                self.task,
+                name,
+                self.memory_format,
+                lockstep=self.strategy.lockstep_eval,
+                **self.strategy.eval_reduction(),
+            )
 
     def validate(self, train_loss: float) -> dict[str, Any]:
         """The validation split's metrics (none without one), with the epoch's training loss."""
@@ -72,15 +90,21 @@ class Validation:
                 weights, tested_step = "best", monitor.best_step
         self.test_metrics = self.evaluate(self.loaders.test, "test")
         self.tested = {
-            "weights": weights, "step": tested_step,
+            "weights": weights,
+            "step": tested_step,
             "epoch": monitor.best_epoch if weights == "best" else epoch,
             "checkpoint": checkpoint(weights) if checkpoint else None,
-            "monitor": monitor.metric, "monitor_value": monitor.best if weights == "best" else None,
+            "monitor": monitor.metric,
+            "monitor_value": monitor.best if weights == "best" else None,
         }
         self.reporter.scalars(self.tagged(self.test_metrics, "test"), step)
-        log.info("test (once, on the %s weights: step %d%s)  %s", weights,
-                 tested_step, f", {monitor.metric} {monitor.best:.4f}" if weights == "best" else "",
-                 self.shown(self.test_metrics, "test"))
+        log.info(
+            "test (once, on the %s weights: step %d%s)  %s",
+            weights,
+            tested_step,
+            f", {monitor.metric} {monitor.best:.4f}" if weights == "best" else "",
+            self.shown(self.test_metrics, "test"),
+        )
 
     def tagged(self, metrics: dict[str, Any], split: str) -> dict[str, float]:
         """The task's metrics of a split by their TensorBoard tags: {split}_{name} as {split}/{name}."""

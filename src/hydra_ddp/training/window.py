@@ -34,8 +34,9 @@ class LossWindow:
         self.losses.append(loss.detach())
         return len(self.steps) >= self.size
 
-    def flush(self, stop: bool, device: torch.device,
-              out_of_time: bool = False) -> tuple[list[int], list[float], bool, bool]:
+    def flush(
+        self, stop: bool, device: torch.device, out_of_time: bool = False
+    ) -> tuple[list[int], list[float], bool, bool]:
         """(steps, global losses, whether any rank wants to stop, whether any rank's time is up).
         Every rank calls it at the same points."""
         self.start(stop, device, out_of_time)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import hashlib
-import json
 import logging
 import os
 import random
@@ -30,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 from hydra_ddp import checkpoints, data, performance, tasks
-from hydra_ddp.config import elastic, run_config
+from hydra_ddp.config import elastic, fingerprint, run_config
 from hydra_ddp.errors import (
     EVERY_RANK,
     LOST_A_PEER,
@@ -73,8 +71,9 @@ def deterministic_kernels() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
-def run(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
-        entered_at: float, problem: Optional[str] = None) -> Optional[dict[str, Any]]:
+def run(
+    cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float, entered_at: float, problem: Optional[str] = None
+) -> Optional[dict[str, Any]]:
     """Train, and return the run's summary. `entered_at`: when this worker's own code began (its
     imports done); `problem`: what rank 0 of an outside launch found wrong."""
     stop = StopRequest()
@@ -120,54 +119,43 @@ def _device(kind: str, rank: RankInfo, outside_launch: bool) -> torch.device:
     """This rank's device: the CPU, or the GPU its local rank maps to among those it sees."""
     if kind != "cuda":
         return torch.device("cpu")
-    return torch.device("cuda", distributed.gpu_index(rank.local_rank, rank.local_world_size,
-                                                      torch.cuda.device_count(), outside_launch))
-
-
-def what_is_trained(plain: dict[str, Any]) -> dict[str, Any]:
-    """The config without how each node launches (node_rank, addresses, threads differ by design)."""
-    what = {k: v for k, v in plain.items() if k not in ("launcher", "init_method", "backend", "overridden")}
-    what["trainer"] = {k: v for k, v in plain["trainer"].items() if k not in ("nproc", "threads", "progress")}
-    return what
-
-
-def config_fingerprint(plain: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(what_is_trained(plain), sort_keys=True, default=str).encode()).hexdigest()
-
-
-def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """`key: then → now` for each value of what is trained that differs between a checkpoint's config
-    and this run's (the resume setting and the job's own bookkeeping aside)."""
-    def flat(node: Any, prefix: str = "") -> dict[str, Any]:
-        if not isinstance(node, dict) or not node:
-            return {prefix.rstrip("."): node}
-        return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}{key}.").items()}
-
-    ignored = ("trainer.resume", "trainer.max_time", "sweep", "job", "trial", "eval")
-    then, current = flat(what_is_trained(saved)), flat(what_is_trained(now))
-    return [f"{key}: {then.get(key)!r} → {current.get(key)!r}" for key in sorted(set(then) | set(current))
-            if then.get(key) != current.get(key) and not key.startswith(ignored)]
+    return torch.device(
+        "cuda", distributed.gpu_index(rank.local_rank, rank.local_world_size, torch.cuda.device_count(), outside_launch)
+    )
 
 
 def _check_same_config(cfg: DictConfig, rank: RankInfo, device: torch.device) -> None:
     """Every rank trains with the same values (one sweep trial's, say), or none starts: the config's
     fingerprint, compared in one all-reduce. Each rank logs it, with the values set on the command line."""
-    digest = config_fingerprint(OmegaConf.to_container(cfg, resolve=True))
+    digest = fingerprint.config_fingerprint(OmegaConf.to_container(cfg, resolve=True))
     mine = int(digest[:15], 16)  # fits an int64
     extremes = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
     overridden = " ".join(f"{key}={OmegaConf.select(cfg, key)}" for key in cfg.get("overridden", []))
     log.info("rank %d config %s%s", rank.rank, digest[:12], f": {overridden}" if overridden else "")
     if extremes[0].item() != -extremes[1].item():
-        raise EveryRankError("the ranks were given different configs (see each rank's 'config' line in the log); "
-                        "launch them with the same overrides")
+        raise EveryRankError(
+            "the ranks were given different configs (see each rank's 'config' line in the log); "
+            "launch them with the same overrides"
+        )
 
 
-def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, stop: StopRequest,
-           started_at: float, entered_at: float) -> dict[str, Any]:
+def _train(
+    cfg: DictConfig,
+    out: Path,
+    rank: RankInfo,
+    device: torch.device,
+    stop: StopRequest,
+    started_at: float,
+    entered_at: float,
+) -> dict[str, Any]:
     log.info(
         "rank %d/%d on %s, %d CPU thread(s), pid %d",
-        rank.rank, rank.world_size, device, torch.get_num_threads(), os.getpid(),
+        rank.rank,
+        rank.world_size,
+        device,
+        torch.get_num_threads(),
+        os.getpid(),
     )
     settled = elastic.at_world_size(cfg, rank.world_size)  # an elastic run: the size its rendezvous gave
     if settled:
@@ -196,7 +184,9 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
         train_model = spread.wrap(model)
     except shared_memory.SharedMemoryUnavailable as e:  # on every rank alike: the one setting a worker settles
         if "strategy.shared_memory" not in cfg.settled:  # asked for, not chosen
-            raise EveryRankError(f"strategy.shared_memory=true: {e}; set strategy.shared_memory=auto or false") from None
+            raise EveryRankError(
+                f"strategy.shared_memory=true: {e}; set strategy.shared_memory=auto or false"
+            ) from None
         log.warning("gradients all-reduce through %s, not shared memory: %s", dist.get_backend(), e)
         fast["strategy.shared_memory"] = False  # recorded in the summary
         train_model = spread.wrap(model, shared_memory=False)
@@ -205,14 +195,19 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
         train_model = _compiled(train_model, cfg.trainer.compile_backend)
     scheduler = instantiate(cfg.scheduler)(optimizer) if cfg.scheduler else None
     config = performance.record(OmegaConf.to_container(cfg, resolve=True), fast)  # what the run used
-    checkpointer = checkpointing.Checkpointer(cfg.checkpoint, out, rank, device, config,
-                                           sharded=spread.sharded_checkpoints)
+    checkpointer = checkpointing.Checkpointer(
+        cfg.checkpoint, out, rank, device, config, sharded=spread.sharded_checkpoints
+    )
     # Rank 0 picks the checkpoint (on every node the same file: checkpoints live with rank 0).
     resume = checkpointer.choose(checkpoints.resume_setting(cfg.trainer.resume)) if rank.is_main else None
-    changed = config_changes(resume[1]["config"], config) if resume else []
+    changed = fingerprint.config_changes(resume[1]["config"], config) if resume else []
     if changed:  # the checkpoint's values are not restored: the run goes on with this command's
-        log.warning("resuming %s with a config that differs from the checkpoint's (this command's values apply; "
-                    "pass the checkpoint's overrides to continue the same run): %s", resume[0], "; ".join(changed))
+        log.warning(
+            "resuming %s with a config that differs from the checkpoint's (this command's values apply; "
+            "pass the checkpoint's overrides to continue the same run): %s",
+            resume[0],
+            "; ".join(changed),
+        )
     chosen = distributed.broadcast_text(str(resume[0]) if resume else "", device)
     if chosen and not rank.is_main:
         resume = Path(chosen), checkpointer.load(Path(chosen))
@@ -224,8 +219,22 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
         resume_step = 0
     reporter = run_report.Reporter(rank, out, cfg, resume_step=resume_step)
     try:
-        trainer = training.build(cfg, task, train_model, optimizer, scheduler, loaders, device, reporter, checkpointer, stop,
-                                 run_report.show_progress(cfg.trainer.progress, rank), started_at, spread, memory_format)
+        trainer = training.build(
+            cfg,
+            task,
+            train_model,
+            optimizer,
+            scheduler,
+            loaders,
+            device,
+            reporter,
+            checkpointer,
+            stop,
+            run_report.show_progress(cfg.trainer.progress, rank),
+            started_at,
+            spread,
+            memory_format,
+        )
         if resume:
             trainer.resume_from(*resume, cause=resize_cause(elastic.is_elastic(cfg.launcher)))
         result = trainer.fit()
@@ -246,7 +255,7 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
             "deterministic": bool(cfg.trainer.get("deterministic", False)),
             "strategy": spread.name,
             # Parameters, gradients and optimizer state held by one rank (the largest): FSDP's shards.
-            "model_state_bytes": _most_over_ranks(strategy.local_state_bytes(spread, optimizer), device),
+            "model_state_bytes": distributed.most_over_ranks(strategy.local_state_bytes(spread, optimizer), device),
             "comm_hook": cfg.strategy.comm_hook if spread.name == "ddp" else None,
             "allreduce_bytes_per_step": spread.bytes_per_step() if spread.name == "ddp" else None,  # measured
             **result,
@@ -254,14 +263,22 @@ def _train(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, sto
             "workers_ready_at": workers_ready_at,
             "time_to_workers_ready_s": workers_ready_at - started_at,
             "peak_rss_mb": distributed.max_over_ranks(_peak_rss_mb(), device),
-            "flops": _flops(cfg, task, trainer.step.batch_shapes, result.get("steady_samples_per_sec")
-                            or result.get("samples_per_sec"), rank, device),
+            "flops": flops.measure(
+                lambda: instantiate(cfg.model),
+                task.loss,
+                trainer.step.batch_shapes,
+                result.get("steady_samples_per_sec") or result.get("samples_per_sec"),
+                str(cfg.trainer.precision),
+                cfg.trainer.peak_flops,
+                rank.world_size,
+                device,
+            ),
             "wall_time_s": time.time() - started_at,
             "run_dir": str(out),
             "resumed_from": str(resume[0]) if resume else None,
             "init_from": cfg.trainer.init_from if not resume else None,
         }
-        reporter.finish(summary, hparams=_hparams(cfg, rank))
+        reporter.finish(summary, hparams=run_report.hparams(cfg, rank.world_size))
     finally:
         reporter.close()
     return summary
@@ -277,21 +294,6 @@ def _release(cfg: DictConfig) -> None:
     gc.collect()
 
 
-def _flops(cfg: DictConfig, task: tasks.Task, shapes: Any, samples_per_sec: Optional[float], rank: RankInfo,
-           device: torch.device) -> dict[str, Any]:
-    """Model FLOPs per sample (the first batch's shapes, counted on the meta device) and the MFU."""
-    per_sample = None
-    if shapes is not None:
-        try:
-            per_sample = flops.count(lambda: instantiate(cfg.model), task.loss, *shapes) / shapes[0][0][0]
-        except Exception as e:  # noqa: BLE001  (a model that cannot be built or run on the meta device)
-            log.warning("no FLOP count: the model does not run on the meta device (%s: %s)", type(e).__name__, e)
-    value, source = flops.peak(device, str(cfg.trainer.precision), torch.get_num_threads(), cfg.trainer.peak_flops)
-    if value is not None and source.startswith("measured"):  # every rank measured at once: the best
-        value = distributed.max_over_ranks(value, device)
-    return flops.report(per_sample, samples_per_sec, rank.world_size, value, source)
-
-
 def _compiled(model: nn.Module, backend: str) -> nn.Module:
     """torch.compile'd, falling back to eager (with a warning) where compiling fails on this machine."""
     import torch._dynamo
@@ -301,34 +303,13 @@ def _compiled(model: nn.Module, backend: str) -> nn.Module:
     return torch.compile(model, backend=backend)  # type: ignore[return-value]
 
 
-def _most_over_ranks(values: dict[str, int], device: torch.device) -> dict[str, int]:
-    """Each value's maximum over the ranks (one all-reduce)."""
-    packed = torch.tensor(list(values.values()), dtype=torch.int64, device=device)
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-    return dict(zip(values, packed.tolist()))
-
-
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _hparams(cfg: DictConfig, rank: RankInfo) -> dict[str, Any]:
-    return {
-        "world_size": rank.world_size,
-        "backend": cfg.backend.name,
-        "launcher": cfg.launcher.name,
-        "model": cfg.model._target_.rsplit(".", 1)[-1],
-        "optim": cfg.optim._target_.rsplit(".", 1)[-1],
-        "lr": cfg.optim.get("lr"),
-        "weight_decay": cfg.optim.get("weight_decay"),
-        "batch_size": cfg.data.batch_size,
-        "epochs": cfg.trainer.epochs,
-        "seed": cfg.trainer.seed,
-    }
-
-
-def main(cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float,
-         problem: Optional[str] = None) -> Optional[dict[str, Any]]:
+def main(
+    cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float, problem: Optional[str] = None
+) -> Optional[dict[str, Any]]:
     """Every worker's entry, whatever started it: the traceback to the log, one line to the launcher."""
     entered_at = time.time()
     try:
@@ -375,7 +356,9 @@ def _exit_after_teardown() -> None:
 
 
 @record  # writes the exception to torchelastic's error file, so the parent can name it
-def elastic_entry(cfg: DictConfig, run_dir: str, started_at: float, parent_pid: Optional[int]) -> Optional[dict[str, Any]]:
+def elastic_entry(
+    cfg: DictConfig, run_dir: str, started_at: float, parent_pid: Optional[int]
+) -> Optional[dict[str, Any]]:
     """elastic_launch target: torchelastic has set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
     _, rank = distributed.external_launch()
     startup.die_with_parent(parent_pid)  # as spawn_entry's

@@ -3,7 +3,6 @@
 No `from __future__ import annotations`: Hydra loads plugin modules outside sys.modules, where
 dataclasses cannot resolve string annotations."""
 
-
 import logging
 import subprocess
 import sys
@@ -72,7 +71,9 @@ class OptunaSweeperConf:
     # e.g. {n_startup_trials: 5} (Optuna's own)
     pruner_args: Annotated[dict[str, Any], Checked("search.study.pruner_of")] = field(default_factory=dict)
     params: Annotated[Optional[dict[str, str]], Checked("search.space.parse")] = None
-    role: Annotated[str, OneOf("main", "helper")] = "main"  # helper: one of the n_jobs - 1 processes the main sweeper starts
+    role: Annotated[str, OneOf("main", "helper")] = (
+        "main"  # helper: one of the n_jobs - 1 processes the main sweeper starts
+    )
     # The sampler stays a config (Hydra would build it once, with the sweeper): each trial's is built
     # from it with a seed of its own (search.study.trial_seed), so processes sharing a study draw
     # apart, and a seeded search draws the same values for the same trial numbers.
@@ -86,8 +87,19 @@ for _name, _node in SAMPLERS.items():
 
 
 class OptunaSweeper(Sweeper):
-    def __init__(self, sampler: Any, direction: str, study_name: Optional[str], storage: Optional[str], n_trials: int,
-                 n_jobs: int, pruner: str, params: Optional[DictConfig], pruner_args: Any = None, role: str = "main"):
+    def __init__(
+        self,
+        sampler: Any,
+        direction: str,
+        study_name: Optional[str],
+        storage: Optional[str],
+        n_trials: int,
+        n_jobs: int,
+        pruner: str,
+        params: Optional[DictConfig],
+        pruner_args: Any = None,
+        role: str = "main",
+    ):
         self.sampler_cfg, self.direction, self.study_name = sampler, str(direction), study_name or "search"
         self.storage, self.n_trials, self.n_jobs, self.pruner = storage, n_trials, n_jobs, pruner
         self.params = OmegaConf.to_container(params) if params else {}
@@ -98,8 +110,9 @@ class OptunaSweeper(Sweeper):
         from hydra.core.plugins import Plugins
 
         self.config = config
-        self.launcher = Plugins.instance().instantiate_launcher(config=config, hydra_context=hydra_context,
-                                                                task_function=task_function)
+        self.launcher = Plugins.instance().instantiate_launcher(
+            config=config, hydra_context=hydra_context, task_function=task_function
+        )
         self.sweep_dir = Path(config.hydra.sweep.dir).resolve()
 
     def sweep(self, arguments: list[str]) -> None:
@@ -114,8 +127,8 @@ class OptunaSweeper(Sweeper):
     def _search(self, arguments: list[str]) -> None:
         import optuna
 
-        from hydra_ddp.errors import UserError
-        from hydra_ddp.search import space, study as studies
+        from hydra_ddp.search import space
+        from hydra_ddp.search import study as studies
 
         searched, fixed = space.parse(self.params, arguments)
         self.check()
@@ -123,17 +136,32 @@ class OptunaSweeper(Sweeper):
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         location = self.storage or str(self.sweep_dir / studies.JOURNAL)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        study = optuna.create_study(study_name=self.study_name, storage=studies.storage_of(location), sampler=sampler,
-                                    direction=self.direction, load_if_exists=True)
+        study = optuna.create_study(
+            study_name=self.study_name,
+            storage=studies.storage_of(location),
+            sampler=sampler,
+            direction=self.direction,
+            load_if_exists=True,
+        )
         helpers = []
         if self.role == "main":
             stranded = studies.recover(study, self.sweep_dir)
             done = studies.started(study)
-            log.info("study %r in %s: %d of %d trials done%s", self.study_name, location, done, self.n_trials,
-                     f" ({len(stranded)} left running by a stopped sweep: failed)" if stranded else "")
+            log.info(
+                "study %r in %s: %d of %d trials done%s",
+                self.study_name,
+                location,
+                done,
+                self.n_trials,
+                f" ({len(stranded)} left running by a stopped sweep: failed)" if stranded else "",
+            )
             helpers = [self._helper() for _ in range(self.n_jobs - 1)]
-        identity = [f"trial.study={self.study_name}", f"trial.storage={location}", f"trial.pruner={self.pruner}",
-                    *(f"+trial.pruner_args.{k}={v}" for k, v in self.pruner_args.items())]
+        identity = [
+            f"trial.study={self.study_name}",
+            f"trial.storage={location}",
+            f"trial.pruner={self.pruner}",
+            *(f"+trial.pruner_args.{k}={v}" for k, v in self.pruner_args.items()),
+        ]
         try:
             while True:
                 with studies.exclusive(self.sweep_dir):
@@ -142,9 +170,12 @@ class OptunaSweeper(Sweeper):
                     # A trial number not yet asked for (a queued trial's ask adds none, and samples nothing).
                     study.sampler = self._sampler(searched, stream=len(study.get_trials(deepcopy=False)))
                     trial = study.ask(searched)
-                overrides = [*(f"{k}={v}" for k, v in fixed.items()),
-                             *(space.as_override(k, v) for k, v in trial.params.items()),
-                             *identity, f"trial.number={trial.number}"]
+                overrides = [
+                    *(f"{k}={v}" for k, v in fixed.items()),
+                    *(space.as_override(k, v) for k, v in trial.params.items()),
+                    *identity,
+                    f"trial.number={trial.number}",
+                ]
                 returned = self.launcher.launch([overrides], initial_job_idx=trial.number)[0]
                 self._tell(study, trial.number, returned)
         finally:
@@ -160,11 +191,19 @@ class OptunaSweeper(Sweeper):
         from hydra_ddp.errors import UserError
         from hydra_ddp.search import study as studies
 
-        settings = {"direction": self.direction, "n_trials": self.n_trials, "n_jobs": self.n_jobs,
-                    "pruner": self.pruner, "role": self.role}
+        settings = {
+            "direction": self.direction,
+            "n_trials": self.n_trials,
+            "n_jobs": self.n_jobs,
+            "pruner": self.pruner,
+            "role": self.role,
+        }
         sampler = OmegaConf.to_container(self.sampler_cfg) if isinstance(self.sampler_cfg, DictConfig) else {}
         kind = next((conf for conf in SAMPLERS.values() if conf._target_ == sampler.get("_target_")), None)
-        for node, cls, where in ((settings, OptunaSweeperConf, "hydra.sweeper"), (sampler, kind, "hydra.sweeper.sampler")):
+        for node, cls, where in (
+            (settings, OptunaSweeperConf, "hydra.sweeper"),
+            (sampler, kind, "hydra.sweeper.sampler"),
+        ):
             try:
                 if cls is not None:
                     domains.check(node, cls)
@@ -178,7 +217,8 @@ class OptunaSweeper(Sweeper):
         so n_jobs > 1 drew the same startup trials in each process."""
         from hydra.utils import instantiate
 
-        from hydra_ddp.search import space, study as studies
+        from hydra_ddp.search import space
+        from hydra_ddp.search import study as studies
 
         seed = self.sampler_cfg.get("seed")
         if self.sampler_cfg.get("_partial_"):  # the grid sampler, given its grid
@@ -193,7 +233,9 @@ class OptunaSweeper(Sweeper):
 
         from hydra_ddp.search import study as studies
 
-        job_dir = Path(returned.hydra_cfg.hydra.runtime.output_dir) if returned.hydra_cfg else self.sweep_dir / str(number)
+        job_dir = (
+            Path(returned.hydra_cfg.hydra.runtime.output_dir) if returned.hydra_cfg else self.sweep_dir / str(number)
+        )
         value = returned._return_value if returned.status == JobStatus.COMPLETED else None
         state, value = studies.outcome(job_dir, value)
         if state == "complete":
@@ -205,8 +247,9 @@ class OptunaSweeper(Sweeper):
     def _helper(self) -> subprocess.Popen:
         """Another sweeper process on the same study: the same command, as a helper, in this sweep directory."""
         argv = [a for a in sys.argv[1:] if not a.startswith(("hydra.sweep.dir=", "hydra.sweeper.role="))]
-        return subprocess.Popen([sys.executable, sys.argv[0], *argv, f"hydra.sweep.dir={self.sweep_dir}",
-                                 "hydra.sweeper.role=helper"])
+        return subprocess.Popen(
+            [sys.executable, sys.argv[0], *argv, f"hydra.sweep.dir={self.sweep_dir}", "hydra.sweeper.role=helper"]
+        )
 
     def _results(self, study: Any) -> None:
         from optuna.trial import TrialState
@@ -216,8 +259,16 @@ class OptunaSweeper(Sweeper):
             log.warning("no trial completed")
             return
         best = study.best_trial
-        OmegaConf.save(OmegaConf.create({"name": "optuna", "best_params": best.params, "best_value": best.value,
-                                         "best_trial": best.number}),
-                       self.sweep_dir / "optimization_results.yaml")
-        log.info("best trial %d: %s = %.6g (%s)", best.number, self.direction, best.value,
-                 " ".join(f"{k}={v}" for k, v in best.params.items()))
+        OmegaConf.save(
+            OmegaConf.create(
+                {"name": "optuna", "best_params": best.params, "best_value": best.value, "best_trial": best.number}
+            ),
+            self.sweep_dir / "optimization_results.yaml",
+        )
+        log.info(
+            "best trial %d: %s = %.6g (%s)",
+            best.number,
+            self.direction,
+            best.value,
+            " ".join(f"{k}={v}" for k, v in best.params.items()),
+        )

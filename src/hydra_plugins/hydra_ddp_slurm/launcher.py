@@ -16,14 +16,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from hydra.core.utils import JobReturn, JobStatus
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 from omegaconf import OmegaConf, open_dict
 
 from hydra_ddp.rundir import RunDir
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 
 QUEUE_CHECK_S = (2.0, 60.0)  # the first and the longest interval between two squeue calls
 
@@ -46,8 +47,10 @@ class SlurmLauncher(SubmititSlurmLauncher):
             returns = super().launch(job_overrides, initial_job_idx)
         finally:
             submitit.AutoExecutor.map_array = submit  # type: ignore[method-assign]
-        return [ret if job.ended is None else self._unfinished(job, list(overrides), initial_job_idx + i)
-                for i, (ret, job, overrides) in enumerate(zip(returns, jobs, job_overrides))]
+        return [
+            ret if job.ended is None else self._unfinished(job, list(overrides), initial_job_idx + i)
+            for i, (ret, job, overrides) in enumerate(zip(returns, jobs, job_overrides))
+        ]
 
     def _unfinished(self, job: Job, overrides: list[str], num: int) -> JobReturn:
         """Leave in the job's directory what the sweep report reads; return what a failed trial returns."""
@@ -67,8 +70,13 @@ class SlurmLauncher(SubmititSlurmLauncher):
         RunDir(job_dir).error.write_text(f"{message}\n")
         RunDir(job_dir).slurm_state.write_text(f"{job.ended.lower()}\n")
         print(f"hydra-ddp: warning: job #{num} ({' '.join(overrides) or 'no overrides'}): {message}", file=sys.stderr)
-        return JobReturn(overrides=overrides, cfg=config, working_dir=str(job_dir), status=JobStatus.COMPLETED,
-                         _return_value=monitor.worst_for(config))
+        return JobReturn(
+            overrides=overrides,
+            cfg=config,
+            working_dir=str(job_dir),
+            status=JobStatus.COMPLETED,
+            _return_value=monitor.worst_for(config),
+        )
 
 
 class Job:
@@ -103,8 +111,9 @@ class Job:
     def _queued(self) -> bool:
         """Pending, running or completing; True too when squeue cannot say (the wait goes on)."""
         try:
-            listed = subprocess.run(["squeue", "-h", "-r", "-j", self.job_id, "-o", "%T"], capture_output=True,
-                                    text=True, timeout=60)
+            listed = subprocess.run(
+                ["squeue", "-h", "-r", "-j", self.job_id, "-o", "%T"], capture_output=True, text=True, timeout=60
+            )
         except (OSError, subprocess.TimeoutExpired):
             return True
         return listed.returncode != 0 or bool(listed.stdout.strip())
@@ -112,8 +121,12 @@ class Job:
     def _accounted_state(self) -> tuple[str, str]:
         """A job that left the queue with neither a result nor a final state that submitit saw."""
         try:
-            sacct = subprocess.run(["sacct", "-n", "-X", "-P", "-j", self.job_id, "-o", "State"], capture_output=True,
-                                   text=True, timeout=60)
+            sacct = subprocess.run(
+                ["sacct", "-n", "-X", "-P", "-j", self.job_id, "-o", "State"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
         except (OSError, subprocess.TimeoutExpired):
             sacct = None
         if sacct is None or sacct.returncode != 0:
