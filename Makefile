@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-fast lint format bench soak look docs clean
+.PHONY: train test test-unit test-fast lint format bench soak look docs clean
 
 # Python caches the bytecode of what it imports, on first use: the install does not compile every
 # file of torch and the rest (pip does that one file at a time: half of a 150 s install here) but
@@ -22,16 +22,27 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
+# Everything: both layers, tests/unit and tests/e2e (pyproject.toml leaves out the `look` marker).
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
 
-# The inner loop: the pure-logic tests (config resolution and checks, the loop's parts, timing, the
-# package's shape) and a few end-to-end runs (outside torchrun, the start-up): a few minutes.
-FAST_TESTS := tests/test_architecture.py tests/test_checks.py tests/test_loop_parts.py tests/test_timing.py \
-	tests/test_config.py tests/test_data.py tests/test_models.py tests/test_training.py tests/test_gpu_ready.py \
-	tests/test_startup.py tests/test_ci.py tests/test_hangs.py tests/test_flops.py
-test-fast: $(STAMP)
-	$(PY) -m pytest -q $(FAST_TESTS) $(ARGS)
+# The unit layer alone: every test that runs in the test's own process (no subprocess, no server,
+# no cluster), in well under a minute.
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit $(ARGS)
+
+# The inner loop: the unit layer and a named handful of end-to-end runs (the default run, an outside
+# torchrun launch, the forkserver's start-up, the first failure named, exact evaluation on real gloo
+# ranks, the CI skip plugin, train.py --check): a few minutes.
+FAST_E2E := tests/e2e/test_train_e2e.py::test_default_run_leaves_one_complete_run_directory \
+	tests/e2e/test_gpu_ready.py::test_sync_batchnorm_auto_under_an_outside_torchrun_trains \
+	tests/e2e/test_gpu_ready.py::test_the_first_failure_is_named_when_the_other_ranks_were_aborted \
+	tests/e2e/test_startup.py::test_forkserver_workers_inherit_frozen_imports_with_the_collector_on \
+	tests/e2e/test_training.py::test_evaluation_is_exact_and_train_losses_are_global \
+	tests/e2e/test_ci.py::test_a_skip_fails_under_ci_and_stays_a_skip_outside \
+	tests/e2e/test_check.py::test_check_says_what_would_run_and_launches_nothing
+test-fast: $(STAMP) lint
+	$(PY) -m pytest -q tests/unit $(FAST_E2E) $(ARGS)
 
 # The linter and the formatter (pyproject.toml's [tool.ruff]): `make format` rewrites, this only checks.
 LINTED := src tests bench train.py eval.py
@@ -47,7 +58,7 @@ format: $(STAMP)
 # (Debian's: apt-get install chromium), the screenshots into docs/img (the loggers' page shows
 # them). Not in `make test`: Chromium's install and renders cost more than CI's time allows.
 look: $(STAMP)
-	LOOK_DIR=docs/img $(PY) -m pytest -q -m look tests/test_ui.py $(ARGS)
+	LOOK_DIR=docs/img $(PY) -m pytest -q -m look tests/e2e/test_ui.py $(ARGS)
 
 # The manual as a site (mkdocs.yml), strictly: a broken link, a missing page or a file outside the
 # nav fails. Its home page is README.md with the links made the site's.

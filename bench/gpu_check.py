@@ -16,7 +16,7 @@ Data: synthetic sets of a fixed size (a few global batches at 8 GPUs, reused epo
 and trainer.max_steps ending each run, so host memory does not grow with the GPU count.
 
 One GPU (trainer.nproc=1 on any host, so the figures compare across hosts; nccl):
-- the step timer's CUDA-event clock against a synchronised host clock (tests/test_timing.py's
+- the step timer's CUDA-event clock against a synchronised host clock (tests/unit/test_timing.py's
   cuda_check: within 2× over matmuls queued on the stream);
 - parity: train.py against bench/handwritten.py (the seeds' CNN, batch 64), A B A B, and `auto`
   leaving the CPU-only strategy.shared_memory off;
@@ -515,8 +515,8 @@ CNN_ONE = (*CNN, ONE_RANK, "trainer.max_steps=200")
 GPT_ONE = (*GPT, ONE_RANK, "trainer.max_steps=60")
 RESUMABLE = (*CNN, EVERY_GPU, "checkpoint.every_n_steps=20")
 CASES = [
-    # The step timer's CUDA-event clock against a synchronised host clock (tests/test_timing.py).
-    Case("the stream clock", ONE, calls, calls=("test_timing:cuda_check",)),
+    # The step timer's CUDA-event clock against a synchronised host clock (tests/unit/test_timing.py).
+    Case("the stream clock", ONE, calls, calls=("unit.test_timing:cuda_check",)),
     Case(DEFAULTS, ONE, parity, runs=(CNN_ONE,), bench=((*HAND_CNN, "--nproc=1"),), timeout_s=150),
     Case("CNN, auto settings off", ONE, one_run, runs=((*CNN_ONE, *AUTO_OFF),), baseline=DEFAULTS),
     Case("CNN, start_method=spawn", ONE, one_run, runs=((*CNN_ONE, "launcher.start_method=spawn"),), baseline=DEFAULTS),

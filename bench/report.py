@@ -47,7 +47,7 @@ _INTROS = {
     "`ddp`, `fsdp` and `tp`, on the same global batch of sequences (64 bytes each; `tp`'s two ranks form one "
     "replica and read the same batch). **samples/s**: tokens (every predicted byte is a sample). **model state / rank** as above (AdamW: two "
     "moments per parameter). Reference: ddp.",
-    "strategy": "The project at 2 ranks under each `strategy` (src/hydra_ddp/parallel/strategy.py). **model state / rank**: "
+    "strategy": "The project at 2 ranks under each `strategy` (src/hydra_ddp/parallel/strategies/). **model state / rank**: "
     "the bytes of parameters, gradients and optimizer state (SGD's momentum) one rank holds, counting local "
     "shards only (the summary's `model_state_bytes`, the largest rank's). FSDP cannot shard channels_last "
     "weights, so it runs without them: the second row is DDP on the same footing. Reference: ddp.",

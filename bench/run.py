@@ -41,7 +41,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "data.preload (tensor batches)": ("data.preload=true",),
     "precision=bf16": ("trainer.precision=bf16",),
     "accumulate=2 (no_sync)": ("trainer.accumulate=2",),
-    # The fast settings `auto` turns on (src/hydra_ddp/performance.py), turned off one by one.
+    # The fast settings `auto` turns on (performance.py, parallel/strategies/ddp.py), turned off one by one.
     "ddp: bucket view + static graph off": ("strategy.gradient_as_bucket_view=false", "strategy.static_graph=false"),
     "channels_last off": ("trainer.channels_last=false",),
     "shared memory off (gloo's all-reduce)": ("strategy.shared_memory=false",),

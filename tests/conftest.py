@@ -1,5 +1,6 @@
-"""Fixtures and hooks shared by the tests. The helpers they use (running train.py, reading back a
-run's outputs, making data) are in support.py: `from support import ...`."""
+"""Fixtures and hooks shared by the tests of both layers, tests/unit and tests/e2e (whose own
+conftest.py marks its tests `e2e`). The helpers they use (running train.py, reading back a run's
+outputs, making data) are in support.py: `from support import ...`."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ def _idle() -> None:
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # only the CPU time no one else wants
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: only a session that runs the test starts it
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """The every-pair check (tests/pair_checks.py: minutes of pure CPU) starts now, in the
     background at the CPU's idle priority, so it runs in the time the suite's runs leave the cores
     idle (waiting for their peers, their timeouts, their daemons) and slows none of them; its test
-    goes last and reads its results."""
+    (tests/e2e/test_check.py) goes last and reads its results."""
     import sys
     import tempfile
 

@@ -2,29 +2,38 @@
 (its summary, TensorBoard scalars and texts, step losses, metrics.csv, checkpoints), make the data
 the tests need (nothing is downloaded), and compare runs.
 
-Tests import it as `from support import ...`: tests/ has no __init__.py, so pytest's default
-(`prepend`) import mode puts it first on sys.path before importing conftest.py or any test module
-there. conftest.py holds only fixtures, hooks and plugins."""
+The tests live in two layers: tests/unit (in the test's own process: no subprocess, no server, no
+cluster) and tests/e2e (real processes: train.py and eval.py as a user runs them, launchers, signals,
+servers, a Slurm cluster). Tests of both import the kit as `from support import ...` (and
+`import servers`, `import pair_checks`): tests/unit and tests/e2e are packages (an __init__.py each)
+and tests/ is not, so pytest's default (`prepend`) import mode puts tests/ first on sys.path before
+importing conftest.py or any test module. conftest.py holds only fixtures, hooks and plugins; what
+two test modules share is here, never in a test module (no test module imports another)."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import importlib.util
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-HELPERS = Path(__file__).resolve().parent / "helpers"
+TESTS = Path(__file__).resolve().parent  # the kit's folder: support.py, servers.py, ci_skips.py, pair_checks.py
+HELPERS = TESTS / "helpers"
 # A short real run: the default data and model, a few steps.
 QUICK = ("trainer.max_steps=8", "trainer.log_every=3")
 
@@ -237,7 +246,7 @@ def text(run_dir: Path, tag: str) -> list[str]:
 
 def final_params(run_dir: Path) -> dict:
     """The last checkpoint's model weights: a file (ddp), or every rank's shards put together."""
-    from hydra_ddp import checkpoints
+    from hydra_ddp.checkpoint import files as checkpoints
 
     path = checkpoints.find(str(run_dir), "test")
     path = (run_dir / "checkpoints" / "last").resolve() if path.is_dir() else run_dir / "checkpoints" / "last.pt"
@@ -310,7 +319,7 @@ def make_image_folder(root: Path, classes=("cat", "dog"), per_class=5, size=10) 
     return root
 
 
-# --- A user's own task, model and data, in a package of their own (tests/test_tasks.py, the docs' ~/lab) ---
+# --- A user's own task, model and data, in a package of their own (tests/e2e/test_tasks.py, the docs' ~/lab) ---
 LAB = {
     "mylab/__init__.py": "",
     "mylab/task.py": '''
@@ -495,3 +504,96 @@ class TwoHosts:
     def __exit__(self, *exc) -> None:
         for name in self.names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+# --- The docs' fenced blocks, read (tests/unit/test_docs.py checks them, tests/e2e/test_docs.py runs them) ---
+
+# docs/index.md is README.md's copy, made by `make docs`.
+PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*.md") if p.name != "index.md")]
+SHELLS = ("bash",)
+MARKS = {
+    "needs-gpu": "a GPU host's command (NCCL, CUDA); bench/gpu_check.py runs those when a GPU is lent",
+    "needs-cluster": "several real hosts, a GPU partition, a container registry or a Kubernetes cluster",
+    "needs-account": "a hosted service's account (W&B's servers)",
+    "the-suite": "make test: the suite this test is part of",
+    "installs": "changes the environment the suite runs in: checked only (the extras it names exist)",
+}
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int
+    lang: str
+    mark: Optional[str]
+    commands: list[str] = field(default_factory=list)
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(REPO)}:{self.line}"
+
+
+def blocks(path: Path) -> list[Block]:
+    """Every fenced block of a page, its language and mark; a shell block's commands with their
+    continuation lines joined and comment lines left out."""
+    found, lines, i = [], path.read_text().split("\n"), 0
+    while i < len(lines):
+        fence = re.match(r"^\s*```(\S*)", lines[i])
+        if not fence:
+            i += 1
+            continue
+        start, body = i, []
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith("```"):
+            body.append(lines[i])
+            i += 1
+        i += 1
+        before = "\n".join(lines[max(0, start - 2) : start])
+        mark = next((m for m in MARKS if f"<!-- doc-test: {m} -->" in before), None)
+        block = Block(path, start + 1, fence.group(1), mark)
+        current = ""
+        for line in body if block.lang in SHELLS else []:
+            current += line.rstrip()[:-1].rstrip() + " " if line.rstrip().endswith("\\") else line
+            if not line.rstrip().endswith("\\"):
+                if current.strip() and not current.strip().startswith("#"):
+                    block.commands.append(current.strip())
+                current = ""
+        found.append(block)
+    return found
+
+
+BLOCKS = [block for page in PAGES for block in blocks(page)]
+
+
+# --- A Kubernetes pod's variables (tests/unit and tests/e2e test_kubernetes.py) -------------------
+IN_POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}  # the kubelet's, in every container
+TRAINJOB = {
+    **IN_POD,
+    "PET_NNODES": "2",
+    "PET_NPROC_PER_NODE": "2",
+    "PET_NODE_RANK": "1",
+    "PET_MASTER_ADDR": "job-node-0-0.job",
+    "PET_MASTER_PORT": "29500",
+}
+# The training-operator's pod 1 of 2 (nprocPerNode: 2): WORLD_SIZE counts the workers, RANK the pods.
+PYTORCHJOB = {
+    **TRAINJOB,
+    "PET_MASTER_ADDR": "job-master-0",
+    "PET_MASTER_PORT": "23456",
+    "RANK": "1",
+    "WORLD_SIZE": "4",
+    "MASTER_ADDR": "job-master-0",
+    "MASTER_PORT": "23456",
+}
+
+
+# --- bench/gpu_check.py, imported as a module (tests/unit and tests/e2e test_gpu_check.py) ---------
+GPU_CHECK = REPO / "bench" / "gpu_check.py"
+
+
+def gpu_check():
+    """bench/gpu_check.py as a module: its cases and its dry run."""
+    spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

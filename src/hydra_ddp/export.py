@@ -28,7 +28,8 @@ def export(ckpt: str, out: Path, fmt: str) -> tuple[Path, Path]:
     import torch
     import yaml
 
-    from hydra_ddp import checkpoints
+    from hydra_ddp.checkpoint import files as checkpoints
+    from hydra_ddp.config import run_config
 
     path = checkpoints.find(ckpt, "ckpt")
     state = checkpoints.read(path, "ckpt")
@@ -44,11 +45,11 @@ def export(ckpt: str, out: Path, fmt: str) -> tuple[Path, Path]:
         save_file(weights, str(out), metadata={"checkpoint": str(path), "step": str(state["position"]["step"])})
     else:
         torch.save(weights, out)
-    config = state["config"]
+    config = run_config.typed(state["config"])
     described = {
-        "model": config["model"],
-        "task": config.get("task"),
-        "data": {key: config["data"][key] for key in ("in_channels", "image_size", "num_classes")},
+        "model": config.model,
+        "task": config.task,
+        "data": {key: getattr(config.data, key) for key in ("in_channels", "image_size", "num_classes")},
         "checkpoint": str(path),
         "step": state["position"]["step"],
         "format": fmt,

@@ -65,7 +65,7 @@ class ChaosCNN(MnistCNN):
 
     @staticmethod
     def _die_in_checkpoint(rank: int, n: int) -> None:
-        from hydra_ddp.training import checkpointing
+        from hydra_ddp.checkpoint import checkpointer as checkpointing
 
         seen = [0]
         if rank == 0:

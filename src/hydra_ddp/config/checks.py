@@ -10,79 +10,55 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
-from hydra_ddp import checkpoints, data, performance, tasks
+from hydra_ddp import data, tasks
+from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import groups, targets
 from hydra_ddp.errors import UserError, first_line, root_cause
-from hydra_ddp.parallel import plans
+from hydra_ddp.parallel import strategies
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.rundir import RunDir
 
 
-def check(plain: dict[str, Any], run_dir: Path) -> None:
+def check(cfg: Any, run_dir: Path) -> None:
     """Everything else that would fail a run later: found before any worker starts."""
-    trainer, launcher, data_cfg = plain["trainer"], plain["launcher"], plain["data"]
-    if trainer["resume"] is None and checkpoints.step_checkpoints(RunDir(run_dir).checkpoints):
+    trainer, launcher, data_cfg = cfg.trainer, cfg.launcher, cfg.data
+    if trainer.resume is None and checkpoints.step_checkpoints(RunDir(run_dir).checkpoints):
         raise UserError(
             f"{run_dir} holds checkpoints of an earlier run; continue it with trainer.resume=auto, "
             "or start anew in another hydra.run.dir (nothing was overwritten)"
         )
-    targets.check(data_cfg["dataset"], "data.dataset")
-    data.check_source(data_cfg["dataset"], data_cfg["num_classes"])
-    targets.check(plain["model"], "model")
-    targets.check(plain["optim"], "optim")
-    if plain["scheduler"] is not None:  # null: a constant learning rate (scheduler=none)
-        targets.check(plain["scheduler"], "scheduler")
-    resume = trainer["resume"]
+    targets.check(data_cfg.dataset, "data.dataset")
+    data.check_source(data_cfg.dataset, data_cfg.num_classes)
+    targets.check(cfg.model, "model")
+    targets.check(cfg.optim, "optim")
+    if cfg.scheduler is not None:  # null: a constant learning rate (scheduler=none)
+        targets.check(cfg.scheduler, "scheduler")
+    resume = trainer.resume
     if resume not in (None, "auto") and not Path(str(resume)).expanduser().exists():
         raise UserError(
             f"trainer.resume={resume}: no checkpoint at {str(Path(str(resume)).expanduser().resolve())!r}; "
             "give a checkpoint (checkpoints/step-N.pt, or a sharded step-N directory), or auto"
         )
-    if trainer["compile_backend"] != "inductor" or trainer["compile"]:  # torch._dynamo only when asked for
+    if trainer.compile_backend != "inductor" or trainer.compile:  # torch._dynamo only when asked for
         import torch._dynamo
 
         backends = torch._dynamo.list_backends(exclude_tags=())
-        if trainer["compile_backend"] not in backends:
+        if trainer.compile_backend not in backends:
             raise UserError(
-                f"trainer.compile_backend={trainer['compile_backend']!r}: choose one of torch.compile's "
+                f"trainer.compile_backend={trainer.compile_backend!r}: choose one of torch.compile's "
                 f"backends ({', '.join(backends)})"
             )
-    ddp = plain["strategy"]  # DDP's knobs are the ddp strategy's
-    if ddp["comm_hook"] != "none" and not data_cfg["even_shards"]:
-        raise UserError(
-            f"strategy.comm_hook={ddp['comm_hook']} does not combine with data.even_shards=false (Join's "
-            "shadow all-reduces bypass the hook); use one or the other"
-        )
-    if plain["strategy"]["static_graph"] is True and trainer["accumulate"] > 1:
-        raise UserError(
-            "strategy.static_graph=true does not combine with trainer.accumulate > 1 (DDP's reducer fails "
-            "on a no_sync step in a static graph); set strategy.static_graph=auto or false"
-        )
-    blockers = performance.config_blockers(plain) + (
-        [f"trainer.device={trainer['device']} (it sums CPU tensors)"] if trainer["device"] != "cpu" else []
-    )
-    if plain["strategy"]["shared_memory"] is True and blockers:
-        raise UserError(
-            f"strategy.shared_memory=true does not combine with {'; '.join(blockers)}; "
-            "set strategy.shared_memory=auto or false"
-        )
-    plans.check(plain)
-    if plain["strategy"]["sync_batchnorm"] and trainer["device"] != "cuda":
-        raise UserError(
-            "strategy.sync_batchnorm=true needs GPUs (this torch's DDP refuses SyncBatchNorm on the CPU); "
-            "set it false, or train with trainer.device=cuda"
-        )
-    if str(trainer["precision"]) == "16" and trainer["device"] != "cuda":
+    strategies.get(cfg.strategy.name).check(cfg)
+    if str(trainer.precision) == "16" and trainer.device != "cuda":
         raise UserError("trainer.precision=16 needs a GPU (fp16 autocast with a GradScaler); on the CPU use bf16")
-    _check_workflow(plain)
+    _check_workflow(cfg)
     _check_loading(data_cfg)
-    world = trainer["nproc"] * launcher["nnodes"]
-    ranks = plain["profiler"]["ranks"]
+    world = trainer.nproc * launcher.nnodes
+    ranks = cfg.profiler.ranks
     if ranks is not None and not all(isinstance(r, int) and 0 <= r < world for r in ranks):
         raise UserError(f"profiler.ranks={list(ranks)}: ranks of this run, 0 to {world - 1} (or null: every rank)")
-    loggers = plain.get("logger")
+    loggers = cfg.logger
     if loggers is not None and not isinstance(loggers, dict):
         raise UserError(f"logger={loggers!r}: name the loggers, e.g. logger=[tensorboard,csv] (options: conf/logger/)")
     for name, logger in (loggers or {}).items():
@@ -93,34 +69,29 @@ def check(plain: dict[str, Any], run_dir: Path) -> None:
                 raise UserError(
                     f"logger={name} needs {title} ({package}), which is not installed: pip install -e '.[{extra}]'"
                 )
-    if not data_cfg["even_shards"]:
-        if trainer["accumulate"] > 1:
+    if not data_cfg.even_shards:
+        if trainer.accumulate > 1:
             raise UserError(
                 "data.even_shards=false does not combine with trainer.accumulate > 1 "
                 "(ranks end their epoch at different batches); use one or the other"
             )
-        if trainer["compile"]:
+        if trainer.compile:
             raise UserError(
                 "data.even_shards=false does not combine with trainer.compile=true (DDP's Join "
                 "wraps the uncompiled model); use one or the other"
             )
-        if plain["strategy"]["sync_batchnorm"]:
-            raise UserError(
-                "data.even_shards=false does not combine with strategy.sync_batchnorm=true (Join cannot "
-                "stand in for SyncBatchNorm's collectives); use one or the other"
-            )
-    if launcher["nnodes"] > 1 and plain["init_method"]["name"] != "env":
+    if launcher.nnodes > 1 and cfg.init_method.name != "env":
         raise UserError("across nodes the ranks meet through torchrun's rendezvous: use init_method=env")
-    if plain["init_method"]["name"] == "file" and launcher.get("max_restarts"):
+    if cfg.init_method.name == "file" and launcher.max_restarts:
         raise UserError("a restarted group cannot reuse a file:// store: use init_method=env or tcp with restarts")
 
 
-def _check_loading(data_cfg: dict[str, Any]) -> None:
+def _check_loading(data_cfg: Any) -> None:
     """DataLoader settings that only its worker processes use: with none they would do nothing."""
-    if data_cfg["num_workers"] == 0:
+    if data_cfg.num_workers == 0:
         for key, inert in (
-            ("persistent_workers", data_cfg["persistent_workers"]),
-            ("prefetch_factor", data_cfg["prefetch_factor"] is not None),
+            ("persistent_workers", data_cfg.persistent_workers),
+            ("prefetch_factor", data_cfg.prefetch_factor is not None),
         ):
             if inert:
                 raise UserError(
@@ -129,30 +100,29 @@ def _check_loading(data_cfg: dict[str, Any]) -> None:
                 )
 
 
-def _check_workflow(plain: dict[str, Any]) -> None:
+def _check_workflow(cfg: Any) -> None:
     """Validation, selection, early stopping, clipping and fine-tuning settings."""
-    trainer = plain["trainer"]
-    stopping = trainer["early_stopping"]
-    if stopping["patience"] is not None:
-        if trainer["monitor"] is None:
+    trainer = cfg.trainer
+    stopping = trainer.early_stopping
+    if stopping.patience is not None:
+        if trainer.monitor is None:
             raise UserError(
                 "trainer.early_stopping needs a monitored metric: set trainer.monitor (without validation, "
                 "data.val_fraction=0, only train/loss has values)"
             )
-        if not trainer["eval_every_epoch"]:
+        if not trainer.eval_every_epoch:
             raise UserError("trainer.early_stopping needs a validation every epoch: set trainer.eval_every_epoch=true")
-    if trainer["init_from"]:
-        checkpoints.check_init(plain["model"], Path(trainer["init_from"]), list(trainer["init_ignore"]))
+    if trainer.init_from:
+        checkpoints.check_init(cfg.model, Path(trainer.init_from), list(trainer.init_ignore))
 
 
-def dry_build(plain: dict[str, Any]) -> None:
+def dry_build(cfg: Any) -> None:
     """train.py --check: what a worker builds before its first step, without a process group: the
     datasets, the model on the meta device (no memory, any size), one batch of two samples through
     it and the task's loss, the optimizer and the schedule. What fails is one line."""
     from hydra.utils import instantiate
     from torch.utils.data import default_collate
 
-    cfg = OmegaConf.create(plain)
     model_and_data = f"{groups.chosen('model', cfg.model)} with {groups.chosen('data', cfg.data.dataset)}"
     task = tasks.build(cfg.task)
     with _one_line(f"{model_and_data} does not build and run one batch (checked on the meta device)"):
@@ -169,7 +139,7 @@ def dry_build(plain: dict[str, Any]) -> None:
                 raise UserError(f"{model_and_data}: the loss of one batch has shape {tuple(loss.shape)}, not a scalar")
     with _one_line(f"{groups.chosen('optim', cfg.optim)} does not build on the model's parameters"):
         optimizer = instantiate(cfg.optim)(model.parameters())
-    if cfg.scheduler:
+    if cfg.scheduler is not None:
         with _one_line(f"{groups.chosen('scheduler', cfg.scheduler)} does not build on the optimizer"):
             instantiate(cfg.scheduler)(optimizer)
 

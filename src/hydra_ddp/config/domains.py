@@ -3,7 +3,7 @@
 OmegaConf checks a value's type as the config is composed; a domain says which values of that type
 mean something. `check` refuses the others before launch, one line naming the key; the
 configuration reference lists them (reference.py); a generated test probes every key with a zero,
-a negative number and an unknown word (tests/test_values.py). A key whose values are checked by
+a negative number and an unknown word (tests/unit/test_values.py). A key whose values are checked by
 code of their own (a checkpoint path, a metric of the task) says where (`Checked`); one whose every
 value of its type means something says why (`Free`). A key with no annotation is a test failure.
 """
@@ -141,6 +141,21 @@ class Free(Domain):
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Chosen(Domain):
+    """A section whose schema the option chosen for it names (`strategy=fsdp`: the fsdp strategy's
+    settings): `options()` maps each option's name to its dataclass."""
+
+    group: str
+    lookup: Any  # () -> {name: dataclass}: called when asked (its classes may live on the worker side)
+
+    def options(self) -> dict[str, type]:
+        return self.lookup()
+
+    def problem(self, value: Any) -> Optional[str]:
+        return None
+
+
 def domain_of(cls: type, name: str) -> Optional[Domain]:
     """The Domain annotated on field `name` of schema class `cls` (None: not annotated)."""
     hint = _hints(cls).get(name)
@@ -155,35 +170,52 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True)
 
 
-def fields(cls: type, prefix: str = "") -> list[tuple[str, type, str]]:
-    """(dotted key, class, field name) of every leaf field of a schema class, nested sections walked."""
+def fields(cls: type, prefix: str = "", chosen: Optional[dict[str, str]] = None) -> list[tuple[str, type, str]]:
+    """(dotted key, class, field name) of every leaf field of a schema class, nested sections walked;
+    a Chosen section as the option `chosen` names for it ({"strategy": "fsdp"}), else left out."""
     out = []
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
-        if dataclasses.is_dataclass(default):
-            out += fields(type(default), f"{prefix}{f.name}.")
+        domain = domain_of(cls, f.name)
+        if isinstance(domain, Chosen):
+            option = (chosen or {}).get(domain.group)
+            if option in domain.options():
+                out += fields(domain.options()[option], f"{prefix}{f.name}.", chosen)
+        elif dataclasses.is_dataclass(default):
+            out += fields(type(default), f"{prefix}{f.name}.", chosen)
         else:
             out.append((f"{prefix}{f.name}", cls, f.name))
     return out
 
 
-def check(plain: dict[str, Any], cls: type) -> None:
-    """Every annotated key of `plain` (a config of schema class `cls`, made plain) in its domain, or one
-    line naming the first that is not. null passes where the type allows it (Optional)."""
-    for key, owner, name in fields(cls):
+def check(config: Any, cls: type) -> None:
+    """Every annotated key of `config` (a typed config of schema class `cls`, or one made plain) in its
+    domain, or one line naming the first that is not. null passes where the type allows it (Optional)."""
+
+    def value(node: Any, part: str) -> Any:
+        return node.get(part, _ABSENT) if isinstance(node, dict) else getattr(node, part, _ABSENT)
+
+    chosen = {}
+    for f in dataclasses.fields(cls):
+        section = value(config, f.name)
+        if isinstance(domain_of(cls, f.name), Chosen) and section is not _ABSENT:
+            chosen[f.name] = value(section, "name")
+    for key, owner, name in fields(cls, chosen=chosen):
         domain = domain_of(owner, name)
-        node: Any = plain
+        node: Any = config
         for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
+            node = value(node, part)
+            if node is _ABSENT:
                 break
-            node = node[part]
-        else:
-            if domain is None or (node is None and _optional(owner, name)):
-                continue
-            problem = domain.problem(node)
-            if problem:
-                shown = f"{node!r}" if isinstance(node, str) else _show(node)
-                raise UserError(f"{key}={shown}: {problem}")
+        if node is _ABSENT or domain is None or (node is None and _optional(owner, name)):
+            continue
+        problem = domain.problem(node)
+        if problem:
+            shown = f"{node!r}" if isinstance(node, str) else _show(node)
+            raise UserError(f"{key}={shown}: {problem}")
+
+
+_ABSENT = object()
 
 
 def _optional(cls: type, name: str) -> bool:

@@ -3,10 +3,11 @@ world size in it, and the per-rank batch at the world size a rendezvous gives.""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 from hydra_ddp.errors import UserError
-from hydra_ddp.parallel import plans
+from hydra_ddp.parallel import strategies
 
 
 def node_range(value: Any) -> tuple[int, int]:
@@ -22,30 +23,29 @@ def node_range(value: Any) -> tuple[int, int]:
     return bounds
 
 
-def settle_nodes(launcher: dict[str, Any]) -> None:
+def settle_nodes(launcher: Any) -> None:
     """launcher.min_nodes and launcher.nnodes (the most nodes) from the configured count or range."""
-    launcher["min_nodes"], launcher["nnodes"] = node_range(launcher["nnodes"])
+    launcher.min_nodes, launcher.nnodes = node_range(launcher.nnodes)
 
 
 def is_elastic(launcher: Any) -> bool:
-    return launcher.get("min_nodes") is not None and launcher["min_nodes"] != launcher["nnodes"]
+    return launcher.min_nodes is not None and launcher.min_nodes != launcher.nnodes
 
 
-def world_sizes(plain: Any) -> list[int]:
+def world_sizes(cfg: Any) -> list[int]:
     """Every world size the run may train at, smallest first."""
-    launcher, nproc = plain["launcher"], plain["trainer"]["nproc"]
-    return [nproc * nodes for nodes in range(launcher["min_nodes"], launcher["nnodes"] + 1)]
+    return [cfg.trainer.nproc * nodes for nodes in range(cfg.launcher.min_nodes, cfg.launcher.nnodes + 1)]
 
 
-def check(plain: dict[str, Any], global_batch: Optional[int]) -> None:
+def check(cfg: Any, global_batch: Optional[int]) -> None:
     """What an elastic run needs before launch: torchrun with restarts to spend, a global batch (the
     configured one) that every allowed world size divides, a strategy that fits each, and resuming
     from the last checkpoint at each restart. `global_batch`: data.global_batch_size as configured."""
-    launcher, trainer = plain["launcher"], plain["trainer"]
-    span = f"launcher.nnodes={launcher['min_nodes']}:{launcher['nnodes']}"
-    if launcher["name"] != "torchrun":
+    launcher = cfg.launcher
+    span = f"launcher.nnodes={launcher.min_nodes}:{launcher.nnodes}"
+    if launcher.name != "torchrun":
         raise UserError(f"{span} (elastic) needs launcher=torchrun")
-    if launcher["max_restarts"] < 1:
+    if launcher.max_restarts < 1:
         raise UserError(
             f"{span} (elastic): set launcher.max_restarts to 1 or more; a lost node costs the group a "
             "restart (a joining one does not)"
@@ -55,17 +55,16 @@ def check(plain: dict[str, Any], global_batch: Optional[int]) -> None:
             f"{span} (elastic) needs data.global_batch_size (not the per-rank data.batch_size): a resized "
             "run then keeps its batches, and continues mid-epoch at the sample where it stopped"
         )
-    chosen = plans.plan(plain["strategy"]["name"])
-    for nodes, world in zip(range(launcher["min_nodes"], launcher["nnodes"] + 1), world_sizes(plain)):
-        replicas = chosen.replicas(plain["strategy"], world)  # tensor parallel that does not fit: one line
-        if chosen.tensor_parallel:  # the model's plan splits at this world size too
-            plans.check_tp_plan({**plain, "launcher": {**launcher, "nnodes": nodes}}, chosen)
+    chosen = strategies.get(cfg.strategy.name)
+    for nodes, world in zip(range(launcher.min_nodes, launcher.nnodes + 1), world_sizes(cfg)):
+        replicas = chosen.replicas(cfg.strategy, world)  # tensor parallel that does not fit: one line
+        chosen.check(dataclasses.replace(cfg, launcher=dataclasses.replace(launcher, nnodes=nodes)))  # e.g. its plan
         if global_batch % replicas:
             raise UserError(
                 f"data.global_batch_size={global_batch} does not divide over {replicas} model replicas at "
                 f"world size {world}, which {span} allows: choose a multiple of every one"
             )
-    trainer["resume"] = trainer["resume"] or "auto"  # each restart continues from the last checkpoint
+    cfg.trainer.resume = cfg.trainer.resume or "auto"  # each restart continues from the last checkpoint
 
 
 def at_world_size(cfg: Any, world: int) -> Optional[dict[str, Any]]:
@@ -73,6 +72,6 @@ def at_world_size(cfg: Any, world: int) -> Optional[dict[str, Any]]:
     batch), or None where there is nothing to settle."""
     if not is_elastic(cfg.launcher):
         return None
-    replicas = plans.plan(cfg.strategy.name).replicas(cfg.strategy, world)
+    replicas = strategies.get(cfg.strategy.name).replicas(cfg.strategy, world)
     per_rank = cfg.data.global_batch_size // replicas
     return None if per_rank == cfg.data.batch_size else {"data.batch_size": per_rank}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import asdict, is_dataclass
 from typing import Any
 
 
@@ -15,11 +16,13 @@ def what_is_trained(plain: dict[str, Any]) -> dict[str, Any]:
     return what
 
 
-def config_fingerprint(plain: dict[str, Any]) -> str:
+def config_fingerprint(cfg: Any) -> str:
+    """The digest of what `cfg` (a RunConfig, or one made plain) trains."""
+    plain = asdict(cfg) if is_dataclass(cfg) else cfg
     return hashlib.sha256(json.dumps(what_is_trained(plain), sort_keys=True, default=str).encode()).hexdigest()
 
 
-def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+def config_changes(saved: dict[str, Any], now: Any) -> list[str]:
     """`key: then → now` for each value of what is trained that differs between a checkpoint's config
     and this run's (the resume setting and the job's own bookkeeping aside)."""
 
@@ -29,6 +32,7 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}{key}.").items()}
 
     ignored = ("trainer.resume", "trainer.max_time", "sweep", "job", "trial", "eval")
+    now = asdict(now) if is_dataclass(now) else now
     then, current = flat(what_is_trained(saved)), flat(what_is_trained(now))
     return [
         f"{key}: {then.get(key)!r} → {current.get(key)!r}"

@@ -11,7 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp import checkpoints
+from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import domains, schema
 from hydra_ddp.errors import UserError
 
@@ -24,6 +24,7 @@ def resolve(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     saved = checkpoints.read(path, "ckpt")
     composed = OmegaConf.to_container(cfg, resolve=True)
     plain = copy.deepcopy(saved["config"])
+    plain.setdefault("task", {"_target_": "hydra_ddp.tasks.Classification"})  # a checkpoint from before tasks
     for group in ("backend", "init_method", "launcher"):
         plain[group] = composed[group]
     # The run's CPU threads per rank stay (the same kernels, the same bits) unless set on the command line.

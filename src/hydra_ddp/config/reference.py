@@ -5,7 +5,7 @@ type, default, allowed values and the schema's own comment on it.
     python -m hydra_ddp.config.reference --check    # exit 1 if it is out of date (the tests do this)
 
 A field's doc is the comment block right above it in schema.py, or the comment after it on its
-line; a field with neither is an error here (tests/test_docs.py), so the reference cannot lose one.
+line; a field with neither is an error here (tests/unit/test_docs.py), so the reference cannot lose one.
 Defaults are the values of the default run's composed config (what `python train.py` gets).
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import io
 import sys
 import tokenize
@@ -99,13 +100,13 @@ def _value(value: Any) -> str:
     return str(value)
 
 
-def _default_config() -> dict[str, Any]:
+def _default_config(overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     schema.register_schema()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose(config_name="config")
+        cfg = compose(config_name="config", overrides=list(overrides))
     return OmegaConf.to_container(cfg, resolve=False)  # type: ignore[return-value]
 
 
@@ -130,7 +131,7 @@ def rows(
         if dataclasses.is_dataclass(default):
             out += rows(type(default), f"{key}.", docs, config, missing)
             continue
-        doc = docs.get((cls.__name__, f.name))
+        doc = next((docs[(c.__name__, f.name)] for c in cls.__mro__ if (c.__name__, f.name) in docs), None)
         if doc is None:
             missing.append(key)
         hint = hints[f.name]
@@ -142,6 +143,17 @@ def rows(
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(title: str, section: list[tuple[str, str, str, str, str]]) -> list[str]:
+    return [
+        "",
+        f"## {title}",
+        "",
+        "| key | type | default | allowed | what it does |",
+        "| --- | --- | --- | --- | --- |",
+        *(f"| `{k}` | {t} | `{_cell(d)}` | {a} | {_cell(doc)} |" for k, t, d, a, doc in section),
+    ]
 
 
 def render() -> tuple[str, list[str]]:
@@ -180,17 +192,14 @@ def render() -> tuple[str, list[str]]:
     top = {f.name: f for f in dataclasses.fields(schema.Config)}
     for name, f in top.items():
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
-        if not dataclasses.is_dataclass(default):
-            continue
-        section = rows(type(default), f"{name}.", docs, config, missing)
-        lines += [
-            "",
-            f"## `{name}`",
-            "",
-            "| key | type | default | allowed | what it does |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        lines += [f"| `{k}` | {t} | `{_cell(d)}` | {a} | {_cell(doc)} |" for k, t, d, a, doc in section]
+        chosen = domains.domain_of(schema.Config, name)
+        if isinstance(chosen, domains.Chosen):  # a section per option: the strategy's settings
+            for option, settings in chosen.options().items():
+                docs.update(field_docs(inspect.getsource(sys.modules[settings.__module__])))
+                section = rows(settings, f"{name}.", docs, _default_config((f"{name}={option}",)), missing)
+                lines += _table(f"`{name}={option}`", section)
+        elif dataclasses.is_dataclass(default):
+            lines += _table(f"`{name}`", rows(type(default), f"{name}.", docs, config, missing))
     eval_only = [f for f in dataclasses.fields(schema.EvalConfig) if f.name not in top]
     lines += [
         "",

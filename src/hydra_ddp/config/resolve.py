@@ -1,5 +1,5 @@
-"""Config resolution: the composed config becomes the plain one every worker receives, with every auto
-and null that launching depends on settled, once, before any worker starts."""
+"""Config resolution: the composed config becomes the RunConfig every worker receives, with every
+auto and null that launching depends on settled, once, before any worker starts."""
 
 from __future__ import annotations
 
@@ -7,80 +7,74 @@ import multiprocessing as mp
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from hydra_ddp import checkpoints, monitor, performance, tasks
-from hydra_ddp.config import domains, elastic, groups, schema
+from hydra_ddp import monitor, performance, tasks
+from hydra_ddp.checkpoint import files as checkpoints
+from hydra_ddp.config import domains, elastic, groups, run_config, schema
 from hydra_ddp.config.checks import check
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import startup
-from hydra_ddp.parallel import distributed, plans
+from hydra_ddp.parallel import distributed, strategies
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.rundir import RunDir
 
 DEFAULT_BATCH_SIZE = 32  # per rank, when neither data.batch_size nor data.global_batch_size is set
 
 
-def resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> dict[str, Any]:
-    """The plain config every worker receives: filled in, then checked."""
-    return resolve_plain(plain_config(cfg), run_dir, external)
+def resolve(
+    composed: Union[DictConfig, dict[str, Any]],
+    run_dir: Path,
+    external: Optional[tuple[str, RankInfo]],
+    checked: bool = True,
+) -> RunConfig:
+    """The config every worker receives, typed and settled (not yet frozen), from the composed
+    config (or it made plain: a test's, a tool's); then checked, unless `checked=False` (an outside
+    launch's ranks other than 0: rank 0 checks what depends on its run directory)."""
+    plain = plain_config(composed) if isinstance(composed, DictConfig) else composed
+    cfg = run_config.typed(plain)
+    settle(cfg, run_dir, external)
+    if checked:
+        check(cfg, run_dir)
+    return cfg
 
 
-def resolve_plain(plain: dict[str, Any], run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> dict[str, Any]:
-    """resolve() from the composed config made plain (a test's, a tool's)."""
-    settle(plain, run_dir, external)
-    check(plain, run_dir)
-    return plain
-
-
-def fill_in(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> dict[str, Any]:
-    """The plain config, settled but not checked (an outside launch's ranks: rank 0 checks)."""
-    plain = plain_config(cfg)
-    settle(plain, run_dir, external)
-    return plain
-
-
-def settle(plain: dict[str, Any], run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
+def settle(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
     """Resolve every `auto` and null the run depends on (device, world size, backend, init method,
     batch sizes, the fast settings), once. Every rank of an outside launch runs this alike."""
-    requested_global_batch = plain["data"]["global_batch_size"]
-    fill_in_launch(plain, run_dir, external)
-    trainer = plain["trainer"]
+    requested_global_batch = cfg.data.global_batch_size
+    settle_launch(cfg, run_dir, external)
+    trainer = cfg.trainer
     # Model replicas, each reading its own batches: every rank but under tensor parallel (one replica).
-    chosen = plans.plan(plain["strategy"]["name"])
-    replicas = chosen.replicas(plain["strategy"], trainer["nproc"] * plain["launcher"]["nnodes"])
-    if elastic.is_elastic(plain["launcher"]):
-        elastic.check(plain, requested_global_batch)  # at every world size in the range
-    _resolve_batch_size(plain["data"], replicas)
-    trainer["resume"] = checkpoints.resume_setting(trainer["resume"])
-    trainer["max_time"] = max_time_seconds(trainer["max_time"])
-    _resolve_monitor(trainer, plain["data"], tasks.build(plain["task"]))
-    plain["backend"]["name"] = distributed.group_backend(plain["backend"]["name"], plain["strategy"]["cpu_offload"])
-    # Settled here, alike on every rank of an outside launch.
-    plain["strategy"]["sync_batchnorm"] = chosen.sync_batchnorm(plain["strategy"]["sync_batchnorm"], trainer["device"])
-    if trainer["init_from"]:
-        trainer["init_from"] = str(checkpoints.find(trainer["init_from"], "trainer.init_from"))
-    _settle_fast_settings(plain)
-
-
-def _settle_fast_settings(plain: dict[str, Any]) -> None:
-    """performance.choose's values into the config; `settled` records which were auto (where the
-    workers find a shared-memory segment cannot be made, an auto falls back, a true fails)."""
-    trainer, world = plain["trainer"], plain["trainer"]["nproc"] * plain["launcher"]["nnodes"]
-    chosen = performance.choose(
-        plain, _has_conv2d(plain["model"]) if performance.needs_model(plain) else False, world, trainer["nproc"]
-    )
-    plain["settled"] = {}
-    for name, value in chosen.items():
-        section, key = name.split(".")
-        if plain[section][key] == performance.AUTO:
-            plain["settled"][name] = value
-        plain[section][key] = value
+    chosen = strategies.get(cfg.strategy.name)
+    world = trainer.nproc * cfg.launcher.nnodes
+    replicas = chosen.replicas(cfg.strategy, world)
+    if elastic.is_elastic(cfg.launcher):
+        elastic.check(cfg, requested_global_batch)  # at every world size in the range
+    _resolve_batch_size(cfg.data, replicas)
+    trainer.resume = checkpoints.resume_setting(trainer.resume)
+    trainer.max_time = max_time_seconds(trainer.max_time)
+    _resolve_monitor(trainer, cfg.data, tasks.build(cfg.task))
+    cfg.backend.name = chosen.backend(cfg.strategy, cfg.backend.name)
+    if trainer.init_from:
+        trainer.init_from = str(checkpoints.find(trainer.init_from, "trainer.init_from"))
+    # The fast settings, settled here, alike on every rank of an outside launch; `settled` records
+    # which were auto (where the workers find a shared-memory segment cannot be made, an auto falls
+    # back, a true fails).
+    cfg.settled = chosen.settle(cfg, world, trainer.nproc)
+    allowed = chosen.allows_channels_last()
+    conv = _has_conv2d(cfg.model) if performance.needs_model(trainer.channels_last, allowed) else False
+    value = performance.channels_last(trainer.channels_last, allowed, conv)
+    if value is not None:  # else the workers' to settle, from the model they build
+        if trainer.channels_last == performance.AUTO:
+            cfg.settled["trainer.channels_last"] = value
+        trainer.channels_last = value
 
 
 def _has_conv2d(model_cfg: Any) -> Optional[bool]:
@@ -105,30 +99,30 @@ def plain_config(cfg: DictConfig) -> dict[str, Any]:
         raise UserError(groups.mismatch(e)) from None
 
 
-def fill_in_launch(plain: dict[str, Any], run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
+def settle_launch(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
     """How this command runs: device, world size, backend, init method (train.py's and eval.py's).
     First, every key's value in its domain (the schema's annotations), or one line naming it."""
-    domains.check(plain, schema.Config)
-    trainer, launcher = plain["trainer"], plain["launcher"]
+    domains.check(cfg, schema.Config)
+    trainer, launcher = cfg.trainer, cfg.launcher
     host = distributed.Host.here()
-    trainer["device"] = _device(trainer["device"], host)
+    trainer.device = _device(trainer.device, host)
     if external:
         launcher_name, rank = external
         nodes = rank.world_size // rank.local_world_size
-        launcher.update(name=launcher_name, external=True, nnodes=nodes, min_nodes=nodes)
-        trainer["nproc"] = rank.local_world_size
+        launcher.name, launcher.external, launcher.nnodes, launcher.min_nodes = launcher_name, True, nodes, nodes
+        trainer.nproc = rank.local_world_size
     else:
-        trainer["nproc"] = _nproc(trainer["nproc"], trainer["device"], host)
+        trainer.nproc = _nproc(trainer.nproc, trainer.device, host)
         elastic.settle_nodes(launcher)
         _check_launcher(launcher)
-    plain["backend"]["name"] = distributed.resolve_backend(
-        plain["backend"]["name"], trainer["device"], trainer["nproc"], host, outside_launch=external is not None
+    cfg.backend.name = distributed.resolve_backend(
+        cfg.backend.name, trainer.device, trainer.nproc, host, outside_launch=external is not None
     )
-    _resolve_init_method(plain["init_method"], run_dir, external is not None)
-    plain["backend"]["timeout_s"] = collective_timeout(plain["backend"]["timeout_s"], plain["backend"]["name"])
+    _resolve_init_method(cfg.init_method, run_dir, external is not None)
+    cfg.backend.timeout_s = collective_timeout(cfg.backend.timeout_s, cfg.backend.name)
     # Decided here, so the checkpoint records it: the same thread count gives the same CPU kernels,
     # and eval.py evaluates with it (bit-equal metrics at any world size). N ranks × all cores would thrash.
-    trainer["threads"] = trainer["threads"] or max(1, len(os.sched_getaffinity(0)) // trainer["nproc"])
+    trainer.threads = trainer.threads or max(1, len(os.sched_getaffinity(0)) // trainer.nproc)
 
 
 def collective_timeout(value: Any, backend: str) -> int:
@@ -138,21 +132,19 @@ def collective_timeout(value: Any, backend: str) -> int:
     return int(value)
 
 
-def _resolve_monitor(trainer: dict[str, Any], data_cfg: dict[str, Any], task: tasks.Task) -> None:
+def _resolve_monitor(trainer: Any, data_cfg: Any, task: tasks.Task) -> None:
     """The monitored metric must be one the task reports (auto: the task's choice; its direction
     settles monitor_mode=auto); without validation (data.val_fraction=0) a val/ metric has no
     values, and nothing is monitored."""
-    name, trainer["monitor_mode"] = monitor.settle(
-        trainer["monitor"], trainer["monitor_mode"], task.metrics, task.monitored
-    )
-    trainer["monitor"] = name
+    name, trainer.monitor_mode = monitor.settle(trainer.monitor, trainer.monitor_mode, task.metrics, task.monitored)
+    trainer.monitor = name
     if name is not None and name not in monitor.names(task.metrics):
         raise UserError(
             f"trainer.monitor={name!r} is not a metric of this task; choose one of "
             f"{', '.join(monitor.names(task.metrics))} (or null, or auto)"
         )
-    if data_cfg["val_fraction"] == 0 and name is not None and name.startswith("val/"):
-        trainer["monitor"] = None
+    if data_cfg.val_fraction == 0 and name is not None and name.startswith("val/"):
+        trainer.monitor = None
 
 
 def max_time_seconds(value: Any) -> Optional[float]:
@@ -174,9 +166,9 @@ def max_time_seconds(value: Any) -> Optional[float]:
     return seconds
 
 
-def _resolve_batch_size(data_cfg: dict[str, Any], world_size: int) -> None:
+def _resolve_batch_size(data_cfg: Any, world_size: int) -> None:
     """Per-rank batch from data.batch_size, or data.global_batch_size ÷ world size (one or the other)."""
-    per_rank, total = data_cfg["batch_size"], data_cfg["global_batch_size"]
+    per_rank, total = data_cfg.batch_size, data_cfg.global_batch_size
     if per_rank is not None and total is not None:
         raise UserError(
             f"data.batch_size={per_rank} (per rank) and data.global_batch_size={total} exclude each other: "
@@ -190,9 +182,7 @@ def _resolve_batch_size(data_cfg: dict[str, Any], world_size: int) -> None:
             )
         per_rank = total // world_size
     per_rank = DEFAULT_BATCH_SIZE if per_rank is None else per_rank
-    if per_rank < 1:
-        raise UserError(f"data.batch_size must be at least 1, got {per_rank}")
-    data_cfg.update(batch_size=per_rank, global_batch_size=per_rank * world_size)
+    data_cfg.batch_size, data_cfg.global_batch_size = per_rank, per_rank * world_size
 
 
 def _device(name: str, host: distributed.Host) -> str:
@@ -209,39 +199,40 @@ def _nproc(value: Any, device: str, host: distributed.Host) -> int:
     return int(value)
 
 
-def _check_launcher(launcher: dict[str, Any]) -> None:
-    name = launcher["name"]
-    if name == "spawn":
-        if launcher["nnodes"] != 1:
+def _check_launcher(launcher: Any) -> None:
+    if launcher.name == "spawn":
+        if launcher.nnodes != 1:
             raise UserError("launcher=spawn runs on one node; use launcher=torchrun for launcher.nnodes > 1")
-    elif name == "torchrun":
-        if launcher["nnodes"] < 1 or not 0 <= launcher["node_rank"] < launcher["nnodes"]:
+    elif launcher.name == "torchrun":
+        if launcher.nnodes < 1 or not 0 <= launcher.node_rank < launcher.nnodes:
             raise UserError(
-                f"launcher.node_rank={launcher['node_rank']} must be in [0, launcher.nnodes={launcher['nnodes']})"
+                f"launcher.node_rank={launcher.node_rank} must be in [0, launcher.nnodes={launcher.nnodes})"
             )
-        if launcher["nnodes"] > 1 and not (launcher["rdzv_endpoint"] and launcher["rdzv_id"]):
+        if launcher.nnodes > 1 and not (launcher.rdzv_endpoint and launcher.rdzv_id):
             raise UserError(
                 "a multi-node launcher=torchrun needs launcher.rdzv_endpoint=HOST:PORT (node 0) and the same "
                 "launcher.rdzv_id on every node"
             )
         # A single node's rendezvous endpoint is the launching process's own store (launch.py).
-        launcher["rdzv_id"] = launcher["rdzv_id"] or uuid.uuid4().hex[:12]
-    method, available = launcher["start_method"], [m for m in startup.START_METHODS if m in mp.get_all_start_methods()]
-    if method not in available:
-        raise UserError(f"launcher.start_method={method!r} is not available here; choose {' or '.join(available)}")
+        launcher.rdzv_id = launcher.rdzv_id or uuid.uuid4().hex[:12]
+    available = [m for m in startup.START_METHODS if m in mp.get_all_start_methods()]
+    if launcher.start_method not in available:
+        raise UserError(
+            f"launcher.start_method={launcher.start_method!r} is not available here; choose {' or '.join(available)}"
+        )
 
 
-def _resolve_init_method(init: dict[str, Any], run_dir: Path, external: bool) -> None:
+def _resolve_init_method(init: Any, run_dir: Path, external: bool) -> None:
     """Where the ranks meet. env: MASTER_ADDR and MASTER_PORT where exported (an outside launcher's,
     or the user's), else init_method.host and a port the launching process binds (port null: a free
     one); tcp: init_method.host and port; file: a fresh file in the run directory unless given."""
-    name = init["name"]
+    name = init.name
     if name == "env" and "MASTER_PORT" in os.environ:
         port = os.environ["MASTER_PORT"]
         if not port.isdigit() or not 0 < int(port) < 65536:
             raise UserError(f"MASTER_PORT={port!r} (exported) is not a port; export a number in 1-65535, or unset it")
-        init.update(host=os.environ.get("MASTER_ADDR") or init["host"], port=int(port), port_from="MASTER_PORT")
-    elif name in ("env", "tcp") and init["port"] is None and external:
+        init.host, init.port, init.port_from = os.environ.get("MASTER_ADDR") or init.host, int(port), "MASTER_PORT"
+    elif name in ("env", "tcp") and init.port is None and external:
         needs = (
             "MASTER_ADDR and MASTER_PORT exported (rank 0's host, a free port), or init_method.port (and "
             "init_method.host), the same on every rank"
@@ -250,13 +241,13 @@ def _resolve_init_method(init: dict[str, Any], run_dir: Path, external: bool) ->
         )
         raise UserError(f"init_method={name} under this launcher needs {needs}")
     elif name == "file":
-        if init["path"] is None:
+        if init.path is None:
             if external:
                 raise UserError(
                     "init_method=file under an outside launcher needs init_method.path, shared by all ranks"
                 )
-            init["path"] = str(RunDir(run_dir).rendezvous_store)
-        path = Path(init["path"]).expanduser().resolve()
+            init.path = str(RunDir(run_dir).rendezvous_store)
+        path = Path(init.path).expanduser().resolve()
         if path.exists() and path.stat().st_size > 0:
             raise UserError(
                 f"init_method.path {str(path)!r} is a leftover store from another run (not empty): "
@@ -264,4 +255,4 @@ def _resolve_init_method(init: dict[str, Any], run_dir: Path, external: bool) ->
             )
         if not path.parent.is_dir():
             raise UserError(f"init_method.path: directory {str(path.parent)!r} does not exist")
-        init["path"] = str(path)
+        init.path = str(path)

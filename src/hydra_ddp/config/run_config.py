@@ -1,21 +1,22 @@
-"""The run's config in its one final form: typed by the schema, every `auto` settled, read-only from launch to loop.
+"""The run's config in its one final form: a typed, read-only RunConfig, every `auto` settled.
 
 The launch side composes (Hydra, onto `schema.Config`), settles and checks once (`resolve`), then
-`freeze` makes this object. The launcher hands it to every worker as it is; the loop, the summary
-and the checkpoint read it; nothing assigns to it (an assignment raises).
+`freeze` makes this object: dataclasses all the way down (the strategy's section its own settings
+class). The launcher hands it to every worker as it is; the loop, the summary and the checkpoint
+read its attributes; nothing assigns to it (an assignment raises).
 """
 
 from __future__ import annotations
 
-import copy
 import functools
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hydra_ddp.config import schema
+from hydra_ddp.config.section import Section
 from hydra_ddp.errors import UserError
 
 JOBS = ("train", "eval", "tune")  # what the workers run: train.py's, eval.py's, the tuner's short runs
@@ -38,13 +39,13 @@ class RunInitMethodConf(schema.InitMethodConf):
 
 
 @dataclass
-class SweepConf:
+class SweepConf(Section):
     dir: str = ""  # the multirun's directory (loggers group a sweep's jobs by it)
     job: int = 0
 
 
 @dataclass
-class EvalJobConf:
+class EvalJobConf(Section):
     """eval.py's job: what it evaluates, and where that checkpoint stood."""
 
     ckpt: str = ""
@@ -55,7 +56,7 @@ class EvalJobConf:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Section):
     """The resolved config. The composition-time sections whose keys moved (dist, ddp) are gone."""
 
     backend: schema.BackendConf = field(default_factory=schema.BackendConf)
@@ -63,11 +64,11 @@ class RunConfig:
     launcher: RunLauncherConf = field(default_factory=RunLauncherConf)
     trainer: schema.TrainerConf = field(default_factory=schema.TrainerConf)
     checkpoint: schema.CheckpointConf = field(default_factory=schema.CheckpointConf)
-    strategy: schema.StrategyConf = field(default_factory=schema.StrategyConf)
+    strategy: Any = field(default_factory=lambda: {"name": "ddp"})  # the chosen strategy's settings
     profiler: schema.ProfilerConf = field(default_factory=schema.ProfilerConf)
     data: schema.DataConf = field(default_factory=schema.DataConf)
     trial: schema.TrialConf = field(default_factory=schema.TrialConf)
-    task: Any = field(default_factory=lambda: {"_target_": "hydra_ddp.tasks.Classification"})  # an older checkpoint's
+    task: Any = None
     model: Any = None
     optim: Any = None
     scheduler: Any = None
@@ -87,37 +88,58 @@ SECTIONS = tuple(f.name for f in fields(RunConfig))
 
 @functools.lru_cache(maxsize=1)
 def _template() -> DictConfig:
-    """The schema as a config, made once a process (half of freeze's time)."""
+    """The schema as a config, made once a process (half of typed's time)."""
     return OmegaConf.structured(RunConfig)
 
 
-def freeze(plain: dict[str, Any]) -> DictConfig:
-    """The settled plain config as the typed, read-only RunConfig; a key or value the schema does not
-    take is one line (a checkpoint's config from another version, say)."""
+def typed(plain: dict[str, Any]) -> RunConfig:
+    """A plain config (the resolved one, a checkpoint's) as a RunConfig, not yet frozen; its strategy
+    section as the chosen strategy's settings. A key or value the schema does not take is one line
+    (a checkpoint's config from another version, say)."""
+    from hydra_ddp.parallel import strategies
+
     if plain.get("job", "train") not in JOBS:
         raise UserError(f"job={plain['job']!r}: one of {', '.join(JOBS)}")
     try:
-        cfg = OmegaConf.merge(_template(), plain)  # merge copies the template: it stays as made
+        cfg = OmegaConf.merge(_template(), {k: v for k, v in plain.items() if k != "strategy"})
+        settings = strategies.get(plain.get("strategy", {}).get("name", "ddp")).Settings
+        strategy = OmegaConf.merge(OmegaConf.structured(settings), plain.get("strategy", {}))
     except OmegaConfBaseException as error:
         where = f"{error.full_key}: " if getattr(error, "full_key", None) else ""
         raise UserError(f"the resolved config does not fit the schema: {where}{str(error).splitlines()[0]}") from None
-    OmegaConf.set_readonly(cfg, True)
-    return cfg
+    run = OmegaConf.to_object(cfg)
+    run.strategy = OmegaConf.to_object(strategy)
+    return run  # type: ignore[return-value]
 
 
-def thaw(cfg: DictConfig) -> dict[str, Any]:
+def freeze(plain: dict[str, Any]) -> RunConfig:
+    """The settled plain config as the typed, read-only RunConfig the workers receive."""
+    return typed(plain).freeze()
+
+
+def thaw(cfg: RunConfig) -> dict[str, Any]:
     """A plain copy of the resolved config (what a checkpoint, a summary or a logger records)."""
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    return asdict(cfg)
 
 
-def with_values(cfg: DictConfig, values: dict[str, Any]) -> DictConfig:
+def lookup(cfg: Any, key: str) -> Any:
+    """The value at a dotted key (`data.batch_size`) of a typed config."""
+    node = cfg
+    for part in key.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def with_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
     """A frozen copy of `cfg` with `values` (dotted keys) set: what the launcher settles last, once
     it holds the rendezvous stores, before any worker starts."""
     if not values:
         return cfg
-    settled = copy.deepcopy(cfg)
-    OmegaConf.set_readonly(settled, False)
+    plain = thaw(cfg)
     for key, value in values.items():
-        OmegaConf.update(settled, key, value, merge=False)
-    OmegaConf.set_readonly(settled, True)
-    return settled
+        *parents, last = key.split(".")
+        node = plain
+        for part in parents:
+            node = node[part]
+        node[last] = value
+    return freeze(plain)

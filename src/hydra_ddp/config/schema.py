@@ -15,11 +15,12 @@ from typing import Annotated, Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from hydra_ddp.config.domains import AUTO_BOOL, AtLeast, Checked, Free, Number, OneOf, Pattern, Positive
+from hydra_ddp.config.domains import AUTO_BOOL, AtLeast, Checked, Chosen, Free, Number, OneOf, Pattern, Positive
+from hydra_ddp.config.section import Section
 
 
 @dataclass
-class BackendConf:
+class BackendConf(Section):
     # The process group's backend. auto: nccl when CUDA is available, else gloo.
     name: Annotated[str, OneOf("auto", "gloo", "nccl", "mpi")] = "auto"
     # Collective timeout (seconds): a hung peer fails the others after this long. auto: 600 with NCCL,
@@ -31,7 +32,7 @@ class BackendConf:
 
 
 @dataclass
-class InitMethodConf:
+class InitMethodConf(Section):
     # env: the launcher's rendezvous (torchrun's MASTER_ADDR/PORT) where there is one, else a store
     # at host:port, as tcp (on loopback: reachable from this machine only); file: file://path.
     name: Annotated[str, OneOf("env", "tcp", "file")] = "env"
@@ -44,7 +45,7 @@ class InitMethodConf:
 
 
 @dataclass
-class LauncherConf:
+class LauncherConf(Section):
     # spawn: torch.multiprocessing; torchrun: torch.distributed.launcher (elastic, c10d).
     name: Annotated[str, OneOf("spawn", "torchrun")] = "spawn"
     # Nodes: N, or an elastic range "MIN:MAX" (torchrun's form): the run trains with the nodes present
@@ -70,7 +71,7 @@ class LauncherConf:
 
 
 @dataclass
-class DataConf:
+class DataConf(Section):
     # Shape of one sample and the label count: models read these through interpolation.
     in_channels: Annotated[int, AtLeast(1)] = 1
     image_size: Annotated[int, AtLeast(1)] = 28  # a sample's height and width
@@ -106,7 +107,7 @@ class DataConf:
 
 
 @dataclass
-class CheckpointConf:
+class CheckpointConf(Section):
     # Checkpoints go to <run dir>/checkpoints: step-N.pt, last.pt and best.pt (hard links); under the
     # sharded strategies step-N/ directories of every rank's shards (DCP), last and best (links).
     every_epoch: bool = True  # a checkpoint at the end of every epoch
@@ -117,7 +118,7 @@ class CheckpointConf:
 
 
 @dataclass
-class EarlyStoppingConf:
+class EarlyStoppingConf(Section):
     # Stop after this many validations in a row without an improvement of trainer.monitor by more
     # than min_delta (null: never). All ranks stop at the same step: the metric is global.
     patience: Annotated[Optional[int], AtLeast(1)] = None
@@ -125,16 +126,22 @@ class EarlyStoppingConf:
     min_delta: Annotated[float, AtLeast(0, whole=False)] = 0.0
 
 
+def _strategy_settings() -> dict[str, type]:
+    from hydra_ddp.parallel import strategies
+
+    return {name: strategy.Settings for name, strategy in strategies.REGISTRY.items()}
+
+
+# strategy.*: the settings of the strategy the config names (conf/strategy/NAME.yaml extends them).
+CHOSEN_STRATEGY = Chosen("strategy", _strategy_settings)
 # The groups that build an object: a `_target_` config (config.targets checks it before launch).
 TARGET = Checked("config.targets: a _target_ config")
 # trainer.precision: 32, bf16 (autocast, CPU or GPU) or 16 (GPU autocast with a GradScaler).
 PRECISIONS = ("32", "bf16", "16")
-# strategy.comm_hook: DDP's gradient communication hooks (parallel/comm.py).
-COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 
 @dataclass
-class TrainerConf:
+class TrainerConf(Section):
     # int, or "auto": the GPU count with CUDA, else 2 (a real 2-process run on any laptop).
     nproc: Annotated[Any, AtLeast(1, "auto")] = "auto"
     epochs: Annotated[int, AtLeast(1)] = 12  # passes over the training set (trainer.max_steps may stop earlier)
@@ -198,56 +205,7 @@ class TrainerConf:
 
 
 @dataclass
-class PowerSGDConf:
-    # strategy.comm_hook=powersgd: each weight matrix's gradient sent as a rank-`rank` approximation
-    # (1–4 in the paper; higher is closer to the exact gradient and sends more).
-    rank: Annotated[int, AtLeast(1)] = 1
-    # Plain all-reduce before this optimizer step: the paper's warm-up (torch suggests about a
-    # tenth of the training).
-    start_step: Annotated[int, AtLeast(0)] = 100
-
-
-@dataclass
-class StrategyConf:
-    # ddp: a replica per rank; fsdp: FSDP2, parameters, gradients and optimizer state sharded over
-    # the ranks; tp: tensor parallel over all ranks; fsdp_tp: a 2-D mesh, tensor parallel in groups
-    # of tp_size, FSDP across them (parallel/plans.py says what each takes and refuses).
-    name: Annotated[str, OneOf("ddp", "fsdp", "tp", "fsdp_tp")] = "ddp"
-    # --- ddp: keyword arguments of torch.nn.parallel.DistributedDataParallel ---
-    # DDP's gradient bucket size (MB): smaller starts the all-reduce sooner, larger sends fewer messages
-    bucket_cap_mb: Annotated[float, Positive()] = 25.0
-    # true, false, or auto: the fast choice for this run (performance.py); the summary names it.
-    gradient_as_bucket_view: Annotated[Any, AUTO_BOOL] = "auto"
-    static_graph: Annotated[Any, AUTO_BOOL] = "auto"  # DDP's static_graph: true, false or auto (performance.py)
-    # DDP's search for parameters a forward did not use (slow; only for models that skip some)
-    find_unused_parameters: bool = False
-    # --- ddp: the gradient all-reduce and the model, beside DDP's arguments ---
-    # The gradient all-reduce through shared memory when every rank is a CPU process on this host
-    # (parallel/shared_memory.py), instead of gloo's loopback TCP. auto: wherever it can.
-    shared_memory: Annotated[Any, AUTO_BOOL] = "auto"
-    # DDP's gradient communication hook (parallel/comm.py): none (DDP's fp32 all-reduce), fp16 or bf16
-    # (gradients all-reduced in 16 bits), or powersgd (low-rank, settings below).
-    comm_hook: Annotated[str, OneOf(*COMM_HOOKS)] = "none"
-    powersgd: PowerSGDConf = field(default_factory=PowerSGDConf)
-    # BatchNorm layers become SyncBatchNorm (statistics over the global batch, so a BatchNorm model
-    # trains alike at any world size). GPUs only: DDP refuses it on the CPU. auto: on with CUDA.
-    sync_batchnorm: Annotated[Any, AUTO_BOOL] = False
-    # --- fsdp, fsdp_tp ---
-    # Free each unit's gathered parameters after its forward (less memory, one more all-gather in
-    # the backward); false keeps them until the backward.
-    reshard_after_forward: bool = True
-    # Parameters cast to this for the compute (bf16), gradients reduced in fp32. null: fp32.
-    # (fp16 is refused: it would need loss scaling over the shards.)
-    mixed_precision: Annotated[Optional[str], OneOf("bf16", "fp16")] = None
-    # Parameters and optimizer state kept on the CPU between uses (GPUs only).
-    cpu_offload: bool = False
-    # --- fsdp_tp ---
-    # Ranks per tensor-parallel group (the world size divided by it: FSDP's dimension).
-    tp_size: Annotated[int, AtLeast(1)] = 2
-
-
-@dataclass
-class ProfilerConf:
+class ProfilerConf(Section):
     # Steps skipped, warmed up, then recorded (torch.profiler.schedule, once).
     wait: Annotated[int, AtLeast(0)] = 1
     warmup: Annotated[int, AtLeast(0)] = 1  # steps profiled but not recorded, after the skipped ones
@@ -257,7 +215,7 @@ class ProfilerConf:
 
 
 @dataclass
-class TrialConf:
+class TrialConf(Section):
     # Set by the search's sweeper (hydra/sweeper=optuna) on each trial's job: which trial of which
     # study, where the study lives, and the pruner that may stop it after a validation. null: no search.
     number: Annotated[Optional[int], AtLeast(0)] = None
@@ -273,13 +231,15 @@ class TrialConf:
 
 
 @dataclass
-class Config:
+class Config(Section):
     backend: BackendConf = field(default_factory=BackendConf)
     init_method: InitMethodConf = field(default_factory=InitMethodConf)
     launcher: LauncherConf = field(default_factory=LauncherConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
-    strategy: StrategyConf = field(default_factory=StrategyConf)
+    # How the model is spread over the ranks (conf/strategy/): each strategy's own settings, its
+    # dataclass in its module (parallel/strategies/), chosen by name.
+    strategy: Annotated[Any, CHOSEN_STRATEGY] = MISSING
     profiler: ProfilerConf = field(default_factory=ProfilerConf)
     data: DataConf = field(default_factory=DataConf)
     trial: TrialConf = field(default_factory=TrialConf)
@@ -313,7 +273,10 @@ def register_schema(main_module: str = "__main__") -> None:
     job's is given its parent's ConfigStore (Hydra's Singleton state), so there only the resolvers
     are made: building the schema would cost every worker time before its first step."""
     if main_module != "__mp_main__":
-        ConfigStore.instance().store(name="schema", node=Config)
-        ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
+        store = ConfigStore.instance()
+        store.store(name="schema", node=Config)
+        store.store(name="eval_schema", node=EvalConfig)
+        for name, settings in CHOSEN_STRATEGY.options().items():  # conf/strategy/NAME.yaml: defaults [NAME_schema]
+            store.store(group="strategy", name=f"{name}_schema", node=settings)
     OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(xs), replace=True)
     OmegaConf.register_new_resolver("eq", lambda a, b: a == b, replace=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -18,6 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hydra_ddp.config import checks, from_checkpoint, resolve, run_config
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import EVERY_RANK, UserError
 from hydra_ddp.launch import composition, kubernetes, startup, workers
 from hydra_ddp.launch.workers import Stopped, _again, say
@@ -97,7 +99,7 @@ def run(cfg: DictConfig, started_at: float, job: str = "train") -> Optional[dict
     external = distributed.external_launch()
     if startup.checking():
         return _check_only(cfg, run_dir, external, job)
-    resolved = run_config.freeze(_resolve(cfg, run_dir, external, job))
+    resolved = _resolve(cfg, run_dir, external, job).freeze()
     if external:
         # Only rank 0 knows the run directory: its verdict reaches every rank once the group is up.
         problem = _problem(resolved, run_dir) if external[1].is_main and job == "train" else None
@@ -109,72 +111,69 @@ def run(cfg: DictConfig, started_at: float, job: str = "train") -> Optional[dict
     return _unless_stopped(workers.launch(resolved, run_dir, started_at), run_dir)
 
 
-def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], job: str) -> dict[str, Any]:
-    """The settled config, plain, before it is frozen. Under an outside launcher every rank settles
+def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], job: str) -> RunConfig:
+    """The settled config, typed, before it is frozen. Under an outside launcher every rank settles
     it alike and rank 0 alone checks what depends on its run directory (_problem)."""
     overrides = list(HydraConfig.get().overrides.task)
     if job == "eval":
-        plain = from_checkpoint.resolve(cfg, overrides)
-        resolve.fill_in_launch(plain, run_dir, external)
+        resolved = run_config.typed(from_checkpoint.resolve(cfg, overrides))
+        resolve.settle_launch(resolved, run_dir, external)
     elif external:
-        plain = resolve.fill_in(cfg, run_dir, external)
+        resolved = resolve.resolve(cfg, run_dir, external, checked=False)
     else:
-        plain = resolve.resolve(cfg, run_dir, external)
-    plain["job"] = job
+        resolved = resolve.resolve(cfg, run_dir, external)
+    resolved.job = job
     hydra_cfg = HydraConfig.get()
-    plain["sweep"] = (
-        {"dir": str(Path(hydra_cfg.sweep.dir).resolve()), "job": hydra_cfg.job.num}
-        if hydra_cfg.mode == RunMode.MULTIRUN
-        else None
-    )  # loggers group a sweep's jobs
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # loggers group a sweep's jobs
+        resolved.sweep = run_config.SweepConf(dir=str(Path(hydra_cfg.sweep.dir).resolve()), job=hydra_cfg.job.num)
     # The keys set on the command line (a sweep trial's): every worker logs its own values of them.
     keys = (from_checkpoint.override_key(o) for o in overrides if "=" in o)
-    plain["overridden"] = [k for k in keys if _is_value(plain, k.split("."))]
-    return plain
+    resolved.overridden = [k for k in keys if _is_value(resolved, k)]
+    return resolved
 
 
 def _check_only(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], job: str) -> None:
     """train.py --check: everything a run checks before its first step, and nothing launched; one
     line that says what would run (or the UserError's one line)."""
     try:
-        plain = _resolve(cfg, run_dir, external, job)
-        run_config.freeze(plain)  # what a run would hand its workers
+        resolved = _resolve(cfg, run_dir, external, job)
         if job == "train":
             if external:
-                checks.check(plain, run_dir)
-            checks.dry_build(plain)
+                checks.check(resolved, run_dir)
+            checks.dry_build(resolved)
+        resolved.freeze()  # what a run would hand its workers
     finally:
         with contextlib.suppress(OSError):
             run_dir.rmdir()  # Hydra made it for this command; nothing was written there (only if empty)
-    launcher, trainer = plain["launcher"], plain["trainer"]
+    launcher, trainer = resolved.launcher, resolved.trainer
     what = (
-        f"{plain['strategy']['name']}, global batch {plain['data']['global_batch_size']}"
+        f"{resolved.strategy.name}, global batch {resolved.data.global_batch_size}"
         if job == "train"
-        else f"eval of {plain['eval']['ckpt']} on {plain['eval']['split']}"
+        else f"eval of {resolved.eval.ckpt} on {resolved.eval.split}"
     )
-    workers = trainer["nproc"] * launcher["nnodes"]
-    if (launcher.get("min_nodes") or launcher["nnodes"]) != launcher["nnodes"]:  # elastic: as many as are present
-        workers = f"{trainer['nproc'] * launcher['min_nodes']}-{workers}"
+    workers = trainer.nproc * launcher.nnodes
+    if (launcher.min_nodes or launcher.nnodes) != launcher.nnodes:  # elastic: as many as are present
+        workers = f"{trainer.nproc * launcher.min_nodes}-{workers}"
     print(
-        f"hydra-ddp: config OK: {workers} worker(s) on {trainer['device']} "
-        f"({launcher['name']}, backend {plain['backend']['name']}, init {plain['init_method']['name']}), {what}; "
+        f"hydra-ddp: config OK: {workers} worker(s) on {trainer.device} "
+        f"({launcher.name}, backend {resolved.backend.name}, init {resolved.init_method.name}), {what}; "
         "nothing launched",
         flush=True,
     )
 
 
-def _is_value(plain: dict[str, Any], path: list[str]) -> bool:
-    node: Any = plain
-    for part in path:
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return not isinstance(node, (dict, list))
-
-
-def _problem(resolved: DictConfig, run_dir: Path) -> Optional[str]:
+def _is_value(cfg: RunConfig, key: str) -> bool:
+    """A key of a single value (not a section, a list or a `_target_` group's whole node)."""
     try:
-        checks.check(run_config.thaw(resolved), run_dir)
+        found = run_config.lookup(cfg, key)
+    except (AttributeError, KeyError, TypeError):
+        return False
+    return not isinstance(found, (dict, list)) and not dataclasses.is_dataclass(found)
+
+
+def _problem(resolved: RunConfig, run_dir: Path) -> Optional[str]:
+    try:
+        checks.check(resolved, run_dir)
     except UserError as error:
         return str(error)
     return None

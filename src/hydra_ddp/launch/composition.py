@@ -5,6 +5,7 @@ and exits 1; train.py and eval.py say what is wrong and what to do in one, and e
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -45,6 +46,13 @@ def one_line(error: BaseException) -> Optional[str]:
         fix = f"choose one of {', '.join(available)}" if available else f"add conf/{group}/{option}.yaml"
         return f"{group}={option}: no such option in conf/{group}/; {fix}"
     absent = _NOT_IN.search(f"{text}\n{cause}")
+    owner = _strategy_of(absent.group(2)) if absent and absent.group(2) else None
+    if absent and key and owner:
+        settings = ", ".join(f.name for f in dataclasses.fields(owner.Settings) if f.name != "name")
+        return (
+            f"{key}: strategy={owner.name} has no such setting (its settings: {settings or 'none'}); "
+            "another strategy's knob does not apply to this one"
+        )
     if absent and key:
         return (
             f"{key}: no such key in the config (misspelt?); docs/reference/config.md lists every key, and "
@@ -54,6 +62,13 @@ def one_line(error: BaseException) -> Optional[str]:
         return f"an override does not parse: {text.splitlines()[0]} (Hydra's override syntax: key=value)"
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     return f"{first}{f' ({key})' if key and key not in first else ''}"
+
+
+def _strategy_of(settings_class: str) -> Any:
+    """The strategy whose settings dataclass has this name, if any."""
+    from hydra_ddp.parallel import strategies
+
+    return next((s for s in strategies.REGISTRY.values() if s.Settings.__name__ == settings_class), None)
 
 
 def report_in_one_line() -> None:

@@ -16,7 +16,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict, read_write
 
 from hydra_ddp.config.schema import register_schema
-from hydra_ddp.launch import command, startup
+from hydra_ddp.errors import UserError
+from hydra_ddp.launch import command, composition, startup
 from hydra_ddp.parallel import distributed
 
 
@@ -25,9 +26,9 @@ def check(
 ) -> None:
     """Raise the UserError `train.py --check OVERRIDES` would print (nothing: the config is good).
     `gpus`: check it for a host of that many GPUs (`--gpus=N`). Hydra's own composition errors
-    (an unknown group option, a misspelt key) propagate as Hydra raises them."""
+    (an unknown group option, a misspelt key) are the UserError train.py prints for them."""
     _register_schema()
-    with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None):
+    with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None), _one_line():
         # One job's config: a search preset's sweep (hydra.mode=MULTIRUN) is checked as its base run.
         cfg = compose(
             config_name=config_name,
@@ -42,6 +43,18 @@ def check(
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     with _environment({startup.CHECK_ENV: "1", distributed.CHECK_GPUS_ENV: str(gpus) if gpus else None}):
         command.run(cfg, 0.0, job="eval" if config_name == "eval" else "train")
+
+
+@contextlib.contextmanager
+def _one_line() -> Iterator[None]:
+    """A composition error as train.py reports it (launch.composition)."""
+    try:
+        yield
+    except Exception as error:
+        line = composition.one_line(error)
+        if line is None:
+            raise
+        raise UserError(line) from None
 
 
 @functools.lru_cache(maxsize=1)

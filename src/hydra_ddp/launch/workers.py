@@ -22,9 +22,9 @@ from typing import Any, Optional
 
 import torch.multiprocessing as mp
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
 
 from hydra_ddp.config import run_config
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import EVERY_RANK, LOST_A_PEER, UserError
 from hydra_ddp.launch import startup
 from hydra_ddp.parallel import distributed
@@ -57,22 +57,22 @@ def _elastic(*args: Any) -> Any:
     return worker_entry("elastic_entry")(*args)
 
 
-def launch(cfg: DictConfig, run_dir: Path, started_at: float) -> Optional[dict[str, Any]]:
+def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[str, Any]]:
     """Start the workers of a resolved config on this node and wait for them: the run's summary
     (eval.py's result), None if they ended without one. Also the tuner's way to time candidates."""
     # Inside a joblib (loky) job the default context is loky's, which cannot start our workers.
     multiprocessing.set_start_method("spawn", force=True)
-    launcher, n = cfg["launcher"], cfg["trainer"]["nproc"]
+    launcher, n = cfg.launcher, cfg.trainer.nproc
     log.info(
         "launching %d worker(s) with %s, backend %s, init %s → %s",
-        n * launcher["nnodes"],
-        launcher["name"],
-        cfg["backend"]["name"],
-        cfg["init_method"]["name"],
+        n * launcher.nnodes,
+        launcher.name,
+        cfg.backend.name,
+        cfg.init_method.name,
         run_dir,
     )
-    if cfg["init_method"]["name"] == "file":  # created private, before any rank writes its address there
-        os.close(os.open(cfg["init_method"]["path"], os.O_WRONLY | os.O_CREAT, 0o600))
+    if cfg.init_method.name == "file":  # created private, before any rank writes its address there
+        os.close(os.open(cfg.init_method.path, os.O_WRONLY | os.O_CREAT, 0o600))
     # These would repeat each child's failure on the console; WorkerFailed reports it in one line.
     for name in ("torch.multiprocessing.spawn", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -82,9 +82,9 @@ def launch(cfg: DictConfig, run_dir: Path, started_at: float) -> Optional[dict[s
     signum = None
     stores, held = _host_stores(cfg)  # bound before any worker starts, held until the last one has ended
     cfg = run_config.with_values(cfg, held)  # the workers meet on those stores
-    parent = startup.worker_parent(launcher["start_method"])
+    parent = startup.worker_parent(launcher.start_method)
     try:
-        if launcher["name"] == "spawn":
+        if launcher.name == "spawn":
             _spawn(cfg, run_dir, started_at, parent)
         else:
             signum = _torchrun(cfg, run_dir, started_at, parent)
@@ -92,32 +92,31 @@ def launch(cfg: DictConfig, run_dir: Path, started_at: float) -> Optional[dict[s
         _completed_despite(failure, summary_file)
     finally:
         del stores  # stops their servers
-        if cfg["init_method"]["name"] == "file":  # made fresh for this run; stale, it could deadlock the next
-            Path(cfg["init_method"]["path"]).unlink(missing_ok=True)
+        if cfg.init_method.name == "file":  # made fresh for this run; stale, it could deadlock the next
+            Path(cfg.init_method.path).unlink(missing_ok=True)
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
     if signum is not None and not (summary and summary["stopped_by"]):  # ended before their checkpoint
         raise Stopped({"stopped_by": signal.Signals(signum).name, "steps": None}, run_dir)
     return summary
 
 
-def _host_stores(cfg: DictConfig) -> tuple[list[Any], dict[str, Any]]:
+def _host_stores(cfg: RunConfig) -> tuple[list[Any], dict[str, Any]]:
     """On a single node this process serves the rendezvous store itself, on a port it binds (port 0:
     a free one) before any worker starts and holds for the whole run: no other job can take the
     port in between. One store per torchrun attempt, so a restarted group meets on a fresh one.
     The workers reach them through torch's own env:// or tcp:// handler, as clients
     (distributed.process_group); torchrun's agents meet on the first. Also the config's values
     that say where (init_method.ports, launcher.rdzv_endpoint)."""
-    init, launcher = cfg["init_method"], cfg["launcher"]
-    if launcher["nnodes"] > 1:
+    init, launcher = cfg.init_method, cfg.launcher
+    if launcher.nnodes > 1:
         return [], {}  # torchrun's rendezvous on node 0 brings the workers together
-    torchrun = launcher["name"] == "torchrun"
-    timeout = timedelta(seconds=cfg["backend"]["timeout_s"])
-    if init["name"] in ("env", "tcp"):
-        setting = init.get("port_from", "init_method.port")
-        stores = [distributed.serve_store(init["host"], init["port"] or 0, timeout, setting)]
+    torchrun = launcher.name == "torchrun"
+    timeout = timedelta(seconds=cfg.backend.timeout_s)
+    if init.name in ("env", "tcp"):
+        setting = init.port_from
+        stores = [distributed.serve_store(init.host, init.port or 0, timeout, setting)]
         stores += [
-            distributed.serve_store(init["host"], 0, timeout)
-            for _ in range(launcher["max_restarts"] if torchrun else 0)
+            distributed.serve_store(init.host, 0, timeout) for _ in range(launcher.max_restarts if torchrun else 0)
         ]
         held = {"init_method.ports": [store.port for store in stores]}
     elif torchrun:  # init_method=file: the agents still meet somewhere
@@ -125,7 +124,7 @@ def _host_stores(cfg: DictConfig) -> tuple[list[Any], dict[str, Any]]:
     else:
         return [], {}
     if torchrun:
-        held["launcher.rdzv_endpoint"] = f"{init['host'] if init['name'] != 'file' else '127.0.0.1'}:{stores[0].port}"
+        held["launcher.rdzv_endpoint"] = f"{init.host if init.name != 'file' else '127.0.0.1'}:{stores[0].port}"
     return stores, held
 
 
@@ -141,14 +140,14 @@ def _completed_despite(failure: WorkerFailed, summary_file: Path) -> None:
     )
 
 
-def _spawn(cfg: DictConfig, run_dir: Path, started_at: float, parent: Optional[int]) -> None:
+def _spawn(cfg: RunConfig, run_dir: Path, started_at: float, parent: Optional[int]) -> None:
     log_file = RunDir(run_dir).log(cfg.job)
     context = mp.start_processes(
         _spawned,
         args=(cfg, str(run_dir), started_at, parent),
-        nprocs=cfg["trainer"]["nproc"],
+        nprocs=cfg.trainer.nproc,
         join=False,
-        start_method=cfg["launcher"]["start_method"],
+        start_method=cfg.launcher.start_method,
     )
 
     def forward(signum: int, frame: Any) -> None:
@@ -174,7 +173,7 @@ def _spawn(cfg: DictConfig, run_dir: Path, started_at: float, parent: Optional[i
             signal.signal(sig, handler)
 
 
-def _torchrun(cfg: DictConfig, run_dir: Path, started_at: float, parent: Optional[int]) -> Optional[int]:
+def _torchrun(cfg: RunConfig, run_dir: Path, started_at: float, parent: Optional[int]) -> Optional[int]:
     """Run the agent; the signal that stopped it, if one did."""
     from torch.distributed.elastic.multiprocessing.api import (
         DefaultLogsSpecs,
@@ -183,32 +182,32 @@ def _torchrun(cfg: DictConfig, run_dir: Path, started_at: float, parent: Optiona
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    launcher = cfg["launcher"]
+    launcher = cfg.launcher
     logs = Path(tempfile.mkdtemp(prefix="hydra-ddp-elastic-"))
-    single_node = launcher["nnodes"] == 1
+    single_node = launcher.nnodes == 1
     if single_node:
         # The agent joins the rendezvous on our loopback store (_host_stores) as a client: its own
         # would listen on every interface. Nor may it open a second, shared store for the workers:
         # they meet on ours (distributed.process_group).
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    elif (launcher["min_nodes"] or launcher["nnodes"]) != launcher["nnodes"]:
+    elif (launcher.min_nodes or launcher.nnodes) != launcher.nnodes:
         # Elastic: rank 0's agent keeps the workers' store of its first round when it shares the
         # rendezvous store, and never announces it to a node that joins later, which then waits for
         # it until the rendezvous times out (torch 2.14). Each round's rank 0 announces a fresh one.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(
-        min_nodes=launcher["min_nodes"] or launcher["nnodes"],  # below nnodes: elastic (config.elastic)
-        max_nodes=launcher["nnodes"],
-        nproc_per_node=cfg["trainer"]["nproc"],
-        run_id=launcher["rdzv_id"],
+        min_nodes=launcher.min_nodes or launcher.nnodes,  # below nnodes: elastic (config.elastic)
+        max_nodes=launcher.nnodes,
+        nproc_per_node=cfg.trainer.nproc,
+        run_id=launcher.rdzv_id,
         role="trainer",
-        rdzv_endpoint=launcher["rdzv_endpoint"],
-        rdzv_backend=launcher["rdzv_backend"],
-        rdzv_configs={**launcher["rdzv_conf"], "is_host": False if single_node else launcher["node_rank"] == 0},
-        max_restarts=launcher["max_restarts"],
-        monitor_interval=launcher["monitor_interval"],
-        start_method=launcher["start_method"],
-        local_addr=launcher["local_addr"],
+        rdzv_endpoint=launcher.rdzv_endpoint,
+        rdzv_backend=launcher.rdzv_backend,
+        rdzv_configs={**launcher.rdzv_conf, "is_host": False if single_node else launcher.node_rank == 0},
+        max_restarts=launcher.max_restarts,
+        monitor_interval=launcher.monitor_interval,
+        start_method=launcher.start_method,
+        local_addr=launcher.local_addr,
         # The workers' error files where the failure report can read them all, removed after the run.
         logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
     )

@@ -7,7 +7,7 @@ import errno
 import ipaddress
 import os
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, NamedTuple, Optional
 
@@ -117,17 +117,17 @@ def gpu_index(local_rank: int, local_world_size: int, visible: int, outside_laun
 INIT_METHODS = ("env", "tcp", "file")
 
 
-def init_url(init: Mapping[str, Any], attempt: int = 0) -> str:
+def init_url(init: Any, attempt: int = 0) -> str:
     """The URL torch's own rendezvous handler for the init method reads: env:// (MASTER_ADDR and
     MASTER_PORT), tcp://host:port, file://path. `attempt`: which of the launcher's stores (one per
     torchrun attempt) a tcp:// group meets on."""
-    name = init["name"]
+    name = init.name
     if name == "env":
         return "env://"
     if name == "tcp":
-        return f"tcp://{init['host']}:{init['ports'][attempt] if init.get('ports') else init['port']}"
+        return f"tcp://{init.host}:{init.ports[attempt] if init.ports else init.port}"
     if name == "file":
-        return f"file://{os.path.abspath(init['path'])}"
+        return f"file://{os.path.abspath(init.path)}"
     raise UserError(f"unknown init_method {name!r}; choose {', '.join(INIT_METHODS)}")
 
 
@@ -196,25 +196,23 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) or int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 
 
-def _join_hosted_store(init: Mapping[str, Any], attempt: int) -> None:
+def _join_hosted_store(init: Any, attempt: int) -> None:
     """On one node the launching process holds the rendezvous store, one per torchrun attempt, each
     bound before any worker started: torch's env:// and tcp:// handlers make every rank its client
     when TORCHELASTIC_USE_AGENT_STORE is set and MASTER_ADDR/MASTER_PORT name it (torch's
     rendezvous._agent_store_serves). A restarted group meets on a fresh store: none of the dead
     group's keys are in it."""
-    ports = init["ports"]
+    ports = init.ports
     if attempt >= len(ports):
         raise UserError(
             f"restart {attempt} of the group has no store: the launcher held {len(ports)} "
             f"(launcher.max_restarts={len(ports) - 1})"
         )
-    os.environ.update(MASTER_ADDR=init["host"], MASTER_PORT=str(ports[attempt]), TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.update(MASTER_ADDR=init.host, MASTER_PORT=str(ports[attempt]), TORCHELASTIC_USE_AGENT_STORE="True")
 
 
 @contextlib.contextmanager
-def process_group(
-    backend: str, init: Mapping[str, Any], rank: RankInfo, timeout_s: int, device: torch.device
-) -> Iterator[None]:
+def process_group(backend: str, init: Any, rank: RankInfo, timeout_s: int, device: torch.device) -> Iterator[None]:
     """Join the group through torch's rendezvous handler for the init method's URL; always leave it,
     so the next job in a multirun starts clean. An outside launcher's env:// is its MASTER_ADDR/PORT."""
     if device.type == "cuda":
@@ -222,10 +220,10 @@ def process_group(
     attempt = int(
         os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     )  # torchrun's count alone (a Slurm requeue is a new job)
-    if init.get("ports"):
+    if init.ports:
         _join_hosted_store(init, attempt)
-    elif init["name"] == "env" and "MASTER_PORT" not in os.environ:  # mpirun: rank 0 serves at host:port
-        os.environ.update(MASTER_ADDR=init["host"], MASTER_PORT=str(init["port"]))
+    elif init.name == "env" and "MASTER_PORT" not in os.environ:  # mpirun: rank 0 serves at host:port
+        os.environ.update(MASTER_ADDR=init.host, MASTER_PORT=str(init.port))
     dist.init_process_group(
         backend,
         init_method=init_url(init, attempt),

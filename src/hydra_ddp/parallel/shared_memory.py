@@ -54,7 +54,7 @@ LIVENESS_EVERY_S = 0.5  # while waiting: are the ranks we wait for still alive?
 
 def unavailable(backend: str, device: str, world_size: int, local_world_size: int) -> list[str]:
     """Why the shared-memory all-reduce cannot serve this run (empty: it can). The config-level
-    conditions (DDP, no comm hook, even shards, no compile) are checked by performance.py."""
+    conditions (DDP, no comm hook, even shards, no compile) are checked by parallel/strategies/ddp.py."""
     reasons = []
     if device != "cpu":
         reasons.append(f"it sums CPU tensors (this run is on {device})")

@@ -2,13 +2,14 @@
 
 Every logger receives the same global (all-reduced) values from the Reporter. Adding one is a
 small class with these methods and a YAML file naming it with `_target_`; the Reporter passes
-`run_dir`, `run_config` (the resolved config) and `resume_step` (the step a resumed run continues
-after, or None) besides the YAML's own keys.
+`run_dir`, `config` (the run's RunConfig; `recorded(config)` is it made plain) and `resume_step`
+(the step a resumed run continues after, or None) besides the YAML's own keys.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import re
 import time
@@ -22,11 +23,16 @@ from hydra_ddp.rundir import RunDir
 _EVENT_FILE = re.compile(r"^events\.out\.tfevents\.(\d+)\.")  # then host, pid, a counter
 
 
-def config_yaml(config: dict[str, Any]) -> str:
-    """A resolved (plain) config as YAML: the text OmegaConf.to_yaml gives, dumped straight from the
+def recorded(config: Any) -> dict[str, Any]:
+    """The run's config made plain, as it is recorded (a YAML, a table of parameters)."""
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+
+
+def config_yaml(config: Any) -> str:
+    """The resolved config as YAML: the text OmegaConf.to_yaml gives, dumped straight from the
     dict instead of through a DictConfig built first, in a third of the time (on rank 0, before the
     first step)."""
-    return yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
+    return yaml.safe_dump(recorded(config), sort_keys=False, allow_unicode=True)
 
 
 class Logger:
@@ -51,7 +57,7 @@ class TensorBoard(Logger):
     def preload(cls) -> None:
         import torch.utils.tensorboard  # noqa: F401  (its import is the slow part of a logger's start)
 
-    def __init__(self, run_dir: Path, run_config: dict[str, Any], resume_step: Optional[int] = None):
+    def __init__(self, run_dir: Path, config: Any, resume_step: Optional[int] = None):
         from torch.utils.tensorboard import SummaryWriter
 
         # Resuming: TensorBoard hides the earlier file's events after the checkpoint's step.
@@ -59,7 +65,7 @@ class TensorBoard(Logger):
         if purge_step is not None:
             _after_the_newest_event_file(RunDir(run_dir).tensorboard)
         self.writer = SummaryWriter(log_dir=str(RunDir(run_dir).tensorboard), purge_step=purge_step)
-        self.writer.add_text("config", "```yaml\n" + config_yaml(run_config) + "```", 0)
+        self.writer.add_text("config", "```yaml\n" + config_yaml(config) + "```", 0)
 
     def metrics(self, values: dict[str, float], step: int) -> None:
         for tag, value in values.items():
@@ -116,7 +122,7 @@ class CSV(Logger):
     def __init__(
         self,
         run_dir: Path,
-        run_config: dict[str, Any],
+        config: Any,
         resume_step: Optional[int] = None,
         filename: str = RunDir(".").metrics_csv.name,
     ):
@@ -200,7 +206,7 @@ class MLflow(Logger):
     def __init__(
         self,
         run_dir: Path,
-        run_config: dict[str, Any],
+        config: Any,
         resume_step: Optional[int] = None,
         tracking_uri: str = "sqlite:///outputs/mlflow.db",
         experiment: str = "hydra-ddp",
@@ -222,23 +228,23 @@ class MLflow(Logger):
             self.run_id = id_file.read_text().strip()
             self.client.update_run(self.run_id, status="RUNNING")
         else:
-            sweep = run_config.get("sweep")
+            sweep = config.sweep
             tags = {
-                "world_size": str(run_config["trainer"]["nproc"] * run_config["launcher"]["nnodes"]),
-                "backend": str(run_config["backend"]["name"]),
-                "launcher": str(run_config["launcher"]["name"]),
+                "world_size": str(config.trainer.nproc * config.launcher.nnodes),
+                "backend": str(config.backend.name),
+                "launcher": str(config.launcher.name),
                 "run_dir": str(run_dir),
             }
             if sweep:
-                tags["mlflow.parentRunId"] = self._parent(experiment_id, Path(sweep["dir"]))
+                tags["mlflow.parentRunId"] = self._parent(experiment_id, Path(sweep.dir))
             run = self.client.create_run(
                 experiment_id,
                 tags=tags,
-                run_name=run_dir.name if not sweep else f"{Path(sweep['dir']).name}/{sweep['job']}",
+                run_name=run_dir.name if not sweep else f"{Path(sweep.dir).name}/{sweep.job}",
             )
             self.run_id = run.info.run_id
             id_file.write_text(self.run_id + "\n")
-            self._log_params(run_config)
+            self._log_params(recorded(config))
         self.pending: list[Any] = []
         self.finished = False
 
@@ -290,7 +296,7 @@ class MLflow(Logger):
             client.log_metric(run_id, key, value)
         client.set_terminated(run_id, "FAILED" if failed else "FINISHED")
 
-    def _log_params(self, run_config: dict[str, Any]) -> None:
+    def _log_params(self, plain: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
         flat: dict[str, str] = {}
@@ -302,7 +308,7 @@ class MLflow(Logger):
             else:
                 flat[prefix[:-1]] = str(node)[:500]
 
-        walk(run_config, "")
+        walk(plain, "")
         params = [Param(k, v) for k, v in sorted(flat.items())]
         for start in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[start : start + 100])

@@ -11,8 +11,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
-
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.reporting import flops, loggers
 from hydra_ddp.reporting.ranklog import FILE_ONLY
@@ -23,7 +21,7 @@ log = logging.getLogger(__name__)
 
 def _logger_nodes(cfg: Any) -> list[Any]:
     """The configured loggers' config nodes (a logger set to null is off)."""
-    return [node for node in (cfg.get("logger") or {}).values() if node is not None]
+    return [node for node in (cfg.logger or {}).values() if node is not None]
 
 
 def preload_loggers(cfg: Any) -> None:
@@ -33,7 +31,7 @@ def preload_loggers(cfg: Any) -> None:
 
     for node in _logger_nodes(cfg):
         try:
-            getattr(get_class(node._target_), "preload", lambda: None)()
+            getattr(get_class(node["_target_"]), "preload", lambda: None)()
         except Exception:  # noqa: BLE001  (the Reporter reports it)
             pass
 
@@ -56,13 +54,12 @@ class Reporter:
         if rank.is_main:
             from hydra.utils import instantiate
 
-            config = OmegaConf.to_container(cfg, resolve=True)
-            log.info("config\n%s", loggers.config_yaml(config).rstrip(), extra=FILE_ONLY)
+            log.info("config\n%s", loggers.config_yaml(cfg).rstrip(), extra=FILE_ONLY)
             for node in _logger_nodes(cfg):
                 # A partial of the YAML's own keys, called with the rest: passed to instantiate,
                 # the whole config would be made a DictConfig and back, for each logger.
                 make = instantiate(node, _partial_=True, _recursive_=False, _convert_="all")
-                self.loggers.append(make(run_dir=run_dir, run_config=config, resume_step=resume_step))
+                self.loggers.append(make(run_dir=run_dir, config=cfg, resume_step=resume_step))
 
     def series(self, tag: str, steps: Iterable[int], values: Iterable[float]) -> None:
         for step, value in zip(steps, values):
@@ -174,8 +171,8 @@ def hparams(cfg: Any, world_size: int) -> dict[str, Any]:
         "world_size": world_size,
         "backend": cfg.backend.name,
         "launcher": cfg.launcher.name,
-        "model": cfg.model._target_.rsplit(".", 1)[-1],
-        "optim": cfg.optim._target_.rsplit(".", 1)[-1],
+        "model": cfg.model["_target_"].rsplit(".", 1)[-1],
+        "optim": cfg.optim["_target_"].rsplit(".", 1)[-1],
         "lr": cfg.optim.get("lr"),
         "weight_decay": cfg.optim.get("weight_decay"),
         "batch_size": cfg.data.batch_size,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlparse
 
-from hydra_ddp.reporting.loggers import Logger
+from hydra_ddp.reporting.loggers import Logger, recorded
 from hydra_ddp.rundir import RunDir
 
 STEP = "trainer/step"  # the x-axis
@@ -111,7 +111,7 @@ class WandB(Logger):
     def __init__(
         self,
         run_dir: Path,
-        run_config: dict[str, Any],
+        config: Any,
         resume_step: Optional[int] = None,
         project: str = "hydra-ddp",
         entity: Optional[str] = None,
@@ -141,12 +141,12 @@ class WandB(Logger):
                     if not key.startswith("_"):
                         self.last_step[key] = max(self.last_step.get(key, -1), int(row[STEP]))
         self.next_row = next_row
-        sweep = run_config.get("sweep")
+        sweep = config.sweep
         group = name = None
         if sweep:
-            sweep_dir = Path(sweep["dir"])
+            sweep_dir = Path(sweep.dir)
             group = f"{sweep_dir.parent.name}/{sweep_dir.name}"  # multirun/DATE/TIME: DATE/TIME
-            name = f"{group}/{sweep['job']}"
+            name = f"{group}/{sweep.job}"
         settings = wandb.Settings(
             console="off", silent=True, x_disable_stats=True, disable_git=True, save_code=False, x_disable_meta=True
         )
@@ -161,7 +161,7 @@ class WandB(Logger):
             name=name or Path(run_dir).name,
             job_type="train",
             tags=tags,
-            config=run_config,
+            config=recorded(config),
             settings=settings,
         )
         id_file.write_text(run_id + "\n")

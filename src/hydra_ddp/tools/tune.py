@@ -37,9 +37,11 @@ from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from hydra_ddp.config import resolve, run_config  # noqa: E402
-from hydra_ddp.config.schema import COMM_HOOKS, PRECISIONS, Config, register_schema  # noqa: E402
+from hydra_ddp.config.schema import PRECISIONS, Config, register_schema  # noqa: E402
 from hydra_ddp.errors import UserError  # noqa: E402
 from hydra_ddp.launch import command, workers  # noqa: E402
+from hydra_ddp.parallel import strategies  # noqa: E402
+from hydra_ddp.parallel.strategies.ddp import COMM_HOOKS  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[3] / "conf")  # the repository's conf/ (src/hydra_ddp/tools/)
 KNOBS = (
@@ -69,18 +71,20 @@ class SettingsTuneConfig(Config):
     tune: SettingsTuneConf = field(default_factory=SettingsTuneConf)
 
 
-def candidates(plain: dict[str, Any], tune: Any) -> dict[str, list[Any]]:
+def candidates(cfg: run_config.RunConfig, tune: Any) -> dict[str, list[Any]]:
     """The values worth timing for each knob, on this device, at this world size."""
-    cuda = plain["trainer"]["device"] == "cuda"
-    ddp = plain["strategy"]["name"] == "ddp"
-    ranks, world = plain["trainer"]["nproc"], plain["trainer"]["nproc"] * plain["launcher"]["nnodes"]
+    cuda = cfg.trainer.device == "cuda"
+    # The strategy's own knobs exist in its settings only (DDP's bucket size, hooks, shared memory).
+    ddp = hasattr(cfg.strategy, "comm_hook")
+    chosen = strategies.get(cfg.strategy.name)
+    ranks, world = cfg.trainer.nproc, cfg.trainer.nproc * cfg.launcher.nnodes
     cores = len(os.sched_getaffinity(0))
     per_rank = max(1, cores // ranks)
     values: dict[str, list[Any]] = {
         "data.num_workers": sorted({0, 1, 2, min(4, per_rank)}),
         "data.pin_memory": [False, True] if cuda else [],
         "trainer.threads": sorted({max(1, per_rank // 2), per_rank, min(cores, 2 * per_rank)}),
-        "trainer.channels_last": [True, False] if ddp else [],  # FSDP: contiguous parameters only
+        "trainer.channels_last": [True, False] if chosen.allows_channels_last() else [],
         "strategy.bucket_cap_mb": [5, 25, 100] if ddp and world > 1 else [],
         # auto where it can serve (one host, CPU): timed against gloo's all-reduce.
         "strategy.shared_memory": ["auto", False] if ddp and not cuda and ranks == world > 1 else [],
@@ -102,7 +106,7 @@ class Timer:
     def __init__(self, cfg: DictConfig, steps: int, scratch: Path):
         self.cfg, self.steps, self.scratch, self.runs = cfg, steps, scratch, 0
 
-    def resolved(self, overrides: dict[str, Any], run_dir: Path) -> DictConfig:
+    def resolved(self, overrides: dict[str, Any], run_dir: Path) -> run_config.RunConfig:
         """The resolved config of a short run with these overrides: steps only (no checkpoints,
         loggers, progress bar or evaluation per epoch), and quiet (job "tune")."""
         cfg = self.cfg.copy()
@@ -122,12 +126,13 @@ class Timer:
         }
         for key, value in {**overrides, **short}.items():
             OmegaConf.update(cfg, key, value, merge=False)
-        if cfg.strategy.comm_hook == "powersgd":  # timed compressing, not in its warm-up of plain all-reduces
-            cfg.strategy.powersgd.start_step = 0
-        plain = resolve.resolve(cfg, run_dir, external=None)
+        plain = resolve.plain_config(cfg)
         plain.pop("tune")  # the tuner's own settings, not the run's
-        plain.update(job="tune", sweep=None, overridden=list(overrides))
-        return run_config.freeze(plain)
+        resolved = resolve.resolve(plain, run_dir, external=None)
+        resolved.job, resolved.sweep, resolved.overridden = "tune", None, list(overrides)
+        if getattr(resolved.strategy, "comm_hook", None) == "powersgd":  # timed compressing, not warming up
+            resolved.strategy.powersgd.start_step = 0
+        return resolved.freeze()
 
     def samples_per_sec(self, overrides: dict[str, Any]) -> float:
         """Steady samples/s of a run with these overrides. A run that fails keeps its directory."""
@@ -148,11 +153,11 @@ def tune(cfg: DictConfig, say: Any = print) -> dict[str, Any]:
     timer = Timer(cfg, settings.steps, scratch)
     configured = timer.resolved({}, scratch)
     knobs = candidates(configured, settings)
-    ranks = configured["trainer"]["nproc"] * configured["launcher"]["nnodes"]
+    ranks = configured.trainer.nproc * configured.launcher.nnodes
     say(f"timing {settings.steps} steps at {ranks} rank(s) for each value of {', '.join(knobs) or 'no knob'}")
     chosen: dict[str, Any] = {}
     for knob, values in knobs.items():
-        current = OmegaConf.select(configured, knob)  # threads resolved; auto stays auto
+        current = run_config.lookup(configured, knob)  # threads resolved; auto stays auto
         speeds = []
         for value in ([] if current in values else [current]) + values:
             try:

@@ -9,6 +9,7 @@ One process, the training loader as one rank of `trainer.nproc` would see it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import time
@@ -19,7 +20,7 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from hydra_ddp import data
 from hydra_ddp.config import resolve
@@ -57,15 +58,17 @@ def time_loader(data_cfg: Any, rank: RankInfo, device: torch.device, batches: in
 
 
 def tune(cfg: DictConfig) -> list[dict[str, Any]]:
-    plain = resolve.resolve(cfg, Path.cwd(), external=None)
-    nproc = plain["trainer"]["nproc"]
-    device = torch.device("cuda" if plain["trainer"]["device"] == "cuda" else "cpu")
+    plain = resolve.plain_config(cfg)
+    plain.pop("tune")  # the tuner's own settings, not the run's
+    resolved = resolve.resolve(plain, Path.cwd(), external=None)
+    nproc = resolved.trainer.nproc
+    device = torch.device("cuda" if resolved.trainer.device == "cuda" else "cpu")
     rank = RankInfo(0, nproc, 0, nproc)
     rows = []
     for workers, pin in itertools.product(cfg.tune.num_workers, cfg.tune.pin_memory):
         if pin and device.type != "cuda":
             continue  # pinned memory only speeds up copies to a GPU
-        data_cfg = OmegaConf.create({**plain["data"], "num_workers": workers, "pin_memory": pin, "preload": False})
+        data_cfg = dataclasses.replace(resolved.data, num_workers=workers, pin_memory=pin, preload=False)
         rows.append(
             {
                 "num_workers": workers,

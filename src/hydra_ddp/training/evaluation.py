@@ -12,10 +12,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
-from omegaconf import DictConfig
 from torch import nn
 
-from hydra_ddp import checkpoints, data, performance, tasks
+from hydra_ddp import data, performance, tasks
+from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.reporting import run_report
 from hydra_ddp.rundir import RunDir
@@ -82,7 +82,7 @@ def evaluate(
 
 
 # --- eval.py: every worker's half ----------------------------------------------------------------
-def run(cfg: DictConfig, out: Path, rank: RankInfo, device: torch.device, started_at: float) -> dict[str, Any]:
+def run(cfg: Any, out: Path, rank: RankInfo, device: torch.device, started_at: float) -> dict[str, Any]:
     """Evaluate the checkpoint on the split; rank 0 writes eval.json (and predictions.csv)."""
     job = cfg.eval
     splits = data.build_datasets(cfg.data, rank, cfg.trainer.seed)

@@ -35,7 +35,7 @@ class Pruning:
     @classmethod
     def of(cls, cfg: Any, is_main: bool, device: torch.device) -> Optional[Pruning]:
         """The run's pruning, or None outside a search (or with hydra.sweeper.pruner=none)."""
-        trial = cfg.get("trial")
+        trial = cfg.trial
         if trial is None or trial.number is None or trial.pruner == "none":
             return None
         return cls(trial, is_main, device)

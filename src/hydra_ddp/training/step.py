@@ -8,10 +8,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from hydra_ddp.errors import EveryRankError, UserError
-from hydra_ddp.tasks import Task, misfit
+from hydra_ddp.tasks import misfit
 from hydra_ddp.training.timing import StepTimer
 
 # trainer.precision → autocast's dtype (None: fp32, no autocast).
@@ -29,27 +28,16 @@ def accumulation_group(batch: int, accumulate: int, batches_per_epoch: int) -> i
 class Step:
     """Forward, backward and (on a group's last batch) the optimizer step, for one batch."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        task: Task,
-        optimizer: torch.optim.Optimizer,
-        strategy: Any,
-        device: torch.device,
-        timer: StepTimer,
-        precision: str,
-        grad_clip: Optional[float],
-        memory_format: torch.memory_format,
-        outputs: int,
-    ):
-        self.model, self.task, self.optimizer, self.strategy = model, task, optimizer, strategy
-        self.device, self.timer = device, timer
-        self.outputs = outputs  # data.num_classes: what the model makes per sample
+    def __init__(self, settings: Any, parts: Any, timer: StepTimer, outputs: int):
+        """`settings`: the trainer section; `parts`: the worker's (training.parts); `outputs`:
+        data.num_classes, what the model makes per sample."""
+        self.model, self.task, self.optimizer, self.strategy = parts.model, parts.task, parts.optimizer, parts.strategy
+        self.device, self.timer, self.memory_format = parts.device, timer, parts.memory_format
+        self.outputs = outputs
         self.checked = False  # the first batch: the task fits the data, its loss is a scalar
-        self.amp_dtype = AUTOCAST_DTYPES[precision]
-        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "16")  # fp16 only: bf16 needs none
-        self.grad_clip = grad_clip
-        self.memory_format = memory_format
+        self.amp_dtype = AUTOCAST_DTYPES[str(settings.precision)]
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=str(settings.precision) == "16")  # fp16 only
+        self.grad_clip = settings.grad_clip
         self.grad_norms: list[tuple[int, torch.Tensor]] = []  # (step, global norm before clipping), until logged
         self.batch_shapes: Optional[tuple[tuple[torch.Size, torch.dtype], tuple[torch.Size, torch.dtype]]] = None
 

@@ -11,79 +11,24 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.algorithms import Join
 from tqdm import tqdm
 
+from hydra_ddp.checkpoint.saving import Saving
 from hydra_ddp.data import Loaders
 from hydra_ddp.monitor import Monitor
-from hydra_ddp.reporting.run_report import Reporter
-from hydra_ddp.tasks import Task
-from hydra_ddp.training.checkpointing import Checkpointer
+from hydra_ddp.training.parts import Parts
 from hydra_ddp.training.position import Position
 from hydra_ddp.training.profiling import profiling
 from hydra_ddp.training.pruning import Pruning
-from hydra_ddp.training.saving import Saving
 from hydra_ddp.training.step import Step, accumulation_group
-from hydra_ddp.training.stop import Ending, StopRequest
+from hydra_ddp.training.stop import Ending
 from hydra_ddp.training.throughput import Overheads, Throughput
 from hydra_ddp.training.timing import StepTimer, per_rank, straggler
 from hydra_ddp.training.validation import Validation
 from hydra_ddp.training.window import LossWindow
 
 log = logging.getLogger(__name__)
-
-
-def build(
-    cfg: Any,
-    task: Task,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Optional[Any],
-    loaders: Loaders,
-    device: torch.device,
-    reporter: Reporter,
-    checkpointer: Checkpointer,
-    stop: StopRequest,
-    progress: bool,
-    started_at: float,
-    strategy: Any,
-    memory_format: torch.memory_format,
-) -> Trainer:
-    """The loop and its collaborators, each given its own settings."""
-    settings = cfg.trainer
-    pos, overheads, monitor = Position(), Overheads(), Monitor.from_config(settings)
-    timer = StepTimer(settings.timing, device)  # this rank's time per phase (timing.py): the straggler report
-    step = Step(
-        model,
-        task,
-        optimizer,
-        strategy,
-        device,
-        timer,
-        str(settings.precision),
-        settings.grad_clip,
-        memory_format,
-        outputs=cfg.data.num_classes,
-    )
-    return Trainer(
-        settings,
-        model,
-        loaders,
-        device,
-        step=step,
-        timer=timer,
-        pos=pos,
-        saving=Saving(cfg.checkpoint, checkpointer, strategy, step, scheduler, monitor, pos, overheads),
-        validation=Validation(strategy, task, loaders, device, memory_format, monitor, reporter, overheads),
-        ending=Ending(stop, settings.max_time, started_at, Pruning.of(cfg, reporter.is_main, device)),
-        throughput=Throughput(strategy.data_parallel_size()),
-        overheads=overheads,
-        reporter=reporter,
-        scheduler=scheduler,
-        profiler=lambda: profiling(bool(settings.profile), cfg.profiler, device, reporter.run_dir),
-        progress=progress,
-    )
 
 
 def epoch_lengths(loaders: Loaders, batches_per_epoch: int, device: torch.device) -> tuple[int, int]:
@@ -100,48 +45,39 @@ class Trainer:
     """Runs the epochs: batches, global loss logging, validation, checkpoints, stopping (on request,
     early, on the time budget, on divergence), and the one test of the selected weights at the end."""
 
-    def __init__(
-        self,
-        settings: Any,
-        model: nn.Module,
-        loaders: Loaders,
-        device: torch.device,
-        *,
-        step: Step,
-        timer: StepTimer,
-        pos: Position,
-        saving: Saving,
-        validation: Validation,
-        ending: Ending,
-        throughput: Throughput,
-        overheads: Overheads,
-        reporter: Reporter,
-        scheduler: Optional[Any],
-        profiler: Any,
-        progress: bool,
-    ):
-        self.settings, self.model, self.loaders, self.device = settings, model, loaders, device
-        self.step, self.timer, self.pos, self.saving, self.validation = step, timer, pos, saving, validation
-        self.ending, self.throughput, self.overheads = ending, throughput, overheads
-        self.reporter, self.scheduler, self.make_profiler = reporter, scheduler, profiler
-        self.monitor = validation.monitor
+    def __init__(self, cfg: Any, parts: Parts):
+        """The loop and its collaborators, each given its own settings and the parts it works with."""
+        settings, device = cfg.trainer, parts.device
+        self.settings, self.model, self.loaders, self.device = settings, parts.model, parts.loaders, device
+        self.pos, self.overheads = Position(), Overheads()
+        self.timer = StepTimer(settings.timing, device)  # this rank's time per phase (timing.py): the straggler report
+        self.step = Step(settings, parts, self.timer, outputs=cfg.data.num_classes)
+        monitor = Monitor.from_config(settings)
+        self.saving = Saving(cfg.checkpoint, parts, self.step, monitor, self.pos, self.overheads)
+        self.validation = Validation(parts, monitor, self.overheads)
+        pruning = Pruning.of(cfg, parts.reporter.is_main, device)
+        self.ending = Ending(parts.stop, settings.max_time, parts.started_at, pruning)
+        self.throughput = Throughput(parts.strategy.data_parallel_size())
+        self.reporter, self.scheduler = parts.reporter, parts.scheduler
+        self.make_profiler = lambda: profiling(bool(settings.profile), cfg.profiler, device, parts.reporter.run_dir)
+        self.monitor = monitor
         self.accumulate = settings.accumulate  # read every batch: a plain int, not a config lookup
         # Anomaly mode checks the (global) loss for nan at every step: a window of one.
         self.window = LossWindow(1 if settings.detect_anomaly else settings.log_every)
         # Mid-epoch windows are read a step after they are sent; anomaly mode stops at the step itself.
         self.overlap_window = not settings.detect_anomaly
         self.bar = tqdm(disable=True)
-        self.progress = progress
+        self.progress = parts.progress
         self.profiler: Optional[Any] = None
         self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
-        self.batches_per_epoch = len(loaders.train)
-        self.common_batches, longest = epoch_lengths(loaders, self.batches_per_epoch, device)
+        self.batches_per_epoch = len(parts.loaders.train)
+        self.common_batches, longest = epoch_lengths(parts.loaders, self.batches_per_epoch, device)
         self.uneven = self.common_batches != longest
         self.steps_per_epoch = math.ceil(longest / settings.accumulate)  # the same on every rank
         self.ranks: list[dict[str, Any]] = []
         self.straggler: Optional[dict[str, Any]] = None
         self.world_size = dist.get_world_size()
-        pos.started(self.world_size)  # a resumed run's history replaces it
+        self.pos.started(self.world_size)  # a resumed run's history replaces it
 
     def resume_from(self, path: Path, state: dict[str, Any], cause: str = "resume") -> None:
         """Continue from a checkpoint (`cause`: why, should the world size differ; position.resize_cause)."""

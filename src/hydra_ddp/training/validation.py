@@ -9,10 +9,7 @@ from typing import Any, Optional
 
 import torch
 
-from hydra_ddp.data import Loaders
 from hydra_ddp.monitor import Monitor
-from hydra_ddp.reporting.run_report import Reporter
-from hydra_ddp.tasks import Task
 from hydra_ddp.training.evaluation import evaluate
 from hydra_ddp.training.throughput import Overheads
 
@@ -22,20 +19,11 @@ log = logging.getLogger(__name__)
 class Validation:
     """The evaluations of one training run, and what they selected."""
 
-    def __init__(
-        self,
-        strategy: Any,
-        task: Task,
-        loaders: Loaders,
-        device: torch.device,
-        memory_format: torch.memory_format,
-        monitor: Monitor,
-        reporter: Reporter,
-        overheads: Overheads,
-    ):
-        self.strategy, self.task, self.loaders, self.device = strategy, task, loaders, device
-        self.memory_format = memory_format
-        self.monitor, self.reporter, self.overheads = monitor, reporter, overheads
+    def __init__(self, parts: Any, monitor: Monitor, overheads: Overheads):
+        """`parts`: the worker's (training.parts)."""
+        self.strategy, self.task, self.loaders, self.device = parts.strategy, parts.task, parts.loaders, parts.device
+        self.memory_format, self.reporter = parts.memory_format, parts.reporter
+        self.monitor, self.overheads = monitor, overheads
         self.best_weights: Optional[dict[str, torch.Tensor]] = None  # a copy, on the CPU, while not the current ones
         self.last: dict[str, Any] = {}  # the last validation's metrics
         self.history: list[dict[str, Any]] = []  # every validation of this run

@@ -8,6 +8,7 @@ config whatever started the workers.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import logging
 import os
@@ -22,13 +23,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
-from hydra_ddp import checkpoints, data, performance, tasks
+from hydra_ddp import data, performance, tasks
+from hydra_ddp.checkpoint import checkpointer as checkpointing
+from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import elastic, fingerprint, run_config
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import (
     EVERY_RANK,
     LOST_A_PEER,
@@ -40,11 +43,12 @@ from hydra_ddp.errors import (
     root_cause,
 )
 from hydra_ddp.launch import startup
-from hydra_ddp.parallel import distributed, shared_memory, strategy
+from hydra_ddp.parallel import distributed, shared_memory, strategies
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.reporting import flops, hangs, ranklog, run_report
-from hydra_ddp.training import checkpointing, evaluation
+from hydra_ddp.training import evaluation
 from hydra_ddp.training import trainer as training
+from hydra_ddp.training.parts import Parts
 from hydra_ddp.training.position import resize_cause
 from hydra_ddp.training.stop import StopRequest
 
@@ -72,20 +76,20 @@ def deterministic_kernels() -> None:
 
 
 def run(
-    cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float, entered_at: float, problem: Optional[str] = None
+    cfg: RunConfig, run_dir: str, rank: RankInfo, started_at: float, entered_at: float, problem: Optional[str] = None
 ) -> Optional[dict[str, Any]]:
     """Train, and return the run's summary. `entered_at`: when this worker's own code began (its
     imports done); `problem`: what rank 0 of an outside launch found wrong."""
     stop = StopRequest()
     stop.install()
     tqdm.monitor_interval = 0  # no monitor thread: one less thread alive when the process exits
-    external = cfg.launcher.get("external", False)
+    external = cfg.launcher.external
     job = cfg.job
     if not external:
         ranklog.setup_logging(rank, Path(run_dir), job)
     device = _device(cfg.trainer.device, rank, external)
     torch.set_num_threads(cfg.trainer.threads)  # settled on the launch side (config.resolve)
-    if cfg.trainer.get("deterministic", False):  # before CUDA starts: cuBLAS reads its workspace setting once
+    if cfg.trainer.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
         deterministic_kernels()
     if rank.is_main and job == "train":
         run_report.preload_loggers(cfg)  # while the other ranks start: it would hold them at the first collective
@@ -124,14 +128,14 @@ def _device(kind: str, rank: RankInfo, outside_launch: bool) -> torch.device:
     )
 
 
-def _check_same_config(cfg: DictConfig, rank: RankInfo, device: torch.device) -> None:
+def _check_same_config(cfg: RunConfig, rank: RankInfo, device: torch.device) -> None:
     """Every rank trains with the same values (one sweep trial's, say), or none starts: the config's
     fingerprint, compared in one all-reduce. Each rank logs it, with the values set on the command line."""
-    digest = fingerprint.config_fingerprint(OmegaConf.to_container(cfg, resolve=True))
+    digest = fingerprint.config_fingerprint(cfg)
     mine = int(digest[:15], 16)  # fits an int64
     extremes = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    overridden = " ".join(f"{key}={OmegaConf.select(cfg, key)}" for key in cfg.get("overridden", []))
+    overridden = " ".join(f"{key}={run_config.lookup(cfg, key)}" for key in cfg.overridden)
     log.info("rank %d config %s%s", rank.rank, digest[:12], f": {overridden}" if overridden else "")
     if extremes[0].item() != -extremes[1].item():
         raise EveryRankError(
@@ -141,7 +145,7 @@ def _check_same_config(cfg: DictConfig, rank: RankInfo, device: torch.device) ->
 
 
 def _train(
-    cfg: DictConfig,
+    cfg: RunConfig,
     out: Path,
     rank: RankInfo,
     device: torch.device,
@@ -157,28 +161,30 @@ def _train(
         torch.get_num_threads(),
         os.getpid(),
     )
-    settled = elastic.at_world_size(cfg, rank.world_size)  # an elastic run: the size its rendezvous gave
-    if settled:
-        cfg = run_config.with_values(cfg, settled)
-        log.info("world size %d: %s", rank.world_size, " ".join(f"{k}={v}" for k, v in settled.items()))
+    # An elastic run: the per-rank batch at the world size its rendezvous gave. A worker's own finding,
+    # kept beside the run's config (recorded in the summary and the checkpoint), not an edit of it.
+    data_cfg = cfg.data
+    at_size = elastic.at_world_size(cfg, rank.world_size)
+    if at_size:
+        data_cfg = dataclasses.replace(cfg.data, batch_size=at_size["data.batch_size"])
+        log.info("world size %d: %s", rank.world_size, " ".join(f"{k}={v}" for k, v in at_size.items()))
     seed_everything(cfg.trainer.seed)  # alike on every rank: the model's initial weights
-    spread = strategy.build(cfg, device)  # DDP's replicas, FSDP's shards or tensor parallel (parallel/)
+    spread = strategies.build(cfg, device)  # DDP's replicas, FSDP's shards or tensor parallel (parallel/)
     replica = spread.data_shard(rank)  # which batches this rank reads: its own, but under tensor parallel
-    loaders = data.build_loaders(cfg.data, rank, cfg.trainer.seed, device, shard=replica)
+    loaders = data.build_loaders(data_cfg, rank, cfg.trainer.seed, device, shard=replica)
     task = tasks.build(cfg.task)
     model = instantiate(cfg.model)
     # From here a stream per model replica (dropout's masks differ between ranks that read different
     # batches; the ranks of a tensor-parallel replica draw alike), saved in every checkpoint. The
     # data's randomness is per sample (data.SeededSamples), of no rank.
     seed_everything(data.sample_seed(cfg.trainer.seed, -2, replica.rank))
-    fast = performance.settings(cfg, model)  # settled on the launch side; the summary names them
+    # Settled on the launch side (channels_last for a model only the workers build): the summary names them.
+    fast = performance.settings(cfg, spread.fast_settings, model, spread.allows_channels_last())
     memory_format = performance.memory_format(fast["trainer.channels_last"])
     if cfg.trainer.init_from and rank.is_main:
         # Rank 0's weights: the strategy starts every rank from them (a resumed run's then replace them).
         skipped = checkpoints.load_weights(model, Path(cfg.trainer.init_from), list(cfg.trainer.init_ignore))
         log.info("weights from %s%s", cfg.trainer.init_from, f" (fresh: {', '.join(skipped)})" if skipped else "")
-    if cfg.strategy.sync_batchnorm and cfg.strategy.name == "ddp":
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device, memory_format=memory_format)
     try:
         train_model = spread.wrap(model)
@@ -189,18 +195,19 @@ def _train(
             ) from None
         log.warning("gradients all-reduce through %s, not shared memory: %s", dist.get_backend(), e)
         fast["strategy.shared_memory"] = False  # recorded in the summary
-        train_model = spread.wrap(model, shared_memory=False)
+        train_model = spread.wrap(model, shared=False)
     optimizer = instantiate(cfg.optim)(train_model.parameters())
     if cfg.trainer.compile:
         train_model = _compiled(train_model, cfg.trainer.compile_backend)
     scheduler = instantiate(cfg.scheduler)(optimizer) if cfg.scheduler else None
-    config = performance.record(OmegaConf.to_container(cfg, resolve=True), fast)  # what the run used
+    # The config as run, what checkpoints record: the settings this worker settled, its batch.
+    as_run = run_config.with_values(cfg, {**fast, "data.batch_size": data_cfg.batch_size})
     checkpointer = checkpointing.Checkpointer(
-        cfg.checkpoint, out, rank, device, config, sharded=spread.sharded_checkpoints
+        cfg.checkpoint, out, rank, device, as_run, sharded=spread.sharded_checkpoints
     )
     # Rank 0 picks the checkpoint (on every node the same file: checkpoints live with rank 0).
     resume = checkpointer.choose(checkpoints.resume_setting(cfg.trainer.resume)) if rank.is_main else None
-    changed = fingerprint.config_changes(resume[1]["config"], config) if resume else []
+    changed = fingerprint.config_changes(resume[1]["config"], as_run) if resume else []
     if changed:  # the checkpoint's values are not restored: the run goes on with this command's
         log.warning(
             "resuming %s with a config that differs from the checkpoint's (this command's values apply; "
@@ -219,22 +226,22 @@ def _train(
         resume_step = 0
     reporter = run_report.Reporter(rank, out, cfg, resume_step=resume_step)
     try:
-        trainer = training.build(
-            cfg,
-            task,
-            train_model,
-            optimizer,
-            scheduler,
-            loaders,
-            device,
-            reporter,
-            checkpointer,
-            stop,
-            run_report.show_progress(cfg.trainer.progress, rank),
-            started_at,
-            spread,
-            memory_format,
+        parts = Parts(
+            task=task,
+            model=train_model,
+            strategy=spread,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            loaders=loaders,
+            reporter=reporter,
+            checkpointer=checkpointer,
+            stop=stop,
+            device=device,
+            memory_format=memory_format,
+            progress=run_report.show_progress(cfg.trainer.progress, rank),
+            started_at=started_at,
         )
+        trainer = training.Trainer(cfg, parts)
         if resume:
             trainer.resume_from(*resume, cause=resize_cause(elastic.is_elastic(cfg.launcher)))
         result = trainer.fit()
@@ -249,15 +256,14 @@ def _train(
             "launcher": cfg.launcher.name,
             "init_method": cfg.init_method.name,
             "device": device.type,
-            "batch_size": cfg.data.batch_size,
+            "batch_size": data_cfg.batch_size,
             "global_batch_size": cfg.data.global_batch_size,
             "settings": fast,
-            "deterministic": bool(cfg.trainer.get("deterministic", False)),
+            "deterministic": cfg.trainer.deterministic,
             "strategy": spread.name,
             # Parameters, gradients and optimizer state held by one rank (the largest): FSDP's shards.
-            "model_state_bytes": distributed.most_over_ranks(strategy.local_state_bytes(spread, optimizer), device),
-            "comm_hook": cfg.strategy.comm_hook if spread.name == "ddp" else None,
-            "allreduce_bytes_per_step": spread.bytes_per_step() if spread.name == "ddp" else None,  # measured
+            "model_state_bytes": distributed.most_over_ranks(strategies.local_state_bytes(spread, optimizer), device),
+            **spread.summary(),  # its gradient exchange: DDP's hook and the bytes it sent
             **result,
             "time_to_first_step_s": result["first_step_at"] - started_at if result["first_step_at"] else None,
             "workers_ready_at": workers_ready_at,
@@ -284,7 +290,7 @@ def _train(
     return summary
 
 
-def _release(cfg: DictConfig) -> None:
+def _release(cfg: RunConfig) -> None:
     """Drop the Python references to the run before the group is destroyed: compiled graphs keep
     the DDP module, reference cycles the rest."""
     if cfg.trainer.compile:
@@ -308,7 +314,7 @@ def _peak_rss_mb() -> float:
 
 
 def main(
-    cfg: DictConfig, run_dir: str, rank: RankInfo, started_at: float, problem: Optional[str] = None
+    cfg: RunConfig, run_dir: str, rank: RankInfo, started_at: float, problem: Optional[str] = None
 ) -> Optional[dict[str, Any]]:
     """Every worker's entry, whatever started it: the traceback to the log, one line to the launcher."""
     entered_at = time.time()
@@ -329,7 +335,7 @@ def main(
         raise WorkerError(line) from None
 
 
-def spawn_entry(local_rank: int, cfg: DictConfig, run_dir: str, started_at: float, parent_pid: Optional[int]) -> None:
+def spawn_entry(local_rank: int, cfg: RunConfig, run_dir: str, started_at: float, parent_pid: Optional[int]) -> None:
     """torch.multiprocessing.spawn target: single node, rank = local rank."""
     n = cfg.trainer.nproc
     # No orphan keeps training, or holding a GPU, after its launcher is gone. The parent is the
@@ -357,7 +363,7 @@ def _exit_after_teardown() -> None:
 
 @record  # writes the exception to torchelastic's error file, so the parent can name it
 def elastic_entry(
-    cfg: DictConfig, run_dir: str, started_at: float, parent_pid: Optional[int]
+    cfg: RunConfig, run_dir: str, started_at: float, parent_pid: Optional[int]
 ) -> Optional[dict[str, Any]]:
     """elastic_launch target: torchelastic has set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
     _, rank = distributed.external_launch()

@@ -1,0 +1,118 @@
+"""Checkpoint cadence and content: when the loop saves (each epoch, every n steps, a new best, the
+end), what a checkpoint holds, resuming from one, and never saving weights that are not finite."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hydra_ddp.checkpoint import files as checkpoints
+from hydra_ddp.errors import EveryRankError, UserError
+from hydra_ddp.monitor import Monitor
+from hydra_ddp.training.position import Position
+from hydra_ddp.training.step import Step
+from hydra_ddp.training.throughput import Overheads
+
+log = logging.getLogger(__name__)
+
+
+class Saving:
+    """The loop's checkpoints (the `checkpoint` section's cadence), through the Checkpointer."""
+
+    def __init__(self, cadence: Any, parts: Any, step: Step, monitor: Monitor, pos: Position, overheads: Overheads):
+        """`cadence`: the checkpoint section; `parts`: the worker's (training.parts)."""
+        self.every_epoch, self.every_n_steps = bool(cadence.every_epoch), cadence.every_n_steps  # read every step
+        self.checkpointer, self.strategy, self.scheduler = parts.checkpointer, parts.strategy, parts.scheduler
+        self.step, self.monitor, self.pos, self.overheads = step, monitor, pos, overheads
+        self.saved: tuple[int, bool] = (-1, False)  # (step, as best) of the last checkpoint
+
+    @property
+    def on(self) -> bool:
+        return bool(self.every_epoch or self.every_n_steps)
+
+    def due_at_step(self) -> bool:
+        return bool(self.every_n_steps) and self.pos.step % self.every_n_steps == 0
+
+    def due_at_epoch_end(self, best: bool) -> bool:
+        return self.every_epoch or self.due_at_step() or (best and self.on)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            # FQN-keyed, whole (ddp) or this rank's shards (the others): any strategy loads either.
+            **self.strategy.checkpoint_state(self.step.optimizer),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.step.scaler_state(),
+            "position": self.pos.state(),
+            "monitor": self.monitor.state(),
+            "comm_hook": self.strategy.comm_state(),  # PowerSGD's error feedback and warm start
+        }
+
+    def resume_from(self, path: Path, state: dict[str, Any]) -> None:
+        self.checkpointer.restore(state, path, self.strategy, self.step.optimizer, self.scheduler)
+        self.step.load_scaler_state(state.get("scaler"))
+        self.pos.load(state["position"])
+        problem = self.strategy.load_comm_state(state.get("comm_hook"), self.pos.step)
+        if problem:
+            log.warning("resuming from %s: %s", path, problem)
+        self.monitor.load(state.get("monitor"))
+
+    def best_from_disk(self) -> Optional[dict[str, torch.Tensor]]:
+        """The best weights of the run so far, from best (every rank reads it, as the resumed checkpoint)."""
+        path = self.checkpointer.published("best")
+        try:
+            state = self.checkpointer.load(path)
+            weights = checkpoints.model_weights(path, state)
+        except UserError as e:
+            log.warning("the best weights so far are not in %s (%s): the test will use the last weights", path, e)
+            return None
+        if state["position"]["step"] != self.monitor.best_step:
+            log.warning(
+                "%s is from step %d, not the best step %d: the test will use the last weights",
+                path,
+                state["position"]["step"],
+                self.monitor.best_step,
+            )
+            return None
+        return {k: v.cpu() for k, v in weights.items()}
+
+    def save(self) -> None:
+        best = self.monitor.best_step == self.pos.step  # validated here, and the best so far: best.pt
+        # Once per step; again only to publish as best.pt a step the first save did not.
+        saved_step, saved_as_best = self.saved
+        if saved_step == self.pos.step and (saved_as_best or not best):
+            return
+        self._check_finite_weights()
+        with self.overheads.saving():
+            self.checkpointer.save(self.state(), self.pos.step, best)
+        self.saved = (self.pos.step, best)
+
+    def finish(self) -> None:
+        """The last write is on disk (before the summary says the run is done)."""
+        with self.overheads.timed("checkpoint_time_s"):
+            self.checkpointer.finish()
+
+    def published(self, which: str) -> str:
+        return str(self.checkpointer.published(which))
+
+    def _check_finite_weights(self) -> None:
+        """Before a checkpoint: weights that are already nan or inf are never saved as good ones."""
+        params = list(self.strategy.local_tensors())  # FSDP: this rank's shards
+        finite = torch.stack([torch.isfinite(p).all() for p in params]).all().to(torch.int32).reshape(1)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite.item():
+            self.diverged(f"the weights are not finite after step {self.pos.step}")
+
+    def diverged(self, what: str) -> None:
+        """Stop every rank with one line; the last checkpoint (written from finite weights) is kept."""
+        self.checkpointer.finish()  # a write in flight completes: it is the last good one
+        last = self.checkpointer.published("last")
+        kept = (
+            f"the last good checkpoint is kept: {last} (step {self.saved[0]})"
+            if self.saved[0] >= 0
+            else "no checkpoint was written"
+        )
+        raise EveryRankError(f"training diverged: {what}; {kept}. Lower optim.lr, or set trainer.grad_clip")

@@ -1,0 +1,28 @@
+"""The strategies (conf/strategy/): one module each, behind one protocol (base.Strategy). Adding one
+is its module, its conf/strategy/NAME.yaml and a line here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hydra_ddp.errors import UserError
+from hydra_ddp.parallel.strategies.base import Strategy, local_state_bytes  # noqa: F401
+from hydra_ddp.parallel.strategies.ddp import DDP
+from hydra_ddp.parallel.strategies.fsdp import FSDP
+from hydra_ddp.parallel.strategies.fsdp_tp import FSDPWithTP
+from hydra_ddp.parallel.strategies.tp import TensorParallel
+
+REGISTRY: dict[str, type[Strategy]] = {strategy.name: strategy for strategy in (DDP, FSDP, TensorParallel, FSDPWithTP)}
+
+
+def get(name: str) -> type[Strategy]:
+    if name not in REGISTRY:
+        raise UserError(f"strategy.name={name!r}: choose one of {', '.join(REGISTRY)} (strategy=NAME, conf/strategy/)")
+    return REGISTRY[name]
+
+
+def build(cfg: Any, device: torch.device) -> Strategy:
+    """The run's strategy, in a worker whose process group is up."""
+    return get(cfg.strategy.name)(cfg, device)

@@ -1,0 +1,208 @@
+"""strategy=ddp: a whole replica of the model on every rank, its gradients all-reduced by
+DistributedDataParallel, through the configured communication hook (parallel/comm.py) or, for CPU
+ranks on one host, through shared memory (parallel/shared_memory.py).
+
+Its `auto` settings (chosen per model and device from measurements, bench/results; each only where
+it changes no result beyond float tolerance, and each can be set to true or false instead):
+
+- gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, not copied in and out of
+  them; bit-identical results, less memory.
+- static_graph: DDP records the order gradients become ready in the first step and buckets by it;
+  bit-identical results. Off with gradient accumulation (DDP's reducer asserts on a no_sync step in
+  a static graph), uneven shards (Join stands in for ranks that ran out) and torch.compile.
+- shared_memory: the gradient all-reduce through a shared segment instead of gloo's loopback TCP,
+  where every rank is a CPU process on this host; bit-identical at 2 ranks, the sums in another
+  order (within float tolerance) at more. Not with a comm hook (it is one), uneven shards (Join's
+  shadow all-reduces bypass hooks) or torch.compile. Whether the segment can be made is the workers'
+  to find: where it cannot, an `auto` falls back.
+- sync_batchnorm: BatchNorm layers as SyncBatchNorm; auto is on with CUDA (DDP refuses it on the CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Optional
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hydra_ddp.checkpoint import layouts
+from hydra_ddp.config.domains import AUTO_BOOL, AtLeast, OneOf, Positive
+from hydra_ddp.config.section import Section
+from hydra_ddp.errors import UserError
+from hydra_ddp.parallel import comm, shared_memory
+from hydra_ddp.parallel.strategies.base import Strategy
+
+AUTO = "auto"
+# strategy.comm_hook: DDP's gradient communication hooks (parallel/comm.py).
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+# The settings that are DistributedDataParallel's own keyword arguments.
+DDP_ARGUMENTS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
+
+
+@dataclass
+class PowerSGDSettings(Section):
+    # strategy.comm_hook=powersgd: each weight matrix's gradient sent as a rank-`rank` approximation
+    # (1–4 in the paper; higher is closer to the exact gradient and sends more).
+    rank: Annotated[int, AtLeast(1)] = 1
+    # Plain all-reduce before this optimizer step: the paper's warm-up (torch suggests about a
+    # tenth of the training).
+    start_step: Annotated[int, AtLeast(0)] = 100
+
+
+@dataclass
+class DDPSettings(Section):
+    # ddp: a replica per rank (conf/strategy/: ddp, fsdp, tp, fsdp_tp).
+    name: Annotated[str, OneOf("ddp")] = "ddp"
+    # DDP's gradient bucket size (MB): smaller starts the all-reduce sooner, larger sends fewer messages.
+    bucket_cap_mb: Annotated[float, Positive()] = 25.0
+    # true, false, or auto: the fast choice for this run (this module's docstring); the summary names it.
+    gradient_as_bucket_view: Annotated[Any, AUTO_BOOL] = "auto"
+    static_graph: Annotated[Any, AUTO_BOOL] = "auto"  # DDP's static_graph: true, false or auto
+    # DDP's search for parameters a forward did not use (slow; only for models that skip some).
+    find_unused_parameters: bool = False
+    # The gradient all-reduce through shared memory when every rank is a CPU process on this host
+    # (parallel/shared_memory.py), instead of gloo's loopback TCP. auto: wherever it can.
+    shared_memory: Annotated[Any, AUTO_BOOL] = "auto"
+    # DDP's gradient communication hook (parallel/comm.py): none (DDP's fp32 all-reduce), fp16 or bf16
+    # (gradients all-reduced in 16 bits), or powersgd (low-rank, settings below).
+    comm_hook: Annotated[str, OneOf(*COMM_HOOKS)] = "none"
+    powersgd: PowerSGDSettings = field(default_factory=PowerSGDSettings)
+    # BatchNorm layers become SyncBatchNorm (statistics over the global batch, so a BatchNorm model
+    # trains alike at any world size). GPUs only: DDP refuses it on the CPU. auto: on with CUDA.
+    sync_batchnorm: Annotated[Any, AUTO_BOOL] = False
+
+
+def config_blockers(cfg: Any) -> list[str]:
+    """The settings that rule the shared-memory all-reduce out."""
+    reasons = []
+    if cfg.strategy.comm_hook != "none":
+        reasons.append(f"strategy.comm_hook={cfg.strategy.comm_hook} is a hook of its own")
+    if not cfg.data.even_shards:
+        reasons.append("data.even_shards=false (Join's shadow all-reduces bypass hooks)")
+    if cfg.trainer.compile:
+        reasons.append("trainer.compile=true")
+    return reasons
+
+
+class DDP(Strategy):
+    """A whole replica per rank; DDP all-reduces the gradients."""
+
+    name = "ddp"
+    Settings = DDPSettings
+    fast_settings = ("strategy.gradient_as_bucket_view", "strategy.static_graph", "strategy.shared_memory")
+    sharded_checkpoints = False  # rank 0 holds everything: it writes one file
+    lockstep_eval = False  # evaluation runs on the cfg module: ranks may hold different chunk counts
+
+    @classmethod
+    def allows_channels_last(cls) -> bool:
+        return True
+
+    @classmethod
+    def settle(cls, cfg: Any, world: int, local_world: int) -> dict[str, Any]:
+        settings, trainer = cfg.strategy, cfg.trainer
+        if settings.sync_batchnorm == AUTO:
+            settings.sync_batchnorm = trainer.device == "cuda"
+        blockers = cls.shared_memory_blockers(cfg, world, local_world)
+        auto = {
+            "gradient_as_bucket_view": True,
+            "static_graph": trainer.accumulate == 1 and cfg.data.even_shards and not trainer.compile,
+            "shared_memory": not blockers and world > 1,  # one rank: nothing to all-reduce
+        }
+        if settings.shared_memory is True and world > 1 and blockers:
+            raise UserError(
+                f"strategy.shared_memory=true does not combine with {'; '.join(blockers)}; "
+                "set strategy.shared_memory=auto or false"
+            )
+        settled = {}
+        for key, value in auto.items():
+            if getattr(settings, key) == AUTO:
+                settled[f"strategy.{key}"] = value
+                setattr(settings, key, value)
+        if settings.shared_memory and world < 2:
+            settings.shared_memory = False
+        return settled
+
+    @staticmethod
+    def shared_memory_blockers(cfg: Any, world: int, local_world: int) -> list[str]:
+        trainer = cfg.trainer
+        return config_blockers(cfg) + shared_memory.unavailable(cfg.backend.name, trainer.device, world, local_world)
+
+    @classmethod
+    def check(cls, cfg: Any) -> None:
+        settings, trainer, data = cfg.strategy, cfg.trainer, cfg.data
+        if settings.comm_hook != "none" and not data.even_shards:
+            raise UserError(
+                f"strategy.comm_hook={settings.comm_hook} does not combine with data.even_shards=false (Join's "
+                "shadow all-reduces bypass the hook); use one or the other"
+            )
+        if settings.static_graph is True and trainer.accumulate > 1:
+            raise UserError(
+                "strategy.static_graph=true does not combine with trainer.accumulate > 1 (DDP's reducer fails "
+                "on a no_sync step in a static graph); set strategy.static_graph=auto or false"
+            )
+        if settings.shared_memory is True and trainer.device != "cpu":
+            raise UserError(
+                f"strategy.shared_memory=true does not combine with trainer.device={trainer.device} (it sums "
+                "CPU tensors); set strategy.shared_memory=auto or false"
+            )
+        if settings.sync_batchnorm and trainer.device != "cuda":
+            raise UserError(
+                "strategy.sync_batchnorm=true needs GPUs (this torch's DDP refuses SyncBatchNorm on the CPU); "
+                "set it false, or train with trainer.device=cuda"
+            )
+        if not data.even_shards and settings.sync_batchnorm:
+            raise UserError(
+                "data.even_shards=false does not combine with strategy.sync_batchnorm=true (Join cannot "
+                "stand in for SyncBatchNorm's collectives); use one or the other"
+            )
+
+    def __init__(self, cfg: Any, device: torch.device):
+        super().__init__(cfg, device)
+        self.comm: Optional[comm.PowerSGD] = None  # a communication hook that keeps state
+        self.shared: Optional[shared_memory.SharedMemoryAllReduce] = None
+        # What the hook sends each step; none counted under Join (uneven shards), where DDP's own
+        # all-reduce runs: Join's shadow all-reduces bypass hooks, and its average needs DDP's divisor.
+        self.traffic: Optional[comm.Traffic] = None
+
+    def wrap(self, module: nn.Module, shared: Optional[bool] = None) -> nn.Module:
+        """`shared`: the shared-memory all-reduce's setting, where not strategy.shared_memory's (a
+        segment that could not be made: gloo's)."""
+        settings = self.cfg.strategy
+        if settings.sync_batchnorm:
+            module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        self.module = module
+        shared = bool(settings.shared_memory if shared is None else shared)
+        options = {key: getattr(settings, key) for key in DDP_ARGUMENTS}  # the rest: comm.py's, shared_memory.py's
+        traffic = comm.Traffic()
+        if shared:
+            # Before DDP: where the segment cannot be shared, every rank raises SharedMemoryUnavailable here.
+            gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+            self.shared = shared_memory.SharedMemoryAllReduce(None, gradient_bytes, self.cfg.backend.timeout_s, traffic)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        self.model = DistributedDataParallel(module, device_ids=device_ids, **options)
+        if self.shared:
+            self.model.register_comm_hook(None, self.shared.hook)
+            self.traffic = traffic
+        elif self.cfg.data.even_shards:
+            self.comm = comm.register(self.model, settings.comm_hook, traffic, settings.powersgd)
+            self.traffic = traffic
+        self.state = layouts.WholeState(module, self.model)
+        return self.model
+
+    def no_sync(self) -> Any:
+        return self.model.no_sync()
+
+    def comm_state(self) -> Optional[dict[str, Any]]:
+        return self.comm.state() if self.comm else None
+
+    def load_comm_state(self, saved: Optional[dict[str, Any]], step: int) -> Optional[str]:
+        return self.comm.load(saved, step) if self.comm else None
+
+    def summary(self) -> dict[str, Any]:
+        # The gradient bytes this rank sent in the last step, as the hook counted them (None: not counted).
+        return {
+            "comm_hook": self.cfg.strategy.comm_hook,
+            "allreduce_bytes_per_step": self.traffic.last_step if self.traffic else None,
+        }

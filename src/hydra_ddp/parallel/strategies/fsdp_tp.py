@@ -1,0 +1,71 @@
+"""strategy=fsdp_tp: a 2-D mesh [dp, tp]: tensor parallel inside groups of `tp_size` neighbouring
+ranks (tp.py, the model's plan), FSDP2 across the groups (fsdp.py's settings); each group is a
+replica with its own batches. World size = dp × tp_size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Optional
+
+import torch
+from torch import nn
+
+from hydra_ddp.checkpoint import layouts
+from hydra_ddp.config.domains import AtLeast, OneOf
+from hydra_ddp.parallel.strategies import fsdp, tp
+from hydra_ddp.parallel.strategies.base import Strategy, clip_global_norm, not_ddp_refusals, refuse, start_from_rank0
+
+
+@dataclass
+class FSDPTPSettings(fsdp.FSDPSettings):
+    # fsdp_tp: tensor parallel in groups of tp_size, FSDP across them.
+    name: Annotated[str, OneOf("fsdp_tp")] = "fsdp_tp"
+    # Ranks per tensor-parallel group (the world size divided by it: FSDP's dimension).
+    tp_size: Annotated[int, AtLeast(1)] = 2
+
+
+class FSDPWithTP(Strategy):
+    """Tensor parallel inside each group, FSDP across the groups."""
+
+    name = "fsdp_tp"
+    Settings = FSDPTPSettings
+
+    @classmethod
+    def tp_size(cls, settings: Any, world: int) -> int:
+        return int(settings.tp_size)
+
+    @classmethod
+    def check(cls, cfg: Any) -> None:
+        tp.check_plan(cfg, cls)
+        settings = cfg.strategy
+        tensor_parallel_limits = [
+            (
+                bool(settings.mixed_precision or settings.cpu_offload),
+                "strategy.mixed_precision and strategy.cpu_offload are not supported with tensor parallel yet; "
+                "leave them null and false",
+            )
+        ]
+        refuse(cls.name, not_ddp_refusals(cfg, cls.name) + fsdp.shard_refusals(cfg) + tensor_parallel_limits)
+
+    @classmethod
+    def backend(cls, settings: Any, backend: str) -> str:
+        return fsdp.FSDP.backend(settings, backend)
+
+    def __init__(self, cfg: Any, device: torch.device):
+        super().__init__(cfg, device)
+        import torch.distributed.checkpoint.state_dict  # noqa: F401  (fsdp.py's reason)
+
+    def wrap(self, module: nn.Module, shared: Optional[bool] = None) -> nn.Module:
+        self.module = module
+        start_from_rank0(module)
+        tp.parallelize(self, module)  # inside each group
+        fsdp.shard(module, self.cfg.strategy, mesh=self.mesh["dp"])  # across the groups
+        self.model = module
+        self.state = layouts.ShardedState(module)
+        return module
+
+    def no_sync(self) -> Any:
+        return fsdp.no_sync(self.model)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_global_norm(self.model.parameters(), max_norm, self.device)

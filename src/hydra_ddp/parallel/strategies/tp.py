@@ -1,0 +1,99 @@
+"""strategy=tp: tensor parallel over all ranks (torch.distributed.tensor.parallel, Megatron style):
+the model's plan (`tp_plan(size)`: submodule → "colwise" or "rowwise"; model=gpt has one) splits
+those linears' weights, the rest is replicated. Every rank reads the same batches: one replica."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Optional
+
+import torch
+from torch import nn
+
+from hydra_ddp.checkpoint import layouts
+from hydra_ddp.config.domains import OneOf
+from hydra_ddp.config.section import Section
+from hydra_ddp.errors import UserError, first_line, root_cause
+from hydra_ddp.parallel.strategies.base import (
+    Strategy,
+    clip_global_norm,
+    not_ddp_refusals,
+    refuse,
+    start_from_rank0,
+)
+
+
+@dataclass
+class TPSettings(Section):
+    # tp: tensor parallel over all ranks.
+    name: Annotated[str, OneOf("tp")] = "tp"
+
+
+def check_plan(cfg: Any, strategy: type[Strategy]) -> None:
+    """Tensor parallel needs the model's plan, and a world size it splits over (built on the meta device)."""
+    from hydra.utils import instantiate
+
+    world = cfg.trainer.nproc * cfg.launcher.nnodes
+    size = strategy.tp_size(cfg.strategy, world)
+    try:
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
+    except Exception as error:  # noqa: BLE001  (the model's own complaint: a shape it cannot take, say)
+        raise UserError(
+            f"strategy={strategy.name}: {cfg.model['_target_']} does not build: {first_line(root_cause(error))}"
+        ) from None
+    try:
+        tp_plan = getattr(model, "tp_plan", None)
+        if tp_plan is None:
+            raise UserError(
+                f"strategy={strategy.name} needs a model with a tensor-parallel plan (a tp_plan method, as "
+                f"model=gpt has); {cfg.model['_target_']} has none: use strategy=ddp or fsdp"
+            )
+        tp_plan(size)
+    except ValueError as e:
+        raise UserError(f"strategy={strategy.name}: {e}") from None
+
+
+def parallelize(strategy: Strategy, module: nn.Module) -> None:
+    """Megatron style over `strategy.tp_ranks` ranks: the model's plan splits its linears. Ranks
+    r = dp × tp_ranks + tp: a replica's tp ranks are neighbours (on one node, fast links)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    strategy.mesh = init_device_mesh(
+        strategy.device.type, (strategy.dp_ranks, strategy.tp_ranks), mesh_dim_names=("dp", "tp")
+    )
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    tp_plan = module.tp_plan(strategy.tp_ranks)
+    parallelize_module(module, strategy.mesh["tp"], {name: styles[style]() for name, style in tp_plan.items()})
+
+
+class TensorParallel(Strategy):
+    """The model's layers split over all ranks: one replica."""
+
+    name = "tp"
+    Settings = TPSettings
+
+    @classmethod
+    def tp_size(cls, settings: Any, world: int) -> int:
+        return world
+
+    @classmethod
+    def check(cls, cfg: Any) -> None:
+        check_plan(cfg, cls)
+        refuse(cls.name, not_ddp_refusals(cfg, cls.name))
+
+    def __init__(self, cfg: Any, device: torch.device):
+        super().__init__(cfg, device)
+        import torch.distributed.checkpoint.state_dict  # noqa: F401  (fsdp.py's reason)
+
+    def wrap(self, module: nn.Module, shared: Optional[bool] = None) -> nn.Module:
+        self.module = module
+        start_from_rank0(module)
+        parallelize(self, module)
+        self.model = module
+        self.state = layouts.ShardedState(module)
+        return module
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_global_norm(self.model.parameters(), max_norm, self.device)

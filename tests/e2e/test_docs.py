@@ -1,0 +1,365 @@
+"""The docs cannot drift: every shell command in README.md and docs/ runs here for real (their
+fences, marks and the config reference are checked in process by tests/unit/test_docs.py; the
+blocks are read by the kit, support.blocks).
+
+Every command of a `bash` block runs as written, by bash, in a project folder made for the test
+(`project`: the repository's train.py, eval.py, conf/, scripts/, Makefile and .venv, linked), with
+the block's own variables, and with only a small-run suffix appended (SUFFIXES: two training
+steps, two search trials, a short tuning, a free port for a server). Launchers run as they are
+given: torchrun, torch.distributed.launch, mpirun, sbatch (on the suite's own Slurm cluster,
+tests/slurm), submitit's local launcher; the two commands of a two-node pair run at once; a
+sweep runs every value. A server (tensorboard, mlflow ui) is started, asked for a page and
+stopped. A command that composes the same config as one already run (the same words, or the
+same composed config for a plain train.py run) runs once.
+
+The docs' placeholders are real in the project folder: `outputs/runs/DATE/TIME` is a finished run
+there, `path/to/step-00000100.pt` one of its checkpoints, `data/` holds CIFAR-10's files, `~` is a
+home with the user's package of docs/tasks.md in `~/lab`. A few stand for what no folder can be,
+and are replaced (PLACEHOLDERS): `node0` (node 0's host), `/shared/...` (a shared file system),
+`/data/cifar`, `DIR` and `N` (your images and their classes).
+
+A block that cannot run here is marked by an HTML comment on the line before its fence,
+`<!-- doc-test: MARK -->` with a MARK of MARKS (docs/testing.md lists them): it is skipped, or for
+`installs`, checked only (the extras it installs are the project's). The test prints
+how many commands ran, how many were checked only (the marked `installs`) and how many were
+skipped, by mark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, before the standard library took it in
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from support import (
+    BLOCKS,
+    QUICK,
+    REPO,
+    SHELLS,
+    check_ok,
+    make_image_folder,
+    run_train,
+    train_env,
+    write_cifar,
+    write_lab,
+)
+
+TIMEOUT_S = 300  # one command, a sweep or a pair of nodes included
+
+
+# --- The project folder the commands run in --------------------------------------------------------
+
+PLACEHOLDERS = {  # what no folder can be: replaced, word by word
+    r"\bnode0(?=:)": "127.0.0.1",  # node 0's host name: this machine
+    r"(?<![\w/.])/shared/": "{project}/shared/",  # a file system every node shares
+    r"(?<![\w/.])/data/cifar\b": "{project}/data",  # your CIFAR-10 download
+    r"\bdata\.dataset\.root=DIR\b": "data.dataset.root={images}",  # your image folder
+    r"\bdata\.num_classes=N\b": "data.num_classes=2",  # its classes
+}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """A folder to run the docs' commands in, as a user's clone would be after `make train`."""
+    folder = tmp_path_factory.mktemp("project")
+    for name in ("train.py", "eval.py", "conf", "scripts", "Makefile", "pyproject.toml", "src"):
+        (folder / name).symlink_to(REPO / name)
+    (folder / ".venv").symlink_to(Path(sys.executable).parents[1])
+    run = folder / "outputs" / "runs" / "DATE" / "TIME"
+    check_ok(run_train(run, *QUICK, "checkpoint.every_n_steps=4"))
+    (folder / "path" / "to").mkdir(parents=True)
+    shutil.copy(run / "checkpoints" / "last.pt", folder / "path" / "to" / "step-00000100.pt")
+    write_cifar(folder / "data")
+    make_image_folder(folder / "images")
+    write_lab(folder / "home" / "lab")
+    return folder
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _program(words: list[str]) -> str:
+    return Path(words[0]).name if words else ""
+
+
+def _script(words: list[str]) -> Optional[str]:
+    """train.py, eval.py, a tool's module, or what the command runs."""
+    for i, word in enumerate(words):
+        if word in ("train.py", "eval.py") or word.endswith(("/train.py", "/eval.py")):
+            return Path(word).name
+        if word == "-m" and i + 1 < len(words) and words[i + 1].startswith("hydra_ddp."):
+            return words[i + 1]
+    return None
+
+
+def suffix(words: list[str]) -> list[str]:
+    """SUFFIXES: what a small run of this command appends (nothing for one that launches nothing)."""
+    script = _script(words)
+    if {"--check", "--cfg", "--help", "--info"} & set(words):
+        return []
+    if script == "train.py":
+        extra = ["trainer.max_steps=2"]
+        if any(w.startswith("hparams_search=") for w in words):
+            extra.append("hydra.sweeper.n_trials=2")
+        return extra
+    if script == "hydra_ddp.tools.tune":
+        return ["tune.steps=4", "tune.repeats=1"]
+    if script == "hydra_ddp.tools.tune_loader":
+        return ["tune.batches=2", "tune.num_workers=[0,1]"]
+    if _program(words) == "make" and "train" in words:
+        return ["ARGS=trainer.max_steps=2"]
+    if _program(words) in ("tensorboard", "mlflow"):
+        return [f"--port={_free_port()}"]
+    return []
+
+
+SERVERS = {"tensorboard": "/data/runs", "mlflow": "/api/2.0/mlflow/experiments/search?max_results=1"}
+
+
+@dataclass
+class Outcome:
+    ran: int = 0
+    distinct: int = 0
+    checked: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)
+    failures: list[str] = field(default_factory=list)
+
+
+def _without_comment(command: str) -> str:
+    return re.sub(r"\s+#\s.*$", "", command)
+
+
+def _placed(command: str, project: Path) -> str:
+    for pattern, value in PLACEHOLDERS.items():
+        command = re.sub(pattern, value.format(project=project, images=project / "images"), command)
+    return command
+
+
+def _key(words: list[str], env_lines: list[str]) -> str:
+    """What makes a command the same as another: its words after the block's variables, with the
+    program's path left out; a plain train.py run's composed config."""
+    normal = " ".join(["python" if w.endswith("/python") else w for w in words])
+    plain = (
+        _script(words) == "train.py"
+        and _program(words) in ("python", "python3")
+        and not any(w.startswith("-") for w in words[1:])
+        and not env_lines
+    )
+    if plain:
+        from hydra import compose, initialize_config_dir
+        from omegaconf import OmegaConf
+
+        overrides = words[2:]
+        hydras = sorted(w for w in overrides if w.startswith("hydra"))  # where it runs: not in the job's config
+        try:
+            with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+                composed = OmegaConf.to_container(compose(config_name="config", overrides=overrides))
+            return "train.py " + json.dumps([composed, hydras], sort_keys=True, default=str)
+        except Exception:  # noqa: BLE001  (the run itself will say)
+            pass
+    return normal + " | " + " ".join(env_lines)
+
+
+def _expand(command: str, env_lines: list[str], project: Path, env: dict[str, str]) -> list[str]:
+    """The command's words as bash makes them, after the block's assignments (variables, ~, quotes)."""
+    script = "\n".join([*env_lines, f"set -- {command}", 'printf "%s\\0" "$@"'])
+    out = subprocess.run(
+        ["bash", "-c", script], cwd=project, env=env, capture_output=True, text=True, timeout=30
+    ).stdout
+    return out.split("\0")[:-1]
+
+
+def _start(script: str, project: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return -9, out, f"timed out after {timeout:.0f} s\n{err}"
+    return proc.returncode, out, err
+
+
+def _serve(script: str, path: str, port: int, project: Path, env: dict[str, str]) -> str:
+    """Start a server as the docs give it, wait until it answers `path`; stop it. Empty: it answered."""
+    import urllib.request
+
+    proc = _start(script, project, env)
+    deadline, problem = time.monotonic() + 120, f"no answer on port {port} within 120 s"
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return f"exited {proc.returncode} before answering: {proc.stderr.read()[-500:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+                    json.loads(response.read())
+                    return ""
+            except OSError:
+                time.sleep(0.5)
+        return problem
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _sbatch(script: str, project: Path, env: dict[str, str]) -> str:
+    """A job submitted as the docs give it, waited for on the suite's cluster; empty: it ran to the end."""
+    code, out, err = _finish(_start(script, project, env), 60)
+    job = re.search(r"Submitted batch job (\d+)", out)
+    if code or not job:
+        return f"sbatch exited {code}: {err.strip()[-500:]}"
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        queued = subprocess.run(
+            ["squeue", "-h", "-j", job.group(1)], env=env, capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+        if not queued:
+            break
+        time.sleep(1)
+    else:
+        subprocess.run(["scancel", job.group(1)], env=env, timeout=30)
+        return f"job {job.group(1)} did not finish within {TIMEOUT_S} s"
+    log = next(project.glob(f"slurm-*-{job.group(1)}.out"), None)
+    text = log.read_text() if log else ""
+    return (
+        ""
+        if "hydra-ddp: error" not in text and "Traceback" not in text and log
+        else f"job {job.group(1)}: {text.strip()[-500:] or 'no output file'}"
+    )
+
+
+def _pairs(commands: list[str]) -> list[list[str]]:
+    """The block's commands, a two-node pair (node_rank=0 then =1, else the same) as one group."""
+    groups: list[list[str]] = []
+    for command in commands:
+        if (
+            groups
+            and "launcher.node_rank=1" in command
+            and len(groups[-1]) == 1
+            and "launcher.node_rank=0" in groups[-1][0]
+        ):
+            groups[-1].append(command)
+        else:
+            groups.append([command])
+    return groups
+
+
+@pytest.mark.timeout(3000)
+def test_every_shell_command_in_the_docs_runs(
+    project: Path, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture
+):
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    outcome = Outcome()
+    venv_bin = str(project / ".venv" / "bin")
+    base_env = {
+        **train_env(),
+        "HOME": str(project / "home"),
+        "PATH": f"{venv_bin}:{os.environ['PATH']}",
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "WANDB_MODE": "offline",
+        "PYTHONPATH": train_env()["PYTHONPATH"],
+    }
+    for block in BLOCKS:
+        if block.lang not in SHELLS or not block.commands:
+            continue
+        if block.mark == "installs":  # checked only: the extras it names are the project's
+            for command in block.commands:
+                outcome.checked += 1
+                absent = [
+                    name
+                    for extra in re.findall(r"\.\[([\w,-]+)\]", command)
+                    for name in extra.split(",")
+                    if name not in extras
+                ]
+                if absent or "pip install" not in command:
+                    outcome.failures.append(
+                        f"{block.where}: {command}\n    → not a pip install of the project's extras "
+                        f"(pyproject.toml has no {absent})"
+                    )
+            continue
+        if block.mark:
+            outcome.skipped[block.mark] = outcome.skipped.get(block.mark, 0) + len(block.commands)
+            continue
+        env_lines: list[str] = []  # the block's assignments so far, replayed before each command
+        for group in _pairs(block.commands):
+            first = _without_comment(group[0])
+            if re.match(r"^(export\s+)?\w+=", first) and len(group) == 1:
+                env_lines.append(_placed(first, project))
+                outcome.ran += 1
+                continue
+            scripts, key_words = [], []
+            for command in group:
+                placed = _placed(_without_comment(command), project)
+                words = _expand(placed, env_lines, project, base_env)
+                extra = suffix(words)
+                scripts.append("\n".join([*env_lines, f"{placed} {shlex.join(extra)}".strip()]))
+                key_words.append(words + extra)
+            outcome.ran += len(group)
+            key = " && ".join(_key(w, env_lines) for w in key_words)
+            if key in outcome.seen:
+                continue
+            outcome.seen.add(key)
+            outcome.distinct += len(group)
+            words = key_words[0]
+            program = _program(words)
+            if program == "make" and subprocess.run(["make", "-q", ".venv/.installed"], cwd=REPO).returncode:
+                problem = "the venv is older than pyproject.toml: run make first (make here would reinstall it)"
+            elif program in SERVERS:
+                port = int(words[-1].split("=")[1])
+                problem = _serve(scripts[0], SERVERS[program], port, project, base_env)
+            elif program == "sbatch":
+                cluster = request.getfixturevalue("slurm_cluster")
+                problem = _sbatch(scripts[0], project, {**base_env, **cluster.env, "PYTHON": sys.executable})
+            else:
+                procs = [_start(script, project, base_env) for script in scripts]
+                results = [_finish(proc, TIMEOUT_S) for proc in procs]
+                problem = "; ".join(
+                    f"exit {code}: {(err.strip() or out.strip())[-400:]}" for code, out, err in results if code
+                )
+            if problem:
+                outcome.failures.append(f"{block.where}: {' / '.join(group)}\n    → {problem}")
+    with capsys.disabled():
+        skipped = ", ".join(f"{n} {mark}" for mark, n in sorted(outcome.skipped.items()))
+        print(
+            f"\ndocs: {outcome.ran} commands ran ({outcome.distinct} distinct runs), {outcome.checked} checked only "
+            f"(marked installs), {sum(outcome.skipped.values())} skipped ({skipped})"
+        )
+    assert not outcome.failures, f"{len(outcome.failures)} command(s) in the docs fail:\n" + "\n".join(outcome.failures)
+    assert outcome.ran > 60

@@ -1,0 +1,205 @@
+"""hydra_ddp.export: a run's model as a plain state dict (safetensors or torch) and its config, loaded
+in a fresh process that never imports the project, giving the logits the project gives and the
+predictions eval.py writes."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from support import QUICK, REPO, check_ok, run_eval, run_train, train_env
+
+# A fresh interpreter, isolated (-I: no PYTHONPATH, no user site), with the project made unimportable:
+# it loads the model's class from its own file, the weights, and computes the batch's logits.
+LOADER = """
+import importlib.util, sys, torch, yaml
+sys.modules["hydra_ddp"] = None  # any import of the project fails
+models_file, config_file, weights_file, batch_file, out_file = sys.argv[1:]
+spec = importlib.util.spec_from_file_location("models", models_file)
+models = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(models)
+config = yaml.safe_load(open(config_file))["model"]
+cls = getattr(models, config.pop("_target_").rsplit(".", 1)[1])
+model = cls(**config)
+if weights_file.endswith(".safetensors"):
+    from safetensors.torch import load_file
+    weights = load_file(weights_file)
+else:
+    weights = torch.load(weights_file, weights_only=True)
+model.load_state_dict(weights)
+model.eval()
+with torch.no_grad():
+    torch.save(model(torch.load(batch_file, weights_only=True)), out_file)
+"""
+
+
+def _fresh_logits(tmp_path: Path, weights: Path, batch: torch.Tensor) -> torch.Tensor:
+    torch.save(batch, tmp_path / "batch.pt")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-c",
+            LOADER,
+            str(REPO / "src" / "hydra_ddp" / "models.py"),
+            str(weights.with_name(weights.stem + ".yaml")),
+            str(weights),
+            str(tmp_path / "batch.pt"),
+            str(tmp_path / "logits.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return torch.load(tmp_path / "logits.pt", weights_only=True)
+
+
+def _project_logits(ckpt: Path, batch: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The same weights through the project: the checkpoint's model, built from its config."""
+    from hydra.utils import instantiate
+
+    from hydra_ddp.checkpoint import files as checkpoints
+
+    path = checkpoints.find(str(ckpt), "ckpt")
+    state = checkpoints.read(path, "ckpt")
+    model = instantiate(state["config"]["model"])
+    model.load_state_dict(checkpoints.model_weights(path, state))
+    model.eval()
+    with torch.no_grad():
+        return model(batch), state["config"]
+
+
+def _host_noise(run_dir: Path, x: torch.Tensor, n: int, measure) -> float:
+    """How far `measure` of the model's outputs on the first n samples moves on this host when only
+    the batch (eval.py's size: all of x) and the memory format (channels_last, for images) change:
+    eval.py computes its numbers so, and the kernels oneDNN picks for them differ by host. Four
+    times that, and never under four float32 epsilons, bounds eval.py's numbers against ours."""
+    alone, _ = _project_logits(run_dir, x[:n])
+    in_batch, _ = _project_logits(run_dir, x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x)
+    noise = (measure(alone) - measure(in_batch[:n])).abs().max().item()
+    return max(4 * noise, 4 * torch.finfo(torch.float32).eps)
+
+
+def _rounding(written: str) -> float:
+    """Half a unit of the last digit predictions.csv wrote."""
+    return 0.5 * 10.0 ** -len(written.partition(".")[2]) if "." in written and "e" not in written.lower() else 0.0
+
+
+def _test_batch(config: dict, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The test split's first samples, in dataset order (eval.py's predictions.csv order)."""
+    from omegaconf import OmegaConf
+
+    from hydra_ddp import data
+    from hydra_ddp.parallel.distributed import RankInfo
+
+    test = data.build_datasets(OmegaConf.create(config["data"]), RankInfo(0, 1, 0, 1), config["trainer"]["seed"])[
+        "test"
+    ]
+    x, y = zip(*(test[i] for i in range(size)))
+    return torch.stack(x), torch.stack([torch.as_tensor(t) for t in y])
+
+
+def _export(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hydra_ddp.export", *args],
+        cwd=tmp_path,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _predictions(eval_dir: Path) -> list[dict]:
+    return list(csv.DictReader(open(eval_dir / "predictions.csv")))
+
+
+def test_a_ddp_run_exports_weights_that_load_without_the_project(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    check_ok(run_train(run_dir, *QUICK))
+    check_ok(run_eval(tmp_path / "eval", f"ckpt={run_dir}", "trainer.nproc=1", "predict=true"))
+    eval_batch = _test_batch_of(run_dir, None)[0]
+    batch = eval_batch[:16]
+    reference, _ = _project_logits(run_dir, batch)
+    for fmt, name in (("safetensors", "model.safetensors"), ("torch", "model.pt")):
+        proc = _export(tmp_path, f"ckpt={run_dir}", f"format={fmt}", f"out={tmp_path / fmt / name}")
+        assert proc.returncode == 0 and proc.stdout.startswith("hydra-ddp: exported"), proc.stderr
+        weights = tmp_path / fmt / name
+        exported = yaml.safe_load(weights.with_name(weights.stem + ".yaml").read_text())
+        assert exported["model"]["_target_"] == "hydra_ddp.models.MnistCNN" and exported["format"] == fmt
+        fresh = _fresh_logits(tmp_path, weights, batch)
+        assert torch.equal(fresh, reference)
+    # As eval.py predicted on the same samples (it evaluates in the run's memory format: float noise).
+    rows = _predictions(tmp_path / "eval")[:16]
+    probabilities = fresh.softmax(1)
+    assert [int(r["predicted"]) for r in rows] == fresh.argmax(1).tolist()
+    bound = _host_noise(run_dir, eval_batch, 16, lambda logits: logits.softmax(1).max(1).values)
+    assert all(
+        abs(float(r["probability"]) - p.item()) <= bound + _rounding(r["probability"])
+        for r, p in zip(rows, probabilities.max(1).values)
+    )
+
+
+def _test_batch_of(run_dir: Path, size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The test split's first `size` samples (None: an eval.py batch's worth)."""
+    from hydra_ddp.checkpoint import files as checkpoints
+
+    path = checkpoints.find(str(run_dir), "ckpt")
+    config = checkpoints.read(path, "ckpt")["config"]
+    return _test_batch(config, size or config["data"]["eval_batch_size"])
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_fsdp_tp_checkpoint_exports_the_whole_model(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    check_ok(
+        run_train(
+            run_dir,
+            "+experiment=text_gpt",
+            "strategy=fsdp_tp",
+            "trainer.nproc=2",
+            "strategy.tp_size=2",
+            "trainer.max_steps=4",
+            "model.depth=2",
+        )
+    )
+    assert (run_dir / "checkpoints" / "best").is_dir()  # a sharded checkpoint (DCP)
+    check_ok(run_eval(tmp_path / "eval", f"ckpt={run_dir}", "trainer.nproc=1", "predict=true"))
+    weights = tmp_path / "gpt.pt"
+    proc = _export(tmp_path, f"ckpt={run_dir}", f"out={weights}")  # torch, from the suffix
+    assert proc.returncode == 0, proc.stderr
+    eval_x, eval_y = _test_batch_of(run_dir, None)
+    x, y = eval_x[:8], eval_y[:8]
+    reference, _ = _project_logits(run_dir, x)
+    fresh = _fresh_logits(tmp_path, weights, x)
+    assert torch.equal(fresh, reference)
+    # eval.py's per-window predictions on the same windows: tokens predicted right, mean loss.
+    rows = _predictions(tmp_path / "eval")[:8]
+    correct = (fresh.argmax(1) == y).sum(1).tolist()
+    losses = torch.nn.functional.cross_entropy(fresh, y, reduction="none").mean(1).tolist()
+    assert [int(r["correct"]) for r in rows] == correct
+    bound = _host_noise(
+        run_dir, eval_x, 8, lambda logits: torch.nn.functional.cross_entropy(logits, y, reduction="none").mean(1)
+    )
+    assert all(abs(float(r["loss"]) - loss) <= bound + _rounding(r["loss"]) for r, loss in zip(rows, losses))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((), "ckpt=PATH is missing"),
+        (("ckpt=x", "format=onnx"), "format='onnx': choose safetensors or torch"),
+        (("checkpoint=x",), "'checkpoint=x': give ckpt=PATH"),
+        (("ckpt=/nowhere/at/all",), "ckpt"),
+    ],
+)
+def test_bad_export_arguments_are_one_line(tmp_path: Path, args, message):
+    proc = _export(tmp_path, *args)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr

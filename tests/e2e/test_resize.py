@@ -1,0 +1,100 @@
+"""Continuing a run at another world size: mid-epoch, with the global batch fixed, every sample of
+the epoch is trained on exactly once, under ddp and fsdp; another global batch is one line (the
+resize's cause and an elastic worker's share, in process: tests/unit/test_resize.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from support import check_ok, run_train, summary
+
+TRAIN_SAMPLES = 1438  # the digits' training split (1,797 less the 359 held out for test)
+RECORDED = (
+    "data.dataset._target_=recording.digits_recording_train",
+    "data.val_fraction=0",
+    "data.global_batch_size=32",
+    "trainer.epochs=1",
+)
+
+
+def _read(reads: Path) -> Counter:
+    return Counter(int(line.split()[0]) for path in reads.glob("*.txt") for line in path.read_text().splitlines())
+
+
+@pytest.mark.timeout(400)
+def test_a_mid_epoch_checkpoint_continues_at_another_world_size_with_every_sample_once(tmp_path: Path):
+    first = tmp_path / "first"
+    # Stopped at step 3 of 45, mid-epoch, at 1 and at 2 ranks, under ddp and fsdp (a file; a sharded directory).
+    check_ok(
+        run_train(
+            tmp_path / "unused",
+            "-m",
+            *RECORDED,
+            "trainer.nproc=1,2",
+            "strategy=ddp,fsdp",
+            "trainer.max_steps=3",
+            "checkpoint.every_n_steps=3",
+            "+data.dataset.reads=${hydra:runtime.output_dir}/reads",
+            f"hydra.sweep.dir={first}",
+            timeout=300,
+        )
+    )
+    for job in range(4):
+        before = summary(first / str(job))
+        after, world = tmp_path / f"after{job}", 3 - before["world_size"]  # 1 → 2, 2 → 1
+        check_ok(
+            run_train(
+                after,
+                *RECORDED,
+                f"trainer.nproc={world}",
+                f"strategy={before['strategy']}",
+                f"trainer.resume={next((first / str(job) / 'checkpoints').glob('step-00000003*'))}",
+                f"+data.dataset.reads={after / 'reads'}",
+            )
+        )
+        seen = _read(first / str(job) / "reads") + _read(after / "reads")
+        assert sum(_read(first / str(job) / "reads").values()) == 3 * 32, job  # three global batches, no read ahead
+        assert seen == Counter(range(TRAIN_SAMPLES)), (job, [i for i, n in seen.items() if n != 1][:10])
+        s = summary(after)
+        assert (s["world_size"], s["strategy"], s["steps"], s["global_batch_size"]) == (
+            world,
+            before["strategy"],
+            45,
+            32,
+        )
+        assert s["world_size_history"] == [
+            {"step": 0, "world_size": before["world_size"], "cause": "start"},
+            {"step": 3, "from": before["world_size"], "world_size": world, "cause": "resume"},
+        ]
+
+
+def test_a_mid_epoch_resume_with_another_global_batch_is_one_line(tmp_path: Path):
+    first = tmp_path / "first"
+    check_ok(
+        run_train(
+            first,
+            "trainer.nproc=1",
+            "data.batch_size=32",
+            "trainer.max_steps=3",
+            "checkpoint.every_n_steps=3",
+            "trainer.epochs=1",
+        )
+    )
+    proc = run_train(
+        tmp_path / "after",
+        "trainer.nproc=2",
+        "data.batch_size=32",
+        "trainer.epochs=1",
+        f"trainer.resume={first / 'checkpoints' / 'step-00000003.pt'}",
+    )
+    assert proc.returncode != 0
+    line = [line for line in proc.stderr.splitlines() if line.startswith("hydra-ddp: error:")]
+    assert (
+        len(line) == 1
+        and "stopped mid-epoch with a global batch of 32 and trainer.accumulate=1, this run has 64 "
+        "and 1: resume with data.global_batch_size=32 and trainer.accumulate=1"
+        in line[0]
+    ), proc.stderr

@@ -1,0 +1,356 @@
+"""Config resolution and checks as pure functions: each bad setting of a composed config fails in
+one line naming the key, with no process started: one composition, then plain dicts resolved."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from hydra_ddp.config import resolve, run_config
+from hydra_ddp.config.schema import register_schema
+from hydra_ddp.errors import UserError
+from hydra_ddp.parallel import strategies
+
+from support import REPO
+
+register_schema()
+
+
+@pytest.fixture(scope="module")
+def base() -> dict[str, Any]:
+    """The default config as composed, made plain (not yet settled), once."""
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return resolve.plain_config(compose(config_name="config"))
+
+
+def setting(path: str, value: Any) -> Callable[[dict], None]:
+    def apply(plain: dict) -> None:
+        *parents, key = path.split(".")
+        node = plain
+        for part in parents:
+            node = node[part]
+        node[key] = value
+
+    apply.__name__ = f"{path}={value!r}"
+    return apply
+
+
+def strategy(name: str) -> Callable[[dict], None]:
+    """strategy=NAME as Hydra composes it: that strategy's own settings, their defaults."""
+
+    def apply(plain: dict) -> None:
+        plain["strategy"] = dataclasses.asdict(strategies.get(name).Settings())
+
+    apply.__name__ = f"strategy={name}"
+    return apply
+
+
+def both(*changes: Callable[[dict], None]) -> Callable[[dict], None]:
+    def apply(plain: dict) -> None:
+        for change in changes:
+            change(plain)
+
+    apply.__name__ = " ".join(change.__name__ for change in changes)
+    return apply
+
+
+# An elastic run of one to two nodes of two ranks with a global batch of 64: fine as it stands.
+ELASTIC = (
+    setting("launcher.name", "torchrun"),
+    setting("launcher.nnodes", "1:2"),
+    setting("launcher.max_restarts", 2),
+    setting("launcher.rdzv_endpoint", "node0:29400"),
+    setting("launcher.rdzv_id", "job"),
+    setting("data.global_batch_size", 64),
+)
+
+BAD = [
+    (setting("trainer.precision", "8"), "trainer.precision='8': choose one of 32, bf16, 16"),
+    (setting("trainer.precision", "16"), "trainer.precision=16 needs a GPU"),
+    (setting("trainer.channels_last", "yes"), "trainer.channels_last='yes': choose one of auto, true, false"),
+    (setting("strategy.static_graph", 2), "strategy.static_graph=2: choose one of auto, true, false"),
+    (setting("strategy.comm_hook", "int8"), "strategy.comm_hook='int8': choose one of none, fp16, bf16, powersgd"),
+    (
+        both(setting("strategy.comm_hook", "fp16"), setting("data.even_shards", False)),
+        "does not combine with data.even_shards=false",
+    ),
+    (
+        both(setting("strategy.comm_hook", "powersgd"), setting("strategy.powersgd.rank", 0)),
+        "strategy.powersgd.rank=0: give a whole number, at least 1",
+    ),
+    (
+        both(setting("strategy.static_graph", True), setting("trainer.accumulate", 2)),
+        "strategy.static_graph=true does not combine",
+    ),
+    (
+        both(setting("strategy.shared_memory", True), setting("strategy.comm_hook", "bf16")),
+        "strategy.shared_memory=true does not combine",
+    ),
+    (setting("strategy.sync_batchnorm", "maybe"), "strategy.sync_batchnorm='maybe': choose one of auto, true, false"),
+    (setting("strategy.sync_batchnorm", True), "strategy.sync_batchnorm=true needs GPUs"),
+    (setting("trainer.epochs", 0), "trainer.epochs=0: give a whole number, at least 1"),
+    (setting("trainer.log_every", 0), "trainer.log_every=0: give a whole number, at least 1"),
+    (setting("trainer.accumulate", 0), "trainer.accumulate=0: give a whole number, at least 1"),
+    (setting("trainer.max_steps", -3), "trainer.max_steps=-3: give a whole number, at least 1"),
+    (setting("checkpoint.keep", 0), "checkpoint.keep=0: give a whole number, at least 1"),
+    (setting("checkpoint.every_n_steps", 0), "checkpoint.every_n_steps=0: give a whole number, at least 1"),
+    (
+        setting("trainer.early_stopping.patience", 0),
+        "trainer.early_stopping.patience=0: give a whole number, at least 1",
+    ),
+    (both(setting("trainer.early_stopping.patience", 2), setting("trainer.monitor", None)), "needs a monitored metric"),
+    (
+        both(setting("trainer.early_stopping.patience", 2), setting("trainer.eval_every_epoch", False)),
+        "needs a validation every epoch",
+    ),
+    (
+        setting("trainer.early_stopping.min_delta", -1.0),
+        "trainer.early_stopping.min_delta=-1.0: give a number, at least 0",
+    ),
+    (setting("trainer.grad_clip", 0.0), "trainer.grad_clip=0.0: give a number, above 0"),
+    (
+        both(setting("data.even_shards", False), setting("trainer.accumulate", 2)),
+        "data.even_shards=false does not combine with trainer.accumulate",
+    ),
+    (
+        both(setting("data.even_shards", False), setting("trainer.compile", True)),
+        "data.even_shards=false does not combine with trainer.compile",
+    ),
+    (setting("model._target_", "hydra_ddp.models.Nope"), "model._target_='hydra_ddp.models.Nope'"),
+    (setting("model.no_such_argument", 3), "unexpected keyword argument 'no_such_argument'"),
+    (setting("optim._target_", "nowhere.at_all.SGD"), "optim._target_='nowhere.at_all.SGD': cannot import"),
+    (setting("optim", {"lr": 0.1}), "optim needs a _target_"),
+    (setting("strategy.name", "zero3"), "strategy.name='zero3': choose one of ddp, fsdp, tp, fsdp_tp"),
+    (
+        both(strategy("fsdp"), setting("strategy.mixed_precision", "fp8")),
+        "strategy.mixed_precision='fp8': choose one of bf16, fp16",
+    ),
+    (
+        both(strategy("fsdp"), setting("data.even_shards", False)),
+        "strategy=fsdp: data.even_shards=false needs DDP's Join",
+    ),
+    (both(strategy("fsdp"), setting("trainer.compile", True)), "strategy=fsdp: trainer.compile=true"),
+    (
+        both(strategy("fsdp"), setting("trainer.channels_last", True)),
+        "strategy=fsdp: trainer.channels_last=true",
+    ),
+    (
+        both(strategy("fsdp"), setting("strategy.cpu_offload", True)),
+        "strategy=fsdp: strategy.cpu_offload=true",
+    ),
+    (
+        both(strategy("fsdp"), setting("strategy.mixed_precision", "fp16")),
+        "strategy=fsdp: strategy.mixed_precision=fp16",
+    ),
+    (both(strategy("fsdp"), setting("trainer.precision", "16")), "strategy=fsdp: trainer.precision=16"),
+    (strategy("tp"), "strategy=tp needs a model with a tensor-parallel plan"),
+    (
+        both(
+            setting("launcher.name", "torchrun"),
+            setting("launcher.nnodes", 2),
+            setting("launcher.rdzv_endpoint", "node0:29400"),
+            setting("launcher.rdzv_id", "job"),
+            setting("init_method.name", "tcp"),
+        ),
+        "across nodes the ranks meet through torchrun",
+    ),
+    (setting("launcher.nnodes", 2), "launcher=spawn runs on one node"),
+    (both(setting("init_method.name", "file"), setting("launcher.max_restarts", 2)), "cannot reuse a file:// store"),
+    # Elastic ranges (launcher.nnodes=MIN:MAX).
+    (
+        both(setting("launcher.name", "torchrun"), setting("launcher.nnodes", "3:2")),
+        "launcher.nnodes=3:2: the range MIN:MAX needs 1 <= MIN <= MAX",
+    ),
+    (
+        both(setting("launcher.name", "torchrun"), setting("launcher.nnodes", "two")),
+        "launcher.nnodes='two': give a node count (2) or an elastic range",
+    ),
+    (setting("launcher.nnodes", "1:2"), "launcher=spawn runs on one node"),
+    (both(*ELASTIC, setting("launcher.max_restarts", 0)), "(elastic): set launcher.max_restarts to 1 or more"),
+    (both(*ELASTIC, setting("data.global_batch_size", None)), "(elastic) needs data.global_batch_size"),
+    (
+        both(*ELASTIC, setting("launcher.nnodes", "2:3")),
+        "data.global_batch_size=64 does not divide over 6 model replicas at world size 6, "
+        "which launcher.nnodes=2:3 allows",
+    ),
+    (
+        both(*ELASTIC, strategy("fsdp_tp"), setting("strategy.tp_size", 4)),
+        "strategy.tp_size=4 does not divide the world size 2",
+    ),
+    # Tasks.
+    (
+        setting("trainer.monitor", "val/r2"),
+        "trainer.monitor='val/r2' is not a metric of this task; choose one of val/loss, val/accuracy, train/loss",
+    ),
+    (setting("task._target_", "torch.nn.Identity"), "is not a hydra_ddp.tasks.Task: subclass it"),
+    # Every group that builds an object by _target_: its name imports, its keys are the builder's.
+    (
+        setting("task._target_", "hydra_ddp.tasks.Nope"),
+        "task._target_='hydra_ddp.tasks.Nope': 'hydra_ddp.tasks' has no 'Nope'",
+    ),
+    (setting("task._target_", "nowhere.Task"), "task._target_='nowhere.Task': cannot import 'nowhere'"),
+    (setting("task.no_such_argument", 1), "task (hydra_ddp.tasks.Classification): got an unexpected keyword argument"),
+    (setting("task", {"ignore_index": 1}), "task needs a _target_"),
+    (setting("data.dataset._target_", "hydra_ddp.data.nope"), "data.dataset._target_='hydra_ddp.data.nope'"),
+    (
+        setting("scheduler._target_", "torch.optim.lr_scheduler.Nope"),
+        "scheduler._target_='torch.optim.lr_scheduler.Nope'",
+    ),
+    (
+        setting("scheduler.no_such_argument", 1),
+        "scheduler (torch.optim.lr_scheduler.StepLR): got an unexpected keyword",
+    ),
+    (setting("optim.no_such_argument", 1), "optim (torch.optim.SGD): got an unexpected keyword argument"),
+    (
+        setting("logger.csv._target_", "hydra_ddp.reporting.loggers.Nope"),
+        "logger.csv._target_='hydra_ddp.reporting.loggers.Nope'",
+    ),
+    (setting("logger.extra", {"_target_": "nowhere.Logger"}), "logger.extra._target_='nowhere.Logger': cannot import"),
+    (
+        setting("logger.csv.no_such_argument", 1),
+        "logger.csv (hydra_ddp.reporting.loggers.CSV): got an unexpected keyword",
+    ),
+]
+
+
+@pytest.mark.parametrize("change, message", BAD, ids=[change.__name__ for change, _ in BAD])
+def test_a_bad_setting_is_one_line_naming_it(base: dict, tmp_path: Path, change, message: str):
+    plain = copy.deepcopy(base)
+    change(plain)
+    with pytest.raises(UserError) as error:
+        resolve.resolve(plain, tmp_path, None)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_elastic_range_settles_its_bounds_and_resumes_at_each_restart(base: dict, tmp_path: Path):
+    plain = copy.deepcopy(base)
+    both(*ELASTIC)(plain)
+    resolved = resolve.resolve(plain, tmp_path, None)
+    launcher = resolved.launcher
+    assert (launcher.min_nodes, launcher.nnodes, resolved.trainer.resume) == (1, 2, "auto")
+    assert resolved.data.global_batch_size == 64 and resolved.data.batch_size == 16  # at the most nodes
+    fixed = resolve.resolve(copy.deepcopy(base), tmp_path, None).launcher
+    assert (fixed.min_nodes, fixed.nnodes) == (1, 1)
+
+
+def test_the_default_config_passes_every_check(base: dict, tmp_path: Path):
+    resolved = resolve.resolve(copy.deepcopy(base), tmp_path, None)
+    assert "auto" not in [
+        resolved.trainer.nproc,
+        resolved.trainer.device,
+        resolved.backend.timeout_s,
+        resolved.trainer.channels_last,
+        resolved.strategy.sync_batchnorm,
+    ]
+    assert set(resolved.settled) == {
+        "trainer.channels_last",
+        "strategy.gradient_as_bucket_view",
+        "strategy.static_graph",
+        "strategy.shared_memory",
+    }  # the defaults' autos, each settled once, here
+
+
+def test_the_resolved_config_is_typed_and_read_only_once_frozen(base: dict, tmp_path: Path):
+    resolved = resolve.resolve(copy.deepcopy(base), tmp_path, None)
+    assert isinstance(resolved, run_config.RunConfig)
+    assert isinstance(resolved.strategy, strategies.get("ddp").Settings)  # the chosen strategy's own settings
+    resolved.trainer.epochs = 3  # still settling
+    frozen = resolved.freeze()
+    for section, key in (("trainer", "epochs"), ("strategy", "comm_hook"), ("data", "batch_size")):
+        with pytest.raises(AttributeError, match="read-only"):
+            setattr(getattr(frozen, section), key, 1)
+    assert run_config.freeze(run_config.thaw(frozen)) == frozen  # a checkpoint's copy reads back the same
+
+
+@pytest.mark.parametrize(
+    "name, world, tp_size, replicas, tp",
+    [
+        ("ddp", 8, 2, 8, 1),
+        ("fsdp", 8, 2, 8, 1),
+        ("tp", 8, 2, 1, 8),
+        ("fsdp_tp", 8, 2, 4, 2),
+        ("fsdp_tp", 6, 3, 2, 3),
+    ],
+)
+def test_each_strategy_says_how_many_replicas_it_makes(name, world, tp_size, replicas, tp):
+    chosen = strategies.get(name)
+    settings = chosen.Settings(**({"tp_size": tp_size} if name == "fsdp_tp" else {}))
+    assert chosen.replicas(settings, world) == replicas
+    assert chosen.tp_size(settings, world) == tp
+
+
+def test_a_tp_size_that_does_not_divide_the_world_is_refused():
+    chosen = strategies.get("fsdp_tp")
+    with pytest.raises(UserError, match="strategy.tp_size=3 does not divide the world size 8"):
+        chosen.replicas(chosen.Settings(tp_size=3), 8)
+
+
+@pytest.mark.parametrize("device, expected", [("cuda", True), ("cpu", False)])
+def test_sync_batchnorm_auto_is_ddps_to_settle_and_no_other_strategy_has_it(base: dict, device: str, expected: bool):
+    cfg = run_config.typed(base)
+    cfg.trainer.device, cfg.strategy.sync_batchnorm = device, "auto"
+    strategies.get("ddp").settle(cfg, world=2, local_world=2)
+    assert cfg.strategy.sync_batchnorm is expected
+    for name in ("fsdp", "tp", "fsdp_tp"):
+        assert "sync_batchnorm" not in {f.name for f in dataclasses.fields(strategies.get(name).Settings)}
+
+
+def test_each_strategy_refuses_only_what_it_cannot_do(base: dict):
+    cfg = run_config.typed(base)
+    cfg.trainer.compile = True
+    strategies.get("ddp").check(cfg)  # DDP compiles
+    fsdp = run_config.typed({**base, "strategy": {"name": "fsdp"}})
+    fsdp.trainer.compile = True
+    with pytest.raises(UserError, match="strategy=fsdp: trainer.compile=true is not supported"):
+        strategies.get("fsdp").check(fsdp)
+
+
+def test_fsdp_tp_is_fsdp_with_a_tensor_parallel_size_and_eval_composes_without_an_optimizer():
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        fsdp = resolve.plain_config(compose(config_name="config", overrides=["strategy=fsdp"]))["strategy"]
+        both = resolve.plain_config(
+            compose(config_name="config", overrides=["strategy=fsdp_tp", "strategy.cpu_offload=true"])
+        )["strategy"]
+        evaluation = compose(config_name="eval", overrides=["ckpt=somewhere"])
+    assert both == {**fsdp, "name": "fsdp_tp", "tp_size": 2, "cpu_offload": True}
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        with pytest.raises(Exception) as other:  # another strategy's knob: one line naming this one's settings
+            compose(config_name="config", overrides=["strategy=fsdp", "strategy.comm_hook=fp16"])
+    from hydra_ddp.launch import composition
+
+    assert composition.one_line(other.value) == (
+        "strategy.comm_hook: strategy=fsdp has no such setting (its settings: reshard_after_forward, "
+        "mixed_precision, cpu_offload); another strategy's knob does not apply to this one"
+    )
+    assert "optim" not in evaluation and "scheduler" not in evaluation or evaluation.scheduler is None
+
+
+def test_a_model_built_only_in_the_workers_leaves_channels_last_to_them_and_they_record_it(
+    base: dict, tmp_path: Path, monkeypatch
+):
+    from torch import nn
+
+    from hydra_ddp import performance
+
+    from support import HELPERS
+
+    monkeypatch.syspath_prepend(str(HELPERS))
+    plain = copy.deepcopy(base)
+    plain["model"] = {**plain["model"], "_target_": "faulty.ChaosCNN"}  # asks for its rank as it is built
+    resolved = resolve.resolve(plain, tmp_path, None)
+    assert resolved.trainer.channels_last == "auto" and "trainer.channels_last" not in resolved.settled
+    assert resolve.resolve(copy.deepcopy(base), tmp_path, None).trainer.channels_last is True
+    conv, dense = nn.Sequential(nn.Conv2d(1, 2, 3)), nn.Sequential(nn.Linear(2, 2))
+    ddp = strategies.get("ddp")
+    assert performance.settings(resolved, ddp.fast_settings, conv, allowed=True)["trainer.channels_last"] is True
+    assert performance.settings(resolved, ddp.fast_settings, dense, allowed=True)["trainer.channels_last"] is False
+    as_run = run_config.with_values(
+        resolved.freeze(), performance.settings(resolved, ddp.fast_settings, conv, True)
+    )  # what the worker's checkpoints record: the value used; the config itself says auto
+    assert as_run.trainer.channels_last is True and resolved.trainer.channels_last == "auto"

@@ -1,0 +1,260 @@
+"""The schema and the parent's validation: bad input fails before any process starts, with one clear line
+(composed and resolved in this process; tests/e2e/test_config.py: a tracker's missing package, from train.py)."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from hydra_ddp.config import resolve, run_config
+from hydra_ddp.config.schema import register_schema
+from hydra_ddp.errors import UserError
+from hydra_ddp.launch import composition
+from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.parallel.strategies.ddp import DDPSettings
+from hydra_ddp.rundir import RunDir
+
+from support import REPO
+
+register_schema()
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def resolved(tmp_path: Path, *overrides: str, external=None) -> run_config.RunConfig:
+    """As train.py resolves it: a composition error (another strategy's knob, say) as its one line."""
+    try:
+        composed = compose_cfg(*overrides)
+    except Exception as error:
+        line = composition.one_line(error)
+        if line is None:
+            raise
+        raise UserError(line) from None
+    return resolve.resolve(composed, tmp_path, external)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["backend=gloo", "init_method=tcp", "launcher=torchrun"],
+        ["backend=auto", "init_method=file", "launcher=spawn"],
+        ["model=mlp", "optim=adam", "scheduler=cosine"],
+        ["model=resnet18", "optim=adamw", "scheduler=none", "data=synthetic"],
+        ["model=torchvision", "model.name=mobilenet_v3_small"],
+        ["debug=fast", "launcher=torchrun"],
+        ["debug=overfit", "logger=[csv]"],
+        ["debug=profile", "debug=anomaly"],
+        ["+experiment=digits_cnn", "logger=[tensorboard]"],
+    ],
+)
+def test_every_group_option_composes_and_validates(tmp_path: Path, overrides: list[str]):
+    plain = resolved(tmp_path, *overrides)
+    assert plain.backend.name == "gloo"  # no CUDA here
+    assert plain.trainer.nproc == 2 and plain.trainer.device == "cpu"
+    frozen = run_config.freeze(run_config.thaw(plain))  # the one form the launcher hands every worker
+    assert _holds(run_config.thaw(frozen), run_config.thaw(plain))  # every settled value, as it was
+
+
+def _holds(whole: dict, part: dict) -> bool:
+    """`whole` has every key of `part` with the same value (a frozen config adds the schema's defaults)."""
+    return all(
+        key in whole and (_holds(whole[key], value) if isinstance(value, dict) and value else whole[key] == value)
+        for key, value in part.items()
+    )
+
+
+def test_the_resolved_config_is_typed_and_read_only(tmp_path: Path):
+    cfg = resolved(tmp_path).freeze()
+    assert isinstance(cfg, run_config.RunConfig) and isinstance(cfg.strategy, DDPSettings)
+    assert cfg.trainer.nproc == 2 and cfg.job == "train"
+    with pytest.raises(AttributeError, match="read-only"):
+        cfg.trainer.epochs = 3
+    with pytest.raises(AttributeError, match="read-only"):
+        cfg.data.batch_size = 3
+    with pytest.raises(AttributeError, match="read-only"):
+        cfg.strategy.static_graph = True
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # as the launcher sends it to every worker
+    with pytest.raises(AttributeError, match="read-only"):
+        pickle.loads(pickle.dumps(cfg)).trainer.epochs = 3
+    held = run_config.with_values(cfg, {"init_method.ports": [1234], "launcher.rdzv_endpoint": "127.0.0.1:1234"})
+    assert held.init_method.ports == [1234] and held.launcher.rdzv_endpoint == "127.0.0.1:1234"
+    assert cfg.init_method.ports is None  # a copy: the original is untouched
+    with pytest.raises(AttributeError, match="read-only"):
+        held.init_method.port = 1
+    plain = run_config.thaw(resolved(tmp_path))
+    plain["trainer"]["epochs"] = "many"  # a value of the wrong type: one line, not a traceback
+    with pytest.raises(UserError, match="does not fit the schema.*epochs"):
+        run_config.freeze(plain)
+    with pytest.raises(UserError, match="does not fit the schema"):
+        run_config.freeze({**run_config.thaw(resolved(tmp_path)), "surprise": 1})
+    with pytest.raises(UserError, match="job='fit'"):
+        run_config.freeze({**run_config.thaw(resolved(tmp_path)), "job": "fit"})
+
+
+def test_defaults_leave_ports_to_the_launch_and_make_a_fresh_store(tmp_path: Path):
+    # No port is picked here: the launching process binds port 0 itself and holds it (race-free).
+    env = resolved(tmp_path).init_method
+    assert env.name == "env" and env.port is None
+    store = resolved(tmp_path, "init_method=file").init_method
+    assert store.path == str(RunDir(tmp_path).rendezvous_store)
+    torchrun = resolved(tmp_path, "launcher=torchrun").launcher
+    assert torchrun.rdzv_endpoint is None and torchrun.rdzv_id
+
+
+@pytest.mark.parametrize(
+    "overrides, world, per_rank",
+    [
+        ([], 2, resolve.DEFAULT_BATCH_SIZE),
+        (["data.batch_size=16"], 2, 16),
+        (["data.global_batch_size=128"], 1, 128),
+        (["data.global_batch_size=128"], 2, 64),
+        (["data.global_batch_size=128"], 4, 32),
+    ],
+)
+def test_global_batch_size_is_split_over_the_world(tmp_path: Path, overrides, world: int, per_rank: int):
+    data = resolved(tmp_path, f"trainer.nproc={world}", *overrides).data
+    assert data.batch_size == per_rank and data.global_batch_size == per_rank * world
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.nproc=3", "data.global_batch_size=128"], "does not divide by the world size 3"),
+        (["data.batch_size=32", "data.global_batch_size=64"], "exclude each other"),
+        (["data.batch_size=0"], "at least 1"),
+    ],
+)
+def test_bad_batch_sizes_are_refused_before_launch(tmp_path: Path, overrides, message: str):
+    with pytest.raises(UserError, match=message):
+        resolved(tmp_path, *overrides)
+
+
+def test_misspelt_key_fails_at_composition():
+    with pytest.raises(ConfigCompositionException, match="nprocs"):
+        compose_cfg("trainer.nprocs=2")
+
+
+def test_wrong_type_fails_at_composition():
+    with pytest.raises((ConfigCompositionException, ValidationError), match="epochs"):
+        compose_cfg("trainer.epochs=many")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.nproc=0"], "trainer.nproc"),
+        (["strategy=tp"], "tensor-parallel plan"),  # the CNN has none
+        (["strategy=tp", "data=text", "model=gpt", "trainer.nproc=3"], "do not split over 3"),
+        (["strategy=fsdp", "strategy.comm_hook=bf16"], "strategy=fsdp has no such setting"),
+        (["strategy=fsdp", "data.even_shards=false"], "Join"),
+        (["strategy=fsdp", "trainer.channels_last=true"], "non-contiguous"),
+        (["strategy=fsdp", "strategy.cpu_offload=true"], "cpu_offload"),
+        (["trainer.precision=16"], "bf16"),
+        (["trainer.precision=8"], "precision"),
+        (["trainer.accumulate=0"], "accumulate"),
+        (["trainer.nproc=two"], "trainer.nproc"),
+        (["backend=nccl"], "nccl"),
+        (["backend=mpi"], "MPI"),
+        (["backend=nccl", "trainer.device=cuda"], "CUDA"),
+        (["model._target_=nowhere.Model"], "nowhere"),
+        (["optim.lr=0.1", "+optim.lrr=3"], "lrr"),
+        (["data=imagefolder"], "must be set"),
+        (["data=mnist", "data.dataset.root=/no/such/dir"], "/no/such/dir"),
+        (["launcher=spawn", "launcher.nnodes=2"], "torchrun"),
+        (["launcher=torchrun", "launcher.nnodes=2"], "rdzv_endpoint"),
+        (["data.even_shards=false", "trainer.accumulate=2"], "even_shards"),
+        (["data.even_shards=false", "trainer.compile=true"], "even_shards"),
+        (["strategy.sync_batchnorm=true", "trainer.device=cpu"], "needs GPUs"),
+        (["strategy.static_graph=true", "trainer.accumulate=2"], "static_graph=auto or false"),
+        (["trainer.channels_last=sometimes"], "trainer.channels_last='sometimes': choose one of auto, true, false"),
+        (["launcher.start_method=fork"], "launcher.start_method='fork': choose one of forkserver, spawn"),
+        (["strategy.comm_hook=topk"], "choose one of none, fp16, bf16, powersgd"),
+        (
+            ["strategy.comm_hook=powersgd", "strategy.powersgd.rank=0"],
+            "strategy.powersgd.rank=0: give a whole number, at least 1",
+        ),
+        (["strategy.comm_hook=fp16", "data.even_shards=false"], "even_shards"),
+        (
+            ["strategy.shared_memory=true", "strategy.comm_hook=bf16"],
+            "shared_memory=true does not combine with strategy.comm_hook",
+        ),
+        (["strategy.shared_memory=true", "strategy=fsdp"], "strategy=fsdp"),
+        (["strategy.shared_memory=maybe"], "choose one of auto, true, false"),
+        (["trainer.monitor=val/acc"], "val/loss, val/accuracy, train/loss"),
+        (["trainer.monitor_mode=maximum"], "choose one of auto, min, max"),
+        (["data.val_fraction=1.0"], "data.val_fraction=1.0: give a number, at least 0 and below 1"),
+        (["trainer.early_stopping.patience=0"], "at least 1"),
+        (["trainer.early_stopping.patience=3", "trainer.monitor=null"], "needs a monitored metric"),
+        (["trainer.early_stopping.patience=3", "data.val_fraction=0"], "only train/loss"),
+        (["trainer.early_stopping.patience=3", "trainer.eval_every_epoch=false"], "validation every epoch"),
+        (["trainer.grad_clip=0"], "trainer.grad_clip=0.0: give a number, above 0"),
+        (["trainer.max_time=soon"], "HH:MM:SS"),
+        (["trainer.init_from=/no/such/run"], "no checkpoint file or run directory"),
+        (["strategy.sync_batchnorm=maybe"], "choose one of auto, true, false"),
+        (["data=cifar10", "data.dataset.root=/tmp"], "lacks data_batch_1"),
+    ],
+)
+def test_bad_config_is_one_clear_error(tmp_path: Path, overrides: list[str], message: str):
+    if "backend=nccl" in overrides and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    if "backend=mpi" in overrides and dist.is_mpi_available():
+        pytest.skip("this torch has MPI")
+    with pytest.raises(UserError, match=message) as info:
+        resolved(tmp_path, *overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_leftover_file_store_is_refused(tmp_path: Path):
+    store = tmp_path / "old.store"
+    store.write_bytes(b"leftover")
+    with pytest.raises(UserError, match="leftover"):
+        resolved(tmp_path, "init_method=file", f"init_method.path={store}")
+    assert store.read_bytes() == b"leftover"  # refused, not deleted
+    (tmp_path / "empty.store").touch()  # an empty file is a fine place to meet
+    resolved(tmp_path, "init_method=file", f"init_method.path={tmp_path / 'empty.store'}")
+
+
+def test_external_launch_takes_world_size_from_the_launcher(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", "29999")  # as torchrun sets it
+    plain = resolved(tmp_path, external=("torchrun", RankInfo(rank=1, world_size=4, local_rank=1, local_world_size=2)))
+    assert plain.launcher.name == "torchrun" and plain.launcher.external
+    assert plain.trainer.nproc == 2 and plain.launcher.nnodes == 2
+    with pytest.raises(UserError, match="same on every rank"):
+        resolved(tmp_path, "init_method=tcp", external=("torchrun", RankInfo(0, 2, 0, 2)))
+    monkeypatch.delenv("MASTER_PORT")
+    # mpirun sets no MASTER_PORT: env:// has nothing to read, and the line says what to export (or use tcp).
+    with pytest.raises(UserError, match="MASTER_ADDR and MASTER_PORT exported .*, or init_method.port"):
+        resolved(tmp_path, external=("mpirun", RankInfo(0, 2, 0, 2)))
+
+
+def test_validation_settings_resolve(tmp_path: Path):
+    plain = resolved(tmp_path, "trainer.max_time=00:01:30:00")
+    assert plain.trainer.max_time == 5400 and plain.trainer.monitor == "val/accuracy"
+    assert resolved(tmp_path, "trainer.max_time=90").trainer.max_time == 90
+    assert resolved(tmp_path, "data.val_fraction=0").trainer.monitor is None  # nothing to monitor
+    assert resolved(tmp_path, "data.val_fraction=0", "trainer.monitor=train/loss").trainer.monitor == "train/loss"
+
+
+def test_an_optuna_search_must_optimise_the_monitor_in_its_direction():
+    from hydra_ddp.reporting import trials
+
+    def search(*overrides):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+            return compose(
+                config_name="config", overrides=["hparams_search=digits", *overrides], return_hydra_config=True
+            )
+
+    assert trials.check_search(search()) is None
+    assert trials.check_search(search("trainer.monitor=val/loss", "hydra.sweeper.direction=minimize")) is None
+    assert "set hydra.sweeper.direction=minimize" in trials.check_search(search("trainer.monitor=val/loss"))
+    assert "set it" in trials.check_search(search("trainer.monitor=null"))

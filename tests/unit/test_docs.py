@@ -1,0 +1,79 @@
+"""The docs cannot drift, checked in this process: every fence names its language, every
+`<!-- doc-test: MARK -->` is one of MARKS (docs/testing.md lists them), no command line is wider
+than the site shows, and the config reference is the schema's. The blocks are read by the kit
+(support.blocks: a shell block's commands, its language and its mark); tests/e2e/test_docs.py runs
+every shell command they give."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from support import BLOCKS, MARKS, PAGES, REPO, SHELLS
+
+
+def test_every_fence_names_its_language_and_every_mark_is_known():
+    bare = [block.where for block in BLOCKS if not block.lang]
+    assert not bare, f"fences without a language (a command block is bash, output text): {bare}"
+    for page in PAGES:
+        for found in re.findall(r"^<!-- doc-test: ([\w-]+) -->$", page.read_text(), re.MULTILINE):
+            assert found in MARKS, f"{page.name}: unknown doc-test mark {found!r} (one of {', '.join(MARKS)})"
+    assert sum(len(b.commands) for b in BLOCKS if b.lang in SHELLS) > 60  # README.md and docs/: the test reads them
+    # The site shows about 90 characters of a code line: longer ones scroll, hiding their comments.
+    long = [
+        f"{page.relative_to(REPO)}: {line}"
+        for page in PAGES
+        for block in _fenced_lines(page)
+        for line in block
+        if len(line) > 90
+    ]
+    assert not long, "command lines over 90 characters (put the comment above, or continue with \\):\n" + "\n".join(
+        long
+    )
+
+
+def _fenced_lines(page: Path) -> list[list[str]]:
+    """The lines of each bash block of a page."""
+    out, lines, inside = [], page.read_text().split("\n"), False
+    for line in lines:
+        if line.strip().startswith("```"):
+            inside = line.strip() == "```bash"
+            out.append([])
+        elif inside:
+            out[-1].append(line)
+    return out
+
+
+def test_the_marks_are_the_ones_docs_testing_md_lists():
+    listed = (REPO / "docs" / "testing.md").read_text()
+    assert all(f"`{mark}`" in listed for mark in MARKS), [m for m in MARKS if f"`{m}`" not in listed]
+
+
+def test_the_config_reference_is_the_schemas_and_every_field_has_a_doc():
+    from hydra_ddp.config import reference
+
+    text, missing = reference.render()
+    assert not missing, f"schema fields with no doc comment (add one above the field): {missing}"
+    assert reference.OUT.read_text() == text, (
+        "docs/reference/config.md is out of date: python -m hydra_ddp.config.reference"
+    )
+
+
+def test_the_reference_lists_every_key_of_the_default_config():
+    """Every leaf of the default run's composed config (outside the `_target_` groups) has a row."""
+    from hydra_ddp.config import reference
+
+    config, text = reference._default_config(), reference.OUT.read_text()
+
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            dotted = f"{prefix}{key}"
+            if dotted in ("task", "model", "optim", "scheduler", "logger", "data.dataset"):
+                continue  # `_target_` objects: their keys are the user's class's (the groups table lists them)
+            if isinstance(value, dict) and value:
+                yield from leaves(value, f"{dotted}.")
+            else:
+                yield dotted
+
+    absent = [key for key in leaves(config) if f"| `{key}` |" not in text]
+    assert not absent, absent

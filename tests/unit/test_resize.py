@@ -1,0 +1,35 @@
+"""Continuing a run at another world size, in this process: the summary's cause of a resize, and an
+elastic worker's share of the global batch (the runs themselves: tests/e2e/test_resize.py)."""
+
+from __future__ import annotations
+
+
+def test_a_resize_names_its_cause():
+    from hydra_ddp.training.position import resize_cause
+
+    assert resize_cause(False, {}) == "resume"
+    assert resize_cause(False, {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "0"}) == "resume"
+    assert resize_cause(True, {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "0"}) == "rescale"
+    assert resize_cause(True, {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "1"}) == "restart"
+    assert resize_cause(False, {"SLURM_RESTART_COUNT": "2"}) == "requeue"
+
+
+def test_an_elastic_worker_takes_its_share_of_the_global_batch_at_the_size_it_was_given():
+    from types import SimpleNamespace as Section
+
+    from hydra_ddp.config import elastic
+
+    # The three sections it reads, as attributes (a RunConfig's parts).
+    cfg = Section(
+        launcher=Section(name="torchrun", nnodes=4, min_nodes=1),
+        data=Section(global_batch_size=64, batch_size=8),
+        strategy=Section(name="ddp"),
+    )
+    assert elastic.at_world_size(cfg, 8) is None  # the most nodes: as resolved
+    assert elastic.at_world_size(cfg, 2) == {"data.batch_size": 32}
+    fixed = Section(
+        launcher=Section(name="torchrun", nnodes=2, min_nodes=2),
+        data=Section(global_batch_size=64, batch_size=16),
+        strategy=Section(name="ddp"),
+    )
+    assert elastic.at_world_size(fixed, 4) is None  # not elastic: nothing to settle
