@@ -350,7 +350,7 @@ def test_a_model_built_only_in_the_workers_leaves_channels_last_to_them_and_they
     ddp = strategies.get("ddp")
     assert performance.settings(resolved, ddp.fast_settings, conv, allowed=True)["trainer.channels_last"] is True
     assert performance.settings(resolved, ddp.fast_settings, dense, allowed=True)["trainer.channels_last"] is False
-    as_run = run_config.with_values(
-        resolved.freeze(), performance.settings(resolved, ddp.fast_settings, conv, True)
+    as_run = run_config.as_run(
+        resolved, performance.settings(resolved, ddp.fast_settings, conv, True)
     )  # what the worker's checkpoints record: the value used; the config itself says auto
-    assert as_run.trainer.channels_last is True and resolved.trainer.channels_last == "auto"
+    assert as_run["trainer"]["channels_last"] is True and resolved.trainer.channels_last == "auto"

@@ -224,3 +224,27 @@ def test_a_sweeper_setting_is_meaningful_or_refused_in_one_line(key: str, cls: t
     assert isinstance(domain, (domains.Free, domains.Checked)) or domain.problem(probe) is None, (
         f"{key}={probe!r} was accepted, and its domain refuses it"
     )
+
+
+def test_a_named_groups_yaml_holds_only_what_differs_from_the_schema():
+    """Defaults live in the schema: conf/{backend,init_method,launcher,strategy}/NAME.yaml and
+    conf/config.yaml's own sections say a value only where it differs from the schema's default."""
+    import yaml
+
+    from hydra_ddp.parallel import strategies
+
+    def repeats(values: dict, schema_class: type, where: str) -> list[str]:
+        defaults = {f.name: getattr(schema_class(), f.name) for f in dataclasses.fields(schema_class)}
+        return [f"{where}: {k}: {v!r}" for k, v in values.items() if k != "name" and k in defaults and defaults[k] == v]
+
+    found = []
+    for group in NAMED_GROUPS:
+        for path in sorted((REPO / "conf" / group).glob("*.yaml")):
+            values = {k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items() if k != "defaults"}
+            cls = strategies.get(path.stem).Settings if group == "strategy" else type(getattr(schema.Config(), group))
+            found += repeats(values, cls, str(path.relative_to(REPO)))
+    top = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())
+    for section, values in top.items():
+        if section not in ("defaults", "hydra") and isinstance(values, dict):
+            found += repeats(values, type(getattr(schema.Config(), section)), f"conf/config.yaml {section}")
+    assert not found, f"values that repeat the schema's defaults (say them once, in schema.py): {found}"

@@ -98,19 +98,19 @@ class Checkpointer:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: RunConfig,
         run_dir: Path,
         rank: RankInfo,
         device: torch.device,
-        as_run: RunConfig,
+        found: dict[str, Any],
         sharded: bool = False,
     ):
+        """`found`: the values the workers settled (dotted keys), recorded in every checkpoint's config."""
         self.cfg = cfg
         self.dir = RunDir(run_dir).checkpoints
         self.rank = rank
         self.device = device
-        self.as_run = as_run  # the run's config with the values its workers settled
-        self.recorded = run_config.thaw(as_run)  # as every checkpoint holds it (plain: weights_only loads it)
+        self.recorded = run_config.as_run(cfg, found)  # as every checkpoint holds it (plain: weights_only loads it)
         self.sharded = sharded  # every rank writes its shards (DCP), else rank 0 the whole state
         self.writer: Optional[Writer] = None  # rank 0's, from the first save to finish()
         self.write_error: Optional[str] = None
@@ -244,7 +244,7 @@ class Checkpointer:
                 atomic_link(target, self.dir / f"{name}.pt")
                 if (self.dir / name).is_symlink():
                     (self.dir / name).unlink()
-        self._prune(keep=self.cfg.keep)
+        self._prune(keep=self.cfg.checkpoint.keep)
 
     def _prune(self, keep: int) -> None:
         # best.pt and last.pt are hard links: removing an old step file never removes them. `best`
@@ -310,7 +310,7 @@ class Checkpointer:
             return
         saved = run_config.typed(state["config"])
         then = (_global_batch(saved, len(state["rng"])), saved.trainer.accumulate)
-        now = (self.as_run.data.global_batch_size, self.as_run.trainer.accumulate)
+        now = (self.cfg.data.global_batch_size, self.cfg.trainer.accumulate)
         if then != now:
             raise UserError(
                 f"checkpoint {str(path)!r} stopped mid-epoch with a global batch of {then[0]} and trainer.accumulate="

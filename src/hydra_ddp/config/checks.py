@@ -62,13 +62,10 @@ def check(cfg: Any, run_dir: Path) -> None:
     if loggers is not None and not isinstance(loggers, dict):
         raise UserError(f"logger={loggers!r}: name the loggers, e.g. logger=[tensorboard,csv] (options: conf/logger/)")
     for name, logger in (loggers or {}).items():
-        target = str((logger or {}).get("_target_", "")).lower()
         targets.check(logger, f"logger.{name}")
-        for package, extra, title in (("mlflow", "mlflow", "MLflow"), ("wandb", "wandb", "Weights & Biases")):
-            if package in target and importlib.util.find_spec(package) is None:
-                raise UserError(
-                    f"logger={name} needs {title} ({package}), which is not installed: pip install -e '.[{extra}]'"
-                )
+        for package, title, install in getattr(targets.locate(logger["_target_"], f"logger.{name}"), "requires", ()):
+            if importlib.util.find_spec(package) is None:
+                raise UserError(f"logger={name} needs {title} ({package}), which is not installed: {install}")
     if not data_cfg.even_shards:
         if trainer.accumulate > 1:
             raise UserError(

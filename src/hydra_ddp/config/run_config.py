@@ -78,8 +78,9 @@ class RunConfig(Section):
     # the worker) settled them to.
     settled: dict[str, Any] = field(default_factory=dict)
     sweep: Optional[SweepConf] = None
-    # Keys set on the command line (a sweep trial's): every worker logs its values of them.
-    overridden: list[str] = field(default_factory=list)
+    # Keys set on the command line (a sweep trial's) with their values as settled on this node:
+    # every worker logs them beside the config's fingerprint.
+    overridden: dict[str, Any] = field(default_factory=dict)
     eval: Optional[EvalJobConf] = None
 
 
@@ -130,16 +131,14 @@ def lookup(cfg: Any, key: str) -> Any:
     return node
 
 
-def with_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
-    """A frozen copy of `cfg` with `values` (dotted keys) set: what the launcher settles last, once
-    it holds the rendezvous stores, before any worker starts."""
-    if not values:
-        return cfg
+def as_run(cfg: RunConfig, found: dict[str, Any]) -> dict[str, Any]:
+    """The config made plain with what the workers found (dotted keys: the settings they settled,
+    an elastic run's batch): what a checkpoint records, and eval.py and a resumed run read back."""
     plain = thaw(cfg)
-    for key, value in values.items():
+    for key, value in found.items():
         *parents, last = key.split(".")
         node = plain
         for part in parents:
             node = node[part]
         node[last] = value
-    return freeze(plain)
+    return plain

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
@@ -99,8 +99,9 @@ def run(cfg: DictConfig, started_at: float, job: str = "train") -> Optional[dict
     external = distributed.external_launch()
     if startup.checking():
         return _check_only(cfg, run_dir, external, job)
-    resolved = _resolve(cfg, run_dir, external, job).freeze()
+    resolved = _resolve(cfg, run_dir, external, job)
     if external:
+        resolved.freeze()
         # Only rank 0 knows the run directory: its verdict reaches every rank once the group is up.
         problem = _problem(resolved, run_dir) if external[1].is_main and job == "train" else None
         return _unless_stopped(
@@ -128,7 +129,7 @@ def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]]
         resolved.sweep = run_config.SweepConf(dir=str(Path(hydra_cfg.sweep.dir).resolve()), job=hydra_cfg.job.num)
     # The keys set on the command line (a sweep trial's): every worker logs its own values of them.
     keys = (from_checkpoint.override_key(o) for o in overrides if "=" in o)
-    resolved.overridden = [k for k in keys if _is_value(resolved, k)]
+    resolved.overridden = _values(resolved, keys)
     return resolved
 
 
@@ -162,13 +163,18 @@ def _check_only(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, An
     )
 
 
-def _is_value(cfg: RunConfig, key: str) -> bool:
-    """A key of a single value (not a section, a list or a `_target_` group's whole node)."""
-    try:
-        found = run_config.lookup(cfg, key)
-    except (AttributeError, KeyError, TypeError):
-        return False
-    return not isinstance(found, (dict, list)) and not dataclasses.is_dataclass(found)
+def _values(cfg: RunConfig, keys: Iterable[str]) -> dict[str, Any]:
+    """Each key's settled value, where it names a single value (not a section, a list or a
+    `_target_` group's whole node)."""
+    absent = object()
+    found = {}
+    for key in keys:
+        node: Any = cfg
+        for part in key.split("."):
+            node = node.get(part, absent) if isinstance(node, dict) else getattr(node, part, absent)
+        if node is not absent and not isinstance(node, (dict, list)) and not dataclasses.is_dataclass(node):
+            found[key] = node
+    return found
 
 
 def _problem(resolved: RunConfig, run_dir: Path) -> Optional[str]:

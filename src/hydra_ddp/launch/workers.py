@@ -23,7 +23,6 @@ from typing import Any, Optional
 import torch.multiprocessing as mp
 from hydra.core.hydra_config import HydraConfig
 
-from hydra_ddp.config import run_config
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import EVERY_RANK, LOST_A_PEER, UserError
 from hydra_ddp.launch import startup
@@ -59,7 +58,9 @@ def _elastic(*args: Any) -> Any:
 
 def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[str, Any]]:
     """Start the workers of a resolved config on this node and wait for them: the run's summary
-    (eval.py's result), None if they ended without one. Also the tuner's way to time candidates."""
+    (eval.py's result), None if they ended without one. Also the tuner's way to time candidates.
+    `cfg` is settled but not yet frozen: the last values it takes are the stores this process holds,
+    then it is frozen, as every worker receives it."""
     # Inside a joblib (loky) job the default context is loky's, which cannot start our workers.
     multiprocessing.set_start_method("spawn", force=True)
     launcher, n = cfg.launcher, cfg.trainer.nproc
@@ -80,8 +81,8 @@ def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[st
     summary_file = RunDir(run_dir).result(cfg.job)
     summary_file.unlink(missing_ok=True)  # resuming in this directory: only this run's summary counts
     signum = None
-    stores, held = _host_stores(cfg)  # bound before any worker starts, held until the last one has ended
-    cfg = run_config.with_values(cfg, held)  # the workers meet on those stores
+    stores = _host_stores(cfg)  # bound before any worker starts, held until the last one has ended
+    cfg.freeze()
     parent = startup.worker_parent(launcher.start_method)
     try:
         if launcher.name == "spawn":
@@ -100,16 +101,16 @@ def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[st
     return summary
 
 
-def _host_stores(cfg: RunConfig) -> tuple[list[Any], dict[str, Any]]:
+def _host_stores(cfg: RunConfig) -> list[Any]:
     """On a single node this process serves the rendezvous store itself, on a port it binds (port 0:
     a free one) before any worker starts and holds for the whole run: no other job can take the
     port in between. One store per torchrun attempt, so a restarted group meets on a fresh one.
     The workers reach them through torch's own env:// or tcp:// handler, as clients
-    (distributed.process_group); torchrun's agents meet on the first. Also the config's values
-    that say where (init_method.ports, launcher.rdzv_endpoint)."""
+    (distributed.process_group); torchrun's agents meet on the first. The config says where
+    (init_method.ports, launcher.rdzv_endpoint)."""
     init, launcher = cfg.init_method, cfg.launcher
     if launcher.nnodes > 1:
-        return [], {}  # torchrun's rendezvous on node 0 brings the workers together
+        return []  # torchrun's rendezvous on node 0 brings the workers together
     torchrun = launcher.name == "torchrun"
     timeout = timedelta(seconds=cfg.backend.timeout_s)
     if init.name in ("env", "tcp"):
@@ -118,14 +119,14 @@ def _host_stores(cfg: RunConfig) -> tuple[list[Any], dict[str, Any]]:
         stores += [
             distributed.serve_store(init.host, 0, timeout) for _ in range(launcher.max_restarts if torchrun else 0)
         ]
-        held = {"init_method.ports": [store.port for store in stores]}
+        init.ports = [store.port for store in stores]
     elif torchrun:  # init_method=file: the agents still meet somewhere
-        stores, held = [distributed.serve_store("127.0.0.1", 0, timeout)], {}
+        stores = [distributed.serve_store("127.0.0.1", 0, timeout)]
     else:
-        return [], {}
+        return []
     if torchrun:
-        held["launcher.rdzv_endpoint"] = f"{init.host if init.name != 'file' else '127.0.0.1'}:{stores[0].port}"
-    return stores, held
+        launcher.rdzv_endpoint = f"{init.host if init.name != 'file' else '127.0.0.1'}:{stores[0].port}"
+    return stores
 
 
 def _completed_despite(failure: WorkerFailed, summary_file: Path) -> None:

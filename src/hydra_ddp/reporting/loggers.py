@@ -14,7 +14,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import IO, Any, ClassVar, Optional
 
 import yaml
 
@@ -37,6 +37,10 @@ def config_yaml(config: Any) -> str:
 
 class Logger:
     """The interface (every method may do nothing)."""
+
+    # Packages it needs beyond the project's own, each (module, its name, how to install it): checked
+    # before launch (config.checks), so a missing one is one line and no worker starts.
+    requires: ClassVar[tuple[tuple[str, str, str], ...]] = ()
 
     @classmethod
     def preload(cls) -> None:
@@ -196,6 +200,8 @@ class MLflow(Logger):
     A resumed run (trainer.resume) continues the same MLflow run, whose id the run directory keeps,
     and logs no step twice. The jobs of a multirun are children of one parent run per sweep.
     """
+
+    requires = (("mlflow", "MLflow", "pip install -e '.[mlflow]'"),)
 
     BATCH = 500  # metrics per request
 

@@ -104,6 +104,8 @@ class WandB(Logger):
     after the sweep. A run stopped by a signal is marked preempting: W&B shows it as preempted
     unless the job comes back."""
 
+    requires = (("wandb", "Weights & Biases", "pip install -e '.[wandb]'"),)
+
     @classmethod
     def preload(cls) -> None:
         import wandb  # noqa: F401

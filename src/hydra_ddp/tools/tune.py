@@ -107,7 +107,7 @@ class Timer:
         self.cfg, self.steps, self.scratch, self.runs = cfg, steps, scratch, 0
 
     def resolved(self, overrides: dict[str, Any], run_dir: Path) -> run_config.RunConfig:
-        """The resolved config of a short run with these overrides: steps only (no checkpoints,
+        """The resolved (not yet frozen) config of a short run with these overrides: steps only (no checkpoints,
         loggers, progress bar or evaluation per epoch), and quiet (job "tune")."""
         cfg = self.cfg.copy()
         short = {
@@ -129,10 +129,10 @@ class Timer:
         plain = resolve.plain_config(cfg)
         plain.pop("tune")  # the tuner's own settings, not the run's
         resolved = resolve.resolve(plain, run_dir, external=None)
-        resolved.job, resolved.sweep, resolved.overridden = "tune", None, list(overrides)
+        resolved.job, resolved.sweep, resolved.overridden = "tune", None, dict(overrides)
         if getattr(resolved.strategy, "comm_hook", None) == "powersgd":  # timed compressing, not warming up
             resolved.strategy.powersgd.start_step = 0
-        return resolved.freeze()
+        return resolved  # workers.launch freezes it once it holds the rendezvous stores
 
     def samples_per_sec(self, overrides: dict[str, Any]) -> float:
         """Steady samples/s of a run with these overrides. A run that fails keeps its directory."""

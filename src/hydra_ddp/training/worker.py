@@ -30,7 +30,7 @@ from tqdm import tqdm
 from hydra_ddp import data, performance, tasks
 from hydra_ddp.checkpoint import checkpointer as checkpointing
 from hydra_ddp.checkpoint import files as checkpoints
-from hydra_ddp.config import elastic, fingerprint, run_config
+from hydra_ddp.config import elastic, fingerprint
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import (
     EVERY_RANK,
@@ -135,7 +135,7 @@ def _check_same_config(cfg: RunConfig, rank: RankInfo, device: torch.device) -> 
     mine = int(digest[:15], 16)  # fits an int64
     extremes = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    overridden = " ".join(f"{key}={run_config.lookup(cfg, key)}" for key in cfg.overridden)
+    overridden = " ".join(f"{key}={value}" for key, value in cfg.overridden.items())
     log.info("rank %d config %s%s", rank.rank, digest[:12], f": {overridden}" if overridden else "")
     if extremes[0].item() != -extremes[1].item():
         raise EveryRankError(
@@ -200,14 +200,12 @@ def _train(
     if cfg.trainer.compile:
         train_model = _compiled(train_model, cfg.trainer.compile_backend)
     scheduler = instantiate(cfg.scheduler)(optimizer) if cfg.scheduler else None
-    # The config as run, what checkpoints record: the settings this worker settled, its batch.
-    as_run = run_config.with_values(cfg, {**fast, "data.batch_size": data_cfg.batch_size})
-    checkpointer = checkpointing.Checkpointer(
-        cfg.checkpoint, out, rank, device, as_run, sharded=spread.sharded_checkpoints
-    )
+    # What checkpoints record beside the config: the settings this worker settled, its batch.
+    found = {**fast, "data.batch_size": data_cfg.batch_size}
+    checkpointer = checkpointing.Checkpointer(cfg, out, rank, device, found, sharded=spread.sharded_checkpoints)
     # Rank 0 picks the checkpoint (on every node the same file: checkpoints live with rank 0).
     resume = checkpointer.choose(checkpoints.resume_setting(cfg.trainer.resume)) if rank.is_main else None
-    changed = fingerprint.config_changes(resume[1]["config"], as_run) if resume else []
+    changed = fingerprint.config_changes(resume[1]["config"], checkpointer.recorded) if resume else []
     if changed:  # the checkpoint's values are not restored: the run goes on with this command's
         log.warning(
             "resuming %s with a config that differs from the checkpoint's (this command's values apply; "
