@@ -78,9 +78,12 @@ def finish(proc: subprocess.Popen, timeout: float = 150) -> subprocess.Completed
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        exited = proc.poll() is not None  # its output still open: something it started lives on
+        left = session_processes(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"train.py ran past {timeout} s\nstdout:\n{out}\nstderr:\n{err}") from None
+        what = f"exited, but left processes holding its output: {left}" if exited else f"ran past {timeout} s"
+        raise AssertionError(f"train.py {what}\nstdout:\n{out}\nstderr:\n{err}") from None
     result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     result.pid = proc.pid  # type: ignore[attr-defined]  # the session id of everything it started
     return result

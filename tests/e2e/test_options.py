@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import REPO, check_ok, final_params, losses, run_train, summary, train_env
+from support import (
+    REPO,
+    assert_no_orphans,
+    check_ok,
+    final_params,
+    finish,
+    losses,
+    run_train,
+    start_train,
+    summary,
+    train_env,
+)
 
 STEPS = ("trainer.max_steps=6", "trainer.log_every=2")
 
@@ -49,7 +61,14 @@ def reference(tmp_path_factory) -> Path:
     ids=["preload", "loader-workers", "compile", "gloo-all-reduce", "ddp-buckets-and-auto-settings-off"],
 )
 def test_option_trains_the_same(reference: Path, run_dir: Path, overrides: tuple[str, ...], exact: bool):
-    check_ok(run_train(run_dir, *STEPS, *overrides))
+    proc = start_train(run_dir, *STEPS, *overrides)
+    proc.wait(timeout=150)
+    # Nothing outlives the run (loader workers end with their ranks), not even holding its output.
+    try:
+        assert_no_orphans(proc.pid, grace_s=3)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+    check_ok(finish(proc, timeout=10))
     if exact:
         assert losses(run_dir) == losses(reference)
     else:

@@ -164,3 +164,21 @@ def test_python_source_windows_are_next_byte_pairs_and_deterministic():
     assert torch.equal(x[:, 1:], y[:, :-1])  # the target: the input shifted by one byte
     assert len(train) + len(test) == 19_999 // 17 and 0 <= int(x.min()) and int(x.max()) < 256
     assert torch.equal(data.python_source(context=16, max_bytes=20_000, test_fraction=0.1, seed=0)[0].tensors[0], x)
+
+
+def test_loader_workers_are_forked_from_their_rank_not_from_a_forkserver_of_its_own():
+    """A rank is forked from the launcher's forkserver and inherits "forkserver" as its default
+    start method; its loader workers must still be its own children (they watch their parent and
+    end with it), or they can outlive the run (tests/e2e/test_options.py checks a real run)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hydra_ddp.data.loading import loader_options
+
+    settings = SimpleNamespace(num_workers=2, pin_memory=False, persistent_workers=True, prefetch_factor=2)
+    options = loader_options(settings, seed=0, device=torch.device("cpu"))
+    assert options["multiprocessing_context"].get_start_method() == "fork"
+    assert "multiprocessing_context" not in loader_options(
+        SimpleNamespace(num_workers=0, pin_memory=False), seed=0, device=torch.device("cpu")
+    )

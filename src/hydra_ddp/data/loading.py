@@ -4,6 +4,8 @@ the evaluation splits in fixed chunks."""
 from __future__ import annotations
 
 import math
+import multiprocessing
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple, Optional
 
@@ -164,6 +166,12 @@ def loader_options(data_cfg: Any, seed: int, device: torch.device, rank: int = 0
     )
     if workers > 0:
         options.update(persistent_workers=data_cfg.persistent_workers, prefetch_factor=data_cfg.prefetch_factor)
+        # Forked from the rank, as DataLoader does by default on Linux. A rank is itself a child of the
+        # launcher's forkserver, so it would inherit "forkserver" as its default: its loader workers
+        # would then be children of a forkserver of the rank's own, watching that forkserver instead
+        # of the rank, and could outlive the run (holding its output open) when the rank exits.
+        if sys.platform == "linux":
+            options["multiprocessing_context"] = multiprocessing.get_context("fork")
     return options
 
 
