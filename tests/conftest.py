@@ -66,7 +66,7 @@ def spawned(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A real Slurm cluster for the session (tests/slurm/cluster.sh: munged, slurmctld and a slurmd
-    per node on free ports, in a folder of their own): two nodes, n1 and n2, each in a network
+    per node on free ports, in a folder of their own): two nodes, hddp-TAG-n1 and -n2, each in a network
     namespace of its own where iproute2 and nsenter exist, else one; with job accounting (slurmdbd
     and a private MariaDB) where those are installed. `.env`: the variables its commands and jobs
     need; `.nodes`: how many; `.accounting`: whether sacct works."""

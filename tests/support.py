@@ -482,17 +482,21 @@ class TwoHosts:
 
     def __init__(self, tag: str):
         self.names = [f"hddp-{tag}-a", f"hddp-{tag}-b"]
+        self.ends = [f"hv{tag}a", f"hv{tag}b"]  # the pair's names while in this namespace (15 characters at most)
         self.addresses = [f"{self.SUBNET}.1", f"{self.SUBNET}.2"]
 
     def _ip(self, *args: str) -> None:
         subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
     def __enter__(self) -> TwoHosts:
+        # A process killed inside the block (its session ended) leaves its namespaces behind; a later
+        # process given the same PID, and so the same names, would fail to make them.
+        self.__exit__()
         try:
             for name in self.names:
                 self._ip("netns", "add", name)
-            self._ip("link", "add", "hddp-va", "type", "veth", "peer", "name", "hddp-vb")
-            for end, name, address in zip(("hddp-va", "hddp-vb"), self.names, self.addresses):
+            self._ip("link", "add", self.ends[0], "type", "veth", "peer", "name", self.ends[1])
+            for end, name, address in zip(self.ends, self.names, self.addresses):
                 self._ip("link", "set", end, "netns", name)
                 self._ip("-n", name, "link", "set", end, "name", "hddp0")  # the same name on both hosts
                 self._ip("-n", name, "addr", "add", f"{address}/24", "dev", "hddp0")
@@ -505,6 +509,8 @@ class TwoHosts:
         return self
 
     def __exit__(self, *exc) -> None:
+        for end in self.ends:  # only there if interrupted before the move into the namespaces
+            subprocess.run(["ip", "link", "del", end], capture_output=True, timeout=30)
         for name in self.names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 

@@ -2,15 +2,21 @@
 # A real Slurm cluster of one or two nodes in a folder of its own, on free ports (Debian's slurm-wlm and munge, as root):
 #
 #   tests/slurm/cluster.sh up DIR     # starts munged, slurmctld, slurmd; prints `export SLURM_CONF=DIR/slurm.conf`
-#   tests/slurm/cluster.sh up DIR 2   # two nodes, n1 and n2: a slurmd each in a network namespace of
-#                                     # its own on a bridge (10.99.0.11 and .12, interface hddp0; the
-#                                     # names in /etc/hosts while it runs); also prints GLOO_SOCKET_IFNAME
+#   tests/slurm/cluster.sh up DIR 2   # two nodes, hddp-TAG-n1 and -n2 (TAG: 4 random hex digits, so
+#                                     # that two clusters can run at once): a slurmd each in the network
+#                                     # namespace of that name, on a bridge (10.99.X.11 and .12 on the
+#                                     # first subnet no interface holds, interface hddp0; the names in
+#                                     # /etc/hosts while it runs); also prints GLOO_SOCKET_IFNAME
 #   tests/slurm/cluster.sh down DIR   # cancels every job, stops the daemons it started (by PID),
 #                                     # removes the namespaces, bridge and host names it made
 #
 # Where slurmdbd and mariadb-server are installed it keeps job accounting too (a private mariadbd
 # and a slurmdbd in the same folder), so that `sacct`, and submitit through it, see a job that was
 # cancelled or timed out; it then prints `export HDDP_SLURM_ACCOUNTING=1`.
+#
+# A two-node cluster killed before `down` (its session ended under it) leaves its bridge, namespaces
+# and host names behind, and they would take the next cluster's routes and names: `up` removes those
+# of any cluster whose daemons are all gone, and says so.
 #
 # The tests start it once per session (tests/conftest.py: slurm_cluster); by hand:
 #   eval "$(tests/slurm/cluster.sh up /tmp/slurm)"; sbatch …; tests/slurm/cluster.sh down /tmp/slurm
@@ -21,7 +27,8 @@ usage() { echo "usage: $0 up DIR [1|2] | down DIR" >&2; exit 2; }
 action=$1
 dir=$(realpath -m "$2")
 nodes=${3:-1}
-SUBNET=10.99.0
+SUBNET=  # the two nodes' 10.99.X, chosen by free_subnet
+tag=     # the two nodes' names: hddp-$tag-n1 and -n2
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
 
@@ -54,22 +61,51 @@ down() {
   fi
   stop_pids "$dir"/pids/slurm*  # the daemons, then the database and munge, which they use to the end
   stop_pids "$dir/pids/mariadbd" "$dir/pids/munged"
-  if [ -f "$dir/net" ]; then  # the two-node network: veth pairs, namespaces, bridge, host names
-    local tag
-    tag=$(cat "$dir/net")
-    for i in 1 2; do
-      ip link del "hddpv$tag$i" 2>/dev/null || true  # the pair's other end goes with it
-      ip netns del "hddp-$tag-n$i" 2>/dev/null || true
-    done
-    ip link del "hddpbr$tag" 2>/dev/null || true
-    sed -i "/# hddp-slurm $tag\$/d" /etc/hosts
+  if [ -f "$dir/net" ]; then
+    remove_network "$(cat "$dir/net")"
     rm -f "$dir/net"
   fi
 }
 
+remove_network() {  # a two-node network by its tag: veth pairs, namespaces, bridge, host names
+  local tag=$1 i
+  for i in 1 2; do
+    ip link del "hddpv$tag$i" 2>/dev/null || true  # the pair's other end goes with it
+    ip netns del "hddp-$tag-n$i" 2>/dev/null || true
+  done
+  ip link del "hddpbr$tag" 2>/dev/null || true
+  sed -i "/# hddp-slurm $tag\( .*\)\?\$/d" /etc/hosts
+}
+
+remove_stale_networks() {  # those of clusters whose daemons are all gone (their folder is on the hosts line)
+  local tags tag owner alive pidfile
+  tags=$( { ip -o link show type bridge 2>/dev/null | sed -n 's/^[0-9]*: hddpbr\([0-9a-f]*\)[:@].*/\1/p'
+            ip netns list 2>/dev/null | sed -n 's/^hddp-\([0-9a-f]*\)-n[12]\b.*/\1/p'
+            sed -n 's/.*# hddp-slurm \([0-9a-f]*\).*/\1/p' /etc/hosts; } | sort -u)
+  for tag in $tags; do
+    owner=$(sed -n "s/.*# hddp-slurm $tag \(.*\)\$/\1/p" /etc/hosts | head -n 1)
+    alive=0
+    if [ -n "$owner" ]; then
+      for pidfile in "$owner"/pids/*; do
+        [ -f "$pidfile" ] && case $(ps -o stat= -p "$(cat "$pidfile")" 2>/dev/null) in ""|Z*) ;; *) alive=1 ;; esac
+      done
+    fi
+    [ "$alive" = 1 ] && continue
+    echo "cluster.sh: removed the network left by a cluster that is gone (tag $tag${owner:+, $owner})" >&2
+    remove_network "$tag"
+  done
+}
+
+free_subnet() {  # the first 10.99.X/24 that no interface here holds an address in
+  local x
+  for x in $(seq 0 254); do
+    ip -4 -o addr show 2>/dev/null | grep -q " 10\.99\.$x\." || { echo "10.99.$x"; return 0; }
+  done
+  echo "cluster.sh: every 10.99.X/24 subnet is in use here" >&2
+  return 1
+}
+
 network() {  # two namespaces on a bridge in this one, the controller at .1
-  local tag
-  tag=$(od -An -N2 -tx1 /dev/urandom | tr -d ' \n')
   echo "$tag" > "$dir/net"
   ip link add "hddpbr$tag" type bridge || return 1
   ip addr add "$SUBNET.1/24" dev "hddpbr$tag" || return 1
@@ -81,7 +117,7 @@ network() {  # two namespaces on a bridge in this one, the controller at .1
     ip -n "hddp-$tag-n$i" addr add "$SUBNET.1$i/24" dev hddp0 || return 1
     ip -n "hddp-$tag-n$i" link set hddp0 up || return 1
     ip -n "hddp-$tag-n$i" link set lo up || return 1
-    echo "$SUBNET.1$i n$i # hddp-slurm $tag" >> /etc/hosts  # the workers meet at the first node's name
+    echo "$SUBNET.1$i hddp-$tag-n$i # hddp-slurm $tag $dir" >> /etc/hosts  # the workers meet at the first node's name
   done
 }
 
@@ -139,6 +175,11 @@ up() {
       || { echo "cluster.sh: two nodes need iproute2's ip and util-linux's nsenter" >&2; exit 3; }
   fi
   mkdir -p "$dir"/{run,state,spool,log,pids}
+  if [ "$nodes" = 2 ]; then
+    remove_stale_networks
+    SUBNET=$(free_subnet) || exit 3
+    tag=$(od -An -N2 -tx1 /dev/urandom | tr -d ' \n')  # names this cluster's nodes, namespaces and links
+  fi
   # munged refuses a socket whose folder (or any parent) others cannot enter.
   chmod 755 "$dir" "$dir/run"
   mungekey -c -f -k "$dir/munge.key" 2>/dev/null
@@ -185,7 +226,7 @@ SlurmdPidFile=$dir/run/slurmd-%n.pid
 SlurmctldLogFile=$dir/log/slurmctld.log
 SlurmdLogFile=$dir/log/slurmd-%n.log
 $(if [ "$nodes" = 2 ]; then
-    for i in 1 2; do echo "NodeName=n$i NodeAddr=$SUBNET.1$i CPUs=$cpus RealMemory=1000 State=UNKNOWN"; done
+    for i in 1 2; do echo "NodeName=hddp-$tag-n$i NodeAddr=$SUBNET.1$i CPUs=$cpus RealMemory=1000 State=UNKNOWN"; done
   else
     echo "NodeName=$host CPUs=$cpus RealMemory=1000 State=UNKNOWN"
   fi)
@@ -208,7 +249,7 @@ CONF
   echo $! > "$dir/pids/slurmctld"
   if [ "$nodes" = 2 ]; then
     for i in 1 2; do
-      setsid nsenter --net="/run/netns/hddp-$(cat "$dir/net")-n$i" slurmd -D -N "n$i" \
+      setsid nsenter --net="/run/netns/hddp-$tag-n$i" slurmd -D -N "hddp-$tag-n$i" \
         </dev/null >"$dir/log/slurmd-n$i.out" 2>&1 &
       echo $! > "$dir/pids/slurmd-n$i"
     done
@@ -233,7 +274,13 @@ CONF
     done
     sleep 0.1
   done
-  echo "cluster.sh: the node did not become idle within 30 s (logs in $dir/log)" >&2
+  {
+    echo "cluster.sh: the node did not become idle within 30 s (logs in $dir/log); sinfo:"
+    sinfo -h -N -o '  %N %T %E' 2>&1
+    for log in "$dir"/log/slurmd*.log "$dir"/log/slurmctld.log; do
+      [ -f "$log" ] && echo "  $(basename "$log"): $(grep -E 'error|fatal' "$log" | grep -v -E 'pmix|PMIx|MPI:|state file|Trying backup' | tail -n 2 | tr '\n' ' ')"
+    done
+  } >&2
   down
   exit 1
 }
