@@ -42,7 +42,7 @@ def test_eval_chunks_partition_without_padding_alike_at_any_world_size(length: i
     batches = {}
     for r in range(world):
         split = data.EvalSplit(dataset, 3, RankInfo(r, world, r, world), torch.device("cpu"), preload, {})
-        for chunk, first, x, _ in split:
+        for chunk, first, (x, _) in split:
             assert torch.equal(x, torch.arange(first, first + len(x)))  # consecutive samples from `first`
             batches[chunk] = x.tolist()
         assert split.passes == 1
@@ -107,7 +107,7 @@ def test_loaders_shard_train_and_test():
     cfg = _data_cfg()
     per_rank = [data.build_loaders(cfg, RankInfo(r, 3, r, 3), seed=0, device=torch.device("cpu")) for r in range(3)]
     assert [len(loaders.train_sampler) for loaders in per_rank] == [4, 4, 4]  # padded: every rank the same steps
-    assert sum(len(i) for loaders in per_rank for _, _, _, i in loaders.test) == 7  # not padded: exact metrics
+    assert sum(len(i) for loaders in per_rank for _, _, (_, i) in loaders.test) == 7  # not padded: exact metrics
 
 
 def test_uneven_shards_are_disjoint_and_cover_every_sample_once():

@@ -14,6 +14,7 @@ import torch
 from hydra_ddp import data, tasks
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import groups, targets
+from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError, first_line, root_cause
 from hydra_ddp.parallel import strategies
 from hydra_ddp.parallel.distributed import RankInfo
@@ -118,7 +119,6 @@ def dry_build(cfg: Any) -> None:
     datasets, the model on the meta device (no memory, any size), one batch of two samples through
     it and the task's loss, the optimizer and the schedule. What fails is one line."""
     from hydra.utils import instantiate
-    from torch.utils.data import default_collate
 
     model_and_data = f"{groups.chosen('model', cfg.model)} with {groups.chosen('data', cfg.data.dataset)}"
     task = tasks.build(cfg.task)
@@ -127,11 +127,13 @@ def dry_build(cfg: Any) -> None:
             model = instantiate(cfg.model)
         if not cfg.data.dataset.get("download", False):  # a download is the run's to make
             train = data.build_datasets(cfg.data, RankInfo(0, 1, 0, 1), cfg.trainer.seed)["train"]
-            problem = tasks.misfit(task, [train[i][1] for i in range(min(64, len(train)))], cfg.data.num_classes)
+            samples = [train[i] for i in range(min(64, len(train)))]
+            problem = tasks.misfit(task, tasks.fit_targets(task, samples), cfg.data.num_classes)
             if problem:
                 raise UserError(problem)
-            x, y = default_collate([train[i] for i in range(min(2, len(train)))])
-            loss = task.loss(model(x.to("meta")), y.to("meta"))
+            batch = batches.collate(samples[:2])
+            task.samples(batch)  # tensors that disagree on the batch size: one line here, not in a worker
+            loss = tasks.checked_loss(task, model, batches.to_device(batch, torch.device("meta")))
             if loss.dim() != 0:
                 raise UserError(f"{model_and_data}: the loss of one batch has shape {tuple(loss.shape)}, not a scalar")
     with _one_line(f"{groups.chosen('optim', cfg.optim)} does not build on the model's parameters"):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 
+from hydra_ddp.data import batches
 from hydra_ddp.data.sampling import (
     ResumableDistributedSampler,
     SeededSamples,
@@ -28,8 +29,8 @@ class EvalSplit:
     (chunk c holds samples c·B … c·B+B-1), chunk c on rank c mod W. No padding, so every sample
     counts once; and a chunk is the same batch at any world size, so its sums are too.
 
-    Iterating yields (chunk, first sample index, inputs, labels); `passes` counts the iterations
-    begun (the test split's must end at one).
+    Iterating yields (chunk, first sample index, batch); `passes` counts the iterations begun (the
+    test split's must end at one).
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class EvalSplit:
         self.dataset = dataset
         self.passes = 0
         self.tensors = tuple(t.to(device) for t in dataset.tensors) if preload else None  # type: ignore[attr-defined]
+        self.collate = loader_options.get("collate_fn", batches.collate)
         self.loader = (
             None
             if preload
@@ -61,23 +63,22 @@ class EvalSplit:
     def __len__(self) -> int:
         return len(self.chunks)
 
-    def filler(self) -> torch.Tensor:
-        """One sample as a batch: the input of the forwards a rank runs past its own chunks when every
+    def filler(self) -> Any:
+        """One sample as a batch: the batch of the forwards a rank runs past its own chunks when every
         rank must run as many (a sharded model gathers its parameters in each)."""
         if self.tensors is not None:
-            return self.tensors[0][:1]
-        return self.dataset[0][0].unsqueeze(0)
+            return tuple(t[:1] for t in self.tensors)
+        return self.collate([self.dataset[0]])
 
-    def __iter__(self) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[int, int, Any]]:
         self.passes += 1
         if self.tensors is not None:
             for chunk in self.chunks:
                 where = self._indices(chunk)
-                x, y = (t[where.start : where.stop] for t in self.tensors)
-                yield chunk, where.start, x, y
+                yield chunk, where.start, tuple(t[where.start : where.stop] for t in self.tensors)
         else:
-            for chunk, (x, y) in zip(self.chunks, self.loader):
-                yield chunk, chunk * self.batch_size, x, y
+            for chunk, batch in zip(self.chunks, self.loader):
+                yield chunk, chunk * self.batch_size, batch
 
 
 class TensorBatches:
@@ -163,6 +164,7 @@ def loader_options(data_cfg: Any, seed: int, device: torch.device, rank: int = 0
         num_workers=workers,
         pin_memory=data_cfg.pin_memory and device.type == "cuda",
         generator=torch.Generator().manual_seed(sample_seed(seed, -1, rank)),
+        collate_fn=batches.collate,  # default_collate's, and dataclass samples too
     )
     if workers > 0:
         options.update(persistent_workers=data_cfg.persistent_workers, prefetch_factor=data_cfg.prefetch_factor)

@@ -38,21 +38,15 @@ _MEASURE_S = 0.1  # the CPU peak's matmuls: the best of about this long
 _MEASURE_N = 256
 
 
-def count(
-    build_model: Callable[[], torch.nn.Module],
-    loss: Callable[[Any, Any], torch.Tensor],
-    inputs: tuple[torch.Size, torch.dtype],
-    targets: tuple[torch.Size, torch.dtype],
-) -> int:
-    """FLOPs of one forward and backward of the model on a batch of these shapes, on the meta device."""
+def count(build_model: Callable[[], torch.nn.Module], loss: Callable[[Any, Any], torch.Tensor], batch: Any) -> int:
+    """FLOPs of one forward and backward of the model on a batch (its tensors on the meta device:
+    shapes and dtypes only), through `loss(model, batch)`."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
         model = build_model()
-    x = torch.empty(inputs[0], dtype=inputs[1], device="meta")
-    y = torch.empty(targets[0], dtype=targets[1], device="meta")
     with FlopCounterMode(display=False) as counter:
-        loss(model(x), y).backward()
+        loss(model, batch).backward()
     return int(counter.get_total_flops())
 
 
@@ -138,21 +132,22 @@ def line(flops: dict[str, Any]) -> Optional[str]:
 def measure(
     build_model: Callable[[], Any],
     loss: Callable[..., Any],
-    shapes: Any,
+    batch: Any,
+    samples: int,
     samples_per_sec: Optional[float],
     precision: str,
     peak_flops: Optional[float],
     world_size: int,
     device: torch.device,
 ) -> dict[str, Any]:
-    """A run's model FLOPs per sample (the first batch's shapes, counted on the meta device) and its
-    MFU, on every rank alike."""
+    """A run's model FLOPs per sample (the first batch, of `samples` samples, on the meta device:
+    `loss(model, batch)`) and its MFU, on every rank alike."""
     from hydra_ddp.parallel import distributed
 
     per_sample = None
-    if shapes is not None:
+    if batch is not None and samples:
         try:
-            per_sample = count(build_model, loss, *shapes) / shapes[0][0][0]
+            per_sample = count(build_model, loss, batch) / samples
         except Exception as e:  # noqa: BLE001  (a model that cannot be built or run on the meta device)
             log.warning("no FLOP count: the model does not run on the meta device (%s: %s)", type(e).__name__, e)
     value, source = peak(device, precision, torch.get_num_threads(), peak_flops)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError, first_line, root_cause
 
 # What the project itself reports beside a task's metrics, per split (test_samples, test_passes):
@@ -43,6 +45,32 @@ class Task:
     prediction_columns: tuple[str, ...] = ()
     integer_columns: tuple[str, ...] = ()
 
+    # --- how a batch meets the model (override these for dict batches, several inputs, a model that
+    # computes its own loss: docs/tasks.md, "Batches and model calls") ---
+    def split(self, batch: Any) -> tuple[Any, Any]:
+        """(inputs, target) of a batch, or of one sample (the fit check reads the target). By default a
+        batch is a pair (inputs, target), as a TensorDataset or a (image, label) dataset gives it."""
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:  # a named pair too: (image, label)
+            return batch[0], batch[1]
+        raise UserError(
+            f"task {type(self).__name__} takes (inputs, target) pairs, and the data gives "
+            f"{batches.describe(batch)}: give the task a split(batch) or a forward(model, batch) "
+            "(docs/tasks.md: batches and model calls)"
+        )
+
+    def forward(self, model: Any, batch: Any) -> tuple[Any, Any]:
+        """(output, target) of a batch, on the device: what loss, state and predict take. By default
+        model(inputs) on the split's inputs. Override it for model(**batch), several inputs, or a
+        model that computes its own loss (return its output, e.g. a transformers ModelOutput)."""
+        inputs, target = self.split(batch)
+        return model(inputs), target
+
+    def samples(self, batch: Any) -> int:
+        """How many samples a batch holds (throughput, the evaluation's count): by default the leading
+        dimension its tensors share. Say otherwise for per-batch metadata or packed sequences."""
+        return batches.count(batch)
+
+    # --- what an output means ---
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The batch's training loss: a scalar (its gradient is the step's), best in float32."""
         raise NotImplementedError
@@ -121,11 +149,54 @@ def beyond_classes(target: torch.Tensor, outputs: int) -> Optional[str]:
     return None
 
 
+def fit_targets(task: Task, samples: list[Any]) -> list[Any]:
+    """The targets of a few samples, for the fit check: none where the task reads its batches in a
+    forward of its own without saying how they split (its forward and loss judge them)."""
+    if type(task).split is Task.split and type(task).forward is not Task.forward:
+        return []
+    return [task.split(sample)[1] for sample in samples]
+
+
 def misfit(task: Task, targets: Any, outputs: int) -> Optional[str]:
     """Why the task cannot learn from data with these samples' targets (None: it fits): each target
     of a few samples (the first batch's), checked by the task."""
     for target in targets:
-        problem = task.check_target(torch.as_tensor(target), outputs)
+        try:
+            target = torch.as_tensor(target)
+        except (TypeError, ValueError, RuntimeError):
+            continue  # a task's own kind of target (a dict, say): its forward and loss judge it
+        problem = task.check_target(target, outputs)
         if problem:
             return f"task {type(task).__name__} does not fit the data: {problem}"
     return None
+
+
+def checked_loss(
+    task: Task,
+    model: Any,
+    batch: Any,
+    check_target: Optional[Callable[[Any], None]] = None,
+    error: type[UserError] = UserError,
+) -> torch.Tensor:
+    """A batch's loss, where a task that cannot read the batch or the model's output says so in one
+    line (an `error`) instead of a traceback: the first batch of a run, and train.py --check's."""
+    name = type(task).__name__
+    try:
+        output, target = task.forward(model, batch)
+    except UserError as problem:  # the default split's: the batch is not a pair
+        raise error(str(problem)) from None
+    except KeyError as missing:
+        raise error(
+            f"task {name} asks the batch for {missing.args[0]!r}, which it lacks: it is "
+            f"{batches.describe(batch)} (docs/tasks.md: batches and model calls)"
+        ) from None
+    if check_target is not None:
+        check_target(target)
+    try:
+        return task.loss(output, target)
+    except (TypeError, AttributeError, KeyError, IndexError) as problem:
+        raise error(
+            f"task {name} cannot read the model's output, {batches.describe(output)}: "
+            f"{first_line(problem)}; give the task a forward(model, batch) that returns what its loss "
+            "takes (docs/tasks.md: batches and model calls)"
+        ) from None

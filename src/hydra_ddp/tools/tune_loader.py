@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from hydra_ddp import data
 from hydra_ddp.config import resolve
 from hydra_ddp.config.schema import Config, register_schema
+from hydra_ddp.data import batches as batch_trees
 from hydra_ddp.errors import UserError
 from hydra_ddp.parallel.distributed import RankInfo
 
@@ -43,15 +44,15 @@ class LoaderTuneConfig(Config):
     tune: LoaderTuneConf = field(default_factory=LoaderTuneConf)
 
 
-def time_loader(data_cfg: Any, rank: RankInfo, device: torch.device, batches: int) -> float:
+def time_loader(data_cfg: Any, rank: RankInfo, device: torch.device, batches_to_time: int) -> float:
     """Samples per second of iterating the training loader (and copying each batch to `device`)."""
     loader = data.build_loaders(data_cfg, rank, seed=0, device=device).train
     iterator = iter(loader)
     next(iterator)  # workers start and fill their queues: not what a steady epoch pays
     samples, started = 0, time.perf_counter()
-    for x, y in itertools.islice(iterator, batches):
-        x.to(device, non_blocking=True)
-        samples += len(y)
+    for batch in itertools.islice(iterator, batches_to_time):
+        batch_trees.to_device(batch, device)
+        samples += batch_trees.count(batch)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return samples / (time.perf_counter() - started)

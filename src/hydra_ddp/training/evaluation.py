@@ -16,6 +16,7 @@ from torch import nn
 
 from hydra_ddp import data, performance, tasks
 from hydra_ddp.checkpoint import files as checkpoints
+from hydra_ddp.data import batches
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.reporting import run_report
 from hydra_ddp.rundir import RunDir
@@ -58,17 +59,16 @@ def evaluate(
     rows = torch.zeros(
         split.samples if predictions else 0, len(task.prediction_columns), dtype=torch.float64, device=device
     )
-    for chunk, first, x, y in split:
-        x = x.to(device, non_blocking=True, memory_format=memory_format)
-        y = y.to(device, non_blocking=True)
-        output = model(x)
-        sums[chunk, :-1] = task.state(output, y)
-        sums[chunk, -1] = len(y)
+    for chunk, first, batch in split:
+        count = task.samples(batch)
+        output, target = task.forward(model, batches.to_device(batch, device, memory_format))
+        sums[chunk, :-1] = task.state(output, target)
+        sums[chunk, -1] = count
         if predictions:
-            rows[first : first + len(y)] = task.predict(output, y)
+            rows[first : first + count] = task.predict(output, target)
     if lockstep:
         for _ in range(split.rounds - len(split)):
-            model(split.filler().to(device, memory_format=memory_format))
+            task.forward(model, batches.to_device(split.filler(), device, memory_format))
     if reduce:
         dist.all_reduce(sums, group=group)
     *state, samples = sums.sum(0).tolist()

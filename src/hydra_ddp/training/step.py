@@ -9,8 +9,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from hydra_ddp.data import batches
 from hydra_ddp.errors import EveryRankError, UserError
-from hydra_ddp.tasks import misfit
+from hydra_ddp.tasks import checked_loss, misfit
 from hydra_ddp.training.timing import StepTimer
 
 # trainer.precision → autocast's dtype (None: fp32, no autocast).
@@ -39,19 +40,21 @@ class Step:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=str(settings.precision) == "16")  # fp16 only
         self.grad_clip = settings.grad_clip
         self.grad_norms: list[tuple[int, torch.Tensor]] = []  # (step, global norm before clipping), until logged
-        self.batch_shapes: Optional[tuple[tuple[torch.Size, torch.dtype], tuple[torch.Size, torch.dtype]]] = None
+        self.first_batch: Any = None  # its shapes on the meta device, for the FLOP count (reporting/flops.py)
 
-    def run(self, x: torch.Tensor, y: torch.Tensor, sync: bool, group: int, step: int) -> torch.Tensor:
+    def run(self, batch: Any, sync: bool, group: int, step: int) -> torch.Tensor:
         """Forward and backward of one batch; the optimizer makes step `step` on `sync` batches only.
         `group`: the batches of this optimizer step, whose mean loss its gradient is."""
         if not self.checked:
-            self._check_fit(y)
-            self.batch_shapes = ((x.shape, x.dtype), (y.shape, y.dtype))  # for the FLOP count (reporting/flops.py)
-        x = x.to(self.device, non_blocking=True, memory_format=self.memory_format)
-        y = y.to(self.device, non_blocking=True)
+            self.first_batch = batches.on_meta(batch)
+        batch = batches.to_device(batch, self.device, self.memory_format)
         with contextlib.nullcontext() if sync else self.strategy.no_sync():  # no all-reduce mid-accumulation
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                loss = self.task.loss(self.model(x), y)
+                if self.checked:
+                    loss = self.task.loss(*self.task.forward(self.model, batch))
+                else:
+                    # A task that cannot read the batch or the output: one line, on every rank alike.
+                    loss = checked_loss(self.task, self.model, batch, self._check_fit, EveryRankError)
             if not self.checked:
                 self._check_loss(loss)
             self.timer.lap("forward")
@@ -70,10 +73,13 @@ class Step:
             self.timer.lap("optimizer")
         return loss.detach()
 
-    def _check_fit(self, y: torch.Tensor) -> None:
-        """The task fits the data, before the first forward: judged on the first batch's first target
+    def _check_fit(self, y: Any) -> None:
+        """The task fits the data, before the first loss: judged on the first batch's first target
         on every rank alike (the same kind of data: the run's failure), then on the rest of this
-        rank's first batch (a class label beyond data.num_classes, say: this rank's failure)."""
+        rank's first batch (a class label beyond data.num_classes, say: this rank's failure). A target
+        that is not one tensor is the task's own to judge."""
+        if not isinstance(y, torch.Tensor) or y.dim() == 0:
+            return
         problem = misfit(self.task, y[:1], self.outputs)
         if problem:
             raise EveryRankError(problem)

@@ -183,13 +183,13 @@ class Trainer:
         micro_losses: list[torch.Tensor] = []
         samples = 0
         self.throughput.start()
-        for x, y in self.timer.batches(self.loaders.train):
+        for batch in self.timer.batches(self.loaders.train):
             self.pos.batch += 1
             # Gradients are all-reduced once per optimizer step, on its last batch.
             sync = self.pos.batch % accumulate == 0 or self.pos.batch == self.batches_per_epoch
             group = accumulation_group(self.pos.batch, accumulate, self.batches_per_epoch)
-            micro_losses.append(self.step.run(x, y, sync, group, self.pos.step + 1))
-            samples += len(y)  # samples, not targets (a sequence's tokens, an image's pixels)
+            samples += self.step.task.samples(batch)  # samples, not targets (a sequence's tokens, an image's pixels)
+            micro_losses.append(self.step.run(batch, sync, group, self.pos.step + 1))
             if not sync:
                 continue
             loss = micro_losses[0] if len(micro_losses) == 1 else torch.stack(micro_losses).mean()

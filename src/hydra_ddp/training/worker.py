@@ -269,8 +269,9 @@ def _train(
             "peak_rss_mb": distributed.max_over_ranks(_peak_rss_mb(), device),
             "flops": flops.measure(
                 lambda: instantiate(cfg.model),
-                task.loss,
-                trainer.step.batch_shapes,
+                lambda model, batch: task.loss(*task.forward(model, batch)),
+                trainer.step.first_batch,
+                task.samples(trainer.step.first_batch) if trainer.step.first_batch is not None else 0,
                 result.get("steady_samples_per_sec") or result.get("samples_per_sec"),
                 str(cfg.trainer.precision),
                 cfg.trainer.peak_flops,
