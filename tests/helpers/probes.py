@@ -69,6 +69,25 @@ class SignalAt(MnistCNN):
         return super().forward(x)
 
 
+def signal_at(of: str, step: int, **kwargs) -> torch.nn.Module:
+    """The model `of` (a dotted path to a class or a function) built with `kwargs`, SIGTERMing the run
+    as SignalAt does at rank 0's `step`-th training forward: for models that are not MnistCNN (a
+    Hugging Face model called with keyword inputs)."""
+    from hydra.utils import get_object
+
+    model = get_object(of)(**kwargs)
+    calls = [0]
+
+    def hook(module, args):
+        if module.training and dist.get_rank() == 0:
+            calls[0] += 1
+            if calls[0] == step:
+                os.killpg(os.getpgrp(), signal.SIGTERM)
+
+    model.register_forward_pre_hook(hook)
+    return model
+
+
 class DeterminismProbe(MnistCNN):
     """Writes probe_dir/rank{R}.json: the kernel settings trainer.deterministic governs, as torch holds
     them once the run has built its model."""

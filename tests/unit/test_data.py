@@ -182,3 +182,17 @@ def test_loader_workers_are_forked_from_their_rank_not_from_a_forkserver_of_its_
     assert "multiprocessing_context" not in loader_options(
         SimpleNamespace(num_workers=0, pin_memory=False), seed=0, device=torch.device("cpu")
     )
+
+
+def test_a_dataset_that_draws_no_randomness_is_not_seeded_per_sample():
+    from torch.utils.data import Subset
+
+    from hydra_ddp.data.loading import draws_randomness
+    from hydra_ddp.data.sources import TokenWindows
+
+    windows = TokenWindows(torch.zeros(4, 9, dtype=torch.long))
+    assert not draws_randomness(windows) and not draws_randomness(Subset(windows, [0, 1]))
+    assert draws_randomness(Subset(data.ImageArrays.__new__(data.ImageArrays), [0]))  # may transform: seeded
+    sample = windows[2]
+    assert set(sample) == {"input_ids", "attention_mask", "labels"}
+    assert torch.equal(sample["labels"], sample["input_ids"])

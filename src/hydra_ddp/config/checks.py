@@ -16,6 +16,7 @@ from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import groups, targets
 from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError, first_line, root_cause
+from hydra_ddp.models import run_shapes_only
 from hydra_ddp.parallel import strategies
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.rundir import RunDir
@@ -64,9 +65,8 @@ def check(cfg: Any, run_dir: Path) -> None:
         raise UserError(f"logger={loggers!r}: name the loggers, e.g. logger=[tensorboard,csv] (options: conf/logger/)")
     for name, logger in (loggers or {}).items():
         targets.check(logger, f"logger.{name}")
-        for package, title, install in getattr(targets.locate(logger["_target_"], f"logger.{name}"), "requires", ()):
-            if importlib.util.find_spec(package) is None:
-                raise UserError(f"logger={name} needs {title} ({package}), which is not installed: {install}")
+        _check_requires(logger["_target_"], f"logger.{name}", f"logger={name}")
+    _check_requires(cfg.model["_target_"], "model", f"model={groups.chosen('model', cfg.model)}")
     if not data_cfg.even_shards:
         if trainer.accumulate > 1:
             raise UserError(
@@ -114,6 +114,14 @@ def _check_workflow(cfg: Any) -> None:
         checkpoints.check_init(cfg.model, Path(trainer.init_from), list(trainer.init_ignore))
 
 
+def _check_requires(target: str, key: str, choice: str) -> None:
+    """The packages a target declares it needs (its `requires`: (package, title, install line)s),
+    installed: else one line before launch that says how to install them."""
+    for package, title, install in getattr(targets.locate(target, key), "requires", ()):
+        if importlib.util.find_spec(package) is None:
+            raise UserError(f"{choice} needs {title} ({package}), which is not installed: {install}")
+
+
 def dry_build(cfg: Any) -> None:
     """train.py --check: what a worker builds before its first step, without a process group: the
     datasets, the model on the meta device (no memory, any size), one batch of two samples through
@@ -133,7 +141,12 @@ def dry_build(cfg: Any) -> None:
                 raise UserError(problem)
             batch = batches.collate(samples[:2])
             task.samples(batch)  # tensors that disagree on the batch size: one line here, not in a worker
-            loss = tasks.checked_loss(task, model, batches.to_device(batch, torch.device("meta")))
+            loss = run_shapes_only(  # on the CPU, for real, where the model reads its inputs' values
+                lambda: instantiate(cfg.model),
+                lambda built, inputs: tasks.checked_loss(task, built, inputs),
+                batches.to_device(batch, torch.device("meta")),
+                batch,
+            )
             if loss.dim() != 0:
                 raise UserError(f"{model_and_data}: the loss of one batch has shape {tuple(loss.shape)}, not a scalar")
     with _one_line(f"{groups.chosen('optim', cfg.optim)} does not build on the model's parameters"):

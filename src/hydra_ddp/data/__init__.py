@@ -34,6 +34,7 @@ from hydra_ddp.data.sources import (  # noqa: F401
     image_folder,
     mnist,
     python_source,
+    python_source_dicts,
     shapes,
     split_folders,
     synthetic,

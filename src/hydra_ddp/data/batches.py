@@ -115,6 +115,12 @@ def on_meta(batch: Any) -> Any:
     return map_tensors(lambda t: torch.empty_like(t, device="meta"), batch)
 
 
+def first_sample(batch: Any) -> Any:
+    """The batch's first sample, as a batch of one, copied to the CPU (its 0-D tensors whole): what
+    the FLOP count runs for real when a model cannot run on the meta device."""
+    return map_tensors(lambda t: (t[:1] if t.dim() > 0 else t).detach().to("cpu", copy=True), batch)
+
+
 def describe(batch: Any) -> str:
     """A batch's structure in a few words, for a message: 'a dict with keys input_ids, labels'."""
     if isinstance(batch, Mapping):

@@ -89,6 +89,34 @@ def python_source(
     )
 
 
+class TokenWindows(Dataset):
+    """Windows of tokens as the dict samples a Hugging Face causal language model takes:
+    `input_ids`, an all-ones `attention_mask`, and `labels` equal to the ids (the model shifts them)."""
+
+    draws_randomness = False  # no per-sample seeding needed (data/loading.py)
+
+    def __init__(self, windows: torch.Tensor):
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.windows[i]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def python_source_dicts(
+    context: int = 64, max_bytes: int = 262_144, test_fraction: float = 0.1, seed: int = 0
+) -> tuple[Dataset, Dataset]:
+    """python_source's windows of `context` + 1 bytes as dict samples (TokenWindows): the same
+    windows, so a model predicts the same `context` next bytes of each."""
+    splits = python_source(context, max_bytes, test_fraction, seed)
+    return tuple(  # type: ignore[return-value]
+        TokenWindows(torch.cat([inputs, targets[:, -1:]], 1)) for inputs, targets in (s.tensors for s in splits)
+    )
+
+
 def synthetic(
     train_size: int = 8192,
     test_size: int = 1024,

@@ -38,16 +38,25 @@ _MEASURE_S = 0.1  # the CPU peak's matmuls: the best of about this long
 _MEASURE_N = 256
 
 
-def count(build_model: Callable[[], torch.nn.Module], loss: Callable[[Any, Any], torch.Tensor], batch: Any) -> int:
-    """FLOPs of one forward and backward of the model on a batch (its tensors on the meta device:
-    shapes and dtypes only), through `loss(model, batch)`."""
+def count(
+    build_model: Callable[[], torch.nn.Module],
+    loss: Callable[[Any, Any], torch.Tensor],
+    batch: Any,
+    real_batch: Any = None,
+) -> int:
+    """FLOPs of one forward and backward of the model on a batch, through `loss(model, batch)`: on
+    the meta device (shapes and dtypes only; None: skipped), or for a model whose forward reads its
+    inputs' values, built on the CPU and run on `real_batch` (models.run_shapes_only)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with torch.device("meta"):
-        model = build_model()
-    with FlopCounterMode(display=False) as counter:
-        loss(model, batch).backward()
-    return int(counter.get_total_flops())
+    from hydra_ddp.models import run_shapes_only
+
+    def counted(model: torch.nn.Module, inputs: Any) -> int:
+        with FlopCounterMode(display=False) as counter:
+            loss(model, inputs).backward()
+        return int(counter.get_total_flops())
+
+    return run_shapes_only(build_model, counted, batch, real_batch)
 
 
 def gpu_peak(name: str, precision: str, tf32: bool) -> Optional[tuple[float, str]]:
@@ -134,6 +143,7 @@ def measure(
     loss: Callable[..., Any],
     batch: Any,
     samples: int,
+    sample: Any,
     samples_per_sec: Optional[float],
     precision: str,
     peak_flops: Optional[float],
@@ -141,13 +151,19 @@ def measure(
     device: torch.device,
 ) -> dict[str, Any]:
     """A run's model FLOPs per sample (the first batch, of `samples` samples, on the meta device:
-    `loss(model, batch)`) and its MFU, on every rank alike."""
+    `loss(model, batch)`; or its first `sample`, real, for a model that reads its inputs' values)
+    and its MFU, on every rank alike."""
     from hydra_ddp.parallel import distributed
 
     per_sample = None
     if batch is not None and samples:
         try:
-            per_sample = count(build_model, loss, batch) / samples
+            try:
+                per_sample = count(build_model, loss, batch) / samples
+            except (RuntimeError, NotImplementedError) as error:
+                if "meta" not in str(error) or sample is None:
+                    raise
+                per_sample = count(build_model, loss, None, sample)  # one real sample, on the CPU
         except Exception as e:  # noqa: BLE001  (a model that cannot be built or run on the meta device)
             log.warning("no FLOP count: the model does not run on the meta device (%s: %s)", type(e).__name__, e)
     value, source = peak(device, precision, torch.get_num_threads(), peak_flops)

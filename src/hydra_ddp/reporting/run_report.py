@@ -139,7 +139,11 @@ def format_summary(s: dict[str, Any]) -> str:
         rows += [(f"test {name}", f"{s[f'test_{name}']:.4f}") for name in names]
         rows[-1] = (rows[-1][0], f"{rows[-1][1]} ({s['test_samples']} samples; once, on the {on})")
     rows += [
-        ("throughput", f"{s['samples_per_sec']:.0f} samples/s"),
+        (
+            "throughput",
+            f"{s['samples_per_sec']:.0f} samples/s"
+            + (f" ({s['tokens_per_sec']:,.0f} tokens/s)" if s.get("tokens_per_sec") else ""),
+        ),
         *([("model FLOP/s", flops.line(s["flops"]))] if s.get("flops") and flops.line(s["flops"]) else []),
         *([("straggler", s["straggler"]["message"])] if s.get("straggler") else []),
         ("fast settings", ", ".join(name.split(".")[-1] for name, on in s.get("settings", {}).items() if on) or "none"),

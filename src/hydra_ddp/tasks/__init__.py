@@ -6,5 +6,6 @@ conf/task/*.yaml chooses one by `_target_`: the built-in ones below, or a user's
 """
 
 from hydra_ddp.tasks.base import RESERVED, Task, build, checked_loss, fit_targets, misfit  # noqa: F401
+from hydra_ddp.tasks.causal_lm import CausalLM  # noqa: F401
 from hydra_ddp.tasks.classification import Classification, LanguageModel  # noqa: F401
 from hydra_ddp.tasks.dense import Regression, Segmentation  # noqa: F401

@@ -70,6 +70,10 @@ class Task:
         dimension its tensors share. Say otherwise for per-batch metadata or packed sequences."""
         return batches.count(batch)
 
+    def tokens(self, batch: Any) -> Optional[int]:
+        """The tokens a batch trains on, for a throughput in tokens/s (None: the task counts none)."""
+        return None
+
     # --- what an output means ---
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The batch's training loss: a scalar (its gradient is the step's), best in float32."""

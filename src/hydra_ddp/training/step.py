@@ -40,13 +40,16 @@ class Step:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=str(settings.precision) == "16")  # fp16 only
         self.grad_clip = settings.grad_clip
         self.grad_norms: list[tuple[int, torch.Tensor]] = []  # (step, global norm before clipping), until logged
-        self.first_batch: Any = None  # its shapes on the meta device, for the FLOP count (reporting/flops.py)
+        # For the FLOP count (reporting/flops.py): the first batch on the meta device, and its first
+        # sample for real (for a model that cannot run on the meta device).
+        self.first_batch: Any = None
+        self.first_sample: Any = None
 
     def run(self, batch: Any, sync: bool, group: int, step: int) -> torch.Tensor:
         """Forward and backward of one batch; the optimizer makes step `step` on `sync` batches only.
         `group`: the batches of this optimizer step, whose mean loss its gradient is."""
         if not self.checked:
-            self.first_batch = batches.on_meta(batch)
+            self.first_batch, self.first_sample = batches.on_meta(batch), batches.first_sample(batch)
         batch = batches.to_device(batch, self.device, self.memory_format)
         with contextlib.nullcontext() if sync else self.strategy.no_sync():  # no all-reduce mid-accumulation
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):

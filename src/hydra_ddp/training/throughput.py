@@ -58,6 +58,7 @@ class Throughput:
         self.replicas = replicas  # different batches per step: local samples × replicas is the global count
         self.step_times: list[float] = []
         self.step_samples: list[int] = []
+        self.tokens = self.token_samples = 0  # a language model's: tokens per sample, for tokens/s
         self.first_step_at: Optional[float] = None
         self.last = time.perf_counter()
 
@@ -65,8 +66,10 @@ class Throughput:
         """An epoch's steps begin: the first step's time counts from here."""
         self.last = time.perf_counter()
 
-    def step_done(self, samples: int) -> None:
+    def step_done(self, samples: int, tokens: Optional[int] = None) -> None:
         now = time.perf_counter()
+        if tokens is not None:
+            self.tokens, self.token_samples = self.tokens + tokens, self.token_samples + samples
         self.step_times.append(now - self.last)
         self.step_samples.append(samples)
         self.last = now
@@ -83,4 +86,6 @@ class Throughput:
             "steady_samples_per_sec": self.samples_per_sec(warm),
             "median_step_time_s": statistics.median(self.step_times[warm:]) if self.step_times else 0.0,
             "train_time_s": sum(self.step_times),
+            # This rank's tokens per sample times the samples/s (a task that counts tokens: Task.tokens).
+            "tokens_per_sec": self.samples_per_sec() * self.tokens / self.token_samples if self.token_samples else None,
         }

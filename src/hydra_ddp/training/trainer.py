@@ -17,6 +17,7 @@ from tqdm import tqdm
 from hydra_ddp.checkpoint.saving import Saving
 from hydra_ddp.data import Loaders
 from hydra_ddp.monitor import Monitor
+from hydra_ddp.tasks import Task
 from hydra_ddp.training.parts import Parts
 from hydra_ddp.training.position import Position
 from hydra_ddp.training.profiling import profiling
@@ -181,20 +182,24 @@ class Trainer:
         """The epoch's batches; True when the ranks agreed to stop early."""
         accumulate = self.accumulate
         micro_losses: list[torch.Tensor] = []
-        samples = 0
+        samples, tokens = 0, None
+        task = self.step.task
+        counts_tokens = type(task).tokens is not Task.tokens
         self.throughput.start()
         for batch in self.timer.batches(self.loaders.train):
             self.pos.batch += 1
             # Gradients are all-reduced once per optimizer step, on its last batch.
             sync = self.pos.batch % accumulate == 0 or self.pos.batch == self.batches_per_epoch
             group = accumulation_group(self.pos.batch, accumulate, self.batches_per_epoch)
-            samples += self.step.task.samples(batch)  # samples, not targets (a sequence's tokens, an image's pixels)
+            samples += task.samples(batch)  # samples, not targets (a sequence's tokens, an image's pixels)
+            if counts_tokens:
+                tokens = (tokens or 0) + task.tokens(batch)
             micro_losses.append(self.step.run(batch, sync, group, self.pos.step + 1))
             if not sync:
                 continue
             loss = micro_losses[0] if len(micro_losses) == 1 else torch.stack(micro_losses).mean()
-            self.throughput.step_done(samples)
-            micro_losses, samples = [], 0
+            self.throughput.step_done(samples, tokens)
+            micro_losses, samples, tokens = [], 0, None
             self.pos.step += 1
             self.timer.end_step()
             if self.profiler is not None:

@@ -272,6 +272,7 @@ def _train(
                 lambda model, batch: task.loss(*task.forward(model, batch)),
                 trainer.step.first_batch,
                 task.samples(trainer.step.first_batch) if trainer.step.first_batch is not None else 0,
+                trainer.step.first_sample,
                 result.get("steady_samples_per_sec") or result.get("samples_per_sec"),
                 str(cfg.trainer.precision),
                 cfg.trainer.peak_flops,

@@ -69,9 +69,16 @@ def shard(module: nn.Module, settings: Any, mesh: Any) -> None:
 
 def shard_units(module: nn.Module) -> list[nn.Module]:
     """The modules FSDP shards one by one (their parameters gathered together): the model's own
-    choice (a `shard_units()` method, e.g. a transformer's blocks), else each child with parameters."""
+    choice (a `shard_units()` method, e.g. a transformer's blocks); for a Hugging Face model, its
+    decoder layers (the classes its `_no_split_modules` names, as Accelerate wraps them); else each
+    child with parameters."""
     if hasattr(module, "shard_units"):
         return list(module.shard_units())
+    layer_classes = set(getattr(module, "_no_split_modules", None) or ())
+    if layer_classes:
+        layers = [m for m in module.modules() if type(m).__name__ in layer_classes]
+        if layers:
+            return layers
     return [child for child in module.children() if any(True for _ in child.parameters())]
 
 
