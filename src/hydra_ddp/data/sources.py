@@ -107,11 +107,11 @@ class TokenWindows(Dataset):
 
 
 def python_source_dicts(
-    context: int = 64, max_bytes: int = 262_144, test_fraction: float = 0.1, seed: int = 0
+    tokens: int = 65, max_bytes: int = 262_144, test_fraction: float = 0.1, seed: int = 0
 ) -> tuple[Dataset, Dataset]:
-    """python_source's windows of `context` + 1 bytes as dict samples (TokenWindows): the same
-    windows, so a model predicts the same `context` next bytes of each."""
-    splits = python_source(context, max_bytes, test_fraction, seed)
+    """python_source's windows as dict samples (TokenWindows) of `tokens` ids each: with tokens =
+    context + 1, the same windows as data=text's, a model predicting the same `context` next bytes."""
+    splits = python_source(tokens - 1, max_bytes, test_fraction, seed)
     return tuple(  # type: ignore[return-value]
         TokenWindows(torch.cat([inputs, targets[:, -1:]], 1)) for inputs, targets in (s.tensors for s in splits)
     )

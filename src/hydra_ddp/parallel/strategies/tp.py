@@ -44,7 +44,7 @@ def check_plan(cfg: Any, strategy: type[Strategy]) -> None:
         ) from None
     try:
         tp_plan = getattr(model, "tp_plan", None)
-        if tp_plan is None:
+        if not callable(tp_plan):  # a transformers model's tp_plan is its own (a dict), not this plan
             raise UserError(
                 f"strategy={strategy.name} needs a model with a tensor-parallel plan (a tp_plan method, as "
                 f"model=gpt has); {cfg.model['_target_']} has none: use strategy=ddp or fsdp"
