@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# conf/model/hf_llama.yaml's fields, with data=text_dicts' vocabulary and its default context.
+# conf/model/hf_llama.yaml's fields, with data=text_dicts' vocabulary.
 LLAMA = dict(
     architecture="llama",
     vocab_size=256,

@@ -1,7 +1,7 @@
 """A Hugging Face transformers causal language model end to end (+experiment=hf_llama: a small Llama
 config, no download, vocabulary 256 over the byte-level text): dict batches with an attention mask,
 the model computing its own loss, with accumulation and bf16 autocast under DDP and FSDP (its decoder
-layers the sharding units); SIGTERM'd and resumed bit for bit; eval.py reproducing the run's test
+layers the sharding units; its samples preloaded); SIGTERM'd and resumed bit for bit; eval.py reproducing the run's test
 metrics bit for bit at another world size; the FLOP count and tokens/s in its summary."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ COMMON = (
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_transformers_model_trains_resumes_after_sigterm_and_evaluates_exactly(tmp_path: Path, strategy: str):
-    common = (*COMMON, f"strategy={strategy}")
+    # FSDP's run also preloads its dict samples (whole tensors sliced per batch, a TensorTree).
+    common = (*COMMON, f"strategy={strategy}", f"data.preload={strategy == 'fsdp'}")
     straight = tmp_path / "straight"
     check_ok(run_train(straight, *common, timeout=300))
     s = summary(straight)

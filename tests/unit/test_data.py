@@ -188,11 +188,39 @@ def test_a_dataset_that_draws_no_randomness_is_not_seeded_per_sample():
     from torch.utils.data import Subset
 
     from hydra_ddp.data.loading import draws_randomness
-    from hydra_ddp.data.sources import TokenWindows
 
-    windows = TokenWindows(torch.zeros(4, 9, dtype=torch.long))
-    assert not draws_randomness(windows) and not draws_randomness(Subset(windows, [0, 1]))
+    class Plain(torch.utils.data.Dataset):
+        draws_randomness = False
+
+    assert not draws_randomness(Plain()) and not draws_randomness(Subset(Plain(), [0, 1]))
     assert draws_randomness(Subset(data.ImageArrays.__new__(data.ImageArrays), [0]))  # may transform: seeded
-    sample = windows[2]
-    assert set(sample) == {"input_ids", "attention_mask", "labels"}
-    assert torch.equal(sample["labels"], sample["input_ids"])
+
+
+def test_a_tensor_tree_preloads_and_slices_as_a_dataloader_batches_it():
+    """Dict samples held as whole tensors (data=text_dicts): the preloaded batches, the carved
+    validation rows and the evaluation chunks are the DataLoader's, bit for bit."""
+    from torch.utils.data import DataLoader
+
+    from hydra_ddp.data.batches import TensorTree, collate
+    from hydra_ddp.data.loading import TensorBatches, carve
+
+    ids = torch.arange(40).view(10, 4)
+    tree = TensorTree({"input_ids": ids, "labels": ids * 2})
+    assert len(tree) == 10 and torch.equal(tree[3]["labels"], ids[3] * 2)
+    sampler = list(torch.randperm(10, generator=torch.Generator().manual_seed(0)))
+    sliced = list(TensorBatches(tree.tree, sampler, 4, drop_last=False))
+    loaded = list(DataLoader(tree, batch_size=4, sampler=sampler, collate_fn=collate))
+    assert len(sliced) == len(loaded) == 3
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(sliced, loaded) for k in ("input_ids", "labels"))
+    kept, held = carve(tree, 0.3, seed=0)
+    assert isinstance(kept, TensorTree) and len(kept) == 7 and len(held) == 3
+    for preload in (True, False):
+        split = data.EvalSplit(held, 2, RankInfo(0, 1, 0, 1), torch.device("cpu"), preload, {})
+        assert [b["input_ids"].tolist() for _, _, b in split] == [
+            held.tree["input_ids"][:2].tolist(),
+            held.tree["input_ids"][2:].tolist(),
+        ]
+        assert split.filler()["labels"].shape == (1, 4)
+    windows = data.python_source_dicts(tokens=9, max_bytes=4096)[0]
+    assert isinstance(windows, TensorTree) and set(windows[0]) == {"input_ids", "attention_mask", "labels"}
+    assert windows[0]["input_ids"].shape == (9,) and torch.equal(windows[0]["labels"], windows[0]["input_ids"])

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from hydra_ddp.errors import UserError
 
@@ -134,3 +134,43 @@ def describe(batch: Any) -> str:
     if isinstance(batch, torch.Tensor):
         return f"one tensor of shape {tuple(batch.shape)}"
     return f"a {type(batch).__name__}"
+
+
+class TensorTree(Dataset):
+    """A dataset held as one tree of whole tensors sharing their first dimension (a dict of tensors,
+    say): sample i is the tree of each tensor's row i. Like a TensorDataset (a tuple of tensors), it
+    is sliced whole: `data.preload=true` puts it on the device and cuts each batch with one index."""
+
+    draws_randomness = False  # no per-sample seeding (data/loading.py)
+
+    def __init__(self, tree: Any):
+        self.tree = tree
+        self.length = count(tree)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: Any) -> Any:
+        return take(self.tree, index)
+
+
+def take(tree: Any, index: Any) -> Any:
+    """Each tensor of a tree indexed alike (rows, a slice): a batch cut from whole tensors."""
+    return map_tensors(lambda t: t[index], tree)
+
+
+def whole(dataset: Dataset) -> Any:
+    """The tree of whole tensors a dataset is held as (a TensorDataset's tuple, a TensorTree's
+    tree), or None."""
+    if isinstance(dataset, TensorDataset):
+        return tuple(dataset.tensors)
+    if isinstance(dataset, TensorTree):
+        return dataset.tree
+    return None
+
+
+def rows(dataset: Dataset, index: Any) -> Dataset:
+    """A whole-tensor dataset's rows `index`, still whole tensors (of the same kind)."""
+    if isinstance(dataset, TensorDataset):
+        return TensorDataset(*(t[index] for t in dataset.tensors))
+    return TensorTree(take(whole(dataset), index))

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from hydra_ddp.data import batches
 from hydra_ddp.data.sampling import (
@@ -49,7 +49,7 @@ class EvalSplit:
         self.rounds = math.ceil(self.num_chunks / rank.world_size)  # the most chunks any rank holds
         self.dataset = dataset
         self.passes = 0
-        self.tensors = tuple(t.to(device) for t in dataset.tensors) if preload else None  # type: ignore[attr-defined]
+        self.tensors = batches.map_tensors(lambda t: t.to(device), batches.whole(dataset)) if preload else None
         self.collate = loader_options.get("collate_fn", batches.collate)
         self.loader = (
             None
@@ -67,7 +67,7 @@ class EvalSplit:
         """One sample as a batch: the batch of the forwards a rank runs past its own chunks when every
         rank must run as many (a sharded model gathers its parameters in each)."""
         if self.tensors is not None:
-            return tuple(t[:1] for t in self.tensors)
+            return batches.take(self.tensors, slice(0, 1))
         return self.collate([self.dataset[0]])
 
     def __iter__(self) -> Iterator[tuple[int, int, Any]]:
@@ -75,17 +75,18 @@ class EvalSplit:
         if self.tensors is not None:
             for chunk in self.chunks:
                 where = self._indices(chunk)
-                yield chunk, where.start, tuple(t[where.start : where.stop] for t in self.tensors)
+                yield chunk, where.start, batches.take(self.tensors, slice(where.start, where.stop))
         else:
             for chunk, batch in zip(self.chunks, self.loader):
                 yield chunk, chunk * self.batch_size, batch
 
 
 class TensorBatches:
-    """Batches sliced from whole tensors (a preloaded TensorDataset): one indexing op per batch
-    instead of a Python call per sample. Same sampler, same order: the same batches as a DataLoader."""
+    """Batches sliced from whole tensors (a preloaded TensorDataset or TensorTree): one indexing op
+    per tensor per batch instead of a Python call per sample. Same sampler, same order: the same
+    batches as a DataLoader."""
 
-    def __init__(self, tensors: tuple[torch.Tensor, ...], sampler: Sampler[int], batch_size: int, drop_last: bool):
+    def __init__(self, tensors: Any, sampler: Sampler[int], batch_size: int, drop_last: bool):
         self.tensors, self.sampler, self.batch_size, self.drop_last = tensors, sampler, batch_size, drop_last
 
     def __len__(self) -> int:
@@ -93,10 +94,11 @@ class TensorBatches:
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        indices = torch.tensor(list(self.sampler), dtype=torch.long, device=self.tensors[0].device)
+        device = next(batches.leaves(self.tensors))[1].device
+        indices = torch.tensor(list(self.sampler), dtype=torch.long, device=device)
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             batch = indices[start : start + self.batch_size]
-            yield tuple(t[batch] for t in self.tensors)
+            yield batches.take(self.tensors, batch)
 
 
 class Loaders(NamedTuple):
@@ -126,11 +128,7 @@ def build_datasets(data_cfg: Any, rank: RankInfo, seed: int) -> dict[str, Option
     train, *val, test = splits
     if data_cfg.overfit_batches:  # the first samples, trained and validated on: loss must reach ~0
         n = min(len(train), data_cfg.overfit_batches * data_cfg.batch_size * rank.world_size)
-        train = (
-            TensorDataset(*(t[:n] for t in train.tensors))
-            if isinstance(train, TensorDataset)
-            else Subset(train, list(range(n)))
-        )
+        train = batches.rows(train, slice(0, n)) if batches.whole(train) is not None else Subset(train, list(range(n)))
         return {"train": train, "val": train, "test": test}
     fraction = data_cfg.val_fraction
     if fraction == 0:
@@ -150,8 +148,8 @@ def carve(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]
         raise UserError(f"data.val_fraction={fraction} leaves no training samples out of {n}; choose a smaller one")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     keep, held_out = order[n_val:].sort().values, order[:n_val].sort().values  # in dataset order
-    if isinstance(train, TensorDataset):
-        return TensorDataset(*(t[keep] for t in train.tensors)), TensorDataset(*(t[held_out] for t in train.tensors))
+    if batches.whole(train) is not None:
+        return batches.rows(train, keep), batches.rows(train, held_out)
     return Subset(train, keep.tolist()), Subset(train, held_out.tolist())
 
 
@@ -189,8 +187,11 @@ def eval_split(dataset: Dataset, data_cfg: Any, rank: RankInfo, seed: int, devic
 
 
 def _preloaded(dataset: Dataset, data_cfg: Any) -> bool:
-    if data_cfg.preload and not isinstance(dataset, TensorDataset):
-        raise UserError("data.preload=true needs in-memory TensorDatasets (digits, synthetic); set it false")
+    if data_cfg.preload and batches.whole(dataset) is None:
+        raise UserError(
+            "data.preload=true needs datasets held as whole tensors (a TensorDataset, as digits and synthetic "
+            "give, or a data.batches.TensorTree, as text_dicts gives); set it false"
+        )
     return bool(data_cfg.preload)
 
 
@@ -213,7 +214,7 @@ def build_loaders(
     # In-memory tensors draw no randomness per sample: they are sliced whole (data.preload), unwrapped.
     # So are datasets that say they draw none (`draws_randomness = False`: no transform, no sampling):
     # seeding torch's generator per sample costs about 0.2 ms a sample on a CPU.
-    seeded = not isinstance(train_set, TensorDataset) and draws_randomness(train_set)
+    seeded = batches.whole(train_set) is None and draws_randomness(train_set)
     train_sampler = ResumableDistributedSampler(
         train_set,
         num_replicas=shard.world_size,
@@ -227,7 +228,7 @@ def build_loaders(
         eval_split(splits[s], data_cfg, shard, seed, device) if splits[s] is not None else None for s in ("val", "test")
     )
     if _preloaded(train_set, data_cfg):
-        on_device = tuple(t.to(device) for t in train_set.tensors)  # type: ignore[attr-defined]
+        on_device = batches.map_tensors(lambda t: t.to(device), batches.whole(train_set))
         train: Iterable = TensorBatches(on_device, train_sampler, data_cfg.batch_size, data_cfg.drop_last)
     else:
         train = DataLoader(

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset, TensorDataset
 
+from hydra_ddp.data.batches import TensorTree
 from hydra_ddp.errors import UserError
 
 SPLITS = ("train", "val", "test")
@@ -89,32 +90,19 @@ def python_source(
     )
 
 
-class TokenWindows(Dataset):
-    """Windows of tokens as the dict samples a Hugging Face causal language model takes:
-    `input_ids`, an all-ones `attention_mask`, and `labels` equal to the ids (the model shifts them)."""
-
-    draws_randomness = False  # no per-sample seeding needed (data/loading.py)
-
-    def __init__(self, windows: torch.Tensor):
-        self.windows = windows
-
-    def __len__(self) -> int:
-        return len(self.windows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = self.windows[i]
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-
-
 def python_source_dicts(
     tokens: int = 65, max_bytes: int = 262_144, test_fraction: float = 0.1, seed: int = 0
 ) -> tuple[Dataset, Dataset]:
-    """python_source's windows as dict samples (TokenWindows) of `tokens` ids each: with tokens =
-    context + 1, the same windows as data=text's, a model predicting the same `context` next bytes."""
+    """python_source's windows as the dict samples a Hugging Face causal language model takes, of
+    `tokens` ids each (with tokens = context + 1, data=text's windows): `input_ids`, an all-ones
+    `attention_mask`, and `labels` equal to the ids (the model shifts them). Held as whole tensors
+    (a TensorTree), so data.preload works."""
     splits = python_source(tokens - 1, max_bytes, test_fraction, seed)
-    return tuple(  # type: ignore[return-value]
-        TokenWindows(torch.cat([inputs, targets[:, -1:]], 1)) for inputs, targets in (s.tensors for s in splits)
-    )
+    trees = []
+    for inputs, targets in (split.tensors for split in splits):
+        ids = torch.cat([inputs, targets[:, -1:]], 1)
+        trees.append(TensorTree({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}))
+    return trees[0], trees[1]
 
 
 def synthetic(
