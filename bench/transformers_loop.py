@@ -47,7 +47,7 @@ def _worker(rank: int, port: int, steps: int, warm: int, out: str) -> None:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from hydra_ddp.data import python_source_dicts
-    from hydra_ddp.models import causal_lm
+    from hydra_ddp.hf import causal_lm
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from hydra_ddp.errors import UserError, first_line
 
 
 class MnistCNN(nn.Module):
@@ -171,49 +168,3 @@ class _Block(nn.Module):
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         h = h + self.proj(attended.transpose(1, 2).reshape(batch, time, -1))
         return h + self.fc2(F.gelu(self.fc1(self.norm2(h))))
-
-
-def causal_lm(architecture: str = "llama", attn_implementation: str = "sdpa", **config: Any) -> nn.Module:
-    """A Hugging Face `transformers` causal language model built from its config class, no download:
-    `architecture` names the config (llama: LlamaConfig, gpt2: GPT2Config, ...; any of AutoConfig's
-    model types) and `config` its fields. Its weights are initialised here, from torch's generator."""
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError:
-        raise UserError("model=hf_llama needs Hugging Face transformers: pip install -e '.[transformers]'") from None
-    try:
-        settings = AutoConfig.for_model(architecture, **config)
-    except ValueError as error:
-        raise UserError(f"model.architecture={architecture!r}: {first_line(error)}") from None
-    return AutoModelForCausalLM.from_config(settings, attn_implementation=attn_implementation)
-
-
-causal_lm.requires = (("transformers", "Hugging Face transformers", "pip install -e '.[transformers]'"),)  # type: ignore[attr-defined]
-
-
-# A model whose forward reads its inputs' values (a Hugging Face attention mask checked for padding)
-# cannot run on the meta device; the FLOP count and train.py --check then build it for real on the
-# CPU, up to this many parameters (1 GiB in float32), and run one real batch.
-CPU_FALLBACK_PARAMETERS = 2**28
-
-
-def run_shapes_only(build_model: Any, fn: Any, meta_batch: Any, real_batch: Any) -> Any:
-    """fn(model, batch) with the model built on the meta device (no memory, any size) and the batch's
-    shapes; for a model whose forward reads its inputs' values, with the model built on the CPU and
-    `real_batch` (None: the meta error stands; a meta_batch of None goes to the CPU at once).
-    Raises what fn raises."""
-    with torch.device("meta"):
-        model = build_model()
-    if meta_batch is not None:
-        try:
-            return fn(model, meta_batch)
-        except (RuntimeError, NotImplementedError) as error:
-            if "meta" not in str(error) or real_batch is None:
-                raise
-    parameters = sum(p.numel() for p in model.parameters())
-    if parameters > CPU_FALLBACK_PARAMETERS:
-        raise RuntimeError(
-            f"its forward reads its inputs' values, and at {parameters:,} parameters it is too large "
-            "to run on the CPU instead of the meta device"
-        )
-    return fn(build_model(), real_batch)

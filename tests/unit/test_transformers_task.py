@@ -8,8 +8,9 @@ import torch
 
 from hydra_ddp.config import checks
 from hydra_ddp.errors import UserError
-from hydra_ddp.models import causal_lm, run_shapes_only
+from hydra_ddp.hf import causal_lm
 from hydra_ddp.parallel.strategies.fsdp import shard_units
+from hydra_ddp.reporting.flops import run_shapes_only
 from hydra_ddp.tasks import CausalLM
 
 pytest.importorskip("transformers")  # the extra: .ci/run installs it; under CI=true a skip fails
@@ -65,11 +66,11 @@ def test_a_model_that_reads_its_inputs_values_runs_on_the_cpu_instead_of_meta():
 
 
 def test_a_models_missing_package_is_one_line_before_launch(monkeypatch):
-    from hydra_ddp import models
+    from hydra_ddp import hf as models
 
     monkeypatch.setattr(models.causal_lm, "requires", (("no_such_package_42", "Nothing", "pip install nothing"),))
     with pytest.raises(UserError, match=r"model=hf_llama needs Nothing \(no_such_package_42\), which is not installed"):
-        checks._check_requires("hydra_ddp.models.causal_lm", "model", "model=hf_llama")
+        checks._check_requires("hydra_ddp.hf.causal_lm", "model", "model=hf_llama")
 
 
 def test_an_unknown_architecture_is_one_line():

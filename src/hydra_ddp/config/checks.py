@@ -16,9 +16,9 @@ from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import groups, targets
 from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError, first_line, root_cause
-from hydra_ddp.models import run_shapes_only
 from hydra_ddp.parallel import strategies
 from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.reporting.flops import run_shapes_only
 from hydra_ddp.rundir import RunDir
 
 

@@ -38,6 +38,34 @@ _MEASURE_S = 0.1  # the CPU peak's matmuls: the best of about this long
 _MEASURE_N = 256
 
 
+# A model whose forward reads its inputs' values (a Hugging Face attention mask checked for padding)
+# cannot run on the meta device; the FLOP count and train.py --check then build it for real on the
+# CPU, up to this many parameters (1 GiB in float32), and run one real batch.
+CPU_FALLBACK_PARAMETERS = 2**28
+
+
+def run_shapes_only(build_model: Any, fn: Any, meta_batch: Any, real_batch: Any) -> Any:
+    """fn(model, batch) with the model built on the meta device (no memory, any size) and the batch's
+    shapes; for a model whose forward reads its inputs' values, with the model built on the CPU and
+    `real_batch` (None: the meta error stands; a meta_batch of None goes to the CPU at once).
+    Raises what fn raises."""
+    with torch.device("meta"):
+        model = build_model()
+    if meta_batch is not None:
+        try:
+            return fn(model, meta_batch)
+        except (RuntimeError, NotImplementedError) as error:
+            if "meta" not in str(error) or real_batch is None:
+                raise
+    parameters = sum(p.numel() for p in model.parameters())
+    if parameters > CPU_FALLBACK_PARAMETERS:
+        raise RuntimeError(
+            f"its forward reads its inputs' values, and at {parameters:,} parameters it is too large "
+            "to run on the CPU instead of the meta device"
+        )
+    return fn(build_model(), real_batch)
+
+
 def count(
     build_model: Callable[[], torch.nn.Module],
     loss: Callable[[Any, Any], torch.Tensor],
@@ -46,10 +74,8 @@ def count(
 ) -> int:
     """FLOPs of one forward and backward of the model on a batch, through `loss(model, batch)`: on
     the meta device (shapes and dtypes only; None: skipped), or for a model whose forward reads its
-    inputs' values, built on the CPU and run on `real_batch` (models.run_shapes_only)."""
+    inputs' values, built on the CPU and run on `real_batch` (run_shapes_only)."""
     from torch.utils.flop_counter import FlopCounterMode
-
-    from hydra_ddp.models import run_shapes_only
 
     def counted(model: torch.nn.Module, inputs: Any) -> int:
         with FlopCounterMode(display=False) as counter:
