@@ -24,19 +24,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 REPO = Path(__file__).resolve().parents[1]
-# conf/model/hf_llama.yaml's fields, with data=text_dicts' vocabulary.
-LLAMA = dict(
-    architecture="llama",
-    vocab_size=256,
-    max_position_embeddings=128,
-    hidden_size=64,
-    intermediate_size=172,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    tie_word_embeddings=False,
-)
+# The experiment's model: conf/model/hf_llama.yaml's fields, its vocabulary data=text_dicts'.
+LLAMA = {
+    key: value
+    for key, value in OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "hf_llama.yaml")).items()
+    if key not in ("_target_", "vocab_size")  # its vocabulary is an interpolation of the data's
+} | {"vocab_size": OmegaConf.load(REPO / "conf" / "data" / "text_dicts.yaml").num_classes}
 BATCH, NPROC = 32, 2
 
 

@@ -49,7 +49,7 @@ class EvalSplit:
         self.rounds = math.ceil(self.num_chunks / rank.world_size)  # the most chunks any rank holds
         self.dataset = dataset
         self.passes = 0
-        self.tensors = batches.map_tensors(lambda t: t.to(device), batches.whole(dataset)) if preload else None
+        self.tensors = batches.to_device(batches.whole(dataset), device) if preload else None
         self.collate = loader_options.get("collate_fn", batches.collate)
         self.loader = (
             None
@@ -228,7 +228,7 @@ def build_loaders(
         eval_split(splits[s], data_cfg, shard, seed, device) if splits[s] is not None else None for s in ("val", "test")
     )
     if _preloaded(train_set, data_cfg):
-        on_device = batches.map_tensors(lambda t: t.to(device), batches.whole(train_set))
+        on_device = batches.to_device(batches.whole(train_set), device)
         train: Iterable = TensorBatches(on_device, train_sampler, data_cfg.batch_size, data_cfg.drop_last)
     else:
         train = DataLoader(

@@ -182,7 +182,7 @@ class Trainer:
         """The epoch's batches; True when the ranks agreed to stop early."""
         accumulate = self.accumulate
         micro_losses: list[torch.Tensor] = []
-        samples, tokens = 0, None
+        samples, tokens = 0, 0
         task = self.step.task
         counts_tokens = type(task).tokens is not Task.tokens
         self.throughput.start()
@@ -193,13 +193,13 @@ class Trainer:
             group = accumulation_group(self.pos.batch, accumulate, self.batches_per_epoch)
             samples += task.samples(batch)  # samples, not targets (a sequence's tokens, an image's pixels)
             if counts_tokens:
-                tokens = (tokens or 0) + task.tokens(batch)
+                tokens += task.tokens(batch)
             micro_losses.append(self.step.run(batch, sync, group, self.pos.step + 1))
             if not sync:
                 continue
             loss = micro_losses[0] if len(micro_losses) == 1 else torch.stack(micro_losses).mean()
-            self.throughput.step_done(samples, tokens)
-            micro_losses, samples, tokens = [], 0, None
+            self.throughput.step_done(samples, tokens if counts_tokens else None)
+            micro_losses, samples, tokens = [], 0, 0
             self.pos.step += 1
             self.timer.end_step()
             if self.profiler is not None:
