@@ -216,6 +216,25 @@ BAD = [
         setting("logger.csv.no_such_argument", 1),
         "logger.csv (hydra_ddp.reporting.loggers.CSV): got an unexpected keyword",
     ),
+    (setting("param_groups.no_decay", "biases"), "param_groups.no_decay='biases': none, auto"),
+    (setting("param_groups.no_decay", []), "param_groups.no_decay=[]: give one or more name patterns"),
+    (
+        setting("param_groups.no_decay", ["*.bias", "*.gamma"]),
+        "param_groups.no_decay: *.gamma names none of the model's parameters (conv1.weight,",
+    ),
+    (
+        both(
+            setting("scheduler", {"_target_": "hydra_ddp.recipe.schedules.warmup_cosine", "_partial_": True}),
+            setting("scheduler.warmup_steps", 40),
+            setting("trainer.max_steps", 30),
+        ),
+        "scheduler=warmup_cosine: a warmup of 40 steps is not shorter than the run's 30 optimizer steps",
+    ),
+    (
+        setting("strategy.activation_checkpointing", "full"),
+        "strategy.activation_checkpointing=full needs a model that names its blocks",
+    ),
+    (setting("strategy.activation_checkpointing", "half"), "strategy.activation_checkpointing='half': choose one"),
 ]
 
 
@@ -326,7 +345,8 @@ def test_fsdp_tp_is_fsdp_with_a_tensor_parallel_size_and_eval_composes_without_a
 
     assert composition.one_line(other.value) == (
         "strategy.comm_hook: strategy=fsdp has no such setting (its settings: reshard_after_forward, "
-        "mixed_precision, cpu_offload); another strategy's knob does not apply to this one"
+        "mixed_precision, cpu_offload, activation_checkpointing, activation_checkpointing_every); another "
+        "strategy's knob does not apply to this one"
     )
     assert "optim" not in evaluation and "scheduler" not in evaluation or evaluation.scheduler is None
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
 
 from hydra_ddp import data, tasks
 from hydra_ddp.checkpoint import files as checkpoints
@@ -18,6 +19,8 @@ from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError, first_line, root_cause
 from hydra_ddp.parallel import strategies
 from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.recipe import optimizer as optimizers
+from hydra_ddp.recipe import schedules
 from hydra_ddp.reporting.flops import run_shapes_only
 from hydra_ddp.rundir import RunDir
 
@@ -56,6 +59,7 @@ def check(cfg: Any, run_dir: Path) -> None:
         raise UserError("trainer.precision=16 needs a GPU (fp16 autocast with a GradScaler); on the CPU use bf16")
     _check_workflow(cfg)
     _check_loading(data_cfg)
+    _check_recipe(cfg)
     world = trainer.nproc * launcher.nnodes
     ranks = cfg.profiler.ranks
     if ranks is not None and not all(isinstance(r, int) and 0 <= r < world for r in ranks):
@@ -114,6 +118,38 @@ def _check_workflow(cfg: Any) -> None:
         checkpoints.check_init(cfg.model, Path(trainer.init_from), list(trainer.init_ignore))
 
 
+def _check_recipe(cfg: Any) -> None:
+    """The optimizer's groups and the schedule: settings that name the model's parameters, or a
+    length the run must have."""
+    no_decay = cfg.param_groups.no_decay
+    patterns = no_decay if isinstance(no_decay, (list, tuple)) else None
+    if patterns is None and no_decay not in (optimizers.NONE, optimizers.AUTO):
+        raise UserError(
+            f"param_groups.no_decay={no_decay!r}: none, auto (biases, norms, embeddings), or a list of the "
+            'model\'s parameter-name patterns, e.g. param_groups.no_decay=["*.bias","*norm*"]'
+        )
+    if patterns is not None:
+        if not patterns or not all(isinstance(p, str) and p for p in patterns):
+            raise UserError(f"param_groups.no_decay={list(patterns)}: give one or more name patterns (or none, auto)")
+        try:
+            with torch.device("meta"):
+                model = instantiate(cfg.model)
+        except Exception:  # noqa: BLE001  (a model that does not build is the dry build's, or the run's, to report)
+            return
+        missing = optimizers.unmatched(model, list(patterns))
+        if missing:
+            names = [name for name, _ in model.named_parameters()]
+            raise UserError(
+                f"param_groups.no_decay: {', '.join(missing)} names none of the model's parameters "
+                f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}); use its parameters' names"
+            )
+    if cfg.trainer.max_steps and schedules.takes_length(cfg.scheduler):
+        # The run's full length needs its data; trainer.max_steps bounds it now (the workers check the rest).
+        with torch.device("meta"):
+            optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        schedules.build(cfg.scheduler, optimizer, cfg.trainer.max_steps)
+
+
 def _check_requires(target: str, key: str, choice: str) -> None:
     """The packages a target declares it needs (its `requires`: (package, title, install line)s),
     installed: else one line before launch that says how to install them."""
@@ -126,8 +162,6 @@ def dry_build(cfg: Any) -> None:
     """train.py --check: what a worker builds before its first step, without a process group: the
     datasets, the model on the meta device (no memory, any size), one batch of two samples through
     it and the task's loss, the optimizer and the schedule. What fails is one line."""
-    from hydra.utils import instantiate
-
     model_and_data = f"{groups.chosen('model', cfg.model)} with {groups.chosen('data', cfg.data.dataset)}"
     task = tasks.build(cfg.task)
     with _one_line(f"{model_and_data} does not build and run one batch (checked on the meta device)"):
@@ -150,10 +184,10 @@ def dry_build(cfg: Any) -> None:
             if loss.dim() != 0:
                 raise UserError(f"{model_and_data}: the loss of one batch has shape {tuple(loss.shape)}, not a scalar")
     with _one_line(f"{groups.chosen('optim', cfg.optim)} does not build on the model's parameters"):
-        optimizer = instantiate(cfg.optim)(model.parameters())
+        optimizer = optimizers.build(cfg.optim, cfg.param_groups.no_decay, model, model)
     if cfg.scheduler is not None:
         with _one_line(f"{groups.chosen('scheduler', cfg.scheduler)} does not build on the optimizer"):
-            instantiate(cfg.scheduler)(optimizer)
+            schedules.build(cfg.scheduler, optimizer, cfg.trainer.max_steps or 1_000_000)  # the workers' length
 
 
 @contextlib.contextmanager

@@ -71,6 +71,7 @@ class RunConfig(Section):
     task: Any = None
     model: Any = None
     optim: Any = None
+    param_groups: schema.ParamGroupsConf = field(default_factory=schema.ParamGroupsConf)
     scheduler: Any = None
     logger: Any = field(default_factory=dict)
     job: str = "train"  # one of JOBS

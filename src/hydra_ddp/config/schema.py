@@ -118,6 +118,15 @@ class CheckpointConf(Section):
 
 
 @dataclass
+class ParamGroupsConf(Section):
+    # The parameters that get no weight decay (the optimizer's weight_decay goes to the others):
+    # none (every parameter decays, as torch's optimizers do); auto (biases, every norm layer's
+    # weights and embeddings: the field's default, as nanoGPT's and timm's); or a list of name
+    # patterns of the model's own parameter names (fnmatch: ["*.bias", "*norm*"]).
+    no_decay: Annotated[Any, Checked("recipe.optimizer: none, auto or a list of name patterns")] = "none"
+
+
+@dataclass
 class EarlyStoppingConf(Section):
     # Stop after this many validations in a row without an improvement of trainer.monitor by more
     # than min_delta (null: never). All ranks stop at the same step: the metric is global.
@@ -247,6 +256,8 @@ class Config(Section):
     task: Annotated[Any, TARGET] = MISSING
     model: Annotated[Any, TARGET] = MISSING
     optim: Annotated[Any, TARGET] = MISSING
+    # How the optimizer groups the model's parameters (its config is `optim`'s constructor arguments).
+    param_groups: ParamGroupsConf = field(default_factory=ParamGroupsConf)
     scheduler: Annotated[Any, TARGET] = None
     # Rank 0's loggers, by name (conf/logger/: tensorboard, csv, mlflow, wandb), each a `_target_` class.
     logger: Annotated[Any, Checked("config.checks: names of conf/logger/ options, each a _target_ config")] = field(

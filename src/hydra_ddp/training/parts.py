@@ -1,5 +1,5 @@
 """What a worker builds for the loop from the run's config, handed over as one object: the task, the
-model as the strategy spreads it, the optimizer and schedule, the loaders, rank 0's reporter, the
+model as the strategy spreads it, the optimizer and schedule, the loaders and the run's length, rank 0's reporter, the
 checkpointer, and where and how the run executes (device, memory format, the stop request)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from hydra_ddp.data import Loaders
 from hydra_ddp.parallel.strategies import Strategy
 from hydra_ddp.reporting.run_report import Reporter
 from hydra_ddp.tasks import Task
+from hydra_ddp.training.length import RunLength
 from hydra_ddp.training.stop import StopRequest
 
 
@@ -26,6 +27,7 @@ class Parts:
     optimizer: torch.optim.Optimizer
     scheduler: Optional[Any]
     loaders: Loaders
+    length: RunLength  # batches per epoch, optimizer steps: what the loop counts to
     reporter: Reporter
     checkpointer: Checkpointer
     stop: StopRequest

@@ -101,13 +101,13 @@ class Step:
             )
         self.checked = True
 
-    def take_grad_norms(self) -> tuple[list[int], list[float]]:
-        """The norms since the last call: (steps, values)."""
-        if not self.grad_norms:
-            return [], []
-        steps, norms = zip(*self.grad_norms)
-        self.grad_norms = []
-        return list(steps), torch.stack(norms).tolist()
+    def take_grad_norms(self, up_to: int) -> dict[int, float]:
+        """The norms of the steps up to `up_to` not taken yet: {step: value}."""
+        taken = [(step, norm) for step, norm in self.grad_norms if step <= up_to]
+        self.grad_norms = self.grad_norms[len(taken) :]  # appended in step order
+        if not taken:
+            return {}
+        return dict(zip((step for step, _ in taken), torch.stack([norm for _, norm in taken]).tolist()))
 
     def scaler_state(self) -> Optional[dict[str, Any]]:
         return self.scaler.state_dict() if self.scaler.is_enabled() else None

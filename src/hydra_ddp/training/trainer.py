@@ -15,8 +15,8 @@ from torch.distributed.algorithms import Join
 from tqdm import tqdm
 
 from hydra_ddp.checkpoint.saving import Saving
-from hydra_ddp.data import Loaders
 from hydra_ddp.monitor import Monitor
+from hydra_ddp.recipe import schedules
 from hydra_ddp.tasks import Task
 from hydra_ddp.training.parts import Parts
 from hydra_ddp.training.position import Position
@@ -30,16 +30,6 @@ from hydra_ddp.training.validation import Validation
 from hydra_ddp.training.window import LossWindow
 
 log = logging.getLogger(__name__)
-
-
-def epoch_lengths(loaders: Loaders, batches_per_epoch: int, device: torch.device) -> tuple[int, int]:
-    """(fewest, most) batches per epoch of any rank. Equal but for data.even_shards=false, where
-    shard lengths differ by up to one sample."""
-    if loaders.train_sampler.pad:
-        return batches_per_epoch, batches_per_epoch
-    counts = torch.tensor([-batches_per_epoch, batches_per_epoch], device=device)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-    return -int(counts[0].item()), int(counts[1].item())
 
 
 class Trainer:
@@ -59,7 +49,7 @@ class Trainer:
         pruning = Pruning.of(cfg, parts.reporter.is_main, device)
         self.ending = Ending(parts.stop, settings.max_time, parts.started_at, pruning)
         self.throughput = Throughput(parts.strategy.data_parallel_size())
-        self.reporter, self.scheduler = parts.reporter, parts.scheduler
+        self.reporter, self.schedule = parts.reporter, schedules.Stepping(parts.scheduler, parts.optimizer)
         self.make_profiler = lambda: profiling(bool(settings.profile), cfg.profiler, device, parts.reporter.run_dir)
         self.monitor = monitor
         self.accumulate = settings.accumulate  # read every batch: a plain int, not a config lookup
@@ -71,10 +61,10 @@ class Trainer:
         self.progress = parts.progress
         self.profiler: Optional[Any] = None
         self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
-        self.batches_per_epoch = len(parts.loaders.train)
-        self.common_batches, longest = epoch_lengths(parts.loaders, self.batches_per_epoch, device)
-        self.uneven = self.common_batches != longest
-        self.steps_per_epoch = math.ceil(longest / settings.accumulate)  # the same on every rank
+        self.length = parts.length
+        self.batches_per_epoch, self.common_batches = parts.length.batches_per_epoch, parts.length.common_batches
+        self.uneven = parts.length.uneven
+        self.steps_per_epoch = parts.length.steps_per_epoch  # the same on every rank
         self.ranks: list[dict[str, Any]] = []
         self.straggler: Optional[dict[str, Any]] = None
         self.world_size = dist.get_world_size()
@@ -94,8 +84,7 @@ class Trainer:
 
     # --- the recipe ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        max_steps = self.settings.max_steps or self.steps_per_epoch * self.settings.epochs
-        epochs = min(self.settings.epochs, math.ceil(max_steps / self.steps_per_epoch))
+        max_steps, epochs = self.length.max_steps, self.length.epochs
         self.bar = tqdm(
             total=max_steps, initial=self.pos.step, disable=not self.progress, unit="step", dynamic_ncols=True
         )
@@ -119,8 +108,7 @@ class Trainer:
                 if self.settings.eval_every_epoch:
                     best = self._validate(f"epoch {epoch + 1}/{epochs}", epoch + 1)
                     validated_at = self.pos.step
-                if self.scheduler is not None:
-                    self.scheduler.step()
+                self.schedule.epoch_ended()
                 self.pos.next_epoch()
                 if self.saving.due_at_epoch_end(best):
                     self.saving.save()
@@ -163,6 +151,7 @@ class Trainer:
         sampler = self.loaders.train_sampler
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         sampler.skip(self.pos.batch * self.loaders.batch_size)  # resuming mid-epoch: no batch replayed
+        self.schedule.epoch_started(self.pos.step)
         self.model.train()
         with self._join():
             stopped = self._run_batches(max_steps)
@@ -201,6 +190,7 @@ class Trainer:
             self.throughput.step_done(samples, tokens if counts_tokens else None)
             micro_losses, samples, tokens = [], 0, 0
             self.pos.step += 1
+            self.schedule.optimizer_stepped(self.pos.step)
             self.timer.end_step()
             if self.profiler is not None:
                 self.profiler.step()
@@ -240,10 +230,12 @@ class Trainer:
 
     def _report(self, steps: list[int], losses: list[float], stop: bool, time_up: bool) -> bool:
         """Log a window's global losses, act on its flags; True when the ranks agreed to stop."""
-        self.reporter.series("train/loss", steps, losses)
-        norm_steps, norms = self.step.take_grad_norms()
-        if norm_steps:
-            self.reporter.series("train/grad_norm", norm_steps, norms)
+        # A step's loss, gradient norm and rate in one row (a later step's wait for their loss).
+        last = steps[-1] if steps else 0
+        norms, rates = self.step.take_grad_norms(last), self.schedule.take_rates(last)
+        for step, loss in zip(steps, losses):
+            row = {"train/loss": loss, "train/grad_norm": norms.get(step), "train/lr": rates.get(step)}
+            self.reporter.scalars({tag: value for tag, value in row.items() if value is not None}, step)
         self.pos.epoch_loss_sum += sum(losses)
         self.pos.epoch_loss_count += len(losses)
         if losses:
@@ -260,7 +252,7 @@ class Trainer:
         metrics = self.validation.validate(self.train_loss)
         scalars = {
             "train/epoch_loss": self.train_loss,
-            "train/lr": self.step.optimizer.param_groups[0]["lr"],
+            **self.schedule.epoch_rate(),
             "train/samples_per_sec": self.throughput.samples_per_sec(),
         }
         validated = "val_samples" in metrics

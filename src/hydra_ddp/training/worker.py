@@ -45,8 +45,11 @@ from hydra_ddp.errors import (
 from hydra_ddp.launch import startup
 from hydra_ddp.parallel import distributed, shared_memory, strategies
 from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.recipe import optimizer as optimizers
+from hydra_ddp.recipe import schedules
 from hydra_ddp.reporting import flops, hangs, ranklog, run_report
 from hydra_ddp.training import evaluation
+from hydra_ddp.training import length as run_length
 from hydra_ddp.training import trainer as training
 from hydra_ddp.training.parts import Parts
 from hydra_ddp.training.position import resize_cause
@@ -196,10 +199,14 @@ def _train(
         log.warning("gradients all-reduce through %s, not shared memory: %s", dist.get_backend(), e)
         fast["strategy.shared_memory"] = False  # recorded in the summary
         train_model = spread.wrap(model, shared=False)
-    optimizer = instantiate(cfg.optim)(train_model.parameters())
+    optimizer = optimizers.build(cfg.optim, cfg.param_groups.no_decay, spread.module, train_model)
     if cfg.trainer.compile:
         train_model = _compiled(train_model, cfg.trainer.compile_backend)
-    scheduler = instantiate(cfg.scheduler)(optimizer) if cfg.scheduler else None
+    length = run_length.measure(cfg.trainer, loaders, device)
+    try:
+        scheduler = schedules.build(cfg.scheduler, optimizer, length.total_steps)
+    except UserError as e:  # a warmup longer than the run: every rank measured the same length
+        raise EveryRankError(str(e)) from None
     # What checkpoints record beside the config: the settings this worker settled, its batch.
     found = {**fast, "data.batch_size": data_cfg.batch_size}
     checkpointer = checkpointing.Checkpointer(cfg, out, rank, device, found, sharded=spread.sharded_checkpoints)
@@ -231,6 +238,7 @@ def _train(
             optimizer=optimizer,
             scheduler=scheduler,
             loaders=loaders,
+            length=length,
             reporter=reporter,
             checkpointer=checkpointer,
             stop=stop,

@@ -33,6 +33,7 @@ from hydra_ddp.config.section import Section
 from hydra_ddp.errors import UserError
 from hydra_ddp.parallel import comm, shared_memory
 from hydra_ddp.parallel.strategies.base import Strategy
+from hydra_ddp.recipe import activation_checkpointing
 
 AUTO = "auto"
 # strategy.comm_hook: DDP's gradient communication hooks (parallel/comm.py).
@@ -72,6 +73,11 @@ class DDPSettings(Section):
     # BatchNorm layers become SyncBatchNorm (statistics over the global batch, so a BatchNorm model
     # trains alike at any world size). GPUs only: DDP refuses it on the CPU. auto: on with CUDA.
     sync_batchnorm: Annotated[Any, AUTO_BOOL] = False
+    # Recompute blocks' activations in the backward instead of keeping them (less memory, about one
+    # more forward): none, full (every block) or every_k (every k-th block). For models that name
+    # their blocks (model=gpt, transformers models); bit-equal losses.
+    activation_checkpointing: activation_checkpointing.Mode = "none"
+    activation_checkpointing_every: activation_checkpointing.Every = 2  # every_k's k
 
 
 def config_blockers(cfg: Any) -> list[str]:
@@ -157,6 +163,7 @@ class DDP(Strategy):
                 "data.even_shards=false does not combine with strategy.sync_batchnorm=true (Join cannot "
                 "stand in for SyncBatchNorm's collectives); use one or the other"
             )
+        activation_checkpointing.check(cfg)
 
     def __init__(self, cfg: Any, device: torch.device):
         super().__init__(cfg, device)
@@ -172,6 +179,7 @@ class DDP(Strategy):
         settings = self.cfg.strategy
         if settings.sync_batchnorm:
             module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        activation_checkpointing.apply(module, settings)
         self.module = module
         shared = bool(settings.shared_memory if shared is None else shared)
         options = {key: getattr(settings, key) for key in DDP_ARGUMENTS}  # the rest: comm.py's, shared_memory.py's

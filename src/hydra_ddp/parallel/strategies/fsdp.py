@@ -17,6 +17,7 @@ from hydra_ddp.checkpoint import layouts
 from hydra_ddp.config.domains import OneOf
 from hydra_ddp.config.section import Section
 from hydra_ddp.parallel.strategies.base import Strategy, not_ddp_refusals, refuse, start_from_rank0
+from hydra_ddp.recipe import activation_checkpointing
 
 
 @dataclass
@@ -31,6 +32,11 @@ class FSDPSettings(Section):
     mixed_precision: Annotated[Optional[str], OneOf("bf16", "fp16")] = None
     # Parameters and optimizer state kept on the CPU between uses (GPUs only).
     cpu_offload: bool = False
+    # Recompute blocks' activations in the backward instead of keeping them (less memory, about one
+    # more forward): none, full (every block) or every_k (every k-th block). For models that name
+    # their blocks (model=gpt, transformers models); bit-equal losses.
+    activation_checkpointing: activation_checkpointing.Mode = "none"
+    activation_checkpointing_every: activation_checkpointing.Every = 2  # every_k's k
 
 
 def shard_refusals(cfg: Any) -> list[tuple[bool, str]]:
@@ -68,18 +74,12 @@ def shard(module: nn.Module, settings: Any, mesh: Any) -> None:
 
 
 def shard_units(module: nn.Module) -> list[nn.Module]:
-    """The modules FSDP shards one by one (their parameters gathered together): the model's own
-    choice (a `shard_units()` method, e.g. a transformer's blocks); for a Hugging Face model, its
-    decoder layers (the classes its `_no_split_modules` names, as Accelerate wraps them); else each
-    child with parameters."""
-    if hasattr(module, "shard_units"):
-        return list(module.shard_units())
-    layer_classes = set(getattr(module, "_no_split_modules", None) or ())
-    if layer_classes:
-        layers = [m for m in module.modules() if type(m).__name__ in layer_classes]
-        if layers:
-            return layers
-    return [child for child in module.children() if any(True for _ in child.parameters())]
+    """The modules FSDP shards one by one (their parameters gathered together): the model's blocks
+    (recipe.activation_checkpointing.blocks: a `shard_units()` method, e.g. a transformer's blocks;
+    a Hugging Face model's decoder layers, as Accelerate wraps them); else each child with parameters."""
+    return activation_checkpointing.blocks(module) or [
+        child for child in module.children() if any(True for _ in child.parameters())
+    ]
 
 
 @contextlib.contextmanager
@@ -101,6 +101,7 @@ class FSDP(Strategy):
     @classmethod
     def check(cls, cfg: Any) -> None:
         refuse(cls.name, not_ddp_refusals(cfg, cls.name) + shard_refusals(cfg))
+        activation_checkpointing.check(cfg)
 
     @classmethod
     def backend(cls, settings: Any, backend: str) -> str:
@@ -117,6 +118,7 @@ class FSDP(Strategy):
     def wrap(self, module: nn.Module, shared: Optional[bool] = None) -> nn.Module:
         self.module = module
         start_from_rank0(module)
+        activation_checkpointing.apply(module, self.cfg.strategy)  # inside the units FSDP gathers
         shard(module, self.cfg.strategy, mesh=None)
         self.model = module
         self.state = layouts.ShardedState(module)

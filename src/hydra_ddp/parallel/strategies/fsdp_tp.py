@@ -14,6 +14,7 @@ from hydra_ddp.checkpoint import layouts
 from hydra_ddp.config.domains import AtLeast, OneOf
 from hydra_ddp.parallel.strategies import fsdp, tp
 from hydra_ddp.parallel.strategies.base import Strategy, clip_global_norm, not_ddp_refusals, refuse, start_from_rank0
+from hydra_ddp.recipe import activation_checkpointing
 
 
 @dataclass
@@ -46,6 +47,7 @@ class FSDPWithTP(Strategy):
             )
         ]
         refuse(cls.name, not_ddp_refusals(cfg, cls.name) + fsdp.shard_refusals(cfg) + tensor_parallel_limits)
+        activation_checkpointing.check(cfg)
 
     @classmethod
     def backend(cls, settings: Any, backend: str) -> str:
@@ -59,6 +61,7 @@ class FSDPWithTP(Strategy):
         self.module = module
         start_from_rank0(module)
         tp.parallelize(self, module)  # inside each group
+        activation_checkpointing.apply(module, self.cfg.strategy)
         fsdp.shard(module, self.cfg.strategy, mesh=self.mesh["dp"])  # across the groups
         self.model = module
         self.state = layouts.ShardedState(module)

@@ -1,0 +1,4 @@
+"""The training recipe beside the model and the data: the optimizer's parameter groups (optimizer),
+per-step learning-rate schedules (schedules), activation checkpointing
+(activation_checkpointing). Read by the launch side's checks and built by the
+workers."""

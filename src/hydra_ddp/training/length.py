@@ -1,0 +1,53 @@
+"""How long the run is, in batches and optimizer steps: what the loop counts to, and what a per-step
+learning-rate schedule is stretched over. Found once in the worker, from its loaders."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hydra_ddp.data import Loaders
+
+
+@dataclass(frozen=True)
+class RunLength:
+    batches_per_epoch: int  # this rank's
+    common_batches: int  # the fewest of any rank: equal but for data.even_shards=false
+    most_batches: int  # the most of any rank
+    steps_per_epoch: int  # optimizer steps, the same on every rank
+    epochs: int  # epochs the run enters
+    max_steps: int  # where the loop stops at the latest: trainer.max_steps, else every epoch's steps
+
+    @property
+    def uneven(self) -> bool:
+        return self.common_batches != self.most_batches
+
+    @property
+    def total_steps(self) -> int:
+        """The optimizer steps the run takes unless stopped early: a schedule's length."""
+        return min(self.max_steps, self.steps_per_epoch * self.epochs)
+
+
+def measure(settings: Any, loaders: Loaders, device: torch.device) -> RunLength:
+    """`settings`: the trainer section. With the global batch fixed (an elastic run's), every world
+    size gives the same steps per epoch, so a resized run keeps its length."""
+    batches = len(loaders.train)
+    fewest, most = epoch_lengths(loaders, batches, device)
+    steps_per_epoch = math.ceil(most / settings.accumulate)
+    max_steps = settings.max_steps or steps_per_epoch * settings.epochs
+    epochs = min(settings.epochs, math.ceil(max_steps / steps_per_epoch))
+    return RunLength(batches, fewest, most, steps_per_epoch, epochs, max_steps)
+
+
+def epoch_lengths(loaders: Loaders, batches_per_epoch: int, device: torch.device) -> tuple[int, int]:
+    """(fewest, most) batches per epoch of any rank. Equal but for data.even_shards=false, where
+    shard lengths differ by up to one sample."""
+    if loaders.train_sampler.pad:
+        return batches_per_epoch, batches_per_epoch
+    counts = torch.tensor([-batches_per_epoch, batches_per_epoch], device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    return -int(counts[0].item()), int(counts[1].item())
