@@ -1,13 +1,17 @@
 """Continuing a run at another world size: mid-epoch, with the global batch fixed, every sample of
 the epoch is trained on exactly once, under ddp and fsdp; another global batch is one line (the
-resize's cause and an elastic worker's share, in process: tests/unit/test_resize.py)."""
+resize's cause and an elastic worker's share, in process: tests/unit/test_resize.py); a per-step schedule
+continues at the rate of its step."""
 
 from __future__ import annotations
 
+import csv
 from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from hydra_ddp.recipe import schedules
 
 from support import check_ok, run_train, summary
 
@@ -17,6 +21,8 @@ RECORDED = (
     "data.val_fraction=0",
     "data.global_batch_size=32",
     "trainer.epochs=1",
+    "scheduler=warmup_linear",  # per optimizer step: its rate after the resize is checked too
+    "scheduler.warmup_steps=2",
 )
 
 
@@ -65,6 +71,12 @@ def test_a_mid_epoch_checkpoint_continues_at_another_world_size_with_every_sampl
             45,
             32,
         )
+        # The run's length is the same at the new world size (the global batch is): each step's rate is
+        # the one the schedule gives that step of 45, as an unresized run's would be.
+        shape = schedules.Shape(total=45, warmup=2, decay_from=2, decay="linear")
+        with open(after / "metrics.csv", newline="") as f:
+            rates = [(int(r["step"]), float(r["train/lr"])) for r in csv.DictReader(f) if r["train/lr"]]
+        assert rates == [(step, 0.02 * shape.factor(step - 1)) for step in range(4, 46)], job
         assert s["world_size_history"] == [
             {"step": 0, "world_size": before["world_size"], "cause": "start"},
             {"step": 3, "from": before["world_size"], "world_size": world, "cause": "resume"},

@@ -85,7 +85,7 @@ def _warmup(name: str, total: int, warmup_steps: Optional[int], warmup_ratio: fl
         raise UserError(f"scheduler={name}: warmup_steps={warmup_steps} is negative; give 0 or more steps")
     if not 0 <= warmup_ratio < 1:
         raise UserError(f"scheduler={name}: warmup_ratio={warmup_ratio} is not a share of the run in [0, 1)")
-    warmup = warmup_steps if warmup_steps is not None else math.ceil(warmup_ratio * total)
+    warmup = warmup_steps if warmup_steps is not None else int(warmup_ratio * total)  # a tiny run: none
     if warmup >= total:
         raise UserError(
             f"scheduler={name}: a warmup of {warmup} steps is not shorter than the run's {total} optimizer "

@@ -1,0 +1,97 @@
+"""The training recipe end to end: a per-step warmup schedule resumed bit for bit mid-warmup with
+accumulation (losses and rates), the same rates at another world size for one global batch; the
+weight-decay groups under FSDP, resumed bit for bit; activation checkpointing's losses equal to
+the same run's without it, under DDP and FSDP."""
+
+from __future__ import annotations
+
+import csv
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from support import check_ok, csv_step_losses, finish, run_train, start_train, summary
+
+
+def csv_rates(run_dir: Path) -> list[tuple[int, str]]:
+    """metrics.csv's per-step learning rates, as written."""
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [(int(r["step"]), r["train/lr"]) for r in csv.DictReader(f) if r.get("train/lr")]
+
+
+WARMUP = (
+    "scheduler=warmup_cosine",
+    "scheduler.warmup_steps=8",
+    "trainer.accumulate=2",
+    "trainer.max_steps=14",
+    "trainer.log_every=1",
+    "trainer.threads=1",
+    "data.global_batch_size=64",
+)
+
+
+@pytest.mark.timeout(300)
+def test_a_warmup_schedule_resumes_mid_warmup_bit_for_bit_and_is_the_same_at_any_world_size(tmp_path: Path):
+    straight = tmp_path / "straight"
+    check_ok(run_train(straight, *WARMUP))
+    rates = csv_rates(straight)
+    assert [step for step, _ in rates] == list(range(1, 15))
+    values = [float(rate) for _, rate in rates]
+    assert values[:8] == pytest.approx([0.02 * k / 8 for k in range(1, 9)])  # optim=sgd's lr 0.02
+    assert values[8] == pytest.approx(0.02) and values[-1] < values[8] / 2  # then the cosine
+
+    # SIGTERM at rank 0's 9th forward: the 5th optimizer step (of 2 batches each), mid-warmup.
+    stopped = tmp_path / "stopped"
+    probe = ("model._target_=probes.signal_at", "+model.of=hydra_ddp.models.MnistCNN", "+model.step=9")
+    done = finish(start_train(stopped, *WARMUP, *probe))
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert 3 <= summary(stopped)["steps"] < 8
+    check_ok(run_train(stopped, *WARMUP, "trainer.resume=auto"))
+    assert csv_rates(stopped) == rates and csv_step_losses(stopped) == csv_step_losses(straight)
+
+    # One rank, the same global batch: the same steps, so the same rate at every step, to the bit.
+    alone = tmp_path / "alone"
+    check_ok(run_train(alone, *WARMUP, "trainer.nproc=1"))
+    assert csv_rates(alone) == rates
+
+
+GPT = ("+experiment=text_gpt", "trainer.max_steps=6", "trainer.log_every=1", "trainer.threads=1")
+
+
+def decay_line(run_dir: Path) -> str:
+    """Rank 0's report of the weight-decay groups (its log line, without the time stamp)."""
+    lines = [line for line in (run_dir / "train.log").read_text().splitlines() if "[rank 0]" in line]
+    found = [re.sub(r"^.*\] - ", "", line) for line in lines if "weight decay" in line]
+    assert len(found) == 1, found  # reported once
+    return found[0]
+
+
+@pytest.mark.timeout(400)
+def test_the_decay_groups_are_the_models_own_names_under_fsdp_and_resume_bit_for_bit(tmp_path: Path):
+    ddp = tmp_path / "ddp"
+    check_ok(run_train(ddp, *GPT, "trainer.max_steps=1"))
+    # TinyGPT at dim 128, depth 4: its linears' weights decay (4 × 6 + the head), the rest do not.
+    assert decay_line(ddp).startswith("weight decay 0.1 on 25 tensors (819,200 parameters); none on 44 tensors")
+
+    straight = tmp_path / "straight"
+    check_ok(run_train(straight, *GPT, "strategy=fsdp"))
+    assert decay_line(straight) == decay_line(ddp)  # FSDP's sharded parameters, by the model's names
+    stopped = tmp_path / "stopped"
+    probe = ("model._target_=probes.signal_at", "+model.of=hydra_ddp.models.TinyGPT", "+model.step=4")
+    done = finish(start_train(stopped, *GPT, "strategy=fsdp", *probe), timeout=300)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    check_ok(run_train(stopped, *GPT, "strategy=fsdp", "trainer.resume=auto"))
+    assert csv_step_losses(stopped) == csv_step_losses(straight) and csv_rates(stopped) == csv_rates(straight)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_activation_checkpointing_trains_the_same_bits(tmp_path: Path, strategy: str):
+    plain, checkpointed = tmp_path / "plain", tmp_path / "checkpointed"
+    check_ok(run_train(plain, *GPT, f"strategy={strategy}"))
+    check_ok(run_train(checkpointed, *GPT, f"strategy={strategy}", "strategy.activation_checkpointing=full"))
+    assert len(csv_step_losses(plain)) == 6
+    assert csv_step_losses(checkpointed) == csv_step_losses(plain)
+    assert summary(checkpointed)["test_loss"] == summary(plain)["test_loss"]
