@@ -5,7 +5,8 @@ model's config beside it, loadable without this project.
 
 ckpt: a run directory (its best checkpoint, else its last), a checkpoint file (ddp) or a sharded
 checkpoint's directory (fsdp, tp, fsdp_tp: read with DCP in this one process). The weights are
-the full model's, on the CPU, under the model's own parameter names: no optimizer, no project
+the full model's as the run evaluated them (their moving average, for a run with trainer.ema),
+on the CPU, under the model's own parameter names: no optimizer, no project
 class, nothing but tensors. Beside them, OUT's stem + ".yaml" holds the model's config (its
 `_target_` and arguments, as the run resolved them) and the data's shape, so that
 
@@ -38,11 +39,13 @@ def export(ckpt: str, out: Path, fmt: str) -> tuple[Path, Path]:
         name: tensor.detach().to("cpu").contiguous().clone()
         for name, tensor in checkpoints.model_weights(path, state).items()
     }
+    which = "ema" if checkpoints.evaluated(state) == "ema" else "trained"  # the ones the run tested
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
-        save_file(weights, str(out), metadata={"checkpoint": str(path), "step": str(state["position"]["step"])})
+        metadata = {"checkpoint": str(path), "step": str(state["position"]["step"]), "weights": which}
+        save_file(weights, str(out), metadata=metadata)
     else:
         torch.save(weights, out)
     config = run_config.typed(state["config"])
@@ -52,6 +55,7 @@ def export(ckpt: str, out: Path, fmt: str) -> tuple[Path, Path]:
         "data": {key: getattr(config.data, key) for key in ("in_channels", "image_size", "num_classes")},
         "checkpoint": str(path),
         "step": state["position"]["step"],
+        "weights": which,  # ema: the moving average of the weights the run evaluated (trainer.ema)
         "format": fmt,
     }
     written = out.with_name(out.stem + ".yaml")

@@ -1,18 +1,23 @@
 """The training recipe end to end: a per-step warmup schedule resumed bit for bit mid-warmup with
 accumulation (losses and rates), the same rates at another world size for one global batch; the
 weight-decay groups under FSDP, resumed bit for bit; activation checkpointing's losses equal to
-the same run's without it, under DDP and FSDP."""
+the same run's without it, under DDP and FSDP; the weights' moving average evaluated, checkpointed
+(FSDP: sharded), resumed bit for bit, read by eval.py and written by the export."""
 
 from __future__ import annotations
 
 import csv
+import json
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from support import check_ok, csv_step_losses, finish, run_train, start_train, summary
+from support import check_ok, csv_step_losses, finish, run_eval, run_train, start_train, summary
 
 
 def csv_rates(run_dir: Path) -> list[tuple[int, str]]:
@@ -95,3 +100,68 @@ def test_activation_checkpointing_trains_the_same_bits(tmp_path: Path, strategy:
     assert len(csv_step_losses(plain)) == 6
     assert csv_step_losses(checkpointed) == csv_step_losses(plain)
     assert summary(checkpointed)["test_loss"] == summary(plain)["test_loss"]
+
+
+EMA_RUNS = {
+    # the default CNN on the digits, checkpointed per epoch (a file); the GPT under FSDP (shards)
+    "ddp": ("trainer.max_steps=30", "trainer.log_every=1", "trainer.threads=1", "data.global_batch_size=64"),
+    "fsdp": (*GPT, "strategy=fsdp"),
+}
+PROBES = {
+    "ddp": ("model._target_=probes.signal_at", "+model.of=hydra_ddp.models.MnistCNN", "+model.step=17"),
+    "fsdp": ("model._target_=probes.signal_at", "+model.of=hydra_ddp.models.TinyGPT", "+model.step=4"),
+}
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_weights_average_is_evaluated_checkpointed_resumed_and_exported(tmp_path: Path, strategy: str):
+    from safetensors.torch import load_file
+
+    from hydra_ddp.checkpoint import files
+
+    common = (*EMA_RUNS[strategy], "trainer.ema.decay=0.8")
+    straight = tmp_path / "straight"
+    check_ok(run_train(straight, *common))
+    s = summary(straight)
+    assert s["tested"]["ema"] is True
+    metrics = [f"test_{name}" for name in s["metrics"]]
+    test = {k: s[k] for k in metrics}
+
+    # SIGTERM mid-run and resumed: the same losses, and the same average (the test reads it), to the bit.
+    stopped = tmp_path / "stopped"
+    done = finish(start_train(stopped, *common, *PROBES[strategy]), timeout=300)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert 0 < summary(stopped)["steps"] < s["steps"]
+    check_ok(run_train(stopped, *common, "trainer.resume=auto", timeout=300))
+    assert csv_step_losses(stopped) == csv_step_losses(straight)
+    assert {k: summary(stopped)[k] for k in metrics} == test
+    assert summary(stopped)["history"] == s["history"]  # each validation, of the average
+
+    # The checkpoint holds both, in the strategy's layout (FSDP: each rank's shards of the average).
+    path = files.find(str(straight), "ckpt")
+    state = files.read(path, "ckpt")
+    assert path.is_dir() == (strategy == "fsdp") and files.evaluated(state) == "ema"
+    assert state["ema"].keys() == state["model"].keys()
+
+    # eval.py evaluates the average, at one rank: the run's test metrics, bit for bit.
+    check_ok(run_eval(tmp_path / "eval", f"ckpt={straight}", "trainer.nproc=1", timeout=300))
+    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert result["weights"] == "ema" and {k: result[k] for k in test} == test
+
+    # The export writes the average: the tested weights, not the last trained ones.
+    out = tmp_path / "model.safetensors"
+    exported = subprocess.run(
+        [sys.executable, "-m", "hydra_ddp.export", f"ckpt={straight}", f"out={out}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert exported.returncode == 0, exported.stderr
+    weights = load_file(str(out))
+    assert "weights: ema" in out.with_name("model.yaml").read_text()
+    average = files.model_weights(path, state)
+    assert all(torch.equal(weights[k], average[k]) for k in average)
+    trained = state["model"] if not path.is_dir() else None
+    if trained is not None:
+        assert any(not torch.equal(weights[k], trained[k]) for k in trained if trained[k].is_floating_point())

@@ -235,6 +235,7 @@ BAD = [
         "strategy.activation_checkpointing=full needs a model that names its blocks",
     ),
     (setting("strategy.activation_checkpointing", "half"), "strategy.activation_checkpointing='half': choose one"),
+    (setting("trainer.ema.decay", 1.0), "trainer.ema.decay=1.0: give a number, above 0 and below 1"),
 ]
 
 

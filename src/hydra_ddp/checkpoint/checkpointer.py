@@ -93,6 +93,10 @@ def _gather_rng(device: torch.device) -> list[torch.Tensor]:
     return [t.cpu() for t in everyone]
 
 
+# What each rank writes of a sharded checkpoint (DCP): the model, the optimizer, the weights' average.
+SHARDED = ("model", "optimizer", "ema")
+
+
 class Checkpointer:
     """Saves every rank's state (through rank 0, or each rank its shards); loads it back on every rank."""
 
@@ -211,13 +215,11 @@ class Checkpointer:
         again = self.written_step == step and target.is_dir()
         if not again:
             try:
-                dcp.save(
-                    {"model": state["model"], "optimizer": state["optimizer"]}, storage_writer=dcp.FileSystemWriter(tmp)
-                )
+                dcp.save({k: state[k] for k in SHARDED if k in state}, storage_writer=dcp.FileSystemWriter(tmp))
             except CheckpointException as e:  # raised on every rank, with every rank's failure
                 problem = self._failed(step, first_failure(e))
         if self.rank.is_main:
-            rest = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+            rest = {k: v for k, v in state.items() if k not in SHARDED}
             try:
                 if problem is None:
                     atomic_write(serialize(rest, self.dir), (target if again else tmp) / META)

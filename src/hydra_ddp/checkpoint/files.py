@@ -93,26 +93,37 @@ def _read_sharded(path: Path, key: str) -> dict[str, Any]:
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint")
-    state["model"] = {
-        name[len("model.") :]: torch.empty(item.size, dtype=item.properties.dtype, device="meta")
-        for name, item in index.items()
-        if name.startswith("model.") and isinstance(item, TensorStorageMetadata)
-    }
+    for part in ("model", "ema"):  # the weights, and their moving average where the run kept one
+        shapes = {
+            name[len(part) + 1 :]: torch.empty(item.size, dtype=item.properties.dtype, device="meta")
+            for name, item in index.items()
+            if name.startswith(f"{part}.") and isinstance(item, TensorStorageMetadata)
+        }
+        if shapes or part == "model":
+            state[part] = shapes
     return state
 
 
+def evaluated(state: dict[str, Any]) -> str:
+    """Which weights of a checkpoint its run evaluated: their moving average where it kept one
+    (trainer.ema), else the trained weights."""
+    return "ema" if state.get("ema") is not None else "model"
+
+
 def model_weights(path: Path, state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The full model weights of a checkpoint `read` gave `state` for, on the CPU. A directory's
-    are read from every rank's shards by this process alone (no collective)."""
+    """The full weights a checkpoint's run evaluated (`evaluated`: the average, where it kept one),
+    of a checkpoint `read` gave `state` for, on the CPU. A directory's are read from every rank's
+    shards by this process alone (no collective)."""
+    part = evaluated(state)
     if not path.is_dir():
-        return state["model"]
+        return state[part]
     import torch.distributed.checkpoint as dcp
 
-    weights = {name: torch.empty(shape.shape, dtype=shape.dtype) for name, shape in state["model"].items()}
+    weights = {name: torch.empty(shape.shape, dtype=shape.dtype) for name, shape in state[part].items()}
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": weights}, checkpoint_id=path, no_dist=True)
+            dcp.load({part: weights}, checkpoint_id=path, no_dist=True)
     except Exception as e:
         raise UserError(
             f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]

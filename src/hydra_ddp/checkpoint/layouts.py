@@ -68,6 +68,10 @@ class WholeState:
 
         set_optimizer_state_dict(self.wrapped, optimizer, state, options=_full())
 
+    def checkpoint_model_state(self) -> dict[str, torch.Tensor]:
+        """The model's state as a checkpoint holds it: the full state."""
+        return self.module.state_dict()
+
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The model and optimizer as a checkpoint holds them: here the full state (one file)."""
         return {"model": self.model_state(), "optimizer": self.optimizer_state(optimizer)}
@@ -121,6 +125,12 @@ class ShardedState:
 
         set_optimizer_state_dict(self.module, optimizer, state, options=_full())
 
+    def checkpoint_model_state(self) -> dict[str, torch.Tensor]:
+        """This rank's shards (DTensors) of the model's state, as DCP saves them."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.module)
+
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """This rank's shards (DTensors) of the model and optimizer state, as DCP saves them."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -142,3 +152,13 @@ def load_sharded(wrapped: nn.Module, path: Any, optimizer: torch.optim.Optimizer
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(wrapped, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_sharded_model(wrapped: nn.Module, path: Any, part: str) -> None:
+    """A sharded checkpoint's `part` (a model state: "ema", the moving average) into the model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {part: get_model_state_dict(wrapped)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(wrapped, state[part])

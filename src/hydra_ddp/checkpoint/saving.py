@@ -27,6 +27,7 @@ class Saving:
         """`cadence`: the checkpoint section; `parts`: the worker's (training.parts)."""
         self.every_epoch, self.every_n_steps = bool(cadence.every_epoch), cadence.every_n_steps  # read every step
         self.checkpointer, self.strategy, self.scheduler = parts.checkpointer, parts.strategy, parts.scheduler
+        self.ema = parts.ema  # the weights' moving average (trainer.ema), or None
         self.step, self.monitor, self.pos, self.overheads = step, monitor, pos, overheads
         self.saved: tuple[int, bool] = (-1, False)  # (step, as best) of the last checkpoint
 
@@ -49,10 +50,32 @@ class Saving:
             "position": self.pos.state(),
             "monitor": self.monitor.state(),
             "comm_hook": self.strategy.comm_state(),  # PowerSGD's error feedback and warm start
+            **({"ema": self._ema_state()} if self.ema is not None else {}),
         }
+
+    def _ema_state(self) -> dict[str, torch.Tensor]:
+        """The weights' average in the model's checkpoint layout (whole, or this rank's shards): copies,
+        as the live weights go back into the model before the checkpoint is written."""
+        with self.ema.swapped():
+            return {k: v.detach().clone() for k, v in self.strategy.checkpoint_model_state().items()}
+
+    def _restore_ema(self, path: Path, state: dict[str, Any]) -> None:
+        """The checkpoint's average, through the model (so it reshards as the weights do)."""
+        if self.ema is None:
+            return
+        if state.get("ema") is None:
+            log.warning("%s holds no average of the weights: trainer.ema starts from the resumed weights", path)
+            self.ema.reset()
+            return
+        with self.ema.swapped(keep=True):
+            if path.is_dir():
+                self.strategy.load_sharded_model(path, "ema")
+            else:
+                self.strategy.load_model_state(state["ema"], everywhere=True)
 
     def resume_from(self, path: Path, state: dict[str, Any]) -> None:
         self.checkpointer.restore(state, path, self.strategy, self.step.optimizer, self.scheduler)
+        self._restore_ema(path, state)
         self.step.load_scaler_state(state.get("scaler"))
         self.pos.load(state["position"])
         problem = self.strategy.load_comm_state(state.get("comm_hook"), self.pos.step)

@@ -135,6 +135,14 @@ class EarlyStoppingConf(Section):
     min_delta: Annotated[float, AtLeast(0, whole=False)] = 0.0
 
 
+@dataclass
+class EmaConf(Section):
+    # An exponential moving average of the weights, updated after every optimizer step: ema ←
+    # decay·ema + (1 − decay)·weights (e.g. 0.999: about the last 1,000 steps). Validation, best,
+    # the test, eval.py and the export use it. null: off.
+    decay: Annotated[Optional[float], Number(low=0, high=1, above=True, below=True)] = None
+
+
 def _strategy_settings() -> dict[str, type]:
     from hydra_ddp.parallel import strategies
 
@@ -187,6 +195,7 @@ class TrainerConf(Section):
     compile_backend: Annotated[str, Checked("config.checks: one of torch.compile's backends")] = "inductor"
     # channels_last memory format; auto: for models with 2-D convolutions (performance.py).
     channels_last: Annotated[Any, AUTO_BOOL] = "auto"
+    ema: EmaConf = field(default_factory=EmaConf)
     # Clip the global gradient norm to this (null: no clipping); logged as train/grad_norm.
     grad_clip: Annotated[Optional[float], Positive()] = None
     # A wall-clock budget (seconds, or "[D:]HH:MM:SS") counted from the command's start: checkpoint,

@@ -105,6 +105,8 @@ def run(cfg: Any, out: Path, rank: RankInfo, device: torch.device, started_at: f
         "step": job.step,
         "epoch": job.epoch,
         "split": job.split,
+        # The weights the run evaluated: their moving average where it kept one (trainer.ema).
+        "weights": "ema" if cfg.trainer.ema.decay is not None else "trained",
         **metrics,
         "metrics": list(task.metrics),
         "world_size": rank.world_size,

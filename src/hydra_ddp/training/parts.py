@@ -13,6 +13,7 @@ from torch import nn
 from hydra_ddp.checkpoint.checkpointer import Checkpointer
 from hydra_ddp.data import Loaders
 from hydra_ddp.parallel.strategies import Strategy
+from hydra_ddp.recipe.ema import EMA
 from hydra_ddp.reporting.run_report import Reporter
 from hydra_ddp.tasks import Task
 from hydra_ddp.training.length import RunLength
@@ -26,6 +27,7 @@ class Parts:
     strategy: Strategy
     optimizer: torch.optim.Optimizer
     scheduler: Optional[Any]
+    ema: Optional[EMA]  # the weights' moving average (trainer.ema.decay), or None
     loaders: Loaders
     length: RunLength  # batches per epoch, optimizer steps: what the loop counts to
     reporter: Reporter

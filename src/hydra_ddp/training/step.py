@@ -33,6 +33,7 @@ class Step:
         """`settings`: the trainer section; `parts`: the worker's (training.parts); `outputs`:
         data.num_classes, what the model makes per sample."""
         self.model, self.task, self.optimizer, self.strategy = parts.model, parts.task, parts.optimizer, parts.strategy
+        self.ema = parts.ema  # the weights' moving average, updated after each optimizer step (or None)
         self.device, self.timer, self.memory_format = parts.device, timer, parts.memory_format
         self.outputs = outputs
         self.checked = False  # the first batch: the task fits the data, its loss is a scalar
@@ -73,6 +74,8 @@ class Step:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.ema is not None:
+                self.ema.update()
             self.timer.lap("optimizer")
         return loss.detach()
 
@@ -118,10 +121,13 @@ class Step:
 
     def sync_optimizer_state(self) -> None:
         """After an uneven epoch, Join has given every rank the weights of the ranks that ran longest
-        (rank 0 among them); their optimizer state (momentum, Adam's moments) follows from rank 0."""
+        (rank 0 among them); their optimizer state (momentum, Adam's moments) and the weights'
+        average follow from rank 0."""
         tensors = [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         if self.scaler.is_enabled():
             tensors += [v for v in (self.scaler._scale, self.scaler._growth_tracker) if v is not None]
+        if self.ema is not None:
+            tensors += self.ema.tensors()
         for value in tensors:
             on_device = value.to(self.device)  # e.g. Adam's step counter lives on the CPU; nccl needs the GPU
             dist.broadcast(on_device, src=0)

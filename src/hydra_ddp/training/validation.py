@@ -3,6 +3,7 @@ one reading at the end, on the selected weights: exact evaluations, as the strat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, Optional
@@ -24,15 +25,18 @@ class Validation:
         self.strategy, self.task, self.loaders, self.device = parts.strategy, parts.task, parts.loaders, parts.device
         self.memory_format, self.reporter = parts.memory_format, parts.reporter
         self.monitor, self.overheads = monitor, overheads
+        self.ema = parts.ema  # evaluations read the weights' average where the run keeps one
         self.best_weights: Optional[dict[str, torch.Tensor]] = None  # a copy, on the CPU, while not the current ones
         self.last: dict[str, Any] = {}  # the last validation's metrics
         self.history: list[dict[str, Any]] = []  # every validation of this run
         self.test_metrics: dict[str, Any] = {}
         self.tested: Optional[dict[str, Any]] = None  # which weights the test used
 
-    def evaluate(self, split: Any, name: str) -> dict[str, Any]:
-        """Exact evaluation of one split, as this strategy needs it run and added up."""
-        with self.overheads.timed("eval_time_s"):
+    def evaluate(self, split: Any, name: str, swap: bool = True) -> dict[str, Any]:
+        """Exact evaluation of one split, as this strategy needs it run and added up: of the weights'
+        average where the run keeps one (`swap`: into the model for it; False: it is there already)."""
+        averaged = self.ema.swapped() if self.ema is not None and swap else contextlib.nullcontext()
+        with self.overheads.timed("eval_time_s"), averaged:
             return evaluate(
                 self.strategy.eval_module,
                 split,
@@ -58,7 +62,8 @@ class Validation:
         self.history.append({"epoch": epoch, "step": step, **metrics, "best": best})
         if best:  # kept aside (on the CPU) for the test, in case later epochs do worse
             # FSDP: gathered to rank 0 (the others keep an empty dict, and receive them from rank 0).
-            self.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in self.strategy.model_state().items()}
+            with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
+                self.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in self.strategy.model_state().items()}
         return best
 
     def selected(self) -> dict[str, Any]:
@@ -69,16 +74,18 @@ class Validation:
         """The test split's one reading, on the selected weights: the best by trainer.monitor, else the
         last. `checkpoint`: the path a checkpoint of those weights is published at (None: none saved)."""
         monitor = self.monitor
-        weights, tested_step = "last", step
+        weights, tested_step, loaded = "last", step, False
         if monitor.best_step is not None:
             if monitor.best_step == step:
                 weights = "best"
             elif self.best_weights is not None:
-                self.strategy.load_model_state(self.best_weights, everywhere=False)  # training is over
-                weights, tested_step = "best", monitor.best_step
-        self.test_metrics = self.evaluate(self.loaders.test, "test")
+                # Training is over: the best weights (the average's, where kept) replace the model's.
+                self.strategy.load_model_state(self.best_weights, everywhere=False)
+                weights, tested_step, loaded = "best", monitor.best_step, True
+        self.test_metrics = self.evaluate(self.loaders.test, "test", swap=not loaded)
         self.tested = {
             "weights": weights,
+            "ema": self.ema is not None,  # the weights' moving average (trainer.ema), not the trained weights
             "step": tested_step,
             "epoch": monitor.best_epoch if weights == "best" else epoch,
             "checkpoint": checkpoint(weights) if checkpoint else None,
@@ -87,8 +94,9 @@ class Validation:
         }
         self.reporter.scalars(self.tagged(self.test_metrics, "test"), step)
         log.info(
-            "test (once, on the %s weights: step %d%s)  %s",
+            "test (once, on the %s%s weights: step %d%s)  %s",
             weights,
+            " averaged (EMA)" if self.ema is not None else "",
             tested_step,
             f", {monitor.metric} {monitor.best:.4f}" if weights == "best" else "",
             self.shown(self.test_metrics, "test"),

@@ -45,6 +45,7 @@ from hydra_ddp.errors import (
 from hydra_ddp.launch import startup
 from hydra_ddp.parallel import distributed, shared_memory, strategies
 from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.recipe import ema as averaging
 from hydra_ddp.recipe import optimizer as optimizers
 from hydra_ddp.recipe import schedules
 from hydra_ddp.reporting import flops, hangs, ranklog, run_report
@@ -202,6 +203,7 @@ def _train(
     optimizer = optimizers.build(cfg.optim, cfg.param_groups.no_decay, spread.module, train_model)
     if cfg.trainer.compile:
         train_model = _compiled(train_model, cfg.trainer.compile_backend)
+    ema = averaging.build(spread.module, cfg.trainer.ema.decay)  # resumed below, with the weights
     length = run_length.measure(cfg.trainer, loaders, device)
     try:
         scheduler = schedules.build(cfg.scheduler, optimizer, length.total_steps)
@@ -237,6 +239,7 @@ def _train(
             strategy=spread,
             optimizer=optimizer,
             scheduler=scheduler,
+            ema=ema,
             loaders=loaders,
             length=length,
             reporter=reporter,

@@ -139,6 +139,15 @@ class Strategy:
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return self.state.checkpoint_state(optimizer)
 
+    def checkpoint_model_state(self) -> dict[str, torch.Tensor]:
+        """The model's state in the checkpoint's layout (whole, or this rank's shards)."""
+        return self.state.checkpoint_model_state()
+
+    def load_sharded_model(self, path: Any, part: str) -> None:
+        from hydra_ddp.checkpoint import layouts
+
+        layouts.load_sharded_model(self.model, path, part)
+
     def load_sharded(self, path: Any, optimizer: torch.optim.Optimizer) -> None:
         from hydra_ddp.checkpoint import layouts
 
