@@ -5,6 +5,7 @@ the test loss and accuracy of each (one seed: a sketch of the effect, not a stud
 
 - recipe: the experiment as it stands (a 5 % warmup and a per-step cosine to a tenth, peak rate
   0.006, AdamW betas (0.9, 0.95), no decay on biases, norms and embeddings);
+- recipe_at_0.003: the recipe at the old peak rate;
 - before: the same with the settings it had before (a per-epoch cosine to zero, rate 0.003,
   betas (0.9, 0.999), decay on every parameter).
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RUNS = {
     "recipe": [],
+    "recipe_at_0.003": ["optim.lr=0.003"],  # the schedule and groups at the old rate
     "before": [
         "scheduler=cosine",
         "~scheduler.warmup_ratio",
