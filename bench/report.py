@@ -45,8 +45,8 @@ _TITLES = {
 _INTROS = {
     "strategy_gpt": "The transformer (`+experiment=text_gpt`: 4 blocks of width 128, AdamW) at 2 ranks under "
     "`ddp`, `fsdp` and `tp`, on the same global batch of sequences (64 bytes each; `tp`'s two ranks form one "
-    "replica and read the same batch). **samples/s**: tokens (every predicted byte is a sample). **model state / rank** as above (AdamW: two "
-    "moments per parameter). Reference: ddp.",
+    "replica and read the same batch). **samples/s**: sequences (tokens/s is 64 times this). **model state / "
+    "rank** as above (AdamW: two moments per parameter). Reference: ddp.",
     "strategy": "The project at 2 ranks under each `strategy` (src/hydra_ddp/parallel/strategies/). **model state / rank**: "
     "the bytes of parameters, gradients and optimizer state (SGD's momentum) one rank holds, counting local "
     "shards only (the summary's `model_state_bytes`, the largest rank's). FSDP cannot shard channels_last "
