@@ -52,6 +52,7 @@ class EMA:
     def swapped(self, keep: bool = False) -> Iterator[None]:
         """The average in the model for the duration, then the live weights back. `keep`: what the
         model holds at the end becomes the average (a checkpoint's average loaded through the model)."""
+        _resharded(self.module)
         with torch.no_grad():
             live = [_local(p).detach().clone() for p in self.params]
             for p, average in zip(self.params, self.average):
@@ -59,11 +60,21 @@ class EMA:
         try:
             yield
         finally:
+            _resharded(self.module)  # an evaluation may leave FSDP's gathered copies of the average
             with torch.no_grad():
                 for p, average, own in zip(self.params, self.average, live):
                     if keep:
                         average.copy_(_local(p))
                     _local(p).copy_(own)
+
+
+def _resharded(module: nn.Module) -> None:
+    """FSDP's units back to their shards (strategy.reshard_after_forward=false keeps them gathered after
+    a forward): the shards are what the average is copied to and from, and the next forward gathers
+    them anew."""
+    for unit in module.modules():
+        if hasattr(unit, "reshard") and hasattr(unit, "unshard"):
+            unit.reshard()
 
 
 def build(module: nn.Module, decay: Optional[float]) -> Optional[EMA]:
