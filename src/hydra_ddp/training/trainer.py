@@ -230,7 +230,7 @@ class Trainer:
 
     def _report(self, steps: list[int], losses: list[float], stop: bool, time_up: bool) -> bool:
         """Log a window's global losses, act on its flags; True when the ranks agreed to stop."""
-        # A step's loss, gradient norm and rate in one row (a later step's wait for their loss).
+        # A step's loss, gradient norm and rate in one row (a later step's norm and rate wait for its loss).
         last = steps[-1] if steps else 0
         norms, rates = self.step.take_grad_norms(last), self.schedule.take_rates(last)
         for step, loss in zip(steps, losses):
