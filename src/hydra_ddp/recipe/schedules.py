@@ -177,7 +177,11 @@ def wsd(
 
 def takes_length(scheduler_cfg: Any) -> bool:
     """Whether the scheduler config builds a per-step schedule: its builder takes total_steps."""
-    return scheduler_cfg is not None and "total_steps" in inspect.signature(instantiate(scheduler_cfg)).parameters
+    return scheduler_cfg is not None and _per_step_builder(instantiate(scheduler_cfg))
+
+
+def _per_step_builder(builder: Any) -> bool:
+    return "total_steps" in inspect.signature(builder).parameters
 
 
 def build(scheduler_cfg: Any, optimizer: torch.optim.Optimizer, total_steps: Optional[int]) -> Optional[Any]:
@@ -186,7 +190,7 @@ def build(scheduler_cfg: Any, optimizer: torch.optim.Optimizer, total_steps: Opt
     if scheduler_cfg is None:
         return None
     builder = instantiate(scheduler_cfg)
-    if "total_steps" in inspect.signature(builder).parameters:
+    if _per_step_builder(builder):
         return builder(optimizer, total_steps=total_steps)
     return builder(optimizer)
 
