@@ -95,3 +95,52 @@ def test_ranks_all_waiting_in_different_collectives_are_each_placed(tmp_path: Pa
         "rank 0 waits in all_reduce at trainer.py:80; rank 1 waits in barrier at saving.py:40"
     )
     assert hangs.describe(tmp_path / "elsewhere", 5) is None  # no rank left a file here
+
+
+class _OnCue:
+    """A watchdog's stop event that lets it take one sample per cue: no timing in the test."""
+
+    def __init__(self):
+        self.cue, self.sampled, self.stopped = threading.Semaphore(0), threading.Semaphore(0), False
+
+    def wait(self, timeout: float) -> bool:
+        self.sampled.release()  # the sample before (or the start) is done
+        self.cue.acquire()
+        return self.stopped
+
+    def sample(self) -> None:
+        self.cue.release()
+        self.sampled.acquire()
+
+    def set(self) -> None:
+        self.stopped = True
+        self.cue.release()
+
+
+def test_the_watchdog_holds_no_frame_of_a_function_that_returned(tmp_path: Path):
+    """Its samples must not keep the main thread's locals alive: the worker's _train frame held the
+    run's loaders, whose persistent loader workers then outlived the rank (and found the run's
+    temporary directory gone at their exit)."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    dog = hangs.Watchdog(tmp_path, 0, stall_after=60)
+    dog.stop = cue = _OnCue()
+    dog.thread.start()
+    cue.sampled.acquire()  # started, waiting for its first cue
+
+    def work() -> weakref.ref:
+        held = Held()
+        cue.sample()  # a sample while `held` is a local of this frame
+        return weakref.ref(held)
+
+    ref = work()
+    gc.collect()
+    try:
+        assert ref() is None, "the watchdog keeps a returned function's frame (and its locals) alive"
+    finally:
+        cue.set()
+        dog.thread.join(timeout=10)

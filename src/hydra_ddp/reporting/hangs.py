@@ -84,14 +84,21 @@ class Watchdog:
     def _watch(self) -> None:
         chain, since = None, time.time()
         while not self.stop.wait(self.every):
-            frame = sys._current_frames().get(self.main)
-            now_chain = _chain(frame)
-            if now_chain != chain:
-                if self.dumped:
-                    self._moved_on(since)
-                chain, since = now_chain, time.time()
-            elif frame is not None and time.time() - since >= self.stall_after:
-                self._dump(frame, since)
+            chain, since = self._sample(chain, since)
+
+    def _sample(self, chain: Optional[tuple[int, ...]], since: float) -> tuple[Optional[tuple[int, ...]], float]:
+        """One look at the main thread: (its call chain, since when it has been that). The frame is
+        dropped on return: held across the wait it would keep the main thread's locals alive (the
+        run's loaders, whose workers then outlive the rank) after their function returned."""
+        frame = sys._current_frames().get(self.main)
+        now_chain = _chain(frame)
+        if now_chain != chain:
+            if self.dumped:
+                self._moved_on(since)
+            return now_chain, time.time()
+        if frame is not None and time.time() - since >= self.stall_after:
+            self._dump(frame, since)
+        return chain, since
 
     def _dump(self, frame: FrameType, since: float) -> None:
         """Write (again: the time stalled grows) this rank's stack, its place, and its flight recorder."""
