@@ -43,3 +43,14 @@ def first_line(error: BaseException) -> str:
     """`Type: first line of the message`: an exception as one line."""
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def in_loader_worker(text: str) -> str:
+    """The message itself, of an exception raised in a DataLoader worker: torch raises it again in the
+    rank as "Caught X in DataLoader worker process N.", then the worker's traceback, ending with
+    "module.X: message"."""
+    if not text.startswith("Caught ") or "\nOriginal Traceback" not in text:
+        return text
+    last = text.rstrip().splitlines()[-1]
+    name, colon, message = last.partition(": ")
+    return message if colon and " " not in name else last

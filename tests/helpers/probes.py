@@ -3,7 +3,7 @@ numbers), read from torch itself, or signal the run at a planned step."""
 
 import json
 import os
-import signal
+import subprocess
 from pathlib import Path
 
 import torch
@@ -65,7 +65,7 @@ class SignalAt(MnistCNN):
         if self.training and dist.get_rank() == 0:
             self.calls += 1
             if self.calls == self.step:
-                os.killpg(os.getpgrp(), signal.SIGTERM)
+                signal_the_run()
         return super().forward(x)
 
 
@@ -82,7 +82,7 @@ def signal_at(of: str, step: int, **kwargs) -> torch.nn.Module:
         if module.training and dist.get_rank() == 0:
             calls[0] += 1
             if calls[0] == step:
-                os.killpg(os.getpgrp(), signal.SIGTERM)
+                signal_the_run()
 
     model.register_forward_pre_hook(hook)
     return model
@@ -120,3 +120,10 @@ def float64(of: str, **kwargs) -> torch.nn.Module:
 
     model.register_forward_pre_hook(cast)
     return model
+
+
+def signal_the_run() -> None:
+    """SIGTERM to every process of the run (its process group), sent by another process, as
+    scancel is: a rank's loader workers take a signal from their own rank as their end."""
+    group = os.getpgrp()  # the sender in a session of its own: not signalled itself
+    subprocess.run(["kill", "-s", "TERM", "--", f"-{group}"], check=True, timeout=30, start_new_session=True)

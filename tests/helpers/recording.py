@@ -58,3 +58,19 @@ def digits_recording_train(reads: str, **kwargs):
     Path(reads).mkdir(parents=True, exist_ok=True)
     train, test = digits(**kwargs)
     return Recorded(train, reads), test
+
+
+def sharded_recording_train(reads: str, root: str, shuffle_window: int = 8192):
+    """A shard directory's splits (data=shards), its training split recorded (into READS, made here):
+    the reads of a split that is read in shard windows, by ranks and their loader workers."""
+    from hydra_ddp.data.shards import ShardedDataset, sharded
+
+    class RecordedShards(ShardedDataset):
+        def __getitems__(self, indices):
+            with open(Path(reads) / f"{os.getpid()}.txt", "a") as f:
+                f.writelines(f"{index} {time.time()}\n" for index in indices)
+            return super().__getitems__(indices)
+
+    Path(reads).mkdir(parents=True, exist_ok=True)
+    train, *rest = sharded(root, shuffle_window)
+    return (RecordedShards(train.root, train.shards, train.shuffle_window), *rest)

@@ -34,7 +34,7 @@ def check(cfg: Any, run_dir: Path) -> None:
             "or start anew in another hydra.run.dir (nothing was overwritten)"
         )
     targets.check(data_cfg.dataset, "data.dataset")
-    data.check_source(data_cfg.dataset, data_cfg.num_classes)
+    data.check_source(data_cfg)
     targets.check(cfg.model, "model")
     targets.check(cfg.optim, "optim")
     if cfg.scheduler is not None:  # null: a constant learning rate (scheduler=none)

@@ -9,6 +9,10 @@ unless `data.even_shards=false`). Evaluation splits into fixed chunks of `eval_b
 consecutive samples, dealt to the ranks in turn: every sample counts once, and a chunk is computed
 alike at any world size, so the metrics are bit-equal whether 1, 2 or 3 ranks evaluate
 (evaluation.py sums the chunks in order).
+
+A shard directory (shards.py: data=shards) is read in windows of shards, never whole: its training
+order is index arithmetic over the manifest (sampling.ShardWindowOrder), so the same resume, the
+same evaluation chunks and the same world-size rules hold for it.
 """
 
 # The package's API: the sources' builders are what conf/data/*.yaml names (hydra_ddp.data.digits).
@@ -22,7 +26,14 @@ from hydra_ddp.data.loading import (  # noqa: F401
     eval_split,
     loader_options,
 )
-from hydra_ddp.data.sampling import ResumableDistributedSampler, SeededSamples, sample_seed  # noqa: F401
+from hydra_ddp.data.sampling import (  # noqa: F401
+    ResumableDistributedSampler,
+    SeededSamples,
+    ShardWindowOrder,
+    ShardWindowSampler,
+    sample_seed,
+)
+from hydra_ddp.data.shards import ShardedDataset, sharded  # noqa: F401
 from hydra_ddp.data.sources import (  # noqa: F401
     CIFAR10_FILES,
     SPLITS,

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
+import signal
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple, Optional
 
@@ -14,14 +17,16 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
-from hydra_ddp.data import batches
+from hydra_ddp.data import batches, shards
 from hydra_ddp.data.sampling import (
     ResumableDistributedSampler,
     SeededSamples,
+    ShardWindowSampler,
     sample_seed,
 )
 from hydra_ddp.errors import UserError
 from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.signals import STOP_SIGNALS
 
 
 class EvalSplit:
@@ -141,7 +146,10 @@ def build_datasets(data_cfg: Any, rank: RankInfo, seed: int) -> dict[str, Option
 
 def carve(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
     """(rest, validation): `fraction` of the training set, chosen by a permutation seeded with `seed`.
-    In-memory tensors stay whole tensors (sliced), so data.preload keeps working."""
+    In-memory tensors stay whole tensors (sliced), so data.preload keeps working; a shard directory
+    gives whole shards."""
+    if isinstance(train, shards.ShardedDataset):
+        return shards.carve(train, fraction, seed)
     n = len(train)  # type: ignore[arg-type]
     n_val = max(1, round(n * fraction))
     if n_val >= n:
@@ -165,7 +173,11 @@ def loader_options(data_cfg: Any, seed: int, device: torch.device, rank: int = 0
         collate_fn=batches.collate,  # default_collate's, and dataclass samples too
     )
     if workers > 0:
-        options.update(persistent_workers=data_cfg.persistent_workers, prefetch_factor=data_cfg.prefetch_factor)
+        options.update(
+            persistent_workers=data_cfg.persistent_workers,
+            prefetch_factor=data_cfg.prefetch_factor,
+            worker_init_fn=stop_signals_are_the_ranks,
+        )
         # Forked from the rank, as DataLoader does by default on Linux. A rank is itself a child of the
         # launcher's forkserver, so it would inherit "forkserver" as its default: its loader workers
         # would then be children of a forkserver of the rank's own, watching that forkserver instead
@@ -173,6 +185,24 @@ def loader_options(data_cfg: Any, seed: int, device: torch.device, rank: int = 0
         if sys.platform == "linux":
             options["multiprocessing_context"] = multiprocessing.get_context("fork")
     return options
+
+
+def stop_signals_are_the_ranks(worker_id: int) -> None:
+    """In each loader worker (its init): a stop signal from anyone but its rank is the rank's to act
+    on, not the worker's. torch's workers die on SIGTERM, and a job's SIGTERM reaches them with their
+    rank (Slurm's pre-emption and scancel signal every process of the step, as does a kill of the
+    process group; Ctrl-C sends SIGINT to all): a dead worker would fail the rank before it stops at
+    a checkpoint. The signals are blocked and answered by a thread that knows the sender: the rank
+    itself (its loader's shutdown, multiprocessing's end of its children at its exit) ends the
+    worker; anyone else's is left to the rank."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    threading.Thread(target=_answer_stop_signals, args=(os.getppid(),), name="hydra-ddp-stop", daemon=True).start()
+
+
+def _answer_stop_signals(rank_pid: int) -> None:
+    while True:
+        if signal.sigwaitinfo(STOP_SIGNALS).si_pid == rank_pid:
+            os._exit(0)
 
 
 def eval_split(dataset: Dataset, data_cfg: Any, rank: RankInfo, seed: int, device: torch.device) -> EvalSplit:
@@ -215,7 +245,9 @@ def build_loaders(
     # So are datasets that say they draw none (`draws_randomness = False`: no transform, no sampling):
     # seeding torch's generator per sample costs about 0.2 ms a sample on a CPU.
     seeded = batches.whole(train_set) is None and draws_randomness(train_set)
-    train_sampler = ResumableDistributedSampler(
+    # A shard directory's samples in shard windows (read as a stream); any other dataset by index.
+    sampler = ShardWindowSampler if isinstance(train_set, shards.ShardedDataset) else ResumableDistributedSampler
+    train_sampler = sampler(
         train_set,
         num_replicas=shard.world_size,
         rank=shard.rank,

@@ -3,6 +3,7 @@ mid-epoch, and a seed per (epoch, sample)."""
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -83,3 +84,60 @@ class SeededSamples(Dataset):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(sample_seed(self.seed, epoch, index))
             return self.dataset[index]
+
+
+class ShardWindowOrder:
+    """One epoch's order of a sharded dataset's samples, computed, never stored whole: the shards in
+    a permutation seeded by (seed, epoch), their samples laid end to end, and the positions shuffled
+    within consecutive windows of `window` (each window its own seeded permutation). Position p holds
+    `self[p]`, a sample index; only the window being read is held, and only while it is read."""
+
+    def __init__(self, shard_sizes: list[int], seed: int, epoch: int, window: int, shuffle: bool = True):
+        count = len(shard_sizes)
+        self.shards = (
+            torch.randperm(count, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+            if shuffle
+            else list(range(count))
+        )
+        starts = [0]  # each shard's first sample index in the dataset
+        for size in shard_sizes[:-1]:
+            starts.append(starts[-1] + size)
+        self.first_index = [starts[s] for s in self.shards]
+        self.bounds = [0]  # each position-ordered shard's first position
+        for s in self.shards:
+            self.bounds.append(self.bounds[-1] + shard_sizes[s])
+        self.size, self.seed, self.epoch = self.bounds[-1], seed, epoch
+        self.window = window if shuffle else 1
+        self._cached: tuple[int, list[int]] = (-1, [])
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _within(self, number: int) -> list[int]:
+        if self._cached[0] != number:
+            length = min(self.window, self.size - number * self.window)
+            seed = sample_seed(self.seed, self.epoch, number) & 0x7FFF_FFFF_FFFF_FFFF
+            self._cached = (number, torch.randperm(length, generator=torch.Generator().manual_seed(seed)).tolist())
+        return self._cached[1]
+
+    def __getitem__(self, position: int) -> int:
+        if self.window > 1:
+            number, offset = divmod(position, self.window)
+            position = number * self.window + self._within(number)[offset]
+        shard = bisect.bisect_right(self.bounds, position) - 1
+        return self.first_index[shard] + position - self.bounds[shard]
+
+
+class ShardWindowSampler(ResumableDistributedSampler):
+    """ResumableDistributedSampler's contract (position r, r+W, … of the epoch's order to rank r;
+    `pad`, `skip`, `keyed` alike) over a ShardWindowOrder instead of a permutation of every index:
+    a sharded dataset is read window by window, and after b batches of B per rank at W ranks the
+    first b·B·W positions are read, at any W (so a resize continues with every other sample once)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        dataset = self.dataset
+        order = ShardWindowOrder(dataset.shard_sizes, self.seed, self.epoch, dataset.shuffle_window, self.shuffle)  # type: ignore[attr-defined]
+        n, rank, ranks = len(order), self.rank, self.num_replicas
+        # Padded: the positions past the end wrap to the first ones, as DistributedSampler repeats its first indices.
+        indices = (order[(rank + j * ranks) % n] for j in range(self.start, self.num_samples))
+        return ((self.epoch, index) for index in indices) if self.keyed else indices

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset, TensorDataset
 
+from hydra_ddp.data import shards
 from hydra_ddp.data.batches import TensorTree
 from hydra_ddp.errors import UserError
 
@@ -25,6 +26,23 @@ def _split(n: int, test_fraction: float, seed: int) -> tuple[torch.Tensor, torch
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     n_test = max(1, round(n * test_fraction))
     return order[n_test:], order[:n_test]
+
+
+def _one_thread(build):
+    """A source built as one thread builds it, whatever the caller's torch thread count: a reduction's
+    (a mean's, a matrix product's) summation order follows the thread count, and a 1-rank run (two
+    threads on two cores) would otherwise train on other bits of the same data than a 2-rank run."""
+
+    @functools.wraps(build)
+    def built(*args: Any, **kwargs: Any) -> Any:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return build(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+
+    return built
 
 
 def _standardize(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,6 +71,7 @@ def _load_digits() -> tuple[np.ndarray, np.ndarray]:
     return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
 
 
+@_one_thread
 def digits(image_size: int = 28, test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset]:
     """scikit-learn's 1,797 8×8 digits, bilinearly resized to image_size², held in memory."""
     raw_images, raw_labels = _load_digits()
@@ -129,6 +148,7 @@ def _shipped_table(name: str) -> np.ndarray:
     return np.loadtxt(path)
 
 
+@_one_thread
 def diabetes(test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset]:
     """scikit-learn's diabetes regression data (442 patients, 10 measurements, a disease-progression
     score), read from the files it ships. Features and targets standardized by the training split's
@@ -142,6 +162,7 @@ def diabetes(test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Datase
     return TensorDataset(x[train_idx], y[train_idx]), TensorDataset(x[test_idx], y[test_idx])
 
 
+@_one_thread
 def synthetic_regression(
     train_size: int = 4096, test_size: int = 512, in_features: int = 16, noise: float = 0.1, seed: int = 0
 ) -> tuple[Dataset, Dataset]:
@@ -282,15 +303,18 @@ def split_folders(root: Path) -> dict[str, Path]:
     return {}
 
 
-def check_source(dataset_cfg: Any, num_classes: int) -> None:
+def check_source(data_cfg: Any) -> None:
     """Fail before launch, naming the path, when a dataset's files are missing.
 
     Checks the datasets shipped here that read from disk; a user's own `_target_` is checked
     when it is built.
     """
+    dataset_cfg, num_classes = data_cfg.dataset, data_cfg.num_classes
     target = str(dataset_cfg.get("_target_", ""))
     root = dataset_cfg.get("root")
-    if target.endswith(".image_folder"):
+    if target.endswith(".sharded"):
+        shards.check(dataset_cfg, data_cfg)
+    elif target.endswith(".image_folder"):
         path = _require_dir(root, "data=imagefolder")
         folders = split_folders(path) or {"": path}
         found = {split: _class_folders(folder) for split, folder in folders.items()}

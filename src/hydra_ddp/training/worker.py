@@ -40,6 +40,7 @@ from hydra_ddp.errors import (
     UserError,
     WorkerError,
     first_line,
+    in_loader_worker,
     root_cause,
 )
 from hydra_ddp.launch import startup
@@ -336,7 +337,7 @@ def main(
         if isinstance(error, EveryRankError):
             raise WorkerError(EVERY_RANK + str(error)) from None
         if isinstance(error, UserError):
-            raise WorkerError(str(error)) from None  # already one line that says what to do
+            raise WorkerError(in_loader_worker(str(error))) from None  # already one line that says what to do
         line = first_line(root_cause(error))
         if any(sign in line.lower() for sign in PEER_GONE):
             line = LOST_A_PEER + line

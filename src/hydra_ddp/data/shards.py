@@ -1,0 +1,367 @@
+"""Datasets stored as many shard files on disk, read in windows of shards, never loaded whole.
+
+A shard directory holds `manifest.json` (each split's shards, their sample counts, sizes and CRC-32s)
+and the shard files. A shard holds a fixed number of samples, each a tuple or a dict of arrays of
+one shape and dtype per field, stored field by field: sample i of a field is at a known offset, read
+through a memory map (only the pages a read touches come from disk).
+
+So a sample has an address, (shard, offset), and the training order is index arithmetic over the
+manifest's counts (sampling.ShardWindowSampler): shards in a seeded order each epoch, samples
+shuffled within windows of consecutive positions. Every rank, every loader worker and a resumed
+run compute the same order without reading anything, which is what makes a mid-epoch resume exact
+at any world size and the order independent of the number of loader workers.
+
+Write shards with `python -m hydra_ddp.tools.shards write DIR --source digits` (any source of
+conf/data, or your own function returning splits), or `write()` from your own code, one sample at a
+time: nothing is held but one shard. Check them with `python -m hydra_ddp.tools.shards verify DIR`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import json
+import os
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from hydra_ddp.errors import UserError
+
+FORMAT = "hydra-ddp-shards"
+VERSION = 1
+MAGIC = b"HDDPSHRD"
+ALIGN = 64  # each field's block starts at a multiple of this: aligned memory maps
+MANIFEST = "manifest.json"
+OPEN_SHARDS = 64  # memory maps a reader keeps open: more than a shuffle window spans at the default sizes
+
+
+class ShardError(UserError):
+    """A shard directory or file that cannot be read as written: what is wrong, and what to do."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    file: str  # relative to the directory
+    samples: int
+    bytes: int
+    crc32: int
+
+
+# --- writing ------------------------------------------------------------------------------------
+def _fields(sample: Any) -> tuple[str, list[tuple[str, np.ndarray]]]:
+    """(structure, [(name, array)]) of one sample: a tuple/list of leaves, or a dict of them."""
+    if isinstance(sample, Mapping):
+        return "dict", [(str(key), _array(value, key)) for key, value in sample.items()]
+    if isinstance(sample, (tuple, list)):
+        return "tuple", [(str(i), _array(value, i)) for i, value in enumerate(sample)]
+    raise UserError(f"a shard sample must be a tuple or a dict of arrays, got {type(sample).__name__}")
+
+
+def _array(value: Any, name: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    array = np.asarray(value)
+    if array.dtype == object or array.dtype.kind in "USV":
+        raise UserError(f"a shard sample's field {name!r} is {type(value).__name__}: only numbers and arrays store")
+    return array
+
+
+def _pad(length: int) -> int:
+    return -length % ALIGN
+
+
+class _ShardWriter:
+    """One shard file, written in one go from the samples given to it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, samples: list[Any]) -> ShardInfo:
+        structure, first = _fields(samples[0])
+        names = [name for name, _ in first]
+        columns: dict[str, list[np.ndarray]] = {name: [] for name in names}
+        for i, sample in enumerate(samples):
+            kind, fields = _fields(sample)
+            if kind != structure or [name for name, _ in fields] != names:
+                raise UserError(f"sample {i} of {self.path.name} has fields {[n for n, _ in fields]}, not {names}")
+            for name, array in fields:
+                columns[name].append(array)
+        blocks = []
+        for name in names:
+            shapes = {a.shape for a in columns[name]}
+            dtypes = {a.dtype for a in columns[name]}
+            if len(shapes) != 1 or len(dtypes) != 1:
+                raise UserError(
+                    f"field {name!r} of {self.path.name} has shapes {sorted(shapes)} and dtypes "
+                    f"{sorted(map(str, dtypes))}: a field needs one shape and dtype (pack or pad variable-length "
+                    "samples to one length)"
+                )
+            blocks.append((name, np.ascontiguousarray(np.stack(columns[name]))))
+        header = {"samples": len(samples), "structure": structure, "fields": []}
+        offset = 0  # from the start of the data, fixed up below once the header's length is known
+        for name, block in blocks:
+            header["fields"].append(
+                {"name": name, "dtype": block.dtype.str, "shape": list(block.shape[1:]), "offset": offset}
+            )
+            offset += block.nbytes + _pad(block.nbytes)
+        # Offsets are from the data's start (the header's end, aligned): the header's length cannot change them.
+        encoded = json.dumps(header).encode()
+        crc = 0
+        head = MAGIC + len(encoded).to_bytes(8, "little") + encoded
+        with open(self.path, "wb") as f:
+            for chunk in (head, bytes(_pad(len(head)))):
+                f.write(chunk)
+                crc = zlib.crc32(chunk, crc)
+            for _, block in blocks:
+                for chunk in (block.tobytes(), bytes(_pad(block.nbytes))):
+                    f.write(chunk)
+                    crc = zlib.crc32(chunk, crc)
+            size = f.tell()
+        return ShardInfo(self.path.name, len(samples), size, crc)
+
+
+def write(
+    root: str | os.PathLike,
+    splits: Mapping[str, Iterable[Any]],
+    samples_per_shard: int,
+    meta: Optional[Mapping[str, Any]] = None,
+) -> dict[str, Any]:
+    """Write each split's samples (any iterable: a Dataset, a generator) as shards of
+    `samples_per_shard` samples under `root`, and the manifest last (a directory without one is not
+    a shard directory: a write that stopped part-way is never read). `meta`: what the data is (its
+    number of classes, image size, ...), checked against data.* before a run. Returns the manifest."""
+    if samples_per_shard < 1:
+        raise UserError(f"samples_per_shard={samples_per_shard}: at least 1")
+    out = Path(root)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)
+    manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "meta": dict(meta or {}), "splits": {}}
+    for split, samples in splits.items():
+        shards: list[ShardInfo] = []
+        pending: list[Any] = []
+        for sample in _iterate(samples):
+            pending.append(sample)
+            if len(pending) == samples_per_shard:
+                shards.append(_ShardWriter(out / f"{split}-{len(shards):06d}.shard").write(pending))
+                pending = []
+        if pending:
+            shards.append(_ShardWriter(out / f"{split}-{len(shards):06d}.shard").write(pending))
+        manifest["splits"][split] = [vars(s) for s in shards]
+    (out / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
+    os.replace(out / (MANIFEST + ".tmp"), out / MANIFEST)
+    return manifest
+
+
+def _iterate(samples: Iterable[Any]) -> Iterator[Any]:
+    if isinstance(samples, Dataset) and hasattr(samples, "__len__"):  # a map-style dataset may not iterate
+        return (samples[i] for i in range(len(samples)))  # type: ignore[arg-type]
+    return iter(samples)
+
+
+# --- reading ------------------------------------------------------------------------------------
+def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
+    path = Path(root).expanduser()
+    if not path.is_dir():
+        raise ShardError(f"data.dataset.root={str(root)!r}: no such directory; write shards there first ({_HOW})")
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        found = len(list(path.glob("*.shard")))
+        what = f"{found} shard files but no {MANIFEST} (a write stopped part-way?)" if found else "no shards"
+        raise ShardError(f"data.dataset.root={str(root)!r} holds {what}; write shards there ({_HOW})")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ShardError(f"{manifest_path} cannot be read ({e}); write the shards again ({_HOW})") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ShardError(f"{manifest_path} is not a {FORMAT} v{VERSION} manifest; write the shards again ({_HOW})")
+    return manifest
+
+
+_HOW = "python -m hydra_ddp.tools.shards write DIR --source digits"
+
+
+def split_shards(root: str | os.PathLike, manifest: dict[str, Any], split: str) -> list[ShardInfo]:
+    shards = [ShardInfo(**entry) for entry in manifest["splits"].get(split, [])]
+    if not shards or not sum(s.samples for s in shards):
+        raise ShardError(f"{Path(root) / MANIFEST}: the {split} split has no samples; write it (or pick another root)")
+    return shards
+
+
+def check_files(root: str | os.PathLike, shards: list[ShardInfo]) -> None:
+    """Every shard present at its written size (a stat each, no reads): a missing or truncated shard
+    is found before launch. A shard whose bytes changed in place is found when it is opened."""
+    for shard in shards:
+        path = Path(root) / shard.file
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise ShardError(f"shard {path} is missing; write the shards again ({_HOW})") from None
+        if size != shard.bytes:
+            raise ShardError(
+                f"shard {path} has {size} bytes, its manifest says {shard.bytes} (truncated or rewritten); "
+                f"write the shards again ({_HOW})"
+            )
+
+
+class _Shard:
+    """One shard's fields as memory maps, checked against the manifest when opened."""
+
+    def __init__(self, path: Path, info: ShardInfo):
+        try:
+            with open(path, "rb") as f:
+                magic, length = f.read(len(MAGIC)), int.from_bytes(f.read(8), "little")
+                if magic != MAGIC or not 0 < length < info.bytes:
+                    raise ValueError("not a shard file (bad magic or header length)")
+                header = json.loads(f.read(length))
+            start = len(MAGIC) + 8 + length
+            start += _pad(start)
+            if header["samples"] != info.samples:
+                raise ValueError(f"{header['samples']} samples, the manifest says {info.samples}")
+            self.structure, self.columns = header["structure"], []
+            for field in header["fields"]:
+                dtype, shape = np.dtype(field["dtype"]), (info.samples, *field["shape"])
+                offset = start + field["offset"]
+                if offset + dtype.itemsize * int(np.prod(shape)) > info.bytes:
+                    raise ValueError(f"field {field['name']!r} runs past the end of the file")
+                self.columns.append((field["name"], np.memmap(path, dtype, "r", offset, shape)))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ShardError(
+                f"shard {path} is corrupt ({e}); write the shards again ({_HOW}), or find the bad ones with "
+                f"python -m hydra_ddp.tools.shards verify {path.parent}"
+            ) from None
+
+    def take(self, offsets: Any) -> list[Any]:
+        """The samples at `offsets` (a sorted array), each a tuple or a dict of tensors."""
+        values = [(name, torch.from_numpy(np.array(column[offsets]))) for name, column in self.columns]
+        if self.structure == "dict":
+            return [{name: value[i] for name, value in values} for i in range(len(offsets))]
+        return [tuple(value[i] for _, value in values) for i in range(len(offsets))]
+
+
+class ShardedDataset(Dataset):
+    """One split of a shard directory: sample i is the i-th in the manifest's shard order. Reads go
+    to the shards through memory maps, a few dozen kept open per process (a loader worker opens its
+    own after the fork)."""
+
+    draws_randomness = False  # samples as stored: no per-sample seeding needed (loading.draws_randomness)
+
+    def __init__(self, root: str | os.PathLike, shards: list[ShardInfo], shuffle_window: int):
+        self.root, self.shards, self.shuffle_window = Path(root), list(shards), shuffle_window
+        self.shard_sizes = [s.samples for s in self.shards]
+        self.starts = np.cumsum([0, *self.shard_sizes]).tolist()  # sample index of each shard's first
+        self._open: collections.OrderedDict[int, _Shard] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getstate__(self) -> dict[str, Any]:  # to a spawned loader worker: without the open maps
+        return {**self.__dict__, "_open": collections.OrderedDict()}
+
+    def _shard(self, number: int) -> _Shard:
+        shard = self._open.pop(number, None) or _Shard(self.root / self.shards[number].file, self.shards[number])
+        self._open[number] = shard  # the most recently used last
+        if len(self._open) > OPEN_SHARDS:
+            self._open.popitem(last=False)
+        return shard
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(shard, offset) of sample `index`."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} of {len(self)}")
+        shard = bisect.bisect_right(self.starts, index) - 1
+        return shard, index - self.starts[shard]
+
+    def __getitem__(self, index: int) -> Any:
+        shard, offset = self.locate(index)
+        return self._shard(shard).take(np.array([offset]))[0]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """A batch's samples, read shard by shard (DataLoader calls this with a batch's indices)."""
+        where = [self.locate(i) for i in indices]
+        by_shard: dict[int, list[int]] = collections.defaultdict(list)
+        for position, (shard, _) in enumerate(where):
+            by_shard[shard].append(position)
+        samples: list[Any] = [None] * len(indices)
+        for shard, positions in by_shard.items():
+            offsets = np.array([where[p][1] for p in positions])
+            for position, sample in zip(positions, self._shard(shard).take(offsets)):
+                samples[position] = sample
+        return samples
+
+    def subset(self, shards: list[int]) -> ShardedDataset:
+        """The same directory's split, of these shards only."""
+        return ShardedDataset(self.root, [self.shards[i] for i in shards], self.shuffle_window)
+
+
+def carve(train: ShardedDataset, fraction: float, seed: int) -> tuple[ShardedDataset, ShardedDataset]:
+    """(rest, validation): whole shards, `fraction` of them chosen by a permutation seeded with
+    `seed`, so both splits stay shard directories read in windows."""
+    count = len(train.shards)
+    held = max(1, round(count * fraction))
+    if held >= count:
+        raise UserError(
+            f"data.val_fraction={fraction} holds out {held} of the {count} training shards, leaving none; "
+            "choose a smaller fraction, write a val split, or write more, smaller shards"
+        )
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    keep, val = sorted(order[held:].tolist()), sorted(order[:held].tolist())
+    return train.subset(keep), train.subset(val)
+
+
+def sharded(root: str, shuffle_window: int = 8192) -> tuple[Dataset, ...]:
+    """A shard directory's splits: (train, test), or (train, val, test) where it has a val split.
+    `shuffle_window`: training samples are shuffled within windows of this many consecutive
+    positions of the epoch's shard order (1: shards in a new order each epoch, each read through)."""
+    if shuffle_window < 1:
+        raise UserError(f"data.dataset.shuffle_window={shuffle_window}: at least 1 (1: no shuffle within shards)")
+    manifest = read_manifest(root)
+    names = ["train", *(["val"] if manifest["splits"].get("val") else []), "test"]
+    return tuple(ShardedDataset(root, split_shards(root, manifest, name), shuffle_window) for name in names)
+
+
+def check(dataset_cfg: Any, data_cfg: Any) -> None:
+    """Before launch: the directory, its manifest, every shard there at its size, and the data.*
+    keys the manifest's meta records (a model built for other data would fail in a worker)."""
+    root = dataset_cfg.get("root")
+    window = dataset_cfg.get("shuffle_window", 8192)
+    if not isinstance(window, int) or window < 1:
+        raise UserError(f"data.dataset.shuffle_window={window}: a whole number, at least 1")
+    manifest = read_manifest(root)
+    for split in ("train", "test", *(["val"] if manifest["splits"].get("val") else [])):
+        check_files(root, split_shards(root, manifest, split))
+    for key, value in manifest.get("meta", {}).items():
+        if key in ("num_classes", "in_channels", "image_size") and getattr(data_cfg, key) != value:
+            raise UserError(
+                f"data.{key}={getattr(data_cfg, key)} but the shards in {root} hold data with {key}={value}; "
+                f"set data.{key}={value}"
+            )
+
+
+def verify(root: str | os.PathLike) -> list[str]:
+    """Each shard's problems, read whole against its manifest entry (size, CRC-32, header): [] when
+    all is well."""
+    manifest = read_manifest(root)
+    problems = []
+    for split, entries in manifest["splits"].items():
+        for entry in entries:
+            info = ShardInfo(**entry)
+            path = Path(root) / info.file
+            try:
+                check_files(root, [info])
+                crc = 0
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        crc = zlib.crc32(chunk, crc)
+                if crc != info.crc32:
+                    raise ShardError(f"shard {path}: its CRC-32 is {crc:08x}, the manifest's {info.crc32:08x}")
+                _Shard(path, info)
+            except ShardError as e:
+                problems.append(f"{split}: {e}")
+    return problems
