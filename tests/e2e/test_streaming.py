@@ -87,7 +87,7 @@ def test_a_mid_epoch_stop_continues_with_the_uninterrupted_runs_samples_bit_for_
         "trainer.log_every=1",
     )
     straight = tmp_path / "straight"
-    check_ok(run_train(straight, *common, timeout=300))
+    check_ok(run_train(straight, *common, "checkpoint.every_n_steps=5", "checkpoint.keep=10", timeout=300))
     # SIGTERM at rank 0's 9th forward (of 23 a epoch): the run stops where the ranks agree, checkpointed.
     stopped = tmp_path / "stopped"
     probe = ("model._target_=probes.signal_at", "+model.of=hydra_ddp.models.MnistCNN", "+model.step=9")
@@ -98,6 +98,13 @@ def test_a_mid_epoch_stop_continues_with_the_uninterrupted_runs_samples_bit_for_
     assert csv_step_losses(stopped) == csv_step_losses(straight)
     metrics = ("test_loss", "test_accuracy")
     assert {k: summary(stopped)[k] for k in metrics} == {k: summary(straight)[k] for k in metrics}
+
+    # A run killed outright (SIGKILL, a lost node) restarts from its last step checkpoint: step 15 of 46,
+    # mid-epoch, continued in a run directory of its own.
+    restarted = tmp_path / "restarted"
+    checkpoint = straight / "checkpoints" / "step-00000015.pt"
+    check_ok(run_train(restarted, *common, f"trainer.resume={checkpoint}", timeout=300))
+    assert csv_step_losses(restarted) == [row for row in csv_step_losses(straight) if row[0] > 15]
 
     # The test split, streamed at 1 and at 2 ranks, and the same samples held in memory (data=digits):
     # the same chunks, so the same metrics, to the bit.
