@@ -14,36 +14,11 @@ import time
 
 STARTED_AT = time.time()  # before the imports: wall time counts them too
 
-import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-from hydra_ddp.launch import ranks, startup  # noqa: E402  (neither imports torch)
-
-CHECK_ONLY = __name__ == "__main__" and startup.take_check_flags(sys.argv)  # --check: launch nothing
-if __name__ == "__main__" and not CHECK_ONLY and not ranks.external_launch():
-    startup.preload(sys.argv)  # the workers' imports start now, beside the parent's (train.py's reason)
-
-with startup.frozen_imports():  # train.py's reason
-    import hydra
-    from omegaconf import DictConfig
-
-    from hydra_ddp.config.schema import register_schema
-    from hydra_ddp.errors import UserError
-    from hydra_ddp.launch import command
-
-register_schema(__name__)
-
-
-@hydra.main(version_base=None, config_path="conf", config_name="eval")
-def main(cfg: DictConfig) -> float | None:
-    """Returns the task's first metric on the split (its loss, for the built-in tasks)."""
-    try:
-        result = command.run(cfg, STARTED_AT, job="eval")
-    except UserError as error:
-        command.fail(error)
-        return None
-    return result[f"{cfg.split}_{result['metrics'][0]}"] if result else None
-
+from hydra_ddp import cli  # noqa: E402  (imports neither torch nor Hydra)
 
 if __name__ == "__main__":
-    command.adopt_external_launch(sys.argv)
-    command.exit_after(main)
+    cli.run_job("eval", str(Path(__file__).resolve().parent / "conf"), STARTED_AT)
+else:
+    cli.as_worker_main(__name__)  # a worker's main module (__mp_main__)

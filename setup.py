@@ -2,12 +2,12 @@
 groups ship inside the package (hydra_ddp.conf, found by Hydra as pkg://hydra_ddp.conf) from the
 one copy at the top of the repository, conf/, which train.py reads as it always has."""
 
-from setuptools import find_namespace_packages, find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 CONF = ["hydra_ddp.conf", *(f"hydra_ddp.conf.{group}" for group in find_namespace_packages("conf"))]
 
 setup(
-    packages=[*find_packages("src"), *CONF],
+    packages=[*find_namespace_packages("src", include=["hydra_ddp*", "hydra_plugins*"]), *CONF],
     package_dir={"": "src", "hydra_ddp.conf": "conf"},
     package_data={package: ["*.yaml"] for package in CONF},
 )

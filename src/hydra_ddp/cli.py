@@ -1,0 +1,129 @@
+"""The `hydra-ddp` command, also `python -m hydra_ddp`: train.py's and eval.py's jobs, and the tools,
+for an installed package run from any directory.
+
+    hydra-ddp train [overrides]          # as python train.py [overrides]
+    hydra-ddp eval ckpt=RUN_DIR          # as python eval.py ckpt=RUN_DIR
+    hydra-ddp export ckpt=RUN_DIR out=model.safetensors
+
+The config groups come from the package (pkg://hydra_ddp.conf: the repository's conf/, shipped in
+the wheel). train.py and eval.py run the same jobs (`run_job`) from the repository's conf/.
+
+Importing this module imports neither torch nor Hydra: a command's workers start importing torch
+(startup.preload) before the parent composes its config.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, NoReturn, Optional
+
+from hydra_ddp.launch import ranks, startup
+
+PACKAGE_CONF = "pkg://hydra_ddp.conf"
+JOBS = {"train": "config", "eval": "eval"}  # the job, and its primary config's name
+USAGE = """usage: hydra-ddp COMMAND [ARGS]
+
+  train [overrides]     compose, check and launch a training run (as python train.py)
+  eval ckpt=PATH        evaluate a saved checkpoint (as python eval.py)
+  export ckpt=PATH      write a checkpoint's weights for inference (python -m hydra_ddp.export)
+
+Overrides are Hydra's: key=value, group=option, -m for a sweep; train --check launches nothing."""
+
+
+def run_job(job: str, config_path: str, started_at: float, argv: Optional[list[str]] = None) -> NoReturn:
+    """train.py's or eval.py's command: take --check, start the workers' imports, compose the config
+    (`config_path`: where its groups are), run the job, and end the process without the
+    interpreter's teardown (command.exit_after)."""
+    if argv is not None:
+        sys.argv = argv  # Hydra reads its overrides there
+    check_only = startup.take_check_flags(sys.argv)  # --check: compose and check, launch nothing
+    if not check_only and not ranks.external_launch():
+        # The workers' imports (torch, the project) start now, in a forkserver, beside the parent's own.
+        startup.preload(sys.argv)
+    with startup.frozen_imports():  # half a million objects that live as long as the process
+        import hydra
+
+        from hydra_ddp.config.schema import register_schema
+        from hydra_ddp.launch import command
+    register_schema()
+    task = _train(started_at, check_only) if job == "train" else _eval(started_at)
+    main = hydra.main(version_base=None, config_path=config_path, config_name=JOBS[job])(task)
+    command.adopt_external_launch(sys.argv)
+    command.exit_after(main)
+
+
+def as_worker_main(module: str) -> None:
+    """What train.py and eval.py do when a worker imports them as its main module (__mp_main__):
+    the YAML resolvers, and the imports every worker makes anyway, frozen."""
+    with startup.frozen_imports():
+        from hydra_ddp.config.schema import register_schema
+    register_schema(module)
+
+
+def _train(started_at: float, check_only: bool) -> Any:
+    from omegaconf import DictConfig
+
+    from hydra_ddp import monitor
+    from hydra_ddp.errors import UserError
+    from hydra_ddp.launch import command
+
+    start = [started_at]
+
+    def train(cfg: DictConfig) -> Optional[float]:
+        """Returns what a Hydra sweeper (e.g. Optuna) optimises: the best value of trainer.monitor
+        (a validation metric: never the test set's)."""
+        worst = monitor.worst_for(cfg)  # a value every finished run beats
+        begun = start.pop() if start else time.time()  # a multirun's later jobs in this process: now
+        try:
+            summary = command.run(cfg, begun)
+        except UserError as error:
+            command.fail(error)  # one line, no traceback; in a multirun the next job still runs
+            return worst  # a failed or diverged trial ranks last instead of ending the sweep
+        if check_only:
+            return worst if worst is not None else 0.0  # a sweeper asks each checked trial for a number
+        if not summary:
+            return None  # not node 0
+        return summary["objective"] if summary["objective"] is not None else worst
+
+    return train
+
+
+def _eval(started_at: float) -> Any:
+    from omegaconf import DictConfig
+
+    from hydra_ddp.errors import UserError
+    from hydra_ddp.launch import command
+
+    def evaluate(cfg: DictConfig) -> Optional[float]:
+        """Returns the task's first metric on the split (its loss, for the built-in tasks)."""
+        try:
+            result = command.run(cfg, started_at, job="eval")
+        except UserError as error:
+            command.fail(error)
+            return None
+        return result[f"{cfg.split}_{result['metrics'][0]}"] if result else None
+
+    return evaluate
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`hydra-ddp COMMAND ...`: one line and exit status 2 for a command it does not know."""
+    started_at = time.time()
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name in JOBS:
+        run_job(name, PACKAGE_CONF, started_at, [f"hydra-ddp {name}", *rest])
+    if name == "export":
+        from hydra_ddp import export
+
+        return export.main(rest)
+    print(f"hydra-ddp: error: no command {name!r}; choose train, eval or export (hydra-ddp --help)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
