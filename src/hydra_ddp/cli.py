@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Any, NoReturn, Optional
 
+from hydra_ddp import project
+from hydra_ddp.errors import UserError
 from hydra_ddp.launch import ranks, startup
 
 PACKAGE_CONF = "pkg://hydra_ddp.conf"
@@ -27,6 +29,7 @@ USAGE = """usage: hydra-ddp COMMAND [ARGS]
   train [overrides]     compose, check and launch a training run (as python train.py)
   eval ckpt=PATH        evaluate a saved checkpoint (as python eval.py)
   export ckpt=PATH      write a checkpoint's weights for inference (python -m hydra_ddp.export)
+  init DIR              start a project of your own in DIR: a task, a model, data, their configs
 
 Overrides are Hydra's: key=value, group=option, -m for a sweep; train --check launches nothing."""
 
@@ -115,14 +118,39 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(USAGE)
         return 0 if args else 2
     name, rest = args[0], args[1:]
+    try:
+        if name == "init":
+            return _init(rest)
+        found = project.find()  # the project run from: its conf/ ahead of the package's, its package importable
+    except UserError as error:
+        print(f"hydra-ddp: error: {error}", file=sys.stderr)
+        return error.exit_code
+    project.importable(found)
+    conf = project.extra_conf(found)
     if name in JOBS:
+        for line in project.shadowed(conf, project.package_conf()) if conf else []:
+            print(line, file=sys.stderr)
         run_job(name, PACKAGE_CONF, started_at, [f"hydra-ddp {name}", *rest])
     if name == "export":
         from hydra_ddp import export
 
         return export.main(rest)
-    print(f"hydra-ddp: error: no command {name!r}; choose train, eval or export (hydra-ddp --help)", file=sys.stderr)
+    print(
+        f"hydra-ddp: error: no command {name!r}; choose train, eval, export or init (hydra-ddp --help)", file=sys.stderr
+    )
     return 2
+
+
+def _init(args: list[str]) -> int:
+    from hydra_ddp import init
+
+    if len(args) != 1:
+        raise UserError("hydra-ddp init takes one argument, the new project's directory: hydra-ddp init DIR")
+    folder, written = init.init(args[0])
+    print(
+        f"hydra-ddp: wrote {len(written)} files to {folder}; then: cd {args[0]} && hydra-ddp train +experiment=spirals"
+    )
+    return 0
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import pytest
 from support import REPO
 
 PACKAGE = REPO / "src" / "hydra_ddp"
-MODULES = sorted(PACKAGE.rglob("*.py"))
+# The package's modules; not template/, the files `hydra-ddp init` writes into a user's project.
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] != "template")
 LAUNCH_SIDE = ("launch", "config")  # the command's process: it starts workers, and never is one
 WORKER_SIDE = "hydra_ddp.training"
 
