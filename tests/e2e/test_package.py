@@ -1,0 +1,120 @@
+"""hydra-ddp as an installed package: a wheel built from the repository's files, installed into a
+fresh virtual environment (no editable install: hydra_ddp is imported from the new environment,
+which reuses this environment's torch and the rest through a path entry), then `hydra-ddp init` and,
+in the new project: its own test, `hydra-ddp train` at two ranks (spawn and torchrun), `hydra-ddp
+eval` reproducing the run's test metrics, and a two-trial Optuna search over the project's space."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from support import REPO
+
+
+def _run(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{args}: exit {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> dict[str, str]:
+    """The environment of a fresh venv with the wheel installed, its bin first on PATH."""
+    work = tmp_path_factory.mktemp("package")
+    source = work / "source"  # the repository's own files (tracked and new), without its build outputs
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    for name in files:
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE")}
+    wheels = work / "wheels"
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), "."], source, env
+    )
+    wheel = next(wheels.glob("hydra_ddp-*.whl"))
+    venv = work / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], work, env)  # pip and setuptools: reused too
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    # This environment's packages (torch, Hydra, ...) reused by path: a plain entry, so its .pth files
+    # (this repository's editable install among them) are not read there.
+    (site / "reuse.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    python = str(venv / "bin" / "python")
+    _run([python, "-m", "pip", "install", "--no-index", "--no-deps", "--force-reinstall", str(wheel)], work, env)
+    _run([python, "-m", "pip", "check"], work, env)  # every dependency the wheel names is there
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
+    env["VIRTUAL_ENV"] = str(venv)
+    where = _run(
+        [python, "-c", "import hydra_ddp, hydra_ddp.conf as c; print(hydra_ddp.__file__, c.__file__)"], work, env
+    )
+    assert all(path.startswith(str(venv)) for path in where.stdout.split()), where.stdout
+    return env
+
+
+@pytest.mark.timeout(900)
+def test_an_installed_wheel_starts_a_project_that_trains_evaluates_and_searches(installed, tmp_path: Path):
+    env = installed
+    done = _run(["hydra-ddp", "init", "spiral-lab"], tmp_path, env)
+    project = tmp_path / "spiral-lab"
+    assert "wrote" in done.stdout and (project / "spiral_lab" / "task.py").is_file()
+
+    _run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], project, env)
+
+    # Two ranks, spawned and through torchrun: the same run, to the bit.
+    runs = {}
+    for launcher in ("spawn", "torchrun"):
+        run_dir = project / "outputs" / launcher
+        _run(
+            [
+                "hydra-ddp",
+                "train",
+                "+experiment=spirals",
+                f"launcher={launcher}",
+                "trainer.max_steps=150",
+                "trainer.threads=1",
+                f"hydra.run.dir={run_dir}",
+            ],
+            project,
+            env,
+        )
+        runs[launcher] = json.loads((run_dir / "summary.json").read_text())
+        assert (run_dir / "train.log").is_file() and runs[launcher]["world_size"] == 2
+    metrics = ("test_loss", "test_accuracy")
+    assert {k: runs["spawn"][k] for k in metrics} == {k: runs["torchrun"][k] for k in metrics}
+    assert runs["spawn"]["test_accuracy"] > 0.5  # three classes: a third by chance
+
+    # eval reproduces the run's test metrics, from the project's configs and package.
+    _run(
+        ["hydra-ddp", "eval", f"ckpt={project / 'outputs' / 'spawn'}", f"hydra.run.dir={tmp_path / 'eval'}"],
+        project,
+        env,
+    )
+    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert {k: result[k] for k in metrics} == {k: runs["spawn"][k] for k in metrics}
+
+    # The project's own search space, two trials.
+    sweep = tmp_path / "search"
+    _run(
+        [
+            "hydra-ddp",
+            "train",
+            "+experiment=spirals",
+            "hparams_search=spirals",
+            "hydra.sweeper.n_trials=2",
+            "trainer.max_steps=10",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        project,
+        env,
+    )
+    assert len([p for p in sweep.iterdir() if p.name.isdigit()]) == 2 and (sweep / "sweep.md").is_file()
