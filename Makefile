@@ -1,7 +1,9 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# The package and what training needs (make train); then the developers' tools too (the rest).
+BASE := $(VENV)/.installed
+STAMP := $(VENV)/.installed-dev
 
 .PHONY: train test test-unit test-fast lint format bench soak look docs clean
 
@@ -11,15 +13,20 @@ STAMP := $(VENV)/.installed
 # otherwise recompile torch at every start.
 unexport PYTHONDONTWRITEBYTECODE
 
-# The venv is rebuilt when the project's dependencies change.
-$(STAMP): pyproject.toml
+# The venv is rebuilt when the project's dependencies change. A user's `make train` installs the
+# package alone; the developers' extra comes with the first target that uses it.
+$(BASE): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
+	$(PY) -m pip install --quiet --no-compile -e .
 	$(PY) -c 'import hydra_ddp.launch.command, hydra_ddp.training.worker, torch._dynamo, tensorboard.backend.event_processing.event_accumulator'
+	touch $(BASE)
+
+$(STAMP): $(BASE)
+	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
 	touch $(STAMP)
 
-train: $(STAMP)
+train: $(BASE)
 	$(PY) train.py $(ARGS)
 
 # Everything: both layers, tests/unit and tests/e2e (pyproject.toml leaves out the `look` marker).

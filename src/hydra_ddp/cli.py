@@ -118,6 +118,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(USAGE)
         return 0 if args else 2
     name, rest = args[0], args[1:]
+    if name not in (*JOBS, "export", "init"):
+        choose = "choose train, eval, export or init (hydra-ddp --help)"
+        print(f"hydra-ddp: error: no command {name!r}; {choose}", file=sys.stderr)
+        return 2
     try:
         if name == "init":
             return _init(rest)
@@ -126,19 +130,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"hydra-ddp: error: {error}", file=sys.stderr)
         return error.exit_code
     project.importable(found)
-    conf = project.extra_conf(found)
-    if name in JOBS:
-        for line in project.shadowed(conf, project.package_conf()) if conf else []:
-            print(line, file=sys.stderr)
-        run_job(name, PACKAGE_CONF, started_at, [f"hydra-ddp {name}", *rest])
     if name == "export":
         from hydra_ddp import export
 
         return export.main(rest)
-    print(
-        f"hydra-ddp: error: no command {name!r}; choose train, eval, export or init (hydra-ddp --help)", file=sys.stderr
-    )
-    return 2
+    conf = project.extra_conf(found)
+    for line in project.shadowed(conf, project.package_conf()) if conf else []:
+        print(line, file=sys.stderr)
+    run_job(name, PACKAGE_CONF, started_at, [f"hydra-ddp {name}", *rest])
 
 
 def _init(args: list[str]) -> int:
