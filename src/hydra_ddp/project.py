@@ -106,3 +106,11 @@ def extra_conf(found: Optional[Project]) -> Optional[Path]:
         return None
     own = package_conf()
     return None if own is not None and same_dir(found.conf, own) else found.conf
+
+
+def package_config_path() -> str:
+    """The package's config groups as a config_path Hydra takes: hydra_ddp.conf's directory (an
+    installed package's, or a clone's conf/ through its editable install), else the clone's conf/
+    found from this file (src/hydra_ddp/ run from the source tree)."""
+    found = package_conf()
+    return str(found if found is not None else Path(__file__).resolve().parents[2] / "conf")

@@ -102,6 +102,23 @@ def test_an_installed_wheel_starts_a_project_that_trains_evaluates_and_searches(
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert {k: result[k] for k in metrics} == {k: runs["spawn"][k] for k in metrics}
 
+    # The tools that read the config groups find the package's: the reference, the loader tuner.
+    page = _run(["python", "-m", "hydra_ddp.config.reference"], project, env).stdout
+    assert "`trainer.epochs`" in page
+    tuned = _run(
+        [
+            "python",
+            "-m",
+            "hydra_ddp.tools.tune_loader",
+            "+experiment=spirals",
+            "tune.batches=2",
+            "tune.num_workers=[0]",
+        ],
+        project,
+        env,
+    )
+    assert tuned.returncode == 0
+
     # The project's own search space, two trials.
     sweep = tmp_path / "search"
     _run(

@@ -21,10 +21,12 @@ import typing
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra_ddp import project
 from hydra_ddp.config import domains, schema
 
 REPO = Path(__file__).resolve().parents[3]
-OUT = REPO / "docs" / "reference" / "config.md"
+OUT = REPO / "docs" / "reference" / "config.md"  # in a clone; an installed package prints the page
+CONF = Path(project.package_config_path())
 # Groups chosen by name (conf/GROUP/NAME.yaml) whose YAML sets the section's `name`.
 NAMED_GROUPS = ("backend", "init_method", "launcher", "strategy")
 # Groups whose objects are built with `_target_`: open to the user's own classes.
@@ -87,7 +89,7 @@ def _type_name(text: str) -> str:
 
 
 def _options(group: str) -> list[str]:
-    return sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml"))
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
 def _value(value: Any) -> str:
@@ -105,7 +107,7 @@ def _default_config(overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     schema.register_schema()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose(config_name="config", overrides=list(overrides))
     return OmegaConf.to_container(cfg, resolve=False)  # type: ignore[return-value]
 
@@ -232,6 +234,9 @@ def main(argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 1
+        return 0
+    if not (REPO / "docs").is_dir():  # an installed package: no docs/ to write into
+        print(text, end="")
         return 0
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(text)

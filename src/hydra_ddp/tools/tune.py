@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra_ddp import project
 from hydra_ddp.launch import startup
 
 if __name__ == "__main__":
@@ -43,7 +44,7 @@ from hydra_ddp.launch import command, workers  # noqa: E402
 from hydra_ddp.parallel import strategies  # noqa: E402
 from hydra_ddp.parallel.strategies.ddp import COMM_HOOKS  # noqa: E402
 
-CONF_DIR = str(Path(__file__).resolve().parents[3] / "conf")  # the repository's conf/ (src/hydra_ddp/tools/)
+CONF_DIR = project.package_config_path()  # the package's config groups (a project's come first)
 KNOBS = (
     "data.num_workers",
     "data.pin_memory",

@@ -22,14 +22,14 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from hydra_ddp import data
+from hydra_ddp import data, project
 from hydra_ddp.config import resolve
 from hydra_ddp.config.schema import Config, register_schema
 from hydra_ddp.data import batches as batch_trees
 from hydra_ddp.errors import UserError
 from hydra_ddp.parallel.distributed import RankInfo
 
-CONF_DIR = str(Path(__file__).resolve().parents[3] / "conf")  # the repository's conf/ (src/hydra_ddp/tools/)
+CONF_DIR = project.package_config_path()  # the package's config groups (a project's come first)
 
 
 @dataclass
