@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO
+from support import REPO, free_port
 
 
 def _run(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -92,6 +92,26 @@ def test_an_installed_wheel_starts_a_project_that_trains_evaluates_and_searches(
     metrics = ("test_loss", "test_accuracy")
     assert {k: runs["spawn"][k] for k in metrics} == {k: runs["torchrun"][k] for k in metrics}
     assert runs["spawn"]["test_accuracy"] > 0.5  # three classes: a third by chance
+
+    # From outside: mpirun starting the command twice; submitit's local launcher running the job in
+    # a process of its own (the Slurm launcher's path, without a cluster). The same run each time.
+    outside = {
+        "mpirun": (
+            ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PATH", "hydra-ddp", "train"],
+            [f"init_method.port={free_port()}"],
+        ),
+        "slurm_local": (["hydra-ddp", "train", "-m", "hydra/launcher=slurm_local"], []),
+    }
+    for name, (command, extra) in outside.items():
+        if name == "mpirun" and shutil.which("mpirun") is None:
+            pytest.skip("Open MPI is not installed (apt-get install openmpi-bin)")
+        where = project / "outputs" / name
+        place = f"hydra.run.dir={where}" if name == "mpirun" else f"hydra.sweep.dir={where}"
+        _run(
+            [*command, "+experiment=spirals", "trainer.max_steps=150", "trainer.threads=1", place, *extra], project, env
+        )
+        done = json.loads(next(where.rglob("summary.json")).read_text())
+        assert {k: done[k] for k in metrics} == {k: runs["spawn"][k] for k in metrics}, name
 
     # eval reproduces the run's test metrics, from the project's configs and package.
     _run(
