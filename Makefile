@@ -15,7 +15,7 @@ unexport PYTHONDONTWRITEBYTECODE
 
 # The venv is rebuilt when the project's dependencies change. A user's `make train` installs the
 # package alone; the developers' extra comes with the first target that uses it.
-$(BASE): pyproject.toml setup.py
+$(BASE): pyproject.toml $(wildcard setup.py)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile -e .

@@ -3,7 +3,7 @@ fences, marks and the config reference are checked in process by tests/unit/test
 blocks are read by the kit, support.blocks).
 
 Every command of a `bash` block runs as written, by bash, in a project folder made for the test
-(`project`: the repository's train.py, eval.py, conf/, scripts/, Makefile and .venv, linked), with
+(`project`: the repository's train.py, eval.py, conf/, scripts/, Makefile, setup.py and .venv, linked), with
 the block's own variables, and with only a small-run suffix appended (SUFFIXES: two training
 steps, two search trials, a short tuning, a free port for a server). Launchers run as they are
 given: torchrun, torch.distributed.launch, mpirun, sbatch (on the suite's own Slurm cluster,
@@ -83,7 +83,7 @@ PLACEHOLDERS = {  # what no folder can be: replaced, word by word
 def project(tmp_path_factory) -> Path:
     """A folder to run the docs' commands in, as a user's clone would be after `make train`."""
     folder = tmp_path_factory.mktemp("project")
-    for name in ("train.py", "eval.py", "conf", "scripts", "Makefile", "pyproject.toml", "src"):
+    for name in ("train.py", "eval.py", "conf", "scripts", "Makefile", "pyproject.toml", "setup.py", "src"):
         (folder / name).symlink_to(REPO / name)
     (folder / ".venv").symlink_to(Path(sys.executable).parents[1])
     run = folder / "outputs" / "runs" / "DATE" / "TIME"

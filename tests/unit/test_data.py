@@ -244,10 +244,27 @@ def test_loader_workers_outlive_a_stop_signal_that_their_rank_acts_on():
     # Batches come from the workers in turn: once two are back, both workers have run their init.
     seen = [next(batches)[0], next(batches)[0]]
     for worker in batches._workers:  # type: ignore[attr-defined]
+        # Every thread of the worker blocks the stop signals (read from the kernel): a thread that did
+        # not (one started before the worker's init, as OpenBLAS's pool in a forked child) would take
+        # a job's SIGTERM and die of torch's handler: the suite's run of cef669e saw it, once.
+        unblocked = [t for t in _threads_blocking(worker.pid) if not t[1]]
+        assert not unblocked, f"worker {worker.pid}'s threads with SIGTERM unblocked: {unblocked}"
         for name in ("TERM", "INT"):  # sent by another process, as scancel or a terminal sends them
             subprocess.run(["kill", "-s", name, str(worker.pid)], check=True, timeout=30)
     seen += [batch[0] for batch in batches]
     assert torch.equal(torch.cat(seen), torch.arange(64.0))
+
+
+def _threads_blocking(pid: int) -> list[tuple[str, bool]]:
+    """(thread id, whether it blocks SIGTERM) for each thread of a process, from /proc; the thread
+    waiting for the signals in sigtimedwait counts as blocking (the kernel unblocks them for it
+    while it waits: it is the one that takes them)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        waiting = "sigtimedwait" in (task / "wchan").read_text()
+        found.append((task.name, waiting or bool(int(fields["SigBlk"], 16) >> (15 - 1) & 1)))
+    return found
 
 
 def test_a_process_that_leaves_live_loader_workers_still_exits():

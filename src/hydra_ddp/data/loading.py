@@ -183,8 +183,28 @@ def loader_options(data_cfg: Any, seed: int, device: torch.device, rank: int = 0
         # would then be children of a forkserver of the rank's own, watching that forkserver instead
         # of the rank, and could outlive the run (holding its output open) when the rank exits.
         if sys.platform == "linux":
-            options["multiprocessing_context"] = multiprocessing.get_context("fork")
+            options["multiprocessing_context"] = FORK_BLOCKING_STOPS
     return options
+
+
+class _ForkedWithStopsBlocked(multiprocessing.context.ForkProcess):
+    """A loader worker forked with the stop signals blocked: every thread it starts before its init
+    (OpenBLAS's pool, made again in a forked child) inherits the block, so none can take a job's
+    SIGTERM and die of it (stop_signals_are_the_ranks answers them)."""
+
+    def start(self) -> None:
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+class _ForkBlockingStops(multiprocessing.context.ForkContext):
+    Process = _ForkedWithStopsBlocked
+
+
+FORK_BLOCKING_STOPS = _ForkBlockingStops()
 
 
 def stop_signals_are_the_ranks(worker_id: int) -> None:
