@@ -4,10 +4,16 @@ removes it when it moves on; a stack's place; the timeout's line from the ranks'
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
 import time
+import types
 from pathlib import Path
 
+import pytest
+
+from hydra_ddp.parallel.shared_memory import SharedMemoryAllReduce, _started
 from hydra_ddp.reporting import hangs
 
 
@@ -49,6 +55,58 @@ def test_a_busy_main_thread_is_not_stalled(tmp_path: Path):
         while time.monotonic() < end:
             json.dumps({"step": time.monotonic()})  # new calls all the time: progress
     assert not (tmp_path / hangs.STACKS).exists()
+
+
+def _polling_wait(timeout_s: float, on_liveness_check=None) -> types.SimpleNamespace:
+    """The shared-memory all-reduce's own wait loop (rank 0 of 2; rank 1 never comes), run here, on
+    this thread. Its liveness check reads this process's /proc entry, as a rank's reads its peers'."""
+    me = types.SimpleNamespace(
+        counters=[0] * 16, world=2, timeout_s=timeout_s, pids={1: (os.getpid(), _started(os.getpid()))}
+    )
+
+    def check_alive(ranks: list[int]) -> None:
+        SharedMemoryAllReduce._check_alive(me, ranks)
+        if on_liveness_check:
+            on_liveness_check(me)
+
+    me._check_alive = check_alive
+    me.counters[0] = 1  # rank 0 has written its share
+    return me
+
+
+def test_a_polling_waits_own_calls_are_the_same_chain_as_its_loop():
+    """What the shared-memory wait calls while it polls (its comprehension, the liveness check) is not
+    progress: a sample that lands there is the same call chain as one in the loop itself (else a rank
+    waiting there restarts its stall clock, and may not leave its stack before the timeout)."""
+    seen = []
+
+    def look(me: types.SimpleNamespace) -> None:
+        inner, loop = sys._getframe(0), sys._getframe(2)  # look ← check_alive ← _wait_for_all
+        assert loop.f_code is SharedMemoryAllReduce._wait_for_all.__code__
+        seen.append((hangs._chain(inner), hangs._chain(loop)))
+        me.counters[8] = 1  # rank 1 arrives: the wait ends
+
+    me = _polling_wait(timeout_s=30, on_liveness_check=look)
+    SharedMemoryAllReduce._wait_for_all(me, 1)
+    assert len(seen) == 1 and seen[0][0] == seen[0][1]
+
+
+def test_a_rank_in_the_shared_memory_wait_leaves_its_stack_before_the_timeout(tmp_path: Path):
+    stacks = tmp_path / hangs.STACKS
+    places = []
+
+    def read_while_waiting() -> None:
+        while not (stacks / "rank0.json").exists():
+            time.sleep(0.02)
+        places.append(json.loads((stacks / "rank0.json").read_text()))
+
+    reader = threading.Thread(target=read_while_waiting, daemon=True)
+    with hangs.Watchdog(tmp_path, 0, stall_after=0.4):
+        reader.start()
+        with pytest.raises(RuntimeError, match="timed out after 2 s"):
+            SharedMemoryAllReduce._wait_for_all(_polling_wait(timeout_s=2), 1)
+        reader.join(timeout=5)
+    assert places and places[0]["waits_in"] == "the shared-memory all-reduce", places
 
 
 def test_the_stall_threshold_comes_well_before_the_timeout():

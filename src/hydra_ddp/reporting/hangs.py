@@ -39,6 +39,10 @@ _WAITS = (
     ("torch/distributed/distributed_c10d.py", None, None),  # named by its function: all_reduce, barrier…
     ("torch/autograd/graph.py", "_engine_run_backward", "the backward (DDP's gradient all-reduce)"),
 )
+# Waits written as Python loops: what they call while polling (a comprehension, a liveness check)
+# is not progress, so a call chain starts at the loop's frame (without this, a sample that lands in
+# one restarts the stall's clock, and a rank waiting there may never leave its stack in time).
+_POLLS = (("hydra_ddp/parallel/shared_memory.py", "_wait_for_all"),)
 _LIBRARY = (f"{os.sep}site-packages{os.sep}", f"{os.sep}lib{os.sep}python3", "<frozen ")
 
 
@@ -143,10 +147,13 @@ class Watchdog:
 
 def _chain(frame: Optional[FrameType]) -> Optional[tuple[int, ...]]:
     """The call chain's identity: its frames and their code, not the line (a waiting loop moves
-    between its lines without making progress)."""
-    ids = []
+    between its lines without making progress), from a polling wait's frame outward."""
+    ids: list[int] = []
     while frame is not None:
-        ids += (id(frame), id(frame.f_code))
+        code = frame.f_code
+        if any(code.co_name == name and code.co_filename.replace(os.sep, "/").endswith(end) for end, name in _POLLS):
+            ids = []  # the polling loop's own calls
+        ids += (id(frame), id(code))
         frame = frame.f_back
     return tuple(ids) or None
 
