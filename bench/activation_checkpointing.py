@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import provenance
 import torch
 import torch.nn.functional as F
 
@@ -83,14 +83,11 @@ def main() -> int:
             for _ in range(2):
                 step_time(model, optimizer, tokens)
             times[mode] += [step_time(model, optimizer, tokens) for _ in range(args.steps)]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
-    )
+    commit, dirty = provenance.commit()
     base_bytes, base_time = measured["none"][0], statistics.median(times["none"])
     result = {
-        "commit": commit.stdout.strip(),
-        "dirty": bool(dirty.stdout.strip()),
+        "commit": commit,
+        "dirty": dirty,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "workload": f"TinyGPT dim {args.dim}, depth {args.depth}, 4 heads, context {args.context}, batch "
         f"{args.batch}, fp32, 1 CPU thread; forward + backward + AdamW step",

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import provenance
+
 TRACER = r"""
 import collections, json, runpy, sys, threading
 from pathlib import Path
@@ -134,10 +136,7 @@ def main() -> None:
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parent.parent)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    commit = subprocess.run(
-        ["git", "-C", str(args.repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    result = {"commit": commit, **measure(args.repo.resolve())}
+    result = {"commit": provenance.stamp(args.repo.resolve()), **measure(args.repo.resolve())}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

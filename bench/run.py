@@ -22,13 +22,14 @@ import platform
 import shlex
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Optional
+
+import provenance
 
 import report
 from measure import FLOORS, METRICS, REPO, BenchError, Case, Workload, command, measure, measure_floor, printable
@@ -260,20 +261,6 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _commit() -> str:
-    """HEAD, marked when tracked files differ from it. Read-only: no index refresh (GIT_OPTIONAL_LOCKS=0)."""
-    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
-
-    try:
-        head = git("rev-parse", "--short", "HEAD").strip()
-        return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def save(results: dict[str, Any], text: str, out_dir: Path, stamp: str, report_name: str = "REPORT.md") -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {out_dir / f"{stamp}.json": json.dumps(results, indent=2) + "\n", out_dir / report_name: text}
@@ -341,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     now = time.localtime()
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", now),
-        "commit": _commit(),
+        "commit": provenance.stamp(),
         "invocation": shlex.join(["bench/run.py", *(argv if argv is not None else sys.argv[1:])]),
         "quick": args.quick,
         "reps": args.reps,

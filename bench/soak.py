@@ -23,6 +23,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
+import provenance
+
 REPO = Path(__file__).resolve().parents[1]
 REPORT = REPO / "bench" / "results" / "SOAK.md"
 
@@ -56,12 +58,11 @@ def run_suite(junit: Path, pytest_args: list[str]) -> tuple[float, int, dict[str
 
 
 def write_report(runs: list, failures: Counter, hogged: bool, pytest_args: list[str], planned: int) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     passed = sum(1 for _, _, code, bad, _ in runs if not bad and not code)
     lines = [
         "# Soak: the whole suite, run after run",
         "",
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC · commit `{commit.stdout.strip() or '?'}` · "
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC · commit `{provenance.stamp()}` · "
         f"{len(os.sched_getaffinity(0))} cores · Python {platform.python_version()} · "
         f"{'with one CPU-hogging process beside it' if hogged else 'no CPU hog'} · `bench/soak.py`"
         + (f" · pytest {' '.join(pytest_args)}" if pytest_args else ""),

@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+
+import provenance  # noqa: E402
 
 from hydra_ddp.data import digits, shards  # noqa: E402
 from hydra_ddp.data.loading import loader_options  # noqa: E402
@@ -183,13 +184,6 @@ def epoch_seconds(sampler: Any, loader: Any, epoch: int) -> tuple[float, int]:
     return time.perf_counter() - started, count
 
 
-def _commit() -> tuple[str, bool]:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-
-    return git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=16, help="copies of the digits' training split")
@@ -223,7 +217,7 @@ def main() -> None:
                     seconds, count = epoch_seconds(*loaders[name], epoch=round_ + 1)
                     rates[name][workers].append(count / seconds)
             del loaders
-    commit, dirty = _commit()
+    commit, dirty = provenance.commit()
     base = {w: statistics.median(rates[next(iter(LOADERS))][w]) for w in args.workers}
     result = {
         "commit": commit,

@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import provenance
+
 REPO = Path(__file__).resolve().parents[1]
 RUNS = {
     "recipe": [],
@@ -35,10 +37,7 @@ RUNS = {
 
 
 def main() -> int:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
-    )
+    commit, dirty = provenance.commit()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in RUNS.items():
@@ -52,8 +51,8 @@ def main() -> int:
             }
             print(f"{name}: test loss {summary['test_loss']:.4f}, accuracy {summary['test_accuracy']:.4f}", flush=True)
     result = {
-        "commit": commit.stdout.strip(),
-        "dirty": bool(dirty.stdout.strip()),
+        "commit": commit,
+        "dirty": dirty,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "workload": "+experiment=text_gpt, 2 gloo ranks on the CPU, 4 epochs, seed 0",
         "runs": results,

@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import provenance
 from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,10 +111,7 @@ def main() -> int:
     )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
-    )
+    commit, dirty = provenance.commit()
     pairs = []
     for repeat in range(args.repeats):
         order = ["project", "handwritten"] if repeat % 2 == 0 else ["handwritten", "project"]
@@ -125,8 +123,8 @@ def main() -> int:
               f"ratio {pairs[-1]['ratio']:.3f}", flush=True)  # fmt: skip
     ratios = [p["ratio"] for p in pairs]
     result = {
-        "commit": commit.stdout.strip(),
-        "dirty": bool(dirty.stdout.strip()),
+        "commit": commit,
+        "dirty": dirty,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "workload": f"+experiment=hf_llama (Llama {LLAMA}), batch {BATCH}/rank, {NPROC} gloo ranks, 1 thread each, "
         f"{args.steps} steps",

@@ -215,6 +215,8 @@ def stop_signals_are_the_ranks(worker_id: int) -> None:
     a checkpoint. The signals are blocked and answered by a thread that knows the sender: the rank
     itself (its loader's shutdown, multiprocessing's end of its children at its exit) ends the
     worker; anyone else's is left to the rank."""
+    # Already blocked where the worker was forked through FORK_BLOCKING_STOPS (Linux); a worker
+    # started another way (another platform's default context) inherits no mask, and blocks here.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     threading.Thread(target=_answer_stop_signals, args=(os.getppid(),), name="hydra-ddp-stop", daemon=True).start()
 

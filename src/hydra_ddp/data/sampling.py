@@ -99,13 +99,11 @@ class ShardWindowOrder:
             if shuffle
             else list(range(count))
         )
-        starts = [0]  # each shard's first sample index in the dataset
-        for size in shard_sizes[:-1]:
-            starts.append(starts[-1] + size)
+        # From the sizes alone (not the dataset's own index): the order is a function of the sizes,
+        # the seed and the epoch, computed once per epoch.
+        starts = [0, *itertools.accumulate(shard_sizes)]  # each shard's first sample index in the dataset
         self.first_index = [starts[s] for s in self.shards]
-        self.bounds = [0]  # each position-ordered shard's first position
-        for s in self.shards:
-            self.bounds.append(self.bounds[-1] + shard_sizes[s])
+        self.bounds = [0, *itertools.accumulate(shard_sizes[s] for s in self.shards)]  # by position
         self.size, self.seed, self.epoch = self.bounds[-1], seed, epoch
         self.window = window if shuffle else 1
         self._cached: tuple[int, list[int]] = (-1, [])

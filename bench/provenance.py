@@ -1,0 +1,33 @@
+"""Where a bench result comes from: the commit it measured, and whether the tree differed from it.
+
+A result is kept only from a named commit (docs/performance.md): every script stamps its file with
+this, and a dirty tree's result says so. Read-only: git takes no index lock (GIT_OPTIONAL_LOCKS=0),
+so a bench may run beside other git work in the same checkout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def commit(repo: Path = REPO) -> tuple[str, bool]:
+    """(HEAD's short hash, whether tracked files differ from it); ("unknown", True) outside a checkout."""
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=repo, env=env, capture_output=True, text=True, check=True).stdout
+
+    try:
+        head = git("rev-parse", "--short", "HEAD").strip()
+        return head, bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", True
+
+
+def stamp(repo: Path = REPO) -> str:
+    """The commit as one word: HEAD, or HEAD+changes from a dirty tree."""
+    head, dirty = commit(repo)
+    return head + ("+changes" if dirty and head != "unknown" else "")
