@@ -54,15 +54,17 @@ def start_train(
     run_dir: Path,
     *overrides: str,
     prefix: tuple[str, ...] = (),
-    script: str = "train.py",
+    script: str | None = "train.py",
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """Start `python train.py OVERRIDES hydra.run.dir=RUN_DIR` (or under a launcher given as prefix;
-    `env`: variables added to the environment).
+    script None: the prefix is the whole command, e.g. `hydra-ddp train`; `env`: variables added to
+    the environment).
 
     It gets a session of its own: the test can find (and on timeout kill) every process it started.
     """
-    cmd = [*(prefix or (sys.executable,)), str(REPO / script), *overrides, f"hydra.run.dir={run_dir}"]
+    program = [*(prefix or (sys.executable,)), *([str(REPO / script)] if script else [])]
+    cmd = [*program, *overrides, f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -95,8 +97,9 @@ def run_train(
     prefix: tuple[str, ...] = (),
     timeout: float = 150,
     env: dict[str, str] | None = None,
+    script: str | None = "train.py",
 ) -> subprocess.CompletedProcess:
-    return finish(start_train(run_dir, *overrides, prefix=prefix, env=env), timeout)
+    return finish(start_train(run_dir, *overrides, prefix=prefix, script=script, env=env), timeout)
 
 
 def run_eval(

@@ -116,17 +116,23 @@ def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
 
 
 def test_every_launcher_and_init_method_gives_identical_losses(tmp_path: Path):
-    # The default run (spawn, env) is test_default_run_leaves_one_complete_run_directory's.
+    # The default run (spawn, env) is test_default_run_leaves_one_complete_run_directory's; here it
+    # runs as the installed command, `hydra-ddp train`, in the clone (its conf/ found there).
     runs = {
-        "spawn": (("launcher=spawn", "init_method=tcp"), ()),
-        "torchrun": (("launcher=torchrun", "init_method=file"), ()),
-        "external": ((), (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")),
+        "spawn": (("launcher=spawn", "init_method=tcp"), (), "train.py"),
+        "torchrun": (("launcher=torchrun", "init_method=file"), (), "train.py"),
+        "external": (
+            (),
+            (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"),
+            "train.py",
+        ),
+        "command": ((), (str(Path(sys.executable).parent / "hydra-ddp"), "train"), None),
     }
     results, seen = {}, {}
-    for name, (overrides, prefix) in runs.items():
+    for name, (overrides, prefix, script) in runs.items():
         probes = tmp_path / f"{name}-probes"
         probes.mkdir()
-        proc = run_train(tmp_path / name, *QUICK, *overrides, *_probe(probes), prefix=prefix)
+        proc = run_train(tmp_path / name, *QUICK, *overrides, *_probe(probes), prefix=prefix, script=script)
         check_ok(proc)
         results[name] = step_losses(tmp_path / name)
         assert len(results[name]) == 8
@@ -134,8 +140,8 @@ def test_every_launcher_and_init_method_gives_identical_losses(tmp_path: Path):
         assert 0 < s["time_to_workers_ready_s"] < s["time_to_first_step_s"] < s["wall_time_s"], name
         assert not list((tmp_path / name).glob("*.store"))  # the file store is removed at exit
         seen[name] = [json.loads((probes / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert results["spawn"] == results["torchrun"] == results["external"]
-    assert [summary(tmp_path / name)["init_method"] for name in runs] == ["tcp", "file", "env"]
+    assert results["spawn"] == results["torchrun"] == results["external"] == results["command"]
+    assert [summary(tmp_path / name)["init_method"] for name in runs] == ["tcp", "file", "env", "env"]
     # Each init method reached init_process_group as its URL, on every rank, and the group's store is
     # the one that URL names: tcp's host and port, a file store, the outside torchrun's MASTER_PORT.
     tcp = seen["spawn"][0]
@@ -148,6 +154,7 @@ def test_every_launcher_and_init_method_gives_identical_losses(tmp_path: Path):
     assert summary(tmp_path / "external")["launcher"] == "torchrun"
     # The outside launch made exactly one run directory: rank 1 followed rank 0.
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith("-probes")) == [
+        "command",
         "external",
         "spawn",
         "torchrun",
