@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 HANDWRITTEN = Path(__file__).resolve().parent / "handwritten.py"
 EXPERT = Path(__file__).resolve().parent / "expert.py"  # the same loop with stock PyTorch's tuning
 HANDWRITTEN_TRAIN = Path(__file__).resolve().parent / "handwritten_train.py"  # `make train`'s work, by hand
+CEILING = Path(__file__).resolve().parent / "ceiling.py"  # the project's run without communication
 
 # The figures every run yields; the report shows the median of each over the repetitions.
 METRICS = (
@@ -90,7 +91,8 @@ class Case:
     # "project", "handwritten", "expert" (bench/expert.py), "default": `make train`'s run as it is
     # (the digits, 12 epochs),
     # "handwritten_train": the same work by hand (bench/handwritten_train.py), or
-    # "sweep": the project's command as a two-job multirun (-m SWEEP), whose second job is measured.
+    # "sweep": the project's command as a two-job multirun (-m SWEEP), whose second job is measured, or
+    # "ceiling": the project's config trained in independent processes, without communication (bench/ceiling.py).
     side: str
     nproc: int = 2
     overrides: tuple[str, ...] = ()
@@ -143,6 +145,9 @@ def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], P
         "trainer.progress=false",
         *case.overrides,
     ]
+    if case.side == "ceiling":  # the same overrides, settled as train.py settles them
+        out = out_dir / "result.json"
+        return [sys.executable, str(CEILING), f"--warmup={workload.warmup_steps}", str(out), "--", *overrides], out
     if case.side == "sweep":  # Hydra takes -m before the overrides
         return (
             [sys.executable, "train.py", "-m", *overrides, *SWEEP, f"hydra.sweep.dir={out_dir}"],
@@ -190,6 +195,8 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
         "train_time_s": reported.get("train_time_s"),
         "eval_time_s": reported.get("eval_time_s"),
         "checkpoint_time_s": reported.get("checkpoint_time_s"),
+        # Seconds per step by phase, per rank (the project's summary, the ceiling's processes).
+        "ranks": reported.get("ranks"),
     }
 
 

@@ -41,8 +41,31 @@ _TITLES = {
     "checkpoint": "Checkpoints off the critical path",
     "strategy": "Strategies: DDP and FSDP",
     "strategy_gpt": "Strategies on the transformer: DDP, FSDP and tensor parallel",
+    "ceiling": "The no-communication ceiling: the CNN",
+    "ceiling_gpt": "The no-communication ceiling: the transformer",
 }
+_CEILING = (
+    "The limit of data-parallel training on one host: the same processes when they do not communicate. "
+    "`bench/ceiling.py` composes and settles the project's config exactly as `train.py` does (batch, threads "
+    "per rank, channels_last), builds the same objects from it in each of 2 independent processes (the "
+    "rank's data loader, the model, the optimizer with its parameter groups, the schedule, the task's loss) "
+    "and trains them in a bare loop: no process group, no DDP, no all-reduce, no wait for a peer, none of "
+    "the loop's own work. Its samples/s count the window in which every process was in its steady steps. "
+    "Each repetition runs the cases back to back (A B C D, then D C B A), so the paired ratios below are "
+    "the figures: the machine's own speed drifts more between repetitions than the gap measured here. "
+)
+_CEILING_PHASES = (
+    "Where a step's time goes, in ms per step (every step of a run, warm-up included; the mean over the "
+    "ranks, the median over the repetitions): the project's summary (`ranks`, src/hydra_ddp/training/timing.py) "
+    "and the ceiling's processes, timed at the same boundaries. **backward** is the fastest rank's, "
+    "**sync wait** what the others spent beyond it (at DDP's all-reduce); **other**: the project's loop "
+    "between steps (logging, checks)."
+)
 _INTROS = {
+    "ceiling": _CEILING + "Workload: the CNN of the parity section; reference: the ceiling.",
+    "ceiling_gpt": _CEILING + "Workload: the transformer of `+experiment=text_gpt` (AdamW, warmup-cosine per step, "
+    "gradient clipping), a global batch of 64 sequences, with its own number of steps (the section's "
+    "`workload`); reference: the ceiling.",
     "strategy_gpt": "The transformer (`+experiment=text_gpt`: 4 blocks of width 128, AdamW) at 2 ranks under "
     "`ddp`, `fsdp` and `tp`, on the same global batch of sequences (64 bytes each; `tp`'s two ranks form one "
     "replica and read the same batch). **samples/s**: sequences (tokens/s is 64 times this). **model state / "
@@ -156,9 +179,16 @@ def render(results: dict[str, Any]) -> str:
         lines += _parity_headline(sections["parity"])
     if "default" in sections:
         lines += _default_headline(sections["default"])
+    for name in ("ceiling", "ceiling_gpt"):
+        if name in sections:
+            lines += _ceiling_headline(name, sections[name])
     for name, cases in sections.items():
         table = _default_table(cases) if name == "default" else _table(cases, stalls=name == "checkpoint")
         intro = _INTROS[name]
+        if cases[0].get("workload"):  # a section with a workload of its own (the transformer's ceiling)
+            intro += (
+                f" {cases[0]['workload']['steps']} steps per run, {cases[0]['workload']['warmup_steps']} of warm-up."
+            )
         if name == "parity" and _expert(cases):
             intro += _EXPERT
         if name == "default":
@@ -174,6 +204,8 @@ def render(results: dict[str, Any]) -> str:
                 "the loop tuned by hand's",
             )
         lines += _aborts_at_exit(cases)
+        if name in ("ceiling", "ceiling_gpt"):
+            lines += ["### Where the time goes", "", _CEILING_PHASES, "", _phase_table(cases), ""]
         if name == "parity" and all("time_to_workers_ready_s" in case["median"] for case in cases):
             tuned = " The loop tuned by hand's workers are forks of its own forkserver." if _expert(cases) else ""
             lines += [
@@ -185,7 +217,8 @@ def render(results: dict[str, Any]) -> str:
                 "",
             ]
     lines += ["## Commands", "", "One run of each side (`RUN_DIR`: a fresh temporary directory per run):", ""]
-    lines += [f"    {case['command']}" for case in sections.get("parity", []) + sections.get("default", [])]
+    shown = [case for name in ("parity", "default", "ceiling", "ceiling_gpt") for case in sections.get(name, [])]
+    lines += [f"    {case['command']}" for case in shown]
     return "\n".join(lines) + "\n"
 
 
@@ -221,6 +254,53 @@ def _parity_headline(cases: list[dict[str, Any]]) -> list[str]:
         f"peak RSS {vs['rss_ratio']:.2f}×.**",
         "",
     ]
+
+
+def paired_ratios(case: dict[str, Any], reference: dict[str, Any]) -> list[float]:
+    """The case's samples/s over the reference's, repetition by repetition."""
+    return [
+        run["steady_samples_per_sec"] / ref["steady_samples_per_sec"]
+        for run, ref in zip(case["runs"], reference["runs"])
+    ]
+
+
+def _ceiling_headline(name: str, cases: list[dict[str, Any]]) -> list[str]:
+    """Each loop's share of the ceiling: the median of the paired ratios and their range."""
+    ceiling, others = cases[0], cases[1:]
+    figures = []
+    for case in others:
+        ratios = paired_ratios(case, ceiling)
+        label = case["label"].removeprefix("gpt: ")
+        figures.append(f"{label} {statistics.median(ratios):.2f}{_spread(ratios, 2)}")
+    what = "the transformer" if name == "ceiling_gpt" else "the CNN"
+    pairs = len(ceiling["runs"])
+    return [
+        f"**Share of the no-communication ceiling, {what} ({pairs} pair{'s' if pairs != 1 else ''}, the median "
+        f"of the paired ratios, min–max): {'; '.join(figures)}.**",
+        "",
+    ]
+
+
+def _phase_table(cases: list[dict[str, Any]]) -> str:
+    """ms per step by phase for the cases that report phases, with the project's excess over the ceiling."""
+    timed = [case for case in cases if all(run.get("ranks") for run in case["runs"])]
+    phases = ("data", "forward", "backward", "sync_wait", "optimizer", "other")
+
+    def ms(case: dict[str, Any], phase: str) -> float:
+        per_run = [statistics.mean(rank.get(f"{phase}_s", 0.0) for rank in run["ranks"]) for run in case["runs"]]
+        return statistics.median(per_run) * 1000
+
+    headers = ["phase", *(case["label"] for case in timed)]
+    if len(timed) == 2:
+        headers.append("Δ")
+    rows = []
+    for phase in (*phases, "total"):
+        values = [sum(ms(case, p) for p in phases) if phase == "total" else ms(case, phase) for case in timed]
+        row = [phase.replace("_", " "), *(f"{v:.2f}" for v in values)]
+        if len(timed) == 2:
+            row.append(f"{values[1] - values[0]:+.2f}")
+        rows.append(row)
+    return _markdown_table(headers, rows)
 
 
 def _default_headline(cases: list[dict[str, Any]]) -> list[str]:

@@ -1,9 +1,10 @@
 """`make bench`: the project's train.py against a DDP loop written by hand (plain, and tuned), the
-default run, world-size scaling, options.
+default run, world-size scaling, options, and the limit: the same processes without communication.
 
     .venv/bin/python bench/run.py                 # 3 repetitions × 200 steps of every configuration
     .venv/bin/python bench/run.py --quick         # a smoke test of the harness: 1 × 20 steps
-    # one section (parity, default, scaling, options, comm, checkpoint, strategy, strategy_gpt):
+    # one section (parity, default, scaling, options, comm, checkpoint, strategy, strategy_gpt,
+    # ceiling, ceiling_gpt):
     .venv/bin/python bench/run.py --only comm
     .venv/bin/python bench/run.py --only options --cases timing --out /tmp/bench   # one line, beside its reference
     make bench ARGS="--reps 5 --steps 500 --out /tmp/bench"
@@ -134,7 +135,23 @@ def plan(cores: int) -> dict[str, list[Case]]:
             Case(f"gpt: {name}", "project", overrides=(f"strategy={name}",), task="text")
             for name in ("ddp", "fsdp", "tp")
         ],
+        # The limit: the same processes without communicating (bench/ceiling.py), and what reaches it.
+        "ceiling": [
+            Case("ceiling (2 processes, no communication)", "ceiling"),
+            Case("project (train.py)", "project"),
+            Case("expert (hand-tuned)", "expert"),
+            Case("hand-written", "handwritten"),
+        ],
+        "ceiling_gpt": [
+            Case("gpt: ceiling (2 processes, no communication)", "ceiling", task="text"),
+            Case("gpt: project (train.py)", "project", task="text"),
+        ],
     }
+
+
+# The ceiling's paired ratios are the acceptance figures of the compute-ceiling work: at least 7 pairs.
+CEILING_REPS = 7
+CEILING_SECTIONS = ("ceiling", "ceiling_gpt")
 
 
 def run_section(
@@ -289,12 +306,34 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         "loop are the acceptance figures, and one run's samples/s varies by ±10%% here between "
         "processes of the same command: more repetitions steady their medians",
     )
+    parser.add_argument(
+        "--ceiling-reps",
+        type=positive_int,
+        help=f"repetitions in the ceiling sections (default {CEILING_REPS}, or --reps where more; --quick: 1): "
+        "each is a pair, the project and its ceiling back to back",
+    )
+    parser.add_argument(
+        "--gpt-steps",
+        type=positive_int,
+        help="training steps per run of the transformer's ceiling section (default: half of --steps)",
+    )
     parser.add_argument("--steps", type=positive_int, help="training steps per run (default 200; --quick: 20)")
     parser.add_argument("--quick", action="store_true", help="a tiny run to smoke-test the harness")
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=["parity", "default", "scaling", "options", "comm", "checkpoint", "strategy", "strategy_gpt"],
+        choices=[
+            "parity",
+            "default",
+            "scaling",
+            "options",
+            "comm",
+            "checkpoint",
+            "strategy",
+            "strategy_gpt",
+            "ceiling",
+            "ceiling_gpt",
+        ],
         help="run these sections only (default: all)",
     )
     parser.add_argument(
@@ -316,7 +355,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
     args.parity_reps = args.parity_reps or args.reps
+    args.ceiling_reps = args.ceiling_reps or (1 if args.quick else max(CEILING_REPS, args.reps))
     args.steps = args.steps or (20 if args.quick else 200)
+    args.gpt_steps = args.gpt_steps or max(20, args.steps // 2)
     return args
 
 
@@ -333,6 +374,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "quick": args.quick,
         "reps": args.reps,
         "parity_reps": args.parity_reps,
+        "ceiling_reps": args.ceiling_reps,
         "order": "forward, reversed",  # each section's cases, repetition by repetition (run_section)
         "machine": machine(),
         "workload": {**asdict(workload), "warmup_steps": workload.warmup_steps},
@@ -361,6 +403,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "runs": times,
                         "median": statistics.median(times),
                     }
+            elif name in CEILING_SECTIONS:
+                own = Workload(steps=args.gpt_steps) if name == "ceiling_gpt" else workload
+                results["sections"][name] = run_section(name, cases, own, args.ceiling_reps)
+                results["sections"][name][0]["workload"] = {**asdict(own), "warmup_steps": own.warmup_steps}
             elif len(cases) > 1:
                 results["sections"][name] = run_section(name, cases, workload, args.reps)
     except BenchError as error:
