@@ -48,8 +48,8 @@ def _sums(rank: int, world: int, port: int) -> None:
     generator = torch.Generator().manual_seed(rank)
     for _ in range(3):  # several steps: the slots are reused, turn by turn
         for size in SIZES:
-            share = torch.randn(size, generator=generator) / world  # divided, as the hook does
-            expected = share.clone()
+            share = torch.randn(size, generator=generator)
+            expected = share / world  # each share divided first, as DDP's own all-reduce does
             dist.all_reduce(expected)  # gloo's
             summing._all_reduce(share)
             if world == 2:
