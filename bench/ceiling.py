@@ -53,8 +53,20 @@ def settled_config(overrides: list[str], run_dir: Path) -> Any:
     return resolve.resolve(composed, run_dir, external=None, checked=False)
 
 
-def train_alone(process: int, cfg: Any, out_dir: str) -> None:
-    """One process of the ceiling: the run's objects for rank `process` of W, trained with no peer."""
+def meet(counters: Any, process: int, world: int, step: int) -> None:
+    """--lockstep: wait until every process has ended this step's backward (nothing exchanged), as
+    the shared-memory all-reduce waits: spinning, then yielding the core."""
+    counters[process * 8] = step
+    checks = 0
+    while any(counters[r * 8] < step for r in range(world)):
+        checks += 1
+        if checks > 200:
+            os.sched_yield()
+
+
+def train_alone(process: int, cfg: Any, out_dir: str, counters: Any = None) -> None:
+    """One process of the ceiling: the run's objects for rank `process` of W, trained with no peer
+    (with `counters`: meeting the others after each backward, --lockstep)."""
     entered_at = time.time()
     import torch
     from hydra.utils import instantiate
@@ -101,6 +113,8 @@ def train_alone(process: int, cfg: Any, out_dir: str) -> None:
             phases["forward"] += now - mark
             mark = now
             loss.backward()
+            if counters is not None:
+                meet(counters, process, world, len(ends) + 1)
             now = clock()
             phases["backward"] += now - mark
             mark = now
@@ -161,6 +175,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="the JSON file to write the result to")
     parser.add_argument("--warmup", type=int, default=10, help="each process's first steps, left out of samples/s")
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="the processes meet after each backward, exchanging nothing: what moving in step alone costs",
+    )
     parser.add_argument("overrides", nargs="*", help="train.py's overrides (after --): the run whose ceiling this is")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="hydra-ddp-ceiling-") as tmp:
@@ -168,8 +187,9 @@ def main() -> int:
         if cfg.trainer.device != "cpu" or cfg.launcher.nnodes != 1 or not cfg.trainer.max_steps:
             raise SystemExit("bench/ceiling.py: one CPU host and trainer.max_steps only")
         context = multiprocessing.get_context("forkserver")
+        counters = context.Array("q", 8 * cfg.trainer.nproc, lock=False) if args.lockstep else None
         processes = [
-            context.Process(target=train_alone, args=(i, cfg, tmp), name=f"ceiling-{i}")
+            context.Process(target=train_alone, args=(i, cfg, tmp, counters), name=f"ceiling-{i}")
             for i in range(cfg.trainer.nproc)
         ]
         for process in processes:

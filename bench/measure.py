@@ -92,7 +92,8 @@ class Case:
     # (the digits, 12 epochs),
     # "handwritten_train": the same work by hand (bench/handwritten_train.py), or
     # "sweep": the project's command as a two-job multirun (-m SWEEP), whose second job is measured, or
-    # "ceiling": the project's config trained in independent processes, without communication (bench/ceiling.py).
+    # "ceiling": the project's config trained in independent processes, without communication (bench/ceiling.py),
+    # or "lockstep": the same, meeting at a barrier after each backward (nothing exchanged).
     side: str
     nproc: int = 2
     overrides: tuple[str, ...] = ()
@@ -145,9 +146,18 @@ def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], P
         "trainer.progress=false",
         *case.overrides,
     ]
-    if case.side == "ceiling":  # the same overrides, settled as train.py settles them
+    if case.side in ("ceiling", "lockstep"):  # the same overrides, settled as train.py settles them
         out = out_dir / "result.json"
-        return [sys.executable, str(CEILING), f"--warmup={workload.warmup_steps}", str(out), "--", *overrides], out
+        lockstep = ["--lockstep"] if case.side == "lockstep" else []
+        return [
+            sys.executable,
+            str(CEILING),
+            *lockstep,
+            f"--warmup={workload.warmup_steps}",
+            str(out),
+            "--",
+            *overrides,
+        ], out
     if case.side == "sweep":  # Hydra takes -m before the overrides
         return (
             [sys.executable, "train.py", "-m", *overrides, *SWEEP, f"hydra.sweep.dir={out_dir}"],

@@ -62,7 +62,10 @@ _CEILING_PHASES = (
     "between steps (logging, checks)."
 )
 _INTROS = {
-    "ceiling": _CEILING + "Workload: the CNN of the parity section; reference: the ceiling.",
+    "ceiling": _CEILING + "**ceiling in lockstep**: the same processes meeting after each backward, exchanging "
+    "nothing (`bench/ceiling.py --lockstep`): what moving in step costs by itself, each step waiting for the "
+    "slower process's jitter; the project's gap beyond it is the exchange itself (DDP, the all-reduce) and "
+    "its loop. Workload: the CNN of the parity section; reference: the ceiling.",
     "ceiling_gpt": _CEILING + "Workload: the transformer of `+experiment=text_gpt` (AdamW, warmup-cosine per step, "
     "gradient clipping), a global batch of 64 sequences, with its own number of steps (the section's "
     "`workload`); reference: the ceiling.",

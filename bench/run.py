@@ -138,6 +138,8 @@ def plan(cores: int) -> dict[str, list[Case]]:
         # The limit: the same processes without communicating (bench/ceiling.py), and what reaches it.
         "ceiling": [
             Case("ceiling (2 processes, no communication)", "ceiling"),
+            # What moving in step costs by itself: the ceiling's processes meet after each backward.
+            Case("ceiling in lockstep (a barrier per step)", "lockstep"),
             Case("project (train.py)", "project"),
             Case("expert (hand-tuned)", "expert"),
             Case("hand-written", "handwritten"),
