@@ -53,6 +53,17 @@ def settled_config(overrides: list[str], run_dir: Path) -> Any:
     return resolve.resolve(composed, run_dir, external=None, checked=False)
 
 
+def gradient_count(cfg: Any) -> int:
+    """The model's trainable parameters (float32 gradients only: what --exchange sums)."""
+    import torch
+    from hydra.utils import instantiate
+
+    params = [p for p in instantiate(cfg.model).parameters() if p.requires_grad]
+    if any(p.dtype != torch.float32 for p in params):
+        raise SystemExit("bench/ceiling.py --exchange: float32 parameters only")
+    return sum(p.numel() for p in params)
+
+
 def meet(counters: Any, process: int, world: int, step: int) -> None:
     """--lockstep: wait until every process has ended this step's backward (nothing exchanged), as
     the shared-memory all-reduce waits: spinning, then yielding the core."""
@@ -64,9 +75,33 @@ def meet(counters: Any, process: int, world: int, step: int) -> None:
             os.sched_yield()
 
 
-def train_alone(process: int, cfg: Any, out_dir: str, counters: Any = None) -> None:
+def exchange(params: list, slots: Any, counters: Any, process: int, world: int, step: int) -> None:
+    """--exchange: the least a synchronous data-parallel step must add, without DDP or a loop: each
+    gradient divided by the world size into this process's slot, a meeting, then the slots summed
+    in process order into the gradient (two passes over the gradients, as the project's
+    shared-memory all-reduce makes). Two turns of slots: a process one step ahead writes the other."""
+    import torch
+
+    turn, offset = slots[step % 2], 0
+    for p in params:
+        n = p.grad.numel()
+        torch.div(p.grad, world, out=turn[process, offset : offset + n].view(p.grad.shape))
+        offset += n
+    meet(counters, process, world, step)
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        shares = [turn[r, offset : offset + n].view(p.grad.shape) for r in range(world)]
+        torch.add(shares[0], shares[1], out=p.grad)
+        for share in shares[2:]:
+            p.grad.add_(share)
+        offset += n
+
+
+def train_alone(process: int, cfg: Any, out_dir: str, counters: Any = None, shared: Any = None) -> None:
     """One process of the ceiling: the run's objects for rank `process` of W, trained with no peer
-    (with `counters`: meeting the others after each backward, --lockstep)."""
+    (with `counters`: meeting the others after each backward, --lockstep; and `shared`, the slots
+    the gradients are summed through, --exchange)."""
     entered_at = time.time()
     import torch
     from hydra.utils import instantiate
@@ -95,6 +130,11 @@ def train_alone(process: int, cfg: Any, out_dir: str, counters: Any = None) -> N
     steps = trainer.max_steps
     scheduler = schedules.build(cfg.scheduler, optimizer, steps)
     per_step = schedules.per_step(scheduler)
+    params = [p for p in model.parameters() if p.requires_grad]
+    slots = None
+    if shared is not None:
+        total = sum(p.numel() for p in params)
+        slots = torch.frombuffer(shared, dtype=torch.float32).view(2, world, total)
     model.train()
 
     ends, phases = [], dict.fromkeys(PHASES, 0.0)
@@ -113,7 +153,9 @@ def train_alone(process: int, cfg: Any, out_dir: str, counters: Any = None) -> N
             phases["forward"] += now - mark
             mark = now
             loss.backward()
-            if counters is not None:
+            if slots is not None:
+                exchange(params, slots, counters, process, world, len(ends) + 1)
+            elif counters is not None:
                 meet(counters, process, world, len(ends) + 1)
             now = clock()
             phases["backward"] += now - mark
@@ -139,6 +181,8 @@ def train_alone(process: int, cfg: Any, out_dir: str, counters: Any = None) -> N
         "phases": phases,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "batch_size": loaders.batch_size,
+        # With --exchange every process holds the same weights at the end: main() checks it.
+        "weights": sum(float(p.detach().double().sum()) for p in params),
     }
     Path(out_dir, f"{process}.json").write_text(json.dumps(result))
     os._exit(0)  # as the project's workers end: no interpreter teardown of torch's threads
@@ -180,6 +224,12 @@ def main() -> int:
         action="store_true",
         help="the processes meet after each backward, exchanging nothing: what moving in step alone costs",
     )
+    parser.add_argument(
+        "--exchange",
+        action="store_true",
+        help="in lockstep, and the gradients averaged through shared memory in two passes: the least a "
+        "synchronous data-parallel step adds, without DDP or the project's loop",
+    )
     parser.add_argument("overrides", nargs="*", help="train.py's overrides (after --): the run whose ceiling this is")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="hydra-ddp-ceiling-") as tmp:
@@ -187,9 +237,11 @@ def main() -> int:
         if cfg.trainer.device != "cpu" or cfg.launcher.nnodes != 1 or not cfg.trainer.max_steps:
             raise SystemExit("bench/ceiling.py: one CPU host and trainer.max_steps only")
         context = multiprocessing.get_context("forkserver")
-        counters = context.Array("q", 8 * cfg.trainer.nproc, lock=False) if args.lockstep else None
+        world = cfg.trainer.nproc
+        counters = context.Array("q", 8 * world, lock=False) if args.lockstep or args.exchange else None
+        shared = context.Array("f", 2 * world * gradient_count(cfg), lock=False) if args.exchange else None
         processes = [
-            context.Process(target=train_alone, args=(i, cfg, tmp, counters), name=f"ceiling-{i}")
+            context.Process(target=train_alone, args=(i, cfg, tmp, counters, shared), name=f"ceiling-{i}")
             for i in range(cfg.trainer.nproc)
         ]
         for process in processes:
@@ -200,6 +252,8 @@ def main() -> int:
         if failed:
             raise SystemExit(f"bench/ceiling.py: {', '.join(failed)} failed")
         results = [json.loads(Path(tmp, f"{i}.json").read_text()) for i in range(len(processes))]
+    if args.exchange and len({r["weights"] for r in results}) != 1:
+        raise SystemExit("bench/ceiling.py --exchange: the processes' weights differ after averaging their gradients")
     combined = combine(results, min(args.warmup, cfg.trainer.max_steps // 10))
     Path(args.out).write_text(json.dumps({**combined, "time_to_first_step_s": combined["first_step_at"] - STARTED_AT}))
     return 0

@@ -93,7 +93,8 @@ class Case:
     # "handwritten_train": the same work by hand (bench/handwritten_train.py), or
     # "sweep": the project's command as a two-job multirun (-m SWEEP), whose second job is measured, or
     # "ceiling": the project's config trained in independent processes, without communication (bench/ceiling.py),
-    # or "lockstep": the same, meeting at a barrier after each backward (nothing exchanged).
+    # "lockstep": the same, meeting at a barrier after each backward (nothing exchanged), or "exchange":
+    # in lockstep and the gradients averaged through shared memory (no DDP, no loop).
     side: str
     nproc: int = 2
     overrides: tuple[str, ...] = ()
@@ -146,13 +147,13 @@ def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], P
         "trainer.progress=false",
         *case.overrides,
     ]
-    if case.side in ("ceiling", "lockstep"):  # the same overrides, settled as train.py settles them
+    if case.side in ("ceiling", "lockstep", "exchange"):  # the same overrides, settled as train.py settles them
         out = out_dir / "result.json"
-        lockstep = ["--lockstep"] if case.side == "lockstep" else []
+        mode = [] if case.side == "ceiling" else [f"--{case.side}"]
         return [
             sys.executable,
             str(CEILING),
-            *lockstep,
+            *mode,
             f"--warmup={workload.warmup_steps}",
             str(out),
             "--",

@@ -64,8 +64,11 @@ _CEILING_PHASES = (
 _INTROS = {
     "ceiling": _CEILING + "**ceiling in lockstep**: the same processes meeting after each backward, exchanging "
     "nothing (`bench/ceiling.py --lockstep`): what moving in step costs by itself, each step waiting for the "
-    "slower process's jitter; the project's gap beyond it is the exchange itself (DDP, the all-reduce) and "
-    "its loop. Workload: the CNN of the parity section; reference: the ceiling.",
+    "slower process's jitter. **ceiling with the exchange**: in lockstep, and each gradient averaged through "
+    "shared memory in two passes, as the project's all-reduce does, with no DDP and no loop around it "
+    "(`--exchange`): the least a synchronous data-parallel step adds here, so the best share of the ceiling "
+    "any such loop can reach on this machine. The project's gap beyond it is DDP's and its loop's. "
+    "Workload: the CNN of the parity section; reference: the ceiling.",
     "ceiling_gpt": _CEILING + "Workload: the transformer of `+experiment=text_gpt` (AdamW, warmup-cosine per step, "
     "gradient clipping), a global batch of 64 sequences, with its own number of steps (the section's "
     "`workload`); reference: the ceiling.",

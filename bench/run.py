@@ -140,6 +140,8 @@ def plan(cores: int) -> dict[str, list[Case]]:
             Case("ceiling (2 processes, no communication)", "ceiling"),
             # What moving in step costs by itself: the ceiling's processes meet after each backward.
             Case("ceiling in lockstep (a barrier per step)", "lockstep"),
+            # The least a synchronous step adds: lockstep and the gradients averaged, without DDP or a loop.
+            Case("ceiling with the exchange (lockstep, gradients averaged)", "exchange"),
             Case("project (train.py)", "project"),
             Case("expert (hand-tuned)", "expert"),
             Case("hand-written", "handwritten"),
