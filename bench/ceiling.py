@@ -10,6 +10,11 @@ is the cost of being one data-parallel job.
 
     python bench/ceiling.py result.json -- data=synthetic trainer.max_steps=200 ...
 
+Two bounds on what any synchronous data-parallel loop can reach on the machine: `--lockstep` (the
+processes meet after each backward, exchanging nothing: what moving in step costs by itself) and
+`--exchange` (in lockstep, each gradient averaged through shared memory in two passes, as the
+project's all-reduce does, with nothing else around it).
+
 Each process writes its step times and its time per phase (data, forward, backward, optimizer);
 rank 0 of the ceiling is only a name here. The result holds what bench/measure.py reads of a run
 (the same fields as the project's summary.json), the throughput counted over the window in which
