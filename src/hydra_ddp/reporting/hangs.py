@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, Optional
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def _chain(frame: Optional[FrameType]) -> Optional[tuple[int, ...]]:
     ids: list[int] = []
     while frame is not None:
         code = frame.f_code
-        if any(code.co_name == name and code.co_filename.replace(os.sep, "/").endswith(end) for end, name in _POLLS):
+        if any(_is(code, ending, function) for ending, function in _POLLS):
             ids = []  # the polling loop's own calls
         ids += (id(frame), id(code))
         frame = frame.f_back
@@ -187,11 +187,15 @@ def where(frame: FrameType) -> dict[str, Any]:
 
 
 def _wait_name(frame: FrameType) -> Optional[str]:
-    path = frame.f_code.co_filename.replace(os.sep, "/")
     for ending, function, name in _WAITS:
-        if path.endswith(ending) and function in (None, frame.f_code.co_name):
+        if _is(frame.f_code, ending, function):
             return name or frame.f_code.co_name
     return None
+
+
+def _is(code: CodeType, ending: str, function: Optional[str]) -> bool:
+    """Whether `code` is `function` (None: any) of a file whose path ends with `ending`."""
+    return code.co_filename.replace(os.sep, "/").endswith(ending) and function in (None, code.co_name)
 
 
 def _dump_flight_recorder(path: Path) -> Optional[str]:
