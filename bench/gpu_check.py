@@ -87,6 +87,7 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Optional  # noqa: E402
 
+import provenance  # noqa: E402
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -688,6 +689,8 @@ def host() -> dict:
         "cuda": torch.version.cuda,
         "cpu_cores": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
+        # The GPU machine gets a copy of the tree without .git: the caller names the commit it sent.
+        "commit": os.environ.get("BENCH_COMMIT") or provenance.stamp(),
     }
 
 
@@ -695,7 +698,7 @@ def markdown(about: dict, results: list[Result]) -> str:
     by_name = {r.name: r for r in results}
     lines = [
         f"# GPU check: {about['gpu']} × {about['gpus']}, torch {about['torch']} (CUDA {about['cuda']}), "
-        f"{about['cpu_cores']} CPU cores, {about['date']}",
+        f"{about['cpu_cores']} CPU cores, {about['date']}, commit `{about['commit']}`",
         "",
         "Absolute figures vary between machines; compare the ratios. One-GPU cases run one rank.",
         "",
