@@ -132,14 +132,18 @@ GPT = (
 @pytest.mark.timeout(300)
 def test_fsdp_and_tensor_parallel_train_the_transformer_like_one_rank(tmp_path: Path):
     # fsdp_tp: 4 processes on a 2×2 mesh (tensor parallel in pairs, FSDP across the pairs).
+    # The sharded runs use the optimizer's foreach kernels, CUDA's default (the CPU's is a loop):
+    # they must never see one list mixing TP's DTensors with plain tensors or another mesh's.
+    foreach = "+optim.foreach=true"
     runs = {
         "one-rank": ("trainer.nproc=1",),
-        "fsdp_tp": ("strategy=fsdp_tp", "trainer.nproc=4", "strategy.tp_size=2", "trainer.threads=1"),
+        "fsdp_tp": ("strategy=fsdp_tp", "trainer.nproc=4", "strategy.tp_size=2", "trainer.threads=1", foreach),
     }
     for name, overrides in runs.items():
         check_ok(run_train(tmp_path / name, *GPT, *overrides))
     # fsdp and tp at 2 ranks in one multirun (jobs 0 and 1), sharing the forkserver's imports.
-    check_ok(run_train(tmp_path / "unused", "-m", *GPT, "strategy=fsdp,tp", f"hydra.sweep.dir={tmp_path / 'sweep'}"))
+    sweep = f"hydra.sweep.dir={tmp_path / 'sweep'}"
+    check_ok(run_train(tmp_path / "unused", "-m", *GPT, "strategy=fsdp,tp", foreach, sweep))
     (tmp_path / "sweep" / "0").rename(tmp_path / "fsdp")
     (tmp_path / "sweep" / "1").rename(tmp_path / "tp")
     runs.update(fsdp=(), tp=())

@@ -51,6 +51,29 @@ def _is_embedding(owner: nn.Module) -> bool:
     return isinstance(owner, (nn.Embedding, nn.EmbeddingBag)) or type(owner).__name__.endswith("Embedding")
 
 
+def _kind(param: torch.Tensor) -> Any:
+    """A DTensor's mesh, or None for a plain tensor."""
+    return getattr(param, "device_mesh", None)
+
+
+def _one_kind(params: list[torch.Tensor]) -> bool:
+    return len({_kind(p) for p in params}) <= 1
+
+
+def _by_kind(groups: list[dict]) -> list[dict]:
+    """Each group split where it mixes plain tensors with DTensors, or DTensors of two meshes, as TP
+    leaves a model (its parallel layers' parameters DTensors, the rest plain; under fsdp_tp, meshes
+    of 2 and 1 dimensions): torch's foreach optimizer kernels, CUDA's default, refuse such a list.
+    The same settings in each part, so the arithmetic per parameter is unchanged."""
+    split = []
+    for group in groups:
+        kinds: dict[Any, list] = {}
+        for param in group["params"]:
+            kinds.setdefault(_kind(param), []).append(param)
+        split += [{**group, "params": params} for params in kinds.values()]
+    return split
+
+
 def build(optim_cfg: Any, no_decay: Any, module: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
     """`module`: the model as its config built it (after the strategy spread it: FSDP's and TP's
     parameters are its own, sharded); `wrapped`: what the loop calls. Without groups, the
@@ -58,14 +81,15 @@ def build(optim_cfg: Any, no_decay: Any, module: nn.Module, wrapped: nn.Module) 
     make = instantiate(optim_cfg)
     names = set(no_decay_names(module, no_decay))
     if no_decay in (None, NONE):
-        return make(wrapped.parameters())
+        params = list(wrapped.parameters())
+        return make(params if _one_kind(params) else _by_kind([{"params": params}]))
     decayed, undecayed = [], []
     for name, _, param in _named(module):
         (undecayed if name in names else decayed).append(param)
     if not undecayed:
         log.warning("param_groups.no_decay=%s names none of the model's parameters: all are decayed", no_decay)
     groups = [{"params": decayed}, {"params": undecayed, "weight_decay": 0.0}]
-    optimizer = make([group for group in groups if group["params"]])
+    optimizer = make(_by_kind([group for group in groups if group["params"]]))
     decay = optimizer.defaults.get("weight_decay")
     log.info(
         "weight decay %s on %d tensors (%s parameters); none on %d tensors (%s parameters: param_groups.no_decay=%s)",
