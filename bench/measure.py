@@ -19,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 HANDWRITTEN = Path(__file__).resolve().parent / "handwritten.py"
@@ -101,6 +101,8 @@ class Case:
     # "images": synthetic images and the seeds' CNN; "text": the transformer (+experiment=text_gpt)
     # on Python's source, a global batch of the workload's batch size in sequences.
     task: str = "images"
+    # A checkout of another commit (run.py --against): "default" runs its train.py, with its own src.
+    repo: Optional[str] = None
 
 
 def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], Path]:
@@ -125,7 +127,9 @@ def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], P
             f"--run-dir={out_dir}",
         ], out_dir / "result.json"
     if case.side == "default":  # what `make train` runs: no override but where the run directory goes
-        return [sys.executable, "train.py", f"hydra.run.dir={out_dir}"], out_dir / "summary.json"
+        return [sys.executable, str(Path(case.repo or REPO) / "train.py"), f"hydra.run.dir={out_dir}"], (
+            out_dir / "summary.json"
+        )
     if case.task == "text":  # windows of 65 bytes, enough for every step in one epoch, 20 % held out
         data = [
             "+experiment=text_gpt",
@@ -242,8 +246,18 @@ def _run(cmd: list[str], case: Case, timeout: float) -> bool:
     """Run a command to its end; True where the hand-written loop aborted at its exit (ABORT_AT_EXIT),
     which measure() accepts if the result was written whole."""
     # A session of its own, so a hung run's workers can be killed with it.
+    env = None
+    if case.repo:  # that commit's code, not this checkout's (installed in the venv as editable)
+        paths = [f"{case.repo}/src", os.environ.get("PYTHONPATH")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd,
+        cwd=case.repo or REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         output, _ = proc.communicate(timeout=timeout)

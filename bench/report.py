@@ -145,6 +145,11 @@ _DEFAULT_FLOORS = (
     "**beyond training − floor**: the median of that difference run by run, what the run adds "
     "to importing torch at the machine's speed of the moment."
 )
+_DEFAULT_AGAINST = (
+    " **make train at COMMIT** (`bench/run.py --against COMMIT`): the same command in a worktree of that "
+    "commit, with its own `src`, in turns with today's: whether the first step comes as soon and the run "
+    "takes no longer."
+)
 
 
 def render(results: dict[str, Any]) -> str:
@@ -202,6 +207,8 @@ def render(results: dict[str, Any]) -> str:
             intro += (_DEFAULT_REFERENCE if by_hand else _DEFAULT_NO_REFERENCE) + (
                 _DEFAULT_FLOORS if _has_floors(cases) else ""
             )
+            if any(case.get("against") for case in cases):
+                intro += _DEFAULT_AGAINST
         lines += [f"## {_TITLES.get(name, name.capitalize())}", "", intro, "", table, ""]
         lines += _default_paired(cases) if name == "default" else _paired(cases)
         if name == "parity" and _expert(cases):
@@ -327,12 +334,39 @@ def _default_headline(cases: list[dict[str, Any]]) -> list[str]:
 
 def _default_paired(cases: list[dict[str, Any]]) -> list[str]:
     """make train's wall time and time beyond training less the hand-written run's of the same
-    repetition (the runs follow one floor timing, back to back): medians and ranges."""
+    repetition (the runs follow one floor timing, back to back): medians and ranges; and against
+    make train at another commit (--against), its wall time and first step likewise."""
+    return _default_by_hand(cases) + _default_against(cases)
+
+
+def _default_against(cases: list[dict[str, Any]]) -> list[str]:
+    today = [case for case in cases if case["side"] == "default" and not case.get("against")]
+    before = [case for case in cases if case.get("against")]
+    if not today or not before:
+        return []
+    figures = []
+    for what, of in (
+        ("wall time", lambda run: run["wall_time_s"]),
+        ("first step", lambda run: run["time_to_first_step_s"]),
+        ("time beyond training", lambda run: run["wall_time_s"] - run["train_time_s"]),
+    ):
+        differences = [of(run) - of(ref) for run, ref in zip(today[0]["runs"], before[0]["runs"])]
+        figures.append(f"{what} **{statistics.median(differences):+.2f} s**{_spread(differences, 2)}")
+    return [
+        f"Against an earlier commit, repetition by repetition: `make train` less `{before[0]['label']}` of the "
+        f"same repetition, medians over {len(before[0]['runs'])} repetitions (min–max): {'; '.join(figures)}.",
+        "",
+    ]
+
+
+def _default_by_hand(cases: list[dict[str, Any]]) -> list[str]:
     if len(cases) < 2 or cases[0]["side"] != "handwritten_train":
         return []
     reference = cases[0]["runs"]
     figures = []
     for case in cases[1:]:
+        if case.get("against"):
+            continue
         for what, of in (
             ("wall time", lambda run: run["wall_time_s"]),
             ("time beyond training", lambda run: run["wall_time_s"] - run["train_time_s"]),

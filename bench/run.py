@@ -8,6 +8,7 @@ default run, world-size scaling, options, and the limit: the same processes with
     .venv/bin/python bench/run.py --only comm
     .venv/bin/python bench/run.py --only options --cases timing --out /tmp/bench   # one line, beside its reference
     make bench ARGS="--reps 5 --steps 500 --out /tmp/bench"
+    .venv/bin/python bench/run.py --only default --reps 7 --against a88e844   # make train, then and now
 
 Prints the report and writes it to OUT/REPORT.md (replaced each time; --report names another
 file, so that an --only run leaves a full report beside it whole), with every run's figures in
@@ -17,13 +18,16 @@ OUT/<timestamp>.json. Run it on a quiet machine: it measures wall-clock time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import shlex
 import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from importlib.metadata import version
@@ -243,6 +247,7 @@ def run_default(cases: list[Case], workload: Workload, reps: int) -> list[dict[s
                 "runs": case_runs,
                 "median": median,
                 "checkpoints": case_runs[0]["checkpoints"],
+                "against": case.repo is not None,  # make train at another commit (--against)
             }
         )
     return summary
@@ -322,6 +327,12 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         help="training steps per run of the transformer's ceiling section (default: half of --steps)",
     )
     parser.add_argument("--steps", type=positive_int, help="training steps per run (default 200; --quick: 20)")
+    parser.add_argument(
+        "--against",
+        metavar="COMMIT",
+        help="the default section also runs `make train` at this commit (a worktree of it, its own src), "
+        "in turns with today's: is the first step as soon, the wall time no longer?",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny run to smoke-test the harness")
     parser.add_argument(
         "--only",
@@ -365,7 +376,25 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
+def checkout(commit: str, stack: contextlib.ExitStack) -> dict[str, str]:
+    """A worktree of `commit` in a temporary folder, removed when the bench ends."""
+    git = ["git", "-C", str(REPO)]
+    resolved = subprocess.run([*git, "rev-parse", "--short", f"{commit}^{{commit}}"], capture_output=True, text=True)
+    if resolved.returncode:
+        raise SystemExit(f"bench: error: --against {commit}: not a commit of this repository")
+    short = resolved.stdout.strip()
+    path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hydra-ddp-against-"))) / short
+    subprocess.run([*git, "worktree", "add", "--quiet", "--detach", str(path), short], check=True)
+    stack.callback(subprocess.run, [*git, "worktree", "remove", "--force", str(path)], check=False)
+    return {"commit": short, "path": str(path)}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    with contextlib.ExitStack() as stack:
+        return _main(argv, stack)
+
+
+def _main(argv: Optional[list[str]], stack: contextlib.ExitStack) -> int:
     args = parse_args(argv)
     # Each run has a session of its own; SIGTERM becomes SystemExit so measure() can end the run too.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -390,8 +419,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"{args.reps} repetition(s) × {args.steps} steps",
         file=sys.stderr,
     )
+    if args.against:
+        results["against"] = against = checkout(args.against, stack)
     try:
         for name, cases in plan(m["usable_cores"]).items():
+            if name == "default" and args.against:
+                cases = [*cases, Case(f"make train at {against['commit']}", "default", repo=against["path"])]
             if args.cases:  # the first case is the section's reference: the others are measured against it
                 cases = cases[:1] + [c for c in cases[1:] if any(text in c.label for text in args.cases)]
             if args.only and name not in args.only:
