@@ -145,6 +145,10 @@ _DEFAULT_FLOORS = (
     "**beyond training − floor**: the median of that difference run by run, what the run adds "
     "to importing torch at the machine's speed of the moment."
 )
+_CEILING_AGAINST = (
+    " **project at COMMIT** (`bench/run.py --against COMMIT`): `train.py` in a worktree of that commit, "
+    "with its own `src`, in the same turns: what the changes since bought, as a share of the same ceiling."
+)
 _DEFAULT_AGAINST = (
     " **make train at COMMIT** (`bench/run.py --against COMMIT`): the same command in a worktree of that "
     "commit, with its own `src`, in turns with today's: whether the first step comes as soon and the run "
@@ -202,6 +206,8 @@ def render(results: dict[str, Any]) -> str:
             )
         if name == "parity" and _expert(cases):
             intro += _EXPERT
+        if name == "ceiling" and any(case.get("against") for case in cases):
+            intro += _CEILING_AGAINST
         if name == "default":
             by_hand = any(case["side"] == "handwritten_train" for case in cases)
             intro += (_DEFAULT_REFERENCE if by_hand else _DEFAULT_NO_REFERENCE) + (

@@ -203,6 +203,7 @@ def run_section(
                 "checkpoints": runs[case.label][0].get("checkpoints"),
                 "checkpoint_stall_s": statistics.median(run["checkpoint_stall_s"] or 0.0 for run in runs[case.label]),
                 "vs_reference": None if case is cases[0] else compare(median, reference),
+                "against": case.repo is not None,  # the project at another commit (--against)
             }
         )
     return summary
@@ -331,7 +332,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         "--against",
         metavar="COMMIT",
         help="the default section also runs `make train` at this commit (a worktree of it, its own src), "
-        "in turns with today's: is the first step as soon, the wall time no longer?",
+        "in turns with today's: is the first step as soon, the wall time no longer? The ceiling section "
+        "runs the project at that commit too: what the changes since bought, as a share of the ceiling",
     )
     parser.add_argument("--quick", action="store_true", help="a tiny run to smoke-test the harness")
     parser.add_argument(
@@ -423,8 +425,12 @@ def _main(argv: Optional[list[str]], stack: contextlib.ExitStack) -> int:
         results["against"] = against = checkout(args.against, stack)
     try:
         for name, cases in plan(m["usable_cores"]).items():
-            if name == "default" and args.against:
-                cases = [*cases, Case(f"make train at {against['commit']}", "default", repo=against["path"])]
+            if args.against:  # the same command at that commit, in turns with today's
+                at, path = against["commit"], against["path"]
+                if name == "default":
+                    cases = [*cases, Case(f"make train at {at}", "default", repo=path)]
+                if name == "ceiling":
+                    cases = [*cases, Case(f"project (train.py) at {at}", "project", repo=path)]
             if args.cases:  # the first case is the section's reference: the others are measured against it
                 cases = cases[:1] + [c for c in cases[1:] if any(text in c.label for text in args.cases)]
             if args.only and name not in args.only:
