@@ -87,7 +87,6 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Optional  # noqa: E402
 
-import provenance  # noqa: E402
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,6 +95,10 @@ REPO = Path(__file__).resolve().parents[1]
 for _folder in (REPO / "tests" / "helpers", REPO / "tests", REPO / "src"):
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
+if str(REPO / "bench") not in sys.path:  # where this file is loaded as a module (the suite's dry run)
+    sys.path.append(str(REPO / "bench"))  # last: its scripts' names must not shadow anything
+import provenance  # noqa: E402
+
 CONF = REPO / "conf"
 OUT = Path(os.environ.get("OUT", REPO / "bench" / "results"))
 ONE, ALL = "one GPU", "all GPUs"
