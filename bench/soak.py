@@ -57,12 +57,12 @@ def run_suite(junit: Path, pytest_args: list[str]) -> tuple[float, int, dict[str
     return seconds, code, bad, counts
 
 
-def write_report(runs: list, failures: Counter, hogged: bool, pytest_args: list[str], planned: int) -> str:
+def write_report(runs: list, failures: Counter, hogged: bool, pytest_args: list[str], planned: int, commit: str) -> str:
     passed = sum(1 for _, _, code, bad, _ in runs if not bad and not code)
     lines = [
         "# Soak: the whole suite, run after run",
         "",
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC · commit `{provenance.stamp()}` · "
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC · commit `{commit}` · "
         f"{len(os.sched_getaffinity(0))} cores · Python {platform.python_version()} · "
         f"{'with one CPU-hogging process beside it' if hogged else 'no CPU hog'} · `bench/soak.py`"
         + (f" · pytest {' '.join(pytest_args)}" if pytest_args else ""),
@@ -98,6 +98,8 @@ def main() -> int:
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args()
 
+    # The commit as the soak starts: its own report, written after each run, would dirty the tree.
+    commit = provenance.stamp()
     failures: Counter[str] = Counter()
     runs: list = []
     report = ""
@@ -116,7 +118,7 @@ def main() -> int:
                     + (f" ({', '.join(sorted(bad))})" if bad else ""),
                     flush=True,
                 )
-                report = write_report(runs, failures, spinner is not None, args.pytest_args, args.runs)
+                report = write_report(runs, failures, spinner is not None, args.pytest_args, args.runs, commit)
     finally:
         if spinner:
             spinner.kill()
