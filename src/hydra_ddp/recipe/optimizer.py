@@ -56,10 +56,6 @@ def _kind(param: torch.Tensor) -> Any:
     return getattr(param, "device_mesh", None)
 
 
-def _one_kind(params: list[torch.Tensor]) -> bool:
-    return len({_kind(p) for p in params}) <= 1
-
-
 def _by_kind(groups: list[dict]) -> list[dict]:
     """Each group split where it mixes plain tensors with DTensors, or DTensors of two meshes, as TP
     leaves a model (its parallel layers' parameters DTensors, the rest plain; under fsdp_tp, meshes
@@ -81,8 +77,7 @@ def build(optim_cfg: Any, no_decay: Any, module: nn.Module, wrapped: nn.Module) 
     make = instantiate(optim_cfg)
     names = set(no_decay_names(module, no_decay))
     if no_decay in (None, NONE):
-        params = list(wrapped.parameters())
-        return make(params if _one_kind(params) else _by_kind([{"params": params}]))
+        return make(_by_kind([{"params": list(wrapped.parameters())}]))  # one group, as torch makes of a list
     decayed, undecayed = [], []
     for name, _, param in _named(module):
         (undecayed if name in names else decayed).append(param)
