@@ -350,19 +350,30 @@ def _default_against(cases: list[dict[str, Any]]) -> list[str]:
     before = [case for case in cases if case.get("against")]
     if not today or not before:
         return []
-    figures = []
-    for what, of in (
-        ("wall time", lambda run: run["wall_time_s"]),
-        ("first step", lambda run: run["time_to_first_step_s"]),
-        ("time beyond training", lambda run: run["wall_time_s"] - run["train_time_s"]),
-    ):
-        differences = [of(run) - of(ref) for run, ref in zip(today[0]["runs"], before[0]["runs"])]
-        figures.append(f"{what} **{statistics.median(differences):+.2f} s**{_spread(differences, 2)}")
+    figures = _differences(today[0]["runs"], before[0]["runs"], ("wall time", "first step", "time beyond training"))
     return [
         f"Against an earlier commit, repetition by repetition: `make train` less `{before[0]['label']}` of the "
         f"same repetition, medians over {len(before[0]['runs'])} repetitions (min–max): {'; '.join(figures)}.",
         "",
     ]
+
+
+# A default run's figures, in seconds, by name.
+_RUN_SECONDS = {
+    "wall time": lambda run: run["wall_time_s"],
+    "first step": lambda run: run["time_to_first_step_s"],
+    "time beyond training": lambda run: run["wall_time_s"] - run["train_time_s"],
+}
+
+
+def _differences(runs: list[dict[str, Any]], references: list[dict[str, Any]], whats: tuple[str, ...]) -> list[str]:
+    """Each figure of `runs` less the same repetition's of `references`: the median, min–max."""
+    figures = []
+    for what in whats:
+        of = _RUN_SECONDS[what]
+        differences = [of(run) - of(ref) for run, ref in zip(runs, references)]
+        figures.append(f"{what} **{statistics.median(differences):+.2f} s**{_spread(differences, 2)}")
+    return figures
 
 
 def _default_by_hand(cases: list[dict[str, Any]]) -> list[str]:
@@ -371,14 +382,8 @@ def _default_by_hand(cases: list[dict[str, Any]]) -> list[str]:
     reference = cases[0]["runs"]
     figures = []
     for case in cases[1:]:
-        if case.get("against"):
-            continue
-        for what, of in (
-            ("wall time", lambda run: run["wall_time_s"]),
-            ("time beyond training", lambda run: run["wall_time_s"] - run["train_time_s"]),
-        ):
-            differences = [of(run) - of(ref) for run, ref in zip(case["runs"], reference)]
-            figures.append(f"{what} **{statistics.median(differences):+.2f} s**{_spread(differences, 2)}")
+        if not case.get("against"):
+            figures += _differences(case["runs"], reference, ("wall time", "time beyond training"))
     return [
         f"Paired, repetition by repetition: `make train` less the hand-written run of the same repetition, "
         f"medians over {len(reference)} repetitions (min–max): {'; '.join(figures)}.",
