@@ -10,15 +10,17 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-bench/results}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
-# gpu_check.py's one-GPU CNN: 4096 synthetic 28x28 images, 64 a batch, epochs without evaluation.
-BASE=(data=synthetic data.dataset.train_size=4096 data.dataset.test_size=256 data.batch_size=64
-    trainer.epochs=1000 trainer.progress=false checkpoint.every_epoch=false trainer.eval_every_epoch=false
-    data.drop_last=true backend=nccl trainer.nproc=1)
+# gpu_check.py's one-GPU CNN and hand-written loop, as its parity case runs them (CNN, ONE_RANK, HAND_CNN).
+CASE="import sys; sys.path.insert(0, 'bench'); import gpu_check as g
+values = [getattr(g, name) for name in sys.argv[1:]]
+print('\\n'.join(a for v in values for a in ([v] if isinstance(v, str) else v)))"
+mapfile -t BASE < <("$PY" -c "$CASE" CNN ONE_RANK)
+mapfile -t HAND < <("$PY" -c "$CASE" HAND_CNN)
+[ ${#BASE[@]} -gt 1 ] && [ ${#HAND[@]} -gt 1 ] || { echo "gpu_probe: cannot read bench/gpu_check.py's cases" >&2; exit 2; }
 SHOW="import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], round(d['steady_samples_per_sec']),
     round(d['median_step_time_s'] * 1e3, 3), d.get('settings', ''))"
 hand() {
-    timeout 60 "$PY" bench/handwritten.py --device=cuda --batch-size=64 --train-size=4096 --nproc=1 \
-        --steps="$1" /tmp/probe-hand.json >/dev/null 2>&1 &&
+    timeout 60 "$PY" bench/handwritten.py "${HAND[@]}" --nproc=1 --steps="$1" /tmp/probe-hand.json >/dev/null 2>&1 &&
         "$PY" -c "$SHOW" /tmp/probe-hand.json "hand-written steps=$1" | tee -a "$OUT/gpu_probe.txt"
 }
 project() {
