@@ -41,15 +41,22 @@ def straight(tmp_path_factory) -> Path:
     return run_dir
 
 
+def _assert_as_uninterrupted(run_dir: Path, straight: Path, plan: str = "") -> None:
+    """A stopped and resumed run is the uninterrupted one of the same config (world size, threads),
+    bit for bit: every step's loss once, in TensorBoard and in metrics.csv (each drops what the
+    stopped run logged after its checkpoint), and the final weights."""
+    assert step_losses(run_dir) == step_losses(straight), plan
+    assert_same_params(final_params(run_dir), final_params(straight))
+    assert csv_step_losses(run_dir) == csv_step_losses(straight), f"metrics.csv {plan}"
+
+
 def test_stop_and_resume_mid_epoch_is_bit_identical(straight: Path, run_dir: Path):
     check_ok(run_train(run_dir, f"trainer.max_steps={HALF}"))
     assert summary(run_dir)["steps"] == HALF
     check_ok(run_train(run_dir, f"trainer.max_steps={FULL}", "trainer.resume=auto"))
     s = summary(run_dir)
     assert s["steps"] == FULL and s["resumed_from"].endswith(f"step-{HALF:08d}.pt")
-    assert step_losses(run_dir) == step_losses(straight)
-    assert csv_step_losses(run_dir) == csv_step_losses(straight)  # metrics.csv continues too: no step twice, none lost
-    assert_same_params(final_params(run_dir), final_params(straight))
+    _assert_as_uninterrupted(run_dir, straight)
 
 
 def test_checkpoints_load_with_weights_only_and_keep_the_last_k(straight: Path, run_dir: Path):
@@ -99,8 +106,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_continues_exactly(
 
     check_ok(run_train(run_dir, f"launcher={launcher}", f"trainer.max_steps={FULL}", "trainer.resume=auto"))
     assert summary(run_dir)["steps"] == FULL
-    assert step_losses(run_dir) == step_losses(straight)
-    assert_same_params(final_params(run_dir), final_params(straight))
+    _assert_as_uninterrupted(run_dir, straight)
 
 
 def _log(run_dir: Path) -> str:
@@ -290,7 +296,7 @@ def test_ctrl_c_in_a_terminal_checkpoints_once_and_stops(straight: Path, run_dir
     assert "(ended by SIGINT: checkpointed, to be continued)" in done.stdout + _log(run_dir)
     assert_no_orphans(done.pid)
     check_ok(run_train(run_dir, f"trainer.max_steps={FULL}", "trainer.resume=auto"))
-    assert_same_params(final_params(run_dir), final_params(straight))
+    _assert_as_uninterrupted(run_dir, straight)
 
 
 CHAOS_STEPS = 40  # epoch ends at step 21; the final evaluation and checkpoint at 40
@@ -316,9 +322,9 @@ def test_chaos_kills_under_torchrun_restarts_finish_bit_identical(tmp_path: Path
     )
     straight = tmp_path / "straight"
     check_ok(run_train(straight, *common))
-    plan = _chaos_plan(random.Random(int.from_bytes(os.urandom(4), "big")))
+    plan = os.environ.get("CHAOS_PLAN") or _chaos_plan(random.Random(int.from_bytes(os.urandom(4), "big")))
     chaotic = tmp_path / "chaos"
-    print(f"chaos plan (attempt:kind:rank:n): {plan}")  # shown with a failure: rerun it with this plan
+    print(f"chaos plan (attempt:kind:rank:n): {plan}")  # shown with a failure: rerun it with CHAOS_PLAN='...'
     proc = run_train(
         chaotic,
         *common,
@@ -333,8 +339,7 @@ def test_chaos_kills_under_torchrun_restarts_finish_bit_identical(tmp_path: Path
     assert len(starts) == 4, f"plan {plan}: expected 3 kills and 4 attempts, saw {len(starts)}"
     s = summary(chaotic)
     assert s["steps"] == CHAOS_STEPS and s["resumed_from"], plan  # the last attempt continued from a checkpoint
-    assert_same_params(final_params(chaotic), final_params(straight))  # plan printed above
-    assert step_losses(chaotic) == step_losses(straight), plan  # every step's loss once, as if uninterrupted
+    _assert_as_uninterrupted(chaotic, straight, plan)  # the plan is printed above too
     assert_no_orphans(proc.pid)
 
 
@@ -353,7 +358,7 @@ def test_sigkill_to_the_parent_leaves_no_worker_and_resume_is_exact(straight: Pa
     assert_no_orphans(proc.pid)
     check_ok(run_train(run_dir, f"launcher={launcher}", f"trainer.max_steps={FULL}", "trainer.resume=auto"))
     assert summary(run_dir)["steps"] == FULL
-    assert_same_params(final_params(run_dir), final_params(straight))
+    _assert_as_uninterrupted(run_dir, straight)
 
 
 def test_crash_while_exiting_after_a_complete_run_is_a_warning(run_dir: Path):
@@ -374,11 +379,12 @@ def small_disk(tmp_path: Path):
         yield mount
 
 
-def test_full_disk_during_a_checkpoint_stops_in_one_line_and_resume_works(small_disk: Path):
+def test_full_disk_during_a_checkpoint_stops_in_one_line_and_resume_is_exact(straight: Path, small_disk: Path):
     import subprocess
 
     run_dir = small_disk / "run"
-    proc = run_train(run_dir, "trainer.max_steps=10", "checkpoint.every_n_steps=2", "trainer.log_every=2")
+    overrides = (f"trainer.max_steps={FULL}", "checkpoint.every_n_steps=2", "trainer.log_every=2")
+    proc = run_train(run_dir, *overrides)
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "hydra-ddp: error:" in lines[0], proc.stderr
@@ -389,10 +395,7 @@ def test_full_disk_during_a_checkpoint_stops_in_one_line_and_resume_works(small_
     assert not list((run_dir / "checkpoints").glob(".*.tmp"))  # nothing half-written left behind
 
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)  # room made
-    check_ok(
-        run_train(
-            run_dir, "trainer.max_steps=10", "checkpoint.every_n_steps=2", "trainer.log_every=2", "trainer.resume=auto"
-        )
-    )
+    check_ok(run_train(run_dir, *overrides, "trainer.resume=auto"))
     s = summary(run_dir)
-    assert s["steps"] == 10 and s["resumed_from"].endswith("step-00000002.pt")
+    assert s["steps"] == FULL and s["resumed_from"].endswith("step-00000002.pt")
+    _assert_as_uninterrupted(run_dir, straight)

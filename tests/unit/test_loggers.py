@@ -3,10 +3,11 @@ it; W&B's mode (the reader of W&B's run file, against W&B's own service: tests/e
 
 from __future__ import annotations
 
+import csv
 import time
 from pathlib import Path
 
-from hydra_ddp.reporting.loggers import TensorBoard
+from hydra_ddp.reporting.loggers import CSV, TensorBoard
 
 from support import event_files, scalars
 
@@ -52,3 +53,40 @@ def test_wandb_mode_auto_is_offline_without_an_account_and_follows_wandb_mode(tm
     assert choose_mode("auto") == "online"
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert choose_mode("auto") == "disabled" and choose_mode("offline") == "offline"
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_metrics_csv_writes_a_step_once_the_next_begins_and_every_step_on_flush(tmp_path: Path):
+    """What a SIGKILL leaves: every step before the newest one in the file as the run goes, and
+    after flush() (before each checkpoint) the newest too; a value added to a written row rewrites it."""
+    log = CSV(tmp_path, config={})
+    for step in (1, 2, 3):
+        log.metrics({"train/loss": 1.0 / step}, step)
+    assert [r["step"] for r in _rows(log.path)] == ["1", "2"]
+    log.flush()
+    assert [r["step"] for r in _rows(log.path)] == ["1", "2", "3"]
+    log.metrics({"val/loss": 0.5}, 3)  # the checkpoint's step validated after the flush: a wider row
+    log.metrics({"test/loss": 0.25}, 3)
+    log.flush()
+    rows = _rows(log.path)
+    assert [r["step"] for r in rows] == ["1", "2", "3"]
+    assert rows[-1] == {"step": "3", "train/loss": str(1.0 / 3), "val/loss": "0.5", "test/loss": "0.25"}
+    log.metrics({"train/loss": 0.1}, 4)
+    log.close()
+    assert [r["step"] for r in _rows(log.path)] == ["1", "2", "3", "4"]
+
+
+def test_metrics_csv_resumed_keeps_the_rows_up_to_the_checkpoint_and_goes_on(tmp_path: Path):
+    log = CSV(tmp_path, config={})
+    for step in range(1, 6):
+        log.metrics({"train/loss": float(step)}, step)
+    log.flush()  # killed at step 5, after a flush; the checkpoint is step 4's
+    resumed = CSV(tmp_path, config={}, resume_step=4)
+    assert [r["step"] for r in _rows(resumed.path)] == ["1", "2", "3", "4"]
+    resumed.metrics({"train/loss": 5.5}, 5)
+    resumed.flush()
+    assert [(r["step"], r["train/loss"]) for r in _rows(resumed.path)][-2:] == [("4", "4.0"), ("5", "5.5")]

@@ -49,6 +49,10 @@ class Logger:
 
     def metrics(self, values: dict[str, float], step: int) -> None: ...
 
+    def flush(self) -> None:
+        """Every step logged so far is on disk (or sent): called before each checkpoint, so a run
+        killed after it resumes with none of the steps up to it missing from the logs."""
+
     def finish(self, summary: dict[str, Any], hparams: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
@@ -74,6 +78,9 @@ class TensorBoard(Logger):
     def metrics(self, values: dict[str, float], step: int) -> None:
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
+
+    def flush(self) -> None:
+        self.writer.flush()  # its queue holds up to 10 events, or 2 minutes' worth
 
     def finish(self, summary: dict[str, Any], hparams: dict[str, Any]) -> None:
         from torch.utils.tensorboard.summary import hparams as hparams_summary
@@ -118,9 +125,10 @@ def _after_the_newest_event_file(log_dir: Path) -> None:
 class CSV(Logger):
     """run_dir/metrics.csv: one row per step that logged anything, one column per metric.
 
-    Steps only grow, so a row is written once a later step arrives (a step's train loss, its
-    validation and its test come in separate calls). A new metric rewrites the file with the
-    wider header; a resumed run keeps the rows up to its checkpoint's step.
+    Steps only grow, so the rows before a new step are final and go to the file when it arrives (a
+    step's train loss, its validation and its test come in separate calls); flush() writes the last
+    one too, which a later call of its step rewrites. A new metric rewrites the file with the wider
+    header; a resumed run keeps the rows up to its checkpoint's step.
     """
 
     def __init__(
@@ -141,13 +149,15 @@ class CSV(Logger):
         self.written = 0  # rows already in the file
         self.file_columns: list[str] = []  # its header
         self.file: Optional[IO[str]] = None  # open for appending between rewrites: a row each step
+        self.grown = False  # a row already in the file has a value more: rewrite it
         self._rewrite()
 
     def metrics(self, values: dict[str, float], step: int) -> None:
         if self.rows and int(self.rows[-1]["step"]) == step:
             row = self.rows[-1]
+            self.grown = self.grown or len(self.rows) <= self.written
         else:
-            self._write_done()
+            self._write(len(self.rows))  # a new step: the rows before it are final
             row = {"step": step}
             self.rows.append(row)
         for name, value in values.items():
@@ -155,19 +165,21 @@ class CSV(Logger):
                 self.columns.append(name)
             row[name] = value
 
-    def _write_done(self) -> None:
-        """Every row but the last (which may still grow) goes to the file."""
-        done = len(self.rows) - 1
-        if done <= self.written:
+    def flush(self) -> None:
+        self._write(len(self.rows))
+
+    def _write(self, upto: int) -> None:
+        """The rows before `upto` are in the file."""
+        if self.grown or self.file_columns != self.columns:
+            self._rewrite(upto=max(upto, self.written))
             return
-        if self.file_columns != self.columns:
-            self._rewrite(upto=done)
+        if upto <= self.written:
             return
         if self.file is None:
             self.file = open(self.path, "a", newline="")
-        csv.DictWriter(self.file, fieldnames=self.columns).writerows(self.rows[self.written : done])
+        csv.DictWriter(self.file, fieldnames=self.columns).writerows(self.rows[self.written : upto])
         self.file.flush()  # on disk as it comes, for whoever reads the file during the run
-        self.written = done
+        self.written = upto
 
     def _rewrite(self, upto: Optional[int] = None) -> None:
         upto = len(self.rows) if upto is None else upto
@@ -178,7 +190,7 @@ class CSV(Logger):
             writer.writeheader()
             writer.writerows(self.rows[:upto])
         os.replace(tmp, self.path)
-        self.written, self.file_columns = upto, list(self.columns)
+        self.written, self.file_columns, self.grown = upto, list(self.columns), False
 
     def finish(self, summary: dict[str, Any], hparams: dict[str, Any]) -> None:
         self._rewrite()
@@ -330,20 +342,20 @@ class MLflow(Logger):
                 continue  # the stopped run logged it already (a crash can log past its checkpoint)
             self.pending.append(Metric(key, float(value), now, step))
         if len(self.pending) >= self.BATCH:
-            self._flush()
+            self.flush()
 
     def _last_logged(self, key: str) -> int:
         if key not in self.logged:
             self.logged[key] = max((m.step for m in self.client.get_metric_history(self.run_id, key)), default=-1)
         return self.logged[key]
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         for start in range(0, len(self.pending), self.BATCH):
             self.client.log_batch(self.run_id, metrics=self.pending[start : start + self.BATCH])
         self.pending = []
 
     def finish(self, summary: dict[str, Any], hparams: dict[str, Any]) -> None:
-        self._flush()
+        self.flush()
         self.client.log_dict(self.run_id, summary, "summary.json")
         tested = summary.get("tested") or {}
         if tested.get("checkpoint"):
@@ -354,6 +366,6 @@ class MLflow(Logger):
 
     def close(self) -> None:
         if not self.finished:  # stopped (a signal, a failure): resumable, so not FINISHED
-            self._flush()
+            self.flush()
             self.client.set_terminated(self.run_id, "KILLED")
             self.finished = True

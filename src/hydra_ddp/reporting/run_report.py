@@ -69,6 +69,11 @@ class Reporter:
         for logger in self.loggers:
             logger.metrics(values, step)
 
+    def flush(self) -> None:
+        """What the loggers hold is on disk: before a checkpoint (Logger.flush)."""
+        for logger in self.loggers:
+            logger.flush()
+
     def finish(self, summary: dict[str, Any], hparams: dict[str, Any]) -> None:
         """The loggers' last words, summary.json and the one-screen summary (rank 0)."""
         for logger in self.loggers:

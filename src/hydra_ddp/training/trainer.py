@@ -111,10 +111,16 @@ class Trainer:
                 self.schedule.epoch_ended()
                 self.pos.next_epoch()
                 if self.saving.due_at_epoch_end(best):
-                    self.saving.save()
+                    self._save()
                 if self.settings.eval_every_epoch:
                     self.ending.after_validation(self.monitor, self.validation.last, self.pos.step, epoch + 1)
         return validated_at
+
+    def _save(self) -> None:
+        """A checkpoint, the loggers' steps on disk first: a run killed after it resumes with no step
+        up to it missing from metrics.csv or TensorBoard (the resume keeps those up to its step)."""
+        self.reporter.flush()
+        self.saving.save()
 
     def _finish(self, validated_at: int, epochs: int) -> None:
         """The end: a last validation where there was none at this step, the last checkpoint, the test."""
@@ -127,7 +133,7 @@ class Trainer:
             self._validate(where, self.pos.epoch)
         saves_at_end = self.saving.on or self.ending.to_be_continued  # a run that stops to be continued too
         if saves_at_end:
-            self.saving.save()  # the last state (and best.pt)
+            self._save()  # the last state (and best.pt)
         self.saving.finish()
         if not stopped:  # a signal asks for a quick exit: the test waits for the resumed run's end
             self.validation.test(self.pos.step, self.pos.epoch, self.saving.published if saves_at_end else None)
@@ -212,7 +218,7 @@ class Trainer:
                 return True
             if self.saving.due_at_step():
                 stop = self._flush()  # the checkpoint's epoch loss must include every step so far
-                self.saving.save()
+                self._save()
                 if stop:
                     return True
         return False
