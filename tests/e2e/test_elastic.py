@@ -15,8 +15,10 @@ import pytest
 from support import (
     TwoHosts,
     assert_float64_alike,
+    assert_same_params,
     check_ok,
     csv_step_losses,
+    final_params,
     finish,
     float64,
     run_train,
@@ -119,9 +121,11 @@ def test_a_lost_node_leaves_the_other_to_finish_as_a_resumed_run_would(tmp_path:
     assert resumed >= 20 and resumed % 10 == 0 and (s["world_size"], s["steps"]) == (1, 90)
     _one_curve(run_dir)
     # After the resize: one rank resumed from that checkpoint, uninterrupted, bit for bit (the same
-    # world size from the same checkpoint).
+    # world size from the same checkpoint): every step's loss, the final weights and the test.
     alone = _resumed(tmp_path, "alone", 1, run_dir / "checkpoints" / f"step-{resumed:08d}.pt")
     assert _after(csv_step_losses(run_dir), resumed) == _after(csv_step_losses(alone), resumed)
+    assert_same_params(final_params(run_dir), final_params(alone))
+    assert s["test_loss"] == summary(alone)["test_loss"]
     # The whole run, and its test: as an uninterrupted run of 2 ranks, bit for bit up to the resize
     # (1 node of 2 ranks is the same run as 2 nodes of 1: test_two_nodes_in_network_namespaces_match_one_node),
     # then at another world size: within float64's order noise, not bit for bit.
@@ -152,6 +156,9 @@ def test_a_node_that_joins_grows_the_run_as_a_resumed_run_would(tmp_path: Path):
     # The agent stops the group with SIGTERM to re-form it: the worker checkpoints where it stands.
     assert resumed >= 10 and (s["world_size"], s["steps"]) == (2, 90)
     _one_curve(run_dir)
-    # After the resize: 2 ranks resumed from that checkpoint, uninterrupted, bit for bit.
+    # After the resize: 2 ranks resumed from that checkpoint, uninterrupted, bit for bit: every
+    # step's loss, the final weights and the test.
     both = _resumed(tmp_path, "both", 2, run_dir / "checkpoints" / f"step-{resumed:08d}.pt")
     assert _after(csv_step_losses(run_dir), resumed) == _after(csv_step_losses(both), resumed)
+    assert_same_params(final_params(run_dir), final_params(both))
+    assert s["test_loss"] == summary(both)["test_loss"]
