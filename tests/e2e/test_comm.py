@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from support import assert_same_params, check_ok, final_params, losses, run_train, summary
+from support import assert_same_params, check_ok, final_params, losses, run_train, step_losses, summary
 
 HALF, FULL = 6, 12  # steps, both within the first epoch of digits on 2 ranks
 
@@ -39,20 +39,16 @@ def test_each_hook_trains_sends_half_the_bytes_and_resumes_exactly(tmp_path: Pat
     elements = sum(t.numel() for t in final_params(sweep / "0").values())
     assert sent["none"] == 4 * elements and sent["fp16"] == sent["bf16"] == sent["none"] // 2
 
-    # Stopped halfway and resumed, a hooked run ends with the uninterrupted run's weights.
-    resumed = tmp_path / "resumed"
-    check_ok(run_train(resumed, f"trainer.max_steps={HALF}", "trainer.log_every=2", "strategy.comm_hook=bf16"))
-    check_ok(
-        run_train(
-            resumed,
-            f"trainer.max_steps={FULL}",
-            "trainer.log_every=2",
-            "trainer.resume=auto",
-            "strategy.comm_hook=bf16",
-        )
-    )
-    assert summary(resumed)["steps"] == FULL
-    assert_same_params(final_params(resumed), final_params(sweep / "1"))
+    # Stopped halfway and resumed, a hooked run is the uninterrupted run bit for bit: every step's
+    # loss once, and the final weights.
+    for job, hook in enumerate(("fp16", "bf16")):
+        resumed = tmp_path / f"resumed-{hook}"
+        hooked = ("trainer.log_every=2", f"strategy.comm_hook={hook}", "strategy.shared_memory=false")
+        check_ok(run_train(resumed, f"trainer.max_steps={HALF}", *hooked))
+        check_ok(run_train(resumed, f"trainer.max_steps={FULL}", "trainer.resume=auto", *hooked))
+        assert summary(resumed)["steps"] == FULL and summary(resumed)["resumed_from"], hook
+        assert step_losses(resumed) == step_losses(sweep / str(job)), hook
+        assert_same_params(final_params(resumed), final_params(sweep / str(job)))
 
 
 def test_powersgd_sends_low_rank_gradients_and_resumes_exactly(tmp_path: Path):

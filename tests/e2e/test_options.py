@@ -14,12 +14,14 @@ import torch
 from support import (
     REPO,
     assert_no_orphans,
+    assert_same_params,
     check_ok,
     final_params,
     finish,
     losses,
     run_train,
     start_train,
+    step_losses,
     summary,
     train_env,
 )
@@ -45,6 +47,10 @@ def reference(tmp_path_factory) -> Path:
         (("trainer.compile=true", "trainer.compile_backend=eager"), True),
         # gloo's all-reduce instead of the shared segment: at 2 ranks the same sums.
         (("strategy.shared_memory=false",), True),
+        # Each of DDP's two settings `auto` turns on, alone off (docs/auto.md: bit-identical): gradients
+        # copied into and out of the buckets, and buckets rebuilt from the first step's order.
+        (("strategy.gradient_as_bucket_view=false",), True),
+        (("strategy.static_graph=false",), True),
         # Smaller buckets (other all-reduce groupings), and the fast settings `auto` turns on
         # (performance.py) turned off: within tolerance.
         (
@@ -58,7 +64,15 @@ def reference(tmp_path_factory) -> Path:
             False,
         ),
     ],
-    ids=["preload", "loader-workers", "compile", "gloo-all-reduce", "ddp-buckets-and-auto-settings-off"],
+    ids=[
+        "preload",
+        "loader-workers",
+        "compile",
+        "gloo-all-reduce",
+        "gradient-as-bucket-view-off",
+        "static-graph-off",
+        "ddp-buckets-and-auto-settings-off",
+    ],
 )
 def test_option_trains_the_same(reference: Path, run_dir: Path, overrides: tuple[str, ...], exact: bool):
     proc = start_train(run_dir, *STEPS, *overrides)
@@ -69,8 +83,12 @@ def test_option_trains_the_same(reference: Path, run_dir: Path, overrides: tuple
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
     check_ok(finish(proc, timeout=10))
-    if exact:
-        assert losses(run_dir) == losses(reference)
+    settings = summary(run_dir)["settings"]  # the run used the settings asked for
+    for key, value in (override.split("=", 1) for override in overrides if override.split("=")[0] in settings):
+        assert settings[key] == (value == "true"), (key, settings)
+    if exact:  # bit for bit: every step's loss, and the final weights
+        assert step_losses(run_dir) == step_losses(reference)
+        assert_same_params(final_params(run_dir), final_params(reference))
     else:
         assert losses(run_dir) == pytest.approx(losses(reference), rel=1e-4)
 

@@ -121,15 +121,16 @@ def test_eight_parallel_jobs_never_collide_on_a_port(tmp_path: Path):
 
 
 @pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2's `ip` is not installed")
-@pytest.mark.timeout(480)  # a reference run, then two nodes of one rank each
+@pytest.mark.timeout(480)  # a reference run (spawn), then two nodes of one rank each
 def test_two_nodes_in_network_namespaces_match_one_node(tmp_path: Path):
     import os
 
     if os.geteuid() != 0:
         pytest.skip("creating network namespaces needs root")
     single = tmp_path / "single"
-    # One thread per rank on both sides: a different thread count changes float summation order.
-    check_ok(run_train(single, *QUICK, "launcher=torchrun", "trainer.nproc=2", "trainer.threads=1"))
+    # One node of two ranks under the default launcher (spawn); one thread per rank on both sides: a
+    # different thread count changes float summation order.
+    check_ok(run_train(single, *QUICK, "launcher=spawn", "trainer.nproc=2", "trainer.threads=1"))
     with TwoHosts(str(os.getpid())) as hosts:
         env_prefix = ("env", "GLOO_SOCKET_IFNAME=hddp0")  # gloo talks over the link between the hosts
         procs = [
@@ -156,7 +157,9 @@ def test_two_nodes_in_network_namespaces_match_one_node(tmp_path: Path):
     other = ({tmp_path / "node0", tmp_path / "node1"} - set(owners)).pop()
     assert not (other / "tensorboard").exists() and not (other / "checkpoints").exists()
     assert summary(owners[0])["world_size"] == 2 and summary(owners[0])["nnodes"] == 2
-    assert step_losses(owners[0]) == step_losses(single)
+    # Bit for bit: every step's loss, and the final weights (the checkpoint written at the end).
+    assert step_losses(owners[0]) == step_losses(single) and len(step_losses(single)) == 8
+    assert_same_params(final_params(owners[0]), final_params(single))
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (apt-get install openmpi-bin)")

@@ -17,9 +17,9 @@ from support import (
     check_ok,
     final_params,
     finish,
-    losses,
     run_train,
     start_train,
+    step_losses,
     summary,
     train_env,
     wait_for,
@@ -64,7 +64,9 @@ def test_submitit_launcher_runs_one_group_across_two_nodes(slurm_cluster, refere
     check_ok(proc)
     s = summary(sweep / "0")
     assert (s["world_size"], s["nnodes"], s["launcher"]) == (2, 2, "submitit (slurm)"), s
-    assert losses(sweep / "0") == losses(reference)  # bit-identical to spawn's on one node
+    # Bit-identical to spawn's on one node: every step's loss, and the final weights.
+    assert step_losses(sweep / "0") == step_losses(reference)
+    assert_same_params(final_params(sweep / "0"), final_params(reference))
 
 
 @pytest.mark.timeout(300)
@@ -110,7 +112,9 @@ def test_submitit_launcher_on_one_node_reports_a_cancelled_job(slurm_cluster, re
     assert report.count("| cancelled: Slurm job") == 2 and report.count("| ok |") == 1, report
     s = summary(sweep / "0")
     assert (s["world_size"], s["nnodes"], s["launcher"]) == (2, 1, "submitit (slurm)"), s
-    assert losses(sweep / "0") == losses(reference)  # bit-identical to spawn's
+    # Bit-identical to spawn's: every step's loss, and the final weights.
+    assert step_losses(sweep / "0") == step_losses(reference)
+    assert_same_params(final_params(sweep / "0"), final_params(reference))
 
 
 @pytest.mark.timeout(300)
@@ -155,5 +159,6 @@ def test_sbatch_script_is_preempted_requeued_and_resumes_exactly(slurm_cluster, 
     s = summary(run_dir)
     assert s["launcher"] == "srun" and s["world_size"] == 2 and s["steps"] == 64, s
     assert s["resumed_from"] and s["resumed_from"] != str(run_dir / "checkpoints" / "step-00000064.pt"), s
+    # The uninterrupted run's, bit for bit: every step's loss once (none twice, none lost), and the weights.
+    assert step_losses(run_dir) == step_losses(reference)
     assert_same_params(final_params(run_dir), final_params(reference))
-    assert losses(run_dir) == losses(reference)

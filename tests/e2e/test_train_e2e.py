@@ -115,7 +115,7 @@ def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
     assert_no_orphans(proc.pid)
 
 
-def test_every_launcher_and_init_method_gives_identical_losses(tmp_path: Path):
+def test_every_launcher_and_init_method_gives_identical_losses_and_weights(tmp_path: Path):
     # The default run (spawn, env) is test_default_run_leaves_one_complete_run_directory's; here it
     # runs as the installed command, `hydra-ddp train`, in the clone (its conf/ found there).
     runs = {
@@ -128,7 +128,7 @@ def test_every_launcher_and_init_method_gives_identical_losses(tmp_path: Path):
         ),
         "command": ((), (str(Path(sys.executable).parent / "hydra-ddp"), "train"), None),
     }
-    results, seen = {}, {}
+    results, weights, seen = {}, {}, {}
     for name, (overrides, prefix, script) in runs.items():
         probes = tmp_path / f"{name}-probes"
         probes.mkdir()
@@ -136,11 +136,15 @@ def test_every_launcher_and_init_method_gives_identical_losses(tmp_path: Path):
         check_ok(proc)
         results[name] = step_losses(tmp_path / name)
         assert len(results[name]) == 8
+        weights[name] = final_params(tmp_path / name)  # the checkpoint written at the end (last.pt)
         s = summary(tmp_path / name)  # under every launcher: each worker's start, before its first step
         assert 0 < s["time_to_workers_ready_s"] < s["time_to_first_step_s"] < s["wall_time_s"], name
         assert not list((tmp_path / name).glob("*.store"))  # the file store is removed at exit
         seen[name] = [json.loads((probes / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    # Bit for bit: every step's loss, and the final weights.
     assert results["spawn"] == results["torchrun"] == results["external"] == results["command"]
+    for name in ("torchrun", "external", "command"):
+        assert_same_params(weights[name], weights["spawn"])
     assert [summary(tmp_path / name)["init_method"] for name in runs] == ["tcp", "file", "env", "env"]
     # Each init method reached init_process_group as its URL, on every rank, and the group's store is
     # the one that URL names: tcp's host and port, a file store, the outside torchrun's MASTER_PORT.
