@@ -55,9 +55,11 @@ def _port_free(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def serve(argv: list[str], ready_path: str, log: Path, cwd: Optional[Path] = None, tries: int = 3) -> Iterator[str]:
-    """Start `argv` ({port} in it: a free port), in its own session; yield its base URL once
-    `ready_path` answers 200. A port taken between the choice and the bind: another port."""
+def serve(
+    argv: list[str], ready_path: str, log: Path, cwd: Optional[Path] = None, tries: int = 3, env: Optional[dict] = None
+) -> Iterator[str]:
+    """Start `argv` ({port} in it and in `env`'s values: a free port), in its own session; yield its
+    base URL once `ready_path` answers 200. A port taken between the choice and the bind: another port."""
     for attempt in range(tries):
         port = free_port()
         with open(log, "ab") as out:
@@ -67,7 +69,12 @@ def serve(argv: list[str], ready_path: str, log: Path, cwd: Optional[Path] = Non
                 cwd=cwd,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, "NO_PROXY": "*", MARK: str(os.getpid())},
+                env={
+                    **os.environ,
+                    **{k: v.replace("{port}", str(port)) for k, v in (env or {}).items()},
+                    "NO_PROXY": "*",
+                    MARK: str(os.getpid()),
+                },
             )
         try:
             base = f"http://127.0.0.1:{port}"
@@ -125,8 +132,10 @@ def tensorboard(logdir: Path, log: Path) -> contextlib.AbstractContextManager[st
     )
 
 
-def mlflow_ui(cwd: Path, store_uri: str, log: Path) -> contextlib.AbstractContextManager[str]:
-    """`mlflow ui --backend-store-uri STORE` as the docs give it (with a port), from `cwd`."""
+def mlflow_ui(cwd: Path, store_uri: str, log: Path, viewed_at: str = "") -> contextlib.AbstractContextManager[str]:
+    """`mlflow ui --backend-store-uri STORE` as the docs give it (with a port), from `cwd`; viewed_at:
+    another address of this host that a browser may open it at (MLflow's CORS check allows it)."""
+    origins = {"MLFLOW_SERVER_CORS_ALLOWED_ORIGINS": f"http://{viewed_at}:{{port}}"} if viewed_at else {}
     return serve(
         [
             str(BIN / "mlflow"),
@@ -143,6 +152,7 @@ def mlflow_ui(cwd: Path, store_uri: str, log: Path) -> contextlib.AbstractContex
         "/health",
         log,
         cwd=cwd,
+        env=origins,
     )
 
 
