@@ -265,6 +265,15 @@ def assert_same_params(a: dict, b: dict) -> None:
         assert torch_equal(a[key], b[key]), key
 
 
+def assert_same_run(run_dir: Path, reference: Path, what: str = "") -> None:
+    """Bit for bit the run `reference` is (a resumed run against the uninterrupted one of the same
+    config, world size and threads): every step's loss once, in TensorBoard and in metrics.csv (each
+    drops what a stopped run logged after its checkpoint), and the final weights."""
+    assert step_losses(run_dir) == step_losses(reference), what
+    assert_same_params(final_params(run_dir), final_params(reference))
+    assert csv_step_losses(run_dir) == csv_step_losses(reference), f"metrics.csv {what}"
+
+
 def torch_equal(x, y) -> bool:
     import torch
 

@@ -15,16 +15,13 @@ from support import (
     HELPERS,
     QUICK,
     assert_no_orphans,
-    assert_same_params,
+    assert_same_run,
     check_ok,
-    csv_step_losses,
-    final_params,
     finish,
     make_image_folder,
     run_train,
     session_processes,
     start_train,
-    step_losses,
     summary,
     tmpfs,
     wait_for,
@@ -41,22 +38,13 @@ def straight(tmp_path_factory) -> Path:
     return run_dir
 
 
-def _assert_as_uninterrupted(run_dir: Path, straight: Path, plan: str = "") -> None:
-    """A stopped and resumed run is the uninterrupted one of the same config (world size, threads),
-    bit for bit: every step's loss once, in TensorBoard and in metrics.csv (each drops what the
-    stopped run logged after its checkpoint), and the final weights."""
-    assert step_losses(run_dir) == step_losses(straight), plan
-    assert_same_params(final_params(run_dir), final_params(straight))
-    assert csv_step_losses(run_dir) == csv_step_losses(straight), f"metrics.csv {plan}"
-
-
 def test_stop_and_resume_mid_epoch_is_bit_identical(straight: Path, run_dir: Path):
     check_ok(run_train(run_dir, f"trainer.max_steps={HALF}"))
     assert summary(run_dir)["steps"] == HALF
     check_ok(run_train(run_dir, f"trainer.max_steps={FULL}", "trainer.resume=auto"))
     s = summary(run_dir)
     assert s["steps"] == FULL and s["resumed_from"].endswith(f"step-{HALF:08d}.pt")
-    _assert_as_uninterrupted(run_dir, straight)
+    assert_same_run(run_dir, straight)
 
 
 def test_checkpoints_load_with_weights_only_and_keep_the_last_k(straight: Path, run_dir: Path):
@@ -106,7 +94,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_continues_exactly(
 
     check_ok(run_train(run_dir, f"launcher={launcher}", f"trainer.max_steps={FULL}", "trainer.resume=auto"))
     assert summary(run_dir)["steps"] == FULL
-    _assert_as_uninterrupted(run_dir, straight)
+    assert_same_run(run_dir, straight)
 
 
 def _log(run_dir: Path) -> str:
@@ -296,7 +284,7 @@ def test_ctrl_c_in_a_terminal_checkpoints_once_and_stops(straight: Path, run_dir
     assert "(ended by SIGINT: checkpointed, to be continued)" in done.stdout + _log(run_dir)
     assert_no_orphans(done.pid)
     check_ok(run_train(run_dir, f"trainer.max_steps={FULL}", "trainer.resume=auto"))
-    _assert_as_uninterrupted(run_dir, straight)
+    assert_same_run(run_dir, straight)
 
 
 CHAOS_STEPS = 40  # epoch ends at step 21; the final evaluation and checkpoint at 40
@@ -339,7 +327,7 @@ def test_chaos_kills_under_torchrun_restarts_finish_bit_identical(tmp_path: Path
     assert len(starts) == 4, f"plan {plan}: expected 3 kills and 4 attempts, saw {len(starts)}"
     s = summary(chaotic)
     assert s["steps"] == CHAOS_STEPS and s["resumed_from"], plan  # the last attempt continued from a checkpoint
-    _assert_as_uninterrupted(chaotic, straight, plan)  # the plan is printed above too
+    assert_same_run(chaotic, straight, plan)  # the plan is printed above too
     assert_no_orphans(proc.pid)
 
 
@@ -358,7 +346,7 @@ def test_sigkill_to_the_parent_leaves_no_worker_and_resume_is_exact(straight: Pa
     assert_no_orphans(proc.pid)
     check_ok(run_train(run_dir, f"launcher={launcher}", f"trainer.max_steps={FULL}", "trainer.resume=auto"))
     assert summary(run_dir)["steps"] == FULL
-    _assert_as_uninterrupted(run_dir, straight)
+    assert_same_run(run_dir, straight)
 
 
 def test_crash_while_exiting_after_a_complete_run_is_a_warning(run_dir: Path):
@@ -398,4 +386,4 @@ def test_full_disk_during_a_checkpoint_stops_in_one_line_and_resume_is_exact(str
     check_ok(run_train(run_dir, *overrides, "trainer.resume=auto"))
     s = summary(run_dir)
     assert s["steps"] == FULL and s["resumed_from"].endswith("step-00000002.pt")
-    _assert_as_uninterrupted(run_dir, straight)
+    assert_same_run(run_dir, straight)
