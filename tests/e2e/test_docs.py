@@ -206,13 +206,22 @@ def _start(script: str, project: Path, env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+def _finish(proc: subprocess.Popen, timeout: float, scratch: Path) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr); a command past `timeout` is killed, and its message says where its
+    output ended and where any of its runs was stuck (the stacks the ranks' watchdogs left, in its
+    runs under `scratch`, the commands' TMPDIR: the tuner's runs are there)."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        return -9, out, f"timed out after {timeout:.0f} s\n{err}"
+        stuck = [json.loads(path.read_text()) for path in sorted(scratch.glob("**/stacks/rank*.json"))]
+        places = [f"rank {s['rank']} at {s['at']} ({s['code']}, waiting in {s['waits_in']})" for s in stuck]
+        message = (
+            f"timed out after {timeout:.0f} s; its output ended: {out.strip()[-300:]!r}; "
+            f"stderr: {err.strip()[-300:]!r}; ranks stuck: {places or 'none seen'}"
+        )
+        return -9, "", message
     return proc.returncode, out, err
 
 
@@ -291,6 +300,8 @@ def test_every_shell_command_in_the_docs_runs(
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     outcome = Outcome()
     venv_bin = str(project / ".venv" / "bin")
+    scratch = project / "tmp"
+    scratch.mkdir(exist_ok=True)
     base_env = {
         **train_env(),
         "HOME": str(project / "home"),
@@ -298,6 +309,7 @@ def test_every_shell_command_in_the_docs_runs(
         "OMPI_ALLOW_RUN_AS_ROOT": "1",
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
         "WANDB_MODE": "offline",
+        "TMPDIR": str(scratch),  # where a timed-out command's runs are looked for (the tuner's)
         "PYTHONPATH": train_env()["PYTHONPATH"],
     }
     for block in BLOCKS:
@@ -354,9 +366,11 @@ def test_every_shell_command_in_the_docs_runs(
             else:
                 procs = [_start(script, project, base_env) for script in scripts]
                 limit = TUNER_TIMEOUT_S if _script(words) == "hydra_ddp.tools.tune" else TIMEOUT_S
-                results = [_finish(proc, limit) for proc in procs]
+                results = [_finish(proc, limit, scratch) for proc in procs]
                 problem = "; ".join(
-                    f"exit {code}: {(err.strip() or out.strip())[-400:]}" for code, out, err in results if code
+                    f"exit {code}: {(err.strip() or out.strip())[-1000 if code == -9 else -400 :]}"
+                    for code, out, err in results
+                    if code
                 )
             if problem:
                 outcome.failures.append(f"{block.where}: {' / '.join(group)}\n    → {problem}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -203,6 +204,45 @@ def test_tune_times_real_steps_and_prints_the_fastest_overrides():
     speedup = float(last.split("(", 1)[1].split("×", 1)[0])
     assert speedup > 1.05, last  # timed again side by side, after the search
     assert f"{len(values) + 2} runs" in last  # each value, then configured and tuned once each
+
+
+TUNER_RUN = """
+import json, sys, time
+from pathlib import Path
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra_ddp.config.schema import register_schema
+from hydra_ddp.launch import workers
+from hydra_ddp.tools import tune
+
+if __name__ == "__main__":
+    register_schema()
+    ConfigStore.instance().store(name="schema", node=tune.SettingsTuneConfig)
+    with initialize_config_dir(config_dir=str(tune.CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=["data.num_workers=1"])
+    run_dir = Path(sys.argv[1])
+    summary = workers.launch(tune.Timer(cfg, 3, run_dir).resolved({}, run_dir), run_dir, time.time())
+    print(json.dumps({k: summary[k] for k in ("steps", "history", "test_passes", "tested")}))
+"""
+
+
+def test_a_tuner_run_times_its_steps_and_evaluates_nothing(tmp_path: Path):
+    # One candidate of the tuner, as it launches them: its steps and its summary, no validation at
+    # its end and no test (time the measurement does not need, and loader workers forked for them).
+    script = tmp_path / "tuner_run.py"
+    script.write_text(TUNER_RUN)
+    (tmp_path / "run").mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary == {"steps": 3, "history": [], "test_passes": 0, "tested": None}
 
 
 def test_tune_refuses_an_unknown_knob_in_one_line():

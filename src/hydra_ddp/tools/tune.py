@@ -147,7 +147,11 @@ class Timer:
         return summary["steady_samples_per_sec"]
 
 
-def tune(cfg: DictConfig, say: Any = print) -> dict[str, Any]:
+def _say(line: str) -> None:
+    print(line, flush=True)  # each value as it is timed, through a pipe too: a slow search shows how far it got
+
+
+def tune(cfg: DictConfig, say: Any = _say) -> dict[str, Any]:
     """Coordinate descent over the knobs; returns the winners and the side-by-side speed-up."""
     settings = cfg.tune
     scratch = Path(tempfile.mkdtemp(prefix="hydra-ddp-tune-"))

@@ -43,7 +43,7 @@ class Trainer:
         self.pos, self.overheads = Position(), Overheads()
         self.timer = StepTimer(settings.timing, device)  # this rank's time per phase (timing.py): the straggler report
         self.step = Step(settings, parts, self.timer, outputs=cfg.data.num_classes)
-        monitor = Monitor.from_config(settings)
+        self.monitor = monitor = Monitor.from_config(settings)
         self.saving = Saving(cfg.checkpoint, parts, self.step, monitor, self.pos, self.overheads)
         self.validation = Validation(parts, monitor, self.overheads)
         pruning = Pruning.of(cfg, parts.reporter.is_main, device)
@@ -51,8 +51,8 @@ class Trainer:
         self.throughput = Throughput(parts.strategy.data_parallel_size())
         self.reporter, self.schedule = parts.reporter, schedules.Stepping(parts.scheduler, parts.optimizer)
         self.make_profiler = lambda: profiling(bool(settings.profile), cfg.profiler, device, parts.reporter.run_dir)
-        self.monitor = monitor
         self.accumulate = settings.accumulate  # read every batch: a plain int, not a config lookup
+        self.evaluates_at_end = cfg.job != "tune"  # the tuner's short runs time their steps, no validation or test
         # Anomaly mode checks the (global) loss for nan at every step: a window of one.
         self.window = LossWindow(1 if settings.detect_anomaly else settings.log_every)
         # Mid-epoch windows are read a step after they are sent; anomaly mode stops at the step itself.
@@ -124,8 +124,8 @@ class Trainer:
 
     def _finish(self, validated_at: int, epochs: int) -> None:
         """The end: a last validation where there was none at this step, the last checkpoint, the test."""
-        stopped = self.ending.stopped_by
-        if validated_at != self.pos.step and not stopped:
+        evaluates = self.evaluates_at_end and not self.ending.stopped_by
+        if validated_at != self.pos.step and evaluates:
             # Ended mid-epoch (max_steps, the time budget), or no validation per epoch: validate the end.
             if self.pos.batch:
                 self.train_loss = self.pos.epoch_loss()
@@ -135,7 +135,7 @@ class Trainer:
         if saves_at_end:
             self._save()  # the last state (and best.pt)
         self.saving.finish()
-        if not stopped:  # a signal asks for a quick exit: the test waits for the resumed run's end
+        if evaluates:  # not after a signal, which asks for a quick exit: the test waits for the resumed run's end
             self.validation.test(self.pos.step, self.pos.epoch, self.saving.published if saves_at_end else None)
         self.ranks = per_rank(self.timer.gather(self.device))
         self.straggler = straggler(self.ranks)
