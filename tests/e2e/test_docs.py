@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,16 +207,17 @@ def _start(script: str, project: Path, env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def _finish(proc: subprocess.Popen, timeout: float, scratch: Path) -> tuple[int, str, str]:
+def _finish(proc: subprocess.Popen, timeout: float, started: float) -> tuple[int, str, str]:
     """(exit code, stdout, stderr); a command past `timeout` is killed, and its message says where its
-    output ended and where any of its runs was stuck (the stacks the ranks' watchdogs left, in its
-    runs under `scratch`, the commands' TMPDIR: the tuner's runs are there)."""
+    output ended and where any of its runs was stuck (the stacks the ranks' watchdogs left in the
+    tuner's runs since `started`: a failed or killed one keeps its directory)."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        stuck = [json.loads(path.read_text()) for path in sorted(scratch.glob("**/stacks/rank*.json"))]
+        found = Path(tempfile.gettempdir()).glob("hydra-ddp-tune-*/run-*/stacks/rank*.json")
+        stuck = [json.loads(path.read_text()) for path in sorted(found) if path.stat().st_mtime >= started]
         places = [f"rank {s['rank']} at {s['at']} ({s['code']}, waiting in {s['waits_in']})" for s in stuck]
         message = (
             f"timed out after {timeout:.0f} s; its output ended: {out.strip()[-300:]!r}; "
@@ -300,8 +302,6 @@ def test_every_shell_command_in_the_docs_runs(
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     outcome = Outcome()
     venv_bin = str(project / ".venv" / "bin")
-    scratch = project / "tmp"
-    scratch.mkdir(exist_ok=True)
     base_env = {
         **train_env(),
         "HOME": str(project / "home"),
@@ -309,7 +309,6 @@ def test_every_shell_command_in_the_docs_runs(
         "OMPI_ALLOW_RUN_AS_ROOT": "1",
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
         "WANDB_MODE": "offline",
-        "TMPDIR": str(scratch),  # where a timed-out command's runs are looked for (the tuner's)
         "PYTHONPATH": train_env()["PYTHONPATH"],
     }
     for block in BLOCKS:
@@ -364,9 +363,10 @@ def test_every_shell_command_in_the_docs_runs(
                 cluster = request.getfixturevalue("slurm_cluster")
                 problem = _sbatch(scripts[0], project, {**base_env, **cluster.env, "PYTHON": sys.executable})
             else:
+                started = time.time()
                 procs = [_start(script, project, base_env) for script in scripts]
                 limit = TUNER_TIMEOUT_S if _script(words) == "hydra_ddp.tools.tune" else TIMEOUT_S
-                results = [_finish(proc, limit, scratch) for proc in procs]
+                results = [_finish(proc, limit, started) for proc in procs]
                 problem = "; ".join(
                     f"exit {code}: {(err.strip() or out.strip())[-1000 if code == -9 else -400 :]}"
                     for code, out, err in results

@@ -161,6 +161,34 @@ def test_hung_peer_fails_the_run_within_the_timeout_naming_the_stuck_rank_and_li
     assert_no_orphans(proc.pid)
 
 
+def test_a_rank_waiting_for_its_loader_worker_leaves_the_workers_stack_too(run_dir: Path):
+    # Rank 1's loader worker never serves a batch (as a deadlocked one): the rank's own stack shows
+    # only that it waits for its loader; the worker's stack, in the same file, shows where it is.
+    proc = run_train(
+        run_dir,
+        *QUICK,
+        "backend.timeout_s=10",
+        "data.num_workers=1",
+        "data.preload=false",
+        "data.dataset._target_=faulty.digits_hanging_in_loader",
+        "+data.dataset.hang_rank=1",
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    hang_line = next(
+        n for n, text in enumerate((HELPERS / "faulty.py").read_text().splitlines(), 1) if "deadlocked loader" in text
+    )
+    line = proc.stderr.strip()
+    assert len(line.splitlines()) == 1 and "rank 1 stuck for " in line, line
+    assert f"its loader worker at faulty.py:{hang_line} in __getitem__, its stack: " in line, line
+    stack = (run_dir / "stacks" / "rank1.txt").read_text()
+    assert "in _run_batches" in stack.split("Its loader worker", 1)[0]  # the rank: waiting for a batch
+    workers = stack.split("Its loader worker, pid")[1:]
+    assert len(workers) == 1, stack  # its one worker (data.num_workers=1), in the dataset's wait
+    assert f'faulty.py", line {hang_line} in __getitem__' in workers[0], stack
+    assert_no_orphans(proc.pid)
+
+
 def test_busy_port_is_named(run_dir: Path):
     import socket
 

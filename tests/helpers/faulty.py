@@ -6,9 +6,9 @@ import threading
 from pathlib import Path
 
 import torch.distributed as dist
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
-from hydra_ddp.data import synthetic
+from hydra_ddp.data import digits, synthetic
 from hydra_ddp.models import MnistCNN
 
 
@@ -176,3 +176,25 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+
+
+class _HangsInLoaderWorker(Dataset):
+    """A dataset whose samples never come in one rank's loader workers: they wait in __getitem__
+    for ever, as a deadlocked worker does (the rank's own reads, outside a worker, are served)."""
+
+    def __init__(self, inner, hangs: bool):
+        self.inner, self.hangs = inner, hangs
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        if self.hangs and get_worker_info() is not None:
+            threading.Event().wait()  # as a deadlocked loader worker
+        return self.inner[index]
+
+
+def digits_hanging_in_loader(hang_rank: int, **kwargs):
+    """The default digits, their training samples never served by rank `hang_rank`'s loader workers."""
+    train, test = digits(**kwargs)
+    return _HangsInLoaderWorker(train, dist.get_rank() == hang_rank), test, test

@@ -49,11 +49,21 @@ def test_the_watchdog_dumps_a_stalled_main_thread_and_clears_it_when_it_moves_on
     assert dog.stop.is_set()
 
 
+def _descend(depth: int, until: float) -> None:
+    """Busy, and progressing: each level a call deeper than the last, so two samples a moment apart
+    see different chains (a loop calling one function does not: its new frame may reuse the old
+    one's address, and samples land alike at the loop's own line, the same chain each time)."""
+    sum(range(2000))  # a moment of work at this level
+    if depth < 400 and time.monotonic() < until:
+        _descend(depth + 1, until)
+
+
 def test_a_busy_main_thread_is_not_stalled(tmp_path: Path):
-    with hangs.Watchdog(tmp_path, 0, stall_after=0.3):
-        end = time.monotonic() + 1.2
+    # A second without progress is a stall here: longer than a busy machine keeps a thread off its core.
+    with hangs.Watchdog(tmp_path, 0, stall_after=1.0):
+        end = time.monotonic() + 3
         while time.monotonic() < end:
-            json.dumps({"step": time.monotonic()})  # new calls all the time: progress
+            _descend(0, end)
     assert not (tmp_path / hangs.STACKS).exists()
 
 
@@ -202,3 +212,21 @@ def test_the_watchdog_holds_no_frame_of_a_function_that_returned(tmp_path: Path)
     finally:
         cue.set()
         dog.thread.join(timeout=10)
+
+
+def test_a_loader_workers_place_is_its_worker_loops_innermost_own_frame():
+    dump = (
+        "Thread 0x00007f486affd6c0 (most recent call first):\n"
+        '  File "/src/hydra_ddp/data/loading.py", line 250 in _answer_stop_signals\n'
+        '  File "/usr/lib/python3.11/threading.py", line 982 in run\n'
+        "\n"
+        "Current thread 0x00007f4940419b80 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 327 in wait\n'
+        '  File "/work/mine/datasets.py", line 193 in __getitem__\n'
+        '  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/fetch.py", line 54 in fetch\n'
+        '  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/worker.py", line 375 in _worker_loop\n'
+    )
+    assert hangs.worker_place(dump) == "datasets.py:193 in __getitem__"  # not the other thread's, nor the library's
+    library_only = dump.replace("/work/mine/datasets.py", "/venv/lib/python3.11/site-packages/x/datasets.py")
+    assert hangs.worker_place(library_only) == "threading.py:327 in wait"  # then its innermost
+    assert hangs.worker_place('Thread 0x1 (most recent call first):\n  File "a.py", line 1 in f\n') is None

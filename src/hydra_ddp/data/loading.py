@@ -3,6 +3,7 @@ the evaluation splits in fixed chunks."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 import multiprocessing
 import os
@@ -26,6 +27,7 @@ from hydra_ddp.data.sampling import (
 )
 from hydra_ddp.errors import UserError
 from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.reporting import hangs
 from hydra_ddp.signals import STOP_SIGNALS
 
 
@@ -176,7 +178,7 @@ def loader_options(data_cfg: Any, seed: int, device: torch.device, rank: int = 0
         options.update(
             persistent_workers=data_cfg.persistent_workers,
             prefetch_factor=data_cfg.prefetch_factor,
-            worker_init_fn=stop_signals_are_the_ranks,
+            worker_init_fn=loader_worker_init,
         )
         # Forked from the rank, as DataLoader does by default on Linux. A rank is itself a child of the
         # launcher's forkserver, so it would inherit "forkserver" as its default: its loader workers
@@ -193,6 +195,7 @@ class _ForkedWithStopsBlocked(multiprocessing.context.ForkProcess):
     SIGTERM and die of it (stop_signals_are_the_ranks answers them)."""
 
     def start(self) -> None:
+        hangs.forking_loader_worker(self)  # where its stacks go should its rank stall waiting for it
         before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             super().start()
@@ -205,10 +208,31 @@ class _ForkBlockingStops(multiprocessing.context.ForkContext):
 
 
 FORK_BLOCKING_STOPS = _ForkBlockingStops()
+PR_SET_PDEATHSIG = 1  # prctl's option (linux/prctl.h): the signal a process gets when its parent dies
 
 
-def stop_signals_are_the_ranks(worker_id: int) -> None:
-    """In each loader worker (its init): a stop signal from anyone but its rank is the rank's to act
+def loader_worker_init(worker_id: int) -> None:
+    """Each loader worker's init: it ends with its rank, leaves stop signals to it, and gives its
+    stacks when the rank's watchdog asks (reporting/hangs.py)."""
+    _dies_with_its_rank()
+    stop_signals_are_the_ranks()
+    hangs.answer_stack_requests()
+
+
+def _dies_with_its_rank() -> None:
+    """The kernel kills this worker when its rank dies (killed, crashed): torch's own check that the
+    rank lives runs between batches, so a worker stuck in a read that never returns would outlive
+    the run, holding its output (and the launcher's helpers) open. Linux only."""
+    rank = multiprocessing.parent_process()
+    if sys.platform != "linux" or rank is None:
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != rank.pid:  # the rank died before the line above
+        os._exit(0)
+
+
+def stop_signals_are_the_ranks() -> None:
+    """In each loader worker: a stop signal from anyone but its rank is the rank's to act
     on, not the worker's. torch's workers die on SIGTERM, and a job's SIGTERM reaches them with their
     rank (Slurm's pre-emption and scancel signal every process of the step, as does a kill of the
     process group; Ctrl-C sends SIGINT to all): a dead worker would fail the rank before it stops at

@@ -10,6 +10,12 @@ rankR.fr (its last collectives, torch's pickle). NCCL
 dumps its own recorder on a timeout, to RUN/stacks/nccl_trace_rankR. A rank that moves again
 removes its files and logs the stall. The timeout's one line is then made from every rank's
 files (`describe`): `rank 1 stuck for 60 s at faulty.py:42 in forward (time.sleep(60)) ...`.
+
+A rank stalled waiting for a batch is stuck in a loader worker, another process: the watchdog asks
+its live loader workers for their stacks too, and appends them to rankR.txt. Each worker dumps
+every thread's stack with faulthandler, which takes no lock of the worker's (it works in a
+deadlocked one), into a file its rank opened for it before forking it (unlinked: nothing is left
+on disk).
 """
 
 from __future__ import annotations
@@ -18,12 +24,17 @@ import faulthandler
 import json
 import linecache
 import logging
+import multiprocessing
 import os
+import re
+import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
+import weakref
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any, Optional
@@ -42,8 +53,19 @@ _WAITS = (
 # Waits written as Python loops: what they call while polling (a comprehension, a liveness check)
 # is not progress, so a call chain starts at the loop's frame (without this, a sample that lands in
 # one restarts the stall's clock, and a rank waiting there may never leave its stack in time).
-_POLLS = (("hydra_ddp/parallel/shared_memory.py", "_wait_for_all"),)
+_POLLS = (
+    ("hydra_ddp/parallel/shared_memory.py", "_wait_for_all"),
+    # A DataLoader waiting for a batch: a new call to its get, with a timeout, every few seconds.
+    ("torch/utils/data/dataloader.py", "_get_data"),
+)
 _LIBRARY = (f"{os.sep}site-packages{os.sep}", f"{os.sep}lib{os.sep}python3", "<frozen ")
+
+
+# A loader worker dumps its threads' stacks on this signal (a real-time one: no library's, and
+# blocked nowhere; STOP_SIGNALS are the rank's to act on).
+LOADER_STACKS_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else None
+LOADER_STACKS_WAIT_S = 2.0  # for the workers' dumps to be written
+_loader_workers: weakref.WeakSet = weakref.WeakSet()  # this rank's loader worker processes
 
 
 def stall_after_s(timeout_s: float) -> float:
@@ -76,6 +98,7 @@ class Watchdog:
         self.stop = threading.Event()
         self.dumped = False
         self.last_collective: Optional[str] = None
+        self.loader_stacks: dict[int, str] = {}  # pid: its stacks
         self.thread = threading.Thread(target=self._watch, name="hydra-ddp-watchdog", daemon=True)
 
     def __enter__(self) -> Watchdog:
@@ -105,8 +128,11 @@ class Watchdog:
         return chain, since
 
     def _dump(self, frame: FrameType, since: float) -> None:
-        """Write (again: the time stalled grows) this rank's stack, its place, and its flight recorder."""
+        """Write (again: the time stalled grows) this rank's stack, its place, its flight recorder,
+        and its loader workers' stacks (asked for once per stall)."""
         self.folder.mkdir(parents=True, exist_ok=True)
+        if not self.dumped:
+            self.loader_stacks = loader_stacks()
         place = where(frame)
         stalled = time.time() - since
         name = self.folder / f"rank{self.rank}"
@@ -121,6 +147,8 @@ class Watchdog:
             out.write("\nEvery thread (most recent call first; 'Current' is the watchdog's):\n")
             out.flush()
             faulthandler.dump_traceback(out, all_threads=True)
+            for pid, dump in self.loader_stacks.items():
+                out.write(f"\nIts loader worker, pid {pid}, every thread (most recent call first):\n{dump}")
         os.replace(f"{name}.txt.tmp", f"{name}.txt")
         if not self.dumped:  # the recorder's last collective does not change while the rank is stuck
             self.last_collective = _dump_flight_recorder(Path(f"{name}.fr"))
@@ -132,6 +160,7 @@ class Watchdog:
                 "written": time.time(),
                 **place,
                 "last_collective": self.last_collective,
+                "loader_workers": [worker_place(dump) or f"pid {pid}" for pid, dump in self.loader_stacks.items()],
             },
             Path(f"{name}.json"),
         )
@@ -143,6 +172,64 @@ class Watchdog:
         for suffix in (".txt", ".json", ".fr"):
             (self.folder / f"rank{self.rank}{suffix}").unlink(missing_ok=True)
         self.dumped = False
+
+
+def forking_loader_worker(process: multiprocessing.process.BaseProcess) -> None:
+    """In the rank, as it forks a loader worker: the file the worker's stacks go to when asked."""
+    if LOADER_STACKS_SIGNAL is not None:
+        process.stacks_file = tempfile.TemporaryFile()  # type: ignore[attr-defined]
+        _loader_workers.add(process)
+
+
+def answer_stack_requests() -> None:
+    """In a loader worker (its init): every thread's stack into its file on LOADER_STACKS_SIGNAL."""
+    stacks_file = getattr(multiprocessing.current_process(), "stacks_file", None)
+    if stacks_file is not None:
+        faulthandler.register(LOADER_STACKS_SIGNAL, file=stacks_file, all_threads=True, chain=False)
+
+
+def loader_stacks() -> dict[int, str]:
+    """This rank's live loader workers' stacks by pid, each asked for them (empty: none alive)."""
+    asked = []
+    for worker in list(_loader_workers):
+        popen = getattr(worker, "_popen", None)
+        # Not yet reaped, and still this rank's child (its pid not another process's since).
+        if popen is None or popen.returncode is not None or _parent(worker.pid) != os.getpid():
+            continue
+        try:
+            os.kill(worker.pid, LOADER_STACKS_SIGNAL)
+        except OSError:
+            continue
+        asked.append(worker)
+    deadline, sizes = time.monotonic() + LOADER_STACKS_WAIT_S, None
+    while asked and time.monotonic() < deadline:  # each dump is written within its signal's handler
+        time.sleep(0.1)
+        now = [os.fstat(w.stacks_file.fileno()).st_size for w in asked]
+        if now == sizes and all(now):
+            break
+        sizes = now
+    return {w.pid: os.pread(w.stacks_file.fileno(), 1 << 20, 0).decode(errors="replace") for w in asked}
+
+
+def worker_place(dump: str) -> Optional[str]:
+    """A loader worker's place in its dump: the innermost frame not a library's (else the innermost)
+    of the thread that runs torch's worker loop. None: no such thread in it."""
+    for thread in dump.split("\n\n"):
+        frames = re.findall(r'File "(.+)", line (\d+) in (\S+)', thread)
+        if not any(function == "_worker_loop" for _, _, function in frames):
+            continue
+        own = [f for f in frames if "hydra_ddp" in f[0] or not any(part in f[0] for part in _LIBRARY)]
+        path, line, function = (own or frames)[0]
+        return f"{Path(path).name}:{line} in {function}"
+    return None
+
+
+def _parent(pid: int) -> Optional[int]:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # after the command's name: the state, then the parent
 
 
 def _chain(frame: Optional[FrameType]) -> Optional[tuple[int, ...]]:
@@ -247,6 +334,11 @@ def describe(run_dir: Path, timeout_s: float) -> Optional[str]:
         f"rank {s['rank']} stuck for {now - s['since']:.0f} s at {s['at']} in {s['function']}"
         + (f" ({s['code']})" if s.get("code") else "")
         + (f" after collective {s['last_collective']}" if s.get("last_collective") else "")
+        + (
+            f", its loader worker{'s' if len(s['loader_workers']) > 1 else ''} at {', '.join(s['loader_workers'])}"
+            if s.get("loader_workers")
+            else ""
+        )
         + f", its stack: {folder / ('rank' + str(s['rank']) + '.txt')}"
         for s in stuck
     ]
