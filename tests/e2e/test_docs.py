@@ -210,7 +210,7 @@ def _start(script: str, project: Path, env: dict[str, str]) -> subprocess.Popen:
 def _finish(proc: subprocess.Popen, timeout: float, started: float) -> tuple[int, str, str]:
     """(exit code, stdout, stderr); a command past `timeout` is killed, and its message says where its
     output ended and where any of its runs was stuck (the stacks the ranks' watchdogs left in the
-    tuner's runs since `started`: a failed or killed one keeps its directory)."""
+    tuner's runs since `started`, the command's start: a failed or killed one keeps its directory)."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -255,7 +255,7 @@ def _serve(script: str, path: str, port: int, project: Path, env: dict[str, str]
 
 def _sbatch(script: str, project: Path, env: dict[str, str]) -> str:
     """A job submitted as the docs give it, waited for on the suite's cluster; empty: it ran to the end."""
-    code, out, err = _finish(_start(script, project, env), 60)
+    code, out, err = _finish(_start(script, project, env), 60, time.time())
     job = re.search(r"Submitted batch job (\d+)", out)
     if code or not job:
         return f"sbatch exited {code}: {err.strip()[-500:]}"

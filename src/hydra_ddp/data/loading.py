@@ -4,12 +4,15 @@ the evaluation splits in fixed chunks."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import multiprocessing
 import os
+import platform
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple, Optional
 
@@ -28,7 +31,10 @@ from hydra_ddp.data.sampling import (
 from hydra_ddp.errors import UserError
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.reporting import hangs
+from hydra_ddp.reporting.ranklog import FILE_ONLY
 from hydra_ddp.signals import STOP_SIGNALS
+
+log = logging.getLogger(__name__)
 
 
 class EvalSplit:
@@ -196,11 +202,23 @@ class _ForkedWithStopsBlocked(multiprocessing.context.ForkProcess):
 
     def start(self) -> None:
         hangs.forking_loader_worker(self)  # where its stacks go should its rank stall waiting for it
+        if not hangs.fork_safe_python():
+            _settle_other_threads()
         before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             super().start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _settle_other_threads() -> None:
+    """Before a fork, on a Python with CPython gh-112275 (before 3.11.10): a forked child deadlocks
+    if another thread held the interpreter's thread-list lock at the fork. A C++ thread takes it,
+    without the GIL, when it first needs the GIL (gloo's, releasing a tensor that a collective held).
+    Here such a thread gets the GIL (this one sleeps a moment), and the thread list is read, which
+    waits for the lock to be free. This narrows the window; only a fixed Python closes it."""
+    time.sleep(0.001)
+    sys._current_frames()
 
 
 class _ForkBlockingStops(multiprocessing.context.ForkContext):
@@ -285,6 +303,14 @@ def build_loaders(
     """This rank's loaders. `shard`: which share of the data it reads when that is not its rank's
     (tensor parallel: the ranks of a model replica read the same batches)."""
     shard = shard or rank
+    if data_cfg.num_workers > 0 and rank.is_main and not hangs.fork_safe_python():
+        log.warning(
+            "data.num_workers=%d on Python %s: a loader worker can, rarely, deadlock as it is forked (CPython "
+            "gh-112275, fixed in 3.11.10 and 3.12); the watchdog's report names such a worker",
+            data_cfg.num_workers,
+            platform.python_version(),
+            extra=FILE_ONLY,
+        )
     splits = build_datasets(data_cfg, rank, seed)
     train_set = splits["train"]
     # In-memory tensors draw no randomness per sample: they are sliced whole (data.preload), unwrapped.

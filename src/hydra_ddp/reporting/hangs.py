@@ -26,6 +26,7 @@ import linecache
 import logging
 import multiprocessing
 import os
+import platform
 import re
 import signal
 import socket
@@ -181,20 +182,32 @@ def forking_loader_worker(process: multiprocessing.process.BaseProcess) -> None:
         _loader_workers.add(process)
 
 
+READY = b"ready\n"  # a loader worker's first line in its file: it can answer (its init ran)
+# Python before 3.11.10 (and 3.12) can deadlock a forked child in its own fork handling, before any
+# of the worker's code runs, when another thread held the interpreter's thread-list lock at the fork
+# (CPython gh-112275; a C++ thread taking the GIL for the first time takes that lock).
+FORK_DEADLOCK_FIXED = (3, 11, 10)
+
+
 def answer_stack_requests() -> None:
     """In a loader worker (its init): every thread's stack into its file on LOADER_STACKS_SIGNAL."""
     stacks_file = getattr(multiprocessing.current_process(), "stacks_file", None)
     if stacks_file is not None:
         faulthandler.register(LOADER_STACKS_SIGNAL, file=stacks_file, all_threads=True, chain=False)
+        os.write(stacks_file.fileno(), READY)
 
 
 def loader_stacks() -> dict[int, str]:
-    """This rank's live loader workers' stacks by pid, each asked for them (empty: none alive)."""
-    asked = []
+    """This rank's live loader workers' stacks by pid, each asked for them (empty: none alive). A
+    worker that never ran its init is not signalled (it has no handler: the signal would end it)."""
+    asked, unstarted = [], {}
     for worker in list(_loader_workers):
         popen = getattr(worker, "_popen", None)
         # Not yet reaped, and still this rank's child (its pid not another process's since).
         if popen is None or popen.returncode is not None or _parent(worker.pid) != os.getpid():
+            continue
+        if os.fstat(worker.stacks_file.fileno()).st_size == 0:
+            unstarted[worker.pid] = _never_started()
             continue
         try:
             os.kill(worker.pid, LOADER_STACKS_SIGNAL)
@@ -205,15 +218,29 @@ def loader_stacks() -> dict[int, str]:
     while asked and time.monotonic() < deadline:  # each dump is written within its signal's handler
         time.sleep(0.1)
         now = [os.fstat(w.stacks_file.fileno()).st_size for w in asked]
-        if now == sizes and all(now):
+        if now == sizes and all(size > len(READY) for size in now):
             break
         sizes = now
-    return {w.pid: os.pread(w.stacks_file.fileno(), 1 << 20, 0).decode(errors="replace") for w in asked}
+    dumps = {w.pid: os.pread(w.stacks_file.fileno(), 1 << 20, len(READY)).decode(errors="replace") for w in asked}
+    return {**dumps, **unstarted}
+
+
+def _never_started() -> str:
+    """What the report says of a forked loader worker that never reached its init."""
+    cause = f"; Python {platform.python_version()} can deadlock there: CPython gh-112275, fixed in 3.11.10"
+    return f"never started: it did not reach its init (stuck in its fork{'' if fork_safe_python() else cause})\n"
+
+
+def fork_safe_python() -> bool:
+    """Whether this Python's forked children are safe from CPython gh-112275's deadlock."""
+    return sys.version_info >= FORK_DEADLOCK_FIXED
 
 
 def worker_place(dump: str) -> Optional[str]:
     """A loader worker's place in its dump: the innermost frame not a library's (else the innermost)
     of the thread that runs torch's worker loop. None: no such thread in it."""
+    if dump.startswith("never started"):
+        return "its fork (never started)"
     for thread in dump.split("\n\n"):
         frames = re.findall(r'File "(.+)", line (\d+) in (\S+)', thread)
         if not any(function == "_worker_loop" for _, _, function in frames):
