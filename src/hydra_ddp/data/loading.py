@@ -214,7 +214,7 @@ class _ForkedWithStopsBlocked(multiprocessing.context.ForkProcess):
 def _settle_other_threads() -> None:
     """Before a fork, on a Python with CPython gh-112275 (before 3.11.10): a forked child deadlocks
     if another thread held the interpreter's thread-list lock at the fork. A C++ thread takes it,
-    without the GIL, when it first needs the GIL (gloo's, releasing a tensor that a collective held).
+    without the GIL, when it first needs the GIL (gloo's can, to release a tensor a collective held).
     Here such a thread gets the GIL (this one sleeps a moment), and the thread list is read, which
     waits for the lock to be free. This narrows the window; only a fixed Python closes it."""
     time.sleep(0.001)
