@@ -3,7 +3,6 @@ the evaluation splits in fixed chunks."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import multiprocessing
@@ -29,6 +28,7 @@ from hydra_ddp.data.sampling import (
     sample_seed,
 )
 from hydra_ddp.errors import UserError
+from hydra_ddp.launch import startup
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.reporting import hangs
 from hydra_ddp.reporting.ranklog import FILE_ONLY
@@ -226,7 +226,6 @@ class _ForkBlockingStops(multiprocessing.context.ForkContext):
 
 
 FORK_BLOCKING_STOPS = _ForkBlockingStops()
-PR_SET_PDEATHSIG = 1  # prctl's option (linux/prctl.h): the signal a process gets when its parent dies
 
 
 def loader_worker_init(worker_id: int) -> None:
@@ -242,11 +241,8 @@ def _dies_with_its_rank() -> None:
     rank lives runs between batches, so a worker stuck in a read that never returns would outlive
     the run, holding its output (and the launcher's helpers) open. Linux only."""
     rank = multiprocessing.parent_process()
-    if sys.platform != "linux" or rank is None:
-        return
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != rank.pid:  # the rank died before the line above
-        os._exit(0)
+    if rank is not None:
+        startup.die_with_parent(rank.pid)
 
 
 def stop_signals_are_the_ranks() -> None:
