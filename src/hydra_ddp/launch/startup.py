@@ -19,6 +19,8 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
 
 # The guard that ties the forkserver's life to the launcher's, then what every worker imports.
 PRELOAD = ["hydra_ddp.launch.forkserver_guard", "hydra_ddp.launch.forkserver_imports"]
@@ -120,6 +122,16 @@ def worker_parent(start_method: str) -> int | None:
     from multiprocessing import forkserver
 
     return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+def proc_stat(pid: int) -> Optional[list[str]]:
+    """/proc/PID/stat's fields after the command's name (which may hold spaces and parentheses):
+    [state, parent pid, ...]; None when the process is gone or not visible (or not Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields
 
 
 def die_with_parent(expected_parent: int | None = None) -> None:

@@ -40,6 +40,8 @@ from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any, Optional
 
+from hydra_ddp.launch import startup
+
 log = logging.getLogger(__name__)
 
 STACKS = "stacks"  # the folder in the run directory
@@ -252,11 +254,8 @@ def worker_place(dump: str) -> Optional[str]:
 
 
 def _parent(pid: int) -> Optional[int]:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])  # after the command's name: the state, then the parent
+    fields = startup.proc_stat(pid)
+    return int(fields[1]) if fields else None
 
 
 def _chain(frame: Optional[FrameType]) -> Optional[tuple[int, ...]]:
