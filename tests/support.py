@@ -167,6 +167,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_ranks(target, args: tuple = (), nprocs: int = 1) -> None:
+    """torch.multiprocessing's spawn for a test's own gloo ranks: `target(rank, *args)` in each,
+    its exception raised here as mp.spawn raises it; a rank that returns ends as train.py's workers
+    end (training/worker.py's _exit_after_teardown: os._exit, no interpreter finalization). gloo's
+    native threads outlive destroy_process_group while C++ still holds the group, and a finished
+    rank's static destructors racing them abort it now and then ("terminate called without an
+    active exception": a soak of 251ec53 lost a run to it)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank_then_exit, args=(target, *args), nprocs=nprocs, start_method="spawn")
+
+
+def _rank_then_exit(rank: int, target, *args) -> None:
+    target(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 # --- What a run leaves behind ----------------------------------------------------------------------
 
 

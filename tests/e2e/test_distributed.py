@@ -12,6 +12,8 @@ from hydra_ddp.config.run_config import RunInitMethodConf
 from hydra_ddp.parallel import distributed
 from hydra_ddp.parallel.distributed import RankInfo
 
+from support import spawn_ranks
+
 
 def _broadcast_worker(rank: int, port: int, results):
     info = RankInfo(rank, 2, rank, 2)
@@ -25,5 +27,5 @@ def test_broadcast_text_gives_every_rank_rank_zeros_string():
     with mp.Manager() as manager:
         results = manager.dict()
         store = distributed.serve_store("127.0.0.1", 0, timedelta(seconds=30))  # held by this process
-        mp.spawn(_broadcast_worker, args=(store.port, results), nprocs=2)
+        spawn_ranks(_broadcast_worker, (store.port, results), nprocs=2)
         assert dict(results) == {0: "outputs/runs/été", 1: "outputs/runs/été"}

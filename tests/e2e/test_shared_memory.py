@@ -15,7 +15,7 @@ import torch
 
 from hydra_ddp.parallel import shared_memory
 
-from support import QUICK, check_ok, run_train, summary, tmpfs
+from support import QUICK, check_ok, run_train, spawn_ranks, summary, tmpfs
 
 SIZES = (1537, 10, 4099, 1)  # floats: odd sizes, each larger or smaller than the test's slot
 SLOT_BYTES = 1024  # 256 floats: most tensors go through in several chunks, over both turns
@@ -64,9 +64,7 @@ def _sums(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_sums_equal_gloos_in_chunks_on_every_rank(world: int):
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_sums, args=(world, _port()), nprocs=world, start_method="spawn")
+    spawn_ranks(_sums, (world, _port()), nprocs=world)
 
 
 def _peer_exits(rank: int, port: int, report: str) -> None:

@@ -23,6 +23,7 @@ from support import (
     losses,
     run_eval,
     run_train,
+    spawn_ranks,
     start_train,
     summary,
     wait_for,
@@ -246,6 +247,4 @@ def _named_like_dcp(_rank: int, port: int) -> None:
 def test_ddp_optimizer_state_is_named_as_dcp_names_it():
     """strategy.optimizer_state_by_name against torch.distributed.checkpoint's get_optimizer_state_dict
     on real DDP models: the same names, groups, tensors, and bytes once saved."""
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_named_like_dcp, args=(free_port(),), nprocs=1, start_method="spawn")
+    spawn_ranks(_named_like_dcp, (free_port(),))

@@ -17,6 +17,8 @@ from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.training import evaluation
 from hydra_ddp.training import window as training
 
+from support import spawn_ranks
+
 SAMPLES = 11  # does not divide by 3 ranks: padding would count samples twice
 
 
@@ -57,7 +59,7 @@ def test_evaluation_is_exact_and_train_losses_are_global():
     with mp.Manager() as manager:
         results = manager.dict()
         store = distributed.serve_store("127.0.0.1", 0, timedelta(seconds=30))  # held by this process
-        mp.spawn(_worker, args=(3, store.port, results), nprocs=3)
+        spawn_ranks(_worker, (3, store.port, results), nprocs=3)
         results = dict(results)
     for rank in range(3):
         metrics = results["eval", rank]
