@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from hydra_ddp.errors import UserError, first_line
+from hydra_ddp.errors import UserError, first_line, root_cause
 
 
 def causal_lm(architecture: str = "llama", attn_implementation: str = "sdpa", **config: Any) -> nn.Module:
@@ -18,10 +18,13 @@ def causal_lm(architecture: str = "llama", attn_implementation: str = "sdpa", **
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise UserError("model=hf_llama needs Hugging Face transformers: pip install -e '.[transformers]'") from None
+    # Training keeps no cache of past keys and values: it would cost memory every step, and with one
+    # transformers does not read packed documents from restarting position ids (data=documents).
+    config.setdefault("use_cache", False)
     try:
         settings = AutoConfig.for_model(architecture, **config)
-    except ValueError as error:
-        raise UserError(f"model.architecture={architecture!r}: {first_line(error)}") from None
+    except Exception as error:  # noqa: BLE001  (an unknown architecture; fields its config refuses: heads ∤ width)
+        raise UserError(f"model.architecture={architecture!r}: {first_line(root_cause(error))}") from None
     return AutoModelForCausalLM.from_config(settings, attn_implementation=attn_implementation)
 
 

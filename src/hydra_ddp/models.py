@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -95,12 +97,27 @@ def torchvision_classifier(
     return model
 
 
+@dataclass
+class LMOutput:
+    """What a causal language model called with `input_ids=` returns, as transformers' models do."""
+
+    logits: torch.Tensor  # (batch, time, vocab)
+
+
 class TinyGPT(nn.Module):
-    """A small decoder-only transformer (GPT style) over bytes: token and position embeddings,
-    `depth` blocks of causal self-attention and an MLP (pre-norm, residual), a final norm and a
-    linear head. Returns logits as (batch, vocab, time): `cross_entropy(logits, targets)` with
-    targets (batch, time) is the per-token loss, and argmax over dim 1 the next-byte prediction,
-    so the loop and the exact evaluation serve it as they serve a classifier.
+    """A small decoder-only transformer (GPT style) over bytes or tokens: token and position
+    embeddings, `depth` blocks of causal self-attention and an MLP (pre-norm, residual), a final norm
+    and a linear head. Two ways to call it:
+
+    - `model(x)`, for task=language_model's (inputs, next tokens) pairs: logits as (batch, vocab,
+      time), so `cross_entropy(logits, targets)` with targets (batch, time) is the per-token loss and
+      argmax over dim 1 the next-token prediction, as a classifier's.
+    - `model(input_ids=..., position_ids=..., attention_mask=...)`, for task=causal_lm's dict batches
+      as a Hugging Face causal model takes them: an LMOutput whose logits are (batch, time, vocab).
+      Position ids that restart mid-row mark packed documents: each token attends only to the
+      earlier tokens of its own document, and its position embedding counts from its document's
+      start. Right padding (the project's collator's) needs no mask: a causal model's real tokens
+      never attend to the padding after them, and the attention mask is not read.
 
     Attention and MLP are Megatron-shaped (q, k, v and the first MLP layer, then one projection
     back: `tp_plan` splits them for tensor parallel), and the blocks are its FSDP units
@@ -125,12 +142,30 @@ class TinyGPT(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        where = torch.arange(x.shape[1], device=x.device)
-        h = self.tokens(x) + self.positions(where)
+    def forward(
+        self,
+        x: Optional[torch.Tensor] = None,
+        input_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor | LMOutput:
+        ids = x if x is not None else input_ids
+        if ids is None:
+            raise TypeError("TinyGPT takes its token ids: model(x) or model(input_ids=...)")
+        if position_ids is None:
+            h = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+            mask = None  # one causal sequence per row
+        else:
+            h = self.tokens(ids) + self.positions(position_ids)
+            mask = same_document_causal_mask(position_ids)
         for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h)).transpose(1, 2)
+            h = block(h, mask)
+        logits = self.head(self.norm(h))
+        return logits.transpose(1, 2) if x is not None else LMOutput(logits)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding (as transformers' models name it): its rows are the vocabulary."""
+        return self.tokens
 
     def shard_units(self) -> list[nn.Module]:
         return list(self.blocks)
@@ -160,11 +195,27 @@ class _Block(nn.Module):
         self.fc1 = nn.Linear(dim, mlp_ratio * dim)
         self.fc2 = nn.Linear(mlp_ratio * dim, dim)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`mask`: (batch, 1, time, time), True where a query may attend to a key; None: causal."""
         batch, time, _ = h.shape
         x = self.norm1(h)
         # (batch, heads, time, head_dim); heads counted from the width, as a sharded q/k/v has fewer
         q, k, v = (f(x).view(batch, time, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         h = h + self.proj(attended.transpose(1, 2).reshape(batch, time, -1))
         return h + self.fc2(F.gelu(self.fc1(self.norm2(h))))
+
+
+def same_document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, time, time): query t may attend to key s when s <= t and both lie in one document.
+    A document starts wherever the position ids do not go on by one (transformers' rule for packed
+    sequences), so a row of several documents, each counted from 0, attends within each."""
+    restarts = torch.ones_like(position_ids, dtype=torch.bool)
+    restarts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    document = restarts.cumsum(1)
+    time = position_ids.shape[1]
+    causal = torch.ones(time, time, dtype=torch.bool, device=position_ids.device).tril()
+    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]

@@ -176,8 +176,13 @@ BAD = [
     (both(*ELASTIC, setting("data.global_batch_size", None)), "(elastic) needs data.global_batch_size"),
     (
         both(*ELASTIC, setting("launcher.nnodes", "2:3")),
-        "data.global_batch_size=64 does not divide over 6 model replicas at world size 6, "
-        "which launcher.nnodes=2:3 allows",
+        "data.global_batch_size=64 does not divide by trainer.accumulate=1 × 6 model replicas",
+    ),
+    (
+        # Settled at the most nodes (a micro-batch of 8), the global batch does not divide at 3 replicas.
+        both(*ELASTIC, setting("launcher.nnodes", "1:3"), setting("data.global_batch_size", 48)),
+        "data.global_batch_size=48 does not divide into micro-batches of data.batch_size=8 on the 4 model "
+        "replicas of world size 4, which launcher.nnodes=1:3 allows",
     ),
     (
         both(*ELASTIC, strategy("fsdp_tp"), setting("strategy.tp_size", 4)),

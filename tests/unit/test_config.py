@@ -111,26 +111,50 @@ def test_defaults_leave_ports_to_the_launch_and_make_a_fresh_store(tmp_path: Pat
 
 
 @pytest.mark.parametrize(
-    "overrides, world, per_rank",
+    "overrides, world, micro, accumulate",
     [
-        ([], 2, resolve.DEFAULT_BATCH_SIZE),
-        (["data.batch_size=16"], 2, 16),
-        (["data.global_batch_size=128"], 1, 128),
-        (["data.global_batch_size=128"], 2, 64),
-        (["data.global_batch_size=128"], 4, 32),
+        ([], 2, resolve.DEFAULT_BATCH_SIZE, 1),
+        (["data.batch_size=16"], 2, 16, 1),
+        (["trainer.accumulate=3"], 2, resolve.DEFAULT_BATCH_SIZE, 3),
+        (["data.global_batch_size=128"], 1, 128, 1),
+        (["data.global_batch_size=128"], 2, 64, 1),
+        (["data.global_batch_size=128"], 4, 32, 1),
+        # The global batch includes the accumulation: given with the micro-batch, it settles the
+        # accumulation; given with the accumulation, the micro-batch.
+        (["data.global_batch_size=128", "data.batch_size=16"], 2, 16, 4),
+        (["data.global_batch_size=128", "data.batch_size=16"], 4, 16, 2),
+        (["data.global_batch_size=128", "trainer.accumulate=2"], 2, 32, 2),
+        (["data.global_batch_size=128", "data.batch_size=32", "trainer.accumulate=2"], 2, 32, 2),
     ],
 )
-def test_global_batch_size_is_split_over_the_world(tmp_path: Path, overrides, world: int, per_rank: int):
-    data = resolved(tmp_path, f"trainer.nproc={world}", *overrides).data
-    assert data.batch_size == per_rank and data.global_batch_size == per_rank * world
+def test_the_global_batch_is_micro_batch_times_accumulation_times_replicas(
+    tmp_path: Path, overrides, world: int, micro: int, accumulate: int
+):
+    cfg = resolved(tmp_path, f"trainer.nproc={world}", *overrides)
+    assert (cfg.data.batch_size, cfg.trainer.accumulate) == (micro, accumulate)
+    assert cfg.data.global_batch_size == micro * accumulate * world
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["trainer.nproc=3", "data.global_batch_size=128"], "does not divide by the world size 3"),
-        (["data.batch_size=32", "data.global_batch_size=64"], "exclude each other"),
+        (
+            ["trainer.nproc=3", "data.global_batch_size=128"],
+            r"data.global_batch_size=128 does not divide by trainer.accumulate=1 × 3 model replicas: "
+            r"choose a multiple of 3, or set data.batch_size instead",
+        ),
+        (
+            ["data.batch_size=24", "data.global_batch_size=64"],
+            r"data.global_batch_size=64 does not divide into micro-batches of data.batch_size=24 on 2 model "
+            r"replicas: choose a multiple of 48, or set trainer.accumulate instead of data.batch_size",
+        ),
+        (
+            ["data.batch_size=32", "data.global_batch_size=64", "trainer.accumulate=2"],
+            r"data.global_batch_size=64 is not data.batch_size=32 × trainer.accumulate=2 × 2 model replicas \(128\): "
+            r"set two of the three, and the third follows",
+        ),
         (["data.batch_size=0"], "at least 1"),
+        (["trainer.accumulate=0"], "at least 1"),
     ],
 )
 def test_bad_batch_sizes_are_refused_before_launch(tmp_path: Path, overrides, message: str):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from hydra_ddp.training.position import Position
-from hydra_ddp.training.step import accumulation_group
+from hydra_ddp.training.step import optimizer_steps, sample_weights
 from hydra_ddp.training.stop import Ending, StopRequest
 from hydra_ddp.training.throughput import WARMUP_STEPS, Overheads, Throughput
 
@@ -28,16 +28,25 @@ def test_a_position_moves_to_the_next_epoch_in_place_and_round_trips_a_checkpoin
 
 
 @pytest.mark.parametrize(
-    "batches, accumulate, groups",
+    "batches, accumulate, done, groups",
     [
-        (10, 4, [4, 4, 4, 4, 4, 4, 4, 4, 2, 2]),
-        (8, 4, [4] * 8),
-        (3, 1, [1, 1, 1]),
-        (2, 4, [2, 2]),
+        (10, 4, 0, [4, 4, 2]),
+        (8, 4, 0, [4, 4]),
+        (3, 1, 0, [1, 1, 1]),
+        (2, 4, 0, [2]),
+        (10, 4, 4, [4, 2]),  # resumed after one step: the loader skipped its batches
     ],
 )
-def test_each_batch_knows_the_size_of_its_accumulation_group(batches, accumulate, groups):
-    assert [accumulation_group(b, accumulate, batches) for b in range(1, batches + 1)] == groups
+def test_an_epochs_batches_are_grouped_by_optimizer_step(batches, accumulate, done, groups):
+    loader = range(done, batches)
+    steps = list(optimizer_steps(loader, accumulate, done, batches))
+    assert [len(g) for g in steps] == groups and [b for g in steps for b in g] == list(loader)
+
+
+def test_micro_batches_of_unequal_samples_weigh_by_their_samples():
+    assert sample_weights([32, 32, 32]) is None  # alike: each its mean ÷ 3, as the loop always did
+    assert sample_weights([32]) is None
+    assert sample_weights([8, 4]) == [8 / 12, 4 / 12]  # an epoch's short last batch weighs less
 
 
 def test_the_ending_sends_this_ranks_flags_and_settles_what_the_ranks_agreed():

@@ -14,22 +14,24 @@ def test_a_resize_names_its_cause():
     assert resize_cause(False, {"SLURM_RESTART_COUNT": "2"}) == "requeue"
 
 
-def test_an_elastic_worker_takes_its_share_of_the_global_batch_at_the_size_it_was_given():
+def test_an_elastic_worker_keeps_the_global_batch_and_the_micro_batch_and_changes_the_accumulation():
     from types import SimpleNamespace as Section
 
     from hydra_ddp.config import elastic
 
-    # The three sections it reads, as attributes (a RunConfig's parts).
+    # The sections it reads, as attributes (a RunConfig's parts): settled at the most nodes.
     cfg = Section(
         launcher=Section(name="torchrun", nnodes=4, min_nodes=1),
         data=Section(global_batch_size=64, batch_size=8),
+        trainer=Section(accumulate=1),
         strategy=Section(name="ddp"),
     )
     assert elastic.at_world_size(cfg, 8) is None  # the most nodes: as resolved
-    assert elastic.at_world_size(cfg, 2) == {"data.batch_size": 32}
+    assert elastic.at_world_size(cfg, 2) == {"trainer.accumulate": 4}  # the same micro-batch of 8, 4 of them
     fixed = Section(
         launcher=Section(name="torchrun", nnodes=2, min_nodes=2),
         data=Section(global_batch_size=64, batch_size=16),
+        trainer=Section(accumulate=1),
         strategy=Section(name="ddp"),
     )
     assert elastic.at_world_size(fixed, 4) is None  # not elastic: nothing to settle

@@ -304,25 +304,32 @@ class Checkpointer:
         _unpack_rng(rng[self.rank.rank % len(rng)].cpu(), self.device)
 
     def _check_same_batches(self, state: dict[str, Any], path: Path) -> None:
-        """Mid-epoch, the position counts global batches: this run's must be the checkpoint's. The
-        b-th global batch of an epoch is the same samples at any world size (DistributedSampler's
-        interleave makes the ranks' b-th batches one contiguous slice of the epoch's permutation),
-        so a run may continue at another world size with the same global batch."""
+        """Mid-epoch, the position counts optimizer steps of global batches: this run's global batch
+        must be the checkpoint's. The s-th global batch of an epoch is the same samples at any world
+        size and any split into micro-batches (DistributedSampler's interleave makes the ranks' b-th
+        micro-batches one contiguous slice of the epoch's permutation, and a step's micro-batches
+        consecutive slices), so a run may continue at another world size with the same global batch."""
         if not state["position"]["batch"]:
             return
-        saved = run_config.typed(state["config"])
-        then = (_global_batch(saved, len(state["rng"])), saved.trainer.accumulate)
-        now = (self.cfg.data.global_batch_size, self.cfg.trainer.accumulate)
+        then = global_batch(run_config.typed(state["config"]), len(state["rng"]))
+        now = self.cfg.data.global_batch_size
         if then != now:
             raise UserError(
-                f"checkpoint {str(path)!r} stopped mid-epoch with a global batch of {then[0]} and trainer.accumulate="
-                f"{then[1]}, this run has {now[0]} and {now[1]}: resume with data.global_batch_size={then[0]} and "
-                f"trainer.accumulate={then[1]} (the per-rank batch follows the world size), or from an epoch-end "
-                "checkpoint"
+                f"checkpoint {str(path)!r} stopped mid-epoch with a global batch of {then} samples per optimizer "
+                f"step, this run has {now}: resume with data.global_batch_size={then} (the micro-batch or the "
+                "accumulation follows the world size), or from an epoch-end checkpoint"
             )
 
 
-def _global_batch(saved: RunConfig, ranks: int) -> int:
-    """A checkpoint's global batch: recorded in its config, or (older checkpoints) per-rank batch × ranks."""
-    recorded = saved.data.global_batch_size
-    return recorded if recorded is not None else saved.data.batch_size * ranks
+def saved_accumulation(state: dict[str, Any]) -> int:
+    """The micro-batches per optimizer step of the run that saved `state`."""
+    return run_config.typed(state["config"]).trainer.accumulate or 1
+
+
+def global_batch(saved: RunConfig, ranks: int) -> int:
+    """A checkpoint's samples per optimizer step: its micro-batch × accumulation × model replicas at the
+    `ranks` that saved it (checkpoints before 0.2 recorded a global batch without the accumulation)."""
+    from hydra_ddp.parallel import strategies
+
+    replicas = strategies.get(saved.strategy.name).replicas(saved.strategy, ranks)
+    return saved.data.batch_size * (saved.trainer.accumulate or 1) * replicas

@@ -72,6 +72,13 @@ def check(cfg: Any, run_dir: Path) -> None:
         _check_requires(logger["_target_"], f"logger.{name}", f"logger={name}")
     _check_requires(cfg.model["_target_"], "model", f"model={groups.chosen('model', cfg.model)}")
     if not data_cfg.even_shards:
+        task = tasks.build(cfg.task)
+        if tasks.weighs_units(task):
+            raise UserError(
+                f"data.even_shards=false does not combine with task {type(task).__name__}, whose loss weighs "
+                "tokens over the whole step (the ranks that run out of batches would miss its count); keep "
+                "data.even_shards=true"
+            )
         if trainer.accumulate > 1:
             raise UserError(
                 "data.even_shards=false does not combine with trainer.accumulate > 1 "

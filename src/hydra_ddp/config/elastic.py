@@ -39,8 +39,10 @@ def world_sizes(cfg: Any) -> list[int]:
 
 def check(cfg: Any, global_batch: Optional[int]) -> None:
     """What an elastic run needs before launch: torchrun with restarts to spend, a global batch (the
-    configured one) that every allowed world size divides, a strategy that fits each, and resuming
-    from the last checkpoint at each restart. `global_batch`: data.global_batch_size as configured."""
+    configured one) that each allowed world size takes in whole micro-batches of data.batch_size (the
+    accumulation makes up the rest), a strategy that fits each, and resuming from the last checkpoint
+    at each restart. `global_batch`: data.global_batch_size as configured; `cfg`'s batches settled at
+    the largest world size (config.resolve)."""
     launcher = cfg.launcher
     span = f"launcher.nnodes={launcher.min_nodes}:{launcher.nnodes}"
     if launcher.name != "torchrun":
@@ -56,22 +58,25 @@ def check(cfg: Any, global_batch: Optional[int]) -> None:
             "run then keeps its batches, and continues mid-epoch at the sample where it stopped"
         )
     chosen = strategies.get(cfg.strategy.name)
+    micro = cfg.data.batch_size
     for nodes, world in zip(range(launcher.min_nodes, launcher.nnodes + 1), world_sizes(cfg)):
         replicas = chosen.replicas(cfg.strategy, world)  # tensor parallel that does not fit: one line
         chosen.check(dataclasses.replace(cfg, launcher=dataclasses.replace(launcher, nnodes=nodes)))  # e.g. its plan
-        if global_batch % replicas:
+        if global_batch % (micro * replicas):
             raise UserError(
-                f"data.global_batch_size={global_batch} does not divide over {replicas} model replicas at "
-                f"world size {world}, which {span} allows: choose a multiple of every one"
+                f"data.global_batch_size={global_batch} does not divide into micro-batches of data.batch_size={micro} "
+                f"on the {replicas} model replicas of world size {world}, which {span} allows: choose a global "
+                f"batch that every one takes whole (a multiple of {micro * replicas}), or a smaller data.batch_size"
             )
     cfg.trainer.resume = cfg.trainer.resume or "auto"  # each restart continues from the last checkpoint
 
 
 def at_world_size(cfg: Any, world: int) -> Optional[dict[str, Any]]:
-    """The values an elastic run's workers settle at the world size the rendezvous gave (the per-rank
-    batch), or None where there is nothing to settle."""
+    """The values an elastic run's workers settle at the world size the rendezvous gave: the
+    accumulation that keeps the global batch with the same micro-batch; None where there is
+    nothing to settle."""
     if not is_elastic(cfg.launcher):
         return None
     replicas = strategies.get(cfg.strategy.name).replicas(cfg.strategy, world)
-    per_rank = cfg.data.global_batch_size // replicas
-    return None if per_rank == cfg.data.batch_size else {"data.batch_size": per_rank}
+    accumulate = cfg.data.global_batch_size // (cfg.data.batch_size * replicas)
+    return None if accumulate == cfg.trainer.accumulate else {"trainer.accumulate": accumulate}

@@ -53,11 +53,11 @@ def settle(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, RankInfo
     trainer = cfg.trainer
     # Model replicas, each reading its own batches: every rank but under tensor parallel (one replica).
     chosen = strategies.get(cfg.strategy.name)
-    world = trainer.nproc * cfg.launcher.nnodes
+    world = trainer.nproc * cfg.launcher.nnodes  # an elastic run's largest
     replicas = chosen.replicas(cfg.strategy, world)
+    resolve_batches(cfg.data, trainer, replicas)
     if elastic.is_elastic(cfg.launcher):
         elastic.check(cfg, requested_global_batch)  # at every world size in the range
-    _resolve_batch_size(cfg.data, replicas)
     trainer.resume = checkpoints.resume_setting(trainer.resume)
     trainer.max_time = max_time_seconds(trainer.max_time)
     _resolve_monitor(trainer, cfg.data, tasks.build(cfg.task))
@@ -166,23 +166,39 @@ def max_time_seconds(value: Any) -> Optional[float]:
     return seconds
 
 
-def _resolve_batch_size(data_cfg: Any, world_size: int) -> None:
-    """Per-rank batch from data.batch_size, or data.global_batch_size ÷ world size (one or the other)."""
-    per_rank, total = data_cfg.batch_size, data_cfg.global_batch_size
-    if per_rank is not None and total is not None:
-        raise UserError(
-            f"data.batch_size={per_rank} (per rank) and data.global_batch_size={total} exclude each other: "
-            "set one and leave the other null"
-        )
-    if total is not None:
-        if total < 1 or total % world_size:
+def resolve_batches(data_cfg: Any, trainer: Any, replicas: int) -> None:
+    """data.batch_size (samples per micro-batch per replica), trainer.accumulate (micro-batches per
+    optimizer step) and data.global_batch_size (samples per optimizer step over every replica and
+    micro-batch), settled so that global = batch_size × accumulate × replicas: any two of the three
+    give the third, all three must agree, and what does not divide is one line."""
+    micro, accumulate, total = data_cfg.batch_size, trainer.accumulate, data_cfg.global_batch_size
+    over = f"{replicas} model replica{'s' if replicas > 1 else ''}"
+    if total is None:
+        micro, accumulate = micro or DEFAULT_BATCH_SIZE, accumulate or 1
+    elif micro is not None and accumulate is not None:
+        if micro * accumulate * replicas != total:
             raise UserError(
-                f"data.global_batch_size={total} does not divide by the world size {world_size}: "
-                f"choose a multiple of {world_size}, or set the per-rank data.batch_size instead"
+                f"data.global_batch_size={total} is not data.batch_size={micro} × trainer.accumulate={accumulate} × "
+                f"{over} ({micro * accumulate * replicas}): set two of the three, and the third follows"
             )
-        per_rank = total // world_size
-    per_rank = DEFAULT_BATCH_SIZE if per_rank is None else per_rank
-    data_cfg.batch_size, data_cfg.global_batch_size = per_rank, per_rank * world_size
+    elif micro is not None:
+        if total % (micro * replicas):
+            raise UserError(
+                f"data.global_batch_size={total} does not divide into micro-batches of data.batch_size={micro} "
+                f"on {over}: choose a multiple of {micro * replicas}, or set trainer.accumulate instead of "
+                "data.batch_size"
+            )
+        accumulate = total // (micro * replicas)
+    else:
+        accumulate = accumulate or 1
+        if total % (accumulate * replicas):
+            raise UserError(
+                f"data.global_batch_size={total} does not divide by trainer.accumulate={accumulate} × {over}: "
+                f"choose a multiple of {accumulate * replicas}, or set data.batch_size instead"
+            )
+        micro = total // (accumulate * replicas)
+    data_cfg.batch_size, trainer.accumulate = micro, accumulate
+    data_cfg.global_batch_size = micro * accumulate * replicas
 
 
 def _device(name: str, host: distributed.Host) -> str:

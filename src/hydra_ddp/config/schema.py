@@ -81,10 +81,13 @@ class DataConf(Section):
     # Without a validation split of the source's own: this share of the training set, chosen by
     # trainer.seed (the same on every rank). 0: no validation, nothing is monitored.
     val_fraction: Annotated[float, Number(low=0, high=1, below=True)] = 0.1
-    # Per rank; or set global_batch_size instead (one of the two; both null: 32 per rank), and the
-    # per-rank batch is global ÷ world size: runs at any world size then compare like with like.
+    # Samples per micro-batch per rank (per model replica: tensor parallel's ranks share one). With
+    # global_batch_size and trainer.accumulate, any two of the three give the third (all three: they
+    # must agree; none: 32 per rank, no accumulation).
     batch_size: Annotated[Optional[int], AtLeast(1)] = None
-    # samples per optimizer step over all ranks (see batch_size)
+    # Samples per optimizer step over all ranks and micro-batches: batch_size × trainer.accumulate ×
+    # model replicas. Set it, and runs at any world size take the same steps; an elastic run keeps it
+    # and the micro-batch, and changes the accumulation.
     global_batch_size: Annotated[Optional[int], AtLeast(1)] = None
     eval_batch_size: Annotated[int, AtLeast(1)] = 256  # per rank
     # DataLoader worker processes per rank (0: the rank's own process loads)
@@ -187,8 +190,9 @@ class TrainerConf(Section):
     resume: Annotated[Optional[str], Checked("checkpoints: a checkpoint, a run directory, or auto")] = None
     # "32", "bf16" (autocast, CPU or GPU) or "16" (GPU autocast with a GradScaler).
     precision: Annotated[str, OneOf(*PRECISIONS)] = "32"
-    # Batches per optimizer step; DDP skips the gradient all-reduce (no_sync) on all but the last.
-    accumulate: Annotated[int, AtLeast(1)] = 1
+    # Micro-batches per optimizer step (DDP skips the gradient all-reduce, no_sync, on all but the
+    # last). null: 1, or what data.global_batch_size ÷ (data.batch_size × replicas) gives.
+    accumulate: Annotated[Optional[int], AtLeast(1)] = None
     # torch.compile the DDP model (off: compiling takes time a short run does not win back).
     compile: bool = False
     # torch.compile's backend when trainer.compile=true

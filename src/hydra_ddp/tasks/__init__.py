@@ -5,7 +5,15 @@ conf/task/*.yaml chooses one by `_target_`: the built-in ones below, or a user's
 (`_target_: my_package.MyTask`, a subclass of `Task`).
 """
 
-from hydra_ddp.tasks.base import RESERVED, Task, build, checked_loss, fit_targets, misfit  # noqa: F401
+from hydra_ddp.tasks.base import (  # noqa: F401
+    RESERVED,
+    Task,
+    build,
+    checked_loss,
+    fit_targets,
+    misfit,
+    weighs_units,
+)
 from hydra_ddp.tasks.causal_lm import CausalLM  # noqa: F401
 from hydra_ddp.tasks.classification import Classification, LanguageModel  # noqa: F401
 from hydra_ddp.tasks.dense import Regression, Segmentation  # noqa: F401

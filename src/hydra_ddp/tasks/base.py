@@ -14,6 +14,7 @@ from hydra_ddp.errors import UserError, first_line, root_cause
 # What the project itself reports beside a task's metrics, per split (test_samples, test_passes):
 # a task's metric may not take these names.
 RESERVED = ("samples", "passes")
+IGNORED = -100  # the target of a position that counts in no loss (padding): PyTorch's and transformers' default
 
 
 def full_precision(output: torch.Tensor) -> torch.Tensor:
@@ -74,9 +75,29 @@ class Task:
         """The tokens a batch trains on, for a throughput in tokens/s (None: the task counts none)."""
         return None
 
+    # --- what the training loss averages over ---
+    def units(self, batch: Any) -> Optional[torch.Tensor]:
+        """How many units the training loss averages over in this batch, when they are not its
+        samples: a 0-D integer tensor (a language model's tokens that are not ignored: padding, a
+        document's boundary). None (the default): the batch's samples, each weighing alike.
+
+        A task that counts units gives loss_sum() too: a step's gradient is then the sum of every
+        unit's loss over all its micro-batches and ranks, divided by their count over all of them
+        (one count all-reduced per step), not a mean of per-batch means, which would weigh a batch
+        of 40 counted tokens as much as one of 400."""
+        return None
+
+    def loss_sum(self, output: Any, target: Any) -> torch.Tensor:
+        """The batch's per-unit losses summed, as a scalar in float32 at least (for a task whose
+        units() counts): a batch with no counted unit gives 0, not a mean of nothing."""
+        raise NotImplementedError(
+            f"{type(self).__name__} counts units() but gives no loss_sum(output, target): the per-unit losses summed"
+        )
+
     # --- what an output means ---
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The batch's training loss: a scalar (its gradient is the step's), best in float32."""
+        """The batch's training loss, the mean over its samples (or its units(): loss_sum() over
+        their count): a scalar, best in float32."""
         raise NotImplementedError
 
     def state(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -175,16 +196,24 @@ def misfit(task: Task, targets: Any, outputs: int) -> Optional[str]:
     return None
 
 
+def weighs_units(task: Task) -> bool:
+    """Whether the task's training loss averages over units of its own (tokens), not samples."""
+    return type(task).units is not Task.units
+
+
 def checked_loss(
     task: Task,
     model: Any,
     batch: Any,
     check_target: Optional[Callable[[Any], None]] = None,
     error: type[UserError] = UserError,
+    reduce: Optional[Callable[[Any, Any], torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """A batch's loss, where a task that cannot read the batch or the model's output says so in one
-    line (an `error`) instead of a traceback: the first batch of a run, and train.py --check's."""
+    """A batch's loss (`reduce(output, target)`: task.loss by default, or its loss_sum), where a task
+    that cannot read the batch or the model's output says so in one line (an `error`) instead of a
+    traceback: the first batch of a run, and train.py --check's."""
     name = type(task).__name__
+    reduce = reduce or task.loss
     try:
         output, target = task.forward(model, batch)
     except UserError as problem:  # the default split's: the batch is not a pair
@@ -197,7 +226,7 @@ def checked_loss(
     if check_target is not None:
         check_target(target)
     try:
-        return task.loss(output, target)
+        return reduce(output, target)
     except (TypeError, AttributeError, KeyError, IndexError) as problem:
         raise error(
             f"task {name} cannot read the model's output, {batches.describe(output)}: "

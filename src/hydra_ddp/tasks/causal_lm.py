@@ -1,24 +1,29 @@
-"""A causal language model that computes its own loss, as every Hugging Face `transformers`
-`...ForCausalLM` does when given `labels`: dict batches (`input_ids`, `attention_mask`, `labels`)
-go in as `model(**batch)`, the model's own loss trains, and the evaluation's sums come from its
-logits (a mean cannot be added across chunks; sums of token losses and counts can)."""
+"""A causal language model on dict batches (`input_ids`, `labels`, and `attention_mask` or
+`position_ids`): a Hugging Face `transformers` `...ForCausalLM`, or the built-in GPT called the same
+way. The batch goes in as `model(**inputs)` without its labels, and the loss is computed here from
+the logits, as sums over the counted tokens: a step weighs every token alike, however its batches
+are split over micro-batches and ranks (Task.units), and the evaluation adds sums of token losses
+and counts, which a mean cannot do."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from hydra_ddp.tasks.base import Task, full_precision
-
-IGNORED = -100  # the label of a position that counts in no loss (padding): transformers' and PyTorch's
+from hydra_ddp.data import batches
+from hydra_ddp.errors import UserError
+from hydra_ddp.tasks.base import IGNORED, Task, full_precision
 
 
 class CausalLM(Task):
-    """Next-token prediction by a model that shifts its labels itself: position t's logits predict
-    label t+1. The loss and accuracy are per counted token; perplexity is exp of the per-token loss."""
+    """Next-token prediction where the labels are the inputs (transformers' convention): position
+    t's logits predict label t+1, and a label of -100 (padding, a packed document's first token)
+    counts in nothing. The loss and accuracy are per counted token; perplexity is exp of the
+    per-token loss."""
 
     metrics = {"loss": "min", "accuracy": "max", "perplexity": "min"}
     monitored = "loss"
@@ -27,22 +32,48 @@ class CausalLM(Task):
     integer_columns = ("tokens", "correct")
 
     def split(self, batch: Any) -> tuple[Any, Any]:
+        if not isinstance(batch, Mapping) or "labels" not in batch:
+            raise UserError(
+                f"task=causal_lm takes dict batches with input_ids and labels, and the data gives "
+                f"{batches.describe(batch)}: choose data=documents, data=text_dicts or a data source of such "
+                "dicts (task=language_model takes (inputs, next tokens) pairs; docs/language_models.md)"
+            )
         return batch, batch["labels"]
 
     def forward(self, model: Any, batch: Any) -> tuple[Any, Any]:
-        return model(**batch), batch["labels"]
+        inputs, labels = self.split(batch)
+        # Without its labels: a transformers model would compute its own per-batch mean loss too.
+        return model(**{key: value for key, value in inputs.items() if key != "labels"}), labels
 
-    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        return output.loss  # the model's own: the mean over the counted tokens, computed in float32
+    def units(self, batch: Any) -> torch.Tensor:
+        """The tokens the loss counts: every label after the first that is not -100."""
+        return (self.split(batch)[1][:, 1:] != IGNORED).sum()
+
+    def tokens(self, batch: Any) -> int:
+        """The tokens a batch trains on (its counted labels): a language model's throughput in tokens/s."""
+        return int(self.units(batch))
 
     def _token_losses(self, output: Any, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per position (batch, time-1): the loss, whether predicted right, whether counted."""
-        logits = full_precision(output.logits[:, :-1])
-        labels = target[:, 1:]
-        counted = labels != IGNORED
-        losses = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORED, reduction="none")
-        correct = (logits.argmax(-1) == labels) & counted
+        """Per position (batch, time): the loss of predicting the next label, whether predicted right,
+        whether counted. The labels are shifted, not the logits (no copy of the largest tensor); the
+        last position predicts nothing."""
+        logits = full_precision(getattr(output, "logits", output))
+        following = F.pad(target[:, 1:], (0, 1), value=IGNORED)
+        counted = following != IGNORED
+        losses = F.cross_entropy(
+            logits.flatten(0, 1), following.flatten(), ignore_index=IGNORED, reduction="none"
+        ).view_as(following)
+        correct = (logits.argmax(-1) == following) & counted
         return losses, correct, counted
+
+    def loss_sum(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = full_precision(getattr(output, "logits", output))
+        following = F.pad(target[:, 1:], (0, 1), value=IGNORED)
+        return F.cross_entropy(logits.flatten(0, 1), following.flatten(), ignore_index=IGNORED, reduction="sum")
+
+    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The batch's mean over its counted tokens (what train.py --check and the FLOP count run)."""
+        return self.loss_sum(output, target) / (target[:, 1:] != IGNORED).sum().clamp(min=1)
 
     def state(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         losses, correct, counted = self._token_losses(output, target)
@@ -50,15 +81,15 @@ class CausalLM(Task):
 
     def compute(self, total: list[float]) -> dict[str, float]:
         loss_sum, correct, count = total
-        loss = loss_sum / count
-        return {"loss": loss, "accuracy": correct / count, "perplexity": math.exp(min(loss, 700.0))}
+        loss = loss_sum / count if count else math.nan
+        return {
+            "loss": loss,
+            "accuracy": correct / count if count else math.nan,
+            "perplexity": math.exp(min(loss, 700.0)) if count else math.nan,
+        }
 
     def predict(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         losses, correct, counted = self._token_losses(output, target)
         tokens = counted.sum(1)
         mean = losses.double().sum(1) / tokens.clamp(min=1)
         return torch.stack([tokens.double(), correct.sum(1).double(), mean], 1)
-
-    def tokens(self, batch: Any) -> int:
-        """The tokens a batch trains on (its counted labels): a language model's throughput in tokens/s."""
-        return int((batch["labels"][:, 1:] != IGNORED).sum())

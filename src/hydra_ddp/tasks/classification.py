@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-from hydra_ddp.tasks.base import Task, beyond_classes, full_precision
+from hydra_ddp.tasks.base import IGNORED, Task, beyond_classes, full_precision
 
 
 class Classification(Task):
@@ -71,14 +71,31 @@ class Classification(Task):
 
 class LanguageModel(Classification):
     """Next-token prediction: logits (batch, vocab, time) against the next tokens (batch, time).
-    The loss and accuracy are per token; perplexity is exp of the per-token loss."""
+    A next token of -100 (padding) counts in nothing. The loss and accuracy are per counted token,
+    in training too (units: a step weighs every token alike, however the batches are split);
+    perplexity is exp of the per-token loss."""
 
     metrics = {"loss": "min", "accuracy": "max", "perplexity": "min"}
     monitored = "loss"
-    prediction_columns = ("tokens", "correct", "loss")  # per window: its tokens, those predicted, its mean loss
+    prediction_columns = ("tokens", "correct", "loss")  # per window: counted tokens, right ones, their mean loss
     integer_columns = ("tokens", "correct")
     target_dims = 1  # the next token at every position
     wants = "a sequence of next tokens per sample"  # type: ignore[assignment]
+
+    def units(self, batch: Any) -> torch.Tensor:
+        return (self.split(batch)[1] != IGNORED).sum()
+
+    def tokens(self, batch: Any) -> int:
+        return int(self.units(batch))
+
+    def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(full_precision(output), target, reduction="sum")
+
+    def state(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = full_precision(output)
+        losses = F.cross_entropy(logits, target, reduction="none").double()  # 0 where ignored
+        correct = (logits.argmax(1) == target).sum()
+        return torch.stack([losses.sum(), correct.double(), (target != IGNORED).sum().double()])
 
     def compute(self, total: list[float]) -> dict[str, float]:
         metrics = super().compute(total)
@@ -88,8 +105,9 @@ class LanguageModel(Classification):
         logits = full_precision(output)
         losses = F.cross_entropy(logits, target, reduction="none").flatten(1)
         correct = (logits.argmax(1) == target).flatten(1).sum(1)
-        tokens = torch.full_like(correct, losses.shape[1])
-        return torch.stack([tokens.double(), correct.double(), losses.double().mean(1)], 1)
+        tokens = (target != IGNORED).flatten(1).sum(1)
+        mean = losses.double().sum(1) / tokens.clamp(min=1)
+        return torch.stack([tokens.double(), correct.double(), mean], 1)
 
 
 def _dtype(target: torch.Tensor) -> str:

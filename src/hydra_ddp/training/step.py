@@ -1,9 +1,11 @@
-"""One optimizer step's work: each batch's forward and backward in the run's precision, the
-gradient all-reduce on the group's last batch only, clipping, and the optimizer step."""
+"""One optimizer step's work: its micro-batches' forwards and backwards in the run's precision, each
+loss weighed by what the task averages over, the gradient all-reduce on the last micro-batch only,
+clipping, and the optimizer step."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -11,23 +13,49 @@ import torch.distributed as dist
 
 from hydra_ddp.data import batches
 from hydra_ddp.errors import EveryRankError, UserError
-from hydra_ddp.tasks import checked_loss, misfit
+from hydra_ddp.tasks import checked_loss, misfit, weighs_units
 from hydra_ddp.training.timing import StepTimer
 
 # trainer.precision → autocast's dtype (None: fp32, no autocast).
 AUTOCAST_DTYPES: dict[str, Optional[torch.dtype]] = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
 
 
-def accumulation_group(batch: int, accumulate: int, batches_per_epoch: int) -> int:
-    """How many batches the optimizer step of the epoch's `batch`-th (from 1) batch takes: `accumulate`,
-    but fewer for the epoch's last step when the batches do not divide (divided by its own size, it
-    takes the mean gradient of its batches, as every other step does)."""
-    first = (batch - 1) // accumulate * accumulate + 1
-    return min(accumulate, batches_per_epoch - first + 1)
+def optimizer_steps(loader: Iterable, accumulate: int, done: int, batches_per_epoch: int) -> Iterator[list[Any]]:
+    """An epoch's batches grouped by optimizer step: `accumulate` at a time, and the epoch's last
+    step whatever is left (fewer when the batches do not divide). `done`: batches of the epoch
+    already trained on (a resumed run's: a multiple of `accumulate`), which the loader skips."""
+    group: list[Any] = []
+    for batch in loader:
+        group.append(batch)
+        done += 1
+        if done % accumulate == 0 or done == batches_per_epoch:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def sample_weights(sizes: list[int]) -> Optional[list[float]]:
+    """How each micro-batch's mean loss enters a step over samples: None where the micro-batches are
+    alike (each its mean ÷ their number: the mean over every sample, as one batch of them all would
+    give), else each its share of the step's samples (an epoch's short last batch weighs less). Every
+    rank holds as many samples (data.even_shards=true; else one batch per step), so the shares are
+    the global ones."""
+    if len(set(sizes)) == 1:
+        return None
+    total = sum(sizes)
+    return [size / total for size in sizes]
 
 
 class Step:
-    """Forward, backward and (on a group's last batch) the optimizer step, for one batch."""
+    """An optimizer step over a group of micro-batches: the forward and backward of each, then the
+    optimizer step.
+
+    The step's gradient is the mean over every unit of the step, on every rank: samples, or the
+    task's own units (Task.units: tokens that are not padding). Over units, each rank counts its
+    micro-batches' units and one all-reduce, started before the first forward, adds the counts of
+    all replicas; each micro-batch's loss_sum is then divided by that total ÷ replicas (the gradient
+    all-reduce averages over replicas). A micro-batch with no counted unit adds nothing, and no nan."""
 
     def __init__(self, settings: Any, parts: Any, timer: StepTimer, outputs: int):
         """`settings`: the trainer section; `parts`: the worker's (training.parts); `outputs`:
@@ -36,6 +64,8 @@ class Step:
         self.ema = parts.ema  # the weights' moving average, updated after each optimizer step (or None)
         self.device, self.timer, self.memory_format = parts.device, timer, parts.memory_format
         self.outputs = outputs
+        self.replicas = parts.strategy.data_parallel_size()  # what the gradient all-reduce averages over
+        self.over_units = weighs_units(self.task)  # the loss averages over the task's units (tokens), not samples
         self.checked = False  # the first batch: the task fits the data, its loss is a scalar
         self.amp_dtype = AUTOCAST_DTYPES[str(settings.precision)]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=str(settings.precision) == "16")  # fp16 only
@@ -46,38 +76,85 @@ class Step:
         self.first_batch: Any = None
         self.first_sample: Any = None
 
-    def run(self, batch: Any, sync: bool, group: int, step: int) -> torch.Tensor:
-        """Forward and backward of one batch; the optimizer makes step `step` on `sync` batches only.
-        `group`: the batches of this optimizer step, whose mean loss its gradient is."""
+    def run(self, group: list[Any], step: int) -> torch.Tensor:
+        """Forward and backward of each micro-batch of `group`, then optimizer step `step`. Returns
+        this rank's part of the step's loss: its mean over the ranks (the loss window's) is the
+        step's loss over every unit."""
+        weigh = self._weighing(group)
+        parts = [
+            self._micro_batch(batch, i == len(group) - 1, lambda loss, i=i: weigh(i, loss))  # all-reduce on the last
+            for i, batch in enumerate(group)
+        ]
+        if self.grad_clip:
+            self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients, not the scaled ones
+            # The gradients are all-reduced already: the same norm, and the same clipping, on every rank.
+            norm = self.strategy.clip_grad_norm(self.grad_clip)  # FSDP, TP: over the shards
+            self.grad_norms.append((step, norm.detach()))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
+        self.timer.lap("optimizer")
+        return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+    def _weighing(self, group: list[Any]) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """weigh(i, loss): micro-batch i's loss as its share of the step's gradient."""
+        if self.over_units:
+            divisor = self._unit_divisor(group)
+            return lambda i, total: total / divisor(total.dtype)
+        weights = sample_weights([self.task.samples(batch) for batch in group])
+        if weights is not None:
+            return lambda i, loss: loss * weights[i]
+        if len(group) > 1:
+            count = len(group)
+            return lambda i, loss: loss / count
+        return lambda i, loss: loss  # one micro-batch: no extra op in the graph
+
+    def _unit_divisor(self, group: list[Any]) -> Callable[[torch.dtype], torch.Tensor]:
+        """Count the group's units, start adding them over the replicas, and give what each
+        micro-batch's loss_sum is divided by: the step's units ÷ replicas (at least one unit in all),
+        in the loss's dtype, read when the first micro-batch needs it (its forward hides the sum)."""
+        try:
+            counts = [self.task.units(batch) for batch in group]
+        except UserError as problem:  # a batch the task cannot read: one line, on every rank alike
+            raise (EveryRankError(str(problem)) if not self.checked else problem) from None
+        total = torch.stack([torch.as_tensor(c).to(self.device, torch.int64, non_blocking=True) for c in counts]).sum()
+        work = self.strategy.sum_over_replicas(total)
+        divisors: dict[torch.dtype, torch.Tensor] = {}
+
+        def divisor(dtype: torch.dtype) -> torch.Tensor:
+            nonlocal work
+            if work is not None:
+                work.wait()
+                work = None
+            if dtype not in divisors:
+                divisors[dtype] = (total.clamp(min=1).double() / self.replicas).to(dtype)
+            return divisors[dtype]
+
+        return divisor
+
+    def _micro_batch(self, batch: Any, sync: bool, weigh: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of one micro-batch, its loss weighed by `weigh` (its share of the
+        step's gradient); DDP all-reduces the gradients in the backward of a `sync` one."""
         if not self.checked:
             self.first_batch, self.first_sample = batches.on_meta(batch), batches.first_sample(batch)
         batch = batches.to_device(batch, self.device, self.memory_format)
+        reduce = self.task.loss_sum if self.over_units else self.task.loss
         with contextlib.nullcontext() if sync else self.strategy.no_sync():  # no all-reduce mid-accumulation
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 if self.checked:
-                    loss = self.task.loss(*self.task.forward(self.model, batch))
+                    loss = reduce(*self.task.forward(self.model, batch))
                 else:
                     # A task that cannot read the batch or the output: one line, on every rank alike.
-                    loss = checked_loss(self.task, self.model, batch, self._check_fit, EveryRankError)
+                    loss = checked_loss(self.task, self.model, batch, self._check_fit, EveryRankError, reduce)
             if not self.checked:
                 self._check_loss(loss)
             self.timer.lap("forward")
-            scaled = loss / group if group > 1 else loss  # no extra op in the graph for 1
-            self.scaler.scale(scaled).backward()  # DDP all-reduces here on sync
+            weighed = weigh(loss)
+            self.scaler.scale(weighed).backward()  # DDP all-reduces here on sync
             self.timer.lap("backward")
-        if sync:
-            if self.grad_clip:
-                self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients, not the scaled ones
-                # The gradients are all-reduced already: the same norm, and the same clipping, on every rank.
-                norm = self.strategy.clip_grad_norm(self.grad_clip)  # FSDP, TP: over the shards
-                self.grad_norms.append((step, norm.detach()))
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.ema is not None:
-                self.ema.update()
-            self.timer.lap("optimizer")
-        return loss.detach()
+        return weighed.detach()
 
     def _check_fit(self, y: Any) -> None:
         """The task fits the data, before the first loss: judged on the first batch's first target

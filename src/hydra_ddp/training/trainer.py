@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms import Join
 from tqdm import tqdm
 
+from hydra_ddp.checkpoint import checkpointer as checkpointing
 from hydra_ddp.checkpoint.saving import Saving
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.recipe import schedules
@@ -22,7 +23,7 @@ from hydra_ddp.training.parts import Parts
 from hydra_ddp.training.position import Position
 from hydra_ddp.training.profiling import profiling
 from hydra_ddp.training.pruning import Pruning
-from hydra_ddp.training.step import Step, accumulation_group
+from hydra_ddp.training.step import Step, optimizer_steps
 from hydra_ddp.training.stop import Ending
 from hydra_ddp.training.throughput import Overheads, Throughput
 from hydra_ddp.training.timing import StepTimer, per_rank, straggler
@@ -73,6 +74,9 @@ class Trainer:
     def resume_from(self, path: Path, state: dict[str, Any], cause: str = "resume") -> None:
         """Continue from a checkpoint (`cause`: why, should the world size differ; position.resize_cause)."""
         self.saving.resume_from(path, state)
+        # Mid-epoch the position counts this rank's micro-batches, always whole optimizer steps: at
+        # another accumulation (a resize keeps the global batch), the same steps are as many more or fewer.
+        self.pos.batch = self.pos.batch // checkpointing.saved_accumulation(state) * self.accumulate
         resize = self.pos.continued_at(self.world_size, saved_ranks=len(state["rng"]), cause=cause)
         if resize:
             self.reporter.scalars({"train/world_size": self.world_size}, self.pos.step)
@@ -174,27 +178,17 @@ class Trainer:
         return Join([getattr(self.model, "_orig_mod", self.model)], divide_by_initial_world_size=False)
 
     def _run_batches(self, max_steps: int) -> bool:
-        """The epoch's batches; True when the ranks agreed to stop early."""
-        accumulate = self.accumulate
-        micro_losses: list[torch.Tensor] = []
-        samples, tokens = 0, 0
+        """The epoch's optimizer steps; True when the ranks agreed to stop early."""
         task = self.step.task
         counts_tokens = type(task).tokens is not Task.tokens
         self.throughput.start()
-        for batch in self.timer.batches(self.loaders.train):
-            self.pos.batch += 1
-            # Gradients are all-reduced once per optimizer step, on its last batch.
-            sync = self.pos.batch % accumulate == 0 or self.pos.batch == self.batches_per_epoch
-            group = accumulation_group(self.pos.batch, accumulate, self.batches_per_epoch)
-            samples += task.samples(batch)  # samples, not targets (a sequence's tokens, an image's pixels)
-            if counts_tokens:
-                tokens += task.tokens(batch)
-            micro_losses.append(self.step.run(batch, sync, group, self.pos.step + 1))
-            if not sync:
-                continue
-            loss = micro_losses[0] if len(micro_losses) == 1 else torch.stack(micro_losses).mean()
-            self.throughput.step_done(samples, tokens if counts_tokens else None)
-            micro_losses, samples, tokens = [], 0, 0
+        batches = self.timer.batches(self.loaders.train)
+        for group in optimizer_steps(batches, self.accumulate, self.pos.batch, self.batches_per_epoch):
+            self.pos.batch += len(group)
+            samples = sum(task.samples(batch) for batch in group)  # samples, not targets (a sequence's tokens)
+            tokens = sum(task.tokens(batch) for batch in group) if counts_tokens else None
+            loss = self.step.run(group, self.pos.step + 1)
+            self.throughput.step_done(samples, tokens)
             self.pos.step += 1
             self.schedule.optimizer_stepped(self.pos.step)
             self.timer.end_step()
@@ -308,6 +302,7 @@ def results(trainer: Trainer, epochs: int) -> dict[str, Any]:
         "objective": monitor.best,  # what train.py returns to a sweeper
         "history": trainer.validation.history,
         **trainer.throughput.results(),
+        "tokens_per_step": tokens_per_step(trainer),  # a language model's, else None
         **trainer.overheads.results(),  # rank 0's
         "ranks": trainer.ranks,  # seconds per step by phase, per rank (timing.py)
         "straggler": trainer.straggler,
@@ -320,3 +315,15 @@ def results(trainer: Trainer, epochs: int) -> dict[str, Any]:
             or ("max_steps" if max_steps and trainer.pos.step >= max_steps else "epochs")
         ),
     }
+
+
+def tokens_per_step(trainer: Trainer) -> Optional[float]:
+    """The mean tokens an optimizer step trained on, over every replica (a task that counts tokens)."""
+    throughput = trainer.throughput
+    if not throughput.token_samples or not throughput.step_times:
+        return None
+    total = torch.tensor(float(throughput.tokens), dtype=torch.float64, device=trainer.device)
+    work = trainer.step.strategy.sum_over_replicas(total)
+    if work is not None:
+        work.wait()
+    return total.item() / len(throughput.step_times)

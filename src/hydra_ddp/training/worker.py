@@ -166,13 +166,15 @@ def _train(
         torch.get_num_threads(),
         os.getpid(),
     )
-    # An elastic run: the per-rank batch at the world size its rendezvous gave. A worker's own finding,
-    # kept beside the run's config (recorded in the summary and the checkpoint), not an edit of it.
-    data_cfg = cfg.data
+    # An elastic run: the accumulation that keeps the global batch, with the same micro-batch, at the
+    # world size its rendezvous gave. The run's config at this size, recorded in the summary and the
+    # checkpoint.
     at_size = elastic.at_world_size(cfg, rank.world_size)
     if at_size:
-        data_cfg = dataclasses.replace(cfg.data, batch_size=at_size["data.batch_size"])
+        trainer_here = dataclasses.replace(cfg.trainer, accumulate=at_size["trainer.accumulate"])
+        cfg = dataclasses.replace(cfg, trainer=trainer_here).freeze()
         log.info("world size %d: %s", rank.world_size, " ".join(f"{k}={v}" for k, v in at_size.items()))
+    data_cfg = cfg.data
     seed_everything(cfg.trainer.seed)  # alike on every rank: the model's initial weights
     spread = strategies.build(cfg, device)  # DDP's replicas, FSDP's shards or tensor parallel (parallel/)
     replica = spread.data_shard(rank)  # which batches this rank reads: its own, but under tensor parallel
@@ -210,12 +212,14 @@ def _train(
         scheduler = schedules.build(cfg.scheduler, optimizer, length.total_steps)
     except UserError as e:  # a warmup longer than the run: every rank measured the same length
         raise EveryRankError(str(e)) from None
-    # What checkpoints record beside the config: the settings this worker settled, its batch.
-    found = {**fast, "data.batch_size": data_cfg.batch_size}
+    # What checkpoints record beside the config: the settings this worker settled.
+    found = dict(fast)
     checkpointer = checkpointing.Checkpointer(cfg, out, rank, device, found, sharded=spread.sharded_checkpoints)
     # Rank 0 picks the checkpoint (on every node the same file: checkpoints live with rank 0).
     resume = checkpointer.choose(checkpoints.resume_setting(cfg.trainer.resume)) if rank.is_main else None
     changed = fingerprint.config_changes(resume[1]["config"], checkpointer.recorded) if resume else []
+    if elastic.is_elastic(cfg.launcher):  # a resize changes the accumulation by design
+        changed = [change for change in changed if not change.startswith("trainer.accumulate:")]
     if changed:  # the checkpoint's values are not restored: the run goes on with this command's
         log.warning(
             "resuming %s with a config that differs from the checkpoint's (this command's values apply; "
@@ -266,8 +270,9 @@ def _train(
             "launcher": cfg.launcher.name,
             "init_method": cfg.init_method.name,
             "device": device.type,
-            "batch_size": data_cfg.batch_size,
-            "global_batch_size": cfg.data.global_batch_size,
+            "batch_size": data_cfg.batch_size,  # per micro-batch, per model replica
+            "accumulate": cfg.trainer.accumulate,
+            "global_batch_size": cfg.data.global_batch_size,  # per optimizer step: all replicas and micro-batches
             "settings": fast,
             "deterministic": cfg.trainer.deterministic,
             "strategy": spread.name,

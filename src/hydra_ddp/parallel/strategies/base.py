@@ -122,6 +122,14 @@ class Strategy:
             return {"reduce": False, "group": None}
         return {"reduce": True, "group": self.mesh["dp"].get_group()}
 
+    def sum_over_replicas(self, tensor: torch.Tensor) -> Optional[dist.Work]:
+        """Start adding `tensor` (a count) over the model replicas in place, as eval_reduction adds
+        the evaluation's sums: the work to wait for, or None where there is nothing to add."""
+        how = self.eval_reduction()
+        if not how["reduce"]:
+            return None
+        return dist.all_reduce(tensor, group=how["group"], async_op=True)
+
     @property
     def eval_module(self) -> nn.Module:
         return self.module
