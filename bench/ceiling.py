@@ -116,13 +116,13 @@ def train_alone(process: int, cfg: Any, out_dir: str, counters: Any = None, shar
     from hydra_ddp.parallel.distributed import RankInfo
     from hydra_ddp.recipe import optimizer as optimizers
     from hydra_ddp.recipe import schedules
-    from hydra_ddp.training import worker
+    from hydra_ddp.training import seeding
 
     trainer, world = cfg.trainer, cfg.trainer.nproc
     torch.set_num_threads(trainer.threads)
     rank = RankInfo(process, world, process, world)
     device = torch.device("cpu")
-    worker.seed_everything(trainer.seed)  # the project's initial weights
+    seeding.seed_everything(trainer.seed)  # the project's initial weights
     loaders = data.build_loaders(cfg.data, rank, trainer.seed, device)
     model = instantiate(cfg.model)
     channels_last = trainer.channels_last

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from hydra.utils import instantiate
+from torch.utils.data import IterableDataset
 
 from hydra_ddp import data, tasks
 from hydra_ddp.checkpoint import files as checkpoints
@@ -34,6 +36,9 @@ def check(cfg: Any, run_dir: Path) -> None:
             "or start anew in another hydra.run.dir (nothing was overwritten)"
         )
     targets.check(data_cfg.dataset, "data.dataset")
+    source = targets.locate(data_cfg.dataset["_target_"], "data.dataset")
+    if isinstance(source, type) and issubclass(source, IterableDataset):
+        raise UserError(data.stream_refusal(data_cfg.dataset["_target_"], source.__name__))
     data.check_source(data_cfg)
     targets.check(cfg.model, "model")
     targets.check(cfg.optim, "optim")
@@ -60,6 +65,7 @@ def check(cfg: Any, run_dir: Path) -> None:
     _check_workflow(cfg)
     _check_loading(data_cfg)
     _check_recipe(cfg)
+    _check_model_fits_data(cfg)
     world = trainer.nproc * launcher.nnodes
     ranks = cfg.profiler.ranks
     if ranks is not None and not all(isinstance(r, int) and 0 <= r < world for r in ranks):
@@ -93,6 +99,60 @@ def check(cfg: Any, run_dir: Path) -> None:
         raise UserError("across nodes the ranks meet through torchrun's rendezvous: use init_method=env")
     if cfg.init_method.name == "file" and launcher.max_restarts:
         raise UserError("a restarted group cannot reuse a file:// store: use init_method=env or tcp with restarts")
+
+
+def model_on_meta(model_cfg: Any) -> Any:
+    """The model built on the meta device (no memory, any size), once per model config in this
+    process (train.py --check and the launch side's settling share it); raises what building raises."""
+    key = json.dumps(model_cfg, sort_keys=True, default=str)
+    if key not in _ON_META:
+        with torch.device("meta"):
+            _ON_META[key] = instantiate(model_cfg)
+    return _ON_META[key]
+
+
+_ON_META: dict[str, Any] = {}
+
+
+def _check_model_fits_data(cfg: Any) -> None:
+    """A model of the project's own that does not build (a transformers config it refuses, heads that
+    do not divide the width) is one line here, not a traceback from every worker; and a language
+    model has positions for the data's longest sequence and a row of its embedding for every id."""
+    target = str(cfg.model.get("_target_", ""))
+    try:
+        model = model_on_meta(cfg.model)
+    except UserError:
+        raise
+    except Exception as error:  # noqa: BLE001
+        if target.startswith("hydra_ddp."):
+            raise UserError(
+                f"model={groups.chosen('model', cfg.model)} does not build: {first_line(root_cause(error))}"
+            ) from None
+        return  # a model of yours that builds only in a worker (it asks for its rank, say): the workers report it
+    length, ids = data.text_shape(cfg.data)
+    positions = _positions(model)
+    if length is not None and positions is not None and length > positions:
+        raise UserError(
+            f"the data's sequences are up to {length} tokens (data.dataset's), and the model has {positions} "
+            "positions: shorten the data's sequences, or give the model more positions"
+        )
+    rows = model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings") else None
+    if ids is not None and rows is not None and ids > rows:
+        raise UserError(
+            f"the data's token ids go up to {ids - 1} (a vocabulary of {ids}), and the model's embedding has "
+            f"{rows} rows: set the model's vocabulary to data.num_classes, and data.num_classes={ids}"
+        )
+
+
+def _positions(model: Any) -> Any:
+    """The longest sequence a language model takes: the built-in GPT's context, a transformers
+    config's positions; None where the model does not say."""
+    config = getattr(model, "config", None)
+    for owner, name in ((model, "context"), (config, "max_position_embeddings"), (config, "n_positions")):
+        value = getattr(owner, name, None)
+        if isinstance(value, int):
+            return value
+    return None
 
 
 def _check_loading(data_cfg: Any) -> None:
@@ -139,8 +199,7 @@ def _check_recipe(cfg: Any) -> None:
         if not patterns or not all(isinstance(p, str) and p for p in patterns):
             raise UserError(f"param_groups.no_decay={list(patterns)}: give one or more name patterns (or none, auto)")
         try:
-            with torch.device("meta"):
-                model = instantiate(cfg.model)
+            model = model_on_meta(cfg.model)
         except Exception:  # noqa: BLE001  (a model that does not build is the dry build's, or the run's, to report)
             return
         missing = optimizers.unmatched(model, list(patterns))
@@ -172,15 +231,14 @@ def dry_build(cfg: Any) -> None:
     model_and_data = f"{groups.chosen('model', cfg.model)} with {groups.chosen('data', cfg.data.dataset)}"
     task = tasks.build(cfg.task)
     with _one_line(f"{model_and_data} does not build and run one batch (checked on the meta device)"):
-        with torch.device("meta"):
-            model = instantiate(cfg.model)
+        model = model_on_meta(cfg.model)
         if not cfg.data.dataset.get("download", False):  # a download is the run's to make
             train = data.build_datasets(cfg.data, RankInfo(0, 1, 0, 1), cfg.trainer.seed)["train"]
             samples = [train[i] for i in range(min(64, len(train)))]
             problem = tasks.misfit(task, tasks.fit_targets(task, samples), cfg.data.num_classes)
             if problem:
                 raise UserError(problem)
-            batch = batches.collate(samples[:2])
+            batch = batches.collate_for(train)(samples[:2])
             task.samples(batch)  # tensors that disagree on the batch size: one line here, not in a worker
             loss = run_shapes_only(  # on the CPU, for real, where the model reads its inputs' values
                 lambda: instantiate(cfg.model),

@@ -9,15 +9,13 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from hydra_ddp import monitor, performance, tasks
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import domains, elastic, groups, run_config, schema
-from hydra_ddp.config.checks import check
+from hydra_ddp.config.checks import check, model_on_meta
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import startup
@@ -83,8 +81,7 @@ def _has_conv2d(model_cfg: Any) -> Optional[bool]:
     settle channels_last from the model they build, and record it. A model that does not build at
     all is the checks' to report, in one line."""
     try:
-        with torch.device("meta"):
-            return performance.has_conv2d(instantiate(model_cfg))
+        return performance.has_conv2d(model_on_meta(model_cfg))
     except Exception:  # noqa: BLE001
         return None
 

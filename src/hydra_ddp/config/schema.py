@@ -97,6 +97,10 @@ class DataConf(Section):
     # batches each DataLoader worker loads ahead (null: DataLoader's default)
     prefetch_factor: Annotated[Optional[int], AtLeast(1)] = None
     drop_last: bool = False  # drop each rank's last, smaller training batch
+    # Sort training samples by length within windows of this many optimizer steps (each step then
+    # holds samples of similar lengths: less padding), the steps of a window in a seeded order; the
+    # same at any world size. null: off. For data whose samples know their lengths (data=documents).
+    group_by_length: Annotated[Optional[int], AtLeast(1)] = None
     # true: DistributedSampler pads each rank's shard to the same length by repeating samples.
     # false: disjoint shards, every sample once per epoch; DDP's Join matches the collectives of
     # ranks that run out of batches first.

@@ -25,6 +25,8 @@ from hydra_ddp.data.loading import (  # noqa: F401
     carve,
     eval_split,
     loader_options,
+    save_with_run,
+    stream_refusal,
 )
 from hydra_ddp.data.sampling import (  # noqa: F401
     ResumableDistributedSampler,
@@ -50,4 +52,6 @@ from hydra_ddp.data.sources import (  # noqa: F401
     split_folders,
     synthetic,
     synthetic_regression,
+    text_shape,
 )
+from hydra_ddp.data.text import PadCollate, TokenDocuments, documents  # noqa: F401

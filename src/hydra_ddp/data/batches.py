@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 from hydra_ddp.errors import UserError
 
@@ -51,6 +51,35 @@ def collate(samples: list[Any]) -> Any:
     if isinstance(first, tuple) and hasattr(first, "_fields"):
         return type(first)(*(collate(list(items)) for items in zip(*samples)))
     return [collate(list(items)) for items in zip(*samples)]
+
+
+def base_dataset(dataset: Dataset) -> Dataset:
+    """The dataset a Subset (a carved validation split, say) views, however deep."""
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return dataset
+
+
+def collate_for(dataset: Dataset) -> Callable[[list[Any]], Any]:
+    """How a dataset's samples become a batch: its own `collate` (data.text's padding of samples of
+    different lengths), else collate."""
+    return getattr(base_dataset(dataset), "collate", collate)
+
+
+def lengths_of(dataset: Dataset) -> Any:
+    """Each sample's length (a tensor), for data.group_by_length: a dataset's own `lengths`, through
+    any Subset's indices; None where it has none."""
+    views = []
+    while isinstance(dataset, Subset):
+        views.append(dataset.indices)
+        dataset = dataset.dataset
+    lengths = getattr(dataset, "lengths", None)
+    if lengths is None:
+        return None
+    lengths = torch.as_tensor(lengths)
+    for indices in reversed(views):
+        lengths = lengths[torch.as_tensor(indices)]
+    return lengths
 
 
 def _holds_dataclass(sample: Any) -> bool:

@@ -13,12 +13,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset
 
 from hydra_ddp.data import batches, shards
 from hydra_ddp.data.sampling import (
@@ -27,7 +28,7 @@ from hydra_ddp.data.sampling import (
     ShardWindowSampler,
     sample_seed,
 )
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.launch import startup
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.reporting import hangs
@@ -63,7 +64,8 @@ class EvalSplit:
         self.dataset = dataset
         self.passes = 0
         self.tensors = batches.to_device(batches.whole(dataset), device) if preload else None
-        self.collate = loader_options.get("collate_fn", batches.collate)
+        self.collate = batches.collate_for(dataset)
+        loader_options = {**loader_options, "collate_fn": self.collate}
         self.loader = (
             None
             if preload
@@ -138,6 +140,9 @@ def build_datasets(data_cfg: Any, rank: RankInfo, seed: int) -> dict[str, Option
             f"data.dataset ({dataset_cfg.get('_target_')}) must return (train, test) or "
             f"(train, val, test), got {type(splits).__name__}"
         )
+    streams = [type(split).__name__ for split in splits if isinstance(split, IterableDataset)]
+    if streams:
+        raise EveryRankError(stream_refusal(str(dataset_cfg.get("_target_")), streams[0]))
     train, *val, test = splits
     if data_cfg.overfit_batches:  # the first samples, trained and validated on: loss must reach ~0
         n = min(len(train), data_cfg.overfit_batches * data_cfg.batch_size * rank.world_size)
@@ -150,6 +155,17 @@ def build_datasets(data_cfg: Any, rank: RankInfo, seed: int) -> dict[str, Option
         return {"train": train, "val": val[0], "test": test}
     train, carved = carve(train, fraction, seed)
     return {"train": train, "val": carved, "test": test}
+
+
+def stream_refusal(target: str, stream: str) -> str:
+    """Why a stream (an IterableDataset: webdataset's, datasets' streaming, torchdata's) is refused,
+    and how to train on its samples: as shards."""
+    return (
+        f"data.dataset ({target}) gives a stream ({stream}, an IterableDataset): exact resume and "
+        f"every-sample-once evaluation need samples by index; write it as shards (python -m "
+        f"hydra_ddp.tools.shards write DIR --source {target}) and train with data=shards "
+        "data.dataset.root=DIR (docs/streaming.md)"
+    )
 
 
 def carve(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
@@ -323,6 +339,7 @@ def build_loaders(
         seed=seed,
         pad=data_cfg.even_shards,
         keyed=seeded,
+        by_length=_by_length(train_set, data_cfg),
     )
     val, test = (
         eval_split(splits[s], data_cfg, shard, seed, device) if splits[s] is not None else None for s in ("val", "test")
@@ -336,6 +353,29 @@ def build_loaders(
             batch_size=data_cfg.batch_size,
             sampler=train_sampler,
             drop_last=data_cfg.drop_last,
-            **loader_options(data_cfg, seed, device, rank.rank),
+            **{**loader_options(data_cfg, seed, device, rank.rank), "collate_fn": batches.collate_for(train_set)},
         )
     return Loaders(train, val, test, train_sampler, data_cfg.batch_size)  # type: ignore[arg-type]
+
+
+def save_with_run(data_cfg: Any, run_dir: Path) -> Optional[Path]:
+    """What the data source keeps with the run (data=documents: its tokenizer, as transformers loads
+    it), written by rank 0: where, or None for a source that keeps nothing."""
+    from hydra_ddp.config import targets
+
+    source = targets.locate(data_cfg.dataset["_target_"], "data.dataset")
+    save = getattr(source, "save_with_run", None)
+    return save(data_cfg.dataset, run_dir) if save is not None else None
+
+
+def _by_length(train_set: Dataset, data_cfg: Any) -> Optional[tuple[torch.Tensor, int, int]]:
+    """data.group_by_length: (each sample's length, samples per optimizer step, steps per window)."""
+    if data_cfg.group_by_length is None:
+        return None
+    lengths = batches.lengths_of(train_set)
+    if lengths is None:
+        raise EveryRankError(
+            f"data.group_by_length={data_cfg.group_by_length}: the training set ({type(train_set).__name__}) does "
+            "not say its samples' lengths (a `lengths` tensor, as data=documents has); leave it null"
+        )
+    return lengths, data_cfg.global_batch_size, data_cfg.group_by_length

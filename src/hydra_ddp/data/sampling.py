@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler
@@ -20,10 +21,20 @@ class ResumableDistributedSampler(DistributedSampler):
     of batches one batch apart (the loop keeps their collectives matched with DDP's Join).
     """
 
-    def __init__(self, *args: Any, pad: bool = True, keyed: bool = False, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        pad: bool = True,
+        keyed: bool = False,
+        by_length: Optional[tuple[torch.Tensor, int, int]] = None,
+        **kwargs: Any,
+    ):
+        """`by_length`: (each sample's length, samples per optimizer step over all ranks, steps per
+        window) to group the epoch's order by length (group_by_length), or None."""
         super().__init__(*args, **kwargs)
         self.pad = pad
         self.keyed = keyed  # yield (epoch, index): the key a SeededSamples dataset draws its randomness from
+        self.by_length = by_length
         self.start = 0
         if not pad:
             self.num_samples = len(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]
@@ -37,21 +48,53 @@ class ResumableDistributedSampler(DistributedSampler):
         self.start = samples
 
     def __iter__(self) -> Iterator[Any]:
-        indices = itertools.islice(super().__iter__() if self.pad else self._shard(), self.start, None)
+        if self.by_length is None:
+            everyone = super().__iter__() if self.pad else self._shard(self._order())
+        else:
+            everyone = self._shard(grouped_by_length(self._order(), *self.by_length, self.seed, self.epoch))
+        indices = itertools.islice(everyone, self.start, None)
         return ((self.epoch, index) for index in indices) if self.keyed else indices
 
-    def _shard(self) -> Iterator[int]:
+    def _order(self) -> torch.Tensor:
+        """The epoch's order of every sample: DistributedSampler's shuffle, one permutation per epoch
+        seeded by seed + epoch, equal on every rank."""
         n = len(self.dataset)  # type: ignore[arg-type]
-        # The same shuffle as DistributedSampler's: one permutation per epoch, equal on every rank.
-        order = (
-            torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-            if self.shuffle
-            else torch.arange(n)
-        )
-        return iter(order[self.rank :: self.num_replicas].tolist())
+        if not self.shuffle:
+            return torch.arange(n)
+        return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+
+    def _shard(self, order: torch.Tensor) -> Iterator[int]:
+        """This rank's positions r, r+W, … of the order; padded as DistributedSampler pads (the first
+        samples again) where every rank takes as many."""
+        if self.pad and len(order) < self.total_size:
+            order = torch.cat(
+                [order, order.repeat(math.ceil(self.total_size / len(order)))[: self.total_size - len(order)]]
+            )
+        return iter(order[self.rank : self.total_size if self.pad else None : self.num_replicas].tolist())
 
     def __len__(self) -> int:
         return max(0, self.num_samples - self.start)
+
+
+def grouped_by_length(
+    order: torch.Tensor, lengths: torch.Tensor, step: int, window: int, seed: int, epoch: int
+) -> torch.Tensor:
+    """The epoch's `order` with the samples of each window of `window` optimizer steps (`step` samples
+    each, over all ranks) sorted by length, longest first, so that a step's samples are of similar
+    lengths (less padding), then the window's steps in an order seeded by (seed, epoch, window).
+    Steps stay whole and aligned (only the epoch's last may be short, and stays last), so the split of
+    a step over ranks and micro-batches, hence the world size, changes nothing."""
+    size = step * window
+    parts = []
+    for number, start in enumerate(range(0, len(order), size)):
+        chunk = order[start : start + size]
+        chunk = chunk[torch.sort(lengths[chunk], descending=True, stable=True).indices]
+        steps = list(chunk.split(step))
+        whole = len(steps) - (len(steps[-1]) < step)  # a short last step of the epoch stays last
+        shuffle = sample_seed(seed, epoch, number) & 0x7FFF_FFFF_FFFF_FFFF
+        permuted = torch.randperm(whole, generator=torch.Generator().manual_seed(shuffle)).tolist()
+        parts += [steps[i] for i in permuted] + steps[whole:]
+    return torch.cat(parts) if parts else order
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset, TensorDataset
 
-from hydra_ddp.data import shards
+from hydra_ddp.data import shards, text
 from hydra_ddp.data.batches import TensorTree
 from hydra_ddp.errors import UserError
 
@@ -303,6 +304,28 @@ def split_folders(root: Path) -> dict[str, Path]:
     return {}
 
 
+def text_shape(data_cfg: Any) -> tuple[Optional[int], Optional[int]]:
+    """(the longest sequence, the vocabulary) of the language-model data shipped here, from its config
+    alone (a tokenizer file is read, none is trained); (None, None) for other data."""
+    dataset_cfg = data_cfg.dataset
+    target = str(dataset_cfg.get("_target_", ""))
+    if target.endswith(".documents"):
+        return _setting(dataset_cfg, text.documents, "context"), text.vocabulary_size(dataset_cfg)
+    if target.endswith(".python_source"):
+        return _setting(dataset_cfg, python_source, "context"), 256
+    if target.endswith(".python_source_dicts"):
+        return _setting(dataset_cfg, python_source_dicts, "tokens"), 256
+    if target.endswith(".sharded"):
+        meta = shards.read_manifest(dataset_cfg.get("root")).get("meta", {})
+        return meta.get("context"), meta.get("vocab_size")
+    return None, None
+
+
+def _setting(dataset_cfg: Any, source: Any, name: str) -> Any:
+    """A source's argument as configured, else its default."""
+    return dataset_cfg.get(name, inspect.signature(source).parameters[name].default)
+
+
 def check_source(data_cfg: Any) -> None:
     """Fail before launch, naming the path, when a dataset's files are missing.
 
@@ -312,7 +335,24 @@ def check_source(data_cfg: Any) -> None:
     dataset_cfg, num_classes = data_cfg.dataset, data_cfg.num_classes
     target = str(dataset_cfg.get("_target_", ""))
     root = dataset_cfg.get("root")
-    if target.endswith(".sharded"):
+    grouped = getattr(data_cfg, "group_by_length", None)
+    if grouped is not None and (
+        target.endswith(".sharded") or (target.endswith(".documents") and dataset_cfg.get("packing"))
+    ):
+        what = (
+            "a shard directory is read in shard windows"
+            if target.endswith(".sharded")
+            else "packed windows are one length"
+        )
+        raise UserError(f"data.group_by_length={grouped}: {what}, nothing to group; leave it null")
+    if target.endswith(".documents"):
+        vocabulary = text.vocabulary_size(dataset_cfg)
+        if vocabulary > num_classes:
+            raise UserError(
+                f"data=documents: the tokenizer makes {vocabulary} ids, and data.num_classes={num_classes} (the "
+                f"model's vocabulary reads it): set data.num_classes={vocabulary}"
+            )
+    elif target.endswith(".sharded"):
         shards.check(dataset_cfg, data_cfg)
     elif target.endswith(".image_folder"):
         path = _require_dir(root, "data=imagefolder")

@@ -122,6 +122,7 @@ def format_summary(s: dict[str, Any]) -> str:
             else []
         ),
         ("epochs / steps", f"{s['epochs']} / {s['steps']} (ended by {ended})"),
+        *([("batch", _batch_line(s))] if s.get("accumulate") else []),
         ("train loss", f"{s['train_loss']:.4f}"),
     ]
     names = s.get("metrics", ["loss", "accuracy"])  # the task's metrics
@@ -172,6 +173,17 @@ def format_summary(s: dict[str, Any]) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _batch_line(s: dict[str, Any]) -> str:
+    """An optimizer step's samples: micro-batch × accumulation × replicas (and its tokens)."""
+    micro, accumulate, total = s["batch_size"], s["accumulate"], s["global_batch_size"]
+    replicas = total // (micro * accumulate)
+    tokens = f" ({s['tokens_per_step']:,.0f} tokens)" if s.get("tokens_per_step") else ""
+    return (
+        f"{total} samples per optimizer step{tokens}: micro-batches of {micro} × {accumulate} accumulated × "
+        f"{replicas} replica{'s' if replicas > 1 else ''}"
+    )
 
 
 def hparams(cfg: Any, world_size: int) -> dict[str, Any]:

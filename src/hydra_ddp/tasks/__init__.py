@@ -14,6 +14,6 @@ from hydra_ddp.tasks.base import (  # noqa: F401
     misfit,
     weighs_units,
 )
-from hydra_ddp.tasks.causal_lm import CausalLM  # noqa: F401
+from hydra_ddp.tasks.causal_lm import CausalLM, packing_warning  # noqa: F401
 from hydra_ddp.tasks.classification import Classification, LanguageModel  # noqa: F401
 from hydra_ddp.tasks.dense import Regression, Segmentation  # noqa: F401

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 from hydra_ddp.data import batches
+from hydra_ddp.data.batches import TensorTree
 from hydra_ddp.errors import UserError
 from hydra_ddp.tasks.base import IGNORED, Task, full_precision
 
@@ -88,8 +89,64 @@ class CausalLM(Task):
             "perplexity": math.exp(min(loss, 700.0)) if count else math.nan,
         }
 
+    def crosses_documents(self, model: Any, batch: Any) -> Optional[float]:
+        """For a packed batch (position ids that restart mid-row): how far the model's logits for a
+        document move when an earlier document shares its row, relative to their size (about 0: the
+        model attends within each document only). None where no row holds two documents."""
+        positions = batch.get("position_ids") if isinstance(batch, Mapping) else None
+        if positions is None:
+            return None
+        restarts = positions[:, 1:] != positions[:, :-1] + 1
+        rows = restarts.any(1).nonzero()
+        if not len(rows):
+            return None
+        row = int(rows[0])
+        start = int(restarts[row].nonzero()[0]) + 1
+        later = restarts[row, start:].nonzero()
+        end = start + int(later[0]) + 1 if len(later) else positions.shape[1]
+        ids, where = batch["input_ids"][row : row + 1], positions[row : row + 1]
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                packed = getattr(model(input_ids=ids, position_ids=where), "logits", None)
+                alone = getattr(model(input_ids=ids[:, start:end], position_ids=where[:, start:end]), "logits", None)
+        finally:
+            model.train(training)
+        if packed is None or alone is None:
+            return None
+        packed, alone = packed[0, start:end].float(), alone[0].float()
+        return ((packed - alone).abs().max() / alone.abs().max().clamp(min=1e-12)).item()
+
     def predict(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         losses, correct, counted = self._token_losses(output, target)
         tokens = counted.sum(1)
         mean = losses.double().sum(1) / tokens.clamp(min=1)
         return torch.stack([tokens.double(), correct.sum(1).double(), mean], 1)
+
+
+CROSSING = 1e-3  # a relative move of a document's logits beyond float noise (1e-6 here): another document seen
+
+
+def packing_warning(task: Task, model: Any, dataset: Any) -> Optional[str]:
+    """One line when the training set is packed documents and the model attends across them (its
+    logits for a document move with the document before it in the window), checked on the first few
+    windows before training; None otherwise."""
+    if not isinstance(task, CausalLM) or not isinstance(dataset, TensorTree):
+        return None
+    if not isinstance(dataset.tree, Mapping) or "position_ids" not in dataset.tree:
+        return None
+    positions = dataset.tree["position_ids"]
+    several = (positions[:, 1:] != positions[:, :-1] + 1).any(1).nonzero()  # windows of two documents or more
+    if not len(several):
+        return None
+    window = dataset[several[:1, 0]]
+    moved = task.crosses_documents(model, batches.to_device(window, next(model.parameters()).device))
+    if moved is None or moved <= CROSSING:
+        return None
+    return (
+        f"{type(model).__name__} attends across the documents packed into a window (a document's logits move by "
+        f"{moved:.1e} with the one before it): it does not read restarting position_ids as document boundaries. "
+        "Use a model that does (the built-in GPT; transformers' with sdpa or flash attention), or "
+        "data.dataset.packing=false"
+    )

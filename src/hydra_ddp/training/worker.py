@@ -12,14 +12,12 @@ import dataclasses
 import gc
 import logging
 import os
-import random
 import resource
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
@@ -50,7 +48,7 @@ from hydra_ddp.recipe import ema as averaging
 from hydra_ddp.recipe import optimizer as optimizers
 from hydra_ddp.recipe import schedules
 from hydra_ddp.reporting import flops, hangs, ranklog, run_report
-from hydra_ddp.training import evaluation
+from hydra_ddp.training import evaluation, seeding
 from hydra_ddp.training import length as run_length
 from hydra_ddp.training import trainer as training
 from hydra_ddp.training.parts import Parts
@@ -58,26 +56,6 @@ from hydra_ddp.training.position import resize_cause
 from hydra_ddp.training.stop import StopRequest
 
 log = logging.getLogger(__name__)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def deterministic_kernels() -> None:
-    """trainer.deterministic: kernels that give the same bits run after run on GPUs. cuDNN's
-    convolution choice and its nondeterministic backward (max-pool's, scatter-adds), TF32's rounding
-    and cuBLAS's split reductions otherwise vary between runs; torch raises where an op has no
-    deterministic kernel. NCCL's sums are left as NCCL orders them (the same for the same world size
-    and topology)."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def run(
@@ -95,7 +73,7 @@ def run(
     device = _device(cfg.trainer.device, rank, external)
     torch.set_num_threads(cfg.trainer.threads)  # settled on the launch side (config.resolve)
     if cfg.trainer.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
-        deterministic_kernels()
+        seeding.deterministic_kernels()
     if rank.is_main and job == "train":
         run_report.preload_loggers(cfg)  # while the other ranks start: it would hold them at the first collective
     hangs.enable_flight_recorder(cfg.backend.name, None if external else Path(run_dir))
@@ -175,16 +153,19 @@ def _train(
         cfg = dataclasses.replace(cfg, trainer=trainer_here).freeze()
         log.info("world size %d: %s", rank.world_size, " ".join(f"{k}={v}" for k, v in at_size.items()))
     data_cfg = cfg.data
-    seed_everything(cfg.trainer.seed)  # alike on every rank: the model's initial weights
+    seeding.seed_everything(cfg.trainer.seed)  # alike on every rank: the model's initial weights
     spread = strategies.build(cfg, device)  # DDP's replicas, FSDP's shards or tensor parallel (parallel/)
     replica = spread.data_shard(rank)  # which batches this rank reads: its own, but under tensor parallel
     loaders = data.build_loaders(data_cfg, rank, cfg.trainer.seed, device, shard=replica)
+    kept = data.save_with_run(data_cfg, out) if rank.is_main and cfg.job == "train" else None
+    if kept:  # data=documents: its tokenizer, for export and inspection
+        log.info("the data's tokenizer is saved with the run: %s", kept)
     task = tasks.build(cfg.task)
     model = instantiate(cfg.model)
     # From here a stream per model replica (dropout's masks differ between ranks that read different
     # batches; the ranks of a tensor-parallel replica draw alike), saved in every checkpoint. The
     # data's randomness is per sample (data.SeededSamples), of no rank.
-    seed_everything(data.sample_seed(cfg.trainer.seed, -2, replica.rank))
+    seeding.seed_everything(data.sample_seed(cfg.trainer.seed, -2, replica.rank))
     # Settled on the launch side (channels_last for a model only the workers build): the summary names them.
     fast = performance.settings(cfg, spread.fast_settings, model, spread.allows_channels_last())
     memory_format = performance.memory_format(fast["trainer.channels_last"])
@@ -193,6 +174,9 @@ def _train(
         skipped = checkpoints.load_weights(model, Path(cfg.trainer.init_from), list(cfg.trainer.init_ignore))
         log.info("weights from %s%s", cfg.trainer.init_from, f" (fresh: {', '.join(skipped)})" if skipped else "")
     model = model.to(device, memory_format=memory_format)
+    warning = tasks.packing_warning(task, model, loaders.train_sampler.dataset) if rank.is_main else None
+    if warning:  # packed documents, and a model that attends across them
+        log.warning(warning)
     try:
         train_model = spread.wrap(model)
     except shared_memory.SharedMemoryUnavailable as e:  # on every rank alike: the one setting a worker settles
