@@ -429,6 +429,34 @@ def write_lab(folder: Path) -> Path:
     return folder
 
 
+# --- Configs, composed and resolved in the test's own process ---------------------------------------
+
+
+def compose_cfg(*overrides: str):
+    """conf/config.yaml composed with `overrides`, as Hydra composes train.py's."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def resolved(tmp_path: Path, *overrides: str, external=None):
+    """As train.py resolves it (the schema registered first): a composition error (another
+    strategy's knob, say) as its one line."""
+    from hydra_ddp.config import resolve
+    from hydra_ddp.errors import UserError
+    from hydra_ddp.launch import composition
+
+    try:
+        composed = compose_cfg(*overrides)
+    except Exception as error:
+        line = composition.one_line(error)
+        if line is None:
+            raise
+        raise UserError(line) from None
+    return resolve.resolve(composed, tmp_path, external)
+
+
 # --- Comparing runs --------------------------------------------------------------------------------
 
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -97,9 +96,10 @@ def torchvision_classifier(
     return model
 
 
-@dataclass
-class LMOutput:
-    """What a causal language model called with `input_ids=` returns, as transformers' models do."""
+class LMOutput(NamedTuple):
+    """What a causal language model called with `input_ids=` returns, as transformers' models do. A
+    named tuple, not a dataclass: DDP finds the tensors of an output it can flatten (a tuple, a dict),
+    and a static graph's first step needs to find them."""
 
     logits: torch.Tensor  # (batch, time, vocab)
 

@@ -89,3 +89,14 @@ def test_a_task_that_cannot_read_its_batch_or_output_stops_in_one_line(tmp_path:
         done = run_train(tmp_path / f"run{len(check)}", *check, *overrides, "trainer.max_steps=2")
         assert done.returncode == 2, done.stderr
         assert line in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_an_output_ddp_cannot_look_into_is_one_line_under_a_static_graph(tmp_path: Path):
+    # A dataclass output hides its tensors from DDP: under a static graph the first step's gradients
+    # would not be averaged and the replicas would part. Refused at the first step; without the
+    # static graph (DDP's autograd hooks average every step) it trains.
+    scores = ("model._target_=shaped.ScoresCNN", "task._target_=shaped.ScoresTask", "trainer.max_steps=2")
+    done = run_train(tmp_path / "static", *scores)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "the model returns a Scores, in which DDP finds no tensor" in done.stderr, done.stderr
+    check_ok(run_train(tmp_path / "dynamic", *scores, "strategy.static_graph=false"))

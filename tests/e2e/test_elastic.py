@@ -73,7 +73,8 @@ def _node(hosts: TwoHosts, i: int, run_dir: Path):
 
 
 def _resumed(tmp_path: Path, name: str, world: int, checkpoint: Path) -> Path:
-    """An uninterrupted run at `world` ranks of one node from `checkpoint`, one thread a rank as the nodes'."""
+    """An uninterrupted run at `world` ranks of one node from `checkpoint`, one thread a rank as the
+    nodes', in the elastic run's micro-batches (16: its global batch of 32 over its most ranks, 2)."""
     run_dir = tmp_path / name
     check_ok(
         run_train(
@@ -82,6 +83,7 @@ def _resumed(tmp_path: Path, name: str, world: int, checkpoint: Path) -> Path:
             FAST,
             f"trainer.nproc={world}",
             "trainer.threads=1",
+            "data.batch_size=16",
             f"trainer.resume={checkpoint}",
             timeout=300,
         )
@@ -119,6 +121,8 @@ def test_a_lost_node_leaves_the_other_to_finish_as_a_resumed_run_would(tmp_path:
     assert {k: resize[k] for k in ("from", "world_size", "cause")} == {"from": 2, "world_size": 1, "cause": "restart"}
     resumed = resize["step"]
     assert resumed >= 20 and resumed % 10 == 0 and (s["world_size"], s["steps"]) == (1, 90)
+    # The resize keeps the global batch and the micro-batch; the accumulation makes up the lost rank.
+    assert (s["global_batch_size"], s["batch_size"], s["accumulate"]) == (32, 16, 2)
     _one_curve(run_dir)
     # After the resize: one rank resumed from that checkpoint, uninterrupted, bit for bit (the same
     # world size from the same checkpoint): every step's loss, the final weights and the test.
@@ -155,6 +159,7 @@ def test_a_node_that_joins_grows_the_run_as_a_resumed_run_would(tmp_path: Path):
     resumed = resize["step"]
     # The agent stops the group with SIGTERM to re-form it: the worker checkpoints where it stands.
     assert resumed >= 10 and (s["world_size"], s["steps"]) == (2, 90)
+    assert (s["global_batch_size"], s["batch_size"], s["accumulate"]) == (32, 16, 1)  # 2 of 16 after 1 × 2 × 16
     _one_curve(run_dir)
     # After the resize: 2 ranks resumed from that checkpoint, uninterrupted, bit for bit: every
     # step's loss, the final weights and the test.

@@ -4,7 +4,7 @@ import os
 import time
 from pathlib import Path
 
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from hydra_ddp.data import digits
 
@@ -74,3 +74,21 @@ def sharded_recording_train(reads: str, root: str, shuffle_window: int = 8192):
     Path(reads).mkdir(parents=True, exist_ok=True)
     train, *rest = sharded(root, shuffle_window)
     return (RecordedShards(train.root, train.shards, train.shuffle_window), *rest)
+
+
+class Stream(IterableDataset):
+    """A stream of the digits' training samples (an IterableDataset, as webdataset or datasets'
+    streaming give): what the loop refuses, in one line that says how to write it as shards."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs  # a data config's keys, taken as the digits' (image_size, seed, ...)
+
+    def __iter__(self):
+        train, _ = digits(**{k: v for k, v in self.kwargs.items() if k in ("image_size", "test_fraction", "seed")})
+        return iter(train)
+
+
+def streamed(**kwargs):
+    """The digits with their training split as a stream: refused by the workers, which build it."""
+    _, test = digits(**kwargs)
+    return Stream(**kwargs), test

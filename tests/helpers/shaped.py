@@ -95,3 +95,23 @@ class DictOutputTask(Classification):
 
     def forward(self, model, batch):
         return model(batch.image, weight=batch.weight), batch.label
+
+
+@dataclasses.dataclass
+class Scores:
+    logits: torch.Tensor
+
+
+class ScoresCNN(MnistCNN):
+    """MnistCNN whose output is a dataclass (which torch's pytree, and so DDP, does not look into)."""
+
+    def forward(self, x):
+        return Scores(super().forward(x))
+
+
+class ScoresTask(Classification):
+    def loss(self, output, target):
+        return super().loss(output.logits, target)
+
+    def state(self, output, target):
+        return super().state(output.logits, target)

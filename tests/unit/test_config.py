@@ -16,31 +16,13 @@ from omegaconf.errors import ValidationError
 from hydra_ddp.config import resolve, run_config
 from hydra_ddp.config.schema import register_schema
 from hydra_ddp.errors import UserError
-from hydra_ddp.launch import composition
 from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.parallel.strategies.ddp import DDPSettings
 from hydra_ddp.rundir import RunDir
 
-from support import REPO
+from support import REPO, compose_cfg, resolved
 
 register_schema()
-
-
-def compose_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose(config_name="config", overrides=list(overrides))
-
-
-def resolved(tmp_path: Path, *overrides: str, external=None) -> run_config.RunConfig:
-    """As train.py resolves it: a composition error (another strategy's knob, say) as its one line."""
-    try:
-        composed = compose_cfg(*overrides)
-    except Exception as error:
-        line = composition.one_line(error)
-        if line is None:
-            raise
-        raise UserError(line) from None
-    return resolve.resolve(composed, tmp_path, external)
 
 
 @pytest.mark.parametrize(

@@ -9,13 +9,20 @@ import json
 import pytest
 import torch
 
+from hydra_ddp.config.schema import register_schema
 from hydra_ddp.data import sampling, text
+from hydra_ddp.errors import UserError
 from hydra_ddp.models import TinyGPT, same_document_causal_mask
 from hydra_ddp.tasks import CausalLM, LanguageModel, packing_warning
+
+from support import resolved
 
 pytest.importorskip("tokenizers")  # the transformers extra: .ci/run installs it; under CI=true a skip fails
 
 SMALL = dict(context=48, vocab_size=300, max_bytes=40_000)
+TEXT = ("task=causal_lm", "data=documents", "data.dataset.context=48", "data.dataset.vocab_size=300", "model=gpt")
+
+register_schema()
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +231,28 @@ def _padded_losses(model, batch: dict) -> list[float]:
     output, labels = task.forward(model, batch)
     losses, _, _ = task._token_losses(output, labels)
     return losses.double().sum(1).tolist()
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (("data.dataset.context=64", "model=hf_llama", "model.max_position_embeddings=48"), "has 48 positions"),
+        (("model.vocab_size=100",), "the model's embedding has 100 rows"),
+        (("data.num_classes=100",), "the tokenizer makes 300 ids, and data.num_classes=100"),
+        (("model.dim=30",), "does not build: ValueError: TinyGPT: dim (30) must be a multiple of heads (4)"),
+        (("model=hf_llama", "model.num_attention_heads=5"), "not a multiple of the number of attention heads (5)"),
+        (("model=hf_llama", "model.architecture=no-such-model"), "model.architecture='no-such-model'"),
+        (("data.dataset.packing=true", "data.group_by_length=4"), "packed windows are one length"),
+        (("data.even_shards=false",), "does not combine with task CausalLM"),
+        (("data.global_batch_size=30", "data.batch_size=8"), "does not divide into micro-batches of data.batch_size=8"),
+        (("data.dataset._target_=recording.Stream",), "gives a stream (Stream, an IterableDataset)"),
+    ],
+    ids=lambda value: " ".join(value) if isinstance(value, tuple) else "",
+)
+def test_text_that_does_not_fit_the_model_is_one_line_before_launch(tmp_path, monkeypatch, overrides, line: str):
+    from support import HELPERS
+
+    monkeypatch.syspath_prepend(str(HELPERS))  # recording.Stream
+    with pytest.raises(UserError) as error:
+        resolved(tmp_path, *TEXT, *overrides, "trainer.nproc=2")
+    assert line in str(error.value) and "\n" not in str(error.value)

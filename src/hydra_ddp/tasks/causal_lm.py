@@ -48,11 +48,11 @@ class CausalLM(Task):
 
     def units(self, batch: Any) -> torch.Tensor:
         """The tokens the loss counts: every label after the first that is not -100."""
-        return (self.split(batch)[1][:, 1:] != IGNORED).sum()
+        return _counted(self.split(batch)[1])
 
     def tokens(self, batch: Any) -> int:
         """The tokens a batch trains on (its counted labels): a language model's throughput in tokens/s."""
-        return int(self.units(batch))
+        return int(_counted(self.split(batch)[1]))
 
     def _token_losses(self, output: Any, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per position (batch, time): the loss of predicting the next label, whether predicted right,
@@ -74,7 +74,7 @@ class CausalLM(Task):
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """The batch's mean over its counted tokens (what train.py --check and the FLOP count run)."""
-        return self.loss_sum(output, target) / (target[:, 1:] != IGNORED).sum().clamp(min=1)
+        return self.loss_sum(output, target) / _counted(target).clamp(min=1)
 
     def state(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         losses, correct, counted = self._token_losses(output, target)
@@ -123,6 +123,11 @@ class CausalLM(Task):
         tokens = counted.sum(1)
         mean = losses.double().sum(1) / tokens.clamp(min=1)
         return torch.stack([tokens.double(), correct.sum(1).double(), mean], 1)
+
+
+def _counted(labels: torch.Tensor) -> torch.Tensor:
+    """The labels a causal model predicts: every one after the first that is not -100."""
+    return (labels[:, 1:] != IGNORED).sum()
 
 
 CROSSING = 1e-3  # a relative move of a document's logits beyond float noise (1e-6 here): another document seen

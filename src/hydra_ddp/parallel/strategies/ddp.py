@@ -26,11 +26,12 @@ from typing import Annotated, Any, Optional
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_flatten
 
 from hydra_ddp.checkpoint import layouts
 from hydra_ddp.config.domains import AUTO_BOOL, AtLeast, OneOf, Positive
 from hydra_ddp.config.section import Section
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.parallel import comm, shared_memory
 from hydra_ddp.parallel.strategies.base import Strategy
 from hydra_ddp.recipe import activation_checkpointing
@@ -190,6 +191,8 @@ class DDP(Strategy):
             self.shared = shared_memory.SharedMemoryAllReduce(None, gradient_bytes, self.cfg.backend.timeout_s, traffic)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self.model = DistributedDataParallel(module, device_ids=device_ids, **options)
+        if options["static_graph"]:
+            _check_first_output(self.model)
         if self.shared:
             self.model.register_comm_hook(None, self.shared.hook)
             self.traffic = traffic
@@ -214,3 +217,24 @@ class DDP(Strategy):
             "comm_hook": self.cfg.strategy.comm_hook,
             "allreduce_bytes_per_step": self.traffic.last_step if self.traffic else None,
         }
+
+
+def _check_first_output(model: nn.Module) -> None:
+    """Under a static graph, DDP averages the first step's gradients from a callback its own autograd
+    node queues on the output's tensors, which it finds by flattening the output (tuples, lists, dicts,
+    named tuples, transformers' ModelOutput). An output it cannot flatten (a dataclass) hides them: the
+    first step's gradients would never be averaged, and the replicas would part for good, silently.
+    Checked on the first training forward, then the hook is gone."""
+
+    def check(module: nn.Module, inputs: Any, output: Any) -> None:
+        if not module.training:
+            return
+        handle.remove()
+        if not any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(output)[0]):
+            raise EveryRankError(
+                f"the model returns a {type(output).__name__}, in which DDP finds no tensor (it looks into "
+                "tuples, lists, dicts and named tuples, not dataclasses): with strategy.static_graph the first "
+                "step's gradients would not be averaged. Return one of those, or set strategy.static_graph=false"
+            )
+
+    handle = model.register_forward_hook(check)
