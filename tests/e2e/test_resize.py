@@ -13,7 +13,7 @@ import pytest
 
 from hydra_ddp.recipe import schedules
 
-from support import check_ok, run_train, summary
+from support import assert_float64_alike, check_ok, csv_losses, float64, run_train, summary
 
 TRAIN_SAMPLES = 1438  # the digits' training split (1,797 less the 359 held out for test)
 RECORDED = (
@@ -106,7 +106,28 @@ def test_a_mid_epoch_resume_with_another_global_batch_is_one_line(tmp_path: Path
     line = [line for line in proc.stderr.splitlines() if line.startswith("hydra-ddp: error:")]
     assert (
         len(line) == 1
-        and "stopped mid-epoch with a global batch of 32 and trainer.accumulate=1, this run has 64 "
-        "and 1: resume with data.global_batch_size=32 and trainer.accumulate=1"
+        and "stopped mid-epoch with a global batch of 32 samples per optimizer step, this run has 64: resume "
+        "with data.global_batch_size=32 (the micro-batch or the accumulation follows the world size)"
         in line[0]
     ), proc.stderr
+
+
+@pytest.mark.timeout(400)
+def test_a_resize_keeps_the_micro_batch_and_changes_the_accumulation_with_every_sample_once(tmp_path: Path):
+    # A global batch of 32 in micro-batches of 8: 2 ranks accumulate 2, then (resumed mid-epoch, at
+    # step 3) 1 rank accumulates 4. Every sample of the epoch once, and the whole run as an
+    # uninterrupted one of 2 ranks but for the order of its float64 sums.
+    common = (*RECORDED, "data.batch_size=8", "trainer.log_every=1", *float64())
+    first, after, straight = tmp_path / "first", tmp_path / "after", tmp_path / "straight"
+    stop = ("trainer.max_steps=3", "checkpoint.every_n_steps=3")
+    check_ok(run_train(first, *common, "trainer.nproc=2", *stop, f"+data.dataset.reads={first / 'reads'}"))
+    assert (summary(first)["accumulate"], summary(first)["global_batch_size"]) == (2, 32)
+    resume = f"trainer.resume={first / 'checkpoints' / 'step-00000003.pt'}"
+    check_ok(run_train(after, *common, "trainer.nproc=1", resume, f"+data.dataset.reads={after / 'reads'}"))
+    s = summary(after)
+    assert (s["world_size"], s["batch_size"], s["accumulate"], s["global_batch_size"], s["steps"]) == (1, 8, 4, 32, 45)
+    assert sum(_read(first / "reads").values()) == 3 * 32  # three global batches, no read ahead
+    assert _read(first / "reads") + _read(after / "reads") == Counter(range(TRAIN_SAMPLES))
+    check_ok(run_train(straight, *common, "trainer.nproc=2", f"+data.dataset.reads={straight / 'reads'}"))
+    resized = csv_losses(first)[:3] + csv_losses(after)
+    assert_float64_alike(resized + [s["test_loss"]], csv_losses(straight) + [summary(straight)["test_loss"]])
