@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import pytest
 
 from hydra_ddp.data import digits, shards
 
-from support import check_ok, csv_step_losses, finish, run_eval, run_train, start_train, summary
+from support import assert_same_run, check_ok, csv_step_losses, finish, run_eval, run_train, start_train, summary
 
 TRAIN_SAMPLES = 1438  # the digits' training split, as data=digits holds it
 
@@ -181,3 +183,53 @@ def test_a_damaged_shard_is_one_line_before_launch_or_when_read(tmp_path: Path, 
     last = failed.stderr.strip().splitlines()[-1]
     assert f"shard {shard} is corrupt (not a shard file (bad magic or header length))" in last, failed.stderr
     assert "Traceback" not in failed.stderr and "Caught" not in last
+
+
+@pytest.mark.timeout(500)
+def test_tokenized_documents_stream_from_shards_with_the_same_guarantees(tmp_path: Path):
+    # Documents of different lengths, tokenized and written by the shard tool (each document's ids
+    # whole: a ragged field; the tokenizer beside the manifest), padded per batch as data=documents pads.
+    root = tmp_path / "documents"
+    source = ("--arg", "context=48", "--arg", "vocab_size=300", "--arg", "max_bytes=60000")
+    written = subprocess.run(
+        [sys.executable, "-m", "hydra_ddp.tools.shards", "write", str(root), "--source", "documents", *source],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert written.returncode == 0, written.stderr
+    meta = json.loads((root / "manifest.json").read_text())["meta"]
+    assert (meta["vocab_size"], meta["pad_id"], meta["context"]) == (300, 1, 48) and (root / "tokenizer.json").is_file()
+    text = (
+        "task=causal_lm",
+        "data=shards",
+        f"data.dataset.root={root}",
+        "data.num_classes=300",
+        "data.val_fraction=0",
+        "data.global_batch_size=16",
+        "model=gpt",
+        "model.context=48",
+        "model.dim=32",
+        "model.depth=1",
+        "model.heads=4",
+        "trainer.log_every=1",
+        "trainer.epochs=1",
+    )
+    # A mid-epoch stop (SIGTERM at rank 0's 5th forward), continued bit for bit.
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    check_ok(run_train(straight, *text, "trainer.max_steps=12"))
+    probe = ("model._target_=probes.signal_at", "+model.of=hydra_ddp.models.TinyGPT", "+model.step=5")
+    done = finish(start_train(stopped, *text, "trainer.max_steps=12", *probe))
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    check_ok(run_train(stopped, *text, "trainer.max_steps=12", "trainer.resume=auto"))
+    assert_same_run(stopped, straight, "documents from shards, resumed")
+    # Stopped at step 3 at 2 ranks, continued at 1 to the epoch's end: every document once.
+    first, after = tmp_path / "first", tmp_path / "after"
+    recorded = (*text, "data.dataset._target_=recording.sharded_recording_train")
+    stop = ("trainer.max_steps=3", "checkpoint.every_n_steps=3")
+    check_ok(run_train(first, *recorded, "trainer.nproc=2", *stop, f"+data.dataset.reads={first / 'reads'}"))
+    resume = f"trainer.resume={first / 'checkpoints' / 'step-00000003.pt'}"
+    check_ok(run_train(after, *recorded, "trainer.nproc=1", resume, f"+data.dataset.reads={after / 'reads'}"))
+    documents = sum(entry["samples"] for entry in json.loads((root / "manifest.json").read_text())["splits"]["train"])
+    assert _reads(first / "reads") + _reads(after / "reads") == Counter(range(documents))
+    assert summary(after)["tokens_per_step"] > 0

@@ -73,7 +73,7 @@ def sharded_recording_train(reads: str, root: str, shuffle_window: int = 8192):
 
     Path(reads).mkdir(parents=True, exist_ok=True)
     train, *rest = sharded(root, shuffle_window)
-    return (RecordedShards(train.root, train.shards, train.shuffle_window), *rest)
+    return (RecordedShards(train.root, train.shards, train.shuffle_window, train.pad_id), *rest)
 
 
 class Stream(IterableDataset):

@@ -52,6 +52,31 @@ def test_dict_samples_keep_their_keys_and_dtypes(tmp_path: Path):
     assert torch.equal(train[5]["input_ids"], torch.arange(5) + 5) and train[5]["mask"].dtype == torch.bool
 
 
+def test_a_field_of_different_lengths_is_stored_whole_and_padded_per_batch(tmp_path: Path):
+    # A document's token ids, of any length: stored as values and offsets (a ragged field), read
+    # back as written, and batched by the padding of data=documents where the manifest gives its id.
+    lengths = [5, 1, 9, 3, 7]
+    samples = [
+        {"input_ids": torch.arange(n, dtype=torch.int32) + 10 * i, "kind": torch.tensor(i)}
+        for i, n in enumerate(lengths)
+    ]
+    shards.write(tmp_path, {"train": samples[:4], "test": samples[4:]}, 3, {"pad_id": 1, "vocab_size": 64})
+    train, test = shards.sharded(str(tmp_path))
+    read = [train[i] for i in range(4)] + [test[0]]
+    assert [s["input_ids"].tolist() for s in read] == [s["input_ids"].tolist() for s in samples]
+    assert [s["kind"].item() for s in read] == list(range(5)) and read[0]["input_ids"].dtype == torch.int32
+    assert [len(s["input_ids"]) for s in train.__getitems__([3, 0, 2])] == [3, 5, 9]  # a batch, shard by shard
+    batch = train.collate([train[0], train[1]])
+    assert batch["input_ids"].tolist() == [[0, 1, 2, 3, 4], [10, 1, 1, 1, 1]]
+    assert batch["labels"].tolist() == [[0, 1, 2, 3, 4], [10, -100, -100, -100, -100]]
+    assert batch["kind"].tolist() == [0, 1]  # a field of one shape: batched as DataLoader batches it
+    assert shards.verify(tmp_path) == []
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["version"] = 1  # a directory written before ragged fields: read as before
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert shards.read_manifest(tmp_path)["version"] == 1
+
+
 def test_a_val_split_is_used_where_written_and_carved_as_whole_shards_otherwise(tmp_path: Path):
     assert len(shards.sharded(str(_write(tmp_path / "a", val=_samples(6, 500))))) == 3
     train, _ = shards.sharded(str(_write(tmp_path / "b", train=40, per_shard=4)))  # 10 shards

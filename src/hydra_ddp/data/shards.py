@@ -1,9 +1,12 @@
 """Datasets stored as many shard files on disk, read in windows of shards, never loaded whole.
 
 A shard directory holds `manifest.json` (each split's shards, their sample counts, sizes and CRC-32s)
-and the shard files. A shard holds a fixed number of samples, each a tuple or a dict of arrays of
-one shape and dtype per field, stored field by field: sample i of a field is at a known offset, read
-through a memory map (only the pages a read touches come from disk).
+and the shard files. A shard holds a fixed number of samples, each a tuple or a dict of arrays, stored
+field by field: a field of one shape per sample as one block (sample i at a known offset), a field
+whose samples differ in their first dimension (a document's token ids) as its values laid end to end
+and their offsets. Either is read through a memory map (only the pages a read touches come from disk).
+A directory of token ids holds the tokenizer beside its manifest, and its samples are padded per
+batch (data/text.py's PadCollate) as data=documents pads them.
 
 So a sample has an address, (shard, offset), and the training order is index arithmetic over the
 manifest's counts (sampling.ShardWindowSampler): shards in a seeded order each epoch, samples
@@ -35,7 +38,8 @@ from torch.utils.data import Dataset
 from hydra_ddp.errors import UserError
 
 FORMAT = "hydra-ddp-shards"
-VERSION = 1
+VERSION = 2  # 2: ragged fields (values and offsets); version 1 directories read as before
+READABLE = (1, 2)
 MAGIC = b"HDDPSHRD"
 ALIGN = 64  # each field's block starts at a multiple of this: aligned memory maps
 MANIFEST = "manifest.json"
@@ -93,24 +97,34 @@ class _ShardWriter:
                 raise UserError(f"sample {i} of {self.path.name} has fields {[n for n, _ in fields]}, not {names}")
             for name, array in fields:
                 columns[name].append(array)
-        blocks = []
+        blocks = []  # (field, array): a field's block, or a ragged field's values then its offsets
+        header: dict[str, Any] = {"samples": len(samples), "structure": structure, "fields": []}
+        offset = 0  # from the start of the data, fixed up below once the header's length is known
         for name in names:
-            shapes = {a.shape for a in columns[name]}
-            dtypes = {a.dtype for a in columns[name]}
-            if len(shapes) != 1 or len(dtypes) != 1:
+            arrays = columns[name]
+            shapes, dtypes = {a.shape for a in arrays}, {a.dtype for a in arrays}
+            ragged = len(shapes) > 1 and all(a.ndim >= 1 for a in arrays) and len({a.shape[1:] for a in arrays}) == 1
+            if len(dtypes) != 1 or (len(shapes) != 1 and not ragged):
                 raise UserError(
                     f"field {name!r} of {self.path.name} has shapes {sorted(shapes)} and dtypes "
-                    f"{sorted(map(str, dtypes))}: a field needs one shape and dtype (pack or pad variable-length "
-                    "samples to one length)"
+                    f"{sorted(map(str, dtypes))}: a field needs one dtype, and shapes that differ in their first "
+                    "dimension at most (a sequence of any length)"
                 )
-            blocks.append((name, np.ascontiguousarray(np.stack(columns[name]))))
-        header = {"samples": len(samples), "structure": structure, "fields": []}
-        offset = 0  # from the start of the data, fixed up below once the header's length is known
-        for name, block in blocks:
-            header["fields"].append(
-                {"name": name, "dtype": block.dtype.str, "shape": list(block.shape[1:]), "offset": offset}
-            )
-            offset += block.nbytes + _pad(block.nbytes)
+            entry = {"name": name, "dtype": arrays[0].dtype.str, "offset": offset}
+            if ragged:
+                values = np.ascontiguousarray(np.concatenate(arrays))
+                ends = np.cumsum([0, *(len(a) for a in arrays)], dtype=np.int64)
+                entry.update(shape=list(arrays[0].shape[1:]), ragged=True, values=len(values))
+                entry["offsets_at"] = offset + values.nbytes + _pad(values.nbytes)
+                parts = [values, ends]
+            else:
+                block = np.ascontiguousarray(np.stack(arrays))
+                entry["shape"] = list(block.shape[1:])
+                parts = [block]
+            for part in parts:
+                blocks.append(part)
+                offset += part.nbytes + _pad(part.nbytes)
+            header["fields"].append(entry)
         # Offsets are from the data's start (the header's end, aligned): the header's length cannot change them.
         encoded = json.dumps(header).encode()
         crc = 0
@@ -119,7 +133,7 @@ class _ShardWriter:
             for chunk in (head, bytes(_pad(len(head)))):
                 f.write(chunk)
                 crc = zlib.crc32(chunk, crc)
-            for _, block in blocks:
+            for block in blocks:
                 for chunk in (block.tobytes(), bytes(_pad(block.nbytes))):
                     f.write(chunk)
                     crc = zlib.crc32(chunk, crc)
@@ -179,7 +193,7 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as e:
         raise ShardError(f"{manifest_path} cannot be read ({e}); write the shards again ({_HOW})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE:
         raise ShardError(f"{manifest_path} is not a {FORMAT} v{VERSION} manifest; write the shards again ({_HOW})")
     return manifest
 
@@ -226,20 +240,35 @@ class _Shard:
                 raise ValueError(f"{header['samples']} samples, the manifest says {info.samples}")
             self.structure, self.columns = header["structure"], []
             for field in header["fields"]:
-                dtype, shape = np.dtype(field["dtype"]), (info.samples, *field["shape"])
-                offset = start + field["offset"]
-                if offset + dtype.itemsize * int(np.prod(shape)) > info.bytes:
-                    raise ValueError(f"field {field['name']!r} runs past the end of the file")
-                self.columns.append((field["name"], np.memmap(path, dtype, "r", offset, shape)))
+                dtype = np.dtype(field["dtype"])
+                rows = field["values"] if field.get("ragged") else info.samples
+                values = self._map(path, info, field["name"], dtype, (rows, *field["shape"]), start + field["offset"])
+                ends = None
+                if field.get("ragged"):
+                    ends = self._map(
+                        path, info, field["name"], np.dtype(np.int64), (info.samples + 1,), start + field["offsets_at"]
+                    )
+                self.columns.append((field["name"], values, ends))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ShardError(
                 f"shard {path} is corrupt ({e}); write the shards again ({_HOW}), or find the bad ones with "
                 f"python -m hydra_ddp.tools.shards verify {path.parent}"
             ) from None
 
+    @staticmethod
+    def _map(path: Path, info: ShardInfo, name: str, dtype: np.dtype, shape: tuple[int, ...], offset: int) -> Any:
+        if offset + dtype.itemsize * int(np.prod(shape)) > info.bytes:
+            raise ValueError(f"field {name!r} runs past the end of the file")
+        return np.memmap(path, dtype, "r", offset, shape)
+
     def take(self, offsets: Any) -> list[Any]:
         """The samples at `offsets` (a sorted array), each a tuple or a dict of tensors."""
-        values = [(name, torch.from_numpy(np.array(column[offsets]))) for name, column in self.columns]
+        values = []
+        for name, column, ends in self.columns:
+            if ends is None:
+                values.append((name, torch.from_numpy(np.array(column[offsets]))))
+            else:  # a ragged field: each sample's own slice of the values
+                values.append((name, [torch.from_numpy(np.array(column[ends[i] : ends[i + 1]])) for i in offsets]))
         if self.structure == "dict":
             return [{name: value[i] for name, value in values} for i in range(len(offsets))]
         return [tuple(value[i] for _, value in values) for i in range(len(offsets))]
@@ -252,11 +281,18 @@ class ShardedDataset(Dataset):
 
     draws_randomness = False  # samples as stored: no per-sample seeding needed (loading.draws_randomness)
 
-    def __init__(self, root: str | os.PathLike, shards: list[ShardInfo], shuffle_window: int):
-        self.root, self.shards, self.shuffle_window = Path(root), list(shards), shuffle_window
+    def __init__(
+        self, root: str | os.PathLike, shards: list[ShardInfo], shuffle_window: int, pad_id: Optional[int] = None
+    ):
+        """`pad_id`: a directory of token ids' padding id (its manifest's meta): batches are padded."""
+        self.root, self.shards, self.shuffle_window, self.pad_id = Path(root), list(shards), shuffle_window, pad_id
         self.shard_sizes = [s.samples for s in self.shards]
         self.starts = np.cumsum([0, *self.shard_sizes]).tolist()  # sample index of each shard's first
         self._open: collections.OrderedDict[int, _Shard] = collections.OrderedDict()
+        if pad_id is not None:
+            from hydra_ddp.data.text import PadCollate
+
+            self.collate = PadCollate(pad_id)  # samples of different lengths, padded per batch
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -297,7 +333,7 @@ class ShardedDataset(Dataset):
 
     def subset(self, shards: list[int]) -> ShardedDataset:
         """The same directory's split, of these shards only."""
-        return ShardedDataset(self.root, [self.shards[i] for i in shards], self.shuffle_window)
+        return ShardedDataset(self.root, [self.shards[i] for i in shards], self.shuffle_window, self.pad_id)
 
 
 def carve(train: ShardedDataset, fraction: float, seed: int) -> tuple[ShardedDataset, ShardedDataset]:
@@ -323,7 +359,8 @@ def sharded(root: str, shuffle_window: int = 8192) -> tuple[Dataset, ...]:
         raise UserError(f"data.dataset.shuffle_window={shuffle_window}: at least 1 (1: no shuffle within shards)")
     manifest = read_manifest(root)
     names = ["train", *(["val"] if manifest["splits"].get("val") else []), "test"]
-    return tuple(ShardedDataset(root, split_shards(root, manifest, name), shuffle_window) for name in names)
+    pad_id = manifest.get("meta", {}).get("pad_id")
+    return tuple(ShardedDataset(root, split_shards(root, manifest, name), shuffle_window, pad_id) for name in names)
 
 
 def check(dataset_cfg: Any, data_cfg: Any) -> None:
@@ -336,7 +373,13 @@ def check(dataset_cfg: Any, data_cfg: Any) -> None:
     manifest = read_manifest(root)
     for split in ("train", "test", *(["val"] if manifest["splits"].get("val") else [])):
         check_files(root, split_shards(root, manifest, split))
-    for key, value in manifest.get("meta", {}).items():
+    meta = manifest.get("meta", {})
+    if "vocab_size" in meta and data_cfg.num_classes < meta["vocab_size"]:
+        raise UserError(
+            f"data.num_classes={data_cfg.num_classes} but the shards in {root} hold token ids of a vocabulary of "
+            f"{meta['vocab_size']} (their tokenizer's); set data.num_classes={meta['vocab_size']}"
+        )
+    for key, value in meta.items():
         if key in ("num_classes", "in_channels", "image_size") and getattr(data_cfg, key) != value:
             raise UserError(
                 f"data.{key}={getattr(data_cfg, key)} but the shards in {root} hold data with {key}={value}; "

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from hydra_ddp.data.batches import TensorTree
 from hydra_ddp.errors import UserError
@@ -194,7 +194,8 @@ class TokenDocuments(Dataset):
 class PadCollate:
     """Samples of token ids of different lengths into one batch padded on the right to its longest:
     `input_ids` (padded with the padding id), `attention_mask` (0 on the padding) and `labels` (the
-    ids, -100 on the padding: it counts in no loss). A sample's own `labels` are kept, padded with -100."""
+    ids, -100 on the padding: it counts in no loss). A sample's own `labels` are kept, padded with
+    -100; its other fields are batched as DataLoader batches them."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
@@ -209,7 +210,11 @@ class PadCollate:
             ids[row, : len(tokens)] = tokens
             labels[row, : len(tokens)] = sample.get("labels", tokens)
             mask[row, : len(tokens)] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        others = {key: default_collate([s[key] for s in samples]) for key in samples[0] if key not in _PADDED}
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels, **others}
+
+
+_PADDED = ("input_ids", "attention_mask", "labels")  # what PadCollate pads
 
 
 def pack(lengths: Sequence[int], window: int) -> list[list[int]]:

@@ -2,19 +2,26 @@
 
     python -m hydra_ddp.tools.shards write outputs/shards/digits --source digits
     python -m hydra_ddp.tools.shards write DIR --source python_source --arg context=64 --meta num_classes=256
+    python -m hydra_ddp.tools.shards write DIR --source documents --tokenizer PATH --arg files='corpus/*.txt'
     python -m hydra_ddp.tools.shards verify outputs/shards/digits
 
-`--source`: a source of hydra_ddp.data (digits, python_source, ...) or your own module.function
-returning (train, test) or (train, val, test); `--arg KEY=VALUE` its arguments. `--meta KEY=VALUE`:
-what data.* must say for this data (checked before a run); an image's channels and size are found.
+`--source`: a source of hydra_ddp.data (digits, python_source, documents, ...) or your own
+module.function returning (train, test) or (train, val, test); `--arg KEY=VALUE` its arguments.
+`--meta KEY=VALUE`: what data.* must say for this data (checked before a run); an image's channels and
+size are found. `--tokenizer`: a tokenizer.json (or its folder) the source tokenizes with (its
+`tokenizer` argument); data=documents trains one where none is given. Either way it is written beside
+the shards, as transformers loads it, and the manifest records its vocabulary and padding id: a
+document's token ids are stored whole (a ragged field) and padded per batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -55,6 +62,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     writing.add_argument("--samples-per-shard", type=int, default=64)
     writing.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="an argument of the source")
     writing.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE", help="what data.* must say")
+    writing.add_argument("--tokenizer", help="a tokenizer.json (or its folder) for the source to tokenize with")
     checking = commands.add_parser("verify", help="read every shard whole against its manifest")
     checking.add_argument("root")
     options = parser.parse_args(argv)
@@ -63,10 +71,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             problems = shards.verify(options.root)
             print("\n".join(problems) or f"{options.root}: every shard reads as written")
             return 1 if problems else 0
-        splits = _source(options.source)(**_pairs(options.arg))
+        source, arguments = _source(options.source), _pairs(options.arg)
+        if options.tokenizer:
+            arguments["tokenizer"] = options.tokenizer
+        splits = source(**arguments)
         names = ("train", "val", "test") if len(splits) == 3 else ("train", "test")
         first = splits[0][0]
-        meta = {**_meta(first, options.source), **_pairs(options.meta)}
+        meta = {
+            **_meta(first, options.source),
+            **_tokenizer_beside(source, arguments, options.root),
+            **_pairs(options.meta),
+        }
         manifest = shards.write(options.root, dict(zip(names, splits)), options.samples_per_shard, meta)
         for split, entries in manifest["splits"].items():
             print(f"{split}: {sum(e['samples'] for e in entries)} samples in {len(entries)} shards")
@@ -75,6 +90,35 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _tokenizer_beside(source: Any, arguments: dict[str, Any], root: str) -> dict[str, Any]:
+    """A text source's tokenizer written beside the shards (as transformers loads it), and what the
+    manifest records of it: the vocabulary data.num_classes must hold, the padding id, the longest
+    sequence. Nothing for a source without a tokenizer."""
+    from hydra_ddp.data import text
+
+    if "tokenizer" in arguments:
+        tokenizer = text.load_tokenizer(arguments["tokenizer"])
+    elif getattr(source, "save_with_run", None) is text.save_with_run:  # data=documents: the one it trained
+        tokenizer = text.run_tokenizer(arguments)
+    else:
+        return {}
+    context = arguments.get("context", _default(source, "context"))
+    text.save_tokenizer(tokenizer, Path(root), context)
+    _, pad_id = text.special_ids(tokenizer)
+    return {
+        "vocab_size": tokenizer.get_vocab_size(),
+        "pad_id": pad_id,
+        "tokenizer": text.TOKENIZER_FILE,
+        **({"context": context} if context else {}),
+    }
+
+
+def _default(source: Any, name: str) -> Any:
+    """A source's default for one of its arguments, or None."""
+    parameter = inspect.signature(source).parameters.get(name)
+    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
 
 def _meta(sample: Any, source: str) -> dict[str, Any]:
