@@ -175,6 +175,10 @@ BAD = [
     (both(*ELASTIC, setting("launcher.max_restarts", 0)), "(elastic): set launcher.max_restarts to 1 or more"),
     (both(*ELASTIC, setting("data.global_batch_size", None)), "(elastic) needs data.global_batch_size"),
     (
+        both(*ELASTIC, setting("strategy.static_graph", True)),
+        "strategy.static_graph=true does not combine with trainer.accumulate > 1 (an elastic run accumulates",
+    ),
+    (
         both(*ELASTIC, setting("launcher.nnodes", "2:3")),
         "data.global_batch_size=64 does not divide by trainer.accumulate=1 × 6 model replicas",
     ),
@@ -260,6 +264,8 @@ def test_an_elastic_range_settles_its_bounds_and_resumes_at_each_restart(base: d
     launcher = resolved.launcher
     assert (launcher.min_nodes, launcher.nnodes, resolved.trainer.resume) == (1, 2, "auto")
     assert resolved.data.global_batch_size == 64 and resolved.data.batch_size == 16  # at the most nodes
+    # At one node it accumulates 2 micro-batches of 16: no static graph (DDP's reducer asserts on no_sync).
+    assert resolved.strategy.static_graph is False and resolved.settled["strategy.static_graph"] is False
     fixed = resolve.resolve(copy.deepcopy(base), tmp_path, None).launcher
     assert (fixed.min_nodes, fixed.nnodes) == (1, 1)
 

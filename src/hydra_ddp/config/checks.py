@@ -16,7 +16,7 @@ from torch.utils.data import IterableDataset
 
 from hydra_ddp import data, tasks
 from hydra_ddp.checkpoint import files as checkpoints
-from hydra_ddp.config import groups, targets
+from hydra_ddp.config import elastic, groups, targets
 from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError, first_line, root_cause
 from hydra_ddp.parallel import strategies
@@ -85,10 +85,10 @@ def check(cfg: Any, run_dir: Path) -> None:
                 "tokens over the whole step (the ranks that run out of batches would miss its count); keep "
                 "data.even_shards=true"
             )
-        if trainer.accumulate > 1:
+        if elastic.most_accumulation(cfg) > 1:
             raise UserError(
-                "data.even_shards=false does not combine with trainer.accumulate > 1 "
-                "(ranks end their epoch at different batches); use one or the other"
+                "data.even_shards=false does not combine with trainer.accumulate > 1, an elastic run's at fewer "
+                "nodes included (ranks end their epoch at different batches); use one or the other"
             )
         if trainer.compile:
             raise UserError(

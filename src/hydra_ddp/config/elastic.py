@@ -80,3 +80,13 @@ def at_world_size(cfg: Any, world: int) -> Optional[dict[str, Any]]:
     replicas = strategies.get(cfg.strategy.name).replicas(cfg.strategy, world)
     accumulate = cfg.data.global_batch_size // (cfg.data.batch_size * replicas)
     return None if accumulate == cfg.trainer.accumulate else {"trainer.accumulate": accumulate}
+
+
+def most_accumulation(cfg: Any) -> int:
+    """The micro-batches per optimizer step at the fewest ranks the run may train at: an elastic run
+    keeps its global batch and micro-batch at fewer nodes by accumulating more (at_world_size)."""
+    accumulate = cfg.trainer.accumulate or 1
+    if not is_elastic(cfg.launcher):
+        return accumulate
+    replicas = strategies.get(cfg.strategy.name).replicas(cfg.strategy, world_sizes(cfg)[0])
+    return max(accumulate, cfg.data.global_batch_size // (cfg.data.batch_size * replicas))

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 
 from hydra_ddp.checkpoint import layouts
+from hydra_ddp.config import elastic
 from hydra_ddp.config.domains import AUTO_BOOL, AtLeast, OneOf, Positive
 from hydra_ddp.config.section import Section
 from hydra_ddp.errors import EveryRankError, UserError
@@ -114,7 +115,7 @@ class DDP(Strategy):
         blockers = cls.shared_memory_blockers(cfg, world, local_world)
         auto = {
             "gradient_as_bucket_view": True,
-            "static_graph": trainer.accumulate == 1 and cfg.data.even_shards and not trainer.compile,
+            "static_graph": elastic.most_accumulation(cfg) == 1 and cfg.data.even_shards and not trainer.compile,
             "shared_memory": not blockers and world > 1,  # one rank: nothing to all-reduce
         }
         if settings.shared_memory is True and world > 1 and blockers:
@@ -144,9 +145,11 @@ class DDP(Strategy):
                 f"strategy.comm_hook={settings.comm_hook} does not combine with data.even_shards=false (Join's "
                 "shadow all-reduces bypass the hook); use one or the other"
             )
-        if settings.static_graph is True and trainer.accumulate > 1:
+        if settings.static_graph is True and elastic.most_accumulation(cfg) > 1:
+            at_fewer = trainer.accumulate == 1  # an elastic run's, at fewer nodes than it may have
             raise UserError(
-                "strategy.static_graph=true does not combine with trainer.accumulate > 1 (DDP's reducer fails "
+                "strategy.static_graph=true does not combine with trainer.accumulate > 1 "
+                f"{'(an elastic run accumulates at fewer nodes) ' if at_fewer else ''}(DDP's reducer fails "
                 "on a no_sync step in a static graph); set strategy.static_graph=auto or false"
             )
         if settings.shared_memory is True and trainer.device != "cpu":
