@@ -170,6 +170,58 @@ def summary(ratios: list[float]) -> dict:
     return {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
 
 
+def against_handwritten(args: argparse.Namespace) -> dict:
+    """1. The project against the hand-written loop: trained tokens/s."""
+
+    def project_packed() -> float:
+        return project(args.steps)["tokens_per_sec"]
+
+    def handwritten_loop() -> float:
+        return handwritten(args.steps, args.warm)
+
+    pairs = paired(project_packed, handwritten_loop, args.repeats)
+    ratio = summary([p["project_packed"] / p["handwritten_loop"] for p in pairs])
+    print(f"1. project / hand-written loop, tokens/s: {ratio}", flush=True)
+    return {"vs_handwritten": {"pairs": pairs, "ratio": ratio}}
+
+
+def padding_against_packing(args: argparse.Namespace) -> dict:
+    """2. Padding against packing: trained tokens/s (each way paired with packing) and padding."""
+
+    def packed() -> dict:
+        return project(args.steps, *WAYS["packed"])
+
+    ways: dict = {"packed": {"padding_share": padding_share(*WAYS["packed"])}}
+    for way, overrides in list(WAYS.items())[1:]:
+
+        def this_way(overrides=overrides) -> dict:
+            return project(args.steps, *overrides)
+
+        pairs = paired(this_way, packed, args.repeats)
+        ratio = summary([p["this_way"]["tokens_per_sec"] / p["packed"]["tokens_per_sec"] for p in pairs])
+        ways[way] = {"padding_share": padding_share(*overrides), "pairs": pairs, "tokens_per_sec_vs_packed": ratio}
+        print(f"2. {way}: {ways[way]['padding_share']:.3f} padding, tokens/s vs packed {ratio}", flush=True)
+    return {"ways": ways}
+
+
+def token_weighting_cost(args: argparse.Namespace) -> dict:
+    """3. Weighing by tokens (a count all-reduced per step) against each micro-batch's mean: samples/s."""
+
+    def by_tokens() -> dict:
+        return project(args.steps)
+
+    def per_batch_mean() -> dict:
+        return project(args.steps, *PER_BATCH_MEAN)
+
+    pairs = paired(by_tokens, per_batch_mean, args.repeats)
+    cost = summary([p["by_tokens"]["samples_per_sec"] / p["per_batch_mean"]["samples_per_sec"] for p in pairs])
+    print(f"3. by tokens / per-batch mean, samples/s: {cost}", flush=True)
+    return {"token_weighting_cost": {"pairs": pairs, "samples_per_sec_ratio": cost}}
+
+
+PARTS = {1: against_handwritten, 2: padding_against_packing, 3: token_weighting_cost}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -177,7 +229,9 @@ def main() -> int:
         "--warm", type=int, default=5, help="the hand loop's first steps left out (the project: its own)"
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--parts", default="1,2,3", help="which of the three to measure (the result file's name says)")
     args = parser.parse_args()
+    parts = {int(part) for part in args.parts.split(",")}
     commit, dirty = provenance.commit()
     result: dict = {
         "commit": commit,
@@ -187,54 +241,10 @@ def main() -> int:
         f"{NPROC} gloo ranks, 1 thread each, {args.steps} steps; data.val_fraction=0",
     }
 
-    # 1. The project against the hand-written loop: trained tokens/s.
-    def project_packed() -> float:
-        return project(args.steps)["tokens_per_sec"]
-
-    def handwritten_loop() -> float:
-        return handwritten(args.steps, args.warm)
-
-    pairs = paired(project_packed, handwritten_loop, args.repeats)
-    result["vs_handwritten"] = {
-        "pairs": pairs,
-        "ratio": summary([p["project_packed"] / p["handwritten_loop"] for p in pairs]),
-    }
-    print(f"1. project / hand-written loop, tokens/s: {result['vs_handwritten']['ratio']}", flush=True)
-
-    # 2. Padding against packing: trained tokens/s (each way paired with packing) and padding.
-    def packed() -> dict:
-        return project(args.steps, *WAYS["packed"])
-
-    result["ways"] = {"packed": {"padding_share": padding_share(*WAYS["packed"])}}
-    for way, overrides in list(WAYS.items())[1:]:
-
-        def this_way(overrides=overrides) -> dict:
-            return project(args.steps, *overrides)
-
-        pairs = paired(this_way, packed, args.repeats)
-        result["ways"][way] = {
-            "padding_share": padding_share(*overrides),
-            "pairs": pairs,
-            "tokens_per_sec_vs_packed": summary(
-                [p["this_way"]["tokens_per_sec"] / p["packed"]["tokens_per_sec"] for p in pairs]
-            ),
-        }
-        print(f"2. {way}: {result['ways'][way]['padding_share']:.3f} padding, tokens/s vs packed "
-              f"{result['ways'][way]['tokens_per_sec_vs_packed']}", flush=True)  # fmt: skip
-
-    # 3. Weighing by tokens (a count all-reduced per step) against each micro-batch's mean: samples/s.
-    def by_tokens() -> dict:
-        return project(args.steps)
-
-    def per_batch_mean() -> dict:
-        return project(args.steps, *PER_BATCH_MEAN)
-
-    pairs = paired(by_tokens, per_batch_mean, args.repeats)
-    cost = summary([p["by_tokens"]["samples_per_sec"] / p["per_batch_mean"]["samples_per_sec"] for p in pairs])
-    result["token_weighting_cost"] = {"pairs": pairs, "samples_per_sec_ratio": cost}
-    print(f"3. by tokens / per-batch mean, samples/s: {cost}", flush=True)
-
-    out = REPO / "bench" / "results" / f"language_model_{commit}.json"
+    for part in sorted(parts):
+        result.update(PARTS[part](args))
+    which = "" if parts == set(PARTS) else "_part" + "".join(map(str, sorted(parts)))
+    out = REPO / "bench" / "results" / f"language_model_{commit}{which}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"→ {out.relative_to(REPO)}")
     return 0
