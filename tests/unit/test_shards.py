@@ -70,7 +70,7 @@ def test_a_field_of_different_lengths_is_stored_whole_and_padded_per_batch(tmp_p
     assert batch["input_ids"].tolist() == [[0, 1, 2, 3, 4], [10, 1, 1, 1, 1]]
     assert batch["labels"].tolist() == [[0, 1, 2, 3, 4], [10, -100, -100, -100, -100]]
     assert batch["kind"].tolist() == [0, 1]  # a field of one shape: batched as DataLoader batches it
-    assert shards.verify(tmp_path) == []
+    assert shard_tool.verify(tmp_path) == []
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     manifest["version"] = 1  # a directory written before ragged fields: read as before
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
@@ -179,11 +179,11 @@ def test_damage_is_one_line_naming_the_shard(tmp_path: Path):
     with pytest.raises(UserError, match=r"shard .*train-000002.shard is corrupt \(not a shard file"):
         train[9]
     assert int(train[0][1]) == 0  # the other shards read on
-    assert any("train-000002" in problem for problem in shards.verify(root))
+    assert any("train-000002" in problem for problem in shard_tool.verify(root))
     shard.write_bytes(content[:-1] + bytes([content[-1] ^ 1]))  # one bit of its data: only verify sees it
-    assert [p for p in shards.verify(root) if "CRC-32" in p] and len(shards.verify(root)) == 1
+    assert [p for p in shard_tool.verify(root) if "CRC-32" in p] and len(shard_tool.verify(root)) == 1
     shard.write_bytes(content)
-    assert shards.verify(root) == []
+    assert shard_tool.verify(root) == []
     (root / "manifest.json").write_text("{")
     with pytest.raises(UserError, match="manifest.json cannot be read"):
         data.check_source(data_cfg(root))

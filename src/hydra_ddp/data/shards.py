@@ -1,18 +1,16 @@
 """Datasets stored as many shard files on disk, read in windows of shards, never loaded whole.
 
 A shard directory holds `manifest.json` (each split's shards, their sample counts, sizes and CRC-32s)
-and the shard files. A shard holds a fixed number of samples, each a tuple or a dict of arrays, stored
-field by field: a field of one shape per sample as one block (sample i at a known offset), a field
-whose samples differ in their first dimension (a document's token ids) as its values laid end to end
-and their offsets. Either is read through a memory map (only the pages a read touches come from disk).
-A directory of token ids holds the tokenizer beside its manifest, and its samples are padded per
-batch (data/text.py's PadCollate) as data=documents pads them.
+and the shard files. A shard holds a fixed number of samples (tuples or dicts of arrays), field by
+field: a field of one shape as one block, one whose samples differ in their first dimension (token
+ids) as its values end to end and their offsets; read through memory maps (only the pages a read
+touches come from disk). Token ids are padded per batch where the manifest gives a padding id.
 
-So a sample has an address, (shard, offset), and the training order is index arithmetic over the
+A sample's address is (shard, offset), and the training order is index arithmetic over the
 manifest's counts (sampling.ShardWindowSampler): shards in a seeded order each epoch, samples
-shuffled within windows of consecutive positions. Every rank, every loader worker and a resumed
-run compute the same order without reading anything, which is what makes a mid-epoch resume exact
-at any world size and the order independent of the number of loader workers.
+shuffled within windows of consecutive positions. Every rank, loader worker and resumed run computes
+the same order without reading anything: a mid-epoch resume is exact at any world size, and the
+order does not depend on the number of loader workers.
 
 Write shards with `python -m hydra_ddp.tools.shards write DIR --source digits` (any source of
 conf/data, or your own function returning splits), or `write()` from your own code, one sample at a
@@ -81,64 +79,59 @@ def _pad(length: int) -> int:
     return -length % ALIGN
 
 
-class _ShardWriter:
+def _write_shard(path: Path, samples: list[Any]) -> ShardInfo:
     """One shard file, written in one go from the samples given to it."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def write(self, samples: list[Any]) -> ShardInfo:
-        structure, first = _fields(samples[0])
-        names = [name for name, _ in first]
-        columns: dict[str, list[np.ndarray]] = {name: [] for name in names}
-        for i, sample in enumerate(samples):
-            kind, fields = _fields(sample)
-            if kind != structure or [name for name, _ in fields] != names:
-                raise UserError(f"sample {i} of {self.path.name} has fields {[n for n, _ in fields]}, not {names}")
-            for name, array in fields:
-                columns[name].append(array)
-        blocks = []  # (field, array): a field's block, or a ragged field's values then its offsets
-        header: dict[str, Any] = {"samples": len(samples), "structure": structure, "fields": []}
-        offset = 0  # from the start of the data, fixed up below once the header's length is known
-        for name in names:
-            arrays = columns[name]
-            shapes, dtypes = {a.shape for a in arrays}, {a.dtype for a in arrays}
-            ragged = len(shapes) > 1 and all(a.ndim >= 1 for a in arrays) and len({a.shape[1:] for a in arrays}) == 1
-            if len(dtypes) != 1 or (len(shapes) != 1 and not ragged):
-                raise UserError(
-                    f"field {name!r} of {self.path.name} has shapes {sorted(shapes)} and dtypes "
-                    f"{sorted(map(str, dtypes))}: a field needs one dtype, and shapes that differ in their first "
-                    "dimension at most (a sequence of any length)"
-                )
-            entry = {"name": name, "dtype": arrays[0].dtype.str, "offset": offset}
-            if ragged:
-                values = np.ascontiguousarray(np.concatenate(arrays))
-                ends = np.cumsum([0, *(len(a) for a in arrays)], dtype=np.int64)
-                entry.update(shape=list(arrays[0].shape[1:]), ragged=True, values=len(values))
-                entry["offsets_at"] = offset + values.nbytes + _pad(values.nbytes)
-                parts = [values, ends]
-            else:
-                block = np.ascontiguousarray(np.stack(arrays))
-                entry["shape"] = list(block.shape[1:])
-                parts = [block]
-            for part in parts:
-                blocks.append(part)
-                offset += part.nbytes + _pad(part.nbytes)
-            header["fields"].append(entry)
-        # Offsets are from the data's start (the header's end, aligned): the header's length cannot change them.
-        encoded = json.dumps(header).encode()
-        crc = 0
-        head = MAGIC + len(encoded).to_bytes(8, "little") + encoded
-        with open(self.path, "wb") as f:
-            for chunk in (head, bytes(_pad(len(head)))):
+    structure, first = _fields(samples[0])
+    names = [name for name, _ in first]
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    for i, sample in enumerate(samples):
+        kind, fields = _fields(sample)
+        if kind != structure or [name for name, _ in fields] != names:
+            raise UserError(f"sample {i} of {path.name} has fields {[n for n, _ in fields]}, not {names}")
+        for name, array in fields:
+            columns[name].append(array)
+    blocks = []  # (field, array): a field's block, or a ragged field's values then its offsets
+    header: dict[str, Any] = {"samples": len(samples), "structure": structure, "fields": []}
+    offset = 0  # from the start of the data, fixed up below once the header's length is known
+    for name in names:
+        arrays = columns[name]
+        shapes, dtypes = {a.shape for a in arrays}, {a.dtype for a in arrays}
+        ragged = len(shapes) > 1 and all(a.ndim >= 1 for a in arrays) and len({a.shape[1:] for a in arrays}) == 1
+        if len(dtypes) != 1 or (len(shapes) != 1 and not ragged):
+            raise UserError(
+                f"field {name!r} of {path.name} has shapes {sorted(shapes)} and dtypes "
+                f"{sorted(map(str, dtypes))}: a field needs one dtype, and shapes that differ in their first "
+                "dimension at most (a sequence of any length)"
+            )
+        entry = {"name": name, "dtype": arrays[0].dtype.str, "offset": offset}
+        if ragged:
+            values = np.ascontiguousarray(np.concatenate(arrays))
+            ends = np.cumsum([0, *(len(a) for a in arrays)], dtype=np.int64)
+            entry.update(shape=list(arrays[0].shape[1:]), ragged=True, values=len(values))
+            entry["offsets_at"] = offset + values.nbytes + _pad(values.nbytes)
+            parts = [values, ends]
+        else:
+            block = np.ascontiguousarray(np.stack(arrays))
+            entry["shape"] = list(block.shape[1:])
+            parts = [block]
+        for part in parts:
+            blocks.append(part)
+            offset += part.nbytes + _pad(part.nbytes)
+        header["fields"].append(entry)
+    # Offsets are from the data's start (the header's end, aligned): the header's length cannot change them.
+    encoded = json.dumps(header).encode()
+    crc = 0
+    head = MAGIC + len(encoded).to_bytes(8, "little") + encoded
+    with open(path, "wb") as f:
+        for chunk in (head, bytes(_pad(len(head)))):
+            f.write(chunk)
+            crc = zlib.crc32(chunk, crc)
+        for block in blocks:
+            for chunk in (block.tobytes(), bytes(_pad(block.nbytes))):
                 f.write(chunk)
                 crc = zlib.crc32(chunk, crc)
-            for block in blocks:
-                for chunk in (block.tobytes(), bytes(_pad(block.nbytes))):
-                    f.write(chunk)
-                    crc = zlib.crc32(chunk, crc)
-            size = f.tell()
-        return ShardInfo(self.path.name, len(samples), size, crc)
+        size = f.tell()
+    return ShardInfo(path.name, len(samples), size, crc)
 
 
 def write(
@@ -163,10 +156,10 @@ def write(
         for sample in _iterate(samples):
             pending.append(sample)
             if len(pending) == samples_per_shard:
-                shards.append(_ShardWriter(out / f"{split}-{len(shards):06d}.shard").write(pending))
+                shards.append(_write_shard(out / f"{split}-{len(shards):06d}.shard", pending))
                 pending = []
         if pending:
-            shards.append(_ShardWriter(out / f"{split}-{len(shards):06d}.shard").write(pending))
+            shards.append(_write_shard(out / f"{split}-{len(shards):06d}.shard", pending))
         manifest["splits"][split] = [vars(s) for s in shards]
     (out / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
     os.replace(out / (MANIFEST + ".tmp"), out / MANIFEST)
@@ -224,7 +217,7 @@ def check_files(root: str | os.PathLike, shards: list[ShardInfo]) -> None:
             )
 
 
-class _Shard:
+class ShardFile:
     """One shard's fields as memory maps, checked against the manifest when opened."""
 
     def __init__(self, path: Path, info: ShardInfo):
@@ -240,26 +233,22 @@ class _Shard:
                 raise ValueError(f"{header['samples']} samples, the manifest says {info.samples}")
             self.structure, self.columns = header["structure"], []
             for field in header["fields"]:
-                dtype = np.dtype(field["dtype"])
-                rows = field["values"] if field.get("ragged") else info.samples
-                values = self._map(path, info, field["name"], dtype, (rows, *field["shape"]), start + field["offset"])
-                ends = None
-                if field.get("ragged"):
-                    ends = self._map(
-                        path, info, field["name"], np.dtype(np.int64), (info.samples + 1,), start + field["offsets_at"]
-                    )
-                self.columns.append((field["name"], values, ends))
+                ragged, name = field.get("ragged"), field["name"]
+                rows = field["values"] if ragged else info.samples  # a ragged field: its values, then offsets
+                values = _map(
+                    path, info, name, np.dtype(field["dtype"]), (rows, *field["shape"]), start + field["offset"]
+                )
+                ends = (
+                    _map(path, info, name, np.dtype(np.int64), (info.samples + 1,), start + field["offsets_at"])
+                    if ragged
+                    else None
+                )
+                self.columns.append((name, values, ends))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ShardError(
                 f"shard {path} is corrupt ({e}); write the shards again ({_HOW}), or find the bad ones with "
                 f"python -m hydra_ddp.tools.shards verify {path.parent}"
             ) from None
-
-    @staticmethod
-    def _map(path: Path, info: ShardInfo, name: str, dtype: np.dtype, shape: tuple[int, ...], offset: int) -> Any:
-        if offset + dtype.itemsize * int(np.prod(shape)) > info.bytes:
-            raise ValueError(f"field {name!r} runs past the end of the file")
-        return np.memmap(path, dtype, "r", offset, shape)
 
     def take(self, offsets: Any) -> list[Any]:
         """The samples at `offsets` (a sorted array), each a tuple or a dict of tensors."""
@@ -272,6 +261,12 @@ class _Shard:
         if self.structure == "dict":
             return [{name: value[i] for name, value in values} for i in range(len(offsets))]
         return [tuple(value[i] for _, value in values) for i in range(len(offsets))]
+
+
+def _map(path: Path, info: ShardInfo, name: str, dtype: np.dtype, shape: tuple[int, ...], offset: int) -> Any:
+    if offset + dtype.itemsize * int(np.prod(shape)) > info.bytes:
+        raise ValueError(f"field {name!r} runs past the end of the file")
+    return np.memmap(path, dtype, "r", offset, shape)
 
 
 class ShardedDataset(Dataset):
@@ -288,7 +283,7 @@ class ShardedDataset(Dataset):
         self.root, self.shards, self.shuffle_window, self.pad_id = Path(root), list(shards), shuffle_window, pad_id
         self.shard_sizes = [s.samples for s in self.shards]
         self.starts = np.cumsum([0, *self.shard_sizes]).tolist()  # sample index of each shard's first
-        self._open: collections.OrderedDict[int, _Shard] = collections.OrderedDict()
+        self._open: collections.OrderedDict[int, ShardFile] = collections.OrderedDict()
         if pad_id is not None:
             from hydra_ddp.data.text import PadCollate
 
@@ -300,8 +295,8 @@ class ShardedDataset(Dataset):
     def __getstate__(self) -> dict[str, Any]:  # to a spawned loader worker: without the open maps
         return {**self.__dict__, "_open": collections.OrderedDict()}
 
-    def _shard(self, number: int) -> _Shard:
-        shard = self._open.pop(number, None) or _Shard(self.root / self.shards[number].file, self.shards[number])
+    def _shard(self, number: int) -> ShardFile:
+        shard = self._open.pop(number, None) or ShardFile(self.root / self.shards[number].file, self.shards[number])
         self._open[number] = shard  # the most recently used last
         if len(self._open) > OPEN_SHARDS:
             self._open.popitem(last=False)
@@ -385,26 +380,3 @@ def check(dataset_cfg: Any, data_cfg: Any) -> None:
                 f"data.{key}={getattr(data_cfg, key)} but the shards in {root} hold data with {key}={value}; "
                 f"set data.{key}={value}"
             )
-
-
-def verify(root: str | os.PathLike) -> list[str]:
-    """Each shard's problems, read whole against its manifest entry (size, CRC-32, header): [] when
-    all is well."""
-    manifest = read_manifest(root)
-    problems = []
-    for split, entries in manifest["splits"].items():
-        for entry in entries:
-            info = ShardInfo(**entry)
-            path = Path(root) / info.file
-            try:
-                check_files(root, [info])
-                crc = 0
-                with open(path, "rb") as f:
-                    while chunk := f.read(1 << 20):
-                        crc = zlib.crc32(chunk, crc)
-                if crc != info.crc32:
-                    raise ShardError(f"shard {path}: its CRC-32 is {crc:08x}, the manifest's {info.crc32:08x}")
-                _Shard(path, info)
-            except ShardError as e:
-                problems.append(f"{split}: {e}")
-    return problems

@@ -20,7 +20,9 @@ import argparse
 import importlib
 import inspect
 import json
+import os
 import sys
+import zlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,6 +30,29 @@ import torch
 
 from hydra_ddp.data import shards
 from hydra_ddp.errors import UserError
+
+
+def verify(root: str | os.PathLike) -> list[str]:
+    """Each shard's problems, read whole against its manifest entry (size, CRC-32, header): [] when
+    all is well."""
+    manifest = shards.read_manifest(root)
+    problems = []
+    for split, entries in manifest["splits"].items():
+        for entry in entries:
+            info = shards.ShardInfo(**entry)
+            path = Path(root) / info.file
+            try:
+                shards.check_files(root, [info])
+                crc = 0
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        crc = zlib.crc32(chunk, crc)
+                if crc != info.crc32:
+                    raise shards.ShardError(f"shard {path}: its CRC-32 is {crc:08x}, the manifest's {info.crc32:08x}")
+                shards.ShardFile(path, info)
+            except shards.ShardError as e:
+                problems.append(f"{split}: {e}")
+    return problems
 
 
 def _source(name: str) -> Any:
@@ -68,7 +93,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     options = parser.parse_args(argv)
     try:
         if options.command == "verify":
-            problems = shards.verify(options.root)
+            problems = verify(options.root)
             print("\n".join(problems) or f"{options.root}: every shard reads as written")
             return 1 if problems else 0
         source, arguments = _source(options.source), _pairs(options.arg)
