@@ -214,16 +214,26 @@ def checked_loss(
     traceback: the first batch of a run, and train.py --check's."""
     name = type(task).__name__
     reduce = reduce or task.loss
+    # The targets before the model runs where the task says how a batch splits (a language model's
+    # labels are its inputs: an id beyond the vocabulary is one line, not an embedding's IndexError).
+    splits = type(task).split is not Task.split or type(task).forward is Task.forward
+    before = check_target is not None and splits
+    try:
+        target = task.split(batch)[1] if before else None
+    except UserError as problem:  # the default split's: the batch is not a pair
+        raise error(str(problem)) from None
+    if before:
+        check_target(target)  # type: ignore[misc]
     try:
         output, target = task.forward(model, batch)
-    except UserError as problem:  # the default split's: the batch is not a pair
+    except UserError as problem:
         raise error(str(problem)) from None
     except KeyError as missing:
         raise error(
             f"task {name} asks the batch for {missing.args[0]!r}, which it lacks: it is "
             f"{batches.describe(batch)} (docs/tasks.md: batches and model calls)"
         ) from None
-    if check_target is not None:
+    if check_target is not None and not before:
         check_target(target)
     try:
         return reduce(output, target)

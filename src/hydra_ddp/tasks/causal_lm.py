@@ -41,6 +41,17 @@ class CausalLM(Task):
             )
         return batch, batch["labels"]
 
+    def check_target(self, target: torch.Tensor, outputs: int) -> Optional[str]:
+        """Token ids beyond the vocabulary (data.num_classes, which the models' embeddings read):
+        one line at the first batch, not an embedding's IndexError."""
+        highest = int(target.max()) if target.numel() else -1
+        if highest >= outputs:
+            return (
+                f"its token ids go up to {highest}, and data.num_classes={outputs} (the model's vocabulary): "
+                f"set data.num_classes to the tokenizer's vocabulary (at least {highest + 1})"
+            )
+        return None
+
     def forward(self, model: Any, batch: Any) -> tuple[Any, Any]:
         inputs, labels = self.split(batch)
         # Without its labels: a transformers model would compute its own per-batch mean loss too.
