@@ -212,6 +212,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawned(worker: Any, nprocs: int, *args: Any) -> dict[str, Any]:
+    """`worker(rank, port, *args, out)` on `nprocs` ranks started by mp.spawn, meeting at a free port:
+    the JSON rank 0 wrote to `out` (a file in a folder of its own)."""
+    import tempfile
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(worker, args=(free_port(), *args, out), nprocs=nprocs)
+        return json.loads(Path(out).read_text())
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="the JSON file rank 0 writes the measurements to")

@@ -29,6 +29,8 @@ from pathlib import Path
 import provenance
 from omegaconf import OmegaConf
 
+from handwritten import ddp_setup, spawned
+
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENT = OmegaConf.load(REPO / "conf" / "experiment" / "documents_gpt.yaml")
 CONTEXT, MAX_BYTES = EXPERIMENT.data.dataset.context, EXPERIMENT.data.dataset.max_bytes
@@ -60,8 +62,7 @@ def _worker(rank: int, port: int, steps: int, warm: int, out: str) -> None:
     from hydra_ddp.models import TinyGPT
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=NPROC)
+    ddp_setup(rank, NPROC, port, torch.device("cpu"))  # gloo, on this host
     torch.manual_seed(0)
     model = DDP(TinyGPT(**GPT))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.003, betas=(0.9, 0.95), weight_decay=0.1)
@@ -97,17 +98,7 @@ def _worker(rank: int, port: int, steps: int, warm: int, out: str) -> None:
 
 
 def handwritten(steps: int, warm: int) -> float:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(port, steps, warm, out), nprocs=NPROC)
-        return json.loads(Path(out).read_text())["tokens_per_sec"]
+    return spawned(_worker, NPROC, steps, warm)["tokens_per_sec"]
 
 
 def project(steps: int, *overrides: str) -> dict[str, float]:

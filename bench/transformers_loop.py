@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import provenance
 from omegaconf import OmegaConf
+
+from handwritten import ddp_setup, spawned
 
 REPO = Path(__file__).resolve().parents[1]
 # The experiment's model: conf/model/hf_llama.yaml's fields, its vocabulary data=text_dicts'.
@@ -47,8 +48,7 @@ def _worker(rank: int, port: int, steps: int, warm: int, out: str) -> None:
     from hydra_ddp.hf import causal_lm
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=NPROC)
+    ddp_setup(rank, NPROC, port, torch.device("cpu"))  # gloo, on this host
     torch.manual_seed(0)
     model = DDP(causal_lm(**LLAMA))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.003, weight_decay=0.1)
@@ -79,17 +79,7 @@ def _worker(rank: int, port: int, steps: int, warm: int, out: str) -> None:
 
 
 def handwritten(steps: int, warm: int) -> float:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(port, steps, warm, out), nprocs=NPROC)
-        return json.loads(Path(out).read_text())["samples_per_sec"]
+    return spawned(_worker, NPROC, steps, warm)["samples_per_sec"]
 
 
 def project(steps: int) -> float:
