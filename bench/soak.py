@@ -19,7 +19,7 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
@@ -62,7 +62,7 @@ def write_report(runs: list, failures: Counter, hogged: bool, pytest_args: list[
     lines = [
         "# Soak: the whole suite, run after run",
         "",
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC · commit `{commit}` · "
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC · commit `{commit}` · "
         f"{len(os.sched_getaffinity(0))} cores · Python {platform.python_version()} · "
         f"{'with one CPU-hogging process beside it' if hogged else 'no CPU hog'} · `bench/soak.py`"
         + (f" · pytest {' '.join(pytest_args)}" if pytest_args else ""),

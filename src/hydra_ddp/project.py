@@ -46,10 +46,8 @@ def find(start: Optional[Path] = None) -> Optional[Project]:
 def _settings(pyproject: Path) -> Optional[dict]:
     if not pyproject.is_file():
         return None
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
+    import tomllib
+
     try:
         tool = tomllib.loads(pyproject.read_text()).get("tool", {})
     except (OSError, ValueError) as error:

@@ -38,16 +38,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import pytest
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser, before the standard library took it in
-    import tomli as tomllib  # type: ignore[no-redef]
 
 from support import (
     BLOCKS,
