@@ -8,9 +8,10 @@ RUN_DIR/error.txt              a sweep job's failure   RUN_DIR/rendezvous.store 
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 # What Hydra writes into a run directory before the job's code runs: .hydra/ and the log file.
 HYDRA_FILES = frozenset({"config.yaml", "hydra.yaml", "overrides.yaml"})
@@ -70,3 +71,37 @@ class RunDir:
         if untouched:
             shutil.rmtree(self.path, ignore_errors=True)
         return untouched
+
+
+# The default run directories this process claimed: {the name asked for: the one it got}.
+_CLAIMED: dict[str, str] = {}
+
+
+def claim_new(path: str) -> str:
+    """A run directory of its own for this run, made here: `path` (the config's default, named to the
+    second), or where another run made it first, `path-2`, `path-3`, … Two runs started in the same
+    second (a Slurm array, two terminals) would otherwise share one directory, its log, checkpoints
+    and metrics. Made with mkdir, which only one process can win; the same answer for the same `path`
+    every time this process asks (Hydra resolves the run directory more than once).
+
+    Registered as the config resolver `hydra_ddp.new_dir` (conf/config.yaml's hydra.run.dir)."""
+    if path in _CLAIMED:
+        return _CLAIMED[path]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    for number in range(1, 10_000):
+        candidate = path if number == 1 else f"{path}-{number}"
+        try:
+            os.mkdir(candidate)
+        except FileExistsError:
+            continue
+        _CLAIMED[path] = candidate
+        return candidate
+    raise RuntimeError(f"no free run directory next to {path}")  # ten thousand runs in one second
+
+
+def claimed_instead(run_dir: Path) -> Optional[str]:
+    """The default name this run asked for, where another run had already taken it (else None)."""
+    for asked, got in _CLAIMED.items():
+        if asked != got and Path(got).resolve() == run_dir.resolve():
+            return asked
+    return None

@@ -54,6 +54,7 @@ def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_and_wand
     best = max(summary(sweep / str(i))["val_accuracy"] for i in (0, 1))
     assert parent.data.metrics["best/val/accuracy"] == pytest.approx(best)
     assert [summary(sweep / str(i))["world_size"] for i in (0, 1)] == [1, 2]
+    assert [summary(sweep / str(i))["test_passes"] for i in (0, 1)] == [1, 1]  # every job tested, once
     # W&B: one run per job (not per rank), the sweep's jobs in one group named after it.
     jobs = [wandb_starts(sweep / str(i)) for i in (0, 1)]
     assert [len(starts) for starts in jobs] == [1, 1]

@@ -144,6 +144,17 @@ def test_bad_batch_sizes_are_refused_before_launch(tmp_path: Path, overrides, me
         resolved(tmp_path, *overrides)
 
 
+def test_self_comes_after_the_groups_and_before_the_presets():
+    # conf/config.yaml lists _self_ after the groups it chooses and before the presets: a group's
+    # option gives its values, a preset (debug=) or an experiment (+experiment=) overrides them, and
+    # the command line overrides everything (Hydra #346 and 1.1's change of _self_'s default place).
+    assert compose_cfg().trainer.max_steps is None and compose_cfg().optim.lr == 0.02  # optim=sgd's
+    assert compose_cfg("debug=fast").trainer.max_steps == 6  # the preset over the schema's default
+    assert compose_cfg("+experiment=text_gpt").optim.lr == 0.006  # the experiment over optim=adamw's
+    assert compose_cfg("+experiment=text_gpt", "optim.lr=0.1").optim.lr == 0.1  # the command line over both
+    assert compose_cfg("debug=fast", "trainer.max_steps=9").trainer.max_steps == 9
+
+
 def test_misspelt_key_fails_at_composition():
     with pytest.raises(ConfigCompositionException, match="nprocs"):
         compose_cfg("trainer.nprocs=2")

@@ -77,3 +77,18 @@ def test_the_reference_lists_every_key_of_the_default_config():
 
     absent = [key for key in leaves(config) if f"| `{key}` |" not in text]
     assert not absent, absent
+
+
+def test_every_test_the_hydra_ddp_page_names_exists():
+    """docs/hydra-ddp.md answers each known problem with a test: the test is there, under that name."""
+    import re
+
+    page = (REPO / "docs" / "hydra-ddp.md").read_text()
+    named = re.findall(r"`(tests/[\w/]+\.py)((?:::\w+)?)`", page)
+    assert len(named) >= 9, named
+    for path, test in named:
+        assert (REPO / path).is_file(), path
+        if test:
+            assert f"def {test[2:]}(" in (REPO / path).read_text(), f"{path}{test}"
+    for short in re.findall(r"`::(\w+)`", page):  # a test of the module named just before it
+        assert any(f"def {short}(" in (REPO / path).read_text() for path, _ in named), short

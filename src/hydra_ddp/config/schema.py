@@ -15,6 +15,7 @@ from typing import Annotated, Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from hydra_ddp import rundir
 from hydra_ddp.config.domains import AUTO_BOOL, AtLeast, Checked, Chosen, Free, Number, OneOf, Pattern, Positive
 from hydra_ddp.config.section import Section
 
@@ -307,4 +308,5 @@ def register_schema(main_module: str = "__main__") -> None:
         for name, settings in CHOSEN_STRATEGY.options().items():  # conf/strategy/NAME.yaml: defaults [NAME_schema]
             store.store(group="strategy", name=f"{name}_schema", node=settings)
     OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(xs), replace=True)
+    OmegaConf.register_new_resolver("hydra_ddp.new_dir", rundir.claim_new, replace=True)
     OmegaConf.register_new_resolver("eq", lambda a, b: a == b, replace=True)

@@ -21,10 +21,10 @@ from omegaconf import DictConfig
 from hydra_ddp.config import checks, from_checkpoint, resolve, run_config
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import EVERY_RANK, UserError
-from hydra_ddp.launch import composition, kubernetes, startup, workers
+from hydra_ddp.launch import composition, holding, kubernetes, startup, workers
 from hydra_ddp.launch.workers import Stopped, _again, say
 from hydra_ddp.parallel import distributed
-from hydra_ddp.rundir import RunDir
+from hydra_ddp.rundir import RunDir, claimed_instead
 
 log = logging.getLogger(__name__)
 
@@ -94,22 +94,31 @@ def exit_after(entry: Callable[[], Any]) -> NoReturn:
 def run(cfg: DictConfig, started_at: float, job: str = "train") -> Optional[dict[str, Any]]:
     """Resolve, check, launch, wait; the summary of a finished run, or eval.py's result (job="eval").
     None on a non-zero node."""
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)  # absolute
+    # hydra.job.chdir=true moved this process into the run directory: relative paths (the data's, a
+    # checkpoint's) are still read from where the command was started, here and in every worker.
+    os.chdir(HydraConfig.get().runtime.cwd)
     distributed.adopt_launcher_environment()
     external = distributed.external_launch()
     if startup.checking():
         return _check_only(cfg, run_dir, external, job)
+    asked = claimed_instead(run_dir)
+    if asked:
+        log.info("%s was taken by another run started in the same second: this run's directory is %s", asked, run_dir)
     resolved = _resolve(cfg, run_dir, external, job)
-    if external:
-        resolved.freeze()
-        # Only rank 0 knows the run directory: its verdict reaches every rank once the group is up.
-        problem = _problem(resolved, run_dir) if external[1].is_main and job == "train" else None
-        return _unless_stopped(
-            workers.worker_entry("main")(resolved, str(run_dir), external[1], started_at, problem=problem),
-            run_dir,
-            quiet=not external[1].is_main,
-        )
-    return _unless_stopped(workers.launch(resolved, run_dir, started_at), run_dir)
+    # One live run per directory: held by the launching process (node 0's) or an outside launch's rank 0.
+    holds = external[1].is_main if external else resolved.launcher.node_rank == 0
+    with holding.held(run_dir) if holds else contextlib.nullcontext():
+        if external:
+            resolved.freeze()
+            # Only rank 0 knows the run directory: its verdict reaches every rank once the group is up.
+            problem = _problem(resolved, run_dir) if external[1].is_main and job == "train" else None
+            return _unless_stopped(
+                workers.worker_entry("main")(resolved, str(run_dir), external[1], started_at, problem=problem),
+                run_dir,
+                quiet=not external[1].is_main,
+            )
+        return _unless_stopped(workers.launch(resolved, run_dir, started_at), run_dir)
 
 
 def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], job: str) -> RunConfig:

@@ -1,0 +1,123 @@
+"""A run directory held by the run that writes into it, so that a second live run is refused there
+instead of interleaving its log, checkpoints and metrics with the first's (an explicit
+hydra.run.dir given twice; the default's names are new per run: rundir.claim_new).
+
+The holder is the launching process (or rank 0 of an outside launch): a file in the run directory
+names its pid, host and start time while it runs. A holder that is gone (killed without a word,
+its pid ended or reused) holds nothing: the next run takes the directory over, as `trainer.resume`
+into it expects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from hydra_ddp.errors import UserError
+from hydra_ddp.launch import ranks, startup
+
+log = logging.getLogger(__name__)
+
+LOCK = ".hydra-ddp.lock"
+
+
+def _me() -> dict[str, Any]:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": _started(os.getpid())}
+
+
+def _started(pid: int) -> Optional[str]:
+    """A process's start time (clock ticks since boot): a pid and its start time name one process."""
+    fields = startup.proc_stat(pid)
+    return fields[19] if fields and len(fields) > 19 else None
+
+
+def _alive(holder: dict[str, Any]) -> bool:
+    """Whether the process a lock names still runs (here: on this host)."""
+    return _started(int(holder.get("pid", -1))) == holder.get("started") is not None
+
+
+@contextlib.contextmanager
+def held(run_dir: Path) -> Iterator[None]:
+    """Hold `run_dir` while the run lasts; one line when a live run on this host holds it."""
+    path = Path(run_dir) / LOCK
+    me = _me()
+    for _ in range(3):  # a lock found stale is removed, and the create tried again
+        try:
+            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            _take_over(path, run_dir)
+            continue
+        with os.fdopen(descriptor, "w") as file:
+            json.dump(me, file)
+        break
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(path.read_text()) == me:  # still ours
+                path.unlink()
+
+
+def _holder(path: Path) -> Optional[dict[str, Any]]:
+    """What a lock file says of its holder; None where there is none ({} where it is torn)."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # torn: a holder killed mid-write
+
+
+def in_use(run_dir: Path) -> Optional[str]:
+    """Why `run_dir` may not take another run: a live run of this host holds it (else None)."""
+    holder = _holder(Path(run_dir) / LOCK)
+    if holder and holder.get("host") == socket.gethostname() and _alive(holder):
+        return (
+            f"hydra.run.dir={run_dir} is in use by a live run (pid {holder['pid']}): two runs in one "
+            "directory would write into each other's log, checkpoints and metrics; choose another "
+            "hydra.run.dir, or continue this one with trainer.resume=auto once that run has ended"
+        )
+    return None
+
+
+class RefuseHeld(Callback):
+    """Hydra callback (conf/config.yaml): a run directory a live run holds is refused in one line
+    before Hydra writes this command's .hydra/ record over that run's."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        found = ranks.external_launch()
+        if (found and not found[1].is_main) or (config.get("launcher") or {}).get("node_rank", 0):
+            return  # not the rank, nor the node, that holds it
+        problem = in_use(Path(str(config.hydra.run.dir)))
+        if problem:
+            print(f"hydra-ddp: error: {problem}", file=sys.stderr)
+            sys.exit(2)
+
+
+def _take_over(path: Path, run_dir: Path) -> None:
+    """Remove a lock whose holder is gone; refuse where a live run on this host holds it."""
+    problem = in_use(run_dir)
+    if problem:
+        raise UserError(problem)
+    holder = _holder(path)
+    if holder is None:
+        return  # released meanwhile
+    if holder.get("host") not in (None, socket.gethostname()):
+        log.warning(
+            "%s was held by a run on host %s, which this host cannot see: taking it over (two live runs in "
+            "one directory would write into each other's files)",
+            run_dir,
+            holder["host"],
+        )
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
