@@ -580,7 +580,7 @@ class TwoHosts:
 PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*.md") if p.name != "index.md")]
 SHELLS = ("bash",)
 MARKS = {
-    "needs-gpu": "a GPU host's command (NCCL, CUDA); bench/gpu_check.py runs those when a GPU is lent",
+    "needs-gpu": "a GPU host's command (NCCL, CUDA): a train.py one is checked for such a host (--check --gpus=N)",
     "needs-cluster": "several real hosts, a GPU partition, a container registry or a Kubernetes cluster",
     "needs-account": "a hosted service's account (W&B's servers)",
     "the-suite": "make test: the suite this test is part of",

@@ -142,6 +142,7 @@ class Outcome:
     ran: int = 0
     distinct: int = 0
     checked: int = 0
+    gpu_checked: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)
     failures: list[str] = field(default_factory=list)
@@ -189,6 +190,19 @@ def _expand(command: str, env_lines: list[str], project: Path, env: dict[str, st
         ["bash", "-c", script], cwd=project, env=env, capture_output=True, text=True, timeout=30
     ).stdout
     return out.split("\0")[:-1]
+
+
+def _check_for_gpus(command: str, project: Path, env: dict[str, str]) -> Optional[str]:
+    """A GPU host's `python train.py ...` checked as that host would check it (--check --gpus=N, N its
+    trainer.nproc, else 8): its one error line, or "" when it passes; None for another command."""
+    words = shlex.split(_placed(_without_comment(command), project))
+    at = next((i for i, word in enumerate(words) if word.endswith("train.py")), None)
+    if at is None:
+        return None
+    gpus = next((w.split("=", 1)[1] for w in words if w.startswith("trainer.nproc=")), "8")
+    checked = [*words[: at + 1], "--check", f"--gpus={gpus}", *words[at + 1 :]]
+    done = subprocess.run(checked, cwd=project, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return "" if done.returncode == 0 else f"exit {done.returncode}: {done.stderr.strip()[-400:]}"
 
 
 def _start(script: str, project: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -325,6 +339,16 @@ def test_every_shell_command_in_the_docs_runs(
                         f"(pyproject.toml has no {absent})"
                     )
             continue
+        if block.mark == "needs-gpu":  # a GPU host's train.py: checked for one (--check --gpus=N), launched nowhere
+            for command in block.commands:
+                problem = _check_for_gpus(command, project, base_env)
+                if problem is None:
+                    outcome.skipped[block.mark] = outcome.skipped.get(block.mark, 0) + 1  # not train.py (sbatch)
+                    continue
+                outcome.gpu_checked += 1
+                if problem:
+                    outcome.failures.append(f"{block.where}: {command}\n    → {problem}")
+            continue
         if block.mark:
             outcome.skipped[block.mark] = outcome.skipped.get(block.mark, 0) + len(block.commands)
             continue
@@ -374,7 +398,8 @@ def test_every_shell_command_in_the_docs_runs(
         skipped = ", ".join(f"{n} {mark}" for mark, n in sorted(outcome.skipped.items()))
         print(
             f"\ndocs: {outcome.ran} commands ran ({outcome.distinct} distinct runs), {outcome.checked} checked only "
-            f"(marked installs), {sum(outcome.skipped.values())} skipped ({skipped})"
+            f"(marked installs), {outcome.gpu_checked} checked for a GPU host (train.py --check --gpus=N), "
+            f"{sum(outcome.skipped.values())} skipped ({skipped})"
         )
     assert not outcome.failures, f"{len(outcome.failures)} command(s) in the docs fail:\n" + "\n".join(outcome.failures)
     assert outcome.ran > 60
