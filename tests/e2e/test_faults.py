@@ -14,11 +14,13 @@ import torch
 from support import (
     HELPERS,
     QUICK,
+    REPO,
     assert_no_orphans,
     assert_same_run,
     check_ok,
     finish,
     make_image_folder,
+    run_eval,
     run_train,
     session_processes,
     start_train,
@@ -224,6 +226,15 @@ def test_bad_checkpoints_fail_in_one_line_and_lose_nothing(run_dir: Path, tmp_pa
     proc = run_train(tmp_path / "explicit", *QUICK, f"trainer.resume={newest}")
     assert proc.returncode != 0 and "corrupt" in proc.stderr and str(newest) in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+    # A checkpoint hydra-ddp 0.1.0 wrote (its keys renamed since), resumed and evaluated: one line each.
+    old = REPO / "tests" / "fixtures" / "checkpoint_0.1.0.pt"
+    for proc in (
+        run_train(tmp_path / "old", *QUICK, f"trainer.resume={old}"),
+        run_eval(tmp_path / "oldeval", f"ckpt={old}"),
+    ):
+        assert proc.returncode != 0 and "was written by hydra-ddp 0.1" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
     # A checkpoint of another model: one error listing the keys, not a wall of size mismatches.
     proc = run_train(tmp_path / "mlp", *QUICK, "model=mlp", f"trainer.resume={ckpt / 'last.pt'}")

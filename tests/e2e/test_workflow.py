@@ -87,6 +87,22 @@ def test_selected_on_validation_tested_once_and_eval_py_gives_the_same_bits_at_a
     assert len(wrong.stderr.strip().splitlines()) == 1 and "launching" not in wrong.stdout
 
 
+@pytest.mark.timeout(300)
+def test_eval_py_gives_the_same_bits_at_4_and_8_ranks_as_at_1(tmp_path: Path):
+    # The test split in chunks of 32 (12 of them): 8 ranks hold 1 or 2 chunks, 4 ranks 3 each. Every
+    # world size evaluates with the run's threads per rank (the checkpoint's), so the same kernels.
+    run_dir = tmp_path / "run"
+    check_ok(run_train(run_dir, "trainer.max_steps=10"))
+    results = []
+    for n in (1, 4, 8):
+        eval_dir = tmp_path / f"eval{n}"
+        check_ok(run_eval(eval_dir, f"ckpt={run_dir}", f"trainer.nproc={n}", "data.eval_batch_size=32"))
+        result = json.loads((eval_dir / "eval.json").read_text())
+        assert result["world_size"] == n
+        results.append({k: result[k] for k in ("test_loss", "test_accuracy", "test_samples")})
+    assert results[0] == results[1] == results[2] and results[0]["test_samples"] == 359, results
+
+
 def _stop_steps(run_dir: Path) -> dict[int, int]:
     found = re.findall(r"\[rank (\d)\]\S* - early stopping at step (\d+)", (run_dir / "train.log").read_text())
     return {int(rank): int(step) for rank, step in found}

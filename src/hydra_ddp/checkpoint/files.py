@@ -70,12 +70,29 @@ def read(path: Path, key: str, device: Optional[torch.device] = None) -> dict[st
         ) from None
     if not isinstance(state, dict) or "format" not in state:
         raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint")
-    if state["format"] != FORMAT:
+    if state["format"] != FORMAT or _of_0_1(state.get("config")):
         raise UserError(
-            f"{key}: {str(path)!r} is a checkpoint of format {state['format']} (hydra-ddp 0.1.0's DDP-only "
-            f"runs); this version reads format {FORMAT}: train it again, or read it with 0.1.0"
+            f"{key}: {str(path)!r} was written by hydra-ddp 0.1 (its config has keys this version renamed: "
+            f"dist.*, ddp.*); this version ({version()}) reads the checkpoints it writes: train it again, or "
+            "read it with hydra-ddp 0.1.0"
         )
     return state
+
+
+def _of_0_1(config: Any) -> bool:
+    """A checkpoint's config of hydra-ddp 0.1, whose sections dist and ddp are backend and strategy now."""
+    return isinstance(config, dict) and bool({"dist", "ddp"} & set(config))
+
+
+def version() -> str:
+    """This package's version, as installed (or its source's, run from a clone)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("hydra-ddp")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _read_sharded(path: Path, key: str) -> dict[str, Any]:
