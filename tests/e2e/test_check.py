@@ -50,8 +50,8 @@ def test_a_mismatched_pair_is_one_line_naming_the_options_that_fit(tmp_path: Pat
         )
         assert proc.returncode == 2
         assert proc.stderr.strip().splitlines() == [
-            "hydra-ddp: error: model=gpt needs data.dataset.context, which data=digits does not have: use data=text "
-            "(or +experiment=text_gpt)"
+            "hydra-ddp: error: model=gpt needs data.dataset.context, which data=digits does not have: use "
+            "data=documents or data=text (or +experiment=documents_gpt or +experiment=text_gpt)"
         ], proc.stderr
 
 
