@@ -585,6 +585,7 @@ MARKS = {
     "needs-account": "a hosted service's account (W&B's servers)",
     "the-suite": "make test: the suite this test is part of",
     "installs": "changes the environment the suite runs in: checked only (the extras it names exist)",
+    "elsewhere": "output of an environment the suite is not (a package not installed): not compared",
 }
 
 
@@ -595,6 +596,8 @@ class Block:
     lang: str
     mark: Optional[str]
     commands: list[str] = field(default_factory=list)
+    # A text block's transcript: each `$ command` line with the lines the page shows it printing.
+    transcript: list[tuple[str, list[str]]] = field(default_factory=list)
 
     @property
     def where(self) -> str:
@@ -626,6 +629,11 @@ def blocks(path: Path) -> list[Block]:
                 if current.strip() and not current.strip().startswith("#"):
                     block.commands.append(current.strip())
                 current = ""
+        for line in body if block.lang == "text" else []:
+            if line.startswith("$ "):
+                block.transcript.append((line[2:].strip(), []))
+            elif block.transcript:
+                block.transcript[-1][1].append(line)
         found.append(block)
     return found
 
