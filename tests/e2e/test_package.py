@@ -25,18 +25,23 @@ def _run(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) 
     return done
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> dict[str, str]:
-    """The environment of a fresh venv with the wheel installed, its bin first on PATH."""
-    work = tmp_path_factory.mktemp("package")
-    source = work / "source"  # the repository's own files (tracked and new), without its build outputs
+def _repository_copy(folder: Path) -> Path:
+    """The repository's own files (tracked and new) in `folder`, without its build outputs: a clone's."""
     files = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.splitlines()
     for name in files:
         if (REPO / name).is_file():
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, source / name)
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> dict[str, str]:
+    """The environment of a fresh venv with the wheel installed, its bin first on PATH."""
+    work = tmp_path_factory.mktemp("package")
+    source = _repository_copy(work / "source")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE")}
     wheels = work / "wheels"
     _run(
@@ -59,6 +64,30 @@ def installed(tmp_path_factory) -> dict[str, str]:
     )
     assert all(path.startswith(str(venv)) for path in where.stdout.split()), where.stdout
     return env
+
+
+@pytest.mark.timeout(900)
+def test_the_wheel_installs_with_its_dependencies_into_an_empty_venv_and_its_project_trains(tmp_path: Path):
+    # As README's front door has it: the package from a clone's folder into a venv of its own, pip
+    # resolving every dependency (torch from the machine's wheel cache, the rest from the registry or
+    # its cache), no path borrowed from the suite's environment; then a project, and a run of it.
+    source = _repository_copy(tmp_path / "hydra-ddp")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "VIRTUAL_ENV")}
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], tmp_path, env)
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
+    _run(["pip", "install", "--quiet", str(source)], tmp_path, env, timeout=600)
+    _run(["pip", "check"], tmp_path, env)
+    where = _run(["python", "-c", "import hydra_ddp, torch; print(hydra_ddp.__file__, torch.__file__)"], tmp_path, env)
+    assert all(path.startswith(str(venv)) for path in where.stdout.split()), where.stdout
+    _run(["hydra-ddp", "init", "my-lab"], tmp_path, env)
+    run_dir = tmp_path / "my-lab" / "outputs" / "first"
+    _run(
+        ["hydra-ddp", "train", "+experiment=spirals", "trainer.max_steps=5", f"hydra.run.dir={run_dir}"],
+        tmp_path / "my-lab",
+        env,
+    )
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 5
 
 
 @pytest.mark.timeout(900)
