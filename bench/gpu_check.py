@@ -538,7 +538,7 @@ CASES = [
         ONE,
         model_state,
         baseline=DEFAULTS,
-        runs=((*CNN_ONE, "strategy=fsdp", "strategy.mixed_precision=bf16", "trainer.grad_clip=1.0"),),
+        runs=((*CNN_ONE, "strategy=fsdp", "strategy.param_dtype=bf16", "strategy.reduce_dtype=fp32", "trainer.grad_clip=1.0"),),
     ),
     # DTensor, DCP checkpoints and the global-norm clipping on CUDA (tensor parallel on a one-rank mesh).
     *(
@@ -630,8 +630,8 @@ CASES = [
         "CNN, FSDP2 fp16",
         ALL,
         one_run,
-        refusal="strategy.mixed_precision=fp16 would need loss scaling",
-        runs=((*CNN, EVERY_GPU, "trainer.max_steps=100", "strategy=fsdp", "strategy.mixed_precision=fp16"),),
+        refusal="strategy.param_dtype=fp16 would need loss scaling",
+        runs=((*CNN, EVERY_GPU, "trainer.max_steps=100", "strategy=fsdp", "strategy.param_dtype=fp16"),),
     ),
     Case(
         "DDP vs DataParallel, ResNet-18 224² bf16 (hand-written)",

@@ -128,8 +128,8 @@ BAD = [
     (setting("optim", {"lr": 0.1}), "optim needs a _target_"),
     (setting("strategy.name", "zero3"), "strategy.name='zero3': choose one of ddp, fsdp, tp, fsdp_tp"),
     (
-        both(strategy("fsdp"), setting("strategy.mixed_precision", "fp8")),
-        "strategy.mixed_precision='fp8': choose one of bf16, fp16",
+        both(strategy("fsdp"), setting("strategy.param_dtype", "fp8")),
+        "strategy.param_dtype='fp8': choose one of bf16, fp16, fp32",
     ),
     (
         both(strategy("fsdp"), setting("data.even_shards", False)),
@@ -145,8 +145,12 @@ BAD = [
         "strategy=fsdp: strategy.cpu_offload=true",
     ),
     (
-        both(strategy("fsdp"), setting("strategy.mixed_precision", "fp16")),
-        "strategy=fsdp: strategy.mixed_precision=fp16",
+        both(strategy("fsdp"), setting("strategy.param_dtype", "fp16")),
+        "strategy=fsdp: strategy.param_dtype=fp16",
+    ),
+    (
+        both(strategy("fsdp"), setting("strategy.reduce_dtype", "fp16")),
+        "strategy=fsdp: strategy.reduce_dtype=fp16",
     ),
     (both(strategy("fsdp"), setting("trainer.precision", "16")), "strategy=fsdp: trainer.precision=16"),
     (strategy("tp"), "strategy=tp needs a model with a tensor-parallel plan"),
@@ -357,7 +361,8 @@ def test_fsdp_tp_is_fsdp_with_a_tensor_parallel_size_and_eval_composes_without_a
 
     assert composition.one_line(other.value) == (
         "strategy.comm_hook: strategy=fsdp has no such setting (its settings: reshard_after_forward, "
-        "mixed_precision, cpu_offload, activation_checkpointing, activation_checkpointing_every); another "
+        "param_dtype, reduce_dtype, output_dtype, cpu_offload, activation_checkpointing, "
+        "activation_checkpointing_every); another "
         "strategy's knob does not apply to this one"
     )
     assert "optim" not in evaluation and "scheduler" not in evaluation or evaluation.scheduler is None

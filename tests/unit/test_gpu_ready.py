@@ -142,12 +142,12 @@ def test_cpu_offload_on_nccl_gives_its_cpu_shards_gloo(tmp_path: Path, monkeypat
 def test_fp16_under_fsdp_is_refused_in_one_line_and_the_loss_is_float32(tmp_path: Path, monkeypatch):
     _gpu_host(monkeypatch)
     plain = resolve.resolve(
-        _compose("+experiment=text_gpt", "strategy=fsdp", "strategy.mixed_precision=fp16"),
+        _compose("+experiment=text_gpt", "strategy=fsdp", "strategy.param_dtype=fp16"),
         tmp_path,
         None,
         checked=False,
     )
-    with pytest.raises(UserError, match="mixed_precision=fp16 .* use bf16") as refused:
+    with pytest.raises(UserError, match="param_dtype=fp16 .* use bf16") as refused:
         checks.check(plain, tmp_path)
     assert "\n" not in str(refused.value)
     # Whatever the model computes in, the loss is summed in float32 (by every built-in task).

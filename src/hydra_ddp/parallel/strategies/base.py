@@ -195,7 +195,7 @@ def not_ddp_refusals(cfg: Any, name: str) -> list[tuple[bool, str]]:
         (
             str(trainer.precision) == "16",
             f"trainer.precision=16 (a GradScaler) is not supported with strategy={name}; use "
-            "strategy.mixed_precision=bf16 or trainer.precision=bf16",
+            "strategy.param_dtype=bf16 or trainer.precision=bf16",
         ),
     ]
 

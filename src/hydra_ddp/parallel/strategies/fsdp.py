@@ -27,9 +27,15 @@ class FSDPSettings(Section):
     # Free each unit's gathered parameters after its forward (less memory, one more all-gather in
     # the backward); false keeps them until the backward.
     reshard_after_forward: bool = True
-    # Parameters cast to this for the compute (bf16), gradients reduced in fp32. null: fp32.
-    # (fp16 is refused: it would need loss scaling over the shards.)
-    mixed_precision: Annotated[Optional[str], OneOf("bf16", "fp16")] = None
+    # FSDP2's mixed-precision policy (torchtitan's mixed_precision_param and _reduce). What each unit's
+    # gathered parameters are cast to for the forward and backward: bf16, or null (as they are: fp32).
+    # fp16 is refused: it needs loss scaling over the shards, which this strategy does not do.
+    param_dtype: Annotated[Optional[str], OneOf("bf16", "fp16", "fp32")] = None
+    # What the gradients are reduced (reduce-scattered) in: fp32 (exact sums of bf16 gradients), bf16
+    # (half the traffic), or null (param_dtype's).
+    reduce_dtype: Annotated[Optional[str], OneOf("bf16", "fp16", "fp32")] = None
+    # What the model's output is cast to for the loss: fp32, or null (as the last unit computes it).
+    output_dtype: Annotated[Optional[str], OneOf("bf16", "fp16", "fp32")] = None
     # Parameters and optimizer state kept on the CPU between uses (GPUs only).
     cpu_offload: bool = False
     # Recompute blocks' activations in the backward instead of keeping them (less memory, about one
@@ -48,29 +54,46 @@ def shard_refusals(cfg: Any) -> list[tuple[bool, str]]:
             "strategy.cpu_offload=true keeps parameters on the CPU between uses on GPUs; on the CPU it has "
             "nothing to offload: leave it false",
         ),
-        (
-            settings.mixed_precision == "fp16",
-            "strategy.mixed_precision=fp16 would need loss scaling over the shards, which FSDP2 here does not "
-            "do (small gradients would underflow silently); use bf16: fp32's range, no scaler",
+        *(
+            (
+                getattr(settings, key) == "fp16",
+                f"strategy.{key}=fp16 would need loss scaling over the shards, which FSDP2 here does not "
+                "do (small gradients would underflow silently); use bf16: fp32's range, no scaler",
+            )
+            for key in ("param_dtype", "reduce_dtype", "output_dtype")
         ),
     ]
 
 
+DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def mixed_precision(settings: Any, root: bool) -> Any:
+    """The strategy's param_dtype, reduce_dtype and output_dtype as FSDP2's MixedPrecisionPolicy: the
+    output's dtype the root's only (a unit's output cast back would meet the next unit, or the root's
+    own layers, in another dtype than their parameters')."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(
+        param_dtype=DTYPES[settings.param_dtype],
+        reduce_dtype=DTYPES[settings.reduce_dtype],
+        output_dtype=DTYPES[settings.output_dtype] if root else None,
+    )
+
+
 def shard(module: nn.Module, settings: Any, mesh: Any) -> None:
     """fully_shard each unit, then the root, over `mesh` (None: all ranks)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    dtype = {None: None, "bf16": torch.bfloat16}[settings.mixed_precision]  # fp16 is refused (above)
     options = dict(
         mesh=mesh,
         reshard_after_forward=bool(settings.reshard_after_forward),
-        # Parameters in `dtype` for the compute; gradients reduced and kept in fp32.
-        mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None),
         offload_policy=CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy(),
     )
+    # The sharded parameters stay fp32 whatever the compute's dtype.
     for unit in shard_units(module):
-        fully_shard(unit, **options)
-    fully_shard(module, **options)
+        fully_shard(unit, mp_policy=mixed_precision(settings, root=False), **options)
+    fully_shard(module, mp_policy=mixed_precision(settings, root=True), **options)
 
 
 def shard_units(module: nn.Module) -> list[nn.Module]:

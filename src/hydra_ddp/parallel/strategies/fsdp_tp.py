@@ -41,9 +41,9 @@ class FSDPWithTP(Strategy):
         settings = cfg.strategy
         tensor_parallel_limits = [
             (
-                bool(settings.mixed_precision or settings.cpu_offload),
-                "strategy.mixed_precision and strategy.cpu_offload are not supported with tensor parallel yet; "
-                "leave them null and false",
+                bool(settings.param_dtype or settings.reduce_dtype or settings.output_dtype or settings.cpu_offload),
+                "strategy.param_dtype, reduce_dtype, output_dtype and cpu_offload are not supported with tensor "
+                "parallel yet; leave them null and false",
             )
         ]
         refuse(cls.name, not_ddp_refusals(cfg, cls.name) + fsdp.shard_refusals(cfg) + tensor_parallel_limits)
