@@ -1,7 +1,7 @@
 """Export a checkpoint's model for use elsewhere: its plain state dict (safetensors or torch) and the
 model's config beside it, loadable without this project.
 
-    python -m hydra_ddp.export ckpt=RUN_DIR_OR_CHECKPOINT [format=safetensors|torch] [out=PATH]
+    python -m hydra_ddp.export ckpt=RUN_DIR_OR_CHECKPOINT [format=safetensors|torch|hf] [out=PATH]
 
 ckpt: a run directory (its best checkpoint, else its last), a checkpoint file (ddp) or a sharded
 checkpoint's directory (fsdp, tp, fsdp_tp: read with DCP in this one process). The weights are
@@ -14,6 +14,11 @@ class, nothing but tensors. Beside them, OUT's stem + ".yaml" holds the model's 
     model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
 
 rebuilds it anywhere the model's class is importable.
+
+format=hf, for a Hugging Face `transformers` model (model=hf_llama, any `hydra_ddp.hf.causal_lm`):
+OUT is a directory as `save_pretrained` writes it (config.json, model.safetensors), with the run's
+tokenizer beside them where it has one (data=documents'), so that
+`AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)` load them.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-FORMATS = {"safetensors": ".safetensors", "torch": ".pt"}
+FORMATS = {"safetensors": ".safetensors", "torch": ".pt", "hf": ""}  # hf: a directory
 
 
 def export(ckpt: str, out: Path, fmt: str) -> tuple[Path, Path]:
@@ -41,6 +46,8 @@ def export(ckpt: str, out: Path, fmt: str) -> tuple[Path, Path]:
     }
     which = "ema" if checkpoints.evaluated(state) == "ema" else "trained"  # the ones the run tested
     out.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "hf":
+        return _pretrained(path, state, weights, out)
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
@@ -67,6 +74,31 @@ def export(ckpt: str, out: Path, fmt: str) -> tuple[Path, Path]:
     return out, written
 
 
+def _pretrained(path: Path, state: dict, weights: dict, out: Path) -> tuple[Path, Path]:
+    """A transformers model's weights as `save_pretrained` writes them, and the run's tokenizer beside them."""
+    from hydra_ddp import hf
+    from hydra_ddp.config import run_config
+    from hydra_ddp.data import text
+    from hydra_ddp.errors import UserError
+
+    config = run_config.typed(state["config"])
+    target = config.model["_target_"]
+    if target != "hydra_ddp.hf.causal_lm":
+        raise UserError(
+            f"format=hf is for Hugging Face transformers models (model=hf_llama: hydra_ddp.hf.causal_lm), and "
+            f"this checkpoint's model is {target}: use format=safetensors"
+        )
+    model = hf.causal_lm(**{key: value for key, value in config.model.items() if key != "_target_"})
+    model.load_state_dict(weights)
+    model.save_pretrained(out)
+    saved = path.parent.parent / "tokenizer"  # the run's: <run>/checkpoints/<checkpoint>, <run>/tokenizer
+    if (saved / text.TOKENIZER_FILE).is_file():
+        text.save_tokenizer(text.load_tokenizer(str(saved)), out)
+    elif str(config.data.dataset.get("_target_", "")).endswith(".documents"):
+        text.save_tokenizer(text.run_tokenizer(config.data.dataset), out, config.data.dataset.get("context"))
+    return out, out / "config.json"
+
+
 def _arguments(argv: list[str]) -> dict[str, str]:
     from hydra_ddp.errors import UserError
 
@@ -74,14 +106,14 @@ def _arguments(argv: list[str]) -> dict[str, str]:
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep or key not in ("ckpt", "format", "out"):
-            raise UserError(f"{arg!r}: give ckpt=PATH, and optionally format=safetensors|torch and out=PATH")
+            raise UserError(f"{arg!r}: give ckpt=PATH, and optionally format=safetensors|torch|hf and out=PATH")
         given[key] = value
     if "ckpt" not in given:
         raise UserError("ckpt=PATH is missing: a run directory, a checkpoint file or a sharded checkpoint's directory")
     fmt = given.get("format") or ("torch" if given.get("out", "").endswith((".pt", ".pth")) else "safetensors")
     if fmt not in FORMATS:
         raise UserError(f"format={fmt!r}: choose {' or '.join(FORMATS)}")
-    given.update(format=fmt, out=given.get("out") or f"model{FORMATS[fmt]}")
+    given.update(format=fmt, out=given.get("out") or ("model-hf" if fmt == "hf" else f"model{FORMATS[fmt]}"))
     return given
 
 

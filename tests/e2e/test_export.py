@@ -203,3 +203,67 @@ def test_a_sharded_fsdp_tp_checkpoint_exports_the_whole_model(tmp_path: Path):
 def test_bad_export_arguments_are_one_line(tmp_path: Path, args, message):
     proc = _export(tmp_path, *args)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
+
+
+# A small Llama on the tokenized documents (+experiment=documents_llama, cut down), for format=hf.
+LLAMA = (
+    "+experiment=documents_llama",
+    "data.dataset.context=48",
+    "data.dataset.vocab_size=300",
+    "data.dataset.max_bytes=60000",
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=2",
+    "trainer.max_steps=3",
+)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_transformers_model_exports_as_from_pretrained_loads_it_with_its_tokenizer(tmp_path: Path, strategy: str):
+    # The run's checkpoint (a file under ddp, DCP shards under fsdp) as save_pretrained writes it, the
+    # run's tokenizer beside it: transformers' own loaders give the trained model's logits, bit for bit.
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hydra_ddp.checkpoint import files
+    from hydra_ddp.config import run_config
+    from hydra_ddp.hf import causal_lm
+
+    run_dir, out = tmp_path / "run", tmp_path / "hf"
+    check_ok(run_train(run_dir, *LLAMA, f"strategy={strategy}"))
+    done = subprocess.run(
+        [sys.executable, "-m", "hydra_ddp.export", f"ckpt={run_dir}", "format=hf", f"out={out}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (
+        (out / "config.json").is_file() and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    )
+
+    path = files.find(str(run_dir), "ckpt")
+    state = files.read(path, "ckpt")
+    config = run_config.typed(state["config"]).model
+    trained = causal_lm(**{k: v for k, v in config.items() if k != "_target_"})
+    trained.load_state_dict(files.model_weights(path, state))
+    loaded, tokenizer = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    ids = torch.tensor([tokenizer("def main(argv):\n    return 0\n")["input_ids"]])
+    trained.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)
+    assert tokenizer.decode(ids[0]) == "def main(argv):\n    return 0\n"
+
+
+def test_format_hf_of_a_model_that_is_not_transformers_is_one_line(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    check_ok(run_train(run_dir, *QUICK))
+    done = subprocess.run(
+        [sys.executable, "-m", "hydra_ddp.export", f"ckpt={run_dir}", "format=hf", f"out={tmp_path / 'hf'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "format=hf is for Hugging Face transformers models" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
