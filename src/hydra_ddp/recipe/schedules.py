@@ -108,26 +108,27 @@ def _check_ratio(name: str, min_lr_ratio: float) -> None:
         raise UserError(f"scheduler={name}: min_lr_ratio={min_lr_ratio} is not a share of the rate in [0, 1]")
 
 
-def warmup_cosine(
-    optimizer: torch.optim.Optimizer,
-    total_steps: Optional[int],
-    warmup_steps: Optional[int] = None,
-    warmup_ratio: float = 0.0,
-    min_lr_ratio: float = 0.0,
-) -> StepSchedule:
-    """A linear warmup, then a cosine down to min_lr_ratio × the rate at the run's end."""
-    return _decaying("warmup_cosine", "cosine", optimizer, total_steps, warmup_steps, warmup_ratio, min_lr_ratio)
+class _WarmupThenDecay:
+    """A schedule's builder (what conf/scheduler/NAME.yaml's `_target_` names): a linear warmup, then
+    the rate down along `decay` to min_lr_ratio × the rate at the run's end."""
+
+    def __init__(self, name: str, decay: str):
+        self.name, self.decay = name, decay
+        self.__doc__ = f"A linear warmup, then a {decay} decay to min_lr_ratio × the rate at the run's end."
+
+    def __call__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        total_steps: Optional[int],
+        warmup_steps: Optional[int] = None,
+        warmup_ratio: float = 0.0,
+        min_lr_ratio: float = 0.0,
+    ) -> StepSchedule:
+        return _decaying(self.name, self.decay, optimizer, total_steps, warmup_steps, warmup_ratio, min_lr_ratio)
 
 
-def warmup_linear(
-    optimizer: torch.optim.Optimizer,
-    total_steps: Optional[int],
-    warmup_steps: Optional[int] = None,
-    warmup_ratio: float = 0.0,
-    min_lr_ratio: float = 0.0,
-) -> StepSchedule:
-    """A linear warmup, then a straight line down to min_lr_ratio × the rate at the run's end."""
-    return _decaying("warmup_linear", "linear", optimizer, total_steps, warmup_steps, warmup_ratio, min_lr_ratio)
+warmup_cosine = _WarmupThenDecay("warmup_cosine", "cosine")
+warmup_linear = _WarmupThenDecay("warmup_linear", "linear")
 
 
 def warmup_constant(
