@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -226,62 +224,6 @@ def test_a_tensor_tree_preloads_and_slices_as_a_dataloader_batches_it():
     windows = data.python_source_dicts(tokens=9, max_bytes=4096)[0]
     assert isinstance(windows, TensorTree) and set(windows[0]) == {"input_ids", "attention_mask", "labels"}
     assert windows[0]["input_ids"].shape == (9,) and torch.equal(windows[0]["labels"], windows[0]["input_ids"])
-
-
-def test_loader_workers_outlive_a_stop_signal_that_their_rank_acts_on():
-    """A job's SIGTERM (Slurm's pre-emption, a kill of the process group) reaches the loader workers
-    too: they must not die of it (torch's would), or the rank fails before its checkpoint."""
-    from types import SimpleNamespace
-
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from hydra_ddp.data.loading import loader_options
-
-    settings = SimpleNamespace(num_workers=2, pin_memory=False, persistent_workers=False, prefetch_factor=1)
-    dataset = TensorDataset(torch.arange(64.0))
-    loader = DataLoader(dataset, batch_size=4, **loader_options(settings, seed=0, device=torch.device("cpu")))
-    batches = iter(loader)
-    # Batches come from the workers in turn: once two are back, both workers have run their init.
-    seen = [next(batches)[0], next(batches)[0]]
-    for worker in batches._workers:  # type: ignore[attr-defined]
-        # Every thread of the worker blocks the stop signals (read from the kernel): a thread that did
-        # not (one started before the worker's init, as OpenBLAS's pool in a forked child) would take
-        # a job's SIGTERM and die of torch's handler: the suite's run of cef669e saw it, once.
-        unblocked = [t for t in _threads_blocking(worker.pid) if not t[1]]
-        assert not unblocked, f"worker {worker.pid}'s threads with SIGTERM unblocked: {unblocked}"
-        for name in ("TERM", "INT"):  # sent by another process, as scancel or a terminal sends them
-            subprocess.run(["kill", "-s", name, str(worker.pid)], check=True, timeout=30)
-    seen += [batch[0] for batch in batches]
-    assert torch.equal(torch.cat(seen), torch.arange(64.0))
-
-
-def _threads_blocking(pid: int) -> list[tuple[str, bool]]:
-    """(thread id, whether it blocks SIGTERM) for each thread of a process, from /proc; the thread
-    waiting for the signals in sigtimedwait counts as blocking (the kernel unblocks them for it
-    while it waits: it is the one that takes them)."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        fields = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
-        waiting = "sigtimedwait" in (task / "wchan").read_text()
-        found.append((task.name, waiting or bool(int(fields["SigBlk"], 16) >> (15 - 1) & 1)))
-    return found
-
-
-def test_a_process_that_leaves_live_loader_workers_still_exits():
-    """Its own end of its workers (multiprocessing's SIGTERM at exit) is one they obey."""
-    script = (
-        "import torch\n"
-        "from types import SimpleNamespace\n"
-        "from torch.utils.data import DataLoader, TensorDataset\n"
-        "from hydra_ddp.data.loading import loader_options\n"
-        "settings = SimpleNamespace(num_workers=2, pin_memory=False, persistent_workers=True, prefetch_factor=1)\n"
-        "options = loader_options(settings, seed=0, device=torch.device('cpu'))\n"
-        "batches = iter(DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, **options))\n"
-        "next(batches), next(batches)\n"
-        "print('left', len(batches._workers), flush=True)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout == "left 2\n", done.stderr
 
 
 @pytest.mark.parametrize("source", ["digits", "diabetes", "synthetic_regression"])

@@ -230,34 +230,3 @@ def test_a_loader_workers_place_is_its_worker_loops_innermost_own_frame():
     library_only = dump.replace("/work/mine/datasets.py", "/venv/lib/python3.11/site-packages/x/datasets.py")
     assert hangs.worker_place(library_only) == "threading.py:327 in wait"  # then its innermost
     assert hangs.worker_place('Thread 0x1 (most recent call first):\n  File "a.py", line 1 in f\n') is None
-
-
-def _answers_then_waits() -> None:
-    hangs.answer_stack_requests()  # a loader worker's init
-    threading.Event().wait(60)
-
-
-def test_loader_workers_give_their_stacks_and_one_that_never_ran_its_init_is_named_not_signalled():
-    import multiprocessing
-    import signal
-
-    fork = multiprocessing.get_context("fork")
-    answering = fork.Process(target=_answers_then_waits, daemon=True)
-    unstarted = fork.Process(target=time.sleep, args=(60,), daemon=True)  # as a worker stuck in its fork
-    for process in (answering, unstarted):
-        hangs.forking_loader_worker(process)
-        process.start()
-    try:
-        deadline = time.monotonic() + 20
-        while os.fstat(answering.stacks_file.fileno()).st_size == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        dumps = hangs.loader_stacks()
-        assert set(dumps) >= {answering.pid, unstarted.pid}
-        assert "line" in dumps[answering.pid] and "in _answers_then_waits" in dumps[answering.pid]
-        assert dumps[unstarted.pid].startswith("never started: it did not reach its init")
-        assert hangs.worker_place(dumps[unstarted.pid]) == "its fork (never started)"
-        assert unstarted.is_alive() and answering.is_alive()  # the signal ends a process without the handler
-    finally:
-        for process in (answering, unstarted):
-            os.kill(process.pid, signal.SIGKILL)
-            process.join(10)

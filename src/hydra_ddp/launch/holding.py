@@ -96,7 +96,7 @@ class RefuseHeld(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         found = ranks.external_launch()
-        if (found and not found[1].is_main) or (config.get("launcher") or {}).get("node_rank", 0):
+        if (found and not found[1].is_main) or config.launcher.node_rank:
             return  # not the rank, nor the node, that holds it
         problem = in_use(Path(str(config.hydra.run.dir)))
         if problem:
