@@ -90,6 +90,7 @@ def _pretrained(path: Path, state: dict, weights: dict, out: Path) -> tuple[Path
         )
     model = hf.causal_lm(**{key: value for key, value in config.model.items() if key != "_target_"})
     model.load_state_dict(weights)
+    model.config.use_cache = True  # trained without a key/value cache (hf.causal_lm): generate() wants it
     model.save_pretrained(out)
     saved = path.parent.parent / "tokenizer"  # the run's: <run>/checkpoints/<checkpoint>, <run>/tokenizer
     if (saved / text.TOKENIZER_FILE).is_file():

@@ -38,9 +38,19 @@ def test_a_position_moves_to_the_next_epoch_in_place_and_round_trips_a_checkpoin
     ],
 )
 def test_an_epochs_batches_are_grouped_by_optimizer_step(batches, accumulate, done, groups):
-    loader = range(done, batches)
-    steps = list(optimizer_steps(loader, accumulate, done, batches))
-    assert [len(g) for g in steps] == groups and [b for g in steps for b in g] == list(loader)
+    from types import SimpleNamespace
+
+    length = SimpleNamespace(batches_per_epoch=batches, batch_samples=8, last_batch_samples=5)
+    for together in (True, False):  # fetched before the step, or as its forwards take them
+        steps = [
+            (plan.sizes, list(plan.batches))
+            for plan in optimizer_steps(range(done, batches), accumulate, done, length, together)
+        ]
+        assert [len(group) for _, group in steps] == groups
+        assert [b for _, group in steps for b in group] == list(range(done, batches))
+        assert [sizes for sizes, _ in steps][-1][-1] == 5 and all(
+            size == 8 for sizes, _ in steps[:-1] for size in sizes
+        )
 
 
 def test_micro_batches_of_unequal_samples_weigh_by_their_samples():

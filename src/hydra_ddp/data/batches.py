@@ -13,6 +13,8 @@ from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 from hydra_ddp.errors import UserError
 
+IGNORED = -100  # the target of a position that counts in no loss (padding): PyTorch's and transformers' default
+
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     """The same tree with fn applied to each tensor; containers keep their types where they can be

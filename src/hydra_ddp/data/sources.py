@@ -336,15 +336,17 @@ def check_source(data_cfg: Any) -> None:
     target = str(dataset_cfg.get("_target_", ""))
     root = dataset_cfg.get("root")
     grouped = getattr(data_cfg, "group_by_length", None)
-    if grouped is not None and (
-        target.endswith(".sharded") or (target.endswith(".documents") and dataset_cfg.get("packing"))
-    ):
-        what = (
-            "a shard directory is read in shard windows"
-            if target.endswith(".sharded")
-            else "packed windows are one length"
-        )
-        raise UserError(f"data.group_by_length={grouped}: {what}, nothing to group; leave it null")
+    if grouped is not None:
+        if target.endswith(".documents") and dataset_cfg.get("packing"):
+            what = "packed windows are one length"
+        elif target.endswith(".sharded"):
+            what = "a shard directory is read in shard windows"
+        elif target.startswith("hydra_ddp.data."):  # the sources shipped here: only documents vary in length
+            what = f"the samples of {target.rsplit('.', 1)[1]} are all one size"
+        else:
+            what = None  # a dataset of yours: its `lengths`, or one line from the workers
+        if what:
+            raise UserError(f"data.group_by_length={grouped}: {what}, nothing to group; leave it null")
     if target.endswith(".documents"):
         vocabulary = text.vocabulary_size(dataset_cfg)
         if vocabulary > num_classes:

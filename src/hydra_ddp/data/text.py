@@ -19,6 +19,7 @@ resumed run reads the same batches; the training order itself is the sampler's (
 from __future__ import annotations
 
 import bisect
+import functools
 import glob
 import inspect
 import json
@@ -32,11 +33,10 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from hydra_ddp.data.batches import TensorTree
+from hydra_ddp.data.batches import IGNORED, TensorTree
 from hydra_ddp.errors import UserError
 
 END_OF_TEXT, PAD = "<|endoftext|>", "<pad>"  # the special tokens a trained tokenizer starts with: ids 0 and 1
-IGNORED = -100  # a label that counts in no loss (tasks.base.IGNORED)
 TOKENIZER_FILE = "tokenizer.json"
 _NEEDS = "data=documents needs Hugging Face tokenizers (it comes with transformers): pip install -e '.[transformers]'"
 
@@ -195,7 +195,9 @@ class PadCollate:
     """Samples of token ids of different lengths into one batch padded on the right to its longest:
     `input_ids` (padded with the padding id), `attention_mask` (0 on the padding) and `labels` (the
     ids, -100 on the padding: it counts in no loss). A sample's own `labels` are kept, padded with
-    -100; its other fields are batched as DataLoader batches them."""
+    -100; its other fields are batched as DataLoader batches them. Packed samples (with
+    `position_ids`) get no attention mask: transformers reads packed documents from restarting
+    position ids only where no mask is given (an all-ones one would let them attend across)."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
@@ -211,7 +213,8 @@ class PadCollate:
             labels[row, : len(tokens)] = sample.get("labels", tokens)
             mask[row, : len(tokens)] = 1
         others = {key: default_collate([s[key] for s in samples]) for key in samples[0] if key not in _PADDED}
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels, **others}
+        masked = {} if "position_ids" in samples[0] else {"attention_mask": mask}
+        return {"input_ids": ids, **masked, "labels": labels, **others}
 
 
 _PADDED = ("input_ids", "attention_mask", "labels")  # what PadCollate pads
@@ -284,7 +287,7 @@ def documents(
     if context < 2:
         raise UserError(f"data.dataset.context={context}: at least 2 tokens (a token and the next)")
     splits = _split_documents(files, max_bytes, test_fraction, seed)
-    trained = load_tokenizer(tokenizer) if tokenizer else train_tokenizer(splits[0], vocab_size)
+    trained = load_tokenizer(tokenizer) if tokenizer else _trained(files, max_bytes, test_fraction, seed, vocab_size)
     _, pad_id = special_ids(trained)
     built = []
     for split in splits:
@@ -312,8 +315,15 @@ def run_tokenizer(dataset_cfg: Any) -> Any:
     source = chosen.arguments
     if source["tokenizer"]:
         return load_tokenizer(source["tokenizer"])
-    train, _ = _split_documents(source["files"], source["max_bytes"], source["test_fraction"], source["seed"])
-    return train_tokenizer(train, source["vocab_size"])
+    return _trained(source["files"], source["max_bytes"], source["test_fraction"], source["seed"], source["vocab_size"])
+
+
+@functools.lru_cache(maxsize=4)
+def _trained(files: Optional[str], max_bytes: int, test_fraction: float, seed: int, vocab_size: int) -> Any:
+    """The tokenizer trained on these settings' training documents, once a process (the dataset and
+    the copy saved with the run are one)."""
+    train, _ = _split_documents(files, max_bytes, test_fraction, seed)
+    return train_tokenizer(train, vocab_size)
 
 
 def save_with_run(dataset_cfg: Any, run_dir: Path) -> Path:

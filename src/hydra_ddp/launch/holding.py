@@ -3,13 +3,16 @@ instead of interleaving its log, checkpoints and metrics with the first's (an ex
 hydra.run.dir given twice; the default's names are new per run: rundir.claim_new).
 
 The holder is the launching process (or rank 0 of an outside launch): a file in the run directory
-names its pid, host and start time while it runs. A holder that is gone (killed without a word,
-its pid ended or reused) holds nothing: the next run takes the directory over, as `trainer.resume`
-into it expects.
+names its pid, host and start time while it runs. It is taken before Hydra writes the command's
+.hydra/ record (a Hydra callback), made whole in one step (linked from a file already written, so
+no other run ever reads it half-written), and given up when the command ends. A holder that is
+gone (killed without a word, its pid ended or reused) holds nothing: the next run takes the
+directory over, as `trainer.resume` into it expects.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -46,42 +49,20 @@ def _alive(holder: dict[str, Any]) -> bool:
     return _started(int(holder.get("pid", -1))) == holder.get("started") is not None
 
 
-@contextlib.contextmanager
-def held(run_dir: Path) -> Iterator[None]:
-    """Hold `run_dir` while the run lasts; one line when a live run on this host holds it."""
-    path = Path(run_dir) / LOCK
-    me = _me()
-    for _ in range(3):  # a lock found stale is removed, and the create tried again
-        try:
-            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            _take_over(path, run_dir)
-            continue
-        with os.fdopen(descriptor, "w") as file:
-            json.dump(me, file)
-        break
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError, ValueError):
-            if json.loads(path.read_text()) == me:  # still ours
-                path.unlink()
-
-
 def _holder(path: Path) -> Optional[dict[str, Any]]:
-    """What a lock file says of its holder; None where there is none ({} where it is torn)."""
+    """What a lock file says of its holder; None where there is none ({} where it cannot be read)."""
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
-        return {}  # torn: a holder killed mid-write
+        return {}
 
 
 def in_use(run_dir: Path) -> Optional[str]:
-    """Why `run_dir` may not take another run: a live run of this host holds it (else None)."""
+    """Why `run_dir` may not take this run: another live run of this host holds it (else None)."""
     holder = _holder(Path(run_dir) / LOCK)
-    if holder and holder.get("host") == socket.gethostname() and _alive(holder):
+    if holder and holder != _me() and holder.get("host") == socket.gethostname() and _alive(holder):
         return (
             f"hydra.run.dir={run_dir} is in use by a live run (pid {holder['pid']}): two runs in one "
             "directory would write into each other's log, checkpoints and metrics; choose another "
@@ -90,16 +71,57 @@ def in_use(run_dir: Path) -> Optional[str]:
     return None
 
 
+def take(run_dir: Path) -> None:
+    """Hold `run_dir` for this process (until release or its exit); one line where a live run holds it."""
+    path, me = Path(run_dir) / LOCK, _me()
+    if _holder(path) == me:
+        return  # ours already (the callback took it before the run)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    written = path.with_name(f"{LOCK}.{os.getpid()}")
+    written.write_text(json.dumps(me))
+    try:
+        for _ in range(3):  # a lock found stale is removed, and the link tried again
+            try:
+                os.link(written, path)  # the whole lock appears at once, or not at all
+                break
+            except FileExistsError:
+                _take_over(path, run_dir)
+        else:
+            raise UserError(f"hydra.run.dir={run_dir}: another run keeps taking {path}; start this one again")
+    finally:
+        written.unlink(missing_ok=True)
+    atexit.register(release, run_dir)  # a command that ends another way than through held()
+
+
+def release(run_dir: Path) -> None:
+    """Give `run_dir` up, if this process holds it."""
+    path = Path(run_dir) / LOCK
+    with contextlib.suppress(OSError):
+        if _holder(path) == _me():
+            path.unlink()
+
+
+@contextlib.contextmanager
+def held(run_dir: Path) -> Iterator[None]:
+    """Hold `run_dir` while the run lasts (taking it, unless the callback already did)."""
+    take(run_dir)
+    try:
+        yield
+    finally:
+        release(run_dir)
+
+
 class RefuseHeld(Callback):
-    """Hydra callback (conf/config.yaml): a run directory a live run holds is refused in one line
-    before Hydra writes this command's .hydra/ record over that run's."""
+    """Hydra callback (conf/config.yaml): the run directory is taken before Hydra writes this
+    command's .hydra/ record, so a second run is refused before it writes over the first's."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         found = ranks.external_launch()
-        if (found and not found[1].is_main) or config.launcher.node_rank:
-            return  # not the rank, nor the node, that holds it
-        problem = in_use(Path(str(config.hydra.run.dir)))
-        if problem:
+        if (found and not found[1].is_main) or config.launcher.node_rank or startup.checking():
+            return  # not the rank, nor the node, that holds it; --check launches nothing
+        try:
+            take(Path(str(config.hydra.run.dir)))
+        except UserError as problem:
             print(f"hydra-ddp: error: {problem}", file=sys.stderr)
             sys.exit(2)
 

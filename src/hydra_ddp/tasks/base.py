@@ -14,7 +14,7 @@ from hydra_ddp.errors import UserError, first_line, root_cause
 # What the project itself reports beside a task's metrics, per split (test_samples, test_passes):
 # a task's metric may not take these names.
 RESERVED = ("samples", "passes")
-IGNORED = -100  # the target of a position that counts in no loss (padding): PyTorch's and transformers' default
+IGNORED = batches.IGNORED  # the target of a position that counts in no loss (padding)
 
 
 def full_precision(output: torch.Tensor) -> torch.Tensor:

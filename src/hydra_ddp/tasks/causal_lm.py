@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from hydra_ddp.data import batches
-from hydra_ddp.data.batches import TensorTree
 from hydra_ddp.errors import UserError
 from hydra_ddp.tasks.base import IGNORED, Task, full_precision
 
@@ -122,6 +121,8 @@ class CausalLM(Task):
             with torch.no_grad():
                 packed = getattr(model(input_ids=ids, position_ids=where), "logits", None)
                 alone = getattr(model(input_ids=ids[:, start:end], position_ids=where[:, start:end]), "logits", None)
+        except Exception:  # noqa: BLE001  (a model that takes no position ids: the first step reports it, on every rank)
+            return None
         finally:
             model.train(training)
         if packed is None or alone is None:
@@ -144,25 +145,30 @@ def _counted(labels: torch.Tensor) -> torch.Tensor:
 CROSSING = 1e-3  # a relative move of a document's logits beyond float noise (1e-6 here): another document seen
 
 
-def packing_warning(task: Task, model: Any, dataset: Any) -> Optional[str]:
+def packing_warning(task: Task, model: Any, dataset: Any, looked_at: int = 256) -> Optional[str]:
     """One line when the training set is packed documents and the model attends across them (its
-    logits for a document move with the document before it in the window), checked on the first few
-    windows before training; None otherwise."""
-    if not isinstance(task, CausalLM) or not isinstance(dataset, TensorTree):
+    logits for a document move with the document before it in the window), checked on the first
+    window of two documents or more among the first `looked_at` samples, before training; None
+    otherwise (not packed, no such window, a model that attends within each document)."""
+    if not isinstance(task, CausalLM):
         return None
-    if not isinstance(dataset.tree, Mapping) or "position_ids" not in dataset.tree:
+    window = None
+    for index in range(min(len(dataset), looked_at)):
+        sample = dataset[index]
+        positions = sample.get("position_ids") if isinstance(sample, Mapping) else None
+        if positions is None:
+            return None  # not packed
+        if bool((positions[1:] != positions[:-1] + 1).any()):
+            window = batches.collate_for(dataset)([sample])
+            break
+    if window is None:
         return None
-    positions = dataset.tree["position_ids"]
-    several = (positions[:, 1:] != positions[:, :-1] + 1).any(1).nonzero()  # windows of two documents or more
-    if not len(several):
-        return None
-    window = dataset[several[:1, 0]]
     moved = task.crosses_documents(model, batches.to_device(window, next(model.parameters()).device))
     if moved is None or moved <= CROSSING:
         return None
     return (
         f"{type(model).__name__} attends across the documents packed into a window (a document's logits move by "
         f"{moved:.1e} with the one before it): it does not read restarting position_ids as document boundaries. "
-        "Use a model that does (the built-in GPT; transformers' with sdpa or flash attention), or "
+        "Use a model that does (the built-in GPT; transformers' with sdpa or flash attention, 4.54 or later), or "
         "data.dataset.packing=false"
     )

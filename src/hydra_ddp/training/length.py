@@ -21,6 +21,8 @@ class RunLength:
     steps_per_epoch: int  # optimizer steps, the same on every rank
     epochs: int  # epochs the run enters
     max_steps: int  # where the loop stops at the latest: trainer.max_steps, else every epoch's steps
+    batch_samples: int = 0  # a batch's samples on this rank (data.batch_size)
+    last_batch_samples: int = 0  # the epoch's last batch's: fewer where this rank's samples do not divide
 
     @property
     def uneven(self) -> bool:
@@ -40,7 +42,9 @@ def measure(settings: Any, loaders: Loaders, device: torch.device) -> RunLength:
     steps_per_epoch = math.ceil(most / settings.accumulate)
     max_steps = settings.max_steps or steps_per_epoch * settings.epochs
     epochs = min(settings.epochs, math.ceil(max_steps / steps_per_epoch))
-    return RunLength(batches, fewest, most, steps_per_epoch, epochs, max_steps)
+    per_batch = loaders.batch_size
+    last = min(per_batch, len(loaders.train_sampler) - (batches - 1) * per_batch)  # data.drop_last: a whole one
+    return RunLength(batches, fewest, most, steps_per_epoch, epochs, max_steps, per_batch, last)
 
 
 def epoch_lengths(loaders: Loaders, batches_per_epoch: int, device: torch.device) -> tuple[int, int]:

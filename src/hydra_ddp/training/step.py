@@ -5,7 +5,9 @@ clipping, and the optimizer step."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -13,26 +15,40 @@ import torch.distributed as dist
 
 from hydra_ddp.data import batches
 from hydra_ddp.errors import EveryRankError, UserError
-from hydra_ddp.tasks import checked_loss, misfit, weighs_units
+from hydra_ddp.tasks import Task, checked_loss, misfit, weighs_units
 from hydra_ddp.training.timing import StepTimer
 
 # trainer.precision → autocast's dtype (None: fp32, no autocast).
 AUTOCAST_DTYPES: dict[str, Optional[torch.dtype]] = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
 
 
-def optimizer_steps(loader: Iterable, accumulate: int, done: int, batches_per_epoch: int) -> Iterator[list[Any]]:
-    """An epoch's batches grouped by optimizer step: `accumulate` at a time, and the epoch's last
-    step whatever is left (fewer when the batches do not divide). `done`: batches of the epoch
-    already trained on (a resumed run's: a multiple of `accumulate`), which the loader skips."""
-    group: list[Any] = []
-    for batch in loader:
-        group.append(batch)
-        done += 1
-        if done % accumulate == 0 or done == batches_per_epoch:
-            yield group
-            group = []
-    if group:
-        yield group
+@dataclass(frozen=True)
+class StepPlan:
+    """What the loop knows of an optimizer step before its batches arrive: each micro-batch's samples
+    (an epoch's short last batch included: data.drop_last=false), and the batches themselves, taken
+    one by one as the step runs, or all at once where the task must count them first (Task.units)."""
+
+    sizes: list[int]
+    batches: Iterable[Any]
+
+
+def optimizer_steps(
+    loader: Iterable, accumulate: int, done: int, length: Any, together: bool = False
+) -> Iterator[StepPlan]:
+    """An epoch's batches grouped by optimizer step: `accumulate` at a time, and the epoch's last step
+    whatever is left (fewer when the batches do not divide). `done`: batches of the epoch already
+    trained on (a resumed run's: a multiple of `accumulate`), which the loader skips; `length`: the
+    run's (training.length: batches per epoch, samples per batch, the last batch's); `together`: each
+    step's batches fetched before its first forward (else one by one, as the forwards take them)."""
+    batches = iter(loader)
+    while done < length.batches_per_epoch:
+        count = min(accumulate, length.batches_per_epoch - done)
+        sizes = [length.batch_samples] * count
+        if done + count == length.batches_per_epoch:
+            sizes[-1] = length.last_batch_samples
+        group = list(itertools.islice(batches, count)) if together else itertools.islice(batches, count)
+        yield StepPlan(sizes, group)
+        done += count
 
 
 def sample_weights(sizes: list[int]) -> Optional[list[float]]:
@@ -66,6 +82,7 @@ class Step:
         self.outputs = outputs
         self.replicas = parts.strategy.data_parallel_size()  # what the gradient all-reduce averages over
         self.over_units = weighs_units(self.task)  # the loss averages over the task's units (tokens), not samples
+        self.counts_tokens = self.over_units or type(self.task).tokens is not Task.tokens  # tokens/s
         self.checked = False  # the first batch: the task fits the data, its loss is a scalar
         self.amp_dtype = AUTOCAST_DTYPES[str(settings.precision)]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=str(settings.precision) == "16")  # fp16 only
@@ -76,15 +93,19 @@ class Step:
         self.first_batch: Any = None
         self.first_sample: Any = None
 
-    def run(self, group: list[Any], step: int) -> torch.Tensor:
-        """Forward and backward of each micro-batch of `group`, then optimizer step `step`. Returns
-        this rank's part of the step's loss: its mean over the ranks (the loss window's) is the
-        step's loss over every unit."""
-        weigh = self._weighing(group)
-        parts = [
-            self._micro_batch(batch, i == len(group) - 1, lambda loss, i=i: weigh(i, loss))  # all-reduce on the last
-            for i, batch in enumerate(group)
-        ]
+    def run(self, plan: StepPlan, step: int) -> tuple[torch.Tensor, int, Any]:
+        """Forward and backward of each micro-batch of the plan, then optimizer step `step`. Returns
+        this rank's part of the step's loss (its mean over the ranks, the loss window's, is the step's
+        loss over every unit), its samples, and its tokens (a tensor where the task counts units,
+        read when needed: no wait for the device each step; None where it counts none)."""
+        weigh, tokens = self._weighing(plan)
+        parts, samples, last = [], 0, len(plan.sizes) - 1
+        for i, batch in enumerate(plan.batches):
+            samples += self.task.samples(batch)  # samples, not targets (a sequence's tokens, an image's pixels)
+            if tokens is not None and not self.over_units:
+                tokens += self.task.tokens(batch)
+            # DDP's all-reduce in the last micro-batch's backward only.
+            parts.append(self._micro_batch(batch, i == last, lambda loss, i=i: weigh(i, loss)))
         if self.grad_clip:
             self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients, not the scaled ones
             # The gradients are all-reduced already: the same norm, and the same clipping, on every rank.
@@ -96,30 +117,36 @@ class Step:
         if self.ema is not None:
             self.ema.update()
         self.timer.lap("optimizer")
-        return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+        loss = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+        return loss, samples, tokens
 
-    def _weighing(self, group: list[Any]) -> Callable[[int, torch.Tensor], torch.Tensor]:
-        """weigh(i, loss): micro-batch i's loss as its share of the step's gradient."""
+    def _weighing(self, plan: StepPlan) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], Any]:
+        """weigh(i, loss): micro-batch i's loss as its share of the step's gradient; and the step's
+        tokens so far (this rank's units where the task counts them; 0 where it counts tokens only for
+        throughput, added as the batches pass; None where it counts none)."""
         if self.over_units:
-            divisor = self._unit_divisor(group)
-            return lambda i, total: total / divisor(total.dtype)
-        weights = sample_weights([self.task.samples(batch) for batch in group])
+            divisor, units = self._unit_divisor(plan.batches)  # type: ignore[arg-type]  (a list: together)
+            return (lambda i, total: total / divisor(total.dtype)), units
+        counts = 0 if self.counts_tokens else None
+        weights = sample_weights(plan.sizes)
         if weights is not None:
-            return lambda i, loss: loss * weights[i]
-        if len(group) > 1:
-            count = len(group)
-            return lambda i, loss: loss / count
-        return lambda i, loss: loss  # one micro-batch: no extra op in the graph
+            return (lambda i, loss: loss * weights[i]), counts
+        if len(plan.sizes) > 1:
+            count = len(plan.sizes)
+            return (lambda i, loss: loss / count), counts
+        return (lambda i, loss: loss), counts  # one micro-batch: no extra op in the graph
 
-    def _unit_divisor(self, group: list[Any]) -> Callable[[torch.dtype], torch.Tensor]:
+    def _unit_divisor(self, group: list[Any]) -> tuple[Callable[[torch.dtype], torch.Tensor], torch.Tensor]:
         """Count the group's units, start adding them over the replicas, and give what each
         micro-batch's loss_sum is divided by: the step's units ÷ replicas (at least one unit in all),
-        in the loss's dtype, read when the first micro-batch needs it (its forward hides the sum)."""
+        in the loss's dtype, read when the first micro-batch needs it (its forward hides the sum); and
+        this rank's units."""
         try:
             counts = [self.task.units(batch) for batch in group]
         except UserError as problem:  # a batch the task cannot read: one line, on every rank alike
             raise (EveryRankError(str(problem)) if not self.checked else problem) from None
-        total = torch.stack([torch.as_tensor(c).to(self.device, torch.int64, non_blocking=True) for c in counts]).sum()
+        local = torch.stack([torch.as_tensor(c).to(self.device, torch.int64, non_blocking=True) for c in counts]).sum()
+        total = local.clone()
         work = self.strategy.sum_over_replicas(total)
         divisors: dict[torch.dtype, torch.Tensor] = {}
 
@@ -132,7 +159,7 @@ class Step:
                 divisors[dtype] = (total.clamp(min=1).double() / self.replicas).to(dtype)
             return divisors[dtype]
 
-        return divisor
+        return divisor, local
 
     def _micro_batch(self, batch: Any, sync: bool, weigh: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Forward and backward of one micro-batch, its loss weighed by `weigh` (its share of the

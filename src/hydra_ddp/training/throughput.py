@@ -66,7 +66,8 @@ class Throughput:
         """An epoch's steps begin: the first step's time counts from here."""
         self.last = time.perf_counter()
 
-    def step_done(self, samples: int, tokens: Optional[int] = None) -> None:
+    def step_done(self, samples: int, tokens: Any = None) -> None:
+        """`tokens`: the step's, an int or a tensor on the device (added there: read at the end)."""
         now = time.perf_counter()
         if tokens is not None:
             self.tokens, self.token_samples = self.tokens + tokens, self.token_samples + samples
@@ -87,5 +88,7 @@ class Throughput:
             "median_step_time_s": statistics.median(self.step_times[warm:]) if self.step_times else 0.0,
             "train_time_s": sum(self.step_times),
             # This rank's tokens per sample times the samples/s (a task that counts tokens: Task.tokens).
-            "tokens_per_sec": self.samples_per_sec() * self.tokens / self.token_samples if self.token_samples else None,
+            "tokens_per_sec": self.samples_per_sec() * float(self.tokens) / self.token_samples
+            if self.token_samples
+            else None,
         }

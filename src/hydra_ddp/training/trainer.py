@@ -18,7 +18,6 @@ from hydra_ddp.checkpoint import checkpointer as checkpointing
 from hydra_ddp.checkpoint.saving import Saving
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.recipe import schedules
-from hydra_ddp.tasks import Task
 from hydra_ddp.training.parts import Parts
 from hydra_ddp.training.position import Position
 from hydra_ddp.training.profiling import profiling
@@ -179,15 +178,12 @@ class Trainer:
 
     def _run_batches(self, max_steps: int) -> bool:
         """The epoch's optimizer steps; True when the ranks agreed to stop early."""
-        task = self.step.task
-        counts_tokens = type(task).tokens is not Task.tokens
         self.throughput.start()
         batches = self.timer.batches(self.loaders.train)
-        for group in optimizer_steps(batches, self.accumulate, self.pos.batch, self.batches_per_epoch):
-            self.pos.batch += len(group)
-            samples = sum(task.samples(batch) for batch in group)  # samples, not targets (a sequence's tokens)
-            tokens = sum(task.tokens(batch) for batch in group) if counts_tokens else None
-            loss = self.step.run(group, self.pos.step + 1)
+        plans = optimizer_steps(batches, self.accumulate, self.pos.batch, self.length, together=self.step.over_units)
+        for plan in plans:
+            self.pos.batch += len(plan.sizes)
+            loss, samples, tokens = self.step.run(plan, self.pos.step + 1)
             self.throughput.step_done(samples, tokens)
             self.pos.step += 1
             self.schedule.optimizer_stepped(self.pos.step)
@@ -322,7 +318,7 @@ def tokens_per_step(trainer: Trainer) -> Optional[float]:
     throughput = trainer.throughput
     if not throughput.token_samples or not throughput.step_times:
         return None
-    total = torch.tensor(float(throughput.tokens), dtype=torch.float64, device=trainer.device)
+    total = torch.as_tensor(throughput.tokens, device=trainer.device).to(torch.float64).reshape(())
     work = trainer.step.strategy.sum_over_replicas(total)
     if work is not None:
         work.wait()
