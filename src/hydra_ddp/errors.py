@@ -31,6 +31,12 @@ PEER_GONE = (
 )
 
 
+def install_line(package: str, extra: str) -> str:
+    """How to install a package one of hydra-ddp's extras names, wherever hydra-ddp came from (a
+    clone, a wheel, a project of your own that depends on it)."""
+    return f"pip install {package} (or hydra-ddp's `{extra}` extra: pip install -e '.[{extra}]' in its clone)"
+
+
 def root_cause(error: BaseException) -> BaseException:
     """The exception at the bottom of a chain (Hydra's InstantiationException wraps the one the
     user's class raised)."""

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from hydra_ddp.errors import UserError, first_line, root_cause
+from hydra_ddp.errors import UserError, first_line, install_line, root_cause
 
 
 def causal_lm(architecture: str = "llama", attn_implementation: str = "sdpa", **config: Any) -> nn.Module:
@@ -17,7 +17,9 @@ def causal_lm(architecture: str = "llama", attn_implementation: str = "sdpa", **
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        raise UserError("model=hf_llama needs Hugging Face transformers: pip install -e '.[transformers]'") from None
+        raise UserError(
+            f"model=hf_llama needs Hugging Face transformers: {install_line('transformers', 'transformers')}"
+        ) from None
     # Training keeps no cache of past keys and values: it would cost memory every step, and with one
     # transformers does not read packed documents from restarting position ids (data=documents).
     config.setdefault("use_cache", False)
@@ -28,4 +30,6 @@ def causal_lm(architecture: str = "llama", attn_implementation: str = "sdpa", **
     return AutoModelForCausalLM.from_config(settings, attn_implementation=attn_implementation)
 
 
-causal_lm.requires = (("transformers", "Hugging Face transformers", "pip install -e '.[transformers]'"),)  # type: ignore[attr-defined]
+causal_lm.requires = (  # type: ignore[attr-defined]
+    ("transformers", "Hugging Face transformers", install_line("transformers", "transformers")),
+)

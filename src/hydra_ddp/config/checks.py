@@ -76,7 +76,7 @@ def check(cfg: Any, run_dir: Path) -> None:
     for name, logger in (loggers or {}).items():
         targets.check(logger, f"logger.{name}")
         _check_requires(logger["_target_"], f"logger.{name}", f"logger={name}")
-    _check_requires(cfg.model["_target_"], "model", f"model={groups.chosen('model', cfg.model)}")
+    _check_requires(cfg.model["_target_"], "model", groups.chosen("model", cfg.model))
     if not data_cfg.even_shards:
         task = tasks.build(cfg.task)
         if tasks.weighs_units(task):

@@ -34,11 +34,11 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from hydra_ddp.data.batches import IGNORED, TensorTree
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, install_line
 
 END_OF_TEXT, PAD = "<|endoftext|>", "<pad>"  # the special tokens a trained tokenizer starts with: ids 0 and 1
 TOKENIZER_FILE = "tokenizer.json"
-_NEEDS = "data=documents needs Hugging Face tokenizers (it comes with transformers): pip install -e '.[transformers]'"
+_NEEDS = f"data=documents needs Hugging Face tokenizers: {install_line('tokenizers', 'transformers')}"
 
 
 # --- the text ------------------------------------------------------------------------------------

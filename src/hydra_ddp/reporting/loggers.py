@@ -18,6 +18,7 @@ from typing import IO, Any, ClassVar, Optional
 
 import yaml
 
+from hydra_ddp.errors import install_line
 from hydra_ddp.rundir import RunDir
 
 _EVENT_FILE = re.compile(r"^events\.out\.tfevents\.(\d+)\.")  # then host, pid, a counter
@@ -213,7 +214,7 @@ class MLflow(Logger):
     and logs no step twice. The jobs of a multirun are children of one parent run per sweep.
     """
 
-    requires = (("mlflow", "MLflow", "pip install -e '.[mlflow]'"),)
+    requires = (("mlflow", "MLflow", install_line("mlflow", "mlflow")),)
 
     BATCH = 500  # metrics per request
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlparse
 
+from hydra_ddp.errors import install_line
 from hydra_ddp.reporting.loggers import Logger, recorded
 from hydra_ddp.rundir import RunDir
 
@@ -104,7 +105,7 @@ class WandB(Logger):
     after the sweep. A run stopped by a signal is marked preempting: W&B shows it as preempted
     unless the job comes back."""
 
-    requires = (("wandb", "Weights & Biases", "pip install -e '.[wandb]'"),)
+    requires = (("wandb", "Weights & Biases", install_line("wandb", "wandb")),)
 
     @classmethod
     def preload(cls) -> None:
