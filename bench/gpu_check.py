@@ -538,7 +538,15 @@ CASES = [
         ONE,
         model_state,
         baseline=DEFAULTS,
-        runs=((*CNN_ONE, "strategy=fsdp", "strategy.param_dtype=bf16", "strategy.reduce_dtype=fp32", "trainer.grad_clip=1.0"),),
+        runs=(
+            (
+                *CNN_ONE,
+                "strategy=fsdp",
+                "strategy.param_dtype=bf16",
+                "strategy.reduce_dtype=fp32",
+                "trainer.grad_clip=1.0",
+            ),
+        ),
     ),
     # DTensor, DCP checkpoints and the global-norm clipping on CUDA (tensor parallel on a one-rank mesh).
     *(

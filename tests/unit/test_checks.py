@@ -123,7 +123,7 @@ BAD = [
         "data.even_shards=false does not combine with trainer.compile",
     ),
     (setting("model._target_", "hydra_ddp.models.Nope"), "model._target_='hydra_ddp.models.Nope'"),
-    (setting("model.no_such_argument", 3), "unexpected keyword argument 'no_such_argument'"),
+    (setting("model.no_such_argument", 3), "takes no 'no_such_argument': remove it with '~model.no_such_argument'"),
     (setting("optim._target_", "nowhere.at_all.SGD"), "optim._target_='nowhere.at_all.SGD': cannot import"),
     (setting("optim", {"lr": 0.1}), "optim needs a _target_"),
     (setting("strategy.name", "zero3"), "strategy.name='zero3': choose one of ddp, fsdp, tp, fsdp_tp"),
@@ -208,7 +208,7 @@ BAD = [
         "task._target_='hydra_ddp.tasks.Nope': 'hydra_ddp.tasks' has no 'Nope'",
     ),
     (setting("task._target_", "nowhere.Task"), "task._target_='nowhere.Task': cannot import 'nowhere'"),
-    (setting("task.no_such_argument", 1), "task (hydra_ddp.tasks.Classification): got an unexpected keyword argument"),
+    (setting("task.no_such_argument", 1), "task (hydra_ddp.tasks.Classification) takes no 'no_such_argument'"),
     (setting("task", {"ignore_index": 1}), "task needs a _target_"),
     (setting("data.dataset._target_", "hydra_ddp.data.nope"), "data.dataset._target_='hydra_ddp.data.nope'"),
     (
@@ -217,9 +217,10 @@ BAD = [
     ),
     (
         setting("scheduler.no_such_argument", 1),
-        "scheduler (torch.optim.lr_scheduler.StepLR): got an unexpected keyword",
+        "scheduler (torch.optim.lr_scheduler.StepLR) takes no 'no_such_argument': "
+        "remove it with '~scheduler.no_such_argument'",
     ),
-    (setting("optim.no_such_argument", 1), "optim (torch.optim.SGD): got an unexpected keyword argument"),
+    (setting("optim.no_such_argument", 1), "optim (torch.optim.SGD) takes no 'no_such_argument'"),
     (
         setting("logger.csv._target_", "hydra_ddp.reporting.loggers.Nope"),
         "logger.csv._target_='hydra_ddp.reporting.loggers.Nope'",
@@ -227,7 +228,7 @@ BAD = [
     (setting("logger.extra", {"_target_": "nowhere.Logger"}), "logger.extra._target_='nowhere.Logger': cannot import"),
     (
         setting("logger.csv.no_such_argument", 1),
-        "logger.csv (hydra_ddp.reporting.loggers.CSV): got an unexpected keyword",
+        "logger.csv (hydra_ddp.reporting.loggers.CSV) takes no 'no_such_argument'",
     ),
     (setting("param_groups.no_decay", "biases"), "param_groups.no_decay='biases': none, auto"),
     (setting("param_groups.no_decay", []), "param_groups.no_decay=[]: give one or more name patterns"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from typing import Any
 
 from hydra_ddp.errors import UserError
@@ -24,6 +25,13 @@ def check(node: Any, key: str) -> None:
         signature.bind_partial(**kwargs)
     except TypeError as e:
         group = key.split(".")[0]
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+        if unknown:  # a key another option set (an experiment's, for the option it chose): remove it with ~
+            name = unknown.group(1)
+            raise UserError(
+                f"{key} ({node['_target_']}) takes no {name!r}: remove it with '~{key}.{name}' on the command "
+                f"line (a setting of another {group} option, an experiment's say), or fix it in conf/{group}/"
+            ) from None
         raise UserError(
             f"{key} ({node['_target_']}): {e}; fix the key in conf/{group}/ or on the command line"
         ) from None
