@@ -44,9 +44,14 @@ def installed(tmp_path_factory) -> dict[str, str]:
     source = _repository_copy(work / "source")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE")}
     wheels = work / "wheels"
-    _run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), "."], source, env
+    built = _run(
+        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w", str(wheels), "."],
+        source,
+        env,
     )
+    # A build that warns looks broken to whoever installs it (issue 63: `make train` opened with
+    # setuptools' warnings of the template's folders): the build says nothing it was not asked.
+    assert "Warning:" not in built.stdout + built.stderr, built.stdout + built.stderr
     wheel = next(wheels.glob("hydra_ddp-*.whl"))
     venv = work / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], work, env)  # pip and setuptools: reused too
