@@ -35,11 +35,14 @@ def init(target: str) -> tuple[Path, list[Path]]:
     except metadata.PackageNotFoundError:  # a clone not installed: any release will do
         version = "0.1"
     values = {"{{name}}": folder.name, "{{package}}": package, "{{version}}": version}
+    # The package's folder takes the project's name; .gitignore ships without its dot (a package's
+    # data is found by glob, which passes over dotfiles).
+    RENAMED = {"PACKAGE": package, "gitignore": ".gitignore"}
     written = []
     for source in sorted(TEMPLATE.rglob("*")):
         if source.is_dir() or "__pycache__" in source.parts:
             continue
-        relative = Path(*(package if part == "PACKAGE" else part for part in source.relative_to(TEMPLATE).parts))
+        relative = Path(*(RENAMED.get(part, part) for part in source.relative_to(TEMPLATE).parts))
         text = source.read_text()
         for key, value in values.items():
             text = text.replace(key, value)

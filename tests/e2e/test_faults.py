@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import shlex
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,7 @@ from support import (
     start_train,
     summary,
     tmpfs,
+    train_env,
     wait_for,
 )
 
@@ -322,7 +325,13 @@ def test_ctrl_c_in_a_terminal_checkpoints_once_and_stops(straight: Path, run_dir
     assert stopped["stopped_by"] == stopped["ended_by"] == "SIGINT"  # the printed summary said "ended by epochs"
     assert "(ended by SIGINT: checkpointed, to be continued)" in done.stdout + _log(run_dir)
     assert_no_orphans(done.pid)
-    check_ok(run_train(run_dir, f"trainer.max_steps={FULL}", "trainer.resume=auto"))
+    # The line it printed, run as printed from where it was started: it continues the run.
+    again = done.stderr.split("continue with: ", 1)[1].splitlines()[0]
+    proc = subprocess.Popen(
+        shlex.split(again), cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    check_ok(finish(proc))
+    assert summary(run_dir)["steps"] == FULL
     assert_same_run(run_dir, straight)
 
 

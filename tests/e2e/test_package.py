@@ -93,6 +93,10 @@ def test_the_wheel_installs_with_its_dependencies_into_an_empty_venv_and_its_pro
         env,
     )
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 5
+    assert "outputs/" in (tmp_path / "my-lab" / ".gitignore").read_text().split()
+    # docs/project.md's last two lines: the project with its test extra, then its test.
+    _run(["pip", "install", "--quiet", "-e", ".[test]"], tmp_path / "my-lab", env, timeout=300)
+    _run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], tmp_path / "my-lab", env)
 
 
 @pytest.mark.timeout(900)

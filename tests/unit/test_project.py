@@ -11,6 +11,8 @@ import pytest
 from hydra_ddp import cli, init, project
 from hydra_ddp.errors import UserError
 
+from support import REPO
+
 
 def test_the_project_is_the_nearest_pyproject_with_a_hydra_ddp_table(tmp_path: Path):
     root = tmp_path / "lab"
@@ -60,6 +62,17 @@ def test_init_writes_a_project_and_refuses_a_directory_that_is_not_empty(tmp_pat
     with pytest.raises(UserError, match="is not an empty directory"):
         init.init(str(folder))
     assert init.package_name(Path("class")) == "class_" and init.package_name(Path("3d")) == "project_3d"
+
+
+def test_the_tree_docs_project_md_shows_is_what_init_writes(tmp_path: Path):
+    folder, written = init.init(str(tmp_path / "my-lab"))
+    page = (REPO / "docs" / "project.md").read_text()
+    tree = page.split("```text\nmy-lab/\n", 1)[1].split("```", 1)[0]
+    shown = set()
+    for line in tree.splitlines():
+        # A line names one file, or several of one folder's ("conf/data/a.yaml, conf/model/b.yaml").
+        shown |= {name.strip() for name in line.split("  ")[1].split(",")} if line.strip() else set()
+    assert shown == {str(p.relative_to(folder)) for p in written}
 
 
 def test_an_unknown_command_is_one_line(capsys):

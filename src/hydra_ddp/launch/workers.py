@@ -320,7 +320,21 @@ class Stopped(UserError):
 def _again(run_dir: Path) -> str:
     """The command that continues this run where it stopped."""
     kept = [o for o in HydraConfig.get().overrides.task if not o.startswith(("hydra.run.dir=", "trainer.resume="))]
-    return shlex.join(["python", "train.py", *kept, f"hydra.run.dir={run_dir}", "trainer.resume=auto"])
+    return shlex.join([_this_python(), "train.py", *kept, f"hydra.run.dir={run_dir}", "trainer.resume=auto"])
+
+
+def _this_python() -> str:
+    """The interpreter that ran this, as the user can type it: a bare `python` where that is the one
+    on PATH, else its path (relative under the current directory, as .venv/bin/python), as a bare
+    `python` outside the venv has no hydra_ddp."""
+    here = Path(sys.executable)
+    on_path = shutil.which("python")
+    if on_path and Path(on_path).resolve() == here.resolve() and Path(on_path).parent == here.parent:
+        return "python"
+    try:
+        return str(here.relative_to(Path.cwd()))
+    except ValueError:
+        return str(here)
 
 
 def say(line: str) -> None:
