@@ -1,4 +1,8 @@
-"""The exception types that reach the user as a single line instead of a traceback."""
+"""The exception types that reach the user as a single line instead of a traceback, and the way
+such a line is written."""
+
+import os
+import sys
 
 
 class UserError(Exception):
@@ -60,3 +64,10 @@ def in_loader_worker(text: str) -> str:
     last = text.rstrip().splitlines()[-1]
     name, colon, message = last.partition(": ")
     return message if colon and " " not in name else last
+
+
+def say(line: str) -> None:
+    """One line on stderr in one write: the ranks of an outside launch share the stream, and a line
+    written in pieces (print writes the text, then the newline) can land inside another rank's."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), f"{line}\n".encode())

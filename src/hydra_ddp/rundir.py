@@ -38,6 +38,8 @@ class RunDir:
         return self.path / ("eval.json" if job == "eval" else "summary.json")
 
     summary = property(lambda self: self.path / "summary.json")
+    # An earlier run's summary while a run continues in its directory: put back if this one writes none.
+    earlier_summary = property(lambda self: self.path / ".summary.earlier.json")
     eval_result = property(lambda self: self.path / "eval.json")
     predictions = property(lambda self: self.path / "predictions.csv")
     checkpoints = property(lambda self: self.path / "checkpoints")

@@ -50,6 +50,21 @@ def test_stop_and_resume_mid_epoch_is_bit_identical(straight: Path, run_dir: Pat
     s = summary(run_dir)
     assert s["steps"] == FULL and s["resumed_from"].endswith(f"step-{HALF:08d}.pt")
     assert_same_run(run_dir, straight)
+    # Continued once more, the complete run trains nothing and says so in one line; its outputs
+    # stay as they were (the launcher sets the summary aside, and puts it back).
+    outputs = ("summary.json", "metrics.csv", f"checkpoints/step-{FULL:08d}.pt")
+    before = {name: (run_dir / name).read_bytes() for name in outputs}
+    again = run_train(run_dir, f"trainer.max_steps={FULL}", "trainer.resume=auto")
+    check_ok(again)
+    lines = [line for line in again.stderr.splitlines() if line.startswith("hydra-ddp:")]
+    assert lines == [
+        f"hydra-ddp: the run in {run_dir} is complete (step {FULL}, ended by max_steps): nothing to train; its "
+        "summary, checkpoints and logs are as they were (raise trainer.epochs or trainer.max_steps to train on)"
+    ], again.stderr
+    assert {name: (run_dir / name).read_bytes() for name in outputs} == before
+    # Given more steps, it trains on from there.
+    check_ok(run_train(run_dir, f"trainer.max_steps={FULL + 2}", "trainer.resume=auto"))
+    assert summary(run_dir)["steps"] == FULL + 2
 
 
 def test_checkpoints_load_with_weights_only_and_keep_the_last_k(straight: Path, run_dir: Path):

@@ -110,12 +110,26 @@ def _stop_steps(run_dir: Path) -> dict[int, int]:
 
 def test_early_stopping_stops_both_ranks_at_the_same_step_and_tests_the_best(run_dir: Path):
     # No learning: validation never improves on the first epoch, and patience 2 ends epoch 3.
-    proc = run_train(run_dir, "optim.lr=0", "trainer.epochs=10", "trainer.early_stopping.patience=2")
+    stopping = ("optim.lr=0", "trainer.epochs=10", "trainer.early_stopping.patience=2")
+    proc = run_train(run_dir, *stopping, "trainer.progress=true")
     check_ok(proc)
     s = summary(run_dir)
     assert s["ended_by"] == "early_stopping" and len(s["history"]) == 3
     assert _stop_steps(run_dir) == {0: s["steps"], 1: s["steps"]}
     assert s["tested"]["step"] == s["history"][0]["step"] and "early stopping" in proc.stdout
+    # The bar counted to the run's end (10 epochs of 21 steps) and says why it stopped short.
+    bar = proc.stderr.replace("\r", "\n").splitlines()
+    assert any(f"{s['steps']}/210" in line and line.startswith("ended by early_stopping") for line in bar), bar[-3:]
+
+    # Continued, the ended run trains nothing, says so, and keeps its outputs as they were.
+    outputs = ("summary.json", "metrics.csv", "checkpoints/last.pt")
+    before = {name: (run_dir / name).read_bytes() for name in outputs}
+    again = run_train(run_dir, *stopping, "trainer.resume=auto")
+    check_ok(again)
+    said = f"is complete (step {s['steps']}, ended by early_stopping): nothing to train"
+    assert said in again.stderr and "raise trainer.early_stopping.patience" in again.stderr, again.stderr
+    assert {name: (run_dir / name).read_bytes() for name in outputs} == before
+    assert not (run_dir / ".summary.earlier.json").exists()
 
 
 def _diverged_in_one_line(proc: subprocess.CompletedProcess, run_dir: Path) -> str:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from hydra_ddp.training.length import RunLength, ended_by
 from hydra_ddp.training.position import Position
 from hydra_ddp.training.step import optimizer_steps, sample_weights
 from hydra_ddp.training.stop import Ending, StopRequest
@@ -119,3 +120,14 @@ def test_throughput_counts_every_replica_and_leaves_out_the_warm_up():
     assert WARMUP_STEPS == 10  # 10 of 100 steps left out: the 5 slow ones and 5 more
     assert results["steady_samples_per_sec"] == pytest.approx(90 * 8 * 4 / (90 * 0.5))
     assert results["median_step_time_s"] == 0.5 and results["train_time_s"] == pytest.approx(52.5)
+
+
+def test_a_continued_run_has_nothing_to_train_only_at_one_of_its_bounds():
+    # 3 epochs of 21 steps; or max_steps=30, which the run reaches in its second epoch.
+    by_epochs = RunLength(21, 21, 21, 21, epochs=3, max_steps=63)
+    by_steps = RunLength(21, 21, 21, 21, epochs=2, max_steps=30)
+    assert ended_by(by_epochs, {"epoch": 3, "step": 63, "batch": 0}, early_stopped=False) == "epochs"
+    assert ended_by(by_epochs, {"epoch": 2, "step": 42, "batch": 0}, early_stopped=False) is None
+    assert ended_by(by_epochs, {"epoch": 2, "step": 42, "batch": 0}, early_stopped=True) == "early_stopping"
+    assert ended_by(by_steps, {"epoch": 1, "step": 30, "batch": 9}, early_stopped=False) == "max_steps"
+    assert ended_by(by_steps, {"epoch": 1, "step": 29, "batch": 8}, early_stopped=False) is None

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from hydra.core.hydra_config import HydraConfig
 
 from hydra_ddp.config.run_config import RunConfig
-from hydra_ddp.errors import EVERY_RANK, LOST_A_PEER, UserError
+from hydra_ddp.errors import EVERY_RANK, LOST_A_PEER, UserError, say
 from hydra_ddp.launch import startup
 from hydra_ddp.parallel import distributed
 from hydra_ddp.rundir import RunDir
@@ -79,7 +79,13 @@ def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[st
         logging.getLogger(name).setLevel(logging.CRITICAL)
     startup.quiet_resource_tracker()
     summary_file = RunDir(run_dir).result(cfg.job)
-    summary_file.unlink(missing_ok=True)  # resuming in this directory: only this run's summary counts
+    # Continuing in this directory: only this run's summary counts. The earlier one is set aside (the
+    # workers read it: a run found complete trains nothing) and put back if this run writes none.
+    earlier = RunDir(run_dir).earlier_summary
+    set_aside = cfg.job == "train" and launcher.node_rank == 0 and summary_file.exists()
+    if set_aside:
+        os.replace(summary_file, earlier)
+    summary_file.unlink(missing_ok=True)
     signum = None
     stores = _host_stores(cfg)  # bound before any worker starts, held until the last one has ended
     cfg.freeze()
@@ -95,7 +101,9 @@ def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[st
         del stores  # stops their servers
         if cfg.init_method.name == "file":  # made fresh for this run; stale, it could deadlock the next
             Path(cfg.init_method.path).unlink(missing_ok=True)
-    summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
+        summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
+        if set_aside:
+            os.replace(earlier, summary_file) if summary is None else earlier.unlink()
     if signum is not None and not (summary and summary["stopped_by"]):  # ended before their checkpoint
         raise Stopped({"stopped_by": signal.Signals(signum).name, "steps": None}, run_dir)
     return summary
@@ -335,10 +343,3 @@ def _this_python() -> str:
         return str(here.relative_to(Path.cwd()))
     except ValueError:
         return str(here)
-
-
-def say(line: str) -> None:
-    """One line on stderr in one write: the ranks of an outside launch share the stream, and a line
-    written in pieces (print writes the text, then the newline) can land inside another rank's."""
-    sys.stderr.flush()
-    os.write(sys.stderr.fileno(), f"{line}\n".encode())

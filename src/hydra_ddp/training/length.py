@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,3 +55,13 @@ def epoch_lengths(loaders: Loaders, batches_per_epoch: int, device: torch.device
     counts = torch.tensor([-batches_per_epoch, batches_per_epoch], device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)
     return -int(counts[0].item()), int(counts[1].item())
+
+
+def ended_by(length: RunLength, position: dict[str, int], early_stopped: bool) -> Optional[str]:
+    """What ends a run at a checkpoint's position before it trains a step under these settings (its
+    epochs, its max_steps, early stopping's patience spent), or None: the loop's own bounds."""
+    if position["epoch"] >= length.epochs:
+        return "epochs"
+    if position["step"] >= length.max_steps:
+        return "max_steps"
+    return "early_stopping" if early_stopped else None

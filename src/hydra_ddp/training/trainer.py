@@ -88,13 +88,21 @@ class Trainer:
     # --- the recipe ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         max_steps, epochs = self.length.max_steps, self.length.epochs
+        # The step the run ends at: the nearer of its bounds (max_steps, or the last epoch's last step).
         self.bar = tqdm(
-            total=max_steps, initial=self.pos.step, disable=not self.progress, unit="step", dynamic_ncols=True
+            total=self.length.total_steps,
+            initial=self.pos.step,
+            disable=not self.progress,
+            unit="step",
+            dynamic_ncols=True,
         )
         with contextlib.ExitStack() as stack:
             self.profiler = stack.enter_context(self.make_profiler())
             stack.enter_context(torch.autograd.set_detect_anomaly(bool(self.settings.detect_anomaly)))
             validated_at = self._epochs(epochs, max_steps)
+        early = self.ending.stopped_by or self.ending.ended_by  # a signal, early stopping, max_time
+        if early and self.pos.step < self.length.total_steps:
+            self.bar.set_description_str(f"ended by {early}", refresh=True)  # the bar says why it stops short
         self.bar.close()
         self._finish(validated_at, epochs)
         return results(self, epochs)

@@ -40,6 +40,7 @@ from hydra_ddp.errors import (
     first_line,
     in_loader_worker,
     root_cause,
+    say,
 )
 from hydra_ddp.launch import startup
 from hydra_ddp.parallel import distributed, shared_memory, strategies
@@ -48,7 +49,7 @@ from hydra_ddp.recipe import ema as averaging
 from hydra_ddp.recipe import optimizer as optimizers
 from hydra_ddp.recipe import schedules
 from hydra_ddp.reporting import flops, hangs, ranklog, run_report
-from hydra_ddp.training import evaluation, seeding
+from hydra_ddp.training import evaluation, resuming, seeding
 from hydra_ddp.training import length as run_length
 from hydra_ddp.training import trainer as training
 from hydra_ddp.training.parts import Parts
@@ -211,6 +212,16 @@ def _train(
             resume[0],
             "; ".join(changed),
         )
+    if rank.is_main and resume is None and checkpoints.resume_setting(cfg.trainer.resume) == "auto":
+        log.info("trainer.resume=auto: no checkpoint in %s; training from the start", checkpointer.dir)
+    # A run continued that had ended (its summary written; nothing to train under these settings):
+    # one line, and nothing of it touched.
+    complete = resuming.already_complete(out, resume, length, cfg.trainer) if rank.is_main else ""
+    complete = distributed.broadcast_text(complete, device)
+    if complete:
+        if rank.is_main:
+            say(complete)
+        return None
     chosen = distributed.broadcast_text(str(resume[0]) if resume else "", device)
     if chosen and not rank.is_main:
         resume = Path(chosen), checkpointer.load(Path(chosen))
