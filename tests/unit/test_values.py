@@ -226,6 +226,33 @@ def test_a_sweeper_setting_is_meaningful_or_refused_in_one_line(key: str, cls: t
     )
 
 
+@pytest.mark.parametrize("sampler", ["tpe", 3, {"seed": 1}])
+def test_a_sampler_given_as_a_value_not_a_group_is_refused_in_one_line(sampler: Any):
+    # hydra.sweeper.sampler=tpe on the command line replaces the sampler's node by a word: it ended in
+    # an AttributeError from the sweeper before.
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.hydra_ddp_optuna import sweeper
+
+    searcher = sweeper.OptunaSweeper(
+        sampler=OmegaConf.create(sampler) if isinstance(sampler, dict) else sampler,
+        direction="maximize",
+        study_name=None,
+        storage=None,
+        n_trials=4,
+        n_jobs=1,
+        pruner="median",
+        params=None,
+    )
+    with pytest.raises(
+        UserError,
+        match=r"^hydra\.sweeper\.sampler=.*: a sampler is chosen by its group, "
+        r"hydra/sweeper/sampler=NAME \(tpe, random, cmaes, grid\)",
+    ) as raised:
+        searcher.check()
+    assert "\n" not in str(raised.value)
+
+
 def test_a_named_groups_yaml_holds_only_what_differs_from_the_schema():
     """Defaults live in the schema: conf/{backend,init_method,launcher,strategy}/NAME.yaml and
     conf/config.yaml's own sections say a value only where it differs from the schema's default."""

@@ -191,14 +191,23 @@ class OptunaSweeper(Sweeper):
         from hydra_ddp.errors import UserError
         from hydra_ddp.search import study as studies
 
+        if not isinstance(self.sampler_cfg, DictConfig) or "_target_" not in self.sampler_cfg:
+            shown = OmegaConf.to_container(self.sampler_cfg) if isinstance(self.sampler_cfg, DictConfig) else None
+            raise UserError(
+                f"hydra.sweeper.sampler={shown if shown is not None else self.sampler_cfg!r}: a sampler is "
+                f"chosen by its group, hydra/sweeper/sampler=NAME ({', '.join(SAMPLERS)}), and set by its keys, "
+                "hydra.sweeper.sampler.KEY=VALUE"
+            )
         settings = {
             "direction": self.direction,
+            "study_name": self.study_name,
+            "storage": self.storage,
             "n_trials": self.n_trials,
             "n_jobs": self.n_jobs,
             "pruner": self.pruner,
             "role": self.role,
         }
-        sampler = OmegaConf.to_container(self.sampler_cfg) if isinstance(self.sampler_cfg, DictConfig) else {}
+        sampler = OmegaConf.to_container(self.sampler_cfg)
         kind = next((conf for conf in SAMPLERS.values() if conf._target_ == sampler.get("_target_")), None)
         for node, cls, where in (
             (settings, OptunaSweeperConf, "hydra.sweeper"),
