@@ -3,6 +3,8 @@ model's config beside it, loadable without this project.
 
     python -m hydra_ddp.export ckpt=RUN_DIR_OR_CHECKPOINT [format=safetensors|torch|hf] [out=PATH]
 
+out: by default export/model.safetensors (model.pt, model-hf/) in the checkpoint's run directory.
+
 ckpt: a run directory (its best checkpoint, else its last), a checkpoint file (ddp) or a sharded
 checkpoint's directory (fsdp, tp, fsdp_tp: read with DCP in this one process). The weights are
 the full model's as the run evaluated them (their moving average, for a run with trainer.ema),
@@ -114,8 +116,15 @@ def _arguments(argv: list[str]) -> dict[str, str]:
     fmt = given.get("format") or ("torch" if given.get("out", "").endswith((".pt", ".pth")) else "safetensors")
     if fmt not in FORMATS:
         raise UserError(f"format={fmt!r}: choose {' or '.join(FORMATS)}")
-    given.update(format=fmt, out=given.get("out") or ("model-hf" if fmt == "hf" else f"model{FORMATS[fmt]}"))
+    given["format"] = fmt
     return given
+
+
+def default_out(ckpt: Path, fmt: str) -> Path:
+    """Where an export goes unless out= says: export/ in the checkpoint's run directory (beside the
+    run's other outputs, not wherever the command was typed), model.safetensors, model.pt or model-hf/."""
+    run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    return run / "export" / ("model-hf" if fmt == "hf" else f"model{FORMATS[fmt]}")
 
 
 def main(argv: list[str]) -> int:
@@ -123,7 +132,13 @@ def main(argv: list[str]) -> int:
 
     try:
         args = _arguments(argv)
-        weights, config = export(args["ckpt"], Path(args["out"]).expanduser().resolve(), args["format"])
+        if "out" in args:
+            out = Path(args["out"]).expanduser().resolve()
+        else:
+            from hydra_ddp.checkpoint import files as checkpoints
+
+            out = default_out(checkpoints.find(args["ckpt"], "ckpt"), args["format"])
+        weights, config = export(args["ckpt"], out, args["format"])
     except UserError as error:
         print(f"hydra-ddp: error: {error}", file=sys.stderr)
         return 2

@@ -38,6 +38,16 @@ def test_check_says_what_would_run_and_launches_nothing(tmp_path: Path):
     assert not (tmp_path / "run").exists()  # no run directory, no log: nothing ran
 
 
+def test_check_notes_cpu_workers_that_outnumber_the_cores(tmp_path: Path):
+    cores = len(os.sched_getaffinity(0))
+    proc = check_cli(f"trainer.nproc={cores + 2}", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == (
+        f"hydra-ddp: note: {cores + 2} CPU workers on this host's {cores} core(s) share them, 1 thread(s) "
+        f"each: slower than trainer.nproc={cores} would be (fine for trying a config)"
+    )
+
+
 def test_a_mismatched_pair_is_one_line_naming_the_options_that_fit(tmp_path: Path):
     for args in (("--check", "model=gpt"), ("model=gpt",)):  # checked alone, or as a run checks it first
         proc = subprocess.run(

@@ -124,10 +124,16 @@ def _predictions(eval_dir: Path) -> list[dict]:
 def test_a_ddp_run_exports_weights_that_load_without_the_project(tmp_path: Path):
     run_dir = tmp_path / "run"
     check_ok(run_train(run_dir, *QUICK))
-    check_ok(run_eval(tmp_path / "eval", f"ckpt={run_dir}", "trainer.nproc=1", "predict=true"))
+    evaluated = run_eval(tmp_path / "eval", f"ckpt={run_dir}", "trainer.nproc=1", "predict=true")
+    check_ok(evaluated)
+    assert f"a row per test sample: {tmp_path / 'eval' / 'predictions.csv'}" in evaluated.stdout + evaluated.stderr
     eval_batch = _test_batch_of(run_dir, None)[0]
     batch = eval_batch[:16]
     reference, _ = _project_logits(run_dir, batch)
+    # Without out=: into the run's directory, not wherever the command was typed.
+    proc = _export(tmp_path, f"ckpt={run_dir}")
+    assert proc.returncode == 0 and str(run_dir / "export" / "model.safetensors") in proc.stdout, proc.stderr
+    assert (run_dir / "export" / "model.yaml").is_file() and not list(tmp_path.glob("model*"))
     for fmt, name in (("safetensors", "model.safetensors"), ("torch", "model.pt")):
         proc = _export(tmp_path, f"ckpt={run_dir}", f"format={fmt}", f"out={tmp_path / fmt / name}")
         assert proc.returncode == 0 and proc.stdout.startswith("hydra-ddp: exported"), proc.stderr

@@ -156,6 +156,9 @@ def test_two_nodes_in_network_namespaces_match_one_node(tmp_path: Path):
     owners = [tmp_path / f"node{i}" for i in range(2) if (tmp_path / f"node{i}" / "summary.json").exists()]
     assert len(owners) == 1, "exactly one node (global rank 0's) writes the outputs"
     other = ({tmp_path / "node0", tmp_path / "node1"} - set(owners)).pop()
+    # The other node says where the run is shown, not only that it launched.
+    quiet = results[[tmp_path / f"node{i}" for i in range(2)].index(other)]
+    assert "its workers are done; the run's summary is with rank 0's node" in quiet.stdout + quiet.stderr
     assert not (other / "tensorboard").exists() and not (other / "checkpoints").exists()
     assert summary(owners[0])["world_size"] == 2 and summary(owners[0])["nnodes"] == 2
     # Bit for bit: every step's loss, and the final weights (the checkpoint written at the end).

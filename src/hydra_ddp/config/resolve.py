@@ -122,6 +122,18 @@ def settle_launch(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, R
     trainer.threads = trainer.threads or max(1, len(os.sched_getaffinity(0)) // trainer.nproc)
 
 
+def oversubscribed(trainer: Any) -> Optional[str]:
+    """A note where this host's CPU workers outnumber its cores (they share them: slower than fewer
+    workers would be), or None."""
+    cores = len(os.sched_getaffinity(0))
+    if trainer.device != "cpu" or trainer.nproc <= cores:
+        return None
+    return (
+        f"{trainer.nproc} CPU workers on this host's {cores} core(s) share them, {trainer.threads} thread(s) "
+        f"each: slower than trainer.nproc={cores} would be (fine for trying a config)"
+    )
+
+
 def collective_timeout(value: Any, backend: str) -> int:
     """backend.timeout_s: auto is 600 s where NCCL runs (its ranks may wait for a dead peer until then), else 1800 s."""
     if value == "auto":

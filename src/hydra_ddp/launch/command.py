@@ -170,6 +170,9 @@ def _check_only(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, An
         "nothing launched",
         flush=True,
     )
+    crowded = resolve.oversubscribed(trainer)
+    if crowded:
+        print(f"hydra-ddp: note: {crowded}", flush=True)
 
 
 def _values(cfg: RunConfig, keys: Iterable[str]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch.multiprocessing as mp
 from hydra.core.hydra_config import HydraConfig
 
+from hydra_ddp.config import resolve
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import EVERY_RANK, LOST_A_PEER, UserError, say
 from hydra_ddp.launch import startup
@@ -72,6 +73,16 @@ def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[st
         cfg.init_method.name,
         run_dir,
     )
+    if launcher.nnodes > 1:  # the node of global rank 0 shows the run: the others would say nothing more
+        log.info(
+            "node %d of %d: %d of the run's workers; the node that holds rank 0 shows its progress, log and summary",
+            launcher.node_rank,
+            launcher.nnodes,
+            n,
+        )
+    crowded = resolve.oversubscribed(cfg.trainer)
+    if crowded:
+        log.warning(crowded)
     if cfg.init_method.name == "file":  # created private, before any rank writes its address there
         os.close(os.open(cfg.init_method.path, os.O_WRONLY | os.O_CREAT, 0o600))
     # These would repeat each child's failure on the console; WorkerFailed reports it in one line.
@@ -106,6 +117,8 @@ def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[st
             os.replace(earlier, summary_file) if summary is None else earlier.unlink()
     if signum is not None and not (summary and summary["stopped_by"]):  # ended before their checkpoint
         raise Stopped({"stopped_by": signal.Signals(signum).name, "steps": None}, run_dir)
+    if launcher.nnodes > 1 and summary is None:
+        log.info("node %d: its workers are done; the run's summary is with rank 0's node", launcher.node_rank)
     return summary
 
 

@@ -126,13 +126,15 @@ def run(cfg: Any, out: Path, rank: RankInfo, device: torch.device, started_at: f
         shown = ", ".join(f"{name} {metric} {result[f'{name}_{metric}']!r}" for metric in task.metrics)
         log.info(
             "%s of %s (step %d) on %d rank(s): %s (%d samples)",
-            RunDir(out).eval_result.name,
+            RunDir(out).eval_result,
             job.ckpt,
             job.step,
             rank.world_size,
             shown,
             result[f"{name}_samples"],
         )
+        if rows is not None:
+            log.info("predictions, a row per %s sample: %s", name, RunDir(out).predictions)
     return result
 
 
