@@ -7,7 +7,11 @@ the test loss and accuracy of each (one seed: a sketch of the effect, not a stud
   0.006, AdamW betas (0.9, 0.95), no decay on biases, norms and embeddings);
 - recipe_at_0.003: the recipe at the old peak rate;
 - before: the same with the settings it had before (a per-epoch cosine to zero, rate 0.003,
-  betas (0.9, 0.999), decay on every parameter).
+  betas (0.9, 0.999), decay on every parameter);
+- wsd: docs/transformer.md's example, the recipe with warmup-stable-decay instead of the cosine
+  (the peak rate held to the last 20 %, then a linear decay to the same tenth);
+- ema_0.99, ema_0.9: the page's EMA example, and an average over about 10 steps instead of 100;
+- recipe_seed1, wsd_seed1: the two schedules at another seed, for the size of one seed's noise.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ RUNS = {
         "optim.betas=[0.9,0.999]",
         "param_groups.no_decay=none",
     ],
+    "wsd": ["scheduler=wsd", "scheduler.decay_ratio=0.2"],
+    "ema_0.99": ["trainer.ema.decay=0.99"],
+    "ema_0.9": ["trainer.ema.decay=0.9"],
+    "recipe_seed1": ["trainer.seed=1"],
+    "wsd_seed1": ["scheduler=wsd", "scheduler.decay_ratio=0.2", "trainer.seed=1"],
 }
 
 
@@ -54,7 +63,7 @@ def main() -> int:
         "commit": commit,
         "dirty": dirty,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "workload": "+experiment=text_gpt, 2 gloo ranks on the CPU, 4 epochs, seed 0",
+        "workload": "+experiment=text_gpt, 2 gloo ranks on the CPU, 4 epochs, seed 0 (but the *_seed1 runs)",
         "runs": results,
     }
     out = REPO / "bench" / "results" / f"text_gpt_recipe_{result['commit']}.json"
