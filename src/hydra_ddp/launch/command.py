@@ -224,5 +224,7 @@ def fail(error: UserError) -> None:
     if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(error, Stopped):  # a stop ends the sweep too
         RunDir(hydra_cfg.runtime.output_dir).error.write_text(f"{message}\n")
         return
-    RunDir(hydra_cfg.runtime.output_dir).discard_if_untouched(hydra_cfg.job.name)  # refused: no run left behind
+    # Refused: no run left behind (the directory given up first: the callback took it before the run).
+    holding.release(Path(hydra_cfg.runtime.output_dir))
+    RunDir(hydra_cfg.runtime.output_dir).discard_if_untouched(hydra_cfg.job.name)
     sys.exit(error.exit_code)
