@@ -14,16 +14,17 @@ STAMP := $(VENV)/.installed-dev
 unexport PYTHONDONTWRITEBYTECODE
 
 # The venv is rebuilt when the project's dependencies change. A user's `make train` installs the
-# package alone; the developers' extra comes with the first target that uses it.
+# package alone; the developers' extra comes with the first target that uses it. pip -qq: errors
+# only (setuptools' notes on an editable install read as a broken one before the first line of training).
 $(BASE): pyproject.toml $(wildcard setup.py)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -e .
+	$(PY) -m pip install -qq --upgrade pip
+	$(PY) -m pip install -qq --no-compile -e .
 	$(PY) -c 'import hydra_ddp.launch.command, hydra_ddp.training.worker, torch._dynamo, tensorboard.backend.event_processing.event_accumulator'
 	touch $(BASE)
 
 $(STAMP): $(BASE)
-	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
+	$(PY) -m pip install -qq --no-compile -e '.[dev]'
 	touch $(STAMP)
 
 train: $(BASE)
