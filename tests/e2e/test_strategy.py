@@ -115,6 +115,66 @@ def test_fsdp_trains_like_ddp_resumes_exactly_and_reshards(tmp_path: Path):
     assert_float64_alike([resumed["val_loss"]], [at_21["val_loss"]])
 
 
+@pytest.mark.timeout(400)
+def test_hsdp_on_a_2x2_mesh_trains_like_fsdp_resumes_exactly_and_reshards(tmp_path: Path):
+    # HSDP: 2 copies of the model, each sharded over 2 neighbouring ranks; beside FSDP over all 4.
+    four = (*COMMON, "trainer.nproc=4", "strategy=fsdp")
+    sweep = tmp_path / "sweep"
+    check_ok(run_train(tmp_path / "unused", "-m", *four, "strategy.replicate=1,2", f"hydra.sweep.dir={sweep}"))
+    fsdp, hsdp = sweep / "0", sweep / "1"
+    # The same global batches (an epoch of digits at 4 ranks: 11 steps): the sums' order differs.
+    assert len(csv_losses(hsdp)) == STEPS
+    assert_float64_alike(csv_losses(hsdp), csv_losses(fsdp))
+    s = summary(hsdp)
+    assert s["world_size"] == 4 and s["hsdp"] == {"replicate": 2, "shard": 2} and summary(fsdp)["hsdp"] is None
+    # Each rank holds half the model (a copy's shard over 2), twice FSDP-over-4's quarter.
+    ratio = s["model_state_bytes"]["total"] / summary(fsdp)["model_state_bytes"]["total"]
+    assert 1.8 < ratio < 2.2, (s["model_state_bytes"], summary(fsdp)["model_state_bytes"])
+
+    # Stopped by SIGTERM and resumed on the same mesh: the uninterrupted run, bit for bit.
+    stopped = tmp_path / "stopped"
+    proc = start_train(stopped, *four, "strategy.replicate=2")
+    wait_for(lambda: (stopped / "checkpoints" / "step-00000004").is_dir(), 120, "the first checkpoint", proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    done = finish(proc, timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    check_ok(run_train(stopped, *four, "strategy.replicate=2", "trainer.resume=auto"))
+    assert summary(stopped)["steps"] == STEPS and summary(stopped)["resumed_from"]
+    assert_same_params(final_params(stopped), final_params(hsdp))
+    assert losses(stopped) == losses(hsdp)
+
+    # Its DCP checkpoint resharded to plain FSDP over 2 ranks: that step's validation again; and
+    # eval.py on the run at 1 rank gives its test metrics (float64's order noise: gathered weights).
+    epoch_end = (hsdp / "checkpoints" / "best").resolve()  # a validated step
+    at = next(h for h in s["history"] if h["step"] == int(epoch_end.name[5:]))
+    resharded = tmp_path / "resharded"
+    check_ok(
+        run_train(
+            resharded,
+            *COMMON[3:],
+            f"trainer.max_steps={at['step']}",
+            "strategy=fsdp",
+            "data.global_batch_size=128",  # 4 ranks' global batch: 2 micro-batches per rank
+            f"trainer.resume={epoch_end}",
+        )
+    )
+    assert summary(resharded)["world_size"] == 2
+    assert_float64_alike([summary(resharded)["val_loss"]], [at["val_loss"]])
+    check_ok(run_eval(tmp_path / "eval", f"ckpt={hsdp}", "trainer.nproc=1"))
+    evaluated = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert evaluated["test_samples"] == s["test_samples"]
+    assert_float64_alike([evaluated["test_loss"]], [s["test_loss"]])
+
+
+def test_hsdp_refuses_a_world_size_it_does_not_divide_in_one_line(tmp_path: Path):
+    proc = run_train(tmp_path / "run", "strategy=fsdp", "strategy.replicate=3", "trainer.nproc=4")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "hydra-ddp: error: strategy=fsdp: strategy.replicate=3 does not divide the 4 ranks (trainer.nproc × "
+        "launcher.nnodes): give a divisor of 4 (launcher.nnodes: a copy per node)"
+    ], proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 # The transformer, small: 2 blocks of width 32 on 64 KiB of text; a global batch of 32 sequences
 # (25 steps an epoch), so one rank, FSDP over 2 and tensor parallel over 2 all train on the same batches.
 GPT = (

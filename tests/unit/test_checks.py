@@ -153,6 +153,11 @@ BAD = [
         "strategy=fsdp: strategy.reduce_dtype=fp16",
     ),
     (both(strategy("fsdp"), setting("trainer.precision", "16")), "strategy=fsdp: trainer.precision=16"),
+    (
+        both(strategy("fsdp"), setting("strategy.replicate", 3)),
+        "strategy=fsdp: strategy.replicate=3 does not divide the 2 ranks (trainer.nproc × launcher.nnodes)",
+    ),
+    (both(strategy("fsdp"), setting("strategy.replicate", 0)), "strategy.replicate=0: give a whole number, at least 1"),
     (strategy("tp"), "strategy=tp needs a model with a tensor-parallel plan"),
     (
         both(
@@ -361,7 +366,7 @@ def test_fsdp_tp_is_fsdp_with_a_tensor_parallel_size_and_eval_composes_without_a
     from hydra_ddp.launch import composition
 
     assert composition.one_line(other.value) == (
-        "strategy.comm_hook: strategy=fsdp has no such setting (its settings: reshard_after_forward, "
+        "strategy.comm_hook: strategy=fsdp has no such setting (its settings: replicate, reshard_after_forward, "
         "param_dtype, reduce_dtype, output_dtype, cpu_offload, activation_checkpointing, "
         "activation_checkpointing_every); another "
         "strategy's knob does not apply to this one"

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from hydra_ddp.checkpoint import layouts
-from hydra_ddp.config.domains import OneOf
+from hydra_ddp.config.domains import AtLeast, OneOf
 from hydra_ddp.config.section import Section
+from hydra_ddp.errors import EveryRankError
 from hydra_ddp.parallel.strategies.base import Strategy, not_ddp_refusals, refuse, start_from_rank0
 from hydra_ddp.recipe import activation_checkpointing
 
@@ -24,6 +25,10 @@ from hydra_ddp.recipe import activation_checkpointing
 class FSDPSettings(Section):
     # fsdp: FSDP2, parameters, gradients and optimizer state sharded over the ranks.
     name: Annotated[str, OneOf("fsdp")] = "fsdp"
+    # HSDP (hybrid sharding: torchtitan's data_parallel_replicate_degree): the ranks as `replicate`
+    # copies of the model, each sharded over world / replicate neighbouring ranks (a node's, with one
+    # copy per node), the copies' gradients all-reduced. 1: every rank one shard of a single copy.
+    replicate: Annotated[int, AtLeast(1)] = 1
     # Free each unit's gathered parameters after its forward (less memory, one more all-gather in
     # the backward); false keeps them until the backward.
     reshard_after_forward: bool = True
@@ -47,8 +52,20 @@ class FSDPSettings(Section):
 
 def shard_refusals(cfg: Any) -> list[tuple[bool, str]]:
     """(refused, why) for FSDP's own settings."""
-    settings, trainer = cfg.strategy, cfg.trainer
+    settings, trainer, launcher = cfg.strategy, cfg.trainer, cfg.launcher
+    world = trainer.nproc * launcher.nnodes if isinstance(trainer.nproc, int) else None  # None: not yet settled
+    copies = int(settings.replicate)
     return [
+        (
+            world is not None and world % copies != 0,
+            f"strategy.replicate={copies} does not divide the {world} ranks (trainer.nproc × launcher.nnodes): "
+            f"give a divisor of {world} (launcher.nnodes: a copy per node)",
+        ),
+        (
+            copies > 1 and (launcher.min_nodes or launcher.nnodes) != launcher.nnodes,
+            f"strategy.replicate={copies} fixes the mesh, which an elastic run's resize would change: "
+            "leave it 1 for launcher.nnodes=MIN:MAX",
+        ),
         (
             settings.cpu_offload and trainer.device != "cuda",
             "strategy.cpu_offload=true keeps parameters on the CPU between uses on GPUs; on the CPU it has "
@@ -94,6 +111,20 @@ def shard(module: nn.Module, settings: Any, mesh: Any) -> None:
     for unit in shard_units(module):
         fully_shard(unit, mp_policy=mixed_precision(settings, root=False), **options)
     fully_shard(module, mp_policy=mixed_precision(settings, root=True), **options)
+
+
+def hybrid_mesh(settings: Any, device: torch.device) -> Any:
+    """HSDP's 2-D mesh [replicate, shard] (a copy's shards on neighbouring ranks: rank = copy ×
+    shards + shard), or None: FSDP over every rank. fully_shard reads a 2-D mesh as hybrid."""
+    copies = int(settings.replicate)
+    if copies == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = torch.distributed.get_world_size()
+    if world % copies:  # checked before launch; an outside launcher's world size is known only here
+        raise EveryRankError(f"strategy.replicate={copies} does not divide the {world} ranks: give a divisor")
+    return init_device_mesh(device.type, (copies, world // copies), mesh_dim_names=("replicate", "shard"))
 
 
 def shard_units(module: nn.Module) -> list[nn.Module]:
@@ -142,10 +173,15 @@ class FSDP(Strategy):
         self.module = module
         start_from_rank0(module)
         activation_checkpointing.apply(module, self.cfg.strategy)  # inside the units FSDP gathers
-        shard(module, self.cfg.strategy, mesh=None)
+        shard(module, self.cfg.strategy, mesh=hybrid_mesh(self.cfg.strategy, self.device))
         self.model = module
         self.state = layouts.ShardedState(module)
         return module
 
     def no_sync(self) -> Any:
         return no_sync(self.model)
+
+    def summary(self) -> dict[str, Any]:
+        copies = int(self.cfg.strategy.replicate)
+        mesh = {"replicate": copies, "shard": torch.distributed.get_world_size() // copies} if copies > 1 else None
+        return {**super().summary(), "hsdp": mesh}

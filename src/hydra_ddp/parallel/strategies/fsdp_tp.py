@@ -41,10 +41,14 @@ class FSDPWithTP(Strategy):
         settings = cfg.strategy
         tensor_parallel_limits = [
             (
+                int(settings.replicate) != 1,
+                "strategy.replicate (HSDP) is not supported with tensor parallel yet: the mesh is [dp, tp]; leave it 1",
+            ),
+            (
                 bool(settings.param_dtype or settings.reduce_dtype or settings.output_dtype or settings.cpu_offload),
                 "strategy.param_dtype, reduce_dtype, output_dtype and cpu_offload are not supported with tensor "
                 "parallel yet; leave them null and false",
-            )
+            ),
         ]
         refuse(cls.name, not_ddp_refusals(cfg, cls.name) + fsdp.shard_refusals(cfg) + tensor_parallel_limits)
         activation_checkpointing.check(cfg)
