@@ -14,7 +14,7 @@ from hydra_ddp.config import checks, fingerprint, resolve
 from hydra_ddp.config.schema import register_schema
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import ranks
-from hydra_ddp.parallel import distributed
+from hydra_ddp.parallel import distributed, strategies
 
 from support import REPO
 
@@ -136,7 +136,8 @@ def test_cpu_offload_on_nccl_gives_its_cpu_shards_gloo(tmp_path: Path, monkeypat
     assert plain.backend.timeout_s == 600  # NCCL's: a dead peer may go unseen until then
     plain = resolve.resolve(_compose("+experiment=text_gpt", "strategy=fsdp"), tmp_path, None, checked=False)
     assert plain.backend.name == "nccl"
-    assert distributed.group_backend("gloo", cpu_offload=True) == "gloo"  # gloo takes both devices already
+    settings = _compose("strategy=fsdp", "strategy.cpu_offload=true").strategy
+    assert strategies.get("fsdp").backend(settings, "gloo") == "gloo"  # gloo takes both devices already
 
 
 def test_fp16_under_fsdp_is_refused_in_one_line_and_the_loss_is_float32(tmp_path: Path, monkeypatch):

@@ -90,13 +90,6 @@ def resolve_backend(name: str, device: str, nproc_per_node: int, host: Host, out
     raise UserError(f"unknown backend {name!r}; choose auto, gloo, nccl or mpi")
 
 
-def group_backend(backend: str, cpu_offload: bool) -> str:
-    """The process group's backend string. FSDP's CPU offload keeps the shards on the CPU, and NCCL
-    takes CUDA tensors only: the collectives on them (the finite-weights check, the gradient norm)
-    go to gloo, the rest to NCCL, in one group (torch's backend per device)."""
-    return "cpu:gloo,cuda:nccl" if backend == "nccl" and cpu_offload else backend
-
-
 def gpu_index(local_rank: int, local_world_size: int, visible: int, outside_launch: bool) -> int:
     """Which of the GPUs this process sees a local rank takes: its own index when the node's ranks
     see every GPU; 0 when an outside launcher gave each task one GPU of its own (Slurm's

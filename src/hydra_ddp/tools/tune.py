@@ -75,9 +75,9 @@ class SettingsTuneConfig(Config):
 def candidates(cfg: run_config.RunConfig, tune: Any) -> dict[str, list[Any]]:
     """The values worth timing for each knob, on this device, at this world size."""
     cuda = cfg.trainer.device == "cuda"
-    # The strategy's own knobs exist in its settings only (DDP's bucket size, hooks, shared memory).
-    ddp = hasattr(cfg.strategy, "comm_hook")
     chosen = strategies.get(cfg.strategy.name)
+    # The strategy's own knobs exist in its settings only (DDP's bucket size, hooks, shared memory).
+    own = set(chosen.tunable)
     ranks, world = cfg.trainer.nproc, cfg.trainer.nproc * cfg.launcher.nnodes
     cores = len(os.sched_getaffinity(0))
     per_rank = max(1, cores // ranks)
@@ -86,11 +86,13 @@ def candidates(cfg: run_config.RunConfig, tune: Any) -> dict[str, list[Any]]:
         "data.pin_memory": [False, True] if cuda else [],
         "trainer.threads": sorted({max(1, per_rank // 2), per_rank, min(cores, 2 * per_rank)}),
         "trainer.channels_last": [True, False] if chosen.allows_channels_last() else [],
-        "strategy.bucket_cap_mb": [5, 25, 100] if ddp and world > 1 else [],
+        "strategy.bucket_cap_mb": [5, 25, 100] if "strategy.bucket_cap_mb" in own and world > 1 else [],
         # auto where it can serve (one host, CPU): timed against gloo's all-reduce.
-        "strategy.shared_memory": ["auto", False] if ddp and not cuda and ranks == world > 1 else [],
+        "strategy.shared_memory": (
+            ["auto", False] if "strategy.shared_memory" in own and not cuda and ranks == world > 1 else []
+        ),
         "trainer.precision": [p for p in PRECISIONS if cuda or p != "16"],  # fp16 needs a GPU
-        "strategy.comm_hook": list(COMM_HOOKS) if ddp and world > 1 else [],
+        "strategy.comm_hook": list(COMM_HOOKS) if "strategy.comm_hook" in own and world > 1 else [],
     }
     wanted = list(tune.knobs) if tune.knobs is not None else list(KNOBS)
     unknown = [k for k in wanted if k not in KNOBS]

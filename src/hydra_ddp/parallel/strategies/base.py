@@ -29,6 +29,8 @@ class Strategy:
     Settings: ClassVar[type]  # strategy.*: the dataclass conf/strategy/NAME.yaml is checked against
     # Its knobs that `auto` settles (settle, below), for the summary: DDP's; the others have none.
     fast_settings: ClassVar[tuple[str, ...]] = ()
+    # Its settings the tuner may time (tools/tune.py): DDP's gradient exchange; the others have none.
+    tunable: ClassVar[tuple[str, ...]] = ()
     # What the checkpoints hold: one file of the whole state (rank 0 writes it), or each rank's shards.
     sharded_checkpoints: ClassVar[bool] = True
     # Every rank runs as many evaluation forwards (a sharded or split forward exchanges tensors).
@@ -134,7 +136,7 @@ class Strategy:
     def eval_module(self) -> nn.Module:
         return self.module
 
-    # --- its state: whole or sharded (parallel/state.py) ----------------------------------------
+    # --- its state: whole or sharded (checkpoint/layouts.py) --------------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:
         return self.state.model_state()
 

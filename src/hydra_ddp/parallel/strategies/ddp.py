@@ -100,6 +100,7 @@ class DDP(Strategy):
     name = "ddp"
     Settings = DDPSettings
     fast_settings = ("strategy.gradient_as_bucket_view", "strategy.static_graph", "strategy.shared_memory")
+    tunable = ("strategy.bucket_cap_mb", "strategy.shared_memory", "strategy.comm_hook")
     sharded_checkpoints = False  # rank 0 holds everything: it writes one file
     lockstep_eval = False  # evaluation runs on the cfg module: ranks may hold different chunk counts
 
