@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from hydra_ddp.reporting import hangs
@@ -77,10 +78,16 @@ def _answers_then_waits() -> None:
     threading.Event().wait(60)
 
 
-def test_loader_workers_give_their_stacks_and_one_that_never_ran_its_init_is_named_not_signalled():
+@pytest.mark.parametrize("temporary_directory", ["usable", "missing"])
+def test_loader_workers_give_their_stacks_and_one_that_never_ran_its_init_is_named_not_signalled(
+    temporary_directory: str, monkeypatch
+):
     import multiprocessing
     import signal
+    import tempfile
 
+    if temporary_directory == "missing":  # a host without a writable temporary directory: the stacks' file is in memory
+        monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/tmp")
     fork = multiprocessing.get_context("fork")
     answering = fork.Process(target=_answers_then_waits, daemon=True)
     unstarted = fork.Process(target=time.sleep, args=(60,), daemon=True)  # as a worker stuck in its fork

@@ -20,6 +20,7 @@ on disk).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import linecache
@@ -179,9 +180,22 @@ class Watchdog:
 
 def forking_loader_worker(process: multiprocessing.process.BaseProcess) -> None:
     """In the rank, as it forks a loader worker: the file the worker's stacks go to when asked."""
-    if LOADER_STACKS_SIGNAL is not None:
-        process.stacks_file = tempfile.TemporaryFile()  # type: ignore[attr-defined]
+    if LOADER_STACKS_SIGNAL is None:
+        return
+    stacks_file = _memory_file()
+    if stacks_file is not None:  # else the hang report goes without this worker's stacks
+        process.stacks_file = stacks_file  # type: ignore[attr-defined]
         _loader_workers.add(process)
+
+
+def _memory_file() -> Optional[Any]:
+    """A file in memory (memfd: no temporary directory, which a host may lack or have read-only),
+    else a temporary file, else None: a place for stacks must never stop training."""
+    with contextlib.suppress(AttributeError, OSError):
+        return os.fdopen(os.memfd_create("hydra-ddp-loader-stacks"), "w+b")
+    with contextlib.suppress(OSError):
+        return tempfile.TemporaryFile()
+    return None
 
 
 READY = b"ready\n"  # a loader worker's first line in its file: it can answer (its init ran)
