@@ -193,3 +193,26 @@ def test_an_installed_wheel_starts_a_project_that_trains_evaluates_and_searches(
         env,
     )
     assert len([p for p in sweep.iterdir() if p.name.isdigit()]) == 2 and (sweep / "sweep.md").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_a_projects_sbatch_script_trains_on_the_suites_slurm_cluster(installed, slurm_cluster, tmp_path: Path):
+    # The script `hydra-ddp init` writes (the clone's scripts/slurm/train.sbatch, which runs
+    # `hydra-ddp train` where there is no train.py), submitted from the project to a real cluster.
+    env = {**installed, **slurm_cluster.env}
+    _run(["hydra-ddp", "init", "slurm-lab"], tmp_path, env)
+    project = tmp_path / "slurm-lab"
+    run_dir, output = project / "outputs" / "on-slurm", tmp_path / "slurm.out"
+    overrides = ["+experiment=spirals", "trainer.max_steps=20", "trainer.threads=1", f"hydra.run.dir={run_dir}"]
+    submitted = subprocess.run(
+        ["sbatch", "--wait", f"--output={output}", "scripts/train.sbatch", *overrides],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    log = output.read_text() if output.exists() else ""
+    assert submitted.returncode == 0, f"{submitted.stdout}{submitted.stderr}\n{log}"
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["launcher"] == "srun" and s["world_size"] == 2 and s["steps"] == 20, s
