@@ -15,14 +15,13 @@ import torch
 from support import (
     REPO,
     assert_no_orphans,
-    assert_same_params,
+    assert_same_run,
     check_ok,
     final_params,
     finish,
     losses,
     run_train,
     start_train,
-    step_losses,
     summary,
     train_env,
 )
@@ -88,8 +87,7 @@ def test_option_trains_the_same(reference: Path, run_dir: Path, overrides: tuple
     for key, value in (override.split("=", 1) for override in overrides if override.split("=")[0] in settings):
         assert settings[key] == (value == "true"), (key, settings)
     if exact:  # bit for bit: every step's loss, and the final weights
-        assert step_losses(run_dir) == step_losses(reference)
-        assert_same_params(final_params(run_dir), final_params(reference))
+        assert_same_run(run_dir, reference)
     else:
         assert losses(run_dir) == pytest.approx(losses(reference), rel=1e-4)
 

@@ -13,13 +13,11 @@ import pytest
 
 from support import (
     REPO,
-    assert_same_params,
+    assert_same_run,
     check_ok,
-    final_params,
     finish,
     run_train,
     start_train,
-    step_losses,
     summary,
     train_env,
     wait_for,
@@ -65,8 +63,7 @@ def test_submitit_launcher_runs_one_group_across_two_nodes(slurm_cluster, refere
     s = summary(sweep / "0")
     assert (s["world_size"], s["nnodes"], s["launcher"]) == (2, 2, "submitit (slurm)"), s
     # Bit-identical to spawn's on one node: every step's loss, and the final weights.
-    assert step_losses(sweep / "0") == step_losses(reference)
-    assert_same_params(final_params(sweep / "0"), final_params(reference))
+    assert_same_run(sweep / "0", reference)
 
 
 @pytest.mark.timeout(300)
@@ -113,8 +110,7 @@ def test_submitit_launcher_on_one_node_reports_a_cancelled_job(slurm_cluster, re
     s = summary(sweep / "0")
     assert (s["world_size"], s["nnodes"], s["launcher"]) == (2, 1, "submitit (slurm)"), s
     # Bit-identical to spawn's: every step's loss, and the final weights.
-    assert step_losses(sweep / "0") == step_losses(reference)
-    assert_same_params(final_params(sweep / "0"), final_params(reference))
+    assert_same_run(sweep / "0", reference)
 
 
 @pytest.mark.timeout(300)
@@ -160,5 +156,4 @@ def test_sbatch_script_is_preempted_requeued_and_resumes_exactly(slurm_cluster, 
     assert s["launcher"] == "srun" and s["world_size"] == 2 and s["steps"] == 64, s
     assert s["resumed_from"] and s["resumed_from"] != str(run_dir / "checkpoints" / "step-00000064.pt"), s
     # The uninterrupted run's, bit for bit: every step's loss once (none twice, none lost), and the weights.
-    assert step_losses(run_dir) == step_losses(reference)
-    assert_same_params(final_params(run_dir), final_params(reference))
+    assert_same_run(run_dir, reference)
