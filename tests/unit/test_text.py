@@ -256,3 +256,9 @@ def test_text_that_does_not_fit_the_model_is_one_line_before_launch(tmp_path, mo
     with pytest.raises(UserError) as error:
         resolved(tmp_path, *TEXT, *overrides, "trainer.nproc=2")
     assert line in str(error.value) and "\n" not in str(error.value)
+
+
+def test_padded_documents_may_be_grouped_by_length_before_launch(tmp_path):
+    # Their lengths vary (packed windows' do not): the pre-launch check lets the grouping through.
+    cfg = resolved(tmp_path, *TEXT, "data.dataset.packing=false", "data.group_by_length=8", "trainer.nproc=2")
+    assert cfg.data.group_by_length == 8

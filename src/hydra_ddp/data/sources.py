@@ -337,8 +337,8 @@ def check_source(data_cfg: Any) -> None:
     root = dataset_cfg.get("root")
     grouped = getattr(data_cfg, "group_by_length", None)
     if grouped is not None:
-        if target.endswith(".documents") and dataset_cfg.get("packing"):
-            what = "packed windows are one length"
+        if target.endswith(".documents"):  # padded documents vary in length; packed windows do not
+            what = "packed windows are one length" if dataset_cfg.get("packing") else None
         elif target.endswith(".sharded"):
             what = "a shard directory is read in shard windows"
         elif target.startswith("hydra_ddp.data."):  # the sources shipped here: only documents vary in length
