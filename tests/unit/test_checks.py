@@ -135,7 +135,10 @@ BAD = [
         both(strategy("fsdp"), setting("data.even_shards", False)),
         "strategy=fsdp: data.even_shards=false needs DDP's Join",
     ),
-    (both(strategy("fsdp"), setting("trainer.compile", True)), "strategy=fsdp: trainer.compile=true"),
+    # The CNN names no blocks: true compiles it whole, which only DDP takes.
+    (both(strategy("fsdp"), setting("trainer.compile", True)), "strategy=fsdp: trainer.compile=model compiles"),
+    (setting("trainer.compile", "blocks"), "trainer.compile=blocks compiles the model's blocks"),
+    (setting("trainer.compile", "yes"), "trainer.compile='yes': choose one of false, true, blocks, model"),
     (
         both(strategy("fsdp"), setting("trainer.channels_last", True)),
         "strategy=fsdp: trainer.channels_last=true",
@@ -344,12 +347,14 @@ def test_sync_batchnorm_auto_is_ddps_to_settle_and_no_other_strategy_has_it(base
 
 def test_each_strategy_refuses_only_what_it_cannot_do(base: dict):
     cfg = run_config.typed(base)
-    cfg.trainer.compile = True
-    strategies.get("ddp").check(cfg)  # DDP compiles
+    cfg.trainer.compile = "model"
+    strategies.get("ddp").check(cfg)  # DDP compiles the whole model
     fsdp = run_config.typed({**base, "strategy": {"name": "fsdp"}})
-    fsdp.trainer.compile = True
-    with pytest.raises(UserError, match="strategy=fsdp: trainer.compile=true is not supported"):
+    fsdp.trainer.compile = "model"
+    with pytest.raises(UserError, match="strategy=fsdp: trainer.compile=model compiles the DDP model whole"):
         strategies.get("fsdp").check(fsdp)
+    fsdp.trainer.compile = "blocks"  # each block's forward: any strategy
+    strategies.get("fsdp").check(fsdp)
 
 
 def test_fsdp_tp_is_fsdp_with_a_tensor_parallel_size_and_eval_composes_without_an_optimizer():

@@ -27,7 +27,7 @@ def test_fsdp_computes_in_param_dtype_reduces_in_reduce_dtype_and_returns_output
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=64, context=16, dim=32, depth=2, heads=4)
     settings = FSDPSettings(param_dtype="bf16", reduce_dtype="fp32", output_dtype="fp32")
-    strategy = FSDP(SimpleNamespace(strategy=settings), torch.device("cpu"))
+    strategy = FSDP(SimpleNamespace(strategy=settings, trainer=SimpleNamespace(compile=False)), torch.device("cpu"))
     wrapped = strategy.wrap(model)
     seen = []
     model.blocks[0].fc1.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))

@@ -21,8 +21,8 @@ from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError, first_line, root_cause
 from hydra_ddp.parallel import strategies
 from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.recipe import compiling, schedules
 from hydra_ddp.recipe import optimizer as optimizers
-from hydra_ddp.recipe import schedules
 from hydra_ddp.reporting.flops import run_shapes_only
 from hydra_ddp.rundir import RunDir
 
@@ -90,10 +90,10 @@ def check(cfg: Any, run_dir: Path) -> None:
                 "data.even_shards=false does not combine with trainer.accumulate > 1, an elastic run's at fewer "
                 "nodes included (ranks end their epoch at different batches); use one or the other"
             )
-        if trainer.compile:
+        if trainer.compile == "model":
             raise UserError(
-                "data.even_shards=false does not combine with trainer.compile=true (DDP's Join "
-                "wraps the uncompiled model); use one or the other"
+                "data.even_shards=false does not combine with trainer.compile=model (DDP's Join "
+                "wraps the uncompiled model); use trainer.compile=blocks, or one or the other"
             )
     if launcher.nnodes > 1 and cfg.init_method.name != "env":
         raise UserError("across nodes the ranks meet through torchrun's rendezvous: use init_method=env")
@@ -209,6 +209,12 @@ def _check_recipe(cfg: Any) -> None:
                 f"param_groups.no_decay: {', '.join(missing)} names none of the model's parameters "
                 f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}); use its parameters' names"
             )
+    if cfg.trainer.compile == "blocks":
+        try:
+            model = model_on_meta(cfg.model)
+        except Exception:  # noqa: BLE001  (the dry build's, or the run's, to report)
+            model = None
+        compiling.check("blocks", model, cfg.model["_target_"])
     if cfg.trainer.max_steps and schedules.takes_length(cfg.scheduler):
         # The run's full length needs its data; trainer.max_steps bounds it now (the workers check the rest).
         with torch.device("meta"):

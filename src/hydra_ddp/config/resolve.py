@@ -21,6 +21,7 @@ from hydra_ddp.errors import UserError
 from hydra_ddp.launch import startup
 from hydra_ddp.parallel import distributed, strategies
 from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.recipe import compiling
 from hydra_ddp.rundir import RunDir
 
 DEFAULT_BATCH_SIZE = 32  # per rank, when neither data.batch_size nor data.global_batch_size is set
@@ -65,7 +66,11 @@ def settle(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, RankInfo
     # The fast settings, settled here, alike on every rank of an outside launch; `settled` records
     # which were auto (where the workers find a shared-memory segment cannot be made, an auto falls
     # back, a true fails).
+    requested_compile = trainer.compile
+    trainer.compile = compiling.mode(trainer.compile, _on_meta_or_none(cfg.model) if trainer.compile is True else None)
     cfg.settled = chosen.settle(cfg, world, trainer.nproc)
+    if requested_compile is True:  # the summary says which: the blocks or the whole model
+        cfg.settled["trainer.compile"] = trainer.compile
     allowed = chosen.allows_channels_last()
     conv = _has_conv2d(cfg.model) if performance.needs_model(trainer.channels_last, allowed) else False
     value = performance.channels_last(trainer.channels_last, allowed, conv)
@@ -73,6 +78,14 @@ def settle(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, RankInfo
         if trainer.channels_last == performance.AUTO:
             cfg.settled["trainer.channels_last"] = value
         trainer.channels_last = value
+
+
+def _on_meta_or_none(model_cfg: Any) -> Any:
+    """The model on the meta device, or None where it does not build before launch."""
+    try:
+        return model_on_meta(model_cfg)
+    except Exception:  # noqa: BLE001  (the checks' to report, in one line)
+        return None
 
 
 def _has_conv2d(model_cfg: Any) -> Optional[bool]:

@@ -198,9 +198,11 @@ class TrainerConf(Section):
     # Micro-batches per optimizer step (DDP skips the gradient all-reduce, no_sync, on all but the
     # last). null: 1, or what data.global_batch_size ÷ (data.batch_size × replicas) gives.
     accumulate: Annotated[Optional[int], AtLeast(1)] = None
-    # torch.compile the DDP model (off: compiling takes time a short run does not win back).
-    compile: bool = False
-    # torch.compile's backend when trainer.compile=true
+    # torch.compile (off: compiling takes time a short run does not win back). blocks: each of the
+    # model's blocks (any strategy); model: the whole DDP model; true: blocks where the model names
+    # them, else the whole model (recipe/compiling.py).
+    compile: Annotated[Any, OneOf(False, True, "blocks", "model")] = False
+    # torch.compile's backend when trainer.compile is on
     compile_backend: Annotated[str, Checked("config.checks: one of torch.compile's backends")] = "inductor"
     # channels_last memory format; auto: for models with 2-D convolutions (performance.py).
     channels_last: Annotated[Any, AUTO_BOOL] = "auto"

@@ -156,6 +156,16 @@ def format_summary(s: dict[str, Any]) -> str:
         *(
             [
                 (
+                    "compiled",
+                    {"blocks": "each block (torch.compile)", "model": "the whole model (torch.compile)"}[s["compile"]],
+                )
+            ]
+            if s.get("compile")
+            else []
+        ),
+        *(
+            [
+                (
                     "start-up",
                     f"workers ready at {s['time_to_workers_ready_s']:.1f} s, the first step done at "
                     f"{s['time_to_first_step_s']:.1f} s (from the command's start)",

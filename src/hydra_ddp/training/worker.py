@@ -45,9 +45,9 @@ from hydra_ddp.errors import (
 from hydra_ddp.launch import startup
 from hydra_ddp.parallel import distributed, shared_memory, strategies
 from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.recipe import compiling, schedules
 from hydra_ddp.recipe import ema as averaging
 from hydra_ddp.recipe import optimizer as optimizers
-from hydra_ddp.recipe import schedules
 from hydra_ddp.reporting import flops, hangs, ranklog, run_report
 from hydra_ddp.training import evaluation, resuming, seeding
 from hydra_ddp.training import length as run_length
@@ -155,6 +155,8 @@ def _train(
         log.info("world size %d: %s", rank.world_size, " ".join(f"{k}={v}" for k, v in at_size.items()))
     data_cfg = cfg.data
     seeding.seed_everything(cfg.trainer.seed)  # alike on every rank: the model's initial weights
+    if cfg.trainer.compile:  # inductor's caches in the run: the ranks share them, a resume finds them
+        compiling.use_run_cache(out)
     spread = strategies.build(cfg, device)  # DDP's replicas, FSDP's shards or tensor parallel (parallel/)
     replica = spread.data_shard(rank)  # which batches this rank reads: its own, but under tensor parallel
     loaders = data.build_loaders(data_cfg, rank, cfg.trainer.seed, device, shard=replica)
@@ -189,7 +191,7 @@ def _train(
         fast["strategy.shared_memory"] = False  # recorded in the summary
         train_model = spread.wrap(model, shared=False)
     optimizer = optimizers.build(cfg.optim, cfg.param_groups.no_decay, spread.module, train_model)
-    if cfg.trainer.compile:
+    if cfg.trainer.compile == "model":  # the blocks' compile is the strategy's (recipe/compiling.py)
         train_model = _compiled(train_model, cfg.trainer.compile_backend)
     ema = averaging.build(spread.module, cfg.trainer.ema.decay)  # resumed below, with the weights
     length = run_length.measure(cfg.trainer, loaders, device)
@@ -269,6 +271,7 @@ def _train(
             "accumulate": cfg.trainer.accumulate,
             "global_batch_size": cfg.data.global_batch_size,  # per optimizer step: all replicas and micro-batches
             "settings": fast,
+            "compile": cfg.trainer.compile,  # false, or torch.compile's "blocks" or whole "model"
             "deterministic": cfg.trainer.deterministic,
             "strategy": spread.name,
             # Parameters, gradients and optimizer state held by one rank (the largest): FSDP's shards.

@@ -188,7 +188,11 @@ def not_ddp_refusals(cfg: Any, name: str) -> list[tuple[bool, str]]:
             not cfg.data.even_shards,
             "data.even_shards=false needs DDP's Join, which FSDP does not support; keep data.even_shards=true",
         ),
-        (trainer.compile, f"trainer.compile=true is not supported with strategy={name} yet; leave it false"),
+        (
+            trainer.compile == "model",
+            f"trainer.compile=model compiles the DDP model whole; under strategy={name} compile the blocks "
+            "(trainer.compile=blocks, or true)",
+        ),
         (
             trainer.channels_last is True,
             "trainer.channels_last=true makes convolution weights non-contiguous, "

@@ -9,11 +9,13 @@ it changes no result beyond float tolerance, and each can be set to true or fals
   them; bit-identical results, less memory.
 - static_graph: DDP records the order gradients become ready in the first step and buckets by it;
   bit-identical results. Off with gradient accumulation (DDP's reducer asserts on a no_sync step in
-  a static graph), uneven shards (Join stands in for ranks that ran out) and torch.compile.
+  a static graph), uneven shards (Join stands in for ranks that ran out) and the whole model's
+  torch.compile (trainer.compile=model; its blocks' compile keeps it).
 - shared_memory: the gradient all-reduce through a shared segment instead of gloo's loopback TCP,
   where every rank is a CPU process on this host; bit-identical at 2 ranks, the sums in another
   order (within float tolerance) at more. Not with a comm hook (it is one), uneven shards (Join's
-  shadow all-reduces bypass hooks) or torch.compile. Whether the segment can be made is the workers'
+  shadow all-reduces bypass hooks) or the whole model's torch.compile (its blocks' keeps it). Whether
+  the segment can be made is the workers'
   to find: where it cannot, an `auto` falls back.
 - sync_batchnorm: BatchNorm layers as SyncBatchNorm; auto is on with CUDA (DDP refuses it on the CPU).
 """
@@ -35,7 +37,7 @@ from hydra_ddp.config.section import Section
 from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.parallel import comm, shared_memory
 from hydra_ddp.parallel.strategies.base import Strategy
-from hydra_ddp.recipe import activation_checkpointing
+from hydra_ddp.recipe import activation_checkpointing, compiling
 
 AUTO = "auto"
 # strategy.comm_hook: DDP's gradient communication hooks (parallel/comm.py).
@@ -89,8 +91,8 @@ def config_blockers(cfg: Any) -> list[str]:
         reasons.append(f"strategy.comm_hook={cfg.strategy.comm_hook} is a hook of its own")
     if not cfg.data.even_shards:
         reasons.append("data.even_shards=false (Join's shadow all-reduces bypass hooks)")
-    if cfg.trainer.compile:
-        reasons.append("trainer.compile=true")
+    if cfg.trainer.compile == "model":  # DDP's hooks inside the compiled graph (blocks keep them outside)
+        reasons.append("trainer.compile=model")
     return reasons
 
 
@@ -116,7 +118,7 @@ class DDP(Strategy):
         blockers = cls.shared_memory_blockers(cfg, world, local_world)
         auto = {
             "gradient_as_bucket_view": True,
-            "static_graph": elastic.most_accumulation(cfg) == 1 and cfg.data.even_shards and not trainer.compile,
+            "static_graph": elastic.most_accumulation(cfg) == 1 and cfg.data.even_shards and trainer.compile != "model",
             "shared_memory": not blockers and world > 1,  # one rank: nothing to all-reduce
         }
         if settings.shared_memory is True and world > 1 and blockers:
@@ -185,6 +187,7 @@ class DDP(Strategy):
         if settings.sync_batchnorm:
             module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
         activation_checkpointing.apply(module, settings)
+        compiling.compile_blocks(module, self.cfg.trainer)  # inside DDP: its hooks stay out of the graphs
         self.module = module
         shared = bool(settings.shared_memory if shared is None else shared)
         options = {key: getattr(settings, key) for key in DDP_ARGUMENTS}  # the rest: comm.py's, shared_memory.py's

@@ -18,7 +18,7 @@ from hydra_ddp.config.domains import AtLeast, OneOf
 from hydra_ddp.config.section import Section
 from hydra_ddp.errors import EveryRankError
 from hydra_ddp.parallel.strategies.base import Strategy, not_ddp_refusals, refuse, start_from_rank0
-from hydra_ddp.recipe import activation_checkpointing
+from hydra_ddp.recipe import activation_checkpointing, compiling
 
 
 @dataclass
@@ -173,6 +173,7 @@ class FSDP(Strategy):
         self.module = module
         start_from_rank0(module)
         activation_checkpointing.apply(module, self.cfg.strategy)  # inside the units FSDP gathers
+        compiling.compile_blocks(module, self.cfg.trainer)  # the units' forwards: FSDP's hooks stay eager
         shard(module, self.cfg.strategy, mesh=hybrid_mesh(self.cfg.strategy, self.device))
         self.model = module
         self.state = layouts.ShardedState(module)

@@ -14,7 +14,7 @@ from hydra_ddp.checkpoint import layouts
 from hydra_ddp.config.domains import AtLeast, OneOf
 from hydra_ddp.parallel.strategies import fsdp, tp
 from hydra_ddp.parallel.strategies.base import Strategy, clip_global_norm, not_ddp_refusals, refuse, start_from_rank0
-from hydra_ddp.recipe import activation_checkpointing
+from hydra_ddp.recipe import activation_checkpointing, compiling
 
 
 @dataclass
@@ -66,6 +66,7 @@ class FSDPWithTP(Strategy):
         start_from_rank0(module)
         tp.parallelize(self, module)  # inside each group
         activation_checkpointing.apply(module, self.cfg.strategy)
+        compiling.compile_blocks(module, self.cfg.trainer)  # blocks of DTensors, before FSDP's hooks
         fsdp.shard(module, self.cfg.strategy, mesh=self.mesh["dp"])  # across the groups
         self.model = module
         self.state = layouts.ShardedState(module)

@@ -21,6 +21,7 @@ from hydra_ddp.parallel.strategies.base import (
     refuse,
     start_from_rank0,
 )
+from hydra_ddp.recipe import compiling
 
 
 @dataclass
@@ -91,6 +92,7 @@ class TensorParallel(Strategy):
         self.module = module
         start_from_rank0(module)
         parallelize(self, module)
+        compiling.compile_blocks(module, self.cfg.trainer)  # blocks of DTensors
         self.model = module
         self.state = layouts.ShardedState(module)
         return module
