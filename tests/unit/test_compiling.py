@@ -77,3 +77,14 @@ def test_inductors_caches_go_to_the_run_unless_the_environment_names_its_own(tmp
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
     compiling.use_run_cache(tmp_path)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
+
+
+def test_static_shapes_but_where_batches_are_padded_to_lengths_that_vary():
+    """Fixed-shape batches differ only in the epoch's last: a static graph of its own, not a dynamic
+    one that would then run every batch (tests/e2e/test_compile.py trains so)."""
+    from torch.utils.data import TensorDataset
+
+    from hydra_ddp.data.text import PadCollate
+
+    assert compiling.dynamic(TensorDataset(torch.zeros(4, 2))) is False
+    assert compiling.dynamic(SimpleNamespace(collate=PadCollate(0))) is None  # dynamo's own choice

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from hydra_ddp.data.text import PadCollate
 from hydra_ddp.errors import UserError
 from hydra_ddp.recipe import activation_checkpointing
 
@@ -46,7 +47,17 @@ def check(setting: Any, model: Optional[nn.Module], target: str) -> None:
         )
 
 
-def compile_blocks(module: nn.Module, trainer: Any) -> int:
+def dynamic(dataset: Any) -> Optional[bool]:
+    """torch.compile's `dynamic` for the blocks of a model trained on `dataset`: None (dynamo's own
+    choice: a shape that changes is compiled once more as a dynamic one) where batches are padded
+    per batch, their lengths varying; else False. Fixed-shape batches vary in one place, the epoch's
+    last batch: under automatic dynamic shapes its other size would recompile every block as a
+    dynamic graph, which then runs the full batches too, slower than eager on this CPU (the
+    transformers experiment: bench/compile.py); static, it is one more graph of its own."""
+    return None if isinstance(getattr(dataset, "collate", None), PadCollate) else False
+
+
+def compile_blocks(module: nn.Module, trainer: Any, dynamic: Optional[bool] = False) -> int:
     """Compile each of the model's blocks in place, where trainer.compile=blocks; how many. Called by
     the strategies after activation checkpointing and before DDP or FSDP wrap the model."""
     if trainer.compile != "blocks":
@@ -61,7 +72,7 @@ def compile_blocks(module: nn.Module, trainer: Any) -> int:
     for block in found:
         # The forward, not the module: its hooks (DDP's, FSDP's) stay eager, its name and class its own.
         # An instance attribute, over activation checkpointing's where it is one (its wrapper is traced).
-        block.forward = torch.compile(block.forward, backend=trainer.compile_backend)
+        block.forward = torch.compile(block.forward, backend=trainer.compile_backend, dynamic=dynamic)
     return len(found)
 
 

@@ -155,8 +155,6 @@ def _train(
         log.info("world size %d: %s", rank.world_size, " ".join(f"{k}={v}" for k, v in at_size.items()))
     data_cfg = cfg.data
     seeding.seed_everything(cfg.trainer.seed)  # alike on every rank: the model's initial weights
-    if cfg.trainer.compile:  # inductor's caches in the run: the ranks share them, a resume finds them
-        compiling.use_run_cache(out)
     spread = strategies.build(cfg, device)  # DDP's replicas, FSDP's shards or tensor parallel (parallel/)
     replica = spread.data_shard(rank)  # which batches this rank reads: its own, but under tensor parallel
     loaders = data.build_loaders(data_cfg, rank, cfg.trainer.seed, device, shard=replica)
@@ -180,6 +178,9 @@ def _train(
     warning = tasks.packing_warning(task, model, loaders.train_sampler.dataset) if rank.is_main else None
     if warning:  # packed documents, and a model that attends across them
         log.warning(warning)
+    if cfg.trainer.compile:  # inductor's caches in the run (the ranks share them, a resume finds them)
+        compiling.use_run_cache(out)
+        spread.compile_dynamic = compiling.dynamic(loaders.train_sampler.dataset)
     try:
         train_model = spread.wrap(model)
     except shared_memory.SharedMemoryUnavailable as e:  # on every rank alike: the one setting a worker settles

@@ -84,6 +84,8 @@ class Strategy:
         self.model: nn.Module = nn.Module()  # what the loop calls: DDP's wrapper, or the module itself
         self.mesh: Any = None
         self.state: Any = None
+        # trainer.compile=blocks' torch.compile(dynamic=...): the worker's, from its data (recipe/compiling.py).
+        self.compile_dynamic: Optional[bool] = False
 
     def wrap(self, module: nn.Module, shared: Optional[bool] = None) -> nn.Module:
         """The module spread over the ranks; what the loop calls. `shared`: DDP's shared-memory

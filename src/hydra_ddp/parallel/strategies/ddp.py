@@ -187,7 +187,8 @@ class DDP(Strategy):
         if settings.sync_batchnorm:
             module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
         activation_checkpointing.apply(module, settings)
-        compiling.compile_blocks(module, self.cfg.trainer)  # inside DDP: its hooks stay out of the graphs
+        # Inside DDP: its hooks stay out of the graphs.
+        compiling.compile_blocks(module, self.cfg.trainer, self.compile_dynamic)
         self.module = module
         shared = bool(settings.shared_memory if shared is None else shared)
         options = {key: getattr(settings, key) for key in DDP_ARGUMENTS}  # the rest: comm.py's, shared_memory.py's

@@ -173,7 +173,8 @@ class FSDP(Strategy):
         self.module = module
         start_from_rank0(module)
         activation_checkpointing.apply(module, self.cfg.strategy)  # inside the units FSDP gathers
-        compiling.compile_blocks(module, self.cfg.trainer)  # the units' forwards: FSDP's hooks stay eager
+        # The units' forwards: FSDP's hooks stay eager.
+        compiling.compile_blocks(module, self.cfg.trainer, self.compile_dynamic)
         shard(module, self.cfg.strategy, mesh=hybrid_mesh(self.cfg.strategy, self.device))
         self.model = module
         self.state = layouts.ShardedState(module)

@@ -66,7 +66,8 @@ class FSDPWithTP(Strategy):
         start_from_rank0(module)
         tp.parallelize(self, module)  # inside each group
         activation_checkpointing.apply(module, self.cfg.strategy)
-        compiling.compile_blocks(module, self.cfg.trainer)  # blocks of DTensors, before FSDP's hooks
+        # Blocks of DTensors, before FSDP's hooks.
+        compiling.compile_blocks(module, self.cfg.trainer, self.compile_dynamic)
         fsdp.shard(module, self.cfg.strategy, mesh=self.mesh["dp"])  # across the groups
         self.model = module
         self.state = layouts.ShardedState(module)

@@ -92,7 +92,7 @@ class TensorParallel(Strategy):
         self.module = module
         start_from_rank0(module)
         parallelize(self, module)
-        compiling.compile_blocks(module, self.cfg.trainer)  # blocks of DTensors
+        compiling.compile_blocks(module, self.cfg.trainer, self.compile_dynamic)  # blocks of DTensors
         self.model = module
         self.state = layouts.ShardedState(module)
         return module
