@@ -36,6 +36,8 @@ All GPUs (where 2 or more are visible, trainer.nproc = their count; else recorde
   samples/s against one GPU's;
 - a dead peer (tests/helpers faulty.FailOnRank, rank 1): a non-zero exit within the case's 60 s
   (backend.timeout_s is 600 s under NCCL) and exactly one error line, naming rank 1;
+- a hung peer (faulty.HangOnRank, rank 1, backend.timeout_s=20): one error line naming rank 1, and
+  the NCCL flight recorder's dumps in RUN/stacks/nccl_trace_rank_R;
 - ResNet-18 with strategy.sync_batchnorm=true and a global batch of 128: the step losses at 1 GPU
   and at all of them agree within 1e-2 relative (cuDNN's default TF32 convolutions widen it);
 - DataParallel against DDP (bench/handwritten.py --parallel dp|ddp), the CNN at 64 per GPU: the
@@ -409,6 +411,29 @@ def dead_peer(case: Case, run: Session) -> dict:
     }
 
 
+def hung_peer(case: Case, run: Session) -> dict:
+    """A rank that stops mid-run: NCCL's watchdog ends the collective after backend.timeout_s, the run
+    ends in one line naming the stuck rank, and torch's flight recorder (on by default,
+    reporting/hangs.py) has dumped the ranks' last collectives into RUN/stacks/nccl_trace_rank_R."""
+    run_dir = run.scratch / "run"
+    cmd = [sys.executable, "train.py", *case.overrides(0, run.gpus), f"hydra.run.dir={run_dir}"]
+    done = run.command(cmd, "train.py", check=False)
+    errors = [line for line in done.stderr.splitlines() if "hydra-ddp: error" in line]
+    stacks = run_dir / "stacks"
+    dumps = sorted(path.name for path in stacks.glob("nccl_trace_rank_*")) if stacks.is_dir() else []
+    if done.returncode == 0:
+        raise CaseFailed("the run with a hung rank 1 exited 0")
+    if len(errors) != 1 or "rank 1" not in errors[0]:
+        raise CaseFailed(
+            f"{len(errors)} error line(s), wanted one naming rank 1: {one_line(done.stdout, done.stderr)}",
+            tail(done.stdout, done.stderr),
+        )
+    if not dumps:
+        found = sorted(path.name for path in stacks.iterdir()) if stacks.is_dir() else []
+        raise CaseFailed(f"no flight-recorder dump (nccl_trace_rank_R) in {stacks}: {found}")
+    return {"note": f"exit {done.returncode}: {errors[0][:160]}; the flight recorder's dumps: {', '.join(dumps)}"}
+
+
 def step_losses(run_dir: Path) -> list[float]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -584,6 +609,22 @@ CASES = [
         ALL,
         dead_peer,
         runs=((*CNN, EVERY_GPU, "trainer.max_steps=200", "model._target_=faulty.FailOnRank", "+model.fail_rank=1"),),
+    ),
+    Case(
+        "a hung peer: NCCL's flight recorder dumps",
+        ALL,
+        hung_peer,
+        runs=(
+            (
+                *CNN,
+                EVERY_GPU,
+                "trainer.max_steps=200",
+                "backend.timeout_s=20",
+                "model._target_=faulty.HangOnRank",
+                "+model.hang_rank=1",
+            ),
+        ),
+        timeout_s=90,
     ),
     Case(
         "ResNet-18 + SyncBatchNorm, 1 GPU vs all",

@@ -7,7 +7,7 @@ in training, validation, a checkpoint or a user's own code is caught alike. The 
 writes RUN/stacks/rankR.txt (every thread's stack, for a person), rankR.json (where, since when:
 for the report) and, where the backend keeps a flight recorder (gloo: torch's, in memory),
 rankR.fr (its last collectives, torch's pickle). NCCL
-dumps its own recorder on a timeout, to RUN/stacks/nccl_trace_rankR. A rank that moves again
+dumps its own recorder on a timeout, to RUN/stacks/nccl_trace_rank_R. A rank that moves again
 removes its files and logs the stall. The timeout's one line is then made from every rank's
 files (`describe`): `rank 1 stuck for 60 s at faulty.py:42 in forward (time.sleep(60)) ...`.
 
