@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 import provenance
+from language_model import summary  # a ratio's median and range
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"gpt": "+experiment=documents_gpt", "llama": "+experiment=documents_llama"}
@@ -45,10 +45,6 @@ def train(run_dir: Path, *overrides: str) -> dict:
         "first_step_s": s["time_to_first_step_s"],
         "compile": s["compile"],
     }
-
-
-def summary(ratios: list[float]) -> dict:
-    return {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
 
 
 def paired(model: str, steps: int, repeats: int) -> dict:

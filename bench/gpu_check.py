@@ -390,24 +390,30 @@ def rank_per_gpu(case: Case, run: Session) -> dict:
     return {**figures_of(summary), "note": f"{run.gpus} ranks, rank r on cuda:r"}
 
 
+def failed_naming_rank1(done: subprocess.CompletedProcess, what: str) -> str:
+    """The run's one error line, which must name rank 1 (the faulty rank) after a non-zero exit."""
+    errors = [line for line in done.stderr.splitlines() if "hydra-ddp: error" in line]
+    if done.returncode == 0:
+        raise CaseFailed(f"the run with {what} exited 0")
+    if len(errors) != 1 or "rank 1" not in errors[0]:
+        raise CaseFailed(
+            f"{len(errors)} error line(s), wanted one naming rank 1: {one_line(done.stdout, done.stderr)}",
+            tail(done.stdout, done.stderr),
+        )
+    return errors[0]
+
+
 def dead_peer(case: Case, run: Session) -> dict:
     """A rank that fails at start: the launcher must end the run, naming it, long before the collective timeout."""
     started = time.monotonic()
     cmd = [sys.executable, "train.py", *case.overrides(0, run.gpus), f"hydra.run.dir={run.scratch / 'run'}"]
     done = run.command(cmd, "train.py", check=False)
     took = time.monotonic() - started
-    errors = [line for line in done.stderr.splitlines() if "hydra-ddp: error" in line]
-    if done.returncode == 0:
-        raise CaseFailed("the run with a failing rank 1 exited 0")
-    if len(errors) != 1 or "rank 1" not in errors[0]:
-        raise CaseFailed(
-            f"{len(errors)} error line(s), wanted one naming rank 1: {one_line(done.stdout, done.stderr)}",
-            tail(done.stdout, done.stderr),
-        )
+    error = failed_naming_rank1(done, "a failing rank 1")
     others = len(done.stderr.strip().splitlines()) - 1
     return {
         "seconds_to_fail": took,
-        "note": f"exit {done.returncode} after {took:.1f} s ({others} other stderr line(s)): {errors[0][:200]}",
+        "note": f"exit {done.returncode} after {took:.1f} s ({others} other stderr line(s)): {error[:200]}",
     }
 
 
@@ -418,20 +424,13 @@ def hung_peer(case: Case, run: Session) -> dict:
     run_dir = run.scratch / "run"
     cmd = [sys.executable, "train.py", *case.overrides(0, run.gpus), f"hydra.run.dir={run_dir}"]
     done = run.command(cmd, "train.py", check=False)
-    errors = [line for line in done.stderr.splitlines() if "hydra-ddp: error" in line]
+    error = failed_naming_rank1(done, "a hung rank 1")
     stacks = run_dir / "stacks"
     dumps = sorted(path.name for path in stacks.glob("nccl_trace_rank_*")) if stacks.is_dir() else []
-    if done.returncode == 0:
-        raise CaseFailed("the run with a hung rank 1 exited 0")
-    if len(errors) != 1 or "rank 1" not in errors[0]:
-        raise CaseFailed(
-            f"{len(errors)} error line(s), wanted one naming rank 1: {one_line(done.stdout, done.stderr)}",
-            tail(done.stdout, done.stderr),
-        )
     if not dumps:
         found = sorted(path.name for path in stacks.iterdir()) if stacks.is_dir() else []
         raise CaseFailed(f"no flight-recorder dump (nccl_trace_rank_R) in {stacks}: {found}")
-    return {"note": f"exit {done.returncode}: {errors[0][:160]}; the flight recorder's dumps: {', '.join(dumps)}"}
+    return {"note": f"exit {done.returncode}: {error[:160]}; the flight recorder's dumps: {', '.join(dumps)}"}
 
 
 def step_losses(run_dir: Path) -> list[float]:

@@ -567,6 +567,32 @@ class TwoHosts:
             pytest.skip(f"network namespaces cannot be created here: {detail.strip()}")
         return self
 
+    def run(
+        self, commands: list[list[str]], envs: list[dict[str, str]], cwd: Path | None = None, timeout: float = 120
+    ) -> list[subprocess.CompletedProcess]:
+        """commands[i] on host i with envs[i], all at once, each in a session of its own; their
+        results, once all have ended (when one runs past `timeout`, the others are killed too)."""
+        procs = []
+        try:
+            for name, command, env in zip(self.names, commands, envs):
+                procs.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", name, *command],
+                        cwd=cwd,
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        start_new_session=True,
+                    )
+                )
+            return [finish(proc, timeout=timeout) for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
     def __exit__(self, *exc) -> None:
         for end in self.ends:  # only there if interrupted before the move into the namespaces
             subprocess.run(["ip", "link", "del", end], capture_output=True, timeout=30)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,7 +27,6 @@ from support import (
     TwoHosts,
     assert_same_run,
     check_ok,
-    finish,
     run_train,
     step_losses,
     summary,
@@ -122,30 +119,12 @@ def _pod(
 def _run_pods(hosts: TwoHosts, tmp_path: Path, job: dict, controller_env=lambda index: {}) -> list[Path]:
     """Both pods at once, each in its namespace with a run directory of its own (its own filesystem);
     the run directories, node 0's first."""
-    procs = []
-    for index in range(2):
-        command, env = _pod(job, index, hosts.addresses, controller_env(index))
-        run_dir = tmp_path / f"pod{index}"
-        procs.append(
-            subprocess.Popen(
-                ["ip", "netns", "exec", hosts.names[index], *command, *SETTINGS, f"hydra.run.dir={run_dir}"],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            )
-        )
-    try:
-        results = [finish(proc, timeout=120) for proc in procs]
-    finally:  # the other pod too, when one ran past its time
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    for result in results:
+    run_dirs = [tmp_path / f"pod{index}" for index in range(2)]
+    pods = [_pod(job, index, hosts.addresses, controller_env(index)) for index in range(2)]
+    commands = [[*command, *SETTINGS, f"hydra.run.dir={run_dir}"] for (command, _), run_dir in zip(pods, run_dirs)]
+    for result in hosts.run(commands, [env for _, env in pods]):
         check_ok(result)
-    return [tmp_path / f"pod{index}" for index in range(2)]
+    return run_dirs
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tomllib
@@ -23,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from support import QUICK, REPO, TwoHosts, assert_same_run, check_ok, finish, run_train, summary, train_env
+from support import QUICK, REPO, TwoHosts, assert_same_run, check_ok, run_train, summary, train_env
 
 TASK = REPO / "scripts" / "skypilot" / "train.yaml"
 MANIFESTS = [REPO / "scripts" / "k8s" / "trainjob.yaml", REPO / "scripts" / "k8s" / "runtime.yaml"]
@@ -174,28 +173,12 @@ def test_the_skypilot_tasks_two_nodes_train_as_one_node_of_two_workers(tmp_path:
     check_ok(run_train(one_node, *task_overrides, *SETTINGS, "trainer.nproc=2"))
 
     nodes = [tmp_path / f"node{index}" for index in range(2)]
-    procs = []
     with TwoHosts(str(os.getpid())) as hosts:
-        try:
-            for index, run_dir in enumerate(nodes):
-                env = _node_env(index, hosts.addresses, 1, [*SETTINGS, f"hydra.run.dir={run_dir}"])
-                procs.append(
-                    subprocess.Popen(
-                        ["ip", "netns", "exec", hosts.names[index], "bash", "-c", _run_script()],
-                        cwd=REPO,
-                        env=env,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        text=True,
-                        start_new_session=True,
-                    )
-                )
-            results = [finish(proc, timeout=120) for proc in procs]
-        finally:  # the other node too, when one ran past its time
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+        envs = [
+            _node_env(index, hosts.addresses, 1, [*SETTINGS, f"hydra.run.dir={run_dir}"])
+            for index, run_dir in enumerate(nodes)
+        ]
+        results = hosts.run([["bash", "-c", _run_script()]] * 2, envs, cwd=REPO)
     for result in results:
         check_ok(result)
     assert [(node / "summary.json").exists() for node in nodes] == [True, False]

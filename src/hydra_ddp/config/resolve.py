@@ -93,10 +93,8 @@ def _has_conv2d(model_cfg: Any) -> Optional[bool]:
     cannot be built before launch (a model that asks for its rank as it is built): the workers
     settle channels_last from the model they build, and record it. A model that does not build at
     all is the checks' to report, in one line."""
-    try:
-        return performance.has_conv2d(model_on_meta(model_cfg))
-    except Exception:  # noqa: BLE001
-        return None
+    model = _on_meta_or_none(model_cfg)
+    return None if model is None else performance.has_conv2d(model)
 
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:
