@@ -50,7 +50,8 @@ def settled_config(overrides: list[str], run_dir: Path) -> Any:
     """The RunConfig train.py's workers would receive for these overrides (composed, resolved, settled)."""
     from hydra import compose, initialize_config_dir
 
-    from hydra_ddp.config import resolve, schema
+    from hydra_ddp.config import schema
+    from hydra_ddp.launch import resolve
 
     schema.register_schema()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -113,9 +114,9 @@ def train_alone(process: int, cfg: Any, out_dir: str, counters: Any = None, shar
 
     from hydra_ddp import data, performance, tasks
     from hydra_ddp.data import batches
-    from hydra_ddp.parallel.distributed import RankInfo
     from hydra_ddp.recipe import optimizer as optimizers
     from hydra_ddp.recipe import schedules
+    from hydra_ddp.runtime.ranks import RankInfo
     from hydra_ddp.training import seeding
 
     trainer, world = cfg.trainer, cfg.trainer.nproc

@@ -420,7 +420,7 @@ def dead_peer(case: Case, run: Session) -> dict:
 def hung_peer(case: Case, run: Session) -> dict:
     """A rank that stops mid-run: NCCL's watchdog ends the collective after backend.timeout_s, the run
     ends in one line naming the stuck rank, and torch's flight recorder (on by default,
-    reporting/hangs.py) has dumped the ranks' last collectives into RUN/stacks/nccl_trace_rank_R."""
+    runtime/hangs.py) has dumped the ranks' last collectives into RUN/stacks/nccl_trace_rank_R."""
     run_dir = run.scratch / "run"
     cmd = [sys.executable, "train.py", *case.overrides(0, run.gpus), f"hydra.run.dir={run_dir}"]
     done = run.command(cmd, "train.py", check=False)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from hydra_ddp import tasks  # noqa: E402
 from hydra_ddp.parallel import distributed  # noqa: E402
-from hydra_ddp.parallel.distributed import RankInfo  # noqa: E402
+from hydra_ddp.runtime.ranks import RankInfo  # noqa: E402
 
 SAMPLES, CHUNK, CLASSES, SIDE = 20_000, 256, 5, 16
 RESULTS = REPO / "bench" / "results"

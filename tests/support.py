@@ -443,9 +443,8 @@ def compose_cfg(*overrides: str):
 def resolved(tmp_path: Path, *overrides: str, external=None):
     """As train.py resolves it (the schema registered first): a composition error (another
     strategy's knob, say) as its one line."""
-    from hydra_ddp.config import resolve
     from hydra_ddp.errors import UserError
-    from hydra_ddp.launch import composition
+    from hydra_ddp.launch import composition, resolve
 
     try:
         composed = compose_cfg(*overrides)

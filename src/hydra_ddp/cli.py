@@ -20,7 +20,8 @@ from typing import Any, NoReturn, Optional
 
 from hydra_ddp import project
 from hydra_ddp.errors import UserError
-from hydra_ddp.launch import ranks, startup
+from hydra_ddp.launch import startup
+from hydra_ddp.runtime import ranks
 
 PACKAGE_CONF = "pkg://hydra_ddp.conf"
 JOBS = {"train": "config", "eval": "eval"}  # the job, and its primary config's name
@@ -67,7 +68,7 @@ def as_worker_main(module: str) -> None:
 def _train(started_at: float, check_only: bool) -> Any:
     from omegaconf import DictConfig
 
-    from hydra_ddp import monitor
+    from hydra_ddp import tasks
     from hydra_ddp.errors import UserError
     from hydra_ddp.launch import command
 
@@ -76,7 +77,7 @@ def _train(started_at: float, check_only: bool) -> Any:
     def train(cfg: DictConfig) -> Optional[float]:
         """Returns what a Hydra sweeper (e.g. Optuna) optimises: the best value of trainer.monitor
         (a validation metric: never the test set's)."""
-        worst = monitor.worst_for(cfg)  # a value every finished run beats
+        worst = tasks.worst_for(cfg)  # a value every finished run beats
         begun = start.pop() if start else time.time()  # a multirun's later jobs in this process: now
         try:
             summary = command.run(cfg, begun)

@@ -38,30 +38,12 @@ def settle(metric: Optional[str], mode: str, directions: Mapping[str, str], defa
     return metric, mode_of(metric, mode, directions) if metric else mode
 
 
-def of_config(cfg: Any) -> tuple[Optional[str], str]:
-    """settle() for a composed config: the monitored metric and its mode, by its task (built here;
-    a task that does not build settles by the names alone, and the run then says what is wrong)."""
-    from hydra_ddp import tasks  # the task's class: the user's module, maybe
-
-    try:
-        task = tasks.build(cfg.task)
-        directions, default = dict(task.metrics), task.monitored
-    except Exception:  # noqa: BLE001
-        directions, default = {}, "loss"
-    return settle(cfg.trainer.monitor, cfg.trainer.monitor_mode, directions, default)
-
-
 def worst(metric: Optional[str], mode: str) -> Optional[float]:
     """What a failed or diverged run reports to a sweeper: a value every finished run beats (`mode`
     settled: min or max)."""
     if metric is None:
         return None
     return -math.inf if mode == "max" else math.inf
-
-
-def worst_for(cfg: Any) -> Optional[float]:
-    """worst() for a composed config, in its task's direction."""
-    return worst(*of_config(cfg))
 
 
 @dataclass

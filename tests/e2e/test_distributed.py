@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from hydra_ddp.config.run_config import RunInitMethodConf
 from hydra_ddp.parallel import distributed
-from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.runtime.ranks import RankInfo
 
 from support import spawn_ranks
 

@@ -97,7 +97,7 @@ def _test_batch(config: dict, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     from omegaconf import OmegaConf
 
     from hydra_ddp import data
-    from hydra_ddp.parallel.distributed import RankInfo
+    from hydra_ddp.runtime.ranks import RankInfo
 
     test = data.build_datasets(OmegaConf.create(config["data"]), RankInfo(0, 1, 0, 1), config["trainer"]["seed"])[
         "test"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hydra_ddp.reporting import hangs
+from hydra_ddp.runtime import hangs
 
 
 def test_loader_workers_outlive_a_stop_signal_that_their_rank_acts_on():

@@ -258,8 +258,8 @@ def _named_like_dcp(_rank: int, port: int) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hydra_ddp.checkpoint.layouts import optimizer_state_by_name
     from hydra_ddp.models import MnistCNN, TinyGPT
+    from hydra_ddp.parallel.layouts import optimizer_state_by_name
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     torch.manual_seed(0)

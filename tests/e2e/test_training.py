@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 from hydra_ddp import data, tasks
 from hydra_ddp.config.run_config import RunInitMethodConf
 from hydra_ddp.parallel import distributed
-from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.runtime.ranks import RankInfo
 from hydra_ddp.training import evaluation
 from hydra_ddp.training import window as training
 

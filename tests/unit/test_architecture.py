@@ -17,24 +17,29 @@ from support import REPO
 PACKAGE = REPO / "src" / "hydra_ddp"
 # The package's modules; not template/, the files `hydra-ddp init` writes into a user's project.
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] != "template")
-LAUNCH_SIDE = ("launch", "config")  # the command's process: it starts workers, and never is one
-WORKER_SIDE = "hydra_ddp.training"
+# The package's layers, lowest first (docs/architecture.md, "Layers"): a unit (a subpackage, or a
+# module at the package's top) imports only from units in layers below its own: never up, never
+# sideways within its layer, lazy imports inside functions included. So no two units import each
+# other, the config knows nothing above it, and the launching side (launch/) and the worker side
+# (training/) know nothing of each other (workers are started by their entry's name).
+LAYERS = (
+    ("errors",),
+    ("rundir", "project", "monitor", "performance", "models", "hf"),
+    ("runtime", "search"),
+    ("config",),
+    ("recipe", "data"),
+    ("parallel", "tasks"),
+    ("checkpoint", "reporting"),
+    ("training", "launch"),
+    ("export", "init", "tools"),
+    ("cli",),
+    ("__main__",),
+)
+LAYER_OF = {unit: index for index, layer in enumerate(LAYERS) for unit in layer}
 
 
 def _name(path: Path) -> str:
     return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-
-
-def _imports(tree: ast.AST) -> set[str]:
-    """Every module an import statement names, at any depth (function-level imports included)."""
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found |= {f"{node.module}.{alias.name}" for alias in node.names}
-    return found
 
 
 def test_the_package_has_modules_to_check():
@@ -56,10 +61,66 @@ def test_each_module_opens_with_a_statement_of_its_job(path: Path):
     assert docstring and docstring.split("\n")[0].strip(), f"{_name(path)} has no opening docstring"
 
 
-@pytest.mark.parametrize("path", [p for p in MODULES if p.relative_to(PACKAGE).parts[0] in LAUNCH_SIDE], ids=_name)
-def test_no_launch_side_module_imports_the_worker_side(path: Path):
-    worker_side = sorted(m for m in _imports(ast.parse(path.read_text())) if m.startswith(WORKER_SIDE))
-    assert not worker_side, f"{_name(path)} imports {worker_side}"
+def _unit(path: Path) -> str:
+    """The layer unit a module belongs to: its subpackage, or its own name at the package's top."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return parts[0]
+
+
+def _units_imported(tree: ast.AST) -> set[str]:
+    """The package's units an import statement names, at any depth (function-level imports too)."""
+    found = set()
+    for node in ast.walk(tree):
+        assert not (isinstance(node, ast.ImportFrom) and node.level), "a relative import: name the module"
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module == "hydra_ddp":
+            names = [f"hydra_ddp.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        found |= {name.split(".")[1] for name in names if name.startswith("hydra_ddp.")}
+    return found
+
+
+def test_every_unit_of_the_package_has_one_layer():
+    units = {_unit(p) for p in MODULES} - {"__init__"}
+    assert units == set(LAYER_OF), f"unplaced: {sorted(units - set(LAYER_OF))}; gone: {sorted(set(LAYER_OF) - units)}"
+    assert sum(len(layer) for layer in LAYERS) == len(LAYER_OF), "a unit in two layers"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
+def test_no_import_runs_up_or_sideways_between_layers(path: Path):
+    unit = _unit(path)
+    if unit == "__init__":  # the package's own __init__: imports nothing of it
+        assert not _units_imported(ast.parse(path.read_text()))
+        return
+    wrong = sorted(
+        f"{other} (layer {LAYER_OF.get(other)})"
+        for other in _units_imported(ast.parse(path.read_text())) - {unit}
+        if LAYER_OF.get(other, len(LAYERS)) >= LAYER_OF[unit]
+    )
+    assert not wrong, f"{_name(path)} (unit {unit}, layer {LAYER_OF[unit]}) imports {wrong}: only layers below its own"
+
+
+def test_the_layer_check_sees_each_form_of_import():
+    forms = {
+        "from hydra_ddp import tasks": {"tasks"},
+        "from hydra_ddp.training.worker import main": {"training"},
+        "import hydra_ddp.launch.command": {"launch"},
+        "def f():\n    from hydra_ddp.parallel import strategies": {"parallel"},
+        "import torch": set(),
+    }
+    for source, units in forms.items():
+        assert _units_imported(ast.parse(source)) == units, source
+
+
+def test_docs_architecture_md_states_the_layers_the_test_holds():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    stated = re.findall(r"^layer (\d+)\s+(.+)$", text, re.MULTILINE)
+    assert [(int(n), tuple(units.split())) for n, units in stated] == list(enumerate(LAYERS)), (
+        "docs/architecture.md's layer lines differ from tests/unit/test_architecture.py's LAYERS"
+    )
 
 
 STRATEGIES = PACKAGE / "parallel" / "strategies"
@@ -101,6 +162,9 @@ def test_the_registry_holds_every_strategy_module_and_every_conf_strategy_option
     for name, cls in strategies.REGISTRY.items():
         assert cls.wrap is not Strategy.wrap, f"strategy {name} does not say how it wraps a module"
         assert is_dataclass(cls.Settings), f"strategy {name}'s Settings is not a dataclass"
+    from hydra_ddp.config import strategy_settings
+
+    assert {name: cls.Settings for name, cls in strategies.REGISTRY.items()} == strategy_settings.SETTINGS
 
 
 def test_docs_architecture_md_lists_every_module_and_no_module_that_is_gone():

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 from hydra import compose, initialize_config_dir
 
-from hydra_ddp.config import resolve, run_config
+from hydra_ddp.config import run_config
 from hydra_ddp.config.schema import register_schema
 from hydra_ddp.errors import UserError
+from hydra_ddp.launch import resolve
 from hydra_ddp.parallel import strategies
 
 from support import REPO

@@ -13,12 +13,13 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from hydra_ddp.config import resolve, run_config
+from hydra_ddp.config import run_config
 from hydra_ddp.config.schema import register_schema
+from hydra_ddp.config.strategy_settings import DDPSettings
 from hydra_ddp.errors import UserError
-from hydra_ddp.parallel.distributed import RankInfo
-from hydra_ddp.parallel.strategies.ddp import DDPSettings
+from hydra_ddp.launch import resolve
 from hydra_ddp.rundir import RunDir
+from hydra_ddp.runtime.ranks import RankInfo
 
 from support import REPO, compose_cfg, resolved
 

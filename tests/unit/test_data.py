@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 
 from hydra_ddp import data
 from hydra_ddp.errors import UserError
-from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.runtime.ranks import RankInfo
 
 from support import make_image_folder
 

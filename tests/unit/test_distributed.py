@@ -10,7 +10,8 @@ import pytest
 
 from hydra_ddp.errors import UserError
 from hydra_ddp.parallel import distributed
-from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.runtime import ranks
+from hydra_ddp.runtime.ranks import RankInfo
 
 SRUN = {
     "SLURM_STEP_ID": "0",
@@ -22,12 +23,12 @@ SRUN = {
 
 
 def test_srun_tasks_meet_at_the_steps_first_node():
-    env = distributed.srun_environment(
+    env = ranks.srun_environment(
         {**SRUN, "SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURMD_NODENAME": "n2", "SLURM_NODEID": "1"}
     )
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("n1", str(20000 + 4321))
     assert (
-        distributed.srun_environment(
+        ranks.srun_environment(
             {**SRUN, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "MASTER_PORT": "29500"}
         )["MASTER_PORT"]
         == "29500"
@@ -72,7 +73,7 @@ def test_srun_tasks_meet_at_the_steps_first_node():
     ],
 )
 def test_external_launch_is_read_from_the_environment(env, expected):
-    assert distributed.external_launch(env) == expected
+    assert ranks.external_launch(env) == expected
 
 
 def test_only_rank_zero_is_main():

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from hydra_ddp import tasks
-from hydra_ddp.config import checks, fingerprint, resolve
+from hydra_ddp.config import fingerprint
 from hydra_ddp.config.schema import register_schema
 from hydra_ddp.errors import UserError
-from hydra_ddp.launch import ranks
+from hydra_ddp.launch import checks, resolve
 from hydra_ddp.parallel import distributed, strategies
+from hydra_ddp.runtime import ranks
 
 from support import REPO
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hydra_ddp.parallel.shared_memory import SharedMemoryAllReduce, _started
-from hydra_ddp.reporting import hangs
+from hydra_ddp.runtime import hangs
 
 
 def _stalled_here(seconds: float) -> None:

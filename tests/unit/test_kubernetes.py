@@ -10,8 +10,9 @@ import re
 import pytest
 
 from hydra_ddp.errors import UserError
-from hydra_ddp.launch import kubernetes, ranks
-from hydra_ddp.launch.ranks import RankInfo
+from hydra_ddp.launch import kubernetes
+from hydra_ddp.runtime import ranks
+from hydra_ddp.runtime.ranks import RankInfo
 
 from support import IN_POD, PYTORCHJOB, TRAINJOB
 

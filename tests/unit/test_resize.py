@@ -17,7 +17,7 @@ def test_a_resize_names_its_cause():
 def test_an_elastic_worker_keeps_the_global_batch_and_the_micro_batch_and_changes_the_accumulation():
     from types import SimpleNamespace as Section
 
-    from hydra_ddp.config import elastic
+    from hydra_ddp.parallel import elastic
 
     # The sections it reads, as attributes (a RunConfig's parts): settled at the most nodes.
     cfg = Section(

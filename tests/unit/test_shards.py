@@ -17,7 +17,7 @@ from hydra_ddp.config.schema import DataConf
 from hydra_ddp.data import shards
 from hydra_ddp.data.sampling import ShardWindowOrder, ShardWindowSampler
 from hydra_ddp.errors import UserError
-from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.runtime.ranks import RankInfo
 from hydra_ddp.tools import shards as shard_tool
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hydra_ddp.config.strategy_settings import FSDPSettings
 from hydra_ddp.models import TinyGPT
-from hydra_ddp.parallel.strategies.fsdp import FSDP, FSDPSettings
+from hydra_ddp.parallel.strategies.fsdp import FSDP
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
 from hydra_ddp import tasks
-from hydra_ddp.config import resolve
 from hydra_ddp.config.schema import register_schema
 from hydra_ddp.errors import UserError
+from hydra_ddp.launch import resolve
 
 from support import (
     REPO,

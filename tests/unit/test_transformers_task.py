@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hydra_ddp.config import checks
 from hydra_ddp.errors import UserError
 from hydra_ddp.hf import causal_lm
+from hydra_ddp.launch import checks
 from hydra_ddp.parallel.strategies.fsdp import shard_units
 from hydra_ddp.reporting.flops import run_shapes_only
 from hydra_ddp.tasks import CausalLM

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from hydra import compose, initialize_config_dir
 
-from hydra_ddp.config import domains, resolve, schema
+from hydra_ddp.config import domains, schema
 from hydra_ddp.config.reference import NAMED_GROUPS
 from hydra_ddp.errors import UserError
-from hydra_ddp.launch import composition
+from hydra_ddp.launch import composition, resolve
 
 from support import REPO
 

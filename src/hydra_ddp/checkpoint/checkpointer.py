@@ -47,9 +47,10 @@ from hydra_ddp.checkpoint.files import FORMAT, META, check_compatible, read, ste
 from hydra_ddp.config import run_config
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import EveryRankError, UserError
-from hydra_ddp.parallel.distributed import RankInfo, first_error
-from hydra_ddp.reporting.ranklog import FILE_ONLY
+from hydra_ddp.parallel.distributed import first_error
 from hydra_ddp.rundir import RunDir
+from hydra_ddp.runtime.ranklog import FILE_ONLY
+from hydra_ddp.runtime.ranks import RankInfo
 
 log = logging.getLogger(__name__)
 

@@ -147,10 +147,10 @@ class Chosen(Domain):
     settings): `options()` maps each option's name to its dataclass."""
 
     group: str
-    lookup: Any  # () -> {name: dataclass}: called when asked (its classes may live on the worker side)
+    settings: Any  # {option's name: its dataclass}
 
     def options(self) -> dict[str, type]:
-        return self.lookup()
+        return dict(self.settings)
 
     def problem(self, value: Any) -> Optional[str]:
         return None

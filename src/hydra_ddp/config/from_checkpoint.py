@@ -1,29 +1,23 @@
 """eval.py's config: the checkpoint's own config, the command line's overrides on top, this command's
-launch settings."""
+launch settings (plain dicts; launch/resolve.py reads the checkpoint and checks its weights)."""
 
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
-import torch
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
-
-from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import domains, schema
 from hydra_ddp.errors import UserError
 
 
 # --- eval.py: the parent's half ------------------------------------------------------------------
-def resolve(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
-    """eval.py's config: the checkpoint's own (model, data, seed, precision: what it was trained
-    with), the command line's overrides on top, and this command's launch settings."""
-    path = checkpoints.find(str(cfg.ckpt), "ckpt")
-    saved = checkpoints.read(path, "ckpt")
-    composed = OmegaConf.to_container(cfg, resolve=True)
-    plain = copy.deepcopy(saved["config"])
+def merged(
+    saved: dict[str, Any], position: dict[str, Any], composed: dict[str, Any], overrides: list[str], ckpt: str
+) -> dict[str, Any]:
+    """eval.py's config: the checkpoint's own (`saved`: model, data, seed, precision: what it was
+    trained with; `position`: where it stopped), the command line's overrides on top, and this
+    command's launch settings (`composed`: the composed eval config, plain)."""
+    plain = copy.deepcopy(saved)
     plain.setdefault("task", {"_target_": "hydra_ddp.tasks.Classification"})  # a checkpoint from before tasks
     for group in ("backend", "init_method", "launcher"):
         plain[group] = composed[group]
@@ -37,13 +31,12 @@ def resolve(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     if split == "val" and not plain["data"]["val_fraction"]:
         raise UserError("split=val: this run had no validation split (data.val_fraction=0); choose split=test or train")
     plain["eval"] = {
-        "ckpt": str(path),
+        "ckpt": ckpt,
         "split": split,
         "predict": bool(composed["predict"]),
-        "step": saved["position"]["step"],
-        "epoch": saved["position"]["epoch"],
+        "step": position["step"],
+        "epoch": position["epoch"],
     }
-    _check_model(plain["model"], saved["model"], path)
     return plain
 
 
@@ -66,15 +59,3 @@ def _apply(plain: dict[str, Any], composed: dict[str, Any], override: str) -> No
         target[parts[-1]] = copy.deepcopy(source[parts[-1]])
     else:
         target.pop(parts[-1], None)  # ~key
-
-
-def _check_model(model_cfg: dict[str, Any], saved: dict[str, torch.Tensor], path: Path) -> None:
-    """The checkpoint's weights fit the model to evaluate: built on the meta device, no memory."""
-    with torch.device("meta"):
-        model = instantiate(model_cfg)
-    checkpoints.check_compatible(
-        model,
-        saved,
-        path,
-        fix="evaluate it with the model it was saved from (leave model= out: the checkpoint's is the default)",
-    )

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hydra_ddp.config import schema
+from hydra_ddp.config import schema, strategy_settings
 from hydra_ddp.config.section import Section
 from hydra_ddp.errors import UserError
 
@@ -26,7 +26,7 @@ JOBS = ("train", "eval", "tune")  # what the workers run: train.py's, eval.py's,
 class RunLauncherConf(schema.LauncherConf):
     # Started by torchrun, Slurm or mpirun: this command launched nothing.
     external: bool = False
-    # The fewest nodes (nnodes: the most); below nnodes: an elastic run (config.elastic).
+    # The fewest nodes (nnodes: the most); below nnodes: an elastic run (parallel.elastic).
     min_nodes: Optional[int] = None
 
 
@@ -98,13 +98,11 @@ def typed(plain: dict[str, Any]) -> RunConfig:
     """A plain config (the resolved one, a checkpoint's) as a RunConfig, not yet frozen; its strategy
     section as the chosen strategy's settings. A key or value the schema does not take is one line
     (a checkpoint's config from another version, say)."""
-    from hydra_ddp.parallel import strategies
-
     if plain.get("job", "train") not in JOBS:
         raise UserError(f"job={plain['job']!r}: one of {', '.join(JOBS)}")
     try:
         cfg = OmegaConf.merge(_template(), {k: v for k, v in plain.items() if k != "strategy"})
-        settings = strategies.get(plain.get("strategy", {}).get("name", "ddp")).Settings
+        settings = strategy_settings.of(plain.get("strategy", {}).get("name", "ddp"))
         strategy = OmegaConf.merge(OmegaConf.structured(settings), plain.get("strategy", {}))
     except OmegaConfBaseException as error:
         where = f"{error.full_key}: " if getattr(error, "full_key", None) else ""

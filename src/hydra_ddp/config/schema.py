@@ -3,7 +3,7 @@
 Hydra merges `conf/*.yaml` onto these dataclasses, so a misspelt key or a value of the
 wrong type fails at composition time, before anything is launched. Groups whose objects
 are built with `_target_` (model, data.dataset, optim, scheduler) stay open (`Any`) so a
-user can add their own in YAML; `hydra_ddp.config.checks` checks those before launch.
+user can add their own in YAML; `hydra_ddp.launch.checks` checks those before launch.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from hydra_ddp import rundir
+from hydra_ddp.config import strategy_settings
 from hydra_ddp.config.domains import AUTO_BOOL, AtLeast, Checked, Chosen, Free, Number, OneOf, Pattern, Positive
 from hydra_ddp.config.section import Section
 
@@ -42,7 +43,7 @@ class InitMethodConf(Section):
     # null: a free port picked at launch, never a fixed one that collides with another job.
     port: Annotated[Optional[int], Number(low=1, high=65535, whole=True)] = None
     # null: a fresh file inside the run directory (a reused file store can deadlock).
-    path: Annotated[Optional[str], Checked("config.resolve: its folder exists, the file is empty")] = None
+    path: Annotated[Optional[str], Checked("launch.resolve: its folder exists, the file is empty")] = None
 
 
 @dataclass
@@ -51,7 +52,7 @@ class LauncherConf(Section):
     name: Annotated[str, OneOf("spawn", "torchrun")] = "spawn"
     # Nodes: N, or an elastic range "MIN:MAX" (torchrun's form): the run trains with the nodes present
     # between the bounds, restarting the group (from the last checkpoint) when one is lost or joins.
-    nnodes: Annotated[Any, Checked("config.elastic: a node count or MIN:MAX")] = 1
+    nnodes: Annotated[Any, Checked("parallel.elastic: a node count or MIN:MAX")] = 1
     node_rank: Annotated[int, AtLeast(0)] = 0  # this node's index, 0 to nnodes − 1 (node 0 holds the rendezvous)
     # torchrun's rendezvous backend (c10d: torch's own TCP store)
     rdzv_backend: Annotated[str, OneOf("c10d", "static", "etcd", "etcd-v2")] = "c10d"
@@ -151,14 +152,8 @@ class EmaConf(Section):
     decay: Annotated[Optional[float], Number(low=0, high=1, above=True, below=True)] = None
 
 
-def _strategy_settings() -> dict[str, type]:
-    from hydra_ddp.parallel import strategies
-
-    return {name: strategy.Settings for name, strategy in strategies.REGISTRY.items()}
-
-
 # strategy.*: the settings of the strategy the config names (conf/strategy/NAME.yaml extends them).
-CHOSEN_STRATEGY = Chosen("strategy", _strategy_settings)
+CHOSEN_STRATEGY = Chosen("strategy", strategy_settings.SETTINGS)
 # The groups that build an object: a `_target_` config (config.targets checks it before launch).
 TARGET = Checked("config.targets: a _target_ config")
 # trainer.precision: 32, bf16 (autocast, CPU or GPU) or 16 (GPU autocast with a GradScaler).
@@ -185,7 +180,7 @@ class TrainerConf(Section):
     # The one metric that selects best.pt, drives early stopping and is what train.py returns to a
     # Hydra sweeper: val/<a metric of the task> or train/loss. auto: the task's choice (val/accuracy
     # for classification); null: none (the test then uses the last weights).
-    monitor: Annotated[Optional[str], Checked("config.resolve: a metric of the task, or auto")] = "auto"
+    monitor: Annotated[Optional[str], Checked("launch.resolve: a metric of the task, or auto")] = "auto"
     # min or max; auto: the metric's direction, as the task declares it.
     monitor_mode: Annotated[str, OneOf("auto", "min", "max")] = "auto"
     early_stopping: EarlyStoppingConf = field(default_factory=EarlyStoppingConf)
@@ -203,7 +198,7 @@ class TrainerConf(Section):
     # them, else the whole model (recipe/compiling.py).
     compile: Annotated[Any, OneOf(False, True, "blocks", "model")] = False
     # torch.compile's backend when trainer.compile is on
-    compile_backend: Annotated[str, Checked("config.checks: one of torch.compile's backends")] = "inductor"
+    compile_backend: Annotated[str, Checked("launch.checks: one of torch.compile's backends")] = "inductor"
     # channels_last memory format; auto: for models with 2-D convolutions (performance.py).
     channels_last: Annotated[Any, AUTO_BOOL] = "auto"
     ema: EmaConf = field(default_factory=EmaConf)
@@ -211,7 +206,7 @@ class TrainerConf(Section):
     grad_clip: Annotated[Optional[float], Positive()] = None
     # A wall-clock budget (seconds, or "[D:]HH:MM:SS") counted from the command's start: checkpoint,
     # test, and stop; trainer.resume=auto continues. null: none.
-    max_time: Annotated[Optional[Any], Checked("config.resolve: seconds or [D:]HH:MM:SS")] = None
+    max_time: Annotated[Optional[Any], Checked("launch.resolve: seconds or [D:]HH:MM:SS")] = None
     # Fine-tuning: the model weights of this checkpoint (a file, or a run directory: its best.pt,
     # else last.pt) in a fresh run: new optimizer, schedule and step 0. A resumed run ignores it.
     init_from: Annotated[Optional[str], Checked("checkpoints: a checkpoint or a run directory")] = None
@@ -239,7 +234,7 @@ class ProfilerConf(Section):
     wait: Annotated[int, AtLeast(0)] = 1
     warmup: Annotated[int, AtLeast(0)] = 1  # steps profiled but not recorded, after the skipped ones
     active: Annotated[int, AtLeast(1)] = 3  # steps recorded
-    ranks: Annotated[Optional[list[int]], Checked("config.checks: ranks of the run")] = None  # null: every rank
+    ranks: Annotated[Optional[list[int]], Checked("launch.checks: ranks of the run")] = None  # null: every rank
     row_limit: Annotated[int, AtLeast(1)] = 15  # rows of the top-operators table in the log
 
 
@@ -280,7 +275,7 @@ class Config(Section):
     param_groups: ParamGroupsConf = field(default_factory=ParamGroupsConf)
     scheduler: Annotated[Any, TARGET] = None
     # Rank 0's loggers, by name (conf/logger/: tensorboard, csv, mlflow, wandb), each a `_target_` class.
-    logger: Annotated[Any, Checked("config.checks: names of conf/logger/ options, each a _target_ config")] = field(
+    logger: Annotated[Any, Checked("launch.checks: names of conf/logger/ options, each a _target_ config")] = field(
         default_factory=dict
     )
 

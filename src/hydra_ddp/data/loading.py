@@ -29,11 +29,10 @@ from hydra_ddp.data.sampling import (
     sample_seed,
 )
 from hydra_ddp.errors import EveryRankError, UserError
-from hydra_ddp.launch import startup
-from hydra_ddp.parallel.distributed import RankInfo
-from hydra_ddp.reporting import hangs
-from hydra_ddp.reporting.ranklog import FILE_ONLY
-from hydra_ddp.signals import STOP_SIGNALS
+from hydra_ddp.runtime import hangs, processes
+from hydra_ddp.runtime.ranklog import FILE_ONLY
+from hydra_ddp.runtime.ranks import RankInfo
+from hydra_ddp.runtime.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +245,7 @@ FORK_BLOCKING_STOPS = _ForkBlockingStops()
 
 def loader_worker_init(worker_id: int) -> None:
     """Each loader worker's init: it ends with its rank, leaves stop signals to it, and gives its
-    stacks when the rank's watchdog asks (reporting/hangs.py)."""
+    stacks when the rank's watchdog asks (runtime/hangs.py)."""
     _dies_with_its_rank()
     stop_signals_are_the_ranks()
     hangs.answer_stack_requests()
@@ -258,7 +257,7 @@ def _dies_with_its_rank() -> None:
     the run, holding its output (and the launcher's helpers) open. Linux only."""
     rank = multiprocessing.parent_process()
     if rank is not None:
-        startup.die_with_parent(rank.pid)
+        processes.die_with_parent(rank.pid)
 
 
 def stop_signals_are_the_ranks() -> None:

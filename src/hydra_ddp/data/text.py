@@ -199,6 +199,8 @@ class PadCollate:
     `position_ids`) get no attention mask: transformers reads packed documents from restarting
     position ids only where no mask is given (an all-ones one would let them attend across)."""
 
+    pads_per_batch = True  # its batches' lengths vary (recipe/compiling.py compiles them dynamic)
+
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
 

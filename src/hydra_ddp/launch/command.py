@@ -18,13 +18,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from hydra_ddp.config import checks, from_checkpoint, resolve, run_config
+from hydra_ddp.config import from_checkpoint, run_config
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import EVERY_RANK, UserError
-from hydra_ddp.launch import composition, holding, kubernetes, startup, workers
+from hydra_ddp.launch import checks, composition, holding, kubernetes, resolve, startup, workers
 from hydra_ddp.launch.workers import Stopped, _again, say
 from hydra_ddp.parallel import distributed
 from hydra_ddp.rundir import RunDir, claimed_instead
+from hydra_ddp.runtime import ranks
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def adopt_external_launch(argv: list[str]) -> None:
     Ranks other than 0 then skip Hydra's output directory and log file: rank 0 decides the
     run directory and tells the others once the process group is up.
     """
-    if kubernetes.launches_workers(os.environ):
+    if ranks.launches_workers(os.environ):
         try:
             kubernetes.adopt(argv)
         except UserError as error:  # before Hydra: nothing composed, nothing launched
@@ -48,7 +49,7 @@ def adopt_external_launch(argv: list[str]) -> None:
     for arg in [a for a in argv[1:] if a.startswith(("--local-rank=", "--local_rank="))]:
         os.environ["LOCAL_RANK"] = arg.split("=", 1)[1]
         argv.remove(arg)
-    found = distributed.external_launch()
+    found = ranks.external_launch()
     if found and not found[1].is_main:
         # Hydra's "disabled" logging would also disable every logger that exists by then (the
         # project's, created at import): this rank's lines would never reach the run's log file.
@@ -99,7 +100,7 @@ def run(cfg: DictConfig, started_at: float, job: str = "train") -> Optional[dict
     # checkpoint's) are still read from where the command was started, here and in every worker.
     os.chdir(HydraConfig.get().runtime.cwd)
     distributed.adopt_launcher_environment()
-    external = distributed.external_launch()
+    external = ranks.external_launch()
     if startup.checking():
         return _check_only(cfg, run_dir, external, job)
     asked = claimed_instead(run_dir)
@@ -126,7 +127,7 @@ def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]]
     it alike and rank 0 alone checks what depends on its run directory (_problem)."""
     overrides = list(HydraConfig.get().overrides.task)
     if job == "eval":
-        resolved = run_config.typed(from_checkpoint.resolve(cfg, overrides))
+        resolved = resolve.eval_config(cfg, overrides)
         resolve.settle_launch(resolved, run_dir, external)
     elif external:
         resolved = resolve.resolve(cfg, run_dir, external, checked=False)

@@ -15,8 +15,8 @@ The launcher and the workers take them as a stop request; workers set their own 
 
 import signal
 
-from hydra_ddp.launch import startup
+from hydra_ddp.runtime import processes
 
-startup.die_with_parent()
+processes.die_with_parent()
 for _signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
     signal.signal(_signal, signal.SIG_IGN)

@@ -2,7 +2,7 @@
 worker module brings the data, model, parallel and training modules, and torch), outside the garbage collector's
 reach (startup.frozen_imports), so every worker forked from it shares them as they are.
 
-Not torch.distributed.checkpoint: DDP's checkpoints do without it (checkpoint.layouts.optimizer_state_by_name),
+Not torch.distributed.checkpoint: DDP's checkpoints do without it (parallel.layouts.optimizer_state_by_name),
 and the sharded strategies import it while they build, before the first step.
 """
 

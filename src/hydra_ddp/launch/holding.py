@@ -27,7 +27,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from hydra_ddp.errors import UserError
-from hydra_ddp.launch import ranks, startup
+from hydra_ddp.launch import startup
+from hydra_ddp.runtime import processes, ranks
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def _me() -> dict[str, Any]:
 
 def _started(pid: int) -> Optional[str]:
     """A process's start time (clock ticks since boot): a pid and its start time name one process."""
-    fields = startup.proc_stat(pid)
+    fields = processes.proc_stat(pid)
     return fields[19] if fields and len(fields) > 19 else None
 
 

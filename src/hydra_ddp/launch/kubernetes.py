@@ -7,7 +7,7 @@ PET_RDZV_ID, PET_LOCAL_ADDR where the job sets them.
 `python train.py` in a pod with PET_* set launches the pod's workers itself, as launcher=torchrun
 would with those values: the overrides below, added to the command line before Hydra composes it.
 PyTorchJob's pod-level RANK and WORLD_SIZE (and MASTER_ADDR/PORT, PET_MASTER_*'s copies) count
-pods, not workers: they are dropped. No torch here: ranks.py asks before importing it.
+pods, not workers: they are dropped. No torch here: runtime/ranks.py asks before importing it.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import os
 from collections.abc import Mapping, MutableMapping
 
 from hydra_ddp.errors import UserError
+from hydra_ddp.runtime.ranks import PET_NNODES
 
 NNODES, NPROC, NODE_RANK, MASTER_ADDR, MASTER_PORT = (
-    "PET_NNODES",
+    PET_NNODES,
     "PET_NPROC_PER_NODE",
     "PET_NODE_RANK",
     "PET_MASTER_ADDR",
@@ -26,20 +27,9 @@ NNODES, NPROC, NODE_RANK, MASTER_ADDR, MASTER_PORT = (
 )
 # Read where set (the controllers don't): torchrun's --rdzv-id and --local-addr.
 RDZV_ID, LOCAL_ADDR = "PET_RDZV_ID", "PET_LOCAL_ADDR"
-IN_POD = "KUBERNETES_SERVICE_HOST"  # the kubelet sets it in every container
 # A PyTorchJob pod's view of the pods (WORLD_SIZE: pods, or pods × nprocPerNode; RANK: the pod's
 # index); torchrun's agent gives each worker its own.
 POD_LEVEL = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def in_pod(env: Mapping[str, str]) -> bool:
-    return IN_POD in env
-
-
-def launches_workers(env: Mapping[str, str]) -> bool:
-    """`python train.py` in a pod that PET_* describe, with no torchrun in between: it starts this
-    node's workers itself (under torchrun, TORCHELASTIC_RUN_ID: it is one of torchrun's workers)."""
-    return NNODES in env and "TORCHELASTIC_RUN_ID" not in env
 
 
 def pod_settings(env: Mapping[str, str]) -> dict[str, str]:

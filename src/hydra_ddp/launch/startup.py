@@ -16,11 +16,8 @@ import contextlib
 import gc
 import multiprocessing
 import os
-import signal
 import sys
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Optional
 
 # The guard that ties the forkserver's life to the launcher's, then what every worker imports.
 PRELOAD = ["hydra_ddp.launch.forkserver_guard", "hydra_ddp.launch.forkserver_imports"]
@@ -122,27 +119,3 @@ def worker_parent(start_method: str) -> int | None:
     from multiprocessing import forkserver
 
     return getattr(forkserver._forkserver, "_forkserver_pid", None)
-
-
-def proc_stat(pid: int) -> Optional[list[str]]:
-    """/proc/PID/stat's fields after the command's name (which may hold spaces and parentheses):
-    [state, parent pid, ...]; None when the process is gone or not visible (or not Linux)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields
-
-
-def die_with_parent(expected_parent: int | None = None) -> None:
-    """SIGKILL this process when its parent dies (even by SIGKILL, with no chance to clean up).
-
-    `expected_parent`: when given and no longer the parent, it died before this took effect."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if expected_parent is not None and os.getppid() != expected_parent:
-        os._exit(1)

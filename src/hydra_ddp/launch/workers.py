@@ -23,13 +23,12 @@ from typing import Any, Optional
 import torch.multiprocessing as mp
 from hydra.core.hydra_config import HydraConfig
 
-from hydra_ddp.config import resolve
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import EVERY_RANK, LOST_A_PEER, UserError, say
-from hydra_ddp.launch import startup
+from hydra_ddp.launch import resolve, startup
 from hydra_ddp.parallel import distributed
 from hydra_ddp.rundir import RunDir
-from hydra_ddp.signals import STOP_SIGNALS
+from hydra_ddp.runtime.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +217,7 @@ def _torchrun(cfg: RunConfig, run_dir: Path, started_at: float, parent: Optional
         # it until the rendezvous times out (torch 2.14). Each round's rank 0 announces a fresh one.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(
-        min_nodes=launcher.min_nodes or launcher.nnodes,  # below nnodes: elastic (config.elastic)
+        min_nodes=launcher.min_nodes or launcher.nnodes,  # below nnodes: elastic (parallel.elastic)
         max_nodes=launcher.nnodes,
         nproc_per_node=cfg.trainer.nproc,
         run_id=launcher.rdzv_id,

@@ -15,12 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hydra_ddp.errors import UserError
-from hydra_ddp.launch.ranks import (  # noqa: F401  (re-exported: callers ask the group's module)
-    RankInfo,
-    external_launch,
-    srun_environment,
-    srun_task,
-)
+from hydra_ddp.runtime.ranks import RankInfo, srun_environment, srun_task
 
 
 def adopt_launcher_environment() -> None:

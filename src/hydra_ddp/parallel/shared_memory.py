@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from hydra_ddp.errors import UserError
-from hydra_ddp.launch import startup
+from hydra_ddp.runtime import processes
 
 # Where the segment lives: a tmpfs. HYDRA_DDP_SHM_DIR names another where /dev/shm is small
 # (Docker's default is 64 MB; the segment is 2 × world size × the gradients' bytes, at most 8 MB each).
@@ -245,5 +245,5 @@ def _remove_stale() -> None:
 
 def _started(pid: int) -> str:
     """A process's start time (/proc/PID/stat, field 22); "" when it is gone, a zombie, or not visible."""
-    fields = startup.proc_stat(pid)
+    fields = processes.proc_stat(pid)
     return "" if not fields or fields[0] in ("Z", "X") else fields[19]

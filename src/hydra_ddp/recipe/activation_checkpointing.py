@@ -12,18 +12,12 @@ model and counts model FLOPs only, without the recomputation.
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, Optional
+from typing import Any, Optional
 
 import torch.utils.checkpoint
 from torch import nn
 
-from hydra_ddp.config.domains import AtLeast, OneOf
 from hydra_ddp.errors import UserError
-
-MODES = ("none", "full", "every_k")
-# The strategies' settings that take it (DDP's, FSDP's): none, full (every block) or every_k.
-Mode = Annotated[str, OneOf(*MODES)]
-Every = Annotated[int, AtLeast(1)]
 
 
 def blocks(module: nn.Module) -> Optional[list[nn.Module]]:

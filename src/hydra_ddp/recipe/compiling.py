@@ -22,7 +22,6 @@ from typing import Any, Optional
 
 from torch import nn
 
-from hydra_ddp.data.text import PadCollate
 from hydra_ddp.errors import UserError
 from hydra_ddp.recipe import activation_checkpointing
 
@@ -54,7 +53,7 @@ def dynamic(dataset: Any) -> Optional[bool]:
     last batch: under automatic dynamic shapes its other size would recompile every block as a
     dynamic graph, which then runs the full batches too, slower than eager on this CPU (the
     transformers experiment: bench/compile.py); static, it is one more graph of its own."""
-    return None if isinstance(getattr(dataset, "collate", None), PadCollate) else False
+    return None if getattr(getattr(dataset, "collate", None), "pads_per_batch", False) else False
 
 
 def compile_blocks(module: nn.Module, trainer: Any, dynamic: Optional[bool] = False) -> int:

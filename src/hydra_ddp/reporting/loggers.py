@@ -40,7 +40,7 @@ class Logger:
     """The interface (every method may do nothing)."""
 
     # Packages it needs beyond the project's own, each (module, its name, how to install it): checked
-    # before launch (config.checks), so a missing one is one line and no worker starts.
+    # before launch (launch.checks), so a missing one is one line and no worker starts.
     requires: ClassVar[tuple[tuple[str, str, str], ...]] = ()
 
     @classmethod

@@ -11,10 +11,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional
 
-from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.reporting import flops, loggers
-from hydra_ddp.reporting.ranklog import FILE_ONLY
 from hydra_ddp.rundir import RunDir
+from hydra_ddp.runtime.ranklog import FILE_ONLY
+from hydra_ddp.runtime.ranks import RankInfo
 
 log = logging.getLogger(__name__)
 

@@ -107,9 +107,9 @@ def check_search(config: DictConfig) -> Optional[str]:
     direction = (config.hydra.get("sweeper") or {}).get("direction")
     if direction is None or not searching(config):
         return None
-    from hydra_ddp import monitor
+    from hydra_ddp import tasks
 
-    metric, mode = monitor.of_config(config)
+    metric, mode = tasks.monitor_of(config)
     if metric is None:
         return "the Optuna sweeper optimises trainer.monitor: set it (e.g. trainer.monitor=val/accuracy)"
     pruner = (config.hydra.get("sweeper") or {}).get("pruner", "none")

@@ -12,7 +12,9 @@ from hydra_ddp.tasks.base import (  # noqa: F401
     checked_loss,
     fit_targets,
     misfit,
+    monitor_of,
     weighs_units,
+    worst_for,
 )
 from hydra_ddp.tasks.causal_lm import CausalLM, packing_warning  # noqa: F401
 from hydra_ddp.tasks.classification import Classification, LanguageModel  # noqa: F401

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from hydra_ddp import monitor
 from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError, first_line, root_cause
 
@@ -243,3 +244,20 @@ def checked_loss(
             f"{first_line(problem)}; give the task a forward(model, batch) that returns what its loss "
             "takes (docs/tasks.md: batches and model calls)"
         ) from None
+
+
+def monitor_of(cfg: Any) -> tuple[Optional[str], str]:
+    """monitor.settle() for a composed config: the monitored metric and its mode, by its task (built
+    here; a task that does not build settles by the names alone, and the run then says what is
+    wrong)."""
+    try:
+        task = build(cfg.task)
+        directions, default = dict(task.metrics), task.monitored
+    except Exception:  # noqa: BLE001
+        directions, default = {}, "loss"
+    return monitor.settle(cfg.trainer.monitor, cfg.trainer.monitor_mode, directions, default)
+
+
+def worst_for(cfg: Any) -> Optional[float]:
+    """monitor.worst() for a composed config, in its task's direction: what a failed trial returns."""
+    return monitor.worst(*monitor_of(cfg))

@@ -37,12 +37,12 @@ import hydra  # noqa: E402
 from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from hydra_ddp.config import resolve, run_config  # noqa: E402
+from hydra_ddp.config import run_config  # noqa: E402
 from hydra_ddp.config.schema import PRECISIONS, Config, register_schema  # noqa: E402
+from hydra_ddp.config.strategy_settings import COMM_HOOKS  # noqa: E402
 from hydra_ddp.errors import UserError  # noqa: E402
-from hydra_ddp.launch import command, workers  # noqa: E402
+from hydra_ddp.launch import command, resolve, workers  # noqa: E402
 from hydra_ddp.parallel import strategies  # noqa: E402
-from hydra_ddp.parallel.strategies.ddp import COMM_HOOKS  # noqa: E402
 
 CONF_DIR = project.package_config_path()  # the package's config groups (a project's come first)
 KNOBS = (

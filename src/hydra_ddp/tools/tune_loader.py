@@ -23,11 +23,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from hydra_ddp import data, project
-from hydra_ddp.config import resolve
 from hydra_ddp.config.schema import Config, register_schema
 from hydra_ddp.data import batches as batch_trees
 from hydra_ddp.errors import UserError
-from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.launch import resolve
+from hydra_ddp.runtime.ranks import RankInfo
 
 CONF_DIR = project.package_config_path()  # the package's config groups (a project's come first)
 

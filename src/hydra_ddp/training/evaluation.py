@@ -17,9 +17,9 @@ from torch import nn
 from hydra_ddp import data, performance, tasks
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.data import batches
-from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.reporting import run_report
 from hydra_ddp.rundir import RunDir
+from hydra_ddp.runtime.ranks import RankInfo
 from hydra_ddp.tasks import Task
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import signal
 import time
 from typing import Any, Optional
 
-from hydra_ddp.signals import STOP_SIGNALS
+from hydra_ddp.runtime.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ from torch.distributed.algorithms import Join
 from tqdm import tqdm
 
 from hydra_ddp.checkpoint import checkpointer as checkpointing
-from hydra_ddp.checkpoint.saving import Saving
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.recipe import schedules
 from hydra_ddp.training.parts import Parts
 from hydra_ddp.training.position import Position
 from hydra_ddp.training.profiling import profiling
 from hydra_ddp.training.pruning import Pruning
+from hydra_ddp.training.saving import Saving
 from hydra_ddp.training.step import Step, optimizer_steps
 from hydra_ddp.training.stop import Ending
 from hydra_ddp.training.throughput import Overheads, Throughput

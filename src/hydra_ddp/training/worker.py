@@ -28,7 +28,7 @@ from tqdm import tqdm
 from hydra_ddp import data, performance, tasks
 from hydra_ddp.checkpoint import checkpointer as checkpointing
 from hydra_ddp.checkpoint import files as checkpoints
-from hydra_ddp.config import elastic, fingerprint
+from hydra_ddp.config import fingerprint
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import (
     EVERY_RANK,
@@ -42,13 +42,13 @@ from hydra_ddp.errors import (
     root_cause,
     say,
 )
-from hydra_ddp.launch import startup
-from hydra_ddp.parallel import distributed, shared_memory, strategies
-from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.parallel import distributed, elastic, shared_memory, strategies
 from hydra_ddp.recipe import compiling, schedules
 from hydra_ddp.recipe import ema as averaging
 from hydra_ddp.recipe import optimizer as optimizers
-from hydra_ddp.reporting import flops, hangs, ranklog, run_report
+from hydra_ddp.reporting import flops, run_report
+from hydra_ddp.runtime import hangs, processes, ranklog, ranks
+from hydra_ddp.runtime.ranks import RankInfo
 from hydra_ddp.training import evaluation, resuming, seeding
 from hydra_ddp.training import length as run_length
 from hydra_ddp.training import trainer as training
@@ -72,7 +72,7 @@ def run(
     if not external:
         ranklog.setup_logging(rank, Path(run_dir), job)
     device = _device(cfg.trainer.device, rank, external)
-    torch.set_num_threads(cfg.trainer.threads)  # settled on the launch side (config.resolve)
+    torch.set_num_threads(cfg.trainer.threads)  # settled on the launch side (launch.resolve)
     if cfg.trainer.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
         seeding.deterministic_kernels()
     if rank.is_main and job == "train":
@@ -356,7 +356,7 @@ def spawn_entry(local_rank: int, cfg: RunConfig, run_dir: str, started_at: float
     n = cfg.trainer.nproc
     # No orphan keeps training, or holding a GPU, after its launcher is gone. The parent is the
     # launcher, or the forkserver that forked this worker, which dies with it (forkserver_guard).
-    startup.die_with_parent(parent_pid)
+    processes.die_with_parent(parent_pid)
     main(cfg, run_dir, RankInfo(local_rank, n, local_rank, n), started_at)
     _exit_after_teardown()
 
@@ -382,8 +382,8 @@ def elastic_entry(
     cfg: RunConfig, run_dir: str, started_at: float, parent_pid: Optional[int]
 ) -> Optional[dict[str, Any]]:
     """elastic_launch target: torchelastic has set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
-    _, rank = distributed.external_launch()
-    startup.die_with_parent(parent_pid)  # as spawn_entry's
+    _, rank = ranks.external_launch()
+    processes.die_with_parent(parent_pid)  # as spawn_entry's
     summary = main(cfg, run_dir, rank, started_at)
     if summary and summary["stopped_by"]:
         # The agent, shutting down on the signal, waits for this process to end, while the process

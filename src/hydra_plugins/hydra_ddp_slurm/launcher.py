@@ -54,7 +54,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
 
     def _unfinished(self, job: Job, overrides: list[str], num: int) -> JobReturn:
         """Leave in the job's directory what the sweep report reads; return what a failed trial returns."""
-        from hydra_ddp import monitor
+        from hydra_ddp import tasks
 
         assert self.config is not None and self.hydra_context is not None
         config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
@@ -75,7 +75,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
             cfg=config,
             working_dir=str(job_dir),
             status=JobStatus.COMPLETED,
-            _return_value=monitor.worst_for(config),
+            _return_value=tasks.worst_for(config),
         )
 
 

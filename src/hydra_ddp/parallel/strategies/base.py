@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hydra_ddp.errors import UserError
-from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.runtime.ranks import RankInfo
 
 
 class Strategy:
@@ -138,7 +138,7 @@ class Strategy:
     def eval_module(self) -> nn.Module:
         return self.module
 
-    # --- its state: whole or sharded (checkpoint/layouts.py) --------------------------------------
+    # --- its state: whole or sharded (parallel/layouts.py) --------------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:
         return self.state.model_state()
 
@@ -156,12 +156,12 @@ class Strategy:
         return self.state.checkpoint_model_state()
 
     def load_sharded_model(self, path: Any, part: str) -> None:
-        from hydra_ddp.checkpoint import layouts
+        from hydra_ddp.parallel import layouts
 
         layouts.load_sharded_model(self.model, path, part)
 
     def load_sharded(self, path: Any, optimizer: torch.optim.Optimizer) -> None:
-        from hydra_ddp.checkpoint import layouts
+        from hydra_ddp.parallel import layouts
 
         layouts.load_sharded(self.model, path, optimizer)
 

@@ -22,66 +22,22 @@ it changes no result beyond float tolerance, and each can be set to true or fals
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 
-from hydra_ddp.checkpoint import layouts
-from hydra_ddp.config import elastic
-from hydra_ddp.config.domains import AUTO_BOOL, AtLeast, OneOf, Positive
-from hydra_ddp.config.section import Section
+from hydra_ddp.config import strategy_settings
 from hydra_ddp.errors import EveryRankError, UserError
-from hydra_ddp.parallel import comm, shared_memory
+from hydra_ddp.parallel import comm, elastic, layouts, shared_memory
 from hydra_ddp.parallel.strategies.base import Strategy
 from hydra_ddp.recipe import activation_checkpointing, compiling
 
 AUTO = "auto"
-# strategy.comm_hook: DDP's gradient communication hooks (parallel/comm.py).
-COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 # The settings that are DistributedDataParallel's own keyword arguments.
 DDP_ARGUMENTS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
-
-
-@dataclass
-class PowerSGDSettings(Section):
-    # strategy.comm_hook=powersgd: each weight matrix's gradient sent as a rank-`rank` approximation
-    # (1–4 in the paper; higher is closer to the exact gradient and sends more).
-    rank: Annotated[int, AtLeast(1)] = 1
-    # Plain all-reduce before this optimizer step: the paper's warm-up (torch suggests about a
-    # tenth of the training).
-    start_step: Annotated[int, AtLeast(0)] = 100
-
-
-@dataclass
-class DDPSettings(Section):
-    # ddp: a replica per rank (conf/strategy/: ddp, fsdp, tp, fsdp_tp).
-    name: Annotated[str, OneOf("ddp")] = "ddp"
-    # DDP's gradient bucket size (MB): smaller starts the all-reduce sooner, larger sends fewer messages.
-    bucket_cap_mb: Annotated[float, Positive()] = 25.0
-    # true, false, or auto: the fast choice for this run (this module's docstring); the summary names it.
-    gradient_as_bucket_view: Annotated[Any, AUTO_BOOL] = "auto"
-    static_graph: Annotated[Any, AUTO_BOOL] = "auto"  # DDP's static_graph: true, false or auto
-    # DDP's search for parameters a forward did not use (slow; only for models that skip some).
-    find_unused_parameters: bool = False
-    # The gradient all-reduce through shared memory when every rank is a CPU process on this host
-    # (parallel/shared_memory.py), instead of gloo's loopback TCP. auto: wherever it can.
-    shared_memory: Annotated[Any, AUTO_BOOL] = "auto"
-    # DDP's gradient communication hook (parallel/comm.py): none (DDP's fp32 all-reduce), fp16 or bf16
-    # (gradients all-reduced in 16 bits), or powersgd (low-rank, settings below).
-    comm_hook: Annotated[str, OneOf(*COMM_HOOKS)] = "none"
-    powersgd: PowerSGDSettings = field(default_factory=PowerSGDSettings)
-    # BatchNorm layers become SyncBatchNorm (statistics over the global batch, so a BatchNorm model
-    # trains alike at any world size). GPUs only: DDP refuses it on the CPU. auto: on with CUDA.
-    sync_batchnorm: Annotated[Any, AUTO_BOOL] = False
-    # Recompute blocks' activations in the backward instead of keeping them (less memory, about one
-    # more forward): none, full (every block) or every_k (every k-th block). For models that name
-    # their blocks (model=gpt, transformers models); bit-equal losses.
-    activation_checkpointing: activation_checkpointing.Mode = "none"
-    activation_checkpointing_every: activation_checkpointing.Every = 2  # every_k's k
 
 
 def config_blockers(cfg: Any) -> list[str]:
@@ -100,7 +56,7 @@ class DDP(Strategy):
     """A whole replica per rank; DDP all-reduces the gradients."""
 
     name = "ddp"
-    Settings = DDPSettings
+    Settings = strategy_settings.DDPSettings
     fast_settings = ("strategy.gradient_as_bucket_view", "strategy.static_graph", "strategy.shared_memory")
     tunable = ("strategy.bucket_cap_mb", "strategy.shared_memory", "strategy.comm_hook")
     sharded_checkpoints = False  # rank 0 holds everything: it writes one file

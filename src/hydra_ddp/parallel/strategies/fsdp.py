@@ -7,47 +7,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Annotated, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from hydra_ddp.checkpoint import layouts
-from hydra_ddp.config.domains import AtLeast, OneOf
-from hydra_ddp.config.section import Section
+from hydra_ddp.config import strategy_settings
 from hydra_ddp.errors import EveryRankError
+from hydra_ddp.parallel import layouts
 from hydra_ddp.parallel.strategies.base import Strategy, not_ddp_refusals, refuse, start_from_rank0
 from hydra_ddp.recipe import activation_checkpointing, compiling
-
-
-@dataclass
-class FSDPSettings(Section):
-    # fsdp: FSDP2, parameters, gradients and optimizer state sharded over the ranks.
-    name: Annotated[str, OneOf("fsdp")] = "fsdp"
-    # HSDP (hybrid sharding: torchtitan's data_parallel_replicate_degree): the ranks as `replicate`
-    # copies of the model, each sharded over world / replicate neighbouring ranks (a node's, with one
-    # copy per node), the copies' gradients all-reduced. 1: every rank one shard of a single copy.
-    replicate: Annotated[int, AtLeast(1)] = 1
-    # Free each unit's gathered parameters after its forward (less memory, one more all-gather in
-    # the backward); false keeps them until the backward.
-    reshard_after_forward: bool = True
-    # FSDP2's mixed-precision policy (torchtitan's mixed_precision_param and _reduce). What each unit's
-    # gathered parameters are cast to for the forward and backward: bf16, or null (as they are: fp32).
-    # fp16 is refused: it needs loss scaling over the shards, which this strategy does not do.
-    param_dtype: Annotated[Optional[str], OneOf("bf16", "fp16", "fp32")] = None
-    # What the gradients are reduced (reduce-scattered) in: fp32 (exact sums of bf16 gradients), bf16
-    # (half the traffic), or null (param_dtype's).
-    reduce_dtype: Annotated[Optional[str], OneOf("bf16", "fp16", "fp32")] = None
-    # What the model's output is cast to for the loss: fp32, or null (as the last unit computes it).
-    output_dtype: Annotated[Optional[str], OneOf("bf16", "fp16", "fp32")] = None
-    # Parameters and optimizer state kept on the CPU between uses (GPUs only).
-    cpu_offload: bool = False
-    # Recompute blocks' activations in the backward instead of keeping them (less memory, about one
-    # more forward): none, full (every block) or every_k (every k-th block). For models that name
-    # their blocks (model=gpt, transformers models); bit-equal losses.
-    activation_checkpointing: activation_checkpointing.Mode = "none"
-    activation_checkpointing_every: activation_checkpointing.Every = 2  # every_k's k
 
 
 def shard_refusals(cfg: Any) -> list[tuple[bool, str]]:
@@ -150,7 +119,7 @@ class FSDP(Strategy):
     """Parameters, gradients and optimizer state sharded over all ranks."""
 
     name = "fsdp"
-    Settings = FSDPSettings
+    Settings = strategy_settings.FSDPSettings
 
     @classmethod
     def check(cls, cfg: Any) -> None:

@@ -4,32 +4,23 @@ replica with its own batches. World size = dp × tp_size."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from hydra_ddp.checkpoint import layouts
-from hydra_ddp.config.domains import AtLeast, OneOf
+from hydra_ddp.config import strategy_settings
+from hydra_ddp.parallel import layouts
 from hydra_ddp.parallel.strategies import fsdp, tp
 from hydra_ddp.parallel.strategies.base import Strategy, clip_global_norm, not_ddp_refusals, refuse, start_from_rank0
 from hydra_ddp.recipe import activation_checkpointing, compiling
-
-
-@dataclass
-class FSDPTPSettings(fsdp.FSDPSettings):
-    # fsdp_tp: tensor parallel in groups of tp_size, FSDP across them.
-    name: Annotated[str, OneOf("fsdp_tp")] = "fsdp_tp"
-    # Ranks per tensor-parallel group (the world size divided by it: FSDP's dimension).
-    tp_size: Annotated[int, AtLeast(1)] = 2
 
 
 class FSDPWithTP(Strategy):
     """Tensor parallel inside each group, FSDP across the groups."""
 
     name = "fsdp_tp"
-    Settings = FSDPTPSettings
+    Settings = strategy_settings.FSDPTPSettings
 
     @classmethod
     def tp_size(cls, settings: Any, world: int) -> int:

@@ -4,16 +4,14 @@ those linears' weights, the rest is replicated. Every rank reads the same batche
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from hydra_ddp.checkpoint import layouts
-from hydra_ddp.config.domains import OneOf
-from hydra_ddp.config.section import Section
+from hydra_ddp.config import strategy_settings
 from hydra_ddp.errors import UserError, first_line, root_cause
+from hydra_ddp.parallel import layouts
 from hydra_ddp.parallel.strategies.base import (
     Strategy,
     clip_global_norm,
@@ -22,12 +20,6 @@ from hydra_ddp.parallel.strategies.base import (
     start_from_rank0,
 )
 from hydra_ddp.recipe import compiling
-
-
-@dataclass
-class TPSettings(Section):
-    # tp: tensor parallel over all ranks.
-    name: Annotated[str, OneOf("tp")] = "tp"
 
 
 def check_plan(cfg: Any, strategy: type[Strategy]) -> None:
@@ -73,7 +65,7 @@ class TensorParallel(Strategy):
     """The model's layers split over all ranks: one replica."""
 
     name = "tp"
-    Settings = TPSettings
+    Settings = strategy_settings.TPSettings
 
     @classmethod
     def tp_size(cls, settings: Any, world: int) -> int:

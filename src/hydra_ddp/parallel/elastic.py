@@ -42,7 +42,7 @@ def check(cfg: Any, global_batch: Optional[int]) -> None:
     configured one) that each allowed world size takes in whole micro-batches of data.batch_size (the
     accumulation makes up the rest), a strategy that fits each, and resuming from the last checkpoint
     at each restart. `global_batch`: data.global_batch_size as configured; `cfg`'s batches settled at
-    the largest world size (config.resolve)."""
+    the largest world size (launch.resolve)."""
     launcher = cfg.launcher
     span = f"launcher.nnodes={launcher.min_nodes}:{launcher.nnodes}"
     if launcher.name != "torchrun":

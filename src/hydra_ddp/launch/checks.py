@@ -16,15 +16,15 @@ from torch.utils.data import IterableDataset
 
 from hydra_ddp import data, tasks
 from hydra_ddp.checkpoint import files as checkpoints
-from hydra_ddp.config import elastic, groups, targets
+from hydra_ddp.config import groups, targets
 from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError, first_line, root_cause
-from hydra_ddp.parallel import strategies
-from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.parallel import elastic, strategies
 from hydra_ddp.recipe import compiling, schedules
 from hydra_ddp.recipe import optimizer as optimizers
 from hydra_ddp.reporting.flops import run_shapes_only
 from hydra_ddp.rundir import RunDir
+from hydra_ddp.runtime.ranks import RankInfo
 
 
 def check(cfg: Any, run_dir: Path) -> None:

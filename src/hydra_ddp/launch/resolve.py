@@ -9,20 +9,22 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from hydra_ddp import monitor, performance, tasks
 from hydra_ddp.checkpoint import files as checkpoints
-from hydra_ddp.config import domains, elastic, groups, run_config, schema
-from hydra_ddp.config.checks import check, model_on_meta
+from hydra_ddp.config import domains, from_checkpoint, groups, run_config, schema
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import startup
-from hydra_ddp.parallel import distributed, strategies
-from hydra_ddp.parallel.distributed import RankInfo
+from hydra_ddp.launch.checks import check, model_on_meta
+from hydra_ddp.parallel import distributed, elastic, strategies
 from hydra_ddp.recipe import compiling
 from hydra_ddp.rundir import RunDir
+from hydra_ddp.runtime.ranks import RankInfo
 
 DEFAULT_BATCH_SIZE = 32  # per rank, when neither data.batch_size nor data.global_batch_size is set
 
@@ -292,3 +294,27 @@ def _resolve_init_method(init: Any, run_dir: Path, external: bool) -> None:
         if not path.parent.is_dir():
             raise UserError(f"init_method.path: directory {str(path.parent)!r} does not exist")
         init.path = str(path)
+
+
+def eval_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
+    """eval.py's config, typed: the checkpoint's own with the command line's overrides on top
+    (config/from_checkpoint.py), its weights checked against the model it names."""
+    path = checkpoints.find(str(cfg.ckpt), "ckpt")
+    saved = checkpoints.read(path, "ckpt")
+    composed = OmegaConf.to_container(cfg, resolve=True)
+    plain = from_checkpoint.merged(saved["config"], saved["position"], composed, overrides, str(path))
+    typed = run_config.typed(plain)
+    _check_model(typed.model, saved["model"], path)
+    return typed
+
+
+def _check_model(model_cfg: dict[str, Any], saved: dict[str, torch.Tensor], path: Path) -> None:
+    """The checkpoint's weights fit the model to evaluate: built on the meta device, no memory."""
+    with torch.device("meta"):
+        model = instantiate(model_cfg)
+    checkpoints.check_compatible(
+        model,
+        saved,
+        path,
+        fix="evaluate it with the model it was saved from (leave model= out: the checkpoint's is the default)",
+    )

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hydra_ddp.parallel.distributed import RankInfo
 from hydra_ddp.rundir import RunDir
+from hydra_ddp.runtime.ranks import RankInfo
 
 _FORMAT = "[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s"
 

@@ -7,7 +7,20 @@ import os
 from collections import namedtuple
 from collections.abc import Mapping
 
-from hydra_ddp.launch import kubernetes
+# Kubernetes: the kubelet sets this in every container; the Trainer's controllers set PET_NNODES
+# (torchrun's settings) in a pod whose train.py starts the node's workers (launch/kubernetes.py).
+IN_POD = "KUBERNETES_SERVICE_HOST"
+PET_NNODES = "PET_NNODES"
+
+
+def in_pod(env: Mapping[str, str]) -> bool:
+    return IN_POD in env
+
+
+def launches_workers(env: Mapping[str, str]) -> bool:
+    """`python train.py` in a pod that PET_* describe, with no torchrun in between: it starts this
+    node's workers itself (under torchrun, TORCHELASTIC_RUN_ID: it is one of torchrun's workers)."""
+    return PET_NNODES in env and "TORCHELASTIC_RUN_ID" not in env
 
 
 class RankInfo(namedtuple("RankInfo", ["rank", "world_size", "local_rank", "local_world_size"])):
@@ -38,14 +51,14 @@ def _launcher_name(env: Mapping[str, str]) -> str:
         return "mpirun"
     if "SLURM_STEP_ID" in env and "TORCHELASTIC_RUN_ID" not in env:  # srun's tasks, not torchrun's under srun
         return "srun"
-    if kubernetes.in_pod(env) and "TORCHELASTIC_RUN_ID" not in env:  # RANK and WORLD_SIZE the pod's, no PET_*
+    if in_pod(env) and "TORCHELASTIC_RUN_ID" not in env:  # RANK and WORLD_SIZE the pod's, no PET_*
         return ONE_PER_POD
     return "torchrun"
 
 
 def external_launch(env: Mapping[str, str] = os.environ) -> tuple[str, RankInfo] | None:
     """(launcher name, rank) when this process was started as a worker by an outside launcher."""
-    if kubernetes.launches_workers(env):
+    if launches_workers(env):
         return None  # `python train.py` in a pod with PET_*: it launches the pod's workers (RANK counts pods)
     if "RANK" not in env and srun_task(env):
         env = {**env, **srun_environment(env)}
@@ -71,7 +84,7 @@ def srun_environment(env: Mapping[str, str]) -> dict[str, str]:
     """One of several tasks of an srun step (`srun python train.py`): the rank is the task's,
     the master the step's first node, its port from the job id unless MASTER_PORT is set (a task
     alone in its step is not adopted: train.py then launches its workers itself)."""
-    from submitit.slurm.slurm import _parse_node_list  # only here: ranks.py imports nothing heavy
+    from submitit.slurm.slurm import _parse_node_list  # only here: runtime/ranks.py imports nothing heavy
 
     hosts = _parse_node_list(env["SLURM_STEP_NODELIST"])
     node = hosts.index(env["SLURMD_NODENAME"]) if env.get("SLURMD_NODENAME") in hosts else int(env["SLURM_NODEID"])

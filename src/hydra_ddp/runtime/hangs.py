@@ -41,7 +41,7 @@ from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any, Optional
 
-from hydra_ddp.launch import startup
+from hydra_ddp.runtime import processes
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def worker_place(dump: str) -> Optional[str]:
 
 
 def _parent(pid: int) -> Optional[int]:
-    fields = startup.proc_stat(pid)
+    fields = processes.proc_stat(pid)
     return int(fields[1]) if fields else None
 
 
