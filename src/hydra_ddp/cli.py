@@ -24,15 +24,23 @@ from hydra_ddp.launch import startup
 from hydra_ddp.runtime import ranks
 
 PACKAGE_CONF = "pkg://hydra_ddp.conf"
-JOBS = {"train": "config", "eval": "eval"}  # the job, and its primary config's name
-USAGE = """usage: hydra-ddp COMMAND [ARGS]
-
-  train [overrides]     compose, check and launch a training run (as python train.py)
-  eval ckpt=PATH        evaluate a saved checkpoint (as python eval.py)
-  export ckpt=PATH      write a checkpoint's weights for inference (python -m hydra_ddp.export)
-  init DIR              start a project of your own in DIR: a task, a model, data, their configs
-
-Overrides are Hydra's: key=value, group=option, -m for a sweep; train --check launches nothing."""
+CONFIG_OF_JOB = {"train": "config", "eval": "eval"}  # a Hydra job, and its primary config's name
+# The commands, each with its usage line: the help, and the one line for a command it does not know.
+COMMANDS = {
+    "train": ("train [overrides]", "compose, check and launch a training run (as python train.py)"),
+    "eval": ("eval ckpt=PATH", "evaluate a saved checkpoint (as python eval.py)"),
+    "export": ("export ckpt=PATH", "write a checkpoint's weights for inference (python -m hydra_ddp.export)"),
+    "init": ("init DIR", "start a project of your own in DIR: a task, a model, data, their configs"),
+}
+USAGE = "\n".join(
+    [
+        "usage: hydra-ddp COMMAND [ARGS]",
+        "",
+        *(f"  {form:<22}{what}" for form, what in COMMANDS.values()),
+        "",
+        "Overrides are Hydra's: key=value, group=option, -m for a sweep; train --check launches nothing.",
+    ]
+)
 
 
 def run_job(job: str, config_path: str, started_at: float, argv: Optional[list[str]] = None) -> NoReturn:
@@ -52,7 +60,7 @@ def run_job(job: str, config_path: str, started_at: float, argv: Optional[list[s
         from hydra_ddp.launch import command
     register_schema()
     task = _train(started_at, check_only) if job == "train" else _eval(started_at)
-    main = hydra.main(version_base=None, config_path=config_path, config_name=JOBS[job])(task)
+    main = hydra.main(version_base=None, config_path=config_path, config_name=CONFIG_OF_JOB[job])(task)
     command.adopt_external_launch(sys.argv)
     command.exit_after(main)
 
@@ -119,8 +127,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(USAGE)
         return 0 if args else 2
     name, rest = args[0], args[1:]
-    if name not in (*JOBS, "export", "init"):
-        choose = "choose train, eval, export or init (hydra-ddp --help)"
+    if name not in COMMANDS:
+        *others, last = COMMANDS
+        choose = f"choose {', '.join(others)} or {last} (hydra-ddp --help)"
         print(f"hydra-ddp: error: no command {name!r}; {choose}", file=sys.stderr)
         return 2
     try:

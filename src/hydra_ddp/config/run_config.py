@@ -64,7 +64,7 @@ class RunConfig(Section):
     launcher: RunLauncherConf = field(default_factory=RunLauncherConf)
     trainer: schema.TrainerConf = field(default_factory=schema.TrainerConf)
     checkpoint: schema.CheckpointConf = field(default_factory=schema.CheckpointConf)
-    strategy: Any = field(default_factory=lambda: {"name": "ddp"})  # the chosen strategy's settings
+    strategy: Any = field(default_factory=lambda: {"name": strategy_settings.DEFAULT})  # the chosen strategy's settings
     profiler: schema.ProfilerConf = field(default_factory=schema.ProfilerConf)
     data: schema.DataConf = field(default_factory=schema.DataConf)
     trial: schema.TrialConf = field(default_factory=schema.TrialConf)
@@ -102,7 +102,7 @@ def typed(plain: dict[str, Any]) -> RunConfig:
         raise UserError(f"job={plain['job']!r}: one of {', '.join(JOBS)}")
     try:
         cfg = OmegaConf.merge(_template(), {k: v for k, v in plain.items() if k != "strategy"})
-        settings = strategy_settings.of(plain.get("strategy", {}).get("name", "ddp"))
+        settings = strategy_settings.of(plain.get("strategy", {}).get("name", strategy_settings.DEFAULT))
         strategy = OmegaConf.merge(OmegaConf.structured(settings), plain.get("strategy", {}))
     except OmegaConfBaseException as error:
         where = f"{error.full_key}: " if getattr(error, "full_key", None) else ""

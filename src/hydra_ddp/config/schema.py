@@ -19,6 +19,7 @@ from hydra_ddp import rundir
 from hydra_ddp.config import strategy_settings
 from hydra_ddp.config.domains import AUTO_BOOL, AtLeast, Checked, Chosen, Free, Number, OneOf, Pattern, Positive
 from hydra_ddp.config.section import Section
+from hydra_ddp.search.study import PRUNERS
 
 
 @dataclass
@@ -247,7 +248,7 @@ class TrialConf(Section):
     # where the study lives (a journal file or a database URL)
     storage: Annotated[Optional[str], Free("the sweeper's: a journal file or a database URL")] = None
     # median, hyperband or none: may stop the trial after a validation
-    pruner: Annotated[str, OneOf("median", "hyperband", "none")] = "none"
+    pruner: Annotated[str, OneOf(*PRUNERS)] = "none"
     # The pruner's own keyword arguments.
     pruner_args: Annotated[dict[str, Any], Checked("search.study.pruner_of: the pruner's own arguments")] = field(
         default_factory=dict

@@ -100,6 +100,8 @@ class FSDPTPSettings(FSDPSettings):
     tp_size: Annotated[int, AtLeast(1)] = 2
 
 
+DEFAULT = "ddp"  # a config that names no strategy (conf/config.yaml's default; a checkpoint from before strategies)
+
 # By the name `strategy=NAME` gives (parallel/strategies' REGISTRY holds the same names).
 SETTINGS: dict[str, type[Section]] = {
     "ddp": DDPSettings,

@@ -164,15 +164,22 @@ def _declaration_problem(task: Task) -> Optional[str]:
     return None
 
 
-def beyond_classes(target: torch.Tensor, outputs: int) -> Optional[str]:
-    """A class index the model has no output for (the ignored, negative ones aside)."""
+def highest_beyond(target: torch.Tensor, outputs: int) -> Optional[int]:
+    """The target's highest index where the model has no output for it (of `outputs`; the ignored,
+    negative ones aside), else None."""
     highest = int(target.max()) if target.numel() else -1
-    if highest >= outputs:
-        return (
-            f"its class labels go up to {highest}, and the model makes data.num_classes={outputs} output(s): "
-            f"set data.num_classes to the data's class count (at least {highest + 1})"
-        )
-    return None
+    return highest if highest >= outputs else None
+
+
+def beyond_classes(target: torch.Tensor, outputs: int) -> Optional[str]:
+    """A class index the model has no output for."""
+    highest = highest_beyond(target, outputs)
+    if highest is None:
+        return None
+    return (
+        f"its class labels go up to {highest}, and the model makes data.num_classes={outputs} output(s): "
+        f"set data.num_classes to the data's class count (at least {highest + 1})"
+    )
 
 
 def fit_targets(task: Task, samples: list[Any]) -> list[Any]:

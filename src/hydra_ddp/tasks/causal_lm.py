@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError
-from hydra_ddp.tasks.base import IGNORED, Task, full_precision
+from hydra_ddp.tasks.base import IGNORED, Task, full_precision, highest_beyond
 
 
 class CausalLM(Task):
@@ -43,13 +43,13 @@ class CausalLM(Task):
     def check_target(self, target: torch.Tensor, outputs: int) -> Optional[str]:
         """Token ids beyond the vocabulary (data.num_classes, which the models' embeddings read):
         one line at the first batch, not an embedding's IndexError."""
-        highest = int(target.max()) if target.numel() else -1
-        if highest >= outputs:
-            return (
-                f"its token ids go up to {highest}, and data.num_classes={outputs} (the model's vocabulary): "
-                f"set data.num_classes to the tokenizer's vocabulary (at least {highest + 1})"
-            )
-        return None
+        highest = highest_beyond(target, outputs)
+        if highest is None:
+            return None
+        return (
+            f"its token ids go up to {highest}, and data.num_classes={outputs} (the model's vocabulary): "
+            f"set data.num_classes to the tokenizer's vocabulary (at least {highest + 1})"
+        )
 
     def forward(self, model: Any, batch: Any) -> tuple[Any, Any]:
         inputs, labels = self.split(batch)

@@ -178,11 +178,12 @@ def _train(
     warning = tasks.packing_warning(task, model, loaders.train_sampler.dataset) if rank.is_main else None
     if warning:  # packed documents, and a model that attends across them
         log.warning(warning)
+    dynamic = False  # the compiled blocks' shapes: static, but for batches padded per batch
     if cfg.trainer.compile:  # inductor's caches in the run (the ranks share them, a resume finds them)
         compiling.use_run_cache(out)
-        spread.compile_dynamic = compiling.dynamic(loaders.train_sampler.dataset)
+        dynamic = compiling.dynamic(loaders.train_sampler.dataset)
     try:
-        train_model = spread.wrap(model)
+        train_model = spread.wrap(model, dynamic)
     except shared_memory.SharedMemoryUnavailable as e:  # on every rank alike: the one setting a worker settles
         if "strategy.shared_memory" not in cfg.settled:  # asked for, not chosen
             raise EveryRankError(
@@ -190,7 +191,7 @@ def _train(
             ) from None
         log.warning("gradients all-reduce through %s, not shared memory: %s", dist.get_backend(), e)
         fast["strategy.shared_memory"] = False  # recorded in the summary
-        train_model = spread.wrap(model, shared=False)
+        train_model = spread.wrap(model, dynamic, shared=False)
     optimizer = optimizers.build(cfg.optim, cfg.param_groups.no_decay, spread.module, train_model)
     if cfg.trainer.compile == "model":  # the blocks' compile is the strategy's (recipe/compiling.py)
         train_model = _compiled(train_model, cfg.trainer.compile_backend)

@@ -84,12 +84,11 @@ class Strategy:
         self.model: nn.Module = nn.Module()  # what the loop calls: DDP's wrapper, or the module itself
         self.mesh: Any = None
         self.state: Any = None
-        # trainer.compile=blocks' torch.compile(dynamic=...): the worker's, from its data (recipe/compiling.py).
-        self.compile_dynamic: Optional[bool] = False
 
-    def wrap(self, module: nn.Module, shared: Optional[bool] = None) -> nn.Module:
-        """The module spread over the ranks; what the loop calls. `shared`: DDP's shared-memory
-        all-reduce, where the worker found its segment cannot be made (False)."""
+    def wrap(self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None) -> nn.Module:
+        """The module spread over the ranks; what the loop calls. `dynamic`: trainer.compile=blocks'
+        torch.compile(dynamic=...), by the run's data (recipe/compiling.py); `shared`: DDP's
+        shared-memory all-reduce, where the worker found its segment cannot be made (False)."""
         raise NotImplementedError
 
     def no_sync(self) -> contextlib.AbstractContextManager:

@@ -136,7 +136,7 @@ class DDP(Strategy):
         # all-reduce runs: Join's shadow all-reduces bypass hooks, and its average needs DDP's divisor.
         self.traffic: Optional[comm.Traffic] = None
 
-    def wrap(self, module: nn.Module, shared: Optional[bool] = None) -> nn.Module:
+    def wrap(self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None) -> nn.Module:
         """`shared`: the shared-memory all-reduce's setting, where not strategy.shared_memory's (a
         segment that could not be made: gloo's)."""
         settings = self.cfg.strategy
@@ -144,7 +144,7 @@ class DDP(Strategy):
             module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
         activation_checkpointing.apply(module, settings)
         # Inside DDP: its hooks stay out of the graphs.
-        compiling.compile_blocks(module, self.cfg.trainer, self.compile_dynamic)
+        compiling.compile_blocks(module, self.cfg.trainer, dynamic)
         self.module = module
         shared = bool(settings.shared_memory if shared is None else shared)
         options = {key: getattr(settings, key) for key in DDP_ARGUMENTS}  # the rest: comm.py's, shared_memory.py's

@@ -138,12 +138,12 @@ class FSDP(Strategy):
         # imported while the run starts, not at the first of them in the middle of training.
         import torch.distributed.checkpoint.state_dict  # noqa: F401
 
-    def wrap(self, module: nn.Module, shared: Optional[bool] = None) -> nn.Module:
+    def wrap(self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None) -> nn.Module:
         self.module = module
         start_from_rank0(module)
         activation_checkpointing.apply(module, self.cfg.strategy)  # inside the units FSDP gathers
         # The units' forwards: FSDP's hooks stay eager.
-        compiling.compile_blocks(module, self.cfg.trainer, self.compile_dynamic)
+        compiling.compile_blocks(module, self.cfg.trainer, dynamic)
         shard(module, self.cfg.strategy, mesh=hybrid_mesh(self.cfg.strategy, self.device))
         self.model = module
         self.state = layouts.ShardedState(module)

@@ -52,13 +52,13 @@ class FSDPWithTP(Strategy):
         super().__init__(cfg, device)
         import torch.distributed.checkpoint.state_dict  # noqa: F401  (fsdp.py's reason)
 
-    def wrap(self, module: nn.Module, shared: Optional[bool] = None) -> nn.Module:
+    def wrap(self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None) -> nn.Module:
         self.module = module
         start_from_rank0(module)
         tp.parallelize(self, module)  # inside each group
         activation_checkpointing.apply(module, self.cfg.strategy)
         # Blocks of DTensors, before FSDP's hooks.
-        compiling.compile_blocks(module, self.cfg.trainer, self.compile_dynamic)
+        compiling.compile_blocks(module, self.cfg.trainer, dynamic)
         fsdp.shard(module, self.cfg.strategy, mesh=self.mesh["dp"])  # across the groups
         self.model = module
         self.state = layouts.ShardedState(module)

@@ -80,11 +80,11 @@ class TensorParallel(Strategy):
         super().__init__(cfg, device)
         import torch.distributed.checkpoint.state_dict  # noqa: F401  (fsdp.py's reason)
 
-    def wrap(self, module: nn.Module, shared: Optional[bool] = None) -> nn.Module:
+    def wrap(self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None) -> nn.Module:
         self.module = module
         start_from_rank0(module)
         parallelize(self, module)
-        compiling.compile_blocks(module, self.cfg.trainer, self.compile_dynamic)  # blocks of DTensors
+        compiling.compile_blocks(module, self.cfg.trainer, dynamic)  # blocks of DTensors
         self.model = module
         self.state = layouts.ShardedState(module)
         return module
