@@ -17,6 +17,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from hydra_ddp.config.run_config import RunConfig
+
 AUTO = "auto"
 
 
@@ -39,7 +41,7 @@ def has_conv2d(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
-def settings(cfg: Any, names: tuple[str, ...], model: nn.Module, allowed: bool) -> dict[str, bool]:
+def settings(cfg: RunConfig, names: tuple[str, ...], model: nn.Module, allowed: bool) -> dict[str, bool]:
     """The run's values of channels_last and the strategy's fast settings (`names`), as the summary
     names them: settled on the launch side, but channels_last for a model that could only be built
     in the workers."""

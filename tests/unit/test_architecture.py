@@ -24,10 +24,10 @@ MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).part
 # (training/) know nothing of each other (workers are started by their entry's name).
 LAYERS = (
     ("errors",),
-    ("rundir", "project", "monitor", "performance", "models", "hf"),
+    ("rundir", "project", "monitor", "models", "hf"),
     ("runtime", "search"),
     ("config",),
-    ("recipe", "data"),
+    ("recipe", "data", "performance"),
     ("parallel", "tasks"),
     ("checkpoint", "reporting"),
     ("training", "launch"),
@@ -274,3 +274,33 @@ def test_no_module_outside_config_reads_a_config_key_by_string(path: Path):
     """The RunConfig is typed: outside config/ its keys are attributes (the forms: _config_reads)."""
     found = _config_reads(path.read_text())
     assert not found, f"{_name(path)} reads config keys by string (use the RunConfig's attributes): {found}"
+
+
+CONFIG_PARAMETERS = ("cfg", "config", "run_config", "resolved")
+
+
+def _untyped_config_parameters(source: str) -> list[str]:
+    """Parameters named as a config whose annotation says nothing (none, or Any)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                if arg.arg in CONFIG_PARAMETERS and (arg.annotation is None or ast.unparse(arg.annotation) == "Any"):
+                    found.append(f"{node.name}({arg.arg}) at line {node.lineno}")
+    return found
+
+
+def test_the_typed_parameter_check_catches_any_and_a_missing_annotation():
+    assert _untyped_config_parameters("def f(cfg: Any): pass\ndef g(x, config): pass") == [
+        "f(cfg) at line 1",
+        "g(config) at line 2",
+    ]
+    assert not _untyped_config_parameters("def f(cfg: RunConfig, other: Any): pass")
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
+def test_a_config_parameter_says_its_type(path: Path):
+    """The run's config is a RunConfig from launch to loop (a composed one a DictConfig): a parameter
+    that takes one names which, instead of Any."""
+    found = _untyped_config_parameters(path.read_text())
+    assert not found, f"{_name(path)}: config parameters typed Any or not at all: {found}"

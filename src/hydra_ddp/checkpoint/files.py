@@ -79,7 +79,7 @@ def read(path: Path, key: str, device: Optional[torch.device] = None) -> dict[st
     return state
 
 
-def _of_0_1(config: Any) -> bool:
+def _of_0_1(config: object) -> bool:
     """A checkpoint's config of hydra-ddp 0.1, whose sections dist and ddp are backend and strategy now."""
     return isinstance(config, dict) and bool({"dist", "ddp"} & set(config))
 

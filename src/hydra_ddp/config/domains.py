@@ -14,7 +14,12 @@ import dataclasses
 import functools
 import re
 import typing
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+if TYPE_CHECKING:  # run_config is built on this module
+    from omegaconf import DictConfig
+
+    from hydra_ddp.config.run_config import RunConfig
 
 from hydra_ddp.errors import UserError
 
@@ -188,7 +193,7 @@ def fields(cls: type, prefix: str = "", chosen: Optional[dict[str, str]] = None)
     return out
 
 
-def check(config: Any, cls: type) -> None:
+def check(config: Union[RunConfig, DictConfig, dict[str, Any]], cls: type) -> None:
     """Every annotated key of `config` (a typed config of schema class `cls`, or one made plain) in its
     domain, or one line naming the first that is not. null passes where the type allows it (Optional)."""
 

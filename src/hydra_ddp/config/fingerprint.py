@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
+from hydra_ddp.config.run_config import RunConfig
+
 
 def what_is_trained(plain: dict[str, Any]) -> dict[str, Any]:
     """The config without how each node launches (node_rank, addresses, threads differ by design)."""
@@ -16,7 +18,7 @@ def what_is_trained(plain: dict[str, Any]) -> dict[str, Any]:
     return what
 
 
-def config_fingerprint(cfg: Any) -> str:
+def config_fingerprint(cfg: RunConfig) -> str:
     """The digest of what `cfg` (a RunConfig, or one made plain) trains."""
     plain = asdict(cfg) if is_dataclass(cfg) else cfg
     return hashlib.sha256(json.dumps(what_is_trained(plain), sort_keys=True, default=str).encode()).hexdigest()

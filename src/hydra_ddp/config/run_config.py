@@ -122,7 +122,7 @@ def thaw(cfg: RunConfig) -> dict[str, Any]:
     return asdict(cfg)
 
 
-def lookup(cfg: Any, key: str) -> Any:
+def lookup(cfg: RunConfig, key: str) -> Any:
     """The value at a dotted key (`data.batch_size`) of a typed config."""
     node = cfg
     for part in key.split("."):

@@ -17,6 +17,7 @@ from torch.utils.data import IterableDataset
 from hydra_ddp import data, tasks
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import groups, targets
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError, first_line, root_cause
 from hydra_ddp.parallel import elastic, strategies
@@ -27,7 +28,7 @@ from hydra_ddp.rundir import RunDir
 from hydra_ddp.runtime.ranks import RankInfo
 
 
-def check(cfg: Any, run_dir: Path) -> None:
+def check(cfg: RunConfig, run_dir: Path) -> None:
     """Everything else that would fail a run later: found before any worker starts."""
     trainer, launcher, data_cfg = cfg.trainer, cfg.launcher, cfg.data
     if trainer.resume is None and checkpoints.step_checkpoints(RunDir(run_dir).checkpoints):
@@ -114,7 +115,7 @@ def model_on_meta(model_cfg: Any) -> Any:
 _ON_META: dict[str, Any] = {}
 
 
-def _check_model_fits_data(cfg: Any) -> None:
+def _check_model_fits_data(cfg: RunConfig) -> None:
     """A model of the project's own that does not build (a transformers config it refuses, heads that
     do not divide the width) is one line here, not a traceback from every worker; and a language
     model has positions for the data's longest sequence and a row of its embedding for every id."""
@@ -169,7 +170,7 @@ def _check_loading(data_cfg: Any) -> None:
                 )
 
 
-def _check_workflow(cfg: Any) -> None:
+def _check_workflow(cfg: RunConfig) -> None:
     """Validation, selection, early stopping, clipping and fine-tuning settings."""
     trainer = cfg.trainer
     stopping = trainer.early_stopping
@@ -185,7 +186,7 @@ def _check_workflow(cfg: Any) -> None:
         checkpoints.check_init(cfg.model, Path(trainer.init_from), list(trainer.init_ignore))
 
 
-def _check_recipe(cfg: Any) -> None:
+def _check_recipe(cfg: RunConfig) -> None:
     """The optimizer's groups and the schedule: settings that name the model's parameters, or a
     length the run must have."""
     no_decay = cfg.param_groups.no_decay
@@ -230,7 +231,7 @@ def _check_requires(target: str, key: str, choice: str) -> None:
             raise UserError(f"{choice} needs {title} ({package}), which is not installed: {install}")
 
 
-def dry_build(cfg: Any) -> None:
+def dry_build(cfg: RunConfig) -> None:
     """train.py --check: what a worker builds before its first step, without a process group: the
     datasets, the model on the meta device (no memory, any size), one batch of two samples through
     it and the task's loss, the optimizer and the schedule. What fails is one line."""

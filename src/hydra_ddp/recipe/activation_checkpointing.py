@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch.utils.checkpoint
 from torch import nn
 
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import UserError
 
 
@@ -64,7 +65,7 @@ def no_blocks(mode: str, model: str) -> str:
     )
 
 
-def check(cfg: Any) -> None:
+def check(cfg: RunConfig) -> None:
     """Before launch: a model that names blocks to checkpoint (built on the meta device)."""
     mode = cfg.strategy.activation_checkpointing
     if mode == "none":

@@ -18,18 +18,19 @@ from typing import IO, Any, ClassVar, Optional
 
 import yaml
 
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import install_line
 from hydra_ddp.rundir import RunDir
 
 _EVENT_FILE = re.compile(r"^events\.out\.tfevents\.(\d+)\.")  # then host, pid, a counter
 
 
-def recorded(config: Any) -> dict[str, Any]:
+def recorded(config: RunConfig) -> dict[str, Any]:
     """The run's config made plain, as it is recorded (a YAML, a table of parameters)."""
     return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
 
 
-def config_yaml(config: Any) -> str:
+def config_yaml(config: RunConfig) -> str:
     """The resolved config as YAML: the text OmegaConf.to_yaml gives, dumped straight from the
     dict instead of through a DictConfig built first, in a third of the time (on rank 0, before the
     first step)."""
@@ -66,7 +67,7 @@ class TensorBoard(Logger):
     def preload(cls) -> None:
         import torch.utils.tensorboard  # noqa: F401  (its import is the slow part of a logger's start)
 
-    def __init__(self, run_dir: Path, config: Any, resume_step: Optional[int] = None):
+    def __init__(self, run_dir: Path, config: RunConfig, resume_step: Optional[int] = None):
         from torch.utils.tensorboard import SummaryWriter
 
         # Resuming: TensorBoard hides the earlier file's events after the checkpoint's step.
@@ -135,7 +136,7 @@ class CSV(Logger):
     def __init__(
         self,
         run_dir: Path,
-        config: Any,
+        config: RunConfig,
         resume_step: Optional[int] = None,
         filename: str = RunDir(".").metrics_csv.name,
     ):
@@ -225,7 +226,7 @@ class MLflow(Logger):
     def __init__(
         self,
         run_dir: Path,
-        config: Any,
+        config: RunConfig,
         resume_step: Optional[int] = None,
         tracking_uri: str = "sqlite:///outputs/mlflow.db",
         experiment: str = "hydra-ddp",

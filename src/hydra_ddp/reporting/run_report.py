@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.reporting import flops, loggers
 from hydra_ddp.rundir import RunDir
 from hydra_ddp.runtime.ranklog import FILE_ONLY
@@ -19,12 +20,12 @@ from hydra_ddp.runtime.ranks import RankInfo
 log = logging.getLogger(__name__)
 
 
-def _logger_nodes(cfg: Any) -> list[Any]:
+def _logger_nodes(cfg: RunConfig) -> list[Any]:
     """The configured loggers' config nodes (a logger set to null is off)."""
     return [node for node in (cfg.logger or {}).values() if node is not None]
 
 
-def preload_loggers(cfg: Any) -> None:
+def preload_loggers(cfg: RunConfig) -> None:
     """Rank 0, before the process group: the configured loggers' imports (Logger.preload). A logger
     that cannot load fails where it is made, after the group is up, as every rank's error."""
     from hydra.utils import get_class
@@ -47,7 +48,7 @@ class Reporter:
     """Rank 0's loggers (conf/logger/: TensorBoard and metrics.csv by default) and summary; a silent
     stand-in on the other ranks."""
 
-    def __init__(self, rank: RankInfo, run_dir: Path, cfg: Any, resume_step: Optional[int] = None):
+    def __init__(self, rank: RankInfo, run_dir: Path, cfg: RunConfig, resume_step: Optional[int] = None):
         self.run_dir = run_dir
         self.is_main = rank.is_main
         self.loggers: list[Any] = []
@@ -196,7 +197,7 @@ def _batch_line(s: dict[str, Any]) -> str:
     )
 
 
-def hparams(cfg: Any, world_size: int) -> dict[str, Any]:
+def hparams(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     """The run's key settings, for the loggers' hparams tables."""
     return {
         "world_size": world_size,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlparse
 
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import install_line
 from hydra_ddp.reporting.loggers import Logger, recorded
 from hydra_ddp.rundir import RunDir
@@ -114,7 +115,7 @@ class WandB(Logger):
     def __init__(
         self,
         run_dir: Path,
-        config: Any,
+        config: RunConfig,
         resume_step: Optional[int] = None,
         project: str = "hydra-ddp",
         entity: Optional[str] = None,

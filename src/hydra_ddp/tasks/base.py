@@ -253,7 +253,7 @@ def checked_loss(
         ) from None
 
 
-def monitor_of(cfg: Any) -> tuple[Optional[str], str]:
+def monitor_of(cfg: DictConfig) -> tuple[Optional[str], str]:
     """monitor.settle() for a composed config: the monitored metric and its mode, by its task (built
     here; a task that does not build settles by the names alone, and the run then says what is
     wrong)."""
@@ -265,6 +265,6 @@ def monitor_of(cfg: Any) -> tuple[Optional[str], str]:
     return monitor.settle(cfg.trainer.monitor, cfg.trainer.monitor_mode, directions, default)
 
 
-def worst_for(cfg: Any) -> Optional[float]:
+def worst_for(cfg: DictConfig) -> Optional[float]:
     """monitor.worst() for a composed config, in its task's direction: what a failed trial returns."""
     return monitor.worst(*monitor_of(cfg))

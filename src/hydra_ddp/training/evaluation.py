@@ -16,6 +16,7 @@ from torch import nn
 
 from hydra_ddp import data, performance, tasks
 from hydra_ddp.checkpoint import files as checkpoints
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.data import batches
 from hydra_ddp.reporting import run_report
 from hydra_ddp.rundir import RunDir
@@ -82,7 +83,7 @@ def evaluate(
 
 
 # --- eval.py: every worker's half ----------------------------------------------------------------
-def run(cfg: Any, out: Path, rank: RankInfo, device: torch.device, started_at: float) -> dict[str, Any]:
+def run(cfg: RunConfig, out: Path, rank: RankInfo, device: torch.device, started_at: float) -> dict[str, Any]:
     """Evaluate the checkpoint on the split; rank 0 writes eval.json (and predictions.csv)."""
     job = cfg.eval
     splits = data.build_datasets(cfg.data, rank, cfg.trainer.seed)

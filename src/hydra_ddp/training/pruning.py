@@ -10,6 +10,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from hydra_ddp.config.run_config import RunConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -33,7 +35,7 @@ class Pruning:
             self.trial = optuna.trial.Trial(study, trial_id)
 
     @classmethod
-    def of(cls, cfg: Any, is_main: bool, device: torch.device) -> Optional[Pruning]:
+    def of(cls, cfg: RunConfig, is_main: bool, device: torch.device) -> Optional[Pruning]:
         """The run's pruning, or None outside a search (or with hydra.sweeper.pruner=none)."""
         trial = cfg.trial
         if trial is None or trial.number is None or trial.pruner == "none":

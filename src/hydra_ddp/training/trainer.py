@@ -15,6 +15,7 @@ from torch.distributed.algorithms import Join
 from tqdm import tqdm
 
 from hydra_ddp.checkpoint import checkpointer as checkpointing
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.recipe import schedules
 from hydra_ddp.training.parts import Parts
@@ -36,7 +37,7 @@ class Trainer:
     """Runs the epochs: batches, global loss logging, validation, checkpoints, stopping (on request,
     early, on the time budget, on divergence), and the one test of the selected weights at the end."""
 
-    def __init__(self, cfg: Any, parts: Parts):
+    def __init__(self, cfg: RunConfig, parts: Parts):
         """The loop and its collaborators, each given its own settings and the parts it works with."""
         settings, device = cfg.trainer, parts.device
         self.settings, self.model, self.loaders, self.device = settings, parts.model, parts.loaders, device

@@ -3,10 +3,9 @@ is its module, its conf/strategy/NAME.yaml and a line here."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import UserError
 from hydra_ddp.parallel.strategies.base import Strategy, local_state_bytes  # noqa: F401
 from hydra_ddp.parallel.strategies.ddp import DDP
@@ -23,6 +22,6 @@ def get(name: str) -> type[Strategy]:
     return REGISTRY[name]
 
 
-def build(cfg: Any, device: torch.device) -> Strategy:
+def build(cfg: RunConfig, device: torch.device) -> Strategy:
     """The run's strategy, in a worker whose process group is up."""
     return get(cfg.strategy.name)(cfg, device)

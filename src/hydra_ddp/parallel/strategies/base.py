@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import UserError
 from hydra_ddp.runtime.ranks import RankInfo
 
@@ -54,13 +55,13 @@ class Strategy:
         return world // size
 
     @classmethod
-    def settle(cls, cfg: Any, world: int, local_world: int) -> dict[str, Any]:
+    def settle(cls, cfg: RunConfig, world: int, local_world: int) -> dict[str, Any]:
         """Its `auto` values settled in `cfg` (the config being resolved: its strategy section) on
         the launch side; those that were `auto`, by dotted key, for the summary."""
         return {}
 
     @classmethod
-    def check(cls, cfg: Any) -> None:
+    def check(cls, cfg: RunConfig) -> None:
         """What this strategy cannot do with these settings (`cfg`: the resolved config): one line
         each, before launch."""
 
@@ -75,7 +76,7 @@ class Strategy:
         return False
 
     # --- in the worker ----------------------------------------------------------------------------
-    def __init__(self, cfg: Any, device: torch.device):
+    def __init__(self, cfg: RunConfig, device: torch.device):
         self.cfg, self.device = cfg, device
         world = dist.get_world_size()
         self.tp_ranks = self.tp_size(cfg.strategy, world)  # ranks per tensor-parallel group
@@ -181,7 +182,7 @@ class Strategy:
         return {"comm_hook": None, "allreduce_bytes_per_step": None}
 
 
-def not_ddp_refusals(cfg: Any, name: str) -> list[tuple[bool, str]]:
+def not_ddp_refusals(cfg: RunConfig, name: str) -> list[tuple[bool, str]]:
     """(refused, why) for what only DDP's replicas can do: every other strategy refuses them."""
     trainer = cfg.trainer
     return [

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 
 from hydra_ddp.config import strategy_settings
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.parallel import comm, elastic, layouts, shared_memory
 from hydra_ddp.parallel.strategies.base import Strategy
@@ -40,7 +41,7 @@ AUTO = "auto"
 DDP_ARGUMENTS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
 
 
-def config_blockers(cfg: Any) -> list[str]:
+def config_blockers(cfg: RunConfig) -> list[str]:
     """The settings that rule the shared-memory all-reduce out."""
     reasons = []
     if cfg.strategy.comm_hook != "none":
@@ -67,7 +68,7 @@ class DDP(Strategy):
         return True
 
     @classmethod
-    def settle(cls, cfg: Any, world: int, local_world: int) -> dict[str, Any]:
+    def settle(cls, cfg: RunConfig, world: int, local_world: int) -> dict[str, Any]:
         settings, trainer = cfg.strategy, cfg.trainer
         if settings.sync_batchnorm == AUTO:
             settings.sync_batchnorm = trainer.device == "cuda"
@@ -92,12 +93,12 @@ class DDP(Strategy):
         return settled
 
     @staticmethod
-    def shared_memory_blockers(cfg: Any, world: int, local_world: int) -> list[str]:
+    def shared_memory_blockers(cfg: RunConfig, world: int, local_world: int) -> list[str]:
         trainer = cfg.trainer
         return config_blockers(cfg) + shared_memory.unavailable(cfg.backend.name, trainer.device, world, local_world)
 
     @classmethod
-    def check(cls, cfg: Any) -> None:
+    def check(cls, cfg: RunConfig) -> None:
         settings, trainer, data = cfg.strategy, cfg.trainer, cfg.data
         if settings.comm_hook != "none" and not data.even_shards:
             raise UserError(
@@ -128,7 +129,7 @@ class DDP(Strategy):
             )
         activation_checkpointing.check(cfg)
 
-    def __init__(self, cfg: Any, device: torch.device):
+    def __init__(self, cfg: RunConfig, device: torch.device):
         super().__init__(cfg, device)
         self.comm: Optional[comm.PowerSGD] = None  # a communication hook that keeps state
         self.shared: Optional[shared_memory.SharedMemoryAllReduce] = None

@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from hydra_ddp.config import strategy_settings
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import EveryRankError
 from hydra_ddp.parallel import layouts
 from hydra_ddp.parallel.strategies.base import Strategy, not_ddp_refusals, refuse, start_from_rank0
 from hydra_ddp.recipe import activation_checkpointing, compiling
 
 
-def shard_refusals(cfg: Any) -> list[tuple[bool, str]]:
+def shard_refusals(cfg: RunConfig) -> list[tuple[bool, str]]:
     """(refused, why) for FSDP's own settings."""
     settings, trainer, launcher = cfg.strategy, cfg.trainer, cfg.launcher
     world = trainer.nproc * launcher.nnodes if isinstance(trainer.nproc, int) else None  # None: not yet settled
@@ -122,7 +123,7 @@ class FSDP(Strategy):
     Settings = strategy_settings.FSDPSettings
 
     @classmethod
-    def check(cls, cfg: Any) -> None:
+    def check(cls, cfg: RunConfig) -> None:
         refuse(cls.name, not_ddp_refusals(cfg, cls.name) + shard_refusals(cfg))
         activation_checkpointing.check(cfg)
 
@@ -132,7 +133,7 @@ class FSDP(Strategy):
         them (the finite-weights check, the gradient norm) go to gloo, the rest to NCCL, in one group."""
         return "cpu:gloo,cuda:nccl" if backend == "nccl" and settings.cpu_offload else backend
 
-    def __init__(self, cfg: Any, device: torch.device):
+    def __init__(self, cfg: RunConfig, device: torch.device):
         super().__init__(cfg, device)
         # Every save and copy of the best weights goes through DCP's state_dict helpers (ShardedState):
         # imported while the run starts, not at the first of them in the middle of training.

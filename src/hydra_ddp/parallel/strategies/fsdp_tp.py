@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hydra_ddp.config import strategy_settings
+from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.parallel import layouts
 from hydra_ddp.parallel.strategies import fsdp, tp
 from hydra_ddp.parallel.strategies.base import Strategy, clip_global_norm, not_ddp_refusals, refuse, start_from_rank0
@@ -27,7 +28,7 @@ class FSDPWithTP(Strategy):
         return int(settings.tp_size)
 
     @classmethod
-    def check(cls, cfg: Any) -> None:
+    def check(cls, cfg: RunConfig) -> None:
         tp.check_plan(cfg, cls)
         settings = cfg.strategy
         tensor_parallel_limits = [
@@ -48,7 +49,7 @@ class FSDPWithTP(Strategy):
     def backend(cls, settings: Any, backend: str) -> str:
         return fsdp.FSDP.backend(settings, backend)
 
-    def __init__(self, cfg: Any, device: torch.device):
+    def __init__(self, cfg: RunConfig, device: torch.device):
         super().__init__(cfg, device)
         import torch.distributed.checkpoint.state_dict  # noqa: F401  (fsdp.py's reason)
 
