@@ -24,7 +24,7 @@ MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).part
 # (training/) know nothing of each other (workers are started by their entry's name).
 LAYERS = (
     ("errors",),
-    ("rundir", "project", "monitor", "models", "hf"),
+    ("rundir", "project", "monitor", "models", "hf", "hooks"),
     ("runtime", "search"),
     ("config",),
     ("recipe", "data", "performance"),

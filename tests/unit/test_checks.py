@@ -259,6 +259,12 @@ BAD = [
     ),
     (setting("strategy.activation_checkpointing", "half"), "strategy.activation_checkpointing='half': choose one"),
     (setting("trainer.ema.decay", 1.0), "trainer.ema.decay=1.0: give a number, above 0 and below 1"),
+    (
+        setting("trainer.hooks", [{"_target_": "collections.OrderedDict"}]),
+        "trainer.hooks[0]: collections.OrderedDict is not a subclass of hydra_ddp.hooks.Hook",
+    ),
+    (setting("trainer.hooks", [{"_target_": "no_such_package.Hook"}]), "trainer.hooks[0]._target_='no_such_package"),
+    (setting("trainer.hooks", [{"every": 2}]), "trainer.hooks[0] needs a _target_"),
 ]
 
 

@@ -217,6 +217,11 @@ class TrainerConf(Section):
     )
     # torch.profiler on the schedule in `profiler`: one trace per rank in run_dir/profile/ (debug=profile).
     profile: bool = False
+    # Side jobs on the loop's events, each a `_target_` config of a hydra_ddp.hooks.Hook subclass
+    # (docs/extending.md): called on every rank, in this order, after the built-in ones.
+    hooks: Annotated[list[Any], Checked("launch.checks: _target_ configs of Hook subclasses")] = field(
+        default_factory=list
+    )
     # Autograd anomaly detection (slow: finds the op that made a nan), with the loss checked every step.
     detect_anomaly: bool = False
     # Per-rank time by phase and the straggler report (timing.py); false: none (for measuring its cost).
@@ -247,7 +252,7 @@ class TrialConf(Section):
     study: Annotated[Optional[str], Free("the sweeper's: any name")] = None  # the Optuna study's name
     # where the study lives (a journal file or a database URL)
     storage: Annotated[Optional[str], Free("the sweeper's: a journal file or a database URL")] = None
-    # median, hyperband or none: may stop the trial after a validation
+    # median, hyperband or none: may stop the trial after a validation (a hook: search/pruning.py)
     pruner: Annotated[str, OneOf(*PRUNERS)] = "none"
     # The pruner's own keyword arguments.
     pruner_args: Annotated[dict[str, Any], Checked("search.study.pruner_of: the pruner's own arguments")] = field(

@@ -20,6 +20,7 @@ from hydra_ddp.config import groups, targets
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError, first_line, root_cause
+from hydra_ddp.hooks import Hook
 from hydra_ddp.parallel import elastic, strategies
 from hydra_ddp.recipe import compiling, schedules
 from hydra_ddp.recipe import optimizer as optimizers
@@ -45,6 +46,11 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
     targets.check(cfg.optim, "optim")
     if cfg.scheduler is not None:  # null: a constant learning rate (scheduler=none)
         targets.check(cfg.scheduler, "scheduler")
+    for i, hook in enumerate(trainer.hooks):
+        key = f"trainer.hooks[{i}]"
+        targets.check(hook, key)
+        if not (isinstance(target := targets.locate(hook["_target_"], key), type) and issubclass(target, Hook)):
+            raise UserError(f"{key}: {hook['_target_']} is not a subclass of hydra_ddp.hooks.Hook (docs/extending.md)")
     resume = trainer.resume
     if resume not in (None, "auto") and not Path(str(resume)).expanduser().exists():
         raise UserError(

@@ -1,49 +1,63 @@
-"""torch.profiler on its schedule (the `profiler` section) on the chosen ranks: a Chrome/Perfetto
-trace per rank in run_dir/profile/, and the top operators by self time in the log."""
+"""torch.profiler on its schedule (the `profiler` section) on the chosen ranks, as a hook of the loop:
+a Chrome/Perfetto trace per rank in run_dir/profile/, and the top operators by self time in the log."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 
+from hydra_ddp.hooks import Hook
 from hydra_ddp.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
 
-def profiling(enabled: bool, settings: Any, device: torch.device, run_dir: Path) -> contextlib.AbstractContextManager:
-    """The profiler (its step() called once per optimizer step), or a context that does nothing."""
-    rank = dist.get_rank()
-    if not enabled or (settings.ranks is not None and rank not in settings.ranks):
-        return contextlib.nullcontext()
-    from torch.profiler import ProfilerActivity, profile, schedule
+class Profiling(Hook):
+    """The profiler around the fit, its step() called once per optimizer step."""
 
-    cuda = device.type == "cuda"
-    out = RunDir(run_dir).profile
-    out.mkdir(exist_ok=True)
+    def __init__(self, settings: Any):
+        self.settings = settings  # the profiler section
+        self.profiler: Optional[Any] = None
 
-    def ready(prof: Any) -> None:
-        trace = out / f"rank{rank}.json"
-        prof.export_chrome_trace(str(trace))
-        table = prof.key_averages().table(
-            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=settings.row_limit
+    @classmethod
+    def of(cls, enabled: bool, settings: Any) -> Optional[Profiling]:
+        """The hook where trainer.profile is on and this rank is one of profiler.ranks; else None."""
+        if not enabled or (settings.ranks is not None and dist.get_rank() not in settings.ranks):
+            return None
+        return cls(settings)
+
+    def running(self, loop: Any) -> contextlib.AbstractContextManager:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        settings, rank = self.settings, dist.get_rank()
+        cuda = loop.device.type == "cuda"
+        out = RunDir(loop.reporter.run_dir).profile
+        out.mkdir(exist_ok=True)
+
+        def ready(prof: Any) -> None:
+            trace = out / f"rank{rank}.json"
+            prof.export_chrome_trace(str(trace))
+            table = prof.key_averages().table(
+                sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=settings.row_limit
+            )
+            log.info(
+                "profile of rank %d (steps %d…%d): %s\n%s",
+                rank,
+                settings.wait + settings.warmup + 1,
+                settings.wait + settings.warmup + settings.active,
+                trace,
+                table,
+            )
+
+        self.profiler = profile(
+            activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+            schedule=schedule(wait=settings.wait, warmup=settings.warmup, active=settings.active, repeat=1),
+            on_trace_ready=ready,
         )
-        log.info(
-            "profile of rank %d (steps %d…%d): %s\n%s",
-            rank,
-            settings.wait + settings.warmup + 1,
-            settings.wait + settings.warmup + settings.active,
-            trace,
-            table,
-        )
+        return self.profiler
 
-    return profile(
-        activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
-        schedule=schedule(wait=settings.wait, warmup=settings.warmup, active=settings.active, repeat=1),
-        on_trace_ready=ready,
-    )
+    def step_ended(self, loop: Any, step: int) -> None:
+        self.profiler.step()

@@ -42,11 +42,8 @@ class Ending:
     the test waits for the resumed run's end); `ended_by`: early_stopping or max_time (checkpoint,
     test, and finish)."""
 
-    def __init__(
-        self, request: StopRequest, max_time: Optional[float], started_at: float, pruning: Optional[Any] = None
-    ):
+    def __init__(self, request: StopRequest, max_time: Optional[float], started_at: float):
         self.request = request
-        self.pruning = pruning  # a search trial's (training.pruning), or None
         self.max_time = max_time
         self.deadline = started_at + max_time if max_time else None
         self.stopped_by: Optional[str] = None
@@ -81,18 +78,11 @@ class Ending:
             )
         return stop or time_up
 
-    def after_validation(self, monitor: Any, metrics: dict[str, Any], step: int, epoch: int) -> None:
-        """An epoch's validation's verdicts: early stopping, and a search's pruner (every rank alike)."""
+    def after_validation(self, monitor: Any, step: int) -> None:
+        """An epoch's validation's verdict on early stopping (every rank alike); a search's pruner is a
+        hook (search/pruning.py)."""
         if monitor.should_stop:
             self.early_stop(monitor, step)
-        if self.pruning is not None and self.pruning.should_prune(monitor.value(metrics), epoch) and not self.ended_by:
-            self.ended_by = "pruned"
-            log.warning(
-                "pruned at step %d: the search's pruner stops this trial (%s %.6g)",
-                step,
-                monitor.metric,
-                monitor.value(metrics),
-            )
 
     def early_stop(self, monitor: Any, step: int) -> None:
         """The monitored metric stopped improving (monitor.should_stop)."""

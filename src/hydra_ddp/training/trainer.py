@@ -14,14 +14,14 @@ import torch.distributed as dist
 from torch.distributed.algorithms import Join
 from tqdm import tqdm
 
+from hydra_ddp import hooks
 from hydra_ddp.checkpoint import checkpointer as checkpointing
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.recipe import schedules
 from hydra_ddp.training.parts import Parts
 from hydra_ddp.training.position import Position
-from hydra_ddp.training.profiling import profiling
-from hydra_ddp.training.pruning import Pruning
+from hydra_ddp.training.profiling import Profiling
 from hydra_ddp.training.saving import Saving
 from hydra_ddp.training.step import Step, optimizer_steps
 from hydra_ddp.training.stop import Ending
@@ -47,11 +47,12 @@ class Trainer:
         self.monitor = monitor = Monitor.from_config(settings)
         self.saving = Saving(cfg.checkpoint, parts, self.step, monitor, self.pos, self.overheads)
         self.validation = Validation(parts, monitor, self.overheads)
-        pruning = Pruning.of(cfg, parts.reporter.is_main, device)
-        self.ending = Ending(parts.stop, settings.max_time, parts.started_at, pruning)
+        self.ending = Ending(parts.stop, settings.max_time, parts.started_at)
+        # The side jobs on the loop's events (hooks.py): the profiler, then trainer.hooks' (a trial's pruner).
+        self.hooks = hooks.build(settings.hooks, Profiling.of(bool(settings.profile), cfg.profiler))
+        self.cfg = cfg  # what a hook reads
         self.throughput = Throughput(parts.strategy.data_parallel_size())
         self.reporter, self.schedule = parts.reporter, schedules.Stepping(parts.scheduler, parts.optimizer)
-        self.make_profiler = lambda: profiling(bool(settings.profile), cfg.profiler, device, parts.reporter.run_dir)
         self.accumulate = settings.accumulate  # read every batch: a plain int, not a config lookup
         self.evaluates_at_end = cfg.job != "tune"  # the tuner's short runs time their steps, no validation or test
         # Anomaly mode checks the (global) loss for nan at every step: a window of one.
@@ -60,7 +61,6 @@ class Trainer:
         self.overlap_window = not settings.detect_anomaly
         self.bar = tqdm(disable=True)
         self.progress = parts.progress
-        self.profiler: Optional[Any] = None
         self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
         self.length = parts.length
         self.batches_per_epoch, self.common_batches = parts.length.batches_per_epoch, parts.length.common_batches
@@ -98,7 +98,8 @@ class Trainer:
             dynamic_ncols=True,
         )
         with contextlib.ExitStack() as stack:
-            self.profiler = stack.enter_context(self.make_profiler())
+            for hook in self.hooks:
+                stack.enter_context(hook.running(self))
             stack.enter_context(torch.autograd.set_detect_anomaly(bool(self.settings.detect_anomaly)))
             validated_at = self._epochs(epochs, max_steps)
         early = self.ending.stopped_by or self.ending.ended_by  # a signal, early stopping, max_time
@@ -125,8 +126,16 @@ class Trainer:
                 if self.saving.due_at_epoch_end(best):
                     self._save()
                 if self.settings.eval_every_epoch:
-                    self.ending.after_validation(self.monitor, self.validation.last, self.pos.step, epoch + 1)
+                    self._after_validation(epoch + 1)
         return validated_at
+
+    def _after_validation(self, epoch: int) -> None:
+        """An epoch's validation's verdicts, on every rank alike: early stopping, then the hooks'."""
+        self.ending.after_validation(self.monitor, self.pos.step)
+        for hook in self.hooks:
+            reason = hook.validated(self, self.validation.last, epoch)
+            if reason and not self.ending.ended_by:
+                self.ending.ended_by = reason
 
     def _save(self) -> None:
         """A checkpoint, the loggers' steps on disk first: a run killed after it resumes with no step
@@ -171,19 +180,12 @@ class Trainer:
         sampler.skip(self.pos.batch * self.loaders.batch_size)  # resuming mid-epoch: no batch replayed
         self.schedule.epoch_started(self.pos.step)
         self.model.train()
-        with self._join():
+        with joined(self.model, self.loaders.train_sampler):
             stopped = self._run_batches(max_steps)
         if not stopped:
             if self.uneven:
                 self.step.sync_optimizer_state()
             self._flush()  # also brings ranks that ran out a step early to the global step
-
-    def _join(self) -> contextlib.AbstractContextManager:
-        """Uneven shards: DDP's Join lets a rank that ran out of batches shadow the others' gradient
-        all-reduces (with zeros; the average is over the ranks that still had a batch)."""
-        if self.loaders.train_sampler.pad:
-            return contextlib.nullcontext()
-        return Join([getattr(self.model, "_orig_mod", self.model)], divide_by_initial_world_size=False)
 
     def _run_batches(self, max_steps: int) -> bool:
         """The epoch's optimizer steps; True when the ranks agreed to stop early."""
@@ -197,8 +199,8 @@ class Trainer:
             self.pos.step += 1
             self.schedule.optimizer_stepped(self.pos.step)
             self.timer.end_step()
-            if self.profiler is not None:
-                self.profiler.step()
+            for hook in self.hooks:
+                hook.step_ended(self, self.pos.step)
             self.bar.update()
             window_full = self.window.add(self.pos.step, loss)
             if self.pos.step >= max_steps:
@@ -281,6 +283,14 @@ class Trainer:
             f"  (best {self.monitor.metric})" if best else "",
         )
         return best
+
+
+def joined(model: torch.nn.Module, sampler: Any) -> contextlib.AbstractContextManager:
+    """Uneven shards: DDP's Join lets a rank that ran out of batches shadow the others' gradient
+    all-reduces (with zeros; the average is over the ranks that still had a batch)."""
+    if sampler.pad:
+        return contextlib.nullcontext()
+    return Join([getattr(model, "_orig_mod", model)], divide_by_initial_world_size=False)
 
 
 def results(trainer: Trainer, epochs: int) -> dict[str, Any]:
