@@ -66,11 +66,15 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per mode and repeat (after 2 unmeasured)")
+    parser.add_argument(
+        "--steps", type=int, default=8, help="timed steps per mode and repeat (after 2 unmeasured)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    tokens = torch.randint(0, 256, (args.batch, args.context), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, 256, (args.batch, args.context), generator=torch.Generator().manual_seed(0)
+    )
     runs = {mode: build(mode, args.context, args.dim, args.depth) for mode in MODES}
     measured = {mode: saved_bytes(runs[mode][0], tokens) for mode in MODES}
     losses_equal = all(torch.equal(measured[mode][1], measured["none"][1]) for mode in MODES)

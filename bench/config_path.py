@@ -116,7 +116,11 @@ def measure(repo: Path) -> dict:
         }
         overrides = ["trainer.max_steps=1", "logger=[csv]", f"hydra.run.dir={scratch}/run"]
         subprocess.run(
-            [sys.executable, "-c", TRACER, str(repo), str(out), *overrides], cwd=repo, env=env, check=False, timeout=600
+            [sys.executable, "-c", TRACER, str(repo), str(out), *overrides],
+            cwd=repo,
+            env=env,
+            check=False,
+            timeout=600,
         )
         found = json.loads(out.read_text())
     entries = found["entries"]

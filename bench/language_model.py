@@ -79,7 +79,9 @@ def _worker(rank: int, port: int, steps: int, warm: int, out: str) -> None:
             total = count.clone()
             dist.all_reduce(total)  # the step's tokens over the ranks: every token weighs alike
             logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-            loss = F.cross_entropy(logits.flatten(0, 1), following.flatten(), reduction="sum") / (total / NPROC)
+            loss = F.cross_entropy(logits.flatten(0, 1), following.flatten(), reduction="sum") / (
+                total / NPROC
+            )
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -105,7 +107,9 @@ def project(steps: int, *overrides: str) -> dict[str, float]:
     """The experiment's steady trained tokens/s and samples/s (the summary's steps after its warm-up)."""
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "bench"), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(REPO / "bench"), os.environ.get("PYTHONPATH")])
+        ),
     }
     with tempfile.TemporaryDirectory() as run_dir:
         subprocess.run(
@@ -131,8 +135,11 @@ def padding_share(*overrides: str) -> float:
     packing = "data.dataset.packing=true" in overrides
     train, _ = documents(context=CONTEXT, packing=packing, max_bytes=MAX_BYTES)
     if packing:
-        return float((train.tree["input_ids"] == 1).float().mean())  # the padding id: windows' unfilled ends
-    grouped = next((int(o.split("=")[1]) for o in overrides if o.startswith("data.group_by_length=")), None)
+        # the padding id: windows' unfilled ends
+        return float((train.tree["input_ids"] == 1).float().mean())
+    grouped = next(
+        (int(o.split("=")[1]) for o in overrides if o.startswith("data.group_by_length=")), None
+    )
     by_length = (train.lengths, BATCH * NPROC, grouped) if grouped else None
     padded = real = 0
     for rank in range(NPROC):
@@ -189,9 +196,18 @@ def padding_against_packing(args: argparse.Namespace) -> dict:
             return project(args.steps, *overrides)
 
         pairs = paired(this_way, packed, args.repeats)
-        ratio = summary([p["this_way"]["tokens_per_sec"] / p["packed"]["tokens_per_sec"] for p in pairs])
-        ways[way] = {"padding_share": padding_share(*overrides), "pairs": pairs, "tokens_per_sec_vs_packed": ratio}
-        print(f"2. {way}: {ways[way]['padding_share']:.3f} padding, tokens/s vs packed {ratio}", flush=True)
+        ratio = summary(
+            [p["this_way"]["tokens_per_sec"] / p["packed"]["tokens_per_sec"] for p in pairs]
+        )
+        ways[way] = {
+            "padding_share": padding_share(*overrides),
+            "pairs": pairs,
+            "tokens_per_sec_vs_packed": ratio,
+        }
+        print(
+            f"2. {way}: {ways[way]['padding_share']:.3f} padding, tokens/s vs packed {ratio}",
+            flush=True,
+        )
     return {"ways": ways}
 
 
@@ -205,7 +221,9 @@ def token_weighting_cost(args: argparse.Namespace) -> dict:
         return project(args.steps, *PER_BATCH_MEAN)
 
     pairs = paired(by_tokens, per_batch_mean, args.repeats)
-    cost = summary([p["by_tokens"]["samples_per_sec"] / p["per_batch_mean"]["samples_per_sec"] for p in pairs])
+    cost = summary(
+        [p["by_tokens"]["samples_per_sec"] / p["per_batch_mean"]["samples_per_sec"] for p in pairs]
+    )
     print(f"3. by tokens / per-batch mean, samples/s: {cost}", flush=True)
     return {"token_weighting_cost": {"pairs": pairs, "samples_per_sec_ratio": cost}}
 
@@ -217,10 +235,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument(
-        "--warm", type=int, default=5, help="the hand loop's first steps left out (the project: its own)"
+        "--warm",
+        type=int,
+        default=5,
+        help="the hand loop's first steps left out (the project: its own)",
     )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--parts", default="1,2,3", help="which of the three to measure (the result file's name says)")
+    parser.add_argument(
+        "--parts",
+        default="1,2,3",
+        help="which of the three to measure (the result file's name says)",
+    )
     args = parser.parse_args()
     parts = {int(part) for part in args.parts.split(",")}
     commit, dirty = provenance.commit()

@@ -24,7 +24,8 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parents[1]
 HANDWRITTEN = Path(__file__).resolve().parent / "handwritten.py"
 EXPERT = Path(__file__).resolve().parent / "expert.py"  # the same loop with stock PyTorch's tuning
-HANDWRITTEN_TRAIN = Path(__file__).resolve().parent / "handwritten_train.py"  # `make train`'s work, by hand
+# `make train`'s work, by hand
+HANDWRITTEN_TRAIN = Path(__file__).resolve().parent / "handwritten_train.py"
 CEILING = Path(__file__).resolve().parent / "ceiling.py"  # the project's run without communication
 
 # The figures every run yields; the report shows the median of each over the repetitions.
@@ -50,7 +51,10 @@ REPORTED = (
 # runs it, and with the garbage collector off while the imports load, as the project's processes
 # load them (hydra_ddp.launch.startup.frozen_imports). Keyed as the results file keeps them.
 FLOOR_IMPORTS = "import torch, torch._dynamo"
-FLOORS = {"startup_floor": FLOOR_IMPORTS, "startup_floor_gc_off": f"import gc; gc.disable(); {FLOOR_IMPORTS}"}
+FLOORS = {
+    "startup_floor": FLOOR_IMPORTS,
+    "startup_floor_gc_off": f"import gc; gc.disable(); {FLOOR_IMPORTS}",
+}
 # The hand-written loop ends, as pytorch/examples' scripts do, through the interpreter's teardown,
 # where gloo's threads (alive after destroy_process_group) race static destructors: now and then a
 # worker aborts with this line after rank 0 wrote the result (2 of 40 runs here). Such a run still
@@ -126,11 +130,15 @@ def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], P
             str(out_dir / "result.json"),
             f"--run-dir={out_dir}",
         ], out_dir / "result.json"
-    if case.side == "default":  # what `make train` runs: no override but where the run directory goes
-        return [sys.executable, str(Path(case.repo or REPO) / "train.py"), f"hydra.run.dir={out_dir}"], (
-            out_dir / "summary.json"
-        )
-    if case.task == "text":  # windows of 65 bytes, enough for every step in one epoch, 20 % held out
+    # what `make train` runs: no override but where the run directory goes
+    if case.side == "default":
+        return [
+            sys.executable,
+            str(Path(case.repo or REPO) / "train.py"),
+            f"hydra.run.dir={out_dir}",
+        ], (out_dir / "summary.json")
+    # windows of 65 bytes, enough for every step in one epoch, 20 % held out
+    if case.task == "text":
         data = [
             "+experiment=text_gpt",
             f"data.global_batch_size={workload.batch_size}",
@@ -151,7 +159,8 @@ def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], P
         "trainer.progress=false",
         *case.overrides,
     ]
-    if case.side in ("ceiling", "lockstep", "exchange"):  # the same overrides, settled as train.py settles them
+    # the same overrides, settled as train.py settles them
+    if case.side in ("ceiling", "lockstep", "exchange"):
         out = out_dir / "result.json"
         mode = [] if case.side == "ceiling" else [f"--{case.side}"]
         return [
@@ -168,7 +177,12 @@ def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], P
             [sys.executable, "train.py", "-m", *overrides, *SWEEP, f"hydra.sweep.dir={out_dir}"],
             out_dir / "1" / "summary.json",
         )
-    return [sys.executable, "train.py", *overrides, f"hydra.run.dir={out_dir}"], out_dir / "summary.json"
+    return [
+        sys.executable,
+        "train.py",
+        *overrides,
+        f"hydra.run.dir={out_dir}",
+    ], out_dir / "summary.json"
 
 
 def measure(case: Case, workload: Workload) -> dict[str, Any]:
@@ -179,9 +193,12 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
         aborted_at_exit = _run(cmd, case, timeout=120 + workload.steps)
         wall = time.time() - started
         if aborted_at_exit and not result_file.exists():
-            raise BenchError(f"{case.label}: a worker aborted ({ABORT_AT_EXIT}) before the result was written")
+            raise BenchError(
+                f"{case.label}: a worker aborted ({ABORT_AT_EXIT}) before the result was written"
+            )
         reported = _read(result_file, case)
-        if case.side == "sweep":  # the second job's clock starts where the first job ended: its summary written
+        # the second job's clock starts where the first job ended: its summary written
+        if case.side == "sweep":
             first = _read(result_file.parent.parent / "0" / "summary.json", case)
             started = first["first_step_at"] - first["time_to_first_step_s"] + first["wall_time_s"]
     # The default run's two sides train 12 epochs of the digits, not the workload's steps.
@@ -203,7 +220,8 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
         "wall_time_s": wall,
         "aborted_at_exit": aborted_at_exit,  # the hand-written loop's only (ABORT_AT_EXIT)
         "allreduce_bytes_per_step": reported.get("allreduce_bytes_per_step"),  # the project's only
-        "model_state_bytes": (reported.get("model_state_bytes") or {}).get("total"),  # per rank, the largest
+        # per rank, the largest
+        "model_state_bytes": (reported.get("model_state_bytes") or {}).get("total"),
         "checkpoints": reported.get("checkpoints"),
         "checkpoint_stall_s": reported.get("checkpoint_stall_s"),  # the median save's, on rank 0
         # Where a run's time goes, as its summary says (the project's only): the steps, evaluation, saves.
@@ -261,13 +279,20 @@ def _run(cmd: list[str], case: Case, timeout: float) -> bool:
     )
     try:
         output, _ = proc.communicate(timeout=timeout)
-    except BaseException as error:  # a timeout, or Ctrl-C (which the run's own session does not get)
+    # a timeout, or Ctrl-C (which the run's own session does not get)
+    except BaseException as error:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         if isinstance(error, subprocess.TimeoutExpired):
-            raise BenchError(f"{case.label}: no result after {timeout:.0f} s, killed: {shlex.join(cmd)}") from None
+            raise BenchError(
+                f"{case.label}: no result after {timeout:.0f} s, killed: {shlex.join(cmd)}"
+            ) from None
         raise
-    if proc.returncode != 0 and case.side in ("handwritten", "expert", "handwritten_train") and ABORT_AT_EXIT in output:
+    if (
+        proc.returncode != 0
+        and case.side in ("handwritten", "expert", "handwritten_train")
+        and ABORT_AT_EXIT in output
+    ):
         return True
     if proc.returncode != 0:
         tail = "\n".join(output.strip().splitlines()[-15:])
@@ -284,5 +309,7 @@ def _read(result_file: Path, case: Case) -> dict[str, Any]:
         raise BenchError(f"{case.label}: {result_file.name} is not whole JSON ({error})") from None
     missing = [key for key in REPORTED if reported.get(key) is None]
     if missing:
-        raise BenchError(f"{case.label}: {result_file.name} lacks {', '.join(missing)}: the benchmark needs them")
+        raise BenchError(
+            f"{case.label}: {result_file.name} lacks {', '.join(missing)}: the benchmark needs them"
+        )
     return reported

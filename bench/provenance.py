@@ -18,7 +18,9 @@ def commit(repo: Path = REPO) -> tuple[str, bool]:
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=repo, env=env, capture_output=True, text=True, check=True).stdout
+        return subprocess.run(
+            ["git", *args], cwd=repo, env=env, capture_output=True, text=True, check=True
+        ).stdout
 
     try:
         head = git("rev-parse", "--short", "HEAD").strip()

@@ -38,7 +38,16 @@ def run_suite(junit: Path, pytest_args: list[str]) -> tuple[float, int, dict[str
     """(seconds, exit code, {test id: "failed" | "error"}, {"passed": n, "skipped": n}) of one full run."""
     started = time.monotonic()
     code = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *pytest_args],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            *pytest_args,
+        ],
         cwd=REPO,
     ).returncode
     seconds = time.monotonic() - started
@@ -57,7 +66,9 @@ def run_suite(junit: Path, pytest_args: list[str]) -> tuple[float, int, dict[str
     return seconds, code, bad, counts
 
 
-def write_report(runs: list, failures: Counter, hogged: bool, pytest_args: list[str], planned: int, commit: str) -> str:
+def write_report(
+    runs: list, failures: Counter, hogged: bool, pytest_args: list[str], planned: int, commit: str
+) -> str:
     passed = sum(1 for _, _, code, bad, _ in runs if not bad and not code)
     lines = [
         "# Soak: the whole suite, run after run",
@@ -110,7 +121,8 @@ def main() -> int:
         with TemporaryDirectory() as tmp:
             for i in range(1, args.runs + 1):
                 seconds, code, bad, counts = run_suite(Path(tmp) / f"run{i}.xml", args.pytest_args)
-                failures.update(bad.keys())  # one count per failing test per run (the values say how it failed)
+                # one count per failing test per run (the values say how it failed)
+                failures.update(bad.keys())
                 runs.append((i, seconds, code, sorted(bad), counts))
                 print(
                     f"soak: run {i}/{args.runs}: {'ok' if not bad and not code else 'FAILED'} in {seconds:.0f} s, "
@@ -118,7 +130,9 @@ def main() -> int:
                     + (f" ({', '.join(sorted(bad))})" if bad else ""),
                     flush=True,
                 )
-                report = write_report(runs, failures, spinner is not None, args.pytest_args, args.runs, commit)
+                report = write_report(
+                    runs, failures, spinner is not None, args.pytest_args, args.runs, commit
+                )
     finally:
         if spinner:
             spinner.kill()

@@ -51,14 +51,26 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in RUNS.items():
             run_dir = Path(tmp) / name
-            command = [sys.executable, "train.py", "+experiment=text_gpt", *overrides, f"hydra.run.dir={run_dir}"]
+            command = [
+                sys.executable,
+                "train.py",
+                "+experiment=text_gpt",
+                *overrides,
+                f"hydra.run.dir={run_dir}",
+            ]
             subprocess.run(command, cwd=REPO, check=True, capture_output=True)
             summary = json.loads((run_dir / "summary.json").read_text())
             results[name] = {
                 "overrides": overrides,
-                **{key: summary[key] for key in ("steps", "test_loss", "test_accuracy", "test_perplexity")},
+                **{
+                    key: summary[key]
+                    for key in ("steps", "test_loss", "test_accuracy", "test_perplexity")
+                },
             }
-            print(f"{name}: test loss {summary['test_loss']:.4f}, accuracy {summary['test_accuracy']:.4f}", flush=True)
+            print(
+                f"{name}: test loss {summary['test_loss']:.4f}, accuracy {summary['test_accuracy']:.4f}",
+                flush=True,
+            )
     result = {
         "commit": commit,
         "dirty": dirty,

@@ -32,7 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 # The experiment's model: conf/model/hf_llama.yaml's fields, its vocabulary data=text_dicts'.
 LLAMA = {
     key: value
-    for key, value in OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "hf_llama.yaml")).items()
+    for key, value in OmegaConf.to_container(
+        OmegaConf.load(REPO / "conf" / "model" / "hf_llama.yaml")
+    ).items()
     if key not in ("_target_", "vocab_size")  # its vocabulary is an interpolation of the data's
 } | {"vocab_size": OmegaConf.load(REPO / "conf" / "data" / "text_dicts.yaml").num_classes}
 BATCH, NPROC = 32, 2
@@ -74,7 +76,9 @@ def _worker(rank: int, port: int, steps: int, warm: int, out: str) -> None:
         epoch += 1
     if rank == 0:
         steady = times[warm:]
-        Path(out).write_text(json.dumps({"samples_per_sec": BATCH * NPROC * len(steady) / sum(steady)}))
+        Path(out).write_text(
+            json.dumps({"samples_per_sec": BATCH * NPROC * len(steady) / sum(steady)})
+        )
     dist.destroy_process_group()
 
 
@@ -97,7 +101,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument(
-        "--warm", type=int, default=5, help="the hand loop's first steps left out (the project: its own)"
+        "--warm",
+        type=int,
+        default=5,
+        help="the hand loop's first steps left out (the project: its own)",
     )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -107,7 +114,9 @@ def main() -> int:
         order = ["project", "handwritten"] if repeat % 2 == 0 else ["handwritten", "project"]
         got = {}
         for name in order:
-            got[name] = project(args.steps) if name == "project" else handwritten(args.steps, args.warm)
+            got[name] = (
+                project(args.steps) if name == "project" else handwritten(args.steps, args.warm)
+            )
         pairs.append({**got, "ratio": got["project"] / got["handwritten"], "first": order[0]})
         print(f"repeat {repeat + 1}: project {got['project']:.0f}, handwritten {got['handwritten']:.0f} samples/s, "
               f"ratio {pairs[-1]['ratio']:.3f}", flush=True)  # fmt: skip

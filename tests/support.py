@@ -32,7 +32,8 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent  # the kit's folder: support.py, servers.py, ci_skips.py, pair_checks.py
+# the kit's folder: support.py, servers.py, ci_skips.py, pair_checks.py
+TESTS = Path(__file__).resolve().parent
 HELPERS = TESTS / "helpers"
 # A short real run: the default data and model, a few steps.
 QUICK = ("trainer.max_steps=8", "trainer.log_every=3")
@@ -84,7 +85,11 @@ def finish(proc: subprocess.Popen, timeout: float = 150) -> subprocess.Completed
         left = session_processes(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        what = f"exited, but left processes holding its output: {left}" if exited else f"ran past {timeout} s"
+        what = (
+            f"exited, but left processes holding its output: {left}"
+            if exited
+            else f"ran past {timeout} s"
+        )
         raise AssertionError(f"train.py {what}\nstdout:\n{out}\nstderr:\n{err}") from None
     result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     result.pid = proc.pid  # type: ignore[attr-defined]  # the session id of everything it started
@@ -116,7 +121,9 @@ def with_pythonpath(*folders: Path) -> dict[str, str]:
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    )
 
 
 def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None = None):
@@ -127,7 +134,9 @@ def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"run ended (exit {proc.returncode}) before {what}: {proc.communicate()}")
+            raise AssertionError(
+                f"run ended (exit {proc.returncode}) before {what}: {proc.communicate()}"
+            )
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
@@ -143,7 +152,12 @@ def session_processes(sid: int) -> dict[int, str]:
                 continue
             fields = stat.rsplit(")", 1)[1].split()
             if int(fields[3]) == sid and fields[0] != "Z":  # fields[3]: session id
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                cmdline = (
+                    Path(f"/proc/{entry}/cmdline")
+                    .read_bytes()
+                    .replace(b"\0", b" ")
+                    .decode(errors="replace")
+                )
                 pids[int(entry)] = cmdline
     return pids
 
@@ -248,7 +262,9 @@ def wandb_starts(run_dir: Path) -> list[dict]:
             elif kind == "summary":
                 start["summary"].update(wandb_logger.values(record.summary.update))
             elif kind == "artifact":
-                start["artifacts"].append((record.artifact.type, [m.ref for m in record.artifact.manifest.contents]))
+                start["artifacts"].append(
+                    (record.artifact.type, [m.ref for m in record.artifact.manifest.contents])
+                )
             elif kind == "preempting":
                 start["preempting"] = True
         starts.append(start)
@@ -257,7 +273,12 @@ def wandb_starts(run_dir: Path) -> list[dict]:
 
 def wandb_series(starts: list[dict], key: str) -> list[tuple[int, float]]:
     """One metric across a W&B run's starts: (training step, value) in the order logged."""
-    return [(row["trainer/step"], row[key]) for start in starts for row in start["history"] if key in row]
+    return [
+        (row["trainer/step"], row[key])
+        for start in starts
+        for row in start["history"]
+        if key in row
+    ]
 
 
 def text(run_dir: Path, tag: str) -> list[str]:
@@ -274,7 +295,11 @@ def final_params(run_dir: Path) -> dict:
     from hydra_ddp.checkpoint import files as checkpoints
 
     path = checkpoints.find(str(run_dir), "test")
-    path = (run_dir / "checkpoints" / "last").resolve() if path.is_dir() else run_dir / "checkpoints" / "last.pt"
+    path = (
+        (run_dir / "checkpoints" / "last").resolve()
+        if path.is_dir()
+        else run_dir / "checkpoints" / "last.pt"
+    )
     return checkpoints.model_weights(path, checkpoints.read(path, "test"))
 
 
@@ -312,7 +337,9 @@ def tmpfs(where: Path, size: str) -> Iterator[Path]:
         pytest.skip("mounting a tmpfs needs root and mount(8)")
     where.mkdir()
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
     )
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
@@ -338,7 +365,9 @@ def write_cifar(root: Path, per_batch: int = 20, identical: bool = False) -> Pat
             images[:] = np.arange(3072) % 251  # a pattern that crops and flips change
         batch = {"data": images, "labels": rng.integers(0, 10, per_batch).tolist()}
         (folder / name).write_bytes(pickle.dumps(batch))
-    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [f"class{i}" for i in range(10)]}))
+    (folder / "batches.meta").write_bytes(
+        pickle.dumps({"label_names": [f"class{i}" for i in range(10)]})
+    )
     return root
 
 
@@ -497,7 +526,11 @@ def assert_within_float_noise(
         f"sums differ more (noise gaps {[f'{b:.1e}' for b in limit]})"
     )
     gaps = relative_gaps(got, expected)
-    bad = [(step, gap, bound) for step, (gap, bound) in enumerate(zip(gaps, limit), 1) if gap > factor * bound + floor]
+    bad = [
+        (step, gap, bound)
+        for step, (gap, bound) in enumerate(zip(gaps, limit), 1)
+        if gap > factor * bound + floor
+    ]
     assert not bad, (
         f"gap beyond {factor}x this host's float-order noise (+{floor}) at (step, gap, noise): "
         f"{[(s, f'{g:.2e}', f'{b:.2e}') for s, g, b in bad[:5]]}"
@@ -525,7 +558,9 @@ def csv_losses(run_dir: Path) -> list[float]:
     return [float(loss) for _, loss in csv_step_losses(run_dir)]
 
 
-def assert_float64_alike(got: list[float], expected: list[float], bound: float = FLOAT64_BOUND) -> None:
+def assert_float64_alike(
+    got: list[float], expected: list[float], bound: float = FLOAT64_BOUND
+) -> None:
     """Two float64 runs (float64()) that differ only in the order of their sums: every value within `bound`."""
     gaps = relative_gaps(got, expected)
     assert gaps and max(gaps) <= bound, (
@@ -541,7 +576,8 @@ class TwoHosts:
 
     def __init__(self, tag: str):
         self.names = [f"hddp-{tag}-a", f"hddp-{tag}-b"]
-        self.ends = [f"hv{tag}a", f"hv{tag}b"]  # the pair's names while in this namespace (15 characters at most)
+        # the pair's names while in this namespace (15 characters at most)
+        self.ends = [f"hv{tag}a", f"hv{tag}b"]
         self.addresses = [f"{self.SUBNET}.1", f"{self.SUBNET}.2"]
 
     def _ip(self, *args: str) -> None:
@@ -557,7 +593,8 @@ class TwoHosts:
             self._ip("link", "add", self.ends[0], "type", "veth", "peer", "name", self.ends[1])
             for end, name, address in zip(self.ends, self.names, self.addresses):
                 self._ip("link", "set", end, "netns", name)
-                self._ip("-n", name, "link", "set", end, "name", "hddp0")  # the same name on both hosts
+                # the same name on both hosts
+                self._ip("-n", name, "link", "set", end, "name", "hddp0")
                 self._ip("-n", name, "addr", "add", f"{address}/24", "dev", "hddp0")
                 self._ip("-n", name, "link", "set", "hddp0", "up")
                 self._ip("-n", name, "link", "set", "lo", "up")
@@ -568,7 +605,11 @@ class TwoHosts:
         return self
 
     def run(
-        self, commands: list[list[str]], envs: list[dict[str, str]], cwd: Path | None = None, timeout: float = 120
+        self,
+        commands: list[list[str]],
+        envs: list[dict[str, str]],
+        cwd: Path | None = None,
+        timeout: float = 120,
     ) -> list[subprocess.CompletedProcess]:
         """commands[i] on host i with envs[i], all at once, each in a session of its own; their
         results, once all have ended (when one runs past `timeout`, the others are killed too)."""
@@ -603,7 +644,10 @@ class TwoHosts:
 # --- The docs' fenced blocks, read (tests/unit/test_docs.py checks them, tests/e2e/test_docs.py runs them) ---
 
 # docs/index.md is README.md's copy, made by `make docs`.
-PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*.md") if p.name != "index.md")]
+PAGES = [
+    REPO / "README.md",
+    *sorted(p for p in (REPO / "docs").rglob("*.md") if p.name != "index.md"),
+]
 SHELLS = ("bash",)
 MARKS = {
     "needs-gpu": "a GPU host's command (NCCL, CUDA): a train.py one is checked for such a host (--check --gpus=N)",

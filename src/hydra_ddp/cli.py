@@ -34,7 +34,9 @@ USAGE = """usage: hydra-ddp COMMAND [ARGS]
 Overrides are Hydra's: key=value, group=option, -m for a sweep; train --check launches nothing."""
 
 
-def run_job(job: str, config_path: str, started_at: float, argv: Optional[list[str]] = None) -> NoReturn:
+def run_job(
+    job: str, config_path: str, started_at: float, argv: Optional[list[str]] = None
+) -> NoReturn:
     """train.py's or eval.py's command: take --check, start the workers' imports, compose the config
     (`config_path`: where its groups are), run the job, and end the process without the
     interpreter's teardown (command.exit_after)."""
@@ -77,14 +79,16 @@ def _train(started_at: float, check_only: bool) -> Any:
         """Returns what a Hydra sweeper (e.g. Optuna) optimises: the best value of trainer.monitor
         (a validation metric: never the test set's)."""
         worst = monitor.worst_for(cfg)  # a value every finished run beats
-        begun = start.pop() if start else time.time()  # a multirun's later jobs in this process: now
+        # a multirun's later jobs in this process: now
+        begun = start.pop() if start else time.time()
         try:
             summary = command.run(cfg, begun)
         except UserError as error:
             command.fail(error)  # one line, no traceback; in a multirun the next job still runs
             return worst  # a failed or diverged trial ranks last instead of ending the sweep
         if check_only:
-            return worst if worst is not None else 0.0  # a sweeper asks each checked trial for a number
+            # a sweeper asks each checked trial for a number
+            return worst if worst is not None else 0.0
         if not summary:
             return None  # not node 0
         return summary["objective"] if summary["objective"] is not None else worst
@@ -125,7 +129,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if name == "init":
             return _init(rest)
-        found = project.find()  # the project run from: its conf/ ahead of the package's, its package importable
+        # the project run from: its conf/ ahead of the package's, its package importable
+        found = project.find()
     except UserError as error:
         print(f"hydra-ddp: error: {error}", file=sys.stderr)
         return error.exit_code
@@ -144,7 +149,9 @@ def _init(args: list[str]) -> int:
     from hydra_ddp import init
 
     if len(args) != 1:
-        raise UserError("hydra-ddp init takes one argument, the new project's directory: hydra-ddp init DIR")
+        raise UserError(
+            "hydra-ddp init takes one argument, the new project's directory: hydra-ddp init DIR"
+        )
     folder, written = init.init(args[0])
     print(
         f"hydra-ddp: wrote {len(written)} files to {folder}; then: cd {args[0]} && hydra-ddp train +experiment=spirals"

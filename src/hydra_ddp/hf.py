@@ -10,7 +10,9 @@ from torch import nn
 from hydra_ddp.errors import UserError, first_line, install_line, root_cause
 
 
-def causal_lm(architecture: str = "llama", attn_implementation: str = "sdpa", **config: Any) -> nn.Module:
+def causal_lm(
+    architecture: str = "llama", attn_implementation: str = "sdpa", **config: Any
+) -> nn.Module:
     """A Hugging Face `transformers` causal language model built from its config class, no download:
     `architecture` names the config (llama: LlamaConfig, gpt2: GPT2Config, ...; any of AutoConfig's
     model types) and `config` its fields. Its weights are initialised here, from torch's generator."""
@@ -26,7 +28,9 @@ def causal_lm(architecture: str = "llama", attn_implementation: str = "sdpa", **
     try:
         settings = AutoConfig.for_model(architecture, **config)
     except Exception as error:  # noqa: BLE001  (an unknown architecture; fields its config refuses: heads ∤ width)
-        raise UserError(f"model.architecture={architecture!r}: {first_line(root_cause(error))}") from None
+        raise UserError(
+            f"model.architecture={architecture!r}: {first_line(root_cause(error))}"
+        ) from None
     return AutoModelForCausalLM.from_config(settings, attn_implementation=attn_implementation)
 
 

@@ -82,12 +82,16 @@ def torchvision_classifier(
 
     available = torchvision.models.list_models(module=torchvision.models)
     if name not in available:
-        raise ValueError(f"unknown torchvision model {name!r}; choose one of: {', '.join(sorted(available))}")
+        raise ValueError(
+            f"unknown torchvision model {name!r}; choose one of: {', '.join(sorted(available))}"
+        )
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
     if small_input:
         if not (hasattr(model, "conv1") and hasattr(model, "maxpool")):
             raise ValueError(f"small_input applies to ResNets (conv1 and maxpool), not {name!r}")
-        model.conv1 = nn.Conv2d(3, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+        model.conv1 = nn.Conv2d(
+            3, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False
+        )
         model.maxpool = nn.Identity()
     if in_channels == 1:
         return nn.Sequential(_RepeatChannels(), model)
@@ -180,8 +184,19 @@ class TinyGPT(nn.Module):
                 f"TinyGPT: {heads} heads and an MLP of {hidden} do not split over {size} ranks; "
                 "choose model.heads (and dim × mlp_ratio) divisible by the world size"
             )
-        styles = {"q": "colwise", "k": "colwise", "v": "colwise", "proj": "rowwise", "fc1": "colwise", "fc2": "rowwise"}
-        return {f"blocks.{i}.{name}": style for i in range(len(self.blocks)) for name, style in styles.items()}
+        styles = {
+            "q": "colwise",
+            "k": "colwise",
+            "v": "colwise",
+            "proj": "rowwise",
+            "fc1": "colwise",
+            "fc2": "rowwise",
+        }
+        return {
+            f"blocks.{i}.{name}": style
+            for i in range(len(self.blocks))
+            for name, style in styles.items()
+        }
 
 
 class _Block(nn.Module):
@@ -200,7 +215,10 @@ class _Block(nn.Module):
         batch, time, _ = h.shape
         x = self.norm1(h)
         # (batch, heads, time, head_dim); heads counted from the width, as a sharded q/k/v has fewer
-        q, k, v = (f(x).view(batch, time, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        q, k, v = (
+            f(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
+            for f in (self.q, self.k, self.v)
+        )
         if mask is None:
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:

@@ -51,7 +51,9 @@ def _settings(pyproject: Path) -> Optional[dict]:
     try:
         tool = tomllib.loads(pyproject.read_text()).get("tool", {})
     except (OSError, ValueError) as error:
-        raise UserError(f"{pyproject} cannot be read ({error}); fix it, or run from another directory") from None
+        raise UserError(
+            f"{pyproject} cannot be read ({error}); fix it, or run from another directory"
+        ) from None
     settings = tool.get("hydra-ddp")
     return settings if isinstance(settings, dict) else None
 

@@ -46,12 +46,14 @@ class RunDir:
     metrics_csv = property(lambda self: self.path / "metrics.csv")
     tensorboard = property(lambda self: self.path / "tensorboard")
     profile = property(lambda self: self.path / "profile")
-    error = property(lambda self: self.path / "error.txt")  # a sweep job's one-line failure, written by train.py
+    # a sweep job's one-line failure, written by train.py
+    error = property(lambda self: self.path / "error.txt")
     # How Slurm ended a job that never finished (cancelled, timeout…): hydra_plugins/hydra_ddp_slurm.
     slurm_state = property(lambda self: self.path / "slurm_state.txt")
     rendezvous_store = property(lambda self: self.path / "rendezvous.store")
     mlflow_run_id = property(lambda self: self.path / "mlflow_run_id")
-    wandb_run_id = property(lambda self: self.path / "wandb_run_id")  # logger=wandb; its files in wandb/
+    # logger=wandb; its files in wandb/
+    wandb_run_id = property(lambda self: self.path / "wandb_run_id")
 
     def discard_if_untouched(self, job: str) -> bool:
         """Remove a run directory that holds only what Hydra made for this command (.hydra/, an

@@ -49,7 +49,8 @@ def test_check_notes_cpu_workers_that_outnumber_the_cores(tmp_path: Path):
 
 
 def test_a_mismatched_pair_is_one_line_naming_the_options_that_fit(tmp_path: Path):
-    for args in (("--check", "model=gpt"), ("model=gpt",)):  # checked alone, or as a run checks it first
+    # checked alone, or as a run checks it first
+    for args in (("--check", "model=gpt"), ("model=gpt",)):
         proc = subprocess.run(
             [sys.executable, "train.py", *args, f"hydra.run.dir={tmp_path / 'run'}"],
             cwd=REPO,
@@ -67,8 +68,11 @@ def test_a_mismatched_pair_is_one_line_naming_the_options_that_fit(tmp_path: Pat
 
 def test_check_for_a_gpu_host_from_a_cpu_host(tmp_path: Path):
     proc = check_cli("--gpus=8", "backend=nccl", tmp_path=tmp_path)
-    assert proc.returncode == 0 and "8 worker(s) on cuda (spawn, backend nccl" in proc.stdout, proc.stderr
-    proc = check_cli("--gpus=2", "trainer.nproc=8", tmp_path=tmp_path)  # backend=auto: nccl's check too
+    assert proc.returncode == 0 and "8 worker(s) on cuda (spawn, backend nccl" in proc.stdout, (
+        proc.stderr
+    )
+    # backend=auto: nccl's check too
+    proc = check_cli("--gpus=2", "trainer.nproc=8", tmp_path=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "hydra-ddp: error: one GPU per process: 8 process(es) on this node but this host has 2 GPU(s); set "
@@ -80,7 +84,8 @@ def test_check_for_a_gpu_host_from_a_cpu_host(tmp_path: Path):
 def test_every_pair_of_options_passes_the_check_or_fails_in_one_line_and_a_passing_pair_trains(
     tmp_path: Path, request: pytest.FixtureRequest
 ):
-    assert len(pair_checks.pairs()) > 700  # every option of every group, each against every other group's
+    # every option of every group, each against every other group's
+    assert len(pair_checks.pairs()) > 700
     # The checks ran in the background since the suite began (conftest.py: pair_checks.py at the
     # CPU's idle priority); this test runs last and waits for them. Run alone, it waits the whole time.
     background = getattr(request.config, "pair_checks", None)
@@ -88,8 +93,12 @@ def test_every_pair_of_options_passes_the_check_or_fails_in_one_line_and_a_passi
         results = pair_checks.check_all()
     else:
         proc, out = background
-        assert proc.wait(timeout=800) == 0, f"the pair checks failed: {out.with_suffix('.log').read_text()[-3000:]}"
-        results = [(tuple(pair), outcome, what) for pair, outcome, what in json.loads(out.read_text())]
+        assert proc.wait(timeout=800) == 0, (
+            f"the pair checks failed: {out.with_suffix('.log').read_text()[-3000:]}"
+        )
+        results = [
+            (tuple(pair), outcome, what) for pair, outcome, what in json.loads(out.read_text())
+        ]
     assert len(results) == len(pair_checks.pairs())
     crashed = [(pair, what) for pair, outcome, what in results if outcome == "crash"]
     assert not crashed, crashed[:10]
@@ -105,5 +114,8 @@ def test_every_pair_of_options_passes_the_check_or_fails_in_one_line_and_a_passi
     for pair in chosen:
         run_dir = tmp_path / "-".join(p.replace("=", "_").lstrip("+") for p in pair)
         proc = run_train(run_dir, *pair, "trainer.max_steps=1", "trainer.epochs=1", timeout=240)
-        assert proc.returncode == 0, (f"{pair} passed the check but did not train (sample seed {seed})", proc.stderr)
+        assert proc.returncode == 0, (
+            f"{pair} passed the check but did not train (sample seed {seed})",
+            proc.stderr,
+        )
         assert summary(run_dir)["steps"] == 1, pair

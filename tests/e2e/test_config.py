@@ -13,7 +13,9 @@ from support import REPO, train_env
 
 
 @pytest.mark.parametrize("package, title", [("mlflow", "MLflow"), ("wandb", "Weights & Biases")])
-def test_a_tracker_without_its_package_installed_fails_before_launch(tmp_path: Path, package: str, title: str):
+def test_a_tracker_without_its_package_installed_fails_before_launch(
+    tmp_path: Path, package: str, title: str
+):
     """As if the package were not installed (a None entry in sys.modules is how Python marks a
     module that must not be imported): one line saying how to install it, and no worker started."""
     code = (
@@ -22,11 +24,18 @@ def test_a_tracker_without_its_package_installed_fails_before_launch(tmp_path: P
         "runpy.run_path('train.py', run_name='__main__')"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"needs {title}" in lines[0] and f"pip install -e '.[{package}]'" in lines[0], (
-        proc.stderr
-    )
+    assert (
+        len(lines) == 1
+        and f"needs {title}" in lines[0]
+        and f"pip install -e '.[{package}]'" in lines[0]
+    ), proc.stderr
     assert not (tmp_path / "run").exists()  # refused before launch: no run directory left

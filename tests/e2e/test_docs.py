@@ -80,7 +80,16 @@ PLACEHOLDERS = {  # what no folder can be: replaced, word by word
 def project(tmp_path_factory) -> Path:
     """A folder to run the docs' commands in, as a user's clone would be after `make train`."""
     folder = tmp_path_factory.mktemp("project")
-    for name in ("train.py", "eval.py", "conf", "scripts", "Makefile", "pyproject.toml", "setup.py", "src"):
+    for name in (
+        "train.py",
+        "eval.py",
+        "conf",
+        "scripts",
+        "Makefile",
+        "pyproject.toml",
+        "setup.py",
+        "src",
+    ):
         (folder / name).symlink_to(REPO / name)
     (folder / ".venv").symlink_to(Path(sys.executable).parents[1])
     run = folder / "outputs" / "runs" / "DATE" / "TIME"
@@ -134,7 +143,10 @@ def suffix(words: list[str]) -> list[str]:
     return []
 
 
-SERVERS = {"tensorboard": "/data/runs", "mlflow": "/api/2.0/mlflow/experiments/search?max_results=1"}
+SERVERS = {
+    "tensorboard": "/data/runs",
+    "mlflow": "/api/2.0/mlflow/experiments/search?max_results=1",
+}
 
 
 @dataclass
@@ -173,10 +185,13 @@ def _key(words: list[str], env_lines: list[str]) -> str:
         from omegaconf import OmegaConf
 
         overrides = words[2:]
-        hydras = sorted(w for w in overrides if w.startswith("hydra"))  # where it runs: not in the job's config
+        # where it runs: not in the job's config
+        hydras = sorted(w for w in overrides if w.startswith("hydra"))
         try:
             with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-                composed = OmegaConf.to_container(compose(config_name="config", overrides=overrides))
+                composed = OmegaConf.to_container(
+                    compose(config_name="config", overrides=overrides)
+                )
             return "train.py " + json.dumps([composed, hydras], sort_keys=True, default=str)
         except Exception:  # noqa: BLE001  (the run itself will say)
             pass
@@ -201,7 +216,9 @@ def _check_for_gpus(command: str, project: Path, env: dict[str, str]) -> Optiona
         return None
     gpus = next((w.split("=", 1)[1] for w in words if w.startswith("trainer.nproc=")), "8")
     checked = [*words[: at + 1], "--check", f"--gpus={gpus}", *words[at + 1 :]]
-    done = subprocess.run(checked, cwd=project, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    done = subprocess.run(
+        checked, cwd=project, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     return "" if done.returncode == 0 else f"exit {done.returncode}: {done.stderr.strip()[-400:]}"
 
 
@@ -227,8 +244,15 @@ def _finish(proc: subprocess.Popen, timeout: float, started: float) -> tuple[int
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         found = Path(tempfile.gettempdir()).glob("hydra-ddp-tune-*/run-*/stacks/rank*.json")
-        stuck = [json.loads(path.read_text()) for path in sorted(found) if path.stat().st_mtime >= started]
-        places = [f"rank {s['rank']} at {s['at']} ({s['code']}, waiting in {s['waits_in']})" for s in stuck]
+        stuck = [
+            json.loads(path.read_text())
+            for path in sorted(found)
+            if path.stat().st_mtime >= started
+        ]
+        places = [
+            f"rank {s['rank']} at {s['at']} ({s['code']}, waiting in {s['waits_in']})"
+            for s in stuck
+        ]
         message = (
             f"timed out after {timeout:.0f} s; its output ended: {out.strip()[-300:]!r}; "
             f"stderr: {err.strip()[-300:]!r}; ranks stuck: {places or 'none seen'}"
@@ -248,7 +272,9 @@ def _serve(script: str, path: str, port: int, project: Path, env: dict[str, str]
             if proc.poll() is not None:
                 return f"exited {proc.returncode} before answering: {proc.stderr.read()[-500:]}"
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{port}{path}", timeout=5
+                ) as response:
                     json.loads(response.read())
                     return ""
             except OSError:
@@ -272,7 +298,11 @@ def _sbatch(script: str, project: Path, env: dict[str, str]) -> str:
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         queued = subprocess.run(
-            ["squeue", "-h", "-j", job.group(1)], env=env, capture_output=True, text=True, timeout=30
+            ["squeue", "-h", "-j", job.group(1)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
         ).stdout.strip()
         if not queued:
             break
@@ -309,7 +339,9 @@ def _pairs(commands: list[str]) -> list[list[str]]:
 def test_every_shell_command_in_the_docs_runs(
     project: Path, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture
 ):
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     outcome = Outcome()
     venv_bin = str(project / ".venv" / "bin")
     base_env = {
@@ -339,11 +371,13 @@ def test_every_shell_command_in_the_docs_runs(
                         f"(pyproject.toml has no {absent})"
                     )
             continue
-        if block.mark == "needs-gpu":  # a GPU host's train.py: checked for one (--check --gpus=N), launched nowhere
+        # a GPU host's train.py: checked for one (--check --gpus=N), launched nowhere
+        if block.mark == "needs-gpu":
             for command in block.commands:
                 problem = _check_for_gpus(command, project, base_env)
                 if problem is None:
-                    outcome.skipped[block.mark] = outcome.skipped.get(block.mark, 0) + 1  # not train.py (sbatch)
+                    # not train.py (sbatch)
+                    outcome.skipped[block.mark] = outcome.skipped.get(block.mark, 0) + 1
                     continue
                 outcome.gpu_checked += 1
                 if problem:
@@ -374,14 +408,19 @@ def test_every_shell_command_in_the_docs_runs(
             outcome.distinct += len(group)
             words = key_words[0]
             program = _program(words)
-            if program == "make" and subprocess.run(["make", "-q", ".venv/.installed"], cwd=REPO).returncode:
+            if (
+                program == "make"
+                and subprocess.run(["make", "-q", ".venv/.installed"], cwd=REPO).returncode
+            ):
                 problem = "the venv is older than pyproject.toml: run make first (make here would reinstall it)"
             elif program in SERVERS:
                 port = int(words[-1].split("=")[1])
                 problem = _serve(scripts[0], SERVERS[program], port, project, base_env)
             elif program == "sbatch":
                 cluster = request.getfixturevalue("slurm_cluster")
-                problem = _sbatch(scripts[0], project, {**base_env, **cluster.env, "PYTHON": sys.executable})
+                problem = _sbatch(
+                    scripts[0], project, {**base_env, **cluster.env, "PYTHON": sys.executable}
+                )
             else:
                 started = time.time()
                 procs = [_start(script, project, base_env) for script in scripts]
@@ -401,7 +440,9 @@ def test_every_shell_command_in_the_docs_runs(
             f"(marked installs), {outcome.gpu_checked} checked for a GPU host (train.py --check --gpus=N), "
             f"{sum(outcome.skipped.values())} skipped ({skipped})"
         )
-    assert not outcome.failures, f"{len(outcome.failures)} command(s) in the docs fail:\n" + "\n".join(outcome.failures)
+    assert not outcome.failures, (
+        f"{len(outcome.failures)} command(s) in the docs fail:\n" + "\n".join(outcome.failures)
+    )
     assert outcome.distinct > 60  # runs, each once: not an assignment, not a repeat
 
 
@@ -424,6 +465,8 @@ def test_every_transcript_in_the_docs_prints_what_it_shows(project: Path):
             )
             printed = (done.stdout + done.stderr).splitlines()
             for line in (line for line in shown if line.startswith("hydra-ddp:")):
-                assert line in printed, f"{block.where}: `{command}` printed {printed[-5:]}, the page shows {line!r}"
+                assert line in printed, (
+                    f"{block.where}: `{command}` printed {printed[-5:]}, the page shows {line!r}"
+                )
                 compared += 1
     assert compared >= 3  # the tutorial's, at least

@@ -68,7 +68,15 @@ def _node(hosts: TwoHosts, i: int, run_dir: Path):
         f"launcher.node_rank={i}",
         f"launcher.rdzv_endpoint={hosts.addresses[0]}:29613",
         f"launcher.local_addr={hosts.addresses[i]}",
-        prefix=("ip", "netns", "exec", hosts.names[i], "env", "GLOO_SOCKET_IFNAME=hddp0", sys.executable),
+        prefix=(
+            "ip",
+            "netns",
+            "exec",
+            hosts.names[i],
+            "env",
+            "GLOO_SOCKET_IFNAME=hddp0",
+            sys.executable,
+        ),
     )
 
 
@@ -111,14 +119,23 @@ def test_a_lost_node_leaves_the_other_to_finish_as_a_resumed_run_would(tmp_path:
     run_dir = tmp_path / "run"
     with TwoHosts(str(os.getpid())) as hosts:
         nodes = [_node(hosts, i, run_dir) for i in range(2)]
-        wait_for(lambda: (run_dir / "checkpoints" / "step-00000020.pt").exists(), 180, "step 20's checkpoint", nodes[0])
+        wait_for(
+            lambda: (run_dir / "checkpoints" / "step-00000020.pt").exists(),
+            180,
+            "step 20's checkpoint",
+            nodes[0],
+        )
         os.killpg(nodes[1].pid, signal.SIGKILL)  # node 2's agent and worker, mid-epoch
         finish(nodes[1], timeout=30)
         check_ok(finish(nodes[0], timeout=300))
     s = summary(run_dir)
     start, resize = s["world_size_history"]
     assert start == {"step": 0, "world_size": 2, "cause": "start"}
-    assert {k: resize[k] for k in ("from", "world_size", "cause")} == {"from": 2, "world_size": 1, "cause": "restart"}
+    assert {k: resize[k] for k in ("from", "world_size", "cause")} == {
+        "from": 2,
+        "world_size": 1,
+        "cause": "restart",
+    }
     resumed = resize["step"]
     assert resumed >= 20 and resumed % 10 == 0 and (s["world_size"], s["steps"]) == (1, 90)
     # The resize keeps the global batch and the micro-batch; the accumulation makes up the lost rank.
@@ -147,7 +164,12 @@ def test_a_node_that_joins_grows_the_run_as_a_resumed_run_would(tmp_path: Path):
     run_dir = tmp_path / "run"
     with TwoHosts(str(os.getpid())) as hosts:
         first = _node(hosts, 0, run_dir)  # alone: 1 of at most 2 nodes
-        wait_for(lambda: (run_dir / "checkpoints" / "step-00000010.pt").exists(), 180, "step 10's checkpoint", first)
+        wait_for(
+            lambda: (run_dir / "checkpoints" / "step-00000010.pt").exists(),
+            180,
+            "step 10's checkpoint",
+            first,
+        )
         second = _node(hosts, 1, run_dir)
         results = [finish(first, timeout=300), finish(second, timeout=300)]
     for result in results:
@@ -155,11 +177,16 @@ def test_a_node_that_joins_grows_the_run_as_a_resumed_run_would(tmp_path: Path):
     s = summary(run_dir)
     start, resize = s["world_size_history"]
     assert start == {"step": 0, "world_size": 1, "cause": "start"}
-    assert {k: resize[k] for k in ("from", "world_size", "cause")} == {"from": 1, "world_size": 2, "cause": "rescale"}
+    assert {k: resize[k] for k in ("from", "world_size", "cause")} == {
+        "from": 1,
+        "world_size": 2,
+        "cause": "rescale",
+    }
     resumed = resize["step"]
     # The agent stops the group with SIGTERM to re-form it: the worker checkpoints where it stands.
     assert resumed >= 10 and (s["world_size"], s["steps"]) == (2, 90)
-    assert (s["global_batch_size"], s["batch_size"], s["accumulate"]) == (32, 16, 1)  # 2 of 16 after 1 × 2 × 16
+    # 2 of 16 after 1 × 2 × 16
+    assert (s["global_batch_size"], s["batch_size"], s["accumulate"]) == (32, 16, 1)
     _one_curve(run_dir)
     # After the resize: 2 ranks resumed from that checkpoint, uninterrupted, bit for bit: every
     # step's loss, the final weights and the test.

@@ -64,7 +64,11 @@ def test_a_pytorchjob_pod_with_pet_variables_checks_as_its_node_of_torchrun(run_
 
 
 def _trainjob() -> dict:
-    (job,) = [doc for doc in yaml.safe_load_all(MANIFEST.read_text()) if doc and doc.get("kind") == "TrainJob"]
+    (job,) = [
+        doc
+        for doc in yaml.safe_load_all(MANIFEST.read_text())
+        if doc and doc.get("kind") == "TrainJob"
+    ]
     assert (
         job["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
         and job["spec"]["runtimeRef"]["name"] == "torch-distributed"
@@ -94,7 +98,9 @@ def _pod(
     written = {}
     for var in trainer.get("env", []):
         if "valueFrom" in var:
-            assert var["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, f"no stand-in here for {var}"
+            assert var["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, (
+                f"no stand-in here for {var}"
+            )
             written[var["name"]] = addresses[index]
         else:
             written[var["name"]] = var["value"]
@@ -116,12 +122,17 @@ def _pod(
     return [*command, *trainer["args"]], env
 
 
-def _run_pods(hosts: TwoHosts, tmp_path: Path, job: dict, controller_env=lambda index: {}) -> list[Path]:
+def _run_pods(
+    hosts: TwoHosts, tmp_path: Path, job: dict, controller_env=lambda index: {}
+) -> list[Path]:
     """Both pods at once, each in its namespace with a run directory of its own (its own filesystem);
     the run directories, node 0's first."""
     run_dirs = [tmp_path / f"pod{index}" for index in range(2)]
     pods = [_pod(job, index, hosts.addresses, controller_env(index)) for index in range(2)]
-    commands = [[*command, *SETTINGS, f"hydra.run.dir={run_dir}"] for (command, _), run_dir in zip(pods, run_dirs)]
+    commands = [
+        [*command, *SETTINGS, f"hydra.run.dir={run_dir}"]
+        for (command, _), run_dir in zip(pods, run_dirs)
+    ]
     for result in hosts.run(commands, [env for _, env in pods]):
         check_ok(result)
     return run_dirs
@@ -131,7 +142,9 @@ def _run_pods(hosts: TwoHosts, tmp_path: Path, job: dict, controller_env=lambda 
 def one_node(tmp_path_factory) -> Path:
     """The manifest's training on one node of two workers (the default spawn launcher)."""
     run_dir = tmp_path_factory.mktemp("one-node") / "run"
-    check_ok(run_train(run_dir, *_trainjob()["spec"]["trainer"]["args"], *SETTINGS, "trainer.nproc=2"))
+    check_ok(
+        run_train(run_dir, *_trainjob()["spec"]["trainer"]["args"], *SETTINGS, "trainer.nproc=2")
+    )
     return run_dir
 
 
@@ -147,7 +160,8 @@ def _trains_as_one_node(pods: list[Path], one_node: Path, launcher: str) -> None
 
 
 needs_namespaces = pytest.mark.skipif(
-    shutil.which("ip") is None or os.geteuid() != 0, reason="network namespaces need root and iproute2's `ip`"
+    shutil.which("ip") is None or os.geteuid() != 0,
+    reason="network namespaces need root and iproute2's `ip`",
 )
 
 
@@ -163,7 +177,9 @@ def test_the_trainjobs_two_pods_train_as_one_node_of_two_workers(tmp_path: Path,
 
 @needs_namespaces
 @pytest.mark.timeout(180)
-def test_pods_given_only_rank_and_world_size_train_as_one_node_of_two(tmp_path: Path, one_node: Path):
+def test_pods_given_only_rank_and_world_size_train_as_one_node_of_two(
+    tmp_path: Path, one_node: Path
+):
     """The same image in pods given no PET_*, only MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (a
     controller or a pod spec of one's own; the training-operator also sets PET_*): one worker per
     pod, its rank the pod's RANK, meeting at the master's MASTER_ADDR:MASTER_PORT (23456)."""

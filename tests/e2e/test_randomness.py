@@ -61,12 +61,18 @@ def test_two_ranks_augment_their_batches_differently_and_draw_their_own_numbers(
 
 def _sweep(tmp_path: Path, name: str, *overrides: str) -> Path:
     """A multirun of train.py under tmp_path/name: job i's run in its folder i."""
-    check_ok(run_train(tmp_path / "unused", "-m", *overrides, f"hydra.sweep.dir={tmp_path / name}", timeout=300))
+    check_ok(
+        run_train(
+            tmp_path / "unused", "-m", *overrides, f"hydra.sweep.dir={tmp_path / name}", timeout=300
+        )
+    )
     return tmp_path / name
 
 
 @pytest.mark.timeout(600)  # three multiruns of 2 runs each, a stopped run and its resume
-def test_augmented_training_is_the_same_at_any_world_size_and_resumes_exactly_mid_epoch(tmp_path: Path):
+def test_augmented_training_is_the_same_at_any_world_size_and_resumes_exactly_mid_epoch(
+    tmp_path: Path,
+):
     """Global batch b is the same samples with the same crops and flips at world sizes 1 and 2: only
     the order of float sums differs. Decided in float64 over every step (FLOAT64_BOUND); float32, the
     default, over the first 5 steps against this host's float-order noise (later, a flip makes
@@ -94,7 +100,9 @@ def test_augmented_training_is_the_same_at_any_world_size_and_resumes_exactly_mi
     )
     # Ceiling 1e-5 as in test_sharding.py (about 80 float32 units over 5 steps); a crop or a flip
     # drawn differently, or a sample read twice, moves a loss by 1e-3 or more.
-    assert_within_float_noise(two[:5], one[:5], *(csv_losses(noise / job) for job in ("0", "1")), ceiling=1e-5)
+    assert_within_float_noise(
+        two[:5], one[:5], *(csv_losses(noise / job) for job in ("0", "1")), ceiling=1e-5
+    )
 
     # SIGTERM at step 5 of 9 in the first epoch, and resumed: the uninterrupted run of 2 ranks, bit
     # for bit (every step's loss once, in TensorBoard and metrics.csv, and the final weights).

@@ -43,7 +43,12 @@ def test_forkserver_workers_inherit_frozen_imports_with_the_collector_on(tmp_pat
     script = tmp_path / "probe.py"  # a file: the forked worker imports its target from it
     script.write_text(PROBE)
     done = subprocess.run(
-        [sys.executable, str(script)], cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=150
+        [sys.executable, str(script)],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.splitlines()[-1])

@@ -54,14 +54,24 @@ def test_a_users_own_task_trains_evaluates_exactly_and_is_searched(tmp_path: Pat
     # eval.py on its checkpoint: the run's test metrics, bit for bit, at 1 and at 2 ranks.
     for ranks in (1, 2):
         check_ok(
-            run_eval(tmp_path / f"eval{ranks}", f"ckpt={run_dir}", f"trainer.nproc={ranks}", "predict=true", env=env)
+            run_eval(
+                tmp_path / f"eval{ranks}",
+                f"ckpt={run_dir}",
+                f"trainer.nproc={ranks}",
+                "predict=true",
+                env=env,
+            )
         )
         result = json.loads((tmp_path / f"eval{ranks}" / "eval.json").read_text())
         assert {k: result[k] for k in ("test_loss", "test_balanced_accuracy", "test_samples")} == {
             k: s[k] for k in ("test_loss", "test_balanced_accuracy", "test_samples")
         }
     rows = list(csv.DictReader(open(tmp_path / "eval1" / "predictions.csv")))
-    assert list(rows[0]) == ["index", "label", "score"] and len(rows) == 100 and rows[0]["label"] in ("0", "1")
+    assert (
+        list(rows[0]) == ["index", "label", "score"]
+        and len(rows) == 100
+        and rows[0]["label"] in ("0", "1")
+    )
     # An Optuna search whose objective is the task's own metric.
     sweep = tmp_path / "sweep"
     check_ok(
@@ -80,7 +90,10 @@ def test_a_users_own_task_trains_evaluates_exactly_and_is_searched(tmp_path: Pat
     )
     trials = list(csv.DictReader(open(sweep / "sweep.csv")))
     assert len(trials) == 2 and {t["status"] for t in trials} == {"ok"}
-    assert all(float(t["objective"]) == summary(Path(t["run_dir"]))["val_balanced_accuracy"] for t in trials)
+    assert all(
+        float(t["objective"]) == summary(Path(t["run_dir"]))["val_balanced_accuracy"]
+        for t in trials
+    )
     assert "val_balanced_accuracy" in trials[0] and "test_balanced_accuracy" in trials[0]
 
 
@@ -112,7 +125,9 @@ def test_a_task_that_does_not_fit_the_data_stops_every_rank_in_one_line(tmp_path
 
 
 # --- The built-in regression and segmentation tasks, end to end ----------------------------------
-def test_regression_on_diabetes_reports_r2_and_eval_at_one_rank_gives_its_test_metrics(tmp_path: Path):
+def test_regression_on_diabetes_reports_r2_and_eval_at_one_rank_gives_its_test_metrics(
+    tmp_path: Path,
+):
     run_dir = tmp_path / "run"
     check_ok(run_train(run_dir, "task=regression", "data=diabetes", "model=mlp"))
     s = summary(run_dir)
@@ -127,7 +142,8 @@ def test_regression_on_diabetes_reports_r2_and_eval_at_one_rank_gives_its_test_m
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "experiment, model", [("diabetes_mlp", "hydra_ddp.models.MLP"), ("shapes_segnet", "hydra_ddp.models.SegNet")]
+    "experiment, model",
+    [("diabetes_mlp", "hydra_ddp.models.MLP"), ("shapes_segnet", "hydra_ddp.models.SegNet")],
 )
 def test_regression_and_segmentation_train_alike_at_1_and_2_ranks_and_under_fsdp(
     tmp_path: Path, experiment: str, model: str
@@ -144,7 +160,14 @@ def test_regression_and_segmentation_train_alike_at_1_and_2_ranks_and_under_fsdp
     )
     worlds, sharded = tmp_path / "worlds", tmp_path / "fsdp"
     check_ok(
-        run_train(tmp_path / "unused", "-m", "trainer.nproc=1,2", *common, f"hydra.sweep.dir={worlds}", timeout=300)
+        run_train(
+            tmp_path / "unused",
+            "-m",
+            "trainer.nproc=1,2",
+            *common,
+            f"hydra.sweep.dir={worlds}",
+            timeout=300,
+        )
     )
     check_ok(run_train(sharded, "strategy=fsdp", *common, timeout=300))
     one, two = worlds / "0", worlds / "1"
@@ -157,7 +180,9 @@ def test_regression_and_segmentation_train_alike_at_1_and_2_ranks_and_under_fsdp
     assert_float64_alike(csv_losses(sharded), reference)
     metrics = summary(two)["metrics"]
     assert metrics == (
-        ["loss", "mse", "mae", "r2"] if experiment == "diabetes_mlp" else ["loss", "pixel_accuracy", "mean_iou"]
+        ["loss", "mse", "mae", "r2"]
+        if experiment == "diabetes_mlp"
+        else ["loss", "pixel_accuracy", "mean_iou"]
     )
     if experiment != "shapes_segnet":
         return
@@ -167,14 +192,22 @@ def test_regression_and_segmentation_train_alike_at_1_and_2_ranks_and_under_fsdp
     evals = tmp_path / "evals"
     check_ok(
         run_eval(
-            tmp_path / "unused", "-m", f"ckpt={ckpt}", "trainer.nproc=1,2,3", f"hydra.sweep.dir={evals}", timeout=300
+            tmp_path / "unused",
+            "-m",
+            f"ckpt={ckpt}",
+            "trainer.nproc=1,2,3",
+            f"hydra.sweep.dir={evals}",
+            timeout=300,
         )
     )
     results = [json.loads((evals / str(job) / "eval.json").read_text()) for job in range(3)]
     assert [r["world_size"] for r in results] == [1, 2, 3]
     for r in results:
-        assert {k: r[k] for k in ("test_loss", "test_pixel_accuracy", "test_mean_iou", "test_samples")} == {
-            k: results[0][k] for k in ("test_loss", "test_pixel_accuracy", "test_mean_iou", "test_samples")
+        assert {
+            k: r[k] for k in ("test_loss", "test_pixel_accuracy", "test_mean_iou", "test_samples")
+        } == {
+            k: results[0][k]
+            for k in ("test_loss", "test_pixel_accuracy", "test_mean_iou", "test_samples")
         }
     tested = summary(ckpt)  # eval.py on a run directory takes the weights its test took (best.pt)
     assert {k: v for k, v in results[0].items() if k.startswith("test_")} == {

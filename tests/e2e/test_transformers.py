@@ -30,15 +30,24 @@ COMMON = (
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_transformers_model_trains_resumes_after_sigterm_and_evaluates_exactly(tmp_path: Path, strategy: str):
+def test_a_transformers_model_trains_resumes_after_sigterm_and_evaluates_exactly(
+    tmp_path: Path, strategy: str
+):
     # FSDP's run also preloads its dict samples (whole tensors sliced per batch, a TensorTree).
     common = (*COMMON, f"strategy={strategy}", f"data.preload={strategy == 'fsdp'}")
     straight = tmp_path / "straight"
     check_ok(run_train(straight, *common, timeout=300))
     s = summary(straight)
-    assert s["steps"] == FULL and s["world_size"] == 2 and s["metrics"] == ["loss", "accuracy", "perplexity"]
-    assert s["flops"]["per_sample"] > 0 and s["tokens_per_sec"] == pytest.approx(64 * s["samples_per_sec"])
-    assert s["test_samples"] > 0 and 0 < s["test_loss"] < 6  # below ln(256) = 5.55 once it has learnt anything
+    assert (
+        s["steps"] == FULL
+        and s["world_size"] == 2
+        and s["metrics"] == ["loss", "accuracy", "perplexity"]
+    )
+    assert s["flops"]["per_sample"] > 0 and s["tokens_per_sec"] == pytest.approx(
+        64 * s["samples_per_sec"]
+    )
+    # below ln(256) = 5.55 once it has learnt anything
+    assert s["test_samples"] > 0 and 0 < s["test_loss"] < 6
 
     # SIGTERM at rank 0's 7th forward (step 4's first micro-batch), then resumed: the same bits.
     stopped = tmp_path / "stopped"

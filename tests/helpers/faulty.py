@@ -47,7 +47,10 @@ class ChaosCNN(MnistCNN):
         super().__init__(**kwargs)
         attempt, rank = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), dist.get_rank()
         plans = [item.split(":") for item in chaos.split(";") if item]
-        self.plan = next(((kind, int(n)) for a, kind, r, n in plans if int(a) == attempt and int(r) == rank), None)
+        self.plan = next(
+            ((kind, int(n)) for a, kind, r, n in plans if int(a) == attempt and int(r) == rank),
+            None,
+        )
         self.calls = 0
         if self.plan and self.plan[0] == "ckpt":
             self._die_in_checkpoint(rank, self.plan[1])

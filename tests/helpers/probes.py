@@ -49,7 +49,9 @@ class InputProbe(MnistCNN):
                 if not self.drew:
                     f.write(f"draw {torch.rand(1).item()!r}\n")
                     self.drew = True
-                f.write(f"batch {hashlib.sha256(x.detach().contiguous().numpy().tobytes()).hexdigest()[:16]}\n")
+                f.write(
+                    f"batch {hashlib.sha256(x.detach().contiguous().numpy().tobytes()).hexdigest()[:16]}\n"
+                )
         return super().forward(x)
 
 
@@ -116,7 +118,9 @@ def float64(of: str, **kwargs) -> torch.nn.Module:
     model = get_class(of)(**kwargs).double()
 
     def cast(module, args):
-        return tuple(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+        return tuple(
+            a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args
+        )
 
     model.register_forward_pre_hook(cast)
     return model
@@ -126,4 +130,6 @@ def signal_the_run() -> None:
     """SIGTERM to every process of the run (its process group), sent by another process, as
     scancel is: a rank's loader workers take a signal from their own rank as their end."""
     group = os.getpgrp()  # the sender in a session of its own: not signalled itself
-    subprocess.run(["kill", "-s", "TERM", "--", f"-{group}"], check=True, timeout=30, start_new_session=True)
+    subprocess.run(
+        ["kill", "-s", "TERM", "--", f"-{group}"], check=True, timeout=30, start_new_session=True
+    )

@@ -84,7 +84,9 @@ class Stream(IterableDataset):
         self.kwargs = kwargs  # a data config's keys, taken as the digits' (image_size, seed, ...)
 
     def __iter__(self):
-        train, _ = digits(**{k: v for k, v in self.kwargs.items() if k in ("image_size", "test_fraction", "seed")})
+        train, _ = digits(
+            **{k: v for k, v in self.kwargs.items() if k in ("image_size", "test_fraction", "seed")}
+        )
         return iter(train)
 
 

@@ -47,7 +47,9 @@ def test_no_module_over_400_lines_and_no_class_over_250(path: Path):
     assert text.count("\n") <= 400, f"{_name(path)} has {text.count(chr(10))} lines"
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.ClassDef):
-            assert node.end_lineno - node.lineno + 1 <= 250, f"{_name(path)}.{node.name} is over 250 lines"
+            assert node.end_lineno - node.lineno + 1 <= 250, (
+                f"{_name(path)}.{node.name} is over 250 lines"
+            )
 
 
 @pytest.mark.parametrize("path", MODULES, ids=_name)
@@ -56,9 +58,13 @@ def test_each_module_opens_with_a_statement_of_its_job(path: Path):
     assert docstring and docstring.split("\n")[0].strip(), f"{_name(path)} has no opening docstring"
 
 
-@pytest.mark.parametrize("path", [p for p in MODULES if p.relative_to(PACKAGE).parts[0] in LAUNCH_SIDE], ids=_name)
+@pytest.mark.parametrize(
+    "path", [p for p in MODULES if p.relative_to(PACKAGE).parts[0] in LAUNCH_SIDE], ids=_name
+)
 def test_no_launch_side_module_imports_the_worker_side(path: Path):
-    worker_side = sorted(m for m in _imports(ast.parse(path.read_text())) if m.startswith(WORKER_SIDE))
+    worker_side = sorted(
+        m for m in _imports(ast.parse(path.read_text())) if m.startswith(WORKER_SIDE)
+    )
     assert not worker_side, f"{_name(path)} imports {worker_side}"
 
 
@@ -66,29 +72,39 @@ STRATEGIES = PACKAGE / "parallel" / "strategies"
 
 
 @pytest.mark.parametrize(
-    "path", sorted(p for p in STRATEGIES.glob("*.py") if p.stem not in ("__init__", "base")), ids=_name
+    "path",
+    sorted(p for p in STRATEGIES.glob("*.py") if p.stem not in ("__init__", "base")),
+    ids=_name,
 )
 def test_every_strategy_is_one_module_with_one_class_implementing_the_protocol(path: Path):
     tree = ast.parse(path.read_text())
     strategies = [
         node
         for node in tree.body
-        if isinstance(node, ast.ClassDef) and any(isinstance(b, ast.Name) and b.id == "Strategy" for b in node.bases)
+        if isinstance(node, ast.ClassDef)
+        and any(isinstance(b, ast.Name) and b.id == "Strategy" for b in node.bases)
     ]
-    assert len(strategies) == 1, f"{_name(path)} defines {len(strategies)} Strategy classes, not one"
+    assert len(strategies) == 1, (
+        f"{_name(path)} defines {len(strategies)} Strategy classes, not one"
+    )
     (strategy,) = strategies
     bases = [ast.unparse(base) for base in strategy.bases]
-    assert bases == ["Strategy"], f"{_name(path)}.{strategy.name} inherits {bases}: a strategy composes, not inherits"
+    assert bases == ["Strategy"], (
+        f"{_name(path)}.{strategy.name} inherits {bases}: a strategy composes, not inherits"
+    )
     name = next(
         (
             node.value.value
             for node in strategy.body
             if isinstance(node, (ast.Assign, ast.AnnAssign))
-            and ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target) == "name"
+            and ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
+            == "name"
         ),
         None,
     )
-    assert name == path.stem, f"{_name(path)}.{strategy.name}.name is {name!r}, not its module's name"
+    assert name == path.stem, (
+        f"{_name(path)}.{strategy.name}.name is {name!r}, not its module's name"
+    )
 
 
 def test_the_registry_holds_every_strategy_module_and_every_conf_strategy_option():
@@ -126,17 +142,34 @@ def _config_keys() -> dict[str, set[str]]:
     sections: dict[str, set[str]] = {}
     for f in dataclasses.fields(run_config.RunConfig):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        sections[f.name] = {g.name for g in dataclasses.fields(default)} if is_dataclass(default) else set()
-    sections["strategy"] = {g.name for s in strategies.REGISTRY.values() for g in dataclasses.fields(s.Settings)}
+        sections[f.name] = (
+            {g.name for g in dataclasses.fields(default)} if is_dataclass(default) else set()
+        )
+    sections["strategy"] = {
+        g.name for s in strategies.REGISTRY.values() for g in dataclasses.fields(s.Settings)
+    }
     return sections
 
 
-CONFIG_NAMES = {"cfg", "config", "run_config", "resolved", "plain", "data_cfg", "settings", "as_run"}
+CONFIG_NAMES = {
+    "cfg",
+    "config",
+    "run_config",
+    "resolved",
+    "plain",
+    "data_cfg",
+    "settings",
+    "as_run",
+}
 
 
 def _string_key(node: ast.AST) -> tuple[Optional[str], Optional[ast.AST]]:
     """(key, the object it is read from) for `obj["key"]` and `obj.get/pop/setdefault("key")`."""
-    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+    if (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.slice, ast.Constant)
+        and isinstance(node.slice.value, str)
+    ):
         return node.slice.value, node.value
     if (
         isinstance(node, ast.Call)
@@ -153,7 +186,11 @@ def _string_key(node: ast.AST) -> tuple[Optional[str], Optional[ast.AST]]:
 def _root(node: ast.AST) -> str:
     """The name an expression is read from: `self.cfg.data` → `self.cfg`, `plain["x"]` → `plain`."""
     while isinstance(node, (ast.Subscript, ast.Call, ast.Attribute)):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
             return f"self.{node.attr}"
         node = node.value if not isinstance(node, ast.Call) else node.func
     return node.id if isinstance(node, ast.Name) else ""
@@ -175,11 +212,14 @@ def _config_reads(text: str) -> list[str]:
         if key is not None and key != "_target_":
             outer, _ = _string_key(obj)
             root = _root(obj).removeprefix("self.")
-            if (outer in sections and key in sections[outer]) or (root in CONFIG_NAMES and key in names):
+            if (outer in sections and key in sections[outer]) or (
+                root in CONFIG_NAMES and key in names
+            ):
                 found.append(f"line {node.lineno}: {ast.unparse(node)}")
         if (
             isinstance(node, ast.Call)
-            and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("lookup", "select", "update")
+            and getattr(node.func, "attr", getattr(node.func, "id", ""))
+            in ("lookup", "select", "update")
             and len(node.args) > 1
             and isinstance(node.args[1], ast.Constant)
             and str(node.args[1].value).split(".")[0] in sections
@@ -200,13 +240,22 @@ def test_the_config_read_check_catches_each_form_it_names():
     ]
     for line in caught:
         assert _config_reads(line), line
-    passed = ['x = cfg.optim.get("lr")', 'x = state["model"]', 'x = cfg.model["_target_"]', "x = lookup(cfg, key)"]
+    passed = [
+        'x = cfg.optim.get("lr")',
+        'x = state["model"]',
+        'x = cfg.model["_target_"]',
+        "x = lookup(cfg, key)",
+    ]
     for line in passed:
         assert not _config_reads(line), line
 
 
-@pytest.mark.parametrize("path", [p for p in MODULES if p.relative_to(PACKAGE).parts[0] != "config"], ids=_name)
+@pytest.mark.parametrize(
+    "path", [p for p in MODULES if p.relative_to(PACKAGE).parts[0] != "config"], ids=_name
+)
 def test_no_module_outside_config_reads_a_config_key_by_string(path: Path):
     """The RunConfig is typed: outside config/ its keys are attributes (the forms: _config_reads)."""
     found = _config_reads(path.read_text())
-    assert not found, f"{_name(path)} reads config keys by string (use the RunConfig's attributes): {found}"
+    assert not found, (
+        f"{_name(path)} reads config keys by string (use the RunConfig's attributes): {found}"
+    )

@@ -28,7 +28,9 @@ def test_the_watchdog_dumps_a_stalled_main_thread_and_clears_it_when_it_moves_on
     def read_while_stalled() -> None:  # the main thread cannot: it is the one stalled
         while not (stacks / "rank3.json").exists():
             time.sleep(0.02)
-        seen.update(json=(stacks / "rank3.json").read_text(), text=(stacks / "rank3.txt").read_text())
+        seen.update(
+            json=(stacks / "rank3.json").read_text(), text=(stacks / "rank3.txt").read_text()
+        )
 
     reader = threading.Thread(target=read_while_stalled, daemon=True)
     with hangs.Watchdog(tmp_path, 3, stall_after=0.4) as dog:
@@ -43,7 +45,8 @@ def test_the_watchdog_dumps_a_stalled_main_thread_and_clears_it_when_it_moves_on
     assert not (stacks / "rank3.json").exists() and not (stacks / "rank3.txt").exists()
     assert place["rank"] == 3 and place["function"] == "_stalled_here" and place["waits_in"] is None
     assert place["at"] == f"test_hangs.py:{_stalled_here.__code__.co_firstlineno + 1}"
-    assert place["code"] == "threading.Event().wait(seconds)" and place["last_collective"] is None  # no group here
+    # no group here
+    assert place["code"] == "threading.Event().wait(seconds)" and place["last_collective"] is None
     assert text.startswith("rank 3 (pid ") and "The main thread (most recent call last):" in text
     assert "in _stalled_here" in text and "Every thread" in text
     assert dog.stop.is_set()
@@ -71,7 +74,10 @@ def _polling_wait(timeout_s: float, on_liveness_check=None) -> types.SimpleNames
     """The shared-memory all-reduce's own wait loop (rank 0 of 2; rank 1 never comes), run here, on
     this thread. Its liveness check reads this process's /proc entry, as a rank's reads its peers'."""
     me = types.SimpleNamespace(
-        counters=[0] * 16, world=2, timeout_s=timeout_s, pids={1: (os.getpid(), _started(os.getpid()))}
+        counters=[0] * 16,
+        world=2,
+        timeout_s=timeout_s,
+        pids={1: (os.getpid(), _started(os.getpid()))},
     )
 
     def check_alive(ranks: list[int]) -> None:
@@ -120,12 +126,18 @@ def test_a_rank_in_the_shared_memory_wait_leaves_its_stack_before_the_timeout(tm
 
 
 def test_the_stall_threshold_comes_well_before_the_timeout():
-    assert hangs.stall_after_s(5) == 2.5 and hangs.stall_after_s(1800) == 300 and hangs.stall_after_s(1) == 1
+    assert (
+        hangs.stall_after_s(5) == 2.5
+        and hangs.stall_after_s(1800) == 300
+        and hangs.stall_after_s(1) == 1
+    )
 
 
 def _write(folder: Path, rank: int, **place) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "since": time.time() - 61, **place}))
+    (folder / f"rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "since": time.time() - 61, **place})
+    )
 
 
 def test_the_timeout_names_the_stuck_rank_first_then_where_the_others_wait(tmp_path: Path):
@@ -157,7 +169,9 @@ def test_the_timeout_names_the_stuck_rank_first_then_where_the_others_wait(tmp_p
 
 def test_ranks_all_waiting_in_different_collectives_are_each_placed(tmp_path: Path):
     stacks = tmp_path / hangs.STACKS
-    _write(stacks, 0, at="trainer.py:80", function="_epoch_complete", code="", waits_in="all_reduce")
+    _write(
+        stacks, 0, at="trainer.py:80", function="_epoch_complete", code="", waits_in="all_reduce"
+    )
     _write(stacks, 1, at="saving.py:40", function="save", code="", waits_in="barrier")
     assert hangs.describe(tmp_path, 5).endswith(
         "rank 0 waits in all_reduce at trainer.py:80; rank 1 waits in barrier at saving.py:40"
@@ -208,7 +222,9 @@ def test_the_watchdog_holds_no_frame_of_a_function_that_returned(tmp_path: Path)
     ref = work()
     gc.collect()
     try:
-        assert ref() is None, "the watchdog keeps a returned function's frame (and its locals) alive"
+        assert ref() is None, (
+            "the watchdog keeps a returned function's frame (and its locals) alive"
+        )
     finally:
         cue.set()
         dog.thread.join(timeout=10)
@@ -226,7 +242,13 @@ def test_a_loader_workers_place_is_its_worker_loops_innermost_own_frame():
         '  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/fetch.py", line 54 in fetch\n'
         '  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/worker.py", line 375 in _worker_loop\n'
     )
-    assert hangs.worker_place(dump) == "datasets.py:193 in __getitem__"  # not the other thread's, nor the library's
-    library_only = dump.replace("/work/mine/datasets.py", "/venv/lib/python3.11/site-packages/x/datasets.py")
+    # not the other thread's, nor the library's
+    assert hangs.worker_place(dump) == "datasets.py:193 in __getitem__"
+    library_only = dump.replace(
+        "/work/mine/datasets.py", "/venv/lib/python3.11/site-packages/x/datasets.py"
+    )
     assert hangs.worker_place(library_only) == "threading.py:327 in wait"  # then its innermost
-    assert hangs.worker_place('Thread 0x1 (most recent call first):\n  File "a.py", line 1 in f\n') is None
+    assert (
+        hangs.worker_place('Thread 0x1 (most recent call first):\n  File "a.py", line 1 in f\n')
+        is None
+    )

@@ -60,7 +60,8 @@ def snapshot(value: Any) -> Any:
         return {key: snapshot(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         items = [snapshot(item) for item in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple's fields
+        # a namedtuple's fields
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
 
 
@@ -92,7 +93,9 @@ def atomic_write(payload: memoryview, target: Path) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         if e.errno == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"no space left writing {target.name}: it needs {mb(len(payload))}") from None
+            raise OSError(
+                errno.ENOSPC, f"no space left writing {target.name}: it needs {mb(len(payload))}"
+            ) from None
         raise
     except BaseException:
         tmp.unlink(missing_ok=True)

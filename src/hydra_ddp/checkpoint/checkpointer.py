@@ -63,7 +63,8 @@ def _pack_rng(device: torch.device) -> torch.Tensor:
         torch.get_rng_state().double(),
         torch.from_numpy(keys.astype(np.float64)),
         torch.tensor(
-            [pos, has_gauss, cached, version, np.nan if gauss_next is None else gauss_next], dtype=torch.float64
+            [pos, has_gauss, cached, version, np.nan if gauss_next is None else gauss_next],
+            dtype=torch.float64,
         ),
         torch.tensor(py_state, dtype=torch.float64),
     ]
@@ -75,12 +76,22 @@ def _pack_rng(device: torch.device) -> torch.Tensor:
 def _unpack_rng(packed: torch.Tensor, device: torch.device) -> None:
     torch_size = torch.get_rng_state().numel()
     torch_state, rest = packed[:torch_size], packed[torch_size:]
-    keys, (pos, has_gauss, cached, version, gauss_next), rest = rest[:624], rest[624:629].tolist(), rest[629:]
+    keys, (pos, has_gauss, cached, version, gauss_next), rest = (
+        rest[:624],
+        rest[624:629].tolist(),
+        rest[629:],
+    )
     py_state, cuda_state = rest[:625], rest[625:]
     torch.set_rng_state(torch_state.to(torch.uint8))
-    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
+    np.random.set_state(
+        ("MT19937", keys.numpy().astype(np.uint32), int(pos), int(has_gauss), cached)
+    )
     random.setstate(
-        (int(version), tuple(int(v) for v in py_state.tolist()), None if np.isnan(gauss_next) else gauss_next)
+        (
+            int(version),
+            tuple(int(v) for v in py_state.tolist()),
+            None if np.isnan(gauss_next) else gauss_next,
+        )
     )
     if device.type == "cuda" and cuda_state.numel():
         torch.cuda.set_rng_state(cuda_state.to(torch.uint8), device)
@@ -114,7 +125,8 @@ class Checkpointer:
         self.dir = RunDir(run_dir).checkpoints
         self.rank = rank
         self.device = device
-        self.recorded = run_config.as_run(cfg, found)  # as every checkpoint holds it (plain: weights_only loads it)
+        # as every checkpoint holds it (plain: weights_only loads it)
+        self.recorded = run_config.as_run(cfg, found)
         self.sharded = sharded  # every rank writes its shards (DCP), else rank 0 the whole state
         self.writer: Optional[Writer] = None  # rank 0's, from the first save to finish()
         self.write_error: Optional[str] = None
@@ -128,7 +140,12 @@ class Checkpointer:
     def save(self, state: dict[str, Any], step: int, best: bool = False) -> None:
         """Called by every rank at the same step; rank 0 writes, everyone waits for it. `best`: these
         are the best weights by trainer.monitor so far (best.pt)."""
-        state = {**state, "rng": _gather_rng(self.device), "config": self.recorded, "format": FORMAT}
+        state = {
+            **state,
+            "rng": _gather_rng(self.device),
+            "config": self.recorded,
+            "format": FORMAT,
+        }
         if self.sharded:
             return self._save_sharded(state, step, best)
         # The previous write first: one at a time (so the free space it checks is real), and every
@@ -178,7 +195,8 @@ class Checkpointer:
             target = self.dir / f"step-{step:08d}.pt"
             atomic_write(payload, target)
             self._publish(target, best)
-            log.info("checkpoint: step %d → %s", step, target, extra=FILE_ONLY)  # the epoch's line says enough
+            # the epoch's line says enough
+            log.info("checkpoint: step %d → %s", step, target, extra=FILE_ONLY)
         except Exception as e:  # noqa: BLE001  (a full disk, or a state that does not serialise: reported, not lost in a thread)
             self.write_error = self._failed(step, e)
 
@@ -215,7 +233,10 @@ class Checkpointer:
         again = self.written_step == step and target.is_dir()
         if not again:
             try:
-                dcp.save({k: state[k] for k in SHARDED if k in state}, storage_writer=dcp.FileSystemWriter(tmp))
+                dcp.save(
+                    {k: state[k] for k in SHARDED if k in state},
+                    storage_writer=dcp.FileSystemWriter(tmp),
+                )
             except CheckpointException as e:  # raised on every rank, with every rank's failure
                 problem = self._failed(step, first_failure(e))
         if self.rank.is_main:
@@ -270,7 +291,8 @@ class Checkpointer:
             return None
         if resume != "auto":
             path = Path(resume).expanduser().resolve()
-            return path, self.load(path)  # a bad explicit checkpoint stops the run here, with its path
+            # a bad explicit checkpoint stops the run here, with its path
+            return path, self.load(path)
         for path in reversed(self.step_files()):
             try:
                 return path, self.load(path)
@@ -281,11 +303,15 @@ class Checkpointer:
     def load(self, path: Path) -> dict[str, Any]:
         return read(path, "trainer.resume", self.device)
 
-    def restore(self, state: dict[str, Any], path: Path, strategy: Any, optimizer, scheduler) -> None:
+    def restore(
+        self, state: dict[str, Any], path: Path, strategy: Any, optimizer, scheduler
+    ) -> None:
         """Every rank read the checkpoint: each takes its part. Either layout reshards to any world
         size and any strategy (a directory: DCP reads each rank's part of the shards; a file: the
         full state, of which FSDP keeps its shards)."""
-        check_compatible(strategy.module, state["model"], path, fix="resume with the model it was saved from")
+        check_compatible(
+            strategy.module, state["model"], path, fix="resume with the model it was saved from"
+        )
         self._check_same_batches(state, path)
         if path.is_dir():
             strategy.load_sharded(path, optimizer)

@@ -66,7 +66,9 @@ def read(path: Path, key: str, device: Optional[torch.device] = None) -> dict[st
             state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
         raise UserError(
-            f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]
+            f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[
+                0
+            ]
         ) from None
     if not isinstance(state, dict) or "format" not in state:
         raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint")
@@ -100,19 +102,25 @@ def _read_sharded(path: Path, key: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not (path / ".metadata").is_file() or not (path / META).is_file():
-        raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint (no .metadata and {META} in it)")
+        raise UserError(
+            f"{key}: {str(path)!r} is not a hydra-ddp checkpoint (no .metadata and {META} in it)"
+        )
     try:
         state = torch.load(path / META, map_location="cpu", weights_only=True)
         index = FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as e:
         raise UserError(
-            f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]
+            f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[
+                0
+            ]
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint")
     for part in ("model", "ema"):  # the weights, and their moving average where the run kept one
         shapes = {
-            name[len(part) + 1 :]: torch.empty(item.size, dtype=item.properties.dtype, device="meta")
+            name[len(part) + 1 :]: torch.empty(
+                item.size, dtype=item.properties.dtype, device="meta"
+            )
             for name, item in index.items()
             if name.startswith(f"{part}.") and isinstance(item, TensorStorageMetadata)
         }
@@ -136,14 +144,19 @@ def model_weights(path: Path, state: dict[str, Any]) -> dict[str, torch.Tensor]:
         return state[part]
     import torch.distributed.checkpoint as dcp
 
-    weights = {name: torch.empty(shape.shape, dtype=shape.dtype) for name, shape in state[part].items()}
+    weights = {
+        name: torch.empty(shape.shape, dtype=shape.dtype) for name, shape in state[part].items()
+    }
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        # "assuming the intent is to load in a single process": it is
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({part: weights}, checkpoint_id=path, no_dist=True)
     except Exception as e:
         raise UserError(
-            f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]
+            f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[
+                0
+            ]
         ) from None
     return weights
 
@@ -175,12 +188,16 @@ def _published(folder: Path, name: str) -> Optional[Path]:
     return max(found, key=lambda p: p.lstat().st_mtime_ns).resolve()
 
 
-def check_compatible(model: nn.Module, saved: dict[str, torch.Tensor], path: Path, fix: str) -> None:
+def check_compatible(
+    model: nn.Module, saved: dict[str, torch.Tensor], path: Path, fix: str
+) -> None:
     """A checkpoint of another model is one error listing the keys, not a wall of size errors."""
     check_compatible_keys(model.state_dict(), saved, path, fix)
 
 
-def check_compatible_keys(own: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], path: Path, fix: str) -> None:
+def check_compatible_keys(
+    own: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], path: Path, fix: str
+) -> None:
     missing = sorted(own.keys() - saved.keys())
     unexpected = sorted(saved.keys() - own.keys())
     reshaped = sorted(
@@ -190,11 +207,17 @@ def check_compatible_keys(own: dict[str, torch.Tensor], saved: dict[str, torch.T
     )
     problems = [
         f"{label}: {', '.join(keys[:6])}{' …' if len(keys) > 6 else ''}"
-        for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape differs", reshaped))
+        for label, keys in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("shape differs", reshaped),
+        )
         if keys
     ]
     if problems:
-        raise UserError(f"checkpoint {str(path)!r} is of another model ({'; '.join(problems)}); {fix}")
+        raise UserError(
+            f"checkpoint {str(path)!r} is of another model ({'; '.join(problems)}); {fix}"
+        )
 
 
 # --- fine-tuning: trainer.init_from --------------------------------------------------------------
@@ -232,5 +255,7 @@ def ignored_keys(model: nn.Module, keys: Any, ignore: list[str]) -> set[str]:
 def _head(model: nn.Module) -> str:
     linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     if not linear:
-        raise UserError("trainer.init_ignore=[head]: the model has no Linear layer; name its parameters instead")
+        raise UserError(
+            "trainer.init_ignore=[head]: the model has no Linear layer; name its parameters instead"
+        )
     return linear[-1]

@@ -27,7 +27,8 @@ def optimizer_state_by_name(module: nn.Module, optimizer: torch.optim.Optimizer)
     return {
         "state": {by_position[index]: value for index, value in state["state"].items()},
         "param_groups": [
-            {**group, "params": [by_position[index] for index in group["params"]]} for group in state["param_groups"]
+            {**group, "params": [by_position[index] for index in group["params"]]}
+            for group in state["param_groups"]
         ],
     }
 
@@ -96,7 +97,9 @@ class ShardedState:
             get_model_state_dict,
         )
 
-        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(
+            self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
     def load_model_state(self, state: dict[str, torch.Tensor], everywhere: bool = True) -> None:
         """Each rank keeps its shard of the full weights: read by every rank (`everywhere`), or
@@ -107,7 +110,9 @@ class ShardedState:
         )
 
         set_model_state_dict(
-            self.module, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=not everywhere)
+            self.module,
+            state,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=not everywhere),
         )
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -139,7 +144,10 @@ class ShardedState:
         return {"model": model_state, "optimizer": optimizer_state}
 
     def local_tensors(self) -> Iterator[torch.Tensor]:
-        return (p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in self.module.parameters())
+        return (
+            p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+            for p in self.module.parameters()
+        )
 
 
 def load_sharded(wrapped: nn.Module, path: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -151,7 +159,9 @@ def load_sharded(wrapped: nn.Module, path: Any, optimizer: torch.optim.Optimizer
     model_state, optimizer_state = get_state_dict(wrapped, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(wrapped, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        wrapped, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
 
 
 def load_sharded_model(wrapped: nn.Module, path: Any, part: str) -> None:

@@ -50,7 +50,8 @@ def check(cfg: Any, run_dir: Path) -> None:
             f"trainer.resume={resume}: no checkpoint at {str(Path(str(resume)).expanduser().resolve())!r}; "
             "give a checkpoint (checkpoints/step-N.pt, or a sharded step-N directory), or auto"
         )
-    if trainer.compile_backend != "inductor" or trainer.compile:  # torch._dynamo only when asked for
+    # torch._dynamo only when asked for
+    if trainer.compile_backend != "inductor" or trainer.compile:
         import torch._dynamo
 
         backends = torch._dynamo.list_backends(exclude_tags=())
@@ -61,7 +62,9 @@ def check(cfg: Any, run_dir: Path) -> None:
             )
     strategies.get(cfg.strategy.name).check(cfg)
     if str(trainer.precision) == "16" and trainer.device != "cuda":
-        raise UserError("trainer.precision=16 needs a GPU (fp16 autocast with a GradScaler); on the CPU use bf16")
+        raise UserError(
+            "trainer.precision=16 needs a GPU (fp16 autocast with a GradScaler); on the CPU use bf16"
+        )
     _check_workflow(cfg)
     _check_loading(data_cfg)
     _check_recipe(cfg)
@@ -69,10 +72,14 @@ def check(cfg: Any, run_dir: Path) -> None:
     world = trainer.nproc * launcher.nnodes
     ranks = cfg.profiler.ranks
     if ranks is not None and not all(isinstance(r, int) and 0 <= r < world for r in ranks):
-        raise UserError(f"profiler.ranks={list(ranks)}: ranks of this run, 0 to {world - 1} (or null: every rank)")
+        raise UserError(
+            f"profiler.ranks={list(ranks)}: ranks of this run, 0 to {world - 1} (or null: every rank)"
+        )
     loggers = cfg.logger
     if loggers is not None and not isinstance(loggers, dict):
-        raise UserError(f"logger={loggers!r}: name the loggers, e.g. logger=[tensorboard,csv] (options: conf/logger/)")
+        raise UserError(
+            f"logger={loggers!r}: name the loggers, e.g. logger=[tensorboard,csv] (options: conf/logger/)"
+        )
     for name, logger in (loggers or {}).items():
         targets.check(logger, f"logger.{name}")
         _check_requires(logger["_target_"], f"logger.{name}", f"logger={name}")
@@ -96,9 +103,13 @@ def check(cfg: Any, run_dir: Path) -> None:
                 "wraps the uncompiled model); use trainer.compile=blocks, or one or the other"
             )
     if launcher.nnodes > 1 and cfg.init_method.name != "env":
-        raise UserError("across nodes the ranks meet through torchrun's rendezvous: use init_method=env")
+        raise UserError(
+            "across nodes the ranks meet through torchrun's rendezvous: use init_method=env"
+        )
     if cfg.init_method.name == "file" and launcher.max_restarts:
-        raise UserError("a restarted group cannot reuse a file:// store: use init_method=env or tcp with restarts")
+        raise UserError(
+            "a restarted group cannot reuse a file:// store: use init_method=env or tcp with restarts"
+        )
 
 
 def model_on_meta(model_cfg: Any) -> Any:
@@ -128,7 +139,9 @@ def _check_model_fits_data(cfg: Any) -> None:
             raise UserError(
                 f"model={groups.chosen('model', cfg.model)} does not build: {first_line(root_cause(error))}"
             ) from None
-        return  # a model of yours that builds only in a worker (it asks for its rank, say): the workers report it
+        # a model of yours that builds only in a worker (it asks for its rank, say): the workers
+        # report it
+        return
     length, ids = data.text_shape(cfg.data)
     positions = _positions(model)
     if length is not None and positions is not None and length > positions:
@@ -136,7 +149,11 @@ def _check_model_fits_data(cfg: Any) -> None:
             f"the data's sequences are up to {length} tokens (data.dataset's), and the model has {positions} "
             "positions: shorten the data's sequences, or give the model more positions"
         )
-    rows = model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings") else None
+    rows = (
+        model.get_input_embeddings().num_embeddings
+        if hasattr(model, "get_input_embeddings")
+        else None
+    )
     if ids is not None and rows is not None and ids > rows:
         raise UserError(
             f"the data's token ids go up to {ids - 1} (a vocabulary of {ids}), and the model's embedding has "
@@ -148,7 +165,11 @@ def _positions(model: Any) -> Any:
     """The longest sequence a language model takes: the built-in GPT's context, a transformers
     config's positions; None where the model does not say."""
     config = getattr(model, "config", None)
-    for owner, name in ((model, "context"), (config, "max_position_embeddings"), (config, "n_positions")):
+    for owner, name in (
+        (model, "context"),
+        (config, "max_position_embeddings"),
+        (config, "n_positions"),
+    ):
         value = getattr(owner, name, None)
         if isinstance(value, int):
             return value
@@ -180,7 +201,9 @@ def _check_workflow(cfg: Any) -> None:
                 "data.val_fraction=0, only train/loss has values)"
             )
         if not trainer.eval_every_epoch:
-            raise UserError("trainer.early_stopping needs a validation every epoch: set trainer.eval_every_epoch=true")
+            raise UserError(
+                "trainer.early_stopping needs a validation every epoch: set trainer.eval_every_epoch=true"
+            )
     if trainer.init_from:
         checkpoints.check_init(cfg.model, Path(trainer.init_from), list(trainer.init_ignore))
 
@@ -197,7 +220,9 @@ def _check_recipe(cfg: Any) -> None:
         )
     if patterns is not None:
         if not patterns or not all(isinstance(p, str) and p for p in patterns):
-            raise UserError(f"param_groups.no_decay={list(patterns)}: give one or more name patterns (or none, auto)")
+            raise UserError(
+                f"param_groups.no_decay={list(patterns)}: give one or more name patterns (or none, auto)"
+            )
         try:
             model = model_on_meta(cfg.model)
         except Exception:  # noqa: BLE001  (a model that does not build is the dry build's, or the run's, to report)
@@ -227,16 +252,22 @@ def _check_requires(target: str, key: str, choice: str) -> None:
     installed: else one line before launch that says how to install them."""
     for package, title, install in getattr(targets.locate(target, key), "requires", ()):
         if importlib.util.find_spec(package) is None:
-            raise UserError(f"{choice} needs {title} ({package}), which is not installed: {install}")
+            raise UserError(
+                f"{choice} needs {title} ({package}), which is not installed: {install}"
+            )
 
 
 def dry_build(cfg: Any) -> None:
     """train.py --check: what a worker builds before its first step, without a process group: the
     datasets, the model on the meta device (no memory, any size), one batch of two samples through
     it and the task's loss, the optimizer and the schedule. What fails is one line."""
-    model_and_data = f"{groups.chosen('model', cfg.model)} with {groups.chosen('data', cfg.data.dataset)}"
+    model_and_data = (
+        f"{groups.chosen('model', cfg.model)} with {groups.chosen('data', cfg.data.dataset)}"
+    )
     task = tasks.build(cfg.task)
-    with _one_line(f"{model_and_data} does not build and run one batch (checked on the meta device)"):
+    with _one_line(
+        f"{model_and_data} does not build and run one batch (checked on the meta device)"
+    ):
         model = model_on_meta(cfg.model)
         if not cfg.data.dataset.get("download", False):  # a download is the run's to make
             train = data.build_datasets(cfg.data, RankInfo(0, 1, 0, 1), cfg.trainer.seed)["train"]
@@ -245,20 +276,27 @@ def dry_build(cfg: Any) -> None:
             if problem:
                 raise UserError(problem)
             batch = batches.collate_for(train)(samples[:2])
-            task.samples(batch)  # tensors that disagree on the batch size: one line here, not in a worker
-            loss = run_shapes_only(  # on the CPU, for real, where the model reads its inputs' values
+            # tensors that disagree on the batch size: one line here, not in a worker
+            task.samples(batch)
+            # on the CPU, for real, where the model reads its inputs' values
+            loss = run_shapes_only(
                 lambda: instantiate(cfg.model),
                 lambda built, inputs: tasks.checked_loss(task, built, inputs),
                 batches.to_device(batch, torch.device("meta")),
                 batch,
             )
             if loss.dim() != 0:
-                raise UserError(f"{model_and_data}: the loss of one batch has shape {tuple(loss.shape)}, not a scalar")
+                raise UserError(
+                    f"{model_and_data}: the loss of one batch has shape {tuple(loss.shape)}, not a scalar"
+                )
     with _one_line(f"{groups.chosen('optim', cfg.optim)} does not build on the model's parameters"):
         optimizer = optimizers.build(cfg.optim, cfg.param_groups.no_decay, model, model)
     if cfg.scheduler is not None:
-        with _one_line(f"{groups.chosen('scheduler', cfg.scheduler)} does not build on the optimizer"):
-            schedules.build(cfg.scheduler, optimizer, cfg.trainer.max_steps or 1_000_000)  # the workers' length
+        with _one_line(
+            f"{groups.chosen('scheduler', cfg.scheduler)} does not build on the optimizer"
+        ):
+            # the workers' length
+            schedules.build(cfg.scheduler, optimizer, cfg.trainer.max_steps or 1_000_000)
 
 
 @contextlib.contextmanager

@@ -31,7 +31,9 @@ class Domain:
 
 
 def _show(value: Any) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    return (
+        "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +117,11 @@ class Pattern(Domain):
     shape: str
 
     def problem(self, value: Any) -> Optional[str]:
-        return None if isinstance(value, str) and re.fullmatch(self.regex, value) else f"give {self.shape}"
+        return (
+            None
+            if isinstance(value, str) and re.fullmatch(self.regex, value)
+            else f"give {self.shape}"
+        )
 
     def allowed(self) -> str:
         return self.shape
@@ -147,7 +153,8 @@ class Chosen(Domain):
     settings): `options()` maps each option's name to its dataclass."""
 
     group: str
-    lookup: Any  # () -> {name: dataclass}: called when asked (its classes may live on the worker side)
+    # () -> {name: dataclass}: called when asked (its classes may live on the worker side)
+    lookup: Any
 
     def options(self) -> dict[str, type]:
         return self.lookup()
@@ -170,7 +177,9 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True)
 
 
-def fields(cls: type, prefix: str = "", chosen: Optional[dict[str, str]] = None) -> list[tuple[str, type, str]]:
+def fields(
+    cls: type, prefix: str = "", chosen: Optional[dict[str, str]] = None
+) -> list[tuple[str, type, str]]:
     """(dotted key, class, field name) of every leaf field of a schema class, nested sections walked;
     a Chosen section as the option `chosen` names for it ({"strategy": "fsdp"}), else left out."""
     out = []

@@ -17,7 +17,9 @@ def node_range(value: Any) -> tuple[int, int]:
     try:
         bounds = (int(low), int(high)) if sep else (int(text), int(text))
     except ValueError:
-        raise UserError(f"launcher.nnodes={value!r}: give a node count (2) or an elastic range MIN:MAX (1:4)") from None
+        raise UserError(
+            f"launcher.nnodes={value!r}: give a node count (2) or an elastic range MIN:MAX (1:4)"
+        ) from None
     if bounds[0] < 1 or bounds[0] > bounds[1]:
         raise UserError(f"launcher.nnodes={value}: the range MIN:MAX needs 1 <= MIN <= MAX")
     return bounds
@@ -34,7 +36,10 @@ def is_elastic(launcher: Any) -> bool:
 
 def world_sizes(cfg: Any) -> list[int]:
     """Every world size the run may train at, smallest first."""
-    return [cfg.trainer.nproc * nodes for nodes in range(cfg.launcher.min_nodes, cfg.launcher.nnodes + 1)]
+    return [
+        cfg.trainer.nproc * nodes
+        for nodes in range(cfg.launcher.min_nodes, cfg.launcher.nnodes + 1)
+    ]
 
 
 def check(cfg: Any, global_batch: Optional[int]) -> None:
@@ -60,15 +65,18 @@ def check(cfg: Any, global_batch: Optional[int]) -> None:
     chosen = strategies.get(cfg.strategy.name)
     micro = cfg.data.batch_size
     for nodes, world in zip(range(launcher.min_nodes, launcher.nnodes + 1), world_sizes(cfg)):
-        replicas = chosen.replicas(cfg.strategy, world)  # tensor parallel that does not fit: one line
-        chosen.check(dataclasses.replace(cfg, launcher=dataclasses.replace(launcher, nnodes=nodes)))  # e.g. its plan
+        # tensor parallel that does not fit: one line
+        replicas = chosen.replicas(cfg.strategy, world)
+        # e.g. its plan
+        chosen.check(dataclasses.replace(cfg, launcher=dataclasses.replace(launcher, nnodes=nodes)))
         if global_batch % (micro * replicas):
             raise UserError(
                 f"data.global_batch_size={global_batch} does not divide into micro-batches of data.batch_size={micro} "
                 f"on the {replicas} model replicas of world size {world}, which {span} allows: choose a global "
                 f"batch that every one takes whole (a multiple of {micro * replicas}), or a smaller data.batch_size"
             )
-    cfg.trainer.resume = cfg.trainer.resume or "auto"  # each restart continues from the last checkpoint
+    # each restart continues from the last checkpoint
+    cfg.trainer.resume = cfg.trainer.resume or "auto"
 
 
 def at_world_size(cfg: Any, world: int) -> Optional[dict[str, Any]]:

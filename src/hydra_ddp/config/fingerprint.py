@@ -11,15 +11,23 @@ from typing import Any
 
 def what_is_trained(plain: dict[str, Any]) -> dict[str, Any]:
     """The config without how each node launches (node_rank, addresses, threads differ by design)."""
-    what = {k: v for k, v in plain.items() if k not in ("launcher", "init_method", "backend", "overridden")}
-    what["trainer"] = {k: v for k, v in plain["trainer"].items() if k not in ("nproc", "threads", "progress")}
+    what = {
+        k: v
+        for k, v in plain.items()
+        if k not in ("launcher", "init_method", "backend", "overridden")
+    }
+    what["trainer"] = {
+        k: v for k, v in plain["trainer"].items() if k not in ("nproc", "threads", "progress")
+    }
     return what
 
 
 def config_fingerprint(cfg: Any) -> str:
     """The digest of what `cfg` (a RunConfig, or one made plain) trains."""
     plain = asdict(cfg) if is_dataclass(cfg) else cfg
-    return hashlib.sha256(json.dumps(what_is_trained(plain), sort_keys=True, default=str).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps(what_is_trained(plain), sort_keys=True, default=str).encode()
+    ).hexdigest()
 
 
 def config_changes(saved: dict[str, Any], now: Any) -> list[str]:
@@ -29,7 +37,9 @@ def config_changes(saved: dict[str, Any], now: Any) -> list[str]:
     def flat(node: Any, prefix: str = "") -> dict[str, Any]:
         if not isinstance(node, dict) or not node:
             return {prefix.rstrip("."): node}
-        return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+        return {
+            k: v for key, value in node.items() for k, v in flat(value, f"{prefix}{key}.").items()
+        }
 
     ignored = ("trainer.resume", "trainer.max_time", "sweep", "job", "trial", "eval")
     now = asdict(now) if is_dataclass(now) else now

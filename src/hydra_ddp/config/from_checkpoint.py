@@ -24,7 +24,8 @@ def resolve(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     saved = checkpoints.read(path, "ckpt")
     composed = OmegaConf.to_container(cfg, resolve=True)
     plain = copy.deepcopy(saved["config"])
-    plain.setdefault("task", {"_target_": "hydra_ddp.tasks.Classification"})  # a checkpoint from before tasks
+    # a checkpoint from before tasks
+    plain.setdefault("task", {"_target_": "hydra_ddp.tasks.Classification"})
     for group in ("backend", "init_method", "launcher"):
         plain[group] = composed[group]
     # The run's CPU threads per rank stay (the same kernels, the same bits) unless set on the command line.
@@ -35,7 +36,9 @@ def resolve(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     domains.check(composed, schema.EvalConfig)  # the command line's values, in their domains
     split = composed["split"]
     if split == "val" and not plain["data"]["val_fraction"]:
-        raise UserError("split=val: this run had no validation split (data.val_fraction=0); choose split=test or train")
+        raise UserError(
+            "split=val: this run had no validation split (data.val_fraction=0); choose split=test or train"
+        )
     plain["eval"] = {
         "ckpt": str(path),
         "split": split,

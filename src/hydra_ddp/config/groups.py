@@ -30,7 +30,9 @@ def mismatch(error: InterpolationResolutionError) -> str:
             f"(python train.py --check tells before a run)"
         )
     having = [
-        name for name in _options(conf, lacking) if _defines(conf / lacking / f"{name}.yaml", missing.split(".")[1:])
+        name
+        for name in _options(conf, lacking)
+        if _defines(conf / lacking / f"{name}.yaml", missing.split(".")[1:])
     ]
     fix = (
         f"use {' or '.join(f'{lacking}={name}' for name in having)}"
@@ -40,7 +42,10 @@ def mismatch(error: InterpolationResolutionError) -> str:
     recipes = [
         name
         for name in _options(conf, "experiment")
-        if _selects(conf / "experiment" / f"{name}.yaml", {asking: choices.get(asking), lacking: set(having)})
+        if _selects(
+            conf / "experiment" / f"{name}.yaml",
+            {asking: choices.get(asking), lacking: set(having)},
+        )
     ]
     if recipes:
         fix += f" (or {' or '.join(f'+experiment={name}' for name in recipes)})"

@@ -53,7 +53,11 @@ def field_docs(source: str) -> dict[tuple[str, str], str]:
                     break
                 above.insert(0, comments[line])
                 line -= 1
-            trailing = comments.get(item.lineno) if not lines[item.lineno - 1].strip().startswith("#") else None
+            trailing = (
+                comments.get(item.lineno)
+                if not lines[item.lineno - 1].strip().startswith("#")
+                else None
+            )
             text = " ".join(above + ([trailing] if trailing else []))
             if text:
                 docs[(node.name, item.target.id)] = text
@@ -122,7 +126,11 @@ def _lookup(config: dict[str, Any], key: str) -> Any:
 
 
 def rows(
-    cls: type, prefix: str, docs: dict[tuple[str, str], str], config: dict[str, Any], missing: list[str]
+    cls: type,
+    prefix: str,
+    docs: dict[tuple[str, str], str],
+    config: dict[str, Any],
+    missing: list[str],
 ) -> list[tuple[str, str, str, str, str]]:
     """(key, type, default, allowed, doc) for every field of `cls` and its nested sections."""
     out = []
@@ -133,12 +141,18 @@ def rows(
         if dataclasses.is_dataclass(default):
             out += rows(type(default), f"{key}.", docs, config, missing)
             continue
-        doc = next((docs[(c.__name__, f.name)] for c in cls.__mro__ if (c.__name__, f.name) in docs), None)
+        doc = next(
+            (docs[(c.__name__, f.name)] for c in cls.__mro__ if (c.__name__, f.name) in docs), None
+        )
         if doc is None:
             missing.append(key)
         hint = hints[f.name]
         value = _lookup(config, key)
-        shown = "(a `_target_` config)" if isinstance(value, dict) and "_target_" in value else _value(value)
+        shown = (
+            "(a `_target_` config)"
+            if isinstance(value, dict) and "_target_" in value
+            else _value(value)
+        )
         out.append((key, _type(hint), shown, allowed(cls, f.name), doc or ""))
     return out
 
@@ -198,7 +212,9 @@ def render() -> tuple[str, list[str]]:
         if isinstance(chosen, domains.Chosen):  # a section per option: the strategy's settings
             for option, settings in chosen.options().items():
                 docs.update(field_docs(inspect.getsource(sys.modules[settings.__module__])))
-                section = rows(settings, f"{name}.", docs, _default_config((f"{name}={option}",)), missing)
+                section = rows(
+                    settings, f"{name}.", docs, _default_config((f"{name}={option}",)), missing
+                )
                 lines += _table(f"`{name}={option}`", section)
         elif dataclasses.is_dataclass(default):
             lines += _table(f"`{name}`", rows(type(default), f"{name}.", docs, config, missing))
@@ -214,7 +230,11 @@ def render() -> tuple[str, list[str]]:
         doc = docs.get(("EvalConfig", f.name))
         if doc is None:
             missing.append(f"eval.{f.name}")
-        default = "(required)" if f.default is dataclasses.MISSING or f.default == "???" else _value(f.default)
+        default = (
+            "(required)"
+            if f.default is dataclasses.MISSING or f.default == "???"
+            else _value(f.default)
+        )
         hint = typing.get_type_hints(schema.EvalConfig)[f.name]
         lines.append(
             f"| `{f.name}` | {_type(hint)} | `{default}` | {allowed(schema.EvalConfig, f.name)} | {_cell(doc or '')} |"
@@ -225,7 +245,10 @@ def render() -> tuple[str, list[str]]:
 def main(argv: list[str]) -> int:
     text, missing = render()
     if missing:
-        print(f"hydra-ddp: error: schema fields with no doc comment: {', '.join(missing)}", file=sys.stderr)
+        print(
+            f"hydra-ddp: error: schema fields with no doc comment: {', '.join(missing)}",
+            file=sys.stderr,
+        )
         return 1
     if "--check" in argv:
         if not OUT.exists() or OUT.read_text() != text:

@@ -67,12 +67,16 @@ def settle(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, RankInfo
     # which were auto (where the workers find a shared-memory segment cannot be made, an auto falls
     # back, a true fails).
     requested_compile = trainer.compile
-    trainer.compile = compiling.mode(trainer.compile, _on_meta_or_none(cfg.model) if trainer.compile is True else None)
+    trainer.compile = compiling.mode(
+        trainer.compile, _on_meta_or_none(cfg.model) if trainer.compile is True else None
+    )
     cfg.settled = chosen.settle(cfg, world, trainer.nproc)
     if requested_compile is True:  # the summary says which: the blocks or the whole model
         cfg.settled["trainer.compile"] = trainer.compile
     allowed = chosen.allows_channels_last()
-    conv = _has_conv2d(cfg.model) if performance.needs_model(trainer.channels_last, allowed) else False
+    conv = (
+        _has_conv2d(cfg.model) if performance.needs_model(trainer.channels_last, allowed) else False
+    )
     value = performance.channels_last(trainer.channels_last, allowed, conv)
     if value is not None:  # else the workers' to settle, from the model they build
         if trainer.channels_last == performance.AUTO:
@@ -102,7 +106,9 @@ def plain_config(cfg: DictConfig) -> dict[str, Any]:
     try:
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
     except MissingMandatoryValue as e:
-        raise UserError(f"{e.full_key} must be set (it is ??? in the config); pass {e.full_key}=...") from None
+        raise UserError(
+            f"{e.full_key} must be set (it is ??? in the config); pass {e.full_key}=..."
+        ) from None
     except InterpolationResolutionError as e:
         raise UserError(groups.mismatch(e)) from None
 
@@ -117,7 +123,12 @@ def settle_launch(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, R
     if external:
         launcher_name, rank = external
         nodes = rank.world_size // rank.local_world_size
-        launcher.name, launcher.external, launcher.nnodes, launcher.min_nodes = launcher_name, True, nodes, nodes
+        launcher.name, launcher.external, launcher.nnodes, launcher.min_nodes = (
+            launcher_name,
+            True,
+            nodes,
+            nodes,
+        )
         trainer.nproc = rank.local_world_size
     else:
         trainer.nproc = _nproc(trainer.nproc, trainer.device, host)
@@ -156,7 +167,9 @@ def _resolve_monitor(trainer: Any, data_cfg: Any, task: tasks.Task) -> None:
     """The monitored metric must be one the task reports (auto: the task's choice; its direction
     settles monitor_mode=auto); without validation (data.val_fraction=0) a val/ metric has no
     values, and nothing is monitored."""
-    name, trainer.monitor_mode = monitor.settle(trainer.monitor, trainer.monitor_mode, task.metrics, task.monitored)
+    name, trainer.monitor_mode = monitor.settle(
+        trainer.monitor, trainer.monitor_mode, task.metrics, task.monitored
+    )
     trainer.monitor = name
     if name is not None and name not in monitor.names(task.metrics):
         raise UserError(
@@ -182,7 +195,9 @@ def max_time_seconds(value: Any) -> Optional[float]:
     except ValueError:
         seconds = -1.0
     if not seconds > 0:
-        raise UserError(f"trainer.max_time={value!r}: give seconds (e.g. 3600) or [D:]HH:MM:SS (e.g. 00:12:00:00)")
+        raise UserError(
+            f"trainer.max_time={value!r}: give seconds (e.g. 3600) or [D:]HH:MM:SS (e.g. 00:12:00:00)"
+        )
     return seconds
 
 
@@ -225,7 +240,9 @@ def _device(name: str, host: distributed.Host) -> str:
     if name == "auto":
         return "cuda" if host.cuda else "cpu"
     if name == "cuda" and not host.cuda:
-        raise UserError("trainer.device=cuda but CUDA is not available here; use trainer.device=cpu (or auto)")
+        raise UserError(
+            "trainer.device=cuda but CUDA is not available here; use trainer.device=cpu (or auto)"
+        )
     return name
 
 
@@ -238,7 +255,9 @@ def _nproc(value: Any, device: str, host: distributed.Host) -> int:
 def _check_launcher(launcher: Any) -> None:
     if launcher.name == "spawn":
         if launcher.nnodes != 1:
-            raise UserError("launcher=spawn runs on one node; use launcher=torchrun for launcher.nnodes > 1")
+            raise UserError(
+                "launcher=spawn runs on one node; use launcher=torchrun for launcher.nnodes > 1"
+            )
     elif launcher.name == "torchrun":
         if launcher.nnodes < 1 or not 0 <= launcher.node_rank < launcher.nnodes:
             raise UserError(
@@ -266,8 +285,14 @@ def _resolve_init_method(init: Any, run_dir: Path, external: bool) -> None:
     if name == "env" and "MASTER_PORT" in os.environ:
         port = os.environ["MASTER_PORT"]
         if not port.isdigit() or not 0 < int(port) < 65536:
-            raise UserError(f"MASTER_PORT={port!r} (exported) is not a port; export a number in 1-65535, or unset it")
-        init.host, init.port, init.port_from = os.environ.get("MASTER_ADDR") or init.host, int(port), "MASTER_PORT"
+            raise UserError(
+                f"MASTER_PORT={port!r} (exported) is not a port; export a number in 1-65535, or unset it"
+            )
+        init.host, init.port, init.port_from = (
+            os.environ.get("MASTER_ADDR") or init.host,
+            int(port),
+            "MASTER_PORT",
+        )
     elif name in ("env", "tcp") and init.port is None and external:
         needs = (
             "MASTER_ADDR and MASTER_PORT exported (rank 0's host, a free port), or init_method.port (and "

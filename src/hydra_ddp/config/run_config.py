@@ -19,7 +19,8 @@ from hydra_ddp.config import schema
 from hydra_ddp.config.section import Section
 from hydra_ddp.errors import UserError
 
-JOBS = ("train", "eval", "tune")  # what the workers run: train.py's, eval.py's, the tuner's short runs
+# what the workers run: train.py's, eval.py's, the tuner's short runs
+JOBS = ("train", "eval", "tune")
 
 
 @dataclass
@@ -108,7 +109,9 @@ def typed(plain: dict[str, Any]) -> RunConfig:
         strategy = OmegaConf.merge(OmegaConf.structured(settings), plain.get("strategy", {}))
     except OmegaConfBaseException as error:
         where = f"{error.full_key}: " if getattr(error, "full_key", None) else ""
-        raise UserError(f"the resolved config does not fit the schema: {where}{str(error).splitlines()[0]}") from None
+        raise UserError(
+            f"the resolved config does not fit the schema: {where}{str(error).splitlines()[0]}"
+        ) from None
     run = OmegaConf.to_object(cfg)
     run.strategy = OmegaConf.to_object(strategy)
     return run  # type: ignore[return-value]

@@ -26,7 +26,8 @@ def check(node: Any, key: str) -> None:
     except TypeError as e:
         group = key.split(".")[0]
         unknown = re.search(r"unexpected keyword argument '(\w+)'", str(e))
-        if unknown:  # a key another option set (an experiment's, for the option it chose): remove it with ~
+        # a key another option set (an experiment's, for the option it chose): remove it with ~
+        if unknown:
             name = unknown.group(1)
             raise UserError(
                 f"{key} ({node['_target_']}) takes no {name!r}: remove it with '~{key}.{name}' on the command "
@@ -49,11 +50,15 @@ def locate(path: str, key: str) -> Any:
         except ModuleNotFoundError as e:
             if e.name and module_name.startswith(e.name) and split > 1:
                 continue  # maybe a class attribute path; try a shorter module
-            raise UserError(f"{key}._target_={path!r}: cannot import {module_name!r} ({e})") from None
+            raise UserError(
+                f"{key}._target_={path!r}: cannot import {module_name!r} ({e})"
+            ) from None
         try:
             for attr in parts[split:]:
                 obj = getattr(obj, attr)
             return obj
         except AttributeError:
-            raise UserError(f"{key}._target_={path!r}: {module_name!r} has no {'.'.join(parts[split:])!r}") from None
+            raise UserError(
+                f"{key}._target_={path!r}: {module_name!r} has no {'.'.join(parts[split:])!r}"
+            ) from None
     raise UserError(f"{key}._target_={path!r} is not a dotted path such as package.module.Name")

@@ -13,7 +13,8 @@ from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 from hydra_ddp.errors import UserError
 
-IGNORED = -100  # the target of a position that counts in no loss (padding): PyTorch's and transformers' default
+# the target of a position that counts in no loss (padding): PyTorch's and transformers' default
+IGNORED = -100
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
@@ -22,7 +23,11 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        changes = {f.name: map_tensors(fn, getattr(batch, f.name)) for f in dataclasses.fields(batch) if f.init}
+        changes = {
+            f.name: map_tensors(fn, getattr(batch, f.name))
+            for f in dataclasses.fields(batch)
+            if f.init
+        }
         return dataclasses.replace(batch, **changes)
     if isinstance(batch, Mapping):
         items = {key: map_tensors(fn, value) for key, value in batch.items()}
@@ -47,7 +52,9 @@ def collate(samples: list[Any]) -> Any:
         return default_collate(samples)
     if dataclasses.is_dataclass(first):
         fields = [f.name for f in dataclasses.fields(first) if f.init]
-        return dataclasses.replace(first, **{name: collate([getattr(s, name) for s in samples]) for name in fields})
+        return dataclasses.replace(
+            first, **{name: collate([getattr(s, name) for s in samples]) for name in fields}
+        )
     if isinstance(first, Mapping):
         return {key: collate([s[key] for s in samples]) for key in first}
     if isinstance(first, tuple) and hasattr(first, "_fields"):
@@ -128,7 +135,9 @@ def count(batch: Any) -> int:
     return first
 
 
-def to_device(batch: Any, device: torch.device, memory_format: torch.memory_format = torch.preserve_format) -> Any:
+def to_device(
+    batch: Any, device: torch.device, memory_format: torch.memory_format = torch.preserve_format
+) -> Any:
     """The batch on the device; `memory_format` (channels_last) for its images: its 4-D floating-point
     tensors (not an integer mask, nor an index)."""
     return map_tensors(

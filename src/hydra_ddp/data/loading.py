@@ -69,7 +69,11 @@ class EvalSplit:
         self.loader = (
             None
             if preload
-            else DataLoader(dataset, batch_sampler=[list(self._indices(c)) for c in self.chunks], **loader_options)
+            else DataLoader(
+                dataset,
+                batch_sampler=[list(self._indices(c)) for c in self.chunks],
+                **loader_options,
+            )
         )
 
     def _indices(self, chunk: int) -> range:
@@ -102,7 +106,12 @@ class TensorBatches:
     batches as a DataLoader."""
 
     def __init__(self, tensors: Any, sampler: Sampler[int], batch_size: int, drop_last: bool):
-        self.tensors, self.sampler, self.batch_size, self.drop_last = tensors, sampler, batch_size, drop_last
+        self.tensors, self.sampler, self.batch_size, self.drop_last = (
+            tensors,
+            sampler,
+            batch_size,
+            drop_last,
+        )
 
     def __len__(self) -> int:
         n = len(self.sampler)  # type: ignore[arg-type]
@@ -146,7 +155,11 @@ def build_datasets(data_cfg: Any, rank: RankInfo, seed: int) -> dict[str, Option
     train, *val, test = splits
     if data_cfg.overfit_batches:  # the first samples, trained and validated on: loss must reach ~0
         n = min(len(train), data_cfg.overfit_batches * data_cfg.batch_size * rank.world_size)
-        train = batches.rows(train, slice(0, n)) if batches.whole(train) is not None else Subset(train, list(range(n)))
+        train = (
+            batches.rows(train, slice(0, n))
+            if batches.whole(train) is not None
+            else Subset(train, list(range(n)))
+        )
         return {"train": train, "val": train, "test": test}
     fraction = data_cfg.val_fraction
     if fraction == 0:
@@ -177,7 +190,9 @@ def carve(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]
     n = len(train)  # type: ignore[arg-type]
     n_val = max(1, round(n * fraction))
     if n_val >= n:
-        raise UserError(f"data.val_fraction={fraction} leaves no training samples out of {n}; choose a smaller one")
+        raise UserError(
+            f"data.val_fraction={fraction} leaves no training samples out of {n}; choose a smaller one"
+        )
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     keep, held_out = order[n_val:].sort().values, order[:n_val].sort().values  # in dataset order
     if batches.whole(train) is not None:
@@ -217,7 +232,8 @@ class _ForkedWithStopsBlocked(multiprocessing.context.ForkProcess):
     SIGTERM and die of it (stop_signals_are_the_ranks answers them)."""
 
     def start(self) -> None:
-        hangs.forking_loader_worker(self)  # where its stacks go should its rank stall waiting for it
+        # where its stacks go should its rank stall waiting for it
+        hangs.forking_loader_worker(self)
         if not hangs.fork_safe_python():
             _settle_other_threads()
         before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -272,7 +288,9 @@ def stop_signals_are_the_ranks() -> None:
     # Already blocked where the worker was forked through FORK_BLOCKING_STOPS (Linux); a worker
     # started another way (another platform's default context) inherits no mask, and blocks here.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    threading.Thread(target=_answer_stop_signals, args=(os.getppid(),), name="hydra-ddp-stop", daemon=True).start()
+    threading.Thread(
+        target=_answer_stop_signals, args=(os.getppid(),), name="hydra-ddp-stop", daemon=True
+    ).start()
 
 
 def _answer_stop_signals(rank_pid: int) -> None:
@@ -281,7 +299,9 @@ def _answer_stop_signals(rank_pid: int) -> None:
             os._exit(0)
 
 
-def eval_split(dataset: Dataset, data_cfg: Any, rank: RankInfo, seed: int, device: torch.device) -> EvalSplit:
+def eval_split(
+    dataset: Dataset, data_cfg: Any, rank: RankInfo, seed: int, device: torch.device
+) -> EvalSplit:
     return EvalSplit(
         dataset,
         data_cfg.eval_batch_size,
@@ -330,7 +350,11 @@ def build_loaders(
     # seeding torch's generator per sample costs about 0.2 ms a sample on a CPU.
     seeded = batches.whole(train_set) is None and draws_randomness(train_set)
     # A shard directory's samples in shard windows (read as a stream); any other dataset by index.
-    sampler = ShardWindowSampler if isinstance(train_set, shards.ShardedDataset) else ResumableDistributedSampler
+    sampler = (
+        ShardWindowSampler
+        if isinstance(train_set, shards.ShardedDataset)
+        else ResumableDistributedSampler
+    )
     train_sampler = sampler(
         train_set,
         num_replicas=shard.world_size,
@@ -342,18 +366,24 @@ def build_loaders(
         by_length=_by_length(train_set, data_cfg),
     )
     val, test = (
-        eval_split(splits[s], data_cfg, shard, seed, device) if splits[s] is not None else None for s in ("val", "test")
+        eval_split(splits[s], data_cfg, shard, seed, device) if splits[s] is not None else None
+        for s in ("val", "test")
     )
     if _preloaded(train_set, data_cfg):
         on_device = batches.to_device(batches.whole(train_set), device)
-        train: Iterable = TensorBatches(on_device, train_sampler, data_cfg.batch_size, data_cfg.drop_last)
+        train: Iterable = TensorBatches(
+            on_device, train_sampler, data_cfg.batch_size, data_cfg.drop_last
+        )
     else:
         train = DataLoader(
             SeededSamples(train_set, seed) if seeded else train_set,
             batch_size=data_cfg.batch_size,
             sampler=train_sampler,
             drop_last=data_cfg.drop_last,
-            **{**loader_options(data_cfg, seed, device, rank.rank), "collate_fn": batches.collate_for(train_set)},
+            **{
+                **loader_options(data_cfg, seed, device, rank.rank),
+                "collate_fn": batches.collate_for(train_set),
+            },
         )
     return Loaders(train, val, test, train_sampler, data_cfg.batch_size)  # type: ignore[arg-type]
 

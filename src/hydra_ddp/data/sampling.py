@@ -33,7 +33,8 @@ class ResumableDistributedSampler(DistributedSampler):
         window) to group the epoch's order by length (group_by_length), or None."""
         super().__init__(*args, **kwargs)
         self.pad = pad
-        self.keyed = keyed  # yield (epoch, index): the key a SeededSamples dataset draws its randomness from
+        # yield (epoch, index): the key a SeededSamples dataset draws its randomness from
+        self.keyed = keyed
         self.by_length = by_length
         self.start = 0
         if not pad:
@@ -51,7 +52,9 @@ class ResumableDistributedSampler(DistributedSampler):
         if self.by_length is None:
             everyone = super().__iter__() if self.pad else self._shard(self._order())
         else:
-            everyone = self._shard(grouped_by_length(self._order(), *self.by_length, self.seed, self.epoch))
+            everyone = self._shard(
+                grouped_by_length(self._order(), *self.by_length, self.seed, self.epoch)
+            )
         indices = itertools.islice(everyone, self.start, None)
         return ((self.epoch, index) for index in indices) if self.keyed else indices
 
@@ -68,9 +71,16 @@ class ResumableDistributedSampler(DistributedSampler):
         samples again) where every rank takes as many."""
         if self.pad and len(order) < self.total_size:
             order = torch.cat(
-                [order, order.repeat(math.ceil(self.total_size / len(order)))[: self.total_size - len(order)]]
+                [
+                    order,
+                    order.repeat(math.ceil(self.total_size / len(order)))[
+                        : self.total_size - len(order)
+                    ],
+                ]
             )
-        return iter(order[self.rank : self.total_size if self.pad else None : self.num_replicas].tolist())
+        return iter(
+            order[self.rank : self.total_size if self.pad else None : self.num_replicas].tolist()
+        )
 
     def __len__(self) -> int:
         return max(0, self.num_samples - self.start)
@@ -135,7 +145,9 @@ class ShardWindowOrder:
     within consecutive windows of `window` (each window its own seeded permutation). Position p holds
     `self[p]`, a sample index; only the window being read is held, and only while it is read."""
 
-    def __init__(self, shard_sizes: list[int], seed: int, epoch: int, window: int, shuffle: bool = True):
+    def __init__(
+        self, shard_sizes: list[int], seed: int, epoch: int, window: int, shuffle: bool = True
+    ):
         count = len(shard_sizes)
         self.shards = (
             torch.randperm(count, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
@@ -144,7 +156,8 @@ class ShardWindowOrder:
         )
         # From the sizes alone (not the dataset's own index): the order is a function of the sizes,
         # the seed and the epoch, computed once per epoch.
-        starts = [0, *itertools.accumulate(shard_sizes)]  # each shard's first sample index in the dataset
+        # each shard's first sample index in the dataset
+        starts = [0, *itertools.accumulate(shard_sizes)]
         self.first_index = [starts[s] for s in self.shards]
         self.bounds = [0, *itertools.accumulate(shard_sizes[s] for s in self.shards)]  # by position
         self.size, self.seed, self.epoch = self.bounds[-1], seed, epoch
@@ -158,7 +171,10 @@ class ShardWindowOrder:
         if self._cached[0] != number:
             length = min(self.window, self.size - number * self.window)
             seed = sample_seed(self.seed, self.epoch, number) & 0x7FFF_FFFF_FFFF_FFFF
-            self._cached = (number, torch.randperm(length, generator=torch.Generator().manual_seed(seed)).tolist())
+            self._cached = (
+                number,
+                torch.randperm(length, generator=torch.Generator().manual_seed(seed)).tolist(),
+            )
         return self._cached[1]
 
     def __getitem__(self, position: int) -> int:
@@ -177,7 +193,9 @@ class ShardWindowSampler(ResumableDistributedSampler):
 
     def __iter__(self) -> Iterator[Any]:
         dataset = self.dataset
-        order = ShardWindowOrder(dataset.shard_sizes, self.seed, self.epoch, dataset.shuffle_window, self.shuffle)  # type: ignore[attr-defined]
+        order = ShardWindowOrder(
+            dataset.shard_sizes, self.seed, self.epoch, dataset.shuffle_window, self.shuffle
+        )  # type: ignore[attr-defined]
         n, rank, ranks = len(order), self.rank, self.num_replicas
         # Padded: the positions past the end wrap to the first ones, as DistributedSampler repeats its first indices.
         indices = (order[(rank + j * ranks) % n] for j in range(self.start, self.num_samples))

@@ -68,16 +68,21 @@ def _load_digits() -> tuple[np.ndarray, np.ndarray]:
 
         raw = load_digits()
         return raw.images, raw.target
-    table = np.loadtxt(path, delimiter=",")  # 64 pixels, then the label, per row (as load_digits reads it)
+    # 64 pixels, then the label, per row (as load_digits reads it)
+    table = np.loadtxt(path, delimiter=",")
     return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
 
 
 @_one_thread
-def digits(image_size: int = 28, test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset]:
+def digits(
+    image_size: int = 28, test_fraction: float = 0.2, seed: int = 0
+) -> tuple[Dataset, Dataset]:
     """scikit-learn's 1,797 8×8 digits, bilinearly resized to image_size², held in memory."""
     raw_images, raw_labels = _load_digits()
     images = torch.from_numpy(raw_images).float().unsqueeze(1) / 16.0
-    images = F.interpolate(images, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    images = F.interpolate(
+        images, size=(image_size, image_size), mode="bilinear", align_corners=False
+    )
     labels = torch.from_numpy(raw_labels).long()
     train_idx, test_idx = _split(len(labels), test_fraction, seed)
     train_x, test_x = _standardize(images[train_idx], images[test_idx])
@@ -98,10 +103,14 @@ def python_source(
         text += path.read_bytes()
         if len(text) >= max_bytes:
             break
-    windows = torch.from_numpy(np.frombuffer(bytes(text[:max_bytes]), dtype=np.uint8).astype(np.int64))
+    windows = torch.from_numpy(
+        np.frombuffer(bytes(text[:max_bytes]), dtype=np.uint8).astype(np.int64)
+    )
     count = (len(windows) - 1) // (context + 1)
     if count < 2:
-        raise UserError(f"data=text: {len(windows)} bytes make fewer than 2 windows of data.dataset.context={context}")
+        raise UserError(
+            f"data=text: {len(windows)} bytes make fewer than 2 windows of data.dataset.context={context}"
+        )
     windows = windows[: count * (context + 1)].view(count, context + 1)
     train_idx, test_idx = _split(count, test_fraction, seed)
     return (
@@ -121,7 +130,9 @@ def python_source_dicts(
     trees = []
     for inputs, targets in (split.tensors for split in splits):
         ids = torch.cat([inputs, targets[:, -1:]], 1)
-        trees.append(TensorTree({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}))
+        trees.append(
+            TensorTree({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+        )
     return trees[0], trees[1]
 
 
@@ -138,14 +149,18 @@ def synthetic(
     n = train_size + test_size
     x = torch.randn(n, in_channels, image_size, image_size, generator=gen)
     y = torch.randint(0, num_classes, (n,), generator=gen)
-    return TensorDataset(x[:train_size], y[:train_size]), TensorDataset(x[train_size:], y[train_size:])
+    return TensorDataset(x[:train_size], y[:train_size]), TensorDataset(
+        x[train_size:], y[train_size:]
+    )
 
 
 def _shipped_table(name: str) -> np.ndarray:
     """A table scikit-learn ships in sklearn/datasets/data/, read without importing sklearn."""
     path = _shipped_path(name)
     if path is None:
-        raise UserError(f"scikit-learn's {name} was not found (is scikit-learn installed?): pip install scikit-learn")
+        raise UserError(
+            f"scikit-learn's {name} was not found (is scikit-learn installed?): pip install scikit-learn"
+        )
     return np.loadtxt(path)
 
 
@@ -165,15 +180,24 @@ def diabetes(test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Datase
 
 @_one_thread
 def synthetic_regression(
-    train_size: int = 4096, test_size: int = 512, in_features: int = 16, noise: float = 0.1, seed: int = 0
+    train_size: int = 4096,
+    test_size: int = 512,
+    in_features: int = 16,
+    noise: float = 0.1,
+    seed: int = 0,
 ) -> tuple[Dataset, Dataset]:
     """y = sin(x · w₁) + x · w₂ + noise, for random x: a regression target a small MLP can learn."""
     gen = torch.Generator().manual_seed(seed)
     n = train_size + test_size
     x = torch.randn(n, in_features, generator=gen)
-    w1, w2 = torch.randn(in_features, generator=gen) / in_features**0.5, torch.randn(in_features, generator=gen) / 4
+    w1, w2 = (
+        torch.randn(in_features, generator=gen) / in_features**0.5,
+        torch.randn(in_features, generator=gen) / 4,
+    )
     y = torch.sin(2 * x @ w1) + x @ w2 + noise * torch.randn(n, generator=gen)
-    return TensorDataset(x[:train_size], y[:train_size]), TensorDataset(x[train_size:], y[train_size:])
+    return TensorDataset(x[:train_size], y[:train_size]), TensorDataset(
+        x[train_size:], y[train_size:]
+    )
 
 
 def shapes(
@@ -194,7 +218,9 @@ def shapes(
         cy, cx = (float(v) for v in torch.randint(radius, image_size - radius, (2,), generator=gen))
         masks[i][(rows - cy) ** 2 + (cols - cx) ** 2 <= radius**2] = 2
     brightness = torch.tensor([0.0, 0.6, 1.0])  # background, square, disc
-    images = (brightness[masks] + 0.3 * torch.randn(n, image_size, image_size, generator=gen)).unsqueeze(1)
+    images = (
+        brightness[masks] + 0.3 * torch.randn(n, image_size, image_size, generator=gen)
+    ).unsqueeze(1)
     return (
         TensorDataset(images[:train_size], masks[:train_size]),
         TensorDataset(images[train_size:], masks[train_size:]),
@@ -204,7 +230,9 @@ def shapes(
 def _require_dir(root: str, what: str) -> Path:
     path = Path(root).expanduser().resolve()
     if not path.is_dir():
-        raise UserError(f"{what}: directory {str(path)!r} does not exist; set data.dataset.root to it")
+        raise UserError(
+            f"{what}: directory {str(path)!r} does not exist; set data.dataset.root to it"
+        )
     return path
 
 
@@ -259,8 +287,13 @@ def cifar10(root: str, download: bool = False, augment: bool = False) -> tuple[D
             labels += batch["labels"]
         return np.concatenate(images).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), np.array(labels)
 
-    normalize = [transforms.ToTensor(), transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))]
-    flips = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
+    normalize = [
+        transforms.ToTensor(),
+        transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    ]
+    flips = (
+        [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
+    )
     return (
         ImageArrays(*read(CIFAR10_FILES[:5]), transforms.Compose(flips + normalize)),
         ImageArrays(*read(CIFAR10_FILES[5:]), transforms.Compose(normalize)),
@@ -268,7 +301,11 @@ def cifar10(root: str, download: bool = False, augment: bool = False) -> tuple[D
 
 
 def image_folder(
-    root: str, image_size: int = 64, grayscale: bool = False, test_fraction: float = 0.2, seed: int = 0
+    root: str,
+    image_size: int = 64,
+    grayscale: bool = False,
+    test_fraction: float = 0.2,
+    seed: int = 0,
 ) -> tuple[Dataset, ...]:
     """root/<class>/<image>, split into train and test by a seeded permutation; or root/train/<class>/…
     with root/val/ and root/test/ beside it, each used where present (a missing test/ is split
@@ -298,7 +335,9 @@ def image_folder(
 
 def split_folders(root: Path) -> dict[str, Path]:
     """{split: folder} when root holds train/ (and val/, test/) and nothing else; {} for root/<class>/."""
-    subfolders = {d.name: Path(d.path) for d in os.scandir(root) if d.is_dir()} if root.is_dir() else {}
+    subfolders = (
+        {d.name: Path(d.path) for d in os.scandir(root) if d.is_dir()} if root.is_dir() else {}
+    )
     if "train" in subfolders and set(subfolders) <= set(SPLITS):
         return subfolders
     return {}
@@ -341,12 +380,15 @@ def check_source(data_cfg: Any) -> None:
             what = "packed windows are one length" if dataset_cfg.get("packing") else None
         elif target.endswith(".sharded"):
             what = "a shard directory is read in shard windows"
-        elif target.startswith("hydra_ddp.data."):  # the sources shipped here: only documents vary in length
+        # the sources shipped here: only documents vary in length
+        elif target.startswith("hydra_ddp.data."):
             what = f"the samples of {target.rsplit('.', 1)[1]} are all one size"
         else:
             what = None  # a dataset of yours: its `lengths`, or one line from the workers
         if what:
-            raise UserError(f"data.group_by_length={grouped}: {what}, nothing to group; leave it null")
+            raise UserError(
+                f"data.group_by_length={grouped}: {what}, nothing to group; leave it null"
+            )
     if target.endswith(".documents"):
         vocabulary = text.vocabulary_size(dataset_cfg)
         if vocabulary > num_classes:
@@ -387,8 +429,16 @@ def _class_folders(path: Path) -> list[str]:
 
     classes = sorted(d.name for d in os.scandir(path) if d.is_dir())
     if not classes:
-        raise UserError(f"data=imagefolder: {str(path)!r} has no class subfolders (expected root/<class>/<image>)")
-    empty = [c for c in classes if not any(f.lower().endswith(IMG_EXTENSIONS) for f in os.listdir(path / c))]
+        raise UserError(
+            f"data=imagefolder: {str(path)!r} has no class subfolders (expected root/<class>/<image>)"
+        )
+    empty = [
+        c
+        for c in classes
+        if not any(f.lower().endswith(IMG_EXTENSIONS) for f in os.listdir(path / c))
+    ]
     if empty:
-        raise UserError(f"data=imagefolder: class folder(s) {empty} under {str(path)!r} hold no images")
+        raise UserError(
+            f"data=imagefolder: class folder(s) {empty} under {str(path)!r} hold no images"
+        )
     return classes

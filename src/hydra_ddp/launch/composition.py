@@ -12,18 +12,30 @@ import sys
 from collections.abc import Callable
 from typing import Any, Optional
 
-_TYPE = re.compile(r"Value '(.*)' (?:of type '(\w+)' could not be converted to (\w+)|is not a valid (\w+))")
+_TYPE = re.compile(
+    r"Value '(.*)' (?:of type '(\w+)' could not be converted to (\w+)|is not a valid (\w+))"
+)
 _MISSING_OPTION = re.compile(r"Could not find '([^']+)/([^']+)'")
 _NOT_IN = re.compile(r"Key '([^']+)' (?:is )?not in (?:struct|'(\w+)')")
 
 
 def one_line(error: BaseException) -> Optional[str]:
     """The line for a composition error (None: not one; Hydra reports it as it does)."""
-    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from hydra.errors import (
+        ConfigCompositionException,
+        MissingConfigException,
+        OverrideParseException,
+    )
     from omegaconf.errors import OmegaConfBaseException
 
     if not isinstance(
-        error, (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException)
+        error,
+        (
+            ConfigCompositionException,
+            MissingConfigException,
+            OverrideParseException,
+            OmegaConfBaseException,
+        ),
     ):
         return None
     text = str(error)
@@ -43,7 +55,11 @@ def one_line(error: BaseException) -> Optional[str]:
     if missing:
         group, option = missing.groups()
         available = re.findall(r"^\t(\S+)$", text.split("Config search path:")[0], re.MULTILINE)
-        fix = f"choose one of {', '.join(available)}" if available else f"add conf/{group}/{option}.yaml"
+        fix = (
+            f"choose one of {', '.join(available)}"
+            if available
+            else f"add conf/{group}/{option}.yaml"
+        )
         return f"{group}={option}: no such option in conf/{group}/; {fix}"
     absent = _NOT_IN.search(f"{text}\n{cause}")
     owner = _strategy_of(absent.group(2)) if absent and absent.group(2) else None
@@ -68,7 +84,9 @@ def _strategy_of(settings_class: str) -> Any:
     """The strategy whose settings dataclass has this name, if any."""
     from hydra_ddp.parallel import strategies
 
-    return next((s for s in strategies.REGISTRY.values() if s.Settings.__name__ == settings_class), None)
+    return next(
+        (s for s in strategies.REGISTRY.values() if s.Settings.__name__ == settings_class), None
+    )
 
 
 def report_in_one_line() -> None:

@@ -15,4 +15,5 @@ with startup.frozen_imports():
 
     from hydra_ddp.launch import workers
 
-    importlib.import_module(workers.WORKER)  # the worker side, by name: this process forks the workers
+    # the worker side, by name: this process forks the workers
+    importlib.import_module(workers.WORKER)

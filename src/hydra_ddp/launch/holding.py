@@ -87,7 +87,9 @@ def take(run_dir: Path) -> None:
             except FileExistsError:
                 _take_over(path, run_dir)
         else:
-            raise UserError(f"hydra.run.dir={run_dir}: another run keeps taking {path}; start this one again")
+            raise UserError(
+                f"hydra.run.dir={run_dir}: another run keeps taking {path}; start this one again"
+            )
     finally:
         written.unlink(missing_ok=True)
     atexit.register(release, run_dir)  # a command that ends another way than through held()

@@ -83,7 +83,9 @@ def pod_settings(env: Mapping[str, str]) -> dict[str, str]:
     if nproc.isdigit() and int(nproc) > 0:
         settings["trainer.nproc"] = nproc
     elif nproc and nproc not in ("auto", "gpu", "cpu"):
-        raise UserError(f"{NPROC}={nproc!r} is not a number of processes per node: set a positive integer or auto")
+        raise UserError(
+            f"{NPROC}={nproc!r} is not a number of processes per node: set a positive integer or auto"
+        )
     return settings
 
 

@@ -73,7 +73,9 @@ def unavailable(backend: str, device: str, world_size: int, local_world_size: in
 class SharedMemoryAllReduce:
     """A DDP communication hook summing the buckets through one shared segment."""
 
-    def __init__(self, group: Any, gradient_bytes: int, timeout_s: float, traffic: Optional[Any] = None):
+    def __init__(
+        self, group: Any, gradient_bytes: int, timeout_s: float, traffic: Optional[Any] = None
+    ):
         self.group, self.traffic = group, traffic  # comm.Traffic: the bytes summed, counted
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.timeout_s = timeout_s
@@ -81,8 +83,11 @@ class SharedMemoryAllReduce:
         self.head = LINE * (self.world + 1)  # the counters, then rank 0's token
         self.size = self.head + 2 * self.world * self.slot
         self.memory, self.pids = self._map()
-        self.counters = memoryview(self.memory)[: LINE * self.world].cast("q")  # 8 per line: rank r's at r·8
-        data = torch.frombuffer(self.memory, dtype=torch.uint8, offset=self.head, count=2 * self.world * self.slot)
+        # 8 per line: rank r's at r·8
+        self.counters = memoryview(self.memory)[: LINE * self.world].cast("q")
+        data = torch.frombuffer(
+            self.memory, dtype=torch.uint8, offset=self.head, count=2 * self.world * self.slot
+        )
         self.slots = data.view(2, self.world, self.slot)  # [turn, rank, bytes]
         self.meetings = 0
         self.pending: list[tuple[torch.Tensor, torch.futures.Future]] = []
@@ -92,19 +97,25 @@ class SharedMemoryAllReduce:
         """The mapped segment, and the other ranks' (pid, start time) where this rank can see their
         /proc entries (its liveness checks)."""
         # Every rank is here before rank 0 creates anything: a rank that failed earlier leaves no segment.
-        named = [str(SHM_DIR / f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"), secrets.token_bytes(TOKEN_BYTES)]
+        named = [
+            str(SHM_DIR / f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"),
+            secrets.token_bytes(TOKEN_BYTES),
+        ]
         dist.broadcast_object_list(named, src=0, group=self.group)
         name, token = named
         created = self.rank == 0
         try:
             problem, memory = self._create(name, token) if created else ("", None)
             shared = [problem]
-            dist.broadcast_object_list(shared, src=0, group=self.group)  # the others wait until it exists
+            # the others wait until it exists
+            dist.broadcast_object_list(shared, src=0, group=self.group)
             problem = shared[0]
             if not problem and not created:
                 problem, memory = self._open(name, token)
             everyone: list[Any] = [None] * self.world
-            dist.all_gather_object(everyone, (problem, os.getpid(), _started(os.getpid())), group=self.group)
+            dist.all_gather_object(
+                everyone, (problem, os.getpid(), _started(os.getpid())), group=self.group
+            )
         finally:
             if created:
                 Path(name).unlink(missing_ok=True)  # every rank has mapped it, or never will
@@ -124,7 +135,8 @@ class SharedMemoryAllReduce:
         fd = -1
         try:
             fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.posix_fallocate(fd, 0, self.size)  # tmpfs reserves the pages now: ENOSPC here, not SIGBUS later
+            # tmpfs reserves the pages now: ENOSPC here, not SIGBUS later
+            os.posix_fallocate(fd, 0, self.size)
             memory = mmap.mmap(fd, self.size)
         except OSError as e:
             return f"cannot create {self.size} bytes in {SHM_DIR}: {e.strerror or e}", None
@@ -150,7 +162,10 @@ class SharedMemoryAllReduce:
         finally:
             os.close(fd)
         if memory[self.head - LINE : self.head - LINE + TOKEN_BYTES] != token:
-            return f"rank {self.rank} opened another {name} (its own /dev/shm: another container?)", None
+            return (
+                f"rank {self.rank} opened another {name} (its own /dev/shm: another container?)",
+                None,
+            )
         return "", memory
 
     # --- the hook ---------------------------------------------------------------------------------
@@ -180,7 +195,9 @@ class SharedMemoryAllReduce:
         for start in range(0, flat.numel(), per_chunk):
             chunk = flat[start : start + per_chunk]
             self.meetings += 1
-            slots = self.slots[self.meetings % 2, :, : chunk.numel() * chunk.element_size()].view(chunk.dtype)
+            slots = self.slots[self.meetings % 2, :, : chunk.numel() * chunk.element_size()].view(
+                chunk.dtype
+            )
             # Each share divided first, as DDP's own all-reduce does, straight into this rank's slot;
             # then the slots summed in rank order straight into the bucket: two passes over the
             # gradients, where a divide in place, a copy in, a copy out and an add took four.
@@ -224,7 +241,9 @@ class SharedMemoryAllReduce:
     def _check_alive(self, ranks: list[int]) -> None:
         for r in ranks:
             if r in self.pids and _started(self.pids[r][0]) != self.pids[r][1]:
-                raise RuntimeError(f"rank {r} (pid {self.pids[r][0]}) exited during the gradient all-reduce")
+                raise RuntimeError(
+                    f"rank {r} (pid {self.pids[r][0]}) exited during the gradient all-reduce"
+                )
 
 
 class SharedMemoryUnavailable(RuntimeError):

@@ -52,9 +52,12 @@ def apply(module: nn.Module, settings: Any) -> int:
     found = blocks(module)
     if not found:  # refused before launch (check); a model that changed since is the same line
         raise UserError(no_blocks(settings.activation_checkpointing, type(module).__name__))
-    picked = chosen(found, settings.activation_checkpointing, settings.activation_checkpointing_every)
+    picked = chosen(
+        found, settings.activation_checkpointing, settings.activation_checkpointing_every
+    )
     for block in picked:
-        block.forward = functools.partial(_recomputed, block.forward)  # an instance attribute: the module stays
+        # an instance attribute: the module stays
+        block.forward = functools.partial(_recomputed, block.forward)
     return len(picked)
 
 

@@ -68,11 +68,14 @@ def compile_blocks(module: nn.Module, trainer: Any, dynamic: Optional[bool] = Fa
     import torch
     import torch._dynamo
 
-    torch._dynamo.config.suppress_errors = True  # a graph that fails to compile runs eagerly (a warning)
+    # a graph that fails to compile runs eagerly (a warning)
+    torch._dynamo.config.suppress_errors = True
     for block in found:
         # The forward, not the module: its hooks (DDP's, FSDP's) stay eager, its name and class its own.
         # An instance attribute, over activation checkpointing's where it is one (its wrapper is traced).
-        block.forward = torch.compile(block.forward, backend=trainer.compile_backend, dynamic=dynamic)
+        block.forward = torch.compile(
+            block.forward, backend=trainer.compile_backend, dynamic=dynamic
+        )
     return len(found)
 
 

@@ -32,7 +32,8 @@ PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
     ("L4", {"bf16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
     ("A10", {"bf16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
     ("RTX 4090", {"bf16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12}),
-    ("V100", {"bf16": 125e12, "tf32": 15.7e12, "fp32": 15.7e12}),  # fp16 tensor cores; no bf16 or TF32
+    # fp16 tensor cores; no bf16 or TF32
+    ("V100", {"bf16": 125e12, "tf32": 15.7e12, "fp32": 15.7e12}),
 ]
 _MEASURE_S = 0.1  # the CPU peak's matmuls: the best of about this long
 _MEASURE_N = 256
@@ -94,7 +95,9 @@ def gpu_peak(name: str, precision: str, tf32: bool) -> Optional[tuple[float, str
     return None
 
 
-def measure_cpu_peak(dtype: torch.dtype = torch.float32, seconds: float = _MEASURE_S, n: int = _MEASURE_N) -> float:
+def measure_cpu_peak(
+    dtype: torch.dtype = torch.float32, seconds: float = _MEASURE_S, n: int = _MEASURE_N
+) -> float:
     """FLOP/s of an n×n matmul in this process at its threads: the best of short repeats."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     out = torch.empty(n, n, dtype=dtype)
@@ -108,14 +111,20 @@ def measure_cpu_peak(dtype: torch.dtype = torch.float32, seconds: float = _MEASU
     return best
 
 
-def peak(device: torch.device, precision: str, threads: int, override: Optional[float]) -> tuple[Optional[float], str]:
+def peak(
+    device: torch.device, precision: str, threads: int, override: Optional[float]
+) -> tuple[Optional[float], str]:
     """One device's (one rank's) peak FLOP/s and where it is from; (None, why) when unknown."""
     if override:
         return float(override), "trainer.peak_flops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         found = gpu_peak(name, precision, torch.backends.cuda.matmul.allow_tf32)
-        return found if found else (None, f"{name} is not in reporting/flops.py's table: set trainer.peak_flops")
+        return (
+            found
+            if found
+            else (None, f"{name} is not in reporting/flops.py's table: set trainer.peak_flops")
+        )
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     dtype_name = "bf16" if precision == "bf16" else "fp32"
     return measure_cpu_peak(
@@ -132,7 +141,9 @@ def report(
 ) -> dict[str, Any]:
     """The summary's `flops`: per sample, achieved per rank (the mean: model FLOPs ÷ ranks), MFU."""
     per_rank = (
-        flops_per_sample * samples_per_sec / world_size if flops_per_sample is not None and samples_per_sec else None
+        flops_per_sample * samples_per_sec / world_size
+        if flops_per_sample is not None and samples_per_sec
+        else None
     )
     return {
         "per_sample": flops_per_sample,
@@ -191,7 +202,11 @@ def measure(
                     raise
                 per_sample = count(build_model, loss, None, sample)  # one real sample, on the CPU
         except Exception as e:  # noqa: BLE001  (a model that cannot be built or run on the meta device)
-            log.warning("no FLOP count: the model does not run on the meta device (%s: %s)", type(e).__name__, e)
+            log.warning(
+                "no FLOP count: the model does not run on the meta device (%s: %s)",
+                type(e).__name__,
+                e,
+            )
     value, source = peak(device, precision, torch.get_num_threads(), peak_flops)
     if value is not None and source.startswith("measured"):  # every rank measured at once: the best
         value = distributed.max_over_ranks(value, device)

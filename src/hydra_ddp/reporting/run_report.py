@@ -107,7 +107,10 @@ def format_summary(s: dict[str, Any]) -> str:
     if s.get("stopped_by"):
         ended = f"{s['stopped_by']}: checkpointed, to be continued"
     rows = [
-        ("world size", f"{s['world_size']} ({s['nnodes']} node(s) × {s['nproc_per_node']}, {s['device']})"),
+        (
+            "world size",
+            f"{s['world_size']} ({s['nnodes']} node(s) × {s['nproc_per_node']}, {s['device']})",
+        ),
         ("backend / launcher", f"{s['backend']} / {s['launcher']}"),
         ("init method", s["init_method"]),
         *(
@@ -150,14 +153,25 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{s['samples_per_sec']:.0f} samples/s"
             + (f" ({s['tokens_per_sec']:,.0f} tokens/s)" if s.get("tokens_per_sec") else ""),
         ),
-        *([("model FLOP/s", flops.line(s["flops"]))] if s.get("flops") and flops.line(s["flops"]) else []),
+        *(
+            [("model FLOP/s", flops.line(s["flops"]))]
+            if s.get("flops") and flops.line(s["flops"])
+            else []
+        ),
         *([("straggler", s["straggler"]["message"])] if s.get("straggler") else []),
-        ("fast settings", ", ".join(name.split(".")[-1] for name, on in s.get("settings", {}).items() if on) or "none"),
+        (
+            "fast settings",
+            ", ".join(name.split(".")[-1] for name, on in s.get("settings", {}).items() if on)
+            or "none",
+        ),
         *(
             [
                 (
                     "compiled",
-                    {"blocks": "each block (torch.compile)", "model": "the whole model (torch.compile)"}[s["compile"]],
+                    {
+                        "blocks": "each block (torch.compile)",
+                        "model": "the whole model (torch.compile)",
+                    }[s["compile"]],
                 )
             ]
             if s.get("compile")
@@ -171,7 +185,8 @@ def format_summary(s: dict[str, Any]) -> str:
                     f"{s['time_to_first_step_s']:.1f} s (from the command's start)",
                 )
             ]
-            if s.get("time_to_workers_ready_s") is not None and s.get("time_to_first_step_s") is not None
+            if s.get("time_to_workers_ready_s") is not None
+            and s.get("time_to_first_step_s") is not None
             else []
         ),
         (

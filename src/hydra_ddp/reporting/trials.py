@@ -57,7 +57,9 @@ def write_trials(rows: list[dict[str, Any]], sweep_dir: Path) -> list[dict[str, 
     metrics = metric_columns(ranked, ("val", "test"))
     at = METRICS_AT
     with open(sweep_dir / "sweep.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=TRIAL_COLUMNS[:at] + metrics + TRIAL_COLUMNS[at:], extrasaction="ignore")
+        writer = csv.DictWriter(
+            f, fieldnames=TRIAL_COLUMNS[:at] + metrics + TRIAL_COLUMNS[at:], extrasaction="ignore"
+        )
         writer.writeheader()
         writer.writerows(ranked)
     monitor = next((r["monitor"] for r in ranked if r.get("monitor")), None)
@@ -113,13 +115,17 @@ def check_search(config: DictConfig) -> Optional[str]:
     if metric is None:
         return "the Optuna sweeper optimises trainer.monitor: set it (e.g. trainer.monitor=val/accuracy)"
     pruner = (config.hydra.get("sweeper") or {}).get("pruner", "none")
-    if pruner != "none" and metric.startswith("val/") and not config.data.val_fraction:  # nothing is monitored
+    # nothing is monitored
+    if pruner != "none" and metric.startswith("val/") and not config.data.val_fraction:
         return (
             f"hydra.sweeper.pruner={pruner} needs a monitored metric after each epoch, and data.val_fraction=0 "
             "leaves no validation: set data.val_fraction (e.g. 0.1), or hydra.sweeper.pruner=none"
         )
     wanted = {"max": "maximize", "min": "minimize"}[mode]
-    given = [str(d).lower().split(".")[-1] for d in (direction if not isinstance(direction, str) else [direction])]
+    given = [
+        str(d).lower().split(".")[-1]
+        for d in (direction if not isinstance(direction, str) else [direction])
+    ]
     if given != [wanted]:
         return (
             f"hydra.sweeper.direction={direction} but trainer.monitor={metric} is best at its "

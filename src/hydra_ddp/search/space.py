@@ -17,7 +17,9 @@ def parse(params: dict[str, Any], arguments: list[str]) -> tuple[dict[str, Any],
     try:
         overrides = OverridesParser.create().parse_overrides(written)
     except OverrideParseException as error:
-        raise UserError(f"the search space does not parse: {str(error).strip().splitlines()[0]}") from None
+        raise UserError(
+            f"the search space does not parse: {str(error).strip().splitlines()[0]}"
+        ) from None
     searched: dict[str, Any] = {}
     fixed: dict[str, str] = {}
     for override in overrides:

@@ -66,7 +66,8 @@ def started(study: Any) -> int:
 
     return len(
         study.get_trials(
-            deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+            deepcopy=False,
+            states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL),
         )
     )
 
@@ -82,7 +83,9 @@ def recover(study: Any, sweep_dir: Path) -> list[int]:
         if state == "complete":
             study.tell(trial.number, value)
         else:
-            study.tell(trial.number, state=TrialState.PRUNED if state == "pruned" else TrialState.FAIL)
+            study.tell(
+                trial.number, state=TrialState.PRUNED if state == "pruned" else TrialState.FAIL
+            )
             failed.append(trial.number)
     return failed
 
@@ -107,7 +110,11 @@ def outcome(job_dir: Path, returned: Any) -> tuple[str, Optional[float]]:
     summary = json.loads(run.summary.read_text())
     value = summary.get("objective")
     if value is None or not math.isfinite(value):
-        value = float(returned) if isinstance(returned, (int, float)) and math.isfinite(returned) else None
+        value = (
+            float(returned)
+            if isinstance(returned, (int, float)) and math.isfinite(returned)
+            else None
+        )
     if summary.get("ended_by") == "pruned":
         return "pruned", value
     return ("complete", value) if value is not None else ("fail", None)

@@ -126,14 +126,22 @@ def build(task_cfg: Any) -> Task:
 
     from hydra_ddp.config import targets
 
-    plain = OmegaConf.to_container(task_cfg, resolve=True) if isinstance(task_cfg, DictConfig) else task_cfg
+    plain = (
+        OmegaConf.to_container(task_cfg, resolve=True)
+        if isinstance(task_cfg, DictConfig)
+        else task_cfg
+    )
     targets.check(plain, "task")  # the name imports and takes its keys: one line before it is built
     try:
         task = instantiate(task_cfg)
     except Exception as error:  # noqa: BLE001  (the task's own complaint about its arguments)
-        raise UserError(f"task ({plain['_target_']}) does not build: {first_line(root_cause(error))}") from None
+        raise UserError(
+            f"task ({plain['_target_']}) does not build: {first_line(root_cause(error))}"
+        ) from None
     if not isinstance(task, Task):
-        raise UserError(f"task._target_={task_cfg['_target_']!r} is not a hydra_ddp.tasks.Task: subclass it")
+        raise UserError(
+            f"task._target_={task_cfg['_target_']!r} is not a hydra_ddp.tasks.Task: subclass it"
+        )
     problem = _declaration_problem(task)
     if problem:
         raise UserError(f"task {type(task).__name__}: {problem}")

@@ -28,7 +28,8 @@ class CausalLM(Task):
     metrics = {"loss": "min", "accuracy": "max", "perplexity": "min"}
     monitored = "loss"
     state_size = 3  # the counted tokens' losses summed, those predicted right, the tokens counted
-    prediction_columns = ("tokens", "correct", "loss")  # per sequence: counted tokens, right ones, mean loss
+    # per sequence: counted tokens, right ones, mean loss
+    prediction_columns = ("tokens", "correct", "loss")
     integer_columns = ("tokens", "correct")
 
     def split(self, batch: Any) -> tuple[Any, Any]:
@@ -64,7 +65,9 @@ class CausalLM(Task):
         """The tokens a batch trains on (its counted labels): a language model's throughput in tokens/s."""
         return int(_counted(self.split(batch)[1]))
 
-    def _token_losses(self, output: Any, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _token_losses(
+        self, output: Any, target: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per position (batch, time): the loss of predicting the next label, whether predicted right,
         whether counted. The labels are shifted, not the logits (no copy of the largest tensor); the
         last position predicts nothing."""
@@ -80,7 +83,9 @@ class CausalLM(Task):
     def loss_sum(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         logits = full_precision(getattr(output, "logits", output))
         following = F.pad(target[:, 1:], (0, 1), value=IGNORED)
-        return F.cross_entropy(logits.flatten(0, 1), following.flatten(), ignore_index=IGNORED, reduction="sum")
+        return F.cross_entropy(
+            logits.flatten(0, 1), following.flatten(), ignore_index=IGNORED, reduction="sum"
+        )
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """The batch's mean over its counted tokens (what train.py --check and the FLOP count run)."""
@@ -120,7 +125,11 @@ class CausalLM(Task):
         try:
             with torch.no_grad():
                 packed = getattr(model(input_ids=ids, position_ids=where), "logits", None)
-                alone = getattr(model(input_ids=ids[:, start:end], position_ids=where[:, start:end]), "logits", None)
+                alone = getattr(
+                    model(input_ids=ids[:, start:end], position_ids=where[:, start:end]),
+                    "logits",
+                    None,
+                )
         except Exception:  # noqa: BLE001  (a model that takes no position ids: the first step reports it, on every rank)
             return None
         finally:
@@ -142,7 +151,8 @@ def _counted(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORED).sum()
 
 
-CROSSING = 1e-3  # a relative move of a document's logits beyond float noise (1e-6 here): another document seen
+# a relative move of a document's logits beyond float noise (1e-6 here): another document seen
+CROSSING = 1e-3
 
 
 def packing_warning(task: Task, model: Any, dataset: Any, looked_at: int = 256) -> Optional[str]:
@@ -163,7 +173,9 @@ def packing_warning(task: Task, model: Any, dataset: Any, looked_at: int = 256) 
             break
     if window is None:
         return None
-    moved = task.crosses_documents(model, batches.to_device(window, next(model.parameters()).device))
+    moved = task.crosses_documents(
+        model, batches.to_device(window, next(model.parameters()).device)
+    )
     if moved is None or moved <= CROSSING:
         return None
     return (

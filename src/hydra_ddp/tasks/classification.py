@@ -66,7 +66,11 @@ class Classification(Task):
 
     @property
     def wants(self) -> str:
-        return "one class label per sample" if self.target_dims == 0 else f"{self.target_dims}-D targets per sample"
+        return (
+            "one class label per sample"
+            if self.target_dims == 0
+            else f"{self.target_dims}-D targets per sample"
+        )
 
 
 class LanguageModel(Classification):
@@ -77,7 +81,8 @@ class LanguageModel(Classification):
 
     metrics = {"loss": "min", "accuracy": "max", "perplexity": "min"}
     monitored = "loss"
-    prediction_columns = ("tokens", "correct", "loss")  # per window: counted tokens, right ones, their mean loss
+    # per window: counted tokens, right ones, their mean loss
+    prediction_columns = ("tokens", "correct", "loss")
     integer_columns = ("tokens", "correct")
     target_dims = 1  # the next token at every position
     wants = "a sequence of next tokens per sample"  # type: ignore[assignment]
@@ -99,7 +104,8 @@ class LanguageModel(Classification):
 
     def compute(self, total: list[float]) -> dict[str, float]:
         metrics = super().compute(total)
-        return {**metrics, "perplexity": math.exp(min(metrics["loss"], 700.0))}  # exp(>709) overflows a float
+        # exp(>709) overflows a float
+        return {**metrics, "perplexity": math.exp(min(metrics["loss"], 700.0))}
 
     def predict(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits = full_precision(output)

@@ -30,7 +30,9 @@ class Regression(Task):
         error = (full_precision(output).reshape(target.shape) - target).double()
         t = target.double()
         count = torch.tensor(float(target.numel()), dtype=torch.float64, device=t.device)
-        return torch.stack([error.square().sum(), error.abs().sum(), count, t.sum(), t.square().sum()])
+        return torch.stack(
+            [error.square().sum(), error.abs().sum(), count, t.sum(), t.square().sum()]
+        )
 
     def compute(self, total: list[float]) -> dict[str, float]:
         squared, absolute, count, t_sum, t_squares = total
@@ -45,7 +47,9 @@ class Regression(Task):
 
     def predict(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if target[0].numel() != 1:
-            raise UserError(f"predict=true writes one target per sample, and these have {target[0].numel()}")
+            raise UserError(
+                f"predict=true writes one target per sample, and these have {target[0].numel()}"
+            )
         return torch.stack([target.double().reshape(-1), output.double().reshape(-1)], 1)
 
     def check_target(self, target: torch.Tensor, outputs: int) -> Optional[str]:
@@ -74,7 +78,8 @@ class Segmentation(Task):
 
     def __init__(self, num_classes: int):
         self.num_classes = num_classes
-        self.state_size = 2 + num_classes * num_classes  # the losses' sum, the pixels, the confusion matrix
+        # the losses' sum, the pixels, the confusion matrix
+        self.state_size = 2 + num_classes * num_classes
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(full_precision(output), target)
@@ -83,9 +88,14 @@ class Segmentation(Task):
         logits = full_precision(output)
         losses = F.cross_entropy(logits, target, reduction="none").double()
         k = self.num_classes
-        confusion = torch.bincount((target * k + logits.argmax(1)).flatten(), minlength=k * k).double()
+        confusion = torch.bincount(
+            (target * k + logits.argmax(1)).flatten(), minlength=k * k
+        ).double()
         head = torch.stack(
-            [losses.sum(), torch.tensor(float(target.numel()), dtype=torch.float64, device=losses.device)]
+            [
+                losses.sum(),
+                torch.tensor(float(target.numel()), dtype=torch.float64, device=losses.device),
+            ]
         )
         return torch.cat([head, confusion])
 

@@ -16,7 +16,9 @@ from hydra_ddp.rundir import RunDir
 log = logging.getLogger(__name__)
 
 
-def profiling(enabled: bool, settings: Any, device: torch.device, run_dir: Path) -> contextlib.AbstractContextManager:
+def profiling(
+    enabled: bool, settings: Any, device: torch.device, run_dir: Path
+) -> contextlib.AbstractContextManager:
     """The profiler (its step() called once per optimizer step), or a context that does nothing."""
     rank = dist.get_rank()
     if not enabled or (settings.ranks is not None and rank not in settings.ranks):
@@ -31,7 +33,8 @@ def profiling(enabled: bool, settings: Any, device: torch.device, run_dir: Path)
         trace = out / f"rank{rank}.json"
         prof.export_chrome_trace(str(trace))
         table = prof.key_averages().table(
-            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=settings.row_limit
+            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+            row_limit=settings.row_limit,
         )
         log.info(
             "profile of rank %d (steps %d…%d): %s\n%s",
@@ -44,6 +47,8 @@ def profiling(enabled: bool, settings: Any, device: torch.device, run_dir: Path)
 
     return profile(
         activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
-        schedule=schedule(wait=settings.wait, warmup=settings.warmup, active=settings.active, repeat=1),
+        schedule=schedule(
+            wait=settings.wait, warmup=settings.warmup, active=settings.active, repeat=1
+        ),
         on_trace_ready=ready,
     )

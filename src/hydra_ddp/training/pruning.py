@@ -29,7 +29,9 @@ class Pruning:
                 storage=storage_of(trial_cfg.storage),
                 pruner=pruner_of(trial_cfg.pruner, trial_cfg.pruner_args),
             )
-            trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, trial_cfg.number)
+            trial_id = study._storage.get_trial_id_from_study_id_trial_number(
+                study._study_id, trial_cfg.number
+            )
             self.trial = optuna.trial.Trial(study, trial_id)
 
     @classmethod

@@ -43,7 +43,11 @@ class Ending:
     test, and finish)."""
 
     def __init__(
-        self, request: StopRequest, max_time: Optional[float], started_at: float, pruning: Optional[Any] = None
+        self,
+        request: StopRequest,
+        max_time: Optional[float],
+        started_at: float,
+        pruning: Optional[Any] = None,
     ):
         self.request = request
         self.pruning = pruning  # a search trial's (training.pruning), or None
@@ -71,21 +75,35 @@ class Ending:
     def agree(self, stop: bool, time_up: bool, step: int) -> bool:
         """Act on a window's global flags; True when the ranks agreed to stop."""
         if stop and not self.stopped_by:
-            name = signal.Signals(self.request.signum).name if self.request.signum else "a signal to another rank"
+            name = (
+                signal.Signals(self.request.signum).name
+                if self.request.signum
+                else "a signal to another rank"
+            )
             self.stopped_by = name
-            log.warning("stop requested (%s): saving a checkpoint at step %d and exiting", name, step)
+            log.warning(
+                "stop requested (%s): saving a checkpoint at step %d and exiting", name, step
+            )
         elif time_up and not self.ended_by:
             self.ended_by = "max_time"
             log.warning(
-                "trainer.max_time (%gs) is spent: a checkpoint at step %d, the test, and the end", self.max_time, step
+                "trainer.max_time (%gs) is spent: a checkpoint at step %d, the test, and the end",
+                self.max_time,
+                step,
             )
         return stop or time_up
 
-    def after_validation(self, monitor: Any, metrics: dict[str, Any], step: int, epoch: int) -> None:
+    def after_validation(
+        self, monitor: Any, metrics: dict[str, Any], step: int, epoch: int
+    ) -> None:
         """An epoch's validation's verdicts: early stopping, and a search's pruner (every rank alike)."""
         if monitor.should_stop:
             self.early_stop(monitor, step)
-        if self.pruning is not None and self.pruning.should_prune(monitor.value(metrics), epoch) and not self.ended_by:
+        if (
+            self.pruning is not None
+            and self.pruning.should_prune(monitor.value(metrics), epoch)
+            and not self.ended_by
+        ):
             self.ended_by = "pruned"
             log.warning(
                 "pruned at step %d: the search's pruner stops this trial (%s %.6g)",

@@ -32,7 +32,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-PHASES = ("data", "forward", "backward", "optimizer", "other")  # other: the loop's own work between steps
+# other: the loop's own work between steps
+PHASES = ("data", "forward", "backward", "optimizer", "other")
 # Others waiting at least this share of their step time for one rank: a straggler worth naming.
 NOTABLE_WAIT = 0.2
 ADVICE = {
@@ -76,7 +77,8 @@ class StreamClock:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.mark = cuda_event(device)
-        self.pending: list[tuple[dict[str, float], str, Any, Any]] = []  # (totals, phase, start, end), oldest first
+        # (totals, phase, start, end), oldest first
+        self.pending: list[tuple[dict[str, float], str, Any, Any]] = []
 
     def lap(self, totals: dict[str, float], phase: str) -> None:
         now = cuda_event(self.device)
@@ -115,7 +117,8 @@ class StepTimer:
         # share and checkpoint), which would show as the other ranks' sync wait.
         self.counting = self.totals
         self.scratch = dict.fromkeys(PHASES, 0.0)
-        self.reported = dict.fromkeys(PHASES, 0.0)  # the totals at the last report: per-epoch deltas
+        # the totals at the last report: per-epoch deltas
+        self.reported = dict.fromkeys(PHASES, 0.0)
         self.reported_steps = 0
 
     def batches(self, loader: Iterable) -> Iterator[Any]:
@@ -152,7 +155,9 @@ class StepTimer:
         self.clock.settle()  # CUDA: the intervals still unread, after one wait for the device
         values = [self.steps] + [self.totals[p] for p in PHASES]
         if since_last:
-            values = [self.steps - self.reported_steps] + [self.totals[p] - self.reported[p] for p in PHASES]
+            values = [self.steps - self.reported_steps] + [
+                self.totals[p] - self.reported[p] for p in PHASES
+            ]
             self.reported, self.reported_steps = dict(self.totals), self.steps
         mine = torch.tensor(values, dtype=torch.float64, device=device)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -201,7 +206,8 @@ def straggler(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     excess = {p: slow[f"{p}_s"] - statistics.median(r[f"{p}_s"] for r in others) for p in ADVICE}
     cause = max(excess, key=excess.get)  # type: ignore[arg-type]
     if excess[cause] < 0.5 * statistics.median(r["sync_wait_s"] for r in others):
-        return None  # no phase of its own explains the waiting: contention that moves about, not a straggler
+        # no phase of its own explains the waiting: contention that moves about, not a straggler
+        return None
     label = "data wait" if cause == "data" else cause
     others_share = statistics.median(r[f"{cause}_share"] for r in others)
     return {

@@ -39,9 +39,15 @@ class Trainer:
     def __init__(self, cfg: Any, parts: Parts):
         """The loop and its collaborators, each given its own settings and the parts it works with."""
         settings, device = cfg.trainer, parts.device
-        self.settings, self.model, self.loaders, self.device = settings, parts.model, parts.loaders, device
+        self.settings, self.model, self.loaders, self.device = (
+            settings,
+            parts.model,
+            parts.loaders,
+            device,
+        )
         self.pos, self.overheads = Position(), Overheads()
-        self.timer = StepTimer(settings.timing, device)  # this rank's time per phase (timing.py): the straggler report
+        # this rank's time per phase (timing.py): the straggler report
+        self.timer = StepTimer(settings.timing, device)
         self.step = Step(settings, parts, self.timer, outputs=cfg.data.num_classes)
         self.monitor = monitor = Monitor.from_config(settings)
         self.saving = Saving(cfg.checkpoint, parts, self.step, monitor, self.pos, self.overheads)
@@ -49,10 +55,16 @@ class Trainer:
         pruning = Pruning.of(cfg, parts.reporter.is_main, device)
         self.ending = Ending(parts.stop, settings.max_time, parts.started_at, pruning)
         self.throughput = Throughput(parts.strategy.data_parallel_size())
-        self.reporter, self.schedule = parts.reporter, schedules.Stepping(parts.scheduler, parts.optimizer)
-        self.make_profiler = lambda: profiling(bool(settings.profile), cfg.profiler, device, parts.reporter.run_dir)
+        self.reporter, self.schedule = (
+            parts.reporter,
+            schedules.Stepping(parts.scheduler, parts.optimizer),
+        )
+        self.make_profiler = lambda: profiling(
+            bool(settings.profile), cfg.profiler, device, parts.reporter.run_dir
+        )
         self.accumulate = settings.accumulate  # read every batch: a plain int, not a config lookup
-        self.evaluates_at_end = cfg.job != "tune"  # the tuner's short runs time their steps, no validation or test
+        # the tuner's short runs time their steps, no validation or test
+        self.evaluates_at_end = cfg.job != "tune"
         # Anomaly mode checks the (global) loss for nan at every step: a window of one.
         self.window = LossWindow(1 if settings.detect_anomaly else settings.log_every)
         # Mid-epoch windows are read a step after they are sent; anomaly mode stops at the step itself.
@@ -62,7 +74,10 @@ class Trainer:
         self.profiler: Optional[Any] = None
         self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
         self.length = parts.length
-        self.batches_per_epoch, self.common_batches = parts.length.batches_per_epoch, parts.length.common_batches
+        self.batches_per_epoch, self.common_batches = (
+            parts.length.batches_per_epoch,
+            parts.length.common_batches,
+        )
         self.uneven = parts.length.uneven
         self.steps_per_epoch = parts.length.steps_per_epoch  # the same on every rank
         self.ranks: list[dict[str, Any]] = []
@@ -83,7 +98,13 @@ class Trainer:
         self.window.first = self.pos.step + 1
         if self.monitor.best_step is not None and self.monitor.best_step != self.pos.step:
             self.validation.best_weights = self.saving.best_from_disk()
-        log.info("resumed from %s at epoch %d, batch %d, step %d", path, self.pos.epoch, self.pos.batch, self.pos.step)
+        log.info(
+            "resumed from %s at epoch %d, batch %d, step %d",
+            path,
+            self.pos.epoch,
+            self.pos.batch,
+            self.pos.step,
+        )
 
     # --- the recipe ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -98,11 +119,14 @@ class Trainer:
         )
         with contextlib.ExitStack() as stack:
             self.profiler = stack.enter_context(self.make_profiler())
-            stack.enter_context(torch.autograd.set_detect_anomaly(bool(self.settings.detect_anomaly)))
+            stack.enter_context(
+                torch.autograd.set_detect_anomaly(bool(self.settings.detect_anomaly))
+            )
             validated_at = self._epochs(epochs, max_steps)
         early = self.ending.stopped_by or self.ending.ended_by  # a signal, early stopping, max_time
         if early and self.pos.step < self.length.total_steps:
-            self.bar.set_description_str(f"ended by {early}", refresh=True)  # the bar says why it stops short
+            # the bar says why it stops short
+            self.bar.set_description_str(f"ended by {early}", refresh=True)
         self.bar.close()
         self._finish(validated_at, epochs)
         return results(self, epochs)
@@ -124,7 +148,9 @@ class Trainer:
                 if self.saving.due_at_epoch_end(best):
                     self._save()
                 if self.settings.eval_every_epoch:
-                    self.ending.after_validation(self.monitor, self.validation.last, self.pos.step, epoch + 1)
+                    self.ending.after_validation(
+                        self.monitor, self.validation.last, self.pos.step, epoch + 1
+                    )
         return validated_at
 
     def _save(self) -> None:
@@ -140,14 +166,22 @@ class Trainer:
             # Ended mid-epoch (max_steps, the time budget), or no validation per epoch: validate the end.
             if self.pos.batch:
                 self.train_loss = self.pos.epoch_loss()
-            where = f"epoch {self.pos.epoch + 1}/{epochs}, batch {self.pos.batch}" if self.pos.batch else "end"
+            where = (
+                f"epoch {self.pos.epoch + 1}/{epochs}, batch {self.pos.batch}"
+                if self.pos.batch
+                else "end"
+            )
             self._validate(where, self.pos.epoch)
-        saves_at_end = self.saving.on or self.ending.to_be_continued  # a run that stops to be continued too
+        # a run that stops to be continued too
+        saves_at_end = self.saving.on or self.ending.to_be_continued
         if saves_at_end:
             self._save()  # the last state (and best.pt)
         self.saving.finish()
-        if evaluates:  # not after a signal, which asks for a quick exit: the test waits for the resumed run's end
-            self.validation.test(self.pos.step, self.pos.epoch, self.saving.published if saves_at_end else None)
+        # not after a signal, which asks for a quick exit: the test waits for the resumed run's end
+        if evaluates:
+            self.validation.test(
+                self.pos.step, self.pos.epoch, self.saving.published if saves_at_end else None
+            )
         self.ranks = per_rank(self.timer.gather(self.device))
         self.straggler = straggler(self.ranks)
         if self.straggler:
@@ -167,7 +201,8 @@ class Trainer:
         """One epoch (or its rest, after a resume): optimizer steps of `accumulate` batches each."""
         sampler = self.loaders.train_sampler
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        sampler.skip(self.pos.batch * self.loaders.batch_size)  # resuming mid-epoch: no batch replayed
+        # resuming mid-epoch: no batch replayed
+        sampler.skip(self.pos.batch * self.loaders.batch_size)
         self.schedule.epoch_started(self.pos.step)
         self.model.train()
         with self._join():
@@ -182,13 +217,17 @@ class Trainer:
         all-reduces (with zeros; the average is over the ranks that still had a batch)."""
         if self.loaders.train_sampler.pad:
             return contextlib.nullcontext()
-        return Join([getattr(self.model, "_orig_mod", self.model)], divide_by_initial_world_size=False)
+        return Join(
+            [getattr(self.model, "_orig_mod", self.model)], divide_by_initial_world_size=False
+        )
 
     def _run_batches(self, max_steps: int) -> bool:
         """The epoch's optimizer steps; True when the ranks agreed to stop early."""
         self.throughput.start()
         batches = self.timer.batches(self.loaders.train)
-        plans = optimizer_steps(batches, self.accumulate, self.pos.batch, self.length, together=self.step.over_units)
+        plans = optimizer_steps(
+            batches, self.accumulate, self.pos.batch, self.length, together=self.step.over_units
+        )
         for plan in plans:
             self.pos.batch += len(plan.sizes)
             loss, samples, tokens = self.step.run(plan, self.pos.step + 1)
@@ -211,7 +250,8 @@ class Trainer:
                 self._flush()  # the step since: the checkpoint's epoch loss must include it
                 return True
             if window_full and self.overlap_window:
-                self.window.start(device=self.device, **self.ending.flags())  # read a step later, while the next runs
+                # read a step later, while the next runs
+                self.window.start(device=self.device, **self.ending.flags())
             elif window_full and self._flush():
                 return True
             if self.saving.due_at_step():
@@ -238,13 +278,20 @@ class Trainer:
         last = steps[-1] if steps else 0
         norms, rates = self.step.take_grad_norms(last), self.schedule.take_rates(last)
         for step, loss in zip(steps, losses):
-            row = {"train/loss": loss, "train/grad_norm": norms.get(step), "train/lr": rates.get(step)}
-            self.reporter.scalars({tag: value for tag, value in row.items() if value is not None}, step)
+            row = {
+                "train/loss": loss,
+                "train/grad_norm": norms.get(step),
+                "train/lr": rates.get(step),
+            }
+            self.reporter.scalars(
+                {tag: value for tag, value in row.items() if value is not None}, step
+            )
         self.pos.epoch_loss_sum += sum(losses)
         self.pos.epoch_loss_count += len(losses)
         if losses:
             self.bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
-            self.pos.step = max(self.pos.step, steps[-1])  # a rank that ran out of batches a step early catches up
+            # a rank that ran out of batches a step early catches up
+            self.pos.step = max(self.pos.step, steps[-1])
         if not all(math.isfinite(loss) for loss in losses):  # global values: every rank stops here
             bad = next(step for step, loss in zip(steps, losses) if not math.isfinite(loss))
             self.saving.diverged(f"the loss is {losses[steps.index(bad)]} at step {bad}")
@@ -262,11 +309,16 @@ class Trainer:
         validated = "val_samples" in metrics
         if validated:
             scalars.update(self.validation.tagged(metrics, "val"))
-        epoch_ranks = per_rank(self.timer.gather(self.device, since_last=True))  # every rank's, this epoch
+        # every rank's, this epoch
+        epoch_ranks = per_rank(self.timer.gather(self.device, since_last=True))
         if self.timer.reported_steps:
             for row in epoch_ranks:
                 scalars.update(
-                    {f"train/time/rank{row['rank']}/{k[:-6]}": v for k, v in row.items() if k.endswith("_share")}
+                    {
+                        f"train/time/rank{row['rank']}/{k[:-6]}": v
+                        for k, v in row.items()
+                        if k.endswith("_share")
+                    }
                 )
         self.reporter.scalars(scalars, self.pos.step)
         best = self.validation.record(metrics, self.pos.step, epoch)
@@ -291,8 +343,12 @@ def results(trainer: Trainer, epochs: int) -> dict[str, Any]:
         "steps": trainer.pos.step,
         "train_loss": trainer.train_loss,
         # The selected weights' validation (the best by the monitor, else the last validation).
-        **{f"val_{name}": selected.get(f"val_{name}") for name in [*trainer.validation.task.metrics, "samples"]},
-        "metrics": list(trainer.validation.task.metrics),  # the task's, in its order (reports' columns)
+        **{
+            f"val_{name}": selected.get(f"val_{name}")
+            for name in [*trainer.validation.task.metrics, "samples"]
+        },
+        # the task's, in its order (reports' columns)
+        "metrics": list(trainer.validation.task.metrics),
         **trainer.validation.test_metrics,
         "tested": trainer.validation.tested,
         "test_passes": trainer.loaders.test.passes,

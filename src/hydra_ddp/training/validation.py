@@ -22,11 +22,17 @@ class Validation:
 
     def __init__(self, parts: Any, monitor: Monitor, overheads: Overheads):
         """`parts`: the worker's (training.parts)."""
-        self.strategy, self.task, self.loaders, self.device = parts.strategy, parts.task, parts.loaders, parts.device
+        self.strategy, self.task, self.loaders, self.device = (
+            parts.strategy,
+            parts.task,
+            parts.loaders,
+            parts.device,
+        )
         self.memory_format, self.reporter = parts.memory_format, parts.reporter
         self.monitor, self.overheads = monitor, overheads
         self.ema = parts.ema  # evaluations read the weights' average where the run keeps one
-        self.best_weights: Optional[dict[str, torch.Tensor]] = None  # a copy, on the CPU, while not the current ones
+        # a copy, on the CPU, while not the current ones
+        self.best_weights: Optional[dict[str, torch.Tensor]] = None
         self.last: dict[str, Any] = {}  # the last validation's metrics
         self.history: list[dict[str, Any]] = []  # every validation of this run
         self.test_metrics: dict[str, Any] = {}
@@ -63,7 +69,10 @@ class Validation:
         if best:  # kept aside (on the CPU) for the test, in case later epochs do worse
             # FSDP: gathered to rank 0 (the others keep an empty dict, and receive them from rank 0).
             with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
-                self.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in self.strategy.model_state().items()}
+                self.best_weights = {
+                    k: v.detach().to("cpu", copy=True)
+                    for k, v in self.strategy.model_state().items()
+                }
         return best
 
     def selected(self) -> dict[str, Any]:
@@ -85,7 +94,8 @@ class Validation:
         self.test_metrics = self.evaluate(self.loaders.test, "test", swap=not loaded)
         self.tested = {
             "weights": weights,
-            "ema": self.ema is not None,  # the weights' moving average (trainer.ema), not the trained weights
+            # the weights' moving average (trainer.ema), not the trained weights
+            "ema": self.ema is not None,
             "step": tested_step,
             "epoch": monitor.best_epoch if weights == "best" else epoch,
             "checkpoint": checkpoint(weights) if checkpoint else None,
@@ -108,4 +118,6 @@ class Validation:
 
     def shown(self, metrics: dict[str, Any], split: str) -> str:
         """The task's metrics of a split for the log: `val loss 0.1234  val accuracy 0.9876`."""
-        return "  ".join(f"{split} {name} {metrics[f'{split}_{name}']:.4f}" for name in self.task.metrics)
+        return "  ".join(
+            f"{split} {name} {metrics[f'{split}_{name}']:.4f}" for name in self.task.metrics
+        )

@@ -81,7 +81,8 @@ class Strategy:
         self.tp_ranks = self.tp_size(cfg.strategy, world)  # ranks per tensor-parallel group
         self.dp_ranks = world // self.tp_ranks  # model replicas
         self.module: nn.Module = nn.Module()  # the cfg module (its parameters sharded or not)
-        self.model: nn.Module = nn.Module()  # what the loop calls: DDP's wrapper, or the module itself
+        # what the loop calls: DDP's wrapper, or the module itself
+        self.model: nn.Module = nn.Module()
         self.mesh: Any = None
         self.state: Any = None
         # trainer.compile=blocks' torch.compile(dynamic=...): the worker's, from its data (recipe/compiling.py).
@@ -222,7 +223,9 @@ def start_from_rank0(module: nn.Module) -> None:
             dist.broadcast(tensor.data, src=0)
 
 
-def clip_global_norm(parameters: Iterator[nn.Parameter], max_norm: float, device: torch.device) -> torch.Tensor:
+def clip_global_norm(
+    parameters: Iterator[nn.Parameter], max_norm: float, device: torch.device
+) -> torch.Tensor:
     """Clip the gradients to a global norm computed over every layout at once: cfg tensors
     (whole on every rank), DTensors split over some mesh dimensions and replicated over others,
     on meshes that cover all ranks or some. Each rank adds its local squared norms, each divided

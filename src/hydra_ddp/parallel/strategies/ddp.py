@@ -43,7 +43,12 @@ AUTO = "auto"
 # strategy.comm_hook: DDP's gradient communication hooks (parallel/comm.py).
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 # The settings that are DistributedDataParallel's own keyword arguments.
-DDP_ARGUMENTS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
+DDP_ARGUMENTS = (
+    "bucket_cap_mb",
+    "gradient_as_bucket_view",
+    "static_graph",
+    "find_unused_parameters",
+)
 
 
 @dataclass
@@ -91,7 +96,8 @@ def config_blockers(cfg: Any) -> list[str]:
         reasons.append(f"strategy.comm_hook={cfg.strategy.comm_hook} is a hook of its own")
     if not cfg.data.even_shards:
         reasons.append("data.even_shards=false (Join's shadow all-reduces bypass hooks)")
-    if cfg.trainer.compile == "model":  # DDP's hooks inside the compiled graph (blocks keep them outside)
+    # DDP's hooks inside the compiled graph (blocks keep them outside)
+    if cfg.trainer.compile == "model":
         reasons.append("trainer.compile=model")
     return reasons
 
@@ -101,10 +107,15 @@ class DDP(Strategy):
 
     name = "ddp"
     Settings = DDPSettings
-    fast_settings = ("strategy.gradient_as_bucket_view", "strategy.static_graph", "strategy.shared_memory")
+    fast_settings = (
+        "strategy.gradient_as_bucket_view",
+        "strategy.static_graph",
+        "strategy.shared_memory",
+    )
     tunable = ("strategy.bucket_cap_mb", "strategy.shared_memory", "strategy.comm_hook")
     sharded_checkpoints = False  # rank 0 holds everything: it writes one file
-    lockstep_eval = False  # evaluation runs on the cfg module: ranks may hold different chunk counts
+    # evaluation runs on the cfg module: ranks may hold different chunk counts
+    lockstep_eval = False
 
     @classmethod
     def allows_channels_last(cls) -> bool:
@@ -118,7 +129,9 @@ class DDP(Strategy):
         blockers = cls.shared_memory_blockers(cfg, world, local_world)
         auto = {
             "gradient_as_bucket_view": True,
-            "static_graph": elastic.most_accumulation(cfg) == 1 and cfg.data.even_shards and trainer.compile != "model",
+            "static_graph": elastic.most_accumulation(cfg) == 1
+            and cfg.data.even_shards
+            and trainer.compile != "model",
             "shared_memory": not blockers and world > 1,  # one rank: nothing to all-reduce
         }
         if settings.shared_memory is True and world > 1 and blockers:
@@ -138,7 +151,9 @@ class DDP(Strategy):
     @staticmethod
     def shared_memory_blockers(cfg: Any, world: int, local_world: int) -> list[str]:
         trainer = cfg.trainer
-        return config_blockers(cfg) + shared_memory.unavailable(cfg.backend.name, trainer.device, world, local_world)
+        return config_blockers(cfg) + shared_memory.unavailable(
+            cfg.backend.name, trainer.device, world, local_world
+        )
 
     @classmethod
     def check(cls, cfg: Any) -> None:
@@ -191,12 +206,17 @@ class DDP(Strategy):
         compiling.compile_blocks(module, self.cfg.trainer, self.compile_dynamic)
         self.module = module
         shared = bool(settings.shared_memory if shared is None else shared)
-        options = {key: getattr(settings, key) for key in DDP_ARGUMENTS}  # the rest: comm.py's, shared_memory.py's
+        # the rest: comm.py's, shared_memory.py's
+        options = {key: getattr(settings, key) for key in DDP_ARGUMENTS}
         traffic = comm.Traffic()
         if shared:
             # Before DDP: where the segment cannot be shared, every rank raises SharedMemoryUnavailable here.
-            gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-            self.shared = shared_memory.SharedMemoryAllReduce(None, gradient_bytes, self.cfg.backend.timeout_s, traffic)
+            gradient_bytes = sum(
+                p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
+            )
+            self.shared = shared_memory.SharedMemoryAllReduce(
+                None, gradient_bytes, self.cfg.backend.timeout_s, traffic
+            )
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self.model = DistributedDataParallel(module, device_ids=device_ids, **options)
         if options["static_graph"]:

@@ -53,7 +53,8 @@ class FSDPSettings(Section):
 def shard_refusals(cfg: Any) -> list[tuple[bool, str]]:
     """(refused, why) for FSDP's own settings."""
     settings, trainer, launcher = cfg.strategy, cfg.trainer, cfg.launcher
-    world = trainer.nproc * launcher.nnodes if isinstance(trainer.nproc, int) else None  # None: not yet settled
+    # None: not yet settled
+    world = trainer.nproc * launcher.nnodes if isinstance(trainer.nproc, int) else None
     copies = int(settings.replicate)
     return [
         (
@@ -123,8 +124,12 @@ def hybrid_mesh(settings: Any, device: torch.device) -> Any:
 
     world = torch.distributed.get_world_size()
     if world % copies:  # checked before launch; an outside launcher's world size is known only here
-        raise EveryRankError(f"strategy.replicate={copies} does not divide the {world} ranks: give a divisor")
-    return init_device_mesh(device.type, (copies, world // copies), mesh_dim_names=("replicate", "shard"))
+        raise EveryRankError(
+            f"strategy.replicate={copies} does not divide the {world} ranks: give a divisor"
+        )
+    return init_device_mesh(
+        device.type, (copies, world // copies), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def shard_units(module: nn.Module) -> list[nn.Module]:
@@ -185,5 +190,9 @@ class FSDP(Strategy):
 
     def summary(self) -> dict[str, Any]:
         copies = int(self.cfg.strategy.replicate)
-        mesh = {"replicate": copies, "shard": torch.distributed.get_world_size() // copies} if copies > 1 else None
+        mesh = (
+            {"replicate": copies, "shard": torch.distributed.get_world_size() // copies}
+            if copies > 1
+            else None
+        )
         return {**super().summary(), "hsdp": mesh}

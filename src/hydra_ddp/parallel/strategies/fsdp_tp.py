@@ -13,7 +13,13 @@ from torch import nn
 from hydra_ddp.checkpoint import layouts
 from hydra_ddp.config.domains import AtLeast, OneOf
 from hydra_ddp.parallel.strategies import fsdp, tp
-from hydra_ddp.parallel.strategies.base import Strategy, clip_global_norm, not_ddp_refusals, refuse, start_from_rank0
+from hydra_ddp.parallel.strategies.base import (
+    Strategy,
+    clip_global_norm,
+    not_ddp_refusals,
+    refuse,
+    start_from_rank0,
+)
 from hydra_ddp.recipe import activation_checkpointing, compiling
 
 
@@ -45,12 +51,20 @@ class FSDPWithTP(Strategy):
                 "strategy.replicate (HSDP) is not supported with tensor parallel yet: the mesh is [dp, tp]; leave it 1",
             ),
             (
-                bool(settings.param_dtype or settings.reduce_dtype or settings.output_dtype or settings.cpu_offload),
+                bool(
+                    settings.param_dtype
+                    or settings.reduce_dtype
+                    or settings.output_dtype
+                    or settings.cpu_offload
+                ),
                 "strategy.param_dtype, reduce_dtype, output_dtype and cpu_offload are not supported with tensor "
                 "parallel yet; leave them null and false",
             ),
         ]
-        refuse(cls.name, not_ddp_refusals(cfg, cls.name) + fsdp.shard_refusals(cfg) + tensor_parallel_limits)
+        refuse(
+            cls.name,
+            not_ddp_refusals(cfg, cls.name) + fsdp.shard_refusals(cfg) + tensor_parallel_limits,
+        )
         activation_checkpointing.check(cfg)
 
     @classmethod

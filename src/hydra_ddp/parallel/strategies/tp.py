@@ -45,7 +45,8 @@ def check_plan(cfg: Any, strategy: type[Strategy]) -> None:
         ) from None
     try:
         tp_plan = getattr(model, "tp_plan", None)
-        if not callable(tp_plan):  # a transformers model's tp_plan is its own (a dict), not this plan
+        # a transformers model's tp_plan is its own (a dict), not this plan
+        if not callable(tp_plan):
             raise UserError(
                 f"strategy={strategy.name} needs a model with a tensor-parallel plan (a tp_plan method, as "
                 f"model=gpt has); {cfg.model['_target_']} has none: use strategy=ddp or fsdp"
@@ -59,14 +60,20 @@ def parallelize(strategy: Strategy, module: nn.Module) -> None:
     """Megatron style over `strategy.tp_ranks` ranks: the model's plan splits its linears. Ranks
     r = dp × tp_ranks + tp: a replica's tp ranks are neighbours (on one node, fast links)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     strategy.mesh = init_device_mesh(
         strategy.device.type, (strategy.dp_ranks, strategy.tp_ranks), mesh_dim_names=("dp", "tp")
     )
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     tp_plan = module.tp_plan(strategy.tp_ranks)
-    parallelize_module(module, strategy.mesh["tp"], {name: styles[style]() for name, style in tp_plan.items()})
+    parallelize_module(
+        module, strategy.mesh["tp"], {name: styles[style]() for name, style in tp_plan.items()}
+    )
 
 
 class TensorParallel(Strategy):
@@ -92,7 +99,8 @@ class TensorParallel(Strategy):
         self.module = module
         start_from_rank0(module)
         parallelize(self, module)
-        compiling.compile_blocks(module, self.cfg.trainer, self.compile_dynamic)  # blocks of DTensors
+        # blocks of DTensors
+        compiling.compile_blocks(module, self.cfg.trainer, self.compile_dynamic)
         self.model = module
         self.state = layouts.ShardedState(module)
         return module
