@@ -34,12 +34,14 @@ def train(repo: Path, run_dir: Path, overrides: tuple[str, ...]) -> None:
     path = os.pathsep.join(p for p in (str(repo / "src"), os.environ.get("PYTHONPATH")) if p)
     subprocess.run(
         [sys.executable, str(repo / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=repo, env={**os.environ, "PYTHONPATH": path}, check=True, capture_output=True, text=True,
+        cwd=repo, env={**os.environ, "PYTHONPATH": path},
+        check=True, capture_output=True, text=True,
     )  # fmt: skip
 
 
 def compare(then: Path, now: Path) -> dict:
-    """Rows, value columns and the cells that differ in metrics.csv; whether the final weights are equal."""
+    """Rows, value columns and the cells that differ in metrics.csv; whether the final weights are
+    equal."""
 
     def rows(run: Path) -> list[dict[str, str]]:
         with open(run / "metrics.csv", newline="") as f:
@@ -85,7 +87,8 @@ def main() -> int:
             result[name] = compare(runs / f"{name}-then", runs / f"{name}-now")
             verdict = "identical" if result[name]["identical"] else "DIFFERENT"
             print(
-                f"{name}: {verdict}, final weights equal: {result[name]['final_weights_identical']}",
+                f"{name}: {verdict}, final weights equal: "
+                f"{result[name]['final_weights_identical']}",
                 flush=True,
             )
     out = REPO / "bench" / "results" / f"bit_identity_{commit}.json"

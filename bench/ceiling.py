@@ -47,7 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def settled_config(overrides: list[str], run_dir: Path) -> Any:
-    """The RunConfig train.py's workers would receive for these overrides (composed, resolved, settled)."""
+    """The RunConfig train.py's workers would receive for these overrides (composed, resolved,
+    settled)."""
     from hydra import compose, initialize_config_dir
 
     from hydra_ddp.config import resolve, schema
@@ -84,7 +85,8 @@ def exchange(params: list, slots: Any, counters: Any, process: int, world: int, 
     """--exchange: the least a synchronous data-parallel step must add, without DDP or a loop: each
     gradient divided by the world size into this process's slot, a meeting, then the slots summed
     in process order into the gradient (two passes over the gradients, as the project's
-    shared-memory all-reduce makes). Two turns of slots: a process one step ahead writes the other."""
+    shared-memory all-reduce makes). Two turns of slots: a process one step ahead writes the
+    other."""
     import torch
 
     turn, offset = slots[step % 2], 0
@@ -240,13 +242,14 @@ def main() -> int:
     parser.add_argument(
         "--lockstep",
         action="store_true",
-        help="the processes meet after each backward, exchanging nothing: what moving in step alone costs",
+        help="the processes meet after each backward, exchanging "
+        "nothing: what moving in step alone costs",
     )
     parser.add_argument(
         "--exchange",
         action="store_true",
-        help="in lockstep, and the gradients averaged through shared memory in two passes: the least a "
-        "synchronous data-parallel step adds, without DDP or the project's loop",
+        help="in lockstep, and the gradients averaged through shared memory in two passes: the "
+        "least a synchronous data-parallel step adds, without DDP or the project's loop",
     )
     parser.add_argument(
         "overrides",
@@ -284,7 +287,8 @@ def main() -> int:
         results = [json.loads(Path(tmp, f"{i}.json").read_text()) for i in range(len(processes))]
     if args.exchange and len({r["weights"] for r in results}) != 1:
         raise SystemExit(
-            "bench/ceiling.py --exchange: the processes' weights differ after averaging their gradients"
+            "bench/ceiling.py --exchange: the processes' "
+            "weights differ after averaging their gradients"
         )
     combined = combine(results, min(args.warmup, cfg.trainer.max_steps // 10))
     Path(args.out).write_text(

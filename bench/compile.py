@@ -117,8 +117,9 @@ def main() -> int:
         "commit": commit,
         "dirty": dirty,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "workload": f"{', '.join(MODELS[m] for m in args.models.split(','))}: packed documents, 2 gloo ranks of "
-        f"1 thread, {args.steps} steps, no validation; trainer.compile=true (each block, inductor) against eager",
+        "workload": f"{', '.join(MODELS[m] for m in args.models.split(','))}: packed "
+        f"documents, 2 gloo ranks of 1 thread, {args.steps} steps, no "
+        "validation; trainer.compile=true (each block, inductor) against eager",
     }
     for model in args.models.split(","):
         result[model] = {
@@ -126,7 +127,8 @@ def main() -> int:
             "resume": resumed(model, args.steps),
         }
         print(
-            f"{model}: {json.dumps({k: v for k, v in result[model]['paired'].items() if k != 'pairs'})}"
+            f"{model}: "
+            f"{json.dumps({k: v for k, v in result[model]['paired'].items() if k != 'pairs'})}"
         )
         print(f"{model} resume: {result[model]['resume']}", flush=True)
     out = REPO / "bench" / "results" / f"compile_{commit}.json"

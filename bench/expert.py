@@ -48,7 +48,8 @@ from handwritten import (  # noqa: E402  (the plain loop's pieces, so only the t
 def train(
     model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, steps: int
 ) -> tuple[list[float], float]:
-    """handwritten.train on the CPU: `steps` steps; each step's duration, and when the first ended."""
+    """handwritten.train on the CPU: `steps` steps; each step's duration, and when the first
+    ended."""
     step_times, first_step_at = [], 0.0
     model.train()
     last = time.perf_counter()
@@ -105,7 +106,8 @@ if __name__ == "__main__":
     args = parse_args()
     if (args.device, args.parallel, args.model, args.precision) != ("cpu", "ddp", "cnn", "32"):
         raise SystemExit(
-            "bench/expert.py: the CNN's DDP loop on the CPU in fp32 only (the rest is handwritten.py's)"
+            "bench/expert.py: the CNN's DDP loop on the CPU "
+            "in fp32 only (the rest is handwritten.py's)"
         )
     mp.start_processes(
         main, args=(args.nproc, free_port(), args), nprocs=args.nproc, start_method="forkserver"

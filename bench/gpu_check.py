@@ -28,7 +28,8 @@ One GPU (trainer.nproc=1 on any host, so the figures compare across hosts; nccl)
   every 20 steps (sharded, DCP, under fsdp and tp);
 - ResNet-50 (torchvision) images/s in bf16 on synthetic 224×224 data held on the GPU, batch 128:
   auto settings off, and the defaults (channels_last, bucket view, static graph);
-- the tuner (python -m hydra_ddp.tools.tune tune.precision=true) on the CNN, over pin_memory and precision;
+- the tuner (python -m hydra_ddp.tools.tune tune.precision=true) on the CNN, over pin_memory and
+  precision;
 - ResNet-50 with torch.compile: last, as the longest, the first to go when time runs short.
 
 All GPUs (where 2 or more are visible, trainer.nproc = their count; else recorded as skipped):
@@ -201,7 +202,8 @@ class CaseFailed(Exception):
 
 
 class Refused(CaseFailed):
-    """The project refused the configuration in one line, as it may for a combination it does not support."""
+    """The project refused the configuration in one line, as it may for a combination it does not
+    support."""
 
 
 class OutOfTime(CaseFailed):
@@ -383,7 +385,8 @@ def parity(case: Case, run: Session) -> dict:
         **figures,
         "handwritten_samples_per_sec": hand_rate,
         "parity": ratio,
-        "note": f"project / hand-written samples/s {ratio:.3f}× (hand-written {hand_rate:,.0f}; medians of 2)",
+        "note": f"project / hand-written samples/s {ratio:.3f}× "
+        f"(hand-written {hand_rate:,.0f}; medians of 2)",
     }
 
 
@@ -414,7 +417,8 @@ def rank_per_gpu(case: Case, run: Session) -> dict:
     wanted = {str(r): f"cuda:{r}" for r in range(run.gpus)}
     if summary["world_size"] != run.gpus or placed != wanted:
         raise CaseFailed(
-            f"world size {summary['world_size']}, ranks placed {placed}; wanted rank r on cuda:r for {run.gpus} ranks"
+            f"world size {summary['world_size']}, ranks placed "
+            f"{placed}; wanted rank r on cuda:r for {run.gpus} ranks"
         )
     return {**figures_of(summary), "note": f"{run.gpus} ranks, rank r on cuda:r"}
 
@@ -426,14 +430,16 @@ def failed_naming_rank1(done: subprocess.CompletedProcess, what: str) -> str:
         raise CaseFailed(f"the run with {what} exited 0")
     if len(errors) != 1 or "rank 1" not in errors[0]:
         raise CaseFailed(
-            f"{len(errors)} error line(s), wanted one naming rank 1: {one_line(done.stdout, done.stderr)}",
+            f"{len(errors)} error line(s), wanted one naming "
+            f"rank 1: {one_line(done.stdout, done.stderr)}",
             tail(done.stdout, done.stderr),
         )
     return errors[0]
 
 
 def dead_peer(case: Case, run: Session) -> dict:
-    """A rank that fails at start: the launcher must end the run, naming it, long before the collective timeout."""
+    """A rank that fails at start: the launcher must end the run, naming it, long before the
+    collective timeout."""
     started = time.monotonic()
     cmd = [
         sys.executable,
@@ -447,13 +453,14 @@ def dead_peer(case: Case, run: Session) -> dict:
     others = len(done.stderr.strip().splitlines()) - 1
     return {
         "seconds_to_fail": took,
-        "note": f"exit {done.returncode} after {took:.1f} s ({others} other stderr line(s)): {error[:200]}",
+        "note": f"exit {done.returncode} after {took:.1f} s "
+        f"({others} other stderr line(s)): {error[:200]}",
     }
 
 
 def hung_peer(case: Case, run: Session) -> dict:
-    """A rank that stops mid-run: NCCL's watchdog ends the collective after backend.timeout_s, the run
-    ends in one line naming the stuck rank, and torch's flight recorder (on by default,
+    """A rank that stops mid-run: NCCL's watchdog ends the collective after backend.timeout_s, the
+    run ends in one line naming the stuck rank, and torch's flight recorder (on by default,
     reporting/hangs.py) has dumped the ranks' last collectives into RUN/stacks/nccl_trace_rank_R."""
     run_dir = run.scratch / "run"
     cmd = [sys.executable, "train.py", *case.overrides(0, run.gpus), f"hydra.run.dir={run_dir}"]
@@ -467,7 +474,8 @@ def hung_peer(case: Case, run: Session) -> dict:
         found = sorted(path.name for path in stacks.iterdir()) if stacks.is_dir() else []
         raise CaseFailed(f"no flight-recorder dump (nccl_trace_rank_R) in {stacks}: {found}")
     return {
-        "note": f"exit {done.returncode}: {error[:160]}; the flight recorder's dumps: {', '.join(dumps)}"
+        "note": f"exit {done.returncode}: {error[:160]}; the "
+        f"flight recorder's dumps: {', '.join(dumps)}"
     }
 
 
@@ -493,7 +501,8 @@ def same_losses(case: Case, run: Session) -> dict:
         )
     return {
         "worst_relative_difference": worst,
-        "note": f"largest relative step-loss difference, 1 vs {run.gpus} GPUs over {len(one)} steps: {worst:.1e}",
+        "note": "largest relative step-loss difference, 1 vs "
+        f"{run.gpus} GPUs over {len(one)} steps: {worst:.1e}",
     }
 
 
@@ -511,9 +520,9 @@ def dp_vs_ddp(case: Case, run: Session) -> dict:
         "dp_samples_per_sec": dp["steady_samples_per_sec"],
         "dp_peak_memory_mb": dp["peak_memory_mb"],
         "ddp_peak_memory_mb": ddp["peak_memory_mb"],
-        "note": f"DDP / DataParallel samples/s {speedup:.2f}× (DP {dp['steady_samples_per_sec']:,.0f}); GPU 0 "
-        f"peak {dp_gpu0:,.0f} MB under DP, at most {ddp_most:,.0f} MB per GPU under DDP; "
-        f"the seeds' claim {verdict}",
+        "note": f"DDP / DataParallel samples/s {speedup:.2f}× (DP "
+        f"{dp['steady_samples_per_sec']:,.0f}); GPU 0 peak {dp_gpu0:,.0f} MB under "
+        f"DP, at most {ddp_most:,.0f} MB per GPU under DDP; the seeds' claim {verdict}",
     }
 
 
@@ -551,11 +560,12 @@ def evaluate(case: Case, run: Session) -> dict:
     loss_gap = abs(result["test_loss"] - summary["test_loss"]) / abs(summary["test_loss"])
     if result["test_accuracy"] != summary["test_accuracy"] or loss_gap > 1e-5:
         raise CaseFailed(
-            f"eval.py: test accuracy {result['test_accuracy']}, loss {result['test_loss']}; the run's "
-            f"{summary['test_accuracy']}, {summary['test_loss']}"
+            f"eval.py: test accuracy {result['test_accuracy']}, loss {result['test_loss']}; "
+            f"the run's {summary['test_accuracy']}, {summary['test_loss']}"
         )
     return {
-        "note": f"eval.py on {result['world_size']} GPU(s): test accuracy {result['test_accuracy']:.4f}, the run's own"
+        "note": f"eval.py on {result['world_size']} GPU(s): test "
+        f"accuracy {result['test_accuracy']:.4f}, the run's own"
     }
 
 
@@ -579,7 +589,8 @@ def outside_launcher(case: Case, run: Session) -> dict:
 
 
 def calls(case: Case, run: Session) -> dict:
-    """Each of the case's functions in a process of its own: it asserts, and its last line is the note."""
+    """Each of the case's functions in a process of its own: it asserts, and its last line is the
+    note."""
     notes = []
     for call in case.calls:
         module, function = call.split(":")
@@ -603,7 +614,8 @@ CNN_ONE = (*CNN, ONE_RANK, "trainer.max_steps=200")
 GPT_ONE = (*GPT, ONE_RANK, "trainer.max_steps=60")
 RESUMABLE = (*CNN, EVERY_GPU, "checkpoint.every_n_steps=20")
 CASES = [
-    # The step timer's CUDA-event clock against a synchronised host clock (tests/unit/test_timing.py).
+    # The step timer's CUDA-event clock against a synchronised host clock
+    # (tests/unit/test_timing.py).
     Case("the stream clock", ONE, calls, calls=("unit.test_timing:cuda_check",)),
     Case(DEFAULTS, ONE, parity, runs=(CNN_ONE,), bench=((*HAND_CNN, "--nproc=1"),), timeout_s=150),
     Case("CNN, auto settings off", ONE, one_run, runs=((*CNN_ONE, *AUTO_OFF),), baseline=DEFAULTS),
@@ -644,7 +656,8 @@ CASES = [
             ),
         ),
     ),
-    # DTensor, DCP checkpoints and the global-norm clipping on CUDA (tensor parallel on a one-rank mesh).
+    # DTensor, DCP checkpoints and the global-norm clipping on CUDA (tensor parallel on a one-rank
+    # mesh).
     *(
         Case(
             f"GPT, strategy={name}",
@@ -873,13 +886,14 @@ def host() -> dict:
 def markdown(about: dict, results: list[Result]) -> str:
     by_name = {r.name: r for r in results}
     lines = [
-        f"# GPU check: {about['gpu']} × {about['gpus']}, torch {about['torch']} (CUDA {about['cuda']}), "
-        f"{about['cpu_cores']} CPU cores, {about['date']}, commit `{about['commit']}`",
+        f"# GPU check: {about['gpu']} × {about['gpus']}, torch "
+        f"{about['torch']} (CUDA {about['cuda']}), {about['cpu_cores']} "
+        f"CPU cores, {about['date']}, commit `{about['commit']}`",
         "",
         "Absolute figures vary between machines; compare the ratios. One-GPU cases run one rank.",
         "",
-        "| case | section | status | samples/s | vs baseline | median step ms | first step s | peak RSS MB "
-        "| s | notes |",
+        "| case | section | status | samples/s | vs baseline | "
+        "median step ms | first step s | peak RSS MB | s | notes |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in results:
@@ -895,7 +909,8 @@ def markdown(about: dict, results: list[Result]) -> str:
         ]
         notes = r.reason or f.get("note", "")
         lines.append(
-            f"| {r.name} | {r.section} | {r.status} | {' | '.join(cells)} | {r.seconds:.0f} | {notes} |"
+            f"| {r.name} | {r.section} | {r.status} | "
+            f"{' | '.join(cells)} | {r.seconds:.0f} | {notes} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -941,7 +956,8 @@ def check_on_gpus(cases: list[Case]) -> int:
         )
     failed = [r.name for r in results if r.status == "failed"]
     print(
-        f"GPU check done in {time.monotonic() - START:.0f} s: {len(failed)} failed{f': {failed}' if failed else ''}"
+        f"GPU check done in {time.monotonic() - START:.0f} s: "
+        f"{len(failed)} failed{f': {failed}' if failed else ''}"
     )
     return 1 if failed else 0
 
@@ -970,7 +986,8 @@ def rank_zero_group():
 
 
 def dry_run(cases: list[Case]) -> int:
-    """Check every case's launches as the GPU host would run them, one line each; the number of problems."""
+    """Check every case's launches as the GPU host would run them, one line each; the number of
+    problems."""
     names = [case.name for case in cases]
     # --only leaves a case's baseline out, not undefined
     known = {case.name for case in (*CASES, *cases)}
@@ -997,7 +1014,10 @@ def dry_run(cases: list[Case]) -> int:
                     problems += report(f"{case.name} [{gpus} GPU(s)] {call}", check_call(call))
                 for i in range(len(case.bench)):
                     checks += 1
-                    what = f"{case.name} [{gpus} GPU(s)] bench/handwritten.py launch {i + 1}/{len(case.bench)}"
+                    what = (
+                        f"{case.name} [{gpus} GPU(s)] bench/handwritten.py "
+                        f"launch {i + 1}/{len(case.bench)}"
+                    )
                     problems += report(what, check_bench(handwritten, case.bench_args(i, gpus)))
     for problem in problems:
         print(f"dry-run FAILED: {problem}", flush=True)

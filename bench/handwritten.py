@@ -10,7 +10,8 @@ the project's summary.json holds, computed the same way, to the JSON file named 
 For bench/gpu_check.py's DataParallel comparison, the same loop also runs
 - `--parallel dp`: one process, nn.DataParallel over --nproc GPUs, one loader of the same global
   batch (batch size × nproc): what the seeds compare DDP with;
-- `--model resnet18 --precision bf16`: torchvision's ResNet-18 on random 3×224×224 images, in bf16 autocast.
+- `--model resnet18 --precision bf16`: torchvision's ResNet-18 on random 3×224×224 images, in bf16
+  autocast.
 On CUDA the result also holds every GPU's peak allocated memory (`peak_memory_mb`, in GPU order).
 A --train-size smaller than --steps needs is reused, epoch after epoch.
 """
@@ -77,7 +78,8 @@ def train(
     device: torch.device,
     precision: str = "32",
 ) -> tuple[list[float], float]:
-    """Run `steps` steps; each step's duration (from the previous step's end), and when the first ended."""
+    """Run `steps` steps; each step's duration (from the previous step's end), and when the first
+    ended."""
     if len(loader) == 0:
         raise ValueError("no batch in an epoch: raise --train-size")
     step_times, first_step_at = [], 0.0
@@ -234,8 +236,8 @@ def free_port() -> int:
 
 
 def spawned(worker: Any, nprocs: int, *args: Any) -> dict[str, Any]:
-    """`worker(rank, port, *args, out)` on `nprocs` ranks started by mp.spawn, meeting at a free port:
-    the JSON rank 0 wrote to `out` (a file in a folder of its own)."""
+    """`worker(rank, port, *args, out)` on `nprocs` ranks started by mp.spawn, meeting at a free
+    port: the JSON rank 0 wrote to `out` (a file in a folder of its own)."""
     import tempfile
     from pathlib import Path
 

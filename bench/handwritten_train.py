@@ -1,4 +1,5 @@
-"""The default run's baseline: `make train`'s work written by hand, in the style of pytorch/examples.
+"""The default run's baseline: `make train`'s work written by hand, in the style of \
+pytorch/examples.
 
 What `train.py` does with no overrides, in one plain script: mp.spawn of 2 workers, gloo on the
 CPU, scikit-learn's digits resized to 28×28 (80 % train, of which 144 images validate, 20 % test),

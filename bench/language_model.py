@@ -11,7 +11,8 @@ order alternating: the host's speed drifts within the hour, so only paired ratio
 3. What weighing by tokens costs: the packed experiment as it is (a count all-reduced each step)
    against the same run weighing each micro-batch's mean alike (no count: samples/s).
 
-    python bench/language_model.py --steps 40 --repeats 3   # → bench/results/language_model_<commit>.json
+    python bench/language_model.py --steps 40 --repeats 3
+    # → bench/results/language_model_<commit>.json
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from handwritten import ddp_setup, spawned
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENT = OmegaConf.load(REPO / "conf" / "experiment" / "documents_gpt.yaml")
 CONTEXT, MAX_BYTES = EXPERIMENT.data.dataset.context, EXPERIMENT.data.dataset.max_bytes
-# conf/model/gpt.yaml's fields, its vocabulary and context (interpolations of the data's) as data=documents' are.
+# conf/model/gpt.yaml's fields, its vocabulary and context (interpolations of the data's) as
+# data=documents' are.
 GPT = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "gpt.yaml"), resolve=False)
 GPT = {k: v for k, v in GPT.items() if k != "_target_"} | {
     "vocab_size": OmegaConf.load(REPO / "conf" / "data" / "documents.yaml").dataset.vocab_size,
@@ -42,7 +44,8 @@ GPT = {k: v for k, v in GPT.items() if k != "_target_"} | {
 }
 NPROC = 2
 BATCH = EXPERIMENT.data.global_batch_size // NPROC  # windows per rank
-# The project's settings for each of part 2's ways, and part 3's samples-weighted task (bench/weighting.py).
+# The project's settings for each of part 2's ways, and part 3's samples-weighted task
+# (bench/weighting.py).
 WAYS = {
     "packed": ("data.dataset.packing=true",),
     "padded": ("data.dataset.packing=false",),
@@ -104,7 +107,8 @@ def handwritten(steps: int, warm: int) -> float:
 
 
 def project(steps: int, *overrides: str) -> dict[str, float]:
-    """The experiment's steady trained tokens/s and samples/s (the summary's steps after its warm-up)."""
+    """The experiment's steady trained tokens/s and samples/s (the summary's steps after its
+    warm-up)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
@@ -113,8 +117,9 @@ def project(steps: int, *overrides: str) -> dict[str, float]:
     }
     with tempfile.TemporaryDirectory() as run_dir:
         subprocess.run(
-            [sys.executable, str(REPO / "train.py"), "+experiment=documents_gpt", f"trainer.max_steps={steps}",
-             "trainer.epochs=100", "data.val_fraction=0", *overrides, f"hydra.run.dir={run_dir}"],
+            [sys.executable, str(REPO / "train.py"), "+experiment=documents_gpt",
+             f"trainer.max_steps={steps}", "trainer.epochs=100", "data.val_fraction=0",
+             *overrides, f"hydra.run.dir={run_dir}"],
             cwd=REPO, check=True, capture_output=True, text=True, env=env,
         )  # fmt: skip
         s = json.loads(Path(run_dir, "summary.json").read_text())
@@ -212,7 +217,8 @@ def padding_against_packing(args: argparse.Namespace) -> dict:
 
 
 def token_weighting_cost(args: argparse.Namespace) -> dict:
-    """3. Weighing by tokens (a count all-reduced per step) against each micro-batch's mean: samples/s."""
+    """3. Weighing by tokens (a count all-reduced per step) against each micro-batch's mean:
+    samples/s."""
 
     def by_tokens() -> dict:
         return project(args.steps)
@@ -253,8 +259,9 @@ def main() -> int:
         "commit": commit,
         "dirty": dirty,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "workload": f"+experiment=documents_gpt (TinyGPT {GPT}, windows of {CONTEXT} tokens, {BATCH} per rank), "
-        f"{NPROC} gloo ranks, 1 thread each, {args.steps} steps; data.val_fraction=0",
+        "workload": f"+experiment=documents_gpt (TinyGPT {GPT}, windows of "
+        f"{CONTEXT} tokens, {BATCH} per rank), {NPROC} gloo ranks, "
+        f"1 thread each, {args.steps} steps; data.val_fraction=0",
     }
 
     for part in sorted(parts):

@@ -66,7 +66,8 @@ SWEEP = ("trainer.seed=0,1",)
 
 
 class BenchError(Exception):
-    """A run failed or reported something other than what was asked; shown in one message at the top."""
+    """A run failed or reported something other than what was asked; shown in one message at the
+    top."""
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,13 @@ class Workload:
 
     @property
     def warmup_steps(self) -> int:
-        """The steps both sides leave out of samples/s and step time: 10, or a tenth of a shorter run."""
+        """The steps both sides leave out of samples/s and step time: 10, or a tenth of a shorter
+        run."""
         return min(10, self.steps // 10)
 
     def train_size(self, nproc: int) -> int:
-        """Images enough for every step in one epoch, so no epoch boundary falls inside the timing."""
+        """Images enough for every step in one epoch, so no epoch boundary falls inside the
+        timing."""
         return self.steps * self.batch_size * nproc
 
 
@@ -95,17 +98,19 @@ class Case:
     # "project", "handwritten", "expert" (bench/expert.py), "default": `make train`'s run as it is
     # (the digits, 12 epochs),
     # "handwritten_train": the same work by hand (bench/handwritten_train.py), or
-    # "sweep": the project's command as a two-job multirun (-m SWEEP), whose second job is measured, or
-    # "ceiling": the project's config trained in independent processes, without communication (bench/ceiling.py),
-    # "lockstep": the same, meeting at a barrier after each backward (nothing exchanged), or "exchange":
-    # in lockstep and the gradients averaged through shared memory (no DDP, no loop).
+    # "sweep": the project's command as a two-job multirun (-m SWEEP), whose second job is measured,
+    # or "ceiling": the project's config trained in independent processes, without communication
+    # (bench/ceiling.py), "lockstep": the same, meeting at a barrier after each backward (nothing
+    # exchanged), or "exchange": in lockstep and the gradients averaged through shared memory (no
+    # DDP, no loop).
     side: str
     nproc: int = 2
     overrides: tuple[str, ...] = ()
     # "images": synthetic images and the seeds' CNN; "text": the transformer (+experiment=text_gpt)
     # on Python's source, a global batch of the workload's batch size in sequences.
     task: str = "images"
-    # A checkout of another commit (run.py --against): "default" runs its train.py, with its own src.
+    # A checkout of another commit (run.py --against): "default" runs its train.py, with its own
+    # src.
     repo: Optional[str] = None
 
 
@@ -186,7 +191,8 @@ def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], P
 
 
 def measure(case: Case, workload: Workload) -> dict[str, Any]:
-    """Run the case once; its figures (METRICS), plus steps, world size and the command's wall time."""
+    """Run the case once; its figures (METRICS), plus steps, world size and the command's wall
+    time."""
     with tempfile.TemporaryDirectory(prefix="hydra-ddp-bench-") as tmp:
         cmd, result_file = command(case, workload, Path(tmp))
         started = time.time()
@@ -212,7 +218,8 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
         "steady_samples_per_sec": reported["steady_samples_per_sec"],
         "median_step_time_s": reported["median_step_time_s"],
         "time_to_first_step_s": reported["first_step_at"] - started,
-        # When the last worker's own code began: its interpreter, its imports (or the forkserver's) done.
+        # When the last worker's own code began: its interpreter, its imports (or the forkserver's)
+        # done.
         "time_to_workers_ready_s": reported["workers_ready_at"] - started,
         "peak_rss_mb": reported["peak_rss_mb"],
         "steps": reported["steps"],
@@ -224,7 +231,8 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
         "model_state_bytes": (reported.get("model_state_bytes") or {}).get("total"),
         "checkpoints": reported.get("checkpoints"),
         "checkpoint_stall_s": reported.get("checkpoint_stall_s"),  # the median save's, on rank 0
-        # Where a run's time goes, as its summary says (the project's only): the steps, evaluation, saves.
+        # Where a run's time goes, as its summary says (the project's only): the steps, evaluation,
+        # saves.
         "train_time_s": reported.get("train_time_s"),
         "eval_time_s": reported.get("eval_time_s"),
         "checkpoint_time_s": reported.get("checkpoint_time_s"),
@@ -261,8 +269,8 @@ def printable(cmd: list[str]) -> str:
 
 
 def _run(cmd: list[str], case: Case, timeout: float) -> bool:
-    """Run a command to its end; True where the hand-written loop aborted at its exit (ABORT_AT_EXIT),
-    which measure() accepts if the result was written whole."""
+    """Run a command to its end; True where the hand-written loop aborted at its exit
+    (ABORT_AT_EXIT), which measure() accepts if the result was written whole."""
     # A session of its own, so a hung run's workers can be killed with it.
     env = None
     if case.repo:  # that commit's code, not this checkout's (installed in the venv as editable)

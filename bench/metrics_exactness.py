@@ -1,6 +1,6 @@
 """Task metrics: the project's exact states of sums against torchmetrics, at world sizes 1, 2 and 3.
 
-    .venv/bin/pip install torchmetrics      # not a dependency of the project: for this comparison only
+    .venv/bin/pip install torchmetrics   # not a dependency of the project: for this comparison only
     .venv/bin/python bench/metrics_exactness.py
 
 One evaluation split (regression outputs and targets; segmentation logits and masks), in fixed
@@ -190,15 +190,16 @@ def main() -> None:
         "# Task metrics at world sizes 1, 2, 3: hydra-ddp's states of sums against torchmetrics "
         f"{result['torchmetrics']}",
         "",
-        f"{result['when']}, {result['cpu']}, torch {result['torch']}; {SAMPLES} regression samples, "
-        f"{SAMPLES // 10} masks of {SIDE}x{SIDE}, chunks dealt to the ranks in turn (bench/metrics_exactness.py).",
+        f"{result['when']}, {result['cpu']}, torch {result['torch']}; {SAMPLES} "
+        f"regression samples, {SAMPLES // 10} masks of {SIDE}x{SIDE}, chunks "
+        "dealt to the ranks in turn (bench/metrics_exactness.py).",
         "",
         "| way | task | metric | bit-equal at 1, 2, 3 ranks | largest relative gap |",
         "| --- | --- | --- | --- | --- |",
     ]
     lines += [
-        f"| {r['way']} | {r['task']} | {r['metric']} | {'yes' if r['bit_equal_at_1_2_3'] else 'no'} | "
-        f"{r['largest_relative_gap']:.1e} |"
+        f"| {r['way']} | {r['task']} | {r['metric']} | "
+        f"{'yes' if r['bit_equal_at_1_2_3'] else 'no'} | {r['largest_relative_gap']:.1e} |"
         for r in table
     ]
     times = result["time_per_chunk_s"]

@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def commit(repo: Path = REPO) -> tuple[str, bool]:
-    """(HEAD's short hash, whether tracked files differ from it); ("unknown", True) outside a checkout."""
+    """(HEAD's short hash, whether tracked files differ from it); ("unknown", True) outside a
+    checkout."""
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
 
     def git(*args: str) -> str:

@@ -6,9 +6,11 @@ default run, world-size scaling, options, and the limit: the same processes with
     # one section (parity, default, scaling, options, comm, checkpoint, strategy, strategy_gpt,
     # ceiling, ceiling_gpt):
     .venv/bin/python bench/run.py --only comm
-    .venv/bin/python bench/run.py --only options --cases timing --out /tmp/bench   # one line, beside its reference
+    # one line, beside its reference:
+    .venv/bin/python bench/run.py --only options --cases timing --out /tmp/bench
     make bench ARGS="--reps 5 --steps 500 --out /tmp/bench"
-    .venv/bin/python bench/run.py --only default --reps 7 --against a88e844   # make train, then and now
+    # make train, then and now:
+    .venv/bin/python bench/run.py --only default --reps 7 --against a88e844
 
 Prints the report and writes it to OUT/REPORT.md (replaced each time; --report names another
 file, so that an --only run leaves a full report beside it whole), with every run's figures in
@@ -58,7 +60,8 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "data.preload (tensor batches)": ("data.preload=true",),
     "precision=bf16": ("trainer.precision=bf16",),
     "accumulate=2 (no_sync)": ("trainer.accumulate=2",),
-    # The fast settings `auto` turns on (performance.py, parallel/strategies/ddp.py), turned off one by one.
+    # The fast settings `auto` turns on (performance.py, parallel/strategies/ddp.py), turned off one
+    # by one.
     "ddp: bucket view + static graph off": (
         "strategy.gradient_as_bucket_view=false",
         "strategy.static_graph=false",
@@ -71,7 +74,8 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "per-rank timing off": ("trainer.timing=false",),
 }
 
-# DDP communication hooks (src/hydra_ddp/parallel/comm.py), at 2 ranks against DDP's own all-reduce through gloo.
+# DDP communication hooks (src/hydra_ddp/parallel/comm.py), at 2 ranks against DDP's own all-reduce
+# through gloo.
 COMM_HOOKS = ("fp16", "bf16")
 
 # Mid-run checkpoints (rank 0 snapshots at the step boundary, a thread writes): every N steps.
@@ -124,7 +128,8 @@ def plan(cores: int) -> dict[str, list[Case]]:
         "options": [
             Case(label, "project", overrides=overrides) for label, overrides in OPTIONS.items()
         ],
-        # A hook replaces the shared-memory all-reduce: each is compared with gloo's, and the default last.
+        # A hook replaces the shared-memory all-reduce: each is compared with gloo's, and the
+        # default last.
         "comm": [
             Case(
                 "comm_hook=none, gloo's all-reduce",
@@ -166,12 +171,14 @@ def plan(cores: int) -> dict[str, list[Case]]:
             Case(f"gpt: {name}", "project", overrides=(f"strategy={name}",), task="text")
             for name in ("ddp", "fsdp", "tp")
         ],
-        # The limit: the same processes without communicating (bench/ceiling.py), and what reaches it.
+        # The limit: the same processes without communicating (bench/ceiling.py), and what reaches
+        # it.
         "ceiling": [
             Case("ceiling (2 processes, no communication)", "ceiling"),
             # What moving in step costs by itself: the ceiling's processes meet after each backward.
             Case("ceiling in lockstep (a barrier per step)", "lockstep"),
-            # The least a synchronous step adds: lockstep and the gradients averaged, without DDP or a loop.
+            # The least a synchronous step adds: lockstep and the gradients averaged, without DDP or
+            # a loop.
             Case("ceiling with the exchange (lockstep, gradients averaged)", "exchange"),
             Case("project (train.py)", "project"),
             Case("expert (hand-tuned)", "expert"),
@@ -184,7 +191,8 @@ def plan(cores: int) -> dict[str, list[Case]]:
     }
 
 
-# The ceiling's paired ratios are the acceptance figures of the compute-ceiling work: at least 7 pairs.
+# The ceiling's paired ratios are the acceptance figures of the compute-ceiling work: at least 7
+# pairs.
 CEILING_REPS = 7
 CEILING_SECTIONS = ("ceiling", "ceiling_gpt")
 
@@ -213,10 +221,10 @@ def run_section(
             result = measure(case, workload)
             runs[case.label].append(result)
             print(
-                f"[{name} {rep}/{reps}] {case.label:<30} {result['steady_samples_per_sec']:6.0f} samples/s  "
-                f"step {result['median_step_time_s'] * 1000:6.1f} ms  "
-                f"first step {result['time_to_first_step_s']:5.2f} s  "
-                f"RSS {result['peak_rss_mb']:4.0f} MB",
+                f"[{name} {rep}/{reps}] {case.label:<30} "
+                f"{result['steady_samples_per_sec']:6.0f} samples/s  step "
+                f"{result['median_step_time_s'] * 1000:6.1f} ms  first step "
+                f"{result['time_to_first_step_s']:5.2f} s  RSS {result['peak_rss_mb']:4.0f} MB",
                 file=sys.stderr,
                 flush=True,
             )
@@ -258,9 +266,9 @@ def run_default(cases: list[Case], workload: Workload, reps: int) -> list[dict[s
             result = {**measure(case, workload), "floor_s": floor}
             runs[case.label].append(result)
             print(
-                f"[default {rep}/{reps}] {case.label}: wall {result['wall_time_s']:5.2f} s  training "
-                f"{result['train_time_s']:5.2f} s  first step {result['time_to_first_step_s']:5.2f} s  "
-                f"floor {floor:5.2f} s",
+                f"[default {rep}/{reps}] {case.label}: wall {result['wall_time_s']:5.2f} "
+                f"s  training {result['train_time_s']:5.2f} s  first step "
+                f"{result['time_to_first_step_s']:5.2f} s  floor {floor:5.2f} s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -284,7 +292,8 @@ def run_default(cases: list[Case], workload: Workload, reps: int) -> list[dict[s
         median["beyond_training_s"] = statistics.median(
             run["wall_time_s"] - run["train_time_s"] for run in case_runs
         )
-        # What the run adds to importing torch: the same difference less the floor timed just before.
+        # What the run adds to importing torch: the same difference less the floor timed just
+        # before.
         median["beyond_floor_s"] = statistics.median(
             run["wall_time_s"] - run["train_time_s"] - run["floor_s"] for run in case_runs
         )
@@ -369,20 +378,22 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument(
         "--parity-reps",
         type=positive_int,
-        help="repetitions in the parity section (default: --reps). Its ratios against the hand-written "
-        "loop are the acceptance figures, and one run's samples/s varies by ±10%% here between "
-        "processes of the same command: more repetitions steady their medians",
+        help="repetitions in the parity section (default: --reps). Its ratios "
+        "against the hand-written loop are the acceptance figures, and "
+        "one run's samples/s varies by ±10%% here between processes of "
+        "the same command: more repetitions steady their medians",
     )
     parser.add_argument(
         "--ceiling-reps",
         type=positive_int,
-        help=f"repetitions in the ceiling sections (default {CEILING_REPS}, or --reps where more; --quick: 1): "
-        "each is a pair, the project and its ceiling back to back",
+        help=f"repetitions in the ceiling sections (default {CEILING_REPS}, or --reps where "
+        "more; --quick: 1): each is a pair, the project and its ceiling back to back",
     )
     parser.add_argument(
         "--gpt-steps",
         type=positive_int,
-        help="training steps per run of the transformer's ceiling section (default: half of --steps)",
+        help="training steps per run of the transformer's "
+        "ceiling section (default: half of --steps)",
     )
     parser.add_argument(
         "--steps", type=positive_int, help="training steps per run (default 200; --quick: 20)"
@@ -390,9 +401,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument(
         "--against",
         metavar="COMMIT",
-        help="the default section also runs `make train` at this commit (a worktree of it, its own src), "
-        "in turns with today's: is the first step as soon, the wall time no longer? The ceiling section "
-        "runs the project at that commit too: what the changes since bought, as a share of the ceiling",
+        help="the default section also runs `make train` at this commit (a worktree "
+        "of it, its own src), in turns with today's: is the first step as soon, "
+        "the wall time no longer? The ceiling section runs the project at that "
+        "commit too: what the changes since bought, as a share of the ceiling",
     )
     parser.add_argument("--quick", action="store_true", help="a tiny run to smoke-test the harness")
     parser.add_argument(
@@ -464,7 +476,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _main(argv: Optional[list[str]], stack: contextlib.ExitStack) -> int:
     args = parse_args(argv)
-    # Each run has a session of its own; SIGTERM becomes SystemExit so measure() can end the run too.
+    # Each run has a session of its own; SIGTERM becomes SystemExit so measure() can end the run
+    # too.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     workload = Workload(steps=args.steps)
     now = time.localtime()

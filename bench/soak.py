@@ -1,7 +1,7 @@
 """Soak: the whole test suite, run after run, beside a CPU hog; per-test failure counts.
 
-    make soak                 # 5 runs
-    make soak RUNS=3          # the standard kept for a big change: 3 consecutive passes (docs/testing.md)
+    make soak          # 5 runs
+    make soak RUNS=3   # the standard kept for a big change: 3 consecutive passes (docs/testing.md)
     python bench/soak.py --runs 3 -- -k faults   # any pytest arguments after --
 
 A test that fails once in twenty runs is a bug: this is how it is found. The report goes to
@@ -35,7 +35,8 @@ def hog() -> subprocess.Popen:
 
 
 def run_suite(junit: Path, pytest_args: list[str]) -> tuple[float, int, dict[str, str], Counter]:
-    """(seconds, exit code, {test id: "failed" | "error"}, {"passed": n, "skipped": n}) of one full run."""
+    """(seconds, exit code, {test id: "failed" | "error"}, {"passed": n, "skipped": n}) of one full
+    run."""
     started = time.monotonic()
     code = subprocess.run(
         [
@@ -78,14 +79,16 @@ def write_report(
         f"{'with one CPU-hogging process beside it' if hogged else 'no CPU hog'} · `bench/soak.py`"
         + (f" · pytest {' '.join(pytest_args)}" if pytest_args else ""),
         "",
-        f"**{passed} of {len(runs)} runs passed ({planned} planned); {sum(failures.values())} test failure(s).**",
+        f"**{passed} of {len(runs)} runs passed ({planned} "
+        f"planned); {sum(failures.values())} test failure(s).**",
         "",
-        # Skipped tests are counted: a soak on a machine without Slurm or Open MPI is not the whole suite.
+        # Skipped tests are counted: a soak on a machine without Slurm or Open MPI is not the whole
+        # suite.
         "| run | result | minutes | passed | skipped | failed tests |",
         "| ---: | --- | ---: | ---: | ---: | --- |",
         *(
-            f"| {i} | {'ok' if not bad and not code else 'failed'} | {s / 60:.1f} | {counts['passed']} | "
-            f"{counts['skipped']} | {', '.join(bad)} |"
+            f"| {i} | {'ok' if not bad and not code else 'failed'} | {s / 60:.1f} "
+            f"| {counts['passed']} | {counts['skipped']} | {', '.join(bad)} |"
             for i, s, code, bad, counts in runs
         ),
         "",
@@ -125,8 +128,8 @@ def main() -> int:
                 failures.update(bad.keys())
                 runs.append((i, seconds, code, sorted(bad), counts))
                 print(
-                    f"soak: run {i}/{args.runs}: {'ok' if not bad and not code else 'FAILED'} in {seconds:.0f} s, "
-                    f"{counts['passed']} passed, {counts['skipped']} skipped"
+                    f"soak: run {i}/{args.runs}: {'ok' if not bad and not code else 'FAILED'} "
+                    f"in {seconds:.0f} s, {counts['passed']} passed, {counts['skipped']} skipped"
                     + (f" ({', '.join(sorted(bad))})" if bad else ""),
                     flush=True,
                 )

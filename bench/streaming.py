@@ -1,19 +1,21 @@
-"""The streaming reader's throughput: samples/s of the loader alone (no model), against the in-memory
+"""The streaming reader's throughput: samples/s of the loader alone (no model), against the \
+in-memory
 map-style loader on the same samples, and against the field's streaming libraries on the same
 samples in their own formats, at 0, 1 and 2 loader workers.
 
-    .venv/bin/python bench/streaming.py                 # ours only (map-style, shards, StatefulDataLoader if installed)
-    .venv/bin/pip install webdataset datasets litdata torchdata && .venv/bin/python bench/streaming.py
+    # ours only (map-style, shards, StatefulDataLoader if installed):
+    .venv/bin/python bench/streaming.py
+    .venv/bin/pip install webdataset datasets litdata torchdata
+    .venv/bin/python bench/streaming.py
 
 The data: scikit-learn's digits as the default run holds them (1,438 training samples of 1×28×28
-float32 and a label), repeated --repeat times (each repeat the same samples: a reader's cost, not the
-data's, is measured), written as shards of --per-shard samples: our shard files, tar files of .npy
-(webdataset), Parquet files (Hugging Face datasets, streamed) and litdata's chunks. Each loader reads
-batches of 64 with shuffling on, persistent workers where the loader has them; an epoch is read
-once to start the workers and warm the page cache, then --epochs epochs are timed, the loaders in
-turns (round-robin, the order reversed every other round) so that a slow spell of the machine
-falls on all of them. Result: bench/results/streaming_<commit>.json.
-"""
+float32 and a label), repeated --repeat times (each repeat the same samples: a reader's cost, not
+the data's, is measured), written as shards of --per-shard samples: our shard files, tar files of
+.npy (webdataset), Parquet files (Hugging Face datasets, streamed) and litdata's chunks. Each loader
+reads batches of 64 with shuffling on, persistent workers where the loader has them; an epoch is
+read once to start the workers and warm the page cache, then --epochs epochs are timed, the loaders
+in turns (round-robin, the order reversed every other round) so that a slow spell of the machine
+falls on all of them. Result: bench/results/streaming_<commit>.json. """
 
 from __future__ import annotations
 
@@ -240,8 +242,9 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "beside": os.environ.get("BENCH_BESIDE", "nothing noted"),
-        "data": f"digits' training split ×{args.repeat}: {len(images)} samples of 1×28×28 float32 + a label, "
-        f"shards of {args.per_shard}; batches of {BATCH}, shuffled; 1 torch thread",
+        "data": f"digits' training split ×{args.repeat}: {len(images)} samples "
+        f"of 1×28×28 float32 + a label, shards of {args.per_shard}; "
+        f"batches of {BATCH}, shuffled; 1 torch thread",
         "versions": {
             m: _version(m) for m in ("torch", "torchdata", "webdataset", "datasets", "litdata")
         },

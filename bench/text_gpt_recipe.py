@@ -68,14 +68,16 @@ def main() -> int:
                 },
             }
             print(
-                f"{name}: test loss {summary['test_loss']:.4f}, accuracy {summary['test_accuracy']:.4f}",
+                f"{name}: test loss {summary['test_loss']:.4f}, "
+                f"accuracy {summary['test_accuracy']:.4f}",
                 flush=True,
             )
     result = {
         "commit": commit,
         "dirty": dirty,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "workload": "+experiment=text_gpt, 2 gloo ranks on the CPU, 4 epochs, seed 0 (but the *_seed1 runs)",
+        "workload": "+experiment=text_gpt, 2 gloo ranks on the "
+        "CPU, 4 epochs, seed 0 (but the *_seed1 runs)",
         "runs": results,
     }
     out = REPO / "bench" / "results" / f"text_gpt_recipe_{result['commit']}.json"

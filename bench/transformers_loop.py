@@ -9,7 +9,8 @@ rank. Both run `--steps` optimizer steps; samples/s is over the steps after the 
 The two are run back to back, `--repeats` times, alternating which goes first: the host's speed
 drifts within the hour, so only the paired ratios compare.
 
-    python bench/transformers_loop.py --steps 60 --repeats 3   # → bench/results/transformers_<commit>.json
+    python bench/transformers_loop.py --steps 60 --repeats 3
+    # → bench/results/transformers_<commit>.json
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ def handwritten(steps: int, warm: int) -> float:
 def project(steps: int) -> float:
     with tempfile.TemporaryDirectory() as run_dir:
         subprocess.run(
-            [sys.executable, str(REPO / "train.py"), "+experiment=hf_llama", f"trainer.max_steps={steps}",
-             "trainer.epochs=100", "data.val_fraction=0", f"hydra.run.dir={run_dir}"],
+            [sys.executable, str(REPO / "train.py"), "+experiment=hf_llama",
+             f"trainer.max_steps={steps}", "trainer.epochs=100", "data.val_fraction=0",
+             f"hydra.run.dir={run_dir}"],
             cwd=REPO, check=True, capture_output=True, text=True,
         )  # fmt: skip
         summary = json.loads(Path(run_dir, "summary.json").read_text())
@@ -118,15 +120,16 @@ def main() -> int:
                 project(args.steps) if name == "project" else handwritten(args.steps, args.warm)
             )
         pairs.append({**got, "ratio": got["project"] / got["handwritten"], "first": order[0]})
-        print(f"repeat {repeat + 1}: project {got['project']:.0f}, handwritten {got['handwritten']:.0f} samples/s, "
-              f"ratio {pairs[-1]['ratio']:.3f}", flush=True)  # fmt: skip
+        print(f"repeat {repeat + 1}: project {got['project']:.0f}, handwritten "
+            f"{got['handwritten']:.0f} samples/s, ratio {pairs[-1]['ratio']:.3f}",
+            flush=True)  # fmt: skip
     ratios = [p["ratio"] for p in pairs]
     result = {
         "commit": commit,
         "dirty": dirty,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "workload": f"+experiment=hf_llama (Llama {LLAMA}), batch {BATCH}/rank, {NPROC} gloo ranks, 1 thread each, "
-        f"{args.steps} steps",
+        "workload": f"+experiment=hf_llama (Llama {LLAMA}), batch {BATCH}/rank, "
+        f"{NPROC} gloo ranks, 1 thread each, {args.steps} steps",
         "pairs": pairs,
         "median_ratio": statistics.median(ratios),
         "ratio_range": [min(ratios), max(ratios)],

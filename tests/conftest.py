@@ -60,8 +60,8 @@ def run_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def spawned(tmp_path_factory) -> Path:
-    """The default launch (spawn, 2 ranks) of a short run (support.QUICK), made once: what every other
-    launcher's run of the same config must match bit for bit (losses and final weights)."""
+    """The default launch (spawn, 2 ranks) of a short run (support.QUICK), made once: what every
+    other launcher's run of the same config must match bit for bit (losses and final weights)."""
     from support import QUICK, check_ok, run_train
 
     run = tmp_path_factory.mktemp("spawned") / "run"
@@ -72,10 +72,10 @@ def spawned(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A real Slurm cluster for the session (tests/slurm/cluster.sh: munged, slurmctld and a slurmd
-    per node on free ports, in a folder of their own): two nodes, hddp-TAG-n1 and -n2, each in a network
-    namespace of its own where iproute2 and nsenter exist, else one; with job accounting (slurmdbd
-    and a private MariaDB) where those are installed. `.env`: the variables its commands and jobs
-    need; `.nodes`: how many; `.accounting`: whether sacct works."""
+    per node on free ports, in a folder of their own): two nodes, hddp-TAG-n1 and -n2, each in a
+    network namespace of its own where iproute2 and nsenter exist, else one; with job accounting
+    (slurmdbd and a private MariaDB) where those are installed. `.env`: the variables its commands
+    and jobs need; `.nodes`: how many; `.accounting`: whether sacct works."""
     import shutil
     import tempfile
     import types
@@ -101,7 +101,8 @@ def slurm_cluster():
     )
     try:
         assert up.returncode == 0, f"the Slurm cluster did not start: {up.stderr}"
-        # `export NAME=VALUE` lines: SLURM_CONF, and with two nodes the interface gloo must use there.
+        # `export NAME=VALUE` lines: SLURM_CONF, and with two nodes the interface gloo must use
+        # there.
         env = dict(
             line.removeprefix("export ").split("=", 1)
             for line in up.stdout.split("\n")
@@ -132,7 +133,8 @@ def slurm_cluster():
             )
 
 
-# The servers and browsers the tests start (servers.py marks their environment): none may outlive the suite.
+# The servers and browsers the tests start (servers.py marks their environment): none may outlive
+# the suite.
 def _servers_running() -> dict[int, str]:
     from servers import MARK
 

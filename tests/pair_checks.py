@@ -1,6 +1,6 @@
-"""Every pair of options from two config groups through train.py's check: kit code, both a script and
-a module. conftest.py runs it as a script in the background, at the CPU's idle priority, while the
-rest of the suite runs; tests/e2e/test_check.py imports it (`import pair_checks`, from tests/ on
+"""Every pair of options from two config groups through train.py's check: kit code, both a script
+and a module. conftest.py runs it as a script in the background, at the CPU's idle priority, while
+the rest of the suite runs; tests/e2e/test_check.py imports it (`import pair_checks`, from tests/ on
 sys.path, as support and servers) for the pairs, and reads the results at the end, or, run alone,
 checks them itself (check_all).
 

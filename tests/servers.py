@@ -47,7 +47,8 @@ def _answers(url: str) -> bool:
 
 
 def _port_free(port: int) -> bool:
-    """No one listens there (connections the server closed may linger in TIME_WAIT: not a listener)."""
+    """No one listens there (connections the server closed may linger in TIME_WAIT: not a
+    listener)."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -67,7 +68,8 @@ def serve(
     env: Optional[dict] = None,
 ) -> Iterator[str]:
     """Start `argv` ({port} in it and in `env`'s values: a free port), in its own session; yield its
-    base URL once `ready_path` answers 200. A port taken between the choice and the bind: another port."""
+    base URL once `ready_path` answers 200. A port taken between the choice and the bind: another
+    port."""
     for attempt in range(tries):
         port = free_port()
         with open(log, "ab") as out:
@@ -90,7 +92,8 @@ def serve(
             while proc.poll() is None and not _answers(base + ready_path):
                 if time.monotonic() > deadline:
                     raise AssertionError(
-                        f"{argv[0]} did not answer {ready_path} in {READY_S} s: {log.read_text()[-3000:]}"
+                        f"{argv[0]} did not answer {ready_path} in "
+                        f"{READY_S} s: {log.read_text()[-3000:]}"
                     )
                 time.sleep(0.2)
             if proc.poll() is not None:
@@ -145,8 +148,9 @@ def tensorboard(logdir: Path, log: Path) -> contextlib.AbstractContextManager[st
 def mlflow_ui(
     cwd: Path, store_uri: str, log: Path, viewed_at: str = ""
 ) -> contextlib.AbstractContextManager[str]:
-    """`mlflow ui --backend-store-uri STORE` as the docs give it (with a port), from `cwd`; viewed_at:
-    another address of this host that a browser may open it at (MLflow's CORS check allows it)."""
+    """`mlflow ui --backend-store-uri STORE` as the docs give it (with a port), from `cwd`;
+    viewed_at: another address of this host that a browser may open it at (MLflow's CORS check
+    allows it)."""
     origins = (
         {"MLFLOW_SERVER_CORS_ALLOWED_ORIGINS": f"http://{viewed_at}:{{port}}"} if viewed_at else {}
     )

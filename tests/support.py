@@ -3,8 +3,8 @@
 the tests need (nothing is downloaded), and compare runs.
 
 The tests live in two layers: tests/unit (in the test's own process: no subprocess, no server, no
-cluster) and tests/e2e (real processes: train.py and eval.py as a user runs them, launchers, signals,
-servers, a Slurm cluster). Tests of both import the kit as `from support import ...` (and
+cluster) and tests/e2e (real processes: train.py and eval.py as a user runs them, launchers,
+signals, servers, a Slurm cluster). Tests of both import the kit as `from support import ...` (and
 `import servers`, `import pair_checks`): tests/unit and tests/e2e are packages (an __init__.py each)
 and tests/ is not, so pytest's default (`prepend`) import mode puts tests/ first on sys.path before
 importing conftest.py or any test module. conftest.py holds only fixtures, hooks and plugins; what
@@ -39,7 +39,8 @@ HELPERS = TESTS / "helpers"
 QUICK = ("trainer.max_steps=8", "trainer.log_every=3")
 
 
-# --- Running train.py and eval.py ------------------------------------------------------------------
+# --- Running train.py and eval.py
+# ------------------------------------------------------------------
 
 
 def train_env() -> dict[str, str]:
@@ -115,8 +116,8 @@ def run_eval(
 
 
 def with_pythonpath(*folders: Path) -> dict[str, str]:
-    """The environment addition that makes a user's own package (in `folders`) importable by train.py
-    and every worker, beside the tests' helpers."""
+    """The environment addition that makes a user's own package (in `folders`) importable by
+    train.py and every worker, beside the tests' helpers."""
     return {"PYTHONPATH": os.pathsep.join([*map(str, folders), train_env()["PYTHONPATH"]])}
 
 
@@ -200,7 +201,8 @@ def _rank_then_exit(rank: int, target, *args) -> None:
     os._exit(0)
 
 
-# --- What a run leaves behind ----------------------------------------------------------------------
+# --- What a run leaves behind
+# ----------------------------------------------------------------------
 
 
 def summary(run_dir: Path) -> dict:
@@ -232,7 +234,8 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def csv_step_losses(run_dir: Path) -> list[tuple[int, str]]:
-    """metrics.csv's training losses: (step, loss as written, unparsed) for the rows that have one."""
+    """metrics.csv's training losses: (step, loss as written, unparsed) for the rows that have
+    one."""
     with open(run_dir / "metrics.csv", newline="") as f:
         return [(int(r["step"]), r["train/loss"]) for r in csv.DictReader(f) if r["train/loss"]]
 
@@ -324,7 +327,8 @@ def torch_equal(x, y) -> bool:
     return torch.equal(x, y)
 
 
-# --- Places to run in ------------------------------------------------------------------------------
+# --- Places to run in
+# ------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -349,7 +353,8 @@ def tmpfs(where: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(where)], check=True)
 
 
-# --- Data the tests make for themselves: files in the formats the project reads --------------------
+# --- Data the tests make for themselves: files in the formats the project reads
+# --------------------
 
 
 def write_cifar(root: Path, per_batch: int = 20, identical: bool = False) -> Path:
@@ -382,7 +387,8 @@ def make_image_folder(root: Path, classes=("cat", "dog"), per_class=5, size=10) 
     return root
 
 
-# --- A user's own task, model and data, in a package of their own (tests/e2e/test_tasks.py, the docs' ~/lab) ---
+# --- A user's own task, model and data, in a package of their own (tests/e2e/test_tasks.py, the
+# docs' ~/lab) ---
 LAB = {
     "mylab/__init__.py": "",
     "mylab/task.py": '''
@@ -391,14 +397,17 @@ LAB = {
         from hydra_ddp.tasks import Task
 
         class Binary(Task):
-            """Yes/no from one logit: logistic loss; balanced accuracy (the mean of the two classes' recalls)."""
+            """Yes/no from one logit: logistic loss; balanced accuracy (the mean of the two
+            classes' recalls)."""
             metrics = {"loss": "min", "balanced_accuracy": "max"}
             state_size = 5  # loss sum, count, true positives, positives, true negatives
             prediction_columns = ("label", "score")
             integer_columns = ("label",)
 
             def loss(self, output, target):
-                return F.binary_cross_entropy_with_logits(output.float().reshape(-1), target.float())
+                return F.binary_cross_entropy_with_logits(
+                    output.float().reshape(-1), target.float()
+                )
 
             def state(self, output, target):
                 logit, y = output.float().reshape(-1), target.float()
@@ -410,7 +419,8 @@ LAB = {
 
             def compute(self, total):
                 loss, count, tp, positives, tn = total
-                return {"loss": loss / count, "balanced_accuracy": (tp / positives + tn / (count - positives)) / 2}
+                balanced = (tp / positives + tn / (count - positives)) / 2
+                return {"loss": loss / count, "balanced_accuracy": balanced}
 
             def predict(self, output, target):
                 return torch.stack([target.double(), output.double().reshape(-1)], 1)
@@ -418,7 +428,9 @@ LAB = {
         class PerSample(Binary):
             """A mistake a user makes: the loss left unreduced."""
             def loss(self, output, target):
-                return F.binary_cross_entropy_with_logits(output.float().reshape(-1), target.float(), reduction="none")
+                return F.binary_cross_entropy_with_logits(
+                    output.float().reshape(-1), target.float(), reduction="none"
+                )
     ''',
     "mylab/model.py": """
         from torch import nn
@@ -443,7 +455,9 @@ LAB = {
     """,
     "labconf/task/binary.yaml": "_target_: mylab.task.Binary\n",
     "labconf/model/scorer.yaml": "_target_: mylab.model.Scorer\nfeatures: 8\n",
-    "labconf/data/blobs.yaml": "num_classes: 1\ndataset:\n  _target_: mylab.data.blobs\n  features: 8\n",
+    "labconf/data/blobs.yaml": (
+        "num_classes: 1\ndataset:\n  _target_: mylab.data.blobs\n  features: 8\n"
+    ),
 }
 
 
@@ -458,7 +472,8 @@ def write_lab(folder: Path) -> Path:
     return folder
 
 
-# --- Configs, composed and resolved in the test's own process ---------------------------------------
+# --- Configs, composed and resolved in the test's own process
+# ---------------------------------------
 
 
 def compose_cfg(*overrides: str):
@@ -486,7 +501,8 @@ def resolved(tmp_path: Path, *overrides: str, external=None):
     return resolve.resolve(composed, tmp_path, external)
 
 
-# --- Comparing runs --------------------------------------------------------------------------------
+# --- Comparing runs
+# --------------------------------------------------------------------------------
 
 
 def relative_gaps(got: list[float], expected: list[float]) -> list[float]:
@@ -510,10 +526,11 @@ def assert_within_float_noise(
     """`got` trains like `expected` but for the order of float32 sums, over a run's first steps. How
     far that order alone moves a run depends on the CPU's kernels, so the bound is measured on this
     host, in this test: `noise` holds `expected`'s run trained again with only the summation order
-    changed (other CPU threads, another memory format). At every step the gap so far must stay within
-    `factor` times the largest such gap so far, or within `floor` (where the noise runs happen to
-    agree bit for bit). The bound itself may not pass `ceiling`, a relative gap the caller chooses
-    and justifies: measured with the code under test, a nondeterminism bug would widen its own bound.
+    changed (other CPU threads, another memory format). At every step the gap so far must stay
+    within `factor` times the largest such gap so far, or within `floor` (where the noise runs
+    happen to agree bit for bit). The bound itself may not pass `ceiling`, a relative gap the caller
+    chooses and justifies: measured with the code under test, a nondeterminism bug would widen its
+    own bound.
 
     Only for a run's first steps: later, a ReLU or max-pool choice that goes the other way (a flip)
     grows a world size's difference by orders of magnitude that the noise runs need not meet. Runs
@@ -561,16 +578,19 @@ def csv_losses(run_dir: Path) -> list[float]:
 def assert_float64_alike(
     got: list[float], expected: list[float], bound: float = FLOAT64_BOUND
 ) -> None:
-    """Two float64 runs (float64()) that differ only in the order of their sums: every value within `bound`."""
+    """Two float64 runs (float64()) that differ only in the order of their sums: every value within
+    `bound`."""
     gaps = relative_gaps(got, expected)
     assert gaps and max(gaps) <= bound, (
-        f"float64 runs apart by up to {max(gaps):.2e} (bound {bound:.0e}), step by step: {[f'{g:.1e}' for g in gaps]}"
+        f"float64 runs apart by up to {max(gaps):.2e} (bound "
+        f"{bound:.0e}), step by step: {[f'{g:.1e}' for g in gaps]}"
     )
 
 
 # --- Two hosts on one machine ------------------------------------------------------------------
 class TwoHosts:
-    """Two network namespaces joined by a veth pair: two hosts on one machine (needs root and iproute2)."""
+    """Two network namespaces joined by a veth pair: two hosts on one machine (needs root and
+    iproute2)."""
 
     SUBNET = "10.231.77"
 
@@ -584,8 +604,8 @@ class TwoHosts:
         subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
     def __enter__(self) -> TwoHosts:
-        # A process killed inside the block (its session ended) leaves its namespaces behind; a later
-        # process given the same PID, and so the same names, would fail to make them.
+        # A process killed inside the block (its session ended) leaves its namespaces behind; a
+        # later process given the same PID, and so the same names, would fail to make them.
         self.__exit__()
         try:
             for name in self.names:
@@ -641,7 +661,8 @@ class TwoHosts:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
 
-# --- The docs' fenced blocks, read (tests/unit/test_docs.py checks them, tests/e2e/test_docs.py runs them) ---
+# --- The docs' fenced blocks, read (tests/unit/test_docs.py checks them, tests/e2e/test_docs.py
+# runs them) ---
 
 # docs/index.md is README.md's copy, made by `make docs`.
 PAGES = [
@@ -650,12 +671,21 @@ PAGES = [
 ]
 SHELLS = ("bash",)
 MARKS = {
-    "needs-gpu": "a GPU host's command (NCCL, CUDA): a train.py one is checked for such a host (--check --gpus=N)",
-    "needs-cluster": "several real hosts, a GPU partition, a container registry or a Kubernetes cluster",
+    "needs-gpu": (
+        "a GPU host's command (NCCL, CUDA): a train.py one is checked for such a host "
+        "(--check --gpus=N)"
+    ),
+    "needs-cluster": (
+        "several real hosts, a GPU partition, a container registry or a Kubernetes cluster"
+    ),
     "needs-account": "a hosted service's account (W&B's servers)",
     "the-suite": "make test: the suite this test is part of",
-    "installs": "changes the environment the suite runs in: checked only (the extras it names exist)",
-    "elsewhere": "output of an environment the suite is not (a package not installed): not compared",
+    "installs": (
+        "changes the environment the suite runs in: checked only (the extras it names exist)"
+    ),
+    "elsewhere": (
+        "output of an environment the suite is not (a package not installed): not compared"
+    ),
 }
 
 
@@ -721,7 +751,8 @@ TRAINJOB = {
     "PET_MASTER_ADDR": "job-node-0-0.job",
     "PET_MASTER_PORT": "29500",
 }
-# The training-operator's pod 1 of 2 (nprocPerNode: 2): WORLD_SIZE counts the workers, RANK the pods.
+# The training-operator's pod 1 of 2 (nprocPerNode: 2): WORLD_SIZE counts the workers, RANK the
+# pods.
 PYTORCHJOB = {
     **TRAINJOB,
     "PET_MASTER_ADDR": "job-master-0",
@@ -733,7 +764,8 @@ PYTORCHJOB = {
 }
 
 
-# --- bench/gpu_check.py, imported as a module (tests/unit and tests/e2e test_gpu_check.py) ---------
+# --- bench/gpu_check.py, imported as a module (tests/unit and tests/e2e test_gpu_check.py)
+# ---------
 GPU_CHECK = REPO / "bench" / "gpu_check.py"
 
 

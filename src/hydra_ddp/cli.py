@@ -1,5 +1,5 @@
-"""The `hydra-ddp` command, also `python -m hydra_ddp`: train.py's and eval.py's jobs, and the tools,
-for an installed package run from any directory.
+"""The `hydra-ddp` command, also `python -m hydra_ddp`: train.py's and eval.py's jobs, and the
+tools, for an installed package run from any directory.
 
     hydra-ddp train [overrides]          # as python train.py [overrides]
     hydra-ddp eval ckpt=RUN_DIR          # as python eval.py ckpt=RUN_DIR
@@ -44,7 +44,8 @@ def run_job(
         sys.argv = argv  # Hydra reads its overrides there
     check_only = startup.take_check_flags(sys.argv)  # --check: compose and check, launch nothing
     if not check_only and not ranks.external_launch():
-        # The workers' imports (torch, the project) start now, in a forkserver, beside the parent's own.
+        # The workers' imports (torch, the project) start now, in a forkserver, beside the parent's
+        # own.
         startup.preload(sys.argv)
     with startup.frozen_imports():  # half a million objects that live as long as the process
         import hydra
@@ -154,7 +155,8 @@ def _init(args: list[str]) -> int:
         )
     folder, written = init.init(args[0])
     print(
-        f"hydra-ddp: wrote {len(written)} files to {folder}; then: cd {args[0]} && hydra-ddp train +experiment=spirals"
+        f"hydra-ddp: wrote {len(written)} files to {folder}; then: "
+        f"cd {args[0]} && hydra-ddp train +experiment=spirals"
     )
     return 0
 

@@ -1,5 +1,5 @@
-"""Export a checkpoint's model for use elsewhere: its plain state dict (safetensors or torch) and the
-model's config beside it, loadable without this project.
+"""Export a checkpoint's model for use elsewhere: its plain state dict (safetensors or torch) and
+the model's config beside it, loadable without this project.
 
     python -m hydra_ddp.export ckpt=RUN_DIR_OR_CHECKPOINT [format=safetensors|torch|hf] [out=PATH]
 
@@ -83,7 +83,8 @@ def export(ckpt: str, out: Path, fmt: str) -> tuple[Path, Path]:
 
 
 def _pretrained(path: Path, state: dict, weights: dict, out: Path) -> tuple[Path, Path]:
-    """A transformers model's weights as `save_pretrained` writes them, and the run's tokenizer beside them."""
+    """A transformers model's weights as `save_pretrained` writes them, and the run's tokenizer
+    beside them."""
     from hydra_ddp import hf
     from hydra_ddp.config import run_config
     from hydra_ddp.data import text
@@ -93,8 +94,9 @@ def _pretrained(path: Path, state: dict, weights: dict, out: Path) -> tuple[Path
     target = config.model["_target_"]
     if target != "hydra_ddp.hf.causal_lm":
         raise UserError(
-            f"format=hf is for Hugging Face transformers models (model=hf_llama: hydra_ddp.hf.causal_lm), and "
-            f"this checkpoint's model is {target}: use format=safetensors"
+            "format=hf is for Hugging Face transformers models "
+            "(model=hf_llama: hydra_ddp.hf.causal_lm), and this "
+            f"checkpoint's model is {target}: use format=safetensors"
         )
     model = hf.causal_lm(**{key: value for key, value in config.model.items() if key != "_target_"})
     model.load_state_dict(weights)
@@ -125,7 +127,8 @@ def _arguments(argv: list[str]) -> dict[str, str]:
         given[key] = value
     if "ckpt" not in given:
         raise UserError(
-            "ckpt=PATH is missing: a run directory, a checkpoint file or a sharded checkpoint's directory"
+            "ckpt=PATH is missing: a run directory, a "
+            "checkpoint file or a sharded checkpoint's directory"
         )
     fmt = given.get("format") or (
         "torch" if given.get("out", "").endswith((".pt", ".pth")) else "safetensors"
@@ -138,7 +141,8 @@ def _arguments(argv: list[str]) -> dict[str, str]:
 
 def default_out(ckpt: Path, fmt: str) -> Path:
     """Where an export goes unless out= says: export/ in the checkpoint's run directory (beside the
-    run's other outputs, not wherever the command was typed), model.safetensors, model.pt or model-hf/."""
+    run's other outputs, not wherever the command was typed), model.safetensors, model.pt or
+    model-hf/."""
     run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
     return run / "export" / ("model-hf" if fmt == "hf" else f"model{FORMATS[fmt]}")
 

@@ -1,5 +1,6 @@
-"""Hugging Face `transformers` models, built from their config classes (no download): model=hf_llama.
-Kept out of models.py, which an export ships alone beside its weights (it imports only torch)."""
+"""Hugging Face `transformers` models, built from their config classes (no download):
+model=hf_llama. Kept out of models.py, which an export ships alone beside its weights (it imports
+only torch)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ def causal_lm(
 ) -> nn.Module:
     """A Hugging Face `transformers` causal language model built from its config class, no download:
     `architecture` names the config (llama: LlamaConfig, gpt2: GPT2Config, ...; any of AutoConfig's
-    model types) and `config` its fields. Its weights are initialised here, from torch's generator."""
+    model types) and `config` its fields. Its weights are initialised here, from torch's
+    generator."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise UserError(
-            f"model=hf_llama needs Hugging Face transformers: {install_line('transformers', 'transformers')}"
+            "model=hf_llama needs Hugging Face transformers: "
+            f"{install_line('transformers', 'transformers')}"
         ) from None
     # Training keeps no cache of past keys and values: it would cost memory every step, and with one
     # transformers does not read packed documents from restarting position ids (data=documents).

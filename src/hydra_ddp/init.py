@@ -25,7 +25,8 @@ def package_name(folder: Path) -> str:
 
 
 def init(target: str) -> tuple[Path, list[Path]]:
-    """Write the project into `target` (made if absent; it must be empty): its folder, the files written."""
+    """Write the project into `target` (made if absent; it must be empty): its folder, the files
+    written."""
     folder = Path(target).expanduser().resolve()
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise UserError(

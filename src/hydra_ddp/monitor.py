@@ -117,7 +117,8 @@ class Monitor:
         return asdict(self)
 
     def load(self, state: Optional[dict[str, Any]]) -> None:
-        """The best value and patience count so far, from a checkpoint of a run that monitored the same metric."""
+        """The best value and patience count so far, from a checkpoint of a run that monitored the
+        same metric."""
         if state and state.get("metric") == self.metric and state.get("mode") == self.mode:
             self.best, self.best_step, self.best_epoch = (
                 state["best"],

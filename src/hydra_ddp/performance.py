@@ -21,8 +21,9 @@ AUTO = "auto"
 
 
 def channels_last(setting: Any, allowed: bool, has_conv2d: Optional[bool]) -> Optional[bool]:
-    """trainer.channels_last settled: `auto` is on for a model with 2-D convolutions where the strategy
-    allows it; None where the model could not be built before launch (the workers settle it)."""
+    """trainer.channels_last settled: `auto` is on for a model with 2-D convolutions where the
+    strategy allows it; None where the model could not be built before launch (the workers settle
+    it)."""
     if setting != AUTO:
         return bool(setting)
     if not allowed:

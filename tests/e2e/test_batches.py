@@ -1,5 +1,5 @@
-"""Batches of any shape in real runs (tests/helpers/shaped.py): the digits as dicts with a string id,
-as (image, label, index) triples and as dataclasses read by a two-input model with a dict output
+"""Batches of any shape in real runs (tests/helpers/shaped.py): the digits as dicts with a string
+id, as (image, label, index) triples and as dataclasses read by a two-input model with a dict output
 train at 2 ranks, stop and resume, and evaluate at 1 and 2 ranks with the losses and test metrics of
 plain (image, label) pairs, bit for bit; a task that cannot read its batch or its model's output
 stops in one line."""
@@ -73,11 +73,13 @@ def test_a_batch_of_any_shape_trains_resumes_and_evaluates_as_pairs_do(
     [
         (
             shaped("dict"),  # the default task takes pairs
-            "task Classification takes (inputs, target) pairs, and the data gives a dict with keys image, label, id",
+            "task Classification takes (inputs, target) pairs, "
+            "and the data gives a dict with keys image, label, id",
         ),
         (
             shaped("dict", "shaped.MissingKeyTask"),
-            "task MissingKeyTask asks the batch for 'pixels', which it lacks: it is a dict with keys image, label, id",
+            "task MissingKeyTask asks the batch for 'pixels', which "
+            "it lacks: it is a dict with keys image, label, id",
         ),
         (
             shaped("dataclass", "shaped.DictOutputTask", "shaped.WeightedCNN"),

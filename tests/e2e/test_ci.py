@@ -54,8 +54,8 @@ def test_a_module_skipped_at_import_fails_under_ci_beside_a_passing_test(
     passing test pytest used to exit 0 under CI=true."""
     (tmp_path / "test_passes.py").write_text("def test_passes():\n    assert True\n")
     (tmp_path / "test_needs.py").write_text(
-        "import pytest\n\npytest.importorskip('no_such_package_here', reason='pip install no_such_package_here')\n\n"
-        "def test_needs_it():\n    pass\n"
+        "import pytest\n\npytest.importorskip('no_such_package_here', reason='pip "
+        "install no_such_package_here')\n\ndef test_needs_it():\n    pass\n"
     )
     env = {**os.environ, "CI": ci, "PYTHONPATH": str(HERE)}
     proc = subprocess.run(

@@ -1,4 +1,5 @@
-"""DDP communication hooks (strategy.comm_hook): each trains across real gloo ranks, and resume stays exact."""
+"""DDP communication hooks (strategy.comm_hook): each trains across real gloo ranks, and resume
+stays exact."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def test_each_hook_trains_sends_half_the_bytes_and_resumes_exactly(tmp_path: Pat
         s = summary(run_dir)
         assert s["comm_hook"] == hook
         sent[hook] = s["allreduce_bytes_per_step"]
-    # What each hook handed to gloo's all-reduce, counted in the workers: half of DDP's fp32 bytes, and
-    # 2 bytes for each gradient element.
+    # What each hook handed to gloo's all-reduce, counted in the workers: half of DDP's fp32 bytes,
+    # and 2 bytes for each gradient element.
     elements = sum(t.numel() for t in final_params(sweep / "0").values())
     assert sent["none"] == 4 * elements and sent["fp16"] == sent["bf16"] == sent["none"] // 2
 

@@ -1,5 +1,6 @@
-"""The parent's validation, from train.py itself: a tracker whose package is not installed fails before
-any process starts, with one clear line (the schema's checks in process: tests/unit/test_config.py)."""
+"""The parent's validation, from train.py itself: a tracker whose package is not installed fails
+before any process starts, with one clear line (the schema's checks in process:
+tests/unit/test_config.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ def test_a_tracker_without_its_package_installed_fails_before_launch(
     """As if the package were not installed (a None entry in sys.modules is how Python marks a
     module that must not be imported): one line saying how to install it, and no worker started."""
     code = (
-        f"import runpy, sys; sys.modules['{package}'] = None; "
-        f"sys.argv = ['train.py', 'logger=[tensorboard,{package}]', 'hydra.run.dir={tmp_path / 'run'}']; "
+        f"import runpy, sys; sys.modules['{package}'] = None; sys.argv = ['train.py', "
+        f"'logger=[tensorboard,{package}]', 'hydra.run.dir={tmp_path / 'run'}']; "
         "runpy.run_path('train.py', run_name='__main__')"
     )
     proc = subprocess.run(

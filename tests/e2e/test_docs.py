@@ -3,14 +3,14 @@ fences, marks and the config reference are checked in process by tests/unit/test
 blocks are read by the kit, support.blocks).
 
 Every command of a `bash` block runs as written, by bash, in a project folder made for the test
-(`project`: the repository's train.py, eval.py, conf/, scripts/, Makefile, setup.py and .venv, linked), with
-the block's own variables, and with only a small-run suffix appended (SUFFIXES: two training
-steps, two search trials, a short tuning, a free port for a server). Launchers run as they are
-given: torchrun, torch.distributed.launch, mpirun, sbatch (on the suite's own Slurm cluster,
-tests/slurm), submitit's local launcher; the two commands of a two-node pair run at once; a
-sweep runs every value. A server (tensorboard, mlflow ui) is started, asked for a page and
-stopped. A command that composes the same config as one already run (the same words, or the
-same composed config for a plain train.py run) runs once.
+(`project`: the repository's train.py, eval.py, conf/, scripts/, Makefile, setup.py and .venv,
+linked), with the block's own variables, and with only a small-run suffix appended (SUFFIXES: two
+training steps, two search trials, a short tuning, a free port for a server). Launchers run as they
+are given: torchrun, torch.distributed.launch, mpirun, sbatch (on the suite's own Slurm cluster,
+tests/slurm), submitit's local launcher; the two commands of a two-node pair run at once; a sweep
+runs every value. A server (tensorboard, mlflow ui) is started, asked for a page and stopped. A
+command that composes the same config as one already run (the same words, or the same composed
+config for a plain train.py run) runs once.
 
 The docs' placeholders are real in the project folder: `outputs/runs/DATE/TIME` is a finished run
 there, `path/to/step-00000100.pt` one of its checkpoints, `data/` holds CIFAR-10's files, `~` is a
@@ -59,13 +59,14 @@ from support import (
 )
 
 TIMEOUT_S = 300  # one command, a sweep or a pair of nodes included
-# The tuner launches a training per candidate (15 for docs/tune.md's ResNet-18, one at two threads per
-# rank on two cores): 130 s beside the soak's CPU hog, and past 300 s in one soak run (f4d87dc's first).
-# A bound that tells a hang from a slow machine, not a time the test asserts.
+# The tuner launches a training per candidate (15 for docs/tune.md's ResNet-18, one at two threads
+# per rank on two cores): 130 s beside the soak's CPU hog, and past 300 s in one soak run (f4d87dc's
+# first). A bound that tells a hang from a slow machine, not a time the test asserts.
 TUNER_TIMEOUT_S = 600
 
 
-# --- The project folder the commands run in --------------------------------------------------------
+# --- The project folder the commands run in
+# --------------------------------------------------------
 
 PLACEHOLDERS = {  # what no folder can be: replaced, word by word
     r"\bnode0(?=:)": "127.0.0.1",  # node 0's host name: this machine
@@ -123,7 +124,8 @@ def _script(words: list[str]) -> Optional[str]:
 
 
 def suffix(words: list[str]) -> list[str]:
-    """SUFFIXES: what a small run of this command appends (nothing for one that launches nothing)."""
+    """SUFFIXES: what a small run of this command appends (nothing for one that launches
+    nothing)."""
     script = _script(words)
     if {"--check", "--cfg", "--help", "--info"} & set(words):
         return []
@@ -199,7 +201,8 @@ def _key(words: list[str], env_lines: list[str]) -> str:
 
 
 def _expand(command: str, env_lines: list[str], project: Path, env: dict[str, str]) -> list[str]:
-    """The command's words as bash makes them, after the block's assignments (variables, ~, quotes)."""
+    """The command's words as bash makes them, after the block's assignments (variables, ~,
+    quotes)."""
     script = "\n".join([*env_lines, f"set -- {command}", 'printf "%s\\0" "$@"'])
     out = subprocess.run(
         ["bash", "-c", script], cwd=project, env=env, capture_output=True, text=True, timeout=30
@@ -208,8 +211,9 @@ def _expand(command: str, env_lines: list[str], project: Path, env: dict[str, st
 
 
 def _check_for_gpus(command: str, project: Path, env: dict[str, str]) -> Optional[str]:
-    """A GPU host's `python train.py ...` checked as that host would check it (--check --gpus=N, N its
-    trainer.nproc, else 8): its one error line, or "" when it passes; None for another command."""
+    """A GPU host's `python train.py ...` checked as that host would check it (--check --gpus=N, N
+    its trainer.nproc, else 8): its one error line, or "" when it passes; None for another
+    command."""
     words = shlex.split(_placed(_without_comment(command), project))
     at = next((i for i, word in enumerate(words) if word.endswith("train.py")), None)
     if at is None:
@@ -235,9 +239,10 @@ def _start(script: str, project: Path, env: dict[str, str]) -> subprocess.Popen:
 
 
 def _finish(proc: subprocess.Popen, timeout: float, started: float) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr); a command past `timeout` is killed, and its message says where its
-    output ended and where any of its runs was stuck (the stacks the ranks' watchdogs left in the
-    tuner's runs since `started`, the command's start: a failed or killed one keeps its directory)."""
+    """(exit code, stdout, stderr); a command past `timeout` is killed, and its message says where
+    its output ended and where any of its runs was stuck (the stacks the ranks' watchdogs left in
+    the tuner's runs since `started`, the command's start: a failed or killed one keeps its
+    directory)."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -262,7 +267,8 @@ def _finish(proc: subprocess.Popen, timeout: float, started: float) -> tuple[int
 
 
 def _serve(script: str, path: str, port: int, project: Path, env: dict[str, str]) -> str:
-    """Start a server as the docs give it, wait until it answers `path`; stop it. Empty: it answered."""
+    """Start a server as the docs give it, wait until it answers `path`; stop it. Empty: it
+    answered."""
     import urllib.request
 
     proc = _start(script, project, env)
@@ -290,7 +296,8 @@ def _serve(script: str, path: str, port: int, project: Path, env: dict[str, str]
 
 
 def _sbatch(script: str, project: Path, env: dict[str, str]) -> str:
-    """A job submitted as the docs give it, waited for on the suite's cluster; empty: it ran to the end."""
+    """A job submitted as the docs give it, waited for on the suite's cluster; empty: it ran to the
+    end."""
     code, out, err = _finish(_start(script, project, env), 60, time.time())
     job = re.search(r"Submitted batch job (\d+)", out)
     if code or not job:
@@ -367,8 +374,8 @@ def test_every_shell_command_in_the_docs_runs(
                 ]
                 if absent or "pip install" not in command:
                     outcome.failures.append(
-                        f"{block.where}: {command}\n    → not a pip install of the project's extras "
-                        f"(pyproject.toml has no {absent})"
+                        f"{block.where}: {command}\n    → not a pip install of "
+                        f"the project's extras (pyproject.toml has no {absent})"
                     )
             continue
         # a GPU host's train.py: checked for one (--check --gpus=N), launched nowhere
@@ -412,7 +419,10 @@ def test_every_shell_command_in_the_docs_runs(
                 program == "make"
                 and subprocess.run(["make", "-q", ".venv/.installed"], cwd=REPO).returncode
             ):
-                problem = "the venv is older than pyproject.toml: run make first (make here would reinstall it)"
+                problem = (
+                    "the venv is older than pyproject.toml: run "
+                    "make first (make here would reinstall it)"
+                )
             elif program in SERVERS:
                 port = int(words[-1].split("=")[1])
                 problem = _serve(scripts[0], SERVERS[program], port, project, base_env)
@@ -436,9 +446,10 @@ def test_every_shell_command_in_the_docs_runs(
     with capsys.disabled():
         skipped = ", ".join(f"{n} {mark}" for mark, n in sorted(outcome.skipped.items()))
         print(
-            f"\ndocs: {outcome.ran} commands ran ({outcome.distinct} distinct runs), {outcome.checked} checked only "
-            f"(marked installs), {outcome.gpu_checked} checked for a GPU host (train.py --check --gpus=N), "
-            f"{sum(outcome.skipped.values())} skipped ({skipped})"
+            f"\ndocs: {outcome.ran} commands ran ({outcome.distinct} distinct "
+            f"runs), {outcome.checked} checked only (marked installs), "
+            f"{outcome.gpu_checked} checked for a GPU host (train.py --check "
+            f"--gpus=N), {sum(outcome.skipped.values())} skipped ({skipped})"
         )
     assert not outcome.failures, (
         f"{len(outcome.failures)} command(s) in the docs fail:\n" + "\n".join(outcome.failures)

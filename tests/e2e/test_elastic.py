@@ -1,6 +1,7 @@
 """Elastic runs (launcher.nnodes=1:2) on two "nodes" in network namespaces: a node lost mid-epoch,
 and a node that joins mid-run. The group re-forms at the new world size, resumes from the last
-checkpoint at the sample where it stood, and trains on as an uninterrupted run at that size would."""
+checkpoint at the sample where it stood, and trains on as an uninterrupted run at that size
+would."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ pytestmark = [
 
 # The digits, rank 0's reads slowed (5 ms a sample) so that a run lasts long enough to be resized
 # mid-run; 2 epochs of 45 steps of a global batch of 32, a checkpoint every 10 steps, all kept.
-# float64 (support.py): at another world size only the order of sums differs, decided within FLOAT64_BOUND.
+# float64 (support.py): at another world size only the order of sums differs, decided within
+# FLOAT64_BOUND.
 DATA = (
     "data.dataset._target_=recording.digits_slow_on_rank",
     "+data.dataset.slow_rank=0",
@@ -82,7 +84,8 @@ def _node(hosts: TwoHosts, i: int, run_dir: Path):
 
 def _resumed(tmp_path: Path, name: str, world: int, checkpoint: Path) -> Path:
     """An uninterrupted run at `world` ranks of one node from `checkpoint`, one thread a rank as the
-    nodes', in the elastic run's micro-batches (16: its global batch of 32 over its most ranks, 2)."""
+    nodes', in the elastic run's micro-batches (16: its global batch of 32 over its most ranks,
+    2)."""
     run_dir = tmp_path / name
     check_ok(
         run_train(
@@ -138,7 +141,8 @@ def test_a_lost_node_leaves_the_other_to_finish_as_a_resumed_run_would(tmp_path:
     }
     resumed = resize["step"]
     assert resumed >= 20 and resumed % 10 == 0 and (s["world_size"], s["steps"]) == (1, 90)
-    # The resize keeps the global batch and the micro-batch; the accumulation makes up the lost rank.
+    # The resize keeps the global batch and the micro-batch; the accumulation makes up the lost
+    # rank.
     assert (s["global_batch_size"], s["batch_size"], s["accumulate"]) == (32, 16, 2)
     _one_curve(run_dir)
     # After the resize: one rank resumed from that checkpoint, uninterrupted, bit for bit (the same
@@ -148,8 +152,9 @@ def test_a_lost_node_leaves_the_other_to_finish_as_a_resumed_run_would(tmp_path:
     assert_same_params(final_params(run_dir), final_params(alone))
     assert s["test_loss"] == summary(alone)["test_loss"]
     # The whole run, and its test: as an uninterrupted run of 2 ranks, bit for bit up to the resize
-    # (1 node of 2 ranks is the same run as 2 nodes of 1: test_two_nodes_in_network_namespaces_match_one_node),
-    # then at another world size: within float64's order noise, not bit for bit.
+    # (1 node of 2 ranks is the same run as 2 nodes of 1:
+    # test_two_nodes_in_network_namespaces_match_one_node), then at another world size: within
+    # float64's order noise, not bit for bit.
     two = tmp_path / "two"
     check_ok(run_train(two, *DATA, FAST, "trainer.nproc=2", "trainer.threads=1", timeout=300))
     assert _until(csv_step_losses(run_dir), resumed) == _until(csv_step_losses(two), resumed)

@@ -1,6 +1,6 @@
-"""hydra_ddp.export: a run's model as a plain state dict (safetensors or torch) and its config, loaded
-in a fresh process that never imports the project, giving the logits the project gives and the
-predictions eval.py writes."""
+"""hydra_ddp.export: a run's model as a plain state dict (safetensors or torch) and its config,
+loaded in a fresh process that never imports the project, giving the logits the project gives and
+the predictions eval.py writes."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import yaml
 
 from support import QUICK, REPO, check_ok, run_eval, run_train, train_env
 
-# A fresh interpreter, isolated (-I: no PYTHONPATH, no user site), with the project made unimportable:
-# it loads the model's class from its own file, the weights, and computes the batch's logits.
+# A fresh interpreter, isolated (-I: no PYTHONPATH, no user site), with the project made
+# unimportable: it loads the model's class from its own file, the weights, and computes the batch's
+# logits.
 LOADER = """
 import importlib.util, sys, torch, yaml
 sys.modules["hydra_ddp"] = None  # any import of the project fails
@@ -156,7 +157,8 @@ def test_a_ddp_run_exports_weights_that_load_without_the_project(tmp_path: Path)
         )
         fresh = _fresh_logits(tmp_path, weights, batch)
         assert torch.equal(fresh, reference)
-    # As eval.py predicted on the same samples (it evaluates in the run's memory format: float noise).
+    # As eval.py predicted on the same samples (it evaluates in the run's memory format: float
+    # noise).
     rows = _predictions(tmp_path / "eval")[:16]
     probabilities = fresh.softmax(1)
     assert [int(r["predicted"]) for r in rows] == fresh.argmax(1).tolist()
@@ -253,8 +255,9 @@ LLAMA = (
 def test_a_transformers_model_exports_as_from_pretrained_loads_it_with_its_tokenizer(
     tmp_path: Path, strategy: str
 ):
-    # The run's checkpoint (a file under ddp, DCP shards under fsdp) as save_pretrained writes it, the
-    # run's tokenizer beside it: transformers' own loaders give the trained model's logits, bit for bit.
+    # The run's checkpoint (a file under ddp, DCP shards under fsdp) as save_pretrained writes it,
+    # the run's tokenizer beside it: transformers' own loaders give the trained model's logits, bit
+    # for bit.
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

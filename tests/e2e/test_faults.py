@@ -1,4 +1,5 @@
-"""Faults injected into real runs: exact resume, pre-emption, killed and hung ranks, bad checkpoints."""
+"""Faults injected into real runs: exact resume, pre-emption, killed and hung ranks, bad
+checkpoints."""
 
 from __future__ import annotations
 
@@ -58,8 +59,9 @@ def test_stop_and_resume_mid_epoch_is_bit_identical(straight: Path, run_dir: Pat
     check_ok(again)
     lines = [line for line in again.stderr.splitlines() if line.startswith("hydra-ddp:")]
     assert lines == [
-        f"hydra-ddp: the run in {run_dir} is complete (step {FULL}, ended by max_steps): nothing to train; its "
-        "summary, checkpoints and logs are as they were (raise trainer.epochs or trainer.max_steps to train on)"
+        f"hydra-ddp: the run in {run_dir} is complete (step {FULL}, ended by "
+        "max_steps): nothing to train; its summary, checkpoints and logs are "
+        "as they were (raise trainer.epochs or trainer.max_steps to train on)"
     ], again.stderr
     assert {name: (run_dir / name).read_bytes() for name in outputs} == before
     # Given more steps, it trains on from there.
@@ -111,7 +113,8 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_continues_exactly(
         "the first checkpoint",
         proc,
     )
-    # A single-node run's rendezvous (our store, gloo's sockets, torchrun's agent) listens on loopback only.
+    # A single-node run's rendezvous (our store, gloo's sockets, torchrun's agent) listens on
+    # loopback only.
     addresses = _listening_addresses(set(session_processes(proc.pid)))
     os.kill(proc.pid, signum)
     # Well inside torchrun's 30 s shutdown grace, after which it would SIGKILL the workers.
@@ -160,7 +163,8 @@ def test_killed_worker_under_spawn_stops_the_job_and_names_the_rank(run_dir: Pat
     assert_no_orphans(done.pid)
 
 
-# The waiting rank's place: the shared-memory all-reduce (the CPU default), or gloo's under DDP's backward.
+# The waiting rank's place: the shared-memory all-reduce (the CPU default), or gloo's under DDP's
+# backward.
 @pytest.mark.parametrize(
     "shared_memory, waits_in",
     [
@@ -283,7 +287,8 @@ def test_bad_checkpoints_fail_in_one_line_and_lose_nothing(run_dir: Path, tmp_pa
     )
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
-    # A checkpoint hydra-ddp 0.1.0 wrote (its keys renamed since), resumed and evaluated: one line each.
+    # A checkpoint hydra-ddp 0.1.0 wrote (its keys renamed since), resumed and evaluated: one line
+    # each.
     old = REPO / "tests" / "fixtures" / "checkpoint_0.1.0.pt"
     for proc in (
         run_train(tmp_path / "old", *QUICK, f"trainer.resume={old}"),
@@ -325,7 +330,8 @@ atomic_files.atomic_write(atomic_files.serialize({"v": torch.zeros(3)}, target.p
 
 
 def _listening_addresses(pids: set[int]) -> set[str]:
-    """Local addresses of the TCP sockets these processes listen on (from /proc, no tools needed)."""
+    """Local addresses of the TCP sockets these processes listen on (from /proc, no tools
+    needed)."""
     inodes = set()
     for pid in pids:
         try:
@@ -349,7 +355,8 @@ def _listening_addresses(pids: set[int]) -> set[str]:
 
 
 def test_dataset_that_does_not_divide_does_not_hang(tmp_path: Path, run_dir: Path):
-    """9 training images, 2 ranks, batch 4: the train sampler pads, so both ranks run 2 batches an epoch."""
+    """9 training images, 2 ranks, batch 4: the train sampler pads, so both ranks run 2 batches an
+    epoch."""
     root = make_image_folder(tmp_path / "images", classes=("a", "b"), per_class=6)
     proc = run_train(
         run_dir,
@@ -410,7 +417,8 @@ CHAOS_STEPS = 40  # epoch ends at step 21; the final evaluation and checkpoint a
 
 
 def _chaos_plan(rng: random.Random) -> str:
-    """Three kills, one per torchrun attempt, in random order, of random ranks, at random moments."""
+    """Three kills, one per torchrun attempt, in random order, of random ranks, at random
+    moments."""
     kinds = ["step", "eval", "ckpt"]
     rng.shuffle(kinds)
     # early enough that every attempt gets there

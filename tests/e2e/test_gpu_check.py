@@ -1,4 +1,5 @@
-"""bench/gpu_check.py between GPU loans: its dry run checks every case it would launch, on the CPU."""
+"""bench/gpu_check.py between GPU loans: its dry run checks every case it would launch, on the
+CPU."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from support import REPO, gpu_check
 
 @pytest.mark.timeout(120)
 def test_dry_run_checks_every_launch_of_every_case_and_passes():
-    # As its docs run it: from the repository, nothing on PYTHONPATH (the script finds its own helpers).
+    # As its docs run it: from the repository, nothing on PYTHONPATH (the script finds its own
+    # helpers).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(
         [sys.executable, "bench/gpu_check.py", "--dry-run"],

@@ -1,6 +1,6 @@
-"""What differs on CUDA + NCCL, in real runs on a CPU: sync_batchnorm=auto under an outside torchrun,
-the deterministic switch in the workers, and the first failure named when the other ranks were
-aborted (the settling itself, in process: tests/unit/test_gpu_ready.py)."""
+"""What differs on CUDA + NCCL, in real runs on a CPU: sync_batchnorm=auto under an outside
+torchrun, the deterministic switch in the workers, and the first failure named when the other ranks
+were aborted (the settling itself, in process: tests/unit/test_gpu_ready.py)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,6 @@ def test_the_first_failure_is_named_when_the_other_ranks_were_aborted(run_dir: P
     )
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [
-        f"hydra-ddp: error: worker rank 1 failed: RuntimeError: injected failure: out of memory on this rank "
-        f"(full traceback: {run_dir / 'train.log'})"
+        "hydra-ddp: error: worker rank 1 failed: RuntimeError: injected failure: "
+        f"out of memory on this rank (full traceback: {run_dir / 'train.log'})"
     ], proc.stderr

@@ -1,8 +1,8 @@
 """Language models on text as it comes (data=documents: documents of different lengths, padded or
 packed), trained exactly: one global batch trains alike however it is split over ranks and
-micro-batches (the loss weighs every token of the step alike); a packed run stopped mid-epoch resumes
-bit for bit; evaluation is bit-equal at 1, 2 and 3 ranks, padded or packed; the summary says what
-a step holds."""
+micro-batches (the loss weighs every token of the step alike); a packed run stopped mid-epoch
+resumes bit for bit; evaluation is bit-equal at 1, 2 and 3 ranks, padded or packed; the summary says
+what a step holds."""
 
 from __future__ import annotations
 
@@ -115,7 +115,8 @@ def test_a_run_stopped_mid_epoch_resumes_bit_identical_and_evaluates_alike_at_1_
     ) == (2, 12, 8, 1, 16)
     assert s["tokens_per_step"] > 0 and s["tokens_per_sec"] > 0 and s["flops"]["mfu"] is not None
     assert (straight / "tokenizer" / "tokenizer.json").is_file()  # as transformers loads it
-    # SIGTERM at rank 0's 5th training forward, mid-epoch; resumed: every loss, metrics.csv and the weights.
+    # SIGTERM at rank 0's 5th training forward, mid-epoch; resumed: every loss, metrics.csv and the
+    # weights.
     stopped = tmp_path / "stopped"
     probe = (
         "model._target_=probes.signal_at",
@@ -128,8 +129,8 @@ def test_a_run_stopped_mid_epoch_resumes_bit_identical_and_evaluates_alike_at_1_
     check_ok(run_train(stopped, *common, "trainer.resume=auto"))
     assert_same_run(stopped, straight, "resumed after SIGTERM")
     assert {k: summary(stopped)[k] for k in METRICS} == {k: s[k] for k in METRICS}
-    # eval.py on the run's checkpoint at 1, 2 and 3 ranks (3: the test split's chunks do not divide):
-    # the run's own test metrics, bit for bit, each time.
+    # eval.py on the run's checkpoint at 1, 2 and 3 ranks (3: the test split's chunks do not
+    # divide): the run's own test metrics, bit for bit, each time.
     for world in (1, 2, 3):
         out = tmp_path / f"eval{world}"
         check_ok(run_eval(out, f"ckpt={straight}", f"trainer.nproc={world}"))
@@ -143,10 +144,11 @@ def test_a_causal_lm_given_pairs_and_a_stream_are_each_one_line(tmp_path: Path):
     errors = [text for text in proc.stderr.splitlines() if text.startswith("hydra-ddp: error:")]
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-2000:]
     assert (
-        "task=causal_lm takes dict batches with input_ids and labels, and the data gives a list of 2"
-        in errors[0]
+        "task=causal_lm takes dict batches with input_ids "
+        "and labels, and the data gives a list of 2" in errors[0]
     )
-    # A source that returns a stream is found where it is built, in the workers: one line from every rank.
+    # A source that returns a stream is found where it is built, in the workers: one line from every
+    # rank.
     proc = run_train(
         tmp_path / "stream", "data.dataset._target_=recording.streamed", "trainer.max_steps=2"
     )

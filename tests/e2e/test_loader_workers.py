@@ -37,9 +37,9 @@ def test_loader_workers_outlive_a_stop_signal_that_their_rank_acts_on():
     # Batches come from the workers in turn: once two are back, both workers have run their init.
     seen = [next(batches)[0], next(batches)[0]]
     for worker in batches._workers:  # type: ignore[attr-defined]
-        # Every thread of the worker blocks the stop signals (read from the kernel): a thread that did
-        # not (one started before the worker's init, as OpenBLAS's pool in a forked child) would take
-        # a job's SIGTERM and die of torch's handler: the suite's run of cef669e saw it, once.
+        # Every thread of the worker blocks the stop signals (read from the kernel): a thread that
+        # did not (one started before the worker's init, as OpenBLAS's pool in a forked child) would
+        # take a job's SIGTERM and die of torch's handler: the suite's run of cef669e saw it, once.
         unblocked = [t for t in _threads_blocking(worker.pid) if not t[1]]
         assert not unblocked, f"worker {worker.pid}'s threads with SIGTERM unblocked: {unblocked}"
         for name in ("TERM", "INT"):  # sent by another process, as scancel or a terminal sends them
@@ -67,15 +67,14 @@ def _threads_blocking(pid: int) -> list[tuple[str, bool]]:
 def test_a_process_that_leaves_live_loader_workers_still_exits():
     """Its own end of its workers (multiprocessing's SIGTERM at exit) is one they obey."""
     script = (
-        "import torch\n"
-        "from types import SimpleNamespace\n"
-        "from torch.utils.data import DataLoader, TensorDataset\n"
-        "from hydra_ddp.data.loading import loader_options\n"
-        "settings = SimpleNamespace(num_workers=2, pin_memory=False, persistent_workers=True, prefetch_factor=1)\n"
-        "options = loader_options(settings, seed=0, device=torch.device('cpu'))\n"
-        "batches = iter(DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, **options))\n"
-        "next(batches), next(batches)\n"
-        "print('left', len(batches._workers), flush=True)\n"
+        "import torch\nfrom types import SimpleNamespace\nfrom torch.utils.data "
+        "import DataLoader, TensorDataset\nfrom hydra_ddp.data.loading import "
+        "loader_options\nsettings = SimpleNamespace(num_workers=2, "
+        "pin_memory=False, persistent_workers=True, prefetch_factor=1)\noptions "
+        "= loader_options(settings, seed=0, device=torch.device('cpu'))\nbatches "
+        "= iter(DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, "
+        "**options))\nnext(batches), next(batches)\nprint('left', "
+        "len(batches._workers), flush=True)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60

@@ -52,8 +52,9 @@ def reference(tmp_path_factory) -> Path:
         (("trainer.compile=true", "trainer.compile_backend=eager"), True),
         # gloo's all-reduce instead of the shared segment: at 2 ranks the same sums.
         (("strategy.shared_memory=false",), True),
-        # Each of DDP's two settings `auto` turns on, alone off (docs/auto.md: bit-identical): gradients
-        # copied into and out of the buckets, and buckets rebuilt from the first step's order.
+        # Each of DDP's two settings `auto` turns on, alone off (docs/auto.md: bit-identical):
+        # gradients copied into and out of the buckets, and buckets rebuilt from the first step's
+        # order.
         (("strategy.gradient_as_bucket_view=false",), True),
         (("strategy.static_graph=false",), True),
         # Smaller buckets (other all-reduce groupings), and the fast settings `auto` turns on
@@ -105,8 +106,8 @@ def test_option_trains_the_same(
 def test_compile_with_inductor_the_default_backend_builds_kernels_and_trains_the_same(
     reference: Path, tmp_path: Path
 ):
-    # The backend a user gets: inductor generates and builds C++ kernels (g++), which the cache shows;
-    # a failed compile would fall back to eager with a warning and build none.
+    # The backend a user gets: inductor generates and builds C++ kernels (g++), which the cache
+    # shows; a failed compile would fall back to eager with a warning and build none.
     cache = tmp_path / "inductor"
     check_ok(
         run_train(
@@ -118,7 +119,8 @@ def test_compile_with_inductor_the_default_backend_builds_kernels_and_trains_the
         )
     )
     assert list(cache.rglob("*.so")), sorted(p.name for p in cache.rglob("*"))[:20]
-    # Fused kernels sum in another order: over six steps, within the suite's early-step bound of 1e-6.
+    # Fused kernels sum in another order: over six steps, within the suite's early-step bound of
+    # 1e-6.
     assert losses(tmp_path / "run") == pytest.approx(losses(reference), rel=1e-6)
 
 
@@ -251,7 +253,8 @@ if __name__ == "__main__":
     with initialize_config_dir(config_dir=str(tune.CONF_DIR), version_base=None):
         cfg = compose(config_name="config", overrides=["data.num_workers=1"])
     run_dir = Path(sys.argv[1])
-    summary = workers.launch(tune.Timer(cfg, 3, run_dir).resolved({}, run_dir), run_dir, time.time())
+    resolved = tune.Timer(cfg, 3, run_dir).resolved({}, run_dir)
+    summary = workers.launch(resolved, run_dir, time.time())
     print(json.dumps({k: summary[k] for k in ("steps", "history", "test_passes", "tested")}))
 """
 

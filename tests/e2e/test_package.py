@@ -30,7 +30,8 @@ def _run(
 
 
 def _repository_copy(folder: Path) -> Path:
-    """The repository's own files (tracked and new) in `folder`, without its build outputs: a clone's."""
+    """The repository's own files (tracked and new) in `folder`, without its build outputs: a
+    clone's."""
     files = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard"],
         cwd=REPO,
@@ -76,8 +77,8 @@ def installed(tmp_path_factory) -> dict[str, str]:
     # pip and setuptools: reused too
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], work, env)
     site = next((venv / "lib").glob("python3*/site-packages"))
-    # This environment's packages (torch, Hydra, ...) reused by path: a plain entry, so its .pth files
-    # (this repository's editable install among them) are not read there.
+    # This environment's packages (torch, Hydra, ...) reused by path: a plain entry, so its .pth
+    # files (this repository's editable install among them) are not read there.
     (site / "reuse.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     python = str(venv / "bin" / "python")
     _run(
@@ -115,8 +116,8 @@ def test_the_wheel_installs_with_its_dependencies_into_an_empty_venv_and_its_pro
     tmp_path: Path,
 ):
     # As README's front door has it: the package from a clone's folder into a venv of its own, pip
-    # resolving every dependency (torch from the machine's wheel cache, the rest from the registry or
-    # its cache), no path borrowed from the suite's environment; then a project, and a run of it.
+    # resolving every dependency (torch from the machine's wheel cache, the rest from the registry
+    # or its cache), no path borrowed from the suite's environment; then a project, and a run of it.
     source = _repository_copy(tmp_path / "hydra-ddp")
     env = {
         k: v

@@ -54,7 +54,8 @@ def test_two_ranks_augment_their_batches_differently_and_draw_their_own_numbers(
     batches = [[line for line in lines if line.startswith("batch")] for lines in seen]
     draws = [[line for line in lines if line.startswith("draw")] for lines in seen]
     assert len(batches[0]) == len(batches[1]) == 3
-    # Every image is the same: only the crops and flips make the batches, and each rank's are its own.
+    # Every image is the same: only the crops and flips make the batches, and each rank's are its
+    # own.
     assert all(a != b for a, b in zip(*batches)), batches
     assert draws[0] != draws[1]  # the model's stream (dropout's) is the rank's own
 
@@ -74,10 +75,10 @@ def test_augmented_training_is_the_same_at_any_world_size_and_resumes_exactly_mi
     tmp_path: Path,
 ):
     """Global batch b is the same samples with the same crops and flips at world sizes 1 and 2: only
-    the order of float sums differs. Decided in float64 over every step (FLOAT64_BOUND); float32, the
-    default, over the first 5 steps against this host's float-order noise (later, a flip makes
-    float32's gap grow past any noise run). A SIGTERM mid-epoch, resumed, is the uninterrupted run of
-    the same world size and threads, bit for bit."""
+    the order of float sums differs. Decided in float64 over every step (FLOAT64_BOUND); float32,
+    the default, over the first 5 steps against this host's float-order noise (later, a flip makes
+    float32's gap grow past any noise run). A SIGTERM mid-epoch, resumed, is the uninterrupted run
+    of the same world size and threads, bit for bit."""
     root = write_cifar(tmp_path / "data", PER_FILE)
     common = (*augmented(root), "data.global_batch_size=32", "trainer.max_steps=12")
     wide = _sweep(tmp_path, "float64", *common, "trainer.nproc=1,2", *float64())
@@ -85,7 +86,8 @@ def test_augmented_training_is_the_same_at_any_world_size_and_resumes_exactly_mi
     assert len(one) == len(two) == 12
     assert_float64_alike(two, one)
 
-    # float32 over 5 steps: the world sizes, then this host's noise (one rank, 2 threads, both memory formats).
+    # float32 over 5 steps: the world sizes, then this host's noise (one rank, 2 threads, both
+    # memory formats).
     short = _sweep(tmp_path, "float32", *common, "trainer.nproc=1,2")
     one, two = (csv_losses(short / job) for job in ("0", "1"))
     assert len(one) == len(two) == 12

@@ -166,7 +166,8 @@ def test_the_weights_average_is_evaluated_checkpointed_resumed_and_exported(
     metrics = [f"test_{name}" for name in s["metrics"]]
     test = {k: s[k] for k in metrics}
 
-    # SIGTERM mid-run and resumed: the same losses, and the same average (the test reads it), to the bit.
+    # SIGTERM mid-run and resumed: the same losses, and the same average (the test reads it), to the
+    # bit.
     stopped = tmp_path / "stopped"
     done = finish(start_train(stopped, *common, *PROBES[strategy]), timeout=300)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr

@@ -123,7 +123,8 @@ def test_the_parsers_refuse_a_field_they_do_not_know(recipe_tools: Path, tmp_pat
     assert proc.returncode != 0 and "numNodes" in proc.stderr, proc.stderr[-2000:]
 
 
-# --- The SkyPilot task's nodes, as two hosts ---------------------------------------------------------
+# --- The SkyPilot task's nodes, as two hosts
+# ---------------------------------------------------------
 
 
 def _node_env(index: int, addresses: list[str], gpus: int, overrides: list[str]) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Continuing a run at another world size: mid-epoch, with the global batch fixed, every sample of
 the epoch is trained on exactly once, under ddp and fsdp; another global batch is one line (the
-resize's cause and an elastic worker's share, in process: tests/unit/test_resize.py); a per-step schedule
-continues at the rate of its step."""
+resize's cause and an elastic worker's share, in process: tests/unit/test_resize.py); a per-step
+schedule continues at the rate of its step."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def test_a_mid_epoch_checkpoint_continues_at_another_world_size_with_every_sampl
     tmp_path: Path,
 ):
     first = tmp_path / "first"
-    # Stopped at step 3 of 45, mid-epoch, at 1 and at 2 ranks, under ddp and fsdp (a file; a sharded directory).
+    # Stopped at step 3 of 45, mid-epoch, at 1 and at 2 ranks, under ddp and fsdp (a file; a sharded
+    # directory).
     check_ok(
         run_train(
             tmp_path / "unused",
@@ -81,8 +82,8 @@ def test_a_mid_epoch_checkpoint_continues_at_another_world_size_with_every_sampl
             45,
             32,
         )
-        # The run's length is the same at the new world size (the global batch is): each step's rate is
-        # the one the schedule gives that step of 45, as an unresized run's would be.
+        # The run's length is the same at the new world size (the global batch is): each step's rate
+        # is the one the schedule gives that step of 45, as an unresized run's would be.
         shape = schedules.Shape(total=45, warmup=2, decay_from=2, decay="linear")
         with open(after / "metrics.csv", newline="") as f:
             rates = [
@@ -118,8 +119,9 @@ def test_a_mid_epoch_resume_with_another_global_batch_is_one_line(tmp_path: Path
     line = [line for line in proc.stderr.splitlines() if line.startswith("hydra-ddp: error:")]
     assert (
         len(line) == 1
-        and "stopped mid-epoch with a global batch of 32 samples per optimizer step, this run has 64: resume "
-        "with data.global_batch_size=32 (the micro-batch or the accumulation follows the world size)"
+        and "stopped mid-epoch with a global batch of 32 samples per optimizer "
+        "step, this run has 64: resume with data.global_batch_size=32 (the "
+        "micro-batch or the accumulation follows the world size)"
         in line[0]
     ), proc.stderr
 

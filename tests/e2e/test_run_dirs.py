@@ -1,6 +1,7 @@
 """A run's directory is its own: two runs started in the same second (a Slurm array, two terminals)
 each get one, and an explicit hydra.run.dir that a live run holds is refused in one line before
-anything is written into it; once that run has ended, resuming into it works (Hydra #2925, #1817)."""
+anything is written into it; once that run has ended, resuming into it works (Hydra #2925,
+#1817)."""
 
 from __future__ import annotations
 

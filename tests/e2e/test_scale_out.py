@@ -1,4 +1,5 @@
-"""Scaling out: multirun sweeps and their report, parallel joblib sweeps, mpirun, two nodes (Slurm: test_slurm.py)."""
+"""Scaling out: multirun sweeps and their report, parallel joblib sweeps, mpirun, two nodes (Slurm:
+test_slurm.py)."""
 
 from __future__ import annotations
 
@@ -105,10 +106,11 @@ def test_failed_job_is_a_failed_row_and_the_sweep_goes_on(tmp_path: Path):
 
 @pytest.mark.timeout(600)  # 16 processes importing torch on 2 cores: minutes beside a busy core
 def test_eight_parallel_jobs_never_collide_on_a_port(tmp_path: Path):
-    """4 jobs at a time, each launching its own group: every job's launching process binds its store's
-    port itself and holds it, so no job can take another's between choosing and binding. One rank per
-    job keeps it affordable: the store, its port and the rendezvous through it are the same at any size.
-    Both launchers and both single-node stores (TCP, file) run inside joblib's worker processes."""
+    """4 jobs at a time, each launching its own group: every job's launching process binds its
+    store's port itself and holds it, so no job can take another's between choosing and binding. One
+    rank per job keeps it affordable: the store, its port and the rendezvous through it are the same
+    at any size. Both launchers and both single-node stores (TCP, file) run inside joblib's worker
+    processes."""
     sweep = tmp_path / "sweep"
     proc = run_train(
         tmp_path / "unused",

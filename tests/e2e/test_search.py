@@ -33,8 +33,9 @@ def test_a_pruner_without_a_monitored_metric_is_refused_before_the_first_trial(t
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
     )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "hydra-ddp: error: hydra.sweeper.pruner=median needs a monitored metric after each epoch, and "
-        "data.val_fraction=0 leaves no validation: set data.val_fraction (e.g. 0.1), or hydra.sweeper.pruner=none"
+        "hydra-ddp: error: hydra.sweeper.pruner=median needs a monitored metric "
+        "after each epoch, and data.val_fraction=0 leaves no validation: set "
+        "data.val_fraction (e.g. 0.1), or hydra.sweeper.pruner=none"
     ]
     assert not (tmp_path / "sweep" / "0").exists()
 

@@ -85,9 +85,10 @@ def _epochs(path: Path) -> list[list[str]]:
 
 @pytest.mark.timeout(600)  # three sweeps, each with a run of 4 processes on 2 cores
 def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Path):
-    """The same samples in every global batch at any world size: only the order of float sums differs.
-    Decided in float64 over 20 steps (FLOAT64_BOUND); float32, the default, over the first 5 steps,
-    against this host's float-order noise (later, a flip makes float32's gap grow past any noise run)."""
+    """The same samples in every global batch at any world size: only the order of float sums
+    differs. Decided in float64 over 20 steps (FLOAT64_BOUND); float32, the default, over the first
+    5 steps, against this host's float-order noise (later, a flip makes float32's gap grow past any
+    noise run)."""
     common = (
         "data.global_batch_size=128",
         "data.drop_last=true",
@@ -125,7 +126,8 @@ def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Pa
     # throughput, efficiency and the loss curves
     assert (sweep / "scaling.png").stat().st_size > 20_000
 
-    # float32 over 5 steps: the world sizes, then this host's noise (one rank, 2 threads, both memory formats).
+    # float32 over 5 steps: the world sizes, then this host's noise (one rank, 2 threads, both
+    # memory formats).
     short, noise = tmp_path / "float32", tmp_path / "noise"
     check_ok(
         run_train(
@@ -153,6 +155,7 @@ def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Pa
     )
     reference, noisy = csv_losses(short / "0"), [csv_losses(noise / job) for job in ("0", "1")]
     for job in ("1", "2"):
-        # Ceiling 1e-5 over 5 steps: about 80 float32 units (1.2e-7), room for a few units of reordered
-        # sums a step, compounded; a sample read twice or averaged wrongly moves a loss by 1e-3 or more.
+        # Ceiling 1e-5 over 5 steps: about 80 float32 units (1.2e-7), room for a few units of
+        # reordered sums a step, compounded; a sample read twice or averaged wrongly moves a loss by
+        # 1e-3 or more.
         assert_within_float_noise(csv_losses(short / job), reference, *noisy, ceiling=1e-5)

@@ -76,7 +76,8 @@ def _peer_exits(rank: int, port: int, report: str) -> None:
     ready = Path(report).with_suffix(".ready")
     if rank == 1:
         # Gone before the meeting, as a killed rank would be; but only once rank 0 is done with gloo
-        # (a peer gone in the middle of gloo's last set-up exchange is gloo's affair, not this test's).
+        # (a peer gone in the middle of gloo's last set-up exchange is gloo's affair, not this
+        # test's).
         while not ready.exists():
             os.sched_yield()
         os._exit(3)

@@ -1,7 +1,8 @@
-"""A real Slurm cluster (started by the slurm_cluster fixture): train.py through hydra-submitit-launcher
-across two nodes and on one node with two tasks, and through scripts/slurm/train.sbatch's srun on
-one, equal to the same run under spawn; a cancelled job reported by the sweep; pre-empted by Slurm's
-signal, requeued, and resumed by itself with bit-identical weights."""
+"""A real Slurm cluster (started by the slurm_cluster fixture): train.py through
+hydra-submitit-launcher across two nodes and on one node with two tasks, and through
+scripts/slurm/train.sbatch's srun on one, equal to the same run under spawn; a cancelled job
+reported by the sweep; pre-empted by Slurm's signal, requeued, and resumed by itself with
+bit-identical weights."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from support import (
 
 # Three epochs of digits on 2 ranks (21 steps each), a checkpoint every 4 steps: the pre-emption
 # test signals the job once the first is written, and 60 steps remain for the signal to arrive.
-# One thread per rank everywhere: two nodes of one task would take two each, another summation order.
+# One thread per rank everywhere: two nodes of one task would take two each, another summation
+# order.
 RUN = (
     "trainer.max_steps=64",
     "trainer.log_every=2",
@@ -184,5 +186,6 @@ def test_sbatch_script_is_preempted_requeued_and_resumes_exactly(
     assert s["resumed_from"] and s["resumed_from"] != str(
         run_dir / "checkpoints" / "step-00000064.pt"
     ), s
-    # The uninterrupted run's, bit for bit: every step's loss once (none twice, none lost), and the weights.
+    # The uninterrupted run's, bit for bit: every step's loss once (none twice, none lost), and the
+    # weights.
     assert_same_run(run_dir, reference)

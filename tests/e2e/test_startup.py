@@ -1,4 +1,5 @@
-"""The forkserver's workers, as multiprocessing really forks them: what they inherit of its imports."""
+"""The forkserver's workers, as multiprocessing really forks them: what they inherit of its
+imports."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import gc, json, multiprocessing, sys
 from hydra_ddp.launch import startup
 
 def report(queue):
-    queue.put({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(), "torch": "torch._dynamo" in sys.modules})
+    queue.put({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(),
+               "torch": "torch._dynamo" in sys.modules})
 
 if __name__ == "__main__":
     with startup.frozen_imports():

@@ -197,14 +197,16 @@ def test_hsdp_on_a_2x2_mesh_trains_like_fsdp_resumes_exactly_and_reshards(tmp_pa
 def test_hsdp_refuses_a_world_size_it_does_not_divide_in_one_line(tmp_path: Path):
     proc = run_train(tmp_path / "run", "strategy=fsdp", "strategy.replicate=3", "trainer.nproc=4")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "hydra-ddp: error: strategy=fsdp: strategy.replicate=3 does not divide the 4 ranks (trainer.nproc × "
-        "launcher.nnodes): give a divisor of 4 (launcher.nnodes: a copy per node)"
+        "hydra-ddp: error: strategy=fsdp: strategy.replicate=3 does "
+        "not divide the 4 ranks (trainer.nproc × launcher.nnodes): "
+        "give a divisor of 4 (launcher.nnodes: a copy per node)"
     ], proc.stderr
     assert not (tmp_path / "run").exists()
 
 
 # The transformer, small: 2 blocks of width 32 on 64 KiB of text; a global batch of 32 sequences
-# (25 steps an epoch), so one rank, FSDP over 2 and tensor parallel over 2 all train on the same batches.
+# (25 steps an epoch), so one rank, FSDP over 2 and tensor parallel over 2 all train on the same
+# batches.
 GPT = (
     "+experiment=text_gpt",
     "model.dim=32",
@@ -254,7 +256,8 @@ def test_fsdp_and_tensor_parallel_train_the_transformer_like_one_rank(tmp_path: 
         # every token once, not per tp rank
         assert s[name]["test_samples"] == s["one-rank"]["test_samples"], name
     held = {name: s[name]["model_state_bytes"]["total"] for name in runs}
-    # FSDP: half of everything; TP: half of the blocks' linears (embeddings, norms and head replicated).
+    # FSDP: half of everything; TP: half of the blocks' linears (embeddings, norms and head
+    # replicated).
     assert (
         0.45 < held["fsdp"] / held["one-rank"] < 0.55
         and 0.55 < held["tp"] / held["one-rank"] < 0.85
@@ -359,6 +362,7 @@ def _named_like_dcp(_rank: int, port: int) -> None:
 
 @pytest.mark.timeout(120)
 def test_ddp_optimizer_state_is_named_as_dcp_names_it():
-    """strategy.optimizer_state_by_name against torch.distributed.checkpoint's get_optimizer_state_dict
-    on real DDP models: the same names, groups, tensors, and bytes once saved."""
+    """strategy.optimizer_state_by_name against torch.distributed.checkpoint's
+    get_optimizer_state_dict on real DDP models: the same names, groups, tensors, and bytes once
+    saved."""
     spawn_ranks(_named_like_dcp, (free_port(),))

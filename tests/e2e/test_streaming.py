@@ -112,7 +112,8 @@ def test_a_mid_epoch_stop_continues_with_the_uninterrupted_runs_samples_bit_for_
             straight, *common, "checkpoint.every_n_steps=5", "checkpoint.keep=10", timeout=300
         )
     )
-    # SIGTERM at rank 0's 9th forward (of 23 a epoch): the run stops where the ranks agree, checkpointed.
+    # SIGTERM at rank 0's 9th forward (of 23 a epoch): the run stops where the ranks agree,
+    # checkpointed.
     stopped = tmp_path / "stopped"
     probe = (
         "model._target_=probes.signal_at",
@@ -127,15 +128,15 @@ def test_a_mid_epoch_stop_continues_with_the_uninterrupted_runs_samples_bit_for_
     metrics = ("test_loss", "test_accuracy")
     assert {k: summary(stopped)[k] for k in metrics} == {k: summary(straight)[k] for k in metrics}
 
-    # A run killed outright (SIGKILL, a lost node) restarts from its last step checkpoint: step 15 of 46,
-    # mid-epoch, continued in a run directory of its own.
+    # A run killed outright (SIGKILL, a lost node) restarts from its last step checkpoint: step 15
+    # of 46, mid-epoch, continued in a run directory of its own.
     restarted = tmp_path / "restarted"
     checkpoint = straight / "checkpoints" / "step-00000015.pt"
     check_ok(run_train(restarted, *common, f"trainer.resume={checkpoint}", timeout=300))
     assert csv_step_losses(restarted) == [row for row in csv_step_losses(straight) if row[0] > 15]
 
-    # The test split, streamed at 1 and at 2 ranks, and the same samples held in memory (data=digits):
-    # the same chunks, so the same metrics, to the bit.
+    # The test split, streamed at 1 and at 2 ranks, and the same samples held in memory
+    # (data=digits): the same chunks, so the same metrics, to the bit.
     results = []
     for name, overrides in (
         ("one", ("data=shards", f"data.dataset.root={shard_dir}", "trainer.nproc=1")),
@@ -150,7 +151,8 @@ def test_a_mid_epoch_stop_continues_with_the_uninterrupted_runs_samples_bit_for_
         ),
         ("memory", ("data=digits", "trainer.nproc=2")),
     ):
-        # One thread per rank at either world size: the same kernels, so the same sums in each chunk.
+        # One thread per rank at either world size: the same kernels, so the same sums in each
+        # chunk.
         settings = ("data.eval_batch_size=72", "trainer.threads=1")
         check_ok(run_eval(tmp_path / name, f"ckpt={straight}", *overrides, *settings, timeout=300))
         result = json.loads((tmp_path / name / "eval.json").read_text())
@@ -207,8 +209,9 @@ def test_a_damaged_shard_is_one_line_before_launch_or_when_read(tmp_path: Path, 
         refused.stderr.strip()
         .splitlines()[-1]
         .endswith(
-            f"shard {shard} has {len(content) - 100} bytes, its manifest says {len(content)} (truncated or rewritten); "
-            "write the shards again (python -m hydra_ddp.tools.shards write DIR --source digits)"
+            f"shard {shard} has {len(content) - 100} bytes, its manifest says "
+            f"{len(content)} (truncated or rewritten); write the shards again "
+            "(python -m hydra_ddp.tools.shards write DIR --source digits)"
         )
     ), refused.stderr
     assert not (tmp_path / "refused").exists()
@@ -229,7 +232,8 @@ def test_a_damaged_shard_is_one_line_before_launch_or_when_read(tmp_path: Path, 
 @pytest.mark.timeout(500)
 def test_tokenized_documents_stream_from_shards_with_the_same_guarantees(tmp_path: Path):
     # Documents of different lengths, tokenized and written by the shard tool (each document's ids
-    # whole: a ragged field; the tokenizer beside the manifest), padded per batch as data=documents pads.
+    # whole: a ragged field; the tokenizer beside the manifest), padded per batch as data=documents
+    # pads.
     root = tmp_path / "documents"
     source = ("--arg", "context=48", "--arg", "vocab_size=300", "--arg", "max_bytes=60000")
     written = subprocess.run(

@@ -102,7 +102,8 @@ def test_a_task_whose_loss_is_not_a_scalar_is_one_line_before_anything_is_lost(t
     bad = (*overrides, "task._target_=mylab.task.PerSample")
     check = run_train(tmp_path / "checked", "--check", *bad, env=env)
     assert check.returncode == 2 and check.stderr.strip().splitlines() == [
-        "hydra-ddp: error: model=scorer with data=blobs: the loss of one batch has shape (2,), not a scalar"
+        "hydra-ddp: error: model=scorer with data=blobs: "
+        "the loss of one batch has shape (2,), not a scalar"
     ], check.stderr
     run = run_train(tmp_path / "run", *bad, *QUICK, env=env)
     assert run.returncode != 0 and run.stderr.strip().splitlines()[-1].startswith(
@@ -117,8 +118,9 @@ def test_a_task_that_does_not_fit_the_data_stops_every_rank_in_one_line(tmp_path
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("hydra-ddp:")]
     assert lines == [
-        "hydra-ddp: error: task Regression does not fit the data: it needs real-valued targets, and the data's are "
-        "int64 (class labels?): choose a regression dataset (data=diabetes, data=synthetic_regression) or "
+        "hydra-ddp: error: task Regression does not fit the data: it needs "
+        "real-valued targets, and the data's are int64 (class labels?): choose "
+        "a regression dataset (data=diabetes, data=synthetic_regression) or "
         f"task=classification (log: {tmp_path / 'run' / 'train.log'})"
     ], proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -148,8 +150,9 @@ def test_regression_on_diabetes_reports_r2_and_eval_at_one_rank_gives_its_test_m
 def test_regression_and_segmentation_train_alike_at_1_and_2_ranks_and_under_fsdp(
     tmp_path: Path, experiment: str, model: str
 ):
-    # drop_last: a short last batch would differ in its padding between world sizes. float64: only the
-    # order of sums differs, so the runs agree within FLOAT64_BOUND over every step (support.py).
+    # drop_last: a short last batch would differ in its padding between world sizes. float64: only
+    # the order of sums differs, so the runs agree within FLOAT64_BOUND over every step
+    # (support.py).
     common = (
         f"+experiment={experiment}",
         "trainer.max_steps=10",
@@ -186,8 +189,8 @@ def test_regression_and_segmentation_train_alike_at_1_and_2_ranks_and_under_fsdp
     )
     if experiment != "shapes_segnet":
         return
-    # Evaluating the same weights: bit-equal metrics at 1, 2 and 3 ranks (the segmentation's confusion
-    # matrix too).
+    # Evaluating the same weights: bit-equal metrics at 1, 2 and 3 ranks (the segmentation's
+    # confusion matrix too).
     ckpt = two
     evals = tmp_path / "evals"
     check_ok(

@@ -55,7 +55,8 @@ def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
     assert SUMMARY_KEYS <= s.keys()
     assert s["world_size"] == 2 and s["backend"] == "gloo" and s["launcher"] == "spawn"
     assert s["init_method"] == "env" and s["epochs"] == 2
-    # DDP: a whole replica per rank, and fp32 gradients all-reduced (4 bytes an element: the CNN's 431,080).
+    # DDP: a whole replica per rank, and fp32 gradients all-reduced (4 bytes an element: the CNN's
+    # 431,080).
     assert (
         s["strategy"] == "ddp"
         and s["comm_hook"] == "none"
@@ -84,7 +85,8 @@ def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
         proc.stdout,
     )
 
-    # One event file, with per-step train loss, per-epoch validation, one test, lr, throughput, the config.
+    # One event file, with per-step train loss, per-epoch validation, one test, lr, throughput, the
+    # config.
     assert len(event_files(run_dir)) == 1
     train_loss = step_losses(run_dir)
     assert [step for step, _ in train_loss] == list(range(1, s["steps"] + 1))
@@ -106,7 +108,8 @@ def test_default_run_leaves_one_complete_run_directory(run_dir: Path):
     assert "straggler" not in proc.stdout
     assert len(scalars(run_dir, "train/lr")) == 2
     assert len(scalars(run_dir, "train/samples_per_sec")) == 2
-    # The resolved config as YAML, in the event file and in the log: the values this run trained with.
+    # The resolved config as YAML, in the event file and in the log: the values this run trained
+    # with.
     [config_text] = text(run_dir, "config")
     config_text = config_text.removeprefix("```yaml\n").removesuffix("```")
     config = yaml.safe_load(config_text)
@@ -168,8 +171,9 @@ def test_every_launcher_and_init_method_gives_identical_losses_and_weights(tmp_p
         "env",
         "env",
     ]
-    # Each init method reached init_process_group as its URL, on every rank, and the group's store is
-    # the one that URL names: tcp's host and port, a file store, the outside torchrun's MASTER_PORT.
+    # Each init method reached init_process_group as its URL, on every rank, and the group's store
+    # is the one that URL names: tcp's host and port, a file store, the outside torchrun's
+    # MASTER_PORT.
     tcp = seen["spawn"][0]
     assert tcp["init_method"] == f"tcp://127.0.0.1:{tcp['port']}" and tcp["store"] == "TCPStore", (
         seen["spawn"]
@@ -224,8 +228,8 @@ def test_init_method_env_meets_at_an_exported_master_port_and_refuses_a_busy_one
         proc = run_train(tmp_path / "busy", "trainer.max_steps=2", env={"MASTER_PORT": str(taken)})
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"hydra-ddp: error: MASTER_PORT={taken} (exported) is already in use on 127.0.0.1; export a free port, or "
-        "unset MASTER_PORT (a free one is picked)"
+        f"hydra-ddp: error: MASTER_PORT={taken} (exported) is already in use on "
+        "127.0.0.1; export a free port, or unset MASTER_PORT (a free one is picked)"
     ], proc.stderr
     # refused before any worker started
     assert "[rank " not in (tmp_path / "busy" / "train.log").read_text()
@@ -270,7 +274,8 @@ def test_failed_rank_is_named_in_one_line_and_leaves_no_orphans(run_dir: Path, l
     log = (run_dir / "train.log").read_text()
     assert "injected failure" in log  # the traceback is kept in the log
     assert_no_orphans(proc.pid)
-    # Rank 0 went on to the shared-memory all-reduce's set-up (strategy.shared_memory) and left no segment.
+    # Rank 0 went on to the shared-memory all-reduce's set-up (strategy.shared_memory) and left no
+    # segment.
     pids = {line.rsplit(", pid ", 1)[1].strip() for line in log.splitlines() if ", pid " in line}
     assert pids and not [
         p.name for p in Path("/dev/shm").glob("hydra-ddp-*") if p.name.split("-")[2] in pids

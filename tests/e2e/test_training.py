@@ -76,7 +76,8 @@ def test_evaluation_is_exact_and_train_losses_are_global():
         assert metrics["test_samples"] == SAMPLES
         assert abs(metrics["test_loss"] - expected_loss) < 1e-6
         assert metrics["test_accuracy"] == expected_acc
-        # Means of 0,1,2 and of 0,10,20; rank 2's stop request and rank 1's spent time reach every rank.
+        # Means of 0,1,2 and of 0,10,20; rank 2's stop request and rank 1's spent time reach every
+        # rank.
         assert results["window", rank] == ([1, 2], [1.0, 10.0], True, True)
         assert results["overlapped", rank] == (
             ([3], [1.0], True, False),

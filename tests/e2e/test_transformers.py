@@ -1,8 +1,9 @@
 """A Hugging Face transformers causal language model end to end (+experiment=hf_llama: a small Llama
 config, no download, vocabulary 256 over the byte-level text): dict batches with an attention mask,
-the model computing its own loss, with accumulation and bf16 autocast under DDP and FSDP (its decoder
-layers the sharding units; its samples preloaded); SIGTERM'd and resumed bit for bit; eval.py reproducing the run's test
-metrics bit for bit at another world size; the FLOP count and tokens/s in its summary."""
+the model computing its own loss, with accumulation and bf16 autocast under DDP and FSDP (its
+decoder layers the sharding units; its samples preloaded); SIGTERM'd and resumed bit for bit;
+eval.py reproducing the run's test metrics bit for bit at another world size; the FLOP count and
+tokens/s in its summary."""
 
 from __future__ import annotations
 

@@ -240,13 +240,15 @@ def test_mlflow_ui_as_the_docs_give_it_serves_the_run_and_the_sweep_as_parent_an
         assert sorted(r["info"]["run_name"] for r in children) == ["sweep/0", "sweep/1"]
 
 
-# --- Looked at in a real browser (make look: Chromium's start and render cost more than CI's budget) ---
+# --- Looked at in a real browser (make look: Chromium's start and render cost more than CI's
+# budget) ---
 
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory) -> Path:
     """What a user's first `make train` makes (the default config, every epoch), with the MLflow
-    logger beside the default ones, into outputs/mlflow.db under the launch folder: the screenshots'."""
+    logger beside the default ones, into outputs/mlflow.db under the launch folder: the
+    screenshots'."""
     base = tmp_path_factory.mktemp("default")
     store = f"sqlite:///{base}/outputs/mlflow.db"
     check_ok(
@@ -267,7 +269,8 @@ def test_tensorboard_in_a_browser_shows_the_default_runs_curves_first(
     default_run: Path, tmp_path: Path
 ):
     with servers.tensorboard(default_run / "run", tmp_path / "tensorboard.log") as url:
-        # What a user sees first: the time-series view, its cards sorted by tag; no one-point hparam cards.
+        # What a user sees first: the time-series view, its cards sorted by tag; no one-point hparam
+        # cards.
         shot = _shot(tmp_path, "tensorboard.png")
         page = servers.browse(f"{url}/#timeseries", shot)
         assert "train/loss" in page and "hparam/" not in page
@@ -295,7 +298,8 @@ def test_the_mlflow_run_page_in_a_browser_names_the_run_and_its_metrics(
             "runs"
         ]
         run = next(r for r in runs if r["info"]["run_name"] == "run")
-        # MLflow 3 opens in its GenAI view unless asked for the training one (or switched in its sidebar).
+        # MLflow 3 opens in its GenAI view unless asked for the training one (or switched in its
+        # sidebar).
         seen_at = url.replace("127.0.0.1", "0.0.0.0")
         page = servers.browse(
             f"{seen_at}/#/experiments/{experiment['experiment_id']}/runs/{run['info']['run_id']}"

@@ -47,7 +47,8 @@ def test_selected_on_validation_tested_once_and_eval_py_gives_the_same_bits_at_a
 ):
     run_dir, reads = tmp_path / "run", tmp_path / "reads"
     reads.mkdir()
-    # Selecting the highest validation loss picks the first epoch: the tested weights are not the last ones.
+    # Selecting the highest validation loss picks the first epoch: the tested weights are not the
+    # last ones.
     proc = run_train(
         run_dir,
         "trainer.epochs=3",
@@ -71,7 +72,8 @@ def test_selected_on_validation_tested_once_and_eval_py_gives_the_same_bits_at_a
     assert min(float(t) for _, t in records) > max(_val_wall_times(run_dir))
     assert s["test_passes"] == 1
 
-    # eval.py on the run directory takes best.pt and, on 1 rank or 2, reports the run's test metrics, bit-equal.
+    # eval.py on the run directory takes best.pt and, on 1 rank or 2, reports the run's test
+    # metrics, bit-equal.
     for n in (1, 2):
         eval_dir = tmp_path / f"eval{n}"
         check_ok(run_eval(eval_dir, f"ckpt={run_dir}", f"trainer.nproc={n}", "predict=true"))
@@ -150,7 +152,8 @@ def test_early_stopping_stops_both_ranks_at_the_same_step_and_tests_the_best(run
 
 
 def _diverged_in_one_line(proc: subprocess.CompletedProcess, run_dir: Path) -> str:
-    """The one line a diverged run ends with: non-zero, every rank's decision reported once, no summary."""
+    """The one line a diverged run ends with: non-zero, every rank's decision reported once, no
+    summary."""
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -233,7 +236,8 @@ def test_max_time_stops_resumably_and_init_from_fine_tunes_from_the_checkpoint(t
         and "trainer.epochs: 2 → 3" in warned[0]
     ), warned
 
-    # Fine-tuning: the run's best weights but a fresh classifier; no learning, so step 1 shows the start.
+    # Fine-tuning: the run's best weights but a fresh classifier; no learning, so step 1 shows the
+    # start.
     source = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["model"]
     tuned_dir = tmp_path / "tuned"
     check_ok(

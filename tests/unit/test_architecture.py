@@ -1,5 +1,6 @@
-"""The package's shape, checked: sizes, the launch side's independence of the worker side, strategies
-by composition, and every module opening with its job (static reads of src/, no process)."""
+"""The package's shape, checked: sizes, the launch side's independence of the worker side,
+strategies by composition, and every module opening with its job (static reads of src/, no
+process)."""
 
 from __future__ import annotations
 
@@ -41,14 +42,15 @@ def test_the_package_has_modules_to_check():
     assert len(MODULES) > 30 and (PACKAGE / "training" / "trainer.py") in MODULES
 
 
+# Lines of at most 100 characters: the bounds first set at 120 (400 and 250 lines), scaled by 1.2.
 @pytest.mark.parametrize("path", MODULES, ids=_name)
-def test_no_module_over_400_lines_and_no_class_over_250(path: Path):
+def test_no_module_over_480_lines_and_no_class_over_300(path: Path):
     text = path.read_text()
-    assert text.count("\n") <= 400, f"{_name(path)} has {text.count(chr(10))} lines"
+    assert text.count("\n") <= 480, f"{_name(path)} has {text.count(chr(10))} lines"
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.ClassDef):
-            assert node.end_lineno - node.lineno + 1 <= 250, (
-                f"{_name(path)}.{node.name} is over 250 lines"
+            assert node.end_lineno - node.lineno + 1 <= 300, (
+                f"{_name(path)}.{node.name} is over 300 lines"
             )
 
 
@@ -202,7 +204,8 @@ def _config_reads(text: str) -> list[str]:
     config-named object (`cfg["data"]`, `self.cfg.get("seed")`), and a dotted key of a section as a
     constant (`lookup(cfg, "data.batch_size")`). Not caught, by design: the keys of the nodes a user
     fills with his own class's arguments (model, optim: `cfg.optim.get("lr")`), Hydra's own `hydra`
-    node and `_target_`, and a dotted key a user names (an override, a monitor): data, not a read."""
+    node and `_target_`, and a dotted key a user names (an override, a monitor): data, not a
+    read."""
     sections = _config_keys()
     names = set(sections) | set().union(*sections.values())
     found = []
@@ -254,7 +257,8 @@ def test_the_config_read_check_catches_each_form_it_names():
     "path", [p for p in MODULES if p.relative_to(PACKAGE).parts[0] != "config"], ids=_name
 )
 def test_no_module_outside_config_reads_a_config_key_by_string(path: Path):
-    """The RunConfig is typed: outside config/ its keys are attributes (the forms: _config_reads)."""
+    """The RunConfig is typed: outside config/ its keys are attributes (the forms:
+    _config_reads)."""
     found = _config_reads(path.read_text())
     assert not found, (
         f"{_name(path)} reads config keys by string (use the RunConfig's attributes): {found}"

@@ -197,7 +197,8 @@ BAD = [
     ),
     (
         both(strategy("fsdp"), setting("strategy.replicate", 3)),
-        "strategy=fsdp: strategy.replicate=3 does not divide the 2 ranks (trainer.nproc × launcher.nnodes)",
+        "strategy=fsdp: strategy.replicate=3 does not divide "
+        "the 2 ranks (trainer.nproc × launcher.nnodes)",
     ),
     (
         both(strategy("fsdp"), setting("strategy.replicate", 0)),
@@ -239,17 +240,19 @@ BAD = [
     ),
     (
         both(*ELASTIC, setting("strategy.static_graph", True)),
-        "strategy.static_graph=true does not combine with trainer.accumulate > 1 (an elastic run accumulates",
+        "strategy.static_graph=true does not combine with "
+        "trainer.accumulate > 1 (an elastic run accumulates",
     ),
     (
         both(*ELASTIC, setting("launcher.nnodes", "2:3")),
         "data.global_batch_size=64 does not divide by trainer.accumulate=1 × 6 model replicas",
     ),
     (
-        # Settled at the most nodes (a micro-batch of 8), the global batch does not divide at 3 replicas.
+        # Settled at the most nodes (a micro-batch of 8), the global batch does not divide at 3
+        # replicas.
         both(*ELASTIC, setting("launcher.nnodes", "1:3"), setting("data.global_batch_size", 48)),
-        "data.global_batch_size=48 does not divide into micro-batches of data.batch_size=8 on the 4 model "
-        "replicas of world size 4, which launcher.nnodes=1:3 allows",
+        "data.global_batch_size=48 does not divide into micro-batches of data.batch_size=8 "
+        "on the 4 model replicas of world size 4, which launcher.nnodes=1:3 allows",
     ),
     (
         both(*ELASTIC, strategy("fsdp_tp"), setting("strategy.tp_size", 4)),
@@ -258,7 +261,8 @@ BAD = [
     # Tasks.
     (
         setting("trainer.monitor", "val/r2"),
-        "trainer.monitor='val/r2' is not a metric of this task; choose one of val/loss, val/accuracy, train/loss",
+        "trainer.monitor='val/r2' is not a metric of this "
+        "task; choose one of val/loss, val/accuracy, train/loss",
     ),
     (setting("task._target_", "torch.nn.Identity"), "is not a hydra_ddp.tasks.Task: subclass it"),
     # Every group that builds an object by _target_: its name imports, its keys are the builder's.
@@ -319,7 +323,8 @@ BAD = [
             setting("scheduler.warmup_steps", 40),
             setting("trainer.max_steps", 30),
         ),
-        "scheduler=warmup_cosine: a warmup of 40 steps is not shorter than the run's 30 optimizer steps",
+        "scheduler=warmup_cosine: a warmup of 40 steps "
+        "is not shorter than the run's 30 optimizer steps",
     ),
     (
         setting("strategy.activation_checkpointing", "full"),
@@ -355,7 +360,8 @@ def test_an_elastic_range_settles_its_bounds_and_resumes_at_each_restart(
     assert (launcher.min_nodes, launcher.nnodes, resolved.trainer.resume) == (1, 2, "auto")
     # at the most nodes
     assert resolved.data.global_batch_size == 64 and resolved.data.batch_size == 16
-    # At one node it accumulates 2 micro-batches of 16: no static graph (DDP's reducer asserts on no_sync).
+    # At one node it accumulates 2 micro-batches of 16: no static graph (DDP's reducer asserts on
+    # no_sync).
     assert (
         resolved.strategy.static_graph is False
         and resolved.settled["strategy.static_graph"] is False
@@ -465,10 +471,10 @@ def test_fsdp_tp_is_fsdp_with_a_tensor_parallel_size_and_eval_composes_without_a
     from hydra_ddp.launch import composition
 
     assert composition.one_line(other.value) == (
-        "strategy.comm_hook: strategy=fsdp has no such setting (its settings: replicate, reshard_after_forward, "
-        "param_dtype, reduce_dtype, output_dtype, cpu_offload, activation_checkpointing, "
-        "activation_checkpointing_every); another "
-        "strategy's knob does not apply to this one"
+        "strategy.comm_hook: strategy=fsdp has no such setting (its settings: "
+        "replicate, reshard_after_forward, param_dtype, reduce_dtype, output_dtype, "
+        "cpu_offload, activation_checkpointing, activation_checkpointing_every); "
+        "another strategy's knob does not apply to this one"
     )
     assert (
         "optim" not in evaluation and "scheduler" not in evaluation or evaluation.scheduler is None

@@ -71,7 +71,8 @@ def test_each_blocks_forward_is_compiled_in_place_with_the_same_names_and_result
     expected_loss, expected_grads = _step(reference, tokens)
     assert torch.equal(loss, expected_loss)
     assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
-    # Dynamo traced the blocks (the other parts of the model ran eagerly), the three alike in one graph.
+    # Dynamo traced the blocks (the other parts of the model ran eagerly), the three alike in one
+    # graph.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 

@@ -1,5 +1,6 @@
-"""The schema and the parent's validation: bad input fails before any process starts, with one clear line
-(composed and resolved in this process; tests/e2e/test_config.py: a tracker's missing package, from train.py)."""
+"""The schema and the parent's validation: bad input fails before any process starts, with one clear
+line (composed and resolved in this process; tests/e2e/test_config.py: a tracker's missing package,
+from train.py)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def test_every_group_option_composes_and_validates(tmp_path: Path, overrides: li
 
 
 def _holds(whole: dict, part: dict) -> bool:
-    """`whole` has every key of `part` with the same value (a frozen config adds the schema's defaults)."""
+    """`whole` has every key of `part` with the same value (a frozen config adds the schema's
+    defaults)."""
     return all(
         key in whole
         and (
@@ -126,18 +128,19 @@ def test_the_global_batch_is_micro_batch_times_accumulation_times_replicas(
     [
         (
             ["trainer.nproc=3", "data.global_batch_size=128"],
-            r"data.global_batch_size=128 does not divide by trainer.accumulate=1 × 3 model replicas: "
-            r"choose a multiple of 3, or set data.batch_size instead",
+            r"data.global_batch_size=128 does not divide by trainer.accumulate=1 × 3 "
+            r"model replicas: choose a multiple of 3, or set data.batch_size instead",
         ),
         (
             ["data.batch_size=24", "data.global_batch_size=64"],
-            r"data.global_batch_size=64 does not divide into micro-batches of data.batch_size=24 on 2 model "
-            r"replicas: choose a multiple of 48, or set trainer.accumulate instead of data.batch_size",
+            r"data.global_batch_size=64 does not divide into micro-batches "
+            r"of data.batch_size=24 on 2 model replicas: choose a multiple "
+            r"of 48, or set trainer.accumulate instead of data.batch_size",
         ),
         (
             ["data.batch_size=32", "data.global_batch_size=64", "trainer.accumulate=2"],
-            r"data.global_batch_size=64 is not data.batch_size=32 × trainer.accumulate=2 × 2 model replicas \(128\): "
-            r"set two of the three, and the third follows",
+            r"data.global_batch_size=64 is not data.batch_size=32 × trainer.accumulate=2 "
+            r"× 2 model replicas \(128\): set two of the three, and the third follows",
         ),
         (["data.batch_size=0"], "at least 1"),
         (["trainer.accumulate=0"], "at least 1"),
@@ -266,7 +269,8 @@ def test_external_launch_takes_world_size_from_the_launcher(tmp_path: Path, monk
     with pytest.raises(UserError, match="same on every rank"):
         resolved(tmp_path, "init_method=tcp", external=("torchrun", RankInfo(0, 2, 0, 2)))
     monkeypatch.delenv("MASTER_PORT")
-    # mpirun sets no MASTER_PORT: env:// has nothing to read, and the line says what to export (or use tcp).
+    # mpirun sets no MASTER_PORT: env:// has nothing to read, and the line says what to export (or
+    # use tcp).
     with pytest.raises(
         UserError, match="MASTER_ADDR and MASTER_PORT exported .*, or init_method.port"
     ):

@@ -1,4 +1,5 @@
-"""Datasets from real files the tests make, and samplers that count every test sample exactly once."""
+"""Datasets from real files the tests make, and samplers that count every test sample exactly
+once."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def test_eval_chunks_partition_without_padding_alike_at_any_world_size(
             assert torch.equal(x, torch.arange(first, first + len(x)))
             batches[chunk] = x.tolist()
         assert split.passes == 1
-    # Chunk c is samples 3c…3c+2 wherever it runs: the same batches as on one rank, each sample once.
+    # Chunk c is samples 3c…3c+2 wherever it runs: the same batches as on one rank, each sample
+    # once.
     assert [i for c in sorted(batches) for i in batches[c]] == list(range(length))
     assert all(batches[c] == list(range(3 * c, min(length, 3 * c + 3))) for c in batches)
 

@@ -88,7 +88,8 @@ def test_the_reference_lists_every_key_of_the_default_config():
 
 
 def test_every_test_the_hydra_ddp_page_names_exists():
-    """docs/hydra-ddp.md answers each known problem with a test: the test is there, under that name."""
+    """docs/hydra-ddp.md answers each known problem with a test: the test is there, under that
+    name."""
     import re
 
     page = (REPO / "docs" / "hydra-ddp.md").read_text()

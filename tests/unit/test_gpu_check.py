@@ -1,5 +1,6 @@
-"""bench/gpu_check.py between GPU loans: its dry run, in this process, names a case the project would refuse
-(tests/e2e/test_gpu_check.py runs the script's dry run over every case it would launch, on the CPU)."""
+"""bench/gpu_check.py between GPU loans: its dry run, in this process, names a case the project
+would refuse (tests/e2e/test_gpu_check.py runs the script's dry run over every case it would launch,
+on the CPU)."""
 
 from __future__ import annotations
 

@@ -62,7 +62,8 @@ def _descend(depth: int, until: float) -> None:
 
 
 def test_a_busy_main_thread_is_not_stalled(tmp_path: Path):
-    # A second without progress is a stall here: longer than a busy machine keeps a thread off its core.
+    # A second without progress is a stall here: longer than a busy machine keeps a thread off its
+    # core.
     with hangs.Watchdog(tmp_path, 0, stall_after=1.0):
         end = time.monotonic() + 3
         while time.monotonic() < end:
@@ -72,7 +73,8 @@ def test_a_busy_main_thread_is_not_stalled(tmp_path: Path):
 
 def _polling_wait(timeout_s: float, on_liveness_check=None) -> types.SimpleNamespace:
     """The shared-memory all-reduce's own wait loop (rank 0 of 2; rank 1 never comes), run here, on
-    this thread. Its liveness check reads this process's /proc entry, as a rank's reads its peers'."""
+    this thread. Its liveness check reads this process's /proc entry, as a rank's reads its
+    peers'."""
     me = types.SimpleNamespace(
         counters=[0] * 16,
         world=2,
@@ -91,9 +93,9 @@ def _polling_wait(timeout_s: float, on_liveness_check=None) -> types.SimpleNames
 
 
 def test_a_polling_waits_own_calls_are_the_same_chain_as_its_loop():
-    """What the shared-memory wait calls while it polls (its comprehension, the liveness check) is not
-    progress: a sample that lands there is the same call chain as one in the loop itself (else a rank
-    waiting there restarts its stall clock, and may not leave its stack before the timeout)."""
+    """What the shared-memory wait calls while it polls (its comprehension, the liveness check) is
+    not progress: a sample that lands there is the same call chain as one in the loop itself (else a
+    rank waiting there restarts its stall clock, and may not leave its stack before the timeout)."""
     seen = []
 
     def look(me: types.SimpleNamespace) -> None:
@@ -161,9 +163,10 @@ def test_the_timeout_names_the_stuck_rank_first_then_where_the_others_wait(tmp_p
         last_collective="#12 gloo:all_reduce",
     )
     assert hangs.describe(tmp_path, 60) == (
-        f"a collective timed out after 60 s (backend.timeout_s): rank 1 stuck for 61 s at faulty.py:42 in forward "
-        f"(time.sleep(60)) after collective #12 gloo:all_reduce, its stack: {stacks / 'rank1.txt'}; the others: "
-        "ranks 0, 2, 10 wait in all_reduce at step.py:59 (collective #13 gloo:all_reduce)"
+        "a collective timed out after 60 s (backend.timeout_s): rank 1 stuck for "
+        "61 s at faulty.py:42 in forward (time.sleep(60)) after collective #12 "
+        f"gloo:all_reduce, its stack: {stacks / 'rank1.txt'}; the others: ranks 0, "
+        "2, 10 wait in all_reduce at step.py:59 (collective #13 gloo:all_reduce)"
     )
 
 
@@ -239,8 +242,10 @@ def test_a_loader_workers_place_is_its_worker_loops_innermost_own_frame():
         "Current thread 0x00007f4940419b80 (most recent call first):\n"
         '  File "/usr/lib/python3.11/threading.py", line 327 in wait\n'
         '  File "/work/mine/datasets.py", line 193 in __getitem__\n'
-        '  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/fetch.py", line 54 in fetch\n'
-        '  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/worker.py", line 375 in _worker_loop\n'
+        '  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/fetch.py", '
+        "line 54 in fetch\n"
+        '  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/worker.py", '
+        "line 375 in _worker_loop\n"
     )
     # not the other thread's, nor the library's
     assert hangs.worker_place(dump) == "datasets.py:193 in __getitem__"

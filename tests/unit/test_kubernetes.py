@@ -1,7 +1,8 @@
-"""Kubernetes, as its trainers launch workloads: the pods' variables as train.py reads them (Kubeflow
-Trainer's TrainJob, the training-operator's PyTorchJob), in this process: who launches the workers,
-torchrun's launch settings, and bad or contradicted variables in one line. The pods' variables are
-the kit's (support.TRAINJOB, PYTORCHJOB); tests/e2e/test_kubernetes.py runs the pods."""
+"""Kubernetes, as its trainers launch workloads: the pods' variables as train.py reads them
+(Kubeflow Trainer's TrainJob, the training-operator's PyTorchJob), in this process: who launches the
+workers, torchrun's launch settings, and bad or contradicted variables in one line. The pods'
+variables are the kit's (support.TRAINJOB, PYTORCHJOB); tests/e2e/test_kubernetes.py runs the
+pods."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from support import IN_POD, PYTORCHJOB, TRAINJOB
             },
             ("torchrun", RankInfo(3, 4, 1, 2)),
         ),
-        # a pod given no PET_*, only RANK and WORLD_SIZE: one worker per pod, the pod's RANK its rank
+        # a pod given no PET_*, only RANK and WORLD_SIZE: one worker per pod, the pod's RANK its
+        # rank
         (
             {
                 **IN_POD,
@@ -64,7 +66,8 @@ def test_a_pods_variables_become_torchruns_launch_settings():
         "launcher.rdzv_id=job-master-0",
         "trainer.nproc=2",
     ]
-    # Overrides that agree are kept as given; one node needs no launcher; a word leaves trainer.nproc as configured.
+    # Overrides that agree are kept as given; one node needs no launcher; a word leaves
+    # trainer.nproc as configured.
     assert kubernetes.pod_overrides(
         TRAINJOB, ["launcher=torchrun", "+launcher.nnodes=02", "trainer.nproc=2"]
     ) == [

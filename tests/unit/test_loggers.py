@@ -1,5 +1,6 @@
-"""The loggers on their own: what a resumed run leaves in TensorBoard, read back as TensorBoard reads
-it; W&B's mode (the reader of W&B's run file, against W&B's own service: tests/e2e/test_loggers.py)."""
+"""The loggers on their own: what a resumed run leaves in TensorBoard, read back as TensorBoard
+reads it; W&B's mode (the reader of W&B's run file, against W&B's own service:
+tests/e2e/test_loggers.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def test_a_resumed_runs_event_file_is_read_last_even_when_the_earlier_one_sorts_
 ):
     # An earlier attempt logged steps 1-30, in a file whose name sorts after the one a restart in
     # the same second would get (its host and pid compare higher as text). The resumed attempt
-    # continues after step 20: TensorBoard must show 1-20 from the first file and 21-25 from the new.
+    # continues after step 20: TensorBoard must show 1-20 from the first file and 21-25 from the
+    # new.
     first = TensorBoard(tmp_path, {"run": 1})
     for step in range(1, 31):
         first.metrics({"train/loss": float(step)}, step)
@@ -69,7 +71,8 @@ def _rows(path: Path) -> list[dict[str, str]]:
 
 def test_metrics_csv_writes_a_step_once_the_next_begins_and_every_step_on_flush(tmp_path: Path):
     """What a SIGKILL leaves: every step before the newest one in the file as the run goes, and
-    after flush() (before each checkpoint) the newest too; a value added to a written row rewrites it."""
+    after flush() (before each checkpoint) the newest too; a value added to a written row rewrites
+    it."""
     log = CSV(tmp_path, config={})
     for step in (1, 2, 3):
         log.metrics({"train/loss": 1.0 / step}, step)

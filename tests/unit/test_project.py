@@ -1,5 +1,5 @@
-"""A user's project (hydra_ddp.project), `hydra-ddp init` (hydra_ddp.init) and the command's bad input
-(hydra_ddp.cli), in process. tests/e2e/test_package.py runs them from an installed wheel."""
+"""A user's project (hydra_ddp.project), `hydra-ddp init` (hydra_ddp.init) and the command's bad
+input (hydra_ddp.cli), in process. tests/e2e/test_package.py runs them from an installed wheel."""
 
 from __future__ import annotations
 
@@ -88,7 +88,8 @@ def test_the_tree_docs_project_md_shows_is_what_init_writes(tmp_path: Path):
 def test_an_unknown_command_is_one_line(capsys):
     assert cli.main(["trian"]) == 2
     assert capsys.readouterr().err == (
-        "hydra-ddp: error: no command 'trian'; choose train, eval, export or init (hydra-ddp --help)\n"
+        "hydra-ddp: error: no command 'trian'; choose "
+        "train, eval, export or init (hydra-ddp --help)\n"
     )
     assert cli.main(["init"]) == 2
     assert "takes one argument" in capsys.readouterr().err

@@ -23,7 +23,7 @@ def test_a_resize_names_its_cause():
     assert resize_cause(False, {"SLURM_RESTART_COUNT": "2"}) == "requeue"
 
 
-def test_an_elastic_worker_keeps_the_global_batch_and_the_micro_batch_and_changes_the_accumulation():
+def test_an_elastic_worker_keeps_the_global_batch_and_micro_batch_and_changes_the_accumulation():
     from types import SimpleNamespace as Section
 
     from hydra_ddp.config import elastic

@@ -32,7 +32,8 @@ def test_a_name_already_taken_gets_the_next_free_one_and_the_same_answer_twice(
 def test_a_live_holder_on_this_host_refuses_a_second_run_and_a_gone_one_is_taken_over(
     tmp_path: Path,
 ):
-    # A live holder: another process of this host (this one's parent), named by its pid and start time.
+    # A live holder: another process of this host (this one's parent), named by its pid and start
+    # time.
     parent = os.getppid()
     live = {"pid": parent, "host": os.uname().nodename, "started": holding._started(parent)}
     (tmp_path / holding.LOCK).write_text(json.dumps(live))

@@ -113,7 +113,8 @@ def test_an_epochs_order_is_every_sample_once_within_its_window(sizes: list[int]
     order = ShardWindowOrder(sizes, seed=1, epoch=2, window=window)
     indices = [order[p] for p in range(len(order))]
     assert sorted(indices) == list(range(sum(sizes)))
-    # Window w holds the samples of positions w·window … of the shard order laid end to end: no more.
+    # Window w holds the samples of positions w·window … of the shard order laid end to end: no
+    # more.
     laid = [order.first_index[k] + j for k, s in enumerate(order.shards) for j in range(sizes[s])]
     for start in range(0, len(laid), window):
         assert sorted(indices[start : start + window]) == sorted(laid[start : start + window])

@@ -53,7 +53,8 @@ def test_no_notable_wait_names_nobody():
 
 
 def run_epoch(timer: StepTimer, advance: Callable[[str], None], batches: int = 3):
-    """The training loop's calls for one epoch; advance(phase) moves the clocks on by that phase's time."""
+    """The training loop's calls for one epoch; advance(phase) moves the clocks on by that phase's
+    time."""
 
     def loader() -> Iterator[int]:
         for i in range(batches):
@@ -216,7 +217,7 @@ def test_on_cuda_a_stream_far_behind_is_waited_for_to_bound_the_events_kept(
 
 def cuda_check() -> None:
     """The stream clock on a real GPU, for the GPU bench (no test here skips; there is no GPU here):
-        .venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); import unit.test_timing as t; t.cuda_check()"
+        PYTHONPATH=tests .venv/bin/python -c "import unit.test_timing as t; t.cuda_check()"
     Matmuls queued in forward count as the device runs them, though the host returns at once."""
     device = torch.device("cuda", torch.cuda.current_device())
     a = torch.randn(4096, 4096, device=device)
@@ -236,5 +237,6 @@ def cuda_check() -> None:
     per_step = timer.totals["forward"] / timer.steps
     assert timer.steps == 2 and 0.5 < per_step / reference < 2, (per_step, reference)
     print(
-        f"forward on the stream {per_step * 1e3:.2f} ms per step, synchronized host clock {reference * 1e3:.2f} ms"
+        f"forward on the stream {per_step * 1e3:.2f} ms per "
+        f"step, synchronized host clock {reference * 1e3:.2f} ms"
     )

@@ -82,7 +82,8 @@ def test_every_key_has_a_domain_or_is_a_bool():
         if domains.domain_of(cls, name) is None and _base_type(cls, name) is not bool
     ]
     assert not bare, (
-        f"keys with no domain (Annotated[type, OneOf/Number/Pattern/Checked/Free] in schema.py): {bare}"
+        "keys with no domain (Annotated[type, "
+        f"OneOf/Number/Pattern/Checked/Free] in schema.py): {bare}"
     )
 
 
@@ -262,8 +263,8 @@ def test_a_sweeper_setting_is_meaningful_or_refused_in_one_line(
 
 @pytest.mark.parametrize("sampler", ["tpe", 3, {"seed": 1}])
 def test_a_sampler_given_as_a_value_not_a_group_is_refused_in_one_line(sampler: Any):
-    # hydra.sweeper.sampler=tpe on the command line replaces the sampler's node by a word: it ended in
-    # an AttributeError from the sweeper before.
+    # hydra.sweeper.sampler=tpe on the command line replaces the sampler's node by a word: it ended
+    # in an AttributeError from the sweeper before.
     from omegaconf import OmegaConf
 
     from hydra_plugins.hydra_ddp_optuna import sweeper

@@ -1,5 +1,5 @@
-"""Files that a crash never leaves torn: rank 0's background writer, atomic writes, links and directory
-swaps, fsync'd; the state snapshot a write takes."""
+"""Files that a crash never leaves torn: rank 0's background writer, atomic writes, links and
+directory swaps, fsync'd; the state snapshot a write takes."""
 
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ def serialize(state: dict[str, Any], directory: Path) -> memoryview:
     if free < len(payload):
         raise OSError(
             errno.ENOSPC,
-            f"not enough space: it needs {mb(len(payload))}, {mb(free)} free on the file system of {directory}",
+            f"not enough space: it needs {mb(len(payload))}, "
+            f"{mb(free)} free on the file system of {directory}",
         )
     return payload
 
@@ -117,7 +118,8 @@ def atomic_symlink(name: str, link: Path) -> None:
 
 
 def replace_dir(source: Path, target: Path) -> None:
-    """Rename a whole directory into place; one there already (the same step) is moved aside first."""
+    """Rename a whole directory into place; one there already (the same step) is moved aside
+    first."""
     if target.exists():
         aside = target.with_name(f".{target.name}.old")
         shutil.rmtree(aside, ignore_errors=True)

@@ -104,12 +104,14 @@ def _gather_rng(device: torch.device) -> list[torch.Tensor]:
     return [t.cpu() for t in everyone]
 
 
-# What each rank writes of a sharded checkpoint (DCP): the model, the optimizer, the weights' average.
+# What each rank writes of a sharded checkpoint (DCP): the model, the optimizer, the weights'
+# average.
 SHARDED = ("model", "optimizer", "ema")
 
 
 class Checkpointer:
-    """Saves every rank's state (through rank 0, or each rank its shards); loads it back on every rank."""
+    """Saves every rank's state (through rank 0, or each rank its shards); loads it back on every
+    rank."""
 
     def __init__(
         self,
@@ -120,7 +122,8 @@ class Checkpointer:
         found: dict[str, Any],
         sharded: bool = False,
     ):
-        """`found`: the values the workers settled (dotted keys), recorded in every checkpoint's config."""
+        """`found`: the values the workers settled (dotted keys), recorded in every checkpoint's
+        config."""
         self.cfg = cfg
         self.dir = RunDir(run_dir).checkpoints
         self.rank = rank
@@ -138,8 +141,8 @@ class Checkpointer:
 
     # --- saving -------------------------------------------------------------------------------
     def save(self, state: dict[str, Any], step: int, best: bool = False) -> None:
-        """Called by every rank at the same step; rank 0 writes, everyone waits for it. `best`: these
-        are the best weights by trainer.monitor so far (best.pt)."""
+        """Called by every rank at the same step; rank 0 writes, everyone waits for it. `best`:
+        these are the best weights by trainer.monitor so far (best.pt)."""
         state = {
             **state,
             "rng": _gather_rng(self.device),
@@ -158,7 +161,8 @@ class Checkpointer:
             self.writer.submit(self._write, snapshot(state), step, best)
 
     def finish(self) -> None:
-        """Wait for the write in flight (end of training, a stop): every rank calls it, and learns how it went."""
+        """Wait for the write in flight (end of training, a stop): every rank calls it, and learns
+        how it went."""
         problem = self._wait() if self.rank.is_main else None
         if self.writer is not None:
             self.writer.retire()  # no thread outlives the run (a later save starts another)
@@ -166,11 +170,13 @@ class Checkpointer:
         self._agree(problem)
 
     def _agree(self, problem: Optional[str]) -> None:
-        # Not a barrier inside `if rank == 0`: every rank learns whether the write worked, and how not.
+        # Not a barrier inside `if rank == 0`: every rank learns whether the write worked, and how
+        # not.
         problem = first_error(problem, self.device)
         if problem:
             raise EveryRankError(
-                f"{problem}; the previous checkpoint is intact: make room, then continue with trainer.resume=auto"
+                f"{problem}; the previous checkpoint is intact: "
+                "make room, then continue with trainer.resume=auto"
             )
 
     def _wait(self) -> Optional[str]:
@@ -222,8 +228,9 @@ class Checkpointer:
                 None
                 if self.dir.is_dir()
                 else (
-                    f"rank {self.rank.rank} does not see rank 0's checkpoint directory {self.dir}: sharded checkpoints "
-                    "need a file system every node shares (set hydra.run.dir to one)"
+                    f"rank {self.rank.rank} does not see rank 0's checkpoint "
+                    f"directory {self.dir}: sharded checkpoints need a file "
+                    "system every node shares (set hydra.run.dir to one)"
                 )
             )
             unseen = first_error(unseen, self.device)
@@ -286,7 +293,8 @@ class Checkpointer:
 
     # --- loading ------------------------------------------------------------------------------
     def choose(self, resume: Optional[str]) -> Optional[tuple[Path, dict[str, Any]]]:
-        """The checkpoint to resume from, loaded: null → none; a path → that one; auto → the newest good one."""
+        """The checkpoint to resume from, loaded: null → none; a path → that one; auto → the newest
+        good one."""
         if resume is None:
             return None
         if resume != "auto":
@@ -323,7 +331,8 @@ class Checkpointer:
         rng = state["rng"]
         if len(rng) != self.rank.world_size:
             log.warning(
-                "checkpoint saved with %d ranks, resuming with %d: RNG streams restart from rank 0's",
+                "checkpoint saved with %d ranks, resuming "
+                "with %d: RNG streams restart from rank 0's",
                 len(rng),
                 self.rank.world_size,
             )
@@ -334,16 +343,18 @@ class Checkpointer:
         must be the checkpoint's. The s-th global batch of an epoch is the same samples at any world
         size and any split into micro-batches (DistributedSampler's interleave makes the ranks' b-th
         micro-batches one contiguous slice of the epoch's permutation, and a step's micro-batches
-        consecutive slices), so a run may continue at another world size with the same global batch."""
+        consecutive slices), so a run may continue at another world size with the same global
+        batch."""
         if not state["position"]["batch"]:
             return
         then = global_batch(run_config.typed(state["config"]), len(state["rng"]))
         now = self.cfg.data.global_batch_size
         if then != now:
             raise UserError(
-                f"checkpoint {str(path)!r} stopped mid-epoch with a global batch of {then} samples per optimizer "
-                f"step, this run has {now}: resume with data.global_batch_size={then} (the micro-batch or the "
-                "accumulation follows the world size), or from an epoch-end checkpoint"
+                f"checkpoint {str(path)!r} stopped mid-epoch with a global batch of "
+                f"{then} samples per optimizer step, this run has {now}: resume with "
+                f"data.global_batch_size={then} (the micro-batch or the accumulation "
+                "follows the world size), or from an epoch-end checkpoint"
             )
 
 
@@ -353,8 +364,9 @@ def saved_accumulation(state: dict[str, Any]) -> int:
 
 
 def global_batch(saved: RunConfig, ranks: int) -> int:
-    """A checkpoint's samples per optimizer step: its micro-batch × accumulation × model replicas at the
-    `ranks` that saved it (checkpoints before 0.2 recorded a global batch without the accumulation)."""
+    """A checkpoint's samples per optimizer step: its micro-batch × accumulation × model replicas at
+    the `ranks` that saved it (checkpoints before 0.2 recorded a global batch without the
+    accumulation)."""
     from hydra_ddp.parallel import strategies
 
     replicas = strategies.get(saved.strategy.name).replicas(saved.strategy, ranks)

@@ -51,9 +51,9 @@ def step_checkpoints(folder: Path) -> list[Path]:
 
 
 def read(path: Path, key: str, device: Optional[torch.device] = None) -> dict[str, Any]:
-    """A hydra-ddp checkpoint, or one line naming the setting (`key`) and what is wrong with the file.
-    No device: memory-mapped, on the CPU (a look at the config reads only what it touches).
-    A sharded checkpoint (a directory): its state but the tensors, and the model as shapes only
+    """A hydra-ddp checkpoint, or one line naming the setting (`key`) and what is wrong with the
+    file. No device: memory-mapped, on the CPU (a look at the config reads only what it touches). A
+    sharded checkpoint (a directory): its state but the tensors, and the model as shapes only
     (`model_weights` reads them)."""
     if path.is_dir():
         return _read_sharded(path, key)
@@ -66,23 +66,23 @@ def read(path: Path, key: str, device: Optional[torch.device] = None) -> dict[st
             state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
         raise UserError(
-            f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[
-                0
-            ]
+            f"checkpoint {str(path)!r} is truncated or corrupt "
+            f"({type(e).__name__}: {e})".splitlines()[0]
         ) from None
     if not isinstance(state, dict) or "format" not in state:
         raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint")
     if state["format"] != FORMAT or _of_0_1(state.get("config")):
         raise UserError(
-            f"{key}: {str(path)!r} was written by hydra-ddp 0.1 (its config has keys this version renamed: "
-            f"dist.*, ddp.*); this version ({version()}) reads the checkpoints it writes: train it again, or "
-            "read it with hydra-ddp 0.1.0"
+            f"{key}: {str(path)!r} was written by hydra-ddp 0.1 (its config has keys "
+            f"this version renamed: dist.*, ddp.*); this version ({version()}) reads "
+            "the checkpoints it writes: train it again, or read it with hydra-ddp 0.1.0"
         )
     return state
 
 
 def _of_0_1(config: Any) -> bool:
-    """A checkpoint's config of hydra-ddp 0.1, whose sections dist and ddp are backend and strategy now."""
+    """A checkpoint's config of hydra-ddp 0.1, whose sections dist and ddp are backend and strategy
+    now."""
     return isinstance(config, dict) and bool({"dist", "ddp"} & set(config))
 
 
@@ -110,9 +110,8 @@ def _read_sharded(path: Path, key: str) -> dict[str, Any]:
         index = FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as e:
         raise UserError(
-            f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[
-                0
-            ]
+            f"checkpoint {str(path)!r} is truncated or corrupt "
+            f"({type(e).__name__}: {e})".splitlines()[0]
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint")
@@ -154,15 +153,15 @@ def model_weights(path: Path, state: dict[str, Any]) -> dict[str, torch.Tensor]:
             dcp.load({part: weights}, checkpoint_id=path, no_dist=True)
     except Exception as e:
         raise UserError(
-            f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[
-                0
-            ]
+            f"checkpoint {str(path)!r} is truncated or corrupt "
+            f"({type(e).__name__}: {e})".splitlines()[0]
         ) from None
     return weights
 
 
 def find(where: str, key: str) -> Path:
-    """A checkpoint (a file, or a sharded checkpoint's directory), or a run directory's best (else its last)."""
+    """A checkpoint (a file, or a sharded checkpoint's directory), or a run directory's best (else
+    its last)."""
     path = Path(where).expanduser().resolve()
     if path.is_dir() and not (path / ".metadata").is_file():
         for folder in (RunDir(path).checkpoints, path):
@@ -171,8 +170,8 @@ def find(where: str, key: str) -> Path:
                 if found is not None:
                     return found
         raise UserError(
-            f"{key}={where}: {str(path)!r} holds no checkpoint (checkpoints/best or checkpoints/last, "
-            "as .pt files or directories)"
+            f"{key}={where}: {str(path)!r} holds no checkpoint (checkpoints/best "
+            "or checkpoints/last, as .pt files or directories)"
         )
     if not path.exists():
         raise UserError(f"{key}={where}: no checkpoint file or run directory at {str(path)!r}")
@@ -231,8 +230,8 @@ def load_weights(model: nn.Module, path: Path, ignore: list[str]) -> list[str]:
 
 
 def check_init(model_cfg: dict[str, Any], path: Path, ignore: list[str]) -> None:
-    """Before launch: trainer.init_from's weights fit the model (but for the ignored ones), or one line.
-    The model is built on the meta device: shapes, no memory."""
+    """Before launch: trainer.init_from's weights fit the model (but for the ignored ones), or one
+    line. The model is built on the meta device: shapes, no memory."""
     from hydra.utils import instantiate
 
     saved = read(path, "trainer.init_from")["model"]
@@ -243,7 +242,8 @@ def check_init(model_cfg: dict[str, Any], path: Path, ignore: list[str]) -> None
         {k: v for k, v in model.state_dict().items() if k not in skipped},
         {k: v for k, v in saved.items() if k not in skipped},
         path,
-        fix="leave those out with trainer.init_ignore=[NAME,…] (e.g. [head]: the last Linear layer)",
+        fix="leave those out with trainer.init_ignore=[NAME,…] "
+        "(e.g. [head]: the last Linear layer)",
     )
 
 

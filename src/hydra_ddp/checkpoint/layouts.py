@@ -16,11 +16,12 @@ _WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod")  # attributes that wrap 
 def optimizer_state_by_name(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """`optimizer.state_dict()` with each parameter's position replaced by its name in `module`:
     what torch.distributed.checkpoint's get_optimizer_state_dict returns for a module that every
-    rank holds whole (tests/e2e/test_strategy.py compares the two). Done here, that module's import is
-    not in every worker's start-up, and each save is cheaper.
+    rank holds whole (tests/e2e/test_strategy.py compares the two). Done here, that module's import
+    is not in every worker's start-up, and each save is cheaper.
 
     Unlike it, an optimizer with no state yet is not stepped once (at lr 0) to make some: saving
-    changes nothing. A parameter shared by two modules has its first name, as named_parameters gives it."""
+    changes nothing. A parameter shared by two modules has its first name, as named_parameters gives
+    it."""
     names = {param: _plain_name(name) for name, param in module.named_parameters()}
     by_position = [names[param] for group in optimizer.param_groups for param in group["params"]]
     state = optimizer.state_dict()
@@ -151,8 +152,9 @@ class ShardedState:
 
 
 def load_sharded(wrapped: nn.Module, path: Any, optimizer: torch.optim.Optimizer) -> None:
-    """A sharded (DCP) checkpoint into this rank's model and optimizer, under any strategy: DCP reads
-    the parts of the saved shards that this rank's layout needs, whatever layout they were saved in."""
+    """A sharded (DCP) checkpoint into this rank's model and optimizer, under any strategy: DCP
+    reads the parts of the saved shards that this rank's layout needs, whatever layout they were
+    saved in."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

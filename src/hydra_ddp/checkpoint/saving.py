@@ -67,8 +67,8 @@ class Saving:
         }
 
     def _ema_state(self) -> dict[str, torch.Tensor]:
-        """The weights' average in the model's checkpoint layout (whole, or this rank's shards): copies,
-        as the live weights go back into the model before the checkpoint is written."""
+        """The weights' average in the model's checkpoint layout (whole, or this rank's shards):
+        copies, as the live weights go back into the model before the checkpoint is written."""
         with self.ema.swapped():
             return {
                 k: v.detach().clone() for k, v in self.strategy.checkpoint_model_state().items()
@@ -102,7 +102,8 @@ class Saving:
         self.monitor.load(state.get("monitor"))
 
     def best_from_disk(self) -> Optional[dict[str, torch.Tensor]]:
-        """The best weights of the run so far, from best (every rank reads it, as the resumed checkpoint)."""
+        """The best weights of the run so far, from best (every rank reads it, as the resumed
+        checkpoint)."""
         path = self.checkpointer.published("best")
         try:
             state = self.checkpointer.load(path)
@@ -155,7 +156,8 @@ class Saving:
             self.diverged(f"the weights are not finite after step {self.pos.step}")
 
     def diverged(self, what: str) -> None:
-        """Stop every rank with one line; the last checkpoint (written from finite weights) is kept."""
+        """Stop every rank with one line; the last checkpoint (written from finite weights) is
+        kept."""
         self.checkpointer.finish()  # a write in flight completes: it is the last good one
         last = self.checkpointer.published("last")
         kept = (

@@ -1,5 +1,5 @@
-"""Config checks: everything that would fail a run later, found before any worker starts, as one line;
-and train.py --check's dry build on the meta device."""
+"""Config checks: everything that would fail a run later, found before any worker starts, as one
+line; and train.py --check's dry build on the meta device."""
 
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ def check(cfg: Any, run_dir: Path) -> None:
     resume = trainer.resume
     if resume not in (None, "auto") and not Path(str(resume)).expanduser().exists():
         raise UserError(
-            f"trainer.resume={resume}: no checkpoint at {str(Path(str(resume)).expanduser().resolve())!r}; "
-            "give a checkpoint (checkpoints/step-N.pt, or a sharded step-N directory), or auto"
+            f"trainer.resume={resume}: no checkpoint at "
+            f"{str(Path(str(resume)).expanduser().resolve())!r}; give a checkpoint "
+            "(checkpoints/step-N.pt, or a sharded step-N directory), or auto"
         )
     # torch._dynamo only when asked for
     if trainer.compile_backend != "inductor" or trainer.compile:
@@ -57,13 +58,14 @@ def check(cfg: Any, run_dir: Path) -> None:
         backends = torch._dynamo.list_backends(exclude_tags=())
         if trainer.compile_backend not in backends:
             raise UserError(
-                f"trainer.compile_backend={trainer.compile_backend!r}: choose one of torch.compile's "
-                f"backends ({', '.join(backends)})"
+                f"trainer.compile_backend={trainer.compile_backend!r}: choose "
+                f"one of torch.compile's backends ({', '.join(backends)})"
             )
     strategies.get(cfg.strategy.name).check(cfg)
     if str(trainer.precision) == "16" and trainer.device != "cuda":
         raise UserError(
-            "trainer.precision=16 needs a GPU (fp16 autocast with a GradScaler); on the CPU use bf16"
+            "trainer.precision=16 needs a GPU (fp16 autocast "
+            "with a GradScaler); on the CPU use bf16"
         )
     _check_workflow(cfg)
     _check_loading(data_cfg)
@@ -73,12 +75,14 @@ def check(cfg: Any, run_dir: Path) -> None:
     ranks = cfg.profiler.ranks
     if ranks is not None and not all(isinstance(r, int) and 0 <= r < world for r in ranks):
         raise UserError(
-            f"profiler.ranks={list(ranks)}: ranks of this run, 0 to {world - 1} (or null: every rank)"
+            f"profiler.ranks={list(ranks)}: ranks of this "
+            f"run, 0 to {world - 1} (or null: every rank)"
         )
     loggers = cfg.logger
     if loggers is not None and not isinstance(loggers, dict):
         raise UserError(
-            f"logger={loggers!r}: name the loggers, e.g. logger=[tensorboard,csv] (options: conf/logger/)"
+            f"logger={loggers!r}: name the loggers, e.g. "
+            "logger=[tensorboard,csv] (options: conf/logger/)"
         )
     for name, logger in (loggers or {}).items():
         targets.check(logger, f"logger.{name}")
@@ -88,14 +92,15 @@ def check(cfg: Any, run_dir: Path) -> None:
         task = tasks.build(cfg.task)
         if tasks.weighs_units(task):
             raise UserError(
-                f"data.even_shards=false does not combine with task {type(task).__name__}, whose loss weighs "
-                "tokens over the whole step (the ranks that run out of batches would miss its count); keep "
-                "data.even_shards=true"
+                f"data.even_shards=false does not combine with task {type(task).__name__}, "
+                "whose loss weighs tokens over the whole step (the ranks that run out of "
+                "batches would miss its count); keep data.even_shards=true"
             )
         if elastic.most_accumulation(cfg) > 1:
             raise UserError(
-                "data.even_shards=false does not combine with trainer.accumulate > 1, an elastic run's at fewer "
-                "nodes included (ranks end their epoch at different batches); use one or the other"
+                "data.even_shards=false does not combine with trainer.accumulate "
+                "> 1, an elastic run's at fewer nodes included (ranks end their "
+                "epoch at different batches); use one or the other"
             )
         if trainer.compile == "model":
             raise UserError(
@@ -108,13 +113,15 @@ def check(cfg: Any, run_dir: Path) -> None:
         )
     if cfg.init_method.name == "file" and launcher.max_restarts:
         raise UserError(
-            "a restarted group cannot reuse a file:// store: use init_method=env or tcp with restarts"
+            "a restarted group cannot reuse a file:// "
+            "store: use init_method=env or tcp with restarts"
         )
 
 
 def model_on_meta(model_cfg: Any) -> Any:
     """The model built on the meta device (no memory, any size), once per model config in this
-    process (train.py --check and the launch side's settling share it); raises what building raises."""
+    process (train.py --check and the launch side's settling share it); raises what building
+    raises."""
     key = json.dumps(model_cfg, sort_keys=True, default=str)
     if key not in _ON_META:
         with torch.device("meta"):
@@ -126,9 +133,10 @@ _ON_META: dict[str, Any] = {}
 
 
 def _check_model_fits_data(cfg: Any) -> None:
-    """A model of the project's own that does not build (a transformers config it refuses, heads that
-    do not divide the width) is one line here, not a traceback from every worker; and a language
-    model has positions for the data's longest sequence and a row of its embedding for every id."""
+    """A model of the project's own that does not build (a transformers config it refuses, heads
+    that do not divide the width) is one line here, not a traceback from every worker; and a
+    language model has positions for the data's longest sequence and a row of its embedding for
+    every id."""
     target = str(cfg.model.get("_target_", ""))
     try:
         model = model_on_meta(cfg.model)
@@ -137,7 +145,8 @@ def _check_model_fits_data(cfg: Any) -> None:
     except Exception as error:  # noqa: BLE001
         if target.startswith("hydra_ddp."):
             raise UserError(
-                f"model={groups.chosen('model', cfg.model)} does not build: {first_line(root_cause(error))}"
+                f"model={groups.chosen('model', cfg.model)} does "
+                f"not build: {first_line(root_cause(error))}"
             ) from None
         # a model of yours that builds only in a worker (it asks for its rank, say): the workers
         # report it
@@ -146,8 +155,9 @@ def _check_model_fits_data(cfg: Any) -> None:
     positions = _positions(model)
     if length is not None and positions is not None and length > positions:
         raise UserError(
-            f"the data's sequences are up to {length} tokens (data.dataset's), and the model has {positions} "
-            "positions: shorten the data's sequences, or give the model more positions"
+            f"the data's sequences are up to {length} tokens "
+            f"(data.dataset's), and the model has {positions} positions: "
+            "shorten the data's sequences, or give the model more positions"
         )
     rows = (
         model.get_input_embeddings().num_embeddings
@@ -156,8 +166,9 @@ def _check_model_fits_data(cfg: Any) -> None:
     )
     if ids is not None and rows is not None and ids > rows:
         raise UserError(
-            f"the data's token ids go up to {ids - 1} (a vocabulary of {ids}), and the model's embedding has "
-            f"{rows} rows: set the model's vocabulary to data.num_classes, and data.num_classes={ids}"
+            f"the data's token ids go up to {ids - 1} (a vocabulary of {ids}), "
+            f"and the model's embedding has {rows} rows: set the model's "
+            f"vocabulary to data.num_classes, and data.num_classes={ids}"
         )
 
 
@@ -185,8 +196,8 @@ def _check_loading(data_cfg: Any) -> None:
         ):
             if inert:
                 raise UserError(
-                    f"data.{key} is for DataLoader worker processes, and data.num_workers=0 starts none: "
-                    f"set data.num_workers (e.g. 2), or leave data.{key} unset"
+                    f"data.{key} is for DataLoader worker processes, and data.num_workers=0 "
+                    f"starts none: set data.num_workers (e.g. 2), or leave data.{key} unset"
                 )
 
 
@@ -197,12 +208,13 @@ def _check_workflow(cfg: Any) -> None:
     if stopping.patience is not None:
         if trainer.monitor is None:
             raise UserError(
-                "trainer.early_stopping needs a monitored metric: set trainer.monitor (without validation, "
-                "data.val_fraction=0, only train/loss has values)"
+                "trainer.early_stopping needs a monitored metric: set trainer.monitor "
+                "(without validation, data.val_fraction=0, only train/loss has values)"
             )
         if not trainer.eval_every_epoch:
             raise UserError(
-                "trainer.early_stopping needs a validation every epoch: set trainer.eval_every_epoch=true"
+                "trainer.early_stopping needs a validation "
+                "every epoch: set trainer.eval_every_epoch=true"
             )
     if trainer.init_from:
         checkpoints.check_init(cfg.model, Path(trainer.init_from), list(trainer.init_ignore))
@@ -215,13 +227,15 @@ def _check_recipe(cfg: Any) -> None:
     patterns = no_decay if isinstance(no_decay, (list, tuple)) else None
     if patterns is None and no_decay not in (optimizers.NONE, optimizers.AUTO):
         raise UserError(
-            f"param_groups.no_decay={no_decay!r}: none, auto (biases, norms, embeddings), or a list of the "
+            f"param_groups.no_decay={no_decay!r}: none, auto "
+            "(biases, norms, embeddings), or a list of the "
             'model\'s parameter-name patterns, e.g. param_groups.no_decay=["*.bias","*norm*"]'
         )
     if patterns is not None:
         if not patterns or not all(isinstance(p, str) and p for p in patterns):
             raise UserError(
-                f"param_groups.no_decay={list(patterns)}: give one or more name patterns (or none, auto)"
+                f"param_groups.no_decay={list(patterns)}: give "
+                "one or more name patterns (or none, auto)"
             )
         try:
             model = model_on_meta(cfg.model)
@@ -231,8 +245,9 @@ def _check_recipe(cfg: Any) -> None:
         if missing:
             names = [name for name, _ in model.named_parameters()]
             raise UserError(
-                f"param_groups.no_decay: {', '.join(missing)} names none of the model's parameters "
-                f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}); use its parameters' names"
+                f"param_groups.no_decay: {', '.join(missing)} names none of the model's "
+                f"parameters ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}); "
+                "use its parameters' names"
             )
     if cfg.trainer.compile == "blocks":
         try:
@@ -241,7 +256,8 @@ def _check_recipe(cfg: Any) -> None:
             model = None
         compiling.check("blocks", model, cfg.model["_target_"])
     if cfg.trainer.max_steps and schedules.takes_length(cfg.scheduler):
-        # The run's full length needs its data; trainer.max_steps bounds it now (the workers check the rest).
+        # The run's full length needs its data; trainer.max_steps bounds it now (the workers check
+        # the rest).
         with torch.device("meta"):
             optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         schedules.build(cfg.scheduler, optimizer, cfg.trainer.max_steps)
@@ -287,7 +303,8 @@ def dry_build(cfg: Any) -> None:
             )
             if loss.dim() != 0:
                 raise UserError(
-                    f"{model_and_data}: the loss of one batch has shape {tuple(loss.shape)}, not a scalar"
+                    f"{model_and_data}: the loss of one batch "
+                    f"has shape {tuple(loss.shape)}, not a scalar"
                 )
     with _one_line(f"{groups.chosen('optim', cfg.optim)} does not build on the model's parameters"):
         optimizer = optimizers.build(cfg.optim, cfg.param_groups.no_decay, model, model)

@@ -26,7 +26,8 @@ def node_range(value: Any) -> tuple[int, int]:
 
 
 def settle_nodes(launcher: Any) -> None:
-    """launcher.min_nodes and launcher.nnodes (the most nodes) from the configured count or range."""
+    """launcher.min_nodes and launcher.nnodes (the most nodes) from the configured count or
+    range."""
     launcher.min_nodes, launcher.nnodes = node_range(launcher.nnodes)
 
 
@@ -44,23 +45,24 @@ def world_sizes(cfg: Any) -> list[int]:
 
 def check(cfg: Any, global_batch: Optional[int]) -> None:
     """What an elastic run needs before launch: torchrun with restarts to spend, a global batch (the
-    configured one) that each allowed world size takes in whole micro-batches of data.batch_size (the
-    accumulation makes up the rest), a strategy that fits each, and resuming from the last checkpoint
-    at each restart. `global_batch`: data.global_batch_size as configured; `cfg`'s batches settled at
-    the largest world size (config.resolve)."""
+    configured one) that each allowed world size takes in whole micro-batches of data.batch_size
+    (the accumulation makes up the rest), a strategy that fits each, and resuming from the last
+    checkpoint at each restart. `global_batch`: data.global_batch_size as configured; `cfg`'s
+    batches settled at the largest world size (config.resolve)."""
     launcher = cfg.launcher
     span = f"launcher.nnodes={launcher.min_nodes}:{launcher.nnodes}"
     if launcher.name != "torchrun":
         raise UserError(f"{span} (elastic) needs launcher=torchrun")
     if launcher.max_restarts < 1:
         raise UserError(
-            f"{span} (elastic): set launcher.max_restarts to 1 or more; a lost node costs the group a "
-            "restart (a joining one does not)"
+            f"{span} (elastic): set launcher.max_restarts to 1 or more; a "
+            "lost node costs the group a restart (a joining one does not)"
         )
     if global_batch is None:
         raise UserError(
-            f"{span} (elastic) needs data.global_batch_size (not the per-rank data.batch_size): a resized "
-            "run then keeps its batches, and continues mid-epoch at the sample where it stopped"
+            f"{span} (elastic) needs data.global_batch_size (not the "
+            "per-rank data.batch_size): a resized run then keeps its "
+            "batches, and continues mid-epoch at the sample where it stopped"
         )
     chosen = strategies.get(cfg.strategy.name)
     micro = cfg.data.batch_size
@@ -71,9 +73,10 @@ def check(cfg: Any, global_batch: Optional[int]) -> None:
         chosen.check(dataclasses.replace(cfg, launcher=dataclasses.replace(launcher, nnodes=nodes)))
         if global_batch % (micro * replicas):
             raise UserError(
-                f"data.global_batch_size={global_batch} does not divide into micro-batches of data.batch_size={micro} "
-                f"on the {replicas} model replicas of world size {world}, which {span} allows: choose a global "
-                f"batch that every one takes whole (a multiple of {micro * replicas}), or a smaller data.batch_size"
+                f"data.global_batch_size={global_batch} does not divide into micro-batches "
+                f"of data.batch_size={micro} on the {replicas} model replicas of world size "
+                f"{world}, which {span} allows: choose a global batch that every one takes "
+                f"whole (a multiple of {micro * replicas}), or a smaller data.batch_size"
             )
     # each restart continues from the last checkpoint
     cfg.trainer.resume = cfg.trainer.resume or "auto"

@@ -10,7 +10,8 @@ from typing import Any
 
 
 def what_is_trained(plain: dict[str, Any]) -> dict[str, Any]:
-    """The config without how each node launches (node_rank, addresses, threads differ by design)."""
+    """The config without how each node launches (node_rank, addresses, threads differ by
+    design)."""
     what = {
         k: v
         for k, v in plain.items()
@@ -31,8 +32,8 @@ def config_fingerprint(cfg: Any) -> str:
 
 
 def config_changes(saved: dict[str, Any], now: Any) -> list[str]:
-    """`key: then → now` for each value of what is trained that differs between a checkpoint's config
-    and this run's (the resume setting and the job's own bookkeeping aside)."""
+    """`key: then → now` for each value of what is trained that differs between a checkpoint's
+    config and this run's (the resume setting and the job's own bookkeeping aside)."""
 
     def flat(node: Any, prefix: str = "") -> dict[str, Any]:
         if not isinstance(node, dict) or not node:

@@ -1,5 +1,5 @@
-"""eval.py's config: the checkpoint's own config, the command line's overrides on top, this command's
-launch settings."""
+"""eval.py's config: the checkpoint's own config, the command line's overrides on top, this
+command's launch settings."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def resolve(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     plain.setdefault("task", {"_target_": "hydra_ddp.tasks.Classification"})
     for group in ("backend", "init_method", "launcher"):
         plain[group] = composed[group]
-    # The run's CPU threads per rank stay (the same kernels, the same bits) unless set on the command line.
+    # The run's CPU threads per rank stay (the same kernels, the same bits) unless set on the
+    # command line.
     for key in ("nproc", "device", "progress"):
         plain["trainer"][key] = composed["trainer"][key]
     for override in overrides:
@@ -37,7 +38,8 @@ def resolve(cfg: DictConfig, overrides: list[str]) -> dict[str, Any]:
     split = composed["split"]
     if split == "val" and not plain["data"]["val_fraction"]:
         raise UserError(
-            "split=val: this run had no validation split (data.val_fraction=0); choose split=test or train"
+            "split=val: this run had no validation split "
+            "(data.val_fraction=0); choose split=test or train"
         )
     plain["eval"] = {
         "ckpt": str(path),
@@ -79,5 +81,6 @@ def _check_model(model_cfg: dict[str, Any], saved: dict[str, torch.Tensor], path
         model,
         saved,
         path,
-        fix="evaluate it with the model it was saved from (leave model= out: the checkpoint's is the default)",
+        fix="evaluate it with the model it was saved from "
+        "(leave model= out: the checkpoint's is the default)",
     )

@@ -1,13 +1,12 @@
 """The configuration reference (docs/reference/config.md), generated from the schema: every key, its
 type, default, allowed values and the schema's own comment on it.
 
-    python -m hydra_ddp.config.reference            # rewrite docs/reference/config.md
-    python -m hydra_ddp.config.reference --check    # exit 1 if it is out of date (the tests do this)
+    python -m hydra_ddp.config.reference           # rewrite docs/reference/config.md
+    python -m hydra_ddp.config.reference --check   # exit 1 if it is out of date (the tests do this)
 
 A field's doc is the comment block right above it in schema.py, or the comment after it on its
-line; a field with neither is an error here (tests/unit/test_docs.py), so the reference cannot lose one.
-Defaults are the values of the default run's composed config (what `python train.py` gets).
-"""
+line; a field with neither is an error here (tests/unit/test_docs.py), so the reference cannot lose
+one. Defaults are the values of the default run's composed config (what `python train.py` gets)."""
 
 from __future__ import annotations
 
@@ -65,7 +64,8 @@ def field_docs(source: str) -> dict[tuple[str, str], str]:
 
 
 def allowed(cls: type, name: str) -> str:
-    """The "allowed" cell of a field: its domain's words (domains.py), null where the type takes it."""
+    """The "allowed" cell of a field: its domain's words (domains.py), null where the type takes
+    it."""
     domain, hint = domains.domain_of(cls, name), typing.get_type_hints(cls)[name]
     if hint is bool or hint == Optional[bool]:
         text = "`true`, `false`"
@@ -180,10 +180,11 @@ def render() -> tuple[str, list[str]]:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `src/hydra_ddp/config/schema.py` by `python -m hydra_ddp.config.reference`: do not edit "
-        "by hand (a test fails when it is out of date or a field has no doc). Each key is set on the command line "
-        "(`python train.py trainer.epochs=3`) or in `conf/`. **default** is the default run's value, as "
-        "`conf/config.yaml` composes it.",
+        "Generated from `src/hydra_ddp/config/schema.py` by `python -m "
+        "hydra_ddp.config.reference`: do not edit by hand (a test fails when it "
+        "is out of date or a field has no doc). Each key is set on the command "
+        "line (`python train.py trainer.epochs=3`) or in `conf/`. **default** "
+        "is the default run's value, as `conf/config.yaml` composes it.",
         "",
         "## Config groups",
         "",
@@ -237,7 +238,8 @@ def render() -> tuple[str, list[str]]:
         )
         hint = typing.get_type_hints(schema.EvalConfig)[f.name]
         lines.append(
-            f"| `{f.name}` | {_type(hint)} | `{default}` | {allowed(schema.EvalConfig, f.name)} | {_cell(doc or '')} |"
+            f"| `{f.name}` | {_type(hint)} | `{default}` | "
+            f"{allowed(schema.EvalConfig, f.name)} | {_cell(doc or '')} |"
         )
     return "\n".join(lines) + "\n", missing
 
@@ -253,7 +255,8 @@ def main(argv: list[str]) -> int:
     if "--check" in argv:
         if not OUT.exists() or OUT.read_text() != text:
             print(
-                f"hydra-ddp: error: {OUT.relative_to(REPO)} is out of date: run python -m hydra_ddp.config.reference",
+                f"hydra-ddp: error: {OUT.relative_to(REPO)} is out "
+                "of date: run python -m hydra_ddp.config.reference",
                 file=sys.stderr,
             )
             return 1

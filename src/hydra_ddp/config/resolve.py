@@ -50,7 +50,8 @@ def settle(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, RankInfo
     requested_global_batch = cfg.data.global_batch_size
     settle_launch(cfg, run_dir, external)
     trainer = cfg.trainer
-    # Model replicas, each reading its own batches: every rank but under tensor parallel (one replica).
+    # Model replicas, each reading its own batches: every rank but under tensor parallel (one
+    # replica).
     chosen = strategies.get(cfg.strategy.name)
     world = trainer.nproc * cfg.launcher.nnodes  # an elastic run's largest
     replicas = chosen.replicas(cfg.strategy, world)
@@ -140,7 +141,8 @@ def settle_launch(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, R
     _resolve_init_method(cfg.init_method, run_dir, external is not None)
     cfg.backend.timeout_s = collective_timeout(cfg.backend.timeout_s, cfg.backend.name)
     # Decided here, so the checkpoint records it: the same thread count gives the same CPU kernels,
-    # and eval.py evaluates with it (bit-equal metrics at any world size). N ranks × all cores would thrash.
+    # and eval.py evaluates with it (bit-equal metrics at any world size). N ranks × all cores would
+    # thrash.
     trainer.threads = trainer.threads or max(1, len(os.sched_getaffinity(0)) // trainer.nproc)
 
 
@@ -151,13 +153,15 @@ def oversubscribed(trainer: Any) -> Optional[str]:
     if trainer.device != "cpu" or trainer.nproc <= cores:
         return None
     return (
-        f"{trainer.nproc} CPU workers on this host's {cores} core(s) share them, {trainer.threads} thread(s) "
-        f"each: slower than trainer.nproc={cores} would be (fine for trying a config)"
+        f"{trainer.nproc} CPU workers on this host's {cores} core(s) "
+        f"share them, {trainer.threads} thread(s) each: slower than "
+        f"trainer.nproc={cores} would be (fine for trying a config)"
     )
 
 
 def collective_timeout(value: Any, backend: str) -> int:
-    """backend.timeout_s: auto is 600 s where NCCL runs (its ranks may wait for a dead peer until then), else 1800 s."""
+    """backend.timeout_s: auto is 600 s where NCCL runs (its ranks may wait for a dead peer until
+    then), else 1800 s."""
     if value == "auto":
         return 600 if "nccl" in backend else 1800
     return int(value)
@@ -196,7 +200,8 @@ def max_time_seconds(value: Any) -> Optional[float]:
         seconds = -1.0
     if not seconds > 0:
         raise UserError(
-            f"trainer.max_time={value!r}: give seconds (e.g. 3600) or [D:]HH:MM:SS (e.g. 00:12:00:00)"
+            f"trainer.max_time={value!r}: give seconds "
+            "(e.g. 3600) or [D:]HH:MM:SS (e.g. 00:12:00:00)"
         )
     return seconds
 
@@ -213,23 +218,25 @@ def resolve_batches(data_cfg: Any, trainer: Any, replicas: int) -> None:
     elif micro is not None and accumulate is not None:
         if micro * accumulate * replicas != total:
             raise UserError(
-                f"data.global_batch_size={total} is not data.batch_size={micro} × trainer.accumulate={accumulate} × "
-                f"{over} ({micro * accumulate * replicas}): set two of the three, and the third follows"
+                f"data.global_batch_size={total} is not data.batch_size={micro} × "
+                f"trainer.accumulate={accumulate} × {over} ({micro * accumulate * replicas}): "
+                "set two of the three, and the third follows"
             )
     elif micro is not None:
         if total % (micro * replicas):
             raise UserError(
-                f"data.global_batch_size={total} does not divide into micro-batches of data.batch_size={micro} "
-                f"on {over}: choose a multiple of {micro * replicas}, or set trainer.accumulate instead of "
-                "data.batch_size"
+                f"data.global_batch_size={total} does not divide into micro-batches of "
+                f"data.batch_size={micro} on {over}: choose a multiple of "
+                f"{micro * replicas}, or set trainer.accumulate instead of data.batch_size"
             )
         accumulate = total // (micro * replicas)
     else:
         accumulate = accumulate or 1
         if total % (accumulate * replicas):
             raise UserError(
-                f"data.global_batch_size={total} does not divide by trainer.accumulate={accumulate} × {over}: "
-                f"choose a multiple of {accumulate * replicas}, or set data.batch_size instead"
+                f"data.global_batch_size={total} does not divide by "
+                f"trainer.accumulate={accumulate} × {over}: choose a multiple "
+                f"of {accumulate * replicas}, or set data.batch_size instead"
             )
         micro = total // (accumulate * replicas)
     data_cfg.batch_size, trainer.accumulate = micro, accumulate
@@ -261,19 +268,21 @@ def _check_launcher(launcher: Any) -> None:
     elif launcher.name == "torchrun":
         if launcher.nnodes < 1 or not 0 <= launcher.node_rank < launcher.nnodes:
             raise UserError(
-                f"launcher.node_rank={launcher.node_rank} must be in [0, launcher.nnodes={launcher.nnodes})"
+                f"launcher.node_rank={launcher.node_rank} must "
+                f"be in [0, launcher.nnodes={launcher.nnodes})"
             )
         if launcher.nnodes > 1 and not (launcher.rdzv_endpoint and launcher.rdzv_id):
             raise UserError(
-                "a multi-node launcher=torchrun needs launcher.rdzv_endpoint=HOST:PORT (node 0) and the same "
-                "launcher.rdzv_id on every node"
+                "a multi-node launcher=torchrun needs launcher.rdzv_endpoint=HOST:PORT "
+                "(node 0) and the same launcher.rdzv_id on every node"
             )
         # A single node's rendezvous endpoint is the launching process's own store (launch.py).
         launcher.rdzv_id = launcher.rdzv_id or uuid.uuid4().hex[:12]
     available = [m for m in startup.START_METHODS if m in mp.get_all_start_methods()]
     if launcher.start_method not in available:
         raise UserError(
-            f"launcher.start_method={launcher.start_method!r} is not available here; choose {' or '.join(available)}"
+            f"launcher.start_method={launcher.start_method!r} is "
+            f"not available here; choose {' or '.join(available)}"
         )
 
 
@@ -286,7 +295,8 @@ def _resolve_init_method(init: Any, run_dir: Path, external: bool) -> None:
         port = os.environ["MASTER_PORT"]
         if not port.isdigit() or not 0 < int(port) < 65536:
             raise UserError(
-                f"MASTER_PORT={port!r} (exported) is not a port; export a number in 1-65535, or unset it"
+                f"MASTER_PORT={port!r} (exported) is not a "
+                "port; export a number in 1-65535, or unset it"
             )
         init.host, init.port, init.port_from = (
             os.environ.get("MASTER_ADDR") or init.host,
@@ -295,8 +305,8 @@ def _resolve_init_method(init: Any, run_dir: Path, external: bool) -> None:
         )
     elif name in ("env", "tcp") and init.port is None and external:
         needs = (
-            "MASTER_ADDR and MASTER_PORT exported (rank 0's host, a free port), or init_method.port (and "
-            "init_method.host), the same on every rank"
+            "MASTER_ADDR and MASTER_PORT exported (rank 0's host, a free port), "
+            "or init_method.port (and init_method.host), the same on every rank"
             if name == "env"
             else "init_method.port (and init_method.host: rank 0's host), the same on every rank"
         )
@@ -305,7 +315,8 @@ def _resolve_init_method(init: Any, run_dir: Path, external: bool) -> None:
         if init.path is None:
             if external:
                 raise UserError(
-                    "init_method=file under an outside launcher needs init_method.path, shared by all ranks"
+                    "init_method=file under an outside launcher "
+                    "needs init_method.path, shared by all ranks"
                 )
             init.path = str(RunDir(run_dir).rendezvous_store)
         path = Path(init.path).expanduser().resolve()

@@ -96,9 +96,9 @@ def _template() -> DictConfig:
 
 
 def typed(plain: dict[str, Any]) -> RunConfig:
-    """A plain config (the resolved one, a checkpoint's) as a RunConfig, not yet frozen; its strategy
-    section as the chosen strategy's settings. A key or value the schema does not take is one line
-    (a checkpoint's config from another version, say)."""
+    """A plain config (the resolved one, a checkpoint's) as a RunConfig, not yet frozen; its
+    strategy section as the chosen strategy's settings. A key or value the schema does not take is
+    one line (a checkpoint's config from another version, say)."""
     from hydra_ddp.parallel import strategies
 
     if plain.get("job", "train") not in JOBS:

@@ -34,11 +34,11 @@ from hydra_ddp.config.section import Section
 class BackendConf(Section):
     # The process group's backend. auto: nccl when CUDA is available, else gloo.
     name: Annotated[str, OneOf("auto", "gloo", "nccl", "mpi")] = "auto"
-    # Collective timeout (seconds): a hung peer fails the others after this long. auto: 600 with NCCL,
-    # whose ranks often do not see a dead peer and wait for it until then (torch's own NCCL default;
-    # it bounds how long a crashed job holds its GPUs), 1800 with gloo (torch's default: a dead
-    # peer is seen at once; only a hung one waits). Raise it for rank-0-only work longer than that
-    # between collectives (a download, a huge checkpoint).
+    # Collective timeout (seconds): a hung peer fails the others after this long. auto: 600 with
+    # NCCL, whose ranks often do not see a dead peer and wait for it until then (torch's own NCCL
+    # default; it bounds how long a crashed job holds its GPUs), 1800 with gloo (torch's default: a
+    # dead peer is seen at once; only a hung one waits). Raise it for rank-0-only work longer than
+    # that between collectives (a download, a huge checkpoint).
     timeout_s: Annotated[Any, AtLeast(1, "auto")] = "auto"
 
 
@@ -61,8 +61,9 @@ class InitMethodConf(Section):
 class LauncherConf(Section):
     # spawn: torch.multiprocessing; torchrun: torch.distributed.launcher (elastic, c10d).
     name: Annotated[str, OneOf("spawn", "torchrun")] = "spawn"
-    # Nodes: N, or an elastic range "MIN:MAX" (torchrun's form): the run trains with the nodes present
-    # between the bounds, restarting the group (from the last checkpoint) when one is lost or joins.
+    # Nodes: N, or an elastic range "MIN:MAX" (torchrun's form): the run trains with the nodes
+    # present between the bounds, restarting the group (from the last checkpoint) when one is lost
+    # or joins.
     nnodes: Annotated[Any, Checked("config.elastic: a node count or MIN:MAX")] = 1
     # this node's index, 0 to nnodes − 1 (node 0 holds the rendezvous)
     node_rank: Annotated[int, AtLeast(0)] = 0
@@ -95,7 +96,8 @@ class DataConf(Section):
     in_channels: Annotated[int, AtLeast(1)] = 1
     image_size: Annotated[int, AtLeast(1)] = 28  # a sample's height and width
     num_classes: Annotated[int, AtLeast(1)] = 10  # classes (or outputs a sample) the model predicts
-    # `_target_` returning (train, test), or (train, val, test) where the source has a validation split.
+    # `_target_` returning (train, test), or (train, val, test) where the source has a validation
+    # split.
     dataset: Annotated[Any, Checked("config.targets: a _target_ config")] = MISSING
     # Without a validation split of the source's own: this share of the training set, chosen by
     # trainer.seed (the same on every rank). 0: no validation, nothing is monitored.
@@ -105,8 +107,8 @@ class DataConf(Section):
     # must agree; none: 32 per rank, no accumulation).
     batch_size: Annotated[Optional[int], AtLeast(1)] = None
     # Samples per optimizer step over all ranks and micro-batches: batch_size × trainer.accumulate ×
-    # model replicas. Set it, and runs at any world size take the same steps; an elastic run keeps it
-    # and the micro-batch, and changes the accumulation.
+    # model replicas. Set it, and runs at any world size take the same steps; an elastic run keeps
+    # it and the micro-batch, and changes the accumulation.
     global_batch_size: Annotated[Optional[int], AtLeast(1)] = None
     eval_batch_size: Annotated[int, AtLeast(1)] = 256  # per rank
     # DataLoader worker processes per rank (0: the rank's own process loads)
@@ -134,8 +136,9 @@ class DataConf(Section):
 
 @dataclass
 class CheckpointConf(Section):
-    # Checkpoints go to <run dir>/checkpoints: step-N.pt, last.pt and best.pt (hard links); under the
-    # sharded strategies step-N/ directories of every rank's shards (DCP), last and best (links).
+    # Checkpoints go to <run dir>/checkpoints: step-N.pt, last.pt and best.pt (hard links); under
+    # the sharded strategies step-N/ directories of every rank's shards (DCP), last and best
+    # (links).
     every_epoch: bool = True  # a checkpoint at the end of every epoch
     # also one every N optimizer steps, mid-epoch too (null: none)
     every_n_steps: Annotated[Optional[int], AtLeast(1)] = None
@@ -214,7 +217,8 @@ class TrainerConf(Section):
     early_stopping: EarlyStoppingConf = field(default_factory=EarlyStoppingConf)
     # null: a progress bar when rank 0's stderr is a terminal.
     progress: Optional[bool] = None
-    # null: start fresh; a checkpoint path; or auto: the newest good checkpoint in the run directory.
+    # null: start fresh; a checkpoint path; or auto: the newest good checkpoint in the run
+    # directory.
     resume: Annotated[
         Optional[str], Checked("checkpoints: a checkpoint, a run directory, or auto")
     ] = None
@@ -248,14 +252,18 @@ class TrainerConf(Section):
     init_ignore: Annotated[
         list[str], Checked("checkpoints.check_init: names or prefixes of the model's")
     ] = field(default_factory=list)
-    # torch.profiler on the schedule in `profiler`: one trace per rank in run_dir/profile/ (debug=profile).
+    # torch.profiler on the schedule in `profiler`: one trace per rank in run_dir/profile/
+    # (debug=profile).
     profile: bool = False
-    # Autograd anomaly detection (slow: finds the op that made a nan), with the loss checked every step.
+    # Autograd anomaly detection (slow: finds the op that made a nan), with the loss checked every
+    # step.
     detect_anomaly: bool = False
-    # Per-rank time by phase and the straggler report (timing.py); false: none (for measuring its cost).
+    # Per-rank time by phase and the straggler report (timing.py); false: none (for measuring its
+    # cost).
     timing: bool = True
-    # GPUs: the same bits run after run, at some cost in speed: deterministic cuDNN and torch kernels
-    # (torch.use_deterministic_algorithms), TF32 off, cuBLAS's fixed workspace. The CPU needs none of it.
+    # GPUs: the same bits run after run, at some cost in speed: deterministic cuDNN and torch
+    # kernels (torch.use_deterministic_algorithms), TF32 off, cuBLAS's fixed workspace. The CPU
+    # needs none of it.
     deterministic: bool = False
     # One device's peak FLOP/s for the model FLOP utilisation (MFU) in the summary; null: the GPU
     # table in reporting/flops.py, or on the CPU a short matmul measured at the run's threads.
@@ -277,7 +285,8 @@ class ProfilerConf(Section):
 @dataclass
 class TrialConf(Section):
     # Set by the search's sweeper (hydra/sweeper=optuna) on each trial's job: which trial of which
-    # study, where the study lives, and the pruner that may stop it after a validation. null: no search.
+    # study, where the study lives, and the pruner that may stop it after a validation. null: no
+    # search.
     number: Annotated[Optional[int], AtLeast(0)] = None
     # the Optuna study's name
     study: Annotated[Optional[str], Free("the sweeper's: any name")] = None
@@ -310,10 +319,12 @@ class Config(Section):
     task: Annotated[Any, TARGET] = MISSING
     model: Annotated[Any, TARGET] = MISSING
     optim: Annotated[Any, TARGET] = MISSING
-    # How the optimizer groups the model's parameters (its config is `optim`'s constructor arguments).
+    # How the optimizer groups the model's parameters (its config is `optim`'s constructor
+    # arguments).
     param_groups: ParamGroupsConf = field(default_factory=ParamGroupsConf)
     scheduler: Annotated[Any, TARGET] = None
-    # Rank 0's loggers, by name (conf/logger/: tensorboard, csv, mlflow, wandb), each a `_target_` class.
+    # Rank 0's loggers, by name (conf/logger/: tensorboard, csv, mlflow, wandb), each a `_target_`
+    # class.
     logger: Annotated[
         Any, Checked("config.checks: names of conf/logger/ options, each a _target_ config")
     ] = field(default_factory=dict)

@@ -1,5 +1,6 @@
-"""The objects a config builds by `_target_` (task, model, data, optimizer, schedule, loggers), checked
-before anything is built: the name imports, and the class or function takes the configured keys."""
+"""The objects a config builds by `_target_` (task, model, data, optimizer, schedule, loggers),
+checked before anything is built: the name imports, and the class or function takes the configured
+keys."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def check(node: Any, key: str) -> None:
         if unknown:
             name = unknown.group(1)
             raise UserError(
-                f"{key} ({node['_target_']}) takes no {name!r}: remove it with '~{key}.{name}' on the command "
-                f"line (a setting of another {group} option, an experiment's say), or fix it in conf/{group}/"
+                f"{key} ({node['_target_']}) takes no {name!r}: remove it with "
+                f"'~{key}.{name}' on the command line (a setting of another "
+                f"{group} option, an experiment's say), or fix it in conf/{group}/"
             ) from None
         raise UserError(
             f"{key} ({node['_target_']}): {e}; fix the key in conf/{group}/ or on the command line"

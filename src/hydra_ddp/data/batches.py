@@ -122,15 +122,16 @@ def count(batch: Any) -> int:
     sizes = [(path, tensor.shape[0]) for path, tensor in leaves(batch) if tensor.dim() > 0]
     if not sizes:
         raise UserError(
-            f"a batch ({type(batch).__name__}) holds no tensor with a batch dimension: the data must give "
-            "tensors (or a task's samples() must say how many samples a batch holds)"
+            f"a batch ({type(batch).__name__}) holds no tensor with a batch dimension: the data "
+            "must give tensors (or a task's samples() must say how many samples a batch holds)"
         )
     first_path, first = sizes[0]
     for path, size in sizes[1:]:
         if size != first:
             raise UserError(
-                f"a batch's tensors disagree on its size: {first_path} has {first} samples, {path} has {size}; "
-                "give every tensor of a sample the batch dimension first (or give the task a samples(batch))"
+                f"a batch's tensors disagree on its size: {first_path} has {first} "
+                f"samples, {path} has {size}; give every tensor of a sample the "
+                "batch dimension first (or give the task a samples(batch))"
             )
     return first
 
@@ -138,8 +139,8 @@ def count(batch: Any) -> int:
 def to_device(
     batch: Any, device: torch.device, memory_format: torch.memory_format = torch.preserve_format
 ) -> Any:
-    """The batch on the device; `memory_format` (channels_last) for its images: its 4-D floating-point
-    tensors (not an integer mask, nor an index)."""
+    """The batch on the device; `memory_format` (channels_last) for its images: its 4-D
+    floating-point tensors (not an integer mask, nor an index)."""
     return map_tensors(
         lambda t: (
             t.to(device, non_blocking=True, memory_format=memory_format)
@@ -179,7 +180,8 @@ def describe(batch: Any) -> str:
 class TensorTree(Dataset):
     """A dataset held as one tree of whole tensors sharing their first dimension (a dict of tensors,
     say): sample i is the tree of each tensor's row i. Like a TensorDataset (a tuple of tensors), it
-    is sliced whole: `data.preload=true` puts it on the device and cuts each batch with one index."""
+    is sliced whole: `data.preload=true` puts it on the device and cuts each batch with one
+    index."""
 
     draws_randomness = False  # no per-sample seeding (data/loading.py)
 

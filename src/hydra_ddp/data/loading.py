@@ -1,5 +1,5 @@
-"""Loaders: the splits built alike on every rank, the training loader (sharded, seeded per sample) and
-the evaluation splits in fixed chunks."""
+"""Loaders: the splits built alike on every rank, the training loader (sharded, seeded per sample)
+and the evaluation splits in fixed chunks."""
 
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ class EvalSplit:
         return len(self.chunks)
 
     def filler(self) -> Any:
-        """One sample as a batch: the batch of the forwards a rank runs past its own chunks when every
-        rank must run as many (a sharded model gathers its parameters in each)."""
+        """One sample as a batch: the batch of the forwards a rank runs past its own chunks when
+        every rank must run as many (a sharded model gathers its parameters in each)."""
         if self.tensors is not None:
             return batches.take(self.tensors, slice(0, 1))
         return self.collate([self.dataset[0]])
@@ -182,16 +182,17 @@ def stream_refusal(target: str, stream: str) -> str:
 
 
 def carve(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
-    """(rest, validation): `fraction` of the training set, chosen by a permutation seeded with `seed`.
-    In-memory tensors stay whole tensors (sliced), so data.preload keeps working; a shard directory
-    gives whole shards."""
+    """(rest, validation): `fraction` of the training set, chosen by a permutation seeded with
+    `seed`. In-memory tensors stay whole tensors (sliced), so data.preload keeps working; a shard
+    directory gives whole shards."""
     if isinstance(train, shards.ShardedDataset):
         return shards.carve(train, fraction, seed)
     n = len(train)  # type: ignore[arg-type]
     n_val = max(1, round(n * fraction))
     if n_val >= n:
         raise UserError(
-            f"data.val_fraction={fraction} leaves no training samples out of {n}; choose a smaller one"
+            f"data.val_fraction={fraction} leaves no training "
+            f"samples out of {n}; choose a smaller one"
         )
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     keep, held_out = order[n_val:].sort().values, order[:n_val].sort().values  # in dataset order
@@ -217,10 +218,11 @@ def loader_options(data_cfg: Any, seed: int, device: torch.device, rank: int = 0
             prefetch_factor=data_cfg.prefetch_factor,
             worker_init_fn=loader_worker_init,
         )
-        # Forked from the rank, as DataLoader does by default on Linux. A rank is itself a child of the
-        # launcher's forkserver, so it would inherit "forkserver" as its default: its loader workers
-        # would then be children of a forkserver of the rank's own, watching that forkserver instead
-        # of the rank, and could outlive the run (holding its output open) when the rank exits.
+        # Forked from the rank, as DataLoader does by default on Linux. A rank is itself a child of
+        # the launcher's forkserver, so it would inherit "forkserver" as its default: its loader
+        # workers would then be children of a forkserver of the rank's own, watching that forkserver
+        # instead of the rank, and could outlive the run (holding its output open) when the rank
+        # exits.
         if sys.platform == "linux":
             options["multiprocessing_context"] = FORK_BLOCKING_STOPS
     return options
@@ -246,9 +248,9 @@ class _ForkedWithStopsBlocked(multiprocessing.context.ForkProcess):
 def _settle_other_threads() -> None:
     """Before a fork, on a Python with CPython gh-112275 (before 3.11.10): a forked child deadlocks
     if another thread held the interpreter's thread-list lock at the fork. A C++ thread takes it,
-    without the GIL, when it first needs the GIL (gloo's can, to release a tensor a collective held).
-    Here such a thread gets the GIL (this one sleeps a moment), and the thread list is read, which
-    waits for the lock to be free. This narrows the window; only a fixed Python closes it."""
+    without the GIL, when it first needs the GIL (gloo's can, to release a tensor a collective
+    held). Here such a thread gets the GIL (this one sleeps a moment), and the thread list is read,
+    which waits for the lock to be free. This narrows the window; only a fixed Python closes it."""
     time.sleep(0.001)
     sys._current_frames()
 
@@ -279,12 +281,12 @@ def _dies_with_its_rank() -> None:
 
 def stop_signals_are_the_ranks() -> None:
     """In each loader worker: a stop signal from anyone but its rank is the rank's to act
-    on, not the worker's. torch's workers die on SIGTERM, and a job's SIGTERM reaches them with their
-    rank (Slurm's pre-emption and scancel signal every process of the step, as does a kill of the
-    process group; Ctrl-C sends SIGINT to all): a dead worker would fail the rank before it stops at
-    a checkpoint. The signals are blocked and answered by a thread that knows the sender: the rank
-    itself (its loader's shutdown, multiprocessing's end of its children at its exit) ends the
-    worker; anyone else's is left to the rank."""
+    on, not the worker's. torch's workers die on SIGTERM, and a job's SIGTERM reaches them with
+    their rank (Slurm's pre-emption and scancel signal every process of the step, as does a kill of
+    the process group; Ctrl-C sends SIGINT to all): a dead worker would fail the rank before it
+    stops at a checkpoint. The signals are blocked and answered by a thread that knows the sender:
+    the rank itself (its loader's shutdown, multiprocessing's end of its children at its exit) ends
+    the worker; anyone else's is left to the rank."""
     # Already blocked where the worker was forked through FORK_BLOCKING_STOPS (Linux); a worker
     # started another way (another platform's default context) inherits no mask, and blocks here.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -315,15 +317,16 @@ def eval_split(
 def _preloaded(dataset: Dataset, data_cfg: Any) -> bool:
     if data_cfg.preload and batches.whole(dataset) is None:
         raise UserError(
-            "data.preload=true needs datasets held as whole tensors (a TensorDataset, as digits and synthetic "
-            "give, or a data.batches.TensorTree, as text_dicts gives); set it false"
+            "data.preload=true needs datasets held as whole tensors (a "
+            "TensorDataset, as digits and synthetic give, or a "
+            "data.batches.TensorTree, as text_dicts gives); set it false"
         )
     return bool(data_cfg.preload)
 
 
 def draws_randomness(dataset: Dataset) -> bool:
-    """Whether a dataset's samples may draw random numbers (a transform's): unless it, or the dataset
-    a Subset of it views, says `draws_randomness = False`."""
+    """Whether a dataset's samples may draw random numbers (a transform's): unless it, or the
+    dataset a Subset of it views, says `draws_randomness = False`."""
     while isinstance(dataset, Subset):
         dataset = dataset.dataset
     return getattr(dataset, "draws_randomness", True)
@@ -337,17 +340,18 @@ def build_loaders(
     shard = shard or rank
     if data_cfg.num_workers > 0 and rank.is_main and not hangs.fork_safe_python():
         log.warning(
-            "data.num_workers=%d on Python %s: a loader worker can, rarely, deadlock as it is forked (CPython "
-            "gh-112275, fixed in 3.11.10 and 3.12); the watchdog's report names such a worker",
+            "data.num_workers=%d on Python %s: a loader worker can, "
+            "rarely, deadlock as it is forked (CPython gh-112275, fixed in "
+            "3.11.10 and 3.12); the watchdog's report names such a worker",
             data_cfg.num_workers,
             platform.python_version(),
             extra=FILE_ONLY,
         )
     splits = build_datasets(data_cfg, rank, seed)
     train_set = splits["train"]
-    # In-memory tensors draw no randomness per sample: they are sliced whole (data.preload), unwrapped.
-    # So are datasets that say they draw none (`draws_randomness = False`: no transform, no sampling):
-    # seeding torch's generator per sample costs about 0.2 ms a sample on a CPU.
+    # In-memory tensors draw no randomness per sample: they are sliced whole (data.preload),
+    # unwrapped. So are datasets that say they draw none (`draws_randomness = False`: no transform,
+    # no sampling): seeding torch's generator per sample costs about 0.2 ms a sample on a CPU.
     seeded = batches.whole(train_set) is None and draws_randomness(train_set)
     # A shard directory's samples in shard windows (read as a stream); any other dataset by index.
     sampler = (
@@ -399,13 +403,15 @@ def save_with_run(data_cfg: Any, run_dir: Path) -> Optional[Path]:
 
 
 def _by_length(train_set: Dataset, data_cfg: Any) -> Optional[tuple[torch.Tensor, int, int]]:
-    """data.group_by_length: (each sample's length, samples per optimizer step, steps per window)."""
+    """data.group_by_length: (each sample's length, samples per optimizer step, steps per
+    window)."""
     if data_cfg.group_by_length is None:
         return None
     lengths = batches.lengths_of(train_set)
     if lengths is None:
         raise EveryRankError(
-            f"data.group_by_length={data_cfg.group_by_length}: the training set ({type(train_set).__name__}) does "
-            "not say its samples' lengths (a `lengths` tensor, as data=documents has); leave it null"
+            f"data.group_by_length={data_cfg.group_by_length}: the training set "
+            f"({type(train_set).__name__}) does not say its samples' lengths (a "
+            "`lengths` tensor, as data=documents has); leave it null"
         )
     return lengths, data_cfg.global_batch_size, data_cfg.group_by_length

@@ -59,16 +59,16 @@ class ResumableDistributedSampler(DistributedSampler):
         return ((self.epoch, index) for index in indices) if self.keyed else indices
 
     def _order(self) -> torch.Tensor:
-        """The epoch's order of every sample: DistributedSampler's shuffle, one permutation per epoch
-        seeded by seed + epoch, equal on every rank."""
+        """The epoch's order of every sample: DistributedSampler's shuffle, one permutation per
+        epoch seeded by seed + epoch, equal on every rank."""
         n = len(self.dataset)  # type: ignore[arg-type]
         if not self.shuffle:
             return torch.arange(n)
         return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
 
     def _shard(self, order: torch.Tensor) -> Iterator[int]:
-        """This rank's positions r, r+W, … of the order; padded as DistributedSampler pads (the first
-        samples again) where every rank takes as many."""
+        """This rank's positions r, r+W, … of the order; padded as DistributedSampler pads (the
+        first samples again) where every rank takes as many."""
         if self.pad and len(order) < self.total_size:
             order = torch.cat(
                 [
@@ -89,11 +89,11 @@ class ResumableDistributedSampler(DistributedSampler):
 def grouped_by_length(
     order: torch.Tensor, lengths: torch.Tensor, step: int, window: int, seed: int, epoch: int
 ) -> torch.Tensor:
-    """The epoch's `order` with the samples of each window of `window` optimizer steps (`step` samples
-    each, over all ranks) sorted by length, longest first, so that a step's samples are of similar
-    lengths (less padding), then the window's steps in an order seeded by (seed, epoch, window).
-    Steps stay whole and aligned (only the epoch's last may be short, and stays last), so the split of
-    a step over ranks and micro-batches, hence the world size, changes nothing."""
+    """The epoch's `order` with the samples of each window of `window` optimizer steps (`step`
+    samples each, over all ranks) sorted by length, longest first, so that a step's samples are of
+    similar lengths (less padding), then the window's steps in an order seeded by (seed, epoch,
+    window). Steps stay whole and aligned (only the epoch's last may be short, and stays last), so
+    the split of a step over ranks and micro-batches, hence the world size, changes nothing."""
     size = step * window
     parts = []
     for number, start in enumerate(range(0, len(order), size)):
@@ -108,8 +108,8 @@ def grouped_by_length(
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """A 64-bit seed for one sample in one epoch (splitmix64 over the three): distinct per sample and
-    epoch, and a function of nothing else, so not of the rank, the world size or the step."""
+    """A 64-bit seed for one sample in one epoch (splitmix64 over the three): distinct per sample
+    and epoch, and a function of nothing else, so not of the rank, the world size or the step."""
     value = 0
     for part in (seed, epoch, index):
         value = (value ^ part) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
@@ -142,8 +142,9 @@ class SeededSamples(Dataset):
 class ShardWindowOrder:
     """One epoch's order of a sharded dataset's samples, computed, never stored whole: the shards in
     a permutation seeded by (seed, epoch), their samples laid end to end, and the positions shuffled
-    within consecutive windows of `window` (each window its own seeded permutation). Position p holds
-    `self[p]`, a sample index; only the window being read is held, and only while it is read."""
+    within consecutive windows of `window` (each window its own seeded permutation). Position p
+    holds `self[p]`, a sample index; only the window being read is held, and only while it is
+    read."""
 
     def __init__(
         self, shard_sizes: list[int], seed: int, epoch: int, window: int, shuffle: bool = True
@@ -189,7 +190,8 @@ class ShardWindowSampler(ResumableDistributedSampler):
     """ResumableDistributedSampler's contract (position r, r+W, … of the epoch's order to rank r;
     `pad`, `skip`, `keyed` alike) over a ShardWindowOrder instead of a permutation of every index:
     a sharded dataset is read window by window, and after b batches of B per rank at W ranks the
-    first b·B·W positions are read, at any W (so a resize continues with every other sample once)."""
+    first b·B·W positions are read, at any W (so a resize continues with every other sample
+    once)."""
 
     def __iter__(self) -> Iterator[Any]:
         dataset = self.dataset
@@ -197,6 +199,7 @@ class ShardWindowSampler(ResumableDistributedSampler):
             dataset.shard_sizes, self.seed, self.epoch, dataset.shuffle_window, self.shuffle
         )  # type: ignore[attr-defined]
         n, rank, ranks = len(order), self.rank, self.num_replicas
-        # Padded: the positions past the end wrap to the first ones, as DistributedSampler repeats its first indices.
+        # Padded: the positions past the end wrap to the first ones, as DistributedSampler repeats
+        # its first indices.
         indices = (order[(rank + j * ranks) % n] for j in range(self.start, self.num_samples))
         return ((self.epoch, index) for index in indices) if self.keyed else indices

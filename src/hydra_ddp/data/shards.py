@@ -1,10 +1,10 @@
 """Datasets stored as many shard files on disk, read in windows of shards, never loaded whole.
 
-A shard directory holds `manifest.json` (each split's shards, their sample counts, sizes and CRC-32s)
-and the shard files. A shard holds a fixed number of samples (tuples or dicts of arrays), field by
-field: a field of one shape as one block, one whose samples differ in their first dimension (token
-ids) as its values end to end and their offsets; read through memory maps (only the pages a read
-touches come from disk). Token ids are padded per batch where the manifest gives a padding id.
+A shard directory holds `manifest.json` (each split's shards, their sample counts, sizes and
+CRC-32s) and the shard files. A shard holds a fixed number of samples (tuples or dicts of arrays),
+field by field: a field of one shape as one block, one whose samples differ in their first dimension
+(token ids) as its values end to end and their offsets; read through memory maps (only the pages a
+read touches come from disk). Token ids are padded per batch where the manifest gives a padding id.
 
 A sample's address is (shard, offset), and the training order is index arithmetic over the
 manifest's counts (sampling.ShardWindowSampler): shards in a seeded order each epoch, samples
@@ -75,7 +75,8 @@ def _array(value: Any, name: Any) -> np.ndarray:
     array = np.asarray(value)
     if array.dtype == object or array.dtype.kind in "USV":
         raise UserError(
-            f"a shard sample's field {name!r} is {type(value).__name__}: only numbers and arrays store"
+            f"a shard sample's field {name!r} is "
+            f"{type(value).__name__}: only numbers and arrays store"
         )
     return array
 
@@ -111,8 +112,8 @@ def _write_shard(path: Path, samples: list[Any]) -> ShardInfo:
         if len(dtypes) != 1 or (len(shapes) != 1 and not ragged):
             raise UserError(
                 f"field {name!r} of {path.name} has shapes {sorted(shapes)} and dtypes "
-                f"{sorted(map(str, dtypes))}: a field needs one dtype, and shapes that differ in their first "
-                "dimension at most (a sequence of any length)"
+                f"{sorted(map(str, dtypes))}: a field needs one dtype, and shapes that "
+                "differ in their first dimension at most (a sequence of any length)"
             )
         entry = {"name": name, "dtype": arrays[0].dtype.str, "offset": offset}
         if ragged:
@@ -129,7 +130,8 @@ def _write_shard(path: Path, samples: list[Any]) -> ShardInfo:
             blocks.append(part)
             offset += part.nbytes + _pad(part.nbytes)
         header["fields"].append(entry)
-    # Offsets are from the data's start (the header's end, aligned): the header's length cannot change them.
+    # Offsets are from the data's start (the header's end, aligned): the header's length cannot
+    # change them.
     encoded = json.dumps(header).encode()
     crc = 0
     head = MAGIC + len(encoded).to_bytes(8, "little") + encoded
@@ -154,7 +156,8 @@ def write(
     """Write each split's samples (any iterable: a Dataset, a generator) as shards of
     `samples_per_shard` samples under `root`, and the manifest last (a directory without one is not
     a shard directory: a write that stopped part-way is never read). `meta`: what the data is (its
-    number of classes, image size, ...), checked against data.* before a run. Returns the manifest."""
+    number of classes, image size, ...), checked against data.* before a run. Returns the
+    manifest."""
     if samples_per_shard < 1:
         raise UserError(f"samples_per_shard={samples_per_shard}: at least 1")
     out = Path(root)
@@ -215,7 +218,8 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
         ) from None
     if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE:
         raise ShardError(
-            f"{manifest_path} is not a {FORMAT} v{VERSION} manifest; write the shards again ({_HOW})"
+            f"{manifest_path} is not a {FORMAT} v{VERSION} "
+            f"manifest; write the shards again ({_HOW})"
         )
     return manifest
 
@@ -227,7 +231,8 @@ def split_shards(root: str | os.PathLike, manifest: dict[str, Any], split: str) 
     shards = [ShardInfo(**entry) for entry in manifest["splits"].get(split, [])]
     if not shards or not sum(s.samples for s in shards):
         raise ShardError(
-            f"{Path(root) / MANIFEST}: the {split} split has no samples; write it (or pick another root)"
+            f"{Path(root) / MANIFEST}: the {split} split has "
+            "no samples; write it (or pick another root)"
         )
     return shards
 
@@ -243,8 +248,8 @@ def check_files(root: str | os.PathLike, shards: list[ShardInfo]) -> None:
             raise ShardError(f"shard {path} is missing; write the shards again ({_HOW})") from None
         if size != shard.bytes:
             raise ShardError(
-                f"shard {path} has {size} bytes, its manifest says {shard.bytes} (truncated or rewritten); "
-                f"write the shards again ({_HOW})"
+                f"shard {path} has {size} bytes, its manifest says {shard.bytes} "
+                f"(truncated or rewritten); write the shards again ({_HOW})"
             )
 
 
@@ -290,8 +295,8 @@ class ShardFile:
                 self.columns.append((name, values, ends))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ShardError(
-                f"shard {path} is corrupt ({e}); write the shards again ({_HOW}), or find the bad ones with "
-                f"python -m hydra_ddp.tools.shards verify {path.parent}"
+                f"shard {path} is corrupt ({e}); write the shards again ({_HOW}), or find "
+                f"the bad ones with python -m hydra_ddp.tools.shards verify {path.parent}"
             ) from None
 
     def take(self, offsets: Any) -> list[Any]:
@@ -338,7 +343,8 @@ class ShardedDataset(Dataset):
         shuffle_window: int,
         pad_id: Optional[int] = None,
     ):
-        """`pad_id`: a directory of token ids' padding id (its manifest's meta): batches are padded."""
+        """`pad_id`: a directory of token ids' padding id (its manifest's meta): batches are
+        padded."""
         self.root, self.shards, self.shuffle_window, self.pad_id = (
             Path(root),
             list(shards),
@@ -409,8 +415,9 @@ def carve(
     held = max(1, round(count * fraction))
     if held >= count:
         raise UserError(
-            f"data.val_fraction={fraction} holds out {held} of the {count} training shards, leaving none; "
-            "choose a smaller fraction, write a val split, or write more, smaller shards"
+            f"data.val_fraction={fraction} holds out {held} of the "
+            f"{count} training shards, leaving none; choose a smaller "
+            "fraction, write a val split, or write more, smaller shards"
         )
     order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
     keep, val = sorted(order[held:].tolist()), sorted(order[:held].tolist())
@@ -420,10 +427,12 @@ def carve(
 def sharded(root: str, shuffle_window: int = 8192) -> tuple[Dataset, ...]:
     """A shard directory's splits: (train, test), or (train, val, test) where it has a val split.
     `shuffle_window`: training samples are shuffled within windows of this many consecutive
-    positions of the epoch's shard order (1: shards in a new order each epoch, each read through)."""
+    positions of the epoch's shard order (1: shards in a new order each epoch, each read
+    through)."""
     if shuffle_window < 1:
         raise UserError(
-            f"data.dataset.shuffle_window={shuffle_window}: at least 1 (1: no shuffle within shards)"
+            f"data.dataset.shuffle_window={shuffle_window}: "
+            "at least 1 (1: no shuffle within shards)"
         )
     manifest = read_manifest(root)
     names = ["train", *(["val"] if manifest["splits"].get("val") else []), "test"]
@@ -447,12 +456,13 @@ def check(dataset_cfg: Any, data_cfg: Any) -> None:
     meta = manifest.get("meta", {})
     if "vocab_size" in meta and data_cfg.num_classes < meta["vocab_size"]:
         raise UserError(
-            f"data.num_classes={data_cfg.num_classes} but the shards in {root} hold token ids of a vocabulary of "
-            f"{meta['vocab_size']} (their tokenizer's); set data.num_classes={meta['vocab_size']}"
+            f"data.num_classes={data_cfg.num_classes} but the shards in "
+            f"{root} hold token ids of a vocabulary of {meta['vocab_size']} "
+            f"(their tokenizer's); set data.num_classes={meta['vocab_size']}"
         )
     for key, value in meta.items():
         if key in ("num_classes", "in_channels", "image_size") and getattr(data_cfg, key) != value:
             raise UserError(
-                f"data.{key}={getattr(data_cfg, key)} but the shards in {root} hold data with {key}={value}; "
-                f"set data.{key}={value}"
+                f"data.{key}={getattr(data_cfg, key)} but the shards in "
+                f"{root} hold data with {key}={value}; set data.{key}={value}"
             )

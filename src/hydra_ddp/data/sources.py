@@ -1,6 +1,6 @@
-"""The data sources conf/data/*.yaml builds through `_target_`: each returns (train, test), or (train,
-val, test) where the source has a validation split of its own. Offline by default: scikit-learn's
-digits and diabetes as shipped, synthetic data, files on disk."""
+"""The data sources conf/data/*.yaml builds through `_target_`: each returns (train, test), or
+(train, val, test) where the source has a validation split of its own. Offline by default:
+scikit-learn's digits and diabetes as shipped, synthetic data, files on disk."""
 
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ def _split(n: int, test_fraction: float, seed: int) -> tuple[torch.Tensor, torch
 
 
 def _one_thread(build):
-    """A source built as one thread builds it, whatever the caller's torch thread count: a reduction's
-    (a mean's, a matrix product's) summation order follows the thread count, and a 1-rank run (two
-    threads on two cores) would otherwise train on other bits of the same data than a 2-rank run."""
+    """A source built as one thread builds it, whatever the caller's torch thread count: a
+    reduction's (a mean's, a matrix product's) summation order follows the thread count, and a
+    1-rank run (two threads on two cores) would otherwise train on other bits of the same data than
+    a 2-rank run."""
 
     @functools.wraps(build)
     def built(*args: Any, **kwargs: Any) -> Any:
@@ -109,7 +110,8 @@ def python_source(
     count = (len(windows) - 1) // (context + 1)
     if count < 2:
         raise UserError(
-            f"data=text: {len(windows)} bytes make fewer than 2 windows of data.dataset.context={context}"
+            f"data=text: {len(windows)} bytes make fewer than "
+            f"2 windows of data.dataset.context={context}"
         )
     windows = windows[: count * (context + 1)].view(count, context + 1)
     train_idx, test_idx = _split(count, test_fraction, seed)
@@ -159,7 +161,8 @@ def _shipped_table(name: str) -> np.ndarray:
     path = _shipped_path(name)
     if path is None:
         raise UserError(
-            f"scikit-learn's {name} was not found (is scikit-learn installed?): pip install scikit-learn"
+            f"scikit-learn's {name} was not found (is "
+            "scikit-learn installed?): pip install scikit-learn"
         )
     return np.loadtxt(path)
 
@@ -203,8 +206,8 @@ def synthetic_regression(
 def shapes(
     train_size: int = 1024, test_size: int = 256, image_size: int = 16, seed: int = 0
 ) -> tuple[Dataset, Dataset]:
-    """Segmentation of synthetic shapes: each grey image holds a filled square (class 1) and a filled
-    disc (class 2) at random places and sizes, over noise; the mask gives each pixel's class
+    """Segmentation of synthetic shapes: each grey image holds a filled square (class 1) and a
+    filled disc (class 2) at random places and sizes, over noise; the mask gives each pixel's class
     (0: background; the disc is drawn over the square)."""
     gen = torch.Generator().manual_seed(seed)
     n = train_size + test_size
@@ -265,10 +268,10 @@ class ImageArrays(Dataset):
 
 
 def cifar10(root: str, download: bool = False, augment: bool = False) -> tuple[Dataset, Dataset]:
-    """CIFAR-10's python batches under root/cifar-10-batches-py (any files in that format: torchvision's
-    md5 check is for downloads). `augment`: the standard random 4-pixel-padded crop and horizontal
-    flip for training, drawn per sample and epoch (SeededSamples): exact across a mid-epoch resume
-    and the same at any world size."""
+    """CIFAR-10's python batches under root/cifar-10-batches-py (any files in that format:
+    torchvision's md5 check is for downloads). `augment`: the standard random 4-pixel-padded crop
+    and horizontal flip for training, drawn per sample and epoch (SeededSamples): exact across a
+    mid-epoch resume and the same at any world size."""
     import pickle
 
     from torchvision import datasets, transforms
@@ -307,9 +310,9 @@ def image_folder(
     test_fraction: float = 0.2,
     seed: int = 0,
 ) -> tuple[Dataset, ...]:
-    """root/<class>/<image>, split into train and test by a seeded permutation; or root/train/<class>/…
-    with root/val/ and root/test/ beside it, each used where present (a missing test/ is split
-    from train/ as above; a missing val/ is carved later by data.val_fraction)."""
+    """root/<class>/<image>, split into train and test by a seeded permutation; or
+    root/train/<class>/… with root/val/ and root/test/ beside it, each used where present (a missing
+    test/ is split from train/ as above; a missing val/ is carved later by data.val_fraction)."""
     from torchvision import datasets, transforms
 
     steps = [transforms.Resize(image_size), transforms.CenterCrop(image_size)]
@@ -334,7 +337,8 @@ def image_folder(
 
 
 def split_folders(root: Path) -> dict[str, Path]:
-    """{split: folder} when root holds train/ (and val/, test/) and nothing else; {} for root/<class>/."""
+    """{split: folder} when root holds train/ (and val/, test/) and nothing else; {} for
+    root/<class>/."""
     subfolders = (
         {d.name: Path(d.path) for d in os.scandir(root) if d.is_dir()} if root.is_dir() else {}
     )
@@ -344,8 +348,8 @@ def split_folders(root: Path) -> dict[str, Path]:
 
 
 def text_shape(data_cfg: Any) -> tuple[Optional[int], Optional[int]]:
-    """(the longest sequence, the vocabulary) of the language-model data shipped here, from its config
-    alone (a tokenizer file is read, none is trained); (None, None) for other data."""
+    """(the longest sequence, the vocabulary) of the language-model data shipped here, from its
+    config alone (a tokenizer file is read, none is trained); (None, None) for other data."""
     dataset_cfg = data_cfg.dataset
     target = str(dataset_cfg.get("_target_", ""))
     if target.endswith(".documents"):
@@ -393,8 +397,9 @@ def check_source(data_cfg: Any) -> None:
         vocabulary = text.vocabulary_size(dataset_cfg)
         if vocabulary > num_classes:
             raise UserError(
-                f"data=documents: the tokenizer makes {vocabulary} ids, and data.num_classes={num_classes} (the "
-                f"model's vocabulary reads it): set data.num_classes={vocabulary}"
+                f"data=documents: the tokenizer makes {vocabulary} ids, "
+                f"and data.num_classes={num_classes} (the model's "
+                f"vocabulary reads it): set data.num_classes={vocabulary}"
             )
     elif target.endswith(".sharded"):
         shards.check(dataset_cfg, data_cfg)
@@ -411,16 +416,17 @@ def check_source(data_cfg: Any) -> None:
                 )
         if len(classes) != num_classes:
             raise UserError(
-                f"data=imagefolder: {str(path)!r} has {len(classes)} classes but data.num_classes={num_classes}; "
-                f"set data.num_classes={len(classes)}"
+                f"data=imagefolder: {str(path)!r} has {len(classes)} classes but "
+                f"data.num_classes={num_classes}; set data.num_classes={len(classes)}"
             )
     elif target.endswith((".mnist", ".cifar10")) and not dataset_cfg.get("download", False):
         path = _require_dir(root, f"data={target.rsplit('.', 1)[1]}")
         missing = [n for n in CIFAR10_FILES if not (path / "cifar-10-batches-py" / n).is_file()]
         if target.endswith(".cifar10") and missing:
             raise UserError(
-                f"data=cifar10: {str(path / 'cifar-10-batches-py')!r} lacks {', '.join(missing)} (CIFAR-10's "
-                "python version); set data.dataset.root, or data.dataset.download=true where the network allows"
+                f"data=cifar10: {str(path / 'cifar-10-batches-py')!r} lacks "
+                f"{', '.join(missing)} (CIFAR-10's python version); set data.dataset.root, "
+                "or data.dataset.download=true where the network allows"
             )
 
 
@@ -430,7 +436,8 @@ def _class_folders(path: Path) -> list[str]:
     classes = sorted(d.name for d in os.scandir(path) if d.is_dir())
     if not classes:
         raise UserError(
-            f"data=imagefolder: {str(path)!r} has no class subfolders (expected root/<class>/<image>)"
+            f"data=imagefolder: {str(path)!r} has no class "
+            "subfolders (expected root/<class>/<image>)"
         )
     empty = [
         c

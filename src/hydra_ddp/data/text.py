@@ -78,7 +78,8 @@ def file_documents(pattern: str) -> list[str]:
     paths = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
     if not paths:
         raise UserError(
-            f"data.dataset.files={pattern!r} matches no file; give a glob of text files (e.g. corpus/*.txt)"
+            f"data.dataset.files={pattern!r} matches no file; "
+            "give a glob of text files (e.g. corpus/*.txt)"
         )
     documents = []
     for path in paths:
@@ -101,7 +102,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
         raise UserError(_NEEDS) from None
     if vocab_size < 258:
         raise UserError(
-            f"data.dataset.vocab_size={vocab_size}: a byte-level BPE needs at least 258 (256 bytes, 2 specials)"
+            f"data.dataset.vocab_size={vocab_size}: a byte-level "
+            "BPE needs at least 258 (256 bytes, 2 specials)"
         )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -122,8 +124,8 @@ def tokenizer_path(path: str) -> Path:
     found = found / TOKENIZER_FILE if found.is_dir() else found
     if not found.is_file():
         raise UserError(
-            f"data.dataset.tokenizer={path!r}: no tokenizer there; give a tokenizer.json (or its folder), "
-            "or null to train one on the data"
+            f"data.dataset.tokenizer={path!r}: no tokenizer there; give a "
+            "tokenizer.json (or its folder), or null to train one on the data"
         )
     return found
 
@@ -146,15 +148,17 @@ def special_ids(tokenizer: Any) -> tuple[int, int]:
     ids = tokenizer.token_to_id(END_OF_TEXT), tokenizer.token_to_id(PAD)
     if None in ids:
         raise UserError(
-            f"the tokenizer has no {END_OF_TEXT} or {PAD} token (documents end with the one, batches are padded "
-            "with the other): add them as special tokens, or leave data.dataset.tokenizer null to train one"
+            f"the tokenizer has no {END_OF_TEXT} or {PAD} token (documents end "
+            "with the one, batches are padded with the other): add them as "
+            "special tokens, or leave data.dataset.tokenizer null to train one"
         )
     return ids  # type: ignore[return-value]
 
 
 def save_tokenizer(tokenizer: Any, folder: Path, context: Optional[int] = None) -> Path:
     """The tokenizer as transformers loads it (`AutoTokenizer.from_pretrained(folder)`, or
-    `PreTrainedTokenizerFast(tokenizer_file=...)`): tokenizer.json and its config, written atomically."""
+    `PreTrainedTokenizerFast(tokenizer_file=...)`): tokenizer.json and its config, written
+    atomically."""
     folder.mkdir(parents=True, exist_ok=True)
     settings = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -175,7 +179,8 @@ def save_tokenizer(tokenizer: Any, folder: Path, context: Optional[int] = None) 
 
 # --- tokenized documents -------------------------------------------------------------------------
 def tokenize(tokenizer: Any, documents: Sequence[str], context: int) -> list[torch.Tensor]:
-    """Each document's ids with the end-of-text id appended, cut into pieces of at most `context`."""
+    """Each document's ids with the end-of-text id appended, cut into pieces of at most
+    `context`."""
     end, _ = special_ids(tokenizer)
     pieces = []
     for encoding in tokenizer.encode_batch(list(documents), add_special_tokens=False):
@@ -362,7 +367,8 @@ def _trained(
 
 
 def save_with_run(dataset_cfg: Any, run_dir: Path) -> Path:
-    """The run's tokenizer into <run>/tokenizer/, as transformers loads it (rank 0, at the start)."""
+    """The run's tokenizer into <run>/tokenizer/, as transformers loads it (rank 0, at the
+    start)."""
     return save_tokenizer(
         run_tokenizer(dataset_cfg), run_dir / "tokenizer", dataset_cfg.get("context")
     )
@@ -372,7 +378,8 @@ documents.save_with_run = save_with_run  # type: ignore[attr-defined]
 
 
 def vocabulary_size(dataset_cfg: Any) -> int:
-    """The ids data=documents gives, from its config alone (a tokenizer file is read, not trained)."""
+    """The ids data=documents gives, from its config alone (a tokenizer file is read, not
+    trained)."""
     if dataset_cfg.get("tokenizer"):
         return load_tokenizer(dataset_cfg["tokenizer"]).get_vocab_size()
     return dataset_cfg.get(

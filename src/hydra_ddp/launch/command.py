@@ -1,5 +1,5 @@
-"""The command's side of a run: resolve the config, check it, launch (or join an outside launch), and
-report the outcome in one line."""
+"""The command's side of a run: resolve the config, check it, launch (or join an outside launch),
+and report the outcome in one line."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 
 def adopt_external_launch(argv: list[str]) -> None:
-    """Prepare argv when this process is already a worker of torchrun, torch.distributed.launch or mpirun,
-    or a Kubernetes pod's train.py that launches the pod's workers itself (kubernetes.py).
+    """Prepare argv when this process is already a worker of torchrun, torch.distributed.launch or
+    mpirun, or a Kubernetes pod's train.py that launches the pod's workers itself (kubernetes.py).
 
     The legacy launcher appends `--local-rank=N`, which Hydra would reject: it becomes LOCAL_RANK.
     Ranks other than 0 then skip Hydra's output directory and log file: rank 0 decides the
@@ -77,7 +77,8 @@ def exit_after(entry: Callable[[], Any]) -> NoReturn:
     except SystemExit as stop:
         code = stop.code
     # What the interpreter does first at exit, in its order: threading's exit hooks (which stop
-    # executors' threads, e.g. joblib's), then waiting for non-daemon threads, then atexit's handlers.
+    # executors' threads, e.g. joblib's), then waiting for non-daemon threads, then atexit's
+    # handlers.
     shutdown_threads = getattr(threading, "_shutdown", None)
     if shutdown_threads is None:  # not CPython: exit the usual way
         sys.exit(code)
@@ -92,8 +93,8 @@ def exit_after(entry: Callable[[], Any]) -> NoReturn:
 
 
 def run(cfg: DictConfig, started_at: float, job: str = "train") -> Optional[dict[str, Any]]:
-    """Resolve, check, launch, wait; the summary of a finished run, or eval.py's result (job="eval").
-    None on a non-zero node."""
+    """Resolve, check, launch, wait; the summary of a finished run, or eval.py's result
+    (job="eval"). None on a non-zero node."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)  # absolute
     # hydra.job.chdir=true moved this process into the run directory: relative paths (the data's, a
     # checkpoint's) are still read from where the command was started, here and in every worker.
@@ -110,12 +111,14 @@ def run(cfg: DictConfig, started_at: float, job: str = "train") -> Optional[dict
             run_dir,
         )
     resolved = _resolve(cfg, run_dir, external, job)
-    # One live run per directory: held by the launching process (node 0's) or an outside launch's rank 0.
+    # One live run per directory: held by the launching process (node 0's) or an outside launch's
+    # rank 0.
     holds = external[1].is_main if external else resolved.launcher.node_rank == 0
     with holding.held(run_dir) if holds else contextlib.nullcontext():
         if external:
             resolved.freeze()
-            # Only rank 0 knows the run directory: its verdict reaches every rank once the group is up.
+            # Only rank 0 knows the run directory: its verdict reaches every rank once the group is
+            # up.
             problem = (
                 _problem(resolved, run_dir) if external[1].is_main and job == "train" else None
             )
@@ -182,8 +185,8 @@ def _check_only(
         workers = f"{trainer.nproc * launcher.min_nodes}-{workers}"
     print(
         f"hydra-ddp: config OK: {workers} worker(s) on {trainer.device} "
-        f"({launcher.name}, backend {resolved.backend.name}, init {resolved.init_method.name}), {what}; "
-        "nothing launched",
+        f"({launcher.name}, backend {resolved.backend.name}, init "
+        f"{resolved.init_method.name}), {what}; nothing launched",
         flush=True,
     )
     crowded = resolve.oversubscribed(trainer)
@@ -226,8 +229,8 @@ def _unless_stopped(
         raise Stopped(summary, run_dir, quiet)
     if summary and summary.get("ended_by") == "max_time":
         say(
-            f"hydra-ddp: trainer.max_time spent at step {summary['steps']}: tested and checkpointed; continue "
-            f"with: {_again(run_dir)}"
+            f"hydra-ddp: trainer.max_time spent at step {summary['steps']}: "
+            f"tested and checkpointed; continue with: {_again(run_dir)}"
         )
     return summary
 
@@ -248,7 +251,8 @@ def fail(error: UserError) -> None:
     if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(error, Stopped):
         RunDir(hydra_cfg.runtime.output_dir).error.write_text(f"{message}\n")
         return
-    # Refused: no run left behind (the directory given up first: the callback took it before the run).
+    # Refused: no run left behind (the directory given up first: the callback took it before the
+    # run).
     holding.release(Path(hydra_cfg.runtime.output_dir))
     RunDir(hydra_cfg.runtime.output_dir).discard_if_untouched(hydra_cfg.job.name)
     sys.exit(error.exit_code)

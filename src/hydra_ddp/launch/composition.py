@@ -1,7 +1,7 @@
-"""Hydra's own errors as the project's one line: a misspelt key, a value of the wrong type, an unknown
-group option or an override that does not parse, refused while the config is composed, before
-anything runs. Hydra prints these as several lines (the key, the schema's class, the search path)
-and exits 1; train.py and eval.py say what is wrong and what to do in one, and exit 2."""
+"""Hydra's own errors as the project's one line: a misspelt key, a value of the wrong type, an
+unknown group option or an override that does not parse, refused while the config is composed,
+before anything runs. Hydra prints these as several lines (the key, the schema's class, the search
+path) and exits 1; train.py and eval.py say what is wrong and what to do in one, and exit 2."""
 
 from __future__ import annotations
 
@@ -66,16 +66,20 @@ def one_line(error: BaseException) -> Optional[str]:
     if absent and key and owner:
         settings = ", ".join(f.name for f in dataclasses.fields(owner.Settings) if f.name != "name")
         return (
-            f"{key}: strategy={owner.name} has no such setting (its settings: {settings or 'none'}); "
-            "another strategy's knob does not apply to this one"
+            f"{key}: strategy={owner.name} has no such setting (its settings: "
+            f"{settings or 'none'}); another strategy's knob does not apply to this one"
         )
     if absent and key:
         return (
-            f"{key}: no such key in the config (misspelt?); docs/reference/config.md lists every key, and "
-            f"+{key}=... adds one to a group that takes its own (a model's, an optimizer's)"
+            f"{key}: no such key in the config (misspelt?); "
+            f"docs/reference/config.md lists every key, and +{key}=... adds "
+            "one to a group that takes its own (a model's, an optimizer's)"
         )
     if isinstance(error, OverrideParseException):
-        return f"an override does not parse: {text.splitlines()[0]} (Hydra's override syntax: key=value)"
+        return (
+            f"an override does not parse: {text.splitlines()[0]} "
+            "(Hydra's override syntax: key=value)"
+        )
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     return f"{first}{f' ({key})' if key and key not in first else ''}"
 

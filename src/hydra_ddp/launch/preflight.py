@@ -36,7 +36,8 @@ def check(
         initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None),
         _one_line(),
     ):
-        # One job's config: a search preset's sweep (hydra.mode=MULTIRUN) is checked as its base run.
+        # One job's config: a search preset's sweep (hydra.mode=MULTIRUN) is checked as its base
+        # run.
         cfg = compose(
             config_name=config_name,
             overrides=[*overrides, f"hydra.run.dir={run_dir}", "hydra.mode=RUN"],
@@ -68,7 +69,8 @@ def _one_line() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=1)
 def _register_schema() -> None:
-    """Once a process: the ConfigStore keeps it across Hydra's initialisations (many checks, one process)."""
+    """Once a process: the ConfigStore keeps it across Hydra's initialisations (many checks, one
+    process)."""
     register_schema()
 
 

@@ -11,7 +11,8 @@ from hydra_ddp.launch import kubernetes
 
 
 class RankInfo(namedtuple("RankInfo", ["rank", "world_size", "local_rank", "local_world_size"])):
-    """This process among the workers (immutable): its rank and local rank, and how many there are."""
+    """This process among the workers (immutable): its rank and local rank, and how many there
+    are."""
 
     __slots__ = ()
 

@@ -126,8 +126,8 @@ def frozen_imports() -> Iterator[None]:
 
 
 def quiet_resource_tracker() -> None:
-    """A killed worker leaves its semaphores to multiprocessing's resource tracker, which cleans them
-    up and warns; it takes its -W options from ours when it starts."""
+    """A killed worker leaves its semaphores to multiprocessing's resource tracker, which cleans
+    them up and warns; it takes its -W options from ours when it starts."""
     if _QUIET_TRACKER not in sys.warnoptions:
         sys.warnoptions.append(_QUIET_TRACKER)
 

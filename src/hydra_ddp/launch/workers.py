@@ -77,7 +77,8 @@ def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[st
     # the node of global rank 0 shows the run: the others would say nothing more
     if launcher.nnodes > 1:
         log.info(
-            "node %d of %d: %d of the run's workers; the node that holds rank 0 shows its progress, log and summary",
+            "node %d of %d: %d of the run's workers; the node "
+            "that holds rank 0 shows its progress, log and summary",
             launcher.node_rank,
             launcher.nnodes,
             n,
@@ -92,8 +93,9 @@ def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[st
         logging.getLogger(name).setLevel(logging.CRITICAL)
     startup.quiet_resource_tracker()
     summary_file = RunDir(run_dir).result(cfg.job)
-    # Continuing in this directory: only this run's summary counts. The earlier one is set aside (the
-    # workers read it: a run found complete trains nothing) and put back if this run writes none.
+    # Continuing in this directory: only this run's summary counts. The earlier one is set aside
+    # (the workers read it: a run found complete trains nothing) and put back if this run writes
+    # none.
     earlier = RunDir(run_dir).earlier_summary
     set_aside = cfg.job == "train" and launcher.node_rank == 0 and summary_file.exists()
     if set_aside:
@@ -162,13 +164,14 @@ def _host_stores(cfg: RunConfig) -> list[Any]:
 
 def _completed_despite(failure: WorkerFailed, summary_file: Path) -> None:
     """A worker that fails after rank 0 wrote this run's summary failed in its teardown: the summary
-    is written after the last collective, so every rank had finished its work. Warn, and keep the run."""
+    is written after the last collective, so every rank had finished its work. Warn, and keep the
+    run."""
     if not summary_file.exists():
         raise failure
     json.loads(summary_file.read_text())  # whole (written atomically), or this fails loudly
     say(
-        f"hydra-ddp: warning: worker rank {failure.rank} ended badly ({failure.cause}) while exiting, after the run "
-        f"completed ({summary_file} written): the results are complete"
+        f"hydra-ddp: warning: worker rank {failure.rank} ended badly ({failure.cause}) while "
+        f"exiting, after the run completed ({summary_file} written): the results are complete"
     )
 
 
@@ -183,7 +186,8 @@ def _spawn(cfg: RunConfig, run_dir: Path, started_at: float, parent: Optional[in
     )
 
     def forward(signum: int, frame: Any) -> None:
-        # Pre-emption reaches the launcher: pass it on, and the workers checkpoint and stop together.
+        # Pre-emption reaches the launcher: pass it on, and the workers checkpoint and stop
+        # together.
         for process in context.processes:
             if process.is_alive():
                 os.kill(process.pid, signum)
@@ -251,7 +255,8 @@ def _torchrun(
         monitor_interval=launcher.monitor_interval,
         start_method=launcher.start_method,
         local_addr=launcher.local_addr,
-        # The workers' error files where the failure report can read them all, removed after the run.
+        # The workers' error files where the failure report can read them all, removed after the
+        # run.
         logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
     )
     # The agent passes on SIGTERM and SIGINT only: Slurm's pre-emption signals become a SIGTERM.
@@ -276,11 +281,11 @@ def _torchrun(
 
 
 def _first_cause(failures: dict[int, Any], logs: Path) -> tuple[int, str]:
-    """(rank, one line) of the failure that started it. A rank whose peer died fails too (at once, or
-    aborted later), and may be the one the agent reports: it reports one failed worker of its last
-    look. Every local rank's error file of the latest attempt is read (under `logs`, the agent's
-    log folder), beside the reported one's, and a failure of a rank's own is named before one
-    that followed it."""
+    """(rank, one line) of the failure that started it. A rank whose peer died fails too (at once,
+    or aborted later), and may be the one the agent reports: it reports one failed worker of its
+    last look. Every local rank's error file of the latest attempt is read (under `logs`, the
+    agent's log folder), beside the reported one's, and a failure of a rank's own is named before
+    one that followed it."""
     causes = {}
     attempts = sorted(logs.glob("*/attempt_*"), key=lambda path: int(path.name.rsplit("_", 1)[1]))
     for rank, failure in failures.items():

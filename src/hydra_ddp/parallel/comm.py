@@ -11,8 +11,8 @@ allreduce_bytes_per_step is that measurement, the last step's.
   Vogels et al. 2019, the algorithm of torch's powerSGD_hook): (rows + columns) × r numbers
   instead of rows × columns, with error feedback (what the approximation left out is added to
   the next step's gradient) and warm start (last step's Q). Vectors (biases, norms) and matrices
-  too small to gain are all-reduced whole. Before `strategy.powersgd.start_step` every step is a plain
-  all-reduce.
+  too small to gain are all-reduced whole. Before `strategy.powersgd.start_step` every step is a
+  plain all-reduce.
 
 They pay off where the network is the bottleneck (many nodes, slow links); on one machine,
 where the all-reduce is a memory copy, their compute can cost more than they save (bench/).
@@ -41,8 +41,8 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class Traffic:
-    """The bytes this rank hands to the gradient all-reduce in an optimizer step: counted on the very
-    tensors each hook passes to its collective, not computed from the model (the summary's
+    """The bytes this rank hands to the gradient all-reduce in an optimizer step: counted on the
+    very tensors each hook passes to its collective, not computed from the model (the summary's
     allreduce_bytes_per_step). A step ends with DDP's last bucket."""
 
     def __init__(self) -> None:
@@ -64,8 +64,8 @@ def register(
     model: nn.parallel.DistributedDataParallel, name: str, traffic: Traffic, powersgd: Any = None
 ) -> Optional[PowerSGD]:
     """Register the configured hook on the DDP model, before its first step; every hook counts what
-    it sends in `traffic` (none: the same fp32 all-reduce as DDP's built-in one, divided first). PowerSGD's
-    object is returned: its state goes into checkpoints."""
+    it sends in `traffic` (none: the same fp32 all-reduce as DDP's built-in one, divided first).
+    PowerSGD's object is returned: its state goes into checkpoints."""
     if name == "powersgd":
         hook = PowerSGD(
             model.module, model.process_group, powersgd.rank, powersgd.start_step, traffic=traffic
@@ -83,7 +83,8 @@ class _AllReduce:
     def __init__(self, group: Any, traffic: Traffic, dtype: Optional[torch.dtype]):
         self.group, self.traffic, self.dtype = group, traffic, dtype
 
-    # DDP checks the hook's annotations against its own types: none here (this module's are strings).
+    # DDP checks the hook's annotations against its own types: none here (this module's are
+    # strings).
     def hook(self, state, bucket):  # noqa: ANN001, ANN201
         buffer = bucket.buffer()
         world = dist.get_world_size(self.group)
@@ -135,7 +136,8 @@ class PowerSGD:
         # the last step's Q (all-reduced: the same on every rank)
         self.qs: dict[str, torch.Tensor] = {}
 
-    # DDP checks the hook's annotations against its own types: none here (this module's are strings).
+    # DDP checks the hook's annotations against its own types: none here (this module's are
+    # strings).
     def hook(self, state, bucket):  # noqa: ANN001, ANN201
         buffer = bucket.buffer()
         world = dist.get_world_size(self.group)
@@ -194,7 +196,8 @@ class PowerSGD:
 
     # --- checkpoints ----------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        """Every rank calls it at the same step: the error feedback is each rank's own (gathered)."""
+        """Every rank calls it at the same step: the error feedback is each rank's own
+        (gathered)."""
         names = sorted(self.errors)
         errors: list[torch.Tensor] = []
         if names:  # the same names on every rank: they compress in lockstep
@@ -216,15 +219,18 @@ class PowerSGD:
         self.step = step
         if not saved or saved.get("hook") != "powersgd" or saved["rank"] != self.rank:
             return (
-                f"the checkpoint holds no PowerSGD state of rank {self.rank}: warm start and error feedback "
-                "begin afresh"
+                "the checkpoint holds no PowerSGD state of rank "
+                f"{self.rank}: warm start and error feedback begin afresh"
                 if step > self.start_step
                 else None
             )
         self.qs = {name: q.clone() for name, q in saved["q"].items()}
         errors, world = saved["errors"], dist.get_world_size(self.group)
         if errors and len(errors) != world:
-            return f"PowerSGD's error feedback was saved by {len(errors)} ranks, not {world}: it begins afresh"
+            return (
+                "PowerSGD's error feedback was saved by "
+                f"{len(errors)} ranks, not {world}: it begins afresh"
+            )
         if errors:
             names = saved["error_names"]
             parts = errors[dist.get_rank(self.group)].split(

@@ -1,4 +1,5 @@
-"""The process group: backends, init methods, the rendezvous store, collectives on small values, teardown."""
+"""The process group: backends, init methods, the rendezvous store, collectives on small values,
+teardown."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from hydra_ddp.launch.ranks import (  # noqa: F401  (re-exported: callers ask th
 
 def adopt_launcher_environment() -> None:
     """A worker started by submitit (Slurm, or its local executor) or by srun reads who it is in
-    their variables: exported here as RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT."""
+    their variables: exported here as RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    MASTER_ADDR/PORT."""
     if "RANK" in os.environ:
         return
     if "SUBMITIT_EXECUTOR" in os.environ:
@@ -80,7 +82,8 @@ def resolve_backend(
     if name == "nccl":
         if not host.cuda or not host.nccl:
             raise UserError(
-                "backend=nccl needs CUDA GPUs and none are available here; use backend=gloo (or auto)"
+                "backend=nccl needs CUDA GPUs and none are "
+                "available here; use backend=gloo (or auto)"
             )
         if device != "cuda":
             raise UserError(
@@ -92,8 +95,9 @@ def resolve_backend(
     if name == "mpi":
         if not host.mpi:
             raise UserError(
-                "backend=mpi: this torch build has no MPI support (torch.distributed.is_mpi_available() is False); "
-                "use backend=gloo (or nccl on GPUs) — mpirun can still launch it"
+                "backend=mpi: this torch build has no MPI support "
+                "(torch.distributed.is_mpi_available() is False); use "
+                "backend=gloo (or nccl on GPUs) — mpirun can still launch it"
             )
         return name
     raise UserError(f"unknown backend {name!r}; choose auto, gloo, nccl or mpi")
@@ -110,9 +114,9 @@ def gpu_index(local_rank: int, local_world_size: int, visible: int, outside_laun
         return 0
     where = "each process sees" if outside_launch else "this host has"
     raise UserError(
-        f"one GPU per process: {local_world_size} process(es) on this node but {where} {visible} GPU(s); "
-        f"set trainer.nproc={visible} (or auto), give each task its own GPU (srun --gpus-per-task=1), "
-        "or use backend=gloo"
+        f"one GPU per process: {local_world_size} process(es) on this node but "
+        f"{where} {visible} GPU(s); set trainer.nproc={visible} (or auto), give "
+        "each task its own GPU (srun --gpus-per-task=1), or use backend=gloo"
     )
 
 
@@ -188,11 +192,12 @@ def serve_store(
 def _port_in_use(host: str, port: int, setting: str) -> UserError:
     if setting == "MASTER_PORT":
         return UserError(
-            f"MASTER_PORT={port} (exported) is already in use on {host}; export a free port, or unset "
-            "MASTER_PORT (a free one is picked)"
+            f"MASTER_PORT={port} (exported) is already in use on {host}; "
+            "export a free port, or unset MASTER_PORT (a free one is picked)"
         )
     return UserError(
-        f"port {port} on {host} is already in use; set {setting} to a free port, or to null (a free one is picked)"
+        f"port {port} on {host} is already in use; set {setting} "
+        "to a free port, or to null (a free one is picked)"
     )
 
 
@@ -225,7 +230,8 @@ def process_group(
     backend: str, init: Any, rank: RankInfo, timeout_s: int, device: torch.device
 ) -> Iterator[None]:
     """Join the group through torch's rendezvous handler for the init method's URL; always leave it,
-    so the next job in a multirun starts clean. An outside launcher's env:// is its MASTER_ADDR/PORT."""
+    so the next job in a multirun starts clean. An outside launcher's env:// is its
+    MASTER_ADDR/PORT."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     attempt = int(

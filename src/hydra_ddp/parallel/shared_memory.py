@@ -1,14 +1,16 @@
-"""DDP's gradient all-reduce through shared memory, for CPU ranks on one host (`strategy.shared_memory`).
+"""DDP's gradient all-reduce through shared memory, for CPU ranks on one host
+(`strategy.shared_memory`).
 
 gloo sends a CPU all-reduce through loopback TCP: beside training ranks its threads and theirs wake
-each other through the scheduler, and the wait is a large share of a small model's step. Ranks that share a host can
-instead meet in one shared segment: each writes its share of the gradients into its own slot, says
-so in its own counter, and once every counter has moved, sums the slots itself. That is two copies
-of the gradients in memory and no socket (its speed-up: bench/results/REPORT.md).
+each other through the scheduler, and the wait is a large share of a small model's step. Ranks that
+share a host can instead meet in one shared segment: each writes its share of the gradients into its
+own slot, says so in its own counter, and once every counter has moved, sums the slots itself. That
+is two copies of the gradients in memory and no socket (its speed-up: bench/results/REPORT.md).
 
 - The sum is rank 0's share + rank 1's + … in that order on every rank, each share divided by the
-  world size first, as DDP's own all-reduce does: at 2 ranks bit-identical to gloo's (a + b == b + a),
-  at more ranks within float tolerance of gloo's ring, and the same under every launcher.
+  world size first, as DDP's own all-reduce does: at 2 ranks bit-identical to gloo's
+  (a + b == b + a), at more ranks within float tolerance of gloo's ring, and the same under every
+  launcher.
 - DDP hands over its buckets one by one during the backward; they are summed together when the
   last arrives (one meeting per step: on a busy CPU, overlapping the all-reduce with the backward
   gains nothing, and each meeting waits for the slowest rank).
@@ -40,7 +42,8 @@ from hydra_ddp.errors import UserError
 from hydra_ddp.launch import startup
 
 # Where the segment lives: a tmpfs. HYDRA_DDP_SHM_DIR names another where /dev/shm is small
-# (Docker's default is 64 MB; the segment is 2 × world size × the gradients' bytes, at most 8 MB each).
+# (Docker's default is 64 MB; the segment is 2 × world size × the gradients' bytes, at most 8 MB
+# each).
 SHM_DIR = Path(os.environ.get("HYDRA_DDP_SHM_DIR", "/dev/shm"))
 PREFIX = "hydra-ddp-"  # then rank 0's pid and a random part
 STALE_S = 60
@@ -55,7 +58,8 @@ LIVENESS_EVERY_S = 0.5  # while waiting: are the ranks we wait for still alive?
 
 def unavailable(backend: str, device: str, world_size: int, local_world_size: int) -> list[str]:
     """Why the shared-memory all-reduce cannot serve this run (empty: it can). The config-level
-    conditions (DDP, no comm hook, even shards, no compile) are checked by parallel/strategies/ddp.py."""
+    conditions (DDP, no comm hook, even shards, no compile) are checked by
+    parallel/strategies/ddp.py."""
     reasons = []
     if device != "cpu":
         reasons.append(f"it sums CPU tensors (this run is on {device})")
@@ -96,7 +100,8 @@ class SharedMemoryAllReduce:
     def _map(self) -> tuple[mmap.mmap, dict[int, tuple[int, str]]]:
         """The mapped segment, and the other ranks' (pid, start time) where this rank can see their
         /proc entries (its liveness checks)."""
-        # Every rank is here before rank 0 creates anything: a rank that failed earlier leaves no segment.
+        # Every rank is here before rank 0 creates anything: a rank that failed earlier leaves no
+        # segment.
         named = [
             str(SHM_DIR / f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"),
             secrets.token_bytes(TOKEN_BYTES),
@@ -169,7 +174,8 @@ class SharedMemoryAllReduce:
         return "", memory
 
     # --- the hook ---------------------------------------------------------------------------------
-    # DDP checks the hook's annotations against its own types: none here (this module's are strings).
+    # DDP checks the hook's annotations against its own types: none here (this module's are
+    # strings).
     def hook(self, state, bucket):  # noqa: ANN001, ANN201
         buffer = bucket.buffer()
         if buffer.is_sparse or not buffer.is_contiguous():
@@ -198,9 +204,9 @@ class SharedMemoryAllReduce:
             slots = self.slots[self.meetings % 2, :, : chunk.numel() * chunk.element_size()].view(
                 chunk.dtype
             )
-            # Each share divided first, as DDP's own all-reduce does, straight into this rank's slot;
-            # then the slots summed in rank order straight into the bucket: two passes over the
-            # gradients, where a divide in place, a copy in, a copy out and an add took four.
+            # Each share divided first, as DDP's own all-reduce does, straight into this rank's
+            # slot; then the slots summed in rank order straight into the bucket: two passes over
+            # the gradients, where a divide in place, a copy in, a copy out and an add took four.
             torch.div(chunk, self.world, out=slots[self.rank])
             self.counters[self.rank * 8] = self.meetings  # after the data: x86-64 keeps the order
             self._wait_for_all(self.meetings)
@@ -230,8 +236,8 @@ class SharedMemoryAllReduce:
                 if now - since > self.timeout_s:
                     names = ", ".join(str(r) for r in behind)
                     raise RuntimeError(
-                        f"timed out after {self.timeout_s:g} s (backend.timeout_s) waiting for rank(s) "
-                        f"{names} at the gradient all-reduce"
+                        f"timed out after {self.timeout_s:g} s (backend.timeout_s) "
+                        f"waiting for rank(s) {names} at the gradient all-reduce"
                     )
             if checks <= SPINS + YIELDS:
                 os.sched_yield()
@@ -263,6 +269,7 @@ def _remove_stale() -> None:
 
 
 def _started(pid: int) -> str:
-    """A process's start time (/proc/PID/stat, field 22); "" when it is gone, a zombie, or not visible."""
+    """A process's start time (/proc/PID/stat, field 22); "" when it is gone, a zombie, or not
+    visible."""
     fields = startup.proc_stat(pid)
     return "" if not fields or fields[0] in ("Z", "X") else fields[19]

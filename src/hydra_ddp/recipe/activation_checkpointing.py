@@ -28,7 +28,8 @@ Every = Annotated[int, AtLeast(1)]
 
 def blocks(module: nn.Module) -> Optional[list[nn.Module]]:
     """The model's repeated blocks, as it names them: a `shard_units()` method (the GPT here), or a
-    Hugging Face model's decoder layers (the classes its `_no_split_modules` names). None: it names none."""
+    Hugging Face model's decoder layers (the classes its `_no_split_modules` names). None: it names
+    none."""
     if hasattr(module, "shard_units"):
         return list(module.shard_units())
     layer_classes = set(getattr(module, "_no_split_modules", None) or ())
@@ -37,7 +38,8 @@ def blocks(module: nn.Module) -> Optional[list[nn.Module]]:
 
 
 def chosen(found: list[nn.Module], mode: str, every: int) -> list[nn.Module]:
-    """The blocks `mode` checkpoints: all (full), every `every`-th from the first (every_k), none."""
+    """The blocks `mode` checkpoints: all (full), every `every`-th from the first (every_k),
+    none."""
     if mode == "full":
         return list(found)
     if mode == "every_k":
@@ -67,9 +69,9 @@ def _recomputed(forward: Any, *args: Any, **kwargs: Any) -> Any:
 
 def no_blocks(mode: str, model: str) -> str:
     return (
-        f"strategy.activation_checkpointing={mode} needs a model that names its blocks (a shard_units() "
-        f"method, as model=gpt has, or a transformers model's _no_split_modules); {model} names none: "
-        "leave it none"
+        f"strategy.activation_checkpointing={mode} needs a model that names its "
+        "blocks (a shard_units() method, as model=gpt has, or a transformers "
+        f"model's _no_split_modules); {model} names none: leave it none"
     )
 
 

@@ -33,13 +33,15 @@ def no_decay_names(module: nn.Module, no_decay: Any) -> list[str]:
 
 
 def unmatched(module: nn.Module, patterns: list[str]) -> list[str]:
-    """The patterns that name none of the model's parameters (a misspelt name would silently decay)."""
+    """The patterns that name none of the model's parameters (a misspelt name would silently
+    decay)."""
     names = [name for name, _, _ in _named(module)]
     return [p for p in patterns if not any(fnmatch.fnmatchcase(name, p) for name in names)]
 
 
 def _named(module: nn.Module) -> list[tuple[str, nn.Module, nn.Parameter]]:
-    """(name, the module that owns it, parameter), each parameter once (a tied one by its first name)."""
+    """(name, the module that owns it, parameter), each parameter once (a tied one by its first
+    name)."""
     seen: set[int] = set()
     found = []
     for prefix, owner in module.named_modules():
@@ -99,7 +101,8 @@ def build(
     optimizer = make(_by_kind([group for group in groups if group["params"]]))
     decay = optimizer.defaults.get("weight_decay")
     log.info(
-        "weight decay %s on %d tensors (%s parameters); none on %d tensors (%s parameters: param_groups.no_decay=%s)",
+        "weight decay %s on %d tensors (%s parameters); none on "
+        "%d tensors (%s parameters: param_groups.no_decay=%s)",
         decay,
         len(decayed),
         f"{sum(p.numel() for p in decayed):,}",

@@ -94,8 +94,9 @@ def _warmup(name: str, total: int, warmup_steps: Optional[int], warmup_ratio: fl
     warmup = warmup_steps if warmup_steps is not None else int(warmup_ratio * total)
     if warmup >= total:
         raise UserError(
-            f"scheduler={name}: a warmup of {warmup} steps is not shorter than the run's {total} optimizer "
-            "steps; lower scheduler.warmup_steps (or warmup_ratio), or train longer"
+            f"scheduler={name}: a warmup of {warmup} steps is not "
+            f"shorter than the run's {total} optimizer steps; lower "
+            "scheduler.warmup_steps (or warmup_ratio), or train longer"
         )
     return warmup
 
@@ -117,8 +118,8 @@ def _check_ratio(name: str, min_lr_ratio: float) -> None:
 
 
 class _WarmupThenDecay:
-    """A schedule's builder (what conf/scheduler/NAME.yaml's `_target_` names): a linear warmup, then
-    the rate down along `decay` to min_lr_ratio × the rate at the run's end."""
+    """A schedule's builder (what conf/scheduler/NAME.yaml's `_target_` names): a linear warmup,
+    then the rate down along `decay` to min_lr_ratio × the rate at the run's end."""
 
     def __init__(self, name: str, decay: str):
         self.name, self.decay = name, decay
@@ -188,8 +189,8 @@ def wsd(
     decay_from = total - math.ceil(decay_ratio * total)
     if decay_from < warmup:
         raise UserError(
-            f"scheduler=wsd: the decay's {total - decay_from} steps and the warmup's {warmup} overlap in a run "
-            f"of {total} optimizer steps; lower decay_ratio or the warmup"
+            f"scheduler=wsd: the decay's {total - decay_from} steps and the warmup's {warmup} "
+            f"overlap in a run of {total} optimizer steps; lower decay_ratio or the warmup"
         )
     return StepSchedule(optimizer, Shape(total, warmup, decay_from, decay, min_lr_ratio), name)
 
@@ -206,8 +207,9 @@ def _per_step_builder(builder: Any) -> bool:
 def build(
     scheduler_cfg: Any, optimizer: torch.optim.Optimizer, total_steps: Optional[int]
 ) -> Optional[Any]:
-    """The run's schedule: a per-step one (a builder that takes total_steps: this module's) is given the
-    run's optimizer steps; torch's own (stepped per epoch) only the optimizer. None: a constant rate."""
+    """The run's schedule: a per-step one (a builder that takes total_steps: this module's) is given
+    the run's optimizer steps; torch's own (stepped per epoch) only the optimizer. None: a constant
+    rate."""
     if scheduler_cfg is None:
         return None
     builder = instantiate(scheduler_cfg)
@@ -222,7 +224,8 @@ def per_step(scheduler: Any) -> bool:
 
 class Stepping:
     """When the loop steps the run's schedule (torch's per-epoch schedulers at an epoch's end, a
-    StepSchedule after every optimizer step), and a per-step schedule's rates until they are logged."""
+    StepSchedule after every optimizer step), and a per-step schedule's rates until they are
+    logged."""
 
     def __init__(self, scheduler: Optional[Any], optimizer: torch.optim.Optimizer):
         self.scheduler, self.optimizer = scheduler, optimizer
@@ -250,5 +253,6 @@ class Stepping:
         return taken
 
     def epoch_rate(self) -> dict[str, float]:
-        """What validation logs of the rate: a per-epoch schedule's (a per-step one's go with the loss)."""
+        """What validation logs of the rate: a per-epoch schedule's (a per-step one's go with the
+        loss)."""
         return {} if self.per_step else {"train/lr": self.optimizer.param_groups[0]["lr"]}

@@ -1,4 +1,5 @@
-"""Model FLOPs and FLOP utilisation (MFU): one step counted on a meta-device copy of the model, against a peak.
+"""Model FLOPs and FLOP utilisation (MFU): one step counted on a meta-device copy of the model,
+against a peak.
 
 Counted with torch's own FlopCounterMode (matmuls, convolutions, attention; elementwise ops are
 not counted, as in every MFU figure of the field). On the meta device nothing is computed or
@@ -46,10 +47,10 @@ CPU_FALLBACK_PARAMETERS = 2**28
 
 
 def run_shapes_only(build_model: Any, fn: Any, meta_batch: Any, real_batch: Any) -> Any:
-    """fn(model, batch) with the model built on the meta device (no memory, any size) and the batch's
-    shapes; for a model whose forward reads its inputs' values, with the model built on the CPU and
-    `real_batch` (None: the meta error stands; a meta_batch of None goes to the CPU at once).
-    Raises what fn raises."""
+    """fn(model, batch) with the model built on the meta device (no memory, any size) and the
+    batch's shapes; for a model whose forward reads its inputs' values, with the model built on the
+    CPU and `real_batch` (None: the meta error stands; a meta_batch of None goes to the CPU at
+    once). Raises what fn raises."""
     with torch.device("meta"):
         model = build_model()
     if meta_batch is not None:
@@ -61,8 +62,8 @@ def run_shapes_only(build_model: Any, fn: Any, meta_batch: Any, real_batch: Any)
     parameters = sum(p.numel() for p in model.parameters())
     if parameters > CPU_FALLBACK_PARAMETERS:
         raise RuntimeError(
-            f"its forward reads its inputs' values, and at {parameters:,} parameters it is too large "
-            "to run on the CPU instead of the meta device"
+            f"its forward reads its inputs' values, and at {parameters:,} parameters "
+            "it is too large to run on the CPU instead of the meta device"
         )
     return fn(build_model(), real_batch)
 
@@ -87,7 +88,8 @@ def count(
 
 
 def gpu_peak(name: str, precision: str, tf32: bool) -> Optional[tuple[float, str]]:
-    """(peak FLOP/s, where it is from) for a GPU named `name` at trainer.precision, if in the table."""
+    """(peak FLOP/s, where it is from) for a GPU named `name` at trainer.precision, if in the
+    table."""
     kind = "bf16" if precision in ("bf16", "16") else ("tf32" if tf32 else "fp32")
     for key, peaks in PEAK_FLOPS:
         if key in name:
@@ -171,7 +173,10 @@ def line(flops: dict[str, Any]) -> Optional[str]:
         f"({si(flops['per_sample'])} per sample, forward and backward)"
     )
     if flops.get("mfu") is not None:
-        return f"{text}; MFU {flops['mfu']:.3f} of {si(flops['peak_per_rank'], 'FLOP/s')} ({flops['peak_source']})"
+        return (
+            f"{text}; MFU {flops['mfu']:.3f} of "
+            f"{si(flops['peak_per_rank'], 'FLOP/s')} ({flops['peak_source']})"
+        )
     return f"{text}; no MFU: {flops['peak_source']}"
 
 

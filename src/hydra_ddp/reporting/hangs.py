@@ -82,7 +82,8 @@ def stall_after_s(timeout_s: float) -> float:
 def enable_flight_recorder(backend: str, run_dir: Optional[Path]) -> None:
     """Before the process group is made: torch's flight recorder on (unless the user set it), and
     NCCL's dump on a timeout into the run's stacks folder (`run_dir` None: an outside launch's rank,
-    which learns the run directory only from the group; NCCL's dump then goes to its default place)."""
+    which learns the run directory only from the group; NCCL's dump then goes to its default
+    place)."""
     if "nccl" in backend:
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
@@ -96,7 +97,8 @@ def enable_flight_recorder(backend: str, run_dir: Optional[Path]) -> None:
 
 
 class Watchdog:
-    """A daemon thread that samples the main thread's call chain and dumps it once it stops changing."""
+    """A daemon thread that samples the main thread's call chain and dumps it once it stops
+    changing."""
 
     def __init__(self, run_dir: Path, rank: int, stall_after: float):
         self.folder, self.rank, self.stall_after = Path(run_dir) / STACKS, rank, stall_after
@@ -147,8 +149,8 @@ class Watchdog:
         stalled = time.time() - since
         name = self.folder / f"rank{self.rank}"
         header = (
-            f"rank {self.rank} (pid {os.getpid()}, {socket.gethostname()}): no progress for {stalled:.0f} s, "
-            f"at {place['at']} in {place['function']}"
+            f"rank {self.rank} (pid {os.getpid()}, {socket.gethostname()}): no "
+            f"progress for {stalled:.0f} s, at {place['at']} in {place['function']}"
             + (f", waiting in {place['waits_in']}" if place["waits_in"] else "")
             + "\n\n"
         )
@@ -163,7 +165,8 @@ class Watchdog:
             faulthandler.dump_traceback(out, all_threads=True)
             for pid, dump in self.loader_stacks.items():
                 out.write(
-                    f"\nIts loader worker, pid {pid}, every thread (most recent call first):\n{dump}"
+                    f"\nIts loader worker, pid {pid}, every "
+                    f"thread (most recent call first):\n{dump}"
                 )
         os.replace(f"{name}.txt.tmp", f"{name}.txt")
         # the recorder's last collective does not change while the rank is stuck
@@ -263,8 +266,14 @@ def loader_stacks() -> dict[int, str]:
 
 def _never_started() -> str:
     """What the report says of a forked loader worker that never reached its init."""
-    cause = f"; Python {platform.python_version()} can deadlock there: CPython gh-112275, fixed in 3.11.10"
-    return f"never started: it did not reach its init (stuck in its fork{'' if fork_safe_python() else cause})\n"
+    cause = (
+        f"; Python {platform.python_version()} can deadlock "
+        "there: CPython gh-112275, fixed in 3.11.10"
+    )
+    return (
+        "never started: it did not reach its init (stuck in "
+        f"its fork{'' if fork_safe_python() else cause})\n"
+    )
 
 
 def fork_safe_python() -> bool:
@@ -406,7 +415,8 @@ def describe(run_dir: Path, timeout_s: float) -> Optional[str]:
         + (f" ({s['code']})" if s.get("code") else "")
         + (f" after collective {s['last_collective']}" if s.get("last_collective") else "")
         + (
-            f", its loader worker{'s' if len(s['loader_workers']) > 1 else ''} at {', '.join(s['loader_workers'])}"
+            f", its loader worker{'s' if len(s['loader_workers']) > 1 else ''} "
+            f"at {', '.join(s['loader_workers'])}"
             if s.get("loader_workers")
             else ""
         )

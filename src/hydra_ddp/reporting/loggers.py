@@ -39,8 +39,8 @@ def config_yaml(config: Any) -> str:
 class Logger:
     """The interface (every method may do nothing)."""
 
-    # Packages it needs beyond the project's own, each (module, its name, how to install it): checked
-    # before launch (config.checks), so a missing one is one line and no worker starts.
+    # Packages it needs beyond the project's own, each (module, its name, how to install it):
+    # checked before launch (config.checks), so a missing one is one line and no worker starts.
     requires: ClassVar[tuple[tuple[str, str, str], ...]] = ()
 
     @classmethod
@@ -288,7 +288,8 @@ class MLflow(Logger):
             return self.client.get_experiment_by_name(name).experiment_id
 
     def _parent(self, experiment_id: str, sweep_dir: Path) -> str:
-        """The sweep's parent run, created by the first job (a lock file serialises parallel jobs)."""
+        """The sweep's parent run, created by the first job (a lock file serialises parallel
+        jobs)."""
         import fcntl
 
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -302,7 +303,8 @@ class MLflow(Logger):
                 run_name=f"sweep {sweep_dir.name}",
                 tags={"sweep_dir": str(sweep_dir)},
             )
-            # The store too: the sweep's end (end_sweep, in the launching process) closes the parent run.
+            # The store too: the sweep's end (end_sweep, in the launching process) closes the parent
+            # run.
             id_file.write_text(f"{parent.info.run_id}\n{self.client.tracking_uri}\n")
             return parent.info.run_id
 
@@ -374,7 +376,8 @@ class MLflow(Logger):
         tested = summary.get("tested") or {}
         if tested.get("checkpoint"):
             self.client.set_tag(self.run_id, "tested_checkpoint", tested["checkpoint"])
-        # Stopped by a signal: resumable, so not FINISHED (trainer.resume=auto sets it running again).
+        # Stopped by a signal: resumable, so not FINISHED (trainer.resume=auto sets it running
+        # again).
         self.client.set_terminated(
             self.run_id, "KILLED" if summary.get("stopped_by") else "FINISHED"
         )

@@ -117,8 +117,8 @@ def format_summary(s: dict[str, Any]) -> str:
             [
                 (
                     "strategy",
-                    f"{s['strategy']}, {s['model_state_bytes']['total'] / 2**20:.2f} MB of model state per rank "
-                    "(parameters, gradients, optimizer)",
+                    f"{s['strategy']}, {s['model_state_bytes']['total'] / 2**20:.2f} "
+                    "MB of model state per rank (parameters, gradients, optimizer)",
                 )
             ]
             if s.get("model_state_bytes")
@@ -181,8 +181,8 @@ def format_summary(s: dict[str, Any]) -> str:
             [
                 (
                     "start-up",
-                    f"workers ready at {s['time_to_workers_ready_s']:.1f} s, the first step done at "
-                    f"{s['time_to_first_step_s']:.1f} s (from the command's start)",
+                    f"workers ready at {s['time_to_workers_ready_s']:.1f} s, the first step "
+                    f"done at {s['time_to_first_step_s']:.1f} s (from the command's start)",
                 )
             ]
             if s.get("time_to_workers_ready_s") is not None
@@ -191,8 +191,9 @@ def format_summary(s: dict[str, Any]) -> str:
         ),
         (
             "wall time",
-            f"{s['wall_time_s']:.1f} s (training {s['train_time_s']:.1f} s, evaluation "
-            f"{s['eval_time_s']:.1f} s, {s['checkpoints']} checkpoint(s) {s['checkpoint_time_s']:.1f} s)",
+            f"{s['wall_time_s']:.1f} s (training {s['train_time_s']:.1f} "
+            f"s, evaluation {s['eval_time_s']:.1f} s, {s['checkpoints']} "
+            f"checkpoint(s) {s['checkpoint_time_s']:.1f} s)",
         ),
         ("run directory", s["run_dir"]),
     ]
@@ -206,8 +207,8 @@ def _batch_line(s: dict[str, Any]) -> str:
     replicas = total // (micro * accumulate)
     tokens = f" ({s['tokens_per_step']:,.0f} tokens)" if s.get("tokens_per_step") else ""
     return (
-        f"{total} samples per optimizer step{tokens}: micro-batches of {micro} × {accumulate} accumulated × "
-        f"{replicas} replica{'s' if replicas > 1 else ''}"
+        f"{total} samples per optimizer step{tokens}: micro-batches of {micro} × "
+        f"{accumulate} accumulated × {replicas} replica{'s' if replicas > 1 else ''}"
     )
 
 

@@ -126,7 +126,8 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 def _add_speedup(rows: list[dict[str, Any]]) -> None:
-    """Speed-up over the smallest world size's throughput; efficiency = speed-up ÷ world-size ratio."""
+    """Speed-up over the smallest world size's throughput; efficiency = speed-up ÷ world-size
+    ratio."""
     done = [r for r in rows if r["status"] == "ok" and r.get("samples_per_sec")]
     if not done:
         return
@@ -178,8 +179,10 @@ def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
         lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
     lines += [
         "",
-        "Speed-up is over the smallest world size's samples/s; efficiency is speed-up divided by the",
-        "world-size ratio (1.0 is perfect scaling). Throughput counts training steps only. Model FLOP/s",
+        "Speed-up is over the smallest world size's "
+        "samples/s; efficiency is speed-up divided by the",
+        "world-size ratio (1.0 is perfect scaling). "
+        "Throughput counts training steps only. Model FLOP/s",
         "and MFU: the summary's `flops` (counted once per run; the peak as each summary names it).",
         "",
     ]
@@ -294,7 +297,8 @@ def report(sweep_dir: Path) -> Optional[tuple[str, list[dict[str, Any]]]]:
 
 
 class SweepReport(Callback):
-    """Hydra callback: checks a search's direction at the start; the report once every job has run."""
+    """Hydra callback: checks a search's direction at the start; the report once every job has
+    run."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         problem = check_search(config)
@@ -333,14 +337,16 @@ class SweepReport(Callback):
             )
         elif failed:  # a sweep with a failed job does not pass for a success
             print(
-                f"hydra-ddp: error: {len(failed)} of {len(rows)} jobs failed (see {sweep_dir / f'{kind}.md'})",
+                f"hydra-ddp: error: {len(failed)} of {len(rows)} "
+                f"jobs failed (see {sweep_dir / f'{kind}.md'})",
                 file=sys.stderr,
             )
             sys.exit(1)
 
 
 def failed_row(row: dict[str, Any]) -> bool:
-    """Failed, or ended by Slurm (cancelled, timeout…); a run stopped by a signal has its summary."""
+    """Failed, or ended by Slurm (cancelled, timeout…); a run stopped by a signal has its
+    summary."""
     return row["status"] not in ("ok", "pruned") and not row["status"].startswith("stopped")
 
 

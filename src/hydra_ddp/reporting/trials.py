@@ -27,7 +27,8 @@ METRICS_AT = 6  # where in TRIAL_COLUMNS the metric columns go
 
 
 def metric_columns(rows: list[dict[str, Any]], splits: tuple[str, ...]) -> list[str]:
-    """{split}_{metric} for the metrics the jobs' tasks report (in their order; every job's, once)."""
+    """{split}_{metric} for the metrics the jobs' tasks report (in their order; every job's,
+    once)."""
     names = list(dict.fromkeys(name for r in rows for name in r.get("metrics") or ()))
     return [f"{split}_{name}" for split in splits for name in names]
 
@@ -67,7 +68,8 @@ def write_trials(rows: list[dict[str, Any]], sweep_dir: Path) -> list[dict[str, 
     lines = [f"# Sweep report: {sweep_dir}", ""]
     if best:
         lines += [
-            f"Best: job {best['job']} ({best['swept']}), {monitor} {fmt(best['objective'], 4)}: {best['run_dir']}",
+            f"Best: job {best['job']} ({best['swept']}), {monitor} "
+            f"{fmt(best['objective'], 4)}: {best['run_dir']}",
             "",
         ]
     lines += [
@@ -91,7 +93,8 @@ def write_trials(rows: list[dict[str, Any]], sweep_dir: Path) -> list[dict[str, 
         lines.append("| " + " | ".join(fmt(c, 4) for c in cells) + " |")
     lines += [
         "",
-        "Ranked by the objective: trainer.monitor's best value over each trial's validations (never the",
+        "Ranked by the objective: trainer.monitor's best "
+        "value over each trial's validations (never the",
         "test set's). Each trial's test metrics are of its selected weights, read once.",
         "",
     ]
@@ -113,13 +116,17 @@ def check_search(config: DictConfig) -> Optional[str]:
 
     metric, mode = monitor.of_config(config)
     if metric is None:
-        return "the Optuna sweeper optimises trainer.monitor: set it (e.g. trainer.monitor=val/accuracy)"
+        return (
+            "the Optuna sweeper optimises trainer.monitor: "
+            "set it (e.g. trainer.monitor=val/accuracy)"
+        )
     pruner = (config.hydra.get("sweeper") or {}).get("pruner", "none")
     # nothing is monitored
     if pruner != "none" and metric.startswith("val/") and not config.data.val_fraction:
         return (
-            f"hydra.sweeper.pruner={pruner} needs a monitored metric after each epoch, and data.val_fraction=0 "
-            "leaves no validation: set data.val_fraction (e.g. 0.1), or hydra.sweeper.pruner=none"
+            f"hydra.sweeper.pruner={pruner} needs a monitored metric after "
+            "each epoch, and data.val_fraction=0 leaves no validation: set "
+            "data.val_fraction (e.g. 0.1), or hydra.sweeper.pruner=none"
         )
     wanted = {"max": "maximize", "min": "minimize"}[mode]
     given = [
@@ -128,7 +135,8 @@ def check_search(config: DictConfig) -> Optional[str]:
     ]
     if given != [wanted]:
         return (
-            f"hydra.sweeper.direction={direction} but trainer.monitor={metric} is best at its "
-            f"{'highest' if wanted == 'maximize' else 'lowest'}: set hydra.sweeper.direction={wanted}"
+            f"hydra.sweeper.direction={direction} but trainer.monitor={metric} "
+            f"is best at its {'highest' if wanted == 'maximize' else 'lowest'}: "
+            f"set hydra.sweeper.direction={wanted}"
         )
     return None

@@ -131,7 +131,8 @@ class WandB(Logger):
 
         if checkpoint_artifact not in ("reference", "upload", "none"):
             raise ValueError(
-                f"logger.wandb.checkpoint_artifact: expected reference, upload or none, got {checkpoint_artifact!r}"
+                "logger.wandb.checkpoint_artifact: expected reference, "
+                f"upload or none, got {checkpoint_artifact!r}"
             )
         self.checkpoint_artifact = checkpoint_artifact
         self.root = Path(dir) if dir else Path(run_dir)

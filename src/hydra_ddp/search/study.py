@@ -26,7 +26,8 @@ PRUNERS = ("median", "hyperband", "none")
 
 
 def storage_of(location: str) -> Any:
-    """An Optuna storage: a URL as Optuna takes it (sqlite:///..., postgresql://...), else a journal file."""
+    """An Optuna storage: a URL as Optuna takes it (sqlite:///..., postgresql://...), else a journal
+    file."""
     if "://" in location:
         return location
     from optuna.storages import JournalStorage
@@ -74,7 +75,8 @@ def started(study: Any) -> int:
 
 def recover(study: Any, sweep_dir: Path) -> list[int]:
     """Trials a dead sweep left running: told how their jobs ended where a job finished before the
-    sweep died (its summary written), else failed (the job died with it). The failed ones' numbers."""
+    sweep died (its summary written), else failed (the job died with it). The failed ones'
+    numbers."""
     from optuna.trial import TrialState
 
     failed = []
@@ -103,7 +105,8 @@ def exclusive(sweep_dir: Path) -> Iterator[None]:
 
 
 def outcome(job_dir: Path, returned: Any) -> tuple[str, Optional[float]]:
-    """How a trial's job ended, from its directory: ("pruned" | "complete", value) or ("fail", None)."""
+    """How a trial's job ended, from its directory: ("pruned" | "complete", value) or ("fail",
+    None)."""
     run = RunDir(job_dir)
     if run.error.exists() or not run.summary.exists():
         return "fail", None

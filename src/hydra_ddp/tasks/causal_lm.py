@@ -35,9 +35,10 @@ class CausalLM(Task):
     def split(self, batch: Any) -> tuple[Any, Any]:
         if not isinstance(batch, Mapping) or "labels" not in batch:
             raise UserError(
-                f"task=causal_lm takes dict batches with input_ids and labels, and the data gives "
-                f"{batches.describe(batch)}: choose data=documents, data=text_dicts or a data source of such "
-                "dicts (task=language_model takes (inputs, next tokens) pairs; docs/language_models.md)"
+                "task=causal_lm takes dict batches with input_ids and labels, and "
+                f"the data gives {batches.describe(batch)}: choose data=documents, "
+                "data=text_dicts or a data source of such dicts (task=language_model "
+                "takes (inputs, next tokens) pairs; docs/language_models.md)"
             )
         return batch, batch["labels"]
 
@@ -47,8 +48,9 @@ class CausalLM(Task):
         highest = int(target.max()) if target.numel() else -1
         if highest >= outputs:
             return (
-                f"its token ids go up to {highest}, and data.num_classes={outputs} (the model's vocabulary): "
-                f"set data.num_classes to the tokenizer's vocabulary (at least {highest + 1})"
+                f"its token ids go up to {highest}, and data.num_classes={outputs} "
+                "(the model's vocabulary): set data.num_classes to the "
+                f"tokenizer's vocabulary (at least {highest + 1})"
             )
         return None
 
@@ -62,15 +64,16 @@ class CausalLM(Task):
         return _counted(self.split(batch)[1])
 
     def tokens(self, batch: Any) -> int:
-        """The tokens a batch trains on (its counted labels): a language model's throughput in tokens/s."""
+        """The tokens a batch trains on (its counted labels): a language model's throughput in
+        tokens/s."""
         return int(_counted(self.split(batch)[1]))
 
     def _token_losses(
         self, output: Any, target: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per position (batch, time): the loss of predicting the next label, whether predicted right,
-        whether counted. The labels are shifted, not the logits (no copy of the largest tensor); the
-        last position predicts nothing."""
+        """Per position (batch, time): the loss of predicting the next label, whether predicted
+        right, whether counted. The labels are shifted, not the logits (no copy of the largest
+        tensor); the last position predicts nothing."""
         logits = full_precision(getattr(output, "logits", output))
         following = F.pad(target[:, 1:], (0, 1), value=IGNORED)
         counted = following != IGNORED
@@ -88,7 +91,8 @@ class CausalLM(Task):
         )
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        """The batch's mean over its counted tokens (what train.py --check and the FLOP count run)."""
+        """The batch's mean over its counted tokens (what train.py --check and the FLOP count
+        run)."""
         return self.loss_sum(output, target) / _counted(target).clamp(min=1)
 
     def state(self, output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -179,8 +183,9 @@ def packing_warning(task: Task, model: Any, dataset: Any, looked_at: int = 256) 
     if moved is None or moved <= CROSSING:
         return None
     return (
-        f"{type(model).__name__} attends across the documents packed into a window (a document's logits move by "
-        f"{moved:.1e} with the one before it): it does not read restarting position_ids as document boundaries. "
-        "Use a model that does (the built-in GPT; transformers' with sdpa or flash attention, 4.54 or later), or "
-        "data.dataset.packing=false"
+        f"{type(model).__name__} attends across the documents packed into a "
+        f"window (a document's logits move by {moved:.1e} with the one before "
+        "it): it does not read restarting position_ids as document boundaries. "
+        "Use a model that does (the built-in GPT; transformers' with sdpa or "
+        "flash attention, 4.54 or later), or data.dataset.packing=false"
     )

@@ -1,4 +1,5 @@
-"""Classification (a class per sample) and language modelling (a class per position: the next token)."""
+"""Classification (a class per sample) and language modelling (a class per position: the next
+token)."""
 
 from __future__ import annotations
 
@@ -53,14 +54,15 @@ class Classification(Task):
     def check_target(self, target: torch.Tensor, outputs: int) -> Optional[str]:
         if target.is_floating_point() or target.dtype == torch.bool:
             return (
-                f"it needs integer class labels, and the data's targets are {_dtype(target)}: choose a task "
-                "for them (task=regression for real values)"
+                "it needs integer class labels, and the data's targets are "
+                f"{_dtype(target)}: choose a task for them (task=regression for real values)"
             )
         if target.dim() != self.target_dims:
             return (
-                f"it takes {self.wants}, and the data's targets have shape {tuple(target.shape)}: choose "
-                "task=classification for one label per sample, task=language_model for a next token per "
-                "position, task=segmentation for a mask"
+                f"it takes {self.wants}, and the data's targets have "
+                f"shape {tuple(target.shape)}: choose task=classification "
+                "for one label per sample, task=language_model for a "
+                "next token per position, task=segmentation for a mask"
             )
         return beyond_classes(target, outputs)
 

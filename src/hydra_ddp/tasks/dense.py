@@ -55,20 +55,21 @@ class Regression(Task):
     def check_target(self, target: torch.Tensor, outputs: int) -> Optional[str]:
         if not target.is_floating_point():
             return (
-                f"it needs real-valued targets, and the data's are {_dtype(target)} (class labels?): choose "
-                "a regression dataset (data=diabetes, data=synthetic_regression) or task=classification"
+                "it needs real-valued targets, and the data's are "
+                f"{_dtype(target)} (class labels?): choose a regression dataset "
+                "(data=diabetes, data=synthetic_regression) or task=classification"
             )
         if target.numel() != outputs:
             return (
-                f"each sample has {target.numel()} target value(s) and the model makes data.num_classes={outputs} "
-                "output(s): make them equal"
+                f"each sample has {target.numel()} target value(s) and the model "
+                f"makes data.num_classes={outputs} output(s): make them equal"
             )
         return None
 
 
 class Segmentation(Task):
-    """A class per pixel: cross-entropy over logits (batch, classes, H, W) against masks (batch, H, W).
-    Reports pixel accuracy and the mean IoU over the classes present (in the masks or the
+    """A class per pixel: cross-entropy over logits (batch, classes, H, W) against masks (batch, H,
+    W). Reports pixel accuracy and the mean IoU over the classes present (in the masks or the
     predictions), both from the split's confusion matrix."""
 
     metrics = {"loss": "min", "pixel_accuracy": "max", "mean_iou": "max"}
@@ -123,8 +124,9 @@ class Segmentation(Task):
     def check_target(self, target: torch.Tensor, outputs: Any) -> Optional[str]:
         if target.dim() != 2:
             return (
-                f"it needs a mask (height × width of class indices) per sample, and the data's targets have "
-                f"shape {tuple(target.shape)}: choose a dataset with masks (data=shapes)"
+                "it needs a mask (height × width of class indices) per sample, "
+                f"and the data's targets have shape {tuple(target.shape)}: "
+                "choose a dataset with masks (data=shapes)"
             )
         if target.is_floating_point():
             return f"its masks must hold class indices, and the data's are {_dtype(target)}"

@@ -1,18 +1,19 @@
 """Shard directories from the command line: write a data source's splits as shards, verify them.
 
     python -m hydra_ddp.tools.shards write outputs/shards/digits --source digits
-    python -m hydra_ddp.tools.shards write DIR --source python_source --arg context=64 --meta num_classes=256
-    python -m hydra_ddp.tools.shards write DIR --source documents --tokenizer PATH --arg files='corpus/*.txt'
+    python -m hydra_ddp.tools.shards write DIR --source python_source --arg context=64 \
+        --meta num_classes=256
+    python -m hydra_ddp.tools.shards write DIR --source documents --tokenizer PATH \
+        --arg files='corpus/*.txt'
     python -m hydra_ddp.tools.shards verify outputs/shards/digits
 
 `--source`: a source of hydra_ddp.data (digits, python_source, documents, ...) or your own
 module.function returning (train, test) or (train, val, test); `--arg KEY=VALUE` its arguments.
-`--meta KEY=VALUE`: what data.* must say for this data (checked before a run); an image's channels and
-size are found. `--tokenizer`: a tokenizer.json (or its folder) the source tokenizes with (its
-`tokenizer` argument); data=documents trains one where none is given. Either way it is written beside
-the shards, as transformers loads it, and the manifest records its vocabulary and padding id: a
-document's token ids are stored whole (a ragged field) and padded per batch.
-"""
+`--meta KEY=VALUE`: what data.* must say for this data (checked before a run); an image's channels
+and size are found. `--tokenizer`: a tokenizer.json (or its folder) the source tokenizes with (its
+`tokenizer` argument); data=documents trains one where none is given. Either way it is written
+beside the shards, as transformers loads it, and the manifest records its vocabulary and padding id:
+a document's token ids are stored whole (a ragged field) and padded per batch."""
 
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def _source(name: str) -> Any:
 
 
 def _pairs(args: list[str]) -> dict[str, Any]:
-    """KEY=VALUE arguments, each value read as JSON where it is (numbers, true, lists), else a string."""
+    """KEY=VALUE arguments, each value read as JSON where it is (numbers, true, lists), else a
+    string."""
     pairs = {}
     for arg in args:
         key, equals, text = arg.partition("=")
@@ -168,7 +170,8 @@ def _default(source: Any, name: str) -> Any:
 
 
 def _meta(sample: Any, source: str) -> dict[str, Any]:
-    """What data.* must say for this data, as far as the sample shows it: an image's channels and size."""
+    """What data.* must say for this data, as far as the sample shows it: an image's channels and
+    size."""
     meta: dict[str, Any] = {"source": source}
     if (
         isinstance(sample, (tuple, list))

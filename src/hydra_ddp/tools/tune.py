@@ -1,9 +1,11 @@
 """Find the fastest settings for your model and data by timing a few real training steps under each.
 
-    python -m hydra_ddp.tools.tune                                   # the default run's model and data
+    python -m hydra_ddp.tools.tune            # the default run's model and data
     python -m hydra_ddp.tools.tune model=resnet18 data=cifar10 trainer.nproc=4
-    python -m hydra_ddp.tools.tune 'tune.knobs=[trainer.threads,strategy.bucket_cap_mb]' tune.steps=100
-    python -m hydra_ddp.tools.tune tune.precision=true               # bf16 (fp16 on GPUs) and compressed gradients too
+    python -m hydra_ddp.tools.tune 'tune.knobs=[trainer.threads,strategy.bucket_cap_mb]' \
+        tune.steps=100
+    # bf16 (fp16 on GPUs) and compressed gradients too:
+    python -m hydra_ddp.tools.tune tune.precision=true
 
 Each candidate is a real run of your configuration, `tune.steps` steps at your world size,
 launched as train.py launches (workers forked from a forkserver that already imported torch), in
@@ -118,8 +120,8 @@ class Timer:
         self.cfg, self.steps, self.scratch, self.runs = cfg, steps, scratch, 0
 
     def resolved(self, overrides: dict[str, Any], run_dir: Path) -> run_config.RunConfig:
-        """The resolved (not yet frozen) config of a short run with these overrides: steps only (no checkpoints,
-        loggers, progress bar or evaluation per epoch), and quiet (job "tune")."""
+        """The resolved (not yet frozen) config of a short run with these overrides: steps only (no
+        checkpoints, loggers, progress bar or evaluation per epoch), and quiet (job "tune")."""
         cfg = self.cfg.copy()
         short = {
             "trainer.max_steps": self.steps,
@@ -154,7 +156,8 @@ class Timer:
         summary = workers.launch(self.resolved(overrides, run_dir), run_dir, time.time())
         if not summary:
             raise UserError(
-                f"the run with {_overrides(overrides) or 'your settings'} wrote no summary: see {run_dir}"
+                f"the run with {_overrides(overrides) or 'your settings'} "
+                f"wrote no summary: see {run_dir}"
             )
         shutil.rmtree(run_dir)
         return summary["steady_samples_per_sec"]
@@ -174,7 +177,8 @@ def tune(cfg: DictConfig, say: Any = _say) -> dict[str, Any]:
     knobs = candidates(configured, settings)
     ranks = configured.trainer.nproc * configured.launcher.nnodes
     say(
-        f"timing {settings.steps} steps at {ranks} rank(s) for each value of {', '.join(knobs) or 'no knob'}"
+        f"timing {settings.steps} steps at {ranks} rank(s) "
+        f"for each value of {', '.join(knobs) or 'no knob'}"
     )
     chosen: dict[str, Any] = {}
     for knob, values in knobs.items():
@@ -212,9 +216,10 @@ def tune(cfg: DictConfig, say: Any = _say) -> dict[str, Any]:
 def settle(
     chosen: dict[str, Any], pairs: list[tuple[float, float]], min_gain: float
 ) -> dict[str, Any]:
-    """The verdict of the side-by-side timing ((configured, tuned) samples/s, in turns): the search's
-    winners stand only if they are still faster by min_gain there. The search times each value once,
-    and one timing can catch a warm-up or a busy moment; the turns are the measurement."""
+    """The verdict of the side-by-side timing ((configured, tuned) samples/s, in turns): the
+    search's winners stand only if they are still faster by min_gain there. The search times each
+    value once, and one timing can catch a warm-up or a busy moment; the turns are the
+    measurement."""
     configured, tuned = (
         statistics.median(p[0] for p in pairs),
         statistics.median(p[1] for p in pairs),
@@ -251,18 +256,21 @@ def main(cfg: DictConfig) -> None:
         return
     if result.get("unconfirmed"):
         print(
-            f"fastest: your settings ({_overrides(result['unconfirmed'])} won the search but ran at "
-            f"{result['speedup']:.2f}× yours timed in turns, not {1 + cfg.tune.min_gain:.2f}×; {result['runs']} runs)"
+            f"fastest: your settings ({_overrides(result['unconfirmed'])} won "
+            f"the search but ran at {result['speedup']:.2f}× yours timed in "
+            f"turns, not {1 + cfg.tune.min_gain:.2f}×; {result['runs']} runs)"
         )
         return
     if not result["overrides"]:
         print(
-            f"fastest: your settings (no value was {cfg.tune.min_gain:.0%} faster; {result['runs']} runs)"
+            "fastest: your settings (no value was "
+            f"{cfg.tune.min_gain:.0%} faster; {result['runs']} runs)"
         )
         return
     print(
-        f"fastest: {_overrides(result['overrides'])}  ({result['speedup']:.2f}× samples/s: "
-        f"{result['configured']:.0f} → {result['tuned']:.0f}, timed in turns; {result['runs']} runs)"
+        f"fastest: {_overrides(result['overrides'])}  "
+        f"({result['speedup']:.2f}× samples/s: {result['configured']:.0f} "
+        f"→ {result['tuned']:.0f}, timed in turns; {result['runs']} runs)"
     )
 
 

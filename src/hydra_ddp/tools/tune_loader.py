@@ -91,11 +91,13 @@ def main(cfg: DictConfig) -> None:
     print(f"{'num_workers':>11}  {'pin_memory':>10}  {'samples/s':>10}")
     for row in rows:
         print(
-            f"{row['num_workers']:>11}  {str(row['pin_memory']):>10}  {row['samples_per_sec']:>10.0f}"
+            f"{row['num_workers']:>11}  {str(row['pin_memory']):>10}  "
+            f"{row['samples_per_sec']:>10.0f}"
         )
     best = max(rows, key=lambda r: r["samples_per_sec"])
     print(
-        f"best: data.num_workers={best['num_workers']} data.pin_memory={str(best['pin_memory']).lower()}"
+        f"best: data.num_workers={best['num_workers']} "
+        f"data.pin_memory={str(best['pin_memory']).lower()}"
     )
 
 

@@ -1,4 +1,5 @@
-"""Exact distributed evaluation, and eval.py's job in the workers: a saved checkpoint evaluated on one split."""
+"""Exact distributed evaluation, and eval.py's job in the workers: a saved checkpoint evaluated on
+one split."""
 
 from __future__ import annotations
 
@@ -48,11 +49,10 @@ def evaluate(
 
     Takes the unwrapped module: ranks may hold different chunk counts, and DDP's forward would
     start collectives that then fail to line up. A sharded (FSDP) module's forward must run on
-    every rank alike (`lockstep`): a rank with fewer chunks runs forwards on a filler sample, unused.
-    `group`: the ranks whose sums add up (None: all; under tensor parallel, one rank per model
-    replica); `reduce=False`: this rank evaluated the whole split (the one replica of pure tensor
-    parallel), its sums are whole already.
-    """
+    every rank alike (`lockstep`): a rank with fewer chunks runs forwards on a filler sample,
+    unused. `group`: the ranks whose sums add up (None: all; under tensor parallel, one rank per
+    model replica); `reduce=False`: this rank evaluated the whole split (the one replica of pure
+    tensor parallel), its sums are whole already."""
     model.eval()
     # Per chunk: the task's state, then the samples counted.
     sums = torch.zeros(split.num_chunks, task.state_size + 1, dtype=torch.float64, device=device)

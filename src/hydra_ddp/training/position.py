@@ -38,8 +38,8 @@ class Position:
     def continued_at(
         self, world_size: int, saved_ranks: int, cause: str
     ) -> Optional[dict[str, Any]]:
-        """After load(): the run continues at `world_size` from a checkpoint that `saved_ranks` wrote
-        (`cause`: resize_cause's). A new world size is recorded, and returned."""
+        """After load(): the run continues at `world_size` from a checkpoint that `saved_ranks`
+        wrote (`cause`: resize_cause's). A new world size is recorded, and returned."""
         if not self.world_sizes:  # a checkpoint from before the history was kept
             self.world_sizes = [{"step": 0, "world_size": saved_ranks, "cause": "start"}]
         before = self.world_sizes[-1]["world_size"]

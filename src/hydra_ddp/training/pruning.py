@@ -43,8 +43,9 @@ class Pruning:
         return cls(trial, is_main, device)
 
     def should_prune(self, value: Optional[float], epoch: int) -> bool:
-        """Report `value` (the monitored metric, global) after `epoch`; the pruner's verdict, on every rank.
-        Epochs, not steps: trials with other batch sizes compare at the same point of training."""
+        """Report `value` (the monitored metric, global) after `epoch`; the pruner's verdict, on
+        every rank. Epochs, not steps: trials with other batch sizes compare at the same point of
+        training."""
         verdict = False
         if self.trial is not None and value is not None:
             self.trial.report(float(value), epoch)

@@ -35,6 +35,7 @@ def already_complete(
         else "trainer.epochs or trainer.max_steps"
     )
     return (
-        f"hydra-ddp: the run in {out} is complete (step {position['step']}, ended by {why}): nothing to "
-        f"train; its summary, checkpoints and logs are as they were (raise {more} to train on)"
+        f"hydra-ddp: the run in {out} is complete (step {position['step']}, "
+        f"ended by {why}): nothing to train; its summary, checkpoints and "
+        f"logs are as they were (raise {more} to train on)"
     )

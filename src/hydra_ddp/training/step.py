@@ -28,9 +28,10 @@ AUTOCAST_DTYPES: dict[str, Optional[torch.dtype]] = {
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What the loop knows of an optimizer step before its batches arrive: each micro-batch's samples
-    (an epoch's short last batch included: data.drop_last=false), and the batches themselves, taken
-    one by one as the step runs, or all at once where the task must count them first (Task.units)."""
+    """What the loop knows of an optimizer step before its batches arrive: each micro-batch's
+    samples (an epoch's short last batch included: data.drop_last=false), and the batches
+    themselves, taken one by one as the step runs, or all at once where the task must count them
+    first (Task.units)."""
 
     sizes: list[int]
     batches: Iterable[Any]
@@ -39,11 +40,12 @@ class StepPlan:
 def optimizer_steps(
     loader: Iterable, accumulate: int, done: int, length: Any, together: bool = False
 ) -> Iterator[StepPlan]:
-    """An epoch's batches grouped by optimizer step: `accumulate` at a time, and the epoch's last step
-    whatever is left (fewer when the batches do not divide). `done`: batches of the epoch already
-    trained on (a resumed run's: a multiple of `accumulate`), which the loader skips; `length`: the
-    run's (training.length: batches per epoch, samples per batch, the last batch's); `together`: each
-    step's batches fetched before its first forward (else one by one, as the forwards take them)."""
+    """An epoch's batches grouped by optimizer step: `accumulate` at a time, and the epoch's last
+    step whatever is left (fewer when the batches do not divide). `done`: batches of the epoch
+    already trained on (a resumed run's: a multiple of `accumulate`), which the loader skips;
+    `length`: the run's (training.length: batches per epoch, samples per batch, the last batch's);
+    `together`: each step's batches fetched before its first forward (else one by one, as the
+    forwards take them)."""
     batches = iter(loader)
     while done < length.batches_per_epoch:
         count = min(accumulate, length.batches_per_epoch - done)
@@ -60,9 +62,9 @@ def optimizer_steps(
 def sample_weights(sizes: list[int]) -> Optional[list[float]]:
     """How each micro-batch's mean loss enters a step over samples: None where the micro-batches are
     alike (each its mean ÷ their number: the mean over every sample, as one batch of them all would
-    give), else each its share of the step's samples (an epoch's short last batch weighs less). Every
-    rank holds as many samples (data.even_shards=true; else one batch per step), so the shares are
-    the global ones."""
+    give), else each its share of the step's samples (an epoch's short last batch weighs less).
+    Every rank holds as many samples (data.even_shards=true; else one batch per step), so the shares
+    are the global ones."""
     if len(set(sizes)) == 1:
         return None
     total = sum(sizes)
@@ -77,7 +79,8 @@ class Step:
     task's own units (Task.units: tokens that are not padding). Over units, each rank counts its
     micro-batches' units and one all-reduce, started before the first forward, adds the counts of
     all replicas; each micro-batch's loss_sum is then divided by that total ÷ replicas (the gradient
-    all-reduce averages over replicas). A micro-batch with no counted unit adds nothing, and no nan."""
+    all-reduce averages over replicas). A micro-batch with no counted unit adds nothing, and no
+    nan."""
 
     def __init__(self, settings: Any, parts: Any, timer: StepTimer, outputs: int):
         """`settings`: the trainer section; `parts`: the worker's (training.parts); `outputs`:
@@ -114,9 +117,9 @@ class Step:
 
     def run(self, plan: StepPlan, step: int) -> tuple[torch.Tensor, int, Any]:
         """Forward and backward of each micro-batch of the plan, then optimizer step `step`. Returns
-        this rank's part of the step's loss (its mean over the ranks, the loss window's, is the step's
-        loss over every unit), its samples, and its tokens (a tensor where the task counts units,
-        read when needed: no wait for the device each step; None where it counts none)."""
+        this rank's part of the step's loss (its mean over the ranks, the loss window's, is the
+        step's loss over every unit), its samples, and its tokens (a tensor where the task counts
+        units, read when needed: no wait for the device each step; None where it counts none)."""
         weigh, tokens = self._weighing(plan)
         parts, samples, last = [], 0, len(plan.sizes) - 1
         for i, batch in enumerate(plan.batches):
@@ -129,7 +132,8 @@ class Step:
         if self.grad_clip:
             # fp16: clip the true gradients, not the scaled ones
             self.scaler.unscale_(self.optimizer)
-            # The gradients are all-reduced already: the same norm, and the same clipping, on every rank.
+            # The gradients are all-reduced already: the same norm, and the same clipping, on every
+            # rank.
             norm = self.strategy.clip_grad_norm(self.grad_clip)  # FSDP, TP: over the shards
             self.grad_norms.append((step, norm.detach()))
         self.scaler.step(self.optimizer)
@@ -143,8 +147,8 @@ class Step:
 
     def _weighing(self, plan: StepPlan) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], Any]:
         """weigh(i, loss): micro-batch i's loss as its share of the step's gradient; and the step's
-        tokens so far (this rank's units where the task counts them; 0 where it counts tokens only for
-        throughput, added as the batches pass; None where it counts none)."""
+        tokens so far (this rank's units where the task counts them; 0 where it counts tokens only
+        for throughput, added as the batches pass; None where it counts none)."""
         if self.over_units:
             divisor, units = self._unit_divisor(plan.batches)  # type: ignore[arg-type]  (a list: together)
             return (lambda i, total: total / divisor(total.dtype)), units
@@ -161,9 +165,9 @@ class Step:
         self, group: list[Any]
     ) -> tuple[Callable[[torch.dtype], torch.Tensor], torch.Tensor]:
         """Count the group's units, start adding them over the replicas, and give what each
-        micro-batch's loss_sum is divided by: the step's units ÷ replicas (at least one unit in all),
-        in the loss's dtype, read when the first micro-batch needs it (its forward hides the sum); and
-        this rank's units."""
+        micro-batch's loss_sum is divided by: the step's units ÷ replicas (at least one unit in
+        all), in the loss's dtype, read when the first micro-batch needs it (its forward hides the
+        sum); and this rank's units."""
         try:
             counts = [self.task.units(batch) for batch in group]
         except UserError as problem:  # a batch the task cannot read: one line, on every rank alike
@@ -206,7 +210,8 @@ class Step:
                 if self.checked:
                     loss = reduce(*self.task.forward(self.model, batch))
                 else:
-                    # A task that cannot read the batch or the output: one line, on every rank alike.
+                    # A task that cannot read the batch or the output: one line, on every rank
+                    # alike.
                     loss = checked_loss(
                         self.task, self.model, batch, self._check_fit, EveryRankError, reduce
                     )
@@ -221,8 +226,8 @@ class Step:
     def _check_fit(self, y: Any) -> None:
         """The task fits the data, before the first loss: judged on the first batch's first target
         on every rank alike (the same kind of data: the run's failure), then on the rest of this
-        rank's first batch (a class label beyond data.num_classes, say: this rank's failure). A target
-        that is not one tensor is the task's own to judge."""
+        rank's first batch (a class label beyond data.num_classes, say: this rank's failure). A
+        target that is not one tensor is the task's own to judge."""
         if not isinstance(y, torch.Tensor) or y.dim() == 0:
             return
         problem = misfit(self.task, y[:1], self.outputs)
@@ -261,9 +266,9 @@ class Step:
             self.scaler.load_state_dict(saved)
 
     def sync_optimizer_state(self) -> None:
-        """After an uneven epoch, Join has given every rank the weights of the ranks that ran longest
-        (rank 0 among them); their optimizer state (momentum, Adam's moments) and the weights'
-        average follow from rank 0."""
+        """After an uneven epoch, Join has given every rank the weights of the ranks that ran
+        longest (rank 0 among them); their optimizer state (momentum, Adam's moments) and the
+        weights' average follow from rank 0."""
         tensors = [
             v
             for state in self.optimizer.state.values()

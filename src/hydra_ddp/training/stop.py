@@ -15,7 +15,8 @@ log = logging.getLogger(__name__)
 
 
 class StopRequest:
-    """Pre-emption or Ctrl-C (signals.STOP_SIGNALS): noted here, agreed on by all ranks at the next sync."""
+    """Pre-emption or Ctrl-C (signals.STOP_SIGNALS): noted here, agreed on by all ranks at the next
+    sync."""
 
     FORCE_AFTER_S = 1.0  # a second signal this much later stops at once, without the checkpoint
 
@@ -28,8 +29,8 @@ class StopRequest:
             signal.signal(sig, self._note)
 
     def _note(self, signum: int, frame: Any) -> None:
-        # A Ctrl-C reaches a worker twice at once (from the terminal, and passed on by the launcher):
-        # only a later one, a person asking again, means "now".
+        # A Ctrl-C reaches a worker twice at once (from the terminal, and passed on by the
+        # launcher): only a later one, a person asking again, means "now".
         if self.signum is not None and time.monotonic() - self.noted_at > self.FORCE_AFTER_S:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
@@ -96,7 +97,8 @@ class Ending:
     def after_validation(
         self, monitor: Any, metrics: dict[str, Any], step: int, epoch: int
     ) -> None:
-        """An epoch's validation's verdicts: early stopping, and a search's pruner (every rank alike)."""
+        """An epoch's validation's verdicts: early stopping, and a search's pruner (every rank
+        alike)."""
         if monitor.should_stop:
             self.early_stop(monitor, step)
         if (

@@ -93,7 +93,8 @@ class Throughput:
             if self.step_times
             else 0.0,
             "train_time_s": sum(self.step_times),
-            # This rank's tokens per sample times the samples/s (a task that counts tokens: Task.tokens).
+            # This rank's tokens per sample times the samples/s (a task that counts tokens:
+            # Task.tokens).
             "tokens_per_sec": self.samples_per_sec() * float(self.tokens) / self.token_samples
             if self.token_samples
             else None,

@@ -16,8 +16,8 @@ What is timed depends on where the work runs:
   stream's time per step. The data phase is the stream's time from the host asking for the batch to
   its arrival: the host's wait for the loader less what queued kernels hid of it (a hidden wait
   costs nothing). Events are read once the stream has passed them, without waiting, and all of them
-  at the per-epoch gather, after one wait for the device: a synchronisation per phase would stall the
-  very queue it times.
+  at the per-epoch gather, after one wait for the device: a synchronisation per phase would stall
+  the very queue it times.
 
 Per batch: a few clock reads or event records; per epoch: one small all-gather.
 """
@@ -37,14 +37,18 @@ PHASES = ("data", "forward", "backward", "optimizer", "other")
 # Others waiting at least this share of their step time for one rank: a straggler worth naming.
 NOTABLE_WAIT = 0.2
 ADVICE = {
-    "data": "raise data.num_workers (or data.preload=true for in-memory data), or check this rank's data source",
-    "forward": "check this rank's device and its CPU threads (trainer.threads), or other load on its cores",
-    "optimizer": "check this rank's device and its CPU threads (trainer.threads), or other load on its cores",
-    "other": "its work between steps (rank 0: logging and checkpoints): raise trainer.log_every or checkpoint "
-    "less often",
+    "data": "raise data.num_workers (or data.preload=true for "
+    "in-memory data), or check this rank's data source",
+    "forward": "check this rank's device and its CPU threads "
+    "(trainer.threads), or other load on its cores",
+    "optimizer": "check this rank's device and its CPU threads "
+    "(trainer.threads), or other load on its cores",
+    "other": "its work between steps (rank 0: logging and checkpoints): "
+    "raise trainer.log_every or checkpoint less often",
 }
-# CUDA: once this many intervals wait, read those the stream has passed (bounded memory, no waiting);
-# at four times as many, wait for the device (the host cannot normally run that far ahead of it).
+# CUDA: once this many intervals wait, read those the stream has passed (bounded memory, no
+# waiting); at four times as many, wait for the device (the host cannot normally run that far ahead
+# of it).
 READ_EVERY = 256
 
 
@@ -148,8 +152,8 @@ class StepTimer:
         self.counting = self.totals
 
     def gather(self, device: torch.device, since_last: bool = False) -> list[dict[str, float]]:
-        """Every rank's totals (or their change since the last call with since_last): one all-gather.
-        Nothing when timing is off."""
+        """Every rank's totals (or their change since the last call with since_last): one
+        all-gather. Nothing when timing is off."""
         if not self.enabled:
             return []
         self.clock.settle()  # CUDA: the intervals still unread, after one wait for the device

@@ -34,17 +34,15 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     """Runs the epochs: batches, global loss logging, validation, checkpoints, stopping (on request,
-    early, on the time budget, on divergence), and the one test of the selected weights at the end."""
+    early, on the time budget, on divergence), and the one test of the selected weights at the
+    end."""
 
     def __init__(self, cfg: Any, parts: Parts):
-        """The loop and its collaborators, each given its own settings and the parts it works with."""
+        """The loop and its collaborators, each given its own settings and the parts it works
+        with."""
         settings, device = cfg.trainer, parts.device
-        self.settings, self.model, self.loaders, self.device = (
-            settings,
-            parts.model,
-            parts.loaders,
-            device,
-        )
+        self.settings, self.model = settings, parts.model
+        self.loaders, self.device = parts.loaders, device
         self.pos, self.overheads = Position(), Overheads()
         # this rank's time per phase (timing.py): the straggler report
         self.timer = StepTimer(settings.timing, device)
@@ -55,10 +53,8 @@ class Trainer:
         pruning = Pruning.of(cfg, parts.reporter.is_main, device)
         self.ending = Ending(parts.stop, settings.max_time, parts.started_at, pruning)
         self.throughput = Throughput(parts.strategy.data_parallel_size())
-        self.reporter, self.schedule = (
-            parts.reporter,
-            schedules.Stepping(parts.scheduler, parts.optimizer),
-        )
+        self.reporter = parts.reporter
+        self.schedule = schedules.Stepping(parts.scheduler, parts.optimizer)
         self.make_profiler = lambda: profiling(
             bool(settings.profile), cfg.profiler, device, parts.reporter.run_dir
         )
@@ -67,17 +63,16 @@ class Trainer:
         self.evaluates_at_end = cfg.job != "tune"
         # Anomaly mode checks the (global) loss for nan at every step: a window of one.
         self.window = LossWindow(1 if settings.detect_anomaly else settings.log_every)
-        # Mid-epoch windows are read a step after they are sent; anomaly mode stops at the step itself.
+        # Mid-epoch windows are read a step after they are sent; anomaly mode stops at the step
+        # itself.
         self.overlap_window = not settings.detect_anomaly
         self.bar = tqdm(disable=True)
         self.progress = parts.progress
         self.profiler: Optional[Any] = None
         self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
         self.length = parts.length
-        self.batches_per_epoch, self.common_batches = (
-            parts.length.batches_per_epoch,
-            parts.length.common_batches,
-        )
+        self.batches_per_epoch = parts.length.batches_per_epoch
+        self.common_batches = parts.length.common_batches
         self.uneven = parts.length.uneven
         self.steps_per_epoch = parts.length.steps_per_epoch  # the same on every rank
         self.ranks: list[dict[str, Any]] = []
@@ -86,10 +81,12 @@ class Trainer:
         self.pos.started(self.world_size)  # a resumed run's history replaces it
 
     def resume_from(self, path: Path, state: dict[str, Any], cause: str = "resume") -> None:
-        """Continue from a checkpoint (`cause`: why, should the world size differ; position.resize_cause)."""
+        """Continue from a checkpoint (`cause`: why, should the world size differ;
+        position.resize_cause)."""
         self.saving.resume_from(path, state)
         # Mid-epoch the position counts this rank's micro-batches, always whole optimizer steps: at
-        # another accumulation (a resize keeps the global batch), the same steps are as many more or fewer.
+        # another accumulation (a resize keeps the global batch), the same steps are as many more or
+        # fewer.
         self.pos.batch = self.pos.batch // checkpointing.saved_accumulation(state) * self.accumulate
         resize = self.pos.continued_at(self.world_size, saved_ranks=len(state["rng"]), cause=cause)
         if resize:
@@ -98,18 +95,16 @@ class Trainer:
         self.window.first = self.pos.step + 1
         if self.monitor.best_step is not None and self.monitor.best_step != self.pos.step:
             self.validation.best_weights = self.saving.best_from_disk()
+        pos = self.pos
         log.info(
-            "resumed from %s at epoch %d, batch %d, step %d",
-            path,
-            self.pos.epoch,
-            self.pos.batch,
-            self.pos.step,
+            "resumed from %s at epoch %d, batch %d, step %d", path, pos.epoch, pos.batch, pos.step
         )
 
     # --- the recipe ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         max_steps, epochs = self.length.max_steps, self.length.epochs
-        # The step the run ends at: the nearer of its bounds (max_steps, or the last epoch's last step).
+        # The step the run ends at: the nearer of its bounds (max_steps, or the last epoch's last
+        # step).
         self.bar = tqdm(
             total=self.length.total_steps,
             initial=self.pos.step,
@@ -154,23 +149,23 @@ class Trainer:
         return validated_at
 
     def _save(self) -> None:
-        """A checkpoint, the loggers' steps on disk first: a run killed after it resumes with no step
-        up to it missing from metrics.csv or TensorBoard (the resume keeps those up to its step)."""
+        """A checkpoint, the loggers' steps on disk first: a run killed after it resumes with no
+        step up to it missing from metrics.csv or TensorBoard (the resume keeps those up to its
+        step)."""
         self.reporter.flush()
         self.saving.save()
 
     def _finish(self, validated_at: int, epochs: int) -> None:
-        """The end: a last validation where there was none at this step, the last checkpoint, the test."""
+        """The end: a last validation where there was none at this step, the last checkpoint, the
+        test."""
         evaluates = self.evaluates_at_end and not self.ending.stopped_by
         if validated_at != self.pos.step and evaluates:
-            # Ended mid-epoch (max_steps, the time budget), or no validation per epoch: validate the end.
+            # Ended mid-epoch (max_steps, the time budget), or no validation per epoch: validate the
+            # end.
+            where = "end"
             if self.pos.batch:
                 self.train_loss = self.pos.epoch_loss()
-            where = (
-                f"epoch {self.pos.epoch + 1}/{epochs}, batch {self.pos.batch}"
-                if self.pos.batch
-                else "end"
-            )
+                where = f"epoch {self.pos.epoch + 1}/{epochs}, batch {self.pos.batch}"
             self._validate(where, self.pos.epoch)
         # a run that stops to be continued too
         saves_at_end = self.saving.on or self.ending.to_be_continued
@@ -189,7 +184,8 @@ class Trainer:
 
     # --- an epoch's batches ---------------------------------------------------------------------
     def _epoch_complete(self) -> bool:
-        """Every rank ran all its batches (not stopped by max_steps or a signal): the same answer everywhere."""
+        """Every rank ran all its batches (not stopped by max_steps or a signal): the same answer
+        everywhere."""
         done = self.pos.batch >= self.batches_per_epoch
         if not self.uneven:
             return done  # every rank ran the same batches
@@ -263,8 +259,8 @@ class Trainer:
 
     # --- the loss window ------------------------------------------------------------------------
     def _flush(self) -> bool:
-        """Report the window's global losses (and a window started earlier, still pending); True when
-        the ranks agreed to stop (a signal, the time budget)."""
+        """Report the window's global losses (and a window started earlier, still pending); True
+        when the ranks agreed to stop (a signal, the time budget)."""
         stop = self._report_pending()
         return self._report(*self.window.flush(device=self.device, **self.ending.flags())) or stop
 
@@ -274,7 +270,8 @@ class Trainer:
 
     def _report(self, steps: list[int], losses: list[float], stop: bool, time_up: bool) -> bool:
         """Log a window's global losses, act on its flags; True when the ranks agreed to stop."""
-        # A step's loss, gradient norm and rate in one row (a later step's norm and rate wait for its loss).
+        # A step's loss, gradient norm and rate in one row (a later step's norm and rate wait for
+        # its loss).
         last = steps[-1] if steps else 0
         norms, rates = self.step.take_grad_norms(last), self.schedule.take_rates(last)
         for step, loss in zip(steps, losses):
@@ -299,7 +296,8 @@ class Trainer:
 
     # --- validation and results -----------------------------------------------------------------
     def _validate(self, where: str, epoch: int) -> bool:
-        """Validation (when there is a split for it) and the monitored metric; True: the best weights so far."""
+        """Validation (when there is a split for it) and the monitored metric; True: the best
+        weights so far."""
         metrics = self.validation.validate(self.train_loss)
         scalars = {
             "train/epoch_loss": self.train_loss,
@@ -378,7 +376,8 @@ def results(trainer: Trainer, epochs: int) -> dict[str, Any]:
 
 
 def tokens_per_step(trainer: Trainer) -> Optional[float]:
-    """The mean tokens an optimizer step trained on, over every replica (a task that counts tokens)."""
+    """The mean tokens an optimizer step trained on, over every replica (a task that counts
+    tokens)."""
     throughput = trainer.throughput
     if not throughput.token_samples or not throughput.step_times:
         return None

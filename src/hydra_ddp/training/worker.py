@@ -95,7 +95,8 @@ def run(
             if problem:
                 # the same line on every rank, before anything is built
                 raise EveryRankError(problem)
-        # Until the last barrier: a rank that stops making progress leaves its stack (reporting.hangs).
+        # Until the last barrier: a rank that stops making progress leaves its stack
+        # (reporting.hangs).
         with hangs.Watchdog(out, rank.rank, hangs.stall_after_s(cfg.backend.timeout_s)):
             _check_same_config(cfg, rank, device)
             # Everything the run builds lives in _train's frame and is gone when it returns, before
@@ -107,7 +108,8 @@ def run(
                 summary = _train(cfg, out, rank, device, stop, started_at, entered_at)
             _release(cfg)
             # No rank exits before rank 0 has written and closed every output: under srun
-            # --kill-on-bad-exit a stopped run's other ranks (exit 128 + signal) would end it mid-write.
+            # --kill-on-bad-exit a stopped run's other ranks (exit 128 + signal) would end it
+            # mid-write.
             dist.barrier()
     return summary  # the same on every rank: global values only
 
@@ -126,7 +128,8 @@ def _device(kind: str, rank: RankInfo, outside_launch: bool) -> torch.device:
 
 def _check_same_config(cfg: RunConfig, rank: RankInfo, device: torch.device) -> None:
     """Every rank trains with the same values (one sweep trial's, say), or none starts: the config's
-    fingerprint, compared in one all-reduce. Each rank logs it, with the values set on the command line."""
+    fingerprint, compared in one all-reduce. Each rank logs it, with the values set on the command
+    line."""
     digest = fingerprint.config_fingerprint(cfg)
     mine = int(digest[:15], 16)  # fits an int64
     extremes = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
@@ -157,9 +160,9 @@ def _train(
         torch.get_num_threads(),
         os.getpid(),
     )
-    # An elastic run: the accumulation that keeps the global batch, with the same micro-batch, at the
-    # world size its rendezvous gave. The run's config at this size, recorded in the summary and the
-    # checkpoint.
+    # An elastic run: the accumulation that keeps the global batch, with the same micro-batch, at
+    # the world size its rendezvous gave. The run's config at this size, recorded in the summary and
+    # the checkpoint.
     at_size = elastic.at_world_size(cfg, rank.world_size)
     if at_size:
         trainer_here = dataclasses.replace(cfg.trainer, accumulate=at_size["trainer.accumulate"])
@@ -183,11 +186,13 @@ def _train(
     # batches; the ranks of a tensor-parallel replica draw alike), saved in every checkpoint. The
     # data's randomness is per sample (data.SeededSamples), of no rank.
     seeding.seed_everything(data.sample_seed(cfg.trainer.seed, -2, replica.rank))
-    # Settled on the launch side (channels_last for a model only the workers build): the summary names them.
+    # Settled on the launch side (channels_last for a model only the workers build): the summary
+    # names them.
     fast = performance.settings(cfg, spread.fast_settings, model, spread.allows_channels_last())
     memory_format = performance.memory_format(fast["trainer.channels_last"])
     if cfg.trainer.init_from and rank.is_main:
-        # Rank 0's weights: the strategy starts every rank from them (a resumed run's then replace them).
+        # Rank 0's weights: the strategy starts every rank from them (a resumed run's then replace
+        # them).
         skipped = checkpoints.load_weights(
             model, Path(cfg.trainer.init_from), list(cfg.trainer.init_ignore)
         )
@@ -245,8 +250,8 @@ def _train(
         changed = [change for change in changed if not change.startswith("trainer.accumulate:")]
     if changed:  # the checkpoint's values are not restored: the run goes on with this command's
         log.warning(
-            "resuming %s with a config that differs from the checkpoint's (this command's values apply; "
-            "pass the checkpoint's overrides to continue the same run): %s",
+            "resuming %s with a config that differs from the checkpoint's (this command's "
+            "values apply; pass the checkpoint's overrides to continue the same run): %s",
             resume[0],
             "; ".join(changed),
         )
@@ -267,7 +272,8 @@ def _train(
         resume = Path(chosen), checkpointer.load(Path(chosen))
 
     # Resuming: the loggers drop what the earlier run logged after the checkpoint's step. Asked to
-    # resume with no checkpoint yet (a restart before the first one): all of it, the run starts over.
+    # resume with no checkpoint yet (a restart before the first one): all of it, the run starts
+    # over.
     resume_step = resume[1]["position"]["step"] if resume else None
     if resume is None and checkpoints.resume_setting(cfg.trainer.resume) == "auto":
         resume_step = 0
@@ -314,7 +320,8 @@ def _train(
             "compile": cfg.trainer.compile,  # false, or torch.compile's "blocks" or whole "model"
             "deterministic": cfg.trainer.deterministic,
             "strategy": spread.name,
-            # Parameters, gradients and optimizer state held by one rank (the largest): FSDP's shards.
+            # Parameters, gradients and optimizer state held by one rank (the largest): FSDP's
+            # shards.
             "model_state_bytes": distributed.most_over_ranks(
                 strategies.local_state_bytes(spread, optimizer), device
             ),
@@ -362,7 +369,8 @@ def _release(cfg: RunConfig) -> None:
 
 
 def _compiled(model: nn.Module, backend: str) -> nn.Module:
-    """torch.compile'd, falling back to eager (with a warning) where compiling fails on this machine."""
+    """torch.compile'd, falling back to eager (with a warning) where compiling fails on this
+    machine."""
     import torch._dynamo
 
     torch._dynamo.config.suppress_errors = True
@@ -377,7 +385,8 @@ def _peak_rss_mb() -> float:
 def main(
     cfg: RunConfig, run_dir: str, rank: RankInfo, started_at: float, problem: Optional[str] = None
 ) -> Optional[dict[str, Any]]:
-    """Every worker's entry, whatever started it: the traceback to the log, one line to the launcher."""
+    """Every worker's entry, whatever started it: the traceback to the log, one line to the
+    launcher."""
     entered_at = time.time()
     try:
         return run(cfg, run_dir, rank, started_at, entered_at, problem)
@@ -430,7 +439,8 @@ def _exit_after_teardown() -> None:
 def elastic_entry(
     cfg: RunConfig, run_dir: str, started_at: float, parent_pid: Optional[int]
 ) -> Optional[dict[str, Any]]:
-    """elastic_launch target: torchelastic has set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
+    """elastic_launch target: torchelastic has set RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR/PORT."""
     _, rank = distributed.external_launch()
     startup.die_with_parent(parent_pid)  # as spawn_entry's
     summary = main(cfg, run_dir, rank, started_at)

@@ -1,4 +1,5 @@
-"""The sweeper and its configs (hydra/sweeper: optuna; hydra/sweeper/sampler: tpe, random, cmaes, grid).
+"""The sweeper and its configs (hydra/sweeper: optuna; hydra/sweeper/sampler: tpe, random, cmaes,
+grid).
 
 No `from __future__ import annotations`: Hydra loads plugin modules outside sys.modules, where
 dataclasses cannot resolve string annotations."""
@@ -61,7 +62,8 @@ class OptunaSweeperConf:
     # trainer.monitor's: maximize for an accuracy (checked before the first trial)
     direction: Annotated[str, OneOf("minimize", "maximize")] = "minimize"
     study_name: Annotated[Optional[str], Free("any name")] = None  # null: "search"
-    # null: a journal file in the sweep directory (hydra_ddp.search.study); or an Optuna storage URL.
+    # null: a journal file in the sweep directory (hydra_ddp.search.study); or an Optuna storage
+    # URL.
     storage: Annotated[Optional[str], Free("a file or Optuna's storage URL")] = None
     # In the study, over every run of the command with this sweep directory.
     n_trials: Annotated[int, AtLeast(1)] = 20
@@ -75,9 +77,9 @@ class OptunaSweeperConf:
     params: Annotated[Optional[dict[str, str]], Checked("search.space.parse")] = None
     # helper: one of the n_jobs - 1 processes the main sweeper starts
     role: Annotated[str, OneOf("main", "helper")] = "main"
-    # The sampler stays a config (Hydra would build it once, with the sweeper): each trial's is built
-    # from it with a seed of its own (search.study.trial_seed), so processes sharing a study draw
-    # apart, and a seeded search draws the same values for the same trial numbers.
+    # The sampler stays a config (Hydra would build it once, with the sweeper): each trial's is
+    # built from it with a seed of its own (search.study.trial_seed), so processes sharing a study
+    # draw apart, and a seeded search draws the same values for the same trial numbers.
     _recursive_: bool = False
 
 
@@ -182,7 +184,8 @@ class OptunaSweeper(Sweeper):
                 with studies.exclusive(self.sweep_dir):
                     if studies.started(study) >= self.n_trials:
                         break
-                    # A trial number not yet asked for (a queued trial's ask adds none, and samples nothing).
+                    # A trial number not yet asked for (a queued trial's ask adds none, and samples
+                    # nothing).
                     study.sampler = self._sampler(
                         searched, stream=len(study.get_trials(deepcopy=False))
                     )
@@ -202,8 +205,8 @@ class OptunaSweeper(Sweeper):
             self._results(study)
 
     def check(self) -> None:
-        """The sweeper's own settings, each in its domain (config.domains), one line naming the first
-        that is not: before the first trial."""
+        """The sweeper's own settings, each in its domain (config.domains), one line naming the
+        first that is not: before the first trial."""
         from hydra_ddp.config import domains
         from hydra_ddp.errors import UserError
         from hydra_ddp.search import study as studies
@@ -215,9 +218,9 @@ class OptunaSweeper(Sweeper):
                 else None
             )
             raise UserError(
-                f"hydra.sweeper.sampler={shown if shown is not None else self.sampler_cfg!r}: a sampler is "
-                f"chosen by its group, hydra/sweeper/sampler=NAME ({', '.join(SAMPLERS)}), and set by its keys, "
-                "hydra.sweeper.sampler.KEY=VALUE"
+                f"hydra.sweeper.sampler={shown if shown is not None else self.sampler_cfg!r}: "
+                "a sampler is chosen by its group, hydra/sweeper/sampler=NAME "
+                f"({', '.join(SAMPLERS)}), and set by its keys, hydra.sweeper.sampler.KEY=VALUE"
             )
         settings = {
             "direction": self.direction,
@@ -246,8 +249,8 @@ class OptunaSweeper(Sweeper):
 
     def _sampler(self, searched: dict[str, Any], stream: int) -> Any:
         """The sampler for the trial asked for when the study holds `stream` trials: its seed (when
-        one is set) made that trial's own. Every sweeper process built the same seeded sampler before,
-        so n_jobs > 1 drew the same startup trials in each process."""
+        one is set) made that trial's own. Every sweeper process built the same seeded sampler
+        before, so n_jobs > 1 drew the same startup trials in each process."""
         from hydra.utils import instantiate
 
         from hydra_ddp.search import space
@@ -255,8 +258,9 @@ class OptunaSweeper(Sweeper):
 
         seed = self.sampler_cfg.get("seed")
         if self.sampler_cfg.get("_partial_"):  # the grid sampler, given its grid
-            # Its seed shuffles the grid, whose ids must mean the same in every process: one seed. It
-            # never picks a grid point another trial holds (asks are one at a time: studies.exclusive).
+            # Its seed shuffles the grid, whose ids must mean the same in every process: one seed.
+            # It never picks a grid point another trial holds (asks are one at a time:
+            # studies.exclusive).
             return instantiate(self.sampler_cfg)(search_space=space.grid(searched))
         return instantiate(
             self.sampler_cfg, seed=None if seed is None else studies.trial_seed(seed, stream)
@@ -282,7 +286,8 @@ class OptunaSweeper(Sweeper):
         log.info("trial %d: %s%s", number, state, f" ({value:.6g})" if value is not None else "")
 
     def _helper(self) -> subprocess.Popen:
-        """Another sweeper process on the same study: the same command, as a helper, in this sweep directory."""
+        """Another sweeper process on the same study: the same command, as a helper, in this sweep
+        directory."""
         argv = [
             a for a in sys.argv[1:] if not a.startswith(("hydra.sweep.dir=", "hydra.sweeper.role="))
         ]

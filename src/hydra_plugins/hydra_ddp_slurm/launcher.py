@@ -1,6 +1,6 @@
-"""hydra-ddp's Slurm launcher (conf/hydra/launcher/slurm.yaml): hydra-submitit-launcher's, except that
-a job Slurm ended before it wrote a result (cancelled, timed out, its node failed) is a row of the
-sweep report instead of an exception that ends the whole sweep, or a wait that never ends.
+"""hydra-ddp's Slurm launcher (conf/hydra/launcher/slurm.yaml): hydra-submitit-launcher's, except
+that a job Slurm ended before it wrote a result (cancelled, timed out, its node failed) is a row of
+the sweep report instead of an exception that ends the whole sweep, or a wait that never ends.
 
 submitit learns a job's state from `sacct` alone. Without job accounting (slurmdbd) sacct fails, and
 even with it an array task cancelled while the whole array still waited leaves no record (Slurm
@@ -59,7 +59,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
         ]
 
     def _unfinished(self, job: Job, overrides: list[str], num: int) -> JobReturn:
-        """Leave in the job's directory what the sweep report reads; return what a failed trial returns."""
+        """Leave in the job's directory what the sweep report reads; return what a failed trial
+        returns."""
         from hydra_ddp import monitor
 
         assert self.config is not None and self.hydra_context is not None
@@ -92,7 +93,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
 
 class Job:
     """A submitted submitit job whose results() also end when the job left Slurm's queue without a
-    result: then `ended` is its final state (CANCELLED, TIMEOUT, NODE_FAIL…) and results() [None]."""
+    result: then `ended` is its final state (CANCELLED, TIMEOUT, NODE_FAIL…) and results()
+    [None]."""
 
     def __init__(self, job: Any) -> None:
         self.job = job
@@ -151,5 +153,6 @@ class Job:
         states = sacct.stdout.split("\n")
         if states[0].strip():
             return states[0].split()[0], ""  # "CANCELLED by 0" → CANCELLED
-        # Accounting works and has no record: removed before it ever ran, as a cancelled array task is.
+        # Accounting works and has no record: removed before it ever ran, as a cancelled array task
+        # is.
         return "CANCELLED", "it left the queue before it ran and has no accounting record"

@@ -22,7 +22,8 @@ REGISTRY: dict[str, type[Strategy]] = {
 def get(name: str) -> type[Strategy]:
     if name not in REGISTRY:
         raise UserError(
-            f"strategy.name={name!r}: choose one of {', '.join(REGISTRY)} (strategy=NAME, conf/strategy/)"
+            f"strategy.name={name!r}: choose one of "
+            f"{', '.join(REGISTRY)} (strategy=NAME, conf/strategy/)"
         )
     return REGISTRY[name]
 

@@ -29,9 +29,11 @@ class Strategy:
     Settings: ClassVar[type]  # strategy.*: the dataclass conf/strategy/NAME.yaml is checked against
     # Its knobs that `auto` settles (settle, below), for the summary: DDP's; the others have none.
     fast_settings: ClassVar[tuple[str, ...]] = ()
-    # Its settings the tuner may time (tools/tune.py): DDP's gradient exchange; the others have none.
+    # Its settings the tuner may time (tools/tune.py): DDP's gradient exchange; the others have
+    # none.
     tunable: ClassVar[tuple[str, ...]] = ()
-    # What the checkpoints hold: one file of the whole state (rank 0 writes it), or each rank's shards.
+    # What the checkpoints hold: one file of the whole state (rank 0 writes it), or each rank's
+    # shards.
     sharded_checkpoints: ClassVar[bool] = True
     # Every rank runs as many evaluation forwards (a sharded or split forward exchanges tensors).
     lockstep_eval: ClassVar[bool] = True
@@ -85,7 +87,8 @@ class Strategy:
         self.model: nn.Module = nn.Module()
         self.mesh: Any = None
         self.state: Any = None
-        # trainer.compile=blocks' torch.compile(dynamic=...): the worker's, from its data (recipe/compiling.py).
+        # trainer.compile=blocks' torch.compile(dynamic=...): the worker's, from its data
+        # (recipe/compiling.py).
         self.compile_dynamic: Optional[bool] = False
 
     def wrap(self, module: nn.Module, shared: Optional[bool] = None) -> nn.Module:
@@ -94,7 +97,8 @@ class Strategy:
         raise NotImplementedError
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        """Gradient accumulation: no synchronisation between replicas until the group's last batch."""
+        """Gradient accumulation: no synchronisation between replicas until the group's last
+        batch."""
         return contextlib.nullcontext()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -103,7 +107,8 @@ class Strategy:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
 
     def data_shard(self, rank: RankInfo) -> RankInfo:
-        """Which share of the data this rank reads: its replica's (every tp rank of a replica alike)."""
+        """Which share of the data this rank reads: its replica's (every tp rank of a replica
+        alike)."""
         if self.tp_ranks == 1:
             return rank
         return RankInfo(
@@ -118,9 +123,9 @@ class Strategy:
         return self.dp_ranks
 
     def eval_reduction(self) -> dict[str, Any]:
-        """How evaluation sums add up (evaluation.evaluate's reduce and group): over all ranks; under
-        tensor parallel over the replicas only (a replica's tp ranks computed the same sums), and with
-        one replica not at all."""
+        """How evaluation sums add up (evaluation.evaluate's reduce and group): over all ranks;
+        under tensor parallel over the replicas only (a replica's tp ranks computed the same sums),
+        and with one replica not at all."""
         if self.tp_ranks == 1:
             return {"reduce": True, "group": None}
         if self.dp_ranks == 1:
@@ -169,7 +174,8 @@ class Strategy:
     def local_tensors(self) -> Iterator[torch.Tensor]:
         return self.state.local_tensors()
 
-    # --- DDP's gradient exchange: its communication hook (the others have none) --------------------
+    # --- DDP's gradient exchange: its communication hook (the others have none)
+    # --------------------
     def comm_state(self) -> Optional[dict[str, Any]]:
         """The communication hook's state for a checkpoint (PowerSGD's; every rank calls it)."""
         return None
@@ -179,7 +185,8 @@ class Strategy:
         return None
 
     def summary(self) -> dict[str, Any]:
-        """What the run's summary says of the gradient exchange (DDP's hook and its measured bytes)."""
+        """What the run's summary says of the gradient exchange (DDP's hook and its measured
+        bytes)."""
         return {"comm_hook": None, "allreduce_bytes_per_step": None}
 
 
@@ -189,12 +196,13 @@ def not_ddp_refusals(cfg: Any, name: str) -> list[tuple[bool, str]]:
     return [
         (
             not cfg.data.even_shards,
-            "data.even_shards=false needs DDP's Join, which FSDP does not support; keep data.even_shards=true",
+            "data.even_shards=false needs DDP's Join, which "
+            "FSDP does not support; keep data.even_shards=true",
         ),
         (
             trainer.compile == "model",
-            f"trainer.compile=model compiles the DDP model whole; under strategy={name} compile the blocks "
-            "(trainer.compile=blocks, or true)",
+            "trainer.compile=model compiles the DDP model whole; under "
+            f"strategy={name} compile the blocks (trainer.compile=blocks, or true)",
         ),
         (
             trainer.channels_last is True,
@@ -245,8 +253,8 @@ def clip_global_norm(
         else:
             total += g.double().pow(2).sum() / world
     dist.all_reduce(total)
-    # torch.nn.utils.clip_grad_norm_'s arithmetic, in the gradients' dtype (a float32 norm would round
-    # a float64 model's scale; it moved such a run by 1e-9 from one rank's).
+    # torch.nn.utils.clip_grad_norm_'s arithmetic, in the gradients' dtype (a float32 norm would
+    # round a float64 model's scale; it moved such a run by 1e-9 from one rank's).
     norm = total.sqrt().to(grads[0].dtype if grads else torch.float32)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0).item()
     for g in grads:

@@ -14,10 +14,10 @@ it changes no result beyond float tolerance, and each can be set to true or fals
 - shared_memory: the gradient all-reduce through a shared segment instead of gloo's loopback TCP,
   where every rank is a CPU process on this host; bit-identical at 2 ranks, the sums in another
   order (within float tolerance) at more. Not with a comm hook (it is one), uneven shards (Join's
-  shadow all-reduces bypass hooks) or the whole model's torch.compile (its blocks' keeps it). Whether
-  the segment can be made is the workers'
-  to find: where it cannot, an `auto` falls back.
-- sync_batchnorm: BatchNorm layers as SyncBatchNorm; auto is on with CUDA (DDP refuses it on the CPU).
+  shadow all-reduces bypass hooks) or the whole model's torch.compile (its blocks' keeps it).
+  Whether the segment can be made is the workers' to find: where it cannot, an `auto` falls back.
+- sync_batchnorm: BatchNorm layers as SyncBatchNorm; auto is on with CUDA (DDP refuses it on the
+  CPU).
 """
 
 from __future__ import annotations
@@ -65,9 +65,11 @@ class PowerSGDSettings(Section):
 class DDPSettings(Section):
     # ddp: a replica per rank (conf/strategy/: ddp, fsdp, tp, fsdp_tp).
     name: Annotated[str, OneOf("ddp")] = "ddp"
-    # DDP's gradient bucket size (MB): smaller starts the all-reduce sooner, larger sends fewer messages.
+    # DDP's gradient bucket size (MB): smaller starts the all-reduce sooner, larger sends fewer
+    # messages.
     bucket_cap_mb: Annotated[float, Positive()] = 25.0
-    # true, false, or auto: the fast choice for this run (this module's docstring); the summary names it.
+    # true, false, or auto: the fast choice for this run (this module's docstring); the summary
+    # names it.
     gradient_as_bucket_view: Annotated[Any, AUTO_BOOL] = "auto"
     static_graph: Annotated[Any, AUTO_BOOL] = "auto"  # DDP's static_graph: true, false or auto
     # DDP's search for parameters a forward did not use (slow; only for models that skip some).
@@ -75,8 +77,8 @@ class DDPSettings(Section):
     # The gradient all-reduce through shared memory when every rank is a CPU process on this host
     # (parallel/shared_memory.py), instead of gloo's loopback TCP. auto: wherever it can.
     shared_memory: Annotated[Any, AUTO_BOOL] = "auto"
-    # DDP's gradient communication hook (parallel/comm.py): none (DDP's fp32 all-reduce), fp16 or bf16
-    # (gradients all-reduced in 16 bits), or powersgd (low-rank, settings below).
+    # DDP's gradient communication hook (parallel/comm.py): none (DDP's fp32 all-reduce), fp16 or
+    # bf16 (gradients all-reduced in 16 bits), or powersgd (low-rank, settings below).
     comm_hook: Annotated[str, OneOf(*COMM_HOOKS)] = "none"
     powersgd: PowerSGDSettings = field(default_factory=PowerSGDSettings)
     # BatchNorm layers become SyncBatchNorm (statistics over the global batch, so a BatchNorm model
@@ -160,30 +162,33 @@ class DDP(Strategy):
         settings, trainer, data = cfg.strategy, cfg.trainer, cfg.data
         if settings.comm_hook != "none" and not data.even_shards:
             raise UserError(
-                f"strategy.comm_hook={settings.comm_hook} does not combine with data.even_shards=false (Join's "
-                "shadow all-reduces bypass the hook); use one or the other"
+                f"strategy.comm_hook={settings.comm_hook} does not "
+                "combine with data.even_shards=false (Join's shadow "
+                "all-reduces bypass the hook); use one or the other"
             )
         if settings.static_graph is True and elastic.most_accumulation(cfg) > 1:
             at_fewer = trainer.accumulate == 1  # an elastic run's, at fewer nodes than it may have
             raise UserError(
                 "strategy.static_graph=true does not combine with trainer.accumulate > 1 "
-                f"{'(an elastic run accumulates at fewer nodes) ' if at_fewer else ''}(DDP's reducer fails "
-                "on a no_sync step in a static graph); set strategy.static_graph=auto or false"
+                f"{'(an elastic run accumulates at fewer nodes) ' if at_fewer else ''}(DDP's "
+                "reducer fails on a no_sync step in a static graph); set "
+                "strategy.static_graph=auto or false"
             )
         if settings.shared_memory is True and trainer.device != "cpu":
             raise UserError(
-                f"strategy.shared_memory=true does not combine with trainer.device={trainer.device} (it sums "
-                "CPU tensors); set strategy.shared_memory=auto or false"
+                "strategy.shared_memory=true does not combine with "
+                f"trainer.device={trainer.device} (it sums CPU "
+                "tensors); set strategy.shared_memory=auto or false"
             )
         if settings.sync_batchnorm and trainer.device != "cuda":
             raise UserError(
-                "strategy.sync_batchnorm=true needs GPUs (this torch's DDP refuses SyncBatchNorm on the CPU); "
-                "set it false, or train with trainer.device=cuda"
+                "strategy.sync_batchnorm=true needs GPUs (this torch's DDP refuses "
+                "SyncBatchNorm on the CPU); set it false, or train with trainer.device=cuda"
             )
         if not data.even_shards and settings.sync_batchnorm:
             raise UserError(
-                "data.even_shards=false does not combine with strategy.sync_batchnorm=true (Join cannot "
-                "stand in for SyncBatchNorm's collectives); use one or the other"
+                "data.even_shards=false does not combine with strategy.sync_batchnorm=true "
+                "(Join cannot stand in for SyncBatchNorm's collectives); use one or the other"
             )
         activation_checkpointing.check(cfg)
 
@@ -192,7 +197,8 @@ class DDP(Strategy):
         self.comm: Optional[comm.PowerSGD] = None  # a communication hook that keeps state
         self.shared: Optional[shared_memory.SharedMemoryAllReduce] = None
         # What the hook sends each step; none counted under Join (uneven shards), where DDP's own
-        # all-reduce runs: Join's shadow all-reduces bypass hooks, and its average needs DDP's divisor.
+        # all-reduce runs: Join's shadow all-reduces bypass hooks, and its average needs DDP's
+        # divisor.
         self.traffic: Optional[comm.Traffic] = None
 
     def wrap(self, module: nn.Module, shared: Optional[bool] = None) -> nn.Module:
@@ -210,7 +216,8 @@ class DDP(Strategy):
         options = {key: getattr(settings, key) for key in DDP_ARGUMENTS}
         traffic = comm.Traffic()
         if shared:
-            # Before DDP: where the segment cannot be shared, every rank raises SharedMemoryUnavailable here.
+            # Before DDP: where the segment cannot be shared, every rank raises
+            # SharedMemoryUnavailable here.
             gradient_bytes = sum(
                 p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
             )
@@ -240,7 +247,8 @@ class DDP(Strategy):
         return self.comm.load(saved, step) if self.comm else None
 
     def summary(self) -> dict[str, Any]:
-        # The gradient bytes this rank sent in the last step, as the hook counted them (None: not counted).
+        # The gradient bytes this rank sent in the last step, as the hook counted them (None: not
+        # counted).
         return {
             "comm_hook": self.cfg.strategy.comm_hook,
             "allreduce_bytes_per_step": self.traffic.last_step if self.traffic else None,
@@ -248,11 +256,11 @@ class DDP(Strategy):
 
 
 def _check_first_output(model: nn.Module) -> None:
-    """Under a static graph, DDP averages the first step's gradients from a callback its own autograd
-    node queues on the output's tensors, which it finds by flattening the output (tuples, lists, dicts,
-    named tuples, transformers' ModelOutput). An output it cannot flatten (a dataclass) hides them: the
-    first step's gradients would never be averaged, and the replicas would part for good, silently.
-    Checked on the first training forward, then the hook is gone."""
+    """Under a static graph, DDP averages the first step's gradients from a callback its own
+    autograd node queues on the output's tensors, which it finds by flattening the output (tuples,
+    lists, dicts, named tuples, transformers' ModelOutput). An output it cannot flatten (a
+    dataclass) hides them: the first step's gradients would never be averaged, and the replicas
+    would part for good, silently. Checked on the first training forward, then the hook is gone."""
 
     def check(module: nn.Module, inputs: Any, output: Any) -> None:
         if not module.training:
@@ -260,9 +268,10 @@ def _check_first_output(model: nn.Module) -> None:
         handle.remove()
         if not any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(output)[0]):
             raise EveryRankError(
-                f"the model returns a {type(output).__name__}, in which DDP finds no tensor (it looks into "
-                "tuples, lists, dicts and named tuples, not dataclasses): with strategy.static_graph the first "
-                "step's gradients would not be averaged. Return one of those, or set strategy.static_graph=false"
+                f"the model returns a {type(output).__name__}, in which DDP finds no tensor "
+                "(it looks into tuples, lists, dicts and named tuples, not dataclasses): "
+                "with strategy.static_graph the first step's gradients would not be "
+                "averaged. Return one of those, or set strategy.static_graph=false"
             )
 
     handle = model.register_forward_hook(check)

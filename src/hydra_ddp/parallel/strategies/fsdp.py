@@ -26,18 +26,20 @@ class FSDPSettings(Section):
     # fsdp: FSDP2, parameters, gradients and optimizer state sharded over the ranks.
     name: Annotated[str, OneOf("fsdp")] = "fsdp"
     # HSDP (hybrid sharding: torchtitan's data_parallel_replicate_degree): the ranks as `replicate`
-    # copies of the model, each sharded over world / replicate neighbouring ranks (a node's, with one
-    # copy per node), the copies' gradients all-reduced. 1: every rank one shard of a single copy.
+    # copies of the model, each sharded over world / replicate neighbouring ranks (a node's, with
+    # one copy per node), the copies' gradients all-reduced. 1: every rank one shard of a single
+    # copy.
     replicate: Annotated[int, AtLeast(1)] = 1
     # Free each unit's gathered parameters after its forward (less memory, one more all-gather in
     # the backward); false keeps them until the backward.
     reshard_after_forward: bool = True
-    # FSDP2's mixed-precision policy (torchtitan's mixed_precision_param and _reduce). What each unit's
-    # gathered parameters are cast to for the forward and backward: bf16, or null (as they are: fp32).
-    # fp16 is refused: it needs loss scaling over the shards, which this strategy does not do.
+    # FSDP2's mixed-precision policy (torchtitan's mixed_precision_param and _reduce). What each
+    # unit's gathered parameters are cast to for the forward and backward: bf16, or null (as they
+    # are: fp32). fp16 is refused: it needs loss scaling over the shards, which this strategy does
+    # not do.
     param_dtype: Annotated[Optional[str], OneOf("bf16", "fp16", "fp32")] = None
-    # What the gradients are reduced (reduce-scattered) in: fp32 (exact sums of bf16 gradients), bf16
-    # (half the traffic), or null (param_dtype's).
+    # What the gradients are reduced (reduce-scattered) in: fp32 (exact sums of bf16 gradients),
+    # bf16 (half the traffic), or null (param_dtype's).
     reduce_dtype: Annotated[Optional[str], OneOf("bf16", "fp16", "fp32")] = None
     # What the model's output is cast to for the loss: fp32, or null (as the last unit computes it).
     output_dtype: Annotated[Optional[str], OneOf("bf16", "fp16", "fp32")] = None
@@ -59,24 +61,25 @@ def shard_refusals(cfg: Any) -> list[tuple[bool, str]]:
     return [
         (
             world is not None and world % copies != 0,
-            f"strategy.replicate={copies} does not divide the {world} ranks (trainer.nproc × launcher.nnodes): "
-            f"give a divisor of {world} (launcher.nnodes: a copy per node)",
+            f"strategy.replicate={copies} does not divide the {world} ranks (trainer.nproc × "
+            f"launcher.nnodes): give a divisor of {world} (launcher.nnodes: a copy per node)",
         ),
         (
             copies > 1 and (launcher.min_nodes or launcher.nnodes) != launcher.nnodes,
-            f"strategy.replicate={copies} fixes the mesh, which an elastic run's resize would change: "
-            "leave it 1 for launcher.nnodes=MIN:MAX",
+            f"strategy.replicate={copies} fixes the mesh, which an elastic "
+            "run's resize would change: leave it 1 for launcher.nnodes=MIN:MAX",
         ),
         (
             settings.cpu_offload and trainer.device != "cuda",
-            "strategy.cpu_offload=true keeps parameters on the CPU between uses on GPUs; on the CPU it has "
-            "nothing to offload: leave it false",
+            "strategy.cpu_offload=true keeps parameters on the CPU between "
+            "uses on GPUs; on the CPU it has nothing to offload: leave it false",
         ),
         *(
             (
                 getattr(settings, key) == "fp16",
-                f"strategy.{key}=fp16 would need loss scaling over the shards, which FSDP2 here does not "
-                "do (small gradients would underflow silently); use bf16: fp32's range, no scaler",
+                f"strategy.{key}=fp16 would need loss scaling over the "
+                "shards, which FSDP2 here does not do (small gradients would "
+                "underflow silently); use bf16: fp32's range, no scaler",
             )
             for key in ("param_dtype", "reduce_dtype", "output_dtype")
         ),
@@ -87,9 +90,9 @@ DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": tor
 
 
 def mixed_precision(settings: Any, root: bool) -> Any:
-    """The strategy's param_dtype, reduce_dtype and output_dtype as FSDP2's MixedPrecisionPolicy: the
-    output's dtype the root's only (a unit's output cast back would meet the next unit, or the root's
-    own layers, in another dtype than their parameters')."""
+    """The strategy's param_dtype, reduce_dtype and output_dtype as FSDP2's MixedPrecisionPolicy:
+    the output's dtype the root's only (a unit's output cast back would meet the next unit, or the
+    root's own layers, in another dtype than their parameters')."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(
@@ -135,7 +138,8 @@ def hybrid_mesh(settings: Any, device: torch.device) -> Any:
 def shard_units(module: nn.Module) -> list[nn.Module]:
     """The modules FSDP shards one by one (their parameters gathered together): the model's blocks
     (recipe.activation_checkpointing.blocks: a `shard_units()` method, e.g. a transformer's blocks;
-    a Hugging Face model's decoder layers, as Accelerate wraps them); else each child with parameters."""
+    a Hugging Face model's decoder layers, as Accelerate wraps them); else each child with
+    parameters."""
     return activation_checkpointing.blocks(module) or [
         child for child in module.children() if any(True for _ in child.parameters())
     ]
@@ -164,14 +168,16 @@ class FSDP(Strategy):
 
     @classmethod
     def backend(cls, settings: Any, backend: str) -> str:
-        """NCCL takes CUDA tensors only, and CPU offload keeps the shards on the CPU: the collectives on
-        them (the finite-weights check, the gradient norm) go to gloo, the rest to NCCL, in one group."""
+        """NCCL takes CUDA tensors only, and CPU offload keeps the shards on the CPU: the
+        collectives on them (the finite-weights check, the gradient norm) go to gloo, the rest to
+        NCCL, in one group."""
         return "cpu:gloo,cuda:nccl" if backend == "nccl" and settings.cpu_offload else backend
 
     def __init__(self, cfg: Any, device: torch.device):
         super().__init__(cfg, device)
-        # Every save and copy of the best weights goes through DCP's state_dict helpers (ShardedState):
-        # imported while the run starts, not at the first of them in the middle of training.
+        # Every save and copy of the best weights goes through DCP's state_dict helpers
+        # (ShardedState): imported while the run starts, not at the first of them in the middle of
+        # training.
         import torch.distributed.checkpoint.state_dict  # noqa: F401
 
     def wrap(self, module: nn.Module, shared: Optional[bool] = None) -> nn.Module:

@@ -48,7 +48,8 @@ class FSDPWithTP(Strategy):
         tensor_parallel_limits = [
             (
                 int(settings.replicate) != 1,
-                "strategy.replicate (HSDP) is not supported with tensor parallel yet: the mesh is [dp, tp]; leave it 1",
+                "strategy.replicate (HSDP) is not supported with "
+                "tensor parallel yet: the mesh is [dp, tp]; leave it 1",
             ),
             (
                 bool(
@@ -57,8 +58,8 @@ class FSDPWithTP(Strategy):
                     or settings.output_dtype
                     or settings.cpu_offload
                 ),
-                "strategy.param_dtype, reduce_dtype, output_dtype and cpu_offload are not supported with tensor "
-                "parallel yet; leave them null and false",
+                "strategy.param_dtype, reduce_dtype, output_dtype and cpu_offload are "
+                "not supported with tensor parallel yet; leave them null and false",
             ),
         ]
         refuse(

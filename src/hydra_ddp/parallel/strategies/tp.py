@@ -31,7 +31,8 @@ class TPSettings(Section):
 
 
 def check_plan(cfg: Any, strategy: type[Strategy]) -> None:
-    """Tensor parallel needs the model's plan, and a world size it splits over (built on the meta device)."""
+    """Tensor parallel needs the model's plan, and a world size it splits over (built on the meta
+    device)."""
     from hydra.utils import instantiate
 
     world = cfg.trainer.nproc * cfg.launcher.nnodes
@@ -41,15 +42,17 @@ def check_plan(cfg: Any, strategy: type[Strategy]) -> None:
             model = instantiate(cfg.model)
     except Exception as error:  # noqa: BLE001  (the model's own complaint: a shape it cannot take, say)
         raise UserError(
-            f"strategy={strategy.name}: {cfg.model['_target_']} does not build: {first_line(root_cause(error))}"
+            f"strategy={strategy.name}: {cfg.model['_target_']} "
+            f"does not build: {first_line(root_cause(error))}"
         ) from None
     try:
         tp_plan = getattr(model, "tp_plan", None)
         # a transformers model's tp_plan is its own (a dict), not this plan
         if not callable(tp_plan):
             raise UserError(
-                f"strategy={strategy.name} needs a model with a tensor-parallel plan (a tp_plan method, as "
-                f"model=gpt has); {cfg.model['_target_']} has none: use strategy=ddp or fsdp"
+                f"strategy={strategy.name} needs a model with a "
+                "tensor-parallel plan (a tp_plan method, as model=gpt has); "
+                f"{cfg.model['_target_']} has none: use strategy=ddp or fsdp"
             )
         tp_plan(size)
     except ValueError as e:
