@@ -236,7 +236,7 @@ def test_the_watchdog_holds_no_frame_of_a_function_that_returned(tmp_path: Path)
 def test_a_loader_workers_place_is_its_worker_loops_innermost_own_frame():
     dump = (
         "Thread 0x00007f486affd6c0 (most recent call first):\n"
-        '  File "/src/hydra_ddp/data/loading.py", line 250 in _answer_stop_signals\n'
+        '  File "/src/hydra_ddp/data/loader_workers.py", line 87 in _answer_stop_signals\n'
         '  File "/usr/lib/python3.11/threading.py", line 982 in run\n'
         "\n"
         "Current thread 0x00007f4940419b80 (most recent call first):\n"

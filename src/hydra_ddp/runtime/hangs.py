@@ -41,12 +41,11 @@ from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any, Optional
 
-from hydra_ddp.runtime import processes
+from hydra_ddp.runtime import flight_recorder, processes
 
 log = logging.getLogger(__name__)
 
 STACKS = "stacks"  # the folder in the run directory
-FLIGHT_RECORDER_ENTRIES = "2000"  # collectives each rank's recorder keeps (torch's own suggestion)
 # Where a rank that waits for its peers is seen from Python: (file's path ends with, function or
 # None for any, what it is called in the report).
 _WAITS = (
@@ -77,23 +76,6 @@ def stall_after_s(timeout_s: float) -> float:
     """How long without progress before a rank leaves its stack: well before the collective timeout
     fires (so the stuck rank's stack is there when the waiting ones fail), and not hours."""
     return max(1.0, min(timeout_s / 2, 300.0))
-
-
-def enable_flight_recorder(backend: str, run_dir: Optional[Path]) -> None:
-    """Before the process group is made: torch's flight recorder on (unless the user set it), and
-    NCCL's dump on a timeout into the run's stacks folder (`run_dir` None: an outside launch's rank,
-    which learns the run directory only from the group; NCCL's dump then goes to its default
-    place)."""
-    if "nccl" in backend:
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        if run_dir is not None:
-            (run_dir / STACKS).mkdir(parents=True, exist_ok=True)
-            os.environ.setdefault(
-                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(run_dir / STACKS / "nccl_trace_rank_")
-            )
-    else:
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
 
 
 class Watchdog:
@@ -171,7 +153,7 @@ class Watchdog:
         os.replace(f"{name}.txt.tmp", f"{name}.txt")
         # the recorder's last collective does not change while the rank is stuck
         if not self.dumped:
-            self.last_collective = _dump_flight_recorder(Path(f"{name}.fr"))
+            self.last_collective = flight_recorder.dump(Path(f"{name}.fr"))
         _write_json(
             {
                 "rank": self.rank,
@@ -358,32 +340,6 @@ def _is(code: CodeType, ending: str, function: Optional[str]) -> bool:
         None,
         code.co_name,
     )
-
-
-def _dump_flight_recorder(path: Path) -> Optional[str]:
-    """The process group's flight recorder (torch's pickle, as NCCL's dump writes it), if it has
-    one; its last collective, e.g. "#13 gloo:all_reduce"."""
-    try:
-        import pickle
-
-        import torch.distributed as dist
-        from torch._C._distributed_c10d import _dump_fr_trace
-
-        # the recorder outlives a destroyed group: its entries are not this one's
-        if not dist.is_initialized():
-            return None
-        trace = _dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False)
-        entries = pickle.loads(trace).get("entries") or []
-    except Exception:  # no recorder in this torch, or a backend without one
-        return None
-    path.write_bytes(trace)
-    newest_group = max((e.get("pg_id", 0) for e in entries), default=0)
-    last = max(
-        (e for e in entries if e.get("pg_id", 0) == newest_group),
-        key=lambda e: e.get("record_id", 0),
-        default=None,
-    )
-    return f"#{last['collective_seq_id']} {last['profiling_name']}" if last else None
 
 
 def _write_json(value: Any, path: Path) -> None:

@@ -32,6 +32,12 @@ class Position:
         """The mean global loss of the epoch's steps so far."""
         return self.epoch_loss_sum / max(1, self.epoch_loss_count)
 
+    def regroup(self, saved_accumulation: int, accumulation: int) -> None:
+        """After load(): mid-epoch the position counts this rank's micro-batches, always whole
+        optimizer steps: at another accumulation (a resize keeps the global batch), the same steps
+        are as many more or fewer."""
+        self.batch = self.batch // saved_accumulation * accumulation
+
     def started(self, world_size: int) -> None:
         self.world_sizes = [{"step": 0, "world_size": world_size, "cause": "start"}]
 

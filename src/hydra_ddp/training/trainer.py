@@ -19,6 +19,7 @@ from hydra_ddp.checkpoint import checkpointer as checkpointing
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.recipe import schedules
+from hydra_ddp.training import reports
 from hydra_ddp.training.parts import Parts
 from hydra_ddp.training.position import Position
 from hydra_ddp.training.profiling import Profiling
@@ -26,7 +27,7 @@ from hydra_ddp.training.saving import Saving
 from hydra_ddp.training.step import Step, optimizer_steps
 from hydra_ddp.training.stop import Ending
 from hydra_ddp.training.throughput import Overheads, Throughput
-from hydra_ddp.training.timing import StepTimer, per_rank, straggler
+from hydra_ddp.training.timing import StepTimer
 from hydra_ddp.training.validation import Validation
 from hydra_ddp.training.window import LossWindow
 
@@ -42,12 +43,8 @@ class Trainer:
         """The loop and its collaborators, each given its own settings and the parts it works
         with."""
         settings, device = cfg.trainer, parts.device
-        self.settings, self.model, self.loaders, self.device = (
-            settings,
-            parts.model,
-            parts.loaders,
-            device,
-        )
+        self.settings, self.model = settings, parts.model
+        self.loaders, self.device = parts.loaders, device
         self.pos, self.overheads = Position(), Overheads()
         # this rank's time per phase (timing.py): the straggler report
         self.timer = StepTimer(settings.timing, device)
@@ -61,10 +58,8 @@ class Trainer:
         self.hooks = hooks.build(settings.hooks, Profiling.of(bool(settings.profile), cfg.profiler))
         self.cfg = cfg  # what a hook reads
         self.throughput = Throughput(parts.strategy.data_parallel_size())
-        self.reporter, self.schedule = (
-            parts.reporter,
-            schedules.Stepping(parts.scheduler, parts.optimizer),
-        )
+        self.reporter = parts.reporter
+        self.schedule = schedules.Stepping(parts.scheduler, parts.optimizer)
         self.accumulate = settings.accumulate  # read every batch: a plain int, not a config lookup
         # the tuner's short runs time their steps, no validation or test
         self.evaluates_at_end = cfg.job != "tune"
@@ -76,13 +71,10 @@ class Trainer:
         self.bar = tqdm(disable=True)
         self.progress = parts.progress
         self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
-        self.length = parts.length
-        self.batches_per_epoch, self.common_batches = (
-            parts.length.batches_per_epoch,
-            parts.length.common_batches,
-        )
-        self.uneven = parts.length.uneven
-        self.steps_per_epoch = parts.length.steps_per_epoch  # the same on every rank
+        self.length = length = parts.length
+        self.batches_per_epoch = length.batches_per_epoch
+        self.common_batches = length.common_batches
+        self.uneven = length.uneven
         self.ranks: list[dict[str, Any]] = []
         self.straggler: Optional[dict[str, Any]] = None
         self.world_size = dist.get_world_size()
@@ -92,10 +84,7 @@ class Trainer:
         """Continue from a checkpoint (`cause`: why, should the world size differ;
         position.resize_cause)."""
         self.saving.resume_from(path, state)
-        # Mid-epoch the position counts this rank's micro-batches, always whole optimizer steps: at
-        # another accumulation (a resize keeps the global batch), the same steps are as many more or
-        # fewer.
-        self.pos.batch = self.pos.batch // checkpointing.saved_accumulation(state) * self.accumulate
+        self.pos.regroup(checkpointing.saved_accumulation(state), self.accumulate)
         resize = self.pos.continued_at(self.world_size, saved_ranks=len(state["rng"]), cause=cause)
         if resize:
             self.reporter.scalars({"train/world_size": self.world_size}, self.pos.step)
@@ -116,13 +105,7 @@ class Trainer:
         max_steps, epochs = self.length.max_steps, self.length.epochs
         # The step the run ends at: the nearer of its bounds (max_steps, or the last epoch's last
         # step).
-        self.bar = tqdm(
-            total=self.length.total_steps,
-            initial=self.pos.step,
-            disable=not self.progress,
-            unit="step",
-            dynamic_ncols=True,
-        )
+        self.bar = _progress_bar(self.length.total_steps, self.pos.step, self.progress)
         with contextlib.ExitStack() as stack:
             for hook in self.hooks:
                 stack.enter_context(hook.running(self))
@@ -136,7 +119,7 @@ class Trainer:
             self.bar.set_description_str(f"ended by {early}", refresh=True)
         self.bar.close()
         self._finish(validated_at, epochs)
-        return results(self, epochs)
+        return reports.results(self, epochs)
 
     def _epochs(self, epochs: int, max_steps: int) -> int:
         """Train the epochs; the step of the last validation."""
@@ -144,7 +127,7 @@ class Trainer:
         while self.pos.epoch < epochs and self.pos.step < max_steps and not self.ending.now:
             epoch = self.pos.epoch
             self._run_epoch(epoch, max_steps)
-            if self._epoch_complete():
+            if _epoch_complete(self.pos.batch >= self.batches_per_epoch, self.uneven, self.device):
                 self.train_loss = self.pos.epoch_loss()
                 best = False
                 if self.settings.eval_every_epoch:
@@ -199,22 +182,11 @@ class Trainer:
             self.validation.test(
                 self.pos.step, self.pos.epoch, self.saving.published if saves_at_end else None
             )
-        self.ranks = per_rank(self.timer.gather(self.device))
-        self.straggler = straggler(self.ranks)
+        self.ranks, self.straggler = reports.rank_times(self)
         if self.straggler:
             log.warning("straggler: %s", self.straggler["message"])
 
     # --- an epoch's batches ---------------------------------------------------------------------
-    def _epoch_complete(self) -> bool:
-        """Every rank ran all its batches (not stopped by max_steps or a signal): the same answer
-        everywhere."""
-        done = self.pos.batch >= self.batches_per_epoch
-        if not self.uneven:
-            return done  # every rank ran the same batches
-        flag = torch.tensor([1 if done else 0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
     def _run_epoch(self, epoch: int, max_steps: int) -> None:
         """One epoch (or its rest, after a resume): optimizer steps of `accumulate` batches each."""
         sampler = self.loaders.train_sampler
@@ -283,19 +255,7 @@ class Trainer:
 
     def _report(self, steps: list[int], losses: list[float], stop: bool, time_up: bool) -> bool:
         """Log a window's global losses, act on its flags; True when the ranks agreed to stop."""
-        # A step's loss, gradient norm and rate in one row (a later step's norm and rate wait for
-        # its loss).
-        last = steps[-1] if steps else 0
-        norms, rates = self.step.take_grad_norms(last), self.schedule.take_rates(last)
-        for step, loss in zip(steps, losses):
-            row = {
-                "train/loss": loss,
-                "train/grad_norm": norms.get(step),
-                "train/lr": rates.get(step),
-            }
-            self.reporter.scalars(
-                {tag: value for tag, value in row.items() if value is not None}, step
-            )
+        reports.step_rows(self, steps, losses)
         self.pos.epoch_loss_sum += sum(losses)
         self.pos.epoch_loss_count += len(losses)
         if losses:
@@ -312,28 +272,9 @@ class Trainer:
         """Validation (when there is a split for it) and the monitored metric; True: the best
         weights so far."""
         metrics = self.validation.validate(self.train_loss)
-        scalars = {
-            "train/epoch_loss": self.train_loss,
-            **self.schedule.epoch_rate(),
-            "train/samples_per_sec": self.throughput.samples_per_sec(),
-        }
-        validated = "val_samples" in metrics
-        if validated:
-            scalars.update(self.validation.tagged(metrics, "val"))
-        # every rank's, this epoch
-        epoch_ranks = per_rank(self.timer.gather(self.device, since_last=True))
-        if self.timer.reported_steps:
-            for row in epoch_ranks:
-                scalars.update(
-                    {
-                        f"train/time/rank{row['rank']}/{k[:-6]}": v
-                        for k, v in row.items()
-                        if k.endswith("_share")
-                    }
-                )
-        self.reporter.scalars(scalars, self.pos.step)
+        self.reporter.scalars(reports.epoch_scalars(self, metrics), self.pos.step)
         best = self.validation.record(metrics, self.pos.step, epoch)
-        shown = f"  {self.validation.shown(metrics, 'val')}" if validated else ""
+        shown = f"  {self.validation.shown(metrics, 'val')}" if "val_samples" in metrics else ""
         log.info(
             "%s  step %d  train loss %.4f%s%s",
             where,
@@ -345,65 +286,24 @@ class Trainer:
         return best
 
 
+def _epoch_complete(done: bool, uneven: bool, device: torch.device) -> bool:
+    """Every rank ran all its batches of the epoch (`done`: this one did; not stopped by max_steps
+    or a signal): the same answer everywhere."""
+    if not uneven:
+        return done  # every rank ran the same batches
+    flag = torch.tensor([1 if done else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _progress_bar(total: int, initial: int, shown: bool) -> tqdm:
+    """The run's progress bar, in optimizer steps (`shown`: trainer.progress, settled)."""
+    return tqdm(total=total, initial=initial, disable=not shown, unit="step", dynamic_ncols=True)
+
+
 def joined(model: torch.nn.Module, sampler: Any) -> contextlib.AbstractContextManager:
     """Uneven shards: DDP's Join lets a rank that ran out of batches shadow the others' gradient
     all-reduces (with zeros; the average is over the ranks that still had a batch)."""
     if sampler.pad:
         return contextlib.nullcontext()
     return Join([getattr(model, "_orig_mod", model)], divide_by_initial_world_size=False)
-
-
-def results(trainer: Trainer, epochs: int) -> dict[str, Any]:
-    """The run's outcome, as summary.json holds it (the worker adds how it ran)."""
-    monitor, selected = trainer.monitor, trainer.validation.selected()
-    max_steps = trainer.settings.max_steps
-    return {
-        "epochs": epochs,
-        "steps": trainer.pos.step,
-        "train_loss": trainer.train_loss,
-        # The selected weights' validation (the best by the monitor, else the last validation).
-        **{
-            f"val_{name}": selected.get(f"val_{name}")
-            for name in [*trainer.validation.task.metrics, "samples"]
-        },
-        # the task's, in its order (reports' columns)
-        "metrics": list(trainer.validation.task.metrics),
-        **trainer.validation.test_metrics,
-        "tested": trainer.validation.tested,
-        "test_passes": trainer.loaders.test.passes,
-        "monitor": {
-            "metric": monitor.metric,
-            "mode": monitor.mode,
-            "best": monitor.best,
-            "best_step": monitor.best_step,
-            "best_epoch": monitor.best_epoch,
-        },
-        "objective": monitor.best,  # what train.py returns to a sweeper
-        "history": trainer.validation.history,
-        **trainer.throughput.results(),
-        "tokens_per_step": tokens_per_step(trainer),  # a language model's, else None
-        **trainer.overheads.results(),  # rank 0's
-        "ranks": trainer.ranks,  # seconds per step by phase, per rank (timing.py)
-        "straggler": trainer.straggler,
-        "first_step_at": trainer.throughput.first_step_at,
-        "world_size_history": trainer.pos.world_sizes,
-        "stopped_by": trainer.ending.stopped_by,
-        "ended_by": (
-            trainer.ending.stopped_by
-            or trainer.ending.ended_by
-            or ("max_steps" if max_steps and trainer.pos.step >= max_steps else "epochs")
-        ),
-    }
-
-
-def tokens_per_step(trainer: Trainer) -> Optional[float]:
-    """The mean tokens an optimizer step trained on, over every replica (a task that counts
-    tokens)."""
-    throughput = trainer.throughput
-    if not throughput.token_samples or not throughput.step_times:
-        return None
-    total = torch.as_tensor(throughput.tokens, device=trainer.device).to(torch.float64).reshape(())
-    work = trainer.step.strategy.sum_over_replicas(total)
-    if work is not None:
-        work.wait()
-    return total.item() / len(throughput.step_times)

@@ -12,7 +12,6 @@ import dataclasses
 import gc
 import logging
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -46,10 +45,10 @@ from hydra_ddp.parallel import distributed, elastic, shared_memory, strategies
 from hydra_ddp.recipe import compiling, schedules
 from hydra_ddp.recipe import ema as averaging
 from hydra_ddp.recipe import optimizer as optimizers
-from hydra_ddp.reporting import flops, run_report
-from hydra_ddp.runtime import hangs, processes, ranklog, ranks
+from hydra_ddp.reporting import run_report
+from hydra_ddp.runtime import flight_recorder, hangs, processes, ranklog, ranks
 from hydra_ddp.runtime.ranks import RankInfo
-from hydra_ddp.training import evaluation, resuming, seeding
+from hydra_ddp.training import evaluation, reports, resuming, seeding
 from hydra_ddp.training import length as run_length
 from hydra_ddp.training import trainer as training
 from hydra_ddp.training.parts import Parts
@@ -83,7 +82,7 @@ def run(
     if rank.is_main and job == "train":
         # while the other ranks start: it would hold them at the first collective
         run_report.preload_loggers(cfg)
-    hangs.enable_flight_recorder(cfg.backend.name, None if external else Path(run_dir))
+    flight_recorder.enable(cfg.backend.name, None if external else Path(run_dir) / hangs.STACKS)
     with distributed.process_group(
         cfg.backend.name, cfg.init_method, rank, cfg.backend.timeout_s, device
     ):
@@ -239,11 +238,8 @@ def _train(
         cfg, out, rank, device, found, sharded=spread.sharded_checkpoints
     )
     # Rank 0 picks the checkpoint (on every node the same file: checkpoints live with rank 0).
-    resume = (
-        checkpointer.choose(checkpoints.resume_setting(cfg.trainer.resume))
-        if rank.is_main
-        else None
-    )
+    resume_setting = checkpoints.resume_setting(cfg.trainer.resume)
+    resume = checkpointer.choose(resume_setting) if rank.is_main else None
     changed = (
         fingerprint.config_changes(resume[1]["config"], checkpointer.recorded) if resume else []
     )
@@ -256,7 +252,7 @@ def _train(
             resume[0],
             "; ".join(changed),
         )
-    if rank.is_main and resume is None and checkpoints.resume_setting(cfg.trainer.resume) == "auto":
+    if rank.is_main and resume is None and resume_setting == "auto":
         log.info(
             "trainer.resume=auto: no checkpoint in %s; training from the start", checkpointer.dir
         )
@@ -276,7 +272,7 @@ def _train(
     # resume with no checkpoint yet (a restart before the first one): all of it, the run starts
     # over.
     resume_step = resume[1]["position"]["step"] if resume else None
-    if resume is None and checkpoints.resume_setting(cfg.trainer.resume) == "auto":
+    if resume is None and resume_setting == "auto":
         resume_step = 0
     reporter = run_report.Reporter(rank, out, cfg, resume_step=resume_step)
     try:
@@ -301,58 +297,9 @@ def _train(
         if resume:
             trainer.resume_from(*resume, cause=resize_cause(elastic.is_elastic(cfg.launcher)))
         result = trainer.fit()
-        # Start-up in two parts: until the last worker's own code began (interpreters, imports: for
-        # forks of the forkserver, its imports), then the group, data, model and the first step.
-        workers_ready_at = distributed.max_over_ranks(entered_at, device)
-        summary = {
-            "world_size": rank.world_size,
-            # also under srun, submitit, mpirun
-            "nnodes": max(1, rank.world_size // rank.local_world_size),
-            "nproc_per_node": rank.local_world_size,
-            "backend": cfg.backend.name,
-            "launcher": cfg.launcher.name,
-            "init_method": cfg.init_method.name,
-            "device": device.type,
-            "batch_size": data_cfg.batch_size,  # per micro-batch, per model replica
-            "accumulate": cfg.trainer.accumulate,
-            # per optimizer step: all replicas and micro-batches
-            "global_batch_size": cfg.data.global_batch_size,
-            "settings": fast,
-            "compile": cfg.trainer.compile,  # false, or torch.compile's "blocks" or whole "model"
-            "deterministic": cfg.trainer.deterministic,
-            "strategy": spread.name,
-            # Parameters, gradients and optimizer state held by one rank (the largest): FSDP's
-            # shards.
-            "model_state_bytes": distributed.most_over_ranks(
-                strategies.local_state_bytes(spread, optimizer), device
-            ),
-            **spread.summary(),  # its gradient exchange: DDP's hook and the bytes it sent
-            **result,
-            "time_to_first_step_s": result["first_step_at"] - started_at
-            if result["first_step_at"]
-            else None,
-            "workers_ready_at": workers_ready_at,
-            "time_to_workers_ready_s": workers_ready_at - started_at,
-            "peak_rss_mb": distributed.max_over_ranks(_peak_rss_mb(), device),
-            "flops": flops.measure(
-                lambda: instantiate(cfg.model),
-                lambda model, batch: task.loss(*task.forward(model, batch)),
-                trainer.step.first_batch,
-                task.samples(trainer.step.first_batch)
-                if trainer.step.first_batch is not None
-                else 0,
-                trainer.step.first_sample,
-                result.get("steady_samples_per_sec") or result.get("samples_per_sec"),
-                str(cfg.trainer.precision),
-                cfg.trainer.peak_flops,
-                rank.world_size,
-                device,
-            ),
-            "wall_time_s": time.time() - started_at,
-            "run_dir": str(out),
-            "resumed_from": str(resume[0]) if resume else None,
-            "init_from": cfg.trainer.init_from if not resume else None,
-        }
+        summary = reports.how_it_ran(
+            trainer, parts, rank, out, result, fast, resume, started_at, entered_at
+        )
         reporter.finish(summary, hparams=run_report.hparams(cfg, rank.world_size))
     finally:
         reporter.close()
@@ -377,10 +324,6 @@ def _compiled(model: nn.Module, backend: str) -> nn.Module:
     torch._dynamo.config.suppress_errors = True
     log.info("compiling the model with torch.compile(backend=%r)", backend)
     return torch.compile(model, backend=backend)  # type: ignore[return-value]
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def main(
