@@ -1,8 +1,8 @@
 """Evaluate a saved checkpoint on one split, through the same launchers as train.py.
 
-    python eval.py ckpt=outputs/runs/DATE/TIME               # its best.pt (else last.pt), test split
+    python eval.py ckpt=outputs/runs/DATE/TIME      # its best.pt (else last.pt), test split
     python eval.py ckpt=PATH/TO/step-00000120.pt split=val trainer.nproc=1
-    python eval.py ckpt=RUN_DIR predict=true                 # also predictions.csv, in dataset order
+    python eval.py ckpt=RUN_DIR predict=true        # also predictions.csv, in dataset order
     torchrun --standalone --nproc_per_node=3 eval.py ckpt=RUN_DIR
 
 The model, data, seed and memory format are the checkpoint's own unless overridden here, so the

@@ -5,8 +5,8 @@ python train.py backend=nccl launcher=torchrun trainer.nproc=8
 python train.py -m trainer.nproc=1,2,4            # a sweep over world sizes
 torchrun --standalone --nproc_per_node=2 train.py # launched from outside: no second launch
 
-The job itself is the package's (hydra_ddp.cli.run_job, also `hydra-ddp train`), composed from conf/ here.
-"""
+The job itself is the package's (hydra_ddp.cli.run_job, also `hydra-ddp train`), composed from conf/
+here."""
 
 import time
 

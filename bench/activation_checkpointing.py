@@ -2,13 +2,14 @@
 of the project's GPT at a context long enough for activations to matter, with
 strategy.activation_checkpointing none, every_k (k = 2) and full, side by side in one process.
 
-    python bench/activation_checkpointing.py            # → bench/results/activation_checkpointing_<commit>.json
+    python bench/activation_checkpointing.py
+    # → bench/results/activation_checkpointing_<commit>.json
 
-The bytes are every tensor autograd saves during the forward (torch.autograd.graph.saved_tensors_hooks),
-the parameters included; with checkpointing a block keeps its inputs and recomputes the rest in the
-backward. The time is forward + backward + an AdamW step, at 1 thread, the modes interleaved repeat
-by repeat (the machine's drift falls on all of them alike); the median per mode.
-"""
+The bytes are every tensor autograd saves during the forward
+(torch.autograd.graph.saved_tensors_hooks), the parameters included; with checkpointing a block
+keeps its inputs and recomputes the rest in the backward. The time is forward + backward + an AdamW
+step, at 1 thread, the modes interleaved repeat by repeat (the machine's drift falls on all of them
+alike); the median per mode."""
 
 from __future__ import annotations
 
@@ -66,11 +67,15 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per mode and repeat (after 2 unmeasured)")
+    parser.add_argument(
+        "--steps", type=int, default=8, help="timed steps per mode and repeat (after 2 unmeasured)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    tokens = torch.randint(0, 256, (args.batch, args.context), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, 256, (args.batch, args.context), generator=torch.Generator().manual_seed(0)
+    )
     runs = {mode: build(mode, args.context, args.dim, args.depth) for mode in MODES}
     measured = {mode: saved_bytes(runs[mode][0], tokens) for mode in MODES}
     losses_equal = all(torch.equal(measured[mode][1], measured["none"][1]) for mode in MODES)
@@ -89,8 +94,8 @@ def main() -> int:
         "commit": commit,
         "dirty": dirty,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "workload": f"TinyGPT dim {args.dim}, depth {args.depth}, 4 heads, context {args.context}, batch "
-        f"{args.batch}, fp32, 1 CPU thread; forward + backward + AdamW step",
+        "workload": f"TinyGPT dim {args.dim}, depth {args.depth}, 4 heads, context {args.context}, "
+        f"batch {args.batch}, fp32, 1 CPU thread; forward + backward + AdamW step",
         "first_losses_equal": losses_equal,
         "modes": {
             mode: {
@@ -106,8 +111,9 @@ def main() -> int:
     out = REPO / "bench" / "results" / f"activation_checkpointing_{result['commit']}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     for mode, got in result["modes"].items():
-        print(f"{mode:8s} saved {got['saved_bytes'] / 2**20:7.1f} MiB ({got['saved_vs_none']:.2f}x), "
-              f"step {got['step_s_median'] * 1000:6.1f} ms ({got['step_vs_none']:.2f}x)")  # fmt: skip
+        print(f"{mode:8s} saved {got['saved_bytes'] / 2**20:7.1f} MiB "
+            f"({got['saved_vs_none']:.2f}x), step "
+            f"{got['step_s_median'] * 1000:6.1f} ms ({got['step_vs_none']:.2f}x)")  # fmt: skip
     print(f"losses equal: {losses_equal} → {out.relative_to(REPO)}")
     return 0
 

@@ -34,12 +34,14 @@ def train(repo: Path, run_dir: Path, overrides: tuple[str, ...]) -> None:
     path = os.pathsep.join(p for p in (str(repo / "src"), os.environ.get("PYTHONPATH")) if p)
     subprocess.run(
         [sys.executable, str(repo / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=repo, env={**os.environ, "PYTHONPATH": path}, check=True, capture_output=True, text=True,
+        cwd=repo, env={**os.environ, "PYTHONPATH": path},
+        check=True, capture_output=True, text=True,
     )  # fmt: skip
 
 
 def compare(then: Path, now: Path) -> dict:
-    """Rows, value columns and the cells that differ in metrics.csv; whether the final weights are equal."""
+    """Rows, value columns and the cells that differ in metrics.csv; whether the final weights are
+    equal."""
 
     def rows(run: Path) -> list[dict[str, str]]:
         with open(run / "metrics.csv", newline="") as f:
@@ -48,7 +50,10 @@ def compare(then: Path, now: Path) -> dict:
     a, b = rows(then), rows(now)
     columns = [c for c in a[0] if not any(word in c for word in TIMED)]
     differ = [(i, c) for i, (x, y) in enumerate(zip(a, b)) for c in columns if x.get(c) != y.get(c)]
-    weights = [torch.load(run / "checkpoints" / "last.pt", weights_only=True)["model"] for run in (then, now)]
+    weights = [
+        torch.load(run / "checkpoints" / "last.pt", weights_only=True)["model"]
+        for run in (then, now)
+    ]
     same_weights = weights[0].keys() == weights[1].keys() and all(
         torch.equal(weights[0][k], weights[1][k]) for k in weights[0]
     )
@@ -67,7 +72,11 @@ def main() -> int:
     parser.add_argument("--against", required=True, help="the commit to compare with")
     args = parser.parse_args()
     commit, dirty = provenance.commit()
-    result: dict = {"commit": commit, "dirty": dirty, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    result: dict = {
+        "commit": commit,
+        "dirty": dirty,
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     with contextlib.ExitStack() as stack:
         against = checkout(args.against, stack)
         result["against"] = against["commit"]
@@ -77,7 +86,11 @@ def main() -> int:
             train(REPO, runs / f"{name}-now", overrides)
             result[name] = compare(runs / f"{name}-then", runs / f"{name}-now")
             verdict = "identical" if result[name]["identical"] else "DIFFERENT"
-            print(f"{name}: {verdict}, final weights equal: {result[name]['final_weights_identical']}", flush=True)
+            print(
+                f"{name}: {verdict}, final weights equal: "
+                f"{result[name]['final_weights_identical']}",
+                flush=True,
+            )
     out = REPO / "bench" / "results" / f"bit_identity_{commit}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"→ {out.relative_to(REPO)}")

@@ -47,7 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def settled_config(overrides: list[str], run_dir: Path) -> Any:
-    """The RunConfig train.py's workers would receive for these overrides (composed, resolved, settled)."""
+    """The RunConfig train.py's workers would receive for these overrides (composed, resolved,
+    settled)."""
     from hydra import compose, initialize_config_dir
 
     from hydra_ddp.config import schema
@@ -85,7 +86,8 @@ def exchange(params: list, slots: Any, counters: Any, process: int, world: int, 
     """--exchange: the least a synchronous data-parallel step must add, without DDP or a loop: each
     gradient divided by the world size into this process's slot, a meeting, then the slots summed
     in process order into the gradient (two passes over the gradients, as the project's
-    shared-memory all-reduce makes). Two turns of slots: a process one step ahead writes the other."""
+    shared-memory all-reduce makes). Two turns of slots: a process one step ahead writes the
+    other."""
     import torch
 
     turn, offset = slots[step % 2], 0
@@ -104,7 +106,9 @@ def exchange(params: list, slots: Any, counters: Any, process: int, world: int, 
         offset += n
 
 
-def train_alone(process: int, cfg: Any, out_dir: str, counters: Any = None, shared: Any = None) -> None:
+def train_alone(
+    process: int, cfg: Any, out_dir: str, counters: Any = None, shared: Any = None
+) -> None:
     """One process of the ceiling: the run's objects for rank `process` of W, trained with no peer
     (with `counters`: meeting the others after each backward, --lockstep; and `shared`, the slots
     the gradients are summed through, --exchange)."""
@@ -127,7 +131,8 @@ def train_alone(process: int, cfg: Any, out_dir: str, counters: Any = None, shar
     loaders = data.build_loaders(cfg.data, rank, trainer.seed, device)
     model = instantiate(cfg.model)
     channels_last = trainer.channels_last
-    if channels_last == performance.AUTO:  # a model only the workers build: settled as the project's workers do
+    # a model only the workers build: settled as the project's workers do
+    if channels_last == performance.AUTO:
         channels_last = performance.has_conv2d(model)
     memory_format = performance.memory_format(bool(channels_last))
     model = model.to(device, memory_format=memory_format)
@@ -171,7 +176,8 @@ def train_alone(process: int, cfg: Any, out_dir: str, counters: Any = None, shar
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if per_step:
-                scheduler.at(len(ends) + 1)  # the rate of the coming step, as the project's loop sets it
+                # the rate of the coming step, as the project's loop sets it
+                scheduler.at(len(ends) + 1)
             now = clock()
             phases["optimizer"] += now - mark
             ends.append(time.time())
@@ -201,7 +207,9 @@ def combine(results: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     starts = [r["ends"][warmup - 1] if warmup else r["ends"][0] for r in results]
     window = (max(starts), min(r["ends"][-1] for r in results))
     if window[1] <= window[0]:
-        raise SystemExit("bench/ceiling.py: the processes' steady steps did not overlap: raise --steps")
+        raise SystemExit(
+            "bench/ceiling.py: the processes' steady steps did not overlap: raise --steps"
+        )
     inside = sum(1 for r in results for end in r["ends"] if window[0] < end <= window[1])
     gaps = [b - a for a, b in zip(results[0]["ends"], results[0]["ends"][1:])][max(warmup - 1, 0) :]
     steps = len(results[0]["ends"])
@@ -215,7 +223,12 @@ def combine(results: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
         # As the project's summary has them (`ranks`): seconds per step by phase, per process.
         "ranks": [
-            {"rank": i, **{f"{p}_s": r["phases"][p] / steps for p in PHASES}, "sync_wait_s": 0.0, "other_s": 0.0}
+            {
+                "rank": i,
+                **{f"{p}_s": r["phases"][p] / steps for p in PHASES},
+                "sync_wait_s": 0.0,
+                "other_s": 0.0,
+            }
             for i, r in enumerate(results)
         ],
     }
@@ -224,19 +237,26 @@ def combine(results: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="the JSON file to write the result to")
-    parser.add_argument("--warmup", type=int, default=10, help="each process's first steps, left out of samples/s")
+    parser.add_argument(
+        "--warmup", type=int, default=10, help="each process's first steps, left out of samples/s"
+    )
     parser.add_argument(
         "--lockstep",
         action="store_true",
-        help="the processes meet after each backward, exchanging nothing: what moving in step alone costs",
+        help="the processes meet after each backward, exchanging "
+        "nothing: what moving in step alone costs",
     )
     parser.add_argument(
         "--exchange",
         action="store_true",
-        help="in lockstep, and the gradients averaged through shared memory in two passes: the least a "
-        "synchronous data-parallel step adds, without DDP or the project's loop",
+        help="in lockstep, and the gradients averaged through shared memory in two passes: the "
+        "least a synchronous data-parallel step adds, without DDP or the project's loop",
     )
-    parser.add_argument("overrides", nargs="*", help="train.py's overrides (after --): the run whose ceiling this is")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="train.py's overrides (after --): the run whose ceiling this is",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="hydra-ddp-ceiling-") as tmp:
         cfg = settled_config(args.overrides, Path(tmp))
@@ -244,10 +264,18 @@ def main() -> int:
             raise SystemExit("bench/ceiling.py: one CPU host and trainer.max_steps only")
         context = multiprocessing.get_context("forkserver")
         world = cfg.trainer.nproc
-        counters = context.Array("q", 8 * world, lock=False) if args.lockstep or args.exchange else None
-        shared = context.Array("f", 2 * world * gradient_count(cfg), lock=False) if args.exchange else None
+        counters = (
+            context.Array("q", 8 * world, lock=False) if args.lockstep or args.exchange else None
+        )
+        shared = (
+            context.Array("f", 2 * world * gradient_count(cfg), lock=False)
+            if args.exchange
+            else None
+        )
         processes = [
-            context.Process(target=train_alone, args=(i, cfg, tmp, counters, shared), name=f"ceiling-{i}")
+            context.Process(
+                target=train_alone, args=(i, cfg, tmp, counters, shared), name=f"ceiling-{i}"
+            )
             for i in range(cfg.trainer.nproc)
         ]
         for process in processes:
@@ -259,9 +287,14 @@ def main() -> int:
             raise SystemExit(f"bench/ceiling.py: {', '.join(failed)} failed")
         results = [json.loads(Path(tmp, f"{i}.json").read_text()) for i in range(len(processes))]
     if args.exchange and len({r["weights"] for r in results}) != 1:
-        raise SystemExit("bench/ceiling.py --exchange: the processes' weights differ after averaging their gradients")
+        raise SystemExit(
+            "bench/ceiling.py --exchange: the processes' "
+            "weights differ after averaging their gradients"
+        )
     combined = combine(results, min(args.warmup, cfg.trainer.max_steps // 10))
-    Path(args.out).write_text(json.dumps({**combined, "time_to_first_step_s": combined["first_step_at"] - STARTED_AT}))
+    Path(args.out).write_text(
+        json.dumps({**combined, "time_to_first_step_s": combined["first_step_at"] - STARTED_AT})
+    )
     return 0
 
 

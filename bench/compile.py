@@ -30,7 +30,13 @@ from language_model import summary  # a ratio's median and range
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"gpt": "+experiment=documents_gpt", "llama": "+experiment=documents_llama"}
-COMMON = ("trainer.epochs=100", "data.val_fraction=0", "trainer.threads=1", "trainer.nproc=2", "trainer.progress=false")
+COMMON = (
+    "trainer.epochs=100",
+    "data.val_fraction=0",
+    "trainer.threads=1",
+    "trainer.nproc=2",
+    "trainer.progress=false",
+)
 
 
 def train(run_dir: Path, *overrides: str) -> dict:
@@ -56,7 +62,11 @@ def paired(model: str, steps: int, repeats: int) -> dict:
             got = {}
             for way in order:
                 run_dir = Path(work) / f"{way}-{repeat}"
-                got[way] = train(run_dir, *experiment, f"trainer.compile={'true' if way == 'compiled' else 'false'}")
+                got[way] = train(
+                    run_dir,
+                    *experiment,
+                    f"trainer.compile={'true' if way == 'compiled' else 'false'}",
+                )
             pairs.append({**got, "first": order[0]})
             print(f"{model} {repeat + 1}/{repeats}: {got}", flush=True)
     return {
@@ -81,7 +91,12 @@ def resumed(model: str, steps: int) -> dict:
         cold = Path(work) / "cold"
         shutil.copytree(run_dir, cold)
         shutil.rmtree(cold / "compile_cache")
-        more = (MODELS[model], f"trainer.max_steps={steps + 10}", "trainer.compile=true", "trainer.resume=auto")
+        more = (
+            MODELS[model],
+            f"trainer.max_steps={steps + 10}",
+            "trainer.compile=true",
+            "trainer.resume=auto",
+        )
         with_cache = train(run_dir, *more)
         without = train(cold, *more)
     return {
@@ -102,12 +117,19 @@ def main() -> int:
         "commit": commit,
         "dirty": dirty,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "workload": f"{', '.join(MODELS[m] for m in args.models.split(','))}: packed documents, 2 gloo ranks of "
-        f"1 thread, {args.steps} steps, no validation; trainer.compile=true (each block, inductor) against eager",
+        "workload": f"{', '.join(MODELS[m] for m in args.models.split(','))}: packed "
+        f"documents, 2 gloo ranks of 1 thread, {args.steps} steps, no "
+        "validation; trainer.compile=true (each block, inductor) against eager",
     }
     for model in args.models.split(","):
-        result[model] = {"paired": paired(model, args.steps, args.repeats), "resume": resumed(model, args.steps)}
-        print(f"{model}: {json.dumps({k: v for k, v in result[model]['paired'].items() if k != 'pairs'})}")
+        result[model] = {
+            "paired": paired(model, args.steps, args.repeats),
+            "resume": resumed(model, args.steps),
+        }
+        print(
+            f"{model}: "
+            f"{json.dumps({k: v for k, v in result[model]['paired'].items() if k != 'pairs'})}"
+        )
         print(f"{model} resume: {result[model]['resume']}", flush=True)
     out = REPO / "bench" / "results" / f"compile_{commit}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -75,7 +75,8 @@ def profile(frame, event, arg):
         return
     if module == "training/step.py" and event == "call" and frame.f_code.co_name == "run":
         sys.setprofile(None)
-        json.dump({"entries": entries, "returns": sum(returns.values()), "order": order}, open(OUT, "w"), indent=1)
+        counts = {"entries": entries, "returns": sum(returns.values()), "order": order}
+        json.dump(counts, open(OUT, "w"), indent=1)
         raise Done
     if frame.f_code.co_name.startswith("__") or frame.f_code.co_name == "<module>":
         return  # an object's own machinery (a section's __setattr__), or an import
@@ -116,7 +117,11 @@ def measure(repo: Path) -> dict:
         }
         overrides = ["trainer.max_steps=1", "logger=[csv]", f"hydra.run.dir={scratch}/run"]
         subprocess.run(
-            [sys.executable, "-c", TRACER, str(repo), str(out), *overrides], cwd=repo, env=env, check=False, timeout=600
+            [sys.executable, "-c", TRACER, str(repo), str(out), *overrides],
+            cwd=repo,
+            env=env,
+            check=False,
+            timeout=600,
         )
         found = json.loads(out.read_text())
     entries = found["entries"]

@@ -48,11 +48,13 @@ from handwritten import (  # noqa: E402  (the plain loop's pieces, so only the t
 def train(
     model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, steps: int
 ) -> tuple[list[float], float]:
-    """handwritten.train on the CPU: `steps` steps; each step's duration, and when the first ended."""
+    """handwritten.train on the CPU: `steps` steps; each step's duration, and when the first
+    ended."""
     step_times, first_step_at = [], 0.0
     model.train()
     last = time.perf_counter()
-    for epoch in range(steps):  # as many epochs as the steps need (one, unless --train-size is small)
+    # as many epochs as the steps need (one, unless --train-size is small)
+    for epoch in range(steps):
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
             x = x.to(memory_format=torch.channels_last)  # tuned
@@ -71,7 +73,8 @@ def train(
 
 
 def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    entered_at = time.time()  # this worker's own code begins (forked: the forkserver's imports done)
+    # this worker's own code begins (forked: the forkserver's imports done)
+    entered_at = time.time()
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     device = torch.device("cpu")
     ddp_setup(rank, world_size, port, device)
@@ -102,5 +105,10 @@ def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> Non
 if __name__ == "__main__":
     args = parse_args()
     if (args.device, args.parallel, args.model, args.precision) != ("cpu", "ddp", "cnn", "32"):
-        raise SystemExit("bench/expert.py: the CNN's DDP loop on the CPU in fp32 only (the rest is handwritten.py's)")
-    mp.start_processes(main, args=(args.nproc, free_port(), args), nprocs=args.nproc, start_method="forkserver")
+        raise SystemExit(
+            "bench/expert.py: the CNN's DDP loop on the CPU "
+            "in fp32 only (the rest is handwritten.py's)"
+        )
+    mp.start_processes(
+        main, args=(args.nproc, free_port(), args), nprocs=args.nproc, start_method="forkserver"
+    )

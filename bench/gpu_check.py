@@ -28,7 +28,8 @@ One GPU (trainer.nproc=1 on any host, so the figures compare across hosts; nccl)
   every 20 steps (sharded, DCP, under fsdp and tp);
 - ResNet-50 (torchvision) images/s in bf16 on synthetic 224×224 data held on the GPU, batch 128:
   auto settings off, and the defaults (channels_last, bucket view, static graph);
-- the tuner (python -m hydra_ddp.tools.tune tune.precision=true) on the CNN, over pin_memory and precision;
+- the tuner (python -m hydra_ddp.tools.tune tune.precision=true) on the CNN, over pin_memory and
+  precision;
 - ResNet-50 with torch.compile: last, as the longest, the first to go when time runs short.
 
 All GPUs (where 2 or more are visible, trainer.nproc = their count; else recorded as skipped):
@@ -97,14 +98,16 @@ REPO = Path(__file__).resolve().parents[1]
 for _folder in (REPO / "tests" / "helpers", REPO / "tests", REPO / "src"):
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
-if str(REPO / "bench") not in sys.path:  # where this file is loaded as a module (the suite's dry run)
+# where this file is loaded as a module (the suite's dry run)
+if str(REPO / "bench") not in sys.path:
     sys.path.append(str(REPO / "bench"))  # last: its scripts' names must not shadow anything
 import provenance  # noqa: E402
 
 CONF = REPO / "conf"
 OUT = Path(os.environ.get("OUT", REPO / "bench" / "results"))
 ONE, ALL = "one GPU", "all GPUs"
-DEADLINE_S = {ONE: 270, ALL: 550}  # from the start: 5 minutes on one GPU, and the machine's 600 s a command
+# from the start: 5 minutes on one GPU, and the machine's 600 s a command
+DEADLINE_S = {ONE: 270, ALL: 550}
 MIN_START_S = 15  # less than this left: a launch would not reach its first step
 DRY_RUN_GPUS = {ONE: (1,), ALL: (2, 8)}
 # The worker-side test models (faulty.FailOnRank) must import in every worker.
@@ -113,7 +116,12 @@ ENV = {
     "PYTHONPATH": os.pathsep.join(
         filter(
             None,
-            [str(REPO / "src"), str(REPO / "tests" / "helpers"), str(REPO / "tests"), os.environ.get("PYTHONPATH")],
+            [
+                str(REPO / "src"),
+                str(REPO / "tests" / "helpers"),
+                str(REPO / "tests"),
+                os.environ.get("PYTHONPATH"),
+            ],
         )
     ),
     "PYTHONUNBUFFERED": "1",
@@ -194,7 +202,8 @@ class CaseFailed(Exception):
 
 
 class Refused(CaseFailed):
-    """The project refused the configuration in one line, as it may for a combination it does not support."""
+    """The project refused the configuration in one line, as it may for a combination it does not
+    support."""
 
 
 class OutOfTime(CaseFailed):
@@ -206,9 +215,11 @@ class Case:
     name: str
     section: str  # ONE or ALL
     measure: Callable[["Case", "Session"], dict]
-    runs: tuple[tuple[str, ...], ...] = ()  # train.py overrides of each launch; "{gpus}": the GPU count
+    # train.py overrides of each launch; "{gpus}": the GPU count
+    runs: tuple[tuple[str, ...], ...] = ()
     bench: tuple[tuple[str, ...], ...] = ()  # bench/handwritten.py's arguments of each launch
-    calls: tuple[str, ...] = ()  # "module:function" run in a process of its own (tests/ and src/ importable)
+    # "module:function" run in a process of its own (tests/ and src/ importable)
+    calls: tuple[str, ...] = ()
     baseline: Optional[str] = None  # the case whose samples/s this one's are shown against
     timeout_s: float = 60
     # A one-line refusal (exit 2) holding this text is recorded as refused, not failed; any other
@@ -226,16 +237,27 @@ class Session:
     """One case's launches: each in a process session of its own (its workers die with it), ended
     by the case's deadline, in a scratch directory of the case's."""
 
-    def __init__(self, case: Case, gpus: int, scratch: Path, case_deadline: float, section_deadline: float):
+    def __init__(
+        self, case: Case, gpus: int, scratch: Path, case_deadline: float, section_deadline: float
+    ):
         self.case, self.gpus, self.scratch = case, gpus, scratch
-        self.deadline, self.cut_by_section = min(case_deadline, section_deadline), section_deadline < case_deadline
+        self.deadline, self.cut_by_section = (
+            min(case_deadline, section_deadline),
+            section_deadline < case_deadline,
+        )
 
     def command(self, cmd: list[str], what: str, check: bool = True) -> subprocess.CompletedProcess:
         timeout = self.deadline - time.monotonic()
         if timeout <= 0:
             raise (OutOfTime if self.cut_by_section else CaseFailed)(f"{what}: no time left")
         proc = subprocess.Popen(
-            cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+            cmd,
+            cwd=REPO,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -251,13 +273,16 @@ class Session:
             ) from None
         finally:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)  # a worker that outlived its launcher holds a GPU
+                # a worker that outlived its launcher holds a GPU
+                os.killpg(proc.pid, signal.SIGKILL)
         done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
         if check and proc.returncode != 0:
             lines = err.strip().splitlines()
             if refused_as_expected(self.case, proc.returncode, lines):
                 raise Refused(lines[0])
-            raise CaseFailed(f"{what} exited {proc.returncode}: {one_line(out, err)}", tail(out, err))
+            raise CaseFailed(
+                f"{what} exited {proc.returncode}: {one_line(out, err)}", tail(out, err)
+            )
         return done
 
     def train(
@@ -269,14 +294,18 @@ class Session:
         result: str = "summary.json",
     ) -> dict:
         """Run train.py (or eval.py) with these overrides in run_dir: its summary (eval.json)."""
-        self.command([*(prefix or (sys.executable,)), script, *overrides, f"hydra.run.dir={run_dir}"], script)
+        self.command(
+            [*(prefix or (sys.executable,)), script, *overrides, f"hydra.run.dir={run_dir}"], script
+        )
         if not (run_dir / result).exists():
             raise CaseFailed(f"{script} exited 0 without {result}")
         return json.loads((run_dir / result).read_text())
 
     def handwritten(self, args: list[str], name: str) -> dict:
         out = self.scratch / f"{name}.json"
-        self.command([sys.executable, "bench/handwritten.py", *args, str(out)], "bench/handwritten.py")
+        self.command(
+            [sys.executable, "bench/handwritten.py", *args, str(out)], "bench/handwritten.py"
+        )
         if not out.exists():
             raise CaseFailed("bench/handwritten.py exited 0 without its result file")
         return json.loads(out.read_text())
@@ -307,7 +336,9 @@ def refused_as_expected(case: Case, code: int, lines: list[str]) -> bool:
 def one_line(out: str, err: str) -> str:
     """The line that says why: the project's error line, else the last line on stderr (a traceback's
     exception), else on stdout."""
-    err_lines, out_lines = ([line.strip() for line in text.splitlines() if line.strip()] for text in (err, out))
+    err_lines, out_lines = (
+        [line.strip() for line in text.splitlines() if line.strip()] for text in (err, out)
+    )
     errors = [line for line in err_lines + out_lines if "hydra-ddp: error" in line]
     return (errors or err_lines or out_lines or ["no output"])[-1][:300]
 
@@ -354,7 +385,8 @@ def parity(case: Case, run: Session) -> dict:
         **figures,
         "handwritten_samples_per_sec": hand_rate,
         "parity": ratio,
-        "note": f"project / hand-written samples/s {ratio:.3f}× (hand-written {hand_rate:,.0f}; medians of 2)",
+        "note": f"project / hand-written samples/s {ratio:.3f}× "
+        f"(hand-written {hand_rate:,.0f}; medians of 2)",
     }
 
 
@@ -385,7 +417,8 @@ def rank_per_gpu(case: Case, run: Session) -> dict:
     wanted = {str(r): f"cuda:{r}" for r in range(run.gpus)}
     if summary["world_size"] != run.gpus or placed != wanted:
         raise CaseFailed(
-            f"world size {summary['world_size']}, ranks placed {placed}; wanted rank r on cuda:r for {run.gpus} ranks"
+            f"world size {summary['world_size']}, ranks placed "
+            f"{placed}; wanted rank r on cuda:r for {run.gpus} ranks"
         )
     return {**figures_of(summary), "note": f"{run.gpus} ranks, rank r on cuda:r"}
 
@@ -397,40 +430,53 @@ def failed_naming_rank1(done: subprocess.CompletedProcess, what: str) -> str:
         raise CaseFailed(f"the run with {what} exited 0")
     if len(errors) != 1 or "rank 1" not in errors[0]:
         raise CaseFailed(
-            f"{len(errors)} error line(s), wanted one naming rank 1: {one_line(done.stdout, done.stderr)}",
+            f"{len(errors)} error line(s), wanted one naming "
+            f"rank 1: {one_line(done.stdout, done.stderr)}",
             tail(done.stdout, done.stderr),
         )
     return errors[0]
 
 
 def dead_peer(case: Case, run: Session) -> dict:
-    """A rank that fails at start: the launcher must end the run, naming it, long before the collective timeout."""
+    """A rank that fails at start: the launcher must end the run, naming it, long before the
+    collective timeout."""
     started = time.monotonic()
-    cmd = [sys.executable, "train.py", *case.overrides(0, run.gpus), f"hydra.run.dir={run.scratch / 'run'}"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        *case.overrides(0, run.gpus),
+        f"hydra.run.dir={run.scratch / 'run'}",
+    ]
     done = run.command(cmd, "train.py", check=False)
     took = time.monotonic() - started
     error = failed_naming_rank1(done, "a failing rank 1")
     others = len(done.stderr.strip().splitlines()) - 1
     return {
         "seconds_to_fail": took,
-        "note": f"exit {done.returncode} after {took:.1f} s ({others} other stderr line(s)): {error[:200]}",
+        "note": f"exit {done.returncode} after {took:.1f} s "
+        f"({others} other stderr line(s)): {error[:200]}",
     }
 
 
 def hung_peer(case: Case, run: Session) -> dict:
-    """A rank that stops mid-run: NCCL's watchdog ends the collective after backend.timeout_s, the run
-    ends in one line naming the stuck rank, and torch's flight recorder (on by default,
+    """A rank that stops mid-run: NCCL's watchdog ends the collective after backend.timeout_s, the
+    run ends in one line naming the stuck rank, and torch's flight recorder (on by default,
     runtime/hangs.py) has dumped the ranks' last collectives into RUN/stacks/nccl_trace_rank_R."""
     run_dir = run.scratch / "run"
     cmd = [sys.executable, "train.py", *case.overrides(0, run.gpus), f"hydra.run.dir={run_dir}"]
     done = run.command(cmd, "train.py", check=False)
     error = failed_naming_rank1(done, "a hung rank 1")
     stacks = run_dir / "stacks"
-    dumps = sorted(path.name for path in stacks.glob("nccl_trace_rank_*")) if stacks.is_dir() else []
+    dumps = (
+        sorted(path.name for path in stacks.glob("nccl_trace_rank_*")) if stacks.is_dir() else []
+    )
     if not dumps:
         found = sorted(path.name for path in stacks.iterdir()) if stacks.is_dir() else []
         raise CaseFailed(f"no flight-recorder dump (nccl_trace_rank_R) in {stacks}: {found}")
-    return {"note": f"exit {done.returncode}: {error[:160]}; the flight recorder's dumps: {', '.join(dumps)}"}
+    return {
+        "note": f"exit {done.returncode}: {error[:160]}; the "
+        f"flight recorder's dumps: {', '.join(dumps)}"
+    }
 
 
 def step_losses(run_dir: Path) -> list[float]:
@@ -450,16 +496,21 @@ def same_losses(case: Case, run: Session) -> dict:
         raise CaseFailed(f"{len(one)} step losses at 1 GPU, {len(many)} at {run.gpus}")
     worst = max(abs(a - b) / abs(b) for a, b in zip(many, one))
     if worst > 1e-2:
-        raise CaseFailed(f"step losses at 1 and {run.gpus} GPUs differ by up to {worst:.1e} relative (over 1e-2)")
+        raise CaseFailed(
+            f"step losses at 1 and {run.gpus} GPUs differ by up to {worst:.1e} relative (over 1e-2)"
+        )
     return {
         "worst_relative_difference": worst,
-        "note": f"largest relative step-loss difference, 1 vs {run.gpus} GPUs over {len(one)} steps: {worst:.1e}",
+        "note": "largest relative step-loss difference, 1 vs "
+        f"{run.gpus} GPUs over {len(one)} steps: {worst:.1e}",
     }
 
 
 def dp_vs_ddp(case: Case, run: Session) -> dict:
     """The hand-written loop under DDP (bench[0]) and under nn.DataParallel (bench[1])."""
-    ddp, dp = (run.handwritten(case.bench_args(i, run.gpus), name) for i, name in enumerate(("ddp", "dp")))
+    ddp, dp = (
+        run.handwritten(case.bench_args(i, run.gpus), name) for i, name in enumerate(("ddp", "dp"))
+    )
     speedup = ddp["steady_samples_per_sec"] / dp["steady_samples_per_sec"]
     dp_gpu0, ddp_most = dp["peak_memory_mb"][0], max(ddp["peak_memory_mb"])
     verdict = "holds" if speedup > 1 and dp_gpu0 > ddp_most else "DOES NOT HOLD"
@@ -469,9 +520,9 @@ def dp_vs_ddp(case: Case, run: Session) -> dict:
         "dp_samples_per_sec": dp["steady_samples_per_sec"],
         "dp_peak_memory_mb": dp["peak_memory_mb"],
         "ddp_peak_memory_mb": ddp["peak_memory_mb"],
-        "note": f"DDP / DataParallel samples/s {speedup:.2f}× (DP {dp['steady_samples_per_sec']:,.0f}); GPU 0 "
-        f"peak {dp_gpu0:,.0f} MB under DP, at most {ddp_most:,.0f} MB per GPU under DDP; "
-        f"the seeds' claim {verdict}",
+        "note": f"DDP / DataParallel samples/s {speedup:.2f}× (DP "
+        f"{dp['steady_samples_per_sec']:,.0f}); GPU 0 peak {dp_gpu0:,.0f} MB under "
+        f"DP, at most {ddp_most:,.0f} MB per GPU under DDP; the seeds' claim {verdict}",
     }
 
 
@@ -489,7 +540,9 @@ def resume(case: Case, run: Session) -> dict:
     )
     worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
     if worst > 1e-4:
-        raise CaseFailed(f"resumed weights differ from the uninterrupted run's by up to {worst:.1e} (over 1e-4)")
+        raise CaseFailed(
+            f"resumed weights differ from the uninterrupted run's by up to {worst:.1e} (over 1e-4)"
+        )
     return {
         "max_weight_difference": worst,
         "note": f"resumed at {resumed['resumed_from']}: final weights "
@@ -501,28 +554,43 @@ def evaluate(case: Case, run: Session) -> dict:
     """A run, then eval.py ckpt=RUN_DIR: its test figures must be the run's own."""
     run_dir = run.scratch / "run"
     summary = run.train(case.overrides(0, run.gpus), run_dir)
-    result = run.train([f"ckpt={run_dir}"], run.scratch / "eval", script="eval.py", result="eval.json")
+    result = run.train(
+        [f"ckpt={run_dir}"], run.scratch / "eval", script="eval.py", result="eval.json"
+    )
     loss_gap = abs(result["test_loss"] - summary["test_loss"]) / abs(summary["test_loss"])
     if result["test_accuracy"] != summary["test_accuracy"] or loss_gap > 1e-5:
         raise CaseFailed(
-            f"eval.py: test accuracy {result['test_accuracy']}, loss {result['test_loss']}; the run's "
-            f"{summary['test_accuracy']}, {summary['test_loss']}"
+            f"eval.py: test accuracy {result['test_accuracy']}, loss {result['test_loss']}; "
+            f"the run's {summary['test_accuracy']}, {summary['test_loss']}"
         )
     return {
-        "note": f"eval.py on {result['world_size']} GPU(s): test accuracy {result['test_accuracy']:.4f}, the run's own"
+        "note": f"eval.py on {result['world_size']} GPU(s): test "
+        f"accuracy {result['test_accuracy']:.4f}, the run's own"
     }
 
 
 def outside_launcher(case: Case, run: Session) -> dict:
-    prefix = (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run.gpus}")
+    prefix = (
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={run.gpus}",
+    )
     summary = run.train(case.overrides(0, run.gpus), run.scratch / "run", prefix=prefix)
     if summary["world_size"] != run.gpus:
-        raise CaseFailed(f"world size {summary['world_size']} under torch.distributed.run, wanted {run.gpus}")
-    return {**figures_of(summary), "note": f"{summary['world_size']} ranks, launcher {summary.get('launcher')}"}
+        raise CaseFailed(
+            f"world size {summary['world_size']} under torch.distributed.run, wanted {run.gpus}"
+        )
+    return {
+        **figures_of(summary),
+        "note": f"{summary['world_size']} ranks, launcher {summary.get('launcher')}",
+    }
 
 
 def calls(case: Case, run: Session) -> dict:
-    """Each of the case's functions in a process of its own: it asserts, and its last line is the note."""
+    """Each of the case's functions in a process of its own: it asserts, and its last line is the
+    note."""
     notes = []
     for call in case.calls:
         module, function = call.split(":")
@@ -538,17 +606,33 @@ def powersgd(case: Case, run: Session) -> dict:
     return {**figures_of(summary), "note": f"train loss {summary['train_loss']:.4f}"}
 
 
-DEFAULTS, NCCL_ALL = "CNN, defaults (parity with hand-written)", "CNN, DDP over NCCL, rank r on cuda:r"
+DEFAULTS, NCCL_ALL = (
+    "CNN, defaults (parity with hand-written)",
+    "CNN, DDP over NCCL, rank r on cuda:r",
+)
 CNN_ONE = (*CNN, ONE_RANK, "trainer.max_steps=200")
 GPT_ONE = (*GPT, ONE_RANK, "trainer.max_steps=60")
 RESUMABLE = (*CNN, EVERY_GPU, "checkpoint.every_n_steps=20")
 CASES = [
-    # The step timer's CUDA-event clock against a synchronised host clock (tests/unit/test_timing.py).
+    # The step timer's CUDA-event clock against a synchronised host clock
+    # (tests/unit/test_timing.py).
     Case("the stream clock", ONE, calls, calls=("unit.test_timing:cuda_check",)),
     Case(DEFAULTS, ONE, parity, runs=(CNN_ONE,), bench=((*HAND_CNN, "--nproc=1"),), timeout_s=150),
     Case("CNN, auto settings off", ONE, one_run, runs=((*CNN_ONE, *AUTO_OFF),), baseline=DEFAULTS),
-    Case("CNN, start_method=spawn", ONE, one_run, runs=((*CNN_ONE, "launcher.start_method=spawn"),), baseline=DEFAULTS),
-    Case("CNN, comm_hook=fp16", ONE, one_run, runs=((*CNN_ONE, "strategy.comm_hook=fp16"),), baseline=DEFAULTS),
+    Case(
+        "CNN, start_method=spawn",
+        ONE,
+        one_run,
+        runs=((*CNN_ONE, "launcher.start_method=spawn"),),
+        baseline=DEFAULTS,
+    ),
+    Case(
+        "CNN, comm_hook=fp16",
+        ONE,
+        one_run,
+        runs=((*CNN_ONE, "strategy.comm_hook=fp16"),),
+        baseline=DEFAULTS,
+    ),
     # GradScaler's unscale before clipping runs only on the GPU (fp16): it must train and log.
     Case(
         "CNN, fp16 + grad_clip=1",
@@ -572,7 +656,8 @@ CASES = [
             ),
         ),
     ),
-    # DTensor, DCP checkpoints and the global-norm clipping on CUDA (tensor parallel on a one-rank mesh).
+    # DTensor, DCP checkpoints and the global-norm clipping on CUDA (tensor parallel on a one-rank
+    # mesh).
     *(
         Case(
             f"GPT, strategy={name}",
@@ -584,7 +669,13 @@ CASES = [
         )
         for name in ("ddp", "fsdp", "tp")
     ),
-    Case("ResNet-50 bf16, auto settings off", ONE, one_run, runs=((*RESNET50, ONE_RANK, *AUTO_OFF),), timeout_s=90),
+    Case(
+        "ResNet-50 bf16, auto settings off",
+        ONE,
+        one_run,
+        runs=((*RESNET50, ONE_RANK, *AUTO_OFF),),
+        timeout_s=90,
+    ),
     Case(
         "ResNet-50 bf16, defaults",
         ONE,
@@ -602,12 +693,26 @@ CASES = [
         baseline="ResNet-50 bf16, auto settings off",
         timeout_s=180,
     ),
-    Case(NCCL_ALL, ALL, rank_per_gpu, runs=((*CNN, EVERY_GPU, "trainer.max_steps=200"),), baseline=DEFAULTS),
+    Case(
+        NCCL_ALL,
+        ALL,
+        rank_per_gpu,
+        runs=((*CNN, EVERY_GPU, "trainer.max_steps=200"),),
+        baseline=DEFAULTS,
+    ),
     Case(
         "a dead peer: rank 1 fails at start",
         ALL,
         dead_peer,
-        runs=((*CNN, EVERY_GPU, "trainer.max_steps=200", "model._target_=faulty.FailOnRank", "+model.fail_rank=1"),),
+        runs=(
+            (
+                *CNN,
+                EVERY_GPU,
+                "trainer.max_steps=200",
+                "model._target_=faulty.FailOnRank",
+                "+model.fail_rank=1",
+            ),
+        ),
     ),
     Case(
         "a hung peer: NCCL's flight recorder dumps",
@@ -637,7 +742,10 @@ CASES = [
         ALL,
         dp_vs_ddp,
         timeout_s=120,
-        bench=((*HAND_CNN, "--nproc={gpus}", "--parallel=ddp"), (*HAND_CNN, "--nproc={gpus}", "--parallel=dp")),
+        bench=(
+            (*HAND_CNN, "--nproc={gpus}", "--parallel=ddp"),
+            (*HAND_CNN, "--nproc={gpus}", "--parallel=dp"),
+        ),
     ),
     Case(
         "resume on CUDA: 20 + 20 steps vs 40",
@@ -650,8 +758,19 @@ CASES = [
             (*RESUMABLE, "trainer.max_steps=40", "trainer.resume=auto"),
         ),
     ),
-    Case("eval.py ckpt=RUN_DIR", ALL, evaluate, runs=((*RESUMABLE, "trainer.max_steps=20"),), timeout_s=90),
-    Case("outside launcher: torch.distributed.run", ALL, outside_launcher, runs=((*CNN, "trainer.max_steps=100"),)),
+    Case(
+        "eval.py ckpt=RUN_DIR",
+        ALL,
+        evaluate,
+        runs=((*RESUMABLE, "trainer.max_steps=20"),),
+        timeout_s=90,
+    ),
+    Case(
+        "outside launcher: torch.distributed.run",
+        ALL,
+        outside_launcher,
+        runs=((*CNN, "trainer.max_steps=100"),),
+    ),
     Case(
         "PowerSGD",
         ALL,
@@ -672,14 +791,24 @@ CASES = [
         ALL,
         model_state,
         timeout_s=90,
-        runs=((*GPT, EVERY_GPU, "trainer.max_steps=40", "strategy=fsdp", "strategy.cpu_offload=true"),),
+        runs=(
+            (*GPT, EVERY_GPU, "trainer.max_steps=40", "strategy=fsdp", "strategy.cpu_offload=true"),
+        ),
     ),
     Case(
         "CNN, FSDP2 fp16",
         ALL,
         one_run,
         refusal="strategy.param_dtype=fp16 would need loss scaling",
-        runs=((*CNN, EVERY_GPU, "trainer.max_steps=100", "strategy=fsdp", "strategy.param_dtype=fp16"),),
+        runs=(
+            (
+                *CNN,
+                EVERY_GPU,
+                "trainer.max_steps=100",
+                "strategy=fsdp",
+                "strategy.param_dtype=fp16",
+            ),
+        ),
     ),
     Case(
         "DDP vs DataParallel, ResNet-18 224² bf16 (hand-written)",
@@ -706,7 +835,9 @@ class Result:
 def run_case(case: Case, gpus: int) -> Result:
     section_deadline, now = START + DEADLINE_S[case.section], time.monotonic()
     if case.section == ALL and gpus < 2:
-        return Result(case.name, case.section, "skipped", reason=f"needs 2 or more GPUs; {gpus} here")
+        return Result(
+            case.name, case.section, "skipped", reason=f"needs 2 or more GPUs; {gpus} here"
+        )
     if section_deadline - now < MIN_START_S:
         return Result(
             case.name,
@@ -720,13 +851,20 @@ def run_case(case: Case, gpus: int) -> Result:
         try:
             result.figures = case.measure(case, session)
         except OutOfTime as cut:
-            result.status, result.reason, result.detail = "skipped", f"out of time: {cut}", cut.detail
+            result.status, result.reason, result.detail = (
+                "skipped",
+                f"out of time: {cut}",
+                cut.detail,
+            )
         except Refused as refusal:
             result.status, result.reason = "refused", str(refusal)
         except CaseFailed as failure:
             result.status, result.reason, result.detail = "failed", str(failure), failure.detail
         except Exception as error:  # noqa: BLE001  (a broken measurement fails its case, not the check)
-            result.status, result.reason = "failed", f"{type(error).__name__}: {str(error).strip()[:300]}"
+            result.status, result.reason = (
+                "failed",
+                f"{type(error).__name__}: {str(error).strip()[:300]}",
+            )
             result.detail = traceback.format_exc()[-3000:]
     result.seconds = time.monotonic() - now
     return result
@@ -748,13 +886,14 @@ def host() -> dict:
 def markdown(about: dict, results: list[Result]) -> str:
     by_name = {r.name: r for r in results}
     lines = [
-        f"# GPU check: {about['gpu']} × {about['gpus']}, torch {about['torch']} (CUDA {about['cuda']}), "
-        f"{about['cpu_cores']} CPU cores, {about['date']}, commit `{about['commit']}`",
+        f"# GPU check: {about['gpu']} × {about['gpus']}, torch "
+        f"{about['torch']} (CUDA {about['cuda']}), {about['cpu_cores']} "
+        f"CPU cores, {about['date']}, commit `{about['commit']}`",
         "",
         "Absolute figures vary between machines; compare the ratios. One-GPU cases run one rank.",
         "",
-        "| case | section | status | samples/s | vs baseline | median step ms | first step s | peak RSS MB "
-        "| s | notes |",
+        "| case | section | status | samples/s | vs baseline | "
+        "median step ms | first step s | peak RSS MB | s | notes |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in results:
@@ -769,7 +908,10 @@ def markdown(about: dict, results: list[Result]) -> str:
             f"{f['peak_rss_mb']:.0f}" if "peak_rss_mb" in f else "",
         ]
         notes = r.reason or f.get("note", "")
-        lines.append(f"| {r.name} | {r.section} | {r.status} | {' | '.join(cells)} | {r.seconds:.0f} | {notes} |")
+        lines.append(
+            f"| {r.name} | {r.section} | {r.status} | "
+            f"{' | '.join(cells)} | {r.seconds:.0f} | {notes} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -782,23 +924,41 @@ def write(about: dict, results: list[Result]) -> None:
         "cases": [asdict(r) for r in results],
     }
     OUT.mkdir(parents=True, exist_ok=True)
-    for name, text in (("gpu_check.md", markdown(about, results)), ("gpu_check.json", json.dumps(report, indent=2))):
+    for name, text in (
+        ("gpu_check.md", markdown(about, results)),
+        ("gpu_check.json", json.dumps(report, indent=2)),
+    ):
         (OUT / f"{name}.tmp").write_text(text + ("" if text.endswith("\n") else "\n"))
-        os.replace(OUT / f"{name}.tmp", OUT / name)  # a kill mid-write leaves the previous file whole
+        # a kill mid-write leaves the previous file whole
+        os.replace(OUT / f"{name}.tmp", OUT / name)
 
 
 def check_on_gpus(cases: list[Case]) -> int:
     gpus, about = torch.cuda.device_count(), host()
-    print(f"GPU check: {about['gpu']} × {gpus}; results in {OUT}/gpu_check.md and .json", flush=True)
+    print(
+        f"GPU check: {about['gpu']} × {gpus}; results in {OUT}/gpu_check.md and .json", flush=True
+    )
     results: list[Result] = []
     for case in cases:
-        write(about, [*results, Result(case.name, case.section, "running", reason="a kill ended the check here")])
+        write(
+            about,
+            [
+                *results,
+                Result(case.name, case.section, "running", reason="a kill ended the check here"),
+            ],
+        )
         results.append(run_case(case, gpus))
         write(about, results)
         r = results[-1]
-        print(f"{r.status:8} {r.seconds:5.0f} s  {r.name}: {r.reason or r.figures.get('note', '')}", flush=True)
+        print(
+            f"{r.status:8} {r.seconds:5.0f} s  {r.name}: {r.reason or r.figures.get('note', '')}",
+            flush=True,
+        )
     failed = [r.name for r in results if r.status == "failed"]
-    print(f"GPU check done in {time.monotonic() - START:.0f} s: {len(failed)} failed{f': {failed}' if failed else ''}")
+    print(
+        f"GPU check done in {time.monotonic() - START:.0f} s: "
+        f"{len(failed)} failed{f': {failed}' if failed else ''}"
+    )
     return 1 if failed else 0
 
 
@@ -826,10 +986,14 @@ def rank_zero_group():
 
 
 def dry_run(cases: list[Case]) -> int:
-    """Check every case's launches as the GPU host would run them, one line each; the number of problems."""
+    """Check every case's launches as the GPU host would run them, one line each; the number of
+    problems."""
     names = [case.name for case in cases]
-    known = {case.name for case in (*CASES, *cases)}  # --only leaves a case's baseline out, not undefined
-    problems = [f"case named twice: {name}" for name in sorted({n for n in names if names.count(n) > 1})]
+    # --only leaves a case's baseline out, not undefined
+    known = {case.name for case in (*CASES, *cases)}
+    problems = [
+        f"case named twice: {name}" for name in sorted({n for n in names if names.count(n) > 1})
+    ]
     problems += [
         f"{case.name}: baseline {case.baseline!r} is no case"
         for case in cases
@@ -842,17 +1006,25 @@ def dry_run(cases: list[Case]) -> int:
                 for i in range(len(case.runs)):
                     checks += 1
                     what = f"{case.name} [{gpus} GPU(s)] train.py launch {i + 1}/{len(case.runs)}"
-                    problems += report(what, check_train(case, i, gpus, Path(scratch) / f"run{checks}"))
+                    problems += report(
+                        what, check_train(case, i, gpus, Path(scratch) / f"run{checks}")
+                    )
                 for call in case.calls:
                     checks += 1
                     problems += report(f"{case.name} [{gpus} GPU(s)] {call}", check_call(call))
                 for i in range(len(case.bench)):
                     checks += 1
-                    what = f"{case.name} [{gpus} GPU(s)] bench/handwritten.py launch {i + 1}/{len(case.bench)}"
+                    what = (
+                        f"{case.name} [{gpus} GPU(s)] bench/handwritten.py "
+                        f"launch {i + 1}/{len(case.bench)}"
+                    )
                     problems += report(what, check_bench(handwritten, case.bench_args(i, gpus)))
     for problem in problems:
         print(f"dry-run FAILED: {problem}", flush=True)
-    print(f"dry-run: {checks} launch checks over {len(cases)} cases, {len(problems)} problem(s)", flush=True)
+    print(
+        f"dry-run: {checks} launch checks over {len(cases)} cases, {len(problems)} problem(s)",
+        flush=True,
+    )
     return len(problems)
 
 
@@ -904,14 +1076,29 @@ def check_bench(handwritten, args: list[str]) -> tuple[bool, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="check every case's config on the CPU, launch nothing")
-    parser.add_argument("--only", action="append", default=[], metavar="TEXT", help="only cases whose name holds TEXT")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every case's config on the CPU, launch nothing",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="only cases whose name holds TEXT",
+    )
     args = parser.parse_args()
-    cases = [case for case in CASES if not args.only or any(text in case.name for text in args.only)]
+    cases = [
+        case for case in CASES if not args.only or any(text in case.name for text in args.only)
+    ]
     if args.dry_run:
         return 1 if dry_run(cases) else 0
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA GPU visible (--dry-run checks the cases on the CPU)", file=sys.stderr)
+        print(
+            "gpu_check: no CUDA GPU visible (--dry-run checks the cases on the CPU)",
+            file=sys.stderr,
+        )
         return 2
     return check_on_gpus(cases)
 

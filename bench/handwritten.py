@@ -10,7 +10,8 @@ the project's summary.json holds, computed the same way, to the JSON file named 
 For bench/gpu_check.py's DataParallel comparison, the same loop also runs
 - `--parallel dp`: one process, nn.DataParallel over --nproc GPUs, one loader of the same global
   batch (batch size × nproc): what the seeds compare DDP with;
-- `--model resnet18 --precision bf16`: torchvision's ResNet-18 on random 3×224×224 images, in bf16 autocast.
+- `--model resnet18 --precision bf16`: torchvision's ResNet-18 on random 3×224×224 images, in bf16
+  autocast.
 On CUDA the result also holds every GPU's peak allocated memory (`peak_memory_mb`, in GPU order).
 A --train-size smaller than --steps needs is reused, epoch after epoch.
 """
@@ -53,12 +54,18 @@ def ddp_setup(rank: int, world_size: int, port: int, device: torch.device) -> No
     os.environ["MASTER_PORT"] = str(port)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size
+    )
 
 
-def prepare_dataloader(size: int, batch_size: int, rank: int, world_size: int, shape=IMAGE_SHAPE["cnn"]) -> DataLoader:
+def prepare_dataloader(
+    size: int, batch_size: int, rank: int, world_size: int, shape=IMAGE_SHAPE["cnn"]
+) -> DataLoader:
     gen = torch.Generator().manual_seed(0)  # the same images on every rank
-    dataset = TensorDataset(torch.randn(size, *shape, generator=gen), torch.randint(0, 10, (size,), generator=gen))
+    dataset = TensorDataset(
+        torch.randn(size, *shape, generator=gen), torch.randint(0, 10, (size,), generator=gen)
+    )
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
@@ -71,13 +78,15 @@ def train(
     device: torch.device,
     precision: str = "32",
 ) -> tuple[list[float], float]:
-    """Run `steps` steps; each step's duration (from the previous step's end), and when the first ended."""
+    """Run `steps` steps; each step's duration (from the previous step's end), and when the first
+    ended."""
     if len(loader) == 0:
         raise ValueError("no batch in an epoch: raise --train-size")
     step_times, first_step_at = [], 0.0
     model.train()
     last = time.perf_counter()
-    for epoch in range(steps):  # as many epochs as the steps need (one, unless --train-size is small)
+    # as many epochs as the steps need (one, unless --train-size is small)
+    for epoch in range(steps):
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -87,7 +96,8 @@ def train(
             loss.backward()  # DDP all-reduces the gradients here
             optimizer.step()
             if device.type == "cuda" and len(step_times) == steps - 1:
-                torch.cuda.synchronize()  # the last step waits for the GPU's queue: the total is then true
+                # the last step waits for the GPU's queue: the total is then true
+                torch.cuda.synchronize()
             now = time.perf_counter()
             step_times.append(now - last)
             last = now
@@ -147,20 +157,27 @@ def peak_memory_mb(device: torch.device) -> Optional[list[float]]:
     """Every rank's peak allocated GPU memory, in rank (= GPU) order; None on the CPU."""
     if device.type != "cuda":
         return None
-    mine = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**20], dtype=torch.float64, device=device)
+    mine = torch.tensor(
+        [torch.cuda.max_memory_allocated(device) / 2**20], dtype=torch.float64, device=device
+    )
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return [t.item() for t in every]
 
 
 def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    entered_at = time.time()  # this worker's imports done (the spawned interpreter re-imports this file)
+    # this worker's imports done (the spawned interpreter re-imports this file)
+    entered_at = time.time()
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     device = torch.device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
     ddp_setup(rank, world_size, port, device)
     torch.manual_seed(0)
-    loader = prepare_dataloader(args.train_size, args.batch_size, rank, world_size, IMAGE_SHAPE[args.model])
-    model = DDP(build_model(args.model).to(device), device_ids=[rank] if device.type == "cuda" else None)
+    loader = prepare_dataloader(
+        args.train_size, args.batch_size, rank, world_size, IMAGE_SHAPE[args.model]
+    )
+    model = DDP(
+        build_model(args.model).to(device), device_ids=[rank] if device.type == "cuda" else None
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 
     step_times, first_step_at = train(model, loader, optimizer, args.steps, device, args.precision)
@@ -188,8 +205,12 @@ def main_dataparallel(args: argparse.Namespace) -> None:
     cuda = args.device == "cuda"
     device = torch.device("cuda:0" if cuda else "cpu")
     torch.manual_seed(0)
-    loader = prepare_dataloader(args.train_size, args.batch_size * args.nproc, 0, 1, IMAGE_SHAPE[args.model])
-    model = nn.DataParallel(build_model(args.model).to(device), device_ids=list(range(args.nproc)) if cuda else None)
+    loader = prepare_dataloader(
+        args.train_size, args.batch_size * args.nproc, 0, 1, IMAGE_SHAPE[args.model]
+    )
+    model = nn.DataParallel(
+        build_model(args.model).to(device), device_ids=list(range(args.nproc)) if cuda else None
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 
     step_times, first_step_at = train(model, loader, optimizer, args.steps, device, args.precision)
@@ -202,7 +223,9 @@ def main_dataparallel(args: argparse.Namespace) -> None:
         first_step_at,
         STARTED_AT,
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        peak_memory_mb=[torch.cuda.max_memory_allocated(i) / 2**20 for i in range(args.nproc)] if cuda else None,
+        peak_memory_mb=[torch.cuda.max_memory_allocated(i) / 2**20 for i in range(args.nproc)]
+        if cuda
+        else None,
     )
 
 
@@ -213,8 +236,8 @@ def free_port() -> int:
 
 
 def spawned(worker: Any, nprocs: int, *args: Any) -> dict[str, Any]:
-    """`worker(rank, port, *args, out)` on `nprocs` ranks started by mp.spawn, meeting at a free port:
-    the JSON rank 0 wrote to `out` (a file in a folder of its own)."""
+    """`worker(rank, port, *args, out)` on `nprocs` ranks started by mp.spawn, meeting at a free
+    port: the JSON rank 0 wrote to `out` (a file in a folder of its own)."""
     import tempfile
     from pathlib import Path
 
@@ -232,9 +255,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--nproc", type=int, default=2, help="ranks (DDP) or GPUs (dp)")
     parser.add_argument("--batch-size", type=int, default=64, help="per rank (DDP) or per GPU (dp)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, nccl")
-    parser.add_argument("--train-size", type=int, help="images (default: just enough for --steps in one epoch)")
-    parser.add_argument("--parallel", choices=["ddp", "dp"], default="ddp", help="dp: nn.DataParallel, one process")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, nccl"
+    )
+    parser.add_argument(
+        "--train-size", type=int, help="images (default: just enough for --steps in one epoch)"
+    )
+    parser.add_argument(
+        "--parallel", choices=["ddp", "dp"], default="ddp", help="dp: nn.DataParallel, one process"
+    )
     parser.add_argument("--model", choices=sorted(IMAGE_SHAPE), default="cnn")
     parser.add_argument("--precision", choices=["32", "bf16"], default="32")
     args = parser.parse_args(argv)

@@ -1,4 +1,5 @@
-"""The default run's baseline: `make train`'s work written by hand, in the style of pytorch/examples.
+"""The default run's baseline: `make train`'s work written by hand, in the style of \
+pytorch/examples.
 
 What `train.py` does with no overrides, in one plain script: mp.spawn of 2 workers, gloo on the
 CPU, scikit-learn's digits resized to 28×28 (80 % train, of which 144 images validate, 20 % test),
@@ -41,7 +42,10 @@ def load_digits() -> tuple[TensorDataset, TensorDataset, TensorDataset]:
     """(train, validation, test): the 1,797 digits, bilinearly resized, standardised by the training
     set's statistics."""
     spec = importlib.util.find_spec("sklearn")
-    table = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz", delimiter=",")
+    table = np.loadtxt(
+        Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz",
+        delimiter=",",
+    )
     images = torch.from_numpy(table[:, :-1].reshape(-1, 1, 8, 8)).float() / 16.0
     images = F.interpolate(images, size=(28, 28), mode="bilinear", align_corners=False)
     labels = torch.from_numpy(table[:, -1]).long()
@@ -63,7 +67,11 @@ def evaluate(model: DDP, loader: DataLoader) -> tuple[float, float]:
         for x, y in loader:
             logits = model.module(x)
             totals += torch.tensor(
-                [F.cross_entropy(logits, y, reduction="sum").item(), (logits.argmax(1) == y).sum().item(), len(y)],
+                [
+                    F.cross_entropy(logits, y, reduction="sum").item(),
+                    (logits.argmax(1) == y).sum().item(),
+                    len(y),
+                ],
                 dtype=torch.float64,
             )
     dist.all_reduce(totals)
@@ -72,16 +80,21 @@ def evaluate(model: DDP, loader: DataLoader) -> tuple[float, float]:
 
 
 def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    entered_at = time.time()  # this worker's imports done (the spawned interpreter re-imports this file)
+    # this worker's imports done (the spawned interpreter re-imports this file)
+    entered_at = time.time()
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.manual_seed(0)
     train_set, val_set, test_set = load_digits()
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    sampler = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=0
+    )
     train_loader = DataLoader(train_set, batch_size=32, sampler=sampler)
     val_loader, test_loader = (
-        DataLoader(s, batch_size=256, sampler=DistributedSampler(s, world_size, rank, shuffle=False))
+        DataLoader(
+            s, batch_size=256, sampler=DistributedSampler(s, world_size, rank, shuffle=False)
+        )
         for s in (val_set, test_set)
     )
     model = DDP(MnistCNN())
@@ -148,7 +161,9 @@ def main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> Non
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="the JSON file rank 0 writes the measurements to")
-    parser.add_argument("--run-dir", default=".", help="where TensorBoard's events and the checkpoint go")
+    parser.add_argument(
+        "--run-dir", default=".", help="where TensorBoard's events and the checkpoint go"
+    )
     parser.add_argument("--epochs", type=int, default=12)
     args = parser.parse_args()
     mp.spawn(main, args=(2, free_port(), args), nprocs=2)

@@ -11,7 +11,8 @@ order alternating: the host's speed drifts within the hour, so only paired ratio
 3. What weighing by tokens costs: the packed experiment as it is (a count all-reduced each step)
    against the same run weighing each micro-batch's mean alike (no count: samples/s).
 
-    python bench/language_model.py --steps 40 --repeats 3   # → bench/results/language_model_<commit>.json
+    python bench/language_model.py --steps 40 --repeats 3
+    # → bench/results/language_model_<commit>.json
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from handwritten import ddp_setup, spawned
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENT = OmegaConf.load(REPO / "conf" / "experiment" / "documents_gpt.yaml")
 CONTEXT, MAX_BYTES = EXPERIMENT.data.dataset.context, EXPERIMENT.data.dataset.max_bytes
-# conf/model/gpt.yaml's fields, its vocabulary and context (interpolations of the data's) as data=documents' are.
+# conf/model/gpt.yaml's fields, its vocabulary and context (interpolations of the data's) as
+# data=documents' are.
 GPT = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "gpt.yaml"), resolve=False)
 GPT = {k: v for k, v in GPT.items() if k != "_target_"} | {
     "vocab_size": OmegaConf.load(REPO / "conf" / "data" / "documents.yaml").dataset.vocab_size,
@@ -42,7 +44,8 @@ GPT = {k: v for k, v in GPT.items() if k != "_target_"} | {
 }
 NPROC = 2
 BATCH = EXPERIMENT.data.global_batch_size // NPROC  # windows per rank
-# The project's settings for each of part 2's ways, and part 3's samples-weighted task (bench/weighting.py).
+# The project's settings for each of part 2's ways, and part 3's samples-weighted task
+# (bench/weighting.py).
 WAYS = {
     "packed": ("data.dataset.packing=true",),
     "padded": ("data.dataset.packing=false",),
@@ -79,7 +82,9 @@ def _worker(rank: int, port: int, steps: int, warm: int, out: str) -> None:
             total = count.clone()
             dist.all_reduce(total)  # the step's tokens over the ranks: every token weighs alike
             logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-            loss = F.cross_entropy(logits.flatten(0, 1), following.flatten(), reduction="sum") / (total / NPROC)
+            loss = F.cross_entropy(logits.flatten(0, 1), following.flatten(), reduction="sum") / (
+                total / NPROC
+            )
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -102,15 +107,19 @@ def handwritten(steps: int, warm: int) -> float:
 
 
 def project(steps: int, *overrides: str) -> dict[str, float]:
-    """The experiment's steady trained tokens/s and samples/s (the summary's steps after its warm-up)."""
+    """The experiment's steady trained tokens/s and samples/s (the summary's steps after its
+    warm-up)."""
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "bench"), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(REPO / "bench"), os.environ.get("PYTHONPATH")])
+        ),
     }
     with tempfile.TemporaryDirectory() as run_dir:
         subprocess.run(
-            [sys.executable, str(REPO / "train.py"), "+experiment=documents_gpt", f"trainer.max_steps={steps}",
-             "trainer.epochs=100", "data.val_fraction=0", *overrides, f"hydra.run.dir={run_dir}"],
+            [sys.executable, str(REPO / "train.py"), "+experiment=documents_gpt",
+             f"trainer.max_steps={steps}", "trainer.epochs=100", "data.val_fraction=0",
+             *overrides, f"hydra.run.dir={run_dir}"],
             cwd=REPO, check=True, capture_output=True, text=True, env=env,
         )  # fmt: skip
         s = json.loads(Path(run_dir, "summary.json").read_text())
@@ -131,8 +140,11 @@ def padding_share(*overrides: str) -> float:
     packing = "data.dataset.packing=true" in overrides
     train, _ = documents(context=CONTEXT, packing=packing, max_bytes=MAX_BYTES)
     if packing:
-        return float((train.tree["input_ids"] == 1).float().mean())  # the padding id: windows' unfilled ends
-    grouped = next((int(o.split("=")[1]) for o in overrides if o.startswith("data.group_by_length=")), None)
+        # the padding id: windows' unfilled ends
+        return float((train.tree["input_ids"] == 1).float().mean())
+    grouped = next(
+        (int(o.split("=")[1]) for o in overrides if o.startswith("data.group_by_length=")), None
+    )
     by_length = (train.lengths, BATCH * NPROC, grouped) if grouped else None
     padded = real = 0
     for rank in range(NPROC):
@@ -189,14 +201,24 @@ def padding_against_packing(args: argparse.Namespace) -> dict:
             return project(args.steps, *overrides)
 
         pairs = paired(this_way, packed, args.repeats)
-        ratio = summary([p["this_way"]["tokens_per_sec"] / p["packed"]["tokens_per_sec"] for p in pairs])
-        ways[way] = {"padding_share": padding_share(*overrides), "pairs": pairs, "tokens_per_sec_vs_packed": ratio}
-        print(f"2. {way}: {ways[way]['padding_share']:.3f} padding, tokens/s vs packed {ratio}", flush=True)
+        ratio = summary(
+            [p["this_way"]["tokens_per_sec"] / p["packed"]["tokens_per_sec"] for p in pairs]
+        )
+        ways[way] = {
+            "padding_share": padding_share(*overrides),
+            "pairs": pairs,
+            "tokens_per_sec_vs_packed": ratio,
+        }
+        print(
+            f"2. {way}: {ways[way]['padding_share']:.3f} padding, tokens/s vs packed {ratio}",
+            flush=True,
+        )
     return {"ways": ways}
 
 
 def token_weighting_cost(args: argparse.Namespace) -> dict:
-    """3. Weighing by tokens (a count all-reduced per step) against each micro-batch's mean: samples/s."""
+    """3. Weighing by tokens (a count all-reduced per step) against each micro-batch's mean:
+    samples/s."""
 
     def by_tokens() -> dict:
         return project(args.steps)
@@ -205,7 +227,9 @@ def token_weighting_cost(args: argparse.Namespace) -> dict:
         return project(args.steps, *PER_BATCH_MEAN)
 
     pairs = paired(by_tokens, per_batch_mean, args.repeats)
-    cost = summary([p["by_tokens"]["samples_per_sec"] / p["per_batch_mean"]["samples_per_sec"] for p in pairs])
+    cost = summary(
+        [p["by_tokens"]["samples_per_sec"] / p["per_batch_mean"]["samples_per_sec"] for p in pairs]
+    )
     print(f"3. by tokens / per-batch mean, samples/s: {cost}", flush=True)
     return {"token_weighting_cost": {"pairs": pairs, "samples_per_sec_ratio": cost}}
 
@@ -217,10 +241,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument(
-        "--warm", type=int, default=5, help="the hand loop's first steps left out (the project: its own)"
+        "--warm",
+        type=int,
+        default=5,
+        help="the hand loop's first steps left out (the project: its own)",
     )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--parts", default="1,2,3", help="which of the three to measure (the result file's name says)")
+    parser.add_argument(
+        "--parts",
+        default="1,2,3",
+        help="which of the three to measure (the result file's name says)",
+    )
     args = parser.parse_args()
     parts = {int(part) for part in args.parts.split(",")}
     commit, dirty = provenance.commit()
@@ -228,8 +259,9 @@ def main() -> int:
         "commit": commit,
         "dirty": dirty,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "workload": f"+experiment=documents_gpt (TinyGPT {GPT}, windows of {CONTEXT} tokens, {BATCH} per rank), "
-        f"{NPROC} gloo ranks, 1 thread each, {args.steps} steps; data.val_fraction=0",
+        "workload": f"+experiment=documents_gpt (TinyGPT {GPT}, windows of "
+        f"{CONTEXT} tokens, {BATCH} per rank), {NPROC} gloo ranks, "
+        f"1 thread each, {args.steps} steps; data.val_fraction=0",
     }
 
     for part in sorted(parts):

@@ -24,7 +24,8 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parents[1]
 HANDWRITTEN = Path(__file__).resolve().parent / "handwritten.py"
 EXPERT = Path(__file__).resolve().parent / "expert.py"  # the same loop with stock PyTorch's tuning
-HANDWRITTEN_TRAIN = Path(__file__).resolve().parent / "handwritten_train.py"  # `make train`'s work, by hand
+# `make train`'s work, by hand
+HANDWRITTEN_TRAIN = Path(__file__).resolve().parent / "handwritten_train.py"
 CEILING = Path(__file__).resolve().parent / "ceiling.py"  # the project's run without communication
 
 # The figures every run yields; the report shows the median of each over the repetitions.
@@ -50,7 +51,10 @@ REPORTED = (
 # runs it, and with the garbage collector off while the imports load, as the project's processes
 # load them (hydra_ddp.launch.startup.frozen_imports). Keyed as the results file keeps them.
 FLOOR_IMPORTS = "import torch, torch._dynamo"
-FLOORS = {"startup_floor": FLOOR_IMPORTS, "startup_floor_gc_off": f"import gc; gc.disable(); {FLOOR_IMPORTS}"}
+FLOORS = {
+    "startup_floor": FLOOR_IMPORTS,
+    "startup_floor_gc_off": f"import gc; gc.disable(); {FLOOR_IMPORTS}",
+}
 # The hand-written loop ends, as pytorch/examples' scripts do, through the interpreter's teardown,
 # where gloo's threads (alive after destroy_process_group) race static destructors: now and then a
 # worker aborts with this line after rank 0 wrote the result (2 of 40 runs here). Such a run still
@@ -62,7 +66,8 @@ SWEEP = ("trainer.seed=0,1",)
 
 
 class BenchError(Exception):
-    """A run failed or reported something other than what was asked; shown in one message at the top."""
+    """A run failed or reported something other than what was asked; shown in one message at the
+    top."""
 
 
 @dataclass(frozen=True)
@@ -75,11 +80,13 @@ class Workload:
 
     @property
     def warmup_steps(self) -> int:
-        """The steps both sides leave out of samples/s and step time: 10, or a tenth of a shorter run."""
+        """The steps both sides leave out of samples/s and step time: 10, or a tenth of a shorter
+        run."""
         return min(10, self.steps // 10)
 
     def train_size(self, nproc: int) -> int:
-        """Images enough for every step in one epoch, so no epoch boundary falls inside the timing."""
+        """Images enough for every step in one epoch, so no epoch boundary falls inside the
+        timing."""
         return self.steps * self.batch_size * nproc
 
 
@@ -91,17 +98,19 @@ class Case:
     # "project", "handwritten", "expert" (bench/expert.py), "default": `make train`'s run as it is
     # (the digits, 12 epochs),
     # "handwritten_train": the same work by hand (bench/handwritten_train.py), or
-    # "sweep": the project's command as a two-job multirun (-m SWEEP), whose second job is measured, or
-    # "ceiling": the project's config trained in independent processes, without communication (bench/ceiling.py),
-    # "lockstep": the same, meeting at a barrier after each backward (nothing exchanged), or "exchange":
-    # in lockstep and the gradients averaged through shared memory (no DDP, no loop).
+    # "sweep": the project's command as a two-job multirun (-m SWEEP), whose second job is measured,
+    # or "ceiling": the project's config trained in independent processes, without communication
+    # (bench/ceiling.py), "lockstep": the same, meeting at a barrier after each backward (nothing
+    # exchanged), or "exchange": in lockstep and the gradients averaged through shared memory (no
+    # DDP, no loop).
     side: str
     nproc: int = 2
     overrides: tuple[str, ...] = ()
     # "images": synthetic images and the seeds' CNN; "text": the transformer (+experiment=text_gpt)
     # on Python's source, a global batch of the workload's batch size in sequences.
     task: str = "images"
-    # A checkout of another commit (run.py --against): "default" runs its train.py, with its own src.
+    # A checkout of another commit (run.py --against): "default" runs its train.py, with its own
+    # src.
     repo: Optional[str] = None
 
 
@@ -126,11 +135,15 @@ def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], P
             str(out_dir / "result.json"),
             f"--run-dir={out_dir}",
         ], out_dir / "result.json"
-    if case.side == "default":  # what `make train` runs: no override but where the run directory goes
-        return [sys.executable, str(Path(case.repo or REPO) / "train.py"), f"hydra.run.dir={out_dir}"], (
-            out_dir / "summary.json"
-        )
-    if case.task == "text":  # windows of 65 bytes, enough for every step in one epoch, 20 % held out
+    # what `make train` runs: no override but where the run directory goes
+    if case.side == "default":
+        return [
+            sys.executable,
+            str(Path(case.repo or REPO) / "train.py"),
+            f"hydra.run.dir={out_dir}",
+        ], (out_dir / "summary.json")
+    # windows of 65 bytes, enough for every step in one epoch, 20 % held out
+    if case.task == "text":
         data = [
             "+experiment=text_gpt",
             f"data.global_batch_size={workload.batch_size}",
@@ -151,7 +164,8 @@ def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], P
         "trainer.progress=false",
         *case.overrides,
     ]
-    if case.side in ("ceiling", "lockstep", "exchange"):  # the same overrides, settled as train.py settles them
+    # the same overrides, settled as train.py settles them
+    if case.side in ("ceiling", "lockstep", "exchange"):
         out = out_dir / "result.json"
         mode = [] if case.side == "ceiling" else [f"--{case.side}"]
         return [
@@ -168,20 +182,29 @@ def command(case: Case, workload: Workload, out_dir: Path) -> tuple[list[str], P
             [sys.executable, "train.py", "-m", *overrides, *SWEEP, f"hydra.sweep.dir={out_dir}"],
             out_dir / "1" / "summary.json",
         )
-    return [sys.executable, "train.py", *overrides, f"hydra.run.dir={out_dir}"], out_dir / "summary.json"
+    return [
+        sys.executable,
+        "train.py",
+        *overrides,
+        f"hydra.run.dir={out_dir}",
+    ], out_dir / "summary.json"
 
 
 def measure(case: Case, workload: Workload) -> dict[str, Any]:
-    """Run the case once; its figures (METRICS), plus steps, world size and the command's wall time."""
+    """Run the case once; its figures (METRICS), plus steps, world size and the command's wall
+    time."""
     with tempfile.TemporaryDirectory(prefix="hydra-ddp-bench-") as tmp:
         cmd, result_file = command(case, workload, Path(tmp))
         started = time.time()
         aborted_at_exit = _run(cmd, case, timeout=120 + workload.steps)
         wall = time.time() - started
         if aborted_at_exit and not result_file.exists():
-            raise BenchError(f"{case.label}: a worker aborted ({ABORT_AT_EXIT}) before the result was written")
+            raise BenchError(
+                f"{case.label}: a worker aborted ({ABORT_AT_EXIT}) before the result was written"
+            )
         reported = _read(result_file, case)
-        if case.side == "sweep":  # the second job's clock starts where the first job ended: its summary written
+        # the second job's clock starts where the first job ended: its summary written
+        if case.side == "sweep":
             first = _read(result_file.parent.parent / "0" / "summary.json", case)
             started = first["first_step_at"] - first["time_to_first_step_s"] + first["wall_time_s"]
     # The default run's two sides train 12 epochs of the digits, not the workload's steps.
@@ -195,7 +218,8 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
         "steady_samples_per_sec": reported["steady_samples_per_sec"],
         "median_step_time_s": reported["median_step_time_s"],
         "time_to_first_step_s": reported["first_step_at"] - started,
-        # When the last worker's own code began: its interpreter, its imports (or the forkserver's) done.
+        # When the last worker's own code began: its interpreter, its imports (or the forkserver's)
+        # done.
         "time_to_workers_ready_s": reported["workers_ready_at"] - started,
         "peak_rss_mb": reported["peak_rss_mb"],
         "steps": reported["steps"],
@@ -203,10 +227,12 @@ def measure(case: Case, workload: Workload) -> dict[str, Any]:
         "wall_time_s": wall,
         "aborted_at_exit": aborted_at_exit,  # the hand-written loop's only (ABORT_AT_EXIT)
         "allreduce_bytes_per_step": reported.get("allreduce_bytes_per_step"),  # the project's only
-        "model_state_bytes": (reported.get("model_state_bytes") or {}).get("total"),  # per rank, the largest
+        # per rank, the largest
+        "model_state_bytes": (reported.get("model_state_bytes") or {}).get("total"),
         "checkpoints": reported.get("checkpoints"),
         "checkpoint_stall_s": reported.get("checkpoint_stall_s"),  # the median save's, on rank 0
-        # Where a run's time goes, as its summary says (the project's only): the steps, evaluation, saves.
+        # Where a run's time goes, as its summary says (the project's only): the steps, evaluation,
+        # saves.
         "train_time_s": reported.get("train_time_s"),
         "eval_time_s": reported.get("eval_time_s"),
         "checkpoint_time_s": reported.get("checkpoint_time_s"),
@@ -243,8 +269,8 @@ def printable(cmd: list[str]) -> str:
 
 
 def _run(cmd: list[str], case: Case, timeout: float) -> bool:
-    """Run a command to its end; True where the hand-written loop aborted at its exit (ABORT_AT_EXIT),
-    which measure() accepts if the result was written whole."""
+    """Run a command to its end; True where the hand-written loop aborted at its exit
+    (ABORT_AT_EXIT), which measure() accepts if the result was written whole."""
     # A session of its own, so a hung run's workers can be killed with it.
     env = None
     if case.repo:  # that commit's code, not this checkout's (installed in the venv as editable)
@@ -261,13 +287,20 @@ def _run(cmd: list[str], case: Case, timeout: float) -> bool:
     )
     try:
         output, _ = proc.communicate(timeout=timeout)
-    except BaseException as error:  # a timeout, or Ctrl-C (which the run's own session does not get)
+    # a timeout, or Ctrl-C (which the run's own session does not get)
+    except BaseException as error:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         if isinstance(error, subprocess.TimeoutExpired):
-            raise BenchError(f"{case.label}: no result after {timeout:.0f} s, killed: {shlex.join(cmd)}") from None
+            raise BenchError(
+                f"{case.label}: no result after {timeout:.0f} s, killed: {shlex.join(cmd)}"
+            ) from None
         raise
-    if proc.returncode != 0 and case.side in ("handwritten", "expert", "handwritten_train") and ABORT_AT_EXIT in output:
+    if (
+        proc.returncode != 0
+        and case.side in ("handwritten", "expert", "handwritten_train")
+        and ABORT_AT_EXIT in output
+    ):
         return True
     if proc.returncode != 0:
         tail = "\n".join(output.strip().splitlines()[-15:])
@@ -284,5 +317,7 @@ def _read(result_file: Path, case: Case) -> dict[str, Any]:
         raise BenchError(f"{case.label}: {result_file.name} is not whole JSON ({error})") from None
     missing = [key for key in REPORTED if reported.get(key) is None]
     if missing:
-        raise BenchError(f"{case.label}: {result_file.name} lacks {', '.join(missing)}: the benchmark needs them")
+        raise BenchError(
+            f"{case.label}: {result_file.name} lacks {', '.join(missing)}: the benchmark needs them"
+        )
     return reported

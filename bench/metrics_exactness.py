@@ -1,6 +1,6 @@
 """Task metrics: the project's exact states of sums against torchmetrics, at world sizes 1, 2 and 3.
 
-    .venv/bin/pip install torchmetrics      # not a dependency of the project: for this comparison only
+    .venv/bin/pip install torchmetrics   # not a dependency of the project: for this comparison only
     .venv/bin/python bench/metrics_exactness.py
 
 One evaluation split (regression outputs and targets; segmentation logits and masks), in fixed
@@ -50,7 +50,8 @@ def _split() -> dict[str, torch.Tensor]:
         "reg_target": target,
         "reg_output": target + torch.randn(SAMPLES, generator=gen) * 40,
         "seg_target": masks,
-        "seg_output": torch.randn(SAMPLES // 10, CLASSES, SIDE, SIDE, generator=gen) + masks[:, None],
+        "seg_output": torch.randn(SAMPLES // 10, CLASSES, SIDE, SIDE, generator=gen)
+        + masks[:, None],
     }
 
 
@@ -59,7 +60,9 @@ def _chunks(n: int, world: int, rank: int, size: int) -> list[tuple[int, slice]]
     return [(c, slice(c * size, min(n, (c + 1) * size))) for c in range(rank, count, world)]
 
 
-def _ours(task: tasks.Task, output: torch.Tensor, target: torch.Tensor, mine: list, count: int) -> tuple[dict, float]:
+def _ours(
+    task: tasks.Task, output: torch.Tensor, target: torch.Tensor, mine: list, count: int
+) -> tuple[dict, float]:
     slots = torch.zeros(count, task.state_size, dtype=torch.float64)
     started = time.perf_counter()
     for chunk, where in mine:
@@ -82,18 +85,36 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         seg_mine = _chunks(len(data["seg_target"]), world, rank, CHUNK // 10)
         regression = tasks.Regression()
         values, spent = _ours(
-            regression, data["reg_output"][:, None], data["reg_target"], reg_mine, -(-SAMPLES // CHUNK)
+            regression,
+            data["reg_output"][:, None],
+            data["reg_target"],
+            reg_mine,
+            -(-SAMPLES // CHUNK),
         )
-        out["ours"] = {"regression": {k: values[k] for k in ("mse", "mae", "r2")}, "time_per_chunk_s": {}}
+        out["ours"] = {
+            "regression": {k: values[k] for k in ("mse", "mae", "r2")},
+            "time_per_chunk_s": {},
+        }
         out["ours"]["time_per_chunk_s"]["regression"] = spent / max(1, len(reg_mine))
         segmentation = tasks.Segmentation(CLASSES)
         values, spent = _ours(
-            segmentation, data["seg_output"], data["seg_target"], seg_mine, -(-len(data["seg_target"]) // (CHUNK // 10))
+            segmentation,
+            data["seg_output"],
+            data["seg_target"],
+            seg_mine,
+            -(-len(data["seg_target"]) // (CHUNK // 10)),
         )
-        out["ours"]["segmentation"] = {"mean_iou": values["mean_iou"], "pixel_accuracy": values["pixel_accuracy"]}
+        out["ours"]["segmentation"] = {
+            "mean_iou": values["mean_iou"],
+            "pixel_accuracy": values["pixel_accuracy"],
+        }
         out["ours"]["time_per_chunk_s"]["segmentation"] = spent / max(1, len(seg_mine))
 
-        mse, mae, r2 = (torchmetrics.MeanSquaredError(), torchmetrics.MeanAbsoluteError(), torchmetrics.R2Score())
+        mse, mae, r2 = (
+            torchmetrics.MeanSquaredError(),
+            torchmetrics.MeanAbsoluteError(),
+            torchmetrics.R2Score(),
+        )
         started = time.perf_counter()
         for _, where in reg_mine:
             for metric in (mse, mae, r2):
@@ -108,8 +129,15 @@ def _worker(rank: int, world: int, port: int, results) -> None:
             accuracy.update(predicted, data["seg_target"][where])
         seg_time = (time.perf_counter() - started) / max(1, len(seg_mine))
         out["torchmetrics"] = {
-            "regression": {"mse": mse.compute().item(), "mae": mae.compute().item(), "r2": r2.compute().item()},
-            "segmentation": {"mean_iou": iou.compute().item(), "pixel_accuracy": accuracy.compute().item()},
+            "regression": {
+                "mse": mse.compute().item(),
+                "mae": mae.compute().item(),
+                "r2": r2.compute().item(),
+            },
+            "segmentation": {
+                "mean_iou": iou.compute().item(),
+                "pixel_accuracy": accuracy.compute().item(),
+            },
             "time_per_chunk_s": {"regression": reg_time, "segmentation": seg_time},
             "version": torchmetrics.__version__,
         }
@@ -138,7 +166,9 @@ def main() -> None:
                         "metric": metric,
                         "values_hex": [float(v).hex() for v in values],
                         "bit_equal_at_1_2_3": len({float(v).hex() for v in values}) == 1,
-                        "largest_relative_gap": max(abs(v - values[0]) / abs(values[0]) for v in values),
+                        "largest_relative_gap": max(
+                            abs(v - values[0]) / abs(values[0]) for v in values
+                        ),
                     }
                 )
     result = {
@@ -150,7 +180,9 @@ def main() -> None:
         "samples": SAMPLES,
         "chunk": CHUNK,
         "metrics": table,
-        "time_per_chunk_s": {way: found[1][way]["time_per_chunk_s"] for way in ("ours", "torchmetrics")},
+        "time_per_chunk_s": {
+            way: found[1][way]["time_per_chunk_s"] for way in ("ours", "torchmetrics")
+        },
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "metrics_exactness.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -158,15 +190,16 @@ def main() -> None:
         "# Task metrics at world sizes 1, 2, 3: hydra-ddp's states of sums against torchmetrics "
         f"{result['torchmetrics']}",
         "",
-        f"{result['when']}, {result['cpu']}, torch {result['torch']}; {SAMPLES} regression samples, "
-        f"{SAMPLES // 10} masks of {SIDE}x{SIDE}, chunks dealt to the ranks in turn (bench/metrics_exactness.py).",
+        f"{result['when']}, {result['cpu']}, torch {result['torch']}; {SAMPLES} "
+        f"regression samples, {SAMPLES // 10} masks of {SIDE}x{SIDE}, chunks "
+        "dealt to the ranks in turn (bench/metrics_exactness.py).",
         "",
         "| way | task | metric | bit-equal at 1, 2, 3 ranks | largest relative gap |",
         "| --- | --- | --- | --- | --- |",
     ]
     lines += [
-        f"| {r['way']} | {r['task']} | {r['metric']} | {'yes' if r['bit_equal_at_1_2_3'] else 'no'} | "
-        f"{r['largest_relative_gap']:.1e} |"
+        f"| {r['way']} | {r['task']} | {r['metric']} | "
+        f"{'yes' if r['bit_equal_at_1_2_3'] else 'no'} | {r['largest_relative_gap']:.1e} |"
         for r in table
     ]
     times = result["time_per_chunk_s"]
@@ -178,7 +211,8 @@ def main() -> None:
         "| --- | --- | --- |",
     ]
     lines += [
-        f"| {way} | {times[way]['regression'] * 1e6:.0f} | {times[way]['segmentation'] * 1e6:.0f} |" for way in times
+        f"| {way} | {times[way]['regression'] * 1e6:.0f} | {times[way]['segmentation'] * 1e6:.0f} |"
+        for way in times
     ]
     (RESULTS / "metrics_exactness.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -186,7 +220,11 @@ def main() -> None:
 
 def _cpu() -> str:
     try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        return next(
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         return platform.machine()
 

@@ -14,11 +14,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def commit(repo: Path = REPO) -> tuple[str, bool]:
-    """(HEAD's short hash, whether tracked files differ from it); ("unknown", True) outside a checkout."""
+    """(HEAD's short hash, whether tracked files differ from it); ("unknown", True) outside a
+    checkout."""
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=repo, env=env, capture_output=True, text=True, check=True).stdout
+        return subprocess.run(
+            ["git", *args], cwd=repo, env=env, capture_output=True, text=True, check=True
+        ).stdout
 
     try:
         head = git("rev-parse", "--short", "HEAD").strip()

@@ -10,7 +10,8 @@ import statistics
 from math import comb
 from typing import Any, Optional
 
-from measure import FLOORS  # the floors' keys in the results, in the order shown (older results hold the first)
+# the floors' keys in the results, in the order shown (older results hold the first)
+from measure import FLOORS
 
 _DISCLAIMER = (
     "Absolute figures vary between machines, and with whatever else runs on them: only the ratios "
@@ -62,14 +63,16 @@ _CEILING_PHASES = (
     "between steps (logging, checks)."
 )
 _INTROS = {
-    "ceiling": _CEILING + "**ceiling in lockstep**: the same processes meeting after each backward, exchanging "
+    "ceiling": _CEILING
+    + "**ceiling in lockstep**: the same processes meeting after each backward, exchanging "
     "nothing (`bench/ceiling.py --lockstep`): what moving in step costs by itself, each step waiting for the "
     "slower process's jitter. **ceiling with the exchange**: in lockstep, and each gradient averaged through "
     "shared memory in two passes, as the project's all-reduce does, with no DDP and no loop around it "
     "(`--exchange`): the least a synchronous data-parallel step adds here, so the best share of the ceiling "
     "any such loop can reach on this machine. The project's gap beyond it is DDP's and its loop's. "
     "Workload: the CNN of the parity section; reference: the ceiling.",
-    "ceiling_gpt": _CEILING + "Workload: the transformer of `+experiment=text_gpt` (AdamW, warmup-cosine per step, "
+    "ceiling_gpt": _CEILING
+    + "Workload: the transformer of `+experiment=text_gpt` (AdamW, warmup-cosine per step, "
     "gradient clipping), a global batch of 64 sequences, with its own number of steps (the section's "
     "`workload`); reference: the ceiling.",
     "strategy_gpt": "The transformer (`+experiment=text_gpt`: 4 blocks of width 128, AdamW) at 2 ranks under "
@@ -198,12 +201,15 @@ def render(results: dict[str, Any]) -> str:
         if name in sections:
             lines += _ceiling_headline(name, sections[name])
     for name, cases in sections.items():
-        table = _default_table(cases) if name == "default" else _table(cases, stalls=name == "checkpoint")
+        table = (
+            _default_table(cases)
+            if name == "default"
+            else _table(cases, stalls=name == "checkpoint")
+        )
         intro = _INTROS[name]
-        if cases[0].get("workload"):  # a section with a workload of its own (the transformer's ceiling)
-            intro += (
-                f" {cases[0]['workload']['steps']} steps per run, {cases[0]['workload']['warmup_steps']} of warm-up."
-            )
+        # a section with a workload of its own (the transformer's ceiling)
+        if cases[0].get("workload"):
+            intro += f" {cases[0]['workload']['steps']} steps per run, {cases[0]['workload']['warmup_steps']} of warm-up."
         if name == "parity" and _expert(cases):
             intro += _EXPERT
         if name == "ceiling" and any(case.get("against") for case in cases):
@@ -226,7 +232,11 @@ def render(results: dict[str, Any]) -> str:
         if name in ("ceiling", "ceiling_gpt"):
             lines += ["### Where the time goes", "", _CEILING_PHASES, "", _phase_table(cases), ""]
         if name == "parity" and all("time_to_workers_ready_s" in case["median"] for case in cases):
-            tuned = " The loop tuned by hand's workers are forks of its own forkserver." if _expert(cases) else ""
+            tuned = (
+                " The loop tuned by hand's workers are forks of its own forkserver."
+                if _expert(cases)
+                else ""
+            )
             lines += [
                 "### Where the start-up goes",
                 "",
@@ -235,8 +245,17 @@ def render(results: dict[str, Any]) -> str:
                 _startup_table(cases, [results[key] for key in FLOORS if key in results]),
                 "",
             ]
-    lines += ["## Commands", "", "One run of each side (`RUN_DIR`: a fresh temporary directory per run):", ""]
-    shown = [case for name in ("parity", "default", "ceiling", "ceiling_gpt") for case in sections.get(name, [])]
+    lines += [
+        "## Commands",
+        "",
+        "One run of each side (`RUN_DIR`: a fresh temporary directory per run):",
+        "",
+    ]
+    shown = [
+        case
+        for name in ("parity", "default", "ceiling", "ceiling_gpt")
+        for case in sections.get(name, [])
+    ]
     lines += [f"    {case['command']}" for case in shown]
     return "\n".join(lines) + "\n"
 
@@ -306,7 +325,10 @@ def _phase_table(cases: list[dict[str, Any]]) -> str:
     phases = ("data", "forward", "backward", "sync_wait", "optimizer", "other")
 
     def ms(case: dict[str, Any], phase: str) -> float:
-        per_run = [statistics.mean(rank.get(f"{phase}_s", 0.0) for rank in run["ranks"]) for run in case["runs"]]
+        per_run = [
+            statistics.mean(rank.get(f"{phase}_s", 0.0) for rank in run["ranks"])
+            for run in case["runs"]
+        ]
         return statistics.median(per_run) * 1000
 
     headers = ["phase", *(case["label"] for case in timed)]
@@ -314,7 +336,10 @@ def _phase_table(cases: list[dict[str, Any]]) -> str:
         headers.append("Δ")
     rows = []
     for phase in (*phases, "total"):
-        values = [sum(ms(case, p) for p in phases) if phase == "total" else ms(case, phase) for case in timed]
+        values = [
+            sum(ms(case, p) for p in phases) if phase == "total" else ms(case, phase)
+            for case in timed
+        ]
         row = [phase.replace("_", " "), *(f"{v:.2f}" for v in values)]
         if len(timed) == 2:
             row.append(f"{values[1] - values[0]:+.2f}")
@@ -350,7 +375,9 @@ def _default_against(cases: list[dict[str, Any]]) -> list[str]:
     before = [case for case in cases if case.get("against")]
     if not today or not before:
         return []
-    figures = _differences(today[0]["runs"], before[0]["runs"], ("wall time", "first step", "time beyond training"))
+    figures = _differences(
+        today[0]["runs"], before[0]["runs"], ("wall time", "first step", "time beyond training")
+    )
     return [
         f"Against an earlier commit, repetition by repetition: `make train` less `{before[0]['label']}` of the "
         f"same repetition, medians over {len(before[0]['runs'])} repetitions (min–max): {'; '.join(figures)}.",
@@ -366,13 +393,17 @@ _RUN_SECONDS = {
 }
 
 
-def _differences(runs: list[dict[str, Any]], references: list[dict[str, Any]], whats: tuple[str, ...]) -> list[str]:
+def _differences(
+    runs: list[dict[str, Any]], references: list[dict[str, Any]], whats: tuple[str, ...]
+) -> list[str]:
     """Each figure of `runs` less the same repetition's of `references`: the median, min–max."""
     figures = []
     for what in whats:
         of = _RUN_SECONDS[what]
         differences = [of(run) - of(ref) for run, ref in zip(runs, references)]
-        figures.append(f"{what} **{statistics.median(differences):+.2f} s**{_spread(differences, 2)}")
+        figures.append(
+            f"{what} **{statistics.median(differences):+.2f} s**{_spread(differences, 2)}"
+        )
     return figures
 
 
@@ -394,7 +425,11 @@ def _default_by_hand(cases: list[dict[str, Any]]) -> list[str]:
 def _parity_reps(results: dict[str, Any]) -> str:
     """How many times the parity section ran, where that differs from the others (--parity-reps)."""
     reps = results.get("parity_reps", results["reps"])
-    return f" ({reps} in the parity section)" if reps != results["reps"] and "parity" in results["sections"] else ""
+    return (
+        f" ({reps} in the parity section)"
+        if reps != results["reps"] and "parity" in results["sections"]
+        else ""
+    )
 
 
 def _paired(cases: list[dict[str, Any]], against: str = "the reference's") -> list[str]:
@@ -407,7 +442,9 @@ def _paired(cases: list[dict[str, Any]], against: str = "the reference's") -> li
     reference = [run["steady_samples_per_sec"] for run in cases[0]["runs"]]
     figures = []
     for case in cases[1:]:
-        ratios = sorted(run["steady_samples_per_sec"] / ref for run, ref in zip(case["runs"], reference))
+        ratios = sorted(
+            run["steady_samples_per_sec"] / ref for run, ref in zip(case["runs"], reference)
+        )
         middle = (ratios[(len(ratios) - 1) // 2] + ratios[len(ratios) // 2]) / 2
         figures.append(f"{case['label']} **{middle:.2f}×** ({ratios[low]:.2f}–{ratios[high]:.2f})")
     return [
@@ -449,7 +486,13 @@ def _aborts_at_exit(cases: list[dict[str, Any]]) -> list[str]:
 
 
 def _startup_table(cases: list[dict[str, Any]], floors: list[dict[str, Any]]) -> str:
-    headers = ["configuration", "workers ready (s)", "then to the first step (s)", "first step (s)", "first step Δ (s)"]
+    headers = [
+        "configuration",
+        "workers ready (s)",
+        "then to the first step (s)",
+        "first step (s)",
+        "first step Δ (s)",
+    ]
     reference = cases[0]["median"]["time_to_first_step_s"]
     rows = []
     for case in cases:
@@ -460,7 +503,9 @@ def _startup_table(cases: list[dict[str, Any]], floors: list[dict[str, Any]]) ->
                 f"{m['time_to_workers_ready_s']:.2f}",
                 f"{m['time_to_first_step_s'] - m['time_to_workers_ready_s']:.2f}",
                 f"{m['time_to_first_step_s']:.2f}{_spread([run['time_to_first_step_s'] for run in case['runs']], 2)}",
-                "reference" if case is cases[0] else f"{m['time_to_first_step_s'] - reference:+.2f}",
+                "reference"
+                if case is cases[0]
+                else f"{m['time_to_first_step_s'] - reference:+.2f}",
             ]
         )
     for floor in floors:
@@ -540,10 +585,15 @@ def _table(cases: list[dict[str, Any]], stalls: bool = False) -> str:
         "first step Δ (s)",
         "RSS ×",
     ]
-    sent = any(case.get("allreduce_bytes_per_step") for case in cases) and all(c["side"] == "project" for c in cases)
+    sent = any(case.get("allreduce_bytes_per_step") for case in cases) and all(
+        c["side"] == "project" for c in cases
+    )
     if sent:
         headers.append("all-reduce / step (KB)")
-    state = all(case.get("model_state_bytes") for case in cases) and len({c["model_state_bytes"] for c in cases}) > 1
+    state = (
+        all(case.get("model_state_bytes") for case in cases)
+        and len({c["model_state_bytes"] for c in cases}) > 1
+    )
     if state:
         headers.append("model state / rank (MB)")
     if stalls:
@@ -574,13 +624,19 @@ def _table(cases: list[dict[str, Any]], stalls: bool = False) -> str:
         )
         if sent:
             rows[-1].append(
-                f"{case['allreduce_bytes_per_step'] / 1024:.0f}" if case.get("allreduce_bytes_per_step") else ""
+                f"{case['allreduce_bytes_per_step'] / 1024:.0f}"
+                if case.get("allreduce_bytes_per_step")
+                else ""
             )
         if state:
             rows[-1].append(f"{case['model_state_bytes'] / 2**20:.2f}")
         if stalls:
             stall = case["checkpoint_stall_s"]
-            rows[-1] += [str(case["checkpoints"]), f"{stall * 1000:.1f}", f"{stall / m['median_step_time_s']:.2f}"]
+            rows[-1] += [
+                str(case["checkpoints"]),
+                f"{stall * 1000:.1f}",
+                f"{stall / m['median_step_time_s']:.2f}",
+            ]
     return _markdown_table(headers, rows)
 
 
@@ -589,8 +645,16 @@ def _markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
 
     def line(cells: list[str]) -> str:
-        padded = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        padded = [
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ]
         return "| " + " | ".join(padded) + " |"
 
-    rule = "|" + "|".join(("-" * (w + 1) + ":") if i else (":" + "-" * (w + 1)) for i, w in enumerate(widths)) + "|"
+    rule = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":") if i else (":" + "-" * (w + 1)) for i, w in enumerate(widths)
+        )
+        + "|"
+    )
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])

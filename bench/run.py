@@ -6,9 +6,11 @@ default run, world-size scaling, options, and the limit: the same processes with
     # one section (parity, default, scaling, options, comm, checkpoint, strategy, strategy_gpt,
     # ceiling, ceiling_gpt):
     .venv/bin/python bench/run.py --only comm
-    .venv/bin/python bench/run.py --only options --cases timing --out /tmp/bench   # one line, beside its reference
+    # one line, beside its reference:
+    .venv/bin/python bench/run.py --only options --cases timing --out /tmp/bench
     make bench ARGS="--reps 5 --steps 500 --out /tmp/bench"
-    .venv/bin/python bench/run.py --only default --reps 7 --against a88e844   # make train, then and now
+    # make train, then and now:
+    .venv/bin/python bench/run.py --only default --reps 7 --against a88e844
 
 Prints the report and writes it to OUT/REPORT.md (replaced each time; --report names another
 file, so that an --only run leaves a full report beside it whole), with every run's figures in
@@ -37,7 +39,18 @@ from typing import Any, Optional
 import provenance
 
 import report
-from measure import FLOORS, METRICS, REPO, BenchError, Case, Workload, command, measure, measure_floor, printable
+from measure import (
+    FLOORS,
+    METRICS,
+    REPO,
+    BenchError,
+    Case,
+    Workload,
+    command,
+    measure,
+    measure_floor,
+    printable,
+)
 
 # Performance options: sets of project overrides, measured at 2 ranks against the first.
 # Add a line to measure another.
@@ -47,8 +60,12 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "data.preload (tensor batches)": ("data.preload=true",),
     "precision=bf16": ("trainer.precision=bf16",),
     "accumulate=2 (no_sync)": ("trainer.accumulate=2",),
-    # The fast settings `auto` turns on (performance.py, parallel/strategies/ddp.py), turned off one by one.
-    "ddp: bucket view + static graph off": ("strategy.gradient_as_bucket_view=false", "strategy.static_graph=false"),
+    # The fast settings `auto` turns on (performance.py, parallel/strategies/ddp.py), turned off one
+    # by one.
+    "ddp: bucket view + static graph off": (
+        "strategy.gradient_as_bucket_view=false",
+        "strategy.static_graph=false",
+    ),
     "channels_last off": ("trainer.channels_last=false",),
     "shared memory off (gloo's all-reduce)": ("strategy.shared_memory=false",),
     "num_workers=1": ("data.num_workers=1", "data.persistent_workers=true"),
@@ -57,7 +74,8 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "per-rank timing off": ("trainer.timing=false",),
 }
 
-# DDP communication hooks (src/hydra_ddp/parallel/comm.py), at 2 ranks against DDP's own all-reduce through gloo.
+# DDP communication hooks (src/hydra_ddp/parallel/comm.py), at 2 ranks against DDP's own all-reduce
+# through gloo.
 COMM_HOOKS = ("fp16", "bf16")
 
 # Mid-run checkpoints (rank 0 snapshots at the step boundary, a thread writes): every N steps.
@@ -93,7 +111,9 @@ def plan(cores: int) -> dict[str, list[Case]]:
             Case("project (train.py)", "project"),
             Case("project, launcher=torchrun", "project", overrides=("launcher=torchrun",)),
             # Workers as fresh interpreters, as before the forkserver (startup.py): what it saves.
-            Case("project, start_method=spawn", "project", overrides=("launcher.start_method=spawn",)),
+            Case(
+                "project, start_method=spawn", "project", overrides=("launcher.start_method=spawn",)
+            ),
             Case("project, auto settings off", "project", overrides=AUTO_OFF),
             # A multirun's later job: the parent and the forkserver are there already.
             Case("project, a sweep's second job", "sweep"),
@@ -105,10 +125,22 @@ def plan(cores: int) -> dict[str, list[Case]]:
             Case("make train (the default run)", "default"),
         ],
         "scaling": [Case(f"nproc={n}", "project", nproc=n) for n in world_sizes(cores)],
-        "options": [Case(label, "project", overrides=overrides) for label, overrides in OPTIONS.items()],
-        # A hook replaces the shared-memory all-reduce: each is compared with gloo's, and the default last.
-        "comm": [Case("comm_hook=none, gloo's all-reduce", "project", overrides=("strategy.shared_memory=false",))]
-        + [Case(f"comm_hook={hook}", "project", overrides=(f"strategy.comm_hook={hook}",)) for hook in COMM_HOOKS]
+        "options": [
+            Case(label, "project", overrides=overrides) for label, overrides in OPTIONS.items()
+        ],
+        # A hook replaces the shared-memory all-reduce: each is compared with gloo's, and the
+        # default last.
+        "comm": [
+            Case(
+                "comm_hook=none, gloo's all-reduce",
+                "project",
+                overrides=("strategy.shared_memory=false",),
+            )
+        ]
+        + [
+            Case(f"comm_hook={hook}", "project", overrides=(f"strategy.comm_hook={hook}",))
+            for hook in COMM_HOOKS
+        ]
         + [
             Case(
                 "comm_hook=powersgd (rank 1, from step 0)",
@@ -139,12 +171,14 @@ def plan(cores: int) -> dict[str, list[Case]]:
             Case(f"gpt: {name}", "project", overrides=(f"strategy={name}",), task="text")
             for name in ("ddp", "fsdp", "tp")
         ],
-        # The limit: the same processes without communicating (bench/ceiling.py), and what reaches it.
+        # The limit: the same processes without communicating (bench/ceiling.py), and what reaches
+        # it.
         "ceiling": [
             Case("ceiling (2 processes, no communication)", "ceiling"),
             # What moving in step costs by itself: the ceiling's processes meet after each backward.
             Case("ceiling in lockstep (a barrier per step)", "lockstep"),
-            # The least a synchronous step adds: lockstep and the gradients averaged, without DDP or a loop.
+            # The least a synchronous step adds: lockstep and the gradients averaged, without DDP or
+            # a loop.
             Case("ceiling with the exchange (lockstep, gradients averaged)", "exchange"),
             Case("project (train.py)", "project"),
             Case("expert (hand-tuned)", "expert"),
@@ -157,13 +191,18 @@ def plan(cores: int) -> dict[str, list[Case]]:
     }
 
 
-# The ceiling's paired ratios are the acceptance figures of the compute-ceiling work: at least 7 pairs.
+# The ceiling's paired ratios are the acceptance figures of the compute-ceiling work: at least 7
+# pairs.
 CEILING_REPS = 7
 CEILING_SECTIONS = ("ceiling", "ceiling_gpt")
 
 
 def run_section(
-    name: str, cases: list[Case], workload: Workload, reps: int, floors: Optional[dict[str, list[float]]] = None
+    name: str,
+    cases: list[Case],
+    workload: Workload,
+    reps: int,
+    floors: Optional[dict[str, list[float]]] = None,
 ) -> list[dict[str, Any]]:
     """Every case once per repetition, interleaved, so drift in the machine hits all alike: in the
     listed order, then reversed (A B C, C B A, …), so a case's distance in time from the reference
@@ -173,15 +212,19 @@ def run_section(
     for rep in range(1, reps + 1):
         for key, times in (floors or {}).items():
             times.append(measure_floor(FLOORS[key]))
-            print(f"[{name} {rep}/{reps}] floor: {FLOORS[key]}  {times[-1]:5.2f} s", file=sys.stderr, flush=True)
+            print(
+                f"[{name} {rep}/{reps}] floor: {FLOORS[key]}  {times[-1]:5.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         for case in cases if rep % 2 else cases[::-1]:
             result = measure(case, workload)
             runs[case.label].append(result)
             print(
-                f"[{name} {rep}/{reps}] {case.label:<30} {result['steady_samples_per_sec']:6.0f} samples/s  "
-                f"step {result['median_step_time_s'] * 1000:6.1f} ms  "
-                f"first step {result['time_to_first_step_s']:5.2f} s  "
-                f"RSS {result['peak_rss_mb']:4.0f} MB",
+                f"[{name} {rep}/{reps}] {case.label:<30} "
+                f"{result['steady_samples_per_sec']:6.0f} samples/s  step "
+                f"{result['median_step_time_s'] * 1000:6.1f} ms  first step "
+                f"{result['time_to_first_step_s']:5.2f} s  RSS {result['peak_rss_mb']:4.0f} MB",
                 file=sys.stderr,
                 flush=True,
             )
@@ -201,7 +244,9 @@ def run_section(
                 "allreduce_bytes_per_step": runs[case.label][0].get("allreduce_bytes_per_step"),
                 "model_state_bytes": runs[case.label][0].get("model_state_bytes"),
                 "checkpoints": runs[case.label][0].get("checkpoints"),
-                "checkpoint_stall_s": statistics.median(run["checkpoint_stall_s"] or 0.0 for run in runs[case.label]),
+                "checkpoint_stall_s": statistics.median(
+                    run["checkpoint_stall_s"] or 0.0 for run in runs[case.label]
+                ),
                 "vs_reference": None if case is cases[0] else compare(median, reference),
                 "against": case.repo is not None,  # the project at another commit (--against)
             }
@@ -221,22 +266,34 @@ def run_default(cases: list[Case], workload: Workload, reps: int) -> list[dict[s
             result = {**measure(case, workload), "floor_s": floor}
             runs[case.label].append(result)
             print(
-                f"[default {rep}/{reps}] {case.label}: wall {result['wall_time_s']:5.2f} s  training "
-                f"{result['train_time_s']:5.2f} s  first step {result['time_to_first_step_s']:5.2f} s  "
-                f"floor {floor:5.2f} s",
+                f"[default {rep}/{reps}] {case.label}: wall {result['wall_time_s']:5.2f} "
+                f"s  training {result['train_time_s']:5.2f} s  first step "
+                f"{result['time_to_first_step_s']:5.2f} s  floor {floor:5.2f} s",
                 file=sys.stderr,
                 flush=True,
             )
     summary = []
     for case in cases:
         case_runs = runs[case.label]
-        figures = ("wall_time_s", "train_time_s", "time_to_first_step_s", "eval_time_s", "checkpoint_time_s", "floor_s")
+        figures = (
+            "wall_time_s",
+            "train_time_s",
+            "time_to_first_step_s",
+            "eval_time_s",
+            "checkpoint_time_s",
+            "floor_s",
+        )
         median = {
-            figure: statistics.median(run[figure] for run in case_runs) if case_runs[0][figure] is not None else None
+            figure: statistics.median(run[figure] for run in case_runs)
+            if case_runs[0][figure] is not None
+            else None
             for figure in figures
         }
-        median["beyond_training_s"] = statistics.median(run["wall_time_s"] - run["train_time_s"] for run in case_runs)
-        # What the run adds to importing torch: the same difference less the floor timed just before.
+        median["beyond_training_s"] = statistics.median(
+            run["wall_time_s"] - run["train_time_s"] for run in case_runs
+        )
+        # What the run adds to importing torch: the same difference less the floor timed just
+        # before.
         median["beyond_floor_s"] = statistics.median(
             run["wall_time_s"] - run["train_time_s"] - run["floor_s"] for run in case_runs
         )
@@ -288,9 +345,14 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def save(results: dict[str, Any], text: str, out_dir: Path, stamp: str, report_name: str = "REPORT.md") -> list[Path]:
+def save(
+    results: dict[str, Any], text: str, out_dir: Path, stamp: str, report_name: str = "REPORT.md"
+) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = {out_dir / f"{stamp}.json": json.dumps(results, indent=2) + "\n", out_dir / report_name: text}
+    files = {
+        out_dir / f"{stamp}.json": json.dumps(results, indent=2) + "\n",
+        out_dir / report_name: text,
+    }
     for path, content in files.items():
         tmp = path.with_name(path.name + ".tmp")  # a crash never leaves half a file
         tmp.write_text(content)
@@ -308,32 +370,41 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--reps", type=positive_int, help="repetitions of each configuration (default 3; --quick: 1)")
+    parser.add_argument(
+        "--reps",
+        type=positive_int,
+        help="repetitions of each configuration (default 3; --quick: 1)",
+    )
     parser.add_argument(
         "--parity-reps",
         type=positive_int,
-        help="repetitions in the parity section (default: --reps). Its ratios against the hand-written "
-        "loop are the acceptance figures, and one run's samples/s varies by ±10%% here between "
-        "processes of the same command: more repetitions steady their medians",
+        help="repetitions in the parity section (default: --reps). Its ratios "
+        "against the hand-written loop are the acceptance figures, and "
+        "one run's samples/s varies by ±10%% here between processes of "
+        "the same command: more repetitions steady their medians",
     )
     parser.add_argument(
         "--ceiling-reps",
         type=positive_int,
-        help=f"repetitions in the ceiling sections (default {CEILING_REPS}, or --reps where more; --quick: 1): "
-        "each is a pair, the project and its ceiling back to back",
+        help=f"repetitions in the ceiling sections (default {CEILING_REPS}, or --reps where "
+        "more; --quick: 1): each is a pair, the project and its ceiling back to back",
     )
     parser.add_argument(
         "--gpt-steps",
         type=positive_int,
-        help="training steps per run of the transformer's ceiling section (default: half of --steps)",
+        help="training steps per run of the transformer's "
+        "ceiling section (default: half of --steps)",
     )
-    parser.add_argument("--steps", type=positive_int, help="training steps per run (default 200; --quick: 20)")
+    parser.add_argument(
+        "--steps", type=positive_int, help="training steps per run (default 200; --quick: 20)"
+    )
     parser.add_argument(
         "--against",
         metavar="COMMIT",
-        help="the default section also runs `make train` at this commit (a worktree of it, its own src), "
-        "in turns with today's: is the first step as soon, the wall time no longer? The ceiling section "
-        "runs the project at that commit too: what the changes since bought, as a share of the ceiling",
+        help="the default section also runs `make train` at this commit (a worktree "
+        "of it, its own src), in turns with today's: is the first step as soon, "
+        "the wall time no longer? The ceiling section runs the project at that "
+        "commit too: what the changes since bought, as a share of the ceiling",
     )
     parser.add_argument("--quick", action="store_true", help="a tiny run to smoke-test the harness")
     parser.add_argument(
@@ -360,7 +431,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         help="only the cases whose label contains one of these (a section's reference always runs)",
     )
     parser.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT.relative_to(REPO)})"
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"results folder (default {DEFAULT_OUT.relative_to(REPO)})",
     )
     parser.add_argument(
         "--report",
@@ -381,11 +455,15 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 def checkout(commit: str, stack: contextlib.ExitStack) -> dict[str, str]:
     """A worktree of `commit` in a temporary folder, removed when the bench ends."""
     git = ["git", "-C", str(REPO)]
-    resolved = subprocess.run([*git, "rev-parse", "--short", f"{commit}^{{commit}}"], capture_output=True, text=True)
+    resolved = subprocess.run(
+        [*git, "rev-parse", "--short", f"{commit}^{{commit}}"], capture_output=True, text=True
+    )
     if resolved.returncode:
         raise SystemExit(f"bench: error: --against {commit}: not a commit of this repository")
     short = resolved.stdout.strip()
-    path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hydra-ddp-against-"))) / short
+    path = (
+        Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hydra-ddp-against-"))) / short
+    )
     subprocess.run([*git, "worktree", "add", "--quiet", "--detach", str(path), short], check=True)
     stack.callback(subprocess.run, [*git, "worktree", "remove", "--force", str(path)], check=False)
     return {"commit": short, "path": str(path)}
@@ -398,7 +476,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _main(argv: Optional[list[str]], stack: contextlib.ExitStack) -> int:
     args = parse_args(argv)
-    # Each run has a session of its own; SIGTERM becomes SystemExit so measure() can end the run too.
+    # Each run has a session of its own; SIGTERM becomes SystemExit so measure() can end the run
+    # too.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     workload = Workload(steps=args.steps)
     now = time.localtime()
@@ -410,7 +489,8 @@ def _main(argv: Optional[list[str]], stack: contextlib.ExitStack) -> int:
         "reps": args.reps,
         "parity_reps": args.parity_reps,
         "ceiling_reps": args.ceiling_reps,
-        "order": "forward, reversed",  # each section's cases, repetition by repetition (run_section)
+        # each section's cases, repetition by repetition (run_section)
+        "order": "forward, reversed",
         "machine": machine(),
         "workload": {**asdict(workload), "warmup_steps": workload.warmup_steps},
         "sections": {},
@@ -431,15 +511,20 @@ def _main(argv: Optional[list[str]], stack: contextlib.ExitStack) -> int:
                     cases = [*cases, Case(f"make train at {at}", "default", repo=path)]
                 if name == "ceiling":
                     cases = [*cases, Case(f"project (train.py) at {at}", "project", repo=path)]
-            if args.cases:  # the first case is the section's reference: the others are measured against it
-                cases = cases[:1] + [c for c in cases[1:] if any(text in c.label for text in args.cases)]
+            # the first case is the section's reference: the others are measured against it
+            if args.cases:
+                cases = cases[:1] + [
+                    c for c in cases[1:] if any(text in c.label for text in args.cases)
+                ]
             if args.only and name not in args.only:
                 continue
             if name == "default":
                 results["sections"][name] = run_default(cases, workload, args.reps)
             elif name == "parity" and len(cases) > 1:
                 floors: dict[str, list[float]] = {key: [] for key in FLOORS}
-                results["sections"][name] = run_section(name, cases, workload, args.parity_reps, floors)
+                results["sections"][name] = run_section(
+                    name, cases, workload, args.parity_reps, floors
+                )
                 for key, times in floors.items():
                     results[key] = {
                         "command": f"python -c {shlex.quote(FLOORS[key])}",
@@ -449,7 +534,10 @@ def _main(argv: Optional[list[str]], stack: contextlib.ExitStack) -> int:
             elif name in CEILING_SECTIONS:
                 own = Workload(steps=args.gpt_steps) if name == "ceiling_gpt" else workload
                 results["sections"][name] = run_section(name, cases, own, args.ceiling_reps)
-                results["sections"][name][0]["workload"] = {**asdict(own), "warmup_steps": own.warmup_steps}
+                results["sections"][name][0]["workload"] = {
+                    **asdict(own),
+                    "warmup_steps": own.warmup_steps,
+                }
             elif len(cases) > 1:
                 results["sections"][name] = run_section(name, cases, workload, args.reps)
     except BenchError as error:

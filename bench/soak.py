@@ -1,7 +1,7 @@
 """Soak: the whole test suite, run after run, beside a CPU hog; per-test failure counts.
 
-    make soak                 # 5 runs
-    make soak RUNS=3          # the standard kept for a big change: 3 consecutive passes (docs/testing.md)
+    make soak          # 5 runs
+    make soak RUNS=3   # the standard kept for a big change: 3 consecutive passes (docs/testing.md)
     python bench/soak.py --runs 3 -- -k faults   # any pytest arguments after --
 
 A test that fails once in twenty runs is a bug: this is how it is found. The report goes to
@@ -35,10 +35,20 @@ def hog() -> subprocess.Popen:
 
 
 def run_suite(junit: Path, pytest_args: list[str]) -> tuple[float, int, dict[str, str], Counter]:
-    """(seconds, exit code, {test id: "failed" | "error"}, {"passed": n, "skipped": n}) of one full run."""
+    """(seconds, exit code, {test id: "failed" | "error"}, {"passed": n, "skipped": n}) of one full
+    run."""
     started = time.monotonic()
     code = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *pytest_args],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            *pytest_args,
+        ],
         cwd=REPO,
     ).returncode
     seconds = time.monotonic() - started
@@ -57,7 +67,9 @@ def run_suite(junit: Path, pytest_args: list[str]) -> tuple[float, int, dict[str
     return seconds, code, bad, counts
 
 
-def write_report(runs: list, failures: Counter, hogged: bool, pytest_args: list[str], planned: int, commit: str) -> str:
+def write_report(
+    runs: list, failures: Counter, hogged: bool, pytest_args: list[str], planned: int, commit: str
+) -> str:
     passed = sum(1 for _, _, code, bad, _ in runs if not bad and not code)
     lines = [
         "# Soak: the whole suite, run after run",
@@ -67,14 +79,16 @@ def write_report(runs: list, failures: Counter, hogged: bool, pytest_args: list[
         f"{'with one CPU-hogging process beside it' if hogged else 'no CPU hog'} · `bench/soak.py`"
         + (f" · pytest {' '.join(pytest_args)}" if pytest_args else ""),
         "",
-        f"**{passed} of {len(runs)} runs passed ({planned} planned); {sum(failures.values())} test failure(s).**",
+        f"**{passed} of {len(runs)} runs passed ({planned} "
+        f"planned); {sum(failures.values())} test failure(s).**",
         "",
-        # Skipped tests are counted: a soak on a machine without Slurm or Open MPI is not the whole suite.
+        # Skipped tests are counted: a soak on a machine without Slurm or Open MPI is not the whole
+        # suite.
         "| run | result | minutes | passed | skipped | failed tests |",
         "| ---: | --- | ---: | ---: | ---: | --- |",
         *(
-            f"| {i} | {'ok' if not bad and not code else 'failed'} | {s / 60:.1f} | {counts['passed']} | "
-            f"{counts['skipped']} | {', '.join(bad)} |"
+            f"| {i} | {'ok' if not bad and not code else 'failed'} | {s / 60:.1f} "
+            f"| {counts['passed']} | {counts['skipped']} | {', '.join(bad)} |"
             for i, s, code, bad, counts in runs
         ),
         "",
@@ -110,15 +124,18 @@ def main() -> int:
         with TemporaryDirectory() as tmp:
             for i in range(1, args.runs + 1):
                 seconds, code, bad, counts = run_suite(Path(tmp) / f"run{i}.xml", args.pytest_args)
-                failures.update(bad.keys())  # one count per failing test per run (the values say how it failed)
+                # one count per failing test per run (the values say how it failed)
+                failures.update(bad.keys())
                 runs.append((i, seconds, code, sorted(bad), counts))
                 print(
-                    f"soak: run {i}/{args.runs}: {'ok' if not bad and not code else 'FAILED'} in {seconds:.0f} s, "
-                    f"{counts['passed']} passed, {counts['skipped']} skipped"
+                    f"soak: run {i}/{args.runs}: {'ok' if not bad and not code else 'FAILED'} "
+                    f"in {seconds:.0f} s, {counts['passed']} passed, {counts['skipped']} skipped"
                     + (f" ({', '.join(sorted(bad))})" if bad else ""),
                     flush=True,
                 )
-                report = write_report(runs, failures, spinner is not None, args.pytest_args, args.runs, commit)
+                report = write_report(
+                    runs, failures, spinner is not None, args.pytest_args, args.runs, commit
+                )
     finally:
         if spinner:
             spinner.kill()

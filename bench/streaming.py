@@ -1,19 +1,21 @@
-"""The streaming reader's throughput: samples/s of the loader alone (no model), against the in-memory
+"""The streaming reader's throughput: samples/s of the loader alone (no model), against the \
+in-memory
 map-style loader on the same samples, and against the field's streaming libraries on the same
 samples in their own formats, at 0, 1 and 2 loader workers.
 
-    .venv/bin/python bench/streaming.py                 # ours only (map-style, shards, StatefulDataLoader if installed)
-    .venv/bin/pip install webdataset datasets litdata torchdata && .venv/bin/python bench/streaming.py
+    # ours only (map-style, shards, StatefulDataLoader if installed):
+    .venv/bin/python bench/streaming.py
+    .venv/bin/pip install webdataset datasets litdata torchdata
+    .venv/bin/python bench/streaming.py
 
 The data: scikit-learn's digits as the default run holds them (1,438 training samples of 1×28×28
-float32 and a label), repeated --repeat times (each repeat the same samples: a reader's cost, not the
-data's, is measured), written as shards of --per-shard samples: our shard files, tar files of .npy
-(webdataset), Parquet files (Hugging Face datasets, streamed) and litdata's chunks. Each loader reads
-batches of 64 with shuffling on, persistent workers where the loader has them; an epoch is read
-once to start the workers and warm the page cache, then --epochs epochs are timed, the loaders in
-turns (round-robin, the order reversed every other round) so that a slow spell of the machine
-falls on all of them. Result: bench/results/streaming_<commit>.json.
-"""
+float32 and a label), repeated --repeat times (each repeat the same samples: a reader's cost, not
+the data's, is measured), written as shards of --per-shard samples: our shard files, tar files of
+.npy (webdataset), Parquet files (Hugging Face datasets, streamed) and litdata's chunks. Each loader
+reads batches of 64 with shuffling on, persistent workers where the loader has them; an epoch is
+read once to start the workers and warm the page cache, then --epochs epochs are timed, the loaders
+in turns (round-robin, the order reversed every other round) so that a slow spell of the machine
+falls on all of them. Result: bench/results/streaming_<commit>.json. """
 
 from __future__ import annotations
 
@@ -48,7 +50,9 @@ BATCH = 64
 
 
 def _settings(workers: int) -> SimpleNamespace:
-    return SimpleNamespace(num_workers=workers, pin_memory=False, persistent_workers=True, prefetch_factor=None)
+    return SimpleNamespace(
+        num_workers=workers, pin_memory=False, persistent_workers=True, prefetch_factor=None
+    )
 
 
 def ours_in_memory(images: torch.Tensor, labels: torch.Tensor, workers: int, _: Path) -> Any:
@@ -76,7 +80,9 @@ def webdataset_tar(images: torch.Tensor, labels: torch.Tensor, workers: int, roo
 
     urls = sorted(str(p) for p in (root / "wds").glob("*.tar"))
     dataset = (
-        wds.WebDataset(urls, shardshuffle=len(urls), nodesplitter=wds.split_by_node, empty_check=False)
+        wds.WebDataset(
+            urls, shardshuffle=len(urls), nodesplitter=wds.split_by_node, empty_check=False
+        )
         .shuffle(1000)
         .decode()
         .to_tuple("x.npy", "cls")
@@ -87,7 +93,9 @@ def webdataset_tar(images: torch.Tensor, labels: torch.Tensor, workers: int, roo
     return None, wds.WebLoader(dataset, batch_size=None, num_workers=workers, **options)
 
 
-def hf_datasets_streaming(images: torch.Tensor, labels: torch.Tensor, workers: int, root: Path) -> Any:
+def hf_datasets_streaming(
+    images: torch.Tensor, labels: torch.Tensor, workers: int, root: Path
+) -> Any:
     import datasets
 
     files = sorted(str(p) for p in (root / "parquet").glob("*.parquet"))
@@ -120,7 +128,9 @@ LOADERS: dict[str, tuple[Callable[..., Any], str]] = {
 }
 
 
-def write_formats(images: torch.Tensor, labels: torch.Tensor, root: Path, per_shard: int) -> dict[str, float]:
+def write_formats(
+    images: torch.Tensor, labels: torch.Tensor, root: Path, per_shard: int
+) -> dict[str, float]:
     """The same samples in each format present; the seconds each took to write."""
     samples = list(zip(images, labels))
     took = {}
@@ -186,9 +196,13 @@ def epoch_seconds(sampler: Any, loader: Any, epoch: int) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeat", type=int, default=16, help="copies of the digits' training split")
+    parser.add_argument(
+        "--repeat", type=int, default=16, help="copies of the digits' training split"
+    )
     parser.add_argument("--per-shard", type=int, default=256)
-    parser.add_argument("--epochs", type=int, default=3, help="timed epochs per loader and worker count")
+    parser.add_argument(
+        "--epochs", type=int, default=3, help="timed epochs per loader and worker count"
+    )
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -199,14 +213,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         write_s = write_formats(images, labels, root, args.per_shard)
-        rates: dict[str, dict[int, list[float]]] = {name: {w: [] for w in args.workers} for name in available}
+        rates: dict[str, dict[int, list[float]]] = {
+            name: {w: [] for w in args.workers} for name in available
+        }
         errors: dict[str, str] = {}
         for workers in args.workers:
             loaders = {}
             for name, build in available.items():
                 try:
                     loaders[name] = build(images, labels, workers, root)
-                    seconds, count = epoch_seconds(*loaders[name], epoch=0)  # workers started, pages cached
+                    # workers started, pages cached
+                    seconds, count = epoch_seconds(*loaders[name], epoch=0)
                     assert count == len(images), f"{count} samples read, not {len(images)}"
                 except Exception as error:  # noqa: BLE001  (recorded: one library's failure is a result too)
                     errors[f"{name} @ {workers}"] = f"{type(error).__name__}: {error}"[:300]
@@ -225,13 +242,17 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "beside": os.environ.get("BENCH_BESIDE", "nothing noted"),
-        "data": f"digits' training split ×{args.repeat}: {len(images)} samples of 1×28×28 float32 + a label, "
-        f"shards of {args.per_shard}; batches of {BATCH}, shuffled; 1 torch thread",
-        "versions": {m: _version(m) for m in ("torch", "torchdata", "webdataset", "datasets", "litdata")},
+        "data": f"digits' training split ×{args.repeat}: {len(images)} samples "
+        f"of 1×28×28 float32 + a label, shards of {args.per_shard}; "
+        f"batches of {BATCH}, shuffled; 1 torch thread",
+        "versions": {
+            m: _version(m) for m in ("torch", "torchdata", "webdataset", "datasets", "litdata")
+        },
         "not_installed": missing,
         "write_s": write_s,
         "samples_per_s_median": {
-            name: {str(w): statistics.median(r) if r else None for w, r in by.items()} for name, by in rates.items()
+            name: {str(w): statistics.median(r) if r else None for w, r in by.items()}
+            for name, by in rates.items()
         },
         "vs_in_memory": {
             name: {str(w): statistics.median(r) / base[w] if r else None for w, r in by.items()}
@@ -245,11 +266,17 @@ def main() -> None:
     width = max(map(len, rates))
     print(f"samples/s (median of {args.epochs} epochs), and against the in-memory loader:")
     for name, by in result["samples_per_s_median"].items():
-        cells = [f"{w}: {v:9.0f} ({result['vs_in_memory'][name][w]:.2f}×)" if v else f"{w}: -" for w, v in by.items()]
+        cells = [
+            f"{w}: {v:9.0f} ({result['vs_in_memory'][name][w]:.2f}×)" if v else f"{w}: -"
+            for w, v in by.items()
+        ]
         print(f"  {name:<{width}}  " + "   ".join(cells))
     for where, error in errors.items():
         print(f"  failed: {where}: {error}")
-    print(f"written to {out.relative_to(REPO)}" + (" (from a dirty tree: not a result to keep)" if dirty else ""))
+    print(
+        f"written to {out.relative_to(REPO)}"
+        + (" (from a dirty tree: not a result to keep)" if dirty else "")
+    )
 
 
 def _version(module: str) -> str | None:

@@ -51,19 +51,33 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in RUNS.items():
             run_dir = Path(tmp) / name
-            command = [sys.executable, "train.py", "+experiment=text_gpt", *overrides, f"hydra.run.dir={run_dir}"]
+            command = [
+                sys.executable,
+                "train.py",
+                "+experiment=text_gpt",
+                *overrides,
+                f"hydra.run.dir={run_dir}",
+            ]
             subprocess.run(command, cwd=REPO, check=True, capture_output=True)
             summary = json.loads((run_dir / "summary.json").read_text())
             results[name] = {
                 "overrides": overrides,
-                **{key: summary[key] for key in ("steps", "test_loss", "test_accuracy", "test_perplexity")},
+                **{
+                    key: summary[key]
+                    for key in ("steps", "test_loss", "test_accuracy", "test_perplexity")
+                },
             }
-            print(f"{name}: test loss {summary['test_loss']:.4f}, accuracy {summary['test_accuracy']:.4f}", flush=True)
+            print(
+                f"{name}: test loss {summary['test_loss']:.4f}, "
+                f"accuracy {summary['test_accuracy']:.4f}",
+                flush=True,
+            )
     result = {
         "commit": commit,
         "dirty": dirty,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "workload": "+experiment=text_gpt, 2 gloo ranks on the CPU, 4 epochs, seed 0 (but the *_seed1 runs)",
+        "workload": "+experiment=text_gpt, 2 gloo ranks on the "
+        "CPU, 4 epochs, seed 0 (but the *_seed1 runs)",
         "runs": results,
     }
     out = REPO / "bench" / "results" / f"text_gpt_recipe_{result['commit']}.json"

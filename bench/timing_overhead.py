@@ -1,4 +1,5 @@
-"""What the per-rank timing (src/hydra_ddp/training/timing.py) costs per step, against the step itself.
+"""What the per-rank timing (src/hydra_ddp/training/timing.py) costs per step, against the step
+itself.
 
     .venv/bin/python bench/timing_overhead.py [STEP_TIME_S]
 
@@ -42,7 +43,12 @@ def per_step_cost(enabled: bool) -> float:
 def default_step_time() -> float:
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
-            [sys.executable, str(REPO / "train.py"), "trainer.epochs=3", f"hydra.run.dir={tmp}/run"],
+            [
+                sys.executable,
+                str(REPO / "train.py"),
+                "trainer.epochs=3",
+                f"hydra.run.dir={tmp}/run",
+            ],
             cwd=REPO,
             check=True,
             capture_output=True,
@@ -55,7 +61,10 @@ def main() -> None:
     off = statistics.median(per_step_cost(False) for _ in range(5))
     step = float(sys.argv[1]) if len(sys.argv) > 1 else default_step_time()
     cost = on - off
-    print(f"timer per step: {cost * 1e6:.2f} µs (timed loop {on * 1e6:.2f} µs, untimed {off * 1e6:.2f} µs)")
+    print(
+        f"timer per step: {cost * 1e6:.2f} µs (timed loop "
+        f"{on * 1e6:.2f} µs, untimed {off * 1e6:.2f} µs)"
+    )
     print(f"step time: {step * 1e3:.1f} ms → overhead {cost / step:.4%} of a step (limit 2 %)")
 
 

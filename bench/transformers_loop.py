@@ -9,7 +9,8 @@ rank. Both run `--steps` optimizer steps; samples/s is over the steps after the 
 The two are run back to back, `--repeats` times, alternating which goes first: the host's speed
 drifts within the hour, so only the paired ratios compare.
 
-    python bench/transformers_loop.py --steps 60 --repeats 3   # → bench/results/transformers_<commit>.json
+    python bench/transformers_loop.py --steps 60 --repeats 3
+    # → bench/results/transformers_<commit>.json
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 # The experiment's model: conf/model/hf_llama.yaml's fields, its vocabulary data=text_dicts'.
 LLAMA = {
     key: value
-    for key, value in OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / "hf_llama.yaml")).items()
+    for key, value in OmegaConf.to_container(
+        OmegaConf.load(REPO / "conf" / "model" / "hf_llama.yaml")
+    ).items()
     if key not in ("_target_", "vocab_size")  # its vocabulary is an interpolation of the data's
 } | {"vocab_size": OmegaConf.load(REPO / "conf" / "data" / "text_dicts.yaml").num_classes}
 BATCH, NPROC = 32, 2
@@ -74,7 +77,9 @@ def _worker(rank: int, port: int, steps: int, warm: int, out: str) -> None:
         epoch += 1
     if rank == 0:
         steady = times[warm:]
-        Path(out).write_text(json.dumps({"samples_per_sec": BATCH * NPROC * len(steady) / sum(steady)}))
+        Path(out).write_text(
+            json.dumps({"samples_per_sec": BATCH * NPROC * len(steady) / sum(steady)})
+        )
     dist.destroy_process_group()
 
 
@@ -85,8 +90,9 @@ def handwritten(steps: int, warm: int) -> float:
 def project(steps: int) -> float:
     with tempfile.TemporaryDirectory() as run_dir:
         subprocess.run(
-            [sys.executable, str(REPO / "train.py"), "+experiment=hf_llama", f"trainer.max_steps={steps}",
-             "trainer.epochs=100", "data.val_fraction=0", f"hydra.run.dir={run_dir}"],
+            [sys.executable, str(REPO / "train.py"), "+experiment=hf_llama",
+             f"trainer.max_steps={steps}", "trainer.epochs=100", "data.val_fraction=0",
+             f"hydra.run.dir={run_dir}"],
             cwd=REPO, check=True, capture_output=True, text=True,
         )  # fmt: skip
         summary = json.loads(Path(run_dir, "summary.json").read_text())
@@ -97,7 +103,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument(
-        "--warm", type=int, default=5, help="the hand loop's first steps left out (the project: its own)"
+        "--warm",
+        type=int,
+        default=5,
+        help="the hand loop's first steps left out (the project: its own)",
     )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -107,17 +116,20 @@ def main() -> int:
         order = ["project", "handwritten"] if repeat % 2 == 0 else ["handwritten", "project"]
         got = {}
         for name in order:
-            got[name] = project(args.steps) if name == "project" else handwritten(args.steps, args.warm)
+            got[name] = (
+                project(args.steps) if name == "project" else handwritten(args.steps, args.warm)
+            )
         pairs.append({**got, "ratio": got["project"] / got["handwritten"], "first": order[0]})
-        print(f"repeat {repeat + 1}: project {got['project']:.0f}, handwritten {got['handwritten']:.0f} samples/s, "
-              f"ratio {pairs[-1]['ratio']:.3f}", flush=True)  # fmt: skip
+        print(f"repeat {repeat + 1}: project {got['project']:.0f}, handwritten "
+            f"{got['handwritten']:.0f} samples/s, ratio {pairs[-1]['ratio']:.3f}",
+            flush=True)  # fmt: skip
     ratios = [p["ratio"] for p in pairs]
     result = {
         "commit": commit,
         "dirty": dirty,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "workload": f"+experiment=hf_llama (Llama {LLAMA}), batch {BATCH}/rank, {NPROC} gloo ranks, 1 thread each, "
-        f"{args.steps} steps",
+        "workload": f"+experiment=hf_llama (Llama {LLAMA}), batch {BATCH}/rank, "
+        f"{NPROC} gloo ranks, 1 thread each, {args.steps} steps",
         "pairs": pairs,
         "median_ratio": statistics.median(ratios),
         "ratio_range": [min(ratios), max(ratios)],

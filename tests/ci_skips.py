@@ -20,15 +20,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if _in_ci() and report.skipped and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
-        report.longrepr = f"skipped under CI=true, which allows no skip (the install step must provide it): {reason}"
+        report.longrepr = (
+            "skipped under CI=true, which allows no skip "
+            f"(the install step must provide it): {reason}"
+        )
 
 
 _modules_skipped: list[str] = []
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:
-    """A whole module skipped (pytest.importorskip at import). pytest's own reporters have counted it
-    as a skip by now: the report stays one, and the exit status below fails the run."""
+    """A whole module skipped (pytest.importorskip at import). pytest's own reporters have counted
+    it as a skip by now: the report stays one, and the exit status below fails the run."""
     if _in_ci() and report.skipped:
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         _modules_skipped.append(f"{report.nodeid}: {reason}")
@@ -37,7 +40,8 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 def pytest_terminal_summary(terminalreporter) -> None:
     for line in _modules_skipped:
         terminalreporter.write_line(
-            f"FAILED (a module skipped under CI=true, which allows no skip: the install step must provide it) {line}",
+            "FAILED (a module skipped under CI=true, which allows "
+            f"no skip: the install step must provide it) {line}",
             red=True,
         )
 

@@ -14,15 +14,21 @@ from support import REPO
 
 pytest_plugins = ["ci_skips"]  # under CI=true a skip fails the run
 
-PAIR_TEST = "test_every_pair_of_options_passes_the_check_or_fails_in_one_line_and_a_passing_pair_trains"
+PAIR_TEST = (
+    "test_every_pair_of_options_passes_the_check_or_fails_in_one_line_and_a_passing_pair_trains"
+)
 
 
 def _idle() -> None:
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # only the CPU time no one else wants
+    # only the CPU time no one else wants
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
-@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: only a session that runs the test starts it
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+# after -m and -k have deselected: only a session that runs the test starts it
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
     """The every-pair check (tests/pair_checks.py: minutes of pure CPU) starts now, in the
     background at the CPU's idle priority, so it runs in the time the suite's runs leave the cores
     idle (waiting for their peers, their timeouts, their daemons) and slows none of them; its test
@@ -54,8 +60,8 @@ def run_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def spawned(tmp_path_factory) -> Path:
-    """The default launch (spawn, 2 ranks) of a short run (support.QUICK), made once: what every other
-    launcher's run of the same config must match bit for bit (losses and final weights)."""
+    """The default launch (spawn, 2 ranks) of a short run (support.QUICK), made once: what every
+    other launcher's run of the same config must match bit for bit (losses and final weights)."""
     from support import QUICK, check_ok, run_train
 
     run = tmp_path_factory.mktemp("spawned") / "run"
@@ -66,36 +72,50 @@ def spawned(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A real Slurm cluster for the session (tests/slurm/cluster.sh: munged, slurmctld and a slurmd
-    per node on free ports, in a folder of their own): two nodes, hddp-TAG-n1 and -n2, each in a network
-    namespace of its own where iproute2 and nsenter exist, else one; with job accounting (slurmdbd
-    and a private MariaDB) where those are installed. `.env`: the variables its commands and jobs
-    need; `.nodes`: how many; `.accounting`: whether sacct works."""
+    per node on free ports, in a folder of their own): two nodes, hddp-TAG-n1 and -n2, each in a
+    network namespace of its own where iproute2 and nsenter exist, else one; with job accounting
+    (slurmdbd and a private MariaDB) where those are installed. `.env`: the variables its commands
+    and jobs need; `.nodes`: how many; `.accounting`: whether sacct works."""
     import shutil
     import tempfile
     import types
 
     if os.geteuid() != 0:
         pytest.skip("the Slurm tests start munged and slurmd, which need root")
-    missing = [tool for tool in ("munged", "mungekey", "slurmctld", "slurmd", "sbatch") if shutil.which(tool) is None]
+    missing = [
+        tool
+        for tool in ("munged", "mungekey", "slurmctld", "slurmd", "sbatch")
+        if shutil.which(tool) is None
+    ]
     if missing:
         pytest.skip(
             f"Slurm is not installed ({', '.join(missing)} missing): "
             "apt-get install --no-install-recommends slurmctld slurmd slurm-client munge"
         )
     nodes = 2 if shutil.which("ip") and shutil.which("nsenter") else 1
-    folder = Path(tempfile.mkdtemp(prefix="hddp-slurm-", dir="/tmp"))  # munged's socket needs 755 parents
+    # munged's socket needs 755 parents
+    folder = Path(tempfile.mkdtemp(prefix="hddp-slurm-", dir="/tmp"))
     script = str(REPO / "tests" / "slurm" / "cluster.sh")
-    up = subprocess.run([script, "up", str(folder), str(nodes)], capture_output=True, text=True, timeout=90)
+    up = subprocess.run(
+        [script, "up", str(folder), str(nodes)], capture_output=True, text=True, timeout=90
+    )
     try:
         assert up.returncode == 0, f"the Slurm cluster did not start: {up.stderr}"
-        # `export NAME=VALUE` lines: SLURM_CONF, and with two nodes the interface gloo must use there.
+        # `export NAME=VALUE` lines: SLURM_CONF, and with two nodes the interface gloo must use
+        # there.
         env = dict(
-            line.removeprefix("export ").split("=", 1) for line in up.stdout.split("\n") if line.startswith("export ")
+            line.removeprefix("export ").split("=", 1)
+            for line in up.stdout.split("\n")
+            if line.startswith("export ")
         )
         accounting = env.pop("HDDP_SLURM_ACCOUNTING", None) == "1"
         yield types.SimpleNamespace(env=env, nodes=nodes, accounting=accounting)
     finally:
-        daemons = [int(f.read_text()) for f in (folder / "pids").glob("*")] if (folder / "pids").is_dir() else []
+        daemons = (
+            [int(f.read_text()) for f in (folder / "pids").glob("*")]
+            if (folder / "pids").is_dir()
+            else []
+        )
         tag = (folder / "net").read_text().strip() if (folder / "net").is_file() else None
         subprocess.run([script, "down", str(folder)], capture_output=True, text=True, timeout=90)
         shutil.rmtree(folder, ignore_errors=True)
@@ -104,11 +124,17 @@ def slurm_cluster():
             "a Slurm or munge daemon outlived the cluster"
         )
         if tag:
-            namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-            assert f"hddp-{tag}-" not in namespaces and f"hddp-slurm {tag}" not in Path("/etc/hosts").read_text()
+            namespaces = subprocess.run(
+                ["ip", "netns", "list"], capture_output=True, text=True, timeout=30
+            ).stdout
+            assert (
+                f"hddp-{tag}-" not in namespaces
+                and f"hddp-slurm {tag}" not in Path("/etc/hosts").read_text()
+            )
 
 
-# The servers and browsers the tests start (servers.py marks their environment): none may outlive the suite.
+# The servers and browsers the tests start (servers.py marks their environment): none may outlive
+# the suite.
 def _servers_running() -> dict[int, str]:
     from servers import MARK
 
@@ -117,7 +143,12 @@ def _servers_running() -> dict[int, str]:
         if entry.isdigit():
             try:
                 environ = Path(f"/proc/{entry}/environ").read_bytes()
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                cmdline = (
+                    Path(f"/proc/{entry}/cmdline")
+                    .read_bytes()
+                    .replace(b"\0", b" ")
+                    .decode(errors="replace")
+                )
             except OSError:
                 continue
             if f"{MARK}={os.getpid()}".encode() in environ.split(b"\0"):

@@ -1,6 +1,6 @@
-"""Every pair of options from two config groups through train.py's check: kit code, both a script and
-a module. conftest.py runs it as a script in the background, at the CPU's idle priority, while the
-rest of the suite runs; tests/e2e/test_check.py imports it (`import pair_checks`, from tests/ on
+"""Every pair of options from two config groups through train.py's check: kit code, both a script
+and a module. conftest.py runs it as a script in the background, at the CPU's idle priority, while
+the rest of the suite runs; tests/e2e/test_check.py imports it (`import pair_checks`, from tests/ on
 sys.path, as support and servers) for the pairs, and reads the results at the end, or, run alone,
 checks them itself (check_all).
 
@@ -45,7 +45,12 @@ def options(group: str) -> list[str]:
 def pairs() -> list[tuple[str, str]]:
     """Every option of every group, each against every other group's."""
     found = {group: options(group) for group in GROUPS}
-    return [(a, b) for one, other in itertools.combinations(GROUPS, 2) for a in found[one] for b in found[other]]
+    return [
+        (a, b)
+        for one, other in itertools.combinations(GROUPS, 2)
+        for a in found[one]
+        for b in found[other]
+    ]
 
 
 def defaults() -> set[str]:
@@ -83,9 +88,11 @@ def check_all() -> list[tuple[tuple[str, str], str, str]]:
     checked once and its outcome is every such pair's."""
     every, default = pairs(), defaults()
     essence = {pair: tuple(option for option in pair if option not in default) for pair in every}
-    with multiprocessing.get_context("spawn").Pool(2) as pool:  # each check composes anew, on both cores
+    # each check composes anew, on both cores
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
         outcomes = {
-            key: (outcome, what) for key, outcome, what in pool.map(check, sorted(set(essence.values())), chunksize=8)
+            key: (outcome, what)
+            for key, outcome, what in pool.map(check, sorted(set(essence.values())), chunksize=8)
         }
     return [(pair, *outcomes[essence[pair]]) for pair in every]
 

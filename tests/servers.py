@@ -23,14 +23,17 @@ from support import assert_no_orphans, free_port
 
 BIN = Path(sys.executable).parent  # the venv's console scripts: tensorboard, mlflow
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-MARK = "HDDP_TEST_SERVER"  # in a server's and a browser's environment: the pytest process's pid (conftest checks)
+# in a server's and a browser's environment: the pytest process's pid (conftest checks)
+MARK = "HDDP_TEST_SERVER"
 READY_S = 90  # a server's start on a busy 2-core machine (mlflow's imports, tensorboard's plugins)
 
 
 def get(url: str, body: Optional[dict] = None, timeout: float = 30) -> Any:
     """JSON from a GET (or, with a body, a POST of JSON)."""
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"} if data else {}
+    )
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
@@ -44,7 +47,8 @@ def _answers(url: str) -> bool:
 
 
 def _port_free(port: int) -> bool:
-    """No one listens there (connections the server closed may linger in TIME_WAIT: not a listener)."""
+    """No one listens there (connections the server closed may linger in TIME_WAIT: not a
+    listener)."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -56,10 +60,16 @@ def _port_free(port: int) -> bool:
 
 @contextlib.contextmanager
 def serve(
-    argv: list[str], ready_path: str, log: Path, cwd: Optional[Path] = None, tries: int = 3, env: Optional[dict] = None
+    argv: list[str],
+    ready_path: str,
+    log: Path,
+    cwd: Optional[Path] = None,
+    tries: int = 3,
+    env: Optional[dict] = None,
 ) -> Iterator[str]:
     """Start `argv` ({port} in it and in `env`'s values: a free port), in its own session; yield its
-    base URL once `ready_path` answers 200. A port taken between the choice and the bind: another port."""
+    base URL once `ready_path` answers 200. A port taken between the choice and the bind: another
+    port."""
     for attempt in range(tries):
         port = free_port()
         with open(log, "ab") as out:
@@ -82,14 +92,17 @@ def serve(
             while proc.poll() is None and not _answers(base + ready_path):
                 if time.monotonic() > deadline:
                     raise AssertionError(
-                        f"{argv[0]} did not answer {ready_path} in {READY_S} s: {log.read_text()[-3000:]}"
+                        f"{argv[0]} did not answer {ready_path} in "
+                        f"{READY_S} s: {log.read_text()[-3000:]}"
                     )
                 time.sleep(0.2)
             if proc.poll() is not None:
                 text = log.read_text()
                 if "in use" in text.lower() and attempt + 1 < tries:
                     continue  # the port was taken meanwhile
-                raise AssertionError(f"{argv[0]} exited ({proc.returncode}) before serving: {text[-3000:]}")
+                raise AssertionError(
+                    f"{argv[0]} exited ({proc.returncode}) before serving: {text[-3000:]}"
+                )
             yield base
             return
         finally:
@@ -132,10 +145,15 @@ def tensorboard(logdir: Path, log: Path) -> contextlib.AbstractContextManager[st
     )
 
 
-def mlflow_ui(cwd: Path, store_uri: str, log: Path, viewed_at: str = "") -> contextlib.AbstractContextManager[str]:
-    """`mlflow ui --backend-store-uri STORE` as the docs give it (with a port), from `cwd`; viewed_at:
-    another address of this host that a browser may open it at (MLflow's CORS check allows it)."""
-    origins = {"MLFLOW_SERVER_CORS_ALLOWED_ORIGINS": f"http://{viewed_at}:{{port}}"} if viewed_at else {}
+def mlflow_ui(
+    cwd: Path, store_uri: str, log: Path, viewed_at: str = ""
+) -> contextlib.AbstractContextManager[str]:
+    """`mlflow ui --backend-store-uri STORE` as the docs give it (with a port), from `cwd`;
+    viewed_at: another address of this host that a browser may open it at (MLflow's CORS check
+    allows it)."""
+    origins = (
+        {"MLFLOW_SERVER_CORS_ALLOWED_ORIGINS": f"http://{viewed_at}:{{port}}"} if viewed_at else {}
+    )
     return serve(
         [
             str(BIN / "mlflow"),
@@ -156,7 +174,9 @@ def mlflow_ui(cwd: Path, store_uri: str, log: Path, viewed_at: str = "") -> cont
     )
 
 
-def drawn_line_span(png: Path, colour: tuple[int, int, int], below: int = 80, tolerance: int = 12) -> int:
+def drawn_line_span(
+    png: Path, colour: tuple[int, int, int], below: int = 80, tolerance: int = 12
+) -> int:
     """The widest run of adjacent pixel columns, under the page's top bar, that hold the colour: a
     curve drawn across a chart spans hundreds; dots, icons and text a few."""
     from PIL import Image
@@ -164,7 +184,10 @@ def drawn_line_span(png: Path, colour: tuple[int, int, int], below: int = 80, to
     image = Image.open(png).convert("RGB")
     pixels, (width, height) = image.load(), image.size
     columns = [
-        any(all(abs(c - k) <= tolerance for c, k in zip(pixels[x, y], colour)) for y in range(below, height))
+        any(
+            all(abs(c - k) <= tolerance for c, k in zip(pixels[x, y], colour))
+            for y in range(below, height)
+        )
         for x in range(width)
     ]
     best = run = 0

@@ -3,8 +3,8 @@
 the tests need (nothing is downloaded), and compare runs.
 
 The tests live in two layers: tests/unit (in the test's own process: no subprocess, no server, no
-cluster) and tests/e2e (real processes: train.py and eval.py as a user runs them, launchers, signals,
-servers, a Slurm cluster). Tests of both import the kit as `from support import ...` (and
+cluster) and tests/e2e (real processes: train.py and eval.py as a user runs them, launchers,
+signals, servers, a Slurm cluster). Tests of both import the kit as `from support import ...` (and
 `import servers`, `import pair_checks`): tests/unit and tests/e2e are packages (an __init__.py each)
 and tests/ is not, so pytest's default (`prepend`) import mode puts tests/ first on sys.path before
 importing conftest.py or any test module. conftest.py holds only fixtures, hooks and plugins; what
@@ -32,13 +32,15 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent  # the kit's folder: support.py, servers.py, ci_skips.py, pair_checks.py
+# the kit's folder: support.py, servers.py, ci_skips.py, pair_checks.py
+TESTS = Path(__file__).resolve().parent
 HELPERS = TESTS / "helpers"
 # A short real run: the default data and model, a few steps.
 QUICK = ("trainer.max_steps=8", "trainer.log_every=3")
 
 
-# --- Running train.py and eval.py ------------------------------------------------------------------
+# --- Running train.py and eval.py
+# ------------------------------------------------------------------
 
 
 def train_env() -> dict[str, str]:
@@ -84,7 +86,11 @@ def finish(proc: subprocess.Popen, timeout: float = 150) -> subprocess.Completed
         left = session_processes(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        what = f"exited, but left processes holding its output: {left}" if exited else f"ran past {timeout} s"
+        what = (
+            f"exited, but left processes holding its output: {left}"
+            if exited
+            else f"ran past {timeout} s"
+        )
         raise AssertionError(f"train.py {what}\nstdout:\n{out}\nstderr:\n{err}") from None
     result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     result.pid = proc.pid  # type: ignore[attr-defined]  # the session id of everything it started
@@ -110,13 +116,15 @@ def run_eval(
 
 
 def with_pythonpath(*folders: Path) -> dict[str, str]:
-    """The environment addition that makes a user's own package (in `folders`) importable by train.py
-    and every worker, beside the tests' helpers."""
+    """The environment addition that makes a user's own package (in `folders`) importable by
+    train.py and every worker, beside the tests' helpers."""
     return {"PYTHONPATH": os.pathsep.join([*map(str, folders), train_env()["PYTHONPATH"]])}
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    )
 
 
 def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None = None):
@@ -127,7 +135,9 @@ def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"run ended (exit {proc.returncode}) before {what}: {proc.communicate()}")
+            raise AssertionError(
+                f"run ended (exit {proc.returncode}) before {what}: {proc.communicate()}"
+            )
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
@@ -143,7 +153,12 @@ def session_processes(sid: int) -> dict[int, str]:
                 continue
             fields = stat.rsplit(")", 1)[1].split()
             if int(fields[3]) == sid and fields[0] != "Z":  # fields[3]: session id
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                cmdline = (
+                    Path(f"/proc/{entry}/cmdline")
+                    .read_bytes()
+                    .replace(b"\0", b" ")
+                    .decode(errors="replace")
+                )
                 pids[int(entry)] = cmdline
     return pids
 
@@ -186,7 +201,8 @@ def _rank_then_exit(rank: int, target, *args) -> None:
     os._exit(0)
 
 
-# --- What a run leaves behind ----------------------------------------------------------------------
+# --- What a run leaves behind
+# ----------------------------------------------------------------------
 
 
 def summary(run_dir: Path) -> dict:
@@ -218,7 +234,8 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def csv_step_losses(run_dir: Path) -> list[tuple[int, str]]:
-    """metrics.csv's training losses: (step, loss as written, unparsed) for the rows that have one."""
+    """metrics.csv's training losses: (step, loss as written, unparsed) for the rows that have
+    one."""
     with open(run_dir / "metrics.csv", newline="") as f:
         return [(int(r["step"]), r["train/loss"]) for r in csv.DictReader(f) if r["train/loss"]]
 
@@ -248,7 +265,9 @@ def wandb_starts(run_dir: Path) -> list[dict]:
             elif kind == "summary":
                 start["summary"].update(wandb_logger.values(record.summary.update))
             elif kind == "artifact":
-                start["artifacts"].append((record.artifact.type, [m.ref for m in record.artifact.manifest.contents]))
+                start["artifacts"].append(
+                    (record.artifact.type, [m.ref for m in record.artifact.manifest.contents])
+                )
             elif kind == "preempting":
                 start["preempting"] = True
         starts.append(start)
@@ -257,7 +276,12 @@ def wandb_starts(run_dir: Path) -> list[dict]:
 
 def wandb_series(starts: list[dict], key: str) -> list[tuple[int, float]]:
     """One metric across a W&B run's starts: (training step, value) in the order logged."""
-    return [(row["trainer/step"], row[key]) for start in starts for row in start["history"] if key in row]
+    return [
+        (row["trainer/step"], row[key])
+        for start in starts
+        for row in start["history"]
+        if key in row
+    ]
 
 
 def text(run_dir: Path, tag: str) -> list[str]:
@@ -274,7 +298,11 @@ def final_params(run_dir: Path) -> dict:
     from hydra_ddp.checkpoint import files as checkpoints
 
     path = checkpoints.find(str(run_dir), "test")
-    path = (run_dir / "checkpoints" / "last").resolve() if path.is_dir() else run_dir / "checkpoints" / "last.pt"
+    path = (
+        (run_dir / "checkpoints" / "last").resolve()
+        if path.is_dir()
+        else run_dir / "checkpoints" / "last.pt"
+    )
     return checkpoints.model_weights(path, checkpoints.read(path, "test"))
 
 
@@ -299,7 +327,8 @@ def torch_equal(x, y) -> bool:
     return torch.equal(x, y)
 
 
-# --- Places to run in ------------------------------------------------------------------------------
+# --- Places to run in
+# ------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -312,7 +341,9 @@ def tmpfs(where: Path, size: str) -> Iterator[Path]:
         pytest.skip("mounting a tmpfs needs root and mount(8)")
     where.mkdir()
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
     )
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
@@ -322,7 +353,8 @@ def tmpfs(where: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(where)], check=True)
 
 
-# --- Data the tests make for themselves: files in the formats the project reads --------------------
+# --- Data the tests make for themselves: files in the formats the project reads
+# --------------------
 
 
 def write_cifar(root: Path, per_batch: int = 20, identical: bool = False) -> Path:
@@ -338,7 +370,9 @@ def write_cifar(root: Path, per_batch: int = 20, identical: bool = False) -> Pat
             images[:] = np.arange(3072) % 251  # a pattern that crops and flips change
         batch = {"data": images, "labels": rng.integers(0, 10, per_batch).tolist()}
         (folder / name).write_bytes(pickle.dumps(batch))
-    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [f"class{i}" for i in range(10)]}))
+    (folder / "batches.meta").write_bytes(
+        pickle.dumps({"label_names": [f"class{i}" for i in range(10)]})
+    )
     return root
 
 
@@ -353,7 +387,8 @@ def make_image_folder(root: Path, classes=("cat", "dog"), per_class=5, size=10) 
     return root
 
 
-# --- A user's own task, model and data, in a package of their own (tests/e2e/test_tasks.py, the docs' ~/lab) ---
+# --- A user's own task, model and data, in a package of their own (tests/e2e/test_tasks.py, the
+# docs' ~/lab) ---
 LAB = {
     "mylab/__init__.py": "",
     "mylab/task.py": '''
@@ -362,14 +397,17 @@ LAB = {
         from hydra_ddp.tasks import Task
 
         class Binary(Task):
-            """Yes/no from one logit: logistic loss; balanced accuracy (the mean of the two classes' recalls)."""
+            """Yes/no from one logit: logistic loss; balanced accuracy (the mean of the two
+            classes' recalls)."""
             metrics = {"loss": "min", "balanced_accuracy": "max"}
             state_size = 5  # loss sum, count, true positives, positives, true negatives
             prediction_columns = ("label", "score")
             integer_columns = ("label",)
 
             def loss(self, output, target):
-                return F.binary_cross_entropy_with_logits(output.float().reshape(-1), target.float())
+                return F.binary_cross_entropy_with_logits(
+                    output.float().reshape(-1), target.float()
+                )
 
             def state(self, output, target):
                 logit, y = output.float().reshape(-1), target.float()
@@ -381,7 +419,8 @@ LAB = {
 
             def compute(self, total):
                 loss, count, tp, positives, tn = total
-                return {"loss": loss / count, "balanced_accuracy": (tp / positives + tn / (count - positives)) / 2}
+                balanced = (tp / positives + tn / (count - positives)) / 2
+                return {"loss": loss / count, "balanced_accuracy": balanced}
 
             def predict(self, output, target):
                 return torch.stack([target.double(), output.double().reshape(-1)], 1)
@@ -389,7 +428,9 @@ LAB = {
         class PerSample(Binary):
             """A mistake a user makes: the loss left unreduced."""
             def loss(self, output, target):
-                return F.binary_cross_entropy_with_logits(output.float().reshape(-1), target.float(), reduction="none")
+                return F.binary_cross_entropy_with_logits(
+                    output.float().reshape(-1), target.float(), reduction="none"
+                )
     ''',
     "mylab/model.py": """
         from torch import nn
@@ -414,7 +455,9 @@ LAB = {
     """,
     "labconf/task/binary.yaml": "_target_: mylab.task.Binary\n",
     "labconf/model/scorer.yaml": "_target_: mylab.model.Scorer\nfeatures: 8\n",
-    "labconf/data/blobs.yaml": "num_classes: 1\ndataset:\n  _target_: mylab.data.blobs\n  features: 8\n",
+    "labconf/data/blobs.yaml": (
+        "num_classes: 1\ndataset:\n  _target_: mylab.data.blobs\n  features: 8\n"
+    ),
 }
 
 
@@ -429,7 +472,8 @@ def write_lab(folder: Path) -> Path:
     return folder
 
 
-# --- Configs, composed and resolved in the test's own process ---------------------------------------
+# --- Configs, composed and resolved in the test's own process
+# ---------------------------------------
 
 
 def compose_cfg(*overrides: str):
@@ -456,7 +500,8 @@ def resolved(tmp_path: Path, *overrides: str, external=None):
     return resolve.resolve(composed, tmp_path, external)
 
 
-# --- Comparing runs --------------------------------------------------------------------------------
+# --- Comparing runs
+# --------------------------------------------------------------------------------
 
 
 def relative_gaps(got: list[float], expected: list[float]) -> list[float]:
@@ -480,10 +525,11 @@ def assert_within_float_noise(
     """`got` trains like `expected` but for the order of float32 sums, over a run's first steps. How
     far that order alone moves a run depends on the CPU's kernels, so the bound is measured on this
     host, in this test: `noise` holds `expected`'s run trained again with only the summation order
-    changed (other CPU threads, another memory format). At every step the gap so far must stay within
-    `factor` times the largest such gap so far, or within `floor` (where the noise runs happen to
-    agree bit for bit). The bound itself may not pass `ceiling`, a relative gap the caller chooses
-    and justifies: measured with the code under test, a nondeterminism bug would widen its own bound.
+    changed (other CPU threads, another memory format). At every step the gap so far must stay
+    within `factor` times the largest such gap so far, or within `floor` (where the noise runs
+    happen to agree bit for bit). The bound itself may not pass `ceiling`, a relative gap the caller
+    chooses and justifies: measured with the code under test, a nondeterminism bug would widen its
+    own bound.
 
     Only for a run's first steps: later, a ReLU or max-pool choice that goes the other way (a flip)
     grows a world size's difference by orders of magnitude that the noise runs need not meet. Runs
@@ -496,7 +542,11 @@ def assert_within_float_noise(
         f"sums differ more (noise gaps {[f'{b:.1e}' for b in limit]})"
     )
     gaps = relative_gaps(got, expected)
-    bad = [(step, gap, bound) for step, (gap, bound) in enumerate(zip(gaps, limit), 1) if gap > factor * bound + floor]
+    bad = [
+        (step, gap, bound)
+        for step, (gap, bound) in enumerate(zip(gaps, limit), 1)
+        if gap > factor * bound + floor
+    ]
     assert not bad, (
         f"gap beyond {factor}x this host's float-order noise (+{floor}) at (step, gap, noise): "
         f"{[(s, f'{g:.2e}', f'{b:.2e}') for s, g, b in bad[:5]]}"
@@ -524,31 +574,37 @@ def csv_losses(run_dir: Path) -> list[float]:
     return [float(loss) for _, loss in csv_step_losses(run_dir)]
 
 
-def assert_float64_alike(got: list[float], expected: list[float], bound: float = FLOAT64_BOUND) -> None:
-    """Two float64 runs (float64()) that differ only in the order of their sums: every value within `bound`."""
+def assert_float64_alike(
+    got: list[float], expected: list[float], bound: float = FLOAT64_BOUND
+) -> None:
+    """Two float64 runs (float64()) that differ only in the order of their sums: every value within
+    `bound`."""
     gaps = relative_gaps(got, expected)
     assert gaps and max(gaps) <= bound, (
-        f"float64 runs apart by up to {max(gaps):.2e} (bound {bound:.0e}), step by step: {[f'{g:.1e}' for g in gaps]}"
+        f"float64 runs apart by up to {max(gaps):.2e} (bound "
+        f"{bound:.0e}), step by step: {[f'{g:.1e}' for g in gaps]}"
     )
 
 
 # --- Two hosts on one machine ------------------------------------------------------------------
 class TwoHosts:
-    """Two network namespaces joined by a veth pair: two hosts on one machine (needs root and iproute2)."""
+    """Two network namespaces joined by a veth pair: two hosts on one machine (needs root and
+    iproute2)."""
 
     SUBNET = "10.231.77"
 
     def __init__(self, tag: str):
         self.names = [f"hddp-{tag}-a", f"hddp-{tag}-b"]
-        self.ends = [f"hv{tag}a", f"hv{tag}b"]  # the pair's names while in this namespace (15 characters at most)
+        # the pair's names while in this namespace (15 characters at most)
+        self.ends = [f"hv{tag}a", f"hv{tag}b"]
         self.addresses = [f"{self.SUBNET}.1", f"{self.SUBNET}.2"]
 
     def _ip(self, *args: str) -> None:
         subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
     def __enter__(self) -> TwoHosts:
-        # A process killed inside the block (its session ended) leaves its namespaces behind; a later
-        # process given the same PID, and so the same names, would fail to make them.
+        # A process killed inside the block (its session ended) leaves its namespaces behind; a
+        # later process given the same PID, and so the same names, would fail to make them.
         self.__exit__()
         try:
             for name in self.names:
@@ -556,7 +612,8 @@ class TwoHosts:
             self._ip("link", "add", self.ends[0], "type", "veth", "peer", "name", self.ends[1])
             for end, name, address in zip(self.ends, self.names, self.addresses):
                 self._ip("link", "set", end, "netns", name)
-                self._ip("-n", name, "link", "set", end, "name", "hddp0")  # the same name on both hosts
+                # the same name on both hosts
+                self._ip("-n", name, "link", "set", end, "name", "hddp0")
                 self._ip("-n", name, "addr", "add", f"{address}/24", "dev", "hddp0")
                 self._ip("-n", name, "link", "set", "hddp0", "up")
                 self._ip("-n", name, "link", "set", "lo", "up")
@@ -567,7 +624,11 @@ class TwoHosts:
         return self
 
     def run(
-        self, commands: list[list[str]], envs: list[dict[str, str]], cwd: Path | None = None, timeout: float = 120
+        self,
+        commands: list[list[str]],
+        envs: list[dict[str, str]],
+        cwd: Path | None = None,
+        timeout: float = 120,
     ) -> list[subprocess.CompletedProcess]:
         """commands[i] on host i with envs[i], all at once, each in a session of its own; their
         results, once all have ended (when one runs past `timeout`, the others are killed too)."""
@@ -599,18 +660,31 @@ class TwoHosts:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
 
-# --- The docs' fenced blocks, read (tests/unit/test_docs.py checks them, tests/e2e/test_docs.py runs them) ---
+# --- The docs' fenced blocks, read (tests/unit/test_docs.py checks them, tests/e2e/test_docs.py
+# runs them) ---
 
 # docs/index.md is README.md's copy, made by `make docs`.
-PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*.md") if p.name != "index.md")]
+PAGES = [
+    REPO / "README.md",
+    *sorted(p for p in (REPO / "docs").rglob("*.md") if p.name != "index.md"),
+]
 SHELLS = ("bash",)
 MARKS = {
-    "needs-gpu": "a GPU host's command (NCCL, CUDA): a train.py one is checked for such a host (--check --gpus=N)",
-    "needs-cluster": "several real hosts, a GPU partition, a container registry or a Kubernetes cluster",
+    "needs-gpu": (
+        "a GPU host's command (NCCL, CUDA): a train.py one is checked for such a host "
+        "(--check --gpus=N)"
+    ),
+    "needs-cluster": (
+        "several real hosts, a GPU partition, a container registry or a Kubernetes cluster"
+    ),
     "needs-account": "a hosted service's account (W&B's servers)",
     "the-suite": "make test: the suite this test is part of",
-    "installs": "changes the environment the suite runs in: checked only (the extras it names exist)",
-    "elsewhere": "output of an environment the suite is not (a package not installed): not compared",
+    "installs": (
+        "changes the environment the suite runs in: checked only (the extras it names exist)"
+    ),
+    "elsewhere": (
+        "output of an environment the suite is not (a package not installed): not compared"
+    ),
 }
 
 
@@ -676,7 +750,8 @@ TRAINJOB = {
     "PET_MASTER_ADDR": "job-node-0-0.job",
     "PET_MASTER_PORT": "29500",
 }
-# The training-operator's pod 1 of 2 (nprocPerNode: 2): WORLD_SIZE counts the workers, RANK the pods.
+# The training-operator's pod 1 of 2 (nprocPerNode: 2): WORLD_SIZE counts the workers, RANK the
+# pods.
 PYTORCHJOB = {
     **TRAINJOB,
     "PET_MASTER_ADDR": "job-master-0",
@@ -688,7 +763,8 @@ PYTORCHJOB = {
 }
 
 
-# --- bench/gpu_check.py, imported as a module (tests/unit and tests/e2e test_gpu_check.py) ---------
+# --- bench/gpu_check.py, imported as a module (tests/unit and tests/e2e test_gpu_check.py)
+# ---------
 GPU_CHECK = REPO / "bench" / "gpu_check.py"
 
 

@@ -1,5 +1,5 @@
-"""The `hydra-ddp` command, also `python -m hydra_ddp`: train.py's and eval.py's jobs, and the tools,
-for an installed package run from any directory.
+"""The `hydra-ddp` command, also `python -m hydra_ddp`: train.py's and eval.py's jobs, and the
+tools, for an installed package run from any directory.
 
     hydra-ddp train [overrides]          # as python train.py [overrides]
     hydra-ddp eval ckpt=RUN_DIR          # as python eval.py ckpt=RUN_DIR
@@ -29,8 +29,14 @@ CONFIG_OF_JOB = {"train": "config", "eval": "eval"}  # a Hydra job, and its prim
 COMMANDS = {
     "train": ("train [overrides]", "compose, check and launch a training run (as python train.py)"),
     "eval": ("eval ckpt=PATH", "evaluate a saved checkpoint (as python eval.py)"),
-    "export": ("export ckpt=PATH", "write a checkpoint's weights for inference (python -m hydra_ddp.export)"),
-    "init": ("init DIR", "start a project of your own in DIR: a task, a model, data, their configs"),
+    "export": (
+        "export ckpt=PATH",
+        "write a checkpoint's weights for inference (python -m hydra_ddp.export)",
+    ),
+    "init": (
+        "init DIR",
+        "start a project of your own in DIR: a task, a model, data, their configs",
+    ),
 }
 USAGE = "\n".join(
     [
@@ -38,12 +44,15 @@ USAGE = "\n".join(
         "",
         *(f"  {form:<22}{what}" for form, what in COMMANDS.values()),
         "",
-        "Overrides are Hydra's: key=value, group=option, -m for a sweep; train --check launches nothing.",
+        "Overrides are Hydra's: key=value, group=option, "
+        "-m for a sweep; train --check launches nothing.",
     ]
 )
 
 
-def run_job(job: str, config_path: str, started_at: float, argv: Optional[list[str]] = None) -> NoReturn:
+def run_job(
+    job: str, config_path: str, started_at: float, argv: Optional[list[str]] = None
+) -> NoReturn:
     """train.py's or eval.py's command: take --check, start the workers' imports, compose the config
     (`config_path`: where its groups are), run the job, and end the process without the
     interpreter's teardown (command.exit_after)."""
@@ -51,7 +60,8 @@ def run_job(job: str, config_path: str, started_at: float, argv: Optional[list[s
         sys.argv = argv  # Hydra reads its overrides there
     check_only = startup.take_check_flags(sys.argv)  # --check: compose and check, launch nothing
     if not check_only and not ranks.external_launch():
-        # The workers' imports (torch, the project) start now, in a forkserver, beside the parent's own.
+        # The workers' imports (torch, the project) start now, in a forkserver, beside the parent's
+        # own.
         startup.preload(sys.argv)
     with startup.frozen_imports():  # half a million objects that live as long as the process
         import hydra
@@ -60,7 +70,9 @@ def run_job(job: str, config_path: str, started_at: float, argv: Optional[list[s
         from hydra_ddp.launch import command
     register_schema()
     task = _train(started_at, check_only) if job == "train" else _eval(started_at)
-    main = hydra.main(version_base=None, config_path=config_path, config_name=CONFIG_OF_JOB[job])(task)
+    main = hydra.main(version_base=None, config_path=config_path, config_name=CONFIG_OF_JOB[job])(
+        task
+    )
     command.adopt_external_launch(sys.argv)
     command.exit_after(main)
 
@@ -86,14 +98,16 @@ def _train(started_at: float, check_only: bool) -> Any:
         """Returns what a Hydra sweeper (e.g. Optuna) optimises: the best value of trainer.monitor
         (a validation metric: never the test set's)."""
         worst = tasks.worst_for(cfg)  # a value every finished run beats
-        begun = start.pop() if start else time.time()  # a multirun's later jobs in this process: now
+        # a multirun's later jobs in this process: now
+        begun = start.pop() if start else time.time()
         try:
             summary = command.run(cfg, begun)
         except UserError as error:
             command.fail(error)  # one line, no traceback; in a multirun the next job still runs
             return worst  # a failed or diverged trial ranks last instead of ending the sweep
         if check_only:
-            return worst if worst is not None else 0.0  # a sweeper asks each checked trial for a number
+            # a sweeper asks each checked trial for a number
+            return worst if worst is not None else 0.0
         if not summary:
             return None  # not node 0
         return summary["objective"] if summary["objective"] is not None else worst
@@ -135,7 +149,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if name == "init":
             return _init(rest)
-        found = project.find()  # the project run from: its conf/ ahead of the package's, its package importable
+        # the project run from: its conf/ ahead of the package's, its package importable
+        found = project.find()
     except UserError as error:
         print(f"hydra-ddp: error: {error}", file=sys.stderr)
         return error.exit_code
@@ -154,10 +169,13 @@ def _init(args: list[str]) -> int:
     from hydra_ddp import init
 
     if len(args) != 1:
-        raise UserError("hydra-ddp init takes one argument, the new project's directory: hydra-ddp init DIR")
+        raise UserError(
+            "hydra-ddp init takes one argument, the new project's directory: hydra-ddp init DIR"
+        )
     folder, written = init.init(args[0])
     print(
-        f"hydra-ddp: wrote {len(written)} files to {folder}; then: cd {args[0]} && hydra-ddp train +experiment=spirals"
+        f"hydra-ddp: wrote {len(written)} files to {folder}; then: "
+        f"cd {args[0]} && hydra-ddp train +experiment=spirals"
     )
     return 0
 

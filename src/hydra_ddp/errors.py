@@ -17,7 +17,8 @@ class EveryRankError(UserError):
 
 
 class WorkerError(UserError):
-    """A worker's failure reduced to one line for the parent; the traceback stays in the log file."""
+    """A worker's failure reduced to one line for the parent; the traceback stays in the log
+    file."""
 
 
 # Marks the failure of a rank that lost a peer (which failed first, for its own reason): the
@@ -38,7 +39,10 @@ PEER_GONE = (
 def install_line(package: str, extra: str) -> str:
     """How to install a package one of hydra-ddp's extras names, wherever hydra-ddp came from (a
     clone, a wheel, a project of your own that depends on it)."""
-    return f"pip install {package} (or hydra-ddp's `{extra}` extra: pip install -e '.[{extra}]' in its clone)"
+    return (
+        f"pip install {package} (or hydra-ddp's `{extra}` "
+        f"extra: pip install -e '.[{extra}]' in its clone)"
+    )
 
 
 def root_cause(error: BaseException) -> BaseException:
@@ -56,8 +60,8 @@ def first_line(error: BaseException) -> str:
 
 
 def in_loader_worker(text: str) -> str:
-    """The message itself, of an exception raised in a DataLoader worker: torch raises it again in the
-    rank as "Caught X in DataLoader worker process N.", then the worker's traceback, ending with
+    """The message itself, of an exception raised in a DataLoader worker: torch raises it again in
+    the rank as "Caught X in DataLoader worker process N.", then the worker's traceback, ending with
     "module.X: message"."""
     if not text.startswith("Caught ") or "\nOriginal Traceback" not in text:
         return text

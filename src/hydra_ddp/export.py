@@ -1,5 +1,5 @@
-"""Export a checkpoint's model for use elsewhere: its plain state dict (safetensors or torch) and the
-model's config beside it, loadable without this project.
+"""Export a checkpoint's model for use elsewhere: its plain state dict (safetensors or torch) and
+the model's config beside it, loadable without this project.
 
     python -m hydra_ddp.export ckpt=RUN_DIR_OR_CHECKPOINT [format=safetensors|torch|hf] [out=PATH]
 
@@ -53,7 +53,11 @@ def export(ckpt: str, out: Path, fmt: str) -> tuple[Path, Path]:
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
-        metadata = {"checkpoint": str(path), "step": str(state["position"]["step"]), "weights": which}
+        metadata = {
+            "checkpoint": str(path),
+            "step": str(state["position"]["step"]),
+            "weights": which,
+        }
         save_file(weights, str(out), metadata=metadata)
     else:
         torch.save(weights, out)
@@ -61,7 +65,9 @@ def export(ckpt: str, out: Path, fmt: str) -> tuple[Path, Path]:
     described = {
         "model": config.model,
         "task": config.task,
-        "data": {key: getattr(config.data, key) for key in ("in_channels", "image_size", "num_classes")},
+        "data": {
+            key: getattr(config.data, key) for key in ("in_channels", "image_size", "num_classes")
+        },
         "checkpoint": str(path),
         "step": state["position"]["step"],
         "weights": which,  # ema: the moving average of the weights the run evaluated (trainer.ema)
@@ -77,7 +83,8 @@ def export(ckpt: str, out: Path, fmt: str) -> tuple[Path, Path]:
 
 
 def _pretrained(path: Path, state: dict, weights: dict, out: Path) -> tuple[Path, Path]:
-    """A transformers model's weights as `save_pretrained` writes them, and the run's tokenizer beside them."""
+    """A transformers model's weights as `save_pretrained` writes them, and the run's tokenizer
+    beside them."""
     from hydra_ddp import hf
     from hydra_ddp.config import run_config
     from hydra_ddp.data import text
@@ -87,18 +94,23 @@ def _pretrained(path: Path, state: dict, weights: dict, out: Path) -> tuple[Path
     target = config.model["_target_"]
     if target != "hydra_ddp.hf.causal_lm":
         raise UserError(
-            f"format=hf is for Hugging Face transformers models (model=hf_llama: hydra_ddp.hf.causal_lm), and "
-            f"this checkpoint's model is {target}: use format=safetensors"
+            "format=hf is for Hugging Face transformers models "
+            "(model=hf_llama: hydra_ddp.hf.causal_lm), and this "
+            f"checkpoint's model is {target}: use format=safetensors"
         )
     model = hf.causal_lm(**{key: value for key, value in config.model.items() if key != "_target_"})
     model.load_state_dict(weights)
-    model.config.use_cache = True  # trained without a key/value cache (hf.causal_lm): generate() wants it
+    # trained without a key/value cache (hf.causal_lm): generate() wants it
+    model.config.use_cache = True
     model.save_pretrained(out)
-    saved = path.parent.parent / "tokenizer"  # the run's: <run>/checkpoints/<checkpoint>, <run>/tokenizer
+    # the run's: <run>/checkpoints/<checkpoint>, <run>/tokenizer
+    saved = path.parent.parent / "tokenizer"
     if (saved / text.TOKENIZER_FILE).is_file():
         text.save_tokenizer(text.load_tokenizer(str(saved)), out)
     elif str(config.data.dataset.get("_target_", "")).endswith(".documents"):
-        text.save_tokenizer(text.run_tokenizer(config.data.dataset), out, config.data.dataset.get("context"))
+        text.save_tokenizer(
+            text.run_tokenizer(config.data.dataset), out, config.data.dataset.get("context")
+        )
     return out, out / "config.json"
 
 
@@ -109,11 +121,18 @@ def _arguments(argv: list[str]) -> dict[str, str]:
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep or key not in ("ckpt", "format", "out"):
-            raise UserError(f"{arg!r}: give ckpt=PATH, and optionally format=safetensors|torch|hf and out=PATH")
+            raise UserError(
+                f"{arg!r}: give ckpt=PATH, and optionally format=safetensors|torch|hf and out=PATH"
+            )
         given[key] = value
     if "ckpt" not in given:
-        raise UserError("ckpt=PATH is missing: a run directory, a checkpoint file or a sharded checkpoint's directory")
-    fmt = given.get("format") or ("torch" if given.get("out", "").endswith((".pt", ".pth")) else "safetensors")
+        raise UserError(
+            "ckpt=PATH is missing: a run directory, a "
+            "checkpoint file or a sharded checkpoint's directory"
+        )
+    fmt = given.get("format") or (
+        "torch" if given.get("out", "").endswith((".pt", ".pth")) else "safetensors"
+    )
     if fmt not in FORMATS:
         raise UserError(f"format={fmt!r}: choose {' or '.join(FORMATS)}")
     given["format"] = fmt
@@ -122,7 +141,8 @@ def _arguments(argv: list[str]) -> dict[str, str]:
 
 def default_out(ckpt: Path, fmt: str) -> Path:
     """Where an export goes unless out= says: export/ in the checkpoint's run directory (beside the
-    run's other outputs, not wherever the command was typed), model.safetensors, model.pt or model-hf/."""
+    run's other outputs, not wherever the command was typed), model.safetensors, model.pt or
+    model-hf/."""
     run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
     return run / "export" / ("model-hf" if fmt == "hf" else f"model{FORMATS[fmt]}")
 

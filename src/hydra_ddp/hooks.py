@@ -41,4 +41,6 @@ def build(configs: list[Any], *builtin: Optional[Hook]) -> list[Hook]:
     """The run's hooks: the built-in ones that are on (None: off), then trainer.hooks' in order."""
     from hydra.utils import instantiate
 
-    return [hook for hook in builtin if hook is not None] + [instantiate(config) for config in configs]
+    return [hook for hook in builtin if hook is not None] + [
+        instantiate(config) for config in configs
+    ]

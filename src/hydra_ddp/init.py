@@ -25,10 +25,13 @@ def package_name(folder: Path) -> str:
 
 
 def init(target: str) -> tuple[Path, list[Path]]:
-    """Write the project into `target` (made if absent; it must be empty): its folder, the files written."""
+    """Write the project into `target` (made if absent; it must be empty): its folder, the files
+    written."""
     folder = Path(target).expanduser().resolve()
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise UserError(f"hydra-ddp init {target}: {folder} is not an empty directory; give a new or empty one")
+        raise UserError(
+            f"hydra-ddp init {target}: {folder} is not an empty directory; give a new or empty one"
+        )
     package = package_name(folder)
     try:
         version = metadata.version("hydra-ddp")

@@ -47,8 +47,8 @@ class MLP(nn.Module):
 
 
 class SegNet(nn.Module):
-    """A small fully convolutional segmenter: 3×3 convolutions that keep the image's size, then a 1×1
-    convolution to per-pixel class logits (batch, classes, H, W), for task=segmentation."""
+    """A small fully convolutional segmenter: 3×3 convolutions that keep the image's size, then a
+    1×1 convolution to per-pixel class logits (batch, classes, H, W), for task=segmentation."""
 
     def __init__(self, in_channels: int = 1, num_classes: int = 3, width: int = 16, depth: int = 3):
         super().__init__()
@@ -82,12 +82,16 @@ def torchvision_classifier(
 
     available = torchvision.models.list_models(module=torchvision.models)
     if name not in available:
-        raise ValueError(f"unknown torchvision model {name!r}; choose one of: {', '.join(sorted(available))}")
+        raise ValueError(
+            f"unknown torchvision model {name!r}; choose one of: {', '.join(sorted(available))}"
+        )
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
     if small_input:
         if not (hasattr(model, "conv1") and hasattr(model, "maxpool")):
             raise ValueError(f"small_input applies to ResNets (conv1 and maxpool), not {name!r}")
-        model.conv1 = nn.Conv2d(3, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+        model.conv1 = nn.Conv2d(
+            3, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False
+        )
         model.maxpool = nn.Identity()
     if in_channels == 1:
         return nn.Sequential(_RepeatChannels(), model)
@@ -98,24 +102,24 @@ def torchvision_classifier(
 
 class LMOutput(NamedTuple):
     """What a causal language model called with `input_ids=` returns, as transformers' models do. A
-    named tuple, not a dataclass: DDP finds the tensors of an output it can flatten (a tuple, a dict),
-    and a static graph's first step needs to find them."""
+    named tuple, not a dataclass: DDP finds the tensors of an output it can flatten (a tuple, a
+    dict), and a static graph's first step needs to find them."""
 
     logits: torch.Tensor  # (batch, time, vocab)
 
 
 class TinyGPT(nn.Module):
     """A small decoder-only transformer (GPT style) over bytes or tokens: token and position
-    embeddings, `depth` blocks of causal self-attention and an MLP (pre-norm, residual), a final norm
-    and a linear head. Two ways to call it:
+    embeddings, `depth` blocks of causal self-attention and an MLP (pre-norm, residual), a final
+    norm and a linear head. Two ways to call it:
 
     - `model(x)`, for task=language_model's (inputs, next tokens) pairs: logits as (batch, vocab,
-      time), so `cross_entropy(logits, targets)` with targets (batch, time) is the per-token loss and
-      argmax over dim 1 the next-token prediction, as a classifier's.
-    - `model(input_ids=..., position_ids=..., attention_mask=...)`, for task=causal_lm's dict batches
-      as a Hugging Face causal model takes them: an LMOutput whose logits are (batch, time, vocab).
-      Position ids that restart mid-row mark packed documents: each token attends only to the
-      earlier tokens of its own document, and its position embedding counts from its document's
+      time), so `cross_entropy(logits, targets)` with targets (batch, time) is the per-token loss
+      and argmax over dim 1 the next-token prediction, as a classifier's.
+    - `model(input_ids=..., position_ids=..., attention_mask=...)`, for task=causal_lm's dict
+      batches as a Hugging Face causal model takes them: an LMOutput whose logits are (batch, time,
+      vocab). Position ids that restart mid-row mark packed documents: each token attends only to
+      the earlier tokens of its own document, and its position embedding counts from its document's
       start. Right padding (the project's collator's) needs no mask: a causal model's real tokens
       never attend to the padding after them, and the attention mask is not read.
 
@@ -171,8 +175,8 @@ class TinyGPT(nn.Module):
         return list(self.blocks)
 
     def tp_plan(self, size: int) -> dict[str, str]:
-        """Tensor parallel over `size` ranks, Megatron style: in each block q, k, v and the first MLP
-        layer split by output (whole heads per rank), the projections back split by input."""
+        """Tensor parallel over `size` ranks, Megatron style: in each block q, k, v and the first
+        MLP layer split by output (whole heads per rank), the projections back split by input."""
         block = self.blocks[0]
         heads, hidden = block.q.out_features // block.head_dim, block.fc1.out_features
         if heads % size or hidden % size:
@@ -180,8 +184,19 @@ class TinyGPT(nn.Module):
                 f"TinyGPT: {heads} heads and an MLP of {hidden} do not split over {size} ranks; "
                 "choose model.heads (and dim × mlp_ratio) divisible by the world size"
             )
-        styles = {"q": "colwise", "k": "colwise", "v": "colwise", "proj": "rowwise", "fc1": "colwise", "fc2": "rowwise"}
-        return {f"blocks.{i}.{name}": style for i in range(len(self.blocks)) for name, style in styles.items()}
+        styles = {
+            "q": "colwise",
+            "k": "colwise",
+            "v": "colwise",
+            "proj": "rowwise",
+            "fc1": "colwise",
+            "fc2": "rowwise",
+        }
+        return {
+            f"blocks.{i}.{name}": style
+            for i in range(len(self.blocks))
+            for name, style in styles.items()
+        }
 
 
 class _Block(nn.Module):
@@ -200,7 +215,10 @@ class _Block(nn.Module):
         batch, time, _ = h.shape
         x = self.norm1(h)
         # (batch, heads, time, head_dim); heads counted from the width, as a sharded q/k/v has fewer
-        q, k, v = (f(x).view(batch, time, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        q, k, v = (
+            f(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
+            for f in (self.q, self.k, self.v)
+        )
         if mask is None:
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:

@@ -30,7 +30,9 @@ def mode_of(metric: str, configured: str, directions: Mapping[str, str] = {}) ->
     return "min" if metric.endswith("loss") else "max"
 
 
-def settle(metric: Optional[str], mode: str, directions: Mapping[str, str], default: str) -> tuple[Optional[str], str]:
+def settle(
+    metric: Optional[str], mode: str, directions: Mapping[str, str], default: str
+) -> tuple[Optional[str], str]:
     """trainer.monitor and monitor_mode with `auto` settled: the task's `default` metric on the
     validation split, in the metric's direction."""
     if metric == AUTO:
@@ -48,7 +50,8 @@ def worst(metric: Optional[str], mode: str) -> Optional[float]:
 
 @dataclass
 class Monitor:
-    metric: Optional[str]  # None: nothing monitored (no validation split); the last weights are tested
+    # None: nothing monitored (no validation split); the last weights are tested
+    metric: Optional[str]
     mode: str = "max"
     patience: Optional[int] = None
     min_delta: float = 0.0
@@ -96,7 +99,12 @@ class Monitor:
         return asdict(self)
 
     def load(self, state: Optional[dict[str, Any]]) -> None:
-        """The best value and patience count so far, from a checkpoint of a run that monitored the same metric."""
+        """The best value and patience count so far, from a checkpoint of a run that monitored the
+        same metric."""
         if state and state.get("metric") == self.metric and state.get("mode") == self.mode:
-            self.best, self.best_step, self.best_epoch = state["best"], state["best_step"], state["best_epoch"]
+            self.best, self.best_step, self.best_epoch = (
+                state["best"],
+                state["best_step"],
+                state["best_epoch"],
+            )
             self.stale = state["stale"]

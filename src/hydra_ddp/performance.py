@@ -23,8 +23,9 @@ AUTO = "auto"
 
 
 def channels_last(setting: Any, allowed: bool, has_conv2d: Optional[bool]) -> Optional[bool]:
-    """trainer.channels_last settled: `auto` is on for a model with 2-D convolutions where the strategy
-    allows it; None where the model could not be built before launch (the workers settle it)."""
+    """trainer.channels_last settled: `auto` is on for a model with 2-D convolutions where the
+    strategy allows it; None where the model could not be built before launch (the workers settle
+    it)."""
     if setting != AUTO:
         return bool(setting)
     if not allowed:
@@ -41,7 +42,9 @@ def has_conv2d(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
-def settings(cfg: RunConfig, names: tuple[str, ...], model: nn.Module, allowed: bool) -> dict[str, bool]:
+def settings(
+    cfg: RunConfig, names: tuple[str, ...], model: nn.Module, allowed: bool
+) -> dict[str, bool]:
     """The run's values of channels_last and the strategy's fast settings (`names`), as the summary
     names them: settled on the launch side, but channels_last for a model that could only be built
     in the workers."""

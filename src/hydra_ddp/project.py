@@ -27,8 +27,9 @@ class Project:
 
 
 def find(start: Optional[Path] = None) -> Optional[Project]:
-    """The project `start` (the working directory) is in: the nearest directory at or above it with a
-    pyproject.toml that has [tool.hydra-ddp]; else `start` itself when it holds conf/. None: no project."""
+    """The project `start` (the working directory) is in: the nearest directory at or above it with
+    a pyproject.toml that has [tool.hydra-ddp]; else `start` itself when it holds conf/. None: no
+    project."""
     here = (start or Path.cwd()).resolve()
     for folder in (here, *here.parents):
         settings = _settings(folder / "pyproject.toml")
@@ -36,8 +37,8 @@ def find(start: Optional[Path] = None) -> Optional[Project]:
             conf = folder / str(settings.get("conf", "conf"))
             if "conf" in settings and not conf.is_dir():
                 raise UserError(
-                    f"{folder / 'pyproject.toml'}: [tool.hydra-ddp] conf = {str(conf)!r} is not a directory; "
-                    "make it, or leave the key out"
+                    f"{folder / 'pyproject.toml'}: [tool.hydra-ddp] conf = "
+                    f"{str(conf)!r} is not a directory; make it, or leave the key out"
                 )
             return Project(folder, conf if conf.is_dir() else None)
     return Project(here, here / "conf") if (here / "conf").is_dir() else None
@@ -51,7 +52,9 @@ def _settings(pyproject: Path) -> Optional[dict]:
     try:
         tool = tomllib.loads(pyproject.read_text()).get("tool", {})
     except (OSError, ValueError) as error:
-        raise UserError(f"{pyproject} cannot be read ({error}); fix it, or run from another directory") from None
+        raise UserError(
+            f"{pyproject} cannot be read ({error}); fix it, or run from another directory"
+        ) from None
     settings = tool.get("hydra-ddp")
     return settings if isinstance(settings, dict) else None
 

@@ -1,9 +1,13 @@
 """A run's directory and the name of everything written in it: the one place an output is named.
 
-RUN_DIR/train.log (eval.log)   every rank's log        RUN_DIR/summary.json (eval.json)  the result
-RUN_DIR/checkpoints/           step-N, last, best      RUN_DIR/metrics.csv, tensorboard/ the loggers'
-RUN_DIR/predictions.csv        eval.py predict=true    RUN_DIR/profile/rankR.json        trainer.profile
-RUN_DIR/error.txt              a sweep job's failure   RUN_DIR/rendezvous.store          init_method=file
+RUN_DIR/train.log (eval.log)      every rank's log
+RUN_DIR/summary.json (eval.json)  the result
+RUN_DIR/checkpoints/              step-N, last, best
+RUN_DIR/metrics.csv, tensorboard/ the loggers'
+RUN_DIR/predictions.csv           eval.py predict=true
+RUN_DIR/profile/rankR.json        trainer.profile
+RUN_DIR/error.txt                 a sweep job's failure
+RUN_DIR/rendezvous.store          init_method=file
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ class RunDir:
         return self.path / ("eval.json" if job == "eval" else "summary.json")
 
     summary = property(lambda self: self.path / "summary.json")
-    # An earlier run's summary while a run continues in its directory: put back if this one writes none.
+    # An earlier run's summary while a run continues in its directory: put back if this one writes
+    # none.
     earlier_summary = property(lambda self: self.path / ".summary.earlier.json")
     eval_result = property(lambda self: self.path / "eval.json")
     predictions = property(lambda self: self.path / "predictions.csv")
@@ -46,12 +51,15 @@ class RunDir:
     metrics_csv = property(lambda self: self.path / "metrics.csv")
     tensorboard = property(lambda self: self.path / "tensorboard")
     profile = property(lambda self: self.path / "profile")
-    error = property(lambda self: self.path / "error.txt")  # a sweep job's one-line failure, written by train.py
-    # How Slurm ended a job that never finished (cancelled, timeout…): hydra_plugins/hydra_ddp_slurm.
+    # a sweep job's one-line failure, written by train.py
+    error = property(lambda self: self.path / "error.txt")
+    # How Slurm ended a job that never finished (cancelled, timeout…):
+    # hydra_plugins/hydra_ddp_slurm.
     slurm_state = property(lambda self: self.path / "slurm_state.txt")
     rendezvous_store = property(lambda self: self.path / "rendezvous.store")
     mlflow_run_id = property(lambda self: self.path / "mlflow_run_id")
-    wandb_run_id = property(lambda self: self.path / "wandb_run_id")  # logger=wandb; its files in wandb/
+    # logger=wandb; its files in wandb/
+    wandb_run_id = property(lambda self: self.path / "wandb_run_id")
 
     def discard_if_untouched(self, job: str) -> bool:
         """Remove a run directory that holds only what Hydra made for this command (.hydra/, an
@@ -60,8 +68,8 @@ class RunDir:
         hydra, log = self.path / ".hydra", self.log(job)
         try:
             entries = {p.name for p in self.path.iterdir()}
-            # .hydra/ is there: Hydra made this directory for the run (not so an outside launch's other
-            # ranks, whose run directory is the working one).
+            # .hydra/ is there: Hydra made this directory for the run (not so an outside launch's
+            # other ranks, whose run directory is the working one).
             untouched = (
                 hydra.is_dir()
                 and entries <= {".hydra", log.name}
@@ -80,11 +88,11 @@ _CLAIMED: dict[str, str] = {}
 
 
 def claim_new(path: str) -> str:
-    """A run directory of its own for this run, made here: `path` (the config's default, named to the
-    second), or where another run made it first, `path-2`, `path-3`, … Two runs started in the same
-    second (a Slurm array, two terminals) would otherwise share one directory, its log, checkpoints
-    and metrics. Made with mkdir, which only one process can win; the same answer for the same `path`
-    every time this process asks (Hydra resolves the run directory more than once).
+    """A run directory of its own for this run, made here: `path` (the config's default, named to
+    the second), or where another run made it first, `path-2`, `path-3`, … Two runs started in the
+    same second (a Slurm array, two terminals) would otherwise share one directory, its log,
+    checkpoints and metrics. Made with mkdir, which only one process can win; the same answer for
+    the same `path` every time this process asks (Hydra resolves the run directory more than once).
 
     Registered as the config resolver `hydra_ddp.new_dir` (conf/config.yaml's hydra.run.dir)."""
     if path in _CLAIMED:

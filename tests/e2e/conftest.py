@@ -13,7 +13,8 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m and -k selection reads the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Collection hooks are not per folder: this one sees every item of the session, tests/unit's too.
+    # Collection hooks are not per folder: this one sees every item of the session, tests/unit's
+    # too.
     for item in items:
         if HERE in item.path.resolve().parents:
             item.add_marker(pytest.mark.e2e)

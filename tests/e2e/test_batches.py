@@ -1,5 +1,5 @@
-"""Batches of any shape in real runs (tests/helpers/shaped.py): the digits as dicts with a string id,
-as (image, label, index) triples and as dataclasses read by a two-input model with a dict output
+"""Batches of any shape in real runs (tests/helpers/shaped.py): the digits as dicts with a string
+id, as (image, label, index) triples and as dataclasses read by a two-input model with a dict output
 train at 2 ranks, stop and resume, and evaluate at 1 and 2 ranks with the losses and test metrics of
 plain (image, label) pairs, bit for bit; a task that cannot read its batch or its model's output
 stops in one line."""
@@ -42,7 +42,9 @@ def pairs(tmp_path_factory) -> Path:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_a_batch_of_any_shape_trains_resumes_and_evaluates_as_pairs_do(pairs: Path, tmp_path: Path, shape: str):
+def test_a_batch_of_any_shape_trains_resumes_and_evaluates_as_pairs_do(
+    pairs: Path, tmp_path: Path, shape: str
+):
     overrides = shaped(shape, *SHAPES[shape])
     run_dir = tmp_path / "run"
     check_ok(run_train(run_dir, *overrides, f"trainer.max_steps={HALF}"))
@@ -71,11 +73,13 @@ def test_a_batch_of_any_shape_trains_resumes_and_evaluates_as_pairs_do(pairs: Pa
     [
         (
             shaped("dict"),  # the default task takes pairs
-            "task Classification takes (inputs, target) pairs, and the data gives a dict with keys image, label, id",
+            "task Classification takes (inputs, target) pairs, "
+            "and the data gives a dict with keys image, label, id",
         ),
         (
             shaped("dict", "shaped.MissingKeyTask"),
-            "task MissingKeyTask asks the batch for 'pixels', which it lacks: it is a dict with keys image, label, id",
+            "task MissingKeyTask asks the batch for 'pixels', which "
+            "it lacks: it is a dict with keys image, label, id",
         ),
         (
             shaped("dataclass", "shaped.DictOutputTask", "shaped.WeightedCNN"),
@@ -84,7 +88,9 @@ def test_a_batch_of_any_shape_trains_resumes_and_evaluates_as_pairs_do(pairs: Pa
     ],
     ids=["pairs-only", "missing-key", "unread-output"],
 )
-def test_a_task_that_cannot_read_its_batch_or_output_stops_in_one_line(tmp_path: Path, overrides, line: str):
+def test_a_task_that_cannot_read_its_batch_or_output_stops_in_one_line(
+    tmp_path: Path, overrides, line: str
+):
     for check in (("--check",), ()):  # before launch, and in the workers' first step
         done = run_train(tmp_path / f"run{len(check)}", *check, *overrides, "trainer.max_steps=2")
         assert done.returncode == 2, done.stderr
@@ -95,7 +101,11 @@ def test_an_output_ddp_cannot_look_into_is_one_line_under_a_static_graph(tmp_pat
     # A dataclass output hides its tensors from DDP: under a static graph the first step's gradients
     # would not be averaged and the replicas would part. Refused at the first step; without the
     # static graph (DDP's autograd hooks average every step) it trains.
-    scores = ("model._target_=shaped.ScoresCNN", "task._target_=shaped.ScoresTask", "trainer.max_steps=2")
+    scores = (
+        "model._target_=shaped.ScoresCNN",
+        "task._target_=shaped.ScoresTask",
+        "trainer.max_steps=2",
+    )
     done = run_train(tmp_path / "static", *scores)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "the model returns a Scores, in which DDP finds no tensor" in done.stderr, done.stderr

@@ -15,14 +15,27 @@ HERE = TESTS  # where the plugin ci_skips.py is: the kit's folder
 
 
 @pytest.mark.parametrize("ci, code, outcome", [("true", 1, "1 failed"), ("", 0, "1 skipped")])
-def test_a_skip_fails_under_ci_and_stays_a_skip_outside(tmp_path: Path, ci: str, code: int, outcome: str):
+def test_a_skip_fails_under_ci_and_stays_a_skip_outside(
+    tmp_path: Path, ci: str, code: int, outcome: str
+):
     (tmp_path / "test_needs.py").write_text(
         "import pytest\n\ndef test_needs_a_tool():\n"
         "    pytest.skip('mpirun is not installed: apt-get install openmpi-bin')\n"
     )
     env = {**os.environ, "CI": ci, "PYTHONPATH": str(HERE)}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "ci_skips", "-q", "-rs", "-p", "no:cacheprovider", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "ci_skips",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path),
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -34,17 +47,30 @@ def test_a_skip_fails_under_ci_and_stays_a_skip_outside(tmp_path: Path, ci: str,
 
 
 @pytest.mark.parametrize("ci, code", [("true", 1), ("", 0)])
-def test_a_module_skipped_at_import_fails_under_ci_beside_a_passing_test(tmp_path: Path, ci: str, code: int):
+def test_a_module_skipped_at_import_fails_under_ci_beside_a_passing_test(
+    tmp_path: Path, ci: str, code: int
+):
     """pytest.importorskip at a module's top skips the module while it is collected; beside a
     passing test pytest used to exit 0 under CI=true."""
     (tmp_path / "test_passes.py").write_text("def test_passes():\n    assert True\n")
     (tmp_path / "test_needs.py").write_text(
-        "import pytest\n\npytest.importorskip('no_such_package_here', reason='pip install no_such_package_here')\n\n"
-        "def test_needs_it():\n    pass\n"
+        "import pytest\n\npytest.importorskip('no_such_package_here', reason='pip "
+        "install no_such_package_here')\n\ndef test_needs_it():\n    pass\n"
     )
     env = {**os.environ, "CI": ci, "PYTHONPATH": str(HERE)}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "ci_skips", "-q", "-rs", "-p", "no:cacheprovider", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "ci_skips",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path),
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -52,4 +78,6 @@ def test_a_module_skipped_at_import_fails_under_ci_beside_a_passing_test(tmp_pat
         timeout=60,
     )
     assert proc.returncode == code, proc.stdout
-    assert "1 passed" in proc.stdout and "pip install no_such_package_here" in proc.stdout, proc.stdout
+    assert "1 passed" in proc.stdout and "pip install no_such_package_here" in proc.stdout, (
+        proc.stdout
+    )

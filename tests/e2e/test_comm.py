@@ -1,11 +1,20 @@
-"""DDP communication hooks (strategy.comm_hook): each trains across real gloo ranks, and resume stays exact."""
+"""DDP communication hooks (strategy.comm_hook): each trains across real gloo ranks, and resume
+stays exact."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from support import assert_same_params, check_ok, final_params, losses, run_train, step_losses, summary
+from support import (
+    assert_same_params,
+    check_ok,
+    final_params,
+    losses,
+    run_train,
+    step_losses,
+    summary,
+)
 
 HALF, FULL = 6, 12  # steps, both within the first epoch of digits on 2 ranks
 
@@ -34,8 +43,8 @@ def test_each_hook_trains_sends_half_the_bytes_and_resumes_exactly(tmp_path: Pat
         s = summary(run_dir)
         assert s["comm_hook"] == hook
         sent[hook] = s["allreduce_bytes_per_step"]
-    # What each hook handed to gloo's all-reduce, counted in the workers: half of DDP's fp32 bytes, and
-    # 2 bytes for each gradient element.
+    # What each hook handed to gloo's all-reduce, counted in the workers: half of DDP's fp32 bytes,
+    # and 2 bytes for each gradient element.
     elements = sum(t.numel() for t in final_params(sweep / "0").values())
     assert sent["none"] == 4 * elements and sent["fp16"] == sent["bf16"] == sent["none"] // 2
 
@@ -43,7 +52,11 @@ def test_each_hook_trains_sends_half_the_bytes_and_resumes_exactly(tmp_path: Pat
     # loss once, and the final weights.
     for job, hook in enumerate(("fp16", "bf16")):
         resumed = tmp_path / f"resumed-{hook}"
-        hooked = ("trainer.log_every=2", f"strategy.comm_hook={hook}", "strategy.shared_memory=false")
+        hooked = (
+            "trainer.log_every=2",
+            f"strategy.comm_hook={hook}",
+            "strategy.shared_memory=false",
+        )
         check_ok(run_train(resumed, f"trainer.max_steps={HALF}", *hooked))
         check_ok(run_train(resumed, f"trainer.max_steps={FULL}", "trainer.resume=auto", *hooked))
         assert summary(resumed)["steps"] == FULL and summary(resumed)["resumed_from"], hook
@@ -65,7 +78,9 @@ def test_powersgd_sends_low_rank_gradients_and_resumes_exactly(tmp_path: Path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     check_ok(run_train(full, *hook, f"trainer.max_steps={FULL}"))
     curve = losses(full)
-    assert len(curve) == FULL and all(math.isfinite(v) for v in curve) and curve[-1] < curve[0], curve
+    assert len(curve) == FULL and all(math.isfinite(v) for v in curve) and curve[-1] < curve[0], (
+        curve
+    )
 
     # Rank 1, as counted on the tensors the hook handed to gloo in the last step: each weight matrix
     # as P and Q, (rows + columns) numbers, the vectors whole, 4 bytes each.
@@ -73,7 +88,9 @@ def test_powersgd_sends_low_rank_gradients_and_resumes_exactly(tmp_path: Path):
 
     def sent(t):
         rows, columns = t.shape[0], t.numel() // t.shape[0]
-        return rows + columns if t.dim() > 1 and 2 * (rows + columns) <= rows * columns else t.numel()
+        return (
+            rows + columns if t.dim() > 1 and 2 * (rows + columns) <= rows * columns else t.numel()
+        )
 
     s = summary(full)
     assert s["comm_hook"] == "powersgd"

@@ -35,20 +35,31 @@ def _files(folder: Path) -> set[Path]:
 
 
 @pytest.mark.timeout(300)
-def test_compiled_blocks_train_as_eager_under_ddp_and_a_resume_compiles_nothing_anew(tmp_path: Path):
+def test_compiled_blocks_train_as_eager_under_ddp_and_a_resume_compiles_nothing_anew(
+    tmp_path: Path,
+):
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     check_ok(run_train(eager, *GPT, "trainer.max_steps=12"))
     check_ok(run_train(compiled, *GPT, "trainer.max_steps=6", "trainer.compile=true"))
     s = summary(compiled)
     assert s["compile"] == "blocks"  # true, for a model that names its blocks
     # The blocks' compile leaves DDP alone: its shared-memory all-reduce and static graph stay on.
-    assert s["settings"]["strategy.shared_memory"] is True and s["settings"]["strategy.static_graph"] is True
+    assert (
+        s["settings"]["strategy.shared_memory"] is True
+        and s["settings"]["strategy.static_graph"] is True
+    )
     cache = compiled / "compile_cache"
     built = _files(cache)
-    assert any(path.suffix == ".so" for path in built), sorted(map(str, built))[:20]  # inductor's C++ kernels
+    # inductor's C++ kernels
+    assert any(path.suffix == ".so" for path in built), sorted(map(str, built))[:20]
 
-    check_ok(run_train(compiled, *GPT, "trainer.max_steps=12", "trainer.compile=true", "trainer.resume=auto"))
-    assert _files(cache) == built  # every graph and kernel found in the run's cache: nothing compiled anew
+    check_ok(
+        run_train(
+            compiled, *GPT, "trainer.max_steps=12", "trainer.compile=true", "trainer.resume=auto"
+        )
+    )
+    # every graph and kernel found in the run's cache: nothing compiled anew
+    assert _files(cache) == built
     assert losses(compiled) == pytest.approx(losses(eager), rel=BOUND)
     assert len(losses(compiled)) == 12
 
@@ -59,7 +70,9 @@ def test_compiled_blocks_train_as_eager_under_ddp_and_a_resume_compiles_nothing_
     [("strategy=fsdp", "strategy.activation_checkpointing=full"), ("strategy=tp",)],
     ids=["fsdp-checkpointed", "tp"],
 )
-def test_compiled_blocks_train_as_eager_under_the_sharded_strategies(tmp_path: Path, strategy: tuple[str, ...]):
+def test_compiled_blocks_train_as_eager_under_the_sharded_strategies(
+    tmp_path: Path, strategy: tuple[str, ...]
+):
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     check_ok(run_train(eager, *GPT, *strategy, "trainer.max_steps=4"))
     check_ok(run_train(compiled, *GPT, *strategy, "trainer.max_steps=4", "trainer.compile=blocks"))

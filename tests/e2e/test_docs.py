@@ -3,14 +3,14 @@ fences, marks and the config reference are checked in process by tests/unit/test
 blocks are read by the kit, support.blocks).
 
 Every command of a `bash` block runs as written, by bash, in a project folder made for the test
-(`project`: the repository's train.py, eval.py, conf/, scripts/, Makefile, setup.py and .venv, linked), with
-the block's own variables, and with only a small-run suffix appended (SUFFIXES: two training
-steps, two search trials, a short tuning, a free port for a server). Launchers run as they are
-given: torchrun, torch.distributed.launch, mpirun, sbatch (on the suite's own Slurm cluster,
-tests/slurm), submitit's local launcher; the two commands of a two-node pair run at once; a
-sweep runs every value. A server (tensorboard, mlflow ui) is started, asked for a page and
-stopped. A command that composes the same config as one already run (the same words, or the
-same composed config for a plain train.py run) runs once.
+(`project`: the repository's train.py, eval.py, conf/, scripts/, Makefile, setup.py and .venv,
+linked), with the block's own variables, and with only a small-run suffix appended (SUFFIXES: two
+training steps, two search trials, a short tuning, a free port for a server). Launchers run as they
+are given: torchrun, torch.distributed.launch, mpirun, sbatch (on the suite's own Slurm cluster,
+tests/slurm), submitit's local launcher; the two commands of a two-node pair run at once; a sweep
+runs every value. A server (tensorboard, mlflow ui) is started, asked for a page and stopped. A
+command that composes the same config as one already run (the same words, or the same composed
+config for a plain train.py run) runs once.
 
 The docs' placeholders are real in the project folder: `outputs/runs/DATE/TIME` is a finished run
 there, `path/to/step-00000100.pt` one of its checkpoints, `data/` holds CIFAR-10's files, `~` is a
@@ -59,13 +59,14 @@ from support import (
 )
 
 TIMEOUT_S = 300  # one command, a sweep or a pair of nodes included
-# The tuner launches a training per candidate (15 for docs/tune.md's ResNet-18, one at two threads per
-# rank on two cores): 130 s beside the soak's CPU hog, and past 300 s in one soak run (f4d87dc's first).
-# A bound that tells a hang from a slow machine, not a time the test asserts.
+# The tuner launches a training per candidate (15 for docs/tune.md's ResNet-18, one at two threads
+# per rank on two cores): 130 s beside the soak's CPU hog, and past 300 s in one soak run (f4d87dc's
+# first). A bound that tells a hang from a slow machine, not a time the test asserts.
 TUNER_TIMEOUT_S = 600
 
 
-# --- The project folder the commands run in --------------------------------------------------------
+# --- The project folder the commands run in
+# --------------------------------------------------------
 
 PLACEHOLDERS = {  # what no folder can be: replaced, word by word
     r"\bnode0(?=:)": "127.0.0.1",  # node 0's host name: this machine
@@ -80,7 +81,16 @@ PLACEHOLDERS = {  # what no folder can be: replaced, word by word
 def project(tmp_path_factory) -> Path:
     """A folder to run the docs' commands in, as a user's clone would be after `make train`."""
     folder = tmp_path_factory.mktemp("project")
-    for name in ("train.py", "eval.py", "conf", "scripts", "Makefile", "pyproject.toml", "setup.py", "src"):
+    for name in (
+        "train.py",
+        "eval.py",
+        "conf",
+        "scripts",
+        "Makefile",
+        "pyproject.toml",
+        "setup.py",
+        "src",
+    ):
         (folder / name).symlink_to(REPO / name)
     (folder / ".venv").symlink_to(Path(sys.executable).parents[1])
     run = folder / "outputs" / "runs" / "DATE" / "TIME"
@@ -114,7 +124,8 @@ def _script(words: list[str]) -> Optional[str]:
 
 
 def suffix(words: list[str]) -> list[str]:
-    """SUFFIXES: what a small run of this command appends (nothing for one that launches nothing)."""
+    """SUFFIXES: what a small run of this command appends (nothing for one that launches
+    nothing)."""
     script = _script(words)
     if {"--check", "--cfg", "--help", "--info"} & set(words):
         return []
@@ -134,7 +145,10 @@ def suffix(words: list[str]) -> list[str]:
     return []
 
 
-SERVERS = {"tensorboard": "/data/runs", "mlflow": "/api/2.0/mlflow/experiments/search?max_results=1"}
+SERVERS = {
+    "tensorboard": "/data/runs",
+    "mlflow": "/api/2.0/mlflow/experiments/search?max_results=1",
+}
 
 
 @dataclass
@@ -173,10 +187,13 @@ def _key(words: list[str], env_lines: list[str]) -> str:
         from omegaconf import OmegaConf
 
         overrides = words[2:]
-        hydras = sorted(w for w in overrides if w.startswith("hydra"))  # where it runs: not in the job's config
+        # where it runs: not in the job's config
+        hydras = sorted(w for w in overrides if w.startswith("hydra"))
         try:
             with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-                composed = OmegaConf.to_container(compose(config_name="config", overrides=overrides))
+                composed = OmegaConf.to_container(
+                    compose(config_name="config", overrides=overrides)
+                )
             return "train.py " + json.dumps([composed, hydras], sort_keys=True, default=str)
         except Exception:  # noqa: BLE001  (the run itself will say)
             pass
@@ -184,7 +201,8 @@ def _key(words: list[str], env_lines: list[str]) -> str:
 
 
 def _expand(command: str, env_lines: list[str], project: Path, env: dict[str, str]) -> list[str]:
-    """The command's words as bash makes them, after the block's assignments (variables, ~, quotes)."""
+    """The command's words as bash makes them, after the block's assignments (variables, ~,
+    quotes)."""
     script = "\n".join([*env_lines, f"set -- {command}", 'printf "%s\\0" "$@"'])
     out = subprocess.run(
         ["bash", "-c", script], cwd=project, env=env, capture_output=True, text=True, timeout=30
@@ -193,15 +211,18 @@ def _expand(command: str, env_lines: list[str], project: Path, env: dict[str, st
 
 
 def _check_for_gpus(command: str, project: Path, env: dict[str, str]) -> Optional[str]:
-    """A GPU host's `python train.py ...` checked as that host would check it (--check --gpus=N, N its
-    trainer.nproc, else 8): its one error line, or "" when it passes; None for another command."""
+    """A GPU host's `python train.py ...` checked as that host would check it (--check --gpus=N, N
+    its trainer.nproc, else 8): its one error line, or "" when it passes; None for another
+    command."""
     words = shlex.split(_placed(_without_comment(command), project))
     at = next((i for i, word in enumerate(words) if word.endswith("train.py")), None)
     if at is None:
         return None
     gpus = next((w.split("=", 1)[1] for w in words if w.startswith("trainer.nproc=")), "8")
     checked = [*words[: at + 1], "--check", f"--gpus={gpus}", *words[at + 1 :]]
-    done = subprocess.run(checked, cwd=project, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    done = subprocess.run(
+        checked, cwd=project, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     return "" if done.returncode == 0 else f"exit {done.returncode}: {done.stderr.strip()[-400:]}"
 
 
@@ -218,17 +239,25 @@ def _start(script: str, project: Path, env: dict[str, str]) -> subprocess.Popen:
 
 
 def _finish(proc: subprocess.Popen, timeout: float, started: float) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr); a command past `timeout` is killed, and its message says where its
-    output ended and where any of its runs was stuck (the stacks the ranks' watchdogs left in the
-    tuner's runs since `started`, the command's start: a failed or killed one keeps its directory)."""
+    """(exit code, stdout, stderr); a command past `timeout` is killed, and its message says where
+    its output ended and where any of its runs was stuck (the stacks the ranks' watchdogs left in
+    the tuner's runs since `started`, the command's start: a failed or killed one keeps its
+    directory)."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         found = Path(tempfile.gettempdir()).glob("hydra-ddp-tune-*/run-*/stacks/rank*.json")
-        stuck = [json.loads(path.read_text()) for path in sorted(found) if path.stat().st_mtime >= started]
-        places = [f"rank {s['rank']} at {s['at']} ({s['code']}, waiting in {s['waits_in']})" for s in stuck]
+        stuck = [
+            json.loads(path.read_text())
+            for path in sorted(found)
+            if path.stat().st_mtime >= started
+        ]
+        places = [
+            f"rank {s['rank']} at {s['at']} ({s['code']}, waiting in {s['waits_in']})"
+            for s in stuck
+        ]
         message = (
             f"timed out after {timeout:.0f} s; its output ended: {out.strip()[-300:]!r}; "
             f"stderr: {err.strip()[-300:]!r}; ranks stuck: {places or 'none seen'}"
@@ -238,7 +267,8 @@ def _finish(proc: subprocess.Popen, timeout: float, started: float) -> tuple[int
 
 
 def _serve(script: str, path: str, port: int, project: Path, env: dict[str, str]) -> str:
-    """Start a server as the docs give it, wait until it answers `path`; stop it. Empty: it answered."""
+    """Start a server as the docs give it, wait until it answers `path`; stop it. Empty: it
+    answered."""
     import urllib.request
 
     proc = _start(script, project, env)
@@ -248,7 +278,9 @@ def _serve(script: str, path: str, port: int, project: Path, env: dict[str, str]
             if proc.poll() is not None:
                 return f"exited {proc.returncode} before answering: {proc.stderr.read()[-500:]}"
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{port}{path}", timeout=5
+                ) as response:
                     json.loads(response.read())
                     return ""
             except OSError:
@@ -264,7 +296,8 @@ def _serve(script: str, path: str, port: int, project: Path, env: dict[str, str]
 
 
 def _sbatch(script: str, project: Path, env: dict[str, str]) -> str:
-    """A job submitted as the docs give it, waited for on the suite's cluster; empty: it ran to the end."""
+    """A job submitted as the docs give it, waited for on the suite's cluster; empty: it ran to the
+    end."""
     code, out, err = _finish(_start(script, project, env), 60, time.time())
     job = re.search(r"Submitted batch job (\d+)", out)
     if code or not job:
@@ -272,7 +305,11 @@ def _sbatch(script: str, project: Path, env: dict[str, str]) -> str:
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         queued = subprocess.run(
-            ["squeue", "-h", "-j", job.group(1)], env=env, capture_output=True, text=True, timeout=30
+            ["squeue", "-h", "-j", job.group(1)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
         ).stdout.strip()
         if not queued:
             break
@@ -309,7 +346,9 @@ def _pairs(commands: list[str]) -> list[list[str]]:
 def test_every_shell_command_in_the_docs_runs(
     project: Path, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture
 ):
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     outcome = Outcome()
     venv_bin = str(project / ".venv" / "bin")
     base_env = {
@@ -335,15 +374,17 @@ def test_every_shell_command_in_the_docs_runs(
                 ]
                 if absent or "pip install" not in command:
                     outcome.failures.append(
-                        f"{block.where}: {command}\n    → not a pip install of the project's extras "
-                        f"(pyproject.toml has no {absent})"
+                        f"{block.where}: {command}\n    → not a pip install of "
+                        f"the project's extras (pyproject.toml has no {absent})"
                     )
             continue
-        if block.mark == "needs-gpu":  # a GPU host's train.py: checked for one (--check --gpus=N), launched nowhere
+        # a GPU host's train.py: checked for one (--check --gpus=N), launched nowhere
+        if block.mark == "needs-gpu":
             for command in block.commands:
                 problem = _check_for_gpus(command, project, base_env)
                 if problem is None:
-                    outcome.skipped[block.mark] = outcome.skipped.get(block.mark, 0) + 1  # not train.py (sbatch)
+                    # not train.py (sbatch)
+                    outcome.skipped[block.mark] = outcome.skipped.get(block.mark, 0) + 1
                     continue
                 outcome.gpu_checked += 1
                 if problem:
@@ -374,14 +415,22 @@ def test_every_shell_command_in_the_docs_runs(
             outcome.distinct += len(group)
             words = key_words[0]
             program = _program(words)
-            if program == "make" and subprocess.run(["make", "-q", ".venv/.installed"], cwd=REPO).returncode:
-                problem = "the venv is older than pyproject.toml: run make first (make here would reinstall it)"
+            if (
+                program == "make"
+                and subprocess.run(["make", "-q", ".venv/.installed"], cwd=REPO).returncode
+            ):
+                problem = (
+                    "the venv is older than pyproject.toml: run "
+                    "make first (make here would reinstall it)"
+                )
             elif program in SERVERS:
                 port = int(words[-1].split("=")[1])
                 problem = _serve(scripts[0], SERVERS[program], port, project, base_env)
             elif program == "sbatch":
                 cluster = request.getfixturevalue("slurm_cluster")
-                problem = _sbatch(scripts[0], project, {**base_env, **cluster.env, "PYTHON": sys.executable})
+                problem = _sbatch(
+                    scripts[0], project, {**base_env, **cluster.env, "PYTHON": sys.executable}
+                )
             else:
                 started = time.time()
                 procs = [_start(script, project, base_env) for script in scripts]
@@ -397,11 +446,14 @@ def test_every_shell_command_in_the_docs_runs(
     with capsys.disabled():
         skipped = ", ".join(f"{n} {mark}" for mark, n in sorted(outcome.skipped.items()))
         print(
-            f"\ndocs: {outcome.ran} commands ran ({outcome.distinct} distinct runs), {outcome.checked} checked only "
-            f"(marked installs), {outcome.gpu_checked} checked for a GPU host (train.py --check --gpus=N), "
-            f"{sum(outcome.skipped.values())} skipped ({skipped})"
+            f"\ndocs: {outcome.ran} commands ran ({outcome.distinct} distinct "
+            f"runs), {outcome.checked} checked only (marked installs), "
+            f"{outcome.gpu_checked} checked for a GPU host (train.py --check "
+            f"--gpus=N), {sum(outcome.skipped.values())} skipped ({skipped})"
         )
-    assert not outcome.failures, f"{len(outcome.failures)} command(s) in the docs fail:\n" + "\n".join(outcome.failures)
+    assert not outcome.failures, (
+        f"{len(outcome.failures)} command(s) in the docs fail:\n" + "\n".join(outcome.failures)
+    )
     assert outcome.distinct > 60  # runs, each once: not an assignment, not a repeat
 
 
@@ -424,6 +476,8 @@ def test_every_transcript_in_the_docs_prints_what_it_shows(project: Path):
             )
             printed = (done.stdout + done.stderr).splitlines()
             for line in (line for line in shown if line.startswith("hydra-ddp:")):
-                assert line in printed, f"{block.where}: `{command}` printed {printed[-5:]}, the page shows {line!r}"
+                assert line in printed, (
+                    f"{block.where}: `{command}` printed {printed[-5:]}, the page shows {line!r}"
+                )
                 compared += 1
     assert compared >= 3  # the tutorial's, at least

@@ -1,6 +1,7 @@
 """Elastic runs (launcher.nnodes=1:2) on two "nodes" in network namespaces: a node lost mid-epoch,
 and a node that joins mid-run. The group re-forms at the new world size, resumes from the last
-checkpoint at the sample where it stood, and trains on as an uninterrupted run at that size would."""
+checkpoint at the sample where it stood, and trains on as an uninterrupted run at that size
+would."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ pytestmark = [
 
 # The digits, rank 0's reads slowed (5 ms a sample) so that a run lasts long enough to be resized
 # mid-run; 2 epochs of 45 steps of a global batch of 32, a checkpoint every 10 steps, all kept.
-# float64 (support.py): at another world size only the order of sums differs, decided within FLOAT64_BOUND.
+# float64 (support.py): at another world size only the order of sums differs, decided within
+# FLOAT64_BOUND.
 DATA = (
     "data.dataset._target_=recording.digits_slow_on_rank",
     "+data.dataset.slow_rank=0",
@@ -68,13 +70,22 @@ def _node(hosts: TwoHosts, i: int, run_dir: Path):
         f"launcher.node_rank={i}",
         f"launcher.rdzv_endpoint={hosts.addresses[0]}:29613",
         f"launcher.local_addr={hosts.addresses[i]}",
-        prefix=("ip", "netns", "exec", hosts.names[i], "env", "GLOO_SOCKET_IFNAME=hddp0", sys.executable),
+        prefix=(
+            "ip",
+            "netns",
+            "exec",
+            hosts.names[i],
+            "env",
+            "GLOO_SOCKET_IFNAME=hddp0",
+            sys.executable,
+        ),
     )
 
 
 def _resumed(tmp_path: Path, name: str, world: int, checkpoint: Path) -> Path:
     """An uninterrupted run at `world` ranks of one node from `checkpoint`, one thread a rank as the
-    nodes', in the elastic run's micro-batches (16: its global batch of 32 over its most ranks, 2)."""
+    nodes', in the elastic run's micro-batches (16: its global batch of 32 over its most ranks,
+    2)."""
     run_dir = tmp_path / name
     check_ok(
         run_train(
@@ -111,17 +122,27 @@ def test_a_lost_node_leaves_the_other_to_finish_as_a_resumed_run_would(tmp_path:
     run_dir = tmp_path / "run"
     with TwoHosts(str(os.getpid())) as hosts:
         nodes = [_node(hosts, i, run_dir) for i in range(2)]
-        wait_for(lambda: (run_dir / "checkpoints" / "step-00000020.pt").exists(), 180, "step 20's checkpoint", nodes[0])
+        wait_for(
+            lambda: (run_dir / "checkpoints" / "step-00000020.pt").exists(),
+            180,
+            "step 20's checkpoint",
+            nodes[0],
+        )
         os.killpg(nodes[1].pid, signal.SIGKILL)  # node 2's agent and worker, mid-epoch
         finish(nodes[1], timeout=30)
         check_ok(finish(nodes[0], timeout=300))
     s = summary(run_dir)
     start, resize = s["world_size_history"]
     assert start == {"step": 0, "world_size": 2, "cause": "start"}
-    assert {k: resize[k] for k in ("from", "world_size", "cause")} == {"from": 2, "world_size": 1, "cause": "restart"}
+    assert {k: resize[k] for k in ("from", "world_size", "cause")} == {
+        "from": 2,
+        "world_size": 1,
+        "cause": "restart",
+    }
     resumed = resize["step"]
     assert resumed >= 20 and resumed % 10 == 0 and (s["world_size"], s["steps"]) == (1, 90)
-    # The resize keeps the global batch and the micro-batch; the accumulation makes up the lost rank.
+    # The resize keeps the global batch and the micro-batch; the accumulation makes up the lost
+    # rank.
     assert (s["global_batch_size"], s["batch_size"], s["accumulate"]) == (32, 16, 2)
     _one_curve(run_dir)
     # After the resize: one rank resumed from that checkpoint, uninterrupted, bit for bit (the same
@@ -131,8 +152,9 @@ def test_a_lost_node_leaves_the_other_to_finish_as_a_resumed_run_would(tmp_path:
     assert_same_params(final_params(run_dir), final_params(alone))
     assert s["test_loss"] == summary(alone)["test_loss"]
     # The whole run, and its test: as an uninterrupted run of 2 ranks, bit for bit up to the resize
-    # (1 node of 2 ranks is the same run as 2 nodes of 1: test_two_nodes_in_network_namespaces_match_one_node),
-    # then at another world size: within float64's order noise, not bit for bit.
+    # (1 node of 2 ranks is the same run as 2 nodes of 1:
+    # test_two_nodes_in_network_namespaces_match_one_node), then at another world size: within
+    # float64's order noise, not bit for bit.
     two = tmp_path / "two"
     check_ok(run_train(two, *DATA, FAST, "trainer.nproc=2", "trainer.threads=1", timeout=300))
     assert _until(csv_step_losses(run_dir), resumed) == _until(csv_step_losses(two), resumed)
@@ -147,7 +169,12 @@ def test_a_node_that_joins_grows_the_run_as_a_resumed_run_would(tmp_path: Path):
     run_dir = tmp_path / "run"
     with TwoHosts(str(os.getpid())) as hosts:
         first = _node(hosts, 0, run_dir)  # alone: 1 of at most 2 nodes
-        wait_for(lambda: (run_dir / "checkpoints" / "step-00000010.pt").exists(), 180, "step 10's checkpoint", first)
+        wait_for(
+            lambda: (run_dir / "checkpoints" / "step-00000010.pt").exists(),
+            180,
+            "step 10's checkpoint",
+            first,
+        )
         second = _node(hosts, 1, run_dir)
         results = [finish(first, timeout=300), finish(second, timeout=300)]
     for result in results:
@@ -155,11 +182,16 @@ def test_a_node_that_joins_grows_the_run_as_a_resumed_run_would(tmp_path: Path):
     s = summary(run_dir)
     start, resize = s["world_size_history"]
     assert start == {"step": 0, "world_size": 1, "cause": "start"}
-    assert {k: resize[k] for k in ("from", "world_size", "cause")} == {"from": 1, "world_size": 2, "cause": "rescale"}
+    assert {k: resize[k] for k in ("from", "world_size", "cause")} == {
+        "from": 1,
+        "world_size": 2,
+        "cause": "rescale",
+    }
     resumed = resize["step"]
     # The agent stops the group with SIGTERM to re-form it: the worker checkpoints where it stands.
     assert resumed >= 10 and (s["world_size"], s["steps"]) == (2, 90)
-    assert (s["global_batch_size"], s["batch_size"], s["accumulate"]) == (32, 16, 1)  # 2 of 16 after 1 × 2 × 16
+    # 2 of 16 after 1 × 2 × 16
+    assert (s["global_batch_size"], s["batch_size"], s["accumulate"]) == (32, 16, 1)
     _one_curve(run_dir)
     # After the resize: 2 ranks resumed from that checkpoint, uninterrupted, bit for bit: every
     # step's loss, the final weights and the test.

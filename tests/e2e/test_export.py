@@ -1,6 +1,6 @@
-"""hydra_ddp.export: a run's model as a plain state dict (safetensors or torch) and its config, loaded
-in a fresh process that never imports the project, giving the logits the project gives and the
-predictions eval.py writes."""
+"""hydra_ddp.export: a run's model as a plain state dict (safetensors or torch) and its config,
+loaded in a fresh process that never imports the project, giving the logits the project gives and
+the predictions eval.py writes."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import yaml
 
 from support import QUICK, REPO, check_ok, run_eval, run_train, train_env
 
-# A fresh interpreter, isolated (-I: no PYTHONPATH, no user site), with the project made unimportable:
-# it loads the model's class from its own file, the weights, and computes the batch's logits.
+# A fresh interpreter, isolated (-I: no PYTHONPATH, no user site), with the project made
+# unimportable: it loads the model's class from its own file, the weights, and computes the batch's
+# logits.
 LOADER = """
 import importlib.util, sys, torch, yaml
 sys.modules["hydra_ddp"] = None  # any import of the project fails
@@ -82,14 +83,20 @@ def _host_noise(run_dir: Path, x: torch.Tensor, n: int, measure) -> float:
     eval.py computes its numbers so, and the kernels oneDNN picks for them differ by host. Four
     times that, and never under four float32 epsilons, bounds eval.py's numbers against ours."""
     alone, _ = _project_logits(run_dir, x[:n])
-    in_batch, _ = _project_logits(run_dir, x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x)
+    in_batch, _ = _project_logits(
+        run_dir, x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
+    )
     noise = (measure(alone) - measure(in_batch[:n])).abs().max().item()
     return max(4 * noise, 4 * torch.finfo(torch.float32).eps)
 
 
 def _rounding(written: str) -> float:
     """Half a unit of the last digit predictions.csv wrote."""
-    return 0.5 * 10.0 ** -len(written.partition(".")[2]) if "." in written and "e" not in written.lower() else 0.0
+    return (
+        0.5 * 10.0 ** -len(written.partition(".")[2])
+        if "." in written and "e" not in written.lower()
+        else 0.0
+    )
 
 
 def _test_batch(config: dict, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,9 +106,9 @@ def _test_batch(config: dict, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     from hydra_ddp import data
     from hydra_ddp.runtime.ranks import RankInfo
 
-    test = data.build_datasets(OmegaConf.create(config["data"]), RankInfo(0, 1, 0, 1), config["trainer"]["seed"])[
-        "test"
-    ]
+    test = data.build_datasets(
+        OmegaConf.create(config["data"]), RankInfo(0, 1, 0, 1), config["trainer"]["seed"]
+    )["test"]
     x, y = zip(*(test[i] for i in range(size)))
     return torch.stack(x), torch.stack([torch.as_tensor(t) for t in y])
 
@@ -126,23 +133,32 @@ def test_a_ddp_run_exports_weights_that_load_without_the_project(tmp_path: Path)
     check_ok(run_train(run_dir, *QUICK))
     evaluated = run_eval(tmp_path / "eval", f"ckpt={run_dir}", "trainer.nproc=1", "predict=true")
     check_ok(evaluated)
-    assert f"a row per test sample: {tmp_path / 'eval' / 'predictions.csv'}" in evaluated.stdout + evaluated.stderr
+    assert (
+        f"a row per test sample: {tmp_path / 'eval' / 'predictions.csv'}"
+        in evaluated.stdout + evaluated.stderr
+    )
     eval_batch = _test_batch_of(run_dir, None)[0]
     batch = eval_batch[:16]
     reference, _ = _project_logits(run_dir, batch)
     # Without out=: into the run's directory, not wherever the command was typed.
     proc = _export(tmp_path, f"ckpt={run_dir}")
-    assert proc.returncode == 0 and str(run_dir / "export" / "model.safetensors") in proc.stdout, proc.stderr
+    assert proc.returncode == 0 and str(run_dir / "export" / "model.safetensors") in proc.stdout, (
+        proc.stderr
+    )
     assert (run_dir / "export" / "model.yaml").is_file() and not list(tmp_path.glob("model*"))
     for fmt, name in (("safetensors", "model.safetensors"), ("torch", "model.pt")):
         proc = _export(tmp_path, f"ckpt={run_dir}", f"format={fmt}", f"out={tmp_path / fmt / name}")
         assert proc.returncode == 0 and proc.stdout.startswith("hydra-ddp: exported"), proc.stderr
         weights = tmp_path / fmt / name
         exported = yaml.safe_load(weights.with_name(weights.stem + ".yaml").read_text())
-        assert exported["model"]["_target_"] == "hydra_ddp.models.MnistCNN" and exported["format"] == fmt
+        assert (
+            exported["model"]["_target_"] == "hydra_ddp.models.MnistCNN"
+            and exported["format"] == fmt
+        )
         fresh = _fresh_logits(tmp_path, weights, batch)
         assert torch.equal(fresh, reference)
-    # As eval.py predicted on the same samples (it evaluates in the run's memory format: float noise).
+    # As eval.py predicted on the same samples (it evaluates in the run's memory format: float
+    # noise).
     rows = _predictions(tmp_path / "eval")[:16]
     probabilities = fresh.softmax(1)
     assert [int(r["predicted"]) for r in rows] == fresh.argmax(1).tolist()
@@ -192,9 +208,15 @@ def test_a_sharded_fsdp_tp_checkpoint_exports_the_whole_model(tmp_path: Path):
     losses = torch.nn.functional.cross_entropy(fresh, y, reduction="none").mean(1).tolist()
     assert [int(r["correct"]) for r in rows] == correct
     bound = _host_noise(
-        run_dir, eval_x, 8, lambda logits: torch.nn.functional.cross_entropy(logits, y, reduction="none").mean(1)
+        run_dir,
+        eval_x,
+        8,
+        lambda logits: torch.nn.functional.cross_entropy(logits, y, reduction="none").mean(1),
     )
-    assert all(abs(float(r["loss"]) - loss) <= bound + _rounding(r["loss"]) for r, loss in zip(rows, losses))
+    assert all(
+        abs(float(r["loss"]) - loss) <= bound + _rounding(r["loss"])
+        for r, loss in zip(rows, losses)
+    )
 
 
 @pytest.mark.parametrize(
@@ -208,7 +230,11 @@ def test_a_sharded_fsdp_tp_checkpoint_exports_the_whole_model(tmp_path: Path):
 )
 def test_bad_export_arguments_are_one_line(tmp_path: Path, args, message):
     proc = _export(tmp_path, *args)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
+    assert (
+        proc.returncode == 2
+        and len(proc.stderr.strip().splitlines()) == 1
+        and message in proc.stderr
+    ), proc.stderr
 
 
 # A small Llama on the tokenized documents (+experiment=documents_llama, cut down), for format=hf.
@@ -226,9 +252,12 @@ LLAMA = (
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_transformers_model_exports_as_from_pretrained_loads_it_with_its_tokenizer(tmp_path: Path, strategy: str):
-    # The run's checkpoint (a file under ddp, DCP shards under fsdp) as save_pretrained writes it, the
-    # run's tokenizer beside it: transformers' own loaders give the trained model's logits, bit for bit.
+def test_a_transformers_model_exports_as_from_pretrained_loads_it_with_its_tokenizer(
+    tmp_path: Path, strategy: str
+):
+    # The run's checkpoint (a file under ddp, DCP shards under fsdp) as save_pretrained writes it,
+    # the run's tokenizer beside it: transformers' own loaders give the trained model's logits, bit
+    # for bit.
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -246,7 +275,9 @@ def test_a_transformers_model_exports_as_from_pretrained_loads_it_with_its_token
     )
     assert done.returncode == 0, done.stderr
     assert (
-        (out / "config.json").is_file() and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+        (out / "config.json").is_file()
+        and (out / "model.safetensors").is_file()
+        and (out / "tokenizer.json").is_file()
     )
 
     path = files.find(str(run_dir), "ckpt")
@@ -254,7 +285,10 @@ def test_a_transformers_model_exports_as_from_pretrained_loads_it_with_its_token
     config = run_config.typed(state["config"]).model
     trained = causal_lm(**{k: v for k, v in config.items() if k != "_target_"})
     trained.load_state_dict(files.model_weights(path, state))
-    loaded, tokenizer = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    loaded, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(out),
+        AutoTokenizer.from_pretrained(out),
+    )
     ids = torch.tensor([tokenizer("def main(argv):\n    return 0\n")["input_ids"]])
     trained.eval()
     with torch.no_grad():
@@ -266,10 +300,19 @@ def test_format_hf_of_a_model_that_is_not_transformers_is_one_line(tmp_path: Pat
     run_dir = tmp_path / "run"
     check_ok(run_train(run_dir, *QUICK))
     done = subprocess.run(
-        [sys.executable, "-m", "hydra_ddp.export", f"ckpt={run_dir}", "format=hf", f"out={tmp_path / 'hf'}"],
+        [
+            sys.executable,
+            "-m",
+            "hydra_ddp.export",
+            f"ckpt={run_dir}",
+            "format=hf",
+            f"out={tmp_path / 'hf'}",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert done.returncode == 2 and "format=hf is for Hugging Face transformers models" in done.stderr, done.stderr
+    assert (
+        done.returncode == 2 and "format=hf is for Hugging Face transformers models" in done.stderr
+    ), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

@@ -17,7 +17,10 @@ HOOK = "+trainer.hooks=[{_target_:hook_events.Events,end_after_epoch:1}]"
 
 
 def events(run_dir: Path, rank: int) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / f"hook_events.rank{rank}.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line)
+        for line in (run_dir / f"hook_events.rank{rank}.jsonl").read_text().splitlines()
+    ]
 
 
 @pytest.mark.timeout(300)

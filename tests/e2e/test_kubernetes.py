@@ -1,7 +1,7 @@
 """Kubernetes, as its trainers launch workloads: train.py in a pod of Kubeflow Trainer's TrainJob or
-the training-operator's PyTorchJob (the pods' variables, read in process: tests/unit/test_kubernetes.py),
-and scripts/k8s/trainjob.yaml's pods run as two hosts in network namespaces, training as one node of
-two workers does, bit for bit.
+the training-operator's PyTorchJob (the pods' variables, read in process:
+tests/unit/test_kubernetes.py), and scripts/k8s/trainjob.yaml's pods run as two hosts in network
+namespaces, training as one node of two workers does, bit for bit.
 
 No cluster runs here: what is tested is the contract between a controller and train.py. Each "pod"
 runs the command, args and env that the manifest gives its container, with what the controller and
@@ -39,7 +39,8 @@ IMAGE_ROOT = "/workspace"  # the project's place in the image (scripts/k8s/Docke
 SETTINGS = (*QUICK, "trainer.threads=1")
 
 
-# --- train.py in a pod ------------------------------------------------------------------------------
+# --- train.py in a pod
+# ------------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)
@@ -47,8 +48,8 @@ def test_a_bad_pod_environment_is_one_line_before_anything_is_composed(run_dir: 
     proc = run_train(run_dir, env={**PYTORCHJOB, "PET_NODE_RANK": "2"}, timeout=50)
     assert proc.returncode != 0
     assert proc.stderr.splitlines() == [
-        "hydra-ddp: error: PET_NODE_RANK=2 must be this pod's index among the job's 2 nodes (PET_NNODES=2): 0 to 1; "
-        "Kubeflow sets both, check the job's numNodes"
+        "hydra-ddp: error: PET_NODE_RANK=2 must be this pod's index among the job's "
+        "2 nodes (PET_NNODES=2): 0 to 1; Kubeflow sets both, check the job's numNodes"
     ], proc.stderr
     assert not run_dir.exists()  # Hydra never ran
 
@@ -60,11 +61,16 @@ def test_a_pytorchjob_pod_with_pet_variables_checks_as_its_node_of_torchrun(run_
     assert "config OK: 4 worker(s) on cpu (torchrun, backend gloo" in proc.stdout, proc.stdout
 
 
-# --- The manifest's pods, as two hosts ---------------------------------------------------------------
+# --- The manifest's pods, as two hosts
+# ---------------------------------------------------------------
 
 
 def _trainjob() -> dict:
-    (job,) = [doc for doc in yaml.safe_load_all(MANIFEST.read_text()) if doc and doc.get("kind") == "TrainJob"]
+    (job,) = [
+        doc
+        for doc in yaml.safe_load_all(MANIFEST.read_text())
+        if doc and doc.get("kind") == "TrainJob"
+    ]
     assert (
         job["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
         and job["spec"]["runtimeRef"]["name"] == "torch-distributed"
@@ -80,12 +86,13 @@ def _pod(
     Taken as written: trainer.command, trainer.args, trainer.env; an env value from the downward
     API's status.podIP is the pod's address (its namespace's here). Substituted: the image's root
     (/workspace) is this repository, and the image's `python` this venv's (first on PATH).
-    Added, as the Trainer's torch plugin does (kubeflow/trainer, pkg/runtime/framework/plugins/torch):
-    PET_NNODES = numNodes, PET_NPROC_PER_NODE = numProcPerNode, PET_NODE_RANK = the pod's index and
-    PET_MASTER_PORT = 29500; PET_MASTER_ADDR, node 0's pod's DNS name there (<job>-node-0-0.<job>),
-    is node 0's address here (no DNS). `controller_env`, where given, replaces those PET_* (another
-    controller's variables). The kubelet's KUBERNETES_SERVICE_HOST marks a pod; gloo is told the
-    pods' network interface (GLOO_SOCKET_IFNAME; in a pod, its hostname's address serves)."""
+    Added, as the Trainer's torch plugin does (kubeflow/trainer,
+    pkg/runtime/framework/plugins/torch): PET_NNODES = numNodes, PET_NPROC_PER_NODE =
+    numProcPerNode, PET_NODE_RANK = the pod's index and PET_MASTER_PORT = 29500; PET_MASTER_ADDR,
+    node 0's pod's DNS name there (<job>-node-0-0.<job>), is node 0's address here (no DNS).
+    `controller_env`, where given, replaces those PET_* (another controller's variables). The
+    kubelet's KUBERNETES_SERVICE_HOST marks a pod; gloo is told the pods' network interface
+    (GLOO_SOCKET_IFNAME; in a pod, its hostname's address serves)."""
     trainer = job["spec"]["trainer"]
     command = [
         part.replace(IMAGE_ROOT, str(REPO), 1) if part.startswith(f"{IMAGE_ROOT}/") else part
@@ -94,7 +101,9 @@ def _pod(
     written = {}
     for var in trainer.get("env", []):
         if "valueFrom" in var:
-            assert var["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, f"no stand-in here for {var}"
+            assert var["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}, (
+                f"no stand-in here for {var}"
+            )
             written[var["name"]] = addresses[index]
         else:
             written[var["name"]] = var["value"]
@@ -116,12 +125,17 @@ def _pod(
     return [*command, *trainer["args"]], env
 
 
-def _run_pods(hosts: TwoHosts, tmp_path: Path, job: dict, controller_env=lambda index: {}) -> list[Path]:
-    """Both pods at once, each in its namespace with a run directory of its own (its own filesystem);
-    the run directories, node 0's first."""
+def _run_pods(
+    hosts: TwoHosts, tmp_path: Path, job: dict, controller_env=lambda index: {}
+) -> list[Path]:
+    """Both pods at once, each in its namespace with a run directory of its own (its own
+    filesystem); the run directories, node 0's first."""
     run_dirs = [tmp_path / f"pod{index}" for index in range(2)]
     pods = [_pod(job, index, hosts.addresses, controller_env(index)) for index in range(2)]
-    commands = [[*command, *SETTINGS, f"hydra.run.dir={run_dir}"] for (command, _), run_dir in zip(pods, run_dirs)]
+    commands = [
+        [*command, *SETTINGS, f"hydra.run.dir={run_dir}"]
+        for (command, _), run_dir in zip(pods, run_dirs)
+    ]
     for result in hosts.run(commands, [env for _, env in pods]):
         check_ok(result)
     return run_dirs
@@ -131,7 +145,9 @@ def _run_pods(hosts: TwoHosts, tmp_path: Path, job: dict, controller_env=lambda 
 def one_node(tmp_path_factory) -> Path:
     """The manifest's training on one node of two workers (the default spawn launcher)."""
     run_dir = tmp_path_factory.mktemp("one-node") / "run"
-    check_ok(run_train(run_dir, *_trainjob()["spec"]["trainer"]["args"], *SETTINGS, "trainer.nproc=2"))
+    check_ok(
+        run_train(run_dir, *_trainjob()["spec"]["trainer"]["args"], *SETTINGS, "trainer.nproc=2")
+    )
     return run_dir
 
 
@@ -147,7 +163,8 @@ def _trains_as_one_node(pods: list[Path], one_node: Path, launcher: str) -> None
 
 
 needs_namespaces = pytest.mark.skipif(
-    shutil.which("ip") is None or os.geteuid() != 0, reason="network namespaces need root and iproute2's `ip`"
+    shutil.which("ip") is None or os.geteuid() != 0,
+    reason="network namespaces need root and iproute2's `ip`",
 )
 
 
@@ -163,7 +180,9 @@ def test_the_trainjobs_two_pods_train_as_one_node_of_two_workers(tmp_path: Path,
 
 @needs_namespaces
 @pytest.mark.timeout(180)
-def test_pods_given_only_rank_and_world_size_train_as_one_node_of_two(tmp_path: Path, one_node: Path):
+def test_pods_given_only_rank_and_world_size_train_as_one_node_of_two(
+    tmp_path: Path, one_node: Path
+):
     """The same image in pods given no PET_*, only MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (a
     controller or a pod spec of one's own; the training-operator also sets PET_*): one worker per
     pod, its rank the pod's RANK, meeting at the master's MASTER_ADDR:MASTER_PORT (23456)."""

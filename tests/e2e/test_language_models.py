@@ -1,8 +1,8 @@
 """Language models on text as it comes (data=documents: documents of different lengths, padded or
 packed), trained exactly: one global batch trains alike however it is split over ranks and
-micro-batches (the loss weighs every token of the step alike); a packed run stopped mid-epoch resumes
-bit for bit; evaluation is bit-equal at 1, 2 and 3 ranks, padded or packed; the summary says what
-a step holds."""
+micro-batches (the loss weighs every token of the step alike); a packed run stopped mid-epoch
+resumes bit for bit; evaluation is bit-equal at 1, 2 and 3 ranks, padded or packed; the summary says
+what a step holds."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from support import (
     summary,
 )
 
-pytest.importorskip("tokenizers")  # the transformers extra: .ci/run installs it; under CI=true a skip fails
+# the transformers extra: .ci/run installs it; under CI=true a skip fails
+pytest.importorskip("tokenizers")
 
 # Small documents (the standard library's first files, pieces of at most 48 tokens), a small GPT.
 TEXT = (
@@ -48,7 +49,11 @@ METRICS = ("test_loss", "test_accuracy", "test_perplexity", "test_samples")
 
 def _trained(run_dir: Path, *overrides: str) -> list[float]:
     """A run's losses, every step's and the test's after the last (float64's digits)."""
-    check_ok(run_train(run_dir, *TEXT, *FLOAT64, f"trainer.max_steps={STEPS}", "trainer.threads=1", *overrides))
+    check_ok(
+        run_train(
+            run_dir, *TEXT, *FLOAT64, f"trainer.max_steps={STEPS}", "trainer.threads=1", *overrides
+        )
+    )
     return csv_losses(run_dir) + [summary(run_dir)["test_loss"]]
 
 
@@ -57,13 +62,25 @@ def test_one_global_batch_of_padded_documents_trains_alike_however_it_is_split(t
     # 16 documents a step, right-padded to each batch's longest (labels -100 on the padding): one
     # rank of 16, two ranks of 8, one rank of 8 accumulated twice. Every token of the step weighs
     # alike in all three; only the order of the sums differs.
-    whole = _trained(tmp_path / "1x16", "trainer.nproc=1", "data.global_batch_size=16", "data.batch_size=16")
-    ranks = _trained(tmp_path / "2x8", "trainer.nproc=2", "data.global_batch_size=16", "data.batch_size=8")
-    accumulated = _trained(tmp_path / "1x8x2", "trainer.nproc=1", "data.global_batch_size=16", "data.batch_size=8")
-    assert summary(tmp_path / "1x8x2")["accumulate"] == 2 and summary(tmp_path / "2x8")["accumulate"] == 1
+    whole = _trained(
+        tmp_path / "1x16", "trainer.nproc=1", "data.global_batch_size=16", "data.batch_size=16"
+    )
+    ranks = _trained(
+        tmp_path / "2x8", "trainer.nproc=2", "data.global_batch_size=16", "data.batch_size=8"
+    )
+    accumulated = _trained(
+        tmp_path / "1x8x2", "trainer.nproc=1", "data.global_batch_size=16", "data.batch_size=8"
+    )
+    assert (
+        summary(tmp_path / "1x8x2")["accumulate"] == 2
+        and summary(tmp_path / "2x8")["accumulate"] == 1
+    )
     # The bound, on this host: the same run with its sums in another order (two threads, not one).
-    noise = _trained(tmp_path / "noise", "trainer.nproc=1", "data.global_batch_size=16", "trainer.threads=2")
-    ceiling, floor = FLOAT64_BOUND, 1e-14  # float64's order noise over 8 steps: a few units of 2.2e-16
+    noise = _trained(
+        tmp_path / "noise", "trainer.nproc=1", "data.global_batch_size=16", "trainer.threads=2"
+    )
+    # float64's order noise over 8 steps: a few units of 2.2e-16
+    ceiling, floor = FLOAT64_BOUND, 1e-14
     assert_within_float_noise(ranks, whole, noise, ceiling=ceiling, floor=floor)
     assert_within_float_noise(accumulated, whole, noise, ceiling=ceiling, floor=floor)
     # The weighting this replaced, each micro-batch's mean loss and each rank's alike (a task that
@@ -80,24 +97,40 @@ def test_one_global_batch_of_padded_documents_trains_alike_however_it_is_split(t
 def test_a_run_stopped_mid_epoch_resumes_bit_identical_and_evaluates_alike_at_1_2_3_ranks(
     tmp_path: Path, packing: bool
 ):
-    common = (*TEXT, f"data.dataset.packing={packing}", "data.global_batch_size=16", "trainer.max_steps=12")
+    common = (
+        *TEXT,
+        f"data.dataset.packing={packing}",
+        "data.global_batch_size=16",
+        "trainer.max_steps=12",
+    )
     straight = tmp_path / "straight"
     check_ok(run_train(straight, *common))
     s = summary(straight)
-    assert (s["world_size"], s["steps"], s["batch_size"], s["accumulate"], s["global_batch_size"]) == (2, 12, 8, 1, 16)
+    assert (
+        s["world_size"],
+        s["steps"],
+        s["batch_size"],
+        s["accumulate"],
+        s["global_batch_size"],
+    ) == (2, 12, 8, 1, 16)
     assert s["tokens_per_step"] > 0 and s["tokens_per_sec"] > 0 and s["flops"]["mfu"] is not None
     assert (straight / "tokenizer" / "tokenizer.json").is_file()  # as transformers loads it
-    # SIGTERM at rank 0's 5th training forward, mid-epoch; resumed: every loss, metrics.csv and the weights.
+    # SIGTERM at rank 0's 5th training forward, mid-epoch; resumed: every loss, metrics.csv and the
+    # weights.
     stopped = tmp_path / "stopped"
-    probe = ("model._target_=probes.signal_at", "+model.of=hydra_ddp.models.TinyGPT", "+model.step=5")
+    probe = (
+        "model._target_=probes.signal_at",
+        "+model.of=hydra_ddp.models.TinyGPT",
+        "+model.step=5",
+    )
     done = finish(start_train(stopped, *common, *probe))
     assert done.returncode == 143, done.stderr
     assert 4 <= summary(stopped)["steps"] < 12
     check_ok(run_train(stopped, *common, "trainer.resume=auto"))
     assert_same_run(stopped, straight, "resumed after SIGTERM")
     assert {k: summary(stopped)[k] for k in METRICS} == {k: s[k] for k in METRICS}
-    # eval.py on the run's checkpoint at 1, 2 and 3 ranks (3: the test split's chunks do not divide):
-    # the run's own test metrics, bit for bit, each time.
+    # eval.py on the run's checkpoint at 1, 2 and 3 ranks (3: the test split's chunks do not
+    # divide): the run's own test metrics, bit for bit, each time.
     for world in (1, 2, 3):
         out = tmp_path / f"eval{world}"
         check_ok(run_eval(out, f"ckpt={straight}", f"trainer.nproc={world}"))
@@ -106,13 +139,22 @@ def test_a_run_stopped_mid_epoch_resumes_bit_identical_and_evaluates_alike_at_1_
 
 
 def test_a_causal_lm_given_pairs_and_a_stream_are_each_one_line(tmp_path: Path):
-    proc = run_train(tmp_path / "pairs", "task=causal_lm", "trainer.max_steps=2")  # the digits' (image, label)
+    # the digits' (image, label)
+    proc = run_train(tmp_path / "pairs", "task=causal_lm", "trainer.max_steps=2")
     errors = [text for text in proc.stderr.splitlines() if text.startswith("hydra-ddp: error:")]
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-2000:]
-    assert "task=causal_lm takes dict batches with input_ids and labels, and the data gives a list of 2" in errors[0]
-    # A source that returns a stream is found where it is built, in the workers: one line from every rank.
-    proc = run_train(tmp_path / "stream", "data.dataset._target_=recording.streamed", "trainer.max_steps=2")
+    assert (
+        "task=causal_lm takes dict batches with input_ids "
+        "and labels, and the data gives a list of 2" in errors[0]
+    )
+    # A source that returns a stream is found where it is built, in the workers: one line from every
+    # rank.
+    proc = run_train(
+        tmp_path / "stream", "data.dataset._target_=recording.streamed", "trainer.max_steps=2"
+    )
     errors = [text for text in proc.stderr.splitlines() if text.startswith("hydra-ddp: error:")]
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-2000:]
-    assert "data.dataset (recording.streamed) gives a stream (Stream, an IterableDataset)" in errors[0]
+    assert (
+        "data.dataset (recording.streamed) gives a stream (Stream, an IterableDataset)" in errors[0]
+    )
     assert "python -m hydra_ddp.tools.shards write DIR --source recording.streamed" in errors[0]

@@ -26,16 +26,20 @@ def test_loader_workers_outlive_a_stop_signal_that_their_rank_acts_on():
 
     from hydra_ddp.data.loading import loader_options
 
-    settings = SimpleNamespace(num_workers=2, pin_memory=False, persistent_workers=False, prefetch_factor=1)
+    settings = SimpleNamespace(
+        num_workers=2, pin_memory=False, persistent_workers=False, prefetch_factor=1
+    )
     dataset = TensorDataset(torch.arange(64.0))
-    loader = DataLoader(dataset, batch_size=4, **loader_options(settings, seed=0, device=torch.device("cpu")))
+    loader = DataLoader(
+        dataset, batch_size=4, **loader_options(settings, seed=0, device=torch.device("cpu"))
+    )
     batches = iter(loader)
     # Batches come from the workers in turn: once two are back, both workers have run their init.
     seen = [next(batches)[0], next(batches)[0]]
     for worker in batches._workers:  # type: ignore[attr-defined]
-        # Every thread of the worker blocks the stop signals (read from the kernel): a thread that did
-        # not (one started before the worker's init, as OpenBLAS's pool in a forked child) would take
-        # a job's SIGTERM and die of torch's handler: the suite's run of cef669e saw it, once.
+        # Every thread of the worker blocks the stop signals (read from the kernel): a thread that
+        # did not (one started before the worker's init, as OpenBLAS's pool in a forked child) would
+        # take a job's SIGTERM and die of torch's handler: the suite's run of cef669e saw it, once.
         unblocked = [t for t in _threads_blocking(worker.pid) if not t[1]]
         assert not unblocked, f"worker {worker.pid}'s threads with SIGTERM unblocked: {unblocked}"
         for name in ("TERM", "INT"):  # sent by another process, as scancel or a terminal sends them
@@ -50,7 +54,11 @@ def _threads_blocking(pid: int) -> list[tuple[str, bool]]:
     while it waits: it is the one that takes them)."""
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        fields = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        fields = dict(
+            line.split(":\t", 1)
+            for line in (task / "status").read_text().splitlines()
+            if ":\t" in line
+        )
         waiting = "sigtimedwait" in (task / "wchan").read_text()
         found.append((task.name, waiting or bool(int(fields["SigBlk"], 16) >> (15 - 1) & 1)))
     return found
@@ -59,17 +67,18 @@ def _threads_blocking(pid: int) -> list[tuple[str, bool]]:
 def test_a_process_that_leaves_live_loader_workers_still_exits():
     """Its own end of its workers (multiprocessing's SIGTERM at exit) is one they obey."""
     script = (
-        "import torch\n"
-        "from types import SimpleNamespace\n"
-        "from torch.utils.data import DataLoader, TensorDataset\n"
-        "from hydra_ddp.data.loading import loader_options\n"
-        "settings = SimpleNamespace(num_workers=2, pin_memory=False, persistent_workers=True, prefetch_factor=1)\n"
-        "options = loader_options(settings, seed=0, device=torch.device('cpu'))\n"
-        "batches = iter(DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, **options))\n"
-        "next(batches), next(batches)\n"
-        "print('left', len(batches._workers), flush=True)\n"
+        "import torch\nfrom types import SimpleNamespace\nfrom torch.utils.data "
+        "import DataLoader, TensorDataset\nfrom hydra_ddp.data.loading import "
+        "loader_options\nsettings = SimpleNamespace(num_workers=2, "
+        "pin_memory=False, persistent_workers=True, prefetch_factor=1)\noptions "
+        "= loader_options(settings, seed=0, device=torch.device('cpu'))\nbatches "
+        "= iter(DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, "
+        "**options))\nnext(batches), next(batches)\nprint('left', "
+        "len(batches._workers), flush=True)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0 and done.stdout == "left 2\n", done.stderr
 
 
@@ -86,11 +95,13 @@ def test_loader_workers_give_their_stacks_and_one_that_never_ran_its_init_is_nam
     import signal
     import tempfile
 
-    if temporary_directory == "missing":  # a host without a writable temporary directory: the stacks' file is in memory
+    # a host without a writable temporary directory: the stacks' file is in memory
+    if temporary_directory == "missing":
         monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/tmp")
     fork = multiprocessing.get_context("fork")
     answering = fork.Process(target=_answers_then_waits, daemon=True)
-    unstarted = fork.Process(target=time.sleep, args=(60,), daemon=True)  # as a worker stuck in its fork
+    # as a worker stuck in its fork
+    unstarted = fork.Process(target=time.sleep, args=(60,), daemon=True)
     for process in (answering, unstarted):
         hangs.forking_loader_worker(process)
         process.start()
@@ -103,7 +114,8 @@ def test_loader_workers_give_their_stacks_and_one_that_never_ran_its_init_is_nam
         assert "line" in dumps[answering.pid] and "in _answers_then_waits" in dumps[answering.pid]
         assert dumps[unstarted.pid].startswith("never started: it did not reach its init")
         assert hangs.worker_place(dumps[unstarted.pid]) == "its fork (never started)"
-        assert unstarted.is_alive() and answering.is_alive()  # the signal ends a process without the handler
+        # the signal ends a process without the handler
+        assert unstarted.is_alive() and answering.is_alive()
     finally:
         for process in (answering, unstarted):
             os.kill(process.pid, signal.SIGKILL)

@@ -28,7 +28,13 @@ def test_wandb_run_file_reads_back_records_that_span_blocks(tmp_path: Path, monk
     run.finish()
     wandb.teardown()  # waits for W&B's service to write the file out (run.finish() does not)
     (path,) = wandb_logger.run_files(tmp_path, "abcd1234")
-    configs = [r.run.config for r in wandb_logger.records(path) if r.WhichOneof("record_type") == "run"]
+    configs = [
+        r.run.config for r in wandb_logger.records(path) if r.WhichOneof("record_type") == "run"
+    ]
     assert {u.key: u.value_json for u in configs[0].update}["notes"] == '"' + "x" * 100_000 + '"'
-    assert [(row["_step"], row["loss"]) for row in wandb_logger.history(path)] == [(0, 1.0), (1, 0.5), (2, 1 / 3)]
+    assert [(row["_step"], row["loss"]) for row in wandb_logger.history(path)] == [
+        (0, 1.0),
+        (1, 0.5),
+        (2, 1 / 3),
+    ]
     assert len(wandb_logger.new_run_id()) == 8

@@ -36,8 +36,12 @@ def _readme_line(start: str) -> str:
 
 def _bash(command: str, clone: Path, timeout: float) -> subprocess.CompletedProcess:
     env = {k: v for k, v in train_env().items() if k != "PYTHONPATH"}  # a newcomer's shell
-    done = subprocess.run(["bash", "-c", command], cwd=clone, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{command}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    done = subprocess.run(
+        ["bash", "-c", command], cwd=clone, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, (
+        f"{command}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    )
     return done
 
 
@@ -49,12 +53,17 @@ def _runs(clone: Path) -> list[Path]:
 def clone(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("newcomer") / "hydra-ddp"
     files = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.splitlines()
     for name in files:
         if (REPO / name).is_file():
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, folder / name)  # mtimes kept: make compares them with the venv's stamp
+            # mtimes kept: make compares them with the venv's stamp
+            shutil.copy2(REPO / name, folder / name)
     (folder / ".venv").symlink_to(Path(sys.executable).parents[1])
     stale = subprocess.run(["make", "-q", ".venv/.installed"], cwd=folder).returncode
     assert not stale, "the suite's venv is older than pyproject.toml or setup.py: run make first"
@@ -78,7 +87,8 @@ def test_the_front_door_and_the_tour_do_what_their_lines_say(clone: Path):
     _bash(_readme_line(".venv/bin/python train.py model=resnet18"), clone, timeout=300)
     (resnet,) = set(_runs(clone)) - {first}
     s = json.loads((resnet / "summary.json").read_text())
-    assert s["steps"] == 20 and 0.0 <= s["test_accuracy"] < 0.2, s["test_accuracy"]  # 10 classes: 0.1
+    # 10 classes: 0.1
+    assert s["steps"] == 20 and 0.0 <= s["test_accuracy"] < 0.2, s["test_accuracy"]
 
     # "not only classifiers": a regression, its own metrics.
     _bash(_readme_line(".venv/bin/python train.py task=regression"), clone, timeout=300)
@@ -88,16 +98,24 @@ def test_the_front_door_and_the_tour_do_what_their_lines_say(clone: Path):
 
     # "compose and check; launch nothing".
     before = set(_runs(clone))
-    checked = _bash(_readme_line(".venv/bin/python train.py --check trainer.nproc=4"), clone, timeout=120)
-    assert "hydra-ddp: config OK: 4 worker(s) on cpu" in checked.stdout and set(_runs(clone)) == before
+    checked = _bash(
+        _readme_line(".venv/bin/python train.py --check trainer.nproc=4"), clone, timeout=120
+    )
+    assert (
+        "hydra-ddp: config OK: 4 worker(s) on cpu" in checked.stdout and set(_runs(clone)) == before
+    )
 
     # "continue a run (stopped, or given more epochs) from its newest good checkpoint": the first
     # run, complete, trains nothing and says so; given another epoch, it trains on from its end.
-    resume = _readme_line(".venv/bin/python train.py hydra.run.dir=outputs/runs/DATE/TIME trainer.resume=auto")
+    resume = _readme_line(
+        ".venv/bin/python train.py hydra.run.dir=outputs/runs/DATE/TIME trainer.resume=auto"
+    )
     date_time = os.path.relpath(first, clone / "outputs" / "runs")
     done = _bash(resume.replace("DATE/TIME", date_time), clone, timeout=120)
     assert f"is complete (step {first_steps}, ended by epochs): nothing to train" in done.stderr
     epochs = json.loads((first / "summary.json").read_text())["epochs"]
-    _bash(resume.replace("DATE/TIME", date_time) + f" trainer.epochs={epochs + 1}", clone, timeout=300)
+    _bash(
+        resume.replace("DATE/TIME", date_time) + f" trainer.epochs={epochs + 1}", clone, timeout=300
+    )
     s = json.loads((first / "summary.json").read_text())
     assert s["epochs"] == epochs + 1 and s["resumed_from"] is not None

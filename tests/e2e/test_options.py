@@ -41,14 +41,20 @@ def reference(tmp_path_factory) -> Path:
     [
         (("data.preload=true",), True),  # the same batches, sliced from tensors
         (
-            ("data.num_workers=1", "data.persistent_workers=true", "data.prefetch_factor=2", "data.pin_memory=true"),
+            (
+                "data.num_workers=1",
+                "data.persistent_workers=true",
+                "data.prefetch_factor=2",
+                "data.pin_memory=true",
+            ),
             True,
         ),  # the same batches, made in a worker process (pinning is for GPUs: ignored on the CPU)
         (("trainer.compile=true", "trainer.compile_backend=eager"), True),
         # gloo's all-reduce instead of the shared segment: at 2 ranks the same sums.
         (("strategy.shared_memory=false",), True),
-        # Each of DDP's two settings `auto` turns on, alone off (docs/auto.md: bit-identical): gradients
-        # copied into and out of the buckets, and buckets rebuilt from the first step's order.
+        # Each of DDP's two settings `auto` turns on, alone off (docs/auto.md: bit-identical):
+        # gradients copied into and out of the buckets, and buckets rebuilt from the first step's
+        # order.
         (("strategy.gradient_as_bucket_view=false",), True),
         (("strategy.static_graph=false",), True),
         # Smaller buckets (other all-reduce groupings), and the fast settings `auto` turns on
@@ -74,7 +80,9 @@ def reference(tmp_path_factory) -> Path:
         "ddp-buckets-and-auto-settings-off",
     ],
 )
-def test_option_trains_the_same(reference: Path, run_dir: Path, overrides: tuple[str, ...], exact: bool):
+def test_option_trains_the_same(
+    reference: Path, run_dir: Path, overrides: tuple[str, ...], exact: bool
+):
     proc = start_train(run_dir, *STEPS, *overrides)
     proc.wait(timeout=150)
     # Nothing outlives the run (loader workers end with their ranks), not even holding its output.
@@ -84,7 +92,9 @@ def test_option_trains_the_same(reference: Path, run_dir: Path, overrides: tuple
         os.killpg(proc.pid, signal.SIGKILL)
     check_ok(finish(proc, timeout=10))
     settings = summary(run_dir)["settings"]  # the run used the settings asked for
-    for key, value in (override.split("=", 1) for override in overrides if override.split("=")[0] in settings):
+    for key, value in (
+        override.split("=", 1) for override in overrides if override.split("=")[0] in settings
+    ):
         assert settings[key] == (value == "true"), (key, settings)
     if exact:  # bit for bit: every step's loss, and the final weights
         assert_same_run(run_dir, reference)
@@ -93,28 +103,38 @@ def test_option_trains_the_same(reference: Path, run_dir: Path, overrides: tuple
 
 
 @pytest.mark.timeout(300)
-def test_compile_with_inductor_the_default_backend_builds_kernels_and_trains_the_same(reference: Path, tmp_path: Path):
-    # The backend a user gets: inductor generates and builds C++ kernels (g++), which the cache shows;
-    # a failed compile would fall back to eager with a warning and build none.
+def test_compile_with_inductor_the_default_backend_builds_kernels_and_trains_the_same(
+    reference: Path, tmp_path: Path
+):
+    # The backend a user gets: inductor generates and builds C++ kernels (g++), which the cache
+    # shows; a failed compile would fall back to eager with a warning and build none.
     cache = tmp_path / "inductor"
     check_ok(
         run_train(
-            tmp_path / "run", *STEPS, "trainer.compile=true", env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}, timeout=240
+            tmp_path / "run",
+            *STEPS,
+            "trainer.compile=true",
+            env={"TORCHINDUCTOR_CACHE_DIR": str(cache)},
+            timeout=240,
         )
     )
     assert list(cache.rglob("*.so")), sorted(p.name for p in cache.rglob("*"))[:20]
-    # Fused kernels sum in another order: over six steps, within the suite's early-step bound of 1e-6.
+    # Fused kernels sum in another order: over six steps, within the suite's early-step bound of
+    # 1e-6.
     assert losses(tmp_path / "run") == pytest.approx(losses(reference), rel=1e-6)
 
 
-def test_auto_settings_are_chosen_per_model_and_named_in_the_summary(reference: Path, run_dir: Path):
+def test_auto_settings_are_chosen_per_model_and_named_in_the_summary(
+    reference: Path, run_dir: Path
+):
     on = {
         "trainer.channels_last": True,
         "strategy.gradient_as_bucket_view": True,
         "strategy.static_graph": True,
         "strategy.shared_memory": True,
     }
-    assert summary(reference)["settings"] == on  # the CNN: convolutions, even shards, no compile, one host
+    # the CNN: convolutions, even shards, no compile, one host
+    assert summary(reference)["settings"] == on
     # No convolutions: no channels_last; uneven shards (Join): no static graph and no shared memory.
     check_ok(run_train(run_dir, *STEPS, "model=mlp", "data.even_shards=false"))
     assert summary(run_dir)["settings"] == {
@@ -154,12 +174,21 @@ def test_an_epochs_short_last_accumulation_group_is_the_mean_of_its_own_batches(
     assert summary(accumulated)["steps"] == summary(direct)["steps"] == 4
     a, b = final_params(accumulated), final_params(direct)
     for key in a:
-        assert torch.allclose(a[key], b[key], rtol=0, atol=1e-6), (key, (a[key] - b[key]).abs().max().item())
+        assert torch.allclose(a[key], b[key], rtol=0, atol=1e-6), (
+            key,
+            (a[key] - b[key]).abs().max().item(),
+        )
 
 
 def test_tune_loader_prints_the_best_setting():
     proc = subprocess.run(
-        [sys.executable, "-m", "hydra_ddp.tools.tune_loader", "tune.num_workers=[0,1]", "tune.batches=5"],
+        [
+            sys.executable,
+            "-m",
+            "hydra_ddp.tools.tune_loader",
+            "tune.num_workers=[0,1]",
+            "tune.batches=5",
+        ],
         cwd=REPO,
         env=train_env(),
         capture_output=True,
@@ -192,13 +221,18 @@ def test_tune_times_real_steps_and_prints_the_fastest_overrides():
         timeout=150,
     )
     assert proc.returncode == 0, proc.stderr
-    timed = [line.split(":")[0].strip() for line in proc.stdout.splitlines() if line.endswith("samples/s")]
-    values = sorted({max(1, cores // 4), max(1, cores // 2), cores})  # half, all and twice cores ÷ ranks
+    timed = [
+        line.split(":")[0].strip()
+        for line in proc.stdout.splitlines()
+        if line.endswith("samples/s")
+    ]
+    # half, all and twice cores ÷ ranks
+    values = sorted({max(1, cores // 4), max(1, cores // 2), cores})
     assert timed == [f"trainer.threads={n}" for n in values], proc.stdout
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("fastest: trainer.threads=") and not last.startswith(f"fastest: trainer.threads={cores} "), (
-        last
-    )
+    assert last.startswith("fastest: trainer.threads=") and not last.startswith(
+        f"fastest: trainer.threads={cores} "
+    ), last
     speedup = float(last.split("(", 1)[1].split("×", 1)[0])
     assert speedup > 1.05, last  # timed again side by side, after the search
     assert f"{len(values) + 2} runs" in last  # each value, then configured and tuned once each
@@ -219,7 +253,8 @@ if __name__ == "__main__":
     with initialize_config_dir(config_dir=str(tune.CONF_DIR), version_base=None):
         cfg = compose(config_name="config", overrides=["data.num_workers=1"])
     run_dir = Path(sys.argv[1])
-    summary = workers.launch(tune.Timer(cfg, 3, run_dir).resolved({}, run_dir), run_dir, time.time())
+    resolved = tune.Timer(cfg, 3, run_dir).resolved({}, run_dir)
+    summary = workers.launch(resolved, run_dir, time.time())
     print(json.dumps({k: summary[k] for k in ("steps", "history", "test_passes", "tested")}))
 """
 

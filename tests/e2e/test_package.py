@@ -19,16 +19,25 @@ import pytest
 from support import REPO, free_port
 
 
-def _run(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+def _run(
+    args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300
+) -> subprocess.CompletedProcess:
     done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{args}: exit {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    assert done.returncode == 0, (
+        f"{args}: exit {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    )
     return done
 
 
 def _repository_copy(folder: Path) -> Path:
-    """The repository's own files (tracked and new) in `folder`, without its build outputs: a clone's."""
+    """The repository's own files (tracked and new) in `folder`, without its build outputs: a
+    clone's."""
     files = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.splitlines()
     for name in files:
         if (REPO / name).is_file():
@@ -45,7 +54,18 @@ def installed(tmp_path_factory) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE")}
     wheels = work / "wheels"
     built = _run(
-        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w", str(wheels), "."],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-v",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheels),
+            ".",
+        ],
         source,
         env,
     )
@@ -54,41 +74,77 @@ def installed(tmp_path_factory) -> dict[str, str]:
     assert "Warning:" not in built.stdout + built.stderr, built.stdout + built.stderr
     wheel = next(wheels.glob("hydra_ddp-*.whl"))
     venv = work / "venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], work, env)  # pip and setuptools: reused too
+    # pip and setuptools: reused too
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], work, env)
     site = next((venv / "lib").glob("python3*/site-packages"))
-    # This environment's packages (torch, Hydra, ...) reused by path: a plain entry, so its .pth files
-    # (this repository's editable install among them) are not read there.
+    # This environment's packages (torch, Hydra, ...) reused by path: a plain entry, so its .pth
+    # files (this repository's editable install among them) are not read there.
     (site / "reuse.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     python = str(venv / "bin" / "python")
-    _run([python, "-m", "pip", "install", "--no-index", "--no-deps", "--force-reinstall", str(wheel)], work, env)
+    _run(
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "--no-index",
+            "--no-deps",
+            "--force-reinstall",
+            str(wheel),
+        ],
+        work,
+        env,
+    )
     _run([python, "-m", "pip", "check"], work, env)  # every dependency the wheel names is there
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
     env["VIRTUAL_ENV"] = str(venv)
     where = _run(
-        [python, "-c", "import hydra_ddp, hydra_ddp.conf as c; print(hydra_ddp.__file__, c.__file__)"], work, env
+        [
+            python,
+            "-c",
+            "import hydra_ddp, hydra_ddp.conf as c; print(hydra_ddp.__file__, c.__file__)",
+        ],
+        work,
+        env,
     )
     assert all(path.startswith(str(venv)) for path in where.stdout.split()), where.stdout
     return env
 
 
 @pytest.mark.timeout(900)
-def test_the_wheel_installs_with_its_dependencies_into_an_empty_venv_and_its_project_trains(tmp_path: Path):
+def test_the_wheel_installs_with_its_dependencies_into_an_empty_venv_and_its_project_trains(
+    tmp_path: Path,
+):
     # As README's front door has it: the package from a clone's folder into a venv of its own, pip
-    # resolving every dependency (torch from the machine's wheel cache, the rest from the registry or
-    # its cache), no path borrowed from the suite's environment; then a project, and a run of it.
+    # resolving every dependency (torch from the machine's wheel cache, the rest from the registry
+    # or its cache), no path borrowed from the suite's environment; then a project, and a run of it.
     source = _repository_copy(tmp_path / "hydra-ddp")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "VIRTUAL_ENV")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "VIRTUAL_ENV")
+    }
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], tmp_path, env)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
     _run(["pip", "install", "--quiet", str(source)], tmp_path, env, timeout=600)
     _run(["pip", "check"], tmp_path, env)
-    where = _run(["python", "-c", "import hydra_ddp, torch; print(hydra_ddp.__file__, torch.__file__)"], tmp_path, env)
+    where = _run(
+        ["python", "-c", "import hydra_ddp, torch; print(hydra_ddp.__file__, torch.__file__)"],
+        tmp_path,
+        env,
+    )
     assert all(path.startswith(str(venv)) for path in where.stdout.split()), where.stdout
     _run(["hydra-ddp", "init", "my-lab"], tmp_path, env)
     run_dir = tmp_path / "my-lab" / "outputs" / "first"
     _run(
-        ["hydra-ddp", "train", "+experiment=spirals", "trainer.max_steps=5", f"hydra.run.dir={run_dir}"],
+        [
+            "hydra-ddp",
+            "train",
+            "+experiment=spirals",
+            "trainer.max_steps=5",
+            f"hydra.run.dir={run_dir}",
+        ],
         tmp_path / "my-lab",
         env,
     )
@@ -96,11 +152,17 @@ def test_the_wheel_installs_with_its_dependencies_into_an_empty_venv_and_its_pro
     assert "outputs/" in (tmp_path / "my-lab" / ".gitignore").read_text().split()
     # docs/project.md's last two lines: the project with its test extra, then its test.
     _run(["pip", "install", "--quiet", "-e", ".[test]"], tmp_path / "my-lab", env, timeout=300)
-    _run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], tmp_path / "my-lab", env)
+    _run(
+        ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        tmp_path / "my-lab",
+        env,
+    )
 
 
 @pytest.mark.timeout(900)
-def test_an_installed_wheel_starts_a_project_that_trains_evaluates_and_searches(installed, tmp_path: Path):
+def test_an_installed_wheel_starts_a_project_that_trains_evaluates_and_searches(
+    installed, tmp_path: Path
+):
     env = installed
     done = _run(["hydra-ddp", "init", "spiral-lab"], tmp_path, env)
     project = tmp_path / "spiral-lab"
@@ -135,7 +197,17 @@ def test_an_installed_wheel_starts_a_project_that_trains_evaluates_and_searches(
     # a process of its own (the Slurm launcher's path, without a cluster). The same run each time.
     outside = {
         "mpirun": (
-            ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PATH", "hydra-ddp", "train"],
+            [
+                "mpirun",
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "-np",
+                "2",
+                "-x",
+                "PATH",
+                "hydra-ddp",
+                "train",
+            ],
             [f"init_method.port={free_port()}"],
         ),
         "slurm_local": (["hydra-ddp", "train", "-m", "hydra/launcher=slurm_local"], []),
@@ -146,14 +218,28 @@ def test_an_installed_wheel_starts_a_project_that_trains_evaluates_and_searches(
         where = project / "outputs" / name
         place = f"hydra.run.dir={where}" if name == "mpirun" else f"hydra.sweep.dir={where}"
         _run(
-            [*command, "+experiment=spirals", "trainer.max_steps=150", "trainer.threads=1", place, *extra], project, env
+            [
+                *command,
+                "+experiment=spirals",
+                "trainer.max_steps=150",
+                "trainer.threads=1",
+                place,
+                *extra,
+            ],
+            project,
+            env,
         )
         done = json.loads(next(where.rglob("summary.json")).read_text())
         assert {k: done[k] for k in metrics} == {k: runs["spawn"][k] for k in metrics}, name
 
     # eval reproduces the run's test metrics, from the project's configs and package.
     _run(
-        ["hydra-ddp", "eval", f"ckpt={project / 'outputs' / 'spawn'}", f"hydra.run.dir={tmp_path / 'eval'}"],
+        [
+            "hydra-ddp",
+            "eval",
+            f"ckpt={project / 'outputs' / 'spawn'}",
+            f"hydra.run.dir={tmp_path / 'eval'}",
+        ],
         project,
         env,
     )
@@ -192,18 +278,28 @@ def test_an_installed_wheel_starts_a_project_that_trains_evaluates_and_searches(
         project,
         env,
     )
-    assert len([p for p in sweep.iterdir() if p.name.isdigit()]) == 2 and (sweep / "sweep.md").is_file()
+    assert (
+        len([p for p in sweep.iterdir() if p.name.isdigit()]) == 2
+        and (sweep / "sweep.md").is_file()
+    )
 
 
 @pytest.mark.timeout(300)
-def test_a_projects_sbatch_script_trains_on_the_suites_slurm_cluster(installed, slurm_cluster, tmp_path: Path):
+def test_a_projects_sbatch_script_trains_on_the_suites_slurm_cluster(
+    installed, slurm_cluster, tmp_path: Path
+):
     # The script `hydra-ddp init` writes (the clone's scripts/slurm/train.sbatch, which runs
     # `hydra-ddp train` where there is no train.py), submitted from the project to a real cluster.
     env = {**installed, **slurm_cluster.env}
     _run(["hydra-ddp", "init", "slurm-lab"], tmp_path, env)
     project = tmp_path / "slurm-lab"
     run_dir, output = project / "outputs" / "on-slurm", tmp_path / "slurm.out"
-    overrides = ["+experiment=spirals", "trainer.max_steps=20", "trainer.threads=1", f"hydra.run.dir={run_dir}"]
+    overrides = [
+        "+experiment=spirals",
+        "trainer.max_steps=20",
+        "trainer.threads=1",
+        f"hydra.run.dir={run_dir}",
+    ]
     submitted = subprocess.run(
         ["sbatch", "--wait", f"--output={output}", "scripts/train.sbatch", *overrides],
         cwd=project,

@@ -49,7 +49,11 @@ def test_cifar10_resnet18_experiment_trains_on_files_in_cifar10_format(tmp_path:
     s = summary(run_dir)
     assert s["steps"] == 2 and s["global_batch_size"] == 128 and s["test_samples"] == 20
     config = (run_dir / ".hydra" / "config.yaml").read_text()
-    assert "small_input: true" in config and "nesterov: true" in config and "CosineAnnealingLR" in config
+    assert (
+        "small_input: true" in config
+        and "nesterov: true" in config
+        and "CosineAnnealingLR" in config
+    )
 
 
 def _screen(raw: str) -> list[str]:
@@ -66,7 +70,8 @@ def _screen(raw: str) -> list[str]:
 
 def test_log_lines_and_the_progress_bar_never_share_a_line_in_a_terminal(run_dir: Path):
     main, secondary = pty.openpty()
-    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a 120-column terminal
+    # a 120-column terminal
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     os.set_blocking(main, False)
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "train.py"), "trainer.epochs=3", f"hydra.run.dir={run_dir}"],
@@ -95,7 +100,9 @@ def test_log_lines_and_the_progress_bar_never_share_a_line_in_a_terminal(run_dir
     assert proc.wait(timeout=30) == 0
     lines = _screen(b"".join(chunks).decode(errors="replace"))
     records = [line for line in lines if re.search(r"\[\d{4}-\d\d-\d\d ", line)]
-    assert any("epoch 3/3" in line for line in records) and any("63/63" in line and "%|" in line for line in lines)
+    assert any("epoch 3/3" in line for line in records) and any(
+        "63/63" in line and "%|" in line for line in lines
+    )
     for line in records:  # a record starts its own line and nothing of the bar is left before it
         assert line.startswith("[20"), line
         assert "%|" not in line and "step/s" not in line, line

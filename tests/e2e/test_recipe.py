@@ -38,7 +38,9 @@ WARMUP = (
 
 
 @pytest.mark.timeout(300)
-def test_a_warmup_schedule_resumes_mid_warmup_bit_for_bit_and_is_the_same_at_any_world_size(tmp_path: Path):
+def test_a_warmup_schedule_resumes_mid_warmup_bit_for_bit_and_is_the_same_at_any_world_size(
+    tmp_path: Path,
+):
     straight = tmp_path / "straight"
     check_ok(run_train(straight, *WARMUP))
     rates = csv_rates(straight)
@@ -49,7 +51,11 @@ def test_a_warmup_schedule_resumes_mid_warmup_bit_for_bit_and_is_the_same_at_any
 
     # SIGTERM at rank 0's 9th forward: the 5th optimizer step (of 2 batches each), mid-warmup.
     stopped = tmp_path / "stopped"
-    probe = ("model._target_=probes.signal_at", "+model.of=hydra_ddp.models.MnistCNN", "+model.step=9")
+    probe = (
+        "model._target_=probes.signal_at",
+        "+model.of=hydra_ddp.models.MnistCNN",
+        "+model.step=9",
+    )
     done = finish(start_train(stopped, *WARMUP, *probe))
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert 3 <= summary(stopped)["steps"] < 8
@@ -67,28 +73,41 @@ GPT = ("+experiment=text_gpt", "trainer.max_steps=6", "trainer.log_every=1", "tr
 
 def decay_line(run_dir: Path) -> str:
     """Rank 0's report of the weight-decay groups (its log line, without the time stamp)."""
-    lines = [line for line in (run_dir / "train.log").read_text().splitlines() if "[rank 0]" in line]
+    lines = [
+        line for line in (run_dir / "train.log").read_text().splitlines() if "[rank 0]" in line
+    ]
     found = [re.sub(r"^.*\] - ", "", line) for line in lines if "weight decay" in line]
     assert len(found) == 1, found  # reported once
     return found[0]
 
 
 @pytest.mark.timeout(400)
-def test_the_decay_groups_are_the_models_own_names_under_fsdp_and_resume_bit_for_bit(tmp_path: Path):
+def test_the_decay_groups_are_the_models_own_names_under_fsdp_and_resume_bit_for_bit(
+    tmp_path: Path,
+):
     ddp = tmp_path / "ddp"
     check_ok(run_train(ddp, *GPT, "trainer.max_steps=1"))
     # TinyGPT at dim 128, depth 4: its linears' weights decay (4 × 6 + the head), the rest do not.
-    assert decay_line(ddp).startswith("weight decay 0.1 on 25 tensors (819,200 parameters); none on 44 tensors")
+    assert decay_line(ddp).startswith(
+        "weight decay 0.1 on 25 tensors (819,200 parameters); none on 44 tensors"
+    )
 
     straight = tmp_path / "straight"
     check_ok(run_train(straight, *GPT, "strategy=fsdp"))
-    assert decay_line(straight) == decay_line(ddp)  # FSDP's sharded parameters, by the model's names
+    # FSDP's sharded parameters, by the model's names
+    assert decay_line(straight) == decay_line(ddp)
     stopped = tmp_path / "stopped"
-    probe = ("model._target_=probes.signal_at", "+model.of=hydra_ddp.models.TinyGPT", "+model.step=4")
+    probe = (
+        "model._target_=probes.signal_at",
+        "+model.of=hydra_ddp.models.TinyGPT",
+        "+model.step=4",
+    )
     done = finish(start_train(stopped, *GPT, "strategy=fsdp", *probe), timeout=300)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     check_ok(run_train(stopped, *GPT, "strategy=fsdp", "trainer.resume=auto"))
-    assert csv_step_losses(stopped) == csv_step_losses(straight) and csv_rates(stopped) == csv_rates(straight)
+    assert csv_step_losses(stopped) == csv_step_losses(straight) and csv_rates(
+        stopped
+    ) == csv_rates(straight)
 
 
 @pytest.mark.timeout(400)
@@ -96,7 +115,11 @@ def test_the_decay_groups_are_the_models_own_names_under_fsdp_and_resume_bit_for
 def test_activation_checkpointing_trains_the_same_bits(tmp_path: Path, strategy: str):
     plain, checkpointed = tmp_path / "plain", tmp_path / "checkpointed"
     check_ok(run_train(plain, *GPT, f"strategy={strategy}"))
-    check_ok(run_train(checkpointed, *GPT, f"strategy={strategy}", "strategy.activation_checkpointing=full"))
+    check_ok(
+        run_train(
+            checkpointed, *GPT, f"strategy={strategy}", "strategy.activation_checkpointing=full"
+        )
+    )
     assert len(csv_step_losses(plain)) == 6
     assert csv_step_losses(checkpointed) == csv_step_losses(plain)
     assert summary(checkpointed)["test_loss"] == summary(plain)["test_loss"]
@@ -104,18 +127,33 @@ def test_activation_checkpointing_trains_the_same_bits(tmp_path: Path, strategy:
 
 EMA_RUNS = {
     # the default CNN on the digits, checkpointed per epoch (a file); the GPT under FSDP (shards)
-    "ddp": ("trainer.max_steps=30", "trainer.log_every=1", "trainer.threads=1", "data.global_batch_size=64"),
+    "ddp": (
+        "trainer.max_steps=30",
+        "trainer.log_every=1",
+        "trainer.threads=1",
+        "data.global_batch_size=64",
+    ),
     "fsdp": (*GPT, "strategy=fsdp"),
 }
 PROBES = {
-    "ddp": ("model._target_=probes.signal_at", "+model.of=hydra_ddp.models.MnistCNN", "+model.step=17"),
-    "fsdp": ("model._target_=probes.signal_at", "+model.of=hydra_ddp.models.TinyGPT", "+model.step=4"),
+    "ddp": (
+        "model._target_=probes.signal_at",
+        "+model.of=hydra_ddp.models.MnistCNN",
+        "+model.step=17",
+    ),
+    "fsdp": (
+        "model._target_=probes.signal_at",
+        "+model.of=hydra_ddp.models.TinyGPT",
+        "+model.step=4",
+    ),
 }
 
 
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_the_weights_average_is_evaluated_checkpointed_resumed_and_exported(tmp_path: Path, strategy: str):
+def test_the_weights_average_is_evaluated_checkpointed_resumed_and_exported(
+    tmp_path: Path, strategy: str
+):
     from safetensors.torch import load_file
 
     from hydra_ddp.checkpoint import files
@@ -128,7 +166,8 @@ def test_the_weights_average_is_evaluated_checkpointed_resumed_and_exported(tmp_
     metrics = [f"test_{name}" for name in s["metrics"]]
     test = {k: s[k] for k in metrics}
 
-    # SIGTERM mid-run and resumed: the same losses, and the same average (the test reads it), to the bit.
+    # SIGTERM mid-run and resumed: the same losses, and the same average (the test reads it), to the
+    # bit.
     stopped = tmp_path / "stopped"
     done = finish(start_train(stopped, *common, *PROBES[strategy]), timeout=300)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
@@ -164,4 +203,8 @@ def test_the_weights_average_is_evaluated_checkpointed_resumed_and_exported(tmp_
     assert all(torch.equal(weights[k], average[k]) for k in average)
     trained = state["model"] if not path.is_dir() else None
     if trained is not None:
-        assert any(not torch.equal(weights[k], trained[k]) for k in trained if trained[k].is_floating_point())
+        assert any(
+            not torch.equal(weights[k], trained[k])
+            for k in trained
+            if trained[k].is_floating_point()
+        )

@@ -53,7 +53,9 @@ print(json.dumps(read))
 @pytest.fixture(scope="module")
 def recipe_tools(tmp_path_factory) -> Path:
     """A venv with the `recipes` extra's packages, resolved from the registry; its python."""
-    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["recipes"]
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["recipes"]
     venv = tmp_path_factory.mktemp("recipes") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
@@ -78,7 +80,9 @@ def _read(python: Path, task: Path, *manifests: Path) -> subprocess.CompletedPro
 
 
 @pytest.mark.timeout(900)  # the venv's install: ~100 packages, SkyPilot's among them
-def test_the_recipes_are_read_unchanged_by_skypilot_and_the_kubeflow_trainers_api(recipe_tools: Path):
+def test_the_recipes_are_read_unchanged_by_skypilot_and_the_kubeflow_trainers_api(
+    recipe_tools: Path,
+):
     proc = _read(recipe_tools, TASK, *MANIFESTS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     read = json.loads(proc.stdout)
@@ -119,7 +123,8 @@ def test_the_parsers_refuse_a_field_they_do_not_know(recipe_tools: Path, tmp_pat
     assert proc.returncode != 0 and "numNodes" in proc.stderr, proc.stderr[-2000:]
 
 
-# --- The SkyPilot task's nodes, as two hosts ---------------------------------------------------------
+# --- The SkyPilot task's nodes, as two hosts
+# ---------------------------------------------------------
 
 
 def _node_env(index: int, addresses: list[str], gpus: int, overrides: list[str]) -> dict[str, str]:
@@ -146,16 +151,26 @@ def _run_script() -> str:
 
 
 needs_namespaces = pytest.mark.skipif(
-    shutil.which("ip") is None or os.geteuid() != 0, reason="network namespaces need root and iproute2's `ip`"
+    shutil.which("ip") is None or os.geteuid() != 0,
+    reason="network namespaces need root and iproute2's `ip`",
 )
 
 
 @pytest.mark.timeout(120)
 def test_the_tasks_run_on_cpu_nodes_checks_as_two_nodes_of_auto_workers(tmp_path: Path):
     """A node without GPUs (SKYPILOT_NUM_GPUS_PER_NODE=0): trainer.nproc's auto, 2 on a CPU."""
-    assert (REPO / ".venv" / "bin" / "python").exists(), "the task's setup makes .venv; `make` does here"
+    assert (REPO / ".venv" / "bin" / "python").exists(), (
+        "the task's setup makes .venv; `make` does here"
+    )
     env = _node_env(0, ["10.0.0.1", "10.0.0.2"], 0, ["--check"])
-    proc = subprocess.run(["bash", "-c", _run_script()], cwd=REPO, env=env, capture_output=True, text=True, timeout=100)
+    proc = subprocess.run(
+        ["bash", "-c", _run_script()],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     check_ok(proc)
     assert "config OK: 4 worker(s) on cpu (torchrun, backend gloo" in proc.stdout, proc.stdout
 
@@ -167,7 +182,9 @@ def test_the_skypilot_tasks_two_nodes_train_as_one_node_of_two_workers(tmp_path:
     (the `setup` that makes .venv is `make`'s here), one GPU a node standing for
     SKYPILOT_NUM_GPUS_PER_NODE (a worker each, on the CPU); the one-node run is the task's
     overrides at trainer.nproc=2 under the default spawn launcher."""
-    assert (REPO / ".venv" / "bin" / "python").exists(), "the task's setup makes .venv; `make` does here"
+    assert (REPO / ".venv" / "bin" / "python").exists(), (
+        "the task's setup makes .venv; `make` does here"
+    )
     one_node = tmp_path / "one-node"
     task_overrides = yaml.safe_load(TASK.read_text())["envs"]["OVERRIDES"].split()
     check_ok(run_train(one_node, *task_overrides, *SETTINGS, "trainer.nproc=2"))

@@ -1,7 +1,7 @@
 """Continuing a run at another world size: mid-epoch, with the global batch fixed, every sample of
 the epoch is trained on exactly once, under ddp and fsdp; another global batch is one line (the
-resize's cause and an elastic worker's share, in process: tests/unit/test_resize.py); a per-step schedule
-continues at the rate of its step."""
+resize's cause and an elastic worker's share, in process: tests/unit/test_resize.py); a per-step
+schedule continues at the rate of its step."""
 
 from __future__ import annotations
 
@@ -27,13 +27,20 @@ RECORDED = (
 
 
 def _read(reads: Path) -> Counter:
-    return Counter(int(line.split()[0]) for path in reads.glob("*.txt") for line in path.read_text().splitlines())
+    return Counter(
+        int(line.split()[0])
+        for path in reads.glob("*.txt")
+        for line in path.read_text().splitlines()
+    )
 
 
 @pytest.mark.timeout(400)
-def test_a_mid_epoch_checkpoint_continues_at_another_world_size_with_every_sample_once(tmp_path: Path):
+def test_a_mid_epoch_checkpoint_continues_at_another_world_size_with_every_sample_once(
+    tmp_path: Path,
+):
     first = tmp_path / "first"
-    # Stopped at step 3 of 45, mid-epoch, at 1 and at 2 ranks, under ddp and fsdp (a file; a sharded directory).
+    # Stopped at step 3 of 45, mid-epoch, at 1 and at 2 ranks, under ddp and fsdp (a file; a sharded
+    # directory).
     check_ok(
         run_train(
             tmp_path / "unused",
@@ -62,8 +69,12 @@ def test_a_mid_epoch_checkpoint_continues_at_another_world_size_with_every_sampl
             )
         )
         seen = _read(first / str(job) / "reads") + _read(after / "reads")
-        assert sum(_read(first / str(job) / "reads").values()) == 3 * 32, job  # three global batches, no read ahead
-        assert seen == Counter(range(TRAIN_SAMPLES)), (job, [i for i, n in seen.items() if n != 1][:10])
+        # three global batches, no read ahead
+        assert sum(_read(first / str(job) / "reads").values()) == 3 * 32, job
+        assert seen == Counter(range(TRAIN_SAMPLES)), (
+            job,
+            [i for i, n in seen.items() if n != 1][:10],
+        )
         s = summary(after)
         assert (s["world_size"], s["strategy"], s["steps"], s["global_batch_size"]) == (
             world,
@@ -71,11 +82,13 @@ def test_a_mid_epoch_checkpoint_continues_at_another_world_size_with_every_sampl
             45,
             32,
         )
-        # The run's length is the same at the new world size (the global batch is): each step's rate is
-        # the one the schedule gives that step of 45, as an unresized run's would be.
+        # The run's length is the same at the new world size (the global batch is): each step's rate
+        # is the one the schedule gives that step of 45, as an unresized run's would be.
         shape = schedules.Shape(total=45, warmup=2, decay_from=2, decay="linear")
         with open(after / "metrics.csv", newline="") as f:
-            rates = [(int(r["step"]), float(r["train/lr"])) for r in csv.DictReader(f) if r["train/lr"]]
+            rates = [
+                (int(r["step"]), float(r["train/lr"])) for r in csv.DictReader(f) if r["train/lr"]
+            ]
         assert rates == [(step, 0.02 * shape.factor(step - 1)) for step in range(4, 46)], job
         assert s["world_size_history"] == [
             {"step": 0, "world_size": before["world_size"], "cause": "start"},
@@ -106,28 +119,49 @@ def test_a_mid_epoch_resume_with_another_global_batch_is_one_line(tmp_path: Path
     line = [line for line in proc.stderr.splitlines() if line.startswith("hydra-ddp: error:")]
     assert (
         len(line) == 1
-        and "stopped mid-epoch with a global batch of 32 samples per optimizer step, this run has 64: resume "
-        "with data.global_batch_size=32 (the micro-batch or the accumulation follows the world size)"
+        and "stopped mid-epoch with a global batch of 32 samples per optimizer "
+        "step, this run has 64: resume with data.global_batch_size=32 (the "
+        "micro-batch or the accumulation follows the world size)"
         in line[0]
     ), proc.stderr
 
 
 @pytest.mark.timeout(400)
-def test_a_resize_keeps_the_micro_batch_and_changes_the_accumulation_with_every_sample_once(tmp_path: Path):
+def test_a_resize_keeps_the_micro_batch_and_changes_the_accumulation_with_every_sample_once(
+    tmp_path: Path,
+):
     # A global batch of 32 in micro-batches of 8: 2 ranks accumulate 2, then (resumed mid-epoch, at
     # step 3) 1 rank accumulates 4. Every sample of the epoch once, and the whole run as an
     # uninterrupted one of 2 ranks but for the order of its float64 sums.
     common = (*RECORDED, "data.batch_size=8", "trainer.log_every=1", *float64())
     first, after, straight = tmp_path / "first", tmp_path / "after", tmp_path / "straight"
     stop = ("trainer.max_steps=3", "checkpoint.every_n_steps=3")
-    check_ok(run_train(first, *common, "trainer.nproc=2", *stop, f"+data.dataset.reads={first / 'reads'}"))
+    check_ok(
+        run_train(
+            first, *common, "trainer.nproc=2", *stop, f"+data.dataset.reads={first / 'reads'}"
+        )
+    )
     assert (summary(first)["accumulate"], summary(first)["global_batch_size"]) == (2, 32)
     resume = f"trainer.resume={first / 'checkpoints' / 'step-00000003.pt'}"
-    check_ok(run_train(after, *common, "trainer.nproc=1", resume, f"+data.dataset.reads={after / 'reads'}"))
+    check_ok(
+        run_train(
+            after, *common, "trainer.nproc=1", resume, f"+data.dataset.reads={after / 'reads'}"
+        )
+    )
     s = summary(after)
-    assert (s["world_size"], s["batch_size"], s["accumulate"], s["global_batch_size"], s["steps"]) == (1, 8, 4, 32, 45)
+    assert (
+        s["world_size"],
+        s["batch_size"],
+        s["accumulate"],
+        s["global_batch_size"],
+        s["steps"],
+    ) == (1, 8, 4, 32, 45)
     assert sum(_read(first / "reads").values()) == 3 * 32  # three global batches, no read ahead
     assert _read(first / "reads") + _read(after / "reads") == Counter(range(TRAIN_SAMPLES))
-    check_ok(run_train(straight, *common, "trainer.nproc=2", f"+data.dataset.reads={straight / 'reads'}"))
+    check_ok(
+        run_train(straight, *common, "trainer.nproc=2", f"+data.dataset.reads={straight / 'reads'}")
+    )
     resized = csv_losses(first)[:3] + csv_losses(after)
-    assert_float64_alike(resized + [s["test_loss"]], csv_losses(straight) + [summary(straight)["test_loss"]])
+    assert_float64_alike(
+        resized + [s["test_loss"]], csv_losses(straight) + [summary(straight)["test_loss"]]
+    )

@@ -1,6 +1,7 @@
 """A run's directory is its own: two runs started in the same second (a Slurm array, two terminals)
 each get one, and an explicit hydra.run.dir that a live run holds is refused in one line before
-anything is written into it; once that run has ended, resuming into it works (Hydra #2925, #1817)."""
+anything is written into it; once that run has ended, resuming into it works (Hydra #2925,
+#1817)."""
 
 from __future__ import annotations
 
@@ -24,20 +25,35 @@ def test_runs_started_in_the_same_second_each_get_a_directory_of_their_own(tmp_p
     now = datetime.datetime.now()
     for second in range(60):
         moment = now + datetime.timedelta(seconds=second)
-        (tmp_path / "outputs" / "runs" / moment.strftime("%Y-%m-%d") / moment.strftime("%H-%M-%S")).mkdir(parents=True)
+        (
+            tmp_path
+            / "outputs"
+            / "runs"
+            / moment.strftime("%Y-%m-%d")
+            / moment.strftime("%H-%M-%S")
+        ).mkdir(parents=True)
     command = [sys.executable, str(REPO / "train.py"), "trainer.max_steps=2", "trainer.nproc=1"]
     procs = [
         subprocess.Popen(
-            command, cwd=tmp_path, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            command,
+            cwd=tmp_path,
+            env=train_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for _ in range(2)
     ]
     for proc in procs:
         _, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, err[-2000:]
-    run_dirs = sorted(path.parent for path in (tmp_path / "outputs" / "runs").glob("*/*/summary.json"))
+    run_dirs = sorted(
+        path.parent for path in (tmp_path / "outputs" / "runs").glob("*/*/summary.json")
+    )
     assert len(run_dirs) == 2, run_dirs
-    assert run_dirs[0] != run_dirs[1] and all(d.name.rsplit("-", 1)[1] in ("2", "3") for d in run_dirs), run_dirs
+    assert run_dirs[0] != run_dirs[1] and all(
+        d.name.rsplit("-", 1)[1] in ("2", "3") for d in run_dirs
+    ), run_dirs
     for run_dir in run_dirs:
         assert summary(run_dir)["run_dir"] == str(run_dir) and summary(run_dir)["steps"] == 2
         log = (run_dir / "train.log").read_text()
@@ -58,7 +74,8 @@ def test_a_directory_a_live_run_holds_is_refused_and_resumed_into_once_it_ends(t
     errors = [line for line in second.stderr.splitlines() if line.startswith("hydra-ddp: error:")]
     assert second.returncode == 2 and len(errors) == 1, second.stderr[-2000:]
     assert f"hydra.run.dir={run_dir} is in use by a live run (pid {first.pid})" in errors[0]
-    assert (run_dir / ".hydra" / "overrides.yaml").read_text() == record  # the first run's record, untouched
+    # the first run's record, untouched
+    assert (run_dir / ".hydra" / "overrides.yaml").read_text() == record
     assert json.loads((run_dir / ".hydra-ddp.lock").read_text())["pid"] == first.pid
     first.send_signal(signal.SIGTERM)  # stops at a checkpoint, and lets go of the directory
     assert finish(first).returncode == 128 + signal.SIGTERM
@@ -80,8 +97,16 @@ def test_an_outside_torchrun_writes_one_run_directory(tmp_path: Path):
     # Every rank of an outside launch runs train.py, and Hydra in each: rank 0's directory is the
     # run's, the others write none (and no .hydra/ in the working directory).
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc_per_node=2", str(REPO / "train.py"), "trainer.max_steps=2"]
-    done = subprocess.run(command, cwd=tmp_path, env=train_env(), capture_output=True, text=True, timeout=240)
+    command = [
+        str(torchrun),
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "train.py"),
+        "trainer.max_steps=2",
+    ]
+    done = subprocess.run(
+        command, cwd=tmp_path, env=train_env(), capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     made = [path for path in (tmp_path / "outputs" / "runs").glob("*/*") if path.is_dir()]
     assert len(made) == 1 and summary(made[0])["world_size"] == 2, made
@@ -96,9 +121,16 @@ def test_relative_paths_hold_with_hydra_job_chdir(tmp_path: Path):
     from hydra_ddp.data import digits, shards
 
     train, test = digits()
-    shards.write(tmp_path / "shards", {"train": train, "test": test}, 64, {"in_channels": 1, "image_size": 28})
+    shards.write(
+        tmp_path / "shards",
+        {"train": train, "test": test},
+        64,
+        {"in_channels": 1, "image_size": 28},
+    )
     command = [sys.executable, str(REPO / "train.py"), "data=shards", "data.dataset.root=shards"]
     command += ["hydra.job.chdir=true", "trainer.max_steps=2", "hydra.run.dir=runs/chdir"]
-    done = subprocess.run(command, cwd=tmp_path, env=train_env(), capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        command, cwd=tmp_path, env=train_env(), capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert summary(tmp_path / "runs" / "chdir")["steps"] == 2

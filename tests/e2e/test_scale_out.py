@@ -1,4 +1,5 @@
-"""Scaling out: multirun sweeps and their report, parallel joblib sweeps, mpirun, two nodes (Slurm: test_slurm.py)."""
+"""Scaling out: multirun sweeps and their report, parallel joblib sweeps, mpirun, two nodes (Slurm:
+test_slurm.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from support import (
 )
 
 
-def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_and_wandb_runs(tmp_path: Path):
+def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_and_wandb_runs(
+    tmp_path: Path,
+):
     from mlflow.tracking import MlflowClient
 
     sweep, uri = tmp_path / "sweep", f"sqlite:///{tmp_path}/mlflow.db"
@@ -53,13 +56,17 @@ def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_and_wand
     best = max(summary(sweep / str(i))["val_accuracy"] for i in (0, 1))
     assert parent.data.metrics["best/val/accuracy"] == pytest.approx(best)
     assert [summary(sweep / str(i))["world_size"] for i in (0, 1)] == [1, 2]
-    assert [summary(sweep / str(i))["test_passes"] for i in (0, 1)] == [1, 1]  # every job tested, once
+    # every job tested, once
+    assert [summary(sweep / str(i))["test_passes"] for i in (0, 1)] == [1, 1]
     # W&B: one run per job (not per rank), the sweep's jobs in one group named after it.
     jobs = [wandb_starts(sweep / str(i)) for i in (0, 1)]
     assert [len(starts) for starts in jobs] == [1, 1]
     assert len({starts[0]["id"] for starts in jobs}) == 2
     assert {starts[0]["group"] for starts in jobs} == {f"{tmp_path.name}/sweep"}
-    assert [starts[0]["name"] for starts in jobs] == [f"{tmp_path.name}/sweep/0", f"{tmp_path.name}/sweep/1"]
+    assert [starts[0]["name"] for starts in jobs] == [
+        f"{tmp_path.name}/sweep/0",
+        f"{tmp_path.name}/sweep/1",
+    ]
     assert [starts[0]["config"]["trainer"]["nproc"] for starts in jobs] == [1, 2]
     rows = list(csv.DictReader(open(sweep / "scaling.csv")))
     assert [r["swept"] for r in rows] == ["trainer.nproc=1", "trainer.nproc=2"]
@@ -79,7 +86,9 @@ def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_and_wand
 
 def test_failed_job_is_a_failed_row_and_the_sweep_goes_on(tmp_path: Path):
     sweep = tmp_path / "sweep"
-    proc = run_train(tmp_path / "unused", "-m", *QUICK, "backend=gloo,mpi", f"hydra.sweep.dir={sweep}")
+    proc = run_train(
+        tmp_path / "unused", "-m", *QUICK, "backend=gloo,mpi", f"hydra.sweep.dir={sweep}"
+    )
     assert proc.returncode != 0  # a sweep with a failed job does not pass for a success
     # Not a sweep over world sizes: the trials report, the job that ran first, the failed one last.
     rows = list(csv.DictReader(open(sweep / "sweep.csv")))
@@ -87,17 +96,21 @@ def test_failed_job_is_a_failed_row_and_the_sweep_goes_on(tmp_path: Path):
         ("backend=gloo", "ok", "1"),
         ("backend=mpi", "failed", ""),
     ]
-    assert "MPI" in rows[1]["error"] and float(rows[0]["objective"]) == summary(sweep / "0")["val_accuracy"]
+    assert (
+        "MPI" in rows[1]["error"]
+        and float(rows[0]["objective"]) == summary(sweep / "0")["val_accuracy"]
+    )
     assert "Best: job 0 (backend=gloo), val/accuracy" in (sweep / "sweep.md").read_text()
     assert "1 of 2 jobs failed" in proc.stderr
 
 
 @pytest.mark.timeout(600)  # 16 processes importing torch on 2 cores: minutes beside a busy core
 def test_eight_parallel_jobs_never_collide_on_a_port(tmp_path: Path):
-    """4 jobs at a time, each launching its own group: every job's launching process binds its store's
-    port itself and holds it, so no job can take another's between choosing and binding. One rank per
-    job keeps it affordable: the store, its port and the rendezvous through it are the same at any size.
-    Both launchers and both single-node stores (TCP, file) run inside joblib's worker processes."""
+    """4 jobs at a time, each launching its own group: every job's launching process binds its
+    store's port itself and holds it, so no job can take another's between choosing and binding. One
+    rank per job keeps it affordable: the store, its port and the rendezvous through it are the same
+    at any size. Both launchers and both single-node stores (TCP, file) run inside joblib's worker
+    processes."""
     sweep = tmp_path / "sweep"
     proc = run_train(
         tmp_path / "unused",
@@ -116,8 +129,13 @@ def test_eight_parallel_jobs_never_collide_on_a_port(tmp_path: Path):
     check_ok(proc)
     rows = list(csv.DictReader(open(sweep / "sweep.csv")))
     assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}, rows
-    ran = {(summary(sweep / str(i))["launcher"], summary(sweep / str(i))["init_method"]) for i in range(8)}
-    assert ran == {(launcher, init) for launcher in ("spawn", "torchrun") for init in ("env", "file")}
+    ran = {
+        (summary(sweep / str(i))["launcher"], summary(sweep / str(i))["init_method"])
+        for i in range(8)
+    }
+    assert ran == {
+        (launcher, init) for launcher in ("spawn", "torchrun") for init in ("env", "file")
+    }
 
 
 @pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2's `ip` is not installed")
@@ -132,7 +150,8 @@ def test_two_nodes_in_network_namespaces_match_one_node(tmp_path: Path):
     # different thread count changes float summation order.
     check_ok(run_train(single, *QUICK, "launcher=spawn", "trainer.nproc=2", "trainer.threads=1"))
     with TwoHosts(str(os.getpid())) as hosts:
-        env_prefix = ("env", "GLOO_SOCKET_IFNAME=hddp0")  # gloo talks over the link between the hosts
+        # gloo talks over the link between the hosts
+        env_prefix = ("env", "GLOO_SOCKET_IFNAME=hddp0")
         procs = [
             start_train(
                 tmp_path / f"node{i}",
@@ -152,12 +171,17 @@ def test_two_nodes_in_network_namespaces_match_one_node(tmp_path: Path):
         results = [finish(p, timeout=180) for p in procs]
     for result in results:
         check_ok(result)
-    owners = [tmp_path / f"node{i}" for i in range(2) if (tmp_path / f"node{i}" / "summary.json").exists()]
+    owners = [
+        tmp_path / f"node{i}" for i in range(2) if (tmp_path / f"node{i}" / "summary.json").exists()
+    ]
     assert len(owners) == 1, "exactly one node (global rank 0's) writes the outputs"
     other = ({tmp_path / "node0", tmp_path / "node1"} - set(owners)).pop()
     # The other node says where the run is shown, not only that it launched.
     quiet = results[[tmp_path / f"node{i}" for i in range(2)].index(other)]
-    assert "its workers are done; the run's summary is with rank 0's node" in quiet.stdout + quiet.stderr
+    assert (
+        "its workers are done; the run's summary is with rank 0's node"
+        in quiet.stdout + quiet.stderr
+    )
     assert not (other / "tensorboard").exists() and not (other / "checkpoints").exists()
     assert summary(owners[0])["world_size"] == 2 and summary(owners[0])["nnodes"] == 2
     # Bit for bit: every step's loss, and the final weights (the checkpoint written at the end).
@@ -165,10 +189,23 @@ def test_two_nodes_in_network_namespaces_match_one_node(tmp_path: Path):
     assert_same_run(owners[0], single)
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (apt-get install openmpi-bin)")
+@pytest.mark.skipif(
+    shutil.which("mpirun") is None, reason="Open MPI is not installed (apt-get install openmpi-bin)"
+)
 def test_mpirun_starts_the_workers_and_they_train_as_spawns_do(run_dir: Path, spawned: Path):
-    prefix = ("mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", sys.executable)
-    proc = run_train(run_dir, *QUICK, "backend=gloo", f"init_method.port={free_port()}", prefix=prefix)
+    prefix = (
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        "2",
+        "-x",
+        "PYTHONPATH",
+        sys.executable,
+    )
+    proc = run_train(
+        run_dir, *QUICK, "backend=gloo", f"init_method.port={free_port()}", prefix=prefix
+    )
     check_ok(proc)
     s = summary(run_dir)
     assert s["world_size"] == 2 and s["launcher"] == "mpirun"

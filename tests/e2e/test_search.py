@@ -33,8 +33,9 @@ def test_a_pruner_without_a_monitored_metric_is_refused_before_the_first_trial(t
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
     )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "hydra-ddp: error: hydra.sweeper.pruner=median needs a monitored metric after each epoch, and "
-        "data.val_fraction=0 leaves no validation: set data.val_fraction (e.g. 0.1), or hydra.sweeper.pruner=none"
+        "hydra-ddp: error: hydra.sweeper.pruner=median needs a monitored metric "
+        "after each epoch, and data.val_fraction=0 leaves no validation: set "
+        "data.val_fraction (e.g. 0.1), or hydra.sweeper.pruner=none"
     ]
     assert not (tmp_path / "sweep" / "0").exists()
 
@@ -71,8 +72,13 @@ def test_hopeless_trials_are_pruned_and_the_best_is_reported(tmp_path: Path):
     study = _study(sweep)
     assert sorted(t.state.name for t in study.trials).count("PRUNED") == len(pruned)
     best = OmegaConf.load(sweep / "optimization_results.yaml")
-    assert rows[0]["rank"] == "1" and float(rows[0]["objective"]) == best.best_value == study.best_value
-    assert best.best_params == {"optim.lr": 0.05} and "Best: job" in (sweep / "sweep.md").read_text()
+    assert (
+        rows[0]["rank"] == "1"
+        and float(rows[0]["objective"]) == best.best_value == study.best_value
+    )
+    assert (
+        best.best_params == {"optim.lr": 0.05} and "Best: job" in (sweep / "sweep.md").read_text()
+    )
 
 
 @pytest.mark.timeout(400)
@@ -84,7 +90,9 @@ def test_a_trial_starts_as_soon_as_one_of_those_in_flight_ends(tmp_path: Path):
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     # The study's first trials, queued through Optuna's own API: a long one, then two short ones.
-    study = optuna.create_study(study_name="digits", storage=storage_of(str(sweep / JOURNAL)), direction="maximize")
+    study = optuna.create_study(
+        study_name="digits", storage=storage_of(str(sweep / JOURNAL)), direction="maximize"
+    )
     # The long one: ten times a short one's epochs, beside the two that follow one after the other.
     for epochs in (10, 1, 1):
         study.enqueue_trial({"trainer.epochs": epochs})
@@ -111,7 +119,9 @@ def test_a_trial_starts_as_soon_as_one_of_those_in_flight_ends(tmp_path: Path):
         )
     )
     trials = _study(sweep).trials
-    assert [t.params["trainer.epochs"] for t in trials] == [10, 1, 1] and {t.state.name for t in trials} == {"COMPLETE"}
+    assert [t.params["trainer.epochs"] for t in trials] == [10, 1, 1] and {
+        t.state.name for t in trials
+    } == {"COMPLETE"}
     long_ended = (sweep / "0" / "summary.json").stat().st_mtime
     third_started = (sweep / "2" / ".hydra" / "config.yaml").stat().st_mtime
     assert third_started < long_ended, "the third trial waited for the long one"
@@ -143,7 +153,9 @@ def test_a_killed_search_continues_to_n_trials_when_run_again(tmp_path: Path):
     states = [t.state.name for t in trials]
     assert states.count("COMPLETE") >= 3 and set(states) <= {"COMPLETE", "FAIL"}, states
     for name, mtime in before.items():  # the finished trials were not run again
-        assert (sweep / name / "summary.json").stat().st_mtime == mtime and states[int(name)] == "COMPLETE"
+        assert (sweep / name / "summary.json").stat().st_mtime == mtime and states[
+            int(name)
+        ] == "COMPLETE"
     rows = list(csv.DictReader(open(sweep / "sweep.csv")))
     assert len(rows) == len([d for d in sweep.glob("[0-9]*") if d.is_dir()])
 

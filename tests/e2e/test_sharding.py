@@ -40,12 +40,18 @@ def test_uneven_shards_see_every_sample_once_per_epoch_and_end_equal(tmp_path: P
         "model._target_=faulty.Recorder",
         f"+model.log_dir={logs}",
         "backend.timeout_s=60",
-        "data.eval_batch_size=4",  # 4 chunks of validation: both ranks evaluate, and so mark each epoch's end
+        # 4 chunks of validation: both ranks evaluate, and so mark each epoch's end
+        "data.eval_batch_size=4",
     )
     check_ok(proc)
-    served = {rank: [int(i) for i in (logs / f"samples-rank{rank}.txt").read_text().split()] for rank in (0, 1)}
-    assert [len(served[0]), len(served[1])] == [33 * EPOCHS, 32 * EPOCHS]  # disjoint shards, no padding
-    assert Counter(served[0] + served[1]) == {i: EPOCHS for i in range(TRAIN)}  # every sample once an epoch
+    served = {
+        rank: [int(i) for i in (logs / f"samples-rank{rank}.txt").read_text().split()]
+        for rank in (0, 1)
+    }
+    # disjoint shards, no padding
+    assert [len(served[0]), len(served[1])] == [33 * EPOCHS, 32 * EPOCHS]
+    # every sample once an epoch
+    assert Counter(served[0] + served[1]) == {i: EPOCHS for i in range(TRAIN)}
     assert summary(run_dir)["steps"] == 5 * EPOCHS  # the longer shard's batches count
     # Join gives every rank rank 0's weights after an uneven epoch; the optimizer state (momentum)
     # must follow, or the ranks' weights part at the next epoch's second step.
@@ -54,7 +60,10 @@ def test_uneven_shards_see_every_sample_once_per_epoch_and_end_equal(tmp_path: P
     for ours, theirs in zip(*epochs):
         assert len(ours) == 5 and len(theirs) == 4  # training forwards: one batch more on rank 0
         assert ours[:4] == theirs
-    evals = [[v for kind, v in _records(logs / f"params-rank{rank}.txt") if kind == "eval"] for rank in (0, 1)]
+    evals = [
+        [v for kind, v in _records(logs / f"params-rank{rank}.txt") if kind == "eval"]
+        for rank in (0, 1)
+    ]
     assert evals[0] == evals[1]
 
 
@@ -76,9 +85,10 @@ def _epochs(path: Path) -> list[list[str]]:
 
 @pytest.mark.timeout(600)  # three sweeps, each with a run of 4 processes on 2 cores
 def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Path):
-    """The same samples in every global batch at any world size: only the order of float sums differs.
-    Decided in float64 over 20 steps (FLOAT64_BOUND); float32, the default, over the first 5 steps,
-    against this host's float-order noise (later, a flip makes float32's gap grow past any noise run)."""
+    """The same samples in every global batch at any world size: only the order of float sums
+    differs. Decided in float64 over 20 steps (FLOAT64_BOUND); float32, the default, over the first
+    5 steps, against this host's float-order noise (later, a flip makes float32's gap grow past any
+    noise run)."""
     common = (
         "data.global_batch_size=128",
         "data.drop_last=true",
@@ -102,16 +112,22 @@ def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Pa
     curves = {}
     for job, world in enumerate((1, 2, 4)):
         s = summary(sweep / str(job))
-        assert (s["world_size"], s["batch_size"], s["global_batch_size"]) == (world, 128 // world, 128)
+        assert (s["world_size"], s["batch_size"], s["global_batch_size"]) == (
+            world,
+            128 // world,
+            128,
+        )
         curves[world] = csv_losses(sweep / str(job))
         assert len(curves[world]) == 20
     for world in (2, 4):
         assert_float64_alike(curves[world], curves[1])
     rows = list(csv.DictReader(open(sweep / "scaling.csv")))
     assert [r["global_batch_size"] for r in rows] == ["128"] * 3
-    assert (sweep / "scaling.png").stat().st_size > 20_000  # throughput, efficiency and the loss curves
+    # throughput, efficiency and the loss curves
+    assert (sweep / "scaling.png").stat().st_size > 20_000
 
-    # float32 over 5 steps: the world sizes, then this host's noise (one rank, 2 threads, both memory formats).
+    # float32 over 5 steps: the world sizes, then this host's noise (one rank, 2 threads, both
+    # memory formats).
     short, noise = tmp_path / "float32", tmp_path / "noise"
     check_ok(
         run_train(
@@ -139,6 +155,7 @@ def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Pa
     )
     reference, noisy = csv_losses(short / "0"), [csv_losses(noise / job) for job in ("0", "1")]
     for job in ("1", "2"):
-        # Ceiling 1e-5 over 5 steps: about 80 float32 units (1.2e-7), room for a few units of reordered
-        # sums a step, compounded; a sample read twice or averaged wrongly moves a loss by 1e-3 or more.
+        # Ceiling 1e-5 over 5 steps: about 80 float32 units (1.2e-7), room for a few units of
+        # reordered sums a step, compounded; a sample read twice or averaged wrongly moves a loss by
+        # 1e-3 or more.
         assert_within_float_noise(csv_losses(short / job), reference, *noisy, ceiling=1e-5)

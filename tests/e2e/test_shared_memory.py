@@ -30,7 +30,9 @@ def _port() -> int:
 def _group(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
 
 
 def _leftovers(pid: int) -> list[str]:
@@ -58,7 +60,8 @@ def _sums(rank: int, world: int, port: int) -> None:
                 torch.testing.assert_close(share, expected, rtol=1e-6, atol=1e-7)
             everyone = [torch.empty_like(share) for _ in range(world)]
             dist.all_gather(everyone, share)
-            assert all(torch.equal(share, other) for other in everyone)  # the same bits on every rank
+            # the same bits on every rank
+            assert all(torch.equal(share, other) for other in everyone)
     dist.destroy_process_group()
 
 
@@ -73,7 +76,8 @@ def _peer_exits(rank: int, port: int, report: str) -> None:
     ready = Path(report).with_suffix(".ready")
     if rank == 1:
         # Gone before the meeting, as a killed rank would be; but only once rank 0 is done with gloo
-        # (a peer gone in the middle of gloo's last set-up exchange is gloo's affair, not this test's).
+        # (a peer gone in the middle of gloo's last set-up exchange is gloo's affair, not this
+        # test's).
         while not ready.exists():
             os.sched_yield()
         os._exit(3)
@@ -102,7 +106,9 @@ def test_a_peer_that_exits_fails_the_waiting_rank_long_before_the_timeout(tmp_pa
     assert float(waited) < 30  # found by its liveness checks, not the 120 s timeout
 
 
-def test_a_full_tmpfs_falls_back_to_gloo_with_a_warning_or_fails_in_one_line_when_asked(tmp_path: Path):
+def test_a_full_tmpfs_falls_back_to_gloo_with_a_warning_or_fails_in_one_line_when_asked(
+    tmp_path: Path,
+):
     # 1 MB: no room for the CNN's segment (2 turns × 2 ranks × its 1.7 MB of gradients).
     with tmpfs(tmp_path / "shm", "1m") as shm:
         env = {"HYDRA_DDP_SHM_DIR": str(shm)}
@@ -114,5 +120,7 @@ def test_a_full_tmpfs_falls_back_to_gloo_with_a_warning_or_fails_in_one_line_whe
         asked = run_train(tmp_path / "asked", *QUICK, "strategy.shared_memory=true", env=env)
         assert asked.returncode != 0
         lines = asked.stderr.strip().splitlines()
-        assert len(lines) == 1 and "strategy.shared_memory=true: cannot create" in lines[0], asked.stderr
+        assert len(lines) == 1 and "strategy.shared_memory=true: cannot create" in lines[0], (
+            asked.stderr
+        )
         assert not list(shm.iterdir())  # nothing left in it

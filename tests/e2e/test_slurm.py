@@ -1,7 +1,8 @@
-"""A real Slurm cluster (started by the slurm_cluster fixture): train.py through hydra-submitit-launcher
-across two nodes and on one node with two tasks, and through scripts/slurm/train.sbatch's srun on
-one, equal to the same run under spawn; a cancelled job reported by the sweep; pre-empted by Slurm's
-signal, requeued, and resumed by itself with bit-identical weights."""
+"""A real Slurm cluster (started by the slurm_cluster fixture): train.py through
+hydra-submitit-launcher across two nodes and on one node with two tasks, and through
+scripts/slurm/train.sbatch's srun on one, equal to the same run under spawn; a cancelled job
+reported by the sweep; pre-empted by Slurm's signal, requeued, and resumed by itself with
+bit-identical weights."""
 
 from __future__ import annotations
 
@@ -25,8 +26,14 @@ from support import (
 
 # Three epochs of digits on 2 ranks (21 steps each), a checkpoint every 4 steps: the pre-emption
 # test signals the job once the first is written, and 60 steps remain for the signal to arrive.
-# One thread per rank everywhere: two nodes of one task would take two each, another summation order.
-RUN = ("trainer.max_steps=64", "trainer.log_every=2", "checkpoint.every_n_steps=4", "trainer.threads=1")
+# One thread per rank everywhere: two nodes of one task would take two each, another summation
+# order.
+RUN = (
+    "trainer.max_steps=64",
+    "trainer.log_every=2",
+    "checkpoint.every_n_steps=4",
+    "trainer.threads=1",
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +45,15 @@ def reference(tmp_path_factory) -> Path:
 
 
 def slurm(env: dict[str, str], *args: str) -> str:
-    return subprocess.run(args, env=env, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    return subprocess.run(
+        args, env=env, capture_output=True, text=True, check=True, timeout=30
+    ).stdout.strip()
 
 
 @pytest.mark.timeout(300)
-def test_submitit_launcher_runs_one_group_across_two_nodes(slurm_cluster, reference, tmp_path: Path):
+def test_submitit_launcher_runs_one_group_across_two_nodes(
+    slurm_cluster, reference, tmp_path: Path
+):
     if slurm_cluster.nodes != 2:
         pytest.skip("the cluster has one node: two need iproute2 and nsenter")
     sweep = tmp_path / "sweep"
@@ -67,9 +78,13 @@ def test_submitit_launcher_runs_one_group_across_two_nodes(slurm_cluster, refere
 
 
 @pytest.mark.timeout(300)
-def test_submitit_launcher_on_one_node_reports_a_cancelled_job(slurm_cluster, reference, tmp_path: Path):
+def test_submitit_launcher_on_one_node_reports_a_cancelled_job(
+    slurm_cluster, reference, tmp_path: Path
+):
     if not slurm_cluster.accounting:
-        pytest.skip("submitit sees a cancelled job through sacct: apt-get install slurmdbd mariadb-server")
+        pytest.skip(
+            "submitit sees a cancelled job through sacct: apt-get install slurmdbd mariadb-server"
+        )
     sweep = tmp_path / "sweep"
     env = {**train_env(), **slurm_cluster.env}
     # Three jobs of one node and two tasks, one at a time: the first is the reference run; the third
@@ -94,7 +109,10 @@ def test_submitit_launcher_on_one_node_reports_a_cancelled_job(slurm_cluster, re
         listed = slurm(env, "squeue", "-h", "-r", "-o", "%i %T").split("\n")
         tasks.clear()
         tasks.update(line.split() for line in listed if line)
-        return all(any(f"{task.split('_')[-1]} {state}" == want for task, state in tasks.items()) for want in wanted)
+        return all(
+            any(f"{task.split('_')[-1]} {state}" == want for task, state in tasks.items())
+            for want in wanted
+        )
 
     wait_for(lambda: queue_shows("2 PENDING"), 60, "the sweep's jobs to be queued", proc)
     array = next(iter(tasks)).split("_")[0]
@@ -102,9 +120,12 @@ def test_submitit_launcher_on_one_node_reports_a_cancelled_job(slurm_cluster, re
     wait_for(lambda: queue_shows("0 RUNNING", "1 PENDING"), 60, "the first job to start", proc)
     slurm(env, "scancel", f"{array}_1")
     done = finish(proc, timeout=240)
-    assert done.returncode == 1, done.stderr  # a sweep with a job that did not finish is not a success
+    # a sweep with a job that did not finish is not a success
+    assert done.returncode == 1, done.stderr
     for task in (1, 2):
-        assert f"Slurm job {array}_{task} ended CANCELLED without a result" in done.stderr, done.stderr
+        assert f"Slurm job {array}_{task} ended CANCELLED without a result" in done.stderr, (
+            done.stderr
+        )
     report = (sweep / "sweep.md").read_text()
     assert report.count("| cancelled: Slurm job") == 2 and report.count("| ok |") == 1, report
     s = summary(sweep / "0")
@@ -114,7 +135,9 @@ def test_submitit_launcher_on_one_node_reports_a_cancelled_job(slurm_cluster, re
 
 
 @pytest.mark.timeout(300)
-def test_sbatch_script_is_preempted_requeued_and_resumes_exactly(slurm_cluster, reference, tmp_path: Path):
+def test_sbatch_script_is_preempted_requeued_and_resumes_exactly(
+    slurm_cluster, reference, tmp_path: Path
+):
     run_dir, output = tmp_path / "run", tmp_path / "slurm.out"
     env = {**train_env(), **slurm_cluster.env, "PYTHON": sys.executable}
     # One node, two tasks (the script's own #SBATCH lines).
@@ -136,13 +159,16 @@ def test_sbatch_script_is_preempted_requeued_and_resumes_exactly(slurm_cluster, 
     ).stdout.strip()
     seen: list[str] = []
 
-    def state() -> str:  # the job's state and reason as squeue lists them ("" once it has left the queue)
+    # the job's state and reason as squeue lists them ("" once it has left the queue)
+    def state() -> str:
         now = slurm(env, "squeue", "-h", "-j", job, "-o", "%T %r")
         if not seen or seen[-1] != now:
             seen.append(now)
         return now.split(" ")[0]
 
-    wait_for(lambda: (run_dir / "checkpoints" / "step-00000004.pt").exists(), 120, "the first checkpoint")
+    wait_for(
+        lambda: (run_dir / "checkpoints" / "step-00000004.pt").exists(), 120, "the first checkpoint"
+    )
     slurm(env, "scancel", "--signal=USR1", job)  # pre-emption: to every task of the job's steps
     # The workers checkpoint and stop; the script requeues the job, which Slurm holds back for the
     # credential lifetime (cluster.sh: 5 s) and then starts again by itself. Not released early with
@@ -151,9 +177,15 @@ def test_sbatch_script_is_preempted_requeued_and_resumes_exactly(slurm_cluster, 
     wait_for(lambda: state() == "PENDING", 60, f"job {job} requeued")
     wait_for(lambda: state() == "", 120, f"the requeued job {job} to finish")
     log = output.read_text()
-    assert "stopped for pre-emption (exit 138): requeueing" in log and "attempt 2" in log, (seen, log)
+    assert "stopped for pre-emption (exit 138): requeueing" in log and "attempt 2" in log, (
+        seen,
+        log,
+    )
     s = summary(run_dir)
     assert s["launcher"] == "srun" and s["world_size"] == 2 and s["steps"] == 64, s
-    assert s["resumed_from"] and s["resumed_from"] != str(run_dir / "checkpoints" / "step-00000064.pt"), s
-    # The uninterrupted run's, bit for bit: every step's loss once (none twice, none lost), and the weights.
+    assert s["resumed_from"] and s["resumed_from"] != str(
+        run_dir / "checkpoints" / "step-00000064.pt"
+    ), s
+    # The uninterrupted run's, bit for bit: every step's loss once (none twice, none lost), and the
+    # weights.
     assert_same_run(run_dir, reference)

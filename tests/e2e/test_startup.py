@@ -1,4 +1,5 @@
-"""The forkserver's workers, as multiprocessing really forks them: what they inherit of its imports."""
+"""The forkserver's workers, as multiprocessing really forks them: what they inherit of its
+imports."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import gc, json, multiprocessing, sys
 from hydra_ddp.launch import startup
 
 def report(queue):
-    queue.put({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(), "torch": "torch._dynamo" in sys.modules})
+    queue.put({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(),
+               "torch": "torch._dynamo" in sys.modules})
 
 if __name__ == "__main__":
     with startup.frozen_imports():
@@ -43,7 +45,12 @@ def test_forkserver_workers_inherit_frozen_imports_with_the_collector_on(tmp_pat
     script = tmp_path / "probe.py"  # a file: the forked worker imports its target from it
     script.write_text(PROBE)
     done = subprocess.run(
-        [sys.executable, str(script)], cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=150
+        [sys.executable, str(script)],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.splitlines()[-1])

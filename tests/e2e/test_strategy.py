@@ -43,7 +43,11 @@ COMMON = (
 def test_fsdp_trains_like_ddp_resumes_exactly_and_reshards(tmp_path: Path):
     sweep, stopped = tmp_path / "sweep", tmp_path / "stopped"
     # Both in one multirun: its jobs share the forkserver's imports (one start-up instead of two).
-    check_ok(run_train(tmp_path / "unused", "-m", *COMMON, "strategy=ddp,fsdp", f"hydra.sweep.dir={sweep}"))
+    check_ok(
+        run_train(
+            tmp_path / "unused", "-m", *COMMON, "strategy=ddp,fsdp", f"hydra.sweep.dir={sweep}"
+        )
+    )
     ddp, fsdp = sweep / "0", sweep / "1"
     # The same global batches: only the order of the gradient sums differs (float64: support.py).
     a, b = csv_losses(ddp), csv_losses(fsdp)
@@ -64,7 +68,10 @@ def test_fsdp_trains_like_ddp_resumes_exactly_and_reshards(tmp_path: Path):
         "step-00000021",
         "step-00000024",
     ]
-    assert os.readlink(ckpts / "last") == "step-00000024" and os.readlink(ckpts / "best") == "step-00000021"
+    assert (
+        os.readlink(ckpts / "last") == "step-00000024"
+        and os.readlink(ckpts / "best") == "step-00000021"
+    )
     assert sorted(p.name for p in (ckpts / "last").iterdir()) == [
         ".metadata",
         "__0_0.distcp",
@@ -75,7 +82,12 @@ def test_fsdp_trains_like_ddp_resumes_exactly_and_reshards(tmp_path: Path):
 
     # Stopped by SIGTERM and resumed at 2 ranks: the uninterrupted run's weights, bit for bit.
     proc = start_train(stopped, *COMMON, "strategy=fsdp")
-    wait_for(lambda: (stopped / "checkpoints" / "step-00000004").is_dir(), 90, "the first checkpoint", proc)
+    wait_for(
+        lambda: (stopped / "checkpoints" / "step-00000004").is_dir(),
+        90,
+        "the first checkpoint",
+        proc,
+    )
     os.kill(proc.pid, signal.SIGTERM)
     done = finish(proc, timeout=60)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
@@ -87,7 +99,10 @@ def test_fsdp_trains_like_ddp_resumes_exactly_and_reshards(tmp_path: Path):
     corrupt = shutil.copytree(saved, stopped / "checkpoints" / "step-00000098")
     (corrupt / "meta.pt").write_bytes(b"PK\x03\x04 truncated")
     check_ok(run_train(stopped, *COMMON, "strategy=fsdp", "trainer.resume=auto"))
-    assert f"skipping checkpoint {str(corrupt)!r} is truncated or corrupt" in (stopped / "train.log").read_text()
+    assert (
+        f"skipping checkpoint {str(corrupt)!r} is truncated or corrupt"
+        in (stopped / "train.log").read_text()
+    )
     assert summary(stopped)["resumed_from"] == str(saved) and summary(stopped)["steps"] == STEPS
     assert not torn.exists()  # cleared by the first save
     assert_same_params(final_params(stopped), final_params(fsdp))
@@ -120,13 +135,21 @@ def test_hsdp_on_a_2x2_mesh_trains_like_fsdp_resumes_exactly_and_reshards(tmp_pa
     # HSDP: 2 copies of the model, each sharded over 2 neighbouring ranks; beside FSDP over all 4.
     four = (*COMMON, "trainer.nproc=4", "strategy=fsdp")
     sweep = tmp_path / "sweep"
-    check_ok(run_train(tmp_path / "unused", "-m", *four, "strategy.replicate=1,2", f"hydra.sweep.dir={sweep}"))
+    check_ok(
+        run_train(
+            tmp_path / "unused", "-m", *four, "strategy.replicate=1,2", f"hydra.sweep.dir={sweep}"
+        )
+    )
     fsdp, hsdp = sweep / "0", sweep / "1"
     # The same global batches (an epoch of digits at 4 ranks: 11 steps): the sums' order differs.
     assert len(csv_losses(hsdp)) == STEPS
     assert_float64_alike(csv_losses(hsdp), csv_losses(fsdp))
     s = summary(hsdp)
-    assert s["world_size"] == 4 and s["hsdp"] == {"replicate": 2, "shard": 2} and summary(fsdp)["hsdp"] is None
+    assert (
+        s["world_size"] == 4
+        and s["hsdp"] == {"replicate": 2, "shard": 2}
+        and summary(fsdp)["hsdp"] is None
+    )
     # Each rank holds half the model (a copy's shard over 2), twice FSDP-over-4's quarter.
     ratio = s["model_state_bytes"]["total"] / summary(fsdp)["model_state_bytes"]["total"]
     assert 1.8 < ratio < 2.2, (s["model_state_bytes"], summary(fsdp)["model_state_bytes"])
@@ -134,7 +157,12 @@ def test_hsdp_on_a_2x2_mesh_trains_like_fsdp_resumes_exactly_and_reshards(tmp_pa
     # Stopped by SIGTERM and resumed on the same mesh: the uninterrupted run, bit for bit.
     stopped = tmp_path / "stopped"
     proc = start_train(stopped, *four, "strategy.replicate=2")
-    wait_for(lambda: (stopped / "checkpoints" / "step-00000004").is_dir(), 120, "the first checkpoint", proc)
+    wait_for(
+        lambda: (stopped / "checkpoints" / "step-00000004").is_dir(),
+        120,
+        "the first checkpoint",
+        proc,
+    )
     os.kill(proc.pid, signal.SIGTERM)
     done = finish(proc, timeout=60)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
@@ -169,14 +197,16 @@ def test_hsdp_on_a_2x2_mesh_trains_like_fsdp_resumes_exactly_and_reshards(tmp_pa
 def test_hsdp_refuses_a_world_size_it_does_not_divide_in_one_line(tmp_path: Path):
     proc = run_train(tmp_path / "run", "strategy=fsdp", "strategy.replicate=3", "trainer.nproc=4")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "hydra-ddp: error: strategy=fsdp: strategy.replicate=3 does not divide the 4 ranks (trainer.nproc × "
-        "launcher.nnodes): give a divisor of 4 (launcher.nnodes: a copy per node)"
+        "hydra-ddp: error: strategy=fsdp: strategy.replicate=3 does "
+        "not divide the 4 ranks (trainer.nproc × launcher.nnodes): "
+        "give a divisor of 4 (launcher.nnodes: a copy per node)"
     ], proc.stderr
     assert not (tmp_path / "run").exists()
 
 
 # The transformer, small: 2 blocks of width 32 on 64 KiB of text; a global batch of 32 sequences
-# (25 steps an epoch), so one rank, FSDP over 2 and tensor parallel over 2 all train on the same batches.
+# (25 steps an epoch), so one rank, FSDP over 2 and tensor parallel over 2 all train on the same
+# batches.
 GPT = (
     "+experiment=text_gpt",
     "model.dim=32",
@@ -198,7 +228,13 @@ def test_fsdp_and_tensor_parallel_train_the_transformer_like_one_rank(tmp_path: 
     foreach = "+optim.foreach=true"
     runs = {
         "one-rank": ("trainer.nproc=1",),
-        "fsdp_tp": ("strategy=fsdp_tp", "trainer.nproc=4", "strategy.tp_size=2", "trainer.threads=1", foreach),
+        "fsdp_tp": (
+            "strategy=fsdp_tp",
+            "trainer.nproc=4",
+            "strategy.tp_size=2",
+            "trainer.threads=1",
+            foreach,
+        ),
     }
     for name, overrides in runs.items():
         check_ok(run_train(tmp_path / name, *GPT, *overrides))
@@ -212,21 +248,29 @@ def test_fsdp_and_tensor_parallel_train_the_transformer_like_one_rank(tmp_path: 
     reference = csv_losses(tmp_path / "one-rank")
     assert len(reference) == 20
     s = {name: summary(tmp_path / name) for name in runs}
-    for name in ("fsdp", "tp", "fsdp_tp"):  # gradient clipping at 1 (the experiment's) included: a global norm
+    # gradient clipping at 1 (the experiment's) included: a global norm
+    for name in ("fsdp", "tp", "fsdp_tp"):
         assert_float64_alike(csv_losses(tmp_path / name), reference)
     for name in ("tp", "fsdp_tp"):  # the validation after 20 steps: as far apart as the weights
         assert_float64_alike([s[name]["val_loss"]], [s["one-rank"]["val_loss"]])
-        assert s[name]["test_samples"] == s["one-rank"]["test_samples"], name  # every token once, not per tp rank
+        # every token once, not per tp rank
+        assert s[name]["test_samples"] == s["one-rank"]["test_samples"], name
     held = {name: s[name]["model_state_bytes"]["total"] for name in runs}
-    # FSDP: half of everything; TP: half of the blocks' linears (embeddings, norms and head replicated).
-    assert 0.45 < held["fsdp"] / held["one-rank"] < 0.55 and 0.55 < held["tp"] / held["one-rank"] < 0.85, held
-    assert 0.45 < held["fsdp_tp"] / held["tp"] < 0.55, held  # tensor parallel's share, sharded again over 2
+    # FSDP: half of everything; TP: half of the blocks' linears (embeddings, norms and head
+    # replicated).
+    assert (
+        0.45 < held["fsdp"] / held["one-rank"] < 0.55
+        and 0.55 < held["tp"] / held["one-rank"] < 0.85
+    ), held
+    # tensor parallel's share, sharded again over 2
+    assert 0.45 < held["fsdp_tp"] / held["tp"] < 0.55, held
 
     # eval.py on the 2-D mesh's sharded checkpoint, in one process: the run's own test loss.
     check_ok(run_eval(tmp_path / "eval", f"ckpt={tmp_path / 'fsdp_tp'}", "trainer.nproc=1"))
     evaluated = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert evaluated["step"] == 20 and evaluated["test_samples"] == s["fsdp_tp"]["test_samples"]
-    assert_float64_alike([evaluated["test_loss"]], [s["fsdp_tp"]["test_loss"]])  # the mesh split its matmuls
+    # the mesh split its matmuls
+    assert_float64_alike([evaluated["test_loss"]], [s["fsdp_tp"]["test_loss"]])
 
 
 def _tied_and_wrapped() -> torch.nn.Module:  # noqa: F821  (torch is imported inside)
@@ -244,7 +288,8 @@ def _tied_and_wrapped() -> torch.nn.Module:  # noqa: F821  (torch is imported in
             self.head.weight = self.embed.weight
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(torch.relu(self.body(self.embed(x)))).transpose(1, 2)  # (batch, classes, time)
+            # (batch, classes, time)
+            return self.head(torch.relu(self.body(self.embed(x)))).transpose(1, 2)
 
     return Tied()
 
@@ -266,12 +311,21 @@ def _named_like_dcp(_rank: int, port: int) -> None:
     gpt = TinyGPT(context=8, dim=16, depth=2, heads=2)
     decay = [p for p in gpt.parameters() if p.dim() >= 2]
     cases = [
-        (MnistCNN(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), (4, 1, 28, 28), 10),
-        (MnistCNN(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), (4, 1, 28, 28), 10),  # no state at all
+        (
+            MnistCNN(),
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+            (4, 1, 28, 28),
+            10,
+        ),
+        # no state at all
+        (MnistCNN(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), (4, 1, 28, 28), 10),
         (
             gpt,
             lambda m: torch.optim.AdamW(
-                [{"params": decay}, {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+                [
+                    {"params": decay},
+                    {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0},
+                ],
                 lr=1e-3,
             ),
             (4, 8),
@@ -289,7 +343,10 @@ def _named_like_dcp(_rank: int, port: int) -> None:
             F.cross_entropy(out, target).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        ours, theirs = optimizer_state_by_name(module, optimizer), get_optimizer_state_dict(model, optimizer)
+        ours, theirs = (
+            optimizer_state_by_name(module, optimizer),
+            get_optimizer_state_dict(model, optimizer),
+        )
         assert list(ours) == list(theirs) and list(ours["state"]) == list(theirs["state"])
         assert ours["param_groups"] == theirs["param_groups"]
         for name, values in ours["state"].items():
@@ -305,6 +362,7 @@ def _named_like_dcp(_rank: int, port: int) -> None:
 
 @pytest.mark.timeout(120)
 def test_ddp_optimizer_state_is_named_as_dcp_names_it():
-    """strategy.optimizer_state_by_name against torch.distributed.checkpoint's get_optimizer_state_dict
-    on real DDP models: the same names, groups, tensors, and bytes once saved."""
+    """strategy.optimizer_state_by_name against torch.distributed.checkpoint's
+    get_optimizer_state_dict on real DDP models: the same names, groups, tensors, and bytes once
+    saved."""
     spawn_ranks(_named_like_dcp, (free_port(),))

@@ -54,14 +54,24 @@ def test_a_users_own_task_trains_evaluates_exactly_and_is_searched(tmp_path: Pat
     # eval.py on its checkpoint: the run's test metrics, bit for bit, at 1 and at 2 ranks.
     for ranks in (1, 2):
         check_ok(
-            run_eval(tmp_path / f"eval{ranks}", f"ckpt={run_dir}", f"trainer.nproc={ranks}", "predict=true", env=env)
+            run_eval(
+                tmp_path / f"eval{ranks}",
+                f"ckpt={run_dir}",
+                f"trainer.nproc={ranks}",
+                "predict=true",
+                env=env,
+            )
         )
         result = json.loads((tmp_path / f"eval{ranks}" / "eval.json").read_text())
         assert {k: result[k] for k in ("test_loss", "test_balanced_accuracy", "test_samples")} == {
             k: s[k] for k in ("test_loss", "test_balanced_accuracy", "test_samples")
         }
     rows = list(csv.DictReader(open(tmp_path / "eval1" / "predictions.csv")))
-    assert list(rows[0]) == ["index", "label", "score"] and len(rows) == 100 and rows[0]["label"] in ("0", "1")
+    assert (
+        list(rows[0]) == ["index", "label", "score"]
+        and len(rows) == 100
+        and rows[0]["label"] in ("0", "1")
+    )
     # An Optuna search whose objective is the task's own metric.
     sweep = tmp_path / "sweep"
     check_ok(
@@ -80,7 +90,10 @@ def test_a_users_own_task_trains_evaluates_exactly_and_is_searched(tmp_path: Pat
     )
     trials = list(csv.DictReader(open(sweep / "sweep.csv")))
     assert len(trials) == 2 and {t["status"] for t in trials} == {"ok"}
-    assert all(float(t["objective"]) == summary(Path(t["run_dir"]))["val_balanced_accuracy"] for t in trials)
+    assert all(
+        float(t["objective"]) == summary(Path(t["run_dir"]))["val_balanced_accuracy"]
+        for t in trials
+    )
     assert "val_balanced_accuracy" in trials[0] and "test_balanced_accuracy" in trials[0]
 
 
@@ -89,7 +102,8 @@ def test_a_task_whose_loss_is_not_a_scalar_is_one_line_before_anything_is_lost(t
     bad = (*overrides, "task._target_=mylab.task.PerSample")
     check = run_train(tmp_path / "checked", "--check", *bad, env=env)
     assert check.returncode == 2 and check.stderr.strip().splitlines() == [
-        "hydra-ddp: error: model=scorer with data=blobs: the loss of one batch has shape (2,), not a scalar"
+        "hydra-ddp: error: model=scorer with data=blobs: "
+        "the loss of one batch has shape (2,), not a scalar"
     ], check.stderr
     run = run_train(tmp_path / "run", *bad, *QUICK, env=env)
     assert run.returncode != 0 and run.stderr.strip().splitlines()[-1].startswith(
@@ -104,15 +118,18 @@ def test_a_task_that_does_not_fit_the_data_stops_every_rank_in_one_line(tmp_path
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("hydra-ddp:")]
     assert lines == [
-        "hydra-ddp: error: task Regression does not fit the data: it needs real-valued targets, and the data's are "
-        "int64 (class labels?): choose a regression dataset (data=diabetes, data=synthetic_regression) or "
+        "hydra-ddp: error: task Regression does not fit the data: it needs "
+        "real-valued targets, and the data's are int64 (class labels?): choose "
+        "a regression dataset (data=diabetes, data=synthetic_regression) or "
         f"task=classification (log: {tmp_path / 'run' / 'train.log'})"
     ], proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 # --- The built-in regression and segmentation tasks, end to end ----------------------------------
-def test_regression_on_diabetes_reports_r2_and_eval_at_one_rank_gives_its_test_metrics(tmp_path: Path):
+def test_regression_on_diabetes_reports_r2_and_eval_at_one_rank_gives_its_test_metrics(
+    tmp_path: Path,
+):
     run_dir = tmp_path / "run"
     check_ok(run_train(run_dir, "task=regression", "data=diabetes", "model=mlp"))
     s = summary(run_dir)
@@ -127,13 +144,15 @@ def test_regression_on_diabetes_reports_r2_and_eval_at_one_rank_gives_its_test_m
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "experiment, model", [("diabetes_mlp", "hydra_ddp.models.MLP"), ("shapes_segnet", "hydra_ddp.models.SegNet")]
+    "experiment, model",
+    [("diabetes_mlp", "hydra_ddp.models.MLP"), ("shapes_segnet", "hydra_ddp.models.SegNet")],
 )
 def test_regression_and_segmentation_train_alike_at_1_and_2_ranks_and_under_fsdp(
     tmp_path: Path, experiment: str, model: str
 ):
-    # drop_last: a short last batch would differ in its padding between world sizes. float64: only the
-    # order of sums differs, so the runs agree within FLOAT64_BOUND over every step (support.py).
+    # drop_last: a short last batch would differ in its padding between world sizes. float64: only
+    # the order of sums differs, so the runs agree within FLOAT64_BOUND over every step
+    # (support.py).
     common = (
         f"+experiment={experiment}",
         "trainer.max_steps=10",
@@ -144,7 +163,14 @@ def test_regression_and_segmentation_train_alike_at_1_and_2_ranks_and_under_fsdp
     )
     worlds, sharded = tmp_path / "worlds", tmp_path / "fsdp"
     check_ok(
-        run_train(tmp_path / "unused", "-m", "trainer.nproc=1,2", *common, f"hydra.sweep.dir={worlds}", timeout=300)
+        run_train(
+            tmp_path / "unused",
+            "-m",
+            "trainer.nproc=1,2",
+            *common,
+            f"hydra.sweep.dir={worlds}",
+            timeout=300,
+        )
     )
     check_ok(run_train(sharded, "strategy=fsdp", *common, timeout=300))
     one, two = worlds / "0", worlds / "1"
@@ -157,24 +183,34 @@ def test_regression_and_segmentation_train_alike_at_1_and_2_ranks_and_under_fsdp
     assert_float64_alike(csv_losses(sharded), reference)
     metrics = summary(two)["metrics"]
     assert metrics == (
-        ["loss", "mse", "mae", "r2"] if experiment == "diabetes_mlp" else ["loss", "pixel_accuracy", "mean_iou"]
+        ["loss", "mse", "mae", "r2"]
+        if experiment == "diabetes_mlp"
+        else ["loss", "pixel_accuracy", "mean_iou"]
     )
     if experiment != "shapes_segnet":
         return
-    # Evaluating the same weights: bit-equal metrics at 1, 2 and 3 ranks (the segmentation's confusion
-    # matrix too).
+    # Evaluating the same weights: bit-equal metrics at 1, 2 and 3 ranks (the segmentation's
+    # confusion matrix too).
     ckpt = two
     evals = tmp_path / "evals"
     check_ok(
         run_eval(
-            tmp_path / "unused", "-m", f"ckpt={ckpt}", "trainer.nproc=1,2,3", f"hydra.sweep.dir={evals}", timeout=300
+            tmp_path / "unused",
+            "-m",
+            f"ckpt={ckpt}",
+            "trainer.nproc=1,2,3",
+            f"hydra.sweep.dir={evals}",
+            timeout=300,
         )
     )
     results = [json.loads((evals / str(job) / "eval.json").read_text()) for job in range(3)]
     assert [r["world_size"] for r in results] == [1, 2, 3]
     for r in results:
-        assert {k: r[k] for k in ("test_loss", "test_pixel_accuracy", "test_mean_iou", "test_samples")} == {
-            k: results[0][k] for k in ("test_loss", "test_pixel_accuracy", "test_mean_iou", "test_samples")
+        assert {
+            k: r[k] for k in ("test_loss", "test_pixel_accuracy", "test_mean_iou", "test_samples")
+        } == {
+            k: results[0][k]
+            for k in ("test_loss", "test_pixel_accuracy", "test_mean_iou", "test_samples")
         }
     tested = summary(ckpt)  # eval.py on a run directory takes the weights its test took (best.pt)
     assert {k: v for k, v in results[0].items() if k.startswith("test_")} == {

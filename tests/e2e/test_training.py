@@ -24,7 +24,9 @@ SAMPLES = 11  # does not divide by 3 ranks: padding would count samples twice
 
 def _dataset():
     gen = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(SAMPLES, 4, generator=gen), torch.randint(0, 3, (SAMPLES,), generator=gen))
+    return TensorDataset(
+        torch.randn(SAMPLES, 4, generator=gen), torch.randint(0, 3, (SAMPLES,), generator=gen)
+    )
 
 
 def _model():
@@ -36,19 +38,26 @@ def _worker(rank: int, world: int, port: int, results):
     info = RankInfo(rank, world, rank, world)
     init = RunInitMethodConf(name="tcp", host="127.0.0.1", ports=[port])  # held by the test
     with distributed.process_group("gloo", init, info, 30, torch.device("cpu")):
-        split = data.EvalSplit(_dataset(), 2, info, torch.device("cpu"), preload=rank == 1, loader_options={})
+        split = data.EvalSplit(
+            _dataset(), 2, info, torch.device("cpu"), preload=rank == 1, loader_options={}
+        )
         results["eval", rank] = evaluation.evaluate(
             _model(), split, torch.device("cpu"), tasks.Classification(), predictions=True
         )
         window = training.LossWindow(size=2)
         window.add(1, torch.tensor(float(rank)))
         window.add(2, torch.tensor(float(10 * rank)))
-        results["window", rank] = window.flush(stop=rank == 2, device=torch.device("cpu"), out_of_time=rank == 1)
+        results["window", rank] = window.flush(
+            stop=rank == 2, device=torch.device("cpu"), out_of_time=rank == 1
+        )
         # Overlapped, as the loop does mid-epoch: sent at step 3, read after step 4 was added.
         window.add(3, torch.tensor(float(rank)))
         window.start(stop=rank == 0, device=torch.device("cpu"))
         window.add(4, torch.tensor(100.0 * rank))
-        results["overlapped", rank] = window.collect(), window.flush(stop=False, device=torch.device("cpu"))
+        results["overlapped", rank] = (
+            window.collect(),
+            window.flush(stop=False, device=torch.device("cpu")),
+        )
 
 
 def test_evaluation_is_exact_and_train_losses_are_global():
@@ -58,7 +67,8 @@ def test_evaluation_is_exact_and_train_losses_are_global():
     expected_acc = (logits.argmax(1) == y).sum().item() / SAMPLES
     with mp.Manager() as manager:
         results = manager.dict()
-        store = distributed.serve_store("127.0.0.1", 0, timedelta(seconds=30))  # held by this process
+        # held by this process
+        store = distributed.serve_store("127.0.0.1", 0, timedelta(seconds=30))
         spawn_ranks(_worker, (3, store.port, results), nprocs=3)
         results = dict(results)
     for rank in range(3):
@@ -66,9 +76,13 @@ def test_evaluation_is_exact_and_train_losses_are_global():
         assert metrics["test_samples"] == SAMPLES
         assert abs(metrics["test_loss"] - expected_loss) < 1e-6
         assert metrics["test_accuracy"] == expected_acc
-        # Means of 0,1,2 and of 0,10,20; rank 2's stop request and rank 1's spent time reach every rank.
+        # Means of 0,1,2 and of 0,10,20; rank 2's stop request and rank 1's spent time reach every
+        # rank.
         assert results["window", rank] == ([1, 2], [1.0, 10.0], True, True)
-        assert results["overlapped", rank] == (([3], [1.0], True, False), ([4], [100.0], False, False))
+        assert results["overlapped", rank] == (
+            ([3], [1.0], True, False),
+            ([4], [100.0], False, False),
+        )
     # Rank 0 gathers every sample's (label, prediction, probability), in dataset order.
     rows = results["eval", 0]["predictions"]
     assert torch.equal(rows[:, 0].long(), y) and torch.equal(rows[:, 1].long(), logits.argmax(1))

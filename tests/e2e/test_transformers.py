@@ -1,8 +1,9 @@
 """A Hugging Face transformers causal language model end to end (+experiment=hf_llama: a small Llama
 config, no download, vocabulary 256 over the byte-level text): dict batches with an attention mask,
-the model computing its own loss, with accumulation and bf16 autocast under DDP and FSDP (its decoder
-layers the sharding units; its samples preloaded); SIGTERM'd and resumed bit for bit; eval.py reproducing the run's test
-metrics bit for bit at another world size; the FLOP count and tokens/s in its summary."""
+the model computing its own loss, with accumulation and bf16 autocast under DDP and FSDP (its
+decoder layers the sharding units; its samples preloaded); SIGTERM'd and resumed bit for bit;
+eval.py reproducing the run's test metrics bit for bit at another world size; the FLOP count and
+tokens/s in its summary."""
 
 from __future__ import annotations
 
@@ -30,15 +31,24 @@ COMMON = (
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_transformers_model_trains_resumes_after_sigterm_and_evaluates_exactly(tmp_path: Path, strategy: str):
+def test_a_transformers_model_trains_resumes_after_sigterm_and_evaluates_exactly(
+    tmp_path: Path, strategy: str
+):
     # FSDP's run also preloads its dict samples (whole tensors sliced per batch, a TensorTree).
     common = (*COMMON, f"strategy={strategy}", f"data.preload={strategy == 'fsdp'}")
     straight = tmp_path / "straight"
     check_ok(run_train(straight, *common, timeout=300))
     s = summary(straight)
-    assert s["steps"] == FULL and s["world_size"] == 2 and s["metrics"] == ["loss", "accuracy", "perplexity"]
-    assert s["flops"]["per_sample"] > 0 and s["tokens_per_sec"] == pytest.approx(64 * s["samples_per_sec"])
-    assert s["test_samples"] > 0 and 0 < s["test_loss"] < 6  # below ln(256) = 5.55 once it has learnt anything
+    assert (
+        s["steps"] == FULL
+        and s["world_size"] == 2
+        and s["metrics"] == ["loss", "accuracy", "perplexity"]
+    )
+    assert s["flops"]["per_sample"] > 0 and s["tokens_per_sec"] == pytest.approx(
+        64 * s["samples_per_sec"]
+    )
+    # below ln(256) = 5.55 once it has learnt anything
+    assert s["test_samples"] > 0 and 0 < s["test_loss"] < 6
 
     # SIGTERM at rank 0's 7th forward (step 4's first micro-batch), then resumed: the same bits.
     stopped = tmp_path / "stopped"

@@ -56,10 +56,18 @@ def outputs(tmp_path_factory) -> Path:
     )
     run_dir = base / "run"
     proc = start_train(run_dir, *common)
-    wait_for(lambda: (run_dir / "checkpoints" / "step-00000004.pt").exists(), 120, "the first checkpoint", proc)
-    os.killpg(proc.pid, signal.SIGTERM)  # to every process of the run, as Slurm's scancel signals a job step
+    wait_for(
+        lambda: (run_dir / "checkpoints" / "step-00000004.pt").exists(),
+        120,
+        "the first checkpoint",
+        proc,
+    )
+    # to every process of the run, as Slurm's scancel signals a job step
+    os.killpg(proc.pid, signal.SIGTERM)
     stopped = finish(proc, timeout=60)
-    assert stopped.returncode == 128 + signal.SIGTERM and "checkpoint saved" in stopped.stderr, stopped.stderr
+    assert stopped.returncode == 128 + signal.SIGTERM and "checkpoint saved" in stopped.stderr, (
+        stopped.stderr
+    )
     check_ok(run_train(run_dir, *common, "trainer.resume=auto"))
     check_ok(
         run_train(
@@ -78,7 +86,9 @@ def outputs(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(300)
-def test_mlflow_and_wandb_runs_read_back_and_continue_after_sigterm_without_duplicate_steps(outputs: Path):
+def test_mlflow_and_wandb_runs_read_back_and_continue_after_sigterm_without_duplicate_steps(
+    outputs: Path,
+):
     """Through their own clients: MLflow's tracking client on the store, wandb's own records."""
     from mlflow.tracking import MlflowClient
 
@@ -87,11 +97,17 @@ def test_mlflow_and_wandb_runs_read_back_and_continue_after_sigterm_without_dupl
     runs = client.search_runs([client.get_experiment_by_name("hydra-ddp").experiment_id])
     [run] = [r for r in runs if r.info.run_name == "run"]  # the resumed run is the same MLflow run
     assert run.info.status == "FINISHED"
-    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss"))
+    history = sorted(
+        (m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")
+    )
     assert [step for step, _ in history] == list(range(1, 31))  # the whole curve, no step twice
     assert [v for _, v in history] == pytest.approx(losses(run_dir))
     assert run.data.params["optim.lr"] == "0.02" and run.data.params["trainer.max_steps"] == "30"
-    assert (run.data.tags["world_size"], run.data.tags["backend"], run.data.tags["launcher"]) == ("2", "gloo", "spawn")
+    assert (run.data.tags["world_size"], run.data.tags["backend"], run.data.tags["launcher"]) == (
+        "2",
+        "gloo",
+        "spawn",
+    )
     assert run.data.tags["tested_checkpoint"].endswith("best.pt")
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["summary.json"]
 
@@ -100,7 +116,8 @@ def test_mlflow_and_wandb_runs_read_back_and_continue_after_sigterm_without_dupl
     run_id = (run_dir / "wandb_run_id").read_text().strip()
     assert len(starts) == 2 and {s["id"] for s in starts} == {run_id}, [s["path"] for s in starts]
     assert all(s["path"].parent.name.startswith("offline-run-") for s in starts)
-    assert starts[0]["preempting"] and not starts[1]["preempting"]  # the stopped start, not the finished one
+    # the stopped start, not the finished one
+    assert starts[0]["preempting"] and not starts[1]["preempting"]
     curve = wandb_series(starts, "train/loss")
     assert [step for step, _ in curve] == list(range(1, 31))  # continued, no step twice
     assert [v for _, v in curve] == pytest.approx(losses(run_dir))
@@ -109,32 +126,48 @@ def test_mlflow_and_wandb_runs_read_back_and_continue_after_sigterm_without_dupl
     config = starts[1]["config"]
     assert config["optim"]["lr"] == 0.02 and config["trainer"]["max_steps"] == 30
     done = summary(run_dir)
-    assert starts[1]["summary"]["test_accuracy"] == done["test_accuracy"] and starts[1]["summary"]["steps"] == 30
+    assert (
+        starts[1]["summary"]["test_accuracy"] == done["test_accuracy"]
+        and starts[1]["summary"]["steps"] == 30
+    )
     assert [(kind, refs) for kind, refs in starts[1]["artifacts"]] == [
         ("model", [Path(done["tested"]["checkpoint"]).resolve().as_uri()])
     ]  # a reference, not an upload
 
 
 @pytest.mark.timeout(400)
-def test_tensorboard_shows_the_resumed_run_once_with_one_continuous_curve(outputs: Path, tmp_path: Path):
+def test_tensorboard_shows_the_resumed_run_once_with_one_continuous_curve(
+    outputs: Path, tmp_path: Path
+):
     run_dir, s = outputs / "run", summary(outputs / "run")
     with servers.tensorboard(run_dir, tmp_path / "tensorboard.log") as url:
         assert servers.get(f"{url}/data/runs") == ["tensorboard"]  # one run, though two event files
         tags = servers.get(f"{url}/data/plugin/scalars/tags")["tensorboard"]
-        assert {"train/loss", "val/loss", "val/accuracy", "test/loss", "test/accuracy"} <= tags.keys()
+        assert {
+            "train/loss",
+            "val/loss",
+            "val/accuracy",
+            "test/loss",
+            "test/accuracy",
+        } <= tags.keys()
 
         def series(tag: str) -> list[tuple[int, float]]:
             return [
                 (step, value)
-                for _, step, value in servers.get(f"{url}/data/plugin/scalars/scalars?run=tensorboard&tag={tag}")
+                for _, step, value in servers.get(
+                    f"{url}/data/plugin/scalars/scalars?run=tensorboard&tag={tag}"
+                )
             ]
 
         curve = series("train/loss")
-        assert [step for step, _ in curve] == list(range(1, 31))  # continued after the SIGTERM, no step twice
+        # continued after the SIGTERM, no step twice
+        assert [step for step, _ in curve] == list(range(1, 31))
         assert [v for _, v in curve] == pytest.approx(losses(run_dir))
         assert len(series("val/accuracy")) == s["epochs"]  # one a validated epoch
         assert series("test/accuracy") == [(s["steps"], pytest.approx(s["test_accuracy"]))]  # once
-        assert servers.get(f"{url}/data/plugin/text/tags") == {"tensorboard": ["config/text_summary"]}
+        assert servers.get(f"{url}/data/plugin/text/tags") == {
+            "tensorboard": ["config/text_summary"]
+        }
         experiment = servers.get(f"{url}/data/plugin/hparams/experiment", {"experimentName": ""})
         assert {"lr", "world_size", "model"} <= {h["name"] for h in experiment["hparamInfos"]}
         # Its columns are the run's own series (no one-point hparam/* cards above the curves).
@@ -163,38 +196,59 @@ def test_mlflow_ui_as_the_docs_give_it_serves_the_run_and_the_sweep_as_parent_an
     s = summary(outputs / "run")
     with servers.mlflow_ui(outputs, "sqlite:///outputs/mlflow.db", tmp_path / "mlflow.log") as url:
         api = f"{url}/api/2.0/mlflow"
-        experiment = servers.get(f"{api}/experiments/get-by-name?experiment_name=hydra-ddp")["experiment"]
-        kind = {t["key"]: t["value"] for t in experiment.get("tags", [])}.get("mlflow.experimentKind")
-        assert kind == "custom_model_development"  # MLflow 3's UI opens it in its training view, not GenAI's
-        runs = servers.get(f"{api}/runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]
+        experiment = servers.get(f"{api}/experiments/get-by-name?experiment_name=hydra-ddp")[
+            "experiment"
+        ]
+        kind = {t["key"]: t["value"] for t in experiment.get("tags", [])}.get(
+            "mlflow.experimentKind"
+        )
+        # MLflow 3's UI opens it in its training view, not GenAI's
+        assert kind == "custom_model_development"
+        runs = servers.get(f"{api}/runs/search", {"experiment_ids": [experiment["experiment_id"]]})[
+            "runs"
+        ]
         by_name = {r["info"]["run_name"]: r for r in runs}
         run = by_name["run"]
-        assert run["info"]["status"] == "FINISHED"  # the resumed run is the same MLflow run, finished
+        # the resumed run is the same MLflow run, finished
+        assert run["info"]["status"] == "FINISHED"
         params = {p["key"]: p["value"] for p in run["data"]["params"]}
         tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
         assert params["optim.lr"] == "0.02" and params["trainer.max_steps"] == "30"
-        assert (tags["world_size"], tags["backend"], tags["run_dir"]) == ("2", "gloo", str(outputs / "run"))
-        history = servers.get(f"{api}/metrics/get-history?run_id={run['info']['run_id']}&metric_key=train/loss")
+        assert (tags["world_size"], tags["backend"], tags["run_dir"]) == (
+            "2",
+            "gloo",
+            str(outputs / "run"),
+        )
+        history = servers.get(
+            f"{api}/metrics/get-history?run_id={run['info']['run_id']}&metric_key=train/loss"
+        )
         assert sorted(m["step"] for m in history["metrics"]) == list(range(1, 31))
         metrics = {m["key"]: m["value"] for m in run["data"]["metrics"]}
         assert metrics["test/accuracy"] == pytest.approx(s["test_accuracy"])
         # The multirun: one parent run, its two jobs as children.
         parents = [r for r in runs if r["info"]["run_name"].startswith("sweep ")]
-        children = [r for r in runs if any(t["key"] == "mlflow.parentRunId" for t in r["data"]["tags"])]
+        children = [
+            r for r in runs if any(t["key"] == "mlflow.parentRunId" for t in r["data"]["tags"])
+        ]
         assert len(parents) == 1 and len(children) == 2
-        assert {t["value"] for r in children for t in r["data"]["tags"] if t["key"] == "mlflow.parentRunId"} == {
-            parents[0]["info"]["run_id"]
-        }
+        assert {
+            t["value"]
+            for r in children
+            for t in r["data"]["tags"]
+            if t["key"] == "mlflow.parentRunId"
+        } == {parents[0]["info"]["run_id"]}
         assert sorted(r["info"]["run_name"] for r in children) == ["sweep/0", "sweep/1"]
 
 
-# --- Looked at in a real browser (make look: Chromium's start and render cost more than CI's budget) ---
+# --- Looked at in a real browser (make look: Chromium's start and render cost more than CI's
+# budget) ---
 
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory) -> Path:
     """What a user's first `make train` makes (the default config, every epoch), with the MLflow
-    logger beside the default ones, into outputs/mlflow.db under the launch folder: the screenshots'."""
+    logger beside the default ones, into outputs/mlflow.db under the launch folder: the
+    screenshots'."""
     base = tmp_path_factory.mktemp("default")
     store = f"sqlite:///{base}/outputs/mlflow.db"
     check_ok(
@@ -211,9 +265,12 @@ def default_run(tmp_path_factory) -> Path:
 
 @pytest.mark.look
 @pytest.mark.timeout(400)
-def test_tensorboard_in_a_browser_shows_the_default_runs_curves_first(default_run: Path, tmp_path: Path):
+def test_tensorboard_in_a_browser_shows_the_default_runs_curves_first(
+    default_run: Path, tmp_path: Path
+):
     with servers.tensorboard(default_run / "run", tmp_path / "tensorboard.log") as url:
-        # What a user sees first: the time-series view, its cards sorted by tag; no one-point hparam cards.
+        # What a user sees first: the time-series view, its cards sorted by tag; no one-point hparam
+        # cards.
         shot = _shot(tmp_path, "tensorboard.png")
         page = servers.browse(f"{url}/#timeseries", shot)
         assert "train/loss" in page and "hparam/" not in page
@@ -225,15 +282,24 @@ def test_tensorboard_in_a_browser_shows_the_default_runs_curves_first(default_ru
 
 @pytest.mark.look
 @pytest.mark.timeout(400)
-def test_the_mlflow_run_page_in_a_browser_names_the_run_and_its_metrics(default_run: Path, tmp_path: Path):
+def test_the_mlflow_run_page_in_a_browser_names_the_run_and_its_metrics(
+    default_run: Path, tmp_path: Path
+):
     # Opened at 0.0.0.0, this host by another name: at localhost MLflow 3 opens its assistant's chat
     # panel over a third of the page on a browser's first visit (a fresh profile's every time).
-    with servers.mlflow_ui(default_run, "sqlite:///outputs/mlflow.db", tmp_path / "mlflow.log", "0.0.0.0") as url:
+    with servers.mlflow_ui(
+        default_run, "sqlite:///outputs/mlflow.db", tmp_path / "mlflow.log", "0.0.0.0"
+    ) as url:
         api = f"{url}/api/2.0/mlflow"
-        experiment = servers.get(f"{api}/experiments/get-by-name?experiment_name=hydra-ddp")["experiment"]
-        runs = servers.get(f"{api}/runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]
+        experiment = servers.get(f"{api}/experiments/get-by-name?experiment_name=hydra-ddp")[
+            "experiment"
+        ]
+        runs = servers.get(f"{api}/runs/search", {"experiment_ids": [experiment["experiment_id"]]})[
+            "runs"
+        ]
         run = next(r for r in runs if r["info"]["run_name"] == "run")
-        # MLflow 3 opens in its GenAI view unless asked for the training one (or switched in its sidebar).
+        # MLflow 3 opens in its GenAI view unless asked for the training one (or switched in its
+        # sidebar).
         seen_at = url.replace("127.0.0.1", "0.0.0.0")
         page = servers.browse(
             f"{seen_at}/#/experiments/{experiment['experiment_id']}/runs/{run['info']['run_id']}"
@@ -241,5 +307,7 @@ def test_the_mlflow_run_page_in_a_browser_names_the_run_and_its_metrics(default_
             _shot(tmp_path, "mlflow_run.png"),
             wait_ms=20000,
         )
-        assert run["info"]["run_id"] in page and "Finished" in page and "MLflow Assistant" not in page
+        assert (
+            run["info"]["run_id"] in page and "Finished" in page and "MLflow Assistant" not in page
+        )
         assert "train/loss" in page and "test/accuracy" in page and "world_size" in page

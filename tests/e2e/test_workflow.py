@@ -42,10 +42,13 @@ def _step_of(path: Path) -> int:
 
 
 @pytest.mark.timeout(400)
-def test_selected_on_validation_tested_once_and_eval_py_gives_the_same_bits_at_any_world_size(tmp_path: Path):
+def test_selected_on_validation_tested_once_and_eval_py_gives_the_same_bits_at_any_world_size(
+    tmp_path: Path,
+):
     run_dir, reads = tmp_path / "run", tmp_path / "reads"
     reads.mkdir()
-    # Selecting the highest validation loss picks the first epoch: the tested weights are not the last ones.
+    # Selecting the highest validation loss picks the first epoch: the tested weights are not the
+    # last ones.
     proc = run_train(
         run_dir,
         "trainer.epochs=3",
@@ -69,17 +72,25 @@ def test_selected_on_validation_tested_once_and_eval_py_gives_the_same_bits_at_a
     assert min(float(t) for _, t in records) > max(_val_wall_times(run_dir))
     assert s["test_passes"] == 1
 
-    # eval.py on the run directory takes best.pt and, on 1 rank or 2, reports the run's test metrics, bit-equal.
+    # eval.py on the run directory takes best.pt and, on 1 rank or 2, reports the run's test
+    # metrics, bit-equal.
     for n in (1, 2):
         eval_dir = tmp_path / f"eval{n}"
         check_ok(run_eval(eval_dir, f"ckpt={run_dir}", f"trainer.nproc={n}", "predict=true"))
         result = json.loads((eval_dir / "eval.json").read_text())
         assert result["step"] == first_epoch_step and result["world_size"] == n
-        assert (result["test_loss"], result["test_accuracy"]) == (s["test_loss"], s["test_accuracy"])
+        assert (result["test_loss"], result["test_accuracy"]) == (
+            s["test_loss"],
+            s["test_accuracy"],
+        )
         rows = list(csv.DictReader(open(eval_dir / "predictions.csv")))
         assert [int(r["index"]) for r in rows] == list(range(s["test_samples"]))
-        assert sum(r["label"] == r["predicted"] for r in rows) == round(s["test_accuracy"] * s["test_samples"])
-    assert (tmp_path / "eval1" / "predictions.csv").read_text() == (tmp_path / "eval2" / "predictions.csv").read_text()
+        assert sum(r["label"] == r["predicted"] for r in rows) == round(
+            s["test_accuracy"] * s["test_samples"]
+        )
+    assert (tmp_path / "eval1" / "predictions.csv").read_text() == (
+        tmp_path / "eval2" / "predictions.csv"
+    ).read_text()
 
     # A checkpoint of another model: one line, before any worker starts.
     wrong = run_eval(tmp_path / "wrong", f"ckpt={run_dir}", "model=mlp")
@@ -96,7 +107,9 @@ def test_eval_py_gives_the_same_bits_at_4_and_8_ranks_as_at_1(tmp_path: Path):
     results = []
     for n in (1, 4, 8):
         eval_dir = tmp_path / f"eval{n}"
-        check_ok(run_eval(eval_dir, f"ckpt={run_dir}", f"trainer.nproc={n}", "data.eval_batch_size=32"))
+        check_ok(
+            run_eval(eval_dir, f"ckpt={run_dir}", f"trainer.nproc={n}", "data.eval_batch_size=32")
+        )
         result = json.loads((eval_dir / "eval.json").read_text())
         assert result["world_size"] == n
         results.append({k: result[k] for k in ("test_loss", "test_accuracy", "test_samples")})
@@ -104,7 +117,9 @@ def test_eval_py_gives_the_same_bits_at_4_and_8_ranks_as_at_1(tmp_path: Path):
 
 
 def _stop_steps(run_dir: Path) -> dict[int, int]:
-    found = re.findall(r"\[rank (\d)\]\S* - early stopping at step (\d+)", (run_dir / "train.log").read_text())
+    found = re.findall(
+        r"\[rank (\d)\]\S* - early stopping at step (\d+)", (run_dir / "train.log").read_text()
+    )
     return {int(rank): int(step) for rank, step in found}
 
 
@@ -119,7 +134,9 @@ def test_early_stopping_stops_both_ranks_at_the_same_step_and_tests_the_best(run
     assert s["tested"]["step"] == s["history"][0]["step"] and "early stopping" in proc.stdout
     # The bar counted to the run's end (10 epochs of 21 steps) and says why it stopped short.
     bar = proc.stderr.replace("\r", "\n").splitlines()
-    assert any(f"{s['steps']}/210" in line and line.startswith("ended by early_stopping") for line in bar), bar[-3:]
+    assert any(
+        f"{s['steps']}/210" in line and line.startswith("ended by early_stopping") for line in bar
+    ), bar[-3:]
 
     # Continued, the ended run trains nothing, says so, and keeps its outputs as they were.
     outputs = ("summary.json", "metrics.csv", "checkpoints/last.pt")
@@ -127,13 +144,16 @@ def test_early_stopping_stops_both_ranks_at_the_same_step_and_tests_the_best(run
     again = run_train(run_dir, *stopping, "trainer.resume=auto")
     check_ok(again)
     said = f"is complete (step {s['steps']}, ended by early_stopping): nothing to train"
-    assert said in again.stderr and "raise trainer.early_stopping.patience" in again.stderr, again.stderr
+    assert said in again.stderr and "raise trainer.early_stopping.patience" in again.stderr, (
+        again.stderr
+    )
     assert {name: (run_dir / name).read_bytes() for name in outputs} == before
     assert not (run_dir / ".summary.earlier.json").exists()
 
 
 def _diverged_in_one_line(proc: subprocess.CompletedProcess, run_dir: Path) -> str:
-    """The one line a diverged run ends with: non-zero, every rank's decision reported once, no summary."""
+    """The one line a diverged run ends with: non-zero, every rank's decision reported once, no
+    summary."""
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -147,18 +167,29 @@ def test_a_diverged_loss_ends_the_run_in_one_line_and_keeps_the_last_good_checkp
     proc = run_train(run_dir, "optim.lr=1e30", "checkpoint.every_n_steps=1", "trainer.max_steps=20")
     assert "training diverged: the loss is nan at step 2" in _diverged_in_one_line(proc, run_dir)
     last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    assert last["position"]["step"] == 1 and all(torch.isfinite(v).all() for v in last["model"].values())
+    assert last["position"]["step"] == 1 and all(
+        torch.isfinite(v).all() for v in last["model"].values()
+    )
 
 
-def test_weights_gone_infinite_before_a_checkpoint_end_the_run_in_one_line_and_are_not_saved(run_dir: Path):
+def test_weights_gone_infinite_before_a_checkpoint_end_the_run_in_one_line_and_are_not_saved(
+    run_dir: Path,
+):
     # The first step's loss is finite (taken before the update); the update, mostly weight decay
     # (1e34 × 1e6 × w), is not: the check before the checkpoint after it finds inf in the weights,
     # every rank stops there, and nothing is written (without the check, last.pt would hold them).
     proc = run_train(
-        run_dir, "optim.lr=1e34", "optim.weight_decay=1e6", "checkpoint.every_n_steps=1", "trainer.max_steps=20"
+        run_dir,
+        "optim.lr=1e34",
+        "optim.weight_decay=1e6",
+        "checkpoint.every_n_steps=1",
+        "trainer.max_steps=20",
     )
     line = _diverged_in_one_line(proc, run_dir)
-    assert "training diverged: the weights are not finite after step 1; no checkpoint was written" in line
+    assert (
+        "training diverged: the weights are not finite after step 1; no checkpoint was written"
+        in line
+    )
     assert (run_dir / "train.log").is_file() and not list(
         run_dir.rglob("*.pt")
     )  # the run's folder: no checkpoint in it
@@ -173,20 +204,40 @@ def test_max_time_stops_resumably_and_init_from_fine_tunes_from_the_checkpoint(t
     s = summary(run_dir)
     assert s["ended_by"] == "max_time" and s["steps"] == 4 and s["tested"]["step"] == 4
     assert _step_of(run_dir / "checkpoints" / "last.pt") == 4
-    assert "trainer.max_time spent at step 4" in proc.stderr and "trainer.resume=auto" in proc.stderr
+    assert (
+        "trainer.max_time spent at step 4" in proc.stderr and "trainer.resume=auto" in proc.stderr
+    )
     check_ok(run_train(run_dir, "trainer.resume=auto", "trainer.log_every=3", "trainer.epochs=2"))
     resumed = summary(run_dir)
     assert resumed["ended_by"] == "epochs" and resumed["resumed_from"].endswith("step-00000004.pt")
-    assert [h["epoch"] for h in resumed["history"]] == [1, 2] and resumed["steps"] == 2 * resumed["history"][0]["step"]
-    assert "differs from the checkpoint's" not in (run_dir / "train.log").read_text()  # the same run, continued
+    assert [h["epoch"] for h in resumed["history"]] == [1, 2] and resumed["steps"] == 2 * resumed[
+        "history"
+    ][0]["step"]
+    # the same run, continued
+    assert "differs from the checkpoint's" not in (run_dir / "train.log").read_text()
     # Continued with other values: they apply, and the log says which differ from the checkpoint's.
-    check_ok(run_train(run_dir, "trainer.resume=auto", "trainer.log_every=3", "trainer.epochs=3", "optim.lr=0.05"))
+    check_ok(
+        run_train(
+            run_dir,
+            "trainer.resume=auto",
+            "trainer.log_every=3",
+            "trainer.epochs=3",
+            "optim.lr=0.05",
+        )
+    )
     warned = [
-        line for line in (run_dir / "train.log").read_text().splitlines() if "differs from the checkpoint's" in line
+        line
+        for line in (run_dir / "train.log").read_text().splitlines()
+        if "differs from the checkpoint's" in line
     ]
-    assert len(warned) == 1 and "optim.lr: 0.02 → 0.05" in warned[0] and "trainer.epochs: 2 → 3" in warned[0], warned
+    assert (
+        len(warned) == 1
+        and "optim.lr: 0.02 → 0.05" in warned[0]
+        and "trainer.epochs: 2 → 3" in warned[0]
+    ), warned
 
-    # Fine-tuning: the run's best weights but a fresh classifier; no learning, so step 1 shows the start.
+    # Fine-tuning: the run's best weights but a fresh classifier; no learning, so step 1 shows the
+    # start.
     source = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)["model"]
     tuned_dir = tmp_path / "tuned"
     check_ok(
@@ -201,7 +252,9 @@ def test_max_time_stops_resumably_and_init_from_fine_tunes_from_the_checkpoint(t
     )
     start = torch.load(tuned_dir / "checkpoints" / "last.pt", weights_only=True)
     assert start["position"]["step"] == 1 and summary(tuned_dir)["init_from"].endswith("best.pt")
-    assert all(torch.equal(start["model"][k], source[k]) for k in source if not k.startswith("fc2."))
+    assert all(
+        torch.equal(start["model"][k], source[k]) for k in source if not k.startswith("fc2.")
+    )
     assert not torch.equal(start["model"]["fc2.weight"], source["fc2.weight"])
 
     # Another head size without init_ignore: one line before launch, naming what to leave out.
@@ -229,7 +282,10 @@ def test_grad_clip_bounds_every_step_under_bf16_autocast(run_dir: Path):
     curve = losses(run_dir)
     assert len(curve) == 8 and all(math.isfinite(v) for v in curve), curve  # bf16 autocast trains
     # Plain SGD moves the weights by lr × the clipped gradient: its norm is exactly the clip.
-    w = [torch.load(run_dir / "checkpoints" / f"step-{i:08d}.pt", weights_only=True)["model"] for i in (6, 7)]
+    w = [
+        torch.load(run_dir / "checkpoints" / f"step-{i:08d}.pt", weights_only=True)["model"]
+        for i in (6, 7)
+    ]
     moved = torch.cat([(w[1][k] - w[0][k]).flatten() for k in w[0]]).norm().item()
     assert moved == pytest.approx(lr * clip, rel=1e-2)
 
@@ -257,12 +313,19 @@ def test_optuna_search_ranks_trials_and_every_rank_uses_its_trial_values(tmp_pat
     assert [r["rank"] for r in rows] == [str(i + 1) for i in range(len(ok))] + [""] * (4 - len(ok))
     objectives = [float(r["objective"]) for r in ok]
     assert objectives == sorted(objectives, reverse=True)  # val/accuracy: best first
-    assert all("optim.lr=0.05" in r["swept"] for r in ok) and all("diverged" in r["error"] for r in rows[len(ok) :])
+    assert all("optim.lr=0.05" in r["swept"] for r in ok) and all(
+        "diverged" in r["error"] for r in rows[len(ok) :]
+    )
     best = OmegaConf.load(sweep / "optimization_results.yaml")
-    assert best.best_value == objectives[0] and f"Best: job {ok[0]['job']}" in (sweep / "sweep.md").read_text()
+    assert (
+        best.best_value == objectives[0]
+        and f"Best: job {ok[0]['job']}" in (sweep / "sweep.md").read_text()
+    )
     for job in (sweep / r["job"] for r in rows):
         trial = dict(o.split("=", 1) for o in OmegaConf.load(job / ".hydra" / "overrides.yaml"))
-        seen = re.findall(r"\[rank (\d)\]\S* - rank \d config \w+: (.*)", (job / "train.log").read_text())
+        seen = re.findall(
+            r"\[rank (\d)\]\S* - rank \d config \w+: (.*)", (job / "train.log").read_text()
+        )
         assert sorted(rank for rank, _ in seen) == ["0", "1"]
         for _, values in seen:
             used = dict(v.split("=", 1) for v in values.split())
@@ -272,13 +335,24 @@ def test_optuna_search_ranks_trials_and_every_rank_uses_its_trial_values(tmp_pat
 
 def test_ranks_handed_different_configs_refuse_to_train(run_dir: Path):
     helper = HELPERS / "per_rank_lr.py"
-    prefix = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(helper))
+    prefix = (
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(helper),
+    )
     proc = run_train(run_dir, *QUICK, prefix=prefix)
     assert proc.returncode != 0
     assert "hydra-ddp: error: the ranks were given different configs" in proc.stderr, proc.stderr
     assert not (run_dir / "checkpoints").exists()
-    lines = re.findall(r"rank (\d) config (\w+): .*optim.lr=([\d.]+)", (run_dir / "train.log").read_text())
-    assert {rank for rank, _, _ in lines} == {"0", "1"} and len({digest for _, digest, _ in lines}) == 2
+    lines = re.findall(
+        r"rank (\d) config (\w+): .*optim.lr=([\d.]+)", (run_dir / "train.log").read_text()
+    )
+    assert {rank for rank, _, _ in lines} == {"0", "1"} and len(
+        {digest for _, digest, _ in lines}
+    ) == 2
 
 
 def test_a_rank_slowed_by_its_data_is_named_with_the_cause(run_dir: Path):
@@ -294,6 +368,10 @@ def test_a_rank_slowed_by_its_data_is_named_with_the_cause(run_dir: Path):
     s = summary(run_dir)
     assert s["straggler"]["rank"] == 1 and s["straggler"]["cause"] == "data", s["ranks"]
     slow, other = s["ranks"][1], s["ranks"][0]
-    assert slow["data_share"] > 0.5 and other["sync_wait_share"] > 0.5  # rank 0 waits for rank 1's batches
-    assert "straggler            rank 1: data wait" in proc.stdout and "data.num_workers" in proc.stdout
+    # rank 0 waits for rank 1's batches
+    assert slow["data_share"] > 0.5 and other["sync_wait_share"] > 0.5
+    assert (
+        "straggler            rank 1: data wait" in proc.stdout
+        and "data.num_workers" in proc.stdout
+    )
     assert scalars(run_dir, "train/time/rank1/data")[0][1] > 0.5  # per rank, in the loggers too

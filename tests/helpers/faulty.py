@@ -1,4 +1,5 @@
-"""Test-only models that fail in chosen ranks, to exercise failure reporting through real launchers."""
+"""Test-only models that fail in chosen ranks, to exercise failure reporting through real
+launchers."""
 
 import os
 import signal
@@ -20,7 +21,8 @@ class FailOnRank(MnistCNN):
 
 
 class HangOnRank(MnistCNN):
-    """Stops making progress in one rank after a few steps (as a deadlocked or stalled process would)."""
+    """Stops making progress in one rank after a few steps (as a deadlocked or stalled process
+    would)."""
 
     def __init__(self, hang_rank: int = 1, after_steps: int = 3, **kwargs):
         super().__init__(**kwargs)
@@ -47,7 +49,10 @@ class ChaosCNN(MnistCNN):
         super().__init__(**kwargs)
         attempt, rank = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), dist.get_rank()
         plans = [item.split(":") for item in chaos.split(";") if item]
-        self.plan = next(((kind, int(n)) for a, kind, r, n in plans if int(a) == attempt and int(r) == rank), None)
+        self.plan = next(
+            ((kind, int(n)) for a, kind, r, n in plans if int(a) == attempt and int(r) == rank),
+            None,
+        )
         self.calls = 0
         if self.plan and self.plan[0] == "ckpt":
             self._die_in_checkpoint(rank, self.plan[1])
@@ -96,8 +101,8 @@ def _die():
 
 
 class AbortAtExit(MnistCNN):
-    """Trains normally; rank `abort_rank` then aborts (SIGABRT) as its interpreter starts to shut down:
-    a non-daemon thread waits for the main thread to finish and kills the process."""
+    """Trains normally; rank `abort_rank` then aborts (SIGABRT) as its interpreter starts to shut
+    down: a non-daemon thread waits for the main thread to finish and kills the process."""
 
     def __init__(self, abort_rank: int = 1, **kwargs):
         super().__init__(**kwargs)
@@ -195,6 +200,7 @@ class _HangsInLoaderWorker(Dataset):
 
 
 def digits_hanging_in_loader(hang_rank: int, **kwargs):
-    """The default digits, their training samples never served by rank `hang_rank`'s loader workers."""
+    """The default digits, their training samples never served by rank `hang_rank`'s loader
+    workers."""
     train, test = digits(**kwargs)
     return _HangsInLoaderWorker(train, dist.get_rank() == hang_rank), test, test

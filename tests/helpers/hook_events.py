@@ -36,5 +36,7 @@ class Events(Hook):
         self._write(loop, event="step_ended", step=step)
 
     def validated(self, loop: Any, metrics: dict[str, Any], epoch: int) -> Optional[str]:
-        self._write(loop, event="validated", epoch=epoch, step=loop.pos.step, metrics=sorted(metrics))
+        self._write(
+            loop, event="validated", epoch=epoch, step=loop.pos.step, metrics=sorted(metrics)
+        )
         return "ended_by_a_hook" if epoch == self.end_after_epoch else None

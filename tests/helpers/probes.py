@@ -14,8 +14,8 @@ from hydra_ddp.models import MnistCNN
 
 
 class RendezvousProbe(MnistCNN):
-    """Writes probe_dir/rank{R}.json: the init_method init_process_group received, and the address of
-    the TCP store the group's store wraps (none for a file store), as torch holds them."""
+    """Writes probe_dir/rank{R}.json: the init_method init_process_group received, and the address
+    of the TCP store the group's store wraps (none for a file store), as torch holds them."""
 
     def __init__(self, probe_dir: str, **kwargs):
         super().__init__(**kwargs)
@@ -49,13 +49,15 @@ class InputProbe(MnistCNN):
                 if not self.drew:
                     f.write(f"draw {torch.rand(1).item()!r}\n")
                     self.drew = True
-                f.write(f"batch {hashlib.sha256(x.detach().contiguous().numpy().tobytes()).hexdigest()[:16]}\n")
+                digest = hashlib.sha256(x.detach().contiguous().numpy().tobytes()).hexdigest()
+                f.write(f"batch {digest[:16]}\n")
         return super().forward(x)
 
 
 class SignalAt(MnistCNN):
-    """At rank 0's `step`-th training forward, SIGTERM to every process of the run (its process group),
-    as Slurm's scancel signals a job step: the run stops, checkpointed, where it agrees to."""
+    """At rank 0's `step`-th training forward, SIGTERM to every process of the run (its process
+    group), as Slurm's scancel signals a job step: the run stops, checkpointed, where it agrees
+    to."""
 
     def __init__(self, step: int, **kwargs):
         super().__init__(**kwargs)
@@ -70,8 +72,8 @@ class SignalAt(MnistCNN):
 
 
 def signal_at(of: str, step: int, **kwargs) -> torch.nn.Module:
-    """The model `of` (a dotted path to a class or a function) built with `kwargs`, SIGTERMing the run
-    as SignalAt does at rank 0's `step`-th training forward: for models that are not MnistCNN (a
+    """The model `of` (a dotted path to a class or a function) built with `kwargs`, SIGTERMing the
+    run as SignalAt does at rank 0's `step`-th training forward: for models that are not MnistCNN (a
     Hugging Face model called with keyword inputs)."""
     from hydra.utils import get_object
 
@@ -89,8 +91,8 @@ def signal_at(of: str, step: int, **kwargs) -> torch.nn.Module:
 
 
 class DeterminismProbe(MnistCNN):
-    """Writes probe_dir/rank{R}.json: the kernel settings trainer.deterministic governs, as torch holds
-    them once the run has built its model."""
+    """Writes probe_dir/rank{R}.json: the kernel settings trainer.deterministic governs, as torch
+    holds them once the run has built its model."""
 
     def __init__(self, probe_dir: str, **kwargs):
         super().__init__(**kwargs)
@@ -106,17 +108,19 @@ class DeterminismProbe(MnistCNN):
 
 
 def float64(of: str, **kwargs) -> torch.nn.Module:
-    """The model `of` (a dotted class path) built with `kwargs`, its parameters and floating inputs in
-    float64: a test's model for comparing runs whose sums run in another order (another world size,
-    another strategy). Summation order moves float64 losses by about 1e-16 relative, far from the
-    flips (a ReLU or max-pool choice going the other way) that float32's 1e-7 meets within 20
+    """The model `of` (a dotted class path) built with `kwargs`, its parameters and floating inputs
+    in float64: a test's model for comparing runs whose sums run in another order (another world
+    size, another strategy). Summation order moves float64 losses by about 1e-16 relative, far from
+    the flips (a ReLU or max-pool choice going the other way) that float32's 1e-7 meets within 20
     steps, so such runs agree to a bound that holds on any x86 host. Test-only: not a precision."""
     from hydra.utils import get_class
 
     model = get_class(of)(**kwargs).double()
 
     def cast(module, args):
-        return tuple(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+        return tuple(
+            a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args
+        )
 
     model.register_forward_pre_hook(cast)
     return model
@@ -126,4 +130,6 @@ def signal_the_run() -> None:
     """SIGTERM to every process of the run (its process group), sent by another process, as
     scancel is: a rank's loader workers take a signal from their own rank as their end."""
     group = os.getpgrp()  # the sender in a session of its own: not signalled itself
-    subprocess.run(["kill", "-s", "TERM", "--", f"-{group}"], check=True, timeout=30, start_new_session=True)
+    subprocess.run(
+        ["kill", "-s", "TERM", "--", f"-{group}"], check=True, timeout=30, start_new_session=True
+    )

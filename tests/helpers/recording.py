@@ -61,8 +61,8 @@ def digits_recording_train(reads: str, **kwargs):
 
 
 def sharded_recording_train(reads: str, root: str, shuffle_window: int = 8192):
-    """A shard directory's splits (data=shards), its training split recorded (into READS, made here):
-    the reads of a split that is read in shard windows, by ranks and their loader workers."""
+    """A shard directory's splits (data=shards), its training split recorded (into READS, made
+    here): the reads of a split that is read in shard windows, by ranks and their loader workers."""
     from hydra_ddp.data.shards import ShardedDataset, sharded
 
     class RecordedShards(ShardedDataset):
@@ -84,7 +84,9 @@ class Stream(IterableDataset):
         self.kwargs = kwargs  # a data config's keys, taken as the digits' (image_size, seed, ...)
 
     def __iter__(self):
-        train, _ = digits(**{k: v for k, v in self.kwargs.items() if k in ("image_size", "test_fraction", "seed")})
+        train, _ = digits(
+            **{k: v for k, v in self.kwargs.items() if k in ("image_size", "test_fraction", "seed")}
+        )
         return iter(train)
 
 

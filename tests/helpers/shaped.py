@@ -1,7 +1,7 @@
 """The digits with samples of other shapes (a dict with a string id, a triple, a dataclass), and the
-tasks and a two-input model that read them: the batch seam's end-to-end tests (tests/e2e/test_batches.py).
-Every shape holds the same images and labels in the same order, so a run on any of them must give
-a run on plain (image, label) pairs' losses bit for bit."""
+tasks and a two-input model that read them: the batch seam's end-to-end tests
+(tests/e2e/test_batches.py). Every shape holds the same images and labels in the same order, so a
+run on any of them must give a run on plain (image, label) pairs' losses bit for bit."""
 
 from __future__ import annotations
 
@@ -103,7 +103,8 @@ class Scores:
 
 
 class ScoresCNN(MnistCNN):
-    """MnistCNN whose output is a dataclass (which torch's pytree, and so DDP, does not look into)."""
+    """MnistCNN whose output is a dataclass (which torch's pytree, and so DDP, does not look
+    into)."""
 
     def forward(self, x):
         return Scores(super().forward(x))

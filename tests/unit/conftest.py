@@ -16,7 +16,9 @@ import pytest
 
 REFUSED = "the unit layer starts no process: this test belongs in tests/e2e"
 _STDLIB = sysconfig.get_paths()["stdlib"]
-_LIBRARIES = tuple(p for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]} if p)
+_LIBRARIES = tuple(
+    p for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]} if p
+)
 _popen = subprocess.Popen.__init__
 
 

@@ -1,5 +1,6 @@
-"""The package's shape, checked: sizes, the launch side's independence of the worker side, strategies
-by composition, and every module opening with its job (static reads of src/, no process)."""
+"""The package's shape, checked: sizes, the launch side's independence of the worker side,
+strategies by composition, and every module opening with its job (static reads of src/, no
+process)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ def test_no_module_over_400_lines_and_no_class_over_250(path: Path):
     assert text.count("\n") <= 400, f"{_name(path)} has {text.count(chr(10))} lines"
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.ClassDef):
-            assert node.end_lineno - node.lineno + 1 <= 250, f"{_name(path)}.{node.name} is over 250 lines"
+            assert node.end_lineno - node.lineno + 1 <= 250, (
+                f"{_name(path)}.{node.name} is over 250 lines"
+            )
 
 
 @pytest.mark.parametrize("path", MODULES, ids=_name)
@@ -71,7 +74,9 @@ def _units_imported(tree: ast.AST) -> set[str]:
     """The package's units an import statement names, at any depth (function-level imports too)."""
     found = set()
     for node in ast.walk(tree):
-        assert not (isinstance(node, ast.ImportFrom) and node.level), "a relative import: name the module"
+        assert not (isinstance(node, ast.ImportFrom) and node.level), (
+            "a relative import: name the module"
+        )
         names = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -85,7 +90,9 @@ def _units_imported(tree: ast.AST) -> set[str]:
 
 def test_every_unit_of_the_package_has_one_layer():
     units = {_unit(p) for p in MODULES} - {"__init__"}
-    assert units == set(LAYER_OF), f"unplaced: {sorted(units - set(LAYER_OF))}; gone: {sorted(set(LAYER_OF) - units)}"
+    assert units == set(LAYER_OF), (
+        f"unplaced: {sorted(units - set(LAYER_OF))}; gone: {sorted(set(LAYER_OF) - units)}"
+    )
     assert sum(len(layer) for layer in LAYERS) == len(LAYER_OF), "a unit in two layers"
 
 
@@ -100,7 +107,10 @@ def test_no_import_runs_up_or_sideways_between_layers(path: Path):
         for other in _units_imported(ast.parse(path.read_text())) - {unit}
         if LAYER_OF.get(other, len(LAYERS)) >= LAYER_OF[unit]
     )
-    assert not wrong, f"{_name(path)} (unit {unit}, layer {LAYER_OF[unit]}) imports {wrong}: only layers below its own"
+    assert not wrong, (
+        f"{_name(path)} (unit {unit}, layer {LAYER_OF[unit]}) "
+        f"imports {wrong}: only layers below its own"
+    )
 
 
 def test_the_layer_check_sees_each_form_of_import():
@@ -127,29 +137,39 @@ STRATEGIES = PACKAGE / "parallel" / "strategies"
 
 
 @pytest.mark.parametrize(
-    "path", sorted(p for p in STRATEGIES.glob("*.py") if p.stem not in ("__init__", "base")), ids=_name
+    "path",
+    sorted(p for p in STRATEGIES.glob("*.py") if p.stem not in ("__init__", "base")),
+    ids=_name,
 )
 def test_every_strategy_is_one_module_with_one_class_implementing_the_protocol(path: Path):
     tree = ast.parse(path.read_text())
     strategies = [
         node
         for node in tree.body
-        if isinstance(node, ast.ClassDef) and any(isinstance(b, ast.Name) and b.id == "Strategy" for b in node.bases)
+        if isinstance(node, ast.ClassDef)
+        and any(isinstance(b, ast.Name) and b.id == "Strategy" for b in node.bases)
     ]
-    assert len(strategies) == 1, f"{_name(path)} defines {len(strategies)} Strategy classes, not one"
+    assert len(strategies) == 1, (
+        f"{_name(path)} defines {len(strategies)} Strategy classes, not one"
+    )
     (strategy,) = strategies
     bases = [ast.unparse(base) for base in strategy.bases]
-    assert bases == ["Strategy"], f"{_name(path)}.{strategy.name} inherits {bases}: a strategy composes, not inherits"
+    assert bases == ["Strategy"], (
+        f"{_name(path)}.{strategy.name} inherits {bases}: a strategy composes, not inherits"
+    )
     name = next(
         (
             node.value.value
             for node in strategy.body
             if isinstance(node, (ast.Assign, ast.AnnAssign))
-            and ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target) == "name"
+            and ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
+            == "name"
         ),
         None,
     )
-    assert name == path.stem, f"{_name(path)}.{strategy.name}.name is {name!r}, not its module's name"
+    assert name == path.stem, (
+        f"{_name(path)}.{strategy.name}.name is {name!r}, not its module's name"
+    )
 
 
 def test_the_registry_holds_every_strategy_module_and_every_conf_strategy_option():
@@ -164,7 +184,9 @@ def test_the_registry_holds_every_strategy_module_and_every_conf_strategy_option
         assert is_dataclass(cls.Settings), f"strategy {name}'s Settings is not a dataclass"
     from hydra_ddp.config import strategy_settings
 
-    assert {name: cls.Settings for name, cls in strategies.REGISTRY.items()} == strategy_settings.SETTINGS
+    assert {
+        name: cls.Settings for name, cls in strategies.REGISTRY.items()
+    } == strategy_settings.SETTINGS
 
 
 def test_docs_architecture_md_lists_every_module_and_no_module_that_is_gone():
@@ -190,17 +212,34 @@ def _config_keys() -> dict[str, set[str]]:
     sections: dict[str, set[str]] = {}
     for f in dataclasses.fields(run_config.RunConfig):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        sections[f.name] = {g.name for g in dataclasses.fields(default)} if is_dataclass(default) else set()
-    sections["strategy"] = {g.name for s in strategies.REGISTRY.values() for g in dataclasses.fields(s.Settings)}
+        sections[f.name] = (
+            {g.name for g in dataclasses.fields(default)} if is_dataclass(default) else set()
+        )
+    sections["strategy"] = {
+        g.name for s in strategies.REGISTRY.values() for g in dataclasses.fields(s.Settings)
+    }
     return sections
 
 
-CONFIG_NAMES = {"cfg", "config", "run_config", "resolved", "plain", "data_cfg", "settings", "as_run"}
+CONFIG_NAMES = {
+    "cfg",
+    "config",
+    "run_config",
+    "resolved",
+    "plain",
+    "data_cfg",
+    "settings",
+    "as_run",
+}
 
 
 def _string_key(node: ast.AST) -> tuple[Optional[str], Optional[ast.AST]]:
     """(key, the object it is read from) for `obj["key"]` and `obj.get/pop/setdefault("key")`."""
-    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+    if (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.slice, ast.Constant)
+        and isinstance(node.slice.value, str)
+    ):
         return node.slice.value, node.value
     if (
         isinstance(node, ast.Call)
@@ -217,7 +256,11 @@ def _string_key(node: ast.AST) -> tuple[Optional[str], Optional[ast.AST]]:
 def _root(node: ast.AST) -> str:
     """The name an expression is read from: `self.cfg.data` → `self.cfg`, `plain["x"]` → `plain`."""
     while isinstance(node, (ast.Subscript, ast.Call, ast.Attribute)):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
             return f"self.{node.attr}"
         node = node.value if not isinstance(node, ast.Call) else node.func
     return node.id if isinstance(node, ast.Name) else ""
@@ -229,7 +272,8 @@ def _config_reads(text: str) -> list[str]:
     config-named object (`cfg["data"]`, `self.cfg.get("seed")`), and a dotted key of a section as a
     constant (`lookup(cfg, "data.batch_size")`). Not caught, by design: the keys of the nodes a user
     fills with his own class's arguments (model, optim: `cfg.optim.get("lr")`), Hydra's own `hydra`
-    node and `_target_`, and a dotted key a user names (an override, a monitor): data, not a read."""
+    node and `_target_`, and a dotted key a user names (an override, a monitor): data, not a
+    read."""
     sections = _config_keys()
     names = set(sections) | set().union(*sections.values())
     found = []
@@ -239,11 +283,14 @@ def _config_reads(text: str) -> list[str]:
         if key is not None and key != "_target_":
             outer, _ = _string_key(obj)
             root = _root(obj).removeprefix("self.")
-            if (outer in sections and key in sections[outer]) or (root in CONFIG_NAMES and key in names):
+            if (outer in sections and key in sections[outer]) or (
+                root in CONFIG_NAMES and key in names
+            ):
                 found.append(f"line {node.lineno}: {ast.unparse(node)}")
         if (
             isinstance(node, ast.Call)
-            and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("lookup", "select", "update")
+            and getattr(node.func, "attr", getattr(node.func, "id", ""))
+            in ("lookup", "select", "update")
             and len(node.args) > 1
             and isinstance(node.args[1], ast.Constant)
             and str(node.args[1].value).split(".")[0] in sections
@@ -264,16 +311,26 @@ def test_the_config_read_check_catches_each_form_it_names():
     ]
     for line in caught:
         assert _config_reads(line), line
-    passed = ['x = cfg.optim.get("lr")', 'x = state["model"]', 'x = cfg.model["_target_"]', "x = lookup(cfg, key)"]
+    passed = [
+        'x = cfg.optim.get("lr")',
+        'x = state["model"]',
+        'x = cfg.model["_target_"]',
+        "x = lookup(cfg, key)",
+    ]
     for line in passed:
         assert not _config_reads(line), line
 
 
-@pytest.mark.parametrize("path", [p for p in MODULES if p.relative_to(PACKAGE).parts[0] != "config"], ids=_name)
+@pytest.mark.parametrize(
+    "path", [p for p in MODULES if p.relative_to(PACKAGE).parts[0] != "config"], ids=_name
+)
 def test_no_module_outside_config_reads_a_config_key_by_string(path: Path):
-    """The RunConfig is typed: outside config/ its keys are attributes (the forms: _config_reads)."""
+    """The RunConfig is typed: outside config/ its keys are attributes (the forms:
+    _config_reads)."""
     found = _config_reads(path.read_text())
-    assert not found, f"{_name(path)} reads config keys by string (use the RunConfig's attributes): {found}"
+    assert not found, (
+        f"{_name(path)} reads config keys by string (use the RunConfig's attributes): {found}"
+    )
 
 
 CONFIG_PARAMETERS = ("cfg", "config", "run_config", "resolved")
@@ -285,7 +342,9 @@ def _untyped_config_parameters(source: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
-                if arg.arg in CONFIG_PARAMETERS and (arg.annotation is None or ast.unparse(arg.annotation) == "Any"):
+                if arg.arg in CONFIG_PARAMETERS and (
+                    arg.annotation is None or ast.unparse(arg.annotation) == "Any"
+                ):
                     found.append(f"{node.name}({arg.arg}) at line {node.lineno}")
     return found
 
@@ -300,7 +359,7 @@ def test_the_typed_parameter_check_catches_any_and_a_missing_annotation():
 
 @pytest.mark.parametrize("path", MODULES, ids=_name)
 def test_a_config_parameter_says_its_type(path: Path):
-    """The run's config is a RunConfig from launch to loop (a composed one a DictConfig): a parameter
-    that takes one names which, instead of Any."""
+    """The run's config is a RunConfig from launch to loop (a composed one a DictConfig): a
+    parameter that takes one names which, instead of Any."""
     found = _untyped_config_parameters(path.read_text())
     assert not found, f"{_name(path)}: config parameters typed Any or not at all: {found}"

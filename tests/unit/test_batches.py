@@ -39,17 +39,24 @@ def test_map_keeps_every_container_type_and_passes_other_leaves_through():
         "tuple": (torch.zeros(2), None),
     }
     doubled = batches.map_tensors(lambda t: t + 1, tree)
-    assert isinstance(doubled["pair"], Pair) and torch.equal(doubled["pair"].label, torch.full((2,), 2.0))
+    assert isinstance(doubled["pair"], Pair) and torch.equal(
+        doubled["pair"].label, torch.full((2,), 2.0)
+    )
     assert isinstance(doubled["sample"], Sample) and doubled["sample"].name == "kept"
     assert doubled["list"][1:] == ["a string", 7] and isinstance(doubled["list"], list)
-    assert isinstance(doubled["ordered"], OrderedDict) and torch.equal(doubled["ordered"]["ids"], torch.arange(1, 3))
+    assert isinstance(doubled["ordered"], OrderedDict) and torch.equal(
+        doubled["ordered"]["ids"], torch.arange(1, 3)
+    )
     assert isinstance(doubled["tuple"], tuple) and doubled["tuple"][1] is None
     assert torch.equal(tree["pair"].label, torch.ones(2))  # the input is not changed
 
 
 def test_the_count_is_the_common_leading_dimension():
     assert batches.count((torch.zeros(5, 3), torch.zeros(5))) == 5
-    assert batches.count({"ids": torch.zeros(4, 9), "scale": torch.tensor(2.0), "names": ["a"] * 4}) == 4
+    assert (
+        batches.count({"ids": torch.zeros(4, 9), "scale": torch.tensor(2.0), "names": ["a"] * 4})
+        == 4
+    )
 
 
 def test_tensors_that_disagree_on_the_batch_size_are_one_line_naming_both():
@@ -61,7 +68,9 @@ def test_tensors_that_disagree_on_the_batch_size_are_one_line_naming_both():
 
 def test_only_floating_point_images_take_the_memory_format():
     image, mask = torch.randn(2, 3, 4, 4), torch.zeros(2, 1, 4, 4, dtype=torch.long)
-    moved = batches.to_device({"image": image, "mask": mask}, torch.device("cpu"), torch.channels_last)
+    moved = batches.to_device(
+        {"image": image, "mask": mask}, torch.device("cpu"), torch.channels_last
+    )
     assert moved["image"].is_contiguous(memory_format=torch.channels_last)
     assert moved["mask"].is_contiguous() and torch.equal(moved["image"], image)
 
@@ -70,24 +79,38 @@ def test_collate_is_default_collates_and_batches_dataclasses_by_field():
     pairs = [(torch.full((2,), float(i)), torch.tensor(i)) for i in range(3)]
     ours, theirs = batches.collate(pairs), default_collate(pairs)
     assert type(ours) is type(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
-    collated = batches.collate([Sample(torch.full((2,), float(i)), torch.tensor(i), f"s{i}") for i in range(3)])
-    assert isinstance(collated, Sample) and collated.image.shape == (3, 2) and collated.name == ["s0", "s1", "s2"]
+    collated = batches.collate(
+        [Sample(torch.full((2,), float(i)), torch.tensor(i), f"s{i}") for i in range(3)]
+    )
+    assert (
+        isinstance(collated, Sample)
+        and collated.image.shape == (3, 2)
+        and collated.name == ["s0", "s1", "s2"]
+    )
     nested = batches.collate([{"s": Sample(torch.zeros(1), torch.tensor(0))}] * 2)
     assert isinstance(nested["s"], Sample) and nested["s"].label.shape == (2,)
 
 
 def test_a_batch_on_the_meta_device_keeps_shapes_and_dtypes_only():
     meta = batches.on_meta({"ids": torch.zeros(4, 9, dtype=torch.long)})
-    assert meta["ids"].device.type == "meta" and meta["ids"].shape == (4, 9) and meta["ids"].dtype == torch.long
+    assert (
+        meta["ids"].device.type == "meta"
+        and meta["ids"].shape == (4, 9)
+        and meta["ids"].dtype == torch.long
+    )
 
 
 def test_the_default_task_takes_pairs_and_names_what_it_got_otherwise():
     task, model = Classification(), torch.nn.Linear(3, 2)
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
-    output, target = task.forward(model, [x, y])  # DataLoader gives a tuple sample's batch as a list
+    # DataLoader gives a tuple sample's batch as a list
+    output, target = task.forward(model, [x, y])
     assert torch.equal(output, model(x)) and target is y
     assert task.samples((x, y)) == 4
-    with pytest.raises(UserError, match="takes \\(inputs, target\\) pairs, and the data gives a dict with keys x, y"):
+    with pytest.raises(
+        UserError,
+        match="takes \\(inputs, target\\) pairs, and the data gives a dict with keys x, y",
+    ):
         task.forward(model, {"x": x, "y": y})
     assert task.split(Pair(x, y)) == (x, y)  # a named pair is a pair
     with pytest.raises(UserError, match="an? Sample of image, label, name"):
@@ -132,9 +155,14 @@ class TwoInputTask(Task):
 
 def test_the_flop_count_runs_the_tasks_forward_on_the_batch_as_it_is():
     batch = batches.on_meta(
-        {"first": torch.zeros(5, 8), "second": torch.zeros(5, 6), "label": torch.zeros(5, dtype=torch.long)}
+        {
+            "first": torch.zeros(5, 8),
+            "second": torch.zeros(5, 6),
+            "label": torch.zeros(5, dtype=torch.long),
+        }
     )
     task = TwoInputTask()
     counted = flops.count(TwoInputs, lambda model, b: task.loss(*task.forward(model, b)), batch)
     forward = 2 * 5 * (8 * 4 + 6 * 4)
-    assert counted == forward + forward  # backward: the weights' gradients only (the inputs need none)
+    # backward: the weights' gradients only (the inputs need none)
+    assert counted == forward + forward

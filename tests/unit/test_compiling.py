@@ -25,10 +25,13 @@ def _gpt() -> TinyGPT:
 def test_true_is_the_blocks_where_the_model_names_them_else_the_whole_model():
     assert compiling.mode(True, _gpt()) == "blocks"
     assert compiling.mode(True, MnistCNN()) == "model"
-    assert compiling.mode(True, None) == "model"  # a model that does not build before launch: as before
+    # a model that does not build before launch: as before
+    assert compiling.mode(True, None) == "model"
     for setting in (False, "blocks", "model"):
         assert compiling.mode(setting, _gpt()) == setting
-    with pytest.raises(UserError, match="trainer.compile=blocks compiles the model's blocks .* MnistCNN names none"):
+    with pytest.raises(
+        UserError, match="trainer.compile=blocks compiles the model's blocks .* MnistCNN names none"
+    ):
         compiling.check("blocks", MnistCNN(), "MnistCNN")
 
 
@@ -40,26 +43,36 @@ def _step(model: TinyGPT, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torc
 
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "activation-checkpointed"])
-def test_each_blocks_forward_is_compiled_in_place_with_the_same_names_and_results(checkpointed: bool):
+def test_each_blocks_forward_is_compiled_in_place_with_the_same_names_and_results(
+    checkpointed: bool,
+):
     torch._dynamo.reset()
     model, reference = _gpt(), _gpt()
     if checkpointed:  # as the strategies order them: checkpointing first, its wrapper traced
         for m in (model, reference):
             activation_checkpointing.apply(
-                m, SimpleNamespace(activation_checkpointing="full", activation_checkpointing_every=1)
+                m,
+                SimpleNamespace(activation_checkpointing="full", activation_checkpointing_every=1),
             )
     names = list(reference.state_dict())
     trainer = SimpleNamespace(compile="blocks", compile_backend="eager")
     assert compiling.compile_blocks(model, trainer) == 3
-    assert type(model) is TinyGPT and list(model.state_dict()) == names  # checkpoints read as before
-    assert compiling.compile_blocks(reference, SimpleNamespace(compile="model", compile_backend="eager")) == 0
+    # checkpoints read as before
+    assert type(model) is TinyGPT and list(model.state_dict()) == names
+    assert (
+        compiling.compile_blocks(
+            reference, SimpleNamespace(compile="model", compile_backend="eager")
+        )
+        == 0
+    )
     tokens = torch.randint(0, 32, (4, 16), generator=torch.Generator().manual_seed(1))
     torch._dynamo.utils.counters.clear()
     loss, grads = _step(model, tokens)
     expected_loss, expected_grads = _step(reference, tokens)
     assert torch.equal(loss, expected_loss)
     assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
-    # Dynamo traced the blocks (the other parts of the model ran eagerly), the three alike in one graph.
+    # Dynamo traced the blocks (the other parts of the model ran eagerly), the three alike in one
+    # graph.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
@@ -71,7 +84,8 @@ def test_inductors_caches_go_to_the_run_unless_the_environment_names_its_own(tmp
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile_cache")
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # as importing inductor sets it
+    # as importing inductor sets it
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     compiling.use_run_cache(tmp_path)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile_cache")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")

@@ -1,5 +1,6 @@
-"""The schema and the parent's validation: bad input fails before any process starts, with one clear line
-(composed and resolved in this process; tests/e2e/test_config.py: a tracker's missing package, from train.py)."""
+"""The schema and the parent's validation: bad input fails before any process starts, with one clear
+line (composed and resolved in this process; tests/e2e/test_config.py: a tracker's missing package,
+from train.py)."""
 
 from __future__ import annotations
 
@@ -44,14 +45,19 @@ def test_every_group_option_composes_and_validates(tmp_path: Path, overrides: li
     plain = resolved(tmp_path, *overrides)
     assert plain.backend.name == "gloo"  # no CUDA here
     assert plain.trainer.nproc == 2 and plain.trainer.device == "cpu"
-    frozen = run_config.freeze(run_config.thaw(plain))  # the one form the launcher hands every worker
+    # the one form the launcher hands every worker
+    frozen = run_config.freeze(run_config.thaw(plain))
     assert _holds(run_config.thaw(frozen), run_config.thaw(plain))  # every settled value, as it was
 
 
 def _holds(whole: dict, part: dict) -> bool:
-    """`whole` has every key of `part` with the same value (a frozen config adds the schema's defaults)."""
+    """`whole` has every key of `part` with the same value (a frozen config adds the schema's
+    defaults)."""
     return all(
-        key in whole and (_holds(whole[key], value) if isinstance(value, dict) and value else whole[key] == value)
+        key in whole
+        and (
+            _holds(whole[key], value) if isinstance(value, dict) and value else whole[key] == value
+        )
         for key, value in part.items()
     )
 
@@ -123,18 +129,19 @@ def test_the_global_batch_is_micro_batch_times_accumulation_times_replicas(
     [
         (
             ["trainer.nproc=3", "data.global_batch_size=128"],
-            r"data.global_batch_size=128 does not divide by trainer.accumulate=1 × 3 model replicas: "
-            r"choose a multiple of 3, or set data.batch_size instead",
+            r"data.global_batch_size=128 does not divide by trainer.accumulate=1 × 3 "
+            r"model replicas: choose a multiple of 3, or set data.batch_size instead",
         ),
         (
             ["data.batch_size=24", "data.global_batch_size=64"],
-            r"data.global_batch_size=64 does not divide into micro-batches of data.batch_size=24 on 2 model "
-            r"replicas: choose a multiple of 48, or set trainer.accumulate instead of data.batch_size",
+            r"data.global_batch_size=64 does not divide into micro-batches "
+            r"of data.batch_size=24 on 2 model replicas: choose a multiple "
+            r"of 48, or set trainer.accumulate instead of data.batch_size",
         ),
         (
             ["data.batch_size=32", "data.global_batch_size=64", "trainer.accumulate=2"],
-            r"data.global_batch_size=64 is not data.batch_size=32 × trainer.accumulate=2 × 2 model replicas \(128\): "
-            r"set two of the three, and the third follows",
+            r"data.global_batch_size=64 is not data.batch_size=32 × trainer.accumulate=2 "
+            r"× 2 model replicas \(128\): set two of the three, and the third follows",
         ),
         (["data.batch_size=0"], "at least 1"),
         (["trainer.accumulate=0"], "at least 1"),
@@ -151,8 +158,10 @@ def test_self_comes_after_the_groups_and_before_the_presets():
     # the command line overrides everything (Hydra #346 and 1.1's change of _self_'s default place).
     assert compose_cfg().trainer.max_steps is None and compose_cfg().optim.lr == 0.02  # optim=sgd's
     assert compose_cfg("debug=fast").trainer.max_steps == 6  # the preset over the schema's default
-    assert compose_cfg("+experiment=text_gpt").optim.lr == 0.006  # the experiment over optim=adamw's
-    assert compose_cfg("+experiment=text_gpt", "optim.lr=0.1").optim.lr == 0.1  # the command line over both
+    # the experiment over optim=adamw's
+    assert compose_cfg("+experiment=text_gpt").optim.lr == 0.006
+    # the command line over both
+    assert compose_cfg("+experiment=text_gpt", "optim.lr=0.1").optim.lr == 0.1
     assert compose_cfg("debug=fast", "trainer.max_steps=9").trainer.max_steps == 9
 
 
@@ -193,8 +202,14 @@ def test_wrong_type_fails_at_composition():
         (["data.even_shards=false", "trainer.compile=true"], "even_shards"),
         (["strategy.sync_batchnorm=true", "trainer.device=cpu"], "needs GPUs"),
         (["strategy.static_graph=true", "trainer.accumulate=2"], "static_graph=auto or false"),
-        (["trainer.channels_last=sometimes"], "trainer.channels_last='sometimes': choose one of auto, true, false"),
-        (["launcher.start_method=fork"], "launcher.start_method='fork': choose one of forkserver, spawn"),
+        (
+            ["trainer.channels_last=sometimes"],
+            "trainer.channels_last='sometimes': choose one of auto, true, false",
+        ),
+        (
+            ["launcher.start_method=fork"],
+            "launcher.start_method='fork': choose one of forkserver, spawn",
+        ),
         (["strategy.comm_hook=topk"], "choose one of none, fp16, bf16, powersgd"),
         (
             ["strategy.comm_hook=powersgd", "strategy.powersgd.rank=0"],
@@ -213,7 +228,10 @@ def test_wrong_type_fails_at_composition():
         (["trainer.early_stopping.patience=0"], "at least 1"),
         (["trainer.early_stopping.patience=3", "trainer.monitor=null"], "needs a monitored metric"),
         (["trainer.early_stopping.patience=3", "data.val_fraction=0"], "only train/loss"),
-        (["trainer.early_stopping.patience=3", "trainer.eval_every_epoch=false"], "validation every epoch"),
+        (
+            ["trainer.early_stopping.patience=3", "trainer.eval_every_epoch=false"],
+            "validation every epoch",
+        ),
         (["trainer.grad_clip=0"], "trainer.grad_clip=0.0: give a number, above 0"),
         (["trainer.max_time=soon"], "HH:MM:SS"),
         (["trainer.init_from=/no/such/run"], "no checkpoint file or run directory"),
@@ -243,14 +261,20 @@ def test_leftover_file_store_is_refused(tmp_path: Path):
 
 def test_external_launch_takes_world_size_from_the_launcher(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29999")  # as torchrun sets it
-    plain = resolved(tmp_path, external=("torchrun", RankInfo(rank=1, world_size=4, local_rank=1, local_world_size=2)))
+    plain = resolved(
+        tmp_path,
+        external=("torchrun", RankInfo(rank=1, world_size=4, local_rank=1, local_world_size=2)),
+    )
     assert plain.launcher.name == "torchrun" and plain.launcher.external
     assert plain.trainer.nproc == 2 and plain.launcher.nnodes == 2
     with pytest.raises(UserError, match="same on every rank"):
         resolved(tmp_path, "init_method=tcp", external=("torchrun", RankInfo(0, 2, 0, 2)))
     monkeypatch.delenv("MASTER_PORT")
-    # mpirun sets no MASTER_PORT: env:// has nothing to read, and the line says what to export (or use tcp).
-    with pytest.raises(UserError, match="MASTER_ADDR and MASTER_PORT exported .*, or init_method.port"):
+    # mpirun sets no MASTER_PORT: env:// has nothing to read, and the line says what to export (or
+    # use tcp).
+    with pytest.raises(
+        UserError, match="MASTER_ADDR and MASTER_PORT exported .*, or init_method.port"
+    ):
         resolved(tmp_path, external=("mpirun", RankInfo(0, 2, 0, 2)))
 
 
@@ -259,7 +283,10 @@ def test_validation_settings_resolve(tmp_path: Path):
     assert plain.trainer.max_time == 5400 and plain.trainer.monitor == "val/accuracy"
     assert resolved(tmp_path, "trainer.max_time=90").trainer.max_time == 90
     assert resolved(tmp_path, "data.val_fraction=0").trainer.monitor is None  # nothing to monitor
-    assert resolved(tmp_path, "data.val_fraction=0", "trainer.monitor=train/loss").trainer.monitor == "train/loss"
+    assert (
+        resolved(tmp_path, "data.val_fraction=0", "trainer.monitor=train/loss").trainer.monitor
+        == "train/loss"
+    )
 
 
 def test_an_optuna_search_must_optimise_the_monitor_in_its_direction():
@@ -268,10 +295,17 @@ def test_an_optuna_search_must_optimise_the_monitor_in_its_direction():
     def search(*overrides):
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
             return compose(
-                config_name="config", overrides=["hparams_search=digits", *overrides], return_hydra_config=True
+                config_name="config",
+                overrides=["hparams_search=digits", *overrides],
+                return_hydra_config=True,
             )
 
     assert trials.check_search(search()) is None
-    assert trials.check_search(search("trainer.monitor=val/loss", "hydra.sweeper.direction=minimize")) is None
-    assert "set hydra.sweeper.direction=minimize" in trials.check_search(search("trainer.monitor=val/loss"))
+    assert (
+        trials.check_search(search("trainer.monitor=val/loss", "hydra.sweeper.direction=minimize"))
+        is None
+    )
+    assert "set hydra.sweeper.direction=minimize" in trials.check_search(
+        search("trainer.monitor=val/loss")
+    )
     assert "set it" in trials.check_search(search("trainer.monitor=null"))

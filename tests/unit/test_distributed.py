@@ -24,12 +24,24 @@ SRUN = {
 
 def test_srun_tasks_meet_at_the_steps_first_node():
     env = ranks.srun_environment(
-        {**SRUN, "SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURMD_NODENAME": "n2", "SLURM_NODEID": "1"}
+        {
+            **SRUN,
+            "SLURM_PROCID": "2",
+            "SLURM_LOCALID": "0",
+            "SLURMD_NODENAME": "n2",
+            "SLURM_NODEID": "1",
+        }
     )
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("n1", str(20000 + 4321))
     assert (
         ranks.srun_environment(
-            {**SRUN, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "MASTER_PORT": "29500"}
+            {
+                **SRUN,
+                "SLURM_PROCID": "0",
+                "SLURM_LOCALID": "0",
+                "SLURM_NODEID": "0",
+                "MASTER_PORT": "29500",
+            }
         )["MASTER_PORT"]
         == "29500"
     )
@@ -53,21 +65,44 @@ def test_srun_tasks_meet_at_the_steps_first_node():
             ("mpirun", RankInfo(1, 2, 1, 2)),
         ),
         ({"PMI_RANK": "0", "PMI_SIZE": "2"}, ("mpirun", RankInfo(0, 2, 0, 2))),
-        ({"RANK": "1", "WORLD_SIZE": "2", "SUBMITIT_EXECUTOR": "slurm"}, ("submitit (slurm)", RankInfo(1, 2, 1, 2))),
+        (
+            {"RANK": "1", "WORLD_SIZE": "2", "SUBMITIT_EXECUTOR": "slurm"},
+            ("submitit (slurm)", RankInfo(1, 2, 1, 2)),
+        ),
         # srun's tasks: 2 on each of n1 and n2, then 1 on n3; this one is the second on n2.
         (
-            {**SRUN, "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURMD_NODENAME": "n2", "SLURM_NODEID": "1"},
+            {
+                **SRUN,
+                "SLURM_PROCID": "3",
+                "SLURM_LOCALID": "1",
+                "SLURMD_NODENAME": "n2",
+                "SLURM_NODEID": "1",
+            },
             ("srun", RankInfo(3, 5, 1, 2)),
         ),
         (
-            {**SRUN, "SLURM_PROCID": "4", "SLURM_LOCALID": "0", "SLURMD_NODENAME": "n3", "SLURM_NODEID": "2"},
+            {
+                **SRUN,
+                "SLURM_PROCID": "4",
+                "SLURM_LOCALID": "0",
+                "SLURMD_NODENAME": "n3",
+                "SLURM_NODEID": "2",
+            },
             ("srun", RankInfo(4, 5, 0, 1)),
         ),
-        ({**SRUN, "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}, None),  # alone: train.py launches its workers
-        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, None),  # the batch script itself, not a step's task
+        # alone: train.py launches its workers
+        ({**SRUN, "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}, None),
+        # the batch script itself, not a step's task
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, None),
         # torchrun's workers under srun: torchrun's ranks
         (
-            {**SRUN, "SLURM_PROCID": "0", "RANK": "5", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "x"},
+            {
+                **SRUN,
+                "SLURM_PROCID": "0",
+                "RANK": "5",
+                "WORLD_SIZE": "8",
+                "TORCHELASTIC_RUN_ID": "x",
+            },
             ("torchrun", RankInfo(5, 8, 5, 8)),
         ),
     ],

@@ -17,8 +17,11 @@ def test_every_fence_names_its_language_and_every_mark_is_known():
     assert not bare, f"fences without a language (a command block is bash, output text): {bare}"
     for page in PAGES:
         for found in re.findall(r"^<!-- doc-test: ([\w-]+) -->$", page.read_text(), re.MULTILINE):
-            assert found in MARKS, f"{page.name}: unknown doc-test mark {found!r} (one of {', '.join(MARKS)})"
-    assert sum(len(b.commands) for b in BLOCKS if b.lang in SHELLS) > 60  # README.md and docs/: the test reads them
+            assert found in MARKS, (
+                f"{page.name}: unknown doc-test mark {found!r} (one of {', '.join(MARKS)})"
+            )
+    # README.md and docs/: the test reads them
+    assert sum(len(b.commands) for b in BLOCKS if b.lang in SHELLS) > 60
     # The site shows about 90 characters of a code line: longer ones scroll, hiding their comments.
     long = [
         f"{page.relative_to(REPO)}: {line}"
@@ -27,8 +30,9 @@ def test_every_fence_names_its_language_and_every_mark_is_known():
         for line in block
         if len(line) > 90
     ]
-    assert not long, "command lines over 90 characters (put the comment above, or continue with \\):\n" + "\n".join(
-        long
+    assert not long, (
+        "command lines over 90 characters (put the comment above, or continue with \\):\n"
+        + "\n".join(long)
     )
 
 
@@ -46,7 +50,9 @@ def _fenced_lines(page: Path) -> list[list[str]]:
 
 def test_the_marks_are_the_ones_docs_testing_md_lists():
     listed = (REPO / "docs" / "testing.md").read_text()
-    assert all(f"`{mark}`" in listed for mark in MARKS), [m for m in MARKS if f"`{m}`" not in listed]
+    assert all(f"`{mark}`" in listed for mark in MARKS), [
+        m for m in MARKS if f"`{m}`" not in listed
+    ]
 
 
 def test_the_config_reference_is_the_schemas_and_every_field_has_a_doc():
@@ -69,7 +75,9 @@ def test_the_reference_lists_every_key_of_the_default_config():
         for key, value in node.items():
             dotted = f"{prefix}{key}"
             if dotted in ("task", "model", "optim", "scheduler", "logger", "data.dataset"):
-                continue  # `_target_` objects: their keys are the user's class's (the groups table lists them)
+                # `_target_` objects: their keys are the user's class's (the groups table lists
+                # them)
+                continue
             if isinstance(value, dict) and value:
                 yield from leaves(value, f"{dotted}.")
             else:
@@ -80,7 +88,8 @@ def test_the_reference_lists_every_key_of_the_default_config():
 
 
 def test_every_test_the_hydra_ddp_page_names_exists():
-    """docs/hydra-ddp.md answers each known problem with a test: the test is there, under that name."""
+    """docs/hydra-ddp.md answers each known problem with a test: the test is there, under that
+    name."""
     import re
 
     page = (REPO / "docs" / "hydra-ddp.md").read_text()

@@ -61,7 +61,10 @@ def test_counting_builds_nothing_real():
 
 
 def test_gpu_peaks_follow_the_precision_and_the_name():
-    assert flops.gpu_peak("NVIDIA H100 80GB HBM3", "bf16", tf32=False) == (989e12, "H100 bf16 data-sheet peak")
+    assert flops.gpu_peak("NVIDIA H100 80GB HBM3", "bf16", tf32=False) == (
+        989e12,
+        "H100 bf16 data-sheet peak",
+    )
     assert flops.gpu_peak("NVIDIA H100 PCIe", "16", tf32=False)[0] == 756e12
     assert flops.gpu_peak("NVIDIA A100-SXM4-80GB", "32", tf32=True)[0] == 156e12
     assert flops.gpu_peak("NVIDIA A100-SXM4-80GB", "32", tf32=False)[0] == 19.5e12
@@ -73,7 +76,10 @@ def test_gpu_peaks_follow_the_precision_and_the_name():
 
 def test_the_cpu_peak_is_measured_at_the_runs_dtype_and_named_as_measured():
     value, source = flops.peak(torch.device("cpu"), "32", torch.get_num_threads(), override=None)
-    assert value > 0 and source == f"measured: fp32 256×256 matmul, {torch.get_num_threads()} thread(s) per rank"
+    assert (
+        value > 0
+        and source == f"measured: fp32 256×256 matmul, {torch.get_num_threads()} thread(s) per rank"
+    )
     value, source = flops.peak(torch.device("cpu"), "bf16", 1, override=None)
     assert value > 0 and source.startswith("measured: bf16")
 
@@ -81,9 +87,15 @@ def test_the_cpu_peak_is_measured_at_the_runs_dtype_and_named_as_measured():
 def test_the_report_divides_the_model_flops_over_the_ranks():
     r = flops.report(1e6, 1000.0, world_size=4, peak_flops=1e9, source="trainer.peak_flops")
     assert r["per_sec_per_rank"] == pytest.approx(2.5e8) and r["mfu"] == pytest.approx(0.25)
-    assert "250 MFLOP/s per rank (1 MFLOP per sample" in flops.line(r) and "MFU 0.250 of 1 GFLOP/s" in flops.line(r)
+    assert "250 MFLOP/s per rank (1 MFLOP per sample" in flops.line(
+        r
+    ) and "MFU 0.250 of 1 GFLOP/s" in flops.line(r)
     no_peak = flops.report(
-        1e6, 1000.0, world_size=4, peak_flops=None, source="X is not in the table: set trainer.peak_flops"
+        1e6,
+        1000.0,
+        world_size=4,
+        peak_flops=None,
+        source="X is not in the table: set trainer.peak_flops",
     )
     assert no_peak["mfu"] is None and flops.line(no_peak).endswith(
         "no MFU: X is not in the table: set trainer.peak_flops"

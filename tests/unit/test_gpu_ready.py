@@ -58,7 +58,9 @@ SRUN = {
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "srun"])
-def test_every_auto_is_settled_alike_on_every_rank_of_an_outside_launch(tmp_path: Path, monkeypatch, launcher: str):
+def test_every_auto_is_settled_alike_on_every_rank_of_an_outside_launch(
+    tmp_path: Path, monkeypatch, launcher: str
+):
     """Each rank fills the config in itself; rank 0 alone also checks it (it alone knows the run
     directory). The fingerprints the ranks compare must agree."""
     prints = []
@@ -77,11 +79,17 @@ def test_every_auto_is_settled_alike_on_every_rank_of_an_outside_launch(tmp_path
         )
         found = ranks.external_launch(env)
         assert found and found[1].rank == rank
-        for key, value in {**env, **(ranks.srun_environment(env) if launcher == "srun" else {})}.items():
+        for key, value in {
+            **env,
+            **(ranks.srun_environment(env) if launcher == "srun" else {}),
+        }.items():
             monkeypatch.setenv(key, value)
-        plain = resolve.resolve(_compose(*EVERY_AUTO), tmp_path / f"rank{rank}", found, checked=False)
+        plain = resolve.resolve(
+            _compose(*EVERY_AUTO), tmp_path / f"rank{rank}", found, checked=False
+        )
         if rank == 0:
-            with pytest.raises(UserError, match="data=cifar10"):  # rank 0's check runs, and changes nothing
+            # rank 0's check runs, and changes nothing
+            with pytest.raises(UserError, match="data=cifar10"):
                 checks.check(plain, tmp_path / "rank0")
         prints.append(fingerprint.config_fingerprint(plain))
         assert plain.strategy.sync_batchnorm is False  # settled: no GPU here
@@ -93,7 +101,8 @@ def test_every_auto_is_settled_alike_on_every_rank_of_an_outside_launch(tmp_path
     [
         (3, 8, 8, True, 3),  # torchrun on an 8-GPU node: every rank sees every GPU
         (3, 8, 8, False, 3),  # spawn
-        (5, 8, 1, True, 0),  # srun --gpus-per-task=1, submitit gpus_per_task: one GPU a task, its own
+        # srun --gpus-per-task=1, submitit gpus_per_task: one GPU a task, its own
+        (5, 8, 1, True, 0),
         (0, 1, 1, False, 0),
         (1, 2, 1, False, None),  # two spawned workers, one GPU: NCCL would refuse
         (1, 4, 2, True, None),  # two GPUs for four tasks
@@ -131,17 +140,25 @@ def _gpu_host(monkeypatch, gpus: int = 2) -> None:
 def test_cpu_offload_on_nccl_gives_its_cpu_shards_gloo(tmp_path: Path, monkeypatch):
     _gpu_host(monkeypatch)
     plain = resolve.resolve(
-        _compose("+experiment=text_gpt", "strategy=fsdp", "strategy.cpu_offload=true"), tmp_path, None, checked=False
+        _compose("+experiment=text_gpt", "strategy=fsdp", "strategy.cpu_offload=true"),
+        tmp_path,
+        None,
+        checked=False,
     )
     assert plain.backend.name == "cpu:gloo,cuda:nccl"
     assert plain.backend.timeout_s == 600  # NCCL's: a dead peer may go unseen until then
-    plain = resolve.resolve(_compose("+experiment=text_gpt", "strategy=fsdp"), tmp_path, None, checked=False)
+    plain = resolve.resolve(
+        _compose("+experiment=text_gpt", "strategy=fsdp"), tmp_path, None, checked=False
+    )
     assert plain.backend.name == "nccl"
     settings = _compose("strategy=fsdp", "strategy.cpu_offload=true").strategy
-    assert strategies.get("fsdp").backend(settings, "gloo") == "gloo"  # gloo takes both devices already
+    # gloo takes both devices already
+    assert strategies.get("fsdp").backend(settings, "gloo") == "gloo"
 
 
-def test_fp16_under_fsdp_is_refused_in_one_line_and_the_loss_is_float32(tmp_path: Path, monkeypatch):
+def test_fp16_under_fsdp_is_refused_in_one_line_and_the_loss_is_float32(
+    tmp_path: Path, monkeypatch
+):
     _gpu_host(monkeypatch)
     plain = resolve.resolve(
         _compose("+experiment=text_gpt", "strategy=fsdp", "strategy.param_dtype=fp16"),
@@ -166,4 +183,6 @@ def _float32_loss(task) -> None:
     assert loss == torch.nn.functional.cross_entropy(logits.float(), target)
     full = torch.randn(8, 10)
     assert task.loss(full, target[:8]).data_ptr() != full.data_ptr()  # fp32: the same values
-    assert torch.equal(task.loss(full, target[:8]), torch.nn.functional.cross_entropy(full, target[:8]))
+    assert torch.equal(
+        task.loss(full, target[:8]), torch.nn.functional.cross_entropy(full, target[:8])
+    )

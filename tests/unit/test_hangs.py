@@ -28,7 +28,9 @@ def test_the_watchdog_dumps_a_stalled_main_thread_and_clears_it_when_it_moves_on
     def read_while_stalled() -> None:  # the main thread cannot: it is the one stalled
         while not (stacks / "rank3.json").exists():
             time.sleep(0.02)
-        seen.update(json=(stacks / "rank3.json").read_text(), text=(stacks / "rank3.txt").read_text())
+        seen.update(
+            json=(stacks / "rank3.json").read_text(), text=(stacks / "rank3.txt").read_text()
+        )
 
     reader = threading.Thread(target=read_while_stalled, daemon=True)
     with hangs.Watchdog(tmp_path, 3, stall_after=0.4) as dog:
@@ -43,7 +45,8 @@ def test_the_watchdog_dumps_a_stalled_main_thread_and_clears_it_when_it_moves_on
     assert not (stacks / "rank3.json").exists() and not (stacks / "rank3.txt").exists()
     assert place["rank"] == 3 and place["function"] == "_stalled_here" and place["waits_in"] is None
     assert place["at"] == f"test_hangs.py:{_stalled_here.__code__.co_firstlineno + 1}"
-    assert place["code"] == "threading.Event().wait(seconds)" and place["last_collective"] is None  # no group here
+    # no group here
+    assert place["code"] == "threading.Event().wait(seconds)" and place["last_collective"] is None
     assert text.startswith("rank 3 (pid ") and "The main thread (most recent call last):" in text
     assert "in _stalled_here" in text and "Every thread" in text
     assert dog.stop.is_set()
@@ -59,7 +62,8 @@ def _descend(depth: int, until: float) -> None:
 
 
 def test_a_busy_main_thread_is_not_stalled(tmp_path: Path):
-    # A second without progress is a stall here: longer than a busy machine keeps a thread off its core.
+    # A second without progress is a stall here: longer than a busy machine keeps a thread off its
+    # core.
     with hangs.Watchdog(tmp_path, 0, stall_after=1.0):
         end = time.monotonic() + 3
         while time.monotonic() < end:
@@ -69,9 +73,13 @@ def test_a_busy_main_thread_is_not_stalled(tmp_path: Path):
 
 def _polling_wait(timeout_s: float, on_liveness_check=None) -> types.SimpleNamespace:
     """The shared-memory all-reduce's own wait loop (rank 0 of 2; rank 1 never comes), run here, on
-    this thread. Its liveness check reads this process's /proc entry, as a rank's reads its peers'."""
+    this thread. Its liveness check reads this process's /proc entry, as a rank's reads its
+    peers'."""
     me = types.SimpleNamespace(
-        counters=[0] * 16, world=2, timeout_s=timeout_s, pids={1: (os.getpid(), _started(os.getpid()))}
+        counters=[0] * 16,
+        world=2,
+        timeout_s=timeout_s,
+        pids={1: (os.getpid(), _started(os.getpid()))},
     )
 
     def check_alive(ranks: list[int]) -> None:
@@ -85,9 +93,9 @@ def _polling_wait(timeout_s: float, on_liveness_check=None) -> types.SimpleNames
 
 
 def test_a_polling_waits_own_calls_are_the_same_chain_as_its_loop():
-    """What the shared-memory wait calls while it polls (its comprehension, the liveness check) is not
-    progress: a sample that lands there is the same call chain as one in the loop itself (else a rank
-    waiting there restarts its stall clock, and may not leave its stack before the timeout)."""
+    """What the shared-memory wait calls while it polls (its comprehension, the liveness check) is
+    not progress: a sample that lands there is the same call chain as one in the loop itself (else a
+    rank waiting there restarts its stall clock, and may not leave its stack before the timeout)."""
     seen = []
 
     def look(me: types.SimpleNamespace) -> None:
@@ -120,12 +128,18 @@ def test_a_rank_in_the_shared_memory_wait_leaves_its_stack_before_the_timeout(tm
 
 
 def test_the_stall_threshold_comes_well_before_the_timeout():
-    assert hangs.stall_after_s(5) == 2.5 and hangs.stall_after_s(1800) == 300 and hangs.stall_after_s(1) == 1
+    assert (
+        hangs.stall_after_s(5) == 2.5
+        and hangs.stall_after_s(1800) == 300
+        and hangs.stall_after_s(1) == 1
+    )
 
 
 def _write(folder: Path, rank: int, **place) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "since": time.time() - 61, **place}))
+    (folder / f"rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "since": time.time() - 61, **place})
+    )
 
 
 def test_the_timeout_names_the_stuck_rank_first_then_where_the_others_wait(tmp_path: Path):
@@ -149,15 +163,18 @@ def test_the_timeout_names_the_stuck_rank_first_then_where_the_others_wait(tmp_p
         last_collective="#12 gloo:all_reduce",
     )
     assert hangs.describe(tmp_path, 60) == (
-        f"a collective timed out after 60 s (backend.timeout_s): rank 1 stuck for 61 s at faulty.py:42 in forward "
-        f"(time.sleep(60)) after collective #12 gloo:all_reduce, its stack: {stacks / 'rank1.txt'}; the others: "
-        "ranks 0, 2, 10 wait in all_reduce at step.py:59 (collective #13 gloo:all_reduce)"
+        "a collective timed out after 60 s (backend.timeout_s): rank 1 stuck for "
+        "61 s at faulty.py:42 in forward (time.sleep(60)) after collective #12 "
+        f"gloo:all_reduce, its stack: {stacks / 'rank1.txt'}; the others: ranks 0, "
+        "2, 10 wait in all_reduce at step.py:59 (collective #13 gloo:all_reduce)"
     )
 
 
 def test_ranks_all_waiting_in_different_collectives_are_each_placed(tmp_path: Path):
     stacks = tmp_path / hangs.STACKS
-    _write(stacks, 0, at="trainer.py:80", function="_epoch_complete", code="", waits_in="all_reduce")
+    _write(
+        stacks, 0, at="trainer.py:80", function="_epoch_complete", code="", waits_in="all_reduce"
+    )
     _write(stacks, 1, at="saving.py:40", function="save", code="", waits_in="barrier")
     assert hangs.describe(tmp_path, 5).endswith(
         "rank 0 waits in all_reduce at trainer.py:80; rank 1 waits in barrier at saving.py:40"
@@ -208,7 +225,9 @@ def test_the_watchdog_holds_no_frame_of_a_function_that_returned(tmp_path: Path)
     ref = work()
     gc.collect()
     try:
-        assert ref() is None, "the watchdog keeps a returned function's frame (and its locals) alive"
+        assert ref() is None, (
+            "the watchdog keeps a returned function's frame (and its locals) alive"
+        )
     finally:
         cue.set()
         dog.thread.join(timeout=10)
@@ -217,16 +236,24 @@ def test_the_watchdog_holds_no_frame_of_a_function_that_returned(tmp_path: Path)
 def test_a_loader_workers_place_is_its_worker_loops_innermost_own_frame():
     dump = (
         "Thread 0x00007f486affd6c0 (most recent call first):\n"
-        '  File "/src/hydra_ddp/data/loading.py", line 250 in _answer_stop_signals\n'
+        '  File "/src/hydra_ddp/data/loader_workers.py", line 87 in _answer_stop_signals\n'
         '  File "/usr/lib/python3.11/threading.py", line 982 in run\n'
         "\n"
         "Current thread 0x00007f4940419b80 (most recent call first):\n"
         '  File "/usr/lib/python3.11/threading.py", line 327 in wait\n'
         '  File "/work/mine/datasets.py", line 193 in __getitem__\n'
-        '  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/fetch.py", line 54 in fetch\n'
-        '  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/worker.py", line 375 in _worker_loop\n'
+        '  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/fetch.py", '
+        "line 54 in fetch\n"
+        '  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/worker.py", '
+        "line 375 in _worker_loop\n"
     )
-    assert hangs.worker_place(dump) == "datasets.py:193 in __getitem__"  # not the other thread's, nor the library's
-    library_only = dump.replace("/work/mine/datasets.py", "/venv/lib/python3.11/site-packages/x/datasets.py")
+    # not the other thread's, nor the library's
+    assert hangs.worker_place(dump) == "datasets.py:193 in __getitem__"
+    library_only = dump.replace(
+        "/work/mine/datasets.py", "/venv/lib/python3.11/site-packages/x/datasets.py"
+    )
     assert hangs.worker_place(library_only) == "threading.py:327 in wait"  # then its innermost
-    assert hangs.worker_place('Thread 0x1 (most recent call first):\n  File "a.py", line 1 in f\n') is None
+    assert (
+        hangs.worker_place('Thread 0x1 (most recent call first):\n  File "a.py", line 1 in f\n')
+        is None
+    )

@@ -1,5 +1,6 @@
-"""The loggers on their own: what a resumed run leaves in TensorBoard, read back as TensorBoard reads
-it; W&B's mode (the reader of W&B's run file, against W&B's own service: tests/e2e/test_loggers.py)."""
+"""The loggers on their own: what a resumed run leaves in TensorBoard, read back as TensorBoard
+reads it; W&B's mode (the reader of W&B's run file, against W&B's own service:
+tests/e2e/test_loggers.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from hydra_ddp.reporting.loggers import CSV, TensorBoard
 from support import event_files, scalars
 
 
-def test_a_resumed_runs_event_file_is_read_last_even_when_the_earlier_one_sorts_after_it(tmp_path: Path):
+def test_a_resumed_runs_event_file_is_read_last_even_when_the_earlier_one_sorts_after_it(
+    tmp_path: Path,
+):
     # An earlier attempt logged steps 1-30, in a file whose name sorts after the one a restart in
     # the same second would get (its host and pid compare higher as text). The resumed attempt
-    # continues after step 20: TensorBoard must show 1-20 from the first file and 21-25 from the new.
+    # continues after step 20: TensorBoard must show 1-20 from the first file and 21-25 from the
+    # new.
     first = TensorBoard(tmp_path, {"run": 1})
     for step in range(1, 31):
         first.metrics({"train/loss": float(step)}, step)
@@ -23,7 +27,9 @@ def test_a_resumed_runs_event_file_is_read_last_even_when_the_earlier_one_sorts_
     (made,) = event_files(tmp_path)
     # The next second (a clock tick in between must not make this pass): the same second as the
     # restart below, or one after it, and higher than any name the restart could get in it.
-    earlier = made.rename(made.with_name(f"events.out.tfevents.{int(time.time()) + 1:010d}.zzzz.99999999.0"))
+    earlier = made.rename(
+        made.with_name(f"events.out.tfevents.{int(time.time()) + 1:010d}.zzzz.99999999.0")
+    )
 
     resumed = TensorBoard(tmp_path, {"run": 1}, resume_step=20)
     for step in range(21, 26):
@@ -31,13 +37,16 @@ def test_a_resumed_runs_event_file_is_read_last_even_when_the_earlier_one_sorts_
     resumed.close()
 
     names = [path.name for path in event_files(tmp_path)]
-    assert len(names) == 2 and names[0] == earlier.name, names  # the resumed run's file is the last read
+    # the resumed run's file is the last read
+    assert len(names) == 2 and names[0] == earlier.name, names
     assert scalars(tmp_path, "train/loss") == [(s, float(s)) for s in range(1, 21)] + [
         (s, -float(s)) for s in range(21, 26)
     ]
 
 
-def test_wandb_mode_auto_is_offline_without_an_account_and_follows_wandb_mode(tmp_path: Path, monkeypatch):
+def test_wandb_mode_auto_is_offline_without_an_account_and_follows_wandb_mode(
+    tmp_path: Path, monkeypatch
+):
     from hydra_ddp.reporting.wandb_logger import choose_mode
 
     for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
@@ -62,19 +71,26 @@ def _rows(path: Path) -> list[dict[str, str]]:
 
 def test_metrics_csv_writes_a_step_once_the_next_begins_and_every_step_on_flush(tmp_path: Path):
     """What a SIGKILL leaves: every step before the newest one in the file as the run goes, and
-    after flush() (before each checkpoint) the newest too; a value added to a written row rewrites it."""
+    after flush() (before each checkpoint) the newest too; a value added to a written row rewrites
+    it."""
     log = CSV(tmp_path, config={})
     for step in (1, 2, 3):
         log.metrics({"train/loss": 1.0 / step}, step)
     assert [r["step"] for r in _rows(log.path)] == ["1", "2"]
     log.flush()
     assert [r["step"] for r in _rows(log.path)] == ["1", "2", "3"]
-    log.metrics({"val/loss": 0.5}, 3)  # the checkpoint's step validated after the flush: a wider row
+    # the checkpoint's step validated after the flush: a wider row
+    log.metrics({"val/loss": 0.5}, 3)
     log.metrics({"test/loss": 0.25}, 3)
     log.flush()
     rows = _rows(log.path)
     assert [r["step"] for r in rows] == ["1", "2", "3"]
-    assert rows[-1] == {"step": "3", "train/loss": str(1.0 / 3), "val/loss": "0.5", "test/loss": "0.25"}
+    assert rows[-1] == {
+        "step": "3",
+        "train/loss": str(1.0 / 3),
+        "val/loss": "0.5",
+        "test/loss": "0.25",
+    }
     log.metrics({"train/loss": 0.1}, 4)
     log.close()
     assert [r["step"] for r in _rows(log.path)] == ["1", "2", "3", "4"]
@@ -89,4 +105,7 @@ def test_metrics_csv_resumed_keeps_the_rows_up_to_the_checkpoint_and_goes_on(tmp
     assert [r["step"] for r in _rows(resumed.path)] == ["1", "2", "3", "4"]
     resumed.metrics({"train/loss": 5.5}, 5)
     resumed.flush()
-    assert [(r["step"], r["train/loss"]) for r in _rows(resumed.path)][-2:] == [("4", "4.0"), ("5", "5.5")]
+    assert [(r["step"], r["train/loss"]) for r in _rows(resumed.path)][-2:] == [
+        ("4", "4.0"),
+        ("5", "5.5"),
+    ]

@@ -126,8 +126,15 @@ def test_a_continued_run_has_nothing_to_train_only_at_one_of_its_bounds():
     # 3 epochs of 21 steps; or max_steps=30, which the run reaches in its second epoch.
     by_epochs = RunLength(21, 21, 21, 21, epochs=3, max_steps=63)
     by_steps = RunLength(21, 21, 21, 21, epochs=2, max_steps=30)
-    assert ended_by(by_epochs, {"epoch": 3, "step": 63, "batch": 0}, early_stopped=False) == "epochs"
+    assert (
+        ended_by(by_epochs, {"epoch": 3, "step": 63, "batch": 0}, early_stopped=False) == "epochs"
+    )
     assert ended_by(by_epochs, {"epoch": 2, "step": 42, "batch": 0}, early_stopped=False) is None
-    assert ended_by(by_epochs, {"epoch": 2, "step": 42, "batch": 0}, early_stopped=True) == "early_stopping"
-    assert ended_by(by_steps, {"epoch": 1, "step": 30, "batch": 9}, early_stopped=False) == "max_steps"
+    assert (
+        ended_by(by_epochs, {"epoch": 2, "step": 42, "batch": 0}, early_stopped=True)
+        == "early_stopping"
+    )
+    assert (
+        ended_by(by_steps, {"epoch": 1, "step": 30, "batch": 9}, early_stopped=False) == "max_steps"
+    )
     assert ended_by(by_steps, {"epoch": 1, "step": 29, "batch": 8}, early_stopped=False) is None

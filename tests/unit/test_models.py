@@ -31,10 +31,12 @@ def test_tiny_gpt_is_causal_and_returns_logits_as_vocab_by_time():
     gpt = models.TinyGPT(vocab_size=256, context=16, dim=32, depth=2, heads=4)
     x = torch.randint(0, 256, (2, 16))
     logits = gpt(x)
-    assert logits.shape == (2, 256, 16)  # cross_entropy(logits, targets of (2, 16)): per-token losses
+    # cross_entropy(logits, targets of (2, 16)): per-token losses
+    assert logits.shape == (2, 256, 16)
     changed = x.clone()
     changed[:, 10] = (x[:, 10] + 1) % 256
     after = gpt(changed)
-    assert torch.allclose(logits[..., :10], after[..., :10], atol=1e-6)  # no position sees a later byte
+    # no position sees a later byte
+    assert torch.allclose(logits[..., :10], after[..., :10], atol=1e-6)
     assert not torch.allclose(logits[..., 10:], after[..., 10:])
     assert gpt.shard_units() == list(gpt.blocks)  # FSDP's units: the blocks

@@ -1,5 +1,5 @@
-"""A user's project (hydra_ddp.project), `hydra-ddp init` (hydra_ddp.init) and the command's bad input
-(hydra_ddp.cli), in process. tests/e2e/test_package.py runs them from an installed wheel."""
+"""A user's project (hydra_ddp.project), `hydra-ddp init` (hydra_ddp.init) and the command's bad
+input (hydra_ddp.cli), in process. tests/e2e/test_package.py runs them from an installed wheel."""
 
 from __future__ import annotations
 
@@ -56,12 +56,20 @@ def test_the_clones_own_conf_is_not_a_project_of_its_own():
 def test_init_writes_a_project_and_refuses_a_directory_that_is_not_empty(tmp_path: Path):
     folder, written = init.init(str(tmp_path / "My-Lab 2"))
     names = {str(p.relative_to(folder)) for p in written}
-    assert {"pyproject.toml", "my_lab_2/task.py", "conf/experiment/spirals.yaml", "tests/test_train.py"} <= names
+    assert {
+        "pyproject.toml",
+        "my_lab_2/task.py",
+        "conf/experiment/spirals.yaml",
+        "tests/test_train.py",
+    } <= names
     text = "".join(p.read_text() for p in written)
     assert "{{" not in text and "my_lab_2.model.SpiralNet" in text
     with pytest.raises(UserError, match="is not an empty directory"):
         init.init(str(folder))
-    assert init.package_name(Path("class")) == "class_" and init.package_name(Path("3d")) == "project_3d"
+    assert (
+        init.package_name(Path("class")) == "class_"
+        and init.package_name(Path("3d")) == "project_3d"
+    )
 
 
 def test_the_tree_docs_project_md_shows_is_what_init_writes(tmp_path: Path):
@@ -71,14 +79,17 @@ def test_the_tree_docs_project_md_shows_is_what_init_writes(tmp_path: Path):
     shown = set()
     for line in tree.splitlines():
         # A line names one file, or several of one folder's ("conf/data/a.yaml, conf/model/b.yaml").
-        shown |= {name.strip() for name in line.split("  ")[1].split(",")} if line.strip() else set()
+        shown |= (
+            {name.strip() for name in line.split("  ")[1].split(",")} if line.strip() else set()
+        )
     assert shown == {str(p.relative_to(folder)) for p in written}
 
 
 def test_an_unknown_command_is_one_line(capsys):
     assert cli.main(["trian"]) == 2
     assert capsys.readouterr().err == (
-        "hydra-ddp: error: no command 'trian'; choose train, eval, export or init (hydra-ddp --help)\n"
+        "hydra-ddp: error: no command 'trian'; choose "
+        "train, eval, export or init (hydra-ddp --help)\n"
     )
     assert cli.main(["init"]) == 2
     assert "takes one argument" in capsys.readouterr().err

@@ -30,8 +30,11 @@ def _rates(schedule: schedules.StepSchedule, steps: int) -> list[float]:
 
 
 def test_warmup_rises_linearly_to_the_rate_then_cosine_falls_to_the_floor():
-    rates = _rates(schedules.warmup_cosine(_optimizer(), total_steps=20, warmup_steps=4, min_lr_ratio=0.1), 20)
-    assert rates[:4] == [0.5 * k / 4 for k in (1, 2, 3, 4)]  # (step + 1) / warmup: no step at rate 0
+    rates = _rates(
+        schedules.warmup_cosine(_optimizer(), total_steps=20, warmup_steps=4, min_lr_ratio=0.1), 20
+    )
+    # (step + 1) / warmup: no step at rate 0
+    assert rates[:4] == [0.5 * k / 4 for k in (1, 2, 3, 4)]
     decay = [0.05 + 0.45 * 0.5 * (1 + math.cos(math.pi * k / 16)) for k in range(16)]
     assert rates[4:] == pytest.approx(decay, rel=1e-15)
     assert all(a >= b for a, b in zip(rates[4:], rates[5:])) and rates[-1] > 0.05
@@ -40,19 +43,26 @@ def test_warmup_rises_linearly_to_the_rate_then_cosine_falls_to_the_floor():
 def test_linear_constant_and_wsd_shapes():
     linear = _rates(schedules.warmup_linear(_optimizer(1.0), total_steps=10, warmup_steps=2), 10)
     assert linear == pytest.approx([0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125])
-    constant = _rates(schedules.warmup_constant(_optimizer(1.0), total_steps=10, warmup_ratio=0.2), 10)
+    constant = _rates(
+        schedules.warmup_constant(_optimizer(1.0), total_steps=10, warmup_ratio=0.2), 10
+    )
     assert constant == [0.5, 1.0] + [1.0] * 8
-    wsd = _rates(schedules.wsd(_optimizer(1.0), total_steps=10, warmup_steps=2, decay_ratio=0.4), 10)
+    wsd = _rates(
+        schedules.wsd(_optimizer(1.0), total_steps=10, warmup_steps=2, decay_ratio=0.4), 10
+    )
     assert wsd == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25])
     sqrt = _rates(schedules.wsd(_optimizer(1.0), total_steps=10, decay_ratio=0.4, decay="sqrt"), 10)
-    assert sqrt[6:] == pytest.approx([1.0, 1 - math.sqrt(0.25), 1 - math.sqrt(0.5), 1 - math.sqrt(0.75)])
+    assert sqrt[6:] == pytest.approx(
+        [1.0, 1 - math.sqrt(0.25), 1 - math.sqrt(0.5), 1 - math.sqrt(0.75)]
+    )
 
 
 def test_a_resumed_schedule_takes_the_same_rates_bit_for_bit():
     straight = _rates(schedules.warmup_cosine(_optimizer(0.3), total_steps=50, warmup_steps=7), 50)
     first = schedules.warmup_cosine(_optimizer(0.3), total_steps=50, warmup_steps=7)
     before = _rates(first, 5)  # stopped mid-warmup
-    optimizer = _optimizer(0.3)  # a new process: the optimizer's saved groups, then the schedule's state
+    # a new process: the optimizer's saved groups, then the schedule's state
+    optimizer = _optimizer(0.3)
     optimizer.load_state_dict(first.optimizer.state_dict())
     resumed = schedules.warmup_cosine(optimizer, total_steps=50, warmup_steps=7)
     resumed.load_state_dict(first.state_dict())
@@ -65,7 +75,9 @@ def test_a_resumed_schedule_takes_the_same_rates_bit_for_bit():
 
 def test_every_parameter_group_scales_from_its_own_rate():
     model = nn.Linear(2, 2)
-    optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.1}], lr=1.0)
+    optimizer = torch.optim.SGD(
+        [{"params": [model.weight]}, {"params": [model.bias], "lr": 0.1}], lr=1.0
+    )
     schedule = schedules.warmup_linear(optimizer, total_steps=4, warmup_steps=2)
     assert schedule.get_last_lr() == [0.5, 0.05]
 
@@ -73,10 +85,19 @@ def test_every_parameter_group_scales_from_its_own_rate():
 @pytest.mark.parametrize(
     "build, words",
     [
-        (lambda o: schedules.warmup_cosine(o, total_steps=10, warmup_steps=10), "not shorter than the run's 10"),
+        (
+            lambda o: schedules.warmup_cosine(o, total_steps=10, warmup_steps=10),
+            "not shorter than the run's 10",
+        ),
         (lambda o: schedules.warmup_cosine(o, total_steps=None), "set trainer.max_steps"),
-        (lambda o: schedules.warmup_linear(o, total_steps=10, warmup_ratio=1.5), "warmup_ratio=1.5"),
-        (lambda o: schedules.warmup_cosine(o, total_steps=10, min_lr_ratio=2.0), "min_lr_ratio=2.0"),
+        (
+            lambda o: schedules.warmup_linear(o, total_steps=10, warmup_ratio=1.5),
+            "warmup_ratio=1.5",
+        ),
+        (
+            lambda o: schedules.warmup_cosine(o, total_steps=10, min_lr_ratio=2.0),
+            "min_lr_ratio=2.0",
+        ),
         (lambda o: schedules.wsd(o, total_steps=10, decay="step"), "decay='step'"),
         (lambda o: schedules.wsd(o, total_steps=10, warmup_steps=5, decay_ratio=0.6), "overlap"),
     ],
@@ -88,8 +109,12 @@ def test_a_schedule_that_cannot_be_is_one_line(build, words: str):
 
 
 def test_build_gives_a_per_step_schedule_the_runs_length_and_torchs_the_optimizer_alone():
-    per_step = OmegaConf.create({"_target_": "hydra_ddp.recipe.schedules.warmup_cosine", "_partial_": True})
-    per_epoch = OmegaConf.create({"_target_": "torch.optim.lr_scheduler.StepLR", "_partial_": True, "step_size": 2})
+    per_step = OmegaConf.create(
+        {"_target_": "hydra_ddp.recipe.schedules.warmup_cosine", "_partial_": True}
+    )
+    per_epoch = OmegaConf.create(
+        {"_target_": "torch.optim.lr_scheduler.StepLR", "_partial_": True, "step_size": 2}
+    )
     assert schedules.takes_length(per_step) and not schedules.takes_length(per_epoch)
     built = schedules.build(per_step, _optimizer(), total_steps=30)
     assert schedules.per_step(built) and built.shape.total == 30
@@ -99,7 +124,9 @@ def test_build_gives_a_per_step_schedule_the_runs_length_and_torchs_the_optimize
 
 def test_the_loop_steps_a_per_step_schedule_each_step_and_torchs_each_epoch():
     optimizer = _optimizer(1.0)
-    stepping = schedules.Stepping(schedules.warmup_linear(optimizer, total_steps=4, warmup_steps=2), optimizer)
+    stepping = schedules.Stepping(
+        schedules.warmup_linear(optimizer, total_steps=4, warmup_steps=2), optimizer
+    )
     for step in (1, 2, 3):
         stepping.optimizer_stepped(step)
     assert stepping.take_rates(up_to=2) == {1: 0.5, 2: 1.0}  # step 3's waits for its loss
@@ -108,7 +135,9 @@ def test_the_loop_steps_a_per_step_schedule_each_step_and_torchs_each_epoch():
     assert optimizer.param_groups[0]["lr"] == 1.0
 
     optimizer = _optimizer(1.0)
-    stepping = schedules.Stepping(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5), optimizer)
+    stepping = schedules.Stepping(
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5), optimizer
+    )
     optimizer.step()
     stepping.optimizer_stepped(1)
     assert stepping.take_rates(1) == {} and stepping.epoch_rate() == {"train/lr": 1.0}
@@ -126,20 +155,24 @@ def test_auto_leaves_biases_norms_and_embeddings_undecayed():
     assert "tokens.weight" in names and "positions.weight" in names and "norm.weight" in names
     assert "blocks.0.norm1.bias" in names and "blocks.1.fc1.bias" in names
     decayed = {n for n, _ in _gpt().named_parameters()} - set(names)
-    assert decayed == {f"blocks.{i}.{m}.weight" for i in (0, 1) for m in ("q", "k", "v", "proj", "fc1", "fc2")} | {
-        "head.weight"
-    }
+    assert decayed == {
+        f"blocks.{i}.{m}.weight" for i in (0, 1) for m in ("q", "k", "v", "proj", "fc1", "fc2")
+    } | {"head.weight"}
 
 
 def test_patterns_name_parameters_and_a_pattern_that_names_none_is_reported():
-    assert optimizers.no_decay_names(_gpt(), ["*.bias"]) == [n for n, _ in _gpt().named_parameters() if "bias" in n]
+    assert optimizers.no_decay_names(_gpt(), ["*.bias"]) == [
+        n for n, _ in _gpt().named_parameters() if "bias" in n
+    ]
     assert optimizers.unmatched(_gpt(), ["*.bias", "blocks.*.gamma"]) == ["blocks.*.gamma"]
 
 
 def test_undecayed_parameters_do_not_shrink_and_the_rest_do():
     model = _gpt()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    optim_cfg = OmegaConf.create({"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.1, "weight_decay": 0.5})
+    optim_cfg = OmegaConf.create(
+        {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.1, "weight_decay": 0.5}
+    )
     optimizer = optimizers.build(optim_cfg, "auto", model, model)
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.5, 0.0]
     for p in model.parameters():
@@ -155,10 +188,14 @@ def test_without_groups_the_optimizer_takes_the_wrapped_models_parameters_as_bef
     optim_cfg = OmegaConf.create({"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1})
     optimizer = optimizers.build(optim_cfg, "none", model, model)
     assert len(optimizer.param_groups) == 1
-    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [
+        id(p) for p in model.parameters()
+    ]
 
 
-def _saved_bytes_and_grads(mode: str, every: int = 2) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
+def _saved_bytes_and_grads(
+    mode: str, every: int = 2
+) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
     """One forward and backward of the GPT with `mode`: the bytes autograd saved for the backward,
     the loss, and the gradients by name."""
     from types import SimpleNamespace
@@ -187,7 +224,8 @@ def test_activation_checkpointing_saves_less_and_computes_the_same_bits():
     for mode in ("full", "every_k"):
         saved, loss, grads = _saved_bytes_and_grads(mode)
         assert saved < plain_bytes, mode
-        assert torch.equal(loss, plain_loss) and grads.keys() == plain_grads.keys()  # names unchanged
+        # names unchanged
+        assert torch.equal(loss, plain_loss) and grads.keys() == plain_grads.keys()
         assert all(torch.equal(grads[n], plain_grads[n]) for n in grads), mode
     assert _saved_bytes_and_grads("full")[0] < _saved_bytes_and_grads("every_k")[0]
 

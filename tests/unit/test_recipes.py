@@ -17,7 +17,8 @@ def _load(path):
 
 def test_the_runtimes_node_container_is_the_trainjobs_trainer():
     """A TrainJob on runtimeRef hydra-ddp without command and env runs what trainjob.yaml runs on
-    torch-distributed: the same entrypoint, PYTHONUNBUFFERED and PET_LOCAL_ADDR from the pod's IP."""
+    torch-distributed: the same entrypoint, PYTHONUNBUFFERED and PET_LOCAL_ADDR from the pod's
+    IP."""
     runtime = _load(K8S / "runtime.yaml")
     trainer = _load(K8S / "trainjob.yaml")["spec"]["trainer"]
     (job,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]

@@ -8,13 +8,22 @@ def test_a_resize_names_its_cause():
     from hydra_ddp.training.position import resize_cause
 
     assert resize_cause(False, {}) == "resume"
-    assert resize_cause(False, {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "0"}) == "resume"
-    assert resize_cause(True, {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "0"}) == "rescale"
-    assert resize_cause(True, {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "1"}) == "restart"
+    assert (
+        resize_cause(False, {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "0"})
+        == "resume"
+    )
+    assert (
+        resize_cause(True, {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "0"})
+        == "rescale"
+    )
+    assert (
+        resize_cause(True, {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "1"})
+        == "restart"
+    )
     assert resize_cause(False, {"SLURM_RESTART_COUNT": "2"}) == "requeue"
 
 
-def test_an_elastic_worker_keeps_the_global_batch_and_the_micro_batch_and_changes_the_accumulation():
+def test_an_elastic_worker_keeps_the_global_batch_and_micro_batch_and_changes_the_accumulation():
     from types import SimpleNamespace as Section
 
     from hydra_ddp.parallel import elastic
@@ -27,7 +36,8 @@ def test_an_elastic_worker_keeps_the_global_batch_and_the_micro_batch_and_change
         strategy=Section(name="ddp"),
     )
     assert elastic.at_world_size(cfg, 8) is None  # the most nodes: as resolved
-    assert elastic.at_world_size(cfg, 2) == {"trainer.accumulate": 4}  # the same micro-batch of 8, 4 of them
+    # the same micro-batch of 8, 4 of them
+    assert elastic.at_world_size(cfg, 2) == {"trainer.accumulate": 4}
     fixed = Section(
         launcher=Section(name="torchrun", nnodes=2, min_nodes=2),
         data=Section(global_batch_size=64, batch_size=16),

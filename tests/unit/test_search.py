@@ -28,11 +28,16 @@ def test_the_search_space_takes_hydras_sweep_syntax():
     }
     assert fixed == {"optim.momentum": "0.8"}
     # The command line over the params: a value there fixes a key the params search.
-    assert space.parse({"optim.lr": "choice(0.1, 0.2)", "data.batch_size": "choice(16, 32)"}, ["optim.lr=0.3"]) == (
+    assert space.parse(
+        {"optim.lr": "choice(0.1, 0.2)", "data.batch_size": "choice(16, 32)"}, ["optim.lr=0.3"]
+    ) == (
         {"data.batch_size": CategoricalDistribution([16, 32])},
         {"optim.lr": "0.3"},
     )
-    assert space.as_override("optim.lr", 1e-6) == "optim.lr=1e-06" and space.as_override("x", True) == "x=true"
+    assert (
+        space.as_override("optim.lr", 1e-6) == "optim.lr=1e-06"
+        and space.as_override("x", True) == "x=true"
+    )
 
 
 @pytest.mark.parametrize(
@@ -46,7 +51,11 @@ def test_the_search_space_takes_hydras_sweep_syntax():
             [],
             "optim.lr: interval(0.0, 1.0) needs start < end and start > 0 (log)",
         ),
-        ({"data.batch_size": "range(64, 16)"}, [], "data.batch_size: range(64, 16, 1) holds no value"),
+        (
+            {"data.batch_size": "range(64, 16)"},
+            [],
+            "data.batch_size: range(64, 16, 1) holds no value",
+        ),
     ],
 )
 def test_a_bad_search_space_is_one_line(params, arguments, message):
@@ -57,7 +66,12 @@ def test_a_bad_search_space_is_one_line(params, arguments, message):
 
 @pytest.mark.parametrize(
     "sampler, kind",
-    [("tpe", "TPESampler"), ("random", "RandomSampler"), ("cmaes", "CmaEsSampler"), ("grid", "GridSampler")],
+    [
+        ("tpe", "TPESampler"),
+        ("random", "RandomSampler"),
+        ("cmaes", "CmaEsSampler"),
+        ("grid", "GridSampler"),
+    ],
 )
 def test_each_sampler_builds_with_its_seed(sampler: str, kind: str):
     import functools
@@ -70,19 +84,28 @@ def test_each_sampler_builds_with_its_seed(sampler: str, kind: str):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose(
             config_name="config",
-            overrides=["hydra/sweeper=optuna", f"hydra/sweeper/sampler={sampler}", "hydra.sweeper.sampler.seed=3"],
+            overrides=[
+                "hydra/sweeper=optuna",
+                f"hydra/sweeper/sampler={sampler}",
+                "hydra.sweeper.sampler.seed=3",
+            ],
             return_hydra_config=True,
         )
     built = instantiate(cfg.hydra.sweeper.sampler)
     if isinstance(built, functools.partial):  # the grid: given the space's values by the sweeper
-        searched, _ = space.parse({"data.batch_size": "choice(16, 32)", "model.hidden": "range(8, 17, 8)"}, [])
+        searched, _ = space.parse(
+            {"data.batch_size": "choice(16, 32)", "model.hidden": "range(8, 17, 8)"}, []
+        )
         built = built(search_space=space.grid(searched))
-        assert sorted(built._all_grids) == [(16, 8), (16, 16), (32, 8), (32, 16)]  # shuffled by the seed
+        # shuffled by the seed
+        assert sorted(built._all_grids) == [(16, 8), (16, 16), (32, 8), (32, 16)]
     assert type(built).__name__ == kind and cfg.hydra.sweeper.sampler.seed == 3
 
 
 @pytest.mark.parametrize("sampler", ["tpe", "random", "cmaes", "grid"])
-def test_each_trial_draws_from_a_stream_of_its_own_and_a_seeded_search_draws_the_same_again(sampler: str):
+def test_each_trial_draws_from_a_stream_of_its_own_and_a_seeded_search_draws_the_same_again(
+    sampler: str,
+):
     """Sweeper processes on one study (n_jobs > 1) used to build the same seeded sampler, so their
     startup trials drew the same values. Each trial's sampler now has its trial's own seed: two
     processes' first asks differ, and the same trial number draws the same values in a rerun."""
@@ -96,7 +119,11 @@ def test_each_trial_draws_from_a_stream_of_its_own_and_a_seeded_search_draws_the
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose(
             config_name="config",
-            overrides=["hydra/sweeper=optuna", f"hydra/sweeper/sampler={sampler}", "hydra.sweeper.sampler.seed=0"],
+            overrides=[
+                "hydra/sweeper=optuna",
+                f"hydra/sweeper/sampler={sampler}",
+                "hydra.sweeper.sampler.seed=0",
+            ],
             return_hydra_config=True,
         )
     sweeper = OptunaSweeper(
@@ -113,7 +140,10 @@ def test_each_trial_draws_from_a_stream_of_its_own_and_a_seeded_search_draws_the
     searched, _ = space.parse(
         grid
         if sampler == "grid"
-        else {"optim.lr": "tag(log, interval(0.002, 0.1))", "optim.weight_decay": "interval(0, 0.01)"},
+        else {
+            "optim.lr": "tag(log, interval(0.002, 0.1))",
+            "optim.weight_decay": "interval(0, 0.01)",
+        },
         [],
     )
 
@@ -128,5 +158,6 @@ def test_each_trial_draws_from_a_stream_of_its_own_and_a_seeded_search_draws_the
     first = draws([0, 1, 2, 3])
     assert len({tuple(sorted(p.items())) for p in first}) == 4, first  # no two trials alike
     assert draws([0, 1, 2, 3]) == first  # seeded: the same again
-    if sampler != "grid":  # the grid's points are one shuffle for every process; it skips those already taken
+    # the grid's points are one shuffle for every process; it skips those already taken
+    if sampler != "grid":
         assert draws([0])[0] != draws([1])[0]

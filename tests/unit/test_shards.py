@@ -36,7 +36,11 @@ def test_samples_read_back_as_written_one_by_one_and_by_batch(tmp_path: Path):
     assert (len(train), len(test), len(train.shards)) == (23, 5, 6)  # 5 shards of 4 and one of 3
     for i in (0, 3, 4, 22):
         x, y = train[i]
-        assert torch.equal(x, torch.full((1, 2, 2), float(i))) and y.item() == i and y.dtype == torch.int64
+        assert (
+            torch.equal(x, torch.full((1, 2, 2), float(i)))
+            and y.item() == i
+            and y.dtype == torch.int64
+        )
     batch = train.__getitems__([22, 0, 5, 4, 21])
     assert [int(y) for _, y in batch] == [22, 0, 5, 4, 21]
     assert test[4][1].item() == 1004
@@ -45,11 +49,17 @@ def test_samples_read_back_as_written_one_by_one_and_by_batch(tmp_path: Path):
 
 
 def test_dict_samples_keep_their_keys_and_dtypes(tmp_path: Path):
-    rows = [{"input_ids": torch.arange(5) + i, "mask": torch.ones(5, dtype=torch.bool)} for i in range(6)]
+    rows = [
+        {"input_ids": torch.arange(5) + i, "mask": torch.ones(5, dtype=torch.bool)}
+        for i in range(6)
+    ]
     shards.write(tmp_path, {"train": rows, "test": rows[:2]}, 4)
     train, _ = shards.sharded(str(tmp_path))
     assert list(train[5]) == ["input_ids", "mask"]
-    assert torch.equal(train[5]["input_ids"], torch.arange(5) + 5) and train[5]["mask"].dtype == torch.bool
+    assert (
+        torch.equal(train[5]["input_ids"], torch.arange(5) + 5)
+        and train[5]["mask"].dtype == torch.bool
+    )
 
 
 def test_a_field_of_different_lengths_is_stored_whole_and_padded_per_batch(tmp_path: Path):
@@ -60,16 +70,22 @@ def test_a_field_of_different_lengths_is_stored_whole_and_padded_per_batch(tmp_p
         {"input_ids": torch.arange(n, dtype=torch.int32) + 10 * i, "kind": torch.tensor(i)}
         for i, n in enumerate(lengths)
     ]
-    shards.write(tmp_path, {"train": samples[:4], "test": samples[4:]}, 3, {"pad_id": 1, "vocab_size": 64})
+    shards.write(
+        tmp_path, {"train": samples[:4], "test": samples[4:]}, 3, {"pad_id": 1, "vocab_size": 64}
+    )
     train, test = shards.sharded(str(tmp_path))
     read = [train[i] for i in range(4)] + [test[0]]
     assert [s["input_ids"].tolist() for s in read] == [s["input_ids"].tolist() for s in samples]
-    assert [s["kind"].item() for s in read] == list(range(5)) and read[0]["input_ids"].dtype == torch.int32
-    assert [len(s["input_ids"]) for s in train.__getitems__([3, 0, 2])] == [3, 5, 9]  # a batch, shard by shard
+    assert [s["kind"].item() for s in read] == list(range(5)) and read[0][
+        "input_ids"
+    ].dtype == torch.int32
+    # a batch, shard by shard
+    assert [len(s["input_ids"]) for s in train.__getitems__([3, 0, 2])] == [3, 5, 9]
     batch = train.collate([train[0], train[1]])
     assert batch["input_ids"].tolist() == [[0, 1, 2, 3, 4], [10, 1, 1, 1, 1]]
     assert batch["labels"].tolist() == [[0, 1, 2, 3, 4], [10, -100, -100, -100, -100]]
-    assert batch["kind"].tolist() == [0, 1]  # a field of one shape: batched as DataLoader batches it
+    # a field of one shape: batched as DataLoader batches it
+    assert batch["kind"].tolist() == [0, 1]
     assert shard_tool.verify(tmp_path) == []
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     manifest["version"] = 1  # a directory written before ragged fields: read as before
@@ -83,7 +99,9 @@ def test_a_val_split_is_used_where_written_and_carved_as_whole_shards_otherwise(
     rest, val = data.carve(train, 0.2, seed=3)
     assert (len(rest.shards), len(val.shards), len(rest) + len(val)) == (8, 2, 40)
     assert isinstance(val, shards.ShardedDataset)
-    seen = sorted(int(rest[i][1]) for i in range(len(rest))) + sorted(int(val[i][1]) for i in range(len(val)))
+    seen = sorted(int(rest[i][1]) for i in range(len(rest))) + sorted(
+        int(val[i][1]) for i in range(len(val))
+    )
     assert sorted(seen) == list(range(40))
     with pytest.raises(UserError, match="leaving none"):
         data.carve(train.subset([0]), 0.5, seed=0)
@@ -95,7 +113,8 @@ def test_an_epochs_order_is_every_sample_once_within_its_window(sizes: list[int]
     order = ShardWindowOrder(sizes, seed=1, epoch=2, window=window)
     indices = [order[p] for p in range(len(order))]
     assert sorted(indices) == list(range(sum(sizes)))
-    # Window w holds the samples of positions w·window … of the shard order laid end to end: no more.
+    # Window w holds the samples of positions w·window … of the shard order laid end to end: no
+    # more.
     laid = [order.first_index[k] + j for k, s in enumerate(order.shards) for j in range(sizes[s])]
     for start in range(0, len(laid), window):
         assert sorted(indices[start : start + window]) == sorted(laid[start : start + window])
@@ -107,7 +126,9 @@ def test_an_epochs_order_is_every_sample_once_within_its_window(sizes: list[int]
 
 
 def _sampler(dataset, rank: int, world: int, pad: bool, epoch: int = 0) -> ShardWindowSampler:
-    sampler = ShardWindowSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=7, pad=pad)
+    sampler = ShardWindowSampler(
+        dataset, num_replicas=world, rank=rank, shuffle=True, seed=7, pad=pad
+    )
     sampler.set_epoch(epoch)
     return sampler
 
@@ -117,9 +138,12 @@ def test_ranks_read_disjoint_parts_of_one_order_and_every_sample_once(tmp_path: 
     train, _ = shards.sharded(str(_write(tmp_path)), shuffle_window=5)
     parts = [list(_sampler(train, r, world, pad=False, epoch=1)) for r in range(world)]
     assert Counter(i for part in parts for i in part) == Counter(range(23))
-    assert max(map(len, parts)) - min(map(len, parts)) <= 1 and len(parts[0]) == max(map(len, parts))
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1 and len(parts[0]) == max(
+        map(len, parts)
+    )
     padded = [list(_sampler(train, r, world, pad=True, epoch=1)) for r in range(world)]
-    assert len({len(p) for p in padded}) == 1  # every rank the same steps: the first positions repeated
+    # every rank the same steps: the first positions repeated
+    assert len({len(p) for p in padded}) == 1
     whole = list(_sampler(train, 0, 1, pad=False, epoch=1))
     extra = Counter(i for part in padded for i in part) - Counter(range(23))
     assert extra == Counter(whole[: -(-23 // world) * world - 23])
@@ -142,9 +166,14 @@ def test_a_resume_at_another_world_size_reads_every_remaining_sample_once(tmp_pa
 def test_training_loaders_read_shards_through_the_window_sampler(tmp_path: Path):
     _write(tmp_path)
     dataset = {"_target_": "hydra_ddp.data.sharded", "root": str(tmp_path), "shuffle_window": 5}
-    settings = DataConf(dataset=dataset, batch_size=3, eval_batch_size=2, val_fraction=0, even_shards=False)
+    settings = DataConf(
+        dataset=dataset, batch_size=3, eval_batch_size=2, val_fraction=0, even_shards=False
+    )
     cfg = OmegaConf.structured(settings)
-    per_rank = [data.build_loaders(cfg, RankInfo(r, 2, r, 2), seed=0, device=torch.device("cpu")) for r in range(2)]
+    per_rank = [
+        data.build_loaders(cfg, RankInfo(r, 2, r, 2), seed=0, device=torch.device("cpu"))
+        for r in range(2)
+    ]
     assert all(isinstance(loaders.train_sampler, ShardWindowSampler) for loaders in per_rank)
     labels = [int(y) for loaders in per_rank for _, y in loaders.train for y in y]
     assert sorted(labels) == list(range(23))
@@ -176,12 +205,17 @@ def test_damage_is_one_line_naming_the_shard(tmp_path: Path):
     shard.write_bytes(b"garbage!" + content[8:])  # the same size, a broken header: found when read
     data.check_source(data_cfg(root))
     train, _ = shards.sharded(str(root))
-    with pytest.raises(UserError, match=r"shard .*train-000002.shard is corrupt \(not a shard file"):
+    with pytest.raises(
+        UserError, match=r"shard .*train-000002.shard is corrupt \(not a shard file"
+    ):
         train[9]
     assert int(train[0][1]) == 0  # the other shards read on
     assert any("train-000002" in problem for problem in shard_tool.verify(root))
-    shard.write_bytes(content[:-1] + bytes([content[-1] ^ 1]))  # one bit of its data: only verify sees it
-    assert [p for p in shard_tool.verify(root) if "CRC-32" in p] and len(shard_tool.verify(root)) == 1
+    # one bit of its data: only verify sees it
+    shard.write_bytes(content[:-1] + bytes([content[-1] ^ 1]))
+    assert [p for p in shard_tool.verify(root) if "CRC-32" in p] and len(
+        shard_tool.verify(root)
+    ) == 1
     shard.write_bytes(content)
     assert shard_tool.verify(root) == []
     (root / "manifest.json").write_text("{")
@@ -194,10 +228,16 @@ def test_damage_is_one_line_naming_the_shard(tmp_path: Path):
 
 def test_the_command_line_writes_a_source_and_verifies_it(tmp_path: Path, capsys):
     out = tmp_path / "digits"
-    assert shard_tool.main(["write", str(out), "--samples-per-shard", "100", "--arg", "image_size=8"]) == 0
+    assert (
+        shard_tool.main(["write", str(out), "--samples-per-shard", "100", "--arg", "image_size=8"])
+        == 0
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["meta"] == {"source": "digits", "in_channels": 1, "image_size": 8}
-    assert [sum(e["samples"] for e in manifest["splits"][s]) for s in ("train", "test")] == [1438, 359]
+    assert [sum(e["samples"] for e in manifest["splits"][s]) for s in ("train", "test")] == [
+        1438,
+        359,
+    ]
     train, test = shards.sharded(str(out))
     reference = data.digits(image_size=8)[0]
     assert torch.equal(train[17][0], reference[17][0]) and train[17][1] == reference[17][1]

@@ -17,7 +17,9 @@ from hydra_ddp.parallel.strategies.fsdp import FSDP
 
 @pytest.fixture
 def one_rank(tmp_path: Path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
     try:
         yield
     finally:
@@ -28,13 +30,20 @@ def test_fsdp_computes_in_param_dtype_reduces_in_reduce_dtype_and_returns_output
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=64, context=16, dim=32, depth=2, heads=4)
     settings = FSDPSettings(param_dtype="bf16", reduce_dtype="fp32", output_dtype="fp32")
-    strategy = FSDP(SimpleNamespace(strategy=settings, trainer=SimpleNamespace(compile=False)), torch.device("cpu"))
+    strategy = FSDP(
+        SimpleNamespace(strategy=settings, trainer=SimpleNamespace(compile=False)),
+        torch.device("cpu"),
+    )
     wrapped = strategy.wrap(model)
     seen = []
-    model.blocks[0].fc1.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    model.blocks[0].fc1.register_forward_hook(
+        lambda module, inputs, output: seen.append(output.dtype)
+    )
     logits = wrapped(torch.randint(0, 64, (2, 16)))
-    assert seen == [torch.bfloat16] and logits.dtype == torch.float32  # the compute, and the loss's input
+    # the compute, and the loss's input
+    assert seen == [torch.bfloat16] and logits.dtype == torch.float32
     logits.float().sum().backward()
     grads = {p.grad.dtype for p in wrapped.parameters() if p.grad is not None}
     params = {p.dtype for p in wrapped.parameters()}
-    assert grads == {torch.float32} and params == {torch.float32}  # the shards and their gradients stay fp32
+    # the shards and their gradients stay fp32
+    assert grads == {torch.float32} and params == {torch.float32}

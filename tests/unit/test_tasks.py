@@ -24,7 +24,9 @@ from support import (
 register_schema()
 
 
-def _chunked_metrics(task: tasks.Task, output: torch.Tensor, target: torch.Tensor, chunks: int) -> dict[str, float]:
+def _chunked_metrics(
+    task: tasks.Task, output: torch.Tensor, target: torch.Tensor, chunks: int
+) -> dict[str, float]:
     """What the evaluation computes: each chunk's state, added in chunk order, then compute()."""
     states = [task.state(o, t) for o, t in zip(output.chunk(chunks), target.chunk(chunks))]
     assert all(s.dtype == torch.float64 and s.shape == (task.state_size,) for s in states)
@@ -39,7 +41,8 @@ def test_regression_metrics_are_the_textbook_ones_from_exact_sums():
     output = (target + torch.randn(300, generator=gen)).unsqueeze(1)  # a model's (batch, 1)
     got = _chunked_metrics(tasks.Regression(), output, target, chunks=7)
     y, p = target.double().numpy(), output[:, 0].double().numpy()
-    assert got["mse"] == got["loss"] == pytest.approx(mean_squared_error(y, p), rel=1e-6)  # errors in float32
+    # errors in float32
+    assert got["mse"] == got["loss"] == pytest.approx(mean_squared_error(y, p), rel=1e-6)
     assert got["mae"] == pytest.approx(mean_absolute_error(y, p), rel=1e-6)
     assert got["r2"] == pytest.approx(r2_score(y, p), rel=1e-6)
     assert tasks.Regression().loss(output, target) == F.mse_loss(output[:, 0], target)
@@ -69,7 +72,10 @@ def test_classification_and_language_model_metrics():
     got = _chunked_metrics(tasks.Classification(), logits, labels, chunks=4)
     assert got["accuracy"] == (logits.argmax(1) == labels).double().mean().item()
     assert got["loss"] == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-6)
-    tokens, targets = torch.randn(8, 256, 12, generator=gen), torch.randint(0, 256, (8, 12), generator=gen)
+    tokens, targets = (
+        torch.randn(8, 256, 12, generator=gen),
+        torch.randint(0, 256, (8, 12), generator=gen),
+    )
     lm = _chunked_metrics(tasks.LanguageModel(), tokens, targets, chunks=3)
     assert lm["perplexity"] == math.exp(lm["loss"])
     assert lm["loss"] == pytest.approx(F.cross_entropy(tokens, targets).item(), rel=1e-6)
@@ -79,26 +85,44 @@ def test_every_chunking_gives_the_same_bits_when_chunks_are_added_in_order():
     """The evaluation's guarantee: a chunk's state is computed alike wherever it runs, and the
     states are added in chunk order. A world size only changes which rank computes which chunk."""
     gen = torch.Generator().manual_seed(1)
-    output, target = torch.randn(64, 3, 8, 8, generator=gen), torch.randint(0, 3, (64, 8, 8), generator=gen)
+    output, target = (
+        torch.randn(64, 3, 8, 8, generator=gen),
+        torch.randint(0, 3, (64, 8, 8), generator=gen),
+    )
     task = tasks.Segmentation(3)
     states = [task.state(o, t) for o, t in zip(output.split(16), target.split(16))]
     for ranks in (1, 2, 3):
         slots = torch.zeros(len(states), task.state_size, dtype=torch.float64)
-        for rank in range(ranks):  # each rank fills its chunks' slots; the all-reduce adds the zeros elsewhere
+        # each rank fills its chunks' slots; the all-reduce adds the zeros elsewhere
+        for rank in range(ranks):
             mine = torch.zeros_like(slots)
             for chunk in range(rank, len(states), ranks):
                 mine[chunk] = task.state(output.split(16)[chunk], target.split(16)[chunk])
             slots += mine
-        assert task.compute(slots.sum(0).tolist()) == task.compute(torch.stack(states).sum(0).tolist())
+        assert task.compute(slots.sum(0).tolist()) == task.compute(
+            torch.stack(states).sum(0).tolist()
+        )
 
 
 @pytest.mark.parametrize(
     "target, task, message",
     [
-        (torch.tensor(3), tasks.Regression(), "needs real-valued targets, and the data's are int64"),
-        (torch.tensor(0.5), tasks.Classification(), "needs integer class labels, and the data's targets are float32"),
+        (
+            torch.tensor(3),
+            tasks.Regression(),
+            "needs real-valued targets, and the data's are int64",
+        ),
+        (
+            torch.tensor(0.5),
+            tasks.Classification(),
+            "needs integer class labels, and the data's targets are float32",
+        ),
         (torch.tensor(3), tasks.Segmentation(3), r"needs a mask .* shape \(\)"),
-        (torch.zeros(8, 8, dtype=torch.long), tasks.Classification(), r"one class label per sample.* shape \(8, 8\)"),
+        (
+            torch.zeros(8, 8, dtype=torch.long),
+            tasks.Classification(),
+            r"one class label per sample.* shape \(8, 8\)",
+        ),
         (torch.tensor(2), tasks.LanguageModel(), "a sequence of next tokens per sample"),
     ],
 )
@@ -120,13 +144,19 @@ class _Sideways(tasks.Task):
 @pytest.mark.parametrize(
     "target, message",
     [
-        (f"{__name__}._Reserved", "its metric 'samples' is also what the evaluation itself reports"),
+        (
+            f"{__name__}._Reserved",
+            "its metric 'samples' is also what the evaluation itself reports",
+        ),
         (f"{__name__}._Sideways", "its metric 'score' has direction 'up'"),
         ("torch.nn.Linear", "is not a hydra_ddp.tasks.Task: subclass it"),
     ],
 )
 def test_a_task_that_declares_what_cannot_work_is_one_line(target, message):
-    cfg = {"_target_": target, **({"in_features": 1, "out_features": 1} if "Linear" in target else {})}
+    cfg = {
+        "_target_": target,
+        **({"in_features": 1, "out_features": 1} if "Linear" in target else {}),
+    }
     with pytest.raises(UserError, match=message) as refused:
         tasks.build(cfg)
     assert "\n" not in str(refused.value)
@@ -134,7 +164,9 @@ def test_a_task_that_declares_what_cannot_work_is_one_line(target, message):
 
 def _resolved(tmp_path: Path, *overrides: str) -> dict:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return resolve.resolve(compose(config_name="config", overrides=list(overrides)), tmp_path, None)
+        return resolve.resolve(
+            compose(config_name="config", overrides=list(overrides)), tmp_path, None
+        )
 
 
 def test_the_monitor_names_a_metric_of_the_task_and_takes_its_direction(tmp_path: Path):

@@ -17,10 +17,17 @@ from hydra_ddp.tasks import CausalLM, LanguageModel, packing_warning
 
 from support import resolved
 
-pytest.importorskip("tokenizers")  # the transformers extra: .ci/run installs it; under CI=true a skip fails
+# the transformers extra: .ci/run installs it; under CI=true a skip fails
+pytest.importorskip("tokenizers")
 
 SMALL = dict(context=48, vocab_size=300, max_bytes=40_000)
-TEXT = ("task=causal_lm", "data=documents", "data.dataset.context=48", "data.dataset.vocab_size=300", "model=gpt")
+TEXT = (
+    "task=causal_lm",
+    "data=documents",
+    "data.dataset.context=48",
+    "data.dataset.vocab_size=300",
+    "model=gpt",
+)
 
 register_schema()
 
@@ -51,8 +58,13 @@ def test_documents_are_cut_into_pieces_no_longer_than_the_context_and_end_with_e
     (padded, _), _ = corpus
     assert padded.lengths.max() <= SMALL["context"] and padded.lengths.min() >= 1
     assert len(set(padded.lengths.tolist())) > 10  # documents of many lengths
-    ends = [padded[i]["input_ids"][-1].item() for i in range(len(padded)) if padded.lengths[i] < SMALL["context"]]
-    assert ends and all(end == 0 for end in ends)  # a piece shorter than the context is a document's end
+    ends = [
+        padded[i]["input_ids"][-1].item()
+        for i in range(len(padded))
+        if padded.lengths[i] < SMALL["context"]
+    ]
+    # a piece shorter than the context is a document's end
+    assert ends and all(end == 0 for end in ends)
 
 
 def test_a_padded_batch_is_padded_on_the_right_to_its_longest_and_its_padding_counts_in_no_loss():
@@ -61,7 +73,8 @@ def test_a_padded_batch_is_padded_on_the_right_to_its_longest_and_its_padding_co
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 1, 1]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["labels"].tolist() == [[5, 6, 7], [8, -100, -100]]
-    assert CausalLM().units(batch).item() == 2  # 6 and 7 predicted; the second row's first token starts it
+    # 6 and 7 predicted; the second row's first token starts it
+    assert CausalLM().units(batch).item() == 2
 
 
 def test_best_fit_decreasing_lays_every_piece_once_whole_and_fills_windows_tightly():
@@ -70,7 +83,8 @@ def test_best_fit_decreasing_lays_every_piece_once_whole_and_fills_windows_tight
     assert sorted(i for window in windows for i in window) == list(range(500))
     assert all(sum(lengths[i] for i in window) <= 48 for window in windows)
     assert len(windows) <= sum(lengths) / 48 * 1.05  # within 5 % of no padding at all (3 % here)
-    best_fit = []  # the same rule, written plainly: each piece, longest first, where it leaves least room
+    # the same rule, written plainly: each piece, longest first, where it leaves least room
+    best_fit = []
     for i in sorted(range(500), key=lambda i: (-lengths[i], i)):
         room = [(48 - used, b) for b, used in enumerate(best_fit) if 48 - used >= lengths[i]]
         if room:
@@ -98,15 +112,24 @@ def test_a_packed_documents_losses_equal_it_run_alone_in_the_built_in_gpt():
     # differs from the documents run alone only in the shapes of its sums, not in what is attended.
     torch.manual_seed(0)
     model = TinyGPT(vocab_size=300, context=48, dim=32, depth=2, heads=4).double()
-    pieces = [torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (20, 11, 9, 5)]
+    pieces = [
+        torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(n))
+        for n in (20, 11, 9, 5)
+    ]
     window = text.packed(pieces, 48, pad_id=1)[slice(0, 1)]
-    assert window["position_ids"][0, :21].tolist() == list(range(20)) + [0]  # all four in one window
+    # all four in one window
+    assert window["position_ids"][0, :21].tolist() == list(range(20)) + [0]
     together = _document_losses(model, window)
-    alone = [_document_losses(model, text.packed([piece], 48, pad_id=1)[slice(0, 1)])[0] for piece in pieces]
+    alone = [
+        _document_losses(model, text.packed([piece], 48, pad_id=1)[slice(0, 1)])[0]
+        for piece in pieces
+    ]
     gaps = [abs(a - b) / abs(b) for a, b in zip(together, alone)]
     assert len(together) == 4 and max(gaps) <= 1e-12, gaps  # FLOAT64_BOUND (tests/support.py)
     # Without its position ids the row is one sequence: the later documents see the earlier ones.
-    blind = _document_losses(model, {**window, "position_ids": torch.arange(48)[None]}, window["position_ids"])
+    blind = _document_losses(
+        model, {**window, "position_ids": torch.arange(48)[None]}, window["position_ids"]
+    )
     assert max(abs(a - b) / abs(b) for a, b in zip(blind[1:], alone[1:])) > 1e-3
 
 
@@ -120,33 +143,51 @@ def test_a_packed_documents_losses_equal_it_run_alone_in_a_transformers_llama():
     torch.manual_seed(0)
     config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     model = causal_lm(vocab_size=300, num_key_value_heads=4, max_position_embeddings=48, **config)
-    pieces = [torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (20, 11, 9, 5)]
+    pieces = [
+        torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(n))
+        for n in (20, 11, 9, 5)
+    ]
     together = _document_losses(model, text.packed(pieces, 48, pad_id=1)[slice(0, 1)])
-    alone = [_document_losses(model, text.packed([piece], 48, pad_id=1)[slice(0, 1)])[0] for piece in pieces]
+    alone = [
+        _document_losses(model, text.packed([piece], 48, pad_id=1)[slice(0, 1)])[0]
+        for piece in pieces
+    ]
     collate = text.PadCollate(pad_id=1)
     beside = [
-        _padded_losses(model, collate([{"input_ids": piece}, {"input_ids": pieces[0].repeat(2)}]))[0]
+        _padded_losses(model, collate([{"input_ids": piece}, {"input_ids": pieces[0].repeat(2)}]))[
+            0
+        ]
         for piece in pieces
     ]
     noise = max(abs(a - b) / abs(b) for a, b in zip(beside, alone))
     bound = 10 * noise + 1e-6
-    assert bound <= 1e-5, f"this host's float32 noise gives a bound of {bound:.1e}, over the ceiling 1e-5"
+    assert bound <= 1e-5, (
+        f"this host's float32 noise gives a bound of {bound:.1e}, over the ceiling 1e-5"
+    )
     gaps = [abs(a - b) / abs(b) for a, b in zip(together, alone)]
     assert max(gaps) <= bound, (gaps, noise)
-    assert packing_warning(CausalLM(), model, text.packed(pieces, 48, pad_id=1)) is None  # it reads position_ids
+    # it reads position_ids
+    assert packing_warning(CausalLM(), model, text.packed(pieces, 48, pad_id=1)) is None
 
 
 def test_a_model_that_attends_across_packed_documents_is_named_in_one_line():
     class Blind(TinyGPT):
         def forward(self, x=None, input_ids=None, position_ids=None, attention_mask=None):
-            return super().forward(input_ids=input_ids)  # the position ids ignored: one sequence per row
+            # the position ids ignored: one sequence per row
+            return super().forward(input_ids=input_ids)
 
     torch.manual_seed(0)
-    pieces = [torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (20, 11)]
+    pieces = [
+        torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (20, 11)
+    ]
     window = text.packed(pieces, 48, 1)
     shape = dict(vocab_size=300, context=48, dim=32, depth=1, heads=4)
     warning = packing_warning(CausalLM(), Blind(**shape), window)
-    assert warning and "attends across the documents packed into a window" in warning and "\n" not in warning
+    assert (
+        warning
+        and "attends across the documents packed into a window" in warning
+        and "\n" not in warning
+    )
     assert packing_warning(CausalLM(), TinyGPT(**shape), window) is None
 
 
@@ -176,18 +217,25 @@ def test_grouping_by_length_gives_each_step_the_same_samples_at_any_world_size(w
         per_rank = []
         for rank in range(ranks):
             sampler = sampling.ResumableDistributedSampler(
-                dataset, num_replicas=ranks, rank=rank, shuffle=True, seed=3, by_length=(lengths, step, 4)
+                dataset,
+                num_replicas=ranks,
+                rank=rank,
+                shuffle=True,
+                seed=3,
+                by_length=(lengths, step, 4),
             )
             sampler.set_epoch(2)
             per_rank.append(list(sampler))
-        everyone = [index for position in zip(*per_rank) for index in position]  # positions r, r+W, …
+        # positions r, r+W, …
+        everyone = [index for position in zip(*per_rank) for index in position]
         return [sorted(everyone[s : s + step]) for s in range(0, 192, step)]
 
     assert steps(world) == steps(1)
     first = steps(1)
     spread = [lengths[s].max() - lengths[s].min() for s in map(torch.tensor, first)]
     unsorted = lengths[:192].view(-1, step)
-    assert sum(spread) < 0.5 * (unsorted.max(1).values - unsorted.min(1).values).sum()  # similar lengths per step
+    # similar lengths per step
+    assert sum(spread) < 0.5 * (unsorted.max(1).values - unsorted.min(1).values).sum()
 
 
 def test_grouping_by_length_is_a_seeded_permutation_of_the_epoch():
@@ -196,16 +244,21 @@ def test_grouping_by_length_is_a_seeded_permutation_of_the_epoch():
     grouped = sampling.grouped_by_length(order, lengths, 8, 3, seed=0, epoch=1)
     assert sorted(grouped.tolist()) == list(range(100))
     assert torch.equal(grouped, sampling.grouped_by_length(order, lengths, 8, 3, seed=0, epoch=1))
-    assert not torch.equal(grouped, sampling.grouped_by_length(order, lengths, 8, 3, seed=0, epoch=2))
+    assert not torch.equal(
+        grouped, sampling.grouped_by_length(order, lengths, 8, 3, seed=0, epoch=2)
+    )
 
 
 def test_a_language_models_loss_sum_counts_only_the_tokens_not_ignored():
-    logits = torch.randn(2, 7, 5, generator=torch.Generator().manual_seed(0))  # (batch, vocab, time)
+    # (batch, vocab, time)
+    logits = torch.randn(2, 7, 5, generator=torch.Generator().manual_seed(0))
     target = torch.randint(0, 7, (2, 5), generator=torch.Generator().manual_seed(1))
     target[1, 2:] = -100
     task = LanguageModel()
     assert task.units((None, target)).item() == 7
-    assert task.loss_sum(logits, target) / 7 == pytest.approx(task.loss(logits, target).item(), rel=1e-6)
+    assert task.loss_sum(logits, target) / 7 == pytest.approx(
+        task.loss(logits, target).item(), rel=1e-6
+    )
     assert task.state(logits, target)[2].item() == 7  # the evaluation counts the same tokens
     empty = torch.full((2, 5), -100)
     assert task.loss_sum(logits, empty).item() == 0.0  # no counted token: nothing, and no nan
@@ -236,20 +289,40 @@ def _padded_losses(model, batch: dict) -> list[float]:
 @pytest.mark.parametrize(
     "overrides, line",
     [
-        (("data.dataset.context=64", "model=hf_llama", "model.max_position_embeddings=48"), "has 48 positions"),
+        (
+            ("data.dataset.context=64", "model=hf_llama", "model.max_position_embeddings=48"),
+            "has 48 positions",
+        ),
         (("model.vocab_size=100",), "the model's embedding has 100 rows"),
         (("data.num_classes=100",), "the tokenizer makes 300 ids, and data.num_classes=100"),
-        (("model.dim=30",), "does not build: ValueError: TinyGPT: dim (30) must be a multiple of heads (4)"),
-        (("model=hf_llama", "model.num_attention_heads=5"), "not a multiple of the number of attention heads (5)"),
-        (("model=hf_llama", "model.architecture=no-such-model"), "model.architecture='no-such-model'"),
+        (
+            ("model.dim=30",),
+            "does not build: ValueError: TinyGPT: dim (30) must be a multiple of heads (4)",
+        ),
+        (
+            ("model=hf_llama", "model.num_attention_heads=5"),
+            "not a multiple of the number of attention heads (5)",
+        ),
+        (
+            ("model=hf_llama", "model.architecture=no-such-model"),
+            "model.architecture='no-such-model'",
+        ),
         (("data.dataset.packing=true", "data.group_by_length=4"), "packed windows are one length"),
         (("data.even_shards=false",), "does not combine with task CausalLM"),
-        (("data.global_batch_size=30", "data.batch_size=8"), "does not divide into micro-batches of data.batch_size=8"),
-        (("data.dataset._target_=recording.Stream",), "gives a stream (Stream, an IterableDataset)"),
+        (
+            ("data.global_batch_size=30", "data.batch_size=8"),
+            "does not divide into micro-batches of data.batch_size=8",
+        ),
+        (
+            ("data.dataset._target_=recording.Stream",),
+            "gives a stream (Stream, an IterableDataset)",
+        ),
     ],
     ids=lambda value: " ".join(value) if isinstance(value, tuple) else "",
 )
-def test_text_that_does_not_fit_the_model_is_one_line_before_launch(tmp_path, monkeypatch, overrides, line: str):
+def test_text_that_does_not_fit_the_model_is_one_line_before_launch(
+    tmp_path, monkeypatch, overrides, line: str
+):
     from support import HELPERS
 
     monkeypatch.syspath_prepend(str(HELPERS))  # recording.Stream
@@ -260,5 +333,7 @@ def test_text_that_does_not_fit_the_model_is_one_line_before_launch(tmp_path, mo
 
 def test_padded_documents_may_be_grouped_by_length_before_launch(tmp_path):
     # Their lengths vary (packed windows' do not): the pre-launch check lets the grouping through.
-    cfg = resolved(tmp_path, *TEXT, "data.dataset.packing=false", "data.group_by_length=8", "trainer.nproc=2")
+    cfg = resolved(
+        tmp_path, *TEXT, "data.dataset.packing=false", "data.group_by_length=8", "trainer.nproc=2"
+    )
     assert cfg.data.group_by_length == 8

@@ -35,9 +35,12 @@ def totals(data: float, forward: float, backward: float, steps: int = 10) -> dic
 
 def test_a_rank_slow_in_forward_is_named_for_the_others_sync_wait():
     # Rank 1's forward takes 60 ms longer; the others wait for it in their backward's all-reduce.
-    rows = per_rank([totals(0.001, 0.02, 0.09), totals(0.001, 0.08, 0.03), totals(0.001, 0.02, 0.09)])
+    rows = per_rank(
+        [totals(0.001, 0.02, 0.09), totals(0.001, 0.08, 0.03), totals(0.001, 0.02, 0.09)]
+    )
     assert [round(r["sync_wait_s"], 6) for r in rows] == [0.06, 0.0, 0.06]
-    assert all(r["backward_s"] == pytest.approx(0.03) for r in rows)  # the fastest rank's: the compute
+    # the fastest rank's: the compute
+    assert all(r["backward_s"] == pytest.approx(0.03) for r in rows)
     found = straggler(rows)
     assert found["rank"] == 1 and found["cause"] == "forward"
     assert found["message"].startswith("rank 1: forward") and "trainer.threads" in found["message"]
@@ -50,7 +53,8 @@ def test_no_notable_wait_names_nobody():
 
 
 def run_epoch(timer: StepTimer, advance: Callable[[str], None], batches: int = 3):
-    """The training loop's calls for one epoch; advance(phase) moves the clocks on by that phase's time."""
+    """The training loop's calls for one epoch; advance(phase) moves the clocks on by that phase's
+    time."""
 
     def loader() -> Iterator[int]:
         for i in range(batches):
@@ -97,12 +101,16 @@ def host(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
 
 @pytest.fixture
 def one_rank(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
     yield
     dist.destroy_process_group()
 
 
-def test_the_host_clock_adds_each_phase_and_gathers_per_epoch_and_in_all(host: ManualClock, one_rank: None):
+def test_the_host_clock_adds_each_phase_and_gathers_per_epoch_and_in_all(
+    host: ManualClock, one_rank: None
+):
     timer = StepTimer(True)
     assert isinstance(timer.clock, timing.HostClock)
     run_epoch(timer, host.advance)
@@ -112,12 +120,16 @@ def test_the_host_clock_adds_each_phase_and_gathers_per_epoch_and_in_all(host: M
     assert timer.gather(torch.device("cpu")) == [expected(HOST, epochs=2)]
 
 
-def test_timing_off_times_nothing_and_touches_no_device(host: ManualClock, monkeypatch: pytest.MonkeyPatch):
+def test_timing_off_times_nothing_and_touches_no_device(
+    host: ManualClock, monkeypatch: pytest.MonkeyPatch
+):
     monkeypatch.setattr(timing, "cuda_event", None)  # called: a TypeError
     for device in (None, "cpu", torch.device("cuda", 0)):
         timer = StepTimer(False, device)
         run_epoch(timer, host.advance)
-        assert timer.totals == dict.fromkeys(PHASES, 0.0) and timer.gather(torch.device("cpu")) == []
+        assert (
+            timer.totals == dict.fromkeys(PHASES, 0.0) and timer.gather(torch.device("cpu")) == []
+        )
     assert isinstance(StepTimer(True, "cpu").clock, timing.HostClock)
 
 
@@ -173,7 +185,8 @@ def test_on_cuda_the_phases_are_the_streams_time_read_after_one_wait_at_the_gath
 
     run_epoch(timer, advance)
     run_epoch(timer, advance)
-    assert timer.totals == dict.fromkeys(PHASES, 0.0) and stream.waits == 0  # nothing read yet, nobody waited
+    # nothing read yet, nobody waited
+    assert timer.totals == dict.fromkeys(PHASES, 0.0) and stream.waits == 0
     assert timer.gather(torch.device("cpu")) == [expected(STREAM, epochs=2)]
     assert stream.waits == 1 and not timer.clock.pending
 
@@ -204,7 +217,7 @@ def test_on_cuda_a_stream_far_behind_is_waited_for_to_bound_the_events_kept(
 
 def cuda_check() -> None:
     """The stream clock on a real GPU, for the GPU bench (no test here skips; there is no GPU here):
-        .venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); import unit.test_timing as t; t.cuda_check()"
+        PYTHONPATH=tests .venv/bin/python -c "import unit.test_timing as t; t.cuda_check()"
     Matmuls queued in forward count as the device runs them, though the host returns at once."""
     device = torch.device("cuda", torch.cuda.current_device())
     a = torch.randn(4096, 4096, device=device)
@@ -223,4 +236,7 @@ def cuda_check() -> None:
     reference = time.perf_counter() - started
     per_step = timer.totals["forward"] / timer.steps
     assert timer.steps == 2 and 0.5 < per_step / reference < 2, (per_step, reference)
-    print(f"forward on the stream {per_step * 1e3:.2f} ms per step, synchronized host clock {reference * 1e3:.2f} ms")
+    print(
+        f"forward on the stream {per_step * 1e3:.2f} ms per "
+        f"step, synchronized host clock {reference * 1e3:.2f} ms"
+    )

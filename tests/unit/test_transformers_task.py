@@ -42,12 +42,17 @@ def test_the_states_sums_give_the_models_own_mean_loss(ignored: int, config: dic
     batch = _batch(ignored)
     output, target = task.forward(model, batch)
     loss_sum, correct, count = task.state(output, target).tolist()
-    assert count == 3 * (16 - max(ignored - 1, 0))  # position t predicts label t+1; -100 ones do not count
+    # position t predicts label t+1; -100 ones do not count
+    assert count == 3 * (16 - max(ignored - 1, 0))
     # The model's own loss is the mean over the same tokens (float32 there, float64 sums here).
     assert loss_sum / count == pytest.approx(task.loss(output, target).item(), rel=1e-6)
     assert task.tokens(batch) == count and task.samples(batch) == 3
     rows = task.predict(output, target)
-    assert rows.shape == (3, 3) and rows[:, 0].sum().item() == count and rows[:, 1].sum().item() == correct
+    assert (
+        rows.shape == (3, 3)
+        and rows[:, 0].sum().item() == count
+        and rows[:, 1].sum().item() == correct
+    )
 
 
 def test_fsdp_shards_a_hugging_face_model_by_its_decoder_layers():
@@ -59,17 +64,27 @@ def test_a_model_that_reads_its_inputs_values_runs_on_the_cpu_instead_of_meta():
     task = CausalLM()
     batch = _batch()
     meta = {k: torch.empty_like(v, device="meta") for k, v in batch.items()}
-    loss = run_shapes_only(lambda: causal_lm(**SMALL), lambda m, b: task.loss(*task.forward(m, b)), meta, batch)
-    assert loss.device.type == "cpu" and loss.dim() == 0  # sdpa's mask check reads the mask: not on meta
+    loss = run_shapes_only(
+        lambda: causal_lm(**SMALL), lambda m, b: task.loss(*task.forward(m, b)), meta, batch
+    )
+    # sdpa's mask check reads the mask: not on meta
+    assert loss.device.type == "cpu" and loss.dim() == 0
     with pytest.raises(RuntimeError, match="meta"):
-        run_shapes_only(lambda: causal_lm(**SMALL), lambda m, b: task.loss(*task.forward(m, b)), meta, None)
+        run_shapes_only(
+            lambda: causal_lm(**SMALL), lambda m, b: task.loss(*task.forward(m, b)), meta, None
+        )
 
 
 def test_a_models_missing_package_is_one_line_before_launch(monkeypatch):
     from hydra_ddp import hf as models
 
-    monkeypatch.setattr(models.causal_lm, "requires", (("no_such_package_42", "Nothing", "pip install nothing"),))
-    with pytest.raises(UserError, match=r"model=hf_llama needs Nothing \(no_such_package_42\), which is not installed"):
+    monkeypatch.setattr(
+        models.causal_lm, "requires", (("no_such_package_42", "Nothing", "pip install nothing"),)
+    )
+    with pytest.raises(
+        UserError,
+        match=r"model=hf_llama needs Nothing \(no_such_package_42\), which is not installed",
+    ):
         checks._check_requires("hydra_ddp.hf.causal_lm", "model", "model=hf_llama")
 
 

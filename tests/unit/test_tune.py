@@ -12,7 +12,8 @@ def test_winners_stand_when_the_turns_confirm_the_gain():
 
 
 def test_a_winner_of_one_timing_that_the_turns_find_slower_is_not_chosen():
-    # As the H200's GPU check saw it: bf16 won its one timing, then ran 0.67× the configured speed in turns.
+    # As the H200's GPU check saw it: bf16 won its one timing, then ran 0.67× the configured speed
+    # in turns.
     result = settle(CHOSEN, [(21807.0, 14634.0)], min_gain=0.05)
     assert result["overrides"] == {} and result["unconfirmed"] == CHOSEN
     assert round(result["speedup"], 2) == 0.67

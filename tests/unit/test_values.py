@@ -70,7 +70,9 @@ def _probes(cls: type, name: str) -> list[Any]:
 @functools.cache
 def _composed(strategy: str) -> dict[str, Any]:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return resolve.plain_config(compose(config_name="config", overrides=[f"strategy={strategy}"]))
+        return resolve.plain_config(
+            compose(config_name="config", overrides=[f"strategy={strategy}"])
+        )
 
 
 def test_every_key_has_a_domain_or_is_a_bool():
@@ -79,7 +81,10 @@ def test_every_key_has_a_domain_or_is_a_bool():
         for key, cls, name in [k[:3] for k in KEYS] + EVAL_KEYS
         if domains.domain_of(cls, name) is None and _base_type(cls, name) is not bool
     ]
-    assert not bare, f"keys with no domain (Annotated[type, OneOf/Number/Pattern/Checked/Free] in schema.py): {bare}"
+    assert not bare, (
+        "keys with no domain (Annotated[type, "
+        f"OneOf/Number/Pattern/Checked/Free] in schema.py): {bare}"
+    )
 
 
 def test_the_named_groups_options_are_their_name_keys_domain():
@@ -101,14 +106,20 @@ def _set(plain: dict, key: str, value: Any) -> None:
     node[last] = value
 
 
-CASES = [(key, cls, name, strategy, probe) for key, cls, name, strategy in KEYS for probe in _probes(cls, name)]
+CASES = [
+    (key, cls, name, strategy, probe)
+    for key, cls, name, strategy in KEYS
+    for probe in _probes(cls, name)
+]
 
 
 def _case_id(key: str, strategy: str, probe: Any) -> str:
     return f"{key}={probe!r}" + (f" (strategy={strategy})" if key.startswith("strategy.") else "")
 
 
-@pytest.mark.parametrize("key, cls, name, strategy, probe", CASES, ids=[_case_id(c[0], c[3], c[4]) for c in CASES])
+@pytest.mark.parametrize(
+    "key, cls, name, strategy, probe", CASES, ids=[_case_id(c[0], c[3], c[4]) for c in CASES]
+)
 def test_a_zero_a_negative_or_an_unknown_word_is_meaningful_or_refused_in_one_line(
     tmp_path: Path, key: str, cls: type, name: str, strategy: str, probe: Any
 ):
@@ -123,16 +134,28 @@ def test_a_zero_a_negative_or_an_unknown_word_is_meaningful_or_refused_in_one_li
         return
     # Accepted: the key's domain says the value means something (never accepted silently).
     if isinstance(domain, domains.Checked):
-        assert (key, probe) in MEANINGFUL, f"{key}={probe!r} passed its own check ({domain.where}): meaningful?"
+        assert (key, probe) in MEANINGFUL, (
+            f"{key}={probe!r} passed its own check ({domain.where}): meaningful?"
+        )
     else:
-        assert domain.problem(probe) is None, f"{key}={probe!r} was accepted, and its domain refuses it"
+        assert domain.problem(probe) is None, (
+            f"{key}={probe!r} was accepted, and its domain refuses it"
+        )
 
 
-TYPED = [(key, cls, name, strategy) for key, cls, name, strategy in KEYS if _base_type(cls, name) in (int, float, bool)]
+TYPED = [
+    (key, cls, name, strategy)
+    for key, cls, name, strategy in KEYS
+    if _base_type(cls, name) in (int, float, bool)
+]
 
 
-@pytest.mark.parametrize("key, cls, name, strategy", TYPED, ids=[_case_id(c[0], c[3], "x") for c in TYPED])
-def test_a_value_of_the_wrong_type_is_one_line_naming_the_key(key: str, cls: type, name: str, strategy: str):
+@pytest.mark.parametrize(
+    "key, cls, name, strategy", TYPED, ids=[_case_id(c[0], c[3], "x") for c in TYPED]
+)
+def test_a_value_of_the_wrong_type_is_one_line_naming_the_key(
+    key: str, cls: type, name: str, strategy: str
+):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         with pytest.raises(Exception) as refused:
             compose(config_name="config", overrides=[f"strategy={strategy}", f"{key}=not_a_number"])
@@ -199,18 +222,30 @@ def test_every_sweeper_setting_has_a_domain_or_is_a_bool():
     assert not bare, bare
 
 
-@pytest.mark.parametrize("key, cls, name, probe", SWEEPER_CASES, ids=[f"{c[0]}={c[3]!r}" for c in SWEEPER_CASES])
-def test_a_sweeper_setting_is_meaningful_or_refused_in_one_line(key: str, cls: type, name: str, probe: Any):
+@pytest.mark.parametrize(
+    "key, cls, name, probe", SWEEPER_CASES, ids=[f"{c[0]}={c[3]!r}" for c in SWEEPER_CASES]
+)
+def test_a_sweeper_setting_is_meaningful_or_refused_in_one_line(
+    key: str, cls: type, name: str, probe: Any
+):
     from omegaconf import OmegaConf
 
     from hydra_plugins.hydra_ddp_optuna import sweeper
 
     settings = dict(
-        direction="maximize", study_name=None, storage=None, n_trials=4, n_jobs=1, pruner="median", params=None
+        direction="maximize",
+        study_name=None,
+        storage=None,
+        n_trials=4,
+        n_jobs=1,
+        pruner="median",
+        params=None,
     )
     sampler = {"_target_": "optuna.samplers.TPESampler", "seed": 0, "n_startup_trials": 2}
     if key.startswith("hydra.sweeper.sampler."):
-        target = next(conf._target_ for conf in sweeper.SAMPLERS.values() if conf.__name__ == cls.__name__)
+        target = next(
+            conf._target_ for conf in sweeper.SAMPLERS.values() if conf.__name__ == cls.__name__
+        )
         sampler = {"_target_": target, name: probe}
     else:
         settings[name] = probe
@@ -228,8 +263,8 @@ def test_a_sweeper_setting_is_meaningful_or_refused_in_one_line(key: str, cls: t
 
 @pytest.mark.parametrize("sampler", ["tpe", 3, {"seed": 1}])
 def test_a_sampler_given_as_a_value_not_a_group_is_refused_in_one_line(sampler: Any):
-    # hydra.sweeper.sampler=tpe on the command line replaces the sampler's node by a word: it ended in
-    # an AttributeError from the sweeper before.
+    # hydra.sweeper.sampler=tpe on the command line replaces the sampler's node by a word: it ended
+    # in an AttributeError from the sweeper before.
     from omegaconf import OmegaConf
 
     from hydra_plugins.hydra_ddp_optuna import sweeper
@@ -261,17 +296,33 @@ def test_a_named_groups_yaml_holds_only_what_differs_from_the_schema():
     from hydra_ddp.parallel import strategies
 
     def repeats(values: dict, schema_class: type, where: str) -> list[str]:
-        defaults = {f.name: getattr(schema_class(), f.name) for f in dataclasses.fields(schema_class)}
-        return [f"{where}: {k}: {v!r}" for k, v in values.items() if k != "name" and k in defaults and defaults[k] == v]
+        defaults = {
+            f.name: getattr(schema_class(), f.name) for f in dataclasses.fields(schema_class)
+        }
+        return [
+            f"{where}: {k}: {v!r}"
+            for k, v in values.items()
+            if k != "name" and k in defaults and defaults[k] == v
+        ]
 
     found = []
     for group in NAMED_GROUPS:
         for path in sorted((REPO / "conf" / group).glob("*.yaml")):
-            values = {k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items() if k != "defaults"}
-            cls = strategies.get(path.stem).Settings if group == "strategy" else type(getattr(schema.Config(), group))
+            values = {
+                k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items() if k != "defaults"
+            }
+            cls = (
+                strategies.get(path.stem).Settings
+                if group == "strategy"
+                else type(getattr(schema.Config(), group))
+            )
             found += repeats(values, cls, str(path.relative_to(REPO)))
     top = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())
     for section, values in top.items():
         if section not in ("defaults", "hydra") and isinstance(values, dict):
-            found += repeats(values, type(getattr(schema.Config(), section)), f"conf/config.yaml {section}")
-    assert not found, f"values that repeat the schema's defaults (say them once, in schema.py): {found}"
+            found += repeats(
+                values, type(getattr(schema.Config(), section)), f"conf/config.yaml {section}"
+            )
+    assert not found, (
+        f"values that repeat the schema's defaults (say them once, in schema.py): {found}"
+    )

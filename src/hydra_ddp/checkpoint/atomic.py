@@ -1,5 +1,5 @@
-"""Files that a crash never leaves torn: rank 0's background writer, atomic writes, links and directory
-swaps, fsync'd; the state snapshot a write takes."""
+"""Files that a crash never leaves torn: rank 0's background writer, atomic writes, links and
+directory swaps, fsync'd; the state snapshot a write takes."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def snapshot(value: Any) -> Any:
         return {key: snapshot(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         items = [snapshot(item) for item in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple's fields
+        # a namedtuple's fields
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
 
 
@@ -74,7 +75,8 @@ def serialize(state: dict[str, Any], directory: Path) -> memoryview:
     if free < len(payload):
         raise OSError(
             errno.ENOSPC,
-            f"not enough space: it needs {mb(len(payload))}, {mb(free)} free on the file system of {directory}",
+            f"not enough space: it needs {mb(len(payload))}, "
+            f"{mb(free)} free on the file system of {directory}",
         )
     return payload
 
@@ -92,7 +94,9 @@ def atomic_write(payload: memoryview, target: Path) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         if e.errno == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"no space left writing {target.name}: it needs {mb(len(payload))}") from None
+            raise OSError(
+                errno.ENOSPC, f"no space left writing {target.name}: it needs {mb(len(payload))}"
+            ) from None
         raise
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -114,7 +118,8 @@ def atomic_symlink(name: str, link: Path) -> None:
 
 
 def replace_dir(source: Path, target: Path) -> None:
-    """Rename a whole directory into place; one there already (the same step) is moved aside first."""
+    """Rename a whole directory into place; one there already (the same step) is moved aside
+    first."""
     if target.exists():
         aside = target.with_name(f".{target.name}.old")
         shutil.rmtree(aside, ignore_errors=True)

@@ -64,7 +64,8 @@ def _pack_rng(device: torch.device) -> torch.Tensor:
         torch.get_rng_state().double(),
         torch.from_numpy(keys.astype(np.float64)),
         torch.tensor(
-            [pos, has_gauss, cached, version, np.nan if gauss_next is None else gauss_next], dtype=torch.float64
+            [pos, has_gauss, cached, version, np.nan if gauss_next is None else gauss_next],
+            dtype=torch.float64,
         ),
         torch.tensor(py_state, dtype=torch.float64),
     ]
@@ -76,12 +77,22 @@ def _pack_rng(device: torch.device) -> torch.Tensor:
 def _unpack_rng(packed: torch.Tensor, device: torch.device) -> None:
     torch_size = torch.get_rng_state().numel()
     torch_state, rest = packed[:torch_size], packed[torch_size:]
-    keys, (pos, has_gauss, cached, version, gauss_next), rest = rest[:624], rest[624:629].tolist(), rest[629:]
+    keys, (pos, has_gauss, cached, version, gauss_next), rest = (
+        rest[:624],
+        rest[624:629].tolist(),
+        rest[629:],
+    )
     py_state, cuda_state = rest[:625], rest[625:]
     torch.set_rng_state(torch_state.to(torch.uint8))
-    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
+    np.random.set_state(
+        ("MT19937", keys.numpy().astype(np.uint32), int(pos), int(has_gauss), cached)
+    )
     random.setstate(
-        (int(version), tuple(int(v) for v in py_state.tolist()), None if np.isnan(gauss_next) else gauss_next)
+        (
+            int(version),
+            tuple(int(v) for v in py_state.tolist()),
+            None if np.isnan(gauss_next) else gauss_next,
+        )
     )
     if device.type == "cuda" and cuda_state.numel():
         torch.cuda.set_rng_state(cuda_state.to(torch.uint8), device)
@@ -94,12 +105,14 @@ def _gather_rng(device: torch.device) -> list[torch.Tensor]:
     return [t.cpu() for t in everyone]
 
 
-# What each rank writes of a sharded checkpoint (DCP): the model, the optimizer, the weights' average.
+# What each rank writes of a sharded checkpoint (DCP): the model, the optimizer, the weights'
+# average.
 SHARDED = ("model", "optimizer", "ema")
 
 
 class Checkpointer:
-    """Saves every rank's state (through rank 0, or each rank its shards); loads it back on every rank."""
+    """Saves every rank's state (through rank 0, or each rank its shards); loads it back on every
+    rank."""
 
     def __init__(
         self,
@@ -110,12 +123,14 @@ class Checkpointer:
         found: dict[str, Any],
         sharded: bool = False,
     ):
-        """`found`: the values the workers settled (dotted keys), recorded in every checkpoint's config."""
+        """`found`: the values the workers settled (dotted keys), recorded in every checkpoint's
+        config."""
         self.cfg = cfg
         self.dir = RunDir(run_dir).checkpoints
         self.rank = rank
         self.device = device
-        self.recorded = run_config.as_run(cfg, found)  # as every checkpoint holds it (plain: weights_only loads it)
+        # as every checkpoint holds it (plain: weights_only loads it)
+        self.recorded = run_config.as_run(cfg, found)
         self.sharded = sharded  # every rank writes its shards (DCP), else rank 0 the whole state
         self.writer: Optional[Writer] = None  # rank 0's, from the first save to finish()
         self.write_error: Optional[str] = None
@@ -127,9 +142,14 @@ class Checkpointer:
 
     # --- saving -------------------------------------------------------------------------------
     def save(self, state: dict[str, Any], step: int, best: bool = False) -> None:
-        """Called by every rank at the same step; rank 0 writes, everyone waits for it. `best`: these
-        are the best weights by trainer.monitor so far (best.pt)."""
-        state = {**state, "rng": _gather_rng(self.device), "config": self.recorded, "format": FORMAT}
+        """Called by every rank at the same step; rank 0 writes, everyone waits for it. `best`:
+        these are the best weights by trainer.monitor so far (best.pt)."""
+        state = {
+            **state,
+            "rng": _gather_rng(self.device),
+            "config": self.recorded,
+            "format": FORMAT,
+        }
         if self.sharded:
             return self._save_sharded(state, step, best)
         # The previous write first: one at a time (so the free space it checks is real), and every
@@ -142,7 +162,8 @@ class Checkpointer:
             self.writer.submit(self._write, snapshot(state), step, best)
 
     def finish(self) -> None:
-        """Wait for the write in flight (end of training, a stop): every rank calls it, and learns how it went."""
+        """Wait for the write in flight (end of training, a stop): every rank calls it, and learns
+        how it went."""
         problem = self._wait() if self.rank.is_main else None
         if self.writer is not None:
             self.writer.retire()  # no thread outlives the run (a later save starts another)
@@ -150,11 +171,13 @@ class Checkpointer:
         self._agree(problem)
 
     def _agree(self, problem: Optional[str]) -> None:
-        # Not a barrier inside `if rank == 0`: every rank learns whether the write worked, and how not.
+        # Not a barrier inside `if rank == 0`: every rank learns whether the write worked, and how
+        # not.
         problem = first_error(problem, self.device)
         if problem:
             raise EveryRankError(
-                f"{problem}; the previous checkpoint is intact: make room, then continue with trainer.resume=auto"
+                f"{problem}; the previous checkpoint is intact: "
+                "make room, then continue with trainer.resume=auto"
             )
 
     def _wait(self) -> Optional[str]:
@@ -179,7 +202,8 @@ class Checkpointer:
             target = self.dir / f"step-{step:08d}.pt"
             atomic_write(payload, target)
             self._publish(target, best)
-            log.info("checkpoint: step %d → %s", step, target, extra=FILE_ONLY)  # the epoch's line says enough
+            # the epoch's line says enough
+            log.info("checkpoint: step %d → %s", step, target, extra=FILE_ONLY)
         except Exception as e:  # noqa: BLE001  (a full disk, or a state that does not serialise: reported, not lost in a thread)
             self.write_error = self._failed(step, e)
 
@@ -205,8 +229,9 @@ class Checkpointer:
                 None
                 if self.dir.is_dir()
                 else (
-                    f"rank {self.rank.rank} does not see rank 0's checkpoint directory {self.dir}: sharded checkpoints "
-                    "need a file system every node shares (set hydra.run.dir to one)"
+                    f"rank {self.rank.rank} does not see rank 0's checkpoint "
+                    f"directory {self.dir}: sharded checkpoints need a file "
+                    "system every node shares (set hydra.run.dir to one)"
                 )
             )
             unseen = first_error(unseen, self.device)
@@ -216,7 +241,10 @@ class Checkpointer:
         again = self.written_step == step and target.is_dir()
         if not again:
             try:
-                dcp.save({k: state[k] for k in SHARDED if k in state}, storage_writer=dcp.FileSystemWriter(tmp))
+                dcp.save(
+                    {k: state[k] for k in SHARDED if k in state},
+                    storage_writer=dcp.FileSystemWriter(tmp),
+                )
             except CheckpointException as e:  # raised on every rank, with every rank's failure
                 problem = self._failed(step, first_failure(e))
         if self.rank.is_main:
@@ -266,12 +294,14 @@ class Checkpointer:
 
     # --- loading ------------------------------------------------------------------------------
     def choose(self, resume: Optional[str]) -> Optional[tuple[Path, dict[str, Any]]]:
-        """The checkpoint to resume from, loaded: null → none; a path → that one; auto → the newest good one."""
+        """The checkpoint to resume from, loaded: null → none; a path → that one; auto → the newest
+        good one."""
         if resume is None:
             return None
         if resume != "auto":
             path = Path(resume).expanduser().resolve()
-            return path, self.load(path)  # a bad explicit checkpoint stops the run here, with its path
+            # a bad explicit checkpoint stops the run here, with its path
+            return path, self.load(path)
         for path in reversed(self.step_files()):
             try:
                 return path, self.load(path)
@@ -282,11 +312,15 @@ class Checkpointer:
     def load(self, path: Path) -> dict[str, Any]:
         return read(path, "trainer.resume", self.device)
 
-    def restore(self, state: dict[str, Any], path: Path, strategy: Any, optimizer, scheduler) -> None:
+    def restore(
+        self, state: dict[str, Any], path: Path, strategy: Any, optimizer, scheduler
+    ) -> None:
         """Every rank read the checkpoint: each takes its part. Either layout reshards to any world
         size and any strategy (a directory: DCP reads each rank's part of the shards; a file: the
         full state, of which FSDP keeps its shards)."""
-        check_compatible(strategy.module, state["model"], path, fix="resume with the model it was saved from")
+        check_compatible(
+            strategy.module, state["model"], path, fix="resume with the model it was saved from"
+        )
         self._check_same_batches(state, path)
         if path.is_dir():
             strategy.load_sharded(path, optimizer)
@@ -298,7 +332,8 @@ class Checkpointer:
         rng = state["rng"]
         if len(rng) != self.rank.world_size:
             log.warning(
-                "checkpoint saved with %d ranks, resuming with %d: RNG streams restart from rank 0's",
+                "checkpoint saved with %d ranks, resuming "
+                "with %d: RNG streams restart from rank 0's",
                 len(rng),
                 self.rank.world_size,
             )
@@ -309,16 +344,18 @@ class Checkpointer:
         must be the checkpoint's. The s-th global batch of an epoch is the same samples at any world
         size and any split into micro-batches (DistributedSampler's interleave makes the ranks' b-th
         micro-batches one contiguous slice of the epoch's permutation, and a step's micro-batches
-        consecutive slices), so a run may continue at another world size with the same global batch."""
+        consecutive slices), so a run may continue at another world size with the same global
+        batch."""
         if not state["position"]["batch"]:
             return
         then = global_batch(run_config.typed(state["config"]), len(state["rng"]))
         now = self.cfg.data.global_batch_size
         if then != now:
             raise UserError(
-                f"checkpoint {str(path)!r} stopped mid-epoch with a global batch of {then} samples per optimizer "
-                f"step, this run has {now}: resume with data.global_batch_size={then} (the micro-batch or the "
-                "accumulation follows the world size), or from an epoch-end checkpoint"
+                f"checkpoint {str(path)!r} stopped mid-epoch with a global batch of "
+                f"{then} samples per optimizer step, this run has {now}: resume with "
+                f"data.global_batch_size={then} (the micro-batch or the accumulation "
+                "follows the world size), or from an epoch-end checkpoint"
             )
 
 
@@ -328,8 +365,9 @@ def saved_accumulation(state: dict[str, Any]) -> int:
 
 
 def global_batch(saved: RunConfig, ranks: int) -> int:
-    """A checkpoint's samples per optimizer step: its micro-batch × accumulation × model replicas at the
-    `ranks` that saved it (checkpoints before 0.2 recorded a global batch without the accumulation)."""
+    """A checkpoint's samples per optimizer step: its micro-batch × accumulation × model replicas at
+    the `ranks` that saved it (checkpoints before 0.2 recorded a global batch without the
+    accumulation)."""
     from hydra_ddp.parallel import strategies
 
     replicas = strategies.get(saved.strategy.name).replicas(saved.strategy, ranks)

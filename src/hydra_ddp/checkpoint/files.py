@@ -51,9 +51,9 @@ def step_checkpoints(folder: Path) -> list[Path]:
 
 
 def read(path: Path, key: str, device: Optional[torch.device] = None) -> dict[str, Any]:
-    """A hydra-ddp checkpoint, or one line naming the setting (`key`) and what is wrong with the file.
-    No device: memory-mapped, on the CPU (a look at the config reads only what it touches).
-    A sharded checkpoint (a directory): its state but the tensors, and the model as shapes only
+    """A hydra-ddp checkpoint, or one line naming the setting (`key`) and what is wrong with the
+    file. No device: memory-mapped, on the CPU (a look at the config reads only what it touches). A
+    sharded checkpoint (a directory): its state but the tensors, and the model as shapes only
     (`model_weights` reads them)."""
     if path.is_dir():
         return _read_sharded(path, key)
@@ -66,21 +66,23 @@ def read(path: Path, key: str, device: Optional[torch.device] = None) -> dict[st
             state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
         raise UserError(
-            f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]
+            f"checkpoint {str(path)!r} is truncated or corrupt "
+            f"({type(e).__name__}: {e})".splitlines()[0]
         ) from None
     if not isinstance(state, dict) or "format" not in state:
         raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint")
     if state["format"] != FORMAT or _of_0_1(state.get("config")):
         raise UserError(
-            f"{key}: {str(path)!r} was written by hydra-ddp 0.1 (its config has keys this version renamed: "
-            f"dist.*, ddp.*); this version ({version()}) reads the checkpoints it writes: train it again, or "
-            "read it with hydra-ddp 0.1.0"
+            f"{key}: {str(path)!r} was written by hydra-ddp 0.1 (its config has keys "
+            f"this version renamed: dist.*, ddp.*); this version ({version()}) reads "
+            "the checkpoints it writes: train it again, or read it with hydra-ddp 0.1.0"
         )
     return state
 
 
 def _of_0_1(config: object) -> bool:
-    """A checkpoint's config of hydra-ddp 0.1, whose sections dist and ddp are backend and strategy now."""
+    """A checkpoint's config of hydra-ddp 0.1, whose sections dist and ddp are backend and strategy
+    now."""
     return isinstance(config, dict) and bool({"dist", "ddp"} & set(config))
 
 
@@ -100,19 +102,24 @@ def _read_sharded(path: Path, key: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not (path / ".metadata").is_file() or not (path / META).is_file():
-        raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint (no .metadata and {META} in it)")
+        raise UserError(
+            f"{key}: {str(path)!r} is not a hydra-ddp checkpoint (no .metadata and {META} in it)"
+        )
     try:
         state = torch.load(path / META, map_location="cpu", weights_only=True)
         index = FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as e:
         raise UserError(
-            f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]
+            f"checkpoint {str(path)!r} is truncated or corrupt "
+            f"({type(e).__name__}: {e})".splitlines()[0]
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint")
     for part in ("model", "ema"):  # the weights, and their moving average where the run kept one
         shapes = {
-            name[len(part) + 1 :]: torch.empty(item.size, dtype=item.properties.dtype, device="meta")
+            name[len(part) + 1 :]: torch.empty(
+                item.size, dtype=item.properties.dtype, device="meta"
+            )
             for name, item in index.items()
             if name.startswith(f"{part}.") and isinstance(item, TensorStorageMetadata)
         }
@@ -136,20 +143,25 @@ def model_weights(path: Path, state: dict[str, Any]) -> dict[str, torch.Tensor]:
         return state[part]
     import torch.distributed.checkpoint as dcp
 
-    weights = {name: torch.empty(shape.shape, dtype=shape.dtype) for name, shape in state[part].items()}
+    weights = {
+        name: torch.empty(shape.shape, dtype=shape.dtype) for name, shape in state[part].items()
+    }
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        # "assuming the intent is to load in a single process": it is
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({part: weights}, checkpoint_id=path, no_dist=True)
     except Exception as e:
         raise UserError(
-            f"checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}: {e})".splitlines()[0]
+            f"checkpoint {str(path)!r} is truncated or corrupt "
+            f"({type(e).__name__}: {e})".splitlines()[0]
         ) from None
     return weights
 
 
 def find(where: str, key: str) -> Path:
-    """A checkpoint (a file, or a sharded checkpoint's directory), or a run directory's best (else its last)."""
+    """A checkpoint (a file, or a sharded checkpoint's directory), or a run directory's best (else
+    its last)."""
     path = Path(where).expanduser().resolve()
     if path.is_dir() and not (path / ".metadata").is_file():
         for folder in (RunDir(path).checkpoints, path):
@@ -158,8 +170,8 @@ def find(where: str, key: str) -> Path:
                 if found is not None:
                     return found
         raise UserError(
-            f"{key}={where}: {str(path)!r} holds no checkpoint (checkpoints/best or checkpoints/last, "
-            "as .pt files or directories)"
+            f"{key}={where}: {str(path)!r} holds no checkpoint (checkpoints/best "
+            "or checkpoints/last, as .pt files or directories)"
         )
     if not path.exists():
         raise UserError(f"{key}={where}: no checkpoint file or run directory at {str(path)!r}")
@@ -175,12 +187,16 @@ def _published(folder: Path, name: str) -> Optional[Path]:
     return max(found, key=lambda p: p.lstat().st_mtime_ns).resolve()
 
 
-def check_compatible(model: nn.Module, saved: dict[str, torch.Tensor], path: Path, fix: str) -> None:
+def check_compatible(
+    model: nn.Module, saved: dict[str, torch.Tensor], path: Path, fix: str
+) -> None:
     """A checkpoint of another model is one error listing the keys, not a wall of size errors."""
     check_compatible_keys(model.state_dict(), saved, path, fix)
 
 
-def check_compatible_keys(own: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], path: Path, fix: str) -> None:
+def check_compatible_keys(
+    own: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], path: Path, fix: str
+) -> None:
     missing = sorted(own.keys() - saved.keys())
     unexpected = sorted(saved.keys() - own.keys())
     reshaped = sorted(
@@ -190,11 +206,17 @@ def check_compatible_keys(own: dict[str, torch.Tensor], saved: dict[str, torch.T
     )
     problems = [
         f"{label}: {', '.join(keys[:6])}{' …' if len(keys) > 6 else ''}"
-        for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape differs", reshaped))
+        for label, keys in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("shape differs", reshaped),
+        )
         if keys
     ]
     if problems:
-        raise UserError(f"checkpoint {str(path)!r} is of another model ({'; '.join(problems)}); {fix}")
+        raise UserError(
+            f"checkpoint {str(path)!r} is of another model ({'; '.join(problems)}); {fix}"
+        )
 
 
 # --- fine-tuning: trainer.init_from --------------------------------------------------------------
@@ -208,8 +230,8 @@ def load_weights(model: nn.Module, path: Path, ignore: list[str]) -> list[str]:
 
 
 def check_init(model_cfg: dict[str, Any], path: Path, ignore: list[str]) -> None:
-    """Before launch: trainer.init_from's weights fit the model (but for the ignored ones), or one line.
-    The model is built on the meta device: shapes, no memory."""
+    """Before launch: trainer.init_from's weights fit the model (but for the ignored ones), or one
+    line. The model is built on the meta device: shapes, no memory."""
     from hydra.utils import instantiate
 
     saved = read(path, "trainer.init_from")["model"]
@@ -220,7 +242,8 @@ def check_init(model_cfg: dict[str, Any], path: Path, ignore: list[str]) -> None
         {k: v for k, v in model.state_dict().items() if k not in skipped},
         {k: v for k, v in saved.items() if k not in skipped},
         path,
-        fix="leave those out with trainer.init_ignore=[NAME,…] (e.g. [head]: the last Linear layer)",
+        fix="leave those out with trainer.init_ignore=[NAME,…] "
+        "(e.g. [head]: the last Linear layer)",
     )
 
 
@@ -232,5 +255,7 @@ def ignored_keys(model: nn.Module, keys: Any, ignore: list[str]) -> set[str]:
 def _head(model: nn.Module) -> str:
     linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     if not linear:
-        raise UserError("trainer.init_ignore=[head]: the model has no Linear layer; name its parameters instead")
+        raise UserError(
+            "trainer.init_ignore=[head]: the model has no Linear layer; name its parameters instead"
+        )
     return linear[-1]

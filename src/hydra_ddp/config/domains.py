@@ -1,4 +1,5 @@
-"""What each config key takes, written once, beside its field in the schema (`Annotated[int, AtLeast(1)]`).
+"""What each config key takes, written once, beside its field in the schema
+(`Annotated[int, AtLeast(1)]`).
 
 OmegaConf checks a value's type as the config is composed; a domain says which values of that type
 mean something. `check` refuses the others before launch, one line naming the key; the
@@ -25,7 +26,8 @@ from hydra_ddp.errors import UserError
 
 
 class Domain:
-    """The values of a key's type that mean something. `problem`: why `value` is not one (None: it is)."""
+    """The values of a key's type that mean something. `problem`: why `value` is not one (None: it
+    is)."""
 
     def problem(self, value: Any) -> Optional[str]:
         raise NotImplementedError
@@ -36,7 +38,9 @@ class Domain:
 
 
 def _show(value: Any) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    return (
+        "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +53,8 @@ class OneOf(Domain):
         object.__setattr__(self, "options", options)
 
     def problem(self, value: Any) -> Optional[str]:
-        # Exact matches: True must not pass as 1, nor "32" as 32 (YAML gives the type the user wrote).
+        # Exact matches: True must not pass as 1, nor "32" as 32 (YAML gives the type the user
+        # wrote).
         if any(value == option and type(value) is type(option) for option in self.options):
             return None
         if isinstance(value, int) and not isinstance(value, bool) and str(value) in self.options:
@@ -120,7 +125,11 @@ class Pattern(Domain):
     shape: str
 
     def problem(self, value: Any) -> Optional[str]:
-        return None if isinstance(value, str) and re.fullmatch(self.regex, value) else f"give {self.shape}"
+        return (
+            None
+            if isinstance(value, str) and re.fullmatch(self.regex, value)
+            else f"give {self.shape}"
+        )
 
     def allowed(self) -> str:
         return self.shape
@@ -128,7 +137,8 @@ class Pattern(Domain):
 
 @dataclasses.dataclass(frozen=True)
 class Checked(Domain):
-    """Checked by code of its own (`where`), which refuses a bad value in one line naming the key."""
+    """Checked by code of its own (`where`), which refuses a bad value in one line naming the
+    key."""
 
     where: str
 
@@ -175,9 +185,12 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True)
 
 
-def fields(cls: type, prefix: str = "", chosen: Optional[dict[str, str]] = None) -> list[tuple[str, type, str]]:
-    """(dotted key, class, field name) of every leaf field of a schema class, nested sections walked;
-    a Chosen section as the option `chosen` names for it ({"strategy": "fsdp"}), else left out."""
+def fields(
+    cls: type, prefix: str = "", chosen: Optional[dict[str, str]] = None
+) -> list[tuple[str, type, str]]:
+    """(dotted key, class, field name) of every leaf field of a schema class, nested sections
+    walked; a Chosen section as the option `chosen` names for it ({"strategy": "fsdp"}), else left
+    out."""
     out = []
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
@@ -194,8 +207,9 @@ def fields(cls: type, prefix: str = "", chosen: Optional[dict[str, str]] = None)
 
 
 def check(config: Union[RunConfig, DictConfig, dict[str, Any]], cls: type) -> None:
-    """Every annotated key of `config` (a typed config of schema class `cls`, or one made plain) in its
-    domain, or one line naming the first that is not. null passes where the type allows it (Optional)."""
+    """Every annotated key of `config` (a typed config of schema class `cls`, or one made plain) in
+    its domain, or one line naming the first that is not. null passes where the type allows it
+    (Optional)."""
 
     def value(node: Any, part: str) -> Any:
         return node.get(part, _ABSENT) if isinstance(node, dict) else getattr(node, part, _ABSENT)

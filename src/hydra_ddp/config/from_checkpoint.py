@@ -1,5 +1,6 @@
-"""eval.py's config: the checkpoint's own config, the command line's overrides on top, this command's
-launch settings (plain dicts; launch/resolve.py reads the checkpoint and checks its weights)."""
+"""eval.py's config: the checkpoint's own config, the command line's overrides on top, this
+command's launch settings (plain dicts; launch/resolve.py reads the checkpoint and checks its
+weights)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,22 @@ from hydra_ddp.errors import UserError
 
 # --- eval.py: the parent's half ------------------------------------------------------------------
 def merged(
-    saved: dict[str, Any], position: dict[str, Any], composed: dict[str, Any], overrides: list[str], ckpt: str
+    saved: dict[str, Any],
+    position: dict[str, Any],
+    composed: dict[str, Any],
+    overrides: list[str],
+    ckpt: str,
 ) -> dict[str, Any]:
     """eval.py's config: the checkpoint's own (`saved`: model, data, seed, precision: what it was
     trained with; `position`: where it stopped), the command line's overrides on top, and this
     command's launch settings (`composed`: the composed eval config, plain)."""
     plain = copy.deepcopy(saved)
-    plain.setdefault("task", {"_target_": "hydra_ddp.tasks.Classification"})  # a checkpoint from before tasks
+    # a checkpoint from before tasks
+    plain.setdefault("task", {"_target_": "hydra_ddp.tasks.Classification"})
     for group in ("backend", "init_method", "launcher"):
         plain[group] = composed[group]
-    # The run's CPU threads per rank stay (the same kernels, the same bits) unless set on the command line.
+    # The run's CPU threads per rank stay (the same kernels, the same bits) unless set on the
+    # command line.
     for key in ("nproc", "device", "progress"):
         plain["trainer"][key] = composed["trainer"][key]
     for override in overrides:
@@ -29,7 +36,10 @@ def merged(
     domains.check(composed, schema.EvalConfig)  # the command line's values, in their domains
     split = composed["split"]
     if split == "val" and not plain["data"]["val_fraction"]:
-        raise UserError("split=val: this run had no validation split (data.val_fraction=0); choose split=test or train")
+        raise UserError(
+            "split=val: this run had no validation split "
+            "(data.val_fraction=0); choose split=test or train"
+        )
     plain["eval"] = {
         "ckpt": ckpt,
         "split": split,

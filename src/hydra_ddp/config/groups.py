@@ -1,5 +1,6 @@
 """What the config groups in conf/ offer, read from their files: for errors that name the options
-that would fit (`model=gpt needs data.dataset.context, which data=digits does not have: use data=text`)."""
+that would fit
+(`model=gpt needs data.dataset.context, which data=digits does not have: use data=text`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ _MISSING_KEY = re.compile(r"Interpolation key '([^']+)' not found")
 
 def mismatch(error: InterpolationResolutionError) -> str:
     """One line for an interpolation that the chosen groups cannot resolve: which option asks for
-    which key, which option of the other group lacks it, and the options (and experiments) that have it."""
+    which key, which option of the other group lacks it, and the options (and experiments) that have
+    it."""
     node = error.full_key or "a value"
     found = _MISSING_KEY.search(str(error))
     if not found:  # a resolver failed, or an interpolation is malformed: say where
@@ -26,11 +28,13 @@ def mismatch(error: InterpolationResolutionError) -> str:
     asker = f"{asking}={choices[asking]}" if asking in choices else node
     if lacking not in choices or conf is None:
         return (
-            f"{asker} refers to {missing}, which this config does not have: choose groups that fit together "
-            f"(python train.py --check tells before a run)"
+            f"{asker} refers to {missing}, which this config does not have: choose "
+            "groups that fit together (python train.py --check tells before a run)"
         )
     having = [
-        name for name in _options(conf, lacking) if _defines(conf / lacking / f"{name}.yaml", missing.split(".")[1:])
+        name
+        for name in _options(conf, lacking)
+        if _defines(conf / lacking / f"{name}.yaml", missing.split(".")[1:])
     ]
     fix = (
         f"use {' or '.join(f'{lacking}={name}' for name in having)}"
@@ -40,7 +44,10 @@ def mismatch(error: InterpolationResolutionError) -> str:
     recipes = [
         name
         for name in _options(conf, "experiment")
-        if _selects(conf / "experiment" / f"{name}.yaml", {asking: choices.get(asking), lacking: set(having)})
+        if _selects(
+            conf / "experiment" / f"{name}.yaml",
+            {asking: choices.get(asking), lacking: set(having)},
+        )
     ]
     if recipes:
         fix += f" (or {' or '.join(f'+experiment={name}' for name in recipes)})"
@@ -58,7 +65,8 @@ def chosen(group: str, node: Any) -> str:
 
 
 def _choices_and_conf() -> tuple[dict[str, str], Optional[Path]]:
-    """The group options this run chose, and the primary config folder (none outside a Hydra job)."""
+    """The group options this run chose, and the primary config folder (none outside a Hydra
+    job)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():

@@ -1,13 +1,12 @@
 """The configuration reference (docs/reference/config.md), generated from the schema: every key, its
 type, default, allowed values and the schema's own comment on it.
 
-    python -m hydra_ddp.config.reference            # rewrite docs/reference/config.md
-    python -m hydra_ddp.config.reference --check    # exit 1 if it is out of date (the tests do this)
+    python -m hydra_ddp.config.reference           # rewrite docs/reference/config.md
+    python -m hydra_ddp.config.reference --check   # exit 1 if it is out of date (the tests do this)
 
 A field's doc is the comment block right above it in schema.py, or the comment after it on its
-line; a field with neither is an error here (tests/unit/test_docs.py), so the reference cannot lose one.
-Defaults are the values of the default run's composed config (what `python train.py` gets).
-"""
+line; a field with neither is an error here (tests/unit/test_docs.py), so the reference cannot lose
+one. Defaults are the values of the default run's composed config (what `python train.py` gets)."""
 
 from __future__ import annotations
 
@@ -53,7 +52,11 @@ def field_docs(source: str) -> dict[tuple[str, str], str]:
                     break
                 above.insert(0, comments[line])
                 line -= 1
-            trailing = comments.get(item.lineno) if not lines[item.lineno - 1].strip().startswith("#") else None
+            trailing = (
+                comments.get(item.lineno)
+                if not lines[item.lineno - 1].strip().startswith("#")
+                else None
+            )
             text = " ".join(above + ([trailing] if trailing else []))
             if text:
                 docs[(node.name, item.target.id)] = text
@@ -61,7 +64,8 @@ def field_docs(source: str) -> dict[tuple[str, str], str]:
 
 
 def allowed(cls: type, name: str) -> str:
-    """The "allowed" cell of a field: its domain's words (domains.py), null where the type takes it."""
+    """The "allowed" cell of a field: its domain's words (domains.py), null where the type takes
+    it."""
     domain, hint = domains.domain_of(cls, name), typing.get_type_hints(cls)[name]
     if hint is bool or hint == Optional[bool]:
         text = "`true`, `false`"
@@ -122,7 +126,11 @@ def _lookup(config: dict[str, Any], key: str) -> Any:
 
 
 def rows(
-    cls: type, prefix: str, docs: dict[tuple[str, str], str], config: dict[str, Any], missing: list[str]
+    cls: type,
+    prefix: str,
+    docs: dict[tuple[str, str], str],
+    config: dict[str, Any],
+    missing: list[str],
 ) -> list[tuple[str, str, str, str, str]]:
     """(key, type, default, allowed, doc) for every field of `cls` and its nested sections."""
     out = []
@@ -133,12 +141,18 @@ def rows(
         if dataclasses.is_dataclass(default):
             out += rows(type(default), f"{key}.", docs, config, missing)
             continue
-        doc = next((docs[(c.__name__, f.name)] for c in cls.__mro__ if (c.__name__, f.name) in docs), None)
+        doc = next(
+            (docs[(c.__name__, f.name)] for c in cls.__mro__ if (c.__name__, f.name) in docs), None
+        )
         if doc is None:
             missing.append(key)
         hint = hints[f.name]
         value = _lookup(config, key)
-        shown = "(a `_target_` config)" if isinstance(value, dict) and "_target_" in value else _value(value)
+        shown = (
+            "(a `_target_` config)"
+            if isinstance(value, dict) and "_target_" in value
+            else _value(value)
+        )
         out.append((key, _type(hint), shown, allowed(cls, f.name), doc or ""))
     return out
 
@@ -166,10 +180,11 @@ def render() -> tuple[str, list[str]]:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `src/hydra_ddp/config/schema.py` by `python -m hydra_ddp.config.reference`: do not edit "
-        "by hand (a test fails when it is out of date or a field has no doc). Each key is set on the command line "
-        "(`python train.py trainer.epochs=3`) or in `conf/`. **default** is the default run's value, as "
-        "`conf/config.yaml` composes it.",
+        "Generated from `src/hydra_ddp/config/schema.py` by `python -m "
+        "hydra_ddp.config.reference`: do not edit by hand (a test fails when it "
+        "is out of date or a field has no doc). Each key is set on the command "
+        "line (`python train.py trainer.epochs=3`) or in `conf/`. **default** "
+        "is the default run's value, as `conf/config.yaml` composes it.",
         "",
         "## Config groups",
         "",
@@ -198,7 +213,9 @@ def render() -> tuple[str, list[str]]:
         if isinstance(chosen, domains.Chosen):  # a section per option: the strategy's settings
             for option, settings in chosen.options().items():
                 docs.update(field_docs(inspect.getsource(sys.modules[settings.__module__])))
-                section = rows(settings, f"{name}.", docs, _default_config((f"{name}={option}",)), missing)
+                section = rows(
+                    settings, f"{name}.", docs, _default_config((f"{name}={option}",)), missing
+                )
                 lines += _table(f"`{name}={option}`", section)
         elif dataclasses.is_dataclass(default):
             lines += _table(f"`{name}`", rows(type(default), f"{name}.", docs, config, missing))
@@ -214,10 +231,15 @@ def render() -> tuple[str, list[str]]:
         doc = docs.get(("EvalConfig", f.name))
         if doc is None:
             missing.append(f"eval.{f.name}")
-        default = "(required)" if f.default is dataclasses.MISSING or f.default == "???" else _value(f.default)
+        default = (
+            "(required)"
+            if f.default is dataclasses.MISSING or f.default == "???"
+            else _value(f.default)
+        )
         hint = typing.get_type_hints(schema.EvalConfig)[f.name]
         lines.append(
-            f"| `{f.name}` | {_type(hint)} | `{default}` | {allowed(schema.EvalConfig, f.name)} | {_cell(doc or '')} |"
+            f"| `{f.name}` | {_type(hint)} | `{default}` | "
+            f"{allowed(schema.EvalConfig, f.name)} | {_cell(doc or '')} |"
         )
     return "\n".join(lines) + "\n", missing
 
@@ -225,12 +247,16 @@ def render() -> tuple[str, list[str]]:
 def main(argv: list[str]) -> int:
     text, missing = render()
     if missing:
-        print(f"hydra-ddp: error: schema fields with no doc comment: {', '.join(missing)}", file=sys.stderr)
+        print(
+            f"hydra-ddp: error: schema fields with no doc comment: {', '.join(missing)}",
+            file=sys.stderr,
+        )
         return 1
     if "--check" in argv:
         if not OUT.exists() or OUT.read_text() != text:
             print(
-                f"hydra-ddp: error: {OUT.relative_to(REPO)} is out of date: run python -m hydra_ddp.config.reference",
+                f"hydra-ddp: error: {OUT.relative_to(REPO)} is out "
+                "of date: run python -m hydra_ddp.config.reference",
                 file=sys.stderr,
             )
             return 1

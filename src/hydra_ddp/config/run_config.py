@@ -19,7 +19,8 @@ from hydra_ddp.config import schema, strategy_settings
 from hydra_ddp.config.section import Section
 from hydra_ddp.errors import UserError
 
-JOBS = ("train", "eval", "tune")  # what the workers run: train.py's, eval.py's, the tuner's short runs
+# what the workers run: train.py's, eval.py's, the tuner's short runs
+JOBS = ("train", "eval", "tune")
 
 
 @dataclass
@@ -64,7 +65,8 @@ class RunConfig(Section):
     launcher: RunLauncherConf = field(default_factory=RunLauncherConf)
     trainer: schema.TrainerConf = field(default_factory=schema.TrainerConf)
     checkpoint: schema.CheckpointConf = field(default_factory=schema.CheckpointConf)
-    strategy: Any = field(default_factory=lambda: {"name": strategy_settings.DEFAULT})  # the chosen strategy's settings
+    # the chosen strategy's settings
+    strategy: Any = field(default_factory=lambda: {"name": strategy_settings.DEFAULT})
     profiler: schema.ProfilerConf = field(default_factory=schema.ProfilerConf)
     data: schema.DataConf = field(default_factory=schema.DataConf)
     trial: schema.TrialConf = field(default_factory=schema.TrialConf)
@@ -95,18 +97,22 @@ def _template() -> DictConfig:
 
 
 def typed(plain: dict[str, Any]) -> RunConfig:
-    """A plain config (the resolved one, a checkpoint's) as a RunConfig, not yet frozen; its strategy
-    section as the chosen strategy's settings. A key or value the schema does not take is one line
-    (a checkpoint's config from another version, say)."""
+    """A plain config (the resolved one, a checkpoint's) as a RunConfig, not yet frozen; its
+    strategy section as the chosen strategy's settings. A key or value the schema does not take is
+    one line (a checkpoint's config from another version, say)."""
     if plain.get("job", "train") not in JOBS:
         raise UserError(f"job={plain['job']!r}: one of {', '.join(JOBS)}")
     try:
         cfg = OmegaConf.merge(_template(), {k: v for k, v in plain.items() if k != "strategy"})
-        settings = strategy_settings.of(plain.get("strategy", {}).get("name", strategy_settings.DEFAULT))
+        settings = strategy_settings.of(
+            plain.get("strategy", {}).get("name", strategy_settings.DEFAULT)
+        )
         strategy = OmegaConf.merge(OmegaConf.structured(settings), plain.get("strategy", {}))
     except OmegaConfBaseException as error:
         where = f"{error.full_key}: " if getattr(error, "full_key", None) else ""
-        raise UserError(f"the resolved config does not fit the schema: {where}{str(error).splitlines()[0]}") from None
+        raise UserError(
+            f"the resolved config does not fit the schema: {where}{str(error).splitlines()[0]}"
+        ) from None
     run = OmegaConf.to_object(cfg)
     run.strategy = OmegaConf.to_object(strategy)
     return run  # type: ignore[return-value]

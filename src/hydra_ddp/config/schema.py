@@ -17,7 +17,17 @@ from omegaconf import MISSING, OmegaConf
 
 from hydra_ddp import rundir
 from hydra_ddp.config import strategy_settings
-from hydra_ddp.config.domains import AUTO_BOOL, AtLeast, Checked, Chosen, Free, Number, OneOf, Pattern, Positive
+from hydra_ddp.config.domains import (
+    AUTO_BOOL,
+    AtLeast,
+    Checked,
+    Chosen,
+    Free,
+    Number,
+    OneOf,
+    Pattern,
+    Positive,
+)
 from hydra_ddp.config.section import Section
 from hydra_ddp.search.study import PRUNERS
 
@@ -26,11 +36,11 @@ from hydra_ddp.search.study import PRUNERS
 class BackendConf(Section):
     # The process group's backend. auto: nccl when CUDA is available, else gloo.
     name: Annotated[str, OneOf("auto", "gloo", "nccl", "mpi")] = "auto"
-    # Collective timeout (seconds): a hung peer fails the others after this long. auto: 600 with NCCL,
-    # whose ranks often do not see a dead peer and wait for it until then (torch's own NCCL default;
-    # it bounds how long a crashed job holds its GPUs), 1800 with gloo (torch's default: a dead
-    # peer is seen at once; only a hung one waits). Raise it for rank-0-only work longer than that
-    # between collectives (a download, a huge checkpoint).
+    # Collective timeout (seconds): a hung peer fails the others after this long. auto: 600 with
+    # NCCL, whose ranks often do not see a dead peer and wait for it until then (torch's own NCCL
+    # default; it bounds how long a crashed job holds its GPUs), 1800 with gloo (torch's default: a
+    # dead peer is seen at once; only a hung one waits). Raise it for rank-0-only work longer than
+    # that between collectives (a download, a huge checkpoint).
     timeout_s: Annotated[Any, AtLeast(1, "auto")] = "auto"
 
 
@@ -44,21 +54,27 @@ class InitMethodConf(Section):
     # null: a free port picked at launch, never a fixed one that collides with another job.
     port: Annotated[Optional[int], Number(low=1, high=65535, whole=True)] = None
     # null: a fresh file inside the run directory (a reused file store can deadlock).
-    path: Annotated[Optional[str], Checked("launch.resolve: its folder exists, the file is empty")] = None
+    path: Annotated[
+        Optional[str], Checked("launch.resolve: its folder exists, the file is empty")
+    ] = None
 
 
 @dataclass
 class LauncherConf(Section):
     # spawn: torch.multiprocessing; torchrun: torch.distributed.launcher (elastic, c10d).
     name: Annotated[str, OneOf("spawn", "torchrun")] = "spawn"
-    # Nodes: N, or an elastic range "MIN:MAX" (torchrun's form): the run trains with the nodes present
-    # between the bounds, restarting the group (from the last checkpoint) when one is lost or joins.
+    # Nodes: N, or an elastic range "MIN:MAX" (torchrun's form): the run trains with the nodes
+    # present between the bounds, restarting the group (from the last checkpoint) when one is lost
+    # or joins.
     nnodes: Annotated[Any, Checked("parallel.elastic: a node count or MIN:MAX")] = 1
-    node_rank: Annotated[int, AtLeast(0)] = 0  # this node's index, 0 to nnodes − 1 (node 0 holds the rendezvous)
+    # this node's index, 0 to nnodes − 1 (node 0 holds the rendezvous)
+    node_rank: Annotated[int, AtLeast(0)] = 0
     # torchrun's rendezvous backend (c10d: torch's own TCP store)
     rdzv_backend: Annotated[str, OneOf("c10d", "static", "etcd", "etcd-v2")] = "c10d"
     # null: 127.0.0.1 with a free port (single node). Multi-node: "host:port" of node 0.
-    rdzv_endpoint: Annotated[Optional[str], Pattern(r"[^\s:]+(:\d{1,5})?", "HOST or HOST:PORT")] = None
+    rdzv_endpoint: Annotated[Optional[str], Pattern(r"[^\s:]+(:\d{1,5})?", "HOST or HOST:PORT")] = (
+        None
+    )
     # the job's id, the same on every node (null: one made for the run)
     rdzv_id: Annotated[Optional[str], Free("any word, the same on every node")] = None
     # This node's address as the other nodes reach it (null: its hostname's).
@@ -66,8 +82,11 @@ class LauncherConf(Section):
     # torchrun: restarts of the whole group after a failure (elastic needs at least 1)
     max_restarts: Annotated[int, AtLeast(0)] = 0
     # torchrun's --rdzv-conf: the rendezvous' own settings (join_timeout, last_call_timeout, ...).
-    rdzv_conf: Annotated[dict[str, Any], Free("torchrun's own settings")] = field(default_factory=dict)
-    monitor_interval: Annotated[float, Positive()] = 0.1  # torchrun's agent: seconds between its checks of the workers
+    rdzv_conf: Annotated[dict[str, Any], Free("torchrun's own settings")] = field(
+        default_factory=dict
+    )
+    # torchrun's agent: seconds between its checks of the workers
+    monitor_interval: Annotated[float, Positive()] = 0.1
     # forkserver: workers are forks of a process that imported torch while the config was composed
     # (startup.py); spawn: each worker a fresh interpreter that imports everything itself.
     start_method: Annotated[str, OneOf("forkserver", "spawn")] = "forkserver"
@@ -79,7 +98,8 @@ class DataConf(Section):
     in_channels: Annotated[int, AtLeast(1)] = 1
     image_size: Annotated[int, AtLeast(1)] = 28  # a sample's height and width
     num_classes: Annotated[int, AtLeast(1)] = 10  # classes (or outputs a sample) the model predicts
-    # `_target_` returning (train, test), or (train, val, test) where the source has a validation split.
+    # `_target_` returning (train, test), or (train, val, test) where the source has a validation
+    # split.
     dataset: Annotated[Any, Checked("config.targets: a _target_ config")] = MISSING
     # Without a validation split of the source's own: this share of the training set, chosen by
     # trainer.seed (the same on every rank). 0: no validation, nothing is monitored.
@@ -89,8 +109,8 @@ class DataConf(Section):
     # must agree; none: 32 per rank, no accumulation).
     batch_size: Annotated[Optional[int], AtLeast(1)] = None
     # Samples per optimizer step over all ranks and micro-batches: batch_size × trainer.accumulate ×
-    # model replicas. Set it, and runs at any world size take the same steps; an elastic run keeps it
-    # and the micro-batch, and changes the accumulation.
+    # model replicas. Set it, and runs at any world size take the same steps; an elastic run keeps
+    # it and the micro-batch, and changes the accumulation.
     global_batch_size: Annotated[Optional[int], AtLeast(1)] = None
     eval_batch_size: Annotated[int, AtLeast(1)] = 256  # per rank
     # DataLoader worker processes per rank (0: the rank's own process loads)
@@ -118,8 +138,9 @@ class DataConf(Section):
 
 @dataclass
 class CheckpointConf(Section):
-    # Checkpoints go to <run dir>/checkpoints: step-N.pt, last.pt and best.pt (hard links); under the
-    # sharded strategies step-N/ directories of every rank's shards (DCP), last and best (links).
+    # Checkpoints go to <run dir>/checkpoints: step-N.pt, last.pt and best.pt (hard links); under
+    # the sharded strategies step-N/ directories of every rank's shards (DCP), last and best
+    # (links).
     every_epoch: bool = True  # a checkpoint at the end of every epoch
     # also one every N optimizer steps, mid-epoch too (null: none)
     every_n_steps: Annotated[Optional[int], AtLeast(1)] = None
@@ -133,7 +154,9 @@ class ParamGroupsConf(Section):
     # none (every parameter decays, as torch's optimizers do); auto (biases, every norm layer's
     # weights and embeddings: the field's default, as nanoGPT's and timm's); or a list of name
     # patterns of the model's own parameter names (fnmatch: ["*.bias", "*norm*"]).
-    no_decay: Annotated[Any, Checked("recipe.optimizer: none, auto or a list of name patterns")] = "none"
+    no_decay: Annotated[Any, Checked("recipe.optimizer: none, auto or a list of name patterns")] = (
+        "none"
+    )
 
 
 @dataclass
@@ -165,7 +188,8 @@ PRECISIONS = ("32", "bf16", "16")
 class TrainerConf(Section):
     # int, or "auto": the GPU count with CUDA, else 2 (a real 2-process run on any laptop).
     nproc: Annotated[Any, AtLeast(1, "auto")] = "auto"
-    epochs: Annotated[int, AtLeast(1)] = 12  # passes over the training set (trainer.max_steps may stop earlier)
+    # passes over the training set (trainer.max_steps may stop earlier)
+    epochs: Annotated[int, AtLeast(1)] = 12
     # Stop after this many optimizer steps (null: run all epochs). For smoke tests and benchmarks.
     max_steps: Annotated[Optional[int], AtLeast(1)] = None
     # the run's seed: the initial weights, the data order, every random stream
@@ -181,14 +205,19 @@ class TrainerConf(Section):
     # The one metric that selects best.pt, drives early stopping and is what train.py returns to a
     # Hydra sweeper: val/<a metric of the task> or train/loss. auto: the task's choice (val/accuracy
     # for classification); null: none (the test then uses the last weights).
-    monitor: Annotated[Optional[str], Checked("launch.resolve: a metric of the task, or auto")] = "auto"
+    monitor: Annotated[Optional[str], Checked("launch.resolve: a metric of the task, or auto")] = (
+        "auto"
+    )
     # min or max; auto: the metric's direction, as the task declares it.
     monitor_mode: Annotated[str, OneOf("auto", "min", "max")] = "auto"
     early_stopping: EarlyStoppingConf = field(default_factory=EarlyStoppingConf)
     # null: a progress bar when rank 0's stderr is a terminal.
     progress: Optional[bool] = None
-    # null: start fresh; a checkpoint path; or auto: the newest good checkpoint in the run directory.
-    resume: Annotated[Optional[str], Checked("checkpoints: a checkpoint, a run directory, or auto")] = None
+    # null: start fresh; a checkpoint path; or auto: the newest good checkpoint in the run
+    # directory.
+    resume: Annotated[
+        Optional[str], Checked("checkpoints: a checkpoint, a run directory, or auto")
+    ] = None
     # "32", "bf16" (autocast, CPU or GPU) or "16" (GPU autocast with a GradScaler).
     precision: Annotated[str, OneOf(*PRECISIONS)] = "32"
     # Micro-batches per optimizer step (DDP skips the gradient all-reduce, no_sync, on all but the
@@ -199,7 +228,9 @@ class TrainerConf(Section):
     # them, else the whole model (recipe/compiling.py).
     compile: Annotated[Any, OneOf(False, True, "blocks", "model")] = False
     # torch.compile's backend when trainer.compile is on
-    compile_backend: Annotated[str, Checked("launch.checks: one of torch.compile's backends")] = "inductor"
+    compile_backend: Annotated[str, Checked("launch.checks: one of torch.compile's backends")] = (
+        "inductor"
+    )
     # channels_last memory format; auto: for models with 2-D convolutions (performance.py).
     channels_last: Annotated[Any, AUTO_BOOL] = "auto"
     ema: EmaConf = field(default_factory=EmaConf)
@@ -210,24 +241,30 @@ class TrainerConf(Section):
     max_time: Annotated[Optional[Any], Checked("launch.resolve: seconds or [D:]HH:MM:SS")] = None
     # Fine-tuning: the model weights of this checkpoint (a file, or a run directory: its best.pt,
     # else last.pt) in a fresh run: new optimizer, schedule and step 0. A resumed run ignores it.
-    init_from: Annotated[Optional[str], Checked("checkpoints: a checkpoint or a run directory")] = None
-    # Parameters not taken from init_from (names or prefixes, e.g. [fc2]; "head": the last Linear).
-    init_ignore: Annotated[list[str], Checked("checkpoints.check_init: names or prefixes of the model's")] = field(
-        default_factory=list
+    init_from: Annotated[Optional[str], Checked("checkpoints: a checkpoint or a run directory")] = (
+        None
     )
-    # torch.profiler on the schedule in `profiler`: one trace per rank in run_dir/profile/ (debug=profile).
+    # Parameters not taken from init_from (names or prefixes, e.g. [fc2]; "head": the last Linear).
+    init_ignore: Annotated[
+        list[str], Checked("checkpoints.check_init: names or prefixes of the model's")
+    ] = field(default_factory=list)
+    # torch.profiler on the schedule in `profiler`: one trace per rank in run_dir/profile/
+    # (debug=profile).
     profile: bool = False
     # Side jobs on the loop's events, each a `_target_` config of a hydra_ddp.hooks.Hook subclass
     # (docs/extending.md): called on every rank, in this order, after the built-in ones.
-    hooks: Annotated[list[Any], Checked("launch.checks: _target_ configs of Hook subclasses")] = field(
-        default_factory=list
+    hooks: Annotated[list[Any], Checked("launch.checks: _target_ configs of Hook subclasses")] = (
+        field(default_factory=list)
     )
-    # Autograd anomaly detection (slow: finds the op that made a nan), with the loss checked every step.
+    # Autograd anomaly detection (slow: finds the op that made a nan), with the loss checked every
+    # step.
     detect_anomaly: bool = False
-    # Per-rank time by phase and the straggler report (timing.py); false: none (for measuring its cost).
+    # Per-rank time by phase and the straggler report (timing.py); false: none (for measuring its
+    # cost).
     timing: bool = True
-    # GPUs: the same bits run after run, at some cost in speed: deterministic cuDNN and torch kernels
-    # (torch.use_deterministic_algorithms), TF32 off, cuBLAS's fixed workspace. The CPU needs none of it.
+    # GPUs: the same bits run after run, at some cost in speed: deterministic cuDNN and torch
+    # kernels (torch.use_deterministic_algorithms), TF32 off, cuBLAS's fixed workspace. The CPU
+    # needs none of it.
     deterministic: bool = False
     # One device's peak FLOP/s for the model FLOP utilisation (MFU) in the summary; null: the GPU
     # table in reporting/flops.py, or on the CPU a short matmul measured at the run's threads.
@@ -238,26 +275,32 @@ class TrainerConf(Section):
 class ProfilerConf(Section):
     # Steps skipped, warmed up, then recorded (torch.profiler.schedule, once).
     wait: Annotated[int, AtLeast(0)] = 1
-    warmup: Annotated[int, AtLeast(0)] = 1  # steps profiled but not recorded, after the skipped ones
+    # steps profiled but not recorded, after the skipped ones
+    warmup: Annotated[int, AtLeast(0)] = 1
     active: Annotated[int, AtLeast(1)] = 3  # steps recorded
-    ranks: Annotated[Optional[list[int]], Checked("launch.checks: ranks of the run")] = None  # null: every rank
+    # null: every rank
+    ranks: Annotated[Optional[list[int]], Checked("launch.checks: ranks of the run")] = None
     row_limit: Annotated[int, AtLeast(1)] = 15  # rows of the top-operators table in the log
 
 
 @dataclass
 class TrialConf(Section):
     # Set by the search's sweeper (hydra/sweeper=optuna) on each trial's job: which trial of which
-    # study, where the study lives, and the pruner that may stop it after a validation. null: no search.
+    # study, where the study lives, and the pruner that may stop it after a validation. null: no
+    # search.
     number: Annotated[Optional[int], AtLeast(0)] = None
-    study: Annotated[Optional[str], Free("the sweeper's: any name")] = None  # the Optuna study's name
+    # the Optuna study's name
+    study: Annotated[Optional[str], Free("the sweeper's: any name")] = None
     # where the study lives (a journal file or a database URL)
-    storage: Annotated[Optional[str], Free("the sweeper's: a journal file or a database URL")] = None
+    storage: Annotated[Optional[str], Free("the sweeper's: a journal file or a database URL")] = (
+        None
+    )
     # median, hyperband or none: may stop the trial after a validation (a hook: search/pruning.py)
     pruner: Annotated[str, OneOf(*PRUNERS)] = "none"
     # The pruner's own keyword arguments.
-    pruner_args: Annotated[dict[str, Any], Checked("search.study.pruner_of: the pruner's own arguments")] = field(
-        default_factory=dict
-    )
+    pruner_args: Annotated[
+        dict[str, Any], Checked("search.study.pruner_of: the pruner's own arguments")
+    ] = field(default_factory=dict)
 
 
 @dataclass
@@ -277,13 +320,15 @@ class Config(Section):
     task: Annotated[Any, TARGET] = MISSING
     model: Annotated[Any, TARGET] = MISSING
     optim: Annotated[Any, TARGET] = MISSING
-    # How the optimizer groups the model's parameters (its config is `optim`'s constructor arguments).
+    # How the optimizer groups the model's parameters (its config is `optim`'s constructor
+    # arguments).
     param_groups: ParamGroupsConf = field(default_factory=ParamGroupsConf)
     scheduler: Annotated[Any, TARGET] = None
-    # Rank 0's loggers, by name (conf/logger/: tensorboard, csv, mlflow, wandb), each a `_target_` class.
-    logger: Annotated[Any, Checked("launch.checks: names of conf/logger/ options, each a _target_ config")] = field(
-        default_factory=dict
-    )
+    # Rank 0's loggers, by name (conf/logger/: tensorboard, csv, mlflow, wandb), each a `_target_`
+    # class.
+    logger: Annotated[
+        Any, Checked("launch.checks: names of conf/logger/ options, each a _target_ config")
+    ] = field(default_factory=dict)
 
 
 @dataclass
@@ -308,7 +353,8 @@ def register_schema(main_module: str = "__main__") -> None:
         store = ConfigStore.instance()
         store.store(name="schema", node=Config)
         store.store(name="eval_schema", node=EvalConfig)
-        for name, settings in CHOSEN_STRATEGY.options().items():  # conf/strategy/NAME.yaml: defaults [NAME_schema]
+        # conf/strategy/NAME.yaml: defaults [NAME_schema]
+        for name, settings in CHOSEN_STRATEGY.options().items():
             store.store(group="strategy", name=f"{name}_schema", node=settings)
     OmegaConf.register_new_resolver("mul", lambda *xs: math.prod(xs), replace=True)
     OmegaConf.register_new_resolver("hydra_ddp.new_dir", rundir.claim_new, replace=True)

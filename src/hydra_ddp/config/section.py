@@ -12,7 +12,9 @@ class Section:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self.__dict__.get("_frozen", False):
-            raise AttributeError(f"{type(self).__name__}.{name}: the run's config is read-only once resolved")
+            raise AttributeError(
+                f"{type(self).__name__}.{name}: the run's config is read-only once resolved"
+            )
         object.__setattr__(self, name, value)
 
     def freeze(self) -> Any:

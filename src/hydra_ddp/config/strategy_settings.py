@@ -33,9 +33,11 @@ class PowerSGDSettings(Section):
 class DDPSettings(Section):
     # ddp: a replica per rank (conf/strategy/: ddp, fsdp, tp, fsdp_tp).
     name: Annotated[str, OneOf("ddp")] = "ddp"
-    # DDP's gradient bucket size (MB): smaller starts the all-reduce sooner, larger sends fewer messages.
+    # DDP's gradient bucket size (MB): smaller starts the all-reduce sooner, larger sends fewer
+    # messages.
     bucket_cap_mb: Annotated[float, Positive()] = 25.0
-    # true, false, or auto: the fast choice for this run (parallel/strategies/ddp.py's docstring); the summary names it.
+    # true, false, or auto: the fast choice for this run (parallel/strategies/ddp.py's docstring);
+    # the summary names it.
     gradient_as_bucket_view: Annotated[Any, AUTO_BOOL] = "auto"
     static_graph: Annotated[Any, AUTO_BOOL] = "auto"  # DDP's static_graph: true, false or auto
     # DDP's search for parameters a forward did not use (slow; only for models that skip some).
@@ -43,8 +45,8 @@ class DDPSettings(Section):
     # The gradient all-reduce through shared memory when every rank is a CPU process on this host
     # (parallel/shared_memory.py), instead of gloo's loopback TCP. auto: wherever it can.
     shared_memory: Annotated[Any, AUTO_BOOL] = "auto"
-    # DDP's gradient communication hook (parallel/comm.py): none (DDP's fp32 all-reduce), fp16 or bf16
-    # (gradients all-reduced in 16 bits), or powersgd (low-rank, settings below).
+    # DDP's gradient communication hook (parallel/comm.py): none (DDP's fp32 all-reduce), fp16 or
+    # bf16 (gradients all-reduced in 16 bits), or powersgd (low-rank, settings below).
     comm_hook: Annotated[str, OneOf(*COMM_HOOKS)] = "none"
     powersgd: PowerSGDSettings = field(default_factory=PowerSGDSettings)
     # BatchNorm layers become SyncBatchNorm (statistics over the global batch, so a BatchNorm model
@@ -62,18 +64,20 @@ class FSDPSettings(Section):
     # fsdp: FSDP2, parameters, gradients and optimizer state sharded over the ranks.
     name: Annotated[str, OneOf("fsdp")] = "fsdp"
     # HSDP (hybrid sharding: torchtitan's data_parallel_replicate_degree): the ranks as `replicate`
-    # copies of the model, each sharded over world / replicate neighbouring ranks (a node's, with one
-    # copy per node), the copies' gradients all-reduced. 1: every rank one shard of a single copy.
+    # copies of the model, each sharded over world / replicate neighbouring ranks (a node's, with
+    # one copy per node), the copies' gradients all-reduced. 1: every rank one shard of a single
+    # copy.
     replicate: Annotated[int, AtLeast(1)] = 1
     # Free each unit's gathered parameters after its forward (less memory, one more all-gather in
     # the backward); false keeps them until the backward.
     reshard_after_forward: bool = True
-    # FSDP2's mixed-precision policy (torchtitan's mixed_precision_param and _reduce). What each unit's
-    # gathered parameters are cast to for the forward and backward: bf16, or null (as they are: fp32).
-    # fp16 is refused: it needs loss scaling over the shards, which this strategy does not do.
+    # FSDP2's mixed-precision policy (torchtitan's mixed_precision_param and _reduce). What each
+    # unit's gathered parameters are cast to for the forward and backward: bf16, or null (as they
+    # are: fp32). fp16 is refused: it needs loss scaling over the shards, which this strategy does
+    # not do.
     param_dtype: Annotated[Optional[str], OneOf("bf16", "fp16", "fp32")] = None
-    # What the gradients are reduced (reduce-scattered) in: fp32 (exact sums of bf16 gradients), bf16
-    # (half the traffic), or null (param_dtype's).
+    # What the gradients are reduced (reduce-scattered) in: fp32 (exact sums of bf16 gradients),
+    # bf16 (half the traffic), or null (param_dtype's).
     reduce_dtype: Annotated[Optional[str], OneOf("bf16", "fp16", "fp32")] = None
     # What the model's output is cast to for the loss: fp32, or null (as the last unit computes it).
     output_dtype: Annotated[Optional[str], OneOf("bf16", "fp16", "fp32")] = None
@@ -100,7 +104,8 @@ class FSDPTPSettings(FSDPSettings):
     tp_size: Annotated[int, AtLeast(1)] = 2
 
 
-DEFAULT = "ddp"  # a config that names no strategy (conf/config.yaml's default; a checkpoint from before strategies)
+# a config that names no strategy (conf/config.yaml's default; a checkpoint from before strategies)
+DEFAULT = "ddp"
 
 # By the name `strategy=NAME` gives (parallel/strategies' REGISTRY holds the same names).
 SETTINGS: dict[str, type[Section]] = {
@@ -114,5 +119,8 @@ SETTINGS: dict[str, type[Section]] = {
 def of(name: str) -> type[Section]:
     """The settings of strategy `name`; a name no strategy has is one line."""
     if name not in SETTINGS:
-        raise UserError(f"strategy.name={name!r}: choose one of {', '.join(SETTINGS)} (strategy=NAME, conf/strategy/)")
+        raise UserError(
+            f"strategy.name={name!r}: choose one of "
+            f"{', '.join(SETTINGS)} (strategy=NAME, conf/strategy/)"
+        )
     return SETTINGS[name]

@@ -1,5 +1,6 @@
-"""The objects a config builds by `_target_` (task, model, data, optimizer, schedule, loggers), checked
-before anything is built: the name imports, and the class or function takes the configured keys."""
+"""The objects a config builds by `_target_` (task, model, data, optimizer, schedule, loggers),
+checked before anything is built: the name imports, and the class or function takes the configured
+keys."""
 
 from __future__ import annotations
 
@@ -26,11 +27,13 @@ def check(node: Any, key: str) -> None:
     except TypeError as e:
         group = key.split(".")[0]
         unknown = re.search(r"unexpected keyword argument '(\w+)'", str(e))
-        if unknown:  # a key another option set (an experiment's, for the option it chose): remove it with ~
+        # a key another option set (an experiment's, for the option it chose): remove it with ~
+        if unknown:
             name = unknown.group(1)
             raise UserError(
-                f"{key} ({node['_target_']}) takes no {name!r}: remove it with '~{key}.{name}' on the command "
-                f"line (a setting of another {group} option, an experiment's say), or fix it in conf/{group}/"
+                f"{key} ({node['_target_']}) takes no {name!r}: remove it with "
+                f"'~{key}.{name}' on the command line (a setting of another "
+                f"{group} option, an experiment's say), or fix it in conf/{group}/"
             ) from None
         raise UserError(
             f"{key} ({node['_target_']}): {e}; fix the key in conf/{group}/ or on the command line"
@@ -49,11 +52,15 @@ def locate(path: str, key: str) -> Any:
         except ModuleNotFoundError as e:
             if e.name and module_name.startswith(e.name) and split > 1:
                 continue  # maybe a class attribute path; try a shorter module
-            raise UserError(f"{key}._target_={path!r}: cannot import {module_name!r} ({e})") from None
+            raise UserError(
+                f"{key}._target_={path!r}: cannot import {module_name!r} ({e})"
+            ) from None
         try:
             for attr in parts[split:]:
                 obj = getattr(obj, attr)
             return obj
         except AttributeError:
-            raise UserError(f"{key}._target_={path!r}: {module_name!r} has no {'.'.join(parts[split:])!r}") from None
+            raise UserError(
+                f"{key}._target_={path!r}: {module_name!r} has no {'.'.join(parts[split:])!r}"
+            ) from None
     raise UserError(f"{key}._target_={path!r} is not a dotted path such as package.module.Name")

@@ -36,11 +36,11 @@ from hydra_ddp.data.sampling import (  # noqa: F401
     sample_seed,
 )
 from hydra_ddp.data.shards import ShardedDataset, sharded  # noqa: F401
+from hydra_ddp.data.source_checks import check_source, text_shape  # noqa: F401
 from hydra_ddp.data.sources import (  # noqa: F401
     CIFAR10_FILES,
     SPLITS,
     ImageArrays,
-    check_source,
     cifar10,
     diabetes,
     digits,
@@ -52,6 +52,5 @@ from hydra_ddp.data.sources import (  # noqa: F401
     split_folders,
     synthetic,
     synthetic_regression,
-    text_shape,
 )
 from hydra_ddp.data.text import PadCollate, TokenDocuments, documents  # noqa: F401

@@ -13,7 +13,8 @@ from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
 
 from hydra_ddp.errors import UserError
 
-IGNORED = -100  # the target of a position that counts in no loss (padding): PyTorch's and transformers' default
+# the target of a position that counts in no loss (padding): PyTorch's and transformers' default
+IGNORED = -100
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
@@ -22,7 +23,11 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        changes = {f.name: map_tensors(fn, getattr(batch, f.name)) for f in dataclasses.fields(batch) if f.init}
+        changes = {
+            f.name: map_tensors(fn, getattr(batch, f.name))
+            for f in dataclasses.fields(batch)
+            if f.init
+        }
         return dataclasses.replace(batch, **changes)
     if isinstance(batch, Mapping):
         items = {key: map_tensors(fn, value) for key, value in batch.items()}
@@ -47,7 +52,9 @@ def collate(samples: list[Any]) -> Any:
         return default_collate(samples)
     if dataclasses.is_dataclass(first):
         fields = [f.name for f in dataclasses.fields(first) if f.init]
-        return dataclasses.replace(first, **{name: collate([getattr(s, name) for s in samples]) for name in fields})
+        return dataclasses.replace(
+            first, **{name: collate([getattr(s, name) for s in samples]) for name in fields}
+        )
     if isinstance(first, Mapping):
         return {key: collate([s[key] for s in samples]) for key in first}
     if isinstance(first, tuple) and hasattr(first, "_fields"):
@@ -115,22 +122,25 @@ def count(batch: Any) -> int:
     sizes = [(path, tensor.shape[0]) for path, tensor in leaves(batch) if tensor.dim() > 0]
     if not sizes:
         raise UserError(
-            f"a batch ({type(batch).__name__}) holds no tensor with a batch dimension: the data must give "
-            "tensors (or a task's samples() must say how many samples a batch holds)"
+            f"a batch ({type(batch).__name__}) holds no tensor with a batch dimension: the data "
+            "must give tensors (or a task's samples() must say how many samples a batch holds)"
         )
     first_path, first = sizes[0]
     for path, size in sizes[1:]:
         if size != first:
             raise UserError(
-                f"a batch's tensors disagree on its size: {first_path} has {first} samples, {path} has {size}; "
-                "give every tensor of a sample the batch dimension first (or give the task a samples(batch))"
+                f"a batch's tensors disagree on its size: {first_path} has {first} "
+                f"samples, {path} has {size}; give every tensor of a sample the "
+                "batch dimension first (or give the task a samples(batch))"
             )
     return first
 
 
-def to_device(batch: Any, device: torch.device, memory_format: torch.memory_format = torch.preserve_format) -> Any:
-    """The batch on the device; `memory_format` (channels_last) for its images: its 4-D floating-point
-    tensors (not an integer mask, nor an index)."""
+def to_device(
+    batch: Any, device: torch.device, memory_format: torch.memory_format = torch.preserve_format
+) -> Any:
+    """The batch on the device; `memory_format` (channels_last) for its images: its 4-D
+    floating-point tensors (not an integer mask, nor an index)."""
     return map_tensors(
         lambda t: (
             t.to(device, non_blocking=True, memory_format=memory_format)
@@ -170,7 +180,8 @@ def describe(batch: Any) -> str:
 class TensorTree(Dataset):
     """A dataset held as one tree of whole tensors sharing their first dimension (a dict of tensors,
     say): sample i is the tree of each tensor's row i. Like a TensorDataset (a tuple of tensors), it
-    is sliced whole: `data.preload=true` puts it on the device and cuts each batch with one index."""
+    is sliced whole: `data.preload=true` puts it on the device and cuts each batch with one
+    index."""
 
     draws_randomness = False  # no per-sample seeding (data/loading.py)
 

@@ -1,17 +1,12 @@
-"""Loaders: the splits built alike on every rank, the training loader (sharded, seeded per sample) and
-the evaluation splits in fixed chunks."""
+"""Loaders: the splits built alike on every rank, the training loader (sharded, seeded per sample)
+and the evaluation splits in fixed chunks."""
 
 from __future__ import annotations
 
 import logging
 import math
-import multiprocessing
-import os
 import platform
-import signal
 import sys
-import threading
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
@@ -22,6 +17,7 @@ from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset
 
 from hydra_ddp.data import batches, shards
+from hydra_ddp.data.loader_workers import FORK_BLOCKING_STOPS, loader_worker_init
 from hydra_ddp.data.sampling import (
     ResumableDistributedSampler,
     SeededSamples,
@@ -29,10 +25,9 @@ from hydra_ddp.data.sampling import (
     sample_seed,
 )
 from hydra_ddp.errors import EveryRankError, UserError
-from hydra_ddp.runtime import hangs, processes
+from hydra_ddp.runtime import hangs
 from hydra_ddp.runtime.ranklog import FILE_ONLY
 from hydra_ddp.runtime.ranks import RankInfo
-from hydra_ddp.runtime.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +63,11 @@ class EvalSplit:
         self.loader = (
             None
             if preload
-            else DataLoader(dataset, batch_sampler=[list(self._indices(c)) for c in self.chunks], **loader_options)
+            else DataLoader(
+                dataset,
+                batch_sampler=[list(self._indices(c)) for c in self.chunks],
+                **loader_options,
+            )
         )
 
     def _indices(self, chunk: int) -> range:
@@ -78,8 +77,8 @@ class EvalSplit:
         return len(self.chunks)
 
     def filler(self) -> Any:
-        """One sample as a batch: the batch of the forwards a rank runs past its own chunks when every
-        rank must run as many (a sharded model gathers its parameters in each)."""
+        """One sample as a batch: the batch of the forwards a rank runs past its own chunks when
+        every rank must run as many (a sharded model gathers its parameters in each)."""
         if self.tensors is not None:
             return batches.take(self.tensors, slice(0, 1))
         return self.collate([self.dataset[0]])
@@ -101,7 +100,12 @@ class TensorBatches:
     batches as a DataLoader."""
 
     def __init__(self, tensors: Any, sampler: Sampler[int], batch_size: int, drop_last: bool):
-        self.tensors, self.sampler, self.batch_size, self.drop_last = tensors, sampler, batch_size, drop_last
+        self.tensors, self.sampler, self.batch_size, self.drop_last = (
+            tensors,
+            sampler,
+            batch_size,
+            drop_last,
+        )
 
     def __len__(self) -> int:
         n = len(self.sampler)  # type: ignore[arg-type]
@@ -145,7 +149,11 @@ def build_datasets(data_cfg: Any, rank: RankInfo, seed: int) -> dict[str, Option
     train, *val, test = splits
     if data_cfg.overfit_batches:  # the first samples, trained and validated on: loss must reach ~0
         n = min(len(train), data_cfg.overfit_batches * data_cfg.batch_size * rank.world_size)
-        train = batches.rows(train, slice(0, n)) if batches.whole(train) is not None else Subset(train, list(range(n)))
+        train = (
+            batches.rows(train, slice(0, n))
+            if batches.whole(train) is not None
+            else Subset(train, list(range(n)))
+        )
         return {"train": train, "val": train, "test": test}
     fraction = data_cfg.val_fraction
     if fraction == 0:
@@ -168,15 +176,18 @@ def stream_refusal(target: str, stream: str) -> str:
 
 
 def carve(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
-    """(rest, validation): `fraction` of the training set, chosen by a permutation seeded with `seed`.
-    In-memory tensors stay whole tensors (sliced), so data.preload keeps working; a shard directory
-    gives whole shards."""
+    """(rest, validation): `fraction` of the training set, chosen by a permutation seeded with
+    `seed`. In-memory tensors stay whole tensors (sliced), so data.preload keeps working; a shard
+    directory gives whole shards."""
     if isinstance(train, shards.ShardedDataset):
         return shards.carve(train, fraction, seed)
     n = len(train)  # type: ignore[arg-type]
     n_val = max(1, round(n * fraction))
     if n_val >= n:
-        raise UserError(f"data.val_fraction={fraction} leaves no training samples out of {n}; choose a smaller one")
+        raise UserError(
+            f"data.val_fraction={fraction} leaves no training "
+            f"samples out of {n}; choose a smaller one"
+        )
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     keep, held_out = order[n_val:].sort().values, order[:n_val].sort().values  # in dataset order
     if batches.whole(train) is not None:
@@ -201,86 +212,19 @@ def loader_options(data_cfg: Any, seed: int, device: torch.device, rank: int = 0
             prefetch_factor=data_cfg.prefetch_factor,
             worker_init_fn=loader_worker_init,
         )
-        # Forked from the rank, as DataLoader does by default on Linux. A rank is itself a child of the
-        # launcher's forkserver, so it would inherit "forkserver" as its default: its loader workers
-        # would then be children of a forkserver of the rank's own, watching that forkserver instead
-        # of the rank, and could outlive the run (holding its output open) when the rank exits.
+        # Forked from the rank, as DataLoader does by default on Linux. A rank is itself a child of
+        # the launcher's forkserver, so it would inherit "forkserver" as its default: its loader
+        # workers would then be children of a forkserver of the rank's own, watching that forkserver
+        # instead of the rank, and could outlive the run (holding its output open) when the rank
+        # exits.
         if sys.platform == "linux":
             options["multiprocessing_context"] = FORK_BLOCKING_STOPS
     return options
 
 
-class _ForkedWithStopsBlocked(multiprocessing.context.ForkProcess):
-    """A loader worker forked with the stop signals blocked: every thread it starts before its init
-    (OpenBLAS's pool, made again in a forked child) inherits the block, so none can take a job's
-    SIGTERM and die of it (stop_signals_are_the_ranks answers them)."""
-
-    def start(self) -> None:
-        hangs.forking_loader_worker(self)  # where its stacks go should its rank stall waiting for it
-        if not hangs.fork_safe_python():
-            _settle_other_threads()
-        before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
-            super().start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, before)
-
-
-def _settle_other_threads() -> None:
-    """Before a fork, on a Python with CPython gh-112275 (before 3.11.10): a forked child deadlocks
-    if another thread held the interpreter's thread-list lock at the fork. A C++ thread takes it,
-    without the GIL, when it first needs the GIL (gloo's can, to release a tensor a collective held).
-    Here such a thread gets the GIL (this one sleeps a moment), and the thread list is read, which
-    waits for the lock to be free. This narrows the window; only a fixed Python closes it."""
-    time.sleep(0.001)
-    sys._current_frames()
-
-
-class _ForkBlockingStops(multiprocessing.context.ForkContext):
-    Process = _ForkedWithStopsBlocked
-
-
-FORK_BLOCKING_STOPS = _ForkBlockingStops()
-
-
-def loader_worker_init(worker_id: int) -> None:
-    """Each loader worker's init: it ends with its rank, leaves stop signals to it, and gives its
-    stacks when the rank's watchdog asks (runtime/hangs.py)."""
-    _dies_with_its_rank()
-    stop_signals_are_the_ranks()
-    hangs.answer_stack_requests()
-
-
-def _dies_with_its_rank() -> None:
-    """The kernel kills this worker when its rank dies (killed, crashed): torch's own check that the
-    rank lives runs between batches, so a worker stuck in a read that never returns would outlive
-    the run, holding its output (and the launcher's helpers) open. Linux only."""
-    rank = multiprocessing.parent_process()
-    if rank is not None:
-        processes.die_with_parent(rank.pid)
-
-
-def stop_signals_are_the_ranks() -> None:
-    """In each loader worker: a stop signal from anyone but its rank is the rank's to act
-    on, not the worker's. torch's workers die on SIGTERM, and a job's SIGTERM reaches them with their
-    rank (Slurm's pre-emption and scancel signal every process of the step, as does a kill of the
-    process group; Ctrl-C sends SIGINT to all): a dead worker would fail the rank before it stops at
-    a checkpoint. The signals are blocked and answered by a thread that knows the sender: the rank
-    itself (its loader's shutdown, multiprocessing's end of its children at its exit) ends the
-    worker; anyone else's is left to the rank."""
-    # Already blocked where the worker was forked through FORK_BLOCKING_STOPS (Linux); a worker
-    # started another way (another platform's default context) inherits no mask, and blocks here.
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    threading.Thread(target=_answer_stop_signals, args=(os.getppid(),), name="hydra-ddp-stop", daemon=True).start()
-
-
-def _answer_stop_signals(rank_pid: int) -> None:
-    while True:
-        if signal.sigwaitinfo(STOP_SIGNALS).si_pid == rank_pid:
-            os._exit(0)
-
-
-def eval_split(dataset: Dataset, data_cfg: Any, rank: RankInfo, seed: int, device: torch.device) -> EvalSplit:
+def eval_split(
+    dataset: Dataset, data_cfg: Any, rank: RankInfo, seed: int, device: torch.device
+) -> EvalSplit:
     return EvalSplit(
         dataset,
         data_cfg.eval_batch_size,
@@ -294,15 +238,16 @@ def eval_split(dataset: Dataset, data_cfg: Any, rank: RankInfo, seed: int, devic
 def _preloaded(dataset: Dataset, data_cfg: Any) -> bool:
     if data_cfg.preload and batches.whole(dataset) is None:
         raise UserError(
-            "data.preload=true needs datasets held as whole tensors (a TensorDataset, as digits and synthetic "
-            "give, or a data.batches.TensorTree, as text_dicts gives); set it false"
+            "data.preload=true needs datasets held as whole tensors (a "
+            "TensorDataset, as digits and synthetic give, or a "
+            "data.batches.TensorTree, as text_dicts gives); set it false"
         )
     return bool(data_cfg.preload)
 
 
 def draws_randomness(dataset: Dataset) -> bool:
-    """Whether a dataset's samples may draw random numbers (a transform's): unless it, or the dataset
-    a Subset of it views, says `draws_randomness = False`."""
+    """Whether a dataset's samples may draw random numbers (a transform's): unless it, or the
+    dataset a Subset of it views, says `draws_randomness = False`."""
     while isinstance(dataset, Subset):
         dataset = dataset.dataset
     return getattr(dataset, "draws_randomness", True)
@@ -316,20 +261,25 @@ def build_loaders(
     shard = shard or rank
     if data_cfg.num_workers > 0 and rank.is_main and not hangs.fork_safe_python():
         log.warning(
-            "data.num_workers=%d on Python %s: a loader worker can, rarely, deadlock as it is forked (CPython "
-            "gh-112275, fixed in 3.11.10 and 3.12); the watchdog's report names such a worker",
+            "data.num_workers=%d on Python %s: a loader worker can, "
+            "rarely, deadlock as it is forked (CPython gh-112275, fixed in "
+            "3.11.10 and 3.12); the watchdog's report names such a worker",
             data_cfg.num_workers,
             platform.python_version(),
             extra=FILE_ONLY,
         )
     splits = build_datasets(data_cfg, rank, seed)
     train_set = splits["train"]
-    # In-memory tensors draw no randomness per sample: they are sliced whole (data.preload), unwrapped.
-    # So are datasets that say they draw none (`draws_randomness = False`: no transform, no sampling):
-    # seeding torch's generator per sample costs about 0.2 ms a sample on a CPU.
+    # In-memory tensors draw no randomness per sample: they are sliced whole (data.preload),
+    # unwrapped. So are datasets that say they draw none (`draws_randomness = False`: no transform,
+    # no sampling): seeding torch's generator per sample costs about 0.2 ms a sample on a CPU.
     seeded = batches.whole(train_set) is None and draws_randomness(train_set)
     # A shard directory's samples in shard windows (read as a stream); any other dataset by index.
-    sampler = ShardWindowSampler if isinstance(train_set, shards.ShardedDataset) else ResumableDistributedSampler
+    sampler = (
+        ShardWindowSampler
+        if isinstance(train_set, shards.ShardedDataset)
+        else ResumableDistributedSampler
+    )
     train_sampler = sampler(
         train_set,
         num_replicas=shard.world_size,
@@ -341,18 +291,24 @@ def build_loaders(
         by_length=_by_length(train_set, data_cfg),
     )
     val, test = (
-        eval_split(splits[s], data_cfg, shard, seed, device) if splits[s] is not None else None for s in ("val", "test")
+        eval_split(splits[s], data_cfg, shard, seed, device) if splits[s] is not None else None
+        for s in ("val", "test")
     )
     if _preloaded(train_set, data_cfg):
         on_device = batches.to_device(batches.whole(train_set), device)
-        train: Iterable = TensorBatches(on_device, train_sampler, data_cfg.batch_size, data_cfg.drop_last)
+        train: Iterable = TensorBatches(
+            on_device, train_sampler, data_cfg.batch_size, data_cfg.drop_last
+        )
     else:
         train = DataLoader(
             SeededSamples(train_set, seed) if seeded else train_set,
             batch_size=data_cfg.batch_size,
             sampler=train_sampler,
             drop_last=data_cfg.drop_last,
-            **{**loader_options(data_cfg, seed, device, rank.rank), "collate_fn": batches.collate_for(train_set)},
+            **{
+                **loader_options(data_cfg, seed, device, rank.rank),
+                "collate_fn": batches.collate_for(train_set),
+            },
         )
     return Loaders(train, val, test, train_sampler, data_cfg.batch_size)  # type: ignore[arg-type]
 
@@ -368,13 +324,15 @@ def save_with_run(data_cfg: Any, run_dir: Path) -> Optional[Path]:
 
 
 def _by_length(train_set: Dataset, data_cfg: Any) -> Optional[tuple[torch.Tensor, int, int]]:
-    """data.group_by_length: (each sample's length, samples per optimizer step, steps per window)."""
+    """data.group_by_length: (each sample's length, samples per optimizer step, steps per
+    window)."""
     if data_cfg.group_by_length is None:
         return None
     lengths = batches.lengths_of(train_set)
     if lengths is None:
         raise EveryRankError(
-            f"data.group_by_length={data_cfg.group_by_length}: the training set ({type(train_set).__name__}) does "
-            "not say its samples' lengths (a `lengths` tensor, as data=documents has); leave it null"
+            f"data.group_by_length={data_cfg.group_by_length}: the training set "
+            f"({type(train_set).__name__}) does not say its samples' lengths (a "
+            "`lengths` tensor, as data=documents has); leave it null"
         )
     return lengths, data_cfg.global_batch_size, data_cfg.group_by_length

@@ -1,10 +1,10 @@
 """Datasets stored as many shard files on disk, read in windows of shards, never loaded whole.
 
-A shard directory holds `manifest.json` (each split's shards, their sample counts, sizes and CRC-32s)
-and the shard files. A shard holds a fixed number of samples (tuples or dicts of arrays), field by
-field: a field of one shape as one block, one whose samples differ in their first dimension (token
-ids) as its values end to end and their offsets; read through memory maps (only the pages a read
-touches come from disk). Token ids are padded per batch where the manifest gives a padding id.
+A shard directory holds `manifest.json` (each split's shards, their sample counts, sizes and
+CRC-32s) and the shard files. A shard holds a fixed number of samples (tuples or dicts of arrays),
+field by field: a field of one shape as one block, one whose samples differ in their first dimension
+(token ids) as its values end to end and their offsets; read through memory maps (only the pages a
+read touches come from disk). Token ids are padded per batch where the manifest gives a padding id.
 
 A sample's address is (shard, offset), and the training order is index arithmetic over the
 manifest's counts (sampling.ShardWindowSampler): shards in a seeded order each epoch, samples
@@ -23,9 +23,6 @@ import bisect
 import collections
 import json
 import os
-import zlib
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,161 +30,47 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from hydra_ddp.data.shard_files import FORMAT, MAGIC, MANIFEST, READABLE, VERSION, ShardInfo, pad
+from hydra_ddp.data.shard_files import write as write  # shards.write, as documented
 from hydra_ddp.errors import UserError
 
-FORMAT = "hydra-ddp-shards"
-VERSION = 2  # 2: ragged fields (values and offsets); version 1 directories read as before
-READABLE = (1, 2)
-MAGIC = b"HDDPSHRD"
-ALIGN = 64  # each field's block starts at a multiple of this: aligned memory maps
-MANIFEST = "manifest.json"
-OPEN_SHARDS = 64  # memory maps a reader keeps open: more than a shuffle window spans at the default sizes
+# memory maps a reader keeps open: more than a shuffle window spans at the default sizes
+OPEN_SHARDS = 64
 
 
 class ShardError(UserError):
     """A shard directory or file that cannot be read as written: what is wrong, and what to do."""
 
 
-@dataclass(frozen=True)
-class ShardInfo:
-    file: str  # relative to the directory
-    samples: int
-    bytes: int
-    crc32: int
-
-
-# --- writing ------------------------------------------------------------------------------------
-def _fields(sample: Any) -> tuple[str, list[tuple[str, np.ndarray]]]:
-    """(structure, [(name, array)]) of one sample: a tuple/list of leaves, or a dict of them."""
-    if isinstance(sample, Mapping):
-        return "dict", [(str(key), _array(value, key)) for key, value in sample.items()]
-    if isinstance(sample, (tuple, list)):
-        return "tuple", [(str(i), _array(value, i)) for i, value in enumerate(sample)]
-    raise UserError(f"a shard sample must be a tuple or a dict of arrays, got {type(sample).__name__}")
-
-
-def _array(value: Any, name: Any) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    array = np.asarray(value)
-    if array.dtype == object or array.dtype.kind in "USV":
-        raise UserError(f"a shard sample's field {name!r} is {type(value).__name__}: only numbers and arrays store")
-    return array
-
-
-def _pad(length: int) -> int:
-    return -length % ALIGN
-
-
-def _write_shard(path: Path, samples: list[Any]) -> ShardInfo:
-    """One shard file, written in one go from the samples given to it."""
-    structure, first = _fields(samples[0])
-    names = [name for name, _ in first]
-    columns: dict[str, list[np.ndarray]] = {name: [] for name in names}
-    for i, sample in enumerate(samples):
-        kind, fields = _fields(sample)
-        if kind != structure or [name for name, _ in fields] != names:
-            raise UserError(f"sample {i} of {path.name} has fields {[n for n, _ in fields]}, not {names}")
-        for name, array in fields:
-            columns[name].append(array)
-    blocks = []  # (field, array): a field's block, or a ragged field's values then its offsets
-    header: dict[str, Any] = {"samples": len(samples), "structure": structure, "fields": []}
-    offset = 0  # from the start of the data, fixed up below once the header's length is known
-    for name in names:
-        arrays = columns[name]
-        shapes, dtypes = {a.shape for a in arrays}, {a.dtype for a in arrays}
-        ragged = len(shapes) > 1 and all(a.ndim >= 1 for a in arrays) and len({a.shape[1:] for a in arrays}) == 1
-        if len(dtypes) != 1 or (len(shapes) != 1 and not ragged):
-            raise UserError(
-                f"field {name!r} of {path.name} has shapes {sorted(shapes)} and dtypes "
-                f"{sorted(map(str, dtypes))}: a field needs one dtype, and shapes that differ in their first "
-                "dimension at most (a sequence of any length)"
-            )
-        entry = {"name": name, "dtype": arrays[0].dtype.str, "offset": offset}
-        if ragged:
-            values = np.ascontiguousarray(np.concatenate(arrays))
-            ends = np.cumsum([0, *(len(a) for a in arrays)], dtype=np.int64)
-            entry.update(shape=list(arrays[0].shape[1:]), ragged=True, values=len(values))
-            entry["offsets_at"] = offset + values.nbytes + _pad(values.nbytes)
-            parts = [values, ends]
-        else:
-            block = np.ascontiguousarray(np.stack(arrays))
-            entry["shape"] = list(block.shape[1:])
-            parts = [block]
-        for part in parts:
-            blocks.append(part)
-            offset += part.nbytes + _pad(part.nbytes)
-        header["fields"].append(entry)
-    # Offsets are from the data's start (the header's end, aligned): the header's length cannot change them.
-    encoded = json.dumps(header).encode()
-    crc = 0
-    head = MAGIC + len(encoded).to_bytes(8, "little") + encoded
-    with open(path, "wb") as f:
-        for chunk in (head, bytes(_pad(len(head)))):
-            f.write(chunk)
-            crc = zlib.crc32(chunk, crc)
-        for block in blocks:
-            for chunk in (block.tobytes(), bytes(_pad(block.nbytes))):
-                f.write(chunk)
-                crc = zlib.crc32(chunk, crc)
-        size = f.tell()
-    return ShardInfo(path.name, len(samples), size, crc)
-
-
-def write(
-    root: str | os.PathLike,
-    splits: Mapping[str, Iterable[Any]],
-    samples_per_shard: int,
-    meta: Optional[Mapping[str, Any]] = None,
-) -> dict[str, Any]:
-    """Write each split's samples (any iterable: a Dataset, a generator) as shards of
-    `samples_per_shard` samples under `root`, and the manifest last (a directory without one is not
-    a shard directory: a write that stopped part-way is never read). `meta`: what the data is (its
-    number of classes, image size, ...), checked against data.* before a run. Returns the manifest."""
-    if samples_per_shard < 1:
-        raise UserError(f"samples_per_shard={samples_per_shard}: at least 1")
-    out = Path(root)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)
-    manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "meta": dict(meta or {}), "splits": {}}
-    for split, samples in splits.items():
-        shards: list[ShardInfo] = []
-        pending: list[Any] = []
-        for sample in _iterate(samples):
-            pending.append(sample)
-            if len(pending) == samples_per_shard:
-                shards.append(_write_shard(out / f"{split}-{len(shards):06d}.shard", pending))
-                pending = []
-        if pending:
-            shards.append(_write_shard(out / f"{split}-{len(shards):06d}.shard", pending))
-        manifest["splits"][split] = [vars(s) for s in shards]
-    (out / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
-    os.replace(out / (MANIFEST + ".tmp"), out / MANIFEST)
-    return manifest
-
-
-def _iterate(samples: Iterable[Any]) -> Iterator[Any]:
-    if isinstance(samples, Dataset) and hasattr(samples, "__len__"):  # a map-style dataset may not iterate
-        return (samples[i] for i in range(len(samples)))  # type: ignore[arg-type]
-    return iter(samples)
-
-
 # --- reading ------------------------------------------------------------------------------------
 def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
     path = Path(root).expanduser()
     if not path.is_dir():
-        raise ShardError(f"data.dataset.root={str(root)!r}: no such directory; write shards there first ({_HOW})")
+        raise ShardError(
+            f"data.dataset.root={str(root)!r}: no such directory; write shards there first ({_HOW})"
+        )
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         found = len(list(path.glob("*.shard")))
-        what = f"{found} shard files but no {MANIFEST} (a write stopped part-way?)" if found else "no shards"
-        raise ShardError(f"data.dataset.root={str(root)!r} holds {what}; write shards there ({_HOW})")
+        what = (
+            f"{found} shard files but no {MANIFEST} (a write stopped part-way?)"
+            if found
+            else "no shards"
+        )
+        raise ShardError(
+            f"data.dataset.root={str(root)!r} holds {what}; write shards there ({_HOW})"
+        )
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as e:
-        raise ShardError(f"{manifest_path} cannot be read ({e}); write the shards again ({_HOW})") from None
+        raise ShardError(
+            f"{manifest_path} cannot be read ({e}); write the shards again ({_HOW})"
+        ) from None
     if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE:
-        raise ShardError(f"{manifest_path} is not a {FORMAT} v{VERSION} manifest; write the shards again ({_HOW})")
+        raise ShardError(
+            f"{manifest_path} is not a {FORMAT} v{VERSION} "
+            f"manifest; write the shards again ({_HOW})"
+        )
     return manifest
 
 
@@ -197,7 +80,10 @@ _HOW = "python -m hydra_ddp.tools.shards write DIR --source digits"
 def split_shards(root: str | os.PathLike, manifest: dict[str, Any], split: str) -> list[ShardInfo]:
     shards = [ShardInfo(**entry) for entry in manifest["splits"].get(split, [])]
     if not shards or not sum(s.samples for s in shards):
-        raise ShardError(f"{Path(root) / MANIFEST}: the {split} split has no samples; write it (or pick another root)")
+        raise ShardError(
+            f"{Path(root) / MANIFEST}: the {split} split has "
+            "no samples; write it (or pick another root)"
+        )
     return shards
 
 
@@ -212,8 +98,8 @@ def check_files(root: str | os.PathLike, shards: list[ShardInfo]) -> None:
             raise ShardError(f"shard {path} is missing; write the shards again ({_HOW})") from None
         if size != shard.bytes:
             raise ShardError(
-                f"shard {path} has {size} bytes, its manifest says {shard.bytes} (truncated or rewritten); "
-                f"write the shards again ({_HOW})"
+                f"shard {path} has {size} bytes, its manifest says {shard.bytes} "
+                f"(truncated or rewritten); write the shards again ({_HOW})"
             )
 
 
@@ -228,26 +114,39 @@ class ShardFile:
                     raise ValueError("not a shard file (bad magic or header length)")
                 header = json.loads(f.read(length))
             start = len(MAGIC) + 8 + length
-            start += _pad(start)
+            start += pad(start)
             if header["samples"] != info.samples:
                 raise ValueError(f"{header['samples']} samples, the manifest says {info.samples}")
             self.structure, self.columns = header["structure"], []
             for field in header["fields"]:
                 ragged, name = field.get("ragged"), field["name"]
-                rows = field["values"] if ragged else info.samples  # a ragged field: its values, then offsets
+                # a ragged field: its values, then offsets
+                rows = field["values"] if ragged else info.samples
                 values = _map(
-                    path, info, name, np.dtype(field["dtype"]), (rows, *field["shape"]), start + field["offset"]
+                    path,
+                    info,
+                    name,
+                    np.dtype(field["dtype"]),
+                    (rows, *field["shape"]),
+                    start + field["offset"],
                 )
                 ends = (
-                    _map(path, info, name, np.dtype(np.int64), (info.samples + 1,), start + field["offsets_at"])
+                    _map(
+                        path,
+                        info,
+                        name,
+                        np.dtype(np.int64),
+                        (info.samples + 1,),
+                        start + field["offsets_at"],
+                    )
                     if ragged
                     else None
                 )
                 self.columns.append((name, values, ends))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ShardError(
-                f"shard {path} is corrupt ({e}); write the shards again ({_HOW}), or find the bad ones with "
-                f"python -m hydra_ddp.tools.shards verify {path.parent}"
+                f"shard {path} is corrupt ({e}); write the shards again ({_HOW}), or find "
+                f"the bad ones with python -m hydra_ddp.tools.shards verify {path.parent}"
             ) from None
 
     def take(self, offsets: Any) -> list[Any]:
@@ -257,13 +156,23 @@ class ShardFile:
             if ends is None:
                 values.append((name, torch.from_numpy(np.array(column[offsets]))))
             else:  # a ragged field: each sample's own slice of the values
-                values.append((name, [torch.from_numpy(np.array(column[ends[i] : ends[i + 1]])) for i in offsets]))
+                values.append(
+                    (
+                        name,
+                        [
+                            torch.from_numpy(np.array(column[ends[i] : ends[i + 1]]))
+                            for i in offsets
+                        ],
+                    )
+                )
         if self.structure == "dict":
             return [{name: value[i] for name, value in values} for i in range(len(offsets))]
         return [tuple(value[i] for _, value in values) for i in range(len(offsets))]
 
 
-def _map(path: Path, info: ShardInfo, name: str, dtype: np.dtype, shape: tuple[int, ...], offset: int) -> Any:
+def _map(
+    path: Path, info: ShardInfo, name: str, dtype: np.dtype, shape: tuple[int, ...], offset: int
+) -> Any:
     if offset + dtype.itemsize * int(np.prod(shape)) > info.bytes:
         raise ValueError(f"field {name!r} runs past the end of the file")
     return np.memmap(path, dtype, "r", offset, shape)
@@ -274,15 +183,27 @@ class ShardedDataset(Dataset):
     to the shards through memory maps, a few dozen kept open per process (a loader worker opens its
     own after the fork)."""
 
-    draws_randomness = False  # samples as stored: no per-sample seeding needed (loading.draws_randomness)
+    # samples as stored: no per-sample seeding needed (loading.draws_randomness)
+    draws_randomness = False
 
     def __init__(
-        self, root: str | os.PathLike, shards: list[ShardInfo], shuffle_window: int, pad_id: Optional[int] = None
+        self,
+        root: str | os.PathLike,
+        shards: list[ShardInfo],
+        shuffle_window: int,
+        pad_id: Optional[int] = None,
     ):
-        """`pad_id`: a directory of token ids' padding id (its manifest's meta): batches are padded."""
-        self.root, self.shards, self.shuffle_window, self.pad_id = Path(root), list(shards), shuffle_window, pad_id
+        """`pad_id`: a directory of token ids' padding id (its manifest's meta): batches are
+        padded."""
+        self.root, self.shards, self.shuffle_window, self.pad_id = (
+            Path(root),
+            list(shards),
+            shuffle_window,
+            pad_id,
+        )
         self.shard_sizes = [s.samples for s in self.shards]
-        self.starts = np.cumsum([0, *self.shard_sizes]).tolist()  # sample index of each shard's first
+        # sample index of each shard's first
+        self.starts = np.cumsum([0, *self.shard_sizes]).tolist()
         self._open: collections.OrderedDict[int, ShardFile] = collections.OrderedDict()
         if pad_id is not None:
             from hydra_ddp.data.text import PadCollate
@@ -296,7 +217,9 @@ class ShardedDataset(Dataset):
         return {**self.__dict__, "_open": collections.OrderedDict()}
 
     def _shard(self, number: int) -> ShardFile:
-        shard = self._open.pop(number, None) or ShardFile(self.root / self.shards[number].file, self.shards[number])
+        shard = self._open.pop(number, None) or ShardFile(
+            self.root / self.shards[number].file, self.shards[number]
+        )
         self._open[number] = shard  # the most recently used last
         if len(self._open) > OPEN_SHARDS:
             self._open.popitem(last=False)
@@ -328,18 +251,23 @@ class ShardedDataset(Dataset):
 
     def subset(self, shards: list[int]) -> ShardedDataset:
         """The same directory's split, of these shards only."""
-        return ShardedDataset(self.root, [self.shards[i] for i in shards], self.shuffle_window, self.pad_id)
+        return ShardedDataset(
+            self.root, [self.shards[i] for i in shards], self.shuffle_window, self.pad_id
+        )
 
 
-def carve(train: ShardedDataset, fraction: float, seed: int) -> tuple[ShardedDataset, ShardedDataset]:
+def carve(
+    train: ShardedDataset, fraction: float, seed: int
+) -> tuple[ShardedDataset, ShardedDataset]:
     """(rest, validation): whole shards, `fraction` of them chosen by a permutation seeded with
     `seed`, so both splits stay shard directories read in windows."""
     count = len(train.shards)
     held = max(1, round(count * fraction))
     if held >= count:
         raise UserError(
-            f"data.val_fraction={fraction} holds out {held} of the {count} training shards, leaving none; "
-            "choose a smaller fraction, write a val split, or write more, smaller shards"
+            f"data.val_fraction={fraction} holds out {held} of the "
+            f"{count} training shards, leaving none; choose a smaller "
+            "fraction, write a val split, or write more, smaller shards"
         )
     order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
     keep, val = sorted(order[held:].tolist()), sorted(order[:held].tolist())
@@ -349,13 +277,20 @@ def carve(train: ShardedDataset, fraction: float, seed: int) -> tuple[ShardedDat
 def sharded(root: str, shuffle_window: int = 8192) -> tuple[Dataset, ...]:
     """A shard directory's splits: (train, test), or (train, val, test) where it has a val split.
     `shuffle_window`: training samples are shuffled within windows of this many consecutive
-    positions of the epoch's shard order (1: shards in a new order each epoch, each read through)."""
+    positions of the epoch's shard order (1: shards in a new order each epoch, each read
+    through)."""
     if shuffle_window < 1:
-        raise UserError(f"data.dataset.shuffle_window={shuffle_window}: at least 1 (1: no shuffle within shards)")
+        raise UserError(
+            f"data.dataset.shuffle_window={shuffle_window}: "
+            "at least 1 (1: no shuffle within shards)"
+        )
     manifest = read_manifest(root)
     names = ["train", *(["val"] if manifest["splits"].get("val") else []), "test"]
     pad_id = manifest.get("meta", {}).get("pad_id")
-    return tuple(ShardedDataset(root, split_shards(root, manifest, name), shuffle_window, pad_id) for name in names)
+    return tuple(
+        ShardedDataset(root, split_shards(root, manifest, name), shuffle_window, pad_id)
+        for name in names
+    )
 
 
 def check(dataset_cfg: Any, data_cfg: Any) -> None:
@@ -371,12 +306,13 @@ def check(dataset_cfg: Any, data_cfg: Any) -> None:
     meta = manifest.get("meta", {})
     if "vocab_size" in meta and data_cfg.num_classes < meta["vocab_size"]:
         raise UserError(
-            f"data.num_classes={data_cfg.num_classes} but the shards in {root} hold token ids of a vocabulary of "
-            f"{meta['vocab_size']} (their tokenizer's); set data.num_classes={meta['vocab_size']}"
+            f"data.num_classes={data_cfg.num_classes} but the shards in "
+            f"{root} hold token ids of a vocabulary of {meta['vocab_size']} "
+            f"(their tokenizer's); set data.num_classes={meta['vocab_size']}"
         )
     for key, value in meta.items():
         if key in ("num_classes", "in_channels", "image_size") and getattr(data_cfg, key) != value:
             raise UserError(
-                f"data.{key}={getattr(data_cfg, key)} but the shards in {root} hold data with {key}={value}; "
-                f"set data.{key}={value}"
+                f"data.{key}={getattr(data_cfg, key)} but the shards in "
+                f"{root} hold data with {key}={value}; set data.{key}={value}"
             )

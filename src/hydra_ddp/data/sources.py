@@ -1,22 +1,20 @@
-"""The data sources conf/data/*.yaml builds through `_target_`: each returns (train, test), or (train,
-val, test) where the source has a validation split of its own. Offline by default: scikit-learn's
-digits and diabetes as shipped, synthetic data, files on disk."""
+"""The data sources conf/data/*.yaml builds through `_target_`: each returns (train, test), or
+(train, val, test) where the source has a validation split of its own. Offline by default:
+scikit-learn's digits and diabetes as shipped, synthetic data, files on disk."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import inspect
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset, TensorDataset
 
-from hydra_ddp.data import shards, text
 from hydra_ddp.data.batches import TensorTree
 from hydra_ddp.errors import UserError
 
@@ -30,9 +28,10 @@ def _split(n: int, test_fraction: float, seed: int) -> tuple[torch.Tensor, torch
 
 
 def _one_thread(build):
-    """A source built as one thread builds it, whatever the caller's torch thread count: a reduction's
-    (a mean's, a matrix product's) summation order follows the thread count, and a 1-rank run (two
-    threads on two cores) would otherwise train on other bits of the same data than a 2-rank run."""
+    """A source built as one thread builds it, whatever the caller's torch thread count: a
+    reduction's (a mean's, a matrix product's) summation order follows the thread count, and a
+    1-rank run (two threads on two cores) would otherwise train on other bits of the same data than
+    a 2-rank run."""
 
     @functools.wraps(build)
     def built(*args: Any, **kwargs: Any) -> Any:
@@ -68,16 +67,21 @@ def _load_digits() -> tuple[np.ndarray, np.ndarray]:
 
         raw = load_digits()
         return raw.images, raw.target
-    table = np.loadtxt(path, delimiter=",")  # 64 pixels, then the label, per row (as load_digits reads it)
+    # 64 pixels, then the label, per row (as load_digits reads it)
+    table = np.loadtxt(path, delimiter=",")
     return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
 
 
 @_one_thread
-def digits(image_size: int = 28, test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset]:
+def digits(
+    image_size: int = 28, test_fraction: float = 0.2, seed: int = 0
+) -> tuple[Dataset, Dataset]:
     """scikit-learn's 1,797 8×8 digits, bilinearly resized to image_size², held in memory."""
     raw_images, raw_labels = _load_digits()
     images = torch.from_numpy(raw_images).float().unsqueeze(1) / 16.0
-    images = F.interpolate(images, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    images = F.interpolate(
+        images, size=(image_size, image_size), mode="bilinear", align_corners=False
+    )
     labels = torch.from_numpy(raw_labels).long()
     train_idx, test_idx = _split(len(labels), test_fraction, seed)
     train_x, test_x = _standardize(images[train_idx], images[test_idx])
@@ -98,10 +102,15 @@ def python_source(
         text += path.read_bytes()
         if len(text) >= max_bytes:
             break
-    windows = torch.from_numpy(np.frombuffer(bytes(text[:max_bytes]), dtype=np.uint8).astype(np.int64))
+    windows = torch.from_numpy(
+        np.frombuffer(bytes(text[:max_bytes]), dtype=np.uint8).astype(np.int64)
+    )
     count = (len(windows) - 1) // (context + 1)
     if count < 2:
-        raise UserError(f"data=text: {len(windows)} bytes make fewer than 2 windows of data.dataset.context={context}")
+        raise UserError(
+            f"data=text: {len(windows)} bytes make fewer than "
+            f"2 windows of data.dataset.context={context}"
+        )
     windows = windows[: count * (context + 1)].view(count, context + 1)
     train_idx, test_idx = _split(count, test_fraction, seed)
     return (
@@ -121,7 +130,9 @@ def python_source_dicts(
     trees = []
     for inputs, targets in (split.tensors for split in splits):
         ids = torch.cat([inputs, targets[:, -1:]], 1)
-        trees.append(TensorTree({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}))
+        trees.append(
+            TensorTree({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+        )
     return trees[0], trees[1]
 
 
@@ -138,14 +149,19 @@ def synthetic(
     n = train_size + test_size
     x = torch.randn(n, in_channels, image_size, image_size, generator=gen)
     y = torch.randint(0, num_classes, (n,), generator=gen)
-    return TensorDataset(x[:train_size], y[:train_size]), TensorDataset(x[train_size:], y[train_size:])
+    return TensorDataset(x[:train_size], y[:train_size]), TensorDataset(
+        x[train_size:], y[train_size:]
+    )
 
 
 def _shipped_table(name: str) -> np.ndarray:
     """A table scikit-learn ships in sklearn/datasets/data/, read without importing sklearn."""
     path = _shipped_path(name)
     if path is None:
-        raise UserError(f"scikit-learn's {name} was not found (is scikit-learn installed?): pip install scikit-learn")
+        raise UserError(
+            f"scikit-learn's {name} was not found (is "
+            "scikit-learn installed?): pip install scikit-learn"
+        )
     return np.loadtxt(path)
 
 
@@ -165,22 +181,31 @@ def diabetes(test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Datase
 
 @_one_thread
 def synthetic_regression(
-    train_size: int = 4096, test_size: int = 512, in_features: int = 16, noise: float = 0.1, seed: int = 0
+    train_size: int = 4096,
+    test_size: int = 512,
+    in_features: int = 16,
+    noise: float = 0.1,
+    seed: int = 0,
 ) -> tuple[Dataset, Dataset]:
     """y = sin(x · w₁) + x · w₂ + noise, for random x: a regression target a small MLP can learn."""
     gen = torch.Generator().manual_seed(seed)
     n = train_size + test_size
     x = torch.randn(n, in_features, generator=gen)
-    w1, w2 = torch.randn(in_features, generator=gen) / in_features**0.5, torch.randn(in_features, generator=gen) / 4
+    w1, w2 = (
+        torch.randn(in_features, generator=gen) / in_features**0.5,
+        torch.randn(in_features, generator=gen) / 4,
+    )
     y = torch.sin(2 * x @ w1) + x @ w2 + noise * torch.randn(n, generator=gen)
-    return TensorDataset(x[:train_size], y[:train_size]), TensorDataset(x[train_size:], y[train_size:])
+    return TensorDataset(x[:train_size], y[:train_size]), TensorDataset(
+        x[train_size:], y[train_size:]
+    )
 
 
 def shapes(
     train_size: int = 1024, test_size: int = 256, image_size: int = 16, seed: int = 0
 ) -> tuple[Dataset, Dataset]:
-    """Segmentation of synthetic shapes: each grey image holds a filled square (class 1) and a filled
-    disc (class 2) at random places and sizes, over noise; the mask gives each pixel's class
+    """Segmentation of synthetic shapes: each grey image holds a filled square (class 1) and a
+    filled disc (class 2) at random places and sizes, over noise; the mask gives each pixel's class
     (0: background; the disc is drawn over the square)."""
     gen = torch.Generator().manual_seed(seed)
     n = train_size + test_size
@@ -194,18 +219,13 @@ def shapes(
         cy, cx = (float(v) for v in torch.randint(radius, image_size - radius, (2,), generator=gen))
         masks[i][(rows - cy) ** 2 + (cols - cx) ** 2 <= radius**2] = 2
     brightness = torch.tensor([0.0, 0.6, 1.0])  # background, square, disc
-    images = (brightness[masks] + 0.3 * torch.randn(n, image_size, image_size, generator=gen)).unsqueeze(1)
+    images = (
+        brightness[masks] + 0.3 * torch.randn(n, image_size, image_size, generator=gen)
+    ).unsqueeze(1)
     return (
         TensorDataset(images[:train_size], masks[:train_size]),
         TensorDataset(images[train_size:], masks[train_size:]),
     )
-
-
-def _require_dir(root: str, what: str) -> Path:
-    path = Path(root).expanduser().resolve()
-    if not path.is_dir():
-        raise UserError(f"{what}: directory {str(path)!r} does not exist; set data.dataset.root to it")
-    return path
 
 
 def mnist(root: str, download: bool = False) -> tuple[Dataset, Dataset]:
@@ -237,10 +257,10 @@ class ImageArrays(Dataset):
 
 
 def cifar10(root: str, download: bool = False, augment: bool = False) -> tuple[Dataset, Dataset]:
-    """CIFAR-10's python batches under root/cifar-10-batches-py (any files in that format: torchvision's
-    md5 check is for downloads). `augment`: the standard random 4-pixel-padded crop and horizontal
-    flip for training, drawn per sample and epoch (SeededSamples): exact across a mid-epoch resume
-    and the same at any world size."""
+    """CIFAR-10's python batches under root/cifar-10-batches-py (any files in that format:
+    torchvision's md5 check is for downloads). `augment`: the standard random 4-pixel-padded crop
+    and horizontal flip for training, drawn per sample and epoch (SeededSamples): exact across a
+    mid-epoch resume and the same at any world size."""
     import pickle
 
     from torchvision import datasets, transforms
@@ -259,8 +279,13 @@ def cifar10(root: str, download: bool = False, augment: bool = False) -> tuple[D
             labels += batch["labels"]
         return np.concatenate(images).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), np.array(labels)
 
-    normalize = [transforms.ToTensor(), transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))]
-    flips = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
+    normalize = [
+        transforms.ToTensor(),
+        transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    ]
+    flips = (
+        [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
+    )
     return (
         ImageArrays(*read(CIFAR10_FILES[:5]), transforms.Compose(flips + normalize)),
         ImageArrays(*read(CIFAR10_FILES[5:]), transforms.Compose(normalize)),
@@ -268,11 +293,15 @@ def cifar10(root: str, download: bool = False, augment: bool = False) -> tuple[D
 
 
 def image_folder(
-    root: str, image_size: int = 64, grayscale: bool = False, test_fraction: float = 0.2, seed: int = 0
+    root: str,
+    image_size: int = 64,
+    grayscale: bool = False,
+    test_fraction: float = 0.2,
+    seed: int = 0,
 ) -> tuple[Dataset, ...]:
-    """root/<class>/<image>, split into train and test by a seeded permutation; or root/train/<class>/…
-    with root/val/ and root/test/ beside it, each used where present (a missing test/ is split
-    from train/ as above; a missing val/ is carved later by data.val_fraction)."""
+    """root/<class>/<image>, split into train and test by a seeded permutation; or
+    root/train/<class>/… with root/val/ and root/test/ beside it, each used where present (a missing
+    test/ is split from train/ as above; a missing val/ is carved later by data.val_fraction)."""
     from torchvision import datasets, transforms
 
     steps = [transforms.Resize(image_size), transforms.CenterCrop(image_size)]
@@ -297,98 +326,11 @@ def image_folder(
 
 
 def split_folders(root: Path) -> dict[str, Path]:
-    """{split: folder} when root holds train/ (and val/, test/) and nothing else; {} for root/<class>/."""
-    subfolders = {d.name: Path(d.path) for d in os.scandir(root) if d.is_dir()} if root.is_dir() else {}
+    """{split: folder} when root holds train/ (and val/, test/) and nothing else; {} for
+    root/<class>/."""
+    subfolders = (
+        {d.name: Path(d.path) for d in os.scandir(root) if d.is_dir()} if root.is_dir() else {}
+    )
     if "train" in subfolders and set(subfolders) <= set(SPLITS):
         return subfolders
     return {}
-
-
-def text_shape(data_cfg: Any) -> tuple[Optional[int], Optional[int]]:
-    """(the longest sequence, the vocabulary) of the language-model data shipped here, from its config
-    alone (a tokenizer file is read, none is trained); (None, None) for other data."""
-    dataset_cfg = data_cfg.dataset
-    target = str(dataset_cfg.get("_target_", ""))
-    if target.endswith(".documents"):
-        return _setting(dataset_cfg, text.documents, "context"), text.vocabulary_size(dataset_cfg)
-    if target.endswith(".python_source"):
-        return _setting(dataset_cfg, python_source, "context"), 256
-    if target.endswith(".python_source_dicts"):
-        return _setting(dataset_cfg, python_source_dicts, "tokens"), 256
-    if target.endswith(".sharded"):
-        meta = shards.read_manifest(dataset_cfg.get("root")).get("meta", {})
-        return meta.get("context"), meta.get("vocab_size")
-    return None, None
-
-
-def _setting(dataset_cfg: Any, source: Any, name: str) -> Any:
-    """A source's argument as configured, else its default."""
-    return dataset_cfg.get(name, inspect.signature(source).parameters[name].default)
-
-
-def check_source(data_cfg: Any) -> None:
-    """Fail before launch, naming the path, when a dataset's files are missing.
-
-    Checks the datasets shipped here that read from disk; a user's own `_target_` is checked
-    when it is built.
-    """
-    dataset_cfg, num_classes = data_cfg.dataset, data_cfg.num_classes
-    target = str(dataset_cfg.get("_target_", ""))
-    root = dataset_cfg.get("root")
-    grouped = getattr(data_cfg, "group_by_length", None)
-    if grouped is not None:
-        if target.endswith(".documents"):  # padded documents vary in length; packed windows do not
-            what = "packed windows are one length" if dataset_cfg.get("packing") else None
-        elif target.endswith(".sharded"):
-            what = "a shard directory is read in shard windows"
-        elif target.startswith("hydra_ddp.data."):  # the sources shipped here: only documents vary in length
-            what = f"the samples of {target.rsplit('.', 1)[1]} are all one size"
-        else:
-            what = None  # a dataset of yours: its `lengths`, or one line from the workers
-        if what:
-            raise UserError(f"data.group_by_length={grouped}: {what}, nothing to group; leave it null")
-    if target.endswith(".documents"):
-        vocabulary = text.vocabulary_size(dataset_cfg)
-        if vocabulary > num_classes:
-            raise UserError(
-                f"data=documents: the tokenizer makes {vocabulary} ids, and data.num_classes={num_classes} (the "
-                f"model's vocabulary reads it): set data.num_classes={vocabulary}"
-            )
-    elif target.endswith(".sharded"):
-        shards.check(dataset_cfg, data_cfg)
-    elif target.endswith(".image_folder"):
-        path = _require_dir(root, "data=imagefolder")
-        folders = split_folders(path) or {"": path}
-        found = {split: _class_folders(folder) for split, folder in folders.items()}
-        classes = found.get("train", found.get(""))
-        for split, names in found.items():
-            if names != classes:
-                raise UserError(
-                    f"data=imagefolder: {str(folders[split])!r} has classes {names}, train/ has "
-                    f"{classes}: every split needs the same class folders"
-                )
-        if len(classes) != num_classes:
-            raise UserError(
-                f"data=imagefolder: {str(path)!r} has {len(classes)} classes but data.num_classes={num_classes}; "
-                f"set data.num_classes={len(classes)}"
-            )
-    elif target.endswith((".mnist", ".cifar10")) and not dataset_cfg.get("download", False):
-        path = _require_dir(root, f"data={target.rsplit('.', 1)[1]}")
-        missing = [n for n in CIFAR10_FILES if not (path / "cifar-10-batches-py" / n).is_file()]
-        if target.endswith(".cifar10") and missing:
-            raise UserError(
-                f"data=cifar10: {str(path / 'cifar-10-batches-py')!r} lacks {', '.join(missing)} (CIFAR-10's "
-                "python version); set data.dataset.root, or data.dataset.download=true where the network allows"
-            )
-
-
-def _class_folders(path: Path) -> list[str]:
-    from torchvision.datasets.folder import IMG_EXTENSIONS
-
-    classes = sorted(d.name for d in os.scandir(path) if d.is_dir())
-    if not classes:
-        raise UserError(f"data=imagefolder: {str(path)!r} has no class subfolders (expected root/<class>/<image>)")
-    empty = [c for c in classes if not any(f.lower().endswith(IMG_EXTENSIONS) for f in os.listdir(path / c))]
-    if empty:
-        raise UserError(f"data=imagefolder: class folder(s) {empty} under {str(path)!r} hold no images")
-    return classes

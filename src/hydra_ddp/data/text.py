@@ -36,9 +36,12 @@ from torch.utils.data import Dataset, default_collate
 from hydra_ddp.data.batches import IGNORED, TensorTree
 from hydra_ddp.errors import UserError, install_line
 
-END_OF_TEXT, PAD = "<|endoftext|>", "<pad>"  # the special tokens a trained tokenizer starts with: ids 0 and 1
+# the special tokens a trained tokenizer starts with: ids 0 and 1
+END_OF_TEXT, PAD = "<|endoftext|>", "<pad>"
 TOKENIZER_FILE = "tokenizer.json"
-_NEEDS = f"data=documents needs Hugging Face tokenizers: {install_line('tokenizers', 'transformers')}"
+_NEEDS = (
+    f"data=documents needs Hugging Face tokenizers: {install_line('tokenizers', 'transformers')}"
+)
 
 
 # --- the text ------------------------------------------------------------------------------------
@@ -53,7 +56,9 @@ def python_documents(max_bytes: int) -> list[str]:
     for path in sorted(root.glob("*.py")):
         current: list[str] = []
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
-            if _DEFINITION.match(line) and any(kept.strip() and not kept.lstrip().startswith("@") for kept in current):
+            if _DEFINITION.match(line) and any(
+                kept.strip() and not kept.lstrip().startswith("@") for kept in current
+            ):
                 documents.append("".join(current))
                 current = []
             current.append(line)
@@ -73,7 +78,8 @@ def file_documents(pattern: str) -> list[str]:
     paths = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
     if not paths:
         raise UserError(
-            f"data.dataset.files={pattern!r} matches no file; give a glob of text files (e.g. corpus/*.txt)"
+            f"data.dataset.files={pattern!r} matches no file; "
+            "give a glob of text files (e.g. corpus/*.txt)"
         )
     documents = []
     for path in paths:
@@ -96,7 +102,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
         raise UserError(_NEEDS) from None
     if vocab_size < 258:
         raise UserError(
-            f"data.dataset.vocab_size={vocab_size}: a byte-level BPE needs at least 258 (256 bytes, 2 specials)"
+            f"data.dataset.vocab_size={vocab_size}: a byte-level "
+            "BPE needs at least 258 (256 bytes, 2 specials)"
         )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -117,8 +124,8 @@ def tokenizer_path(path: str) -> Path:
     found = found / TOKENIZER_FILE if found.is_dir() else found
     if not found.is_file():
         raise UserError(
-            f"data.dataset.tokenizer={path!r}: no tokenizer there; give a tokenizer.json (or its folder), "
-            "or null to train one on the data"
+            f"data.dataset.tokenizer={path!r}: no tokenizer there; give a "
+            "tokenizer.json (or its folder), or null to train one on the data"
         )
     return found
 
@@ -131,7 +138,9 @@ def load_tokenizer(path: str) -> Any:
     try:
         return Tokenizer.from_file(str(tokenizer_path(path)))
     except Exception as error:  # noqa: BLE001  (the library's own complaint about the file)
-        raise UserError(f"data.dataset.tokenizer={path!r} does not load as a tokenizer: {error}") from None
+        raise UserError(
+            f"data.dataset.tokenizer={path!r} does not load as a tokenizer: {error}"
+        ) from None
 
 
 def special_ids(tokenizer: Any) -> tuple[int, int]:
@@ -139,20 +148,29 @@ def special_ids(tokenizer: Any) -> tuple[int, int]:
     ids = tokenizer.token_to_id(END_OF_TEXT), tokenizer.token_to_id(PAD)
     if None in ids:
         raise UserError(
-            f"the tokenizer has no {END_OF_TEXT} or {PAD} token (documents end with the one, batches are padded "
-            "with the other): add them as special tokens, or leave data.dataset.tokenizer null to train one"
+            f"the tokenizer has no {END_OF_TEXT} or {PAD} token (documents end "
+            "with the one, batches are padded with the other): add them as "
+            "special tokens, or leave data.dataset.tokenizer null to train one"
         )
     return ids  # type: ignore[return-value]
 
 
 def save_tokenizer(tokenizer: Any, folder: Path, context: Optional[int] = None) -> Path:
     """The tokenizer as transformers loads it (`AutoTokenizer.from_pretrained(folder)`, or
-    `PreTrainedTokenizerFast(tokenizer_file=...)`): tokenizer.json and its config, written atomically."""
+    `PreTrainedTokenizerFast(tokenizer_file=...)`): tokenizer.json and its config, written
+    atomically."""
     folder.mkdir(parents=True, exist_ok=True)
-    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": END_OF_TEXT, "pad_token": PAD}
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": END_OF_TEXT,
+        "pad_token": PAD,
+    }
     if context:
         settings["model_max_length"] = context
-    for name, text in ((TOKENIZER_FILE, tokenizer.to_str()), ("tokenizer_config.json", json.dumps(settings, indent=1))):
+    for name, text in (
+        (TOKENIZER_FILE, tokenizer.to_str()),
+        ("tokenizer_config.json", json.dumps(settings, indent=1)),
+    ):
         temporary = folder / f".{name}.tmp"
         temporary.write_text(text)
         os.replace(temporary, folder / name)
@@ -161,7 +179,8 @@ def save_tokenizer(tokenizer: Any, folder: Path, context: Optional[int] = None) 
 
 # --- tokenized documents -------------------------------------------------------------------------
 def tokenize(tokenizer: Any, documents: Sequence[str], context: int) -> list[torch.Tensor]:
-    """Each document's ids with the end-of-text id appended, cut into pieces of at most `context`."""
+    """Each document's ids with the end-of-text id appended, cut into pieces of at most
+    `context`."""
     end, _ = special_ids(tokenizer)
     pieces = []
     for encoding in tokenizer.encode_batch(list(documents), add_special_tokens=False):
@@ -214,7 +233,11 @@ class PadCollate:
             ids[row, : len(tokens)] = tokens
             labels[row, : len(tokens)] = sample.get("labels", tokens)
             mask[row, : len(tokens)] = 1
-        others = {key: default_collate([s[key] for s in samples]) for key in samples[0] if key not in _PADDED}
+        others = {
+            key: default_collate([s[key] for s in samples])
+            for key in samples[0]
+            if key not in _PADDED
+        }
         masked = {} if "position_ids" in samples[0] else {"attention_mask": mask}
         return {"input_ids": ids, **masked, "labels": labels, **others}
 
@@ -228,7 +251,8 @@ def pack(lengths: Sequence[int], window: int) -> list[list[int]]:
     tightly, else a new one. Returns each window's pieces, in the order they were laid."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     windows: list[list[int]] = []
-    by_space: dict[int, list[int]] = {}  # free space → windows with that much left (the last added first)
+    # free space → windows with that much left (the last added first)
+    by_space: dict[int, list[int]] = {}
     spaces: list[int] = []  # the free spaces some window has, ascending
     for piece in order:
         need = lengths[piece]
@@ -289,7 +313,11 @@ def documents(
     if context < 2:
         raise UserError(f"data.dataset.context={context}: at least 2 tokens (a token and the next)")
     splits = _split_documents(files, max_bytes, test_fraction, seed)
-    trained = load_tokenizer(tokenizer) if tokenizer else _trained(files, max_bytes, test_fraction, seed, vocab_size)
+    trained = (
+        load_tokenizer(tokenizer)
+        if tokenizer
+        else _trained(files, max_bytes, test_fraction, seed, vocab_size)
+    )
     _, pad_id = special_ids(trained)
     built = []
     for split in splits:
@@ -298,11 +326,15 @@ def documents(
     return built[0], built[1]
 
 
-def _split_documents(files: Optional[str], max_bytes: int, test_fraction: float, seed: int) -> list[list[str]]:
+def _split_documents(
+    files: Optional[str], max_bytes: int, test_fraction: float, seed: int
+) -> list[list[str]]:
     """[train, test] documents: a permutation seeded by `seed` holds out `test_fraction` of them."""
     texts = file_documents(files) if files else python_documents(max_bytes)
     if len(texts) < 2:
-        raise UserError(f"data=documents: {len(texts)} document(s) make no train and test split; give more text")
+        raise UserError(
+            f"data=documents: {len(texts)} document(s) make no train and test split; give more text"
+        )
     order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
     held = max(1, round(len(texts) * test_fraction))
     return [[texts[i] for i in sorted(order[held:])], [texts[i] for i in sorted(order[:held])]]
@@ -317,11 +349,19 @@ def run_tokenizer(dataset_cfg: Any) -> Any:
     source = chosen.arguments
     if source["tokenizer"]:
         return load_tokenizer(source["tokenizer"])
-    return _trained(source["files"], source["max_bytes"], source["test_fraction"], source["seed"], source["vocab_size"])
+    return _trained(
+        source["files"],
+        source["max_bytes"],
+        source["test_fraction"],
+        source["seed"],
+        source["vocab_size"],
+    )
 
 
 @functools.lru_cache(maxsize=4)
-def _trained(files: Optional[str], max_bytes: int, test_fraction: float, seed: int, vocab_size: int) -> Any:
+def _trained(
+    files: Optional[str], max_bytes: int, test_fraction: float, seed: int, vocab_size: int
+) -> Any:
     """The tokenizer trained on these settings' training documents, once a process (the dataset and
     the copy saved with the run are one)."""
     train, _ = _split_documents(files, max_bytes, test_fraction, seed)
@@ -329,15 +369,21 @@ def _trained(files: Optional[str], max_bytes: int, test_fraction: float, seed: i
 
 
 def save_with_run(dataset_cfg: Any, run_dir: Path) -> Path:
-    """The run's tokenizer into <run>/tokenizer/, as transformers loads it (rank 0, at the start)."""
-    return save_tokenizer(run_tokenizer(dataset_cfg), run_dir / "tokenizer", dataset_cfg.get("context"))
+    """The run's tokenizer into <run>/tokenizer/, as transformers loads it (rank 0, at the
+    start)."""
+    return save_tokenizer(
+        run_tokenizer(dataset_cfg), run_dir / "tokenizer", dataset_cfg.get("context")
+    )
 
 
 documents.save_with_run = save_with_run  # type: ignore[attr-defined]
 
 
 def vocabulary_size(dataset_cfg: Any) -> int:
-    """The ids data=documents gives, from its config alone (a tokenizer file is read, not trained)."""
+    """The ids data=documents gives, from its config alone (a tokenizer file is read, not
+    trained)."""
     if dataset_cfg.get("tokenizer"):
         return load_tokenizer(dataset_cfg["tokenizer"]).get_vocab_size()
-    return dataset_cfg.get("vocab_size", inspect.signature(documents).parameters["vocab_size"].default)
+    return dataset_cfg.get(
+        "vocab_size", inspect.signature(documents).parameters["vocab_size"].default
+    )

@@ -1,5 +1,5 @@
-"""Config checks: everything that would fail a run later, found before any worker starts, as one line;
-and train.py --check's dry build on the meta device."""
+"""Config checks: everything that would fail a run later, found before any worker starts, as one
+line; and train.py --check's dry build on the meta device."""
 
 from __future__ import annotations
 
@@ -49,26 +49,37 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
     for i, hook in enumerate(trainer.hooks):
         key = f"trainer.hooks[{i}]"
         targets.check(hook, key)
-        if not (isinstance(target := targets.locate(hook["_target_"], key), type) and issubclass(target, Hook)):
-            raise UserError(f"{key}: {hook['_target_']} is not a subclass of hydra_ddp.hooks.Hook (docs/extending.md)")
+        if not (
+            isinstance(target := targets.locate(hook["_target_"], key), type)
+            and issubclass(target, Hook)
+        ):
+            raise UserError(
+                f"{key}: {hook['_target_']} is not a subclass "
+                "of hydra_ddp.hooks.Hook (docs/extending.md)"
+            )
     resume = trainer.resume
     if resume not in (None, "auto") and not Path(str(resume)).expanduser().exists():
         raise UserError(
-            f"trainer.resume={resume}: no checkpoint at {str(Path(str(resume)).expanduser().resolve())!r}; "
-            "give a checkpoint (checkpoints/step-N.pt, or a sharded step-N directory), or auto"
+            f"trainer.resume={resume}: no checkpoint at "
+            f"{str(Path(str(resume)).expanduser().resolve())!r}; give a checkpoint "
+            "(checkpoints/step-N.pt, or a sharded step-N directory), or auto"
         )
-    if trainer.compile_backend != "inductor" or trainer.compile:  # torch._dynamo only when asked for
+    # torch._dynamo only when asked for
+    if trainer.compile_backend != "inductor" or trainer.compile:
         import torch._dynamo
 
         backends = torch._dynamo.list_backends(exclude_tags=())
         if trainer.compile_backend not in backends:
             raise UserError(
-                f"trainer.compile_backend={trainer.compile_backend!r}: choose one of torch.compile's "
-                f"backends ({', '.join(backends)})"
+                f"trainer.compile_backend={trainer.compile_backend!r}: choose "
+                f"one of torch.compile's backends ({', '.join(backends)})"
             )
     strategies.get(cfg.strategy.name).check(cfg)
     if str(trainer.precision) == "16" and trainer.device != "cuda":
-        raise UserError("trainer.precision=16 needs a GPU (fp16 autocast with a GradScaler); on the CPU use bf16")
+        raise UserError(
+            "trainer.precision=16 needs a GPU (fp16 autocast "
+            "with a GradScaler); on the CPU use bf16"
+        )
     _check_workflow(cfg)
     _check_loading(data_cfg)
     _check_recipe(cfg)
@@ -76,10 +87,16 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
     world = trainer.nproc * launcher.nnodes
     ranks = cfg.profiler.ranks
     if ranks is not None and not all(isinstance(r, int) and 0 <= r < world for r in ranks):
-        raise UserError(f"profiler.ranks={list(ranks)}: ranks of this run, 0 to {world - 1} (or null: every rank)")
+        raise UserError(
+            f"profiler.ranks={list(ranks)}: ranks of this "
+            f"run, 0 to {world - 1} (or null: every rank)"
+        )
     loggers = cfg.logger
     if loggers is not None and not isinstance(loggers, dict):
-        raise UserError(f"logger={loggers!r}: name the loggers, e.g. logger=[tensorboard,csv] (options: conf/logger/)")
+        raise UserError(
+            f"logger={loggers!r}: name the loggers, e.g. "
+            "logger=[tensorboard,csv] (options: conf/logger/)"
+        )
     for name, logger in (loggers or {}).items():
         targets.check(logger, f"logger.{name}")
         _check_requires(logger["_target_"], f"logger.{name}", f"logger={name}")
@@ -88,14 +105,15 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
         task = tasks.build(cfg.task)
         if tasks.weighs_units(task):
             raise UserError(
-                f"data.even_shards=false does not combine with task {type(task).__name__}, whose loss weighs "
-                "tokens over the whole step (the ranks that run out of batches would miss its count); keep "
-                "data.even_shards=true"
+                f"data.even_shards=false does not combine with task {type(task).__name__}, "
+                "whose loss weighs tokens over the whole step (the ranks that run out of "
+                "batches would miss its count); keep data.even_shards=true"
             )
         if elastic.most_accumulation(cfg) > 1:
             raise UserError(
-                "data.even_shards=false does not combine with trainer.accumulate > 1, an elastic run's at fewer "
-                "nodes included (ranks end their epoch at different batches); use one or the other"
+                "data.even_shards=false does not combine with trainer.accumulate "
+                "> 1, an elastic run's at fewer nodes included (ranks end their "
+                "epoch at different batches); use one or the other"
             )
         if trainer.compile == "model":
             raise UserError(
@@ -103,14 +121,20 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
                 "wraps the uncompiled model); use trainer.compile=blocks, or one or the other"
             )
     if launcher.nnodes > 1 and cfg.init_method.name != "env":
-        raise UserError("across nodes the ranks meet through torchrun's rendezvous: use init_method=env")
+        raise UserError(
+            "across nodes the ranks meet through torchrun's rendezvous: use init_method=env"
+        )
     if cfg.init_method.name == "file" and launcher.max_restarts:
-        raise UserError("a restarted group cannot reuse a file:// store: use init_method=env or tcp with restarts")
+        raise UserError(
+            "a restarted group cannot reuse a file:// "
+            "store: use init_method=env or tcp with restarts"
+        )
 
 
 def model_on_meta(model_cfg: Any) -> Any:
     """The model built on the meta device (no memory, any size), once per model config in this
-    process (train.py --check and the launch side's settling share it); raises what building raises."""
+    process (train.py --check and the launch side's settling share it); raises what building
+    raises."""
     key = json.dumps(model_cfg, sort_keys=True, default=str)
     if key not in _ON_META:
         with torch.device("meta"):
@@ -122,9 +146,10 @@ _ON_META: dict[str, Any] = {}
 
 
 def _check_model_fits_data(cfg: RunConfig) -> None:
-    """A model of the project's own that does not build (a transformers config it refuses, heads that
-    do not divide the width) is one line here, not a traceback from every worker; and a language
-    model has positions for the data's longest sequence and a row of its embedding for every id."""
+    """A model of the project's own that does not build (a transformers config it refuses, heads
+    that do not divide the width) is one line here, not a traceback from every worker; and a
+    language model has positions for the data's longest sequence and a row of its embedding for
+    every id."""
     target = str(cfg.model.get("_target_", ""))
     try:
         model = model_on_meta(cfg.model)
@@ -133,21 +158,30 @@ def _check_model_fits_data(cfg: RunConfig) -> None:
     except Exception as error:  # noqa: BLE001
         if target.startswith("hydra_ddp."):
             raise UserError(
-                f"model={groups.chosen('model', cfg.model)} does not build: {first_line(root_cause(error))}"
+                f"model={groups.chosen('model', cfg.model)} does "
+                f"not build: {first_line(root_cause(error))}"
             ) from None
-        return  # a model of yours that builds only in a worker (it asks for its rank, say): the workers report it
+        # a model of yours that builds only in a worker (it asks for its rank, say): the workers
+        # report it
+        return
     length, ids = data.text_shape(cfg.data)
     positions = _positions(model)
     if length is not None and positions is not None and length > positions:
         raise UserError(
-            f"the data's sequences are up to {length} tokens (data.dataset's), and the model has {positions} "
-            "positions: shorten the data's sequences, or give the model more positions"
+            f"the data's sequences are up to {length} tokens "
+            f"(data.dataset's), and the model has {positions} positions: "
+            "shorten the data's sequences, or give the model more positions"
         )
-    rows = model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings") else None
+    rows = (
+        model.get_input_embeddings().num_embeddings
+        if hasattr(model, "get_input_embeddings")
+        else None
+    )
     if ids is not None and rows is not None and ids > rows:
         raise UserError(
-            f"the data's token ids go up to {ids - 1} (a vocabulary of {ids}), and the model's embedding has "
-            f"{rows} rows: set the model's vocabulary to data.num_classes, and data.num_classes={ids}"
+            f"the data's token ids go up to {ids - 1} (a vocabulary of {ids}), "
+            f"and the model's embedding has {rows} rows: set the model's "
+            f"vocabulary to data.num_classes, and data.num_classes={ids}"
         )
 
 
@@ -155,7 +189,11 @@ def _positions(model: Any) -> Any:
     """The longest sequence a language model takes: the built-in GPT's context, a transformers
     config's positions; None where the model does not say."""
     config = getattr(model, "config", None)
-    for owner, name in ((model, "context"), (config, "max_position_embeddings"), (config, "n_positions")):
+    for owner, name in (
+        (model, "context"),
+        (config, "max_position_embeddings"),
+        (config, "n_positions"),
+    ):
         value = getattr(owner, name, None)
         if isinstance(value, int):
             return value
@@ -171,8 +209,8 @@ def _check_loading(data_cfg: Any) -> None:
         ):
             if inert:
                 raise UserError(
-                    f"data.{key} is for DataLoader worker processes, and data.num_workers=0 starts none: "
-                    f"set data.num_workers (e.g. 2), or leave data.{key} unset"
+                    f"data.{key} is for DataLoader worker processes, and data.num_workers=0 "
+                    f"starts none: set data.num_workers (e.g. 2), or leave data.{key} unset"
                 )
 
 
@@ -183,11 +221,14 @@ def _check_workflow(cfg: RunConfig) -> None:
     if stopping.patience is not None:
         if trainer.monitor is None:
             raise UserError(
-                "trainer.early_stopping needs a monitored metric: set trainer.monitor (without validation, "
-                "data.val_fraction=0, only train/loss has values)"
+                "trainer.early_stopping needs a monitored metric: set trainer.monitor "
+                "(without validation, data.val_fraction=0, only train/loss has values)"
             )
         if not trainer.eval_every_epoch:
-            raise UserError("trainer.early_stopping needs a validation every epoch: set trainer.eval_every_epoch=true")
+            raise UserError(
+                "trainer.early_stopping needs a validation "
+                "every epoch: set trainer.eval_every_epoch=true"
+            )
     if trainer.init_from:
         checkpoints.check_init(cfg.model, Path(trainer.init_from), list(trainer.init_ignore))
 
@@ -199,12 +240,16 @@ def _check_recipe(cfg: RunConfig) -> None:
     patterns = no_decay if isinstance(no_decay, (list, tuple)) else None
     if patterns is None and no_decay not in (optimizers.NONE, optimizers.AUTO):
         raise UserError(
-            f"param_groups.no_decay={no_decay!r}: none, auto (biases, norms, embeddings), or a list of the "
+            f"param_groups.no_decay={no_decay!r}: none, auto "
+            "(biases, norms, embeddings), or a list of the "
             'model\'s parameter-name patterns, e.g. param_groups.no_decay=["*.bias","*norm*"]'
         )
     if patterns is not None:
         if not patterns or not all(isinstance(p, str) and p for p in patterns):
-            raise UserError(f"param_groups.no_decay={list(patterns)}: give one or more name patterns (or none, auto)")
+            raise UserError(
+                f"param_groups.no_decay={list(patterns)}: give "
+                "one or more name patterns (or none, auto)"
+            )
         try:
             model = model_on_meta(cfg.model)
         except Exception:  # noqa: BLE001  (a model that does not build is the dry build's, or the run's, to report)
@@ -213,8 +258,9 @@ def _check_recipe(cfg: RunConfig) -> None:
         if missing:
             names = [name for name, _ in model.named_parameters()]
             raise UserError(
-                f"param_groups.no_decay: {', '.join(missing)} names none of the model's parameters "
-                f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}); use its parameters' names"
+                f"param_groups.no_decay: {', '.join(missing)} names none of the model's "
+                f"parameters ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}); "
+                "use its parameters' names"
             )
     if cfg.trainer.compile == "blocks":
         try:
@@ -223,7 +269,8 @@ def _check_recipe(cfg: RunConfig) -> None:
             model = None
         compiling.check("blocks", model, cfg.model["_target_"])
     if cfg.trainer.max_steps and schedules.takes_length(cfg.scheduler):
-        # The run's full length needs its data; trainer.max_steps bounds it now (the workers check the rest).
+        # The run's full length needs its data; trainer.max_steps bounds it now (the workers check
+        # the rest).
         with torch.device("meta"):
             optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         schedules.build(cfg.scheduler, optimizer, cfg.trainer.max_steps)
@@ -234,16 +281,22 @@ def _check_requires(target: str, key: str, choice: str) -> None:
     installed: else one line before launch that says how to install them."""
     for package, title, install in getattr(targets.locate(target, key), "requires", ()):
         if importlib.util.find_spec(package) is None:
-            raise UserError(f"{choice} needs {title} ({package}), which is not installed: {install}")
+            raise UserError(
+                f"{choice} needs {title} ({package}), which is not installed: {install}"
+            )
 
 
 def dry_build(cfg: RunConfig) -> None:
     """train.py --check: what a worker builds before its first step, without a process group: the
     datasets, the model on the meta device (no memory, any size), one batch of two samples through
     it and the task's loss, the optimizer and the schedule. What fails is one line."""
-    model_and_data = f"{groups.chosen('model', cfg.model)} with {groups.chosen('data', cfg.data.dataset)}"
+    model_and_data = (
+        f"{groups.chosen('model', cfg.model)} with {groups.chosen('data', cfg.data.dataset)}"
+    )
     task = tasks.build(cfg.task)
-    with _one_line(f"{model_and_data} does not build and run one batch (checked on the meta device)"):
+    with _one_line(
+        f"{model_and_data} does not build and run one batch (checked on the meta device)"
+    ):
         model = model_on_meta(cfg.model)
         if not cfg.data.dataset.get("download", False):  # a download is the run's to make
             train = data.build_datasets(cfg.data, RankInfo(0, 1, 0, 1), cfg.trainer.seed)["train"]
@@ -252,20 +305,28 @@ def dry_build(cfg: RunConfig) -> None:
             if problem:
                 raise UserError(problem)
             batch = batches.collate_for(train)(samples[:2])
-            task.samples(batch)  # tensors that disagree on the batch size: one line here, not in a worker
-            loss = run_shapes_only(  # on the CPU, for real, where the model reads its inputs' values
+            # tensors that disagree on the batch size: one line here, not in a worker
+            task.samples(batch)
+            # on the CPU, for real, where the model reads its inputs' values
+            loss = run_shapes_only(
                 lambda: instantiate(cfg.model),
                 lambda built, inputs: tasks.checked_loss(task, built, inputs),
                 batches.to_device(batch, torch.device("meta")),
                 batch,
             )
             if loss.dim() != 0:
-                raise UserError(f"{model_and_data}: the loss of one batch has shape {tuple(loss.shape)}, not a scalar")
+                raise UserError(
+                    f"{model_and_data}: the loss of one batch "
+                    f"has shape {tuple(loss.shape)}, not a scalar"
+                )
     with _one_line(f"{groups.chosen('optim', cfg.optim)} does not build on the model's parameters"):
         optimizer = optimizers.build(cfg.optim, cfg.param_groups.no_decay, model, model)
     if cfg.scheduler is not None:
-        with _one_line(f"{groups.chosen('scheduler', cfg.scheduler)} does not build on the optimizer"):
-            schedules.build(cfg.scheduler, optimizer, cfg.trainer.max_steps or 1_000_000)  # the workers' length
+        with _one_line(
+            f"{groups.chosen('scheduler', cfg.scheduler)} does not build on the optimizer"
+        ):
+            # the workers' length
+            schedules.build(cfg.scheduler, optimizer, cfg.trainer.max_steps or 1_000_000)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
-"""The command's side of a run: resolve the config, check it, launch (or join an outside launch), and
-report the outcome in one line."""
+"""The command's side of a run: resolve the config, check it, launch (or join an outside launch),
+and report the outcome in one line."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 
 def adopt_external_launch(argv: list[str]) -> None:
-    """Prepare argv when this process is already a worker of torchrun, torch.distributed.launch or mpirun,
-    or a Kubernetes pod's train.py that launches the pod's workers itself (kubernetes.py).
+    """Prepare argv when this process is already a worker of torchrun, torch.distributed.launch or
+    mpirun, or a Kubernetes pod's train.py that launches the pod's workers itself (kubernetes.py).
 
     The legacy launcher appends `--local-rank=N`, which Hydra would reject: it becomes LOCAL_RANK.
     Ranks other than 0 then skip Hydra's output directory and log file: rank 0 decides the
@@ -78,7 +78,8 @@ def exit_after(entry: Callable[[], Any]) -> NoReturn:
     except SystemExit as stop:
         code = stop.code
     # What the interpreter does first at exit, in its order: threading's exit hooks (which stop
-    # executors' threads, e.g. joblib's), then waiting for non-daemon threads, then atexit's handlers.
+    # executors' threads, e.g. joblib's), then waiting for non-daemon threads, then atexit's
+    # handlers.
     shutdown_threads = getattr(threading, "_shutdown", None)
     if shutdown_threads is None:  # not CPython: exit the usual way
         sys.exit(code)
@@ -93,8 +94,8 @@ def exit_after(entry: Callable[[], Any]) -> NoReturn:
 
 
 def run(cfg: DictConfig, started_at: float, job: str = "train") -> Optional[dict[str, Any]]:
-    """Resolve, check, launch, wait; the summary of a finished run, or eval.py's result (job="eval").
-    None on a non-zero node."""
+    """Resolve, check, launch, wait; the summary of a finished run, or eval.py's result
+    (job="eval"). None on a non-zero node."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)  # absolute
     # hydra.job.chdir=true moved this process into the run directory: relative paths (the data's, a
     # checkpoint's) are still read from where the command was started, here and in every worker.
@@ -105,24 +106,36 @@ def run(cfg: DictConfig, started_at: float, job: str = "train") -> Optional[dict
         return _check_only(cfg, run_dir, external, job)
     asked = claimed_instead(run_dir)
     if asked:
-        log.info("%s was taken by another run started in the same second: this run's directory is %s", asked, run_dir)
+        log.info(
+            "%s was taken by another run started in the same second: this run's directory is %s",
+            asked,
+            run_dir,
+        )
     resolved = _resolve(cfg, run_dir, external, job)
-    # One live run per directory: held by the launching process (node 0's) or an outside launch's rank 0.
+    # One live run per directory: held by the launching process (node 0's) or an outside launch's
+    # rank 0.
     holds = external[1].is_main if external else resolved.launcher.node_rank == 0
     with holding.held(run_dir) if holds else contextlib.nullcontext():
         if external:
             resolved.freeze()
-            # Only rank 0 knows the run directory: its verdict reaches every rank once the group is up.
-            problem = _problem(resolved, run_dir) if external[1].is_main and job == "train" else None
+            # Only rank 0 knows the run directory: its verdict reaches every rank once the group is
+            # up.
+            problem = (
+                _problem(resolved, run_dir) if external[1].is_main and job == "train" else None
+            )
             return _unless_stopped(
-                workers.worker_entry("main")(resolved, str(run_dir), external[1], started_at, problem=problem),
+                workers.worker_entry("main")(
+                    resolved, str(run_dir), external[1], started_at, problem=problem
+                ),
                 run_dir,
                 quiet=not external[1].is_main,
             )
         return _unless_stopped(workers.launch(resolved, run_dir, started_at), run_dir)
 
 
-def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], job: str) -> RunConfig:
+def _resolve(
+    cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], job: str
+) -> RunConfig:
     """The settled config, typed, before it is frozen. Under an outside launcher every rank settles
     it alike and rank 0 alone checks what depends on its run directory (_problem)."""
     overrides = list(HydraConfig.get().overrides.task)
@@ -136,14 +149,18 @@ def _resolve(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]]
     resolved.job = job
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:  # loggers group a sweep's jobs
-        resolved.sweep = run_config.SweepConf(dir=str(Path(hydra_cfg.sweep.dir).resolve()), job=hydra_cfg.job.num)
+        resolved.sweep = run_config.SweepConf(
+            dir=str(Path(hydra_cfg.sweep.dir).resolve()), job=hydra_cfg.job.num
+        )
     # The keys set on the command line (a sweep trial's): every worker logs its own values of them.
     keys = (from_checkpoint.override_key(o) for o in overrides if "=" in o)
     resolved.overridden = _values(resolved, keys)
     return resolved
 
 
-def _check_only(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], job: str) -> None:
+def _check_only(
+    cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], job: str
+) -> None:
     """train.py --check: everything a run checks before its first step, and nothing launched; one
     line that says what would run (or the UserError's one line)."""
     try:
@@ -155,7 +172,8 @@ def _check_only(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, An
         resolved.freeze()  # what a run would hand its workers
     finally:
         with contextlib.suppress(OSError):
-            run_dir.rmdir()  # Hydra made it for this command; nothing was written there (only if empty)
+            # Hydra made it for this command; nothing was written there (only if empty)
+            run_dir.rmdir()
     launcher, trainer = resolved.launcher, resolved.trainer
     what = (
         f"{resolved.strategy.name}, global batch {resolved.data.global_batch_size}"
@@ -163,12 +181,13 @@ def _check_only(cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, An
         else f"eval of {resolved.eval.ckpt} on {resolved.eval.split}"
     )
     workers = trainer.nproc * launcher.nnodes
-    if (launcher.min_nodes or launcher.nnodes) != launcher.nnodes:  # elastic: as many as are present
+    # elastic: as many as are present
+    if (launcher.min_nodes or launcher.nnodes) != launcher.nnodes:
         workers = f"{trainer.nproc * launcher.min_nodes}-{workers}"
     print(
         f"hydra-ddp: config OK: {workers} worker(s) on {trainer.device} "
-        f"({launcher.name}, backend {resolved.backend.name}, init {resolved.init_method.name}), {what}; "
-        "nothing launched",
+        f"({launcher.name}, backend {resolved.backend.name}, init "
+        f"{resolved.init_method.name}), {what}; nothing launched",
         flush=True,
     )
     crowded = resolve.oversubscribed(trainer)
@@ -185,7 +204,11 @@ def _values(cfg: RunConfig, keys: Iterable[str]) -> dict[str, Any]:
         node: Any = cfg
         for part in key.split("."):
             node = node.get(part, absent) if isinstance(node, dict) else getattr(node, part, absent)
-        if node is not absent and not isinstance(node, (dict, list)) and not dataclasses.is_dataclass(node):
+        if (
+            node is not absent
+            and not isinstance(node, (dict, list))
+            and not dataclasses.is_dataclass(node)
+        ):
             found[key] = node
     return found
 
@@ -198,15 +221,17 @@ def _problem(resolved: RunConfig, run_dir: Path) -> Optional[str]:
     return None
 
 
-def _unless_stopped(summary: Optional[dict[str, Any]], run_dir: Path, quiet: bool = False) -> Optional[dict[str, Any]]:
+def _unless_stopped(
+    summary: Optional[dict[str, Any]], run_dir: Path, quiet: bool = False
+) -> Optional[dict[str, Any]]:
     """The summary of a finished run; a run that stopped early on a signal is a Stopped error
     (`quiet`: an outside launch's other ranks, which know no run directory: rank 0 says it)."""
     if summary and summary["stopped_by"]:
         raise Stopped(summary, run_dir, quiet)
     if summary and summary.get("ended_by") == "max_time":
         say(
-            f"hydra-ddp: trainer.max_time spent at step {summary['steps']}: tested and checkpointed; continue "
-            f"with: {_again(run_dir)}"
+            f"hydra-ddp: trainer.max_time spent at step {summary['steps']}: "
+            f"tested and checkpointed; continue with: {_again(run_dir)}"
         )
     return summary
 
@@ -218,14 +243,17 @@ def fail(error: UserError) -> None:
     and the sweep goes on; the report's callback exits non-zero at the end.
     """
     message = str(error)
-    message = message[len(EVERY_RANK) :] if message.startswith(EVERY_RANK) else message  # an outside launch's rank
+    # an outside launch's rank
+    message = message[len(EVERY_RANK) :] if message.startswith(EVERY_RANK) else message
     if not getattr(error, "quiet", False):
         say(f"hydra-ddp: error: {message}")
     hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(error, Stopped):  # a stop ends the sweep too
+    # a stop ends the sweep too
+    if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(error, Stopped):
         RunDir(hydra_cfg.runtime.output_dir).error.write_text(f"{message}\n")
         return
-    # Refused: no run left behind (the directory given up first: the callback took it before the run).
+    # Refused: no run left behind (the directory given up first: the callback took it before the
+    # run).
     holding.release(Path(hydra_cfg.runtime.output_dir))
     RunDir(hydra_cfg.runtime.output_dir).discard_if_untouched(hydra_cfg.job.name)
     sys.exit(error.exit_code)

@@ -1,7 +1,7 @@
-"""Hydra's own errors as the project's one line: a misspelt key, a value of the wrong type, an unknown
-group option or an override that does not parse, refused while the config is composed, before
-anything runs. Hydra prints these as several lines (the key, the schema's class, the search path)
-and exits 1; train.py and eval.py say what is wrong and what to do in one, and exit 2."""
+"""Hydra's own errors as the project's one line: a misspelt key, a value of the wrong type, an
+unknown group option or an override that does not parse, refused while the config is composed,
+before anything runs. Hydra prints these as several lines (the key, the schema's class, the search
+path) and exits 1; train.py and eval.py say what is wrong and what to do in one, and exit 2."""
 
 from __future__ import annotations
 
@@ -12,18 +12,30 @@ import sys
 from collections.abc import Callable
 from typing import Any, Optional
 
-_TYPE = re.compile(r"Value '(.*)' (?:of type '(\w+)' could not be converted to (\w+)|is not a valid (\w+))")
+_TYPE = re.compile(
+    r"Value '(.*)' (?:of type '(\w+)' could not be converted to (\w+)|is not a valid (\w+))"
+)
 _MISSING_OPTION = re.compile(r"Could not find '([^']+)/([^']+)'")
 _NOT_IN = re.compile(r"Key '([^']+)' (?:is )?not in (?:struct|'(\w+)')")
 
 
 def one_line(error: BaseException) -> Optional[str]:
     """The line for a composition error (None: not one; Hydra reports it as it does)."""
-    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from hydra.errors import (
+        ConfigCompositionException,
+        MissingConfigException,
+        OverrideParseException,
+    )
     from omegaconf.errors import OmegaConfBaseException
 
     if not isinstance(
-        error, (ConfigCompositionException, MissingConfigException, OverrideParseException, OmegaConfBaseException)
+        error,
+        (
+            ConfigCompositionException,
+            MissingConfigException,
+            OverrideParseException,
+            OmegaConfBaseException,
+        ),
     ):
         return None
     text = str(error)
@@ -43,23 +55,31 @@ def one_line(error: BaseException) -> Optional[str]:
     if missing:
         group, option = missing.groups()
         available = re.findall(r"^\t(\S+)$", text.split("Config search path:")[0], re.MULTILINE)
-        fix = f"choose one of {', '.join(available)}" if available else f"add conf/{group}/{option}.yaml"
+        fix = (
+            f"choose one of {', '.join(available)}"
+            if available
+            else f"add conf/{group}/{option}.yaml"
+        )
         return f"{group}={option}: no such option in conf/{group}/; {fix}"
     absent = _NOT_IN.search(f"{text}\n{cause}")
     owner = _strategy_of(absent.group(2)) if absent and absent.group(2) else None
     if absent and key and owner:
         settings = ", ".join(f.name for f in dataclasses.fields(owner.Settings) if f.name != "name")
         return (
-            f"{key}: strategy={owner.name} has no such setting (its settings: {settings or 'none'}); "
-            "another strategy's knob does not apply to this one"
+            f"{key}: strategy={owner.name} has no such setting (its settings: "
+            f"{settings or 'none'}); another strategy's knob does not apply to this one"
         )
     if absent and key:
         return (
-            f"{key}: no such key in the config (misspelt?); docs/reference/config.md lists every key, and "
-            f"+{key}=... adds one to a group that takes its own (a model's, an optimizer's)"
+            f"{key}: no such key in the config (misspelt?); "
+            f"docs/reference/config.md lists every key, and +{key}=... adds "
+            "one to a group that takes its own (a model's, an optimizer's)"
         )
     if isinstance(error, OverrideParseException):
-        return f"an override does not parse: {text.splitlines()[0]} (Hydra's override syntax: key=value)"
+        return (
+            f"an override does not parse: {text.splitlines()[0]} "
+            "(Hydra's override syntax: key=value)"
+        )
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     return f"{first}{f' ({key})' if key and key not in first else ''}"
 
@@ -68,7 +88,9 @@ def _strategy_of(settings_class: str) -> Any:
     """The strategy whose settings dataclass has this name, if any."""
     from hydra_ddp.parallel import strategies
 
-    return next((s for s in strategies.REGISTRY.values() if s.Settings.__name__ == settings_class), None)
+    return next(
+        (s for s in strategies.REGISTRY.values() if s.Settings.__name__ == settings_class), None
+    )
 
 
 def report_in_one_line() -> None:

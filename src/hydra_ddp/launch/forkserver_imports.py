@@ -1,9 +1,10 @@
 """Imported by the forkserver (startup.PRELOAD), after its guard: what every worker imports (the
-worker module brings the data, model, parallel and training modules, and torch), outside the garbage collector's
-reach (startup.frozen_imports), so every worker forked from it shares them as they are.
+worker module brings the data, model, parallel and training modules, and torch), outside the garbage
+collector's reach (startup.frozen_imports), so every worker forked from it shares them as they are.
 
-Not torch.distributed.checkpoint: DDP's checkpoints do without it (parallel.layouts.optimizer_state_by_name),
-and the sharded strategies import it while they build, before the first step.
+Not torch.distributed.checkpoint: DDP's checkpoints do without it
+(parallel.layouts.optimizer_state_by_name), and the sharded strategies import it while they build,
+before the first step.
 """
 
 import importlib
@@ -15,4 +16,5 @@ with startup.frozen_imports():
 
     from hydra_ddp.launch import workers
 
-    importlib.import_module(workers.WORKER)  # the worker side, by name: this process forks the workers
+    # the worker side, by name: this process forks the workers
+    importlib.import_module(workers.WORKER)

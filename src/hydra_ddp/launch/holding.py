@@ -40,7 +40,8 @@ def _me() -> dict[str, Any]:
 
 
 def _started(pid: int) -> Optional[str]:
-    """A process's start time (clock ticks since boot): a pid and its start time name one process."""
+    """A process's start time (clock ticks since boot): a pid and its start time name one
+    process."""
     fields = processes.proc_stat(pid)
     return fields[19] if fields and len(fields) > 19 else None
 
@@ -51,7 +52,8 @@ def _alive(holder: dict[str, Any]) -> bool:
 
 
 def _holder(path: Path) -> Optional[dict[str, Any]]:
-    """What a lock file says of its holder; None where there is none ({} where it cannot be read)."""
+    """What a lock file says of its holder; None where there is none ({} where it cannot be
+    read)."""
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
@@ -65,15 +67,17 @@ def in_use(run_dir: Path) -> Optional[str]:
     holder = _holder(Path(run_dir) / LOCK)
     if holder and holder != _me() and holder.get("host") == socket.gethostname() and _alive(holder):
         return (
-            f"hydra.run.dir={run_dir} is in use by a live run (pid {holder['pid']}): two runs in one "
-            "directory would write into each other's log, checkpoints and metrics; choose another "
-            "hydra.run.dir, or continue this one with trainer.resume=auto once that run has ended"
+            f"hydra.run.dir={run_dir} is in use by a live run (pid "
+            f"{holder['pid']}): two runs in one directory would write into each "
+            "other's log, checkpoints and metrics; choose another hydra.run.dir, "
+            "or continue this one with trainer.resume=auto once that run has ended"
         )
     return None
 
 
 def take(run_dir: Path) -> None:
-    """Hold `run_dir` for this process (until release or its exit); one line where a live run holds it."""
+    """Hold `run_dir` for this process (until release or its exit); one line where a live run holds
+    it."""
     path, me = Path(run_dir) / LOCK, _me()
     if _holder(path) == me:
         return  # ours already (the callback took it before the run)
@@ -88,7 +92,9 @@ def take(run_dir: Path) -> None:
             except FileExistsError:
                 _take_over(path, run_dir)
         else:
-            raise UserError(f"hydra.run.dir={run_dir}: another run keeps taking {path}; start this one again")
+            raise UserError(
+                f"hydra.run.dir={run_dir}: another run keeps taking {path}; start this one again"
+            )
     finally:
         written.unlink(missing_ok=True)
     atexit.register(release, run_dir)  # a command that ends another way than through held()
@@ -137,8 +143,8 @@ def _take_over(path: Path, run_dir: Path) -> None:
         return  # released meanwhile
     if holder.get("host") not in (None, socket.gethostname()):
         log.warning(
-            "%s was held by a run on host %s, which this host cannot see: taking it over (two live runs in "
-            "one directory would write into each other's files)",
+            "%s was held by a run on host %s, which this host cannot see: taking it "
+            "over (two live runs in one directory would write into each other's files)",
             run_dir,
             holder["host"],
         )

@@ -1,13 +1,15 @@
-"""Kubernetes pods as launchers: what Kubeflow's TrainJob and PyTorchJob tell each pod, as train.py's launch settings.
+"""Kubernetes pods as launchers: what Kubeflow's TrainJob and PyTorchJob tell each pod, as
+train.py's launch settings.
 
 Both controllers give every pod torchrun's PET_* variables (torchrun reads them as its flags'
 defaults): PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT; and
 PET_RDZV_ID, PET_LOCAL_ADDR where the job sets them.
-`torchrun train.py` in a pod is torchrun's launch, as anywhere (its workers have TORCHELASTIC_RUN_ID).
-`python train.py` in a pod with PET_* set launches the pod's workers itself, as launcher=torchrun
-would with those values: the overrides below, added to the command line before Hydra composes it.
-PyTorchJob's pod-level RANK and WORLD_SIZE (and MASTER_ADDR/PORT, PET_MASTER_*'s copies) count
-pods, not workers: they are dropped. No torch here: runtime/ranks.py asks before importing it.
+`torchrun train.py` in a pod is torchrun's launch, as anywhere (its workers have
+TORCHELASTIC_RUN_ID). `python train.py` in a pod with PET_* set launches the pod's workers itself,
+as launcher=torchrun would with those values: the overrides below, added to the command line before
+Hydra composes it. PyTorchJob's pod-level RANK and WORLD_SIZE (and MASTER_ADDR/PORT, PET_MASTER_*'s
+copies) count pods, not workers: they are dropped. No torch here: runtime/ranks.py asks before
+importing it.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ POD_LEVEL = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def pod_settings(env: Mapping[str, str]) -> dict[str, str]:
-    """The launch settings PET_* give (key: value, as overrides), or a UserError naming the variable.
-    One node needs no launcher of its own (spawn, or the configured one); several meet at node 0's
-    PET_MASTER_ADDR:PET_MASTER_PORT under launcher=torchrun. A number of processes per node sets
-    trainer.nproc; a word (auto, gpu, cpu: Kubeflow's) leaves it as configured (auto: one per GPU)."""
+    """The launch settings PET_* give (key: value, as overrides), or a UserError naming the
+    variable. One node needs no launcher of its own (spawn, or the configured one); several meet at
+    node 0's PET_MASTER_ADDR:PET_MASTER_PORT under launcher=torchrun. A number of processes per node
+    sets trainer.nproc; a word (auto, gpu, cpu: Kubeflow's) leaves it as configured (auto: one per
+    GPU)."""
     nnodes = env[NNODES].strip()
     low, _, high = nnodes.partition(":")  # "MIN:MAX": elastic, as torchrun reads it
     if not (low.isdigit() and (high or low).isdigit() and 1 <= int(low) <= int(high or low)):
@@ -50,14 +53,15 @@ def pod_settings(env: Mapping[str, str]) -> dict[str, str]:
         rank = env.get(NODE_RANK, "").strip()
         if not rank.isdigit() or int(rank) >= most:
             raise UserError(
-                f"{NODE_RANK}={rank or '(unset)'} must be this pod's index among the job's {most} nodes "
-                f"({NNODES}={nnodes}): 0 to {most - 1}; Kubeflow sets both, check the job's numNodes"
+                f"{NODE_RANK}={rank or '(unset)'} must be this pod's index "
+                f"among the job's {most} nodes ({NNODES}={nnodes}): 0 to "
+                f"{most - 1}; Kubeflow sets both, check the job's numNodes"
             )
         addr, port = env.get(MASTER_ADDR, "").strip(), env.get(MASTER_PORT, "").strip()
         if not addr or not (port.isdigit() and 0 < int(port) < 65536):
             raise UserError(
-                f"{NNODES}={nnodes} needs node 0's address and port in {MASTER_ADDR} and {MASTER_PORT} "
-                f"(a port 1-65535), got {addr!r} and {port!r}"
+                f"{NNODES}={nnodes} needs node 0's address and port in {MASTER_ADDR} "
+                f"and {MASTER_PORT} (a port 1-65535), got {addr!r} and {port!r}"
             )
         settings = {
             "launcher": "torchrun",
@@ -73,7 +77,10 @@ def pod_settings(env: Mapping[str, str]) -> dict[str, str]:
     if nproc.isdigit() and int(nproc) > 0:
         settings["trainer.nproc"] = nproc
     elif nproc and nproc not in ("auto", "gpu", "cpu"):
-        raise UserError(f"{NPROC}={nproc!r} is not a number of processes per node: set a positive integer or auto")
+        raise UserError(
+            f"{NPROC}={nproc!r} is not a number of processes "
+            "per node: set a positive integer or auto"
+        )
     return settings
 
 
@@ -91,14 +98,16 @@ def pod_overrides(env: Mapping[str, str], overrides: list[str]) -> list[str]:
     for key, value in given.items():
         if _canonical(value) != _canonical(settings[key]):
             raise UserError(
-                f"{key}={value} on the command line disagrees with this pod's environment, which "
-                f"says {key}={settings[key]} ({_source(key, env)}); drop the override, or change the job"
+                f"{key}={value} on the command line disagrees with this "
+                f"pod's environment, which says {key}={settings[key]} "
+                f"({_source(key, env)}); drop the override, or change the job"
             )
     return [f"{key}={value}" for key, value in settings.items() if key not in given]
 
 
 def adopt(argv: list[str], environ: MutableMapping[str, str] = os.environ) -> None:
-    """argv (train.py's) gets this pod's launch settings; the pod-level ranks leave the environment."""
+    """argv (train.py's) gets this pod's launch settings; the pod-level ranks leave the
+    environment."""
     argv += pod_overrides(environ, argv[1:])
     for name in POD_LEVEL:
         environ.pop(name, None)

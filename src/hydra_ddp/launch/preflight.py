@@ -22,14 +22,22 @@ from hydra_ddp.parallel import distributed
 
 
 def check(
-    conf_dir: Path, overrides: list[str], run_dir: Path, gpus: Optional[int] = None, config_name: str = "config"
+    conf_dir: Path,
+    overrides: list[str],
+    run_dir: Path,
+    gpus: Optional[int] = None,
+    config_name: str = "config",
 ) -> None:
     """Raise the UserError `train.py --check OVERRIDES` would print (nothing: the config is good).
     `gpus`: check it for a host of that many GPUs (`--gpus=N`). Hydra's own composition errors
     (an unknown group option, a misspelt key) are the UserError train.py prints for them."""
     _register_schema()
-    with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None), _one_line():
-        # One job's config: a search preset's sweep (hydra.mode=MULTIRUN) is checked as its base run.
+    with (
+        initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base=None),
+        _one_line(),
+    ):
+        # One job's config: a search preset's sweep (hydra.mode=MULTIRUN) is checked as its base
+        # run.
         cfg = compose(
             config_name=config_name,
             overrides=[*overrides, f"hydra.run.dir={run_dir}", "hydra.mode=RUN"],
@@ -41,7 +49,9 @@ def check(
     with read_write(cfg), open_dict(cfg):
         del cfg["hydra"]
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    with _environment({startup.CHECK_ENV: "1", distributed.CHECK_GPUS_ENV: str(gpus) if gpus else None}):
+    with _environment(
+        {startup.CHECK_ENV: "1", distributed.CHECK_GPUS_ENV: str(gpus) if gpus else None}
+    ):
         command.run(cfg, 0.0, job="eval" if config_name == "eval" else "train")
 
 
@@ -59,7 +69,8 @@ def _one_line() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=1)
 def _register_schema() -> None:
-    """Once a process: the ConfigStore keeps it across Hydra's initialisations (many checks, one process)."""
+    """Once a process: the ConfigStore keeps it across Hydra's initialisations (many checks, one
+    process)."""
     register_schema()
 
 

@@ -56,14 +56,16 @@ def settle(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, RankInfo
     requested_global_batch = cfg.data.global_batch_size
     settle_launch(cfg, run_dir, external)
     trainer = cfg.trainer
-    # Model replicas, each reading its own batches: every rank but under tensor parallel (one replica).
+    # Model replicas, each reading its own batches: every rank but under tensor parallel (one
+    # replica).
     chosen = strategies.get(cfg.strategy.name)
     world = trainer.nproc * cfg.launcher.nnodes  # an elastic run's largest
     replicas = chosen.replicas(cfg.strategy, world)
     resolve_batches(cfg.data, trainer, replicas)
     if elastic.is_elastic(cfg.launcher):
         elastic.check(cfg, requested_global_batch)  # at every world size in the range
-    if cfg.trial.number is not None and cfg.trial.pruner != "none":  # a search trial's pruner: a hook
+    # a search trial's pruner: a hook
+    if cfg.trial.number is not None and cfg.trial.pruner != "none":
         trainer.hooks = [*trainer.hooks, {"_target_": PRUNING_HOOK}]
     trainer.resume = checkpoints.resume_setting(trainer.resume)
     trainer.max_time = max_time_seconds(trainer.max_time)
@@ -75,12 +77,16 @@ def settle(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, RankInfo
     # which were auto (where the workers find a shared-memory segment cannot be made, an auto falls
     # back, a true fails).
     requested_compile = trainer.compile
-    trainer.compile = compiling.mode(trainer.compile, _on_meta_or_none(cfg.model) if trainer.compile is True else None)
+    trainer.compile = compiling.mode(
+        trainer.compile, _on_meta_or_none(cfg.model) if trainer.compile is True else None
+    )
     cfg.settled = chosen.settle(cfg, world, trainer.nproc)
     if requested_compile is True:  # the summary says which: the blocks or the whole model
         cfg.settled["trainer.compile"] = trainer.compile
     allowed = chosen.allows_channels_last()
-    conv = _has_conv2d(cfg.model) if performance.needs_model(trainer.channels_last, allowed) else False
+    conv = (
+        _has_conv2d(cfg.model) if performance.needs_model(trainer.channels_last, allowed) else False
+    )
     value = performance.channels_last(trainer.channels_last, allowed, conv)
     if value is not None:  # else the workers' to settle, from the model they build
         if trainer.channels_last == performance.AUTO:
@@ -110,7 +116,9 @@ def plain_config(cfg: DictConfig) -> dict[str, Any]:
     try:
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
     except MissingMandatoryValue as e:
-        raise UserError(f"{e.full_key} must be set (it is ??? in the config); pass {e.full_key}=...") from None
+        raise UserError(
+            f"{e.full_key} must be set (it is ??? in the config); pass {e.full_key}=..."
+        ) from None
     except InterpolationResolutionError as e:
         raise UserError(groups.mismatch(e)) from None
 
@@ -125,7 +133,12 @@ def settle_launch(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, R
     if external:
         launcher_name, rank = external
         nodes = rank.world_size // rank.local_world_size
-        launcher.name, launcher.external, launcher.nnodes, launcher.min_nodes = launcher_name, True, nodes, nodes
+        launcher.name, launcher.external, launcher.nnodes, launcher.min_nodes = (
+            launcher_name,
+            True,
+            nodes,
+            nodes,
+        )
         trainer.nproc = rank.local_world_size
     else:
         trainer.nproc = _nproc(trainer.nproc, trainer.device, host)
@@ -137,7 +150,8 @@ def settle_launch(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, R
     _resolve_init_method(cfg.init_method, run_dir, external is not None)
     cfg.backend.timeout_s = collective_timeout(cfg.backend.timeout_s, cfg.backend.name)
     # Decided here, so the checkpoint records it: the same thread count gives the same CPU kernels,
-    # and eval.py evaluates with it (bit-equal metrics at any world size). N ranks × all cores would thrash.
+    # and eval.py evaluates with it (bit-equal metrics at any world size). N ranks × all cores would
+    # thrash.
     trainer.threads = trainer.threads or max(1, len(os.sched_getaffinity(0)) // trainer.nproc)
 
 
@@ -148,13 +162,15 @@ def oversubscribed(trainer: Any) -> Optional[str]:
     if trainer.device != "cpu" or trainer.nproc <= cores:
         return None
     return (
-        f"{trainer.nproc} CPU workers on this host's {cores} core(s) share them, {trainer.threads} thread(s) "
-        f"each: slower than trainer.nproc={cores} would be (fine for trying a config)"
+        f"{trainer.nproc} CPU workers on this host's {cores} core(s) "
+        f"share them, {trainer.threads} thread(s) each: slower than "
+        f"trainer.nproc={cores} would be (fine for trying a config)"
     )
 
 
 def collective_timeout(value: Any, backend: str) -> int:
-    """backend.timeout_s: auto is 600 s where NCCL runs (its ranks may wait for a dead peer until then), else 1800 s."""
+    """backend.timeout_s: auto is 600 s where NCCL runs (its ranks may wait for a dead peer until
+    then), else 1800 s."""
     if value == "auto":
         return 600 if "nccl" in backend else 1800
     return int(value)
@@ -164,7 +180,9 @@ def _resolve_monitor(trainer: Any, data_cfg: Any, task: tasks.Task) -> None:
     """The monitored metric must be one the task reports (auto: the task's choice; its direction
     settles monitor_mode=auto); without validation (data.val_fraction=0) a val/ metric has no
     values, and nothing is monitored."""
-    name, trainer.monitor_mode = monitor.settle(trainer.monitor, trainer.monitor_mode, task.metrics, task.monitored)
+    name, trainer.monitor_mode = monitor.settle(
+        trainer.monitor, trainer.monitor_mode, task.metrics, task.monitored
+    )
     trainer.monitor = name
     if name is not None and name not in monitor.names(task.metrics):
         raise UserError(
@@ -190,7 +208,10 @@ def max_time_seconds(value: Any) -> Optional[float]:
     except ValueError:
         seconds = -1.0
     if not seconds > 0:
-        raise UserError(f"trainer.max_time={value!r}: give seconds (e.g. 3600) or [D:]HH:MM:SS (e.g. 00:12:00:00)")
+        raise UserError(
+            f"trainer.max_time={value!r}: give seconds "
+            "(e.g. 3600) or [D:]HH:MM:SS (e.g. 00:12:00:00)"
+        )
     return seconds
 
 
@@ -206,23 +227,25 @@ def resolve_batches(data_cfg: Any, trainer: Any, replicas: int) -> None:
     elif micro is not None and accumulate is not None:
         if micro * accumulate * replicas != total:
             raise UserError(
-                f"data.global_batch_size={total} is not data.batch_size={micro} × trainer.accumulate={accumulate} × "
-                f"{over} ({micro * accumulate * replicas}): set two of the three, and the third follows"
+                f"data.global_batch_size={total} is not data.batch_size={micro} × "
+                f"trainer.accumulate={accumulate} × {over} ({micro * accumulate * replicas}): "
+                "set two of the three, and the third follows"
             )
     elif micro is not None:
         if total % (micro * replicas):
             raise UserError(
-                f"data.global_batch_size={total} does not divide into micro-batches of data.batch_size={micro} "
-                f"on {over}: choose a multiple of {micro * replicas}, or set trainer.accumulate instead of "
-                "data.batch_size"
+                f"data.global_batch_size={total} does not divide into micro-batches of "
+                f"data.batch_size={micro} on {over}: choose a multiple of "
+                f"{micro * replicas}, or set trainer.accumulate instead of data.batch_size"
             )
         accumulate = total // (micro * replicas)
     else:
         accumulate = accumulate or 1
         if total % (accumulate * replicas):
             raise UserError(
-                f"data.global_batch_size={total} does not divide by trainer.accumulate={accumulate} × {over}: "
-                f"choose a multiple of {accumulate * replicas}, or set data.batch_size instead"
+                f"data.global_batch_size={total} does not divide by "
+                f"trainer.accumulate={accumulate} × {over}: choose a multiple "
+                f"of {accumulate * replicas}, or set data.batch_size instead"
             )
         micro = total // (accumulate * replicas)
     data_cfg.batch_size, trainer.accumulate = micro, accumulate
@@ -233,7 +256,9 @@ def _device(name: str, host: distributed.Host) -> str:
     if name == "auto":
         return "cuda" if host.cuda else "cpu"
     if name == "cuda" and not host.cuda:
-        raise UserError("trainer.device=cuda but CUDA is not available here; use trainer.device=cpu (or auto)")
+        raise UserError(
+            "trainer.device=cuda but CUDA is not available here; use trainer.device=cpu (or auto)"
+        )
     return name
 
 
@@ -246,23 +271,27 @@ def _nproc(value: Any, device: str, host: distributed.Host) -> int:
 def _check_launcher(launcher: Any) -> None:
     if launcher.name == "spawn":
         if launcher.nnodes != 1:
-            raise UserError("launcher=spawn runs on one node; use launcher=torchrun for launcher.nnodes > 1")
+            raise UserError(
+                "launcher=spawn runs on one node; use launcher=torchrun for launcher.nnodes > 1"
+            )
     elif launcher.name == "torchrun":
         if launcher.nnodes < 1 or not 0 <= launcher.node_rank < launcher.nnodes:
             raise UserError(
-                f"launcher.node_rank={launcher.node_rank} must be in [0, launcher.nnodes={launcher.nnodes})"
+                f"launcher.node_rank={launcher.node_rank} must "
+                f"be in [0, launcher.nnodes={launcher.nnodes})"
             )
         if launcher.nnodes > 1 and not (launcher.rdzv_endpoint and launcher.rdzv_id):
             raise UserError(
-                "a multi-node launcher=torchrun needs launcher.rdzv_endpoint=HOST:PORT (node 0) and the same "
-                "launcher.rdzv_id on every node"
+                "a multi-node launcher=torchrun needs launcher.rdzv_endpoint=HOST:PORT "
+                "(node 0) and the same launcher.rdzv_id on every node"
             )
         # A single node's rendezvous endpoint is the launching process's own store (launch.py).
         launcher.rdzv_id = launcher.rdzv_id or uuid.uuid4().hex[:12]
     available = [m for m in startup.START_METHODS if m in mp.get_all_start_methods()]
     if launcher.start_method not in available:
         raise UserError(
-            f"launcher.start_method={launcher.start_method!r} is not available here; choose {' or '.join(available)}"
+            f"launcher.start_method={launcher.start_method!r} is "
+            f"not available here; choose {' or '.join(available)}"
         )
 
 
@@ -274,12 +303,19 @@ def _resolve_init_method(init: Any, run_dir: Path, external: bool) -> None:
     if name == "env" and "MASTER_PORT" in os.environ:
         port = os.environ["MASTER_PORT"]
         if not port.isdigit() or not 0 < int(port) < 65536:
-            raise UserError(f"MASTER_PORT={port!r} (exported) is not a port; export a number in 1-65535, or unset it")
-        init.host, init.port, init.port_from = os.environ.get("MASTER_ADDR") or init.host, int(port), "MASTER_PORT"
+            raise UserError(
+                f"MASTER_PORT={port!r} (exported) is not a "
+                "port; export a number in 1-65535, or unset it"
+            )
+        init.host, init.port, init.port_from = (
+            os.environ.get("MASTER_ADDR") or init.host,
+            int(port),
+            "MASTER_PORT",
+        )
     elif name in ("env", "tcp") and init.port is None and external:
         needs = (
-            "MASTER_ADDR and MASTER_PORT exported (rank 0's host, a free port), or init_method.port (and "
-            "init_method.host), the same on every rank"
+            "MASTER_ADDR and MASTER_PORT exported (rank 0's host, a free port), "
+            "or init_method.port (and init_method.host), the same on every rank"
             if name == "env"
             else "init_method.port (and init_method.host: rank 0's host), the same on every rank"
         )
@@ -288,7 +324,8 @@ def _resolve_init_method(init: Any, run_dir: Path, external: bool) -> None:
         if init.path is None:
             if external:
                 raise UserError(
-                    "init_method=file under an outside launcher needs init_method.path, shared by all ranks"
+                    "init_method=file under an outside launcher "
+                    "needs init_method.path, shared by all ranks"
                 )
             init.path = str(RunDir(run_dir).rendezvous_store)
         path = Path(init.path).expanduser().resolve()
@@ -308,7 +345,9 @@ def eval_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
     path = checkpoints.find(str(cfg.ckpt), "ckpt")
     saved = checkpoints.read(path, "ckpt")
     composed = OmegaConf.to_container(cfg, resolve=True)
-    plain = from_checkpoint.merged(saved["config"], saved["position"], composed, overrides, str(path))
+    plain = from_checkpoint.merged(
+        saved["config"], saved["position"], composed, overrides, str(path)
+    )
     typed = run_config.typed(plain)
     _check_model(typed.model, saved["model"], path)
     return typed
@@ -322,5 +361,6 @@ def _check_model(model_cfg: dict[str, Any], saved: dict[str, torch.Tensor], path
         model,
         saved,
         path,
-        fix="evaluate it with the model it was saved from (leave model= out: the checkpoint's is the default)",
+        fix="evaluate it with the model it was saved from "
+        "(leave model= out: the checkpoint's is the default)",
     )

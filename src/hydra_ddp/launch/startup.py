@@ -25,10 +25,21 @@ START_METHODS = ("forkserver", "spawn")
 _QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
 
 # Arguments after which train.py launches nothing (help, config printing, shell completion).
-_NO_LAUNCH_HERE = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
+_NO_LAUNCH_HERE = (
+    "-h",
+    "--help",
+    "--hydra-help",
+    "-c",
+    "--cfg",
+    "-i",
+    "--info",
+    "-sc",
+    "--shell-completion",
+)
 _MULTIRUN = ("-m", "--multirun")
 CHECK_ENV = "HYDRA_DDP_CHECK"  # train.py --check: compose, resolve and check, launch nothing
-_CHECK_GPUS_ENV = "HYDRA_DDP_CHECK_GPUS"  # --gpus=N with it: check for a host of N GPUs (distributed.Host)
+# --gpus=N with it: check for a host of N GPUs (distributed.Host)
+_CHECK_GPUS_ENV = "HYDRA_DDP_CHECK_GPUS"
 
 
 def take_check_flags(argv: list[str]) -> bool:
@@ -50,10 +61,16 @@ def take_check_flags(argv: list[str]) -> bool:
     if gpus:
         count = gpus[-1].split("=", 1)[1]
         if not count.isdigit() or int(count) < 1:
-            raise SystemExit(f"hydra-ddp: error: --gpus={count}: give the GPUs per node, a positive integer")
+            raise SystemExit(
+                f"hydra-ddp: error: --gpus={count}: give the GPUs per node, a positive integer"
+            )
         os.environ[_CHECK_GPUS_ENV] = count
     keys = [a.lstrip("+~").split("=", 1)[0] for a in argv[1:]]
-    argv += [o for o in ("hydra.output_subdir=null", "hydra/job_logging=disabled") if o.split("=")[0] not in keys]
+    argv += [
+        o
+        for o in ("hydra.output_subdir=null", "hydra/job_logging=disabled")
+        if o.split("=")[0] not in keys
+    ]
     return True
 
 
@@ -69,7 +86,9 @@ def preload(argv: list[str] | None = None) -> None:
             return
         # A multirun's jobs launch from this process, one after another, and share the forkserver;
         # unless another Hydra launcher runs them (joblib's or submitit's jobs start their own).
-        if any(arg in _MULTIRUN for arg in args) and any(arg.lstrip("+~") == "hydra/launcher" for arg in args):
+        if any(arg in _MULTIRUN for arg in args) and any(
+            arg.lstrip("+~") == "hydra/launcher" for arg in args
+        ):
             return
     if "forkserver" not in multiprocessing.get_all_start_methods():  # not on Windows
         return
@@ -104,8 +123,8 @@ def frozen_imports() -> Iterator[None]:
 
 
 def quiet_resource_tracker() -> None:
-    """A killed worker leaves its semaphores to multiprocessing's resource tracker, which cleans them
-    up and warns; it takes its -W options from ours when it starts."""
+    """A killed worker leaves its semaphores to multiprocessing's resource tracker, which cleans
+    them up and warns; it takes its -W options from ours when it starts."""
     if _QUIET_TRACKER not in sys.warnoptions:
         sys.warnoptions.append(_QUIET_TRACKER)
 
@@ -115,7 +134,8 @@ def worker_parent(start_method: str) -> int | None:
     or the forkserver (None if this Python does not say which pid it has)."""
     if start_method != "forkserver":
         return os.getpid()
-    preload()  # started here if train.py did not (a multirun's job, or command.run called from Python)
+    # started here if train.py did not (a multirun's job, or command.run called from Python)
+    preload()
     from multiprocessing import forkserver
 
     return getattr(forkserver._forkserver, "_forkserver_pid", None)

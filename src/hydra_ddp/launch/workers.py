@@ -33,7 +33,8 @@ from hydra_ddp.runtime.signals import STOP_SIGNALS
 log = logging.getLogger(__name__)
 
 
-SPAWN_GRACE_S = 5.0  # how long the other workers get to exit after one fails, before SIGTERM, then SIGKILL
+# how long the other workers get to exit after one fails, before SIGTERM, then SIGKILL
+SPAWN_GRACE_S = 5.0
 
 
 # The workers' entry points, by name: the launch side never imports the worker side. A worker
@@ -72,9 +73,11 @@ def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[st
         cfg.init_method.name,
         run_dir,
     )
-    if launcher.nnodes > 1:  # the node of global rank 0 shows the run: the others would say nothing more
+    # the node of global rank 0 shows the run: the others would say nothing more
+    if launcher.nnodes > 1:
         log.info(
-            "node %d of %d: %d of the run's workers; the node that holds rank 0 shows its progress, log and summary",
+            "node %d of %d: %d of the run's workers; the node "
+            "that holds rank 0 shows its progress, log and summary",
             launcher.node_rank,
             launcher.nnodes,
             n,
@@ -89,8 +92,9 @@ def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[st
         logging.getLogger(name).setLevel(logging.CRITICAL)
     startup.quiet_resource_tracker()
     summary_file = RunDir(run_dir).result(cfg.job)
-    # Continuing in this directory: only this run's summary counts. The earlier one is set aside (the
-    # workers read it: a run found complete trains nothing) and put back if this run writes none.
+    # Continuing in this directory: only this run's summary counts. The earlier one is set aside
+    # (the workers read it: a run found complete trains nothing) and put back if this run writes
+    # none.
     earlier = RunDir(run_dir).earlier_summary
     set_aside = cfg.job == "train" and launcher.node_rank == 0 and summary_file.exists()
     if set_aside:
@@ -109,15 +113,20 @@ def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[st
         _completed_despite(failure, summary_file)
     finally:
         del stores  # stops their servers
-        if cfg.init_method.name == "file":  # made fresh for this run; stale, it could deadlock the next
+        # made fresh for this run; stale, it could deadlock the next
+        if cfg.init_method.name == "file":
             Path(cfg.init_method.path).unlink(missing_ok=True)
         summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
         if set_aside:
             os.replace(earlier, summary_file) if summary is None else earlier.unlink()
-    if signum is not None and not (summary and summary["stopped_by"]):  # ended before their checkpoint
+    # ended before their checkpoint
+    if signum is not None and not (summary and summary["stopped_by"]):
         raise Stopped({"stopped_by": signal.Signals(signum).name, "steps": None}, run_dir)
     if launcher.nnodes > 1 and summary is None:
-        log.info("node %d: its workers are done; the run's summary is with rank 0's node", launcher.node_rank)
+        log.info(
+            "node %d: its workers are done; the run's summary is with rank 0's node",
+            launcher.node_rank,
+        )
     return summary
 
 
@@ -137,7 +146,8 @@ def _host_stores(cfg: RunConfig) -> list[Any]:
         setting = init.port_from
         stores = [distributed.serve_store(init.host, init.port or 0, timeout, setting)]
         stores += [
-            distributed.serve_store(init.host, 0, timeout) for _ in range(launcher.max_restarts if torchrun else 0)
+            distributed.serve_store(init.host, 0, timeout)
+            for _ in range(launcher.max_restarts if torchrun else 0)
         ]
         init.ports = [store.port for store in stores]
     elif torchrun:  # init_method=file: the agents still meet somewhere
@@ -145,19 +155,22 @@ def _host_stores(cfg: RunConfig) -> list[Any]:
     else:
         return []
     if torchrun:
-        launcher.rdzv_endpoint = f"{init.host if init.name != 'file' else '127.0.0.1'}:{stores[0].port}"
+        launcher.rdzv_endpoint = (
+            f"{init.host if init.name != 'file' else '127.0.0.1'}:{stores[0].port}"
+        )
     return stores
 
 
 def _completed_despite(failure: WorkerFailed, summary_file: Path) -> None:
     """A worker that fails after rank 0 wrote this run's summary failed in its teardown: the summary
-    is written after the last collective, so every rank had finished its work. Warn, and keep the run."""
+    is written after the last collective, so every rank had finished its work. Warn, and keep the
+    run."""
     if not summary_file.exists():
         raise failure
     json.loads(summary_file.read_text())  # whole (written atomically), or this fails loudly
     say(
-        f"hydra-ddp: warning: worker rank {failure.rank} ended badly ({failure.cause}) while exiting, after the run "
-        f"completed ({summary_file} written): the results are complete"
+        f"hydra-ddp: warning: worker rank {failure.rank} ended badly ({failure.cause}) while "
+        f"exiting, after the run completed ({summary_file} written): the results are complete"
     )
 
 
@@ -172,7 +185,8 @@ def _spawn(cfg: RunConfig, run_dir: Path, started_at: float, parent: Optional[in
     )
 
     def forward(signum: int, frame: Any) -> None:
-        # Pre-emption reaches the launcher: pass it on, and the workers checkpoint and stop together.
+        # Pre-emption reaches the launcher: pass it on, and the workers checkpoint and stop
+        # together.
         for process in context.processes:
             if process.is_alive():
                 os.kill(process.pid, signum)
@@ -180,12 +194,18 @@ def _spawn(cfg: RunConfig, run_dir: Path, started_at: float, parent: Optional[in
     previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     # A rank that fails makes its peers fail within a second; a hung one is killed after the grace
     # period (torch < 2.5 has no grace period: SIGTERM at once, then SIGKILL after 30 s).
-    grace = {"grace_period": SPAWN_GRACE_S} if "grace_period" in inspect.signature(context.join).parameters else {}
+    grace = (
+        {"grace_period": SPAWN_GRACE_S}
+        if "grace_period" in inspect.signature(context.join).parameters
+        else {}
+    )
     try:
         while not context.join(**grace):
             pass
     except mp.ProcessRaisedException as e:
-        raise WorkerFailed(*_first_spawned_cause(context, e.error_index, _last_line(str(e))), log_file) from None
+        raise WorkerFailed(
+            *_first_spawned_cause(context, e.error_index, _last_line(str(e))), log_file
+        ) from None
     except mp.ProcessExitedException as e:
         cause = f"killed by {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
         raise WorkerFailed(*_first_spawned_cause(context, e.error_index, cause), log_file) from None
@@ -194,7 +214,9 @@ def _spawn(cfg: RunConfig, run_dir: Path, started_at: float, parent: Optional[in
             signal.signal(sig, handler)
 
 
-def _torchrun(cfg: RunConfig, run_dir: Path, started_at: float, parent: Optional[int]) -> Optional[int]:
+def _torchrun(
+    cfg: RunConfig, run_dir: Path, started_at: float, parent: Optional[int]
+) -> Optional[int]:
     """Run the agent; the signal that stopped it, if one did."""
     from torch.distributed.elastic.multiprocessing.api import (
         DefaultLogsSpecs,
@@ -224,12 +246,16 @@ def _torchrun(cfg: RunConfig, run_dir: Path, started_at: float, parent: Optional
         role="trainer",
         rdzv_endpoint=launcher.rdzv_endpoint,
         rdzv_backend=launcher.rdzv_backend,
-        rdzv_configs={**launcher.rdzv_conf, "is_host": False if single_node else launcher.node_rank == 0},
+        rdzv_configs={
+            **launcher.rdzv_conf,
+            "is_host": False if single_node else launcher.node_rank == 0,
+        },
         max_restarts=launcher.max_restarts,
         monitor_interval=launcher.monitor_interval,
         start_method=launcher.start_method,
         local_addr=launcher.local_addr,
-        # The workers' error files where the failure report can read them all, removed after the run.
+        # The workers' error files where the failure report can read them all, removed after the
+        # run.
         logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
     )
     # The agent passes on SIGTERM and SIGINT only: Slurm's pre-emption signals become a SIGTERM.
@@ -254,16 +280,19 @@ def _torchrun(cfg: RunConfig, run_dir: Path, started_at: float, parent: Optional
 
 
 def _first_cause(failures: dict[int, Any], logs: Path) -> tuple[int, str]:
-    """(rank, one line) of the failure that started it. A rank whose peer died fails too (at once, or
-    aborted later), and may be the one the agent reports: it reports one failed worker of its last
-    look. Every local rank's error file of the latest attempt is read (under `logs`, the agent's
-    log folder), beside the reported one's, and a failure of a rank's own is named before one
-    that followed it."""
+    """(rank, one line) of the failure that started it. A rank whose peer died fails too (at once,
+    or aborted later), and may be the one the agent reports: it reports one failed worker of its
+    last look. Every local rank's error file of the latest attempt is read (under `logs`, the
+    agent's log folder), beside the reported one's, and a failure of a rank's own is named before
+    one that followed it."""
     causes = {}
     attempts = sorted(logs.glob("*/attempt_*"), key=lambda path: int(path.name.rsplit("_", 1)[1]))
     for rank, failure in failures.items():
-        message = failure.message  # the error file's {"message": ..., "extraInfo": ...}, or a plain string
-        causes[rank] = _last_line(message.get("message", str(message)) if isinstance(message, dict) else str(message))
+        # the error file's {"message": ..., "extraInfo": ...}, or a plain string
+        message = failure.message
+        causes[rank] = _last_line(
+            message.get("message", str(message)) if isinstance(message, dict) else str(message)
+        )
         for error_file in attempts[-1].glob("*/error.json") if attempts else ():
             local_rank = int(error_file.parent.name) if error_file.parent.name.isdigit() else None
             try:
@@ -339,8 +368,14 @@ class Stopped(UserError):
 
 def _again(run_dir: Path) -> str:
     """The command that continues this run where it stopped."""
-    kept = [o for o in HydraConfig.get().overrides.task if not o.startswith(("hydra.run.dir=", "trainer.resume="))]
-    return shlex.join([_this_python(), "train.py", *kept, f"hydra.run.dir={run_dir}", "trainer.resume=auto"])
+    kept = [
+        o
+        for o in HydraConfig.get().overrides.task
+        if not o.startswith(("hydra.run.dir=", "trainer.resume="))
+    ]
+    return shlex.join(
+        [_this_python(), "train.py", *kept, f"hydra.run.dir={run_dir}", "trainer.resume=auto"]
+    )
 
 
 def _this_python() -> str:
@@ -349,7 +384,11 @@ def _this_python() -> str:
     `python` outside the venv has no hydra_ddp."""
     here = Path(sys.executable)
     on_path = shutil.which("python")
-    if on_path and Path(on_path).resolve() == here.resolve() and Path(on_path).parent == here.parent:
+    if (
+        on_path
+        and Path(on_path).resolve() == here.resolve()
+        and Path(on_path).parent == here.parent
+    ):
         return "python"
     try:
         return str(here.relative_to(Path.cwd()))

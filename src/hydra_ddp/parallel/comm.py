@@ -11,8 +11,8 @@ allreduce_bytes_per_step is that measurement, the last step's.
   Vogels et al. 2019, the algorithm of torch's powerSGD_hook): (rows + columns) × r numbers
   instead of rows × columns, with error feedback (what the approximation left out is added to
   the next step's gradient) and warm start (last step's Q). Vectors (biases, norms) and matrices
-  too small to gain are all-reduced whole. Before `strategy.powersgd.start_step` every step is a plain
-  all-reduce.
+  too small to gain are all-reduced whole. Before `strategy.powersgd.start_step` every step is a
+  plain all-reduce.
 
 They pay off where the network is the bottleneck (many nodes, slow links); on one machine,
 where the all-reduce is a memory copy, their compute can cost more than they save (bench/).
@@ -35,13 +35,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-MIN_COMPRESSION = 2  # a matrix is approximated only where that sends at most half its numbers (torch's default)
+# a matrix is approximated only where that sends at most half its numbers (torch's default)
+MIN_COMPRESSION = 2
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class Traffic:
-    """The bytes this rank hands to the gradient all-reduce in an optimizer step: counted on the very
-    tensors each hook passes to its collective, not computed from the model (the summary's
+    """The bytes this rank hands to the gradient all-reduce in an optimizer step: counted on the
+    very tensors each hook passes to its collective, not computed from the model (the summary's
     allreduce_bytes_per_step). A step ends with DDP's last bucket."""
 
     def __init__(self) -> None:
@@ -63,10 +64,12 @@ def register(
     model: nn.parallel.DistributedDataParallel, name: str, traffic: Traffic, powersgd: Any = None
 ) -> Optional[PowerSGD]:
     """Register the configured hook on the DDP model, before its first step; every hook counts what
-    it sends in `traffic` (none: the same fp32 all-reduce as DDP's built-in one, divided first). PowerSGD's
-    object is returned: its state goes into checkpoints."""
+    it sends in `traffic` (none: the same fp32 all-reduce as DDP's built-in one, divided first).
+    PowerSGD's object is returned: its state goes into checkpoints."""
     if name == "powersgd":
-        hook = PowerSGD(model.module, model.process_group, powersgd.rank, powersgd.start_step, traffic=traffic)
+        hook = PowerSGD(
+            model.module, model.process_group, powersgd.rank, powersgd.start_step, traffic=traffic
+        )
         model.register_comm_hook(None, hook.hook)
         return hook
     model.register_comm_hook(None, _AllReduce(model.process_group, traffic, _DTYPES.get(name)).hook)
@@ -80,7 +83,8 @@ class _AllReduce:
     def __init__(self, group: Any, traffic: Traffic, dtype: Optional[torch.dtype]):
         self.group, self.traffic, self.dtype = group, traffic, dtype
 
-    # DDP checks the hook's annotations against its own types: none here (this module's are strings).
+    # DDP checks the hook's annotations against its own types: none here (this module's are
+    # strings).
     def hook(self, state, bucket):  # noqa: ANN001, ANN201
         buffer = bucket.buffer()
         world = dist.get_world_size(self.group)
@@ -102,7 +106,9 @@ def _low_rank_size(param: torch.Tensor, rank: int) -> Optional[int]:
         return None
     rows, columns = param.shape[0], param.numel() // param.shape[0]
     r = min(rows, columns, rank)
-    return (rows + columns) * r if (rows + columns) * r * MIN_COMPRESSION <= rows * columns else None
+    return (
+        (rows + columns) * r if (rows + columns) * r * MIN_COMPRESSION <= rows * columns else None
+    )
 
 
 class PowerSGD:
@@ -120,14 +126,18 @@ class PowerSGD:
         self.traffic = traffic or Traffic()
         self.names = {id(p): name for name, p in module.named_parameters()}
         self.shapes = {
-            name: (p.shape[0], p.numel() // p.shape[0]) for name, p in module.named_parameters() if p.dim() > 1
+            name: (p.shape[0], p.numel() // p.shape[0])
+            for name, p in module.named_parameters()
+            if p.dim() > 1
         }
         self.group, self.rank, self.start_step, self.seed = group, rank, start_step, seed
         self.step = 0  # optimizer steps seen (the hook runs once per bucket and step)
         self.errors: dict[str, torch.Tensor] = {}  # this rank's: what the approximations left out
-        self.qs: dict[str, torch.Tensor] = {}  # the last step's Q (all-reduced: the same on every rank)
+        # the last step's Q (all-reduced: the same on every rank)
+        self.qs: dict[str, torch.Tensor] = {}
 
-    # DDP checks the hook's annotations against its own types: none here (this module's are strings).
+    # DDP checks the hook's annotations against its own types: none here (this module's are
+    # strings).
     def hook(self, state, bucket):  # noqa: ANN001, ANN201
         buffer = bucket.buffer()
         world = dist.get_world_size(self.group)
@@ -150,7 +160,8 @@ class PowerSGD:
             if _low_rank_size(grad, self.rank) is None:
                 whole.append(grad)
                 continue
-            matrix = grad.reshape(grad.shape[0], -1)  # by logical index: any memory format (channels_last)
+            # by logical index: any memory format (channels_last)
+            matrix = grad.reshape(grad.shape[0], -1)
             if name in self.errors:
                 matrix = matrix + self.errors[name]  # error feedback
             low_rank.append((name, grad, matrix))
@@ -162,10 +173,15 @@ class PowerSGD:
         if not low_rank:
             return
         # P = M·Q summed over ranks and orthogonalised, then Q = Mᵀ·P averaged: M ≈ P·Qᵀ.
-        qs = [_orthogonal(self.qs[name]) if name in self.qs else self._first_q(name, m) for name, _, m in low_rank]
+        qs = [
+            _orthogonal(self.qs[name]) if name in self.qs else self._first_q(name, m)
+            for name, _, m in low_rank
+        ]
         ps = _all_reduced([m @ q for (_, _, m), q in zip(low_rank, qs)], self.group, self.traffic)
         ps = [_orthogonal(p) for p in ps]
-        qs = _all_reduced([m.t() @ p for (_, _, m), p in zip(low_rank, ps)], self.group, self.traffic)
+        qs = _all_reduced(
+            [m.t() @ p for (_, _, m), p in zip(low_rank, ps)], self.group, self.traffic
+        )
         for (name, grad, matrix), p, q in zip(low_rank, ps, qs):
             approximation = p @ q.div_(world).t()
             self.errors[name] = matrix - approximation
@@ -180,7 +196,8 @@ class PowerSGD:
 
     # --- checkpoints ----------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        """Every rank calls it at the same step: the error feedback is each rank's own (gathered)."""
+        """Every rank calls it at the same step: the error feedback is each rank's own
+        (gathered)."""
         names = sorted(self.errors)
         errors: list[torch.Tensor] = []
         if names:  # the same names on every rank: they compress in lockstep
@@ -202,18 +219,23 @@ class PowerSGD:
         self.step = step
         if not saved or saved.get("hook") != "powersgd" or saved["rank"] != self.rank:
             return (
-                f"the checkpoint holds no PowerSGD state of rank {self.rank}: warm start and error feedback "
-                "begin afresh"
+                "the checkpoint holds no PowerSGD state of rank "
+                f"{self.rank}: warm start and error feedback begin afresh"
                 if step > self.start_step
                 else None
             )
         self.qs = {name: q.clone() for name, q in saved["q"].items()}
         errors, world = saved["errors"], dist.get_world_size(self.group)
         if errors and len(errors) != world:
-            return f"PowerSGD's error feedback was saved by {len(errors)} ranks, not {world}: it begins afresh"
+            return (
+                "PowerSGD's error feedback was saved by "
+                f"{len(errors)} ranks, not {world}: it begins afresh"
+            )
         if errors:
             names = saved["error_names"]
-            parts = errors[dist.get_rank(self.group)].split([self.shapes[n][0] * self.shapes[n][1] for n in names])
+            parts = errors[dist.get_rank(self.group)].split(
+                [self.shapes[n][0] * self.shapes[n][1] for n in names]
+            )
             self.errors = {n: part.view(self.shapes[n]).clone() for n, part in zip(names, parts)}
         return None
 

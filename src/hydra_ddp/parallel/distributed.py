@@ -1,4 +1,5 @@
-"""The process group: backends, init methods, the rendezvous store, collectives on small values, teardown."""
+"""The process group: backends, init methods, the rendezvous store, collectives on small values,
+teardown."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from hydra_ddp.runtime.ranks import RankInfo, srun_environment, srun_task
 
 def adopt_launcher_environment() -> None:
     """A worker started by submitit (Slurm, or its local executor) or by srun reads who it is in
-    their variables: exported here as RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT."""
+    their variables: exported here as RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    MASTER_ADDR/PORT."""
     if "RANK" in os.environ:
         return
     if "SUBMITIT_EXECUTOR" in os.environ:
@@ -36,7 +38,8 @@ class Host(NamedTuple):
     it (device, world size, backend, which GPU a rank takes) is a pure function of these facts."""
 
     cuda: bool  # a CUDA device is usable
-    gpus: int  # GPUs this process sees (CUDA_VISIBLE_DEVICES applied: under Slurm, often a task's own)
+    # GPUs this process sees (CUDA_VISIBLE_DEVICES applied: under Slurm, often a task's own)
+    gpus: int
     nccl: bool
     mpi: bool
 
@@ -56,10 +59,13 @@ class Host(NamedTuple):
         )
 
 
-CHECK_GPUS_ENV = "HYDRA_DDP_CHECK_GPUS"  # set by train.py --check --gpus=N (startup.take_check_flags)
+# set by train.py --check --gpus=N (startup.take_check_flags)
+CHECK_GPUS_ENV = "HYDRA_DDP_CHECK_GPUS"
 
 
-def resolve_backend(name: str, device: str, nproc_per_node: int, host: Host, outside_launch: bool = False) -> str:
+def resolve_backend(
+    name: str, device: str, nproc_per_node: int, host: Host, outside_launch: bool = False
+) -> str:
     """The concrete backend for `name`, or a UserError saying why it cannot run here. `auto` is held
     to what it picks: nccl gets the one-GPU-per-process check an explicit backend=nccl gets."""
     if name == "auto":
@@ -70,16 +76,23 @@ def resolve_backend(name: str, device: str, nproc_per_node: int, host: Host, out
         return name
     if name == "nccl":
         if not host.cuda or not host.nccl:
-            raise UserError("backend=nccl needs CUDA GPUs and none are available here; use backend=gloo (or auto)")
+            raise UserError(
+                "backend=nccl needs CUDA GPUs and none are "
+                "available here; use backend=gloo (or auto)"
+            )
         if device != "cuda":
-            raise UserError("backend=nccl needs trainer.device=cuda; use backend=gloo to train on the CPU")
-        gpu_index(0, nproc_per_node, host.gpus, outside_launch)  # one GPU per process, or one line why not
+            raise UserError(
+                "backend=nccl needs trainer.device=cuda; use backend=gloo to train on the CPU"
+            )
+        # one GPU per process, or one line why not
+        gpu_index(0, nproc_per_node, host.gpus, outside_launch)
         return name
     if name == "mpi":
         if not host.mpi:
             raise UserError(
-                "backend=mpi: this torch build has no MPI support (torch.distributed.is_mpi_available() is False); "
-                "use backend=gloo (or nccl on GPUs) — mpirun can still launch it"
+                "backend=mpi: this torch build has no MPI support "
+                "(torch.distributed.is_mpi_available() is False); use "
+                "backend=gloo (or nccl on GPUs) — mpirun can still launch it"
             )
         return name
     raise UserError(f"unknown backend {name!r}; choose auto, gloo, nccl or mpi")
@@ -96,9 +109,9 @@ def gpu_index(local_rank: int, local_world_size: int, visible: int, outside_laun
         return 0
     where = "each process sees" if outside_launch else "this host has"
     raise UserError(
-        f"one GPU per process: {local_world_size} process(es) on this node but {where} {visible} GPU(s); "
-        f"set trainer.nproc={visible} (or auto), give each task its own GPU (srun --gpus-per-task=1), "
-        "or use backend=gloo"
+        f"one GPU per process: {local_world_size} process(es) on this node but "
+        f"{where} {visible} GPU(s); set trainer.nproc={visible} (or auto), give "
+        "each task its own GPU (srun --gpus-per-task=1), or use backend=gloo"
     )
 
 
@@ -126,7 +139,9 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def serve_store(host: str, port: int, timeout: timedelta, setting: str = "init_method.port") -> dist.TCPStore:
+def serve_store(
+    host: str, port: int, timeout: timedelta, setting: str = "init_method.port"
+) -> dist.TCPStore:
     """A TCPStore server; port 0 takes a free port, bound here and held: nothing can take it between
     choosing and binding (read the port back from `store.port`). `setting`: what set the port, for
     the one line a busy port gets.
@@ -136,7 +151,8 @@ def serve_store(host: str, port: int, timeout: timedelta, setting: str = "init_m
     listener = None
     if _is_loopback(host):
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted rank 0 takes the port again
+        # a restarted rank 0 takes the port again
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             listener.bind((host, port))
         except OSError as e:
@@ -171,17 +187,20 @@ def serve_store(host: str, port: int, timeout: timedelta, setting: str = "init_m
 def _port_in_use(host: str, port: int, setting: str) -> UserError:
     if setting == "MASTER_PORT":
         return UserError(
-            f"MASTER_PORT={port} (exported) is already in use on {host}; export a free port, or unset "
-            "MASTER_PORT (a free one is picked)"
+            f"MASTER_PORT={port} (exported) is already in use on {host}; "
+            "export a free port, or unset MASTER_PORT (a free one is picked)"
         )
     return UserError(
-        f"port {port} on {host} is already in use; set {setting} to a free port, or to null (a free one is picked)"
+        f"port {port} on {host} is already in use; set {setting} "
+        "to a free port, or to null (a free one is picked)"
     )
 
 
 def restart_count() -> int:
     """How often torchrun (or Slurm's requeue) has restarted this group: 0 on the first attempt."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) or int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) or int(
+        os.environ.get("SLURM_RESTART_COUNT", "0")
+    )
 
 
 def _join_hosted_store(init: Any, attempt: int) -> None:
@@ -196,13 +215,18 @@ def _join_hosted_store(init: Any, attempt: int) -> None:
             f"restart {attempt} of the group has no store: the launcher held {len(ports)} "
             f"(launcher.max_restarts={len(ports) - 1})"
         )
-    os.environ.update(MASTER_ADDR=init.host, MASTER_PORT=str(ports[attempt]), TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.update(
+        MASTER_ADDR=init.host, MASTER_PORT=str(ports[attempt]), TORCHELASTIC_USE_AGENT_STORE="True"
+    )
 
 
 @contextlib.contextmanager
-def process_group(backend: str, init: Any, rank: RankInfo, timeout_s: int, device: torch.device) -> Iterator[None]:
+def process_group(
+    backend: str, init: Any, rank: RankInfo, timeout_s: int, device: torch.device
+) -> Iterator[None]:
     """Join the group through torch's rendezvous handler for the init method's URL; always leave it,
-    so the next job in a multirun starts clean. An outside launcher's env:// is its MASTER_ADDR/PORT."""
+    so the next job in a multirun starts clean. An outside launcher's env:// is its
+    MASTER_ADDR/PORT."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     attempt = int(
@@ -210,7 +234,8 @@ def process_group(backend: str, init: Any, rank: RankInfo, timeout_s: int, devic
     )  # torchrun's count alone (a Slurm requeue is a new job)
     if init.ports:
         _join_hosted_store(init, attempt)
-    elif init.name == "env" and "MASTER_PORT" not in os.environ:  # mpirun: rank 0 serves at host:port
+    # mpirun: rank 0 serves at host:port
+    elif init.name == "env" and "MASTER_PORT" not in os.environ:
         os.environ.update(MASTER_ADDR=init.host, MASTER_PORT=str(init.port))
     dist.init_process_group(
         backend,
@@ -231,7 +256,11 @@ def broadcast_text(text: str, device: torch.device, src: int = 0) -> str:
     data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
     size = torch.tensor([data.numel()], dtype=torch.long, device=device)
     dist.broadcast(size, src=src)
-    buf = data if dist.get_rank() == src else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    buf = (
+        data
+        if dist.get_rank() == src
+        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    )
     dist.broadcast(buf, src=src)
     return bytes(buf.tolist()).decode()
 

@@ -18,14 +18,17 @@ def node_range(value: Any) -> tuple[int, int]:
     try:
         bounds = (int(low), int(high)) if sep else (int(text), int(text))
     except ValueError:
-        raise UserError(f"launcher.nnodes={value!r}: give a node count (2) or an elastic range MIN:MAX (1:4)") from None
+        raise UserError(
+            f"launcher.nnodes={value!r}: give a node count (2) or an elastic range MIN:MAX (1:4)"
+        ) from None
     if bounds[0] < 1 or bounds[0] > bounds[1]:
         raise UserError(f"launcher.nnodes={value}: the range MIN:MAX needs 1 <= MIN <= MAX")
     return bounds
 
 
 def settle_nodes(launcher: Any) -> None:
-    """launcher.min_nodes and launcher.nnodes (the most nodes) from the configured count or range."""
+    """launcher.min_nodes and launcher.nnodes (the most nodes) from the configured count or
+    range."""
     launcher.min_nodes, launcher.nnodes = node_range(launcher.nnodes)
 
 
@@ -35,41 +38,49 @@ def is_elastic(launcher: Any) -> bool:
 
 def world_sizes(cfg: RunConfig) -> list[int]:
     """Every world size the run may train at, smallest first."""
-    return [cfg.trainer.nproc * nodes for nodes in range(cfg.launcher.min_nodes, cfg.launcher.nnodes + 1)]
+    return [
+        cfg.trainer.nproc * nodes
+        for nodes in range(cfg.launcher.min_nodes, cfg.launcher.nnodes + 1)
+    ]
 
 
 def check(cfg: RunConfig, global_batch: Optional[int]) -> None:
     """What an elastic run needs before launch: torchrun with restarts to spend, a global batch (the
-    configured one) that each allowed world size takes in whole micro-batches of data.batch_size (the
-    accumulation makes up the rest), a strategy that fits each, and resuming from the last checkpoint
-    at each restart. `global_batch`: data.global_batch_size as configured; `cfg`'s batches settled at
-    the largest world size (launch.resolve)."""
+    configured one) that each allowed world size takes in whole micro-batches of data.batch_size
+    (the accumulation makes up the rest), a strategy that fits each, and resuming from the last
+    checkpoint at each restart. `global_batch`: data.global_batch_size as configured; `cfg`'s
+    batches settled at the largest world size (launch.resolve)."""
     launcher = cfg.launcher
     span = f"launcher.nnodes={launcher.min_nodes}:{launcher.nnodes}"
     if launcher.name != "torchrun":
         raise UserError(f"{span} (elastic) needs launcher=torchrun")
     if launcher.max_restarts < 1:
         raise UserError(
-            f"{span} (elastic): set launcher.max_restarts to 1 or more; a lost node costs the group a "
-            "restart (a joining one does not)"
+            f"{span} (elastic): set launcher.max_restarts to 1 or more; a "
+            "lost node costs the group a restart (a joining one does not)"
         )
     if global_batch is None:
         raise UserError(
-            f"{span} (elastic) needs data.global_batch_size (not the per-rank data.batch_size): a resized "
-            "run then keeps its batches, and continues mid-epoch at the sample where it stopped"
+            f"{span} (elastic) needs data.global_batch_size (not the "
+            "per-rank data.batch_size): a resized run then keeps its "
+            "batches, and continues mid-epoch at the sample where it stopped"
         )
     chosen = strategies.get(cfg.strategy.name)
     micro = cfg.data.batch_size
     for nodes, world in zip(range(launcher.min_nodes, launcher.nnodes + 1), world_sizes(cfg)):
-        replicas = chosen.replicas(cfg.strategy, world)  # tensor parallel that does not fit: one line
-        chosen.check(dataclasses.replace(cfg, launcher=dataclasses.replace(launcher, nnodes=nodes)))  # e.g. its plan
+        # tensor parallel that does not fit: one line
+        replicas = chosen.replicas(cfg.strategy, world)
+        # e.g. its plan
+        chosen.check(dataclasses.replace(cfg, launcher=dataclasses.replace(launcher, nnodes=nodes)))
         if global_batch % (micro * replicas):
             raise UserError(
-                f"data.global_batch_size={global_batch} does not divide into micro-batches of data.batch_size={micro} "
-                f"on the {replicas} model replicas of world size {world}, which {span} allows: choose a global "
-                f"batch that every one takes whole (a multiple of {micro * replicas}), or a smaller data.batch_size"
+                f"data.global_batch_size={global_batch} does not divide into micro-batches "
+                f"of data.batch_size={micro} on the {replicas} model replicas of world size "
+                f"{world}, which {span} allows: choose a global batch that every one takes "
+                f"whole (a multiple of {micro * replicas}), or a smaller data.batch_size"
             )
-    cfg.trainer.resume = cfg.trainer.resume or "auto"  # each restart continues from the last checkpoint
+    # each restart continues from the last checkpoint
+    cfg.trainer.resume = cfg.trainer.resume or "auto"
 
 
 def at_world_size(cfg: RunConfig, world: int) -> Optional[dict[str, Any]]:

@@ -16,18 +16,20 @@ _WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod")  # attributes that wrap 
 def optimizer_state_by_name(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """`optimizer.state_dict()` with each parameter's position replaced by its name in `module`:
     what torch.distributed.checkpoint's get_optimizer_state_dict returns for a module that every
-    rank holds whole (tests/e2e/test_strategy.py compares the two). Done here, that module's import is
-    not in every worker's start-up, and each save is cheaper.
+    rank holds whole (tests/e2e/test_strategy.py compares the two). Done here, that module's import
+    is not in every worker's start-up, and each save is cheaper.
 
     Unlike it, an optimizer with no state yet is not stepped once (at lr 0) to make some: saving
-    changes nothing. A parameter shared by two modules has its first name, as named_parameters gives it."""
+    changes nothing. A parameter shared by two modules has its first name, as named_parameters gives
+    it."""
     names = {param: _plain_name(name) for name, param in module.named_parameters()}
     by_position = [names[param] for group in optimizer.param_groups for param in group["params"]]
     state = optimizer.state_dict()
     return {
         "state": {by_position[index]: value for index, value in state["state"].items()},
         "param_groups": [
-            {**group, "params": [by_position[index] for index in group["params"]]} for group in state["param_groups"]
+            {**group, "params": [by_position[index] for index in group["params"]]}
+            for group in state["param_groups"]
         ],
     }
 
@@ -96,7 +98,9 @@ class ShardedState:
             get_model_state_dict,
         )
 
-        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(
+            self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
     def load_model_state(self, state: dict[str, torch.Tensor], everywhere: bool = True) -> None:
         """Each rank keeps its shard of the full weights: read by every rank (`everywhere`), or
@@ -107,7 +111,9 @@ class ShardedState:
         )
 
         set_model_state_dict(
-            self.module, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=not everywhere)
+            self.module,
+            state,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=not everywhere),
         )
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -139,19 +145,25 @@ class ShardedState:
         return {"model": model_state, "optimizer": optimizer_state}
 
     def local_tensors(self) -> Iterator[torch.Tensor]:
-        return (p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in self.module.parameters())
+        return (
+            p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+            for p in self.module.parameters()
+        )
 
 
 def load_sharded(wrapped: nn.Module, path: Any, optimizer: torch.optim.Optimizer) -> None:
-    """A sharded (DCP) checkpoint into this rank's model and optimizer, under any strategy: DCP reads
-    the parts of the saved shards that this rank's layout needs, whatever layout they were saved in."""
+    """A sharded (DCP) checkpoint into this rank's model and optimizer, under any strategy: DCP
+    reads the parts of the saved shards that this rank's layout needs, whatever layout they were
+    saved in."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optimizer_state = get_state_dict(wrapped, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(wrapped, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        wrapped, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
 
 
 def load_sharded_model(wrapped: nn.Module, path: Any, part: str) -> None:

@@ -1,14 +1,16 @@
-"""DDP's gradient all-reduce through shared memory, for CPU ranks on one host (`strategy.shared_memory`).
+"""DDP's gradient all-reduce through shared memory, for CPU ranks on one host
+(`strategy.shared_memory`).
 
 gloo sends a CPU all-reduce through loopback TCP: beside training ranks its threads and theirs wake
-each other through the scheduler, and the wait is a large share of a small model's step. Ranks that share a host can
-instead meet in one shared segment: each writes its share of the gradients into its own slot, says
-so in its own counter, and once every counter has moved, sums the slots itself. That is two copies
-of the gradients in memory and no socket (its speed-up: bench/results/REPORT.md).
+each other through the scheduler, and the wait is a large share of a small model's step. Ranks that
+share a host can instead meet in one shared segment: each writes its share of the gradients into its
+own slot, says so in its own counter, and once every counter has moved, sums the slots itself. That
+is two copies of the gradients in memory and no socket (its speed-up: bench/results/REPORT.md).
 
 - The sum is rank 0's share + rank 1's + … in that order on every rank, each share divided by the
-  world size first, as DDP's own all-reduce does: at 2 ranks bit-identical to gloo's (a + b == b + a),
-  at more ranks within float tolerance of gloo's ring, and the same under every launcher.
+  world size first, as DDP's own all-reduce does: at 2 ranks bit-identical to gloo's
+  (a + b == b + a), at more ranks within float tolerance of gloo's ring, and the same under every
+  launcher.
 - DDP hands over its buckets one by one during the backward; they are summed together when the
   last arrives (one meeting per step: on a busy CPU, overlapping the all-reduce with the backward
   gains nothing, and each meeting waits for the slowest rank).
@@ -40,7 +42,8 @@ from hydra_ddp.errors import UserError
 from hydra_ddp.runtime import processes
 
 # Where the segment lives: a tmpfs. HYDRA_DDP_SHM_DIR names another where /dev/shm is small
-# (Docker's default is 64 MB; the segment is 2 × world size × the gradients' bytes, at most 8 MB each).
+# (Docker's default is 64 MB; the segment is 2 × world size × the gradients' bytes, at most 8 MB
+# each).
 SHM_DIR = Path(os.environ.get("HYDRA_DDP_SHM_DIR", "/dev/shm"))
 PREFIX = "hydra-ddp-"  # then rank 0's pid and a random part
 STALE_S = 60
@@ -55,7 +58,8 @@ LIVENESS_EVERY_S = 0.5  # while waiting: are the ranks we wait for still alive?
 
 def unavailable(backend: str, device: str, world_size: int, local_world_size: int) -> list[str]:
     """Why the shared-memory all-reduce cannot serve this run (empty: it can). The config-level
-    conditions (DDP, no comm hook, even shards, no compile) are checked by parallel/strategies/ddp.py."""
+    conditions (DDP, no comm hook, even shards, no compile) are checked by
+    parallel/strategies/ddp.py."""
     reasons = []
     if device != "cpu":
         reasons.append(f"it sums CPU tensors (this run is on {device})")
@@ -73,7 +77,9 @@ def unavailable(backend: str, device: str, world_size: int, local_world_size: in
 class SharedMemoryAllReduce:
     """A DDP communication hook summing the buckets through one shared segment."""
 
-    def __init__(self, group: Any, gradient_bytes: int, timeout_s: float, traffic: Optional[Any] = None):
+    def __init__(
+        self, group: Any, gradient_bytes: int, timeout_s: float, traffic: Optional[Any] = None
+    ):
         self.group, self.traffic = group, traffic  # comm.Traffic: the bytes summed, counted
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.timeout_s = timeout_s
@@ -81,8 +87,11 @@ class SharedMemoryAllReduce:
         self.head = LINE * (self.world + 1)  # the counters, then rank 0's token
         self.size = self.head + 2 * self.world * self.slot
         self.memory, self.pids = self._map()
-        self.counters = memoryview(self.memory)[: LINE * self.world].cast("q")  # 8 per line: rank r's at r·8
-        data = torch.frombuffer(self.memory, dtype=torch.uint8, offset=self.head, count=2 * self.world * self.slot)
+        # 8 per line: rank r's at r·8
+        self.counters = memoryview(self.memory)[: LINE * self.world].cast("q")
+        data = torch.frombuffer(
+            self.memory, dtype=torch.uint8, offset=self.head, count=2 * self.world * self.slot
+        )
         self.slots = data.view(2, self.world, self.slot)  # [turn, rank, bytes]
         self.meetings = 0
         self.pending: list[tuple[torch.Tensor, torch.futures.Future]] = []
@@ -91,20 +100,27 @@ class SharedMemoryAllReduce:
     def _map(self) -> tuple[mmap.mmap, dict[int, tuple[int, str]]]:
         """The mapped segment, and the other ranks' (pid, start time) where this rank can see their
         /proc entries (its liveness checks)."""
-        # Every rank is here before rank 0 creates anything: a rank that failed earlier leaves no segment.
-        named = [str(SHM_DIR / f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"), secrets.token_bytes(TOKEN_BYTES)]
+        # Every rank is here before rank 0 creates anything: a rank that failed earlier leaves no
+        # segment.
+        named = [
+            str(SHM_DIR / f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"),
+            secrets.token_bytes(TOKEN_BYTES),
+        ]
         dist.broadcast_object_list(named, src=0, group=self.group)
         name, token = named
         created = self.rank == 0
         try:
             problem, memory = self._create(name, token) if created else ("", None)
             shared = [problem]
-            dist.broadcast_object_list(shared, src=0, group=self.group)  # the others wait until it exists
+            # the others wait until it exists
+            dist.broadcast_object_list(shared, src=0, group=self.group)
             problem = shared[0]
             if not problem and not created:
                 problem, memory = self._open(name, token)
             everyone: list[Any] = [None] * self.world
-            dist.all_gather_object(everyone, (problem, os.getpid(), _started(os.getpid())), group=self.group)
+            dist.all_gather_object(
+                everyone, (problem, os.getpid(), _started(os.getpid())), group=self.group
+            )
         finally:
             if created:
                 Path(name).unlink(missing_ok=True)  # every rank has mapped it, or never will
@@ -124,7 +140,8 @@ class SharedMemoryAllReduce:
         fd = -1
         try:
             fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.posix_fallocate(fd, 0, self.size)  # tmpfs reserves the pages now: ENOSPC here, not SIGBUS later
+            # tmpfs reserves the pages now: ENOSPC here, not SIGBUS later
+            os.posix_fallocate(fd, 0, self.size)
             memory = mmap.mmap(fd, self.size)
         except OSError as e:
             return f"cannot create {self.size} bytes in {SHM_DIR}: {e.strerror or e}", None
@@ -150,11 +167,15 @@ class SharedMemoryAllReduce:
         finally:
             os.close(fd)
         if memory[self.head - LINE : self.head - LINE + TOKEN_BYTES] != token:
-            return f"rank {self.rank} opened another {name} (its own /dev/shm: another container?)", None
+            return (
+                f"rank {self.rank} opened another {name} (its own /dev/shm: another container?)",
+                None,
+            )
         return "", memory
 
     # --- the hook ---------------------------------------------------------------------------------
-    # DDP checks the hook's annotations against its own types: none here (this module's are strings).
+    # DDP checks the hook's annotations against its own types: none here (this module's are
+    # strings).
     def hook(self, state, bucket):  # noqa: ANN001, ANN201
         buffer = bucket.buffer()
         if buffer.is_sparse or not buffer.is_contiguous():
@@ -180,10 +201,12 @@ class SharedMemoryAllReduce:
         for start in range(0, flat.numel(), per_chunk):
             chunk = flat[start : start + per_chunk]
             self.meetings += 1
-            slots = self.slots[self.meetings % 2, :, : chunk.numel() * chunk.element_size()].view(chunk.dtype)
-            # Each share divided first, as DDP's own all-reduce does, straight into this rank's slot;
-            # then the slots summed in rank order straight into the bucket: two passes over the
-            # gradients, where a divide in place, a copy in, a copy out and an add took four.
+            slots = self.slots[self.meetings % 2, :, : chunk.numel() * chunk.element_size()].view(
+                chunk.dtype
+            )
+            # Each share divided first, as DDP's own all-reduce does, straight into this rank's
+            # slot; then the slots summed in rank order straight into the bucket: two passes over
+            # the gradients, where a divide in place, a copy in, a copy out and an add took four.
             torch.div(chunk, self.world, out=slots[self.rank])
             self.counters[self.rank * 8] = self.meetings  # after the data: x86-64 keeps the order
             self._wait_for_all(self.meetings)
@@ -213,8 +236,8 @@ class SharedMemoryAllReduce:
                 if now - since > self.timeout_s:
                     names = ", ".join(str(r) for r in behind)
                     raise RuntimeError(
-                        f"timed out after {self.timeout_s:g} s (backend.timeout_s) waiting for rank(s) "
-                        f"{names} at the gradient all-reduce"
+                        f"timed out after {self.timeout_s:g} s (backend.timeout_s) "
+                        f"waiting for rank(s) {names} at the gradient all-reduce"
                     )
             if checks <= SPINS + YIELDS:
                 os.sched_yield()
@@ -224,7 +247,9 @@ class SharedMemoryAllReduce:
     def _check_alive(self, ranks: list[int]) -> None:
         for r in ranks:
             if r in self.pids and _started(self.pids[r][0]) != self.pids[r][1]:
-                raise RuntimeError(f"rank {r} (pid {self.pids[r][0]}) exited during the gradient all-reduce")
+                raise RuntimeError(
+                    f"rank {r} (pid {self.pids[r][0]}) exited during the gradient all-reduce"
+                )
 
 
 class SharedMemoryUnavailable(RuntimeError):
@@ -244,6 +269,7 @@ def _remove_stale() -> None:
 
 
 def _started(pid: int) -> str:
-    """A process's start time (/proc/PID/stat, field 22); "" when it is gone, a zombie, or not visible."""
+    """A process's start time (/proc/PID/stat, field 22); "" when it is gone, a zombie, or not
+    visible."""
     fields = processes.proc_stat(pid)
     return "" if not fields or fields[0] in ("Z", "X") else fields[19]

@@ -23,7 +23,8 @@ from hydra_ddp.errors import UserError
 
 def blocks(module: nn.Module) -> Optional[list[nn.Module]]:
     """The model's repeated blocks, as it names them: a `shard_units()` method (the GPT here), or a
-    Hugging Face model's decoder layers (the classes its `_no_split_modules` names). None: it names none."""
+    Hugging Face model's decoder layers (the classes its `_no_split_modules` names). None: it names
+    none."""
     if hasattr(module, "shard_units"):
         return list(module.shard_units())
     layer_classes = set(getattr(module, "_no_split_modules", None) or ())
@@ -32,7 +33,8 @@ def blocks(module: nn.Module) -> Optional[list[nn.Module]]:
 
 
 def chosen(found: list[nn.Module], mode: str, every: int) -> list[nn.Module]:
-    """The blocks `mode` checkpoints: all (full), every `every`-th from the first (every_k), none."""
+    """The blocks `mode` checkpoints: all (full), every `every`-th from the first (every_k),
+    none."""
     if mode == "full":
         return list(found)
     if mode == "every_k":
@@ -47,9 +49,12 @@ def apply(module: nn.Module, settings: Any) -> int:
     found = blocks(module)
     if not found:  # refused before launch (check); a model that changed since is the same line
         raise UserError(no_blocks(settings.activation_checkpointing, type(module).__name__))
-    picked = chosen(found, settings.activation_checkpointing, settings.activation_checkpointing_every)
+    picked = chosen(
+        found, settings.activation_checkpointing, settings.activation_checkpointing_every
+    )
     for block in picked:
-        block.forward = functools.partial(_recomputed, block.forward)  # an instance attribute: the module stays
+        # an instance attribute: the module stays
+        block.forward = functools.partial(_recomputed, block.forward)
     return len(picked)
 
 
@@ -59,9 +64,9 @@ def _recomputed(forward: Any, *args: Any, **kwargs: Any) -> Any:
 
 def no_blocks(mode: str, model: str) -> str:
     return (
-        f"strategy.activation_checkpointing={mode} needs a model that names its blocks (a shard_units() "
-        f"method, as model=gpt has, or a transformers model's _no_split_modules); {model} names none: "
-        "leave it none"
+        f"strategy.activation_checkpointing={mode} needs a model that names its "
+        "blocks (a shard_units() method, as model=gpt has, or a transformers "
+        f"model's _no_split_modules); {model} names none: leave it none"
     )
 
 

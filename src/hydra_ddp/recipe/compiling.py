@@ -40,9 +40,9 @@ def check(setting: Any, model: Optional[nn.Module], target: str) -> None:
     """trainer.compile=blocks needs a model that names its blocks."""
     if setting == "blocks" and model is not None and not activation_checkpointing.blocks(model):
         raise UserError(
-            f"trainer.compile=blocks compiles the model's blocks (a shard_units() method, as model=gpt has, or a "
-            f"transformers model's _no_split_modules); {target} names none: use trainer.compile=model (the whole "
-            "model, under strategy=ddp) or true"
+            "trainer.compile=blocks compiles the model's blocks (a shard_units() method, as "
+            f"model=gpt has, or a transformers model's _no_split_modules); {target} names "
+            "none: use trainer.compile=model (the whole model, under strategy=ddp) or true"
         )
 
 
@@ -57,8 +57,8 @@ def dynamic(dataset: Any) -> Optional[bool]:
 
 
 def compile_blocks(module: nn.Module, trainer: Any, dynamic: Optional[bool] = False) -> int:
-    """Compile each of the model's blocks in place, where trainer.compile=blocks; how many. Called by
-    the strategies after activation checkpointing and before DDP or FSDP wrap the model."""
+    """Compile each of the model's blocks in place, where trainer.compile=blocks; how many. Called
+    by the strategies after activation checkpointing and before DDP or FSDP wrap the model."""
     if trainer.compile != "blocks":
         return 0
     found = activation_checkpointing.blocks(module)
@@ -67,11 +67,15 @@ def compile_blocks(module: nn.Module, trainer: Any, dynamic: Optional[bool] = Fa
     import torch
     import torch._dynamo
 
-    torch._dynamo.config.suppress_errors = True  # a graph that fails to compile runs eagerly (a warning)
+    # a graph that fails to compile runs eagerly (a warning)
+    torch._dynamo.config.suppress_errors = True
     for block in found:
-        # The forward, not the module: its hooks (DDP's, FSDP's) stay eager, its name and class its own.
-        # An instance attribute, over activation checkpointing's where it is one (its wrapper is traced).
-        block.forward = torch.compile(block.forward, backend=trainer.compile_backend, dynamic=dynamic)
+        # The forward, not the module: its hooks (DDP's, FSDP's) stay eager, its name and class its
+        # own. An instance attribute, over activation checkpointing's where it is one (its wrapper
+        # is traced).
+        block.forward = torch.compile(
+            block.forward, backend=trainer.compile_backend, dynamic=dynamic
+        )
     return len(found)
 
 

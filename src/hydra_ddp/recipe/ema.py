@@ -5,8 +5,8 @@ optimizer keeps training the live weights.
 
 The average is kept in the parameters' own layout (FSDP's and TP's shards: each rank averages its
 own), and goes to and from a checkpoint through the model: swapped in, the model's state is the
-average's, in the strategy's checkpoint layout. Buffers (BatchNorm's statistics) are the live model's.
-"""
+average's, in the strategy's checkpoint layout. Buffers (BatchNorm's statistics) are the live
+model's."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ class EMA:
 
     @torch.no_grad()
     def reset(self) -> None:
-        """The average starts again from the weights as they are (a resume from a run that kept none)."""
+        """The average starts again from the weights as they are (a resume from a run that kept
+        none)."""
         for average, p in zip(self.average, self.params):
             average.copy_(_local(p))
 
@@ -51,7 +52,8 @@ class EMA:
     @contextlib.contextmanager
     def swapped(self, keep: bool = False) -> Iterator[None]:
         """The average in the model for the duration, then the live weights back. `keep`: what the
-        model holds at the end becomes the average (a checkpoint's average loaded through the model)."""
+        model holds at the end becomes the average (a checkpoint's average loaded through the
+        model)."""
         _resharded(self.module)
         with torch.no_grad():
             live = [_local(p).detach().clone() for p in self.params]
@@ -69,9 +71,9 @@ class EMA:
 
 
 def _resharded(module: nn.Module) -> None:
-    """FSDP's units back to their shards (strategy.reshard_after_forward=false keeps them gathered after
-    a forward): the shards are what the average is copied to and from, and the next forward gathers
-    them anew."""
+    """FSDP's units back to their shards (strategy.reshard_after_forward=false keeps them gathered
+    after a forward): the shards are what the average is copied to and from, and the next forward
+    gathers them anew."""
     for unit in module.modules():
         if hasattr(unit, "reshard") and hasattr(unit, "unshard"):
             unit.reshard()

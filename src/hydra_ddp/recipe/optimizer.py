@@ -23,19 +23,25 @@ def no_decay_names(module: nn.Module, no_decay: Any) -> list[str]:
     if no_decay in (None, NONE):
         return []
     if no_decay == AUTO:
-        return [name for name, owner, param in _named(module) if param.ndim <= 1 or _is_embedding(owner)]
+        return [
+            name for name, owner, param in _named(module) if param.ndim <= 1 or _is_embedding(owner)
+        ]
     patterns = list(no_decay)
-    return [name for name, _, _ in _named(module) if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+    return [
+        name for name, _, _ in _named(module) if any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    ]
 
 
 def unmatched(module: nn.Module, patterns: list[str]) -> list[str]:
-    """The patterns that name none of the model's parameters (a misspelt name would silently decay)."""
+    """The patterns that name none of the model's parameters (a misspelt name would silently
+    decay)."""
     names = [name for name, _, _ in _named(module)]
     return [p for p in patterns if not any(fnmatch.fnmatchcase(name, p) for name in names)]
 
 
 def _named(module: nn.Module) -> list[tuple[str, nn.Module, nn.Parameter]]:
-    """(name, the module that owns it, parameter), each parameter once (a tied one by its first name)."""
+    """(name, the module that owns it, parameter), each parameter once (a tied one by its first
+    name)."""
     seen: set[int] = set()
     found = []
     for prefix, owner in module.named_modules():
@@ -48,7 +54,9 @@ def _named(module: nn.Module) -> list[tuple[str, nn.Module, nn.Parameter]]:
 
 
 def _is_embedding(owner: nn.Module) -> bool:
-    return isinstance(owner, (nn.Embedding, nn.EmbeddingBag)) or type(owner).__name__.endswith("Embedding")
+    return isinstance(owner, (nn.Embedding, nn.EmbeddingBag)) or type(owner).__name__.endswith(
+        "Embedding"
+    )
 
 
 def _kind(param: torch.Tensor) -> Any:
@@ -70,24 +78,31 @@ def _by_kind(groups: list[dict]) -> list[dict]:
     return split
 
 
-def build(optim_cfg: Any, no_decay: Any, module: nn.Module, wrapped: nn.Module) -> torch.optim.Optimizer:
+def build(
+    optim_cfg: Any, no_decay: Any, module: nn.Module, wrapped: nn.Module
+) -> torch.optim.Optimizer:
     """`module`: the model as its config built it (after the strategy spread it: FSDP's and TP's
     parameters are its own, sharded); `wrapped`: what the loop calls. Without groups, the
     optimizer takes the wrapped model's parameters, as it always has."""
     make = instantiate(optim_cfg)
     names = set(no_decay_names(module, no_decay))
     if no_decay in (None, NONE):
-        return make(_by_kind([{"params": list(wrapped.parameters())}]))  # one group, as torch makes of a list
+        # one group, as torch makes of a list
+        return make(_by_kind([{"params": list(wrapped.parameters())}]))
     decayed, undecayed = [], []
     for name, _, param in _named(module):
         (undecayed if name in names else decayed).append(param)
     if not undecayed:
-        log.warning("param_groups.no_decay=%s names none of the model's parameters: all are decayed", no_decay)
+        log.warning(
+            "param_groups.no_decay=%s names none of the model's parameters: all are decayed",
+            no_decay,
+        )
     groups = [{"params": decayed}, {"params": undecayed, "weight_decay": 0.0}]
     optimizer = make(_by_kind([group for group in groups if group["params"]]))
     decay = optimizer.defaults.get("weight_decay")
     log.info(
-        "weight decay %s on %d tensors (%s parameters); none on %d tensors (%s parameters: param_groups.no_decay=%s)",
+        "weight decay %s on %d tensors (%s parameters); none on "
+        "%d tensors (%s parameters: param_groups.no_decay=%s)",
         decay,
         len(decayed),
         f"{sum(p.numel() for p in decayed):,}",

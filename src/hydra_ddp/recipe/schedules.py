@@ -58,7 +58,8 @@ class StepSchedule:
     def __init__(self, optimizer: torch.optim.Optimizer, shape: Shape, name: str):
         self.optimizer, self.shape, self.name = optimizer, shape, name
         for group in optimizer.param_groups:
-            group.setdefault("initial_lr", group["lr"])  # torch's schedulers keep the base rate there too
+            # torch's schedulers keep the base rate there too
+            group.setdefault("initial_lr", group["lr"])
         self.step_count = 0
         self.at(0)
 
@@ -82,14 +83,20 @@ def _warmup(name: str, total: int, warmup_steps: Optional[int], warmup_ratio: fl
     """Warmup steps: warmup_steps where given, else warmup_ratio of the run (Hugging Face's rule);
     shorter than the run, or one line."""
     if warmup_steps is not None and warmup_steps < 0:
-        raise UserError(f"scheduler={name}: warmup_steps={warmup_steps} is negative; give 0 or more steps")
+        raise UserError(
+            f"scheduler={name}: warmup_steps={warmup_steps} is negative; give 0 or more steps"
+        )
     if not 0 <= warmup_ratio < 1:
-        raise UserError(f"scheduler={name}: warmup_ratio={warmup_ratio} is not a share of the run in [0, 1)")
-    warmup = warmup_steps if warmup_steps is not None else int(warmup_ratio * total)  # a tiny run: none
+        raise UserError(
+            f"scheduler={name}: warmup_ratio={warmup_ratio} is not a share of the run in [0, 1)"
+        )
+    # a tiny run: none
+    warmup = warmup_steps if warmup_steps is not None else int(warmup_ratio * total)
     if warmup >= total:
         raise UserError(
-            f"scheduler={name}: a warmup of {warmup} steps is not shorter than the run's {total} optimizer "
-            "steps; lower scheduler.warmup_steps (or warmup_ratio), or train longer"
+            f"scheduler={name}: a warmup of {warmup} steps is not "
+            f"shorter than the run's {total} optimizer steps; lower "
+            "scheduler.warmup_steps (or warmup_ratio), or train longer"
         )
     return warmup
 
@@ -105,16 +112,20 @@ def _total(name: str, total_steps: Optional[int]) -> int:
 
 def _check_ratio(name: str, min_lr_ratio: float) -> None:
     if not 0 <= min_lr_ratio <= 1:
-        raise UserError(f"scheduler={name}: min_lr_ratio={min_lr_ratio} is not a share of the rate in [0, 1]")
+        raise UserError(
+            f"scheduler={name}: min_lr_ratio={min_lr_ratio} is not a share of the rate in [0, 1]"
+        )
 
 
 class _WarmupThenDecay:
-    """A schedule's builder (what conf/scheduler/NAME.yaml's `_target_` names): a linear warmup, then
-    the rate down along `decay` to min_lr_ratio × the rate at the run's end."""
+    """A schedule's builder (what conf/scheduler/NAME.yaml's `_target_` names): a linear warmup,
+    then the rate down along `decay` to min_lr_ratio × the rate at the run's end."""
 
     def __init__(self, name: str, decay: str):
         self.name, self.decay = name, decay
-        self.__doc__ = f"A linear warmup, then a {decay} decay to min_lr_ratio × the rate at the run's end."
+        self.__doc__ = (
+            f"A linear warmup, then a {decay} decay to min_lr_ratio × the rate at the run's end."
+        )
 
     def __call__(
         self,
@@ -124,7 +135,9 @@ class _WarmupThenDecay:
         warmup_ratio: float = 0.0,
         min_lr_ratio: float = 0.0,
     ) -> StepSchedule:
-        return _decaying(self.name, self.decay, optimizer, total_steps, warmup_steps, warmup_ratio, min_lr_ratio)
+        return _decaying(
+            self.name, self.decay, optimizer, total_steps, warmup_steps, warmup_ratio, min_lr_ratio
+        )
 
 
 warmup_cosine = _WarmupThenDecay("warmup_cosine", "cosine")
@@ -138,10 +151,14 @@ def warmup_constant(
     warmup_ratio: float = 0.0,
 ) -> StepSchedule:
     """A linear warmup, then the rate held to the end."""
-    return _decaying("warmup_constant", "constant", optimizer, total_steps, warmup_steps, warmup_ratio, 1.0)
+    return _decaying(
+        "warmup_constant", "constant", optimizer, total_steps, warmup_steps, warmup_ratio, 1.0
+    )
 
 
-def _decaying(name, decay, optimizer, total_steps, warmup_steps, warmup_ratio, min_lr_ratio) -> StepSchedule:
+def _decaying(
+    name, decay, optimizer, total_steps, warmup_steps, warmup_ratio, min_lr_ratio
+) -> StepSchedule:
     total = _total(name, total_steps)
     _check_ratio(name, min_lr_ratio)
     warmup = _warmup(name, total, warmup_steps, warmup_ratio)
@@ -165,13 +182,15 @@ def wsd(
     if decay not in DECAYS[:3]:
         raise UserError(f"scheduler=wsd: decay={decay!r}; choose one of {', '.join(DECAYS[:3])}")
     if not 0 < decay_ratio <= 1:
-        raise UserError(f"scheduler=wsd: decay_ratio={decay_ratio} is not a share of the run in (0, 1]")
+        raise UserError(
+            f"scheduler=wsd: decay_ratio={decay_ratio} is not a share of the run in (0, 1]"
+        )
     warmup = _warmup(name, total, warmup_steps, warmup_ratio)
     decay_from = total - math.ceil(decay_ratio * total)
     if decay_from < warmup:
         raise UserError(
-            f"scheduler=wsd: the decay's {total - decay_from} steps and the warmup's {warmup} overlap in a run "
-            f"of {total} optimizer steps; lower decay_ratio or the warmup"
+            f"scheduler=wsd: the decay's {total - decay_from} steps and the warmup's {warmup} "
+            f"overlap in a run of {total} optimizer steps; lower decay_ratio or the warmup"
         )
     return StepSchedule(optimizer, Shape(total, warmup, decay_from, decay, min_lr_ratio), name)
 
@@ -185,9 +204,12 @@ def _per_step_builder(builder: Any) -> bool:
     return "total_steps" in inspect.signature(builder).parameters
 
 
-def build(scheduler_cfg: Any, optimizer: torch.optim.Optimizer, total_steps: Optional[int]) -> Optional[Any]:
-    """The run's schedule: a per-step one (a builder that takes total_steps: this module's) is given the
-    run's optimizer steps; torch's own (stepped per epoch) only the optimizer. None: a constant rate."""
+def build(
+    scheduler_cfg: Any, optimizer: torch.optim.Optimizer, total_steps: Optional[int]
+) -> Optional[Any]:
+    """The run's schedule: a per-step one (a builder that takes total_steps: this module's) is given
+    the run's optimizer steps; torch's own (stepped per epoch) only the optimizer. None: a constant
+    rate."""
     if scheduler_cfg is None:
         return None
     builder = instantiate(scheduler_cfg)
@@ -202,7 +224,8 @@ def per_step(scheduler: Any) -> bool:
 
 class Stepping:
     """When the loop steps the run's schedule (torch's per-epoch schedulers at an epoch's end, a
-    StepSchedule after every optimizer step), and a per-step schedule's rates until they are logged."""
+    StepSchedule after every optimizer step), and a per-step schedule's rates until they are
+    logged."""
 
     def __init__(self, scheduler: Optional[Any], optimizer: torch.optim.Optimizer):
         self.scheduler, self.optimizer = scheduler, optimizer
@@ -230,5 +253,6 @@ class Stepping:
         return taken
 
     def epoch_rate(self) -> dict[str, float]:
-        """What validation logs of the rate: a per-epoch schedule's (a per-step one's go with the loss)."""
+        """What validation logs of the rate: a per-epoch schedule's (a per-step one's go with the
+        loss)."""
         return {} if self.per_step else {"train/lr": self.optimizer.param_groups[0]["lr"]}

@@ -1,4 +1,5 @@
-"""Model FLOPs and FLOP utilisation (MFU): one step counted on a meta-device copy of the model, against a peak.
+"""Model FLOPs and FLOP utilisation (MFU): one step counted on a meta-device copy of the model,
+against a peak.
 
 Counted with torch's own FlopCounterMode (matmuls, convolutions, attention; elementwise ops are
 not counted, as in every MFU figure of the field). On the meta device nothing is computed or
@@ -32,7 +33,8 @@ PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
     ("L4", {"bf16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
     ("A10", {"bf16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
     ("RTX 4090", {"bf16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12}),
-    ("V100", {"bf16": 125e12, "tf32": 15.7e12, "fp32": 15.7e12}),  # fp16 tensor cores; no bf16 or TF32
+    # fp16 tensor cores; no bf16 or TF32
+    ("V100", {"bf16": 125e12, "tf32": 15.7e12, "fp32": 15.7e12}),
 ]
 _MEASURE_S = 0.1  # the CPU peak's matmuls: the best of about this long
 _MEASURE_N = 256
@@ -45,10 +47,10 @@ CPU_FALLBACK_PARAMETERS = 2**28
 
 
 def run_shapes_only(build_model: Any, fn: Any, meta_batch: Any, real_batch: Any) -> Any:
-    """fn(model, batch) with the model built on the meta device (no memory, any size) and the batch's
-    shapes; for a model whose forward reads its inputs' values, with the model built on the CPU and
-    `real_batch` (None: the meta error stands; a meta_batch of None goes to the CPU at once).
-    Raises what fn raises."""
+    """fn(model, batch) with the model built on the meta device (no memory, any size) and the
+    batch's shapes; for a model whose forward reads its inputs' values, with the model built on the
+    CPU and `real_batch` (None: the meta error stands; a meta_batch of None goes to the CPU at
+    once). Raises what fn raises."""
     with torch.device("meta"):
         model = build_model()
     if meta_batch is not None:
@@ -60,8 +62,8 @@ def run_shapes_only(build_model: Any, fn: Any, meta_batch: Any, real_batch: Any)
     parameters = sum(p.numel() for p in model.parameters())
     if parameters > CPU_FALLBACK_PARAMETERS:
         raise RuntimeError(
-            f"its forward reads its inputs' values, and at {parameters:,} parameters it is too large "
-            "to run on the CPU instead of the meta device"
+            f"its forward reads its inputs' values, and at {parameters:,} parameters "
+            "it is too large to run on the CPU instead of the meta device"
         )
     return fn(build_model(), real_batch)
 
@@ -86,7 +88,8 @@ def count(
 
 
 def gpu_peak(name: str, precision: str, tf32: bool) -> Optional[tuple[float, str]]:
-    """(peak FLOP/s, where it is from) for a GPU named `name` at trainer.precision, if in the table."""
+    """(peak FLOP/s, where it is from) for a GPU named `name` at trainer.precision, if in the
+    table."""
     kind = "bf16" if precision in ("bf16", "16") else ("tf32" if tf32 else "fp32")
     for key, peaks in PEAK_FLOPS:
         if key in name:
@@ -94,7 +97,9 @@ def gpu_peak(name: str, precision: str, tf32: bool) -> Optional[tuple[float, str
     return None
 
 
-def measure_cpu_peak(dtype: torch.dtype = torch.float32, seconds: float = _MEASURE_S, n: int = _MEASURE_N) -> float:
+def measure_cpu_peak(
+    dtype: torch.dtype = torch.float32, seconds: float = _MEASURE_S, n: int = _MEASURE_N
+) -> float:
     """FLOP/s of an n×n matmul in this process at its threads: the best of short repeats."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     out = torch.empty(n, n, dtype=dtype)
@@ -108,14 +113,20 @@ def measure_cpu_peak(dtype: torch.dtype = torch.float32, seconds: float = _MEASU
     return best
 
 
-def peak(device: torch.device, precision: str, threads: int, override: Optional[float]) -> tuple[Optional[float], str]:
+def peak(
+    device: torch.device, precision: str, threads: int, override: Optional[float]
+) -> tuple[Optional[float], str]:
     """One device's (one rank's) peak FLOP/s and where it is from; (None, why) when unknown."""
     if override:
         return float(override), "trainer.peak_flops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         found = gpu_peak(name, precision, torch.backends.cuda.matmul.allow_tf32)
-        return found if found else (None, f"{name} is not in reporting/flops.py's table: set trainer.peak_flops")
+        return (
+            found
+            if found
+            else (None, f"{name} is not in reporting/flops.py's table: set trainer.peak_flops")
+        )
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     dtype_name = "bf16" if precision == "bf16" else "fp32"
     return measure_cpu_peak(
@@ -132,7 +143,9 @@ def report(
 ) -> dict[str, Any]:
     """The summary's `flops`: per sample, achieved per rank (the mean: model FLOPs ÷ ranks), MFU."""
     per_rank = (
-        flops_per_sample * samples_per_sec / world_size if flops_per_sample is not None and samples_per_sec else None
+        flops_per_sample * samples_per_sec / world_size
+        if flops_per_sample is not None and samples_per_sec
+        else None
     )
     return {
         "per_sample": flops_per_sample,
@@ -160,7 +173,10 @@ def line(flops: dict[str, Any]) -> Optional[str]:
         f"({si(flops['per_sample'])} per sample, forward and backward)"
     )
     if flops.get("mfu") is not None:
-        return f"{text}; MFU {flops['mfu']:.3f} of {si(flops['peak_per_rank'], 'FLOP/s')} ({flops['peak_source']})"
+        return (
+            f"{text}; MFU {flops['mfu']:.3f} of "
+            f"{si(flops['peak_per_rank'], 'FLOP/s')} ({flops['peak_source']})"
+        )
     return f"{text}; no MFU: {flops['peak_source']}"
 
 
@@ -191,7 +207,11 @@ def measure(
                     raise
                 per_sample = count(build_model, loss, None, sample)  # one real sample, on the CPU
         except Exception as e:  # noqa: BLE001  (a model that cannot be built or run on the meta device)
-            log.warning("no FLOP count: the model does not run on the meta device (%s: %s)", type(e).__name__, e)
+            log.warning(
+                "no FLOP count: the model does not run on the meta device (%s: %s)",
+                type(e).__name__,
+                e,
+            )
     value, source = peak(device, precision, torch.get_num_threads(), peak_flops)
     if value is not None and source.startswith("measured"):  # every rank measured at once: the best
         value = distributed.max_over_ranks(value, device)

@@ -40,8 +40,8 @@ def config_yaml(config: RunConfig) -> str:
 class Logger:
     """The interface (every method may do nothing)."""
 
-    # Packages it needs beyond the project's own, each (module, its name, how to install it): checked
-    # before launch (launch.checks), so a missing one is one line and no worker starts.
+    # Packages it needs beyond the project's own, each (module, its name, how to install it):
+    # checked before launch (launch.checks), so a missing one is one line and no worker starts.
     requires: ClassVar[tuple[tuple[str, str, str], ...]] = ()
 
     @classmethod
@@ -118,7 +118,11 @@ def _after_the_newest_event_file(log_dir: Path) -> None:
     run's steps instead (seen in the soak: the curve stopped at the restart's step). So wait until
     the second after the newest file's: under a second, or up to two when that file is from a clock
     a second ahead; a file from a clock further ahead is not waited for."""
-    seconds = [int(m.group(1)) for p in log_dir.glob("events.out.tfevents.*") if (m := _EVENT_FILE.match(p.name))]
+    seconds = [
+        int(m.group(1))
+        for p in log_dir.glob("events.out.tfevents.*")
+        if (m := _EVENT_FILE.match(p.name))
+    ]
     delay = max(seconds, default=0) + 1 - time.time()
     if 0 < delay <= 2:
         time.sleep(delay)
@@ -236,7 +240,8 @@ class MLflow(Logger):
 
         from mlflow.tracking import MlflowClient
 
-        for noisy in ("mlflow", "alembic"):  # their INFO lines (creating tables, migrations) are not the run's
+        # their INFO lines (creating tables, migrations) are not the run's
+        for noisy in ("mlflow", "alembic"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
 
         self.client = MlflowClient(tracking_uri=tracking_uri)
@@ -276,13 +281,16 @@ class MLflow(Logger):
         try:
             # A model-training experiment: MLflow 3's UI otherwise opens it in its GenAI view.
             return self.client.create_experiment(
-                name, artifact_location=location, tags={"mlflow.experimentKind": "custom_model_development"}
+                name,
+                artifact_location=location,
+                tags={"mlflow.experimentKind": "custom_model_development"},
             )
         except Exception:  # created meanwhile by a parallel job
             return self.client.get_experiment_by_name(name).experiment_id
 
     def _parent(self, experiment_id: str, sweep_dir: Path) -> str:
-        """The sweep's parent run, created by the first job (a lock file serialises parallel jobs)."""
+        """The sweep's parent run, created by the first job (a lock file serialises parallel
+        jobs)."""
         import fcntl
 
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -292,14 +300,19 @@ class MLflow(Logger):
             if id_file.exists():
                 return id_file.read_text().split()[0]
             parent = self.client.create_run(
-                experiment_id, run_name=f"sweep {sweep_dir.name}", tags={"sweep_dir": str(sweep_dir)}
+                experiment_id,
+                run_name=f"sweep {sweep_dir.name}",
+                tags={"sweep_dir": str(sweep_dir)},
             )
-            # The store too: the sweep's end (end_sweep, in the launching process) closes the parent run.
+            # The store too: the sweep's end (end_sweep, in the launching process) closes the parent
+            # run.
             id_file.write_text(f"{parent.info.run_id}\n{self.client.tracking_uri}\n")
             return parent.info.run_id
 
     @classmethod
-    def end_sweep(cls, sweep_dir: Path, jobs: int, failed: int, best: Optional[tuple[str, float]]) -> None:
+    def end_sweep(
+        cls, sweep_dir: Path, jobs: int, failed: int, best: Optional[tuple[str, float]]
+    ) -> None:
         """Close a sweep's parent run, when its jobs logged to MLflow: FINISHED (FAILED if a job
         failed), with the job counts and the best job's value of the monitored metric."""
         id_file = RunDir(sweep_dir).mlflow_run_id
@@ -348,7 +361,9 @@ class MLflow(Logger):
 
     def _last_logged(self, key: str) -> int:
         if key not in self.logged:
-            self.logged[key] = max((m.step for m in self.client.get_metric_history(self.run_id, key)), default=-1)
+            self.logged[key] = max(
+                (m.step for m in self.client.get_metric_history(self.run_id, key)), default=-1
+            )
         return self.logged[key]
 
     def flush(self) -> None:
@@ -362,8 +377,11 @@ class MLflow(Logger):
         tested = summary.get("tested") or {}
         if tested.get("checkpoint"):
             self.client.set_tag(self.run_id, "tested_checkpoint", tested["checkpoint"])
-        # Stopped by a signal: resumable, so not FINISHED (trainer.resume=auto sets it running again).
-        self.client.set_terminated(self.run_id, "KILLED" if summary.get("stopped_by") else "FINISHED")
+        # Stopped by a signal: resumable, so not FINISHED (trainer.resume=auto sets it running
+        # again).
+        self.client.set_terminated(
+            self.run_id, "KILLED" if summary.get("stopped_by") else "FINISHED"
+        )
         self.finished = True
 
     def close(self) -> None:

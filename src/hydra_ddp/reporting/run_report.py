@@ -48,7 +48,9 @@ class Reporter:
     """Rank 0's loggers (conf/logger/: TensorBoard and metrics.csv by default) and summary; a silent
     stand-in on the other ranks."""
 
-    def __init__(self, rank: RankInfo, run_dir: Path, cfg: RunConfig, resume_step: Optional[int] = None):
+    def __init__(
+        self, rank: RankInfo, run_dir: Path, cfg: RunConfig, resume_step: Optional[int] = None
+    ):
         self.run_dir = run_dir
         self.is_main = rank.is_main
         self.loggers: list[Any] = []
@@ -108,15 +110,18 @@ def format_summary(s: dict[str, Any]) -> str:
     if s.get("stopped_by"):
         ended = f"{s['stopped_by']}: checkpointed, to be continued"
     rows = [
-        ("world size", f"{s['world_size']} ({s['nnodes']} node(s) × {s['nproc_per_node']}, {s['device']})"),
+        (
+            "world size",
+            f"{s['world_size']} ({s['nnodes']} node(s) × {s['nproc_per_node']}, {s['device']})",
+        ),
         ("backend / launcher", f"{s['backend']} / {s['launcher']}"),
         ("init method", s["init_method"]),
         *(
             [
                 (
                     "strategy",
-                    f"{s['strategy']}, {s['model_state_bytes']['total'] / 2**20:.2f} MB of model state per rank "
-                    "(parameters, gradients, optimizer)",
+                    f"{s['strategy']}, {s['model_state_bytes']['total'] / 2**20:.2f} "
+                    "MB of model state per rank (parameters, gradients, optimizer)",
                 )
             ]
             if s.get("model_state_bytes")
@@ -151,14 +156,25 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{s['samples_per_sec']:.0f} samples/s"
             + (f" ({s['tokens_per_sec']:,.0f} tokens/s)" if s.get("tokens_per_sec") else ""),
         ),
-        *([("model FLOP/s", flops.line(s["flops"]))] if s.get("flops") and flops.line(s["flops"]) else []),
+        *(
+            [("model FLOP/s", flops.line(s["flops"]))]
+            if s.get("flops") and flops.line(s["flops"])
+            else []
+        ),
         *([("straggler", s["straggler"]["message"])] if s.get("straggler") else []),
-        ("fast settings", ", ".join(name.split(".")[-1] for name, on in s.get("settings", {}).items() if on) or "none"),
+        (
+            "fast settings",
+            ", ".join(name.split(".")[-1] for name, on in s.get("settings", {}).items() if on)
+            or "none",
+        ),
         *(
             [
                 (
                     "compiled",
-                    {"blocks": "each block (torch.compile)", "model": "the whole model (torch.compile)"}[s["compile"]],
+                    {
+                        "blocks": "each block (torch.compile)",
+                        "model": "the whole model (torch.compile)",
+                    }[s["compile"]],
                 )
             ]
             if s.get("compile")
@@ -168,17 +184,19 @@ def format_summary(s: dict[str, Any]) -> str:
             [
                 (
                     "start-up",
-                    f"workers ready at {s['time_to_workers_ready_s']:.1f} s, the first step done at "
-                    f"{s['time_to_first_step_s']:.1f} s (from the command's start)",
+                    f"workers ready at {s['time_to_workers_ready_s']:.1f} s, the first step "
+                    f"done at {s['time_to_first_step_s']:.1f} s (from the command's start)",
                 )
             ]
-            if s.get("time_to_workers_ready_s") is not None and s.get("time_to_first_step_s") is not None
+            if s.get("time_to_workers_ready_s") is not None
+            and s.get("time_to_first_step_s") is not None
             else []
         ),
         (
             "wall time",
-            f"{s['wall_time_s']:.1f} s (training {s['train_time_s']:.1f} s, evaluation "
-            f"{s['eval_time_s']:.1f} s, {s['checkpoints']} checkpoint(s) {s['checkpoint_time_s']:.1f} s)",
+            f"{s['wall_time_s']:.1f} s (training {s['train_time_s']:.1f} "
+            f"s, evaluation {s['eval_time_s']:.1f} s, {s['checkpoints']} "
+            f"checkpoint(s) {s['checkpoint_time_s']:.1f} s)",
         ),
         ("run directory", s["run_dir"]),
     ]
@@ -192,8 +210,8 @@ def _batch_line(s: dict[str, Any]) -> str:
     replicas = total // (micro * accumulate)
     tokens = f" ({s['tokens_per_step']:,.0f} tokens)" if s.get("tokens_per_step") else ""
     return (
-        f"{total} samples per optimizer step{tokens}: micro-batches of {micro} × {accumulate} accumulated × "
-        f"{replicas} replica{'s' if replicas > 1 else ''}"
+        f"{total} samples per optimizer step{tokens}: micro-batches of {micro} × "
+        f"{accumulate} accumulated × {replicas} replica{'s' if replicas > 1 else ''}"
     )
 
 

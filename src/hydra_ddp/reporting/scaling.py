@@ -24,7 +24,14 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp.reporting.trials import check_search, fmt, metric_columns, rank_trials, searching, write_trials
+from hydra_ddp.reporting.trials import (
+    check_search,
+    fmt,
+    metric_columns,
+    rank_trials,
+    searching,
+    write_trials,
+)
 from hydra_ddp.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -54,14 +61,21 @@ def _overrides(job_dir: Path) -> list[str]:
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per job directory (numbered), in job order."""
-    jobs = sorted((d for d in sweep_dir.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
+    jobs = sorted(
+        (d for d in sweep_dir.iterdir() if d.is_dir() and d.name.isdigit()),
+        key=lambda d: int(d.name),
+    )
     overrides = {d: _overrides(d) for d in jobs}
     common = set.intersection(*(set(o) for o in overrides.values())) if jobs else set()
     rows = []
     for job_dir in jobs:
         # A search's trial identity (trial.*) is the job's number, not a parameter.
         swept = (
-            " ".join(o for o in overrides[job_dir] if o not in common and not o.lstrip("+").startswith("trial."))
+            " ".join(
+                o
+                for o in overrides[job_dir]
+                if o not in common and not o.lstrip("+").startswith("trial.")
+            )
             or "(default)"
         )
         row: dict[str, Any] = {"job": int(job_dir.name), "swept": swept}
@@ -86,9 +100,15 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
                     )
                 },
             )
-            row.update(monitor=(s.get("monitor") or {}).get("metric"), mode=(s.get("monitor") or {}).get("mode"))
+            row.update(
+                monitor=(s.get("monitor") or {}).get("metric"),
+                mode=(s.get("monitor") or {}).get("mode"),
+            )
             model_flops = s.get("flops") or {}  # reporting/flops.py: achieved per rank, and the MFU
-            row.update(flops_per_sec_per_rank=model_flops.get("per_sec_per_rank"), mfu=model_flops.get("mfu"))
+            row.update(
+                flops_per_sec_per_rank=model_flops.get("per_sec_per_rank"),
+                mfu=model_flops.get("mfu"),
+            )
             if s.get("stopped_by"):
                 row["status"] = f"stopped ({s['stopped_by']})"
             elif s.get("ended_by") == "pruned":
@@ -106,7 +126,8 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 def _add_speedup(rows: list[dict[str, Any]]) -> None:
-    """Speed-up over the smallest world size's throughput; efficiency = speed-up ÷ world-size ratio."""
+    """Speed-up over the smallest world size's throughput; efficiency = speed-up ÷ world-size
+    ratio."""
     done = [r for r in rows if r["status"] == "ok" and r.get("samples_per_sec")]
     if not done:
         return
@@ -117,21 +138,30 @@ def _add_speedup(rows: list[dict[str, Any]]) -> None:
 
 
 def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
-    from hydra_ddp.reporting import flops  # torch: imported at the sweep's end, not at the launcher's start
+    # torch: imported at the sweep's end, not at the launcher's start
+    from hydra_ddp.reporting import flops
 
     metrics = metric_columns(rows, ("test",))
     at = METRICS_AT
     with open(sweep_dir / "scaling.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS[:at] + metrics + COLUMNS[at:], extrasaction="ignore")
+        writer = csv.DictWriter(
+            f, fieldnames=COLUMNS[:at] + metrics + COLUMNS[at:], extrasaction="ignore"
+        )
         writer.writeheader()
         writer.writerows(rows)
     header = (
         "| job | swept | status | world size | global batch | samples/s | speed-up | efficiency | "
-        "model FLOP/s per rank | MFU | " + "".join(f"{m.replace('_', ' ')} | " for m in metrics) + "wall s |"
+        "model FLOP/s per rank | MFU | "
+        + "".join(f"{m.replace('_', ' ')} | " for m in metrics)
+        + "wall s |"
     )
     lines = [f"# Scaling report: {sweep_dir}", "", header, "|" + " --- |" * (11 + len(metrics))]
     for r in rows:
-        achieved = flops.si(r["flops_per_sec_per_rank"], "FLOP/s") if r.get("flops_per_sec_per_rank") else None
+        achieved = (
+            flops.si(r["flops_per_sec_per_rank"], "FLOP/s")
+            if r.get("flops_per_sec_per_rank")
+            else None
+        )
         cells = [
             r["job"],
             r["swept"],
@@ -149,8 +179,10 @@ def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
         lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
     lines += [
         "",
-        "Speed-up is over the smallest world size's samples/s; efficiency is speed-up divided by the",
-        "world-size ratio (1.0 is perfect scaling). Throughput counts training steps only. Model FLOP/s",
+        "Speed-up is over the smallest world size's "
+        "samples/s; efficiency is speed-up divided by the",
+        "world-size ratio (1.0 is perfect scaling). "
+        "Throughput counts training steps only. Model FLOP/s",
         "and MFU: the summary's `flops` (counted once per run; the peak as each summary names it).",
         "",
     ]
@@ -163,7 +195,11 @@ def train_losses(job_dir: Path) -> list[tuple[int, float]]:
     loss panel overlays."""
     if RunDir(job_dir).metrics_csv.is_file():
         with open(RunDir(job_dir).metrics_csv, newline="") as f:
-            return [(int(r["step"]), float(r["train/loss"])) for r in csv.DictReader(f) if r.get("train/loss")]
+            return [
+                (int(r["step"]), float(r["train/loss"]))
+                for r in csv.DictReader(f)
+                if r.get("train/loss")
+            ]
     if not RunDir(job_dir).tensorboard.is_dir():
         return []
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -192,7 +228,9 @@ def plot(rows: list[dict[str, Any]], path: Path, sweep_dir: Optional[Path] = Non
         base = done[0]
         ideal = [base["samples_per_sec"] * n / base["world_size"] for n in x]
         ax_tp.plot(x, ideal, "--", color="grey", label="ideal (linear)")
-        ax_tp.plot(x, [r["samples_per_sec"] for r in done], "o-", color="tab:blue", label="measured")
+        ax_tp.plot(
+            x, [r["samples_per_sec"] for r in done], "o-", color="tab:blue", label="measured"
+        )
         ax_tp.set_xlabel("world size (processes)")
         ax_tp.set_xticks(x)
         ax_eff.plot(x, [r["efficiency"] for r in done], "o-", color="tab:green")
@@ -217,7 +255,12 @@ def plot(rows: list[dict[str, Any]], path: Path, sweep_dir: Optional[Path] = Non
     for i, r in enumerate(done if sweep_dir else []):
         curve = train_losses(sweep_dir / str(r["job"]))
         if curve:
-            ax_loss.plot(*zip(*curve), ls=("-", "--", ":", "-.")[i % 4], lw=max(0.8, 3.0 - 0.6 * i), label=r["swept"])
+            ax_loss.plot(
+                *zip(*curve),
+                ls=("-", "--", ":", "-.")[i % 4],
+                lw=max(0.8, 3.0 - 0.6 * i),
+                label=r["swept"],
+            )
     ax_loss.set_xlabel("optimizer step")
     ax_loss.set_ylabel("train loss (global)")
     ax_loss.set_title("Training loss by job")
@@ -228,7 +271,9 @@ def plot(rows: list[dict[str, Any]], path: Path, sweep_dir: Optional[Path] = Non
     if failed:
         ended = "; ".join(f"job {r['job']} {r['status']} ({r['swept']})" for r in failed)
         fig.text(0.5, 0.01, f"not finished: {ended}", ha="center", color="tab:red")
-    fig.suptitle("Scaling: " + (", ".join(sorted({r["swept"].split("=")[0] for r in rows})) or "sweep"))
+    fig.suptitle(
+        "Scaling: " + (", ".join(sorted({r["swept"].split("=")[0] for r in rows})) or "sweep")
+    )
     fig.tight_layout(rect=(0, 0.04 if failed else 0, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -252,7 +297,8 @@ def report(sweep_dir: Path) -> Optional[tuple[str, list[dict[str, Any]]]]:
 
 
 class SweepReport(Callback):
-    """Hydra callback: checks a search's direction at the start; the report once every job has run."""
+    """Hydra callback: checks a search's direction at the start; the report once every job has
+    run."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         problem = check_search(config)
@@ -276,11 +322,14 @@ class SweepReport(Callback):
             sweep_dir,
             len(rows),
             len(failed),
-            (best["monitor"], best["objective"]) if best.get("rank") == 1 and best.get("monitor") else None,
+            (best["monitor"], best["objective"])
+            if best.get("rank") == 1 and best.get("monitor")
+            else None,
         )
         log.info("%s report: %s", kind, sweep_dir / f"{kind}.md")
         print((sweep_dir / f"{kind}.md").read_text())
-        if failed and searching(config):  # a search goes past failed or diverged trials: they rank last
+        # a search goes past failed or diverged trials: they rank last
+        if failed and searching(config):
             print(
                 f"hydra-ddp: warning: {len(failed)} of {len(rows)} trials failed (ranked last in "
                 f"{sweep_dir / 'sweep.md'})",
@@ -288,14 +337,16 @@ class SweepReport(Callback):
             )
         elif failed:  # a sweep with a failed job does not pass for a success
             print(
-                f"hydra-ddp: error: {len(failed)} of {len(rows)} jobs failed (see {sweep_dir / f'{kind}.md'})",
+                f"hydra-ddp: error: {len(failed)} of {len(rows)} "
+                f"jobs failed (see {sweep_dir / f'{kind}.md'})",
                 file=sys.stderr,
             )
             sys.exit(1)
 
 
 def failed_row(row: dict[str, Any]) -> bool:
-    """Failed, or ended by Slurm (cancelled, timeout…); a run stopped by a signal has its summary."""
+    """Failed, or ended by Slurm (cancelled, timeout…); a run stopped by a signal has its
+    summary."""
     return row["status"] not in ("ok", "pruned") and not row["status"].startswith("stopped")
 
 

@@ -27,7 +27,8 @@ METRICS_AT = 6  # where in TRIAL_COLUMNS the metric columns go
 
 
 def metric_columns(rows: list[dict[str, Any]], splits: tuple[str, ...]) -> list[str]:
-    """{split}_{metric} for the metrics the jobs' tasks report (in their order; every job's, once)."""
+    """{split}_{metric} for the metrics the jobs' tasks report (in their order; every job's,
+    once)."""
     names = list(dict.fromkeys(name for r in rows for name in r.get("metrics") or ()))
     return [f"{split}_{name}" for split in splits for name in names]
 
@@ -57,7 +58,9 @@ def write_trials(rows: list[dict[str, Any]], sweep_dir: Path) -> list[dict[str, 
     metrics = metric_columns(ranked, ("val", "test"))
     at = METRICS_AT
     with open(sweep_dir / "sweep.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=TRIAL_COLUMNS[:at] + metrics + TRIAL_COLUMNS[at:], extrasaction="ignore")
+        writer = csv.DictWriter(
+            f, fieldnames=TRIAL_COLUMNS[:at] + metrics + TRIAL_COLUMNS[at:], extrasaction="ignore"
+        )
         writer.writeheader()
         writer.writerows(ranked)
     monitor = next((r["monitor"] for r in ranked if r.get("monitor")), None)
@@ -65,7 +68,8 @@ def write_trials(rows: list[dict[str, Any]], sweep_dir: Path) -> list[dict[str, 
     lines = [f"# Sweep report: {sweep_dir}", ""]
     if best:
         lines += [
-            f"Best: job {best['job']} ({best['swept']}), {monitor} {fmt(best['objective'], 4)}: {best['run_dir']}",
+            f"Best: job {best['job']} ({best['swept']}), {monitor} "
+            f"{fmt(best['objective'], 4)}: {best['run_dir']}",
             "",
         ]
     lines += [
@@ -89,7 +93,8 @@ def write_trials(rows: list[dict[str, Any]], sweep_dir: Path) -> list[dict[str, 
         lines.append("| " + " | ".join(fmt(c, 4) for c in cells) + " |")
     lines += [
         "",
-        "Ranked by the objective: trainer.monitor's best value over each trial's validations (never the",
+        "Ranked by the objective: trainer.monitor's best "
+        "value over each trial's validations (never the",
         "test set's). Each trial's test metrics are of its selected weights, read once.",
         "",
     ]
@@ -111,18 +116,27 @@ def check_search(config: DictConfig) -> Optional[str]:
 
     metric, mode = tasks.monitor_of(config)
     if metric is None:
-        return "the Optuna sweeper optimises trainer.monitor: set it (e.g. trainer.monitor=val/accuracy)"
-    pruner = (config.hydra.get("sweeper") or {}).get("pruner", "none")
-    if pruner != "none" and metric.startswith("val/") and not config.data.val_fraction:  # nothing is monitored
         return (
-            f"hydra.sweeper.pruner={pruner} needs a monitored metric after each epoch, and data.val_fraction=0 "
-            "leaves no validation: set data.val_fraction (e.g. 0.1), or hydra.sweeper.pruner=none"
+            "the Optuna sweeper optimises trainer.monitor: "
+            "set it (e.g. trainer.monitor=val/accuracy)"
+        )
+    pruner = (config.hydra.get("sweeper") or {}).get("pruner", "none")
+    # nothing is monitored
+    if pruner != "none" and metric.startswith("val/") and not config.data.val_fraction:
+        return (
+            f"hydra.sweeper.pruner={pruner} needs a monitored metric after "
+            "each epoch, and data.val_fraction=0 leaves no validation: set "
+            "data.val_fraction (e.g. 0.1), or hydra.sweeper.pruner=none"
         )
     wanted = {"max": "maximize", "min": "minimize"}[mode]
-    given = [str(d).lower().split(".")[-1] for d in (direction if not isinstance(direction, str) else [direction])]
+    given = [
+        str(d).lower().split(".")[-1]
+        for d in (direction if not isinstance(direction, str) else [direction])
+    ]
     if given != [wanted]:
         return (
-            f"hydra.sweeper.direction={direction} but trainer.monitor={metric} is best at its "
-            f"{'highest' if wanted == 'maximize' else 'lowest'}: set hydra.sweeper.direction={wanted}"
+            f"hydra.sweeper.direction={direction} but trainer.monitor={metric} "
+            f"is best at its {'highest' if wanted == 'maximize' else 'lowest'}: "
+            f"set hydra.sweeper.direction={wanted}"
         )
     return None

@@ -96,7 +96,11 @@ def values(items: Any) -> dict[str, Any]:
 
 def history(path: Path) -> list[dict[str, Any]]:
     """The rows a run file logged, each a dict (its `_step` included)."""
-    return [values(record.history.item) for record in records(path) if record.WhichOneof("record_type") == "history"]
+    return [
+        values(record.history.item)
+        for record in records(path)
+        if record.WhichOneof("record_type") == "history"
+    ]
 
 
 class WandB(Logger):
@@ -128,7 +132,8 @@ class WandB(Logger):
 
         if checkpoint_artifact not in ("reference", "upload", "none"):
             raise ValueError(
-                f"logger.wandb.checkpoint_artifact: expected reference, upload or none, got {checkpoint_artifact!r}"
+                "logger.wandb.checkpoint_artifact: expected reference, "
+                f"upload or none, got {checkpoint_artifact!r}"
             )
         self.checkpoint_artifact = checkpoint_artifact
         self.root = Path(dir) if dir else Path(run_dir)
@@ -152,7 +157,12 @@ class WandB(Logger):
             group = f"{sweep_dir.parent.name}/{sweep_dir.name}"  # multirun/DATE/TIME: DATE/TIME
             name = f"{group}/{sweep.job}"
         settings = wandb.Settings(
-            console="off", silent=True, x_disable_stats=True, disable_git=True, save_code=False, x_disable_meta=True
+            console="off",
+            silent=True,
+            x_disable_stats=True,
+            disable_git=True,
+            save_code=False,
+            x_disable_meta=True,
         )
         self.run = wandb.init(
             project=project,
@@ -174,8 +184,11 @@ class WandB(Logger):
         self.finished = False
 
     def metrics(self, values: dict[str, float], step: int) -> None:
-        row = {key: float(value) for key, value in values.items() if step > self.last_step.get(key, -1)}
-        if row:  # a resumed run skips what the stopped one logged (a crash can log past its checkpoint)
+        row = {
+            key: float(value) for key, value in values.items() if step > self.last_step.get(key, -1)
+        }
+        # a resumed run skips what the stopped one logged (a crash can log past its checkpoint)
+        if row:
             row[STEP] = step
             self.run.log(row, step=self.next_row)
             self.next_row += 1
@@ -185,7 +198,8 @@ class WandB(Logger):
         tested = summary.get("tested") or {}
         if tested.get("checkpoint") and self.checkpoint_artifact != "none":
             self._log_checkpoint(Path(tested["checkpoint"]), tested)
-        if summary.get("stopped_by"):  # resumable: preempted, not finished, unless the job comes back
+        # resumable: preempted, not finished, unless the job comes back
+        if summary.get("stopped_by"):
             self.run.mark_preempting()
         self._end(0)
 

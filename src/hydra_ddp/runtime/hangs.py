@@ -41,17 +41,17 @@ from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any, Optional
 
-from hydra_ddp.runtime import processes
+from hydra_ddp.runtime import flight_recorder, processes
 
 log = logging.getLogger(__name__)
 
 STACKS = "stacks"  # the folder in the run directory
-FLIGHT_RECORDER_ENTRIES = "2000"  # collectives each rank's recorder keeps (torch's own suggestion)
 # Where a rank that waits for its peers is seen from Python: (file's path ends with, function or
 # None for any, what it is called in the report).
 _WAITS = (
     ("hydra_ddp/parallel/shared_memory.py", None, "the shared-memory all-reduce"),
-    ("torch/distributed/distributed_c10d.py", None, None),  # named by its function: all_reduce, barrier…
+    # named by its function: all_reduce, barrier…
+    ("torch/distributed/distributed_c10d.py", None, None),
     ("torch/autograd/graph.py", "_engine_run_backward", "the backward (DDP's gradient all-reduce)"),
 )
 # Waits written as Python loops: what they call while polling (a comprehension, a liveness check)
@@ -78,22 +78,9 @@ def stall_after_s(timeout_s: float) -> float:
     return max(1.0, min(timeout_s / 2, 300.0))
 
 
-def enable_flight_recorder(backend: str, run_dir: Optional[Path]) -> None:
-    """Before the process group is made: torch's flight recorder on (unless the user set it), and
-    NCCL's dump on a timeout into the run's stacks folder (`run_dir` None: an outside launch's rank,
-    which learns the run directory only from the group; NCCL's dump then goes to its default place)."""
-    if "nccl" in backend:
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        if run_dir is not None:
-            (run_dir / STACKS).mkdir(parents=True, exist_ok=True)
-            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(run_dir / STACKS / "nccl_trace_rank_"))
-    else:
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
-
-
 class Watchdog:
-    """A daemon thread that samples the main thread's call chain and dumps it once it stops changing."""
+    """A daemon thread that samples the main thread's call chain and dumps it once it stops
+    changing."""
 
     def __init__(self, run_dir: Path, rank: int, stall_after: float):
         self.folder, self.rank, self.stall_after = Path(run_dir) / STACKS, rank, stall_after
@@ -110,14 +97,17 @@ class Watchdog:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.stop.set()  # not joined: it wakes within `every` and ends; a failing run must not wait on it
+        # not joined: it wakes within `every` and ends; a failing run must not wait on it
+        self.stop.set()
 
     def _watch(self) -> None:
         chain, since = None, time.time()
         while not self.stop.wait(self.every):
             chain, since = self._sample(chain, since)
 
-    def _sample(self, chain: Optional[tuple[int, ...]], since: float) -> tuple[Optional[tuple[int, ...]], float]:
+    def _sample(
+        self, chain: Optional[tuple[int, ...]], since: float
+    ) -> tuple[Optional[tuple[int, ...]], float]:
         """One look at the main thread: (its call chain, since when it has been that). The frame is
         dropped on return: held across the wait it would keep the main thread's locals alive (the
         run's loaders, whose workers then outlive the rank) after their function returned."""
@@ -141,21 +131,29 @@ class Watchdog:
         stalled = time.time() - since
         name = self.folder / f"rank{self.rank}"
         header = (
-            f"rank {self.rank} (pid {os.getpid()}, {socket.gethostname()}): no progress for {stalled:.0f} s, "
-            f"at {place['at']} in {place['function']}"
+            f"rank {self.rank} (pid {os.getpid()}, {socket.gethostname()}): no "
+            f"progress for {stalled:.0f} s, at {place['at']} in {place['function']}"
             + (f", waiting in {place['waits_in']}" if place["waits_in"] else "")
             + "\n\n"
         )
         with open(f"{name}.txt.tmp", "w") as out:
-            out.write(header + "The main thread (most recent call last):\n" + "".join(traceback.format_stack(frame)))
+            out.write(
+                header
+                + "The main thread (most recent call last):\n"
+                + "".join(traceback.format_stack(frame))
+            )
             out.write("\nEvery thread (most recent call first; 'Current' is the watchdog's):\n")
             out.flush()
             faulthandler.dump_traceback(out, all_threads=True)
             for pid, dump in self.loader_stacks.items():
-                out.write(f"\nIts loader worker, pid {pid}, every thread (most recent call first):\n{dump}")
+                out.write(
+                    f"\nIts loader worker, pid {pid}, every "
+                    f"thread (most recent call first):\n{dump}"
+                )
         os.replace(f"{name}.txt.tmp", f"{name}.txt")
-        if not self.dumped:  # the recorder's last collective does not change while the rank is stuck
-            self.last_collective = _dump_flight_recorder(Path(f"{name}.fr"))
+        # the recorder's last collective does not change while the rank is stuck
+        if not self.dumped:
+            self.last_collective = flight_recorder.dump(Path(f"{name}.fr"))
         _write_json(
             {
                 "rank": self.rank,
@@ -164,7 +162,9 @@ class Watchdog:
                 "written": time.time(),
                 **place,
                 "last_collective": self.last_collective,
-                "loader_workers": [worker_place(dump) or f"pid {pid}" for pid, dump in self.loader_stacks.items()],
+                "loader_workers": [
+                    worker_place(dump) or f"pid {pid}" for pid, dump in self.loader_stacks.items()
+                ],
             },
             Path(f"{name}.json"),
         )
@@ -172,7 +172,9 @@ class Watchdog:
 
     def _moved_on(self, since: float) -> None:
         """The stall ended (a long checkpoint, say): its files go, a line in the log stays."""
-        log.warning("rank %d made no progress for %.0f s, then moved on", self.rank, time.time() - since)
+        log.warning(
+            "rank %d made no progress for %.0f s, then moved on", self.rank, time.time() - since
+        )
         for suffix in (".txt", ".json", ".fr"):
             (self.folder / f"rank{self.rank}{suffix}").unlink(missing_ok=True)
         self.dumped = False
@@ -237,14 +239,23 @@ def loader_stacks() -> dict[int, str]:
         if now == sizes and all(size > len(READY) for size in now):
             break
         sizes = now
-    dumps = {w.pid: os.pread(w.stacks_file.fileno(), 1 << 20, len(READY)).decode(errors="replace") for w in asked}
+    dumps = {
+        w.pid: os.pread(w.stacks_file.fileno(), 1 << 20, len(READY)).decode(errors="replace")
+        for w in asked
+    }
     return {**dumps, **unstarted}
 
 
 def _never_started() -> str:
     """What the report says of a forked loader worker that never reached its init."""
-    cause = f"; Python {platform.python_version()} can deadlock there: CPython gh-112275, fixed in 3.11.10"
-    return f"never started: it did not reach its init (stuck in its fork{'' if fork_safe_python() else cause})\n"
+    cause = (
+        f"; Python {platform.python_version()} can deadlock "
+        "there: CPython gh-112275, fixed in 3.11.10"
+    )
+    return (
+        "never started: it did not reach its init (stuck in "
+        f"its fork{'' if fork_safe_python() else cause})\n"
+    )
 
 
 def fork_safe_python() -> bool:
@@ -261,7 +272,9 @@ def worker_place(dump: str) -> Optional[str]:
         frames = re.findall(r'File "(.+)", line (\d+) in (\S+)', thread)
         if not any(function == "_worker_loop" for _, _, function in frames):
             continue
-        own = [f for f in frames if "hydra_ddp" in f[0] or not any(part in f[0] for part in _LIBRARY)]
+        own = [
+            f for f in frames if "hydra_ddp" in f[0] or not any(part in f[0] for part in _LIBRARY)
+        ]
         path, line, function = (own or frames)[0]
         return f"{Path(path).name}:{line} in {function}"
     return None
@@ -300,7 +313,8 @@ def where(frame: FrameType) -> dict[str, Any]:
         (
             f
             for f in outside
-            if "hydra_ddp" in f.f_code.co_filename or not any(part in f.f_code.co_filename for part in _LIBRARY)
+            if "hydra_ddp" in f.f_code.co_filename
+            or not any(part in f.f_code.co_filename for part in _LIBRARY)
         ),
         frames[0],
     )
@@ -322,30 +336,10 @@ def _wait_name(frame: FrameType) -> Optional[str]:
 
 def _is(code: CodeType, ending: str, function: Optional[str]) -> bool:
     """Whether `code` is `function` (None: any) of a file whose path ends with `ending`."""
-    return code.co_filename.replace(os.sep, "/").endswith(ending) and function in (None, code.co_name)
-
-
-def _dump_flight_recorder(path: Path) -> Optional[str]:
-    """The process group's flight recorder (torch's pickle, as NCCL's dump writes it), if it has
-    one; its last collective, e.g. "#13 gloo:all_reduce"."""
-    try:
-        import pickle
-
-        import torch.distributed as dist
-        from torch._C._distributed_c10d import _dump_fr_trace
-
-        if not dist.is_initialized():  # the recorder outlives a destroyed group: its entries are not this one's
-            return None
-        trace = _dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False)
-        entries = pickle.loads(trace).get("entries") or []
-    except Exception:  # no recorder in this torch, or a backend without one
-        return None
-    path.write_bytes(trace)
-    newest_group = max((e.get("pg_id", 0) for e in entries), default=0)
-    last = max(
-        (e for e in entries if e.get("pg_id", 0) == newest_group), key=lambda e: e.get("record_id", 0), default=None
+    return code.co_filename.replace(os.sep, "/").endswith(ending) and function in (
+        None,
+        code.co_name,
     )
-    return f"#{last['collective_seq_id']} {last['profiling_name']}" if last else None
 
 
 def _write_json(value: Any, path: Path) -> None:
@@ -360,7 +354,9 @@ def describe(run_dir: Path, timeout_s: float) -> Optional[str]:
     (another node's, on storage this one does not share)."""
     folder = Path(run_dir) / STACKS
     stalls = []
-    for path in sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else -1):
+    for path in sorted(
+        folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else -1
+    ):
         try:
             stalls.append(json.loads(path.read_text()))
         except (OSError, ValueError):
@@ -375,7 +371,8 @@ def describe(run_dir: Path, timeout_s: float) -> Optional[str]:
         + (f" ({s['code']})" if s.get("code") else "")
         + (f" after collective {s['last_collective']}" if s.get("last_collective") else "")
         + (
-            f", its loader worker{'s' if len(s['loader_workers']) > 1 else ''} at {', '.join(s['loader_workers'])}"
+            f", its loader worker{'s' if len(s['loader_workers']) > 1 else ''} "
+            f"at {', '.join(s['loader_workers'])}"
             if s.get("loader_workers")
             else ""
         )

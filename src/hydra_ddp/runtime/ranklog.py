@@ -47,7 +47,9 @@ def setup_logging(rank: RankInfo, run_dir: Path, job: str = "train") -> None:
     logging.captureWarnings(True)
     if rank.is_main and job != "tune":
         console = _Console(sys.stdout)
-        console.addFilter(lambda record: not getattr(record, "file_only", False) and record.name != "py.warnings")
+        console.addFilter(
+            lambda record: not getattr(record, "file_only", False) and record.name != "py.warnings"
+        )
         handlers.append(console)
     for handler in handlers:
         handler.setFormatter(formatter)

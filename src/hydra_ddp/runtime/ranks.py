@@ -24,7 +24,8 @@ def launches_workers(env: Mapping[str, str]) -> bool:
 
 
 class RankInfo(namedtuple("RankInfo", ["rank", "world_size", "local_rank", "local_world_size"])):
-    """This process among the workers (immutable): its rank and local rank, and how many there are."""
+    """This process among the workers (immutable): its rank and local rank, and how many there
+    are."""
 
     __slots__ = ()
 
@@ -37,11 +38,18 @@ class RankInfo(namedtuple("RankInfo", ["rank", "world_size", "local_rank", "loca
 # Environment variables by which launchers tell a process who it is:
 # (rank, world size, local rank, local world size).
 _RANK_ENVS = (
-    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # torchrun, torch.distributed.launch, submitit, srun
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    # torchrun, torch.distributed.launch, submitit, srun
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH, Intel MPI
 )
-ONE_PER_POD = "kubernetes (PyTorchJob)"  # a pod's one worker, RANK and WORLD_SIZE from its controller
+# a pod's one worker, RANK and WORLD_SIZE from its controller
+ONE_PER_POD = "kubernetes (PyTorchJob)"
 
 
 def _launcher_name(env: Mapping[str, str]) -> str:
@@ -49,7 +57,8 @@ def _launcher_name(env: Mapping[str, str]) -> str:
         return f"submitit ({env['SUBMITIT_EXECUTOR']})"
     if "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env:
         return "mpirun"
-    if "SLURM_STEP_ID" in env and "TORCHELASTIC_RUN_ID" not in env:  # srun's tasks, not torchrun's under srun
+    # srun's tasks, not torchrun's under srun
+    if "SLURM_STEP_ID" in env and "TORCHELASTIC_RUN_ID" not in env:
         return "srun"
     if in_pod(env) and "TORCHELASTIC_RUN_ID" not in env:  # RANK and WORLD_SIZE the pod's, no PET_*
         return ONE_PER_POD
@@ -59,13 +68,15 @@ def _launcher_name(env: Mapping[str, str]) -> str:
 def external_launch(env: Mapping[str, str] = os.environ) -> tuple[str, RankInfo] | None:
     """(launcher name, rank) when this process was started as a worker by an outside launcher."""
     if launches_workers(env):
-        return None  # `python train.py` in a pod with PET_*: it launches the pod's workers (RANK counts pods)
+        # `python train.py` in a pod with PET_*: it launches the pod's workers (RANK counts pods)
+        return None
     if "RANK" not in env and srun_task(env):
         env = {**env, **srun_environment(env)}
     for rank, world, local, local_world in _RANK_ENVS:
         if rank in env and world in env:
             world_size, name = int(env[world]), _launcher_name(env)
-            alone = name == ONE_PER_POD  # without local ranks: local rank 0 of 1; elsewhere one node of all
+            # without local ranks: local rank 0 of 1; elsewhere one node of all
+            alone = name == ONE_PER_POD
             return name, RankInfo(
                 rank=int(env[rank]),
                 world_size=world_size,
@@ -77,21 +88,31 @@ def external_launch(env: Mapping[str, str] = os.environ) -> tuple[str, RankInfo]
 
 def srun_task(env: Mapping[str, str]) -> bool:
     """One of several tasks of an srun step (not submitit's: it says so itself)."""
-    return "SLURM_STEP_ID" in env and "SUBMITIT_EXECUTOR" not in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1
+    return (
+        "SLURM_STEP_ID" in env
+        and "SUBMITIT_EXECUTOR" not in env
+        and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1
+    )
 
 
 def srun_environment(env: Mapping[str, str]) -> dict[str, str]:
     """One of several tasks of an srun step (`srun python train.py`): the rank is the task's,
     the master the step's first node, its port from the job id unless MASTER_PORT is set (a task
     alone in its step is not adopted: train.py then launches its workers itself)."""
-    from submitit.slurm.slurm import _parse_node_list  # only here: runtime/ranks.py imports nothing heavy
+    # only here: runtime/ranks.py imports nothing heavy
+    from submitit.slurm.slurm import _parse_node_list
 
     hosts = _parse_node_list(env["SLURM_STEP_NODELIST"])
-    node = hosts.index(env["SLURMD_NODENAME"]) if env.get("SLURMD_NODENAME") in hosts else int(env["SLURM_NODEID"])
+    node = (
+        hosts.index(env["SLURMD_NODENAME"])
+        if env.get("SLURMD_NODENAME") in hosts
+        else int(env["SLURM_NODEID"])
+    )
     per_node = [
         int(n)
         for group in env["SLURM_STEP_TASKS_PER_NODE"].split(",")  # "2(x3),1": 2, 2, 2, 1
-        for n in [group.split("(")[0]] * (int(group.split("(x")[1].rstrip(")")) if "(x" in group else 1)
+        for n in [group.split("(")[0]]
+        * (int(group.split("(x")[1].rstrip(")")) if "(x" in group else 1)
     ]
     return {
         "RANK": env["SLURM_PROCID"],

@@ -1,4 +1,5 @@
-"""The signals that ask a run to stop: the launcher passes them on to the workers, which note them."""
+"""The signals that ask a run to stop: the launcher passes them on to the workers, which note
+them."""
 
 import signal
 

@@ -1,7 +1,7 @@
-"""A search trial's pruning, as a hook of the loop: after each validation rank 0 reports the monitored
-value to the trial through the study's storage and asks the pruner; every rank learns the answer from
-rank 0, so the ranks stop together, at the same step. The launch side adds it to trainer.hooks for a
-trial whose sweeper names a pruner (launch/resolve.py)."""
+"""A search trial's pruning, as a hook of the loop: after each validation rank 0 reports the
+monitored value to the trial through the study's storage and asks the pruner; every rank learns the
+answer from rank 0, so the ranks stop together, at the same step. The launch side adds it to
+trainer.hooks for a trial whose sweeper names a pruner (launch/resolve.py)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ class Pruning(Hook):
                 storage=storage_of(trial_cfg.storage),
                 pruner=pruner_of(trial_cfg.pruner, trial_cfg.pruner_args),
             )
-            trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, trial_cfg.number)
+            trial_id = study._storage.get_trial_id_from_study_id_trial_number(
+                study._study_id, trial_cfg.number
+            )
             self.trial = optuna.trial.Trial(study, trial_id)
         return contextlib.nullcontext()
 
@@ -53,6 +55,9 @@ class Pruning(Hook):
         if not flag.item() or loop.ending.ended_by:
             return None
         log.warning(
-            "pruned at step %d: the search's pruner stops this trial (%s %.6g)", loop.pos.step, monitor.metric, value
+            "pruned at step %d: the search's pruner stops this trial (%s %.6g)",
+            loop.pos.step,
+            monitor.metric,
+            value,
         )
         return "pruned"

@@ -9,7 +9,8 @@ from hydra_ddp.errors import UserError
 
 
 def parse(params: dict[str, Any], arguments: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """({key: distribution}, {key: fixed value as written}): params first, the command line over them."""
+    """({key: distribution}, {key: fixed value as written}): params first, the command line over
+    them."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
@@ -17,7 +18,9 @@ def parse(params: dict[str, Any], arguments: list[str]) -> tuple[dict[str, Any],
     try:
         overrides = OverridesParser.create().parse_overrides(written)
     except OverrideParseException as error:
-        raise UserError(f"the search space does not parse: {str(error).strip().splitlines()[0]}") from None
+        raise UserError(
+            f"the search space does not parse: {str(error).strip().splitlines()[0]}"
+        ) from None
     searched: dict[str, Any] = {}
     fixed: dict[str, str] = {}
     for override in overrides:
@@ -30,15 +33,15 @@ def parse(params: dict[str, Any], arguments: list[str]) -> tuple[dict[str, Any],
             fixed[key] = override.get_value_element_as_str()
     if not searched:
         raise UserError(
-            "the search space is empty: give hydra.sweeper.params (or a sweep on the command line), "
-            "e.g. optim.lr='tag(log, interval(1e-4, 1e-1))'"
+            "the search space is empty: give hydra.sweeper.params (or a sweep on "
+            "the command line), e.g. optim.lr='tag(log, interval(1e-4, 1e-1))'"
         )
     return searched, fixed
 
 
 def distribution(key: str, override: Any) -> Any:
-    """One sweep as an Optuna distribution: interval → float (log with tag(log, ...)); range → int or
-    float steps, the stop excluded as in Python's range; choice → categorical."""
+    """One sweep as an Optuna distribution: interval → float (log with tag(log, ...)); range → int
+    or float steps, the stop excluded as in Python's range; choice → categorical."""
     from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 

@@ -26,7 +26,8 @@ PRUNERS = ("median", "hyperband", "none")
 
 
 def storage_of(location: str) -> Any:
-    """An Optuna storage: a URL as Optuna takes it (sqlite:///..., postgresql://...), else a journal file."""
+    """An Optuna storage: a URL as Optuna takes it (sqlite:///..., postgresql://...), else a journal
+    file."""
     if "://" in location:
         return location
     from optuna.storages import JournalStorage
@@ -66,14 +67,16 @@ def started(study: Any) -> int:
 
     return len(
         study.get_trials(
-            deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+            deepcopy=False,
+            states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL),
         )
     )
 
 
 def recover(study: Any, sweep_dir: Path) -> list[int]:
     """Trials a dead sweep left running: told how their jobs ended where a job finished before the
-    sweep died (its summary written), else failed (the job died with it). The failed ones' numbers."""
+    sweep died (its summary written), else failed (the job died with it). The failed ones'
+    numbers."""
     from optuna.trial import TrialState
 
     failed = []
@@ -82,7 +85,9 @@ def recover(study: Any, sweep_dir: Path) -> list[int]:
         if state == "complete":
             study.tell(trial.number, value)
         else:
-            study.tell(trial.number, state=TrialState.PRUNED if state == "pruned" else TrialState.FAIL)
+            study.tell(
+                trial.number, state=TrialState.PRUNED if state == "pruned" else TrialState.FAIL
+            )
             failed.append(trial.number)
     return failed
 
@@ -100,14 +105,19 @@ def exclusive(sweep_dir: Path) -> Iterator[None]:
 
 
 def outcome(job_dir: Path, returned: Any) -> tuple[str, Optional[float]]:
-    """How a trial's job ended, from its directory: ("pruned" | "complete", value) or ("fail", None)."""
+    """How a trial's job ended, from its directory: ("pruned" | "complete", value) or ("fail",
+    None)."""
     run = RunDir(job_dir)
     if run.error.exists() or not run.summary.exists():
         return "fail", None
     summary = json.loads(run.summary.read_text())
     value = summary.get("objective")
     if value is None or not math.isfinite(value):
-        value = float(returned) if isinstance(returned, (int, float)) and math.isfinite(returned) else None
+        value = (
+            float(returned)
+            if isinstance(returned, (int, float)) and math.isfinite(returned)
+            else None
+        )
     if summary.get("ended_by") == "pruned":
         return "pruned", value
     return ("complete", value) if value is not None else ("fail", None)

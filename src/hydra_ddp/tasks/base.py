@@ -19,8 +19,9 @@ IGNORED = batches.IGNORED  # the target of a position that counts in no loss (pa
 
 
 def full_precision(output: torch.Tensor) -> torch.Tensor:
-    """A model's output in float32 at least, for a loss or a metric: a bf16 or fp16 output (autocast,
-    FSDP's mixed precision) would round the sums over a batch; float32 and float64 stay as they are."""
+    """A model's output in float32 at least, for a loss or a metric: a bf16 or fp16 output
+    (autocast, FSDP's mixed precision) would round the sums over a batch; float32 and float64 stay
+    as they are."""
     return output if output.dtype in (torch.float32, torch.float64) else output.float()
 
 
@@ -31,9 +32,9 @@ class Task:
 
     Metrics are exact at any world size because they come from a *state of sums*: `state(output,
     target)` is one evaluation chunk's vector of `state_size` float64 sums (per-sample losses,
-    counts, a confusion matrix...). The evaluation keeps each chunk's vector in its own slot and adds
-    them in chunk order, which no world size changes, then `compute(total)` turns the total into
-    the metrics. Counts are exact in float64 up to 2**53.
+    counts, a confusion matrix...). The evaluation keeps each chunk's vector in its own slot and
+    adds them in chunk order, which no world size changes, then `compute(total)` turns the total
+    into the metrics. Counts are exact in float64 up to 2**53.
     """
 
     # Each metric's name and its better direction ("min" or "max"): what trainer.monitor=val/<name>
@@ -50,8 +51,9 @@ class Task:
     # --- how a batch meets the model (override these for dict batches, several inputs, a model that
     # computes its own loss: docs/tasks.md, "Batches and model calls") ---
     def split(self, batch: Any) -> tuple[Any, Any]:
-        """(inputs, target) of a batch, or of one sample (the fit check reads the target). By default a
-        batch is a pair (inputs, target), as a TensorDataset or a (image, label) dataset gives it."""
+        """(inputs, target) of a batch, or of one sample (the fit check reads the target). By
+        default a batch is a pair (inputs, target), as a TensorDataset or a (image, label) dataset
+        gives it."""
         if isinstance(batch, (tuple, list)) and len(batch) == 2:  # a named pair too: (image, label)
             return batch[0], batch[1]
         raise UserError(
@@ -68,12 +70,14 @@ class Task:
         return model(inputs), target
 
     def samples(self, batch: Any) -> int:
-        """How many samples a batch holds (throughput, the evaluation's count): by default the leading
-        dimension its tensors share. Say otherwise for per-batch metadata or packed sequences."""
+        """How many samples a batch holds (throughput, the evaluation's count): by default the
+        leading dimension its tensors share. Say otherwise for per-batch metadata or packed
+        sequences."""
         return batches.count(batch)
 
     def tokens(self, batch: Any) -> Optional[int]:
-        """The tokens a batch trains on, for a throughput in tokens/s (None: the task counts none)."""
+        """The tokens a batch trains on, for a throughput in tokens/s (None: the task counts
+        none)."""
         return None
 
     # --- what the training loss averages over ---
@@ -92,7 +96,8 @@ class Task:
         """The batch's per-unit losses summed, as a scalar in float32 at least (for a task whose
         units() counts): a batch with no counted unit gives 0, not a mean of nothing."""
         raise NotImplementedError(
-            f"{type(self).__name__} counts units() but gives no loss_sum(output, target): the per-unit losses summed"
+            f"{type(self).__name__} counts units() but gives no "
+            "loss_sum(output, target): the per-unit losses summed"
         )
 
     # --- what an output means ---
@@ -117,7 +122,8 @@ class Task:
         )
 
     def check_target(self, target: torch.Tensor, outputs: int) -> Optional[str]:
-        """What is wrong with one sample's target for this task (None: it fits). `outputs`: data.num_classes."""
+        """What is wrong with one sample's target for this task (None: it fits). `outputs`:
+        data.num_classes."""
         return None
 
 
@@ -127,14 +133,22 @@ def build(task_cfg: Any) -> Task:
 
     from hydra_ddp.config import targets
 
-    plain = OmegaConf.to_container(task_cfg, resolve=True) if isinstance(task_cfg, DictConfig) else task_cfg
+    plain = (
+        OmegaConf.to_container(task_cfg, resolve=True)
+        if isinstance(task_cfg, DictConfig)
+        else task_cfg
+    )
     targets.check(plain, "task")  # the name imports and takes its keys: one line before it is built
     try:
         task = instantiate(task_cfg)
     except Exception as error:  # noqa: BLE001  (the task's own complaint about its arguments)
-        raise UserError(f"task ({plain['_target_']}) does not build: {first_line(root_cause(error))}") from None
+        raise UserError(
+            f"task ({plain['_target_']}) does not build: {first_line(root_cause(error))}"
+        ) from None
     if not isinstance(task, Task):
-        raise UserError(f"task._target_={task_cfg['_target_']!r} is not a hydra_ddp.tasks.Task: subclass it")
+        raise UserError(
+            f"task._target_={task_cfg['_target_']!r} is not a hydra_ddp.tasks.Task: subclass it"
+        )
     problem = _declaration_problem(task)
     if problem:
         raise UserError(f"task {type(task).__name__}: {problem}")
@@ -177,8 +191,8 @@ def beyond_classes(target: torch.Tensor, outputs: int) -> Optional[str]:
     if highest is None:
         return None
     return (
-        f"its class labels go up to {highest}, and the model makes data.num_classes={outputs} output(s): "
-        f"set data.num_classes to the data's class count (at least {highest + 1})"
+        f"its class labels go up to {highest}, and the model makes data.num_classes={outputs} "
+        f"output(s): set data.num_classes to the data's class count (at least {highest + 1})"
     )
 
 
@@ -217,13 +231,14 @@ def checked_loss(
     error: type[UserError] = UserError,
     reduce: Optional[Callable[[Any, Any], torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """A batch's loss (`reduce(output, target)`: task.loss by default, or its loss_sum), where a task
-    that cannot read the batch or the model's output says so in one line (an `error`) instead of a
-    traceback: the first batch of a run, and train.py --check's."""
+    """A batch's loss (`reduce(output, target)`: task.loss by default, or its loss_sum), where a
+    task that cannot read the batch or the model's output says so in one line (an `error`) instead
+    of a traceback: the first batch of a run, and train.py --check's."""
     name = type(task).__name__
     reduce = reduce or task.loss
     # The targets before the model runs where the task says how a batch splits (a language model's
-    # labels are its inputs: an id beyond the vocabulary is one line, not an embedding's IndexError).
+    # labels are its inputs: an id beyond the vocabulary is one line, not an embedding's
+    # IndexError).
     splits = type(task).split is not Task.split or type(task).forward is Task.forward
     before = check_target is not None and splits
     try:
@@ -248,8 +263,8 @@ def checked_loss(
     except (TypeError, AttributeError, KeyError, IndexError) as problem:
         raise error(
             f"task {name} cannot read the model's output, {batches.describe(output)}: "
-            f"{first_line(problem)}; give the task a forward(model, batch) that returns what its loss "
-            "takes (docs/tasks.md: batches and model calls)"
+            f"{first_line(problem)}; give the task a forward(model, batch) that "
+            "returns what its loss takes (docs/tasks.md: batches and model calls)"
         ) from None
 
 
@@ -266,5 +281,6 @@ def monitor_of(cfg: DictConfig) -> tuple[Optional[str], str]:
 
 
 def worst_for(cfg: DictConfig) -> Optional[float]:
-    """monitor.worst() for a composed config, in its task's direction: what a failed trial returns."""
+    """monitor.worst() for a composed config, in its task's direction: what a failed trial
+    returns."""
     return monitor.worst(*monitor_of(cfg))

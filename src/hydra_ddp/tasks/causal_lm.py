@@ -28,15 +28,17 @@ class CausalLM(Task):
     metrics = {"loss": "min", "accuracy": "max", "perplexity": "min"}
     monitored = "loss"
     state_size = 3  # the counted tokens' losses summed, those predicted right, the tokens counted
-    prediction_columns = ("tokens", "correct", "loss")  # per sequence: counted tokens, right ones, mean loss
+    # per sequence: counted tokens, right ones, mean loss
+    prediction_columns = ("tokens", "correct", "loss")
     integer_columns = ("tokens", "correct")
 
     def split(self, batch: Any) -> tuple[Any, Any]:
         if not isinstance(batch, Mapping) or "labels" not in batch:
             raise UserError(
-                f"task=causal_lm takes dict batches with input_ids and labels, and the data gives "
-                f"{batches.describe(batch)}: choose data=documents, data=text_dicts or a data source of such "
-                "dicts (task=language_model takes (inputs, next tokens) pairs; docs/language_models.md)"
+                "task=causal_lm takes dict batches with input_ids and labels, and "
+                f"the data gives {batches.describe(batch)}: choose data=documents, "
+                "data=text_dicts or a data source of such dicts (task=language_model "
+                "takes (inputs, next tokens) pairs; docs/language_models.md)"
             )
         return batch, batch["labels"]
 
@@ -47,8 +49,9 @@ class CausalLM(Task):
         if highest is None:
             return None
         return (
-            f"its token ids go up to {highest}, and data.num_classes={outputs} (the model's vocabulary): "
-            f"set data.num_classes to the tokenizer's vocabulary (at least {highest + 1})"
+            f"its token ids go up to {highest}, and data.num_classes={outputs} "
+            "(the model's vocabulary): set data.num_classes to the "
+            f"tokenizer's vocabulary (at least {highest + 1})"
         )
 
     def forward(self, model: Any, batch: Any) -> tuple[Any, Any]:
@@ -61,13 +64,16 @@ class CausalLM(Task):
         return _counted(self.split(batch)[1])
 
     def tokens(self, batch: Any) -> int:
-        """The tokens a batch trains on (its counted labels): a language model's throughput in tokens/s."""
+        """The tokens a batch trains on (its counted labels): a language model's throughput in
+        tokens/s."""
         return int(_counted(self.split(batch)[1]))
 
-    def _token_losses(self, output: Any, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per position (batch, time): the loss of predicting the next label, whether predicted right,
-        whether counted. The labels are shifted, not the logits (no copy of the largest tensor); the
-        last position predicts nothing."""
+    def _token_losses(
+        self, output: Any, target: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per position (batch, time): the loss of predicting the next label, whether predicted
+        right, whether counted. The labels are shifted, not the logits (no copy of the largest
+        tensor); the last position predicts nothing."""
         logits = full_precision(getattr(output, "logits", output))
         following = F.pad(target[:, 1:], (0, 1), value=IGNORED)
         counted = following != IGNORED
@@ -80,10 +86,13 @@ class CausalLM(Task):
     def loss_sum(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         logits = full_precision(getattr(output, "logits", output))
         following = F.pad(target[:, 1:], (0, 1), value=IGNORED)
-        return F.cross_entropy(logits.flatten(0, 1), following.flatten(), ignore_index=IGNORED, reduction="sum")
+        return F.cross_entropy(
+            logits.flatten(0, 1), following.flatten(), ignore_index=IGNORED, reduction="sum"
+        )
 
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        """The batch's mean over its counted tokens (what train.py --check and the FLOP count run)."""
+        """The batch's mean over its counted tokens (what train.py --check and the FLOP count
+        run)."""
         return self.loss_sum(output, target) / _counted(target).clamp(min=1)
 
     def state(self, output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -120,7 +129,11 @@ class CausalLM(Task):
         try:
             with torch.no_grad():
                 packed = getattr(model(input_ids=ids, position_ids=where), "logits", None)
-                alone = getattr(model(input_ids=ids[:, start:end], position_ids=where[:, start:end]), "logits", None)
+                alone = getattr(
+                    model(input_ids=ids[:, start:end], position_ids=where[:, start:end]),
+                    "logits",
+                    None,
+                )
         except Exception:  # noqa: BLE001  (a model that takes no position ids: the first step reports it, on every rank)
             return None
         finally:
@@ -142,7 +155,8 @@ def _counted(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORED).sum()
 
 
-CROSSING = 1e-3  # a relative move of a document's logits beyond float noise (1e-6 here): another document seen
+# a relative move of a document's logits beyond float noise (1e-6 here): another document seen
+CROSSING = 1e-3
 
 
 def packing_warning(task: Task, model: Any, dataset: Any, looked_at: int = 256) -> Optional[str]:
@@ -163,12 +177,15 @@ def packing_warning(task: Task, model: Any, dataset: Any, looked_at: int = 256) 
             break
     if window is None:
         return None
-    moved = task.crosses_documents(model, batches.to_device(window, next(model.parameters()).device))
+    moved = task.crosses_documents(
+        model, batches.to_device(window, next(model.parameters()).device)
+    )
     if moved is None or moved <= CROSSING:
         return None
     return (
-        f"{type(model).__name__} attends across the documents packed into a window (a document's logits move by "
-        f"{moved:.1e} with the one before it): it does not read restarting position_ids as document boundaries. "
-        "Use a model that does (the built-in GPT; transformers' with sdpa or flash attention, 4.54 or later), or "
-        "data.dataset.packing=false"
+        f"{type(model).__name__} attends across the documents packed into a "
+        f"window (a document's logits move by {moved:.1e} with the one before "
+        "it): it does not read restarting position_ids as document boundaries. "
+        "Use a model that does (the built-in GPT; transformers' with sdpa or "
+        "flash attention, 4.54 or later), or data.dataset.packing=false"
     )

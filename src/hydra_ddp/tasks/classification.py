@@ -1,4 +1,5 @@
-"""Classification (a class per sample) and language modelling (a class per position: the next token)."""
+"""Classification (a class per sample) and language modelling (a class per position: the next
+token)."""
 
 from __future__ import annotations
 
@@ -53,20 +54,25 @@ class Classification(Task):
     def check_target(self, target: torch.Tensor, outputs: int) -> Optional[str]:
         if target.is_floating_point() or target.dtype == torch.bool:
             return (
-                f"it needs integer class labels, and the data's targets are {_dtype(target)}: choose a task "
-                "for them (task=regression for real values)"
+                "it needs integer class labels, and the data's targets are "
+                f"{_dtype(target)}: choose a task for them (task=regression for real values)"
             )
         if target.dim() != self.target_dims:
             return (
-                f"it takes {self.wants}, and the data's targets have shape {tuple(target.shape)}: choose "
-                "task=classification for one label per sample, task=language_model for a next token per "
-                "position, task=segmentation for a mask"
+                f"it takes {self.wants}, and the data's targets have "
+                f"shape {tuple(target.shape)}: choose task=classification "
+                "for one label per sample, task=language_model for a "
+                "next token per position, task=segmentation for a mask"
             )
         return beyond_classes(target, outputs)
 
     @property
     def wants(self) -> str:
-        return "one class label per sample" if self.target_dims == 0 else f"{self.target_dims}-D targets per sample"
+        return (
+            "one class label per sample"
+            if self.target_dims == 0
+            else f"{self.target_dims}-D targets per sample"
+        )
 
 
 class LanguageModel(Classification):
@@ -77,7 +83,8 @@ class LanguageModel(Classification):
 
     metrics = {"loss": "min", "accuracy": "max", "perplexity": "min"}
     monitored = "loss"
-    prediction_columns = ("tokens", "correct", "loss")  # per window: counted tokens, right ones, their mean loss
+    # per window: counted tokens, right ones, their mean loss
+    prediction_columns = ("tokens", "correct", "loss")
     integer_columns = ("tokens", "correct")
     target_dims = 1  # the next token at every position
     wants = "a sequence of next tokens per sample"  # type: ignore[assignment]
@@ -99,7 +106,8 @@ class LanguageModel(Classification):
 
     def compute(self, total: list[float]) -> dict[str, float]:
         metrics = super().compute(total)
-        return {**metrics, "perplexity": math.exp(min(metrics["loss"], 700.0))}  # exp(>709) overflows a float
+        # exp(>709) overflows a float
+        return {**metrics, "perplexity": math.exp(min(metrics["loss"], 700.0))}
 
     def predict(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits = full_precision(output)

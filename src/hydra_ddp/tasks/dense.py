@@ -30,7 +30,9 @@ class Regression(Task):
         error = (full_precision(output).reshape(target.shape) - target).double()
         t = target.double()
         count = torch.tensor(float(target.numel()), dtype=torch.float64, device=t.device)
-        return torch.stack([error.square().sum(), error.abs().sum(), count, t.sum(), t.square().sum()])
+        return torch.stack(
+            [error.square().sum(), error.abs().sum(), count, t.sum(), t.square().sum()]
+        )
 
     def compute(self, total: list[float]) -> dict[str, float]:
         squared, absolute, count, t_sum, t_squares = total
@@ -45,26 +47,29 @@ class Regression(Task):
 
     def predict(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if target[0].numel() != 1:
-            raise UserError(f"predict=true writes one target per sample, and these have {target[0].numel()}")
+            raise UserError(
+                f"predict=true writes one target per sample, and these have {target[0].numel()}"
+            )
         return torch.stack([target.double().reshape(-1), output.double().reshape(-1)], 1)
 
     def check_target(self, target: torch.Tensor, outputs: int) -> Optional[str]:
         if not target.is_floating_point():
             return (
-                f"it needs real-valued targets, and the data's are {_dtype(target)} (class labels?): choose "
-                "a regression dataset (data=diabetes, data=synthetic_regression) or task=classification"
+                "it needs real-valued targets, and the data's are "
+                f"{_dtype(target)} (class labels?): choose a regression dataset "
+                "(data=diabetes, data=synthetic_regression) or task=classification"
             )
         if target.numel() != outputs:
             return (
-                f"each sample has {target.numel()} target value(s) and the model makes data.num_classes={outputs} "
-                "output(s): make them equal"
+                f"each sample has {target.numel()} target value(s) and the model "
+                f"makes data.num_classes={outputs} output(s): make them equal"
             )
         return None
 
 
 class Segmentation(Task):
-    """A class per pixel: cross-entropy over logits (batch, classes, H, W) against masks (batch, H, W).
-    Reports pixel accuracy and the mean IoU over the classes present (in the masks or the
+    """A class per pixel: cross-entropy over logits (batch, classes, H, W) against masks (batch, H,
+    W). Reports pixel accuracy and the mean IoU over the classes present (in the masks or the
     predictions), both from the split's confusion matrix."""
 
     metrics = {"loss": "min", "pixel_accuracy": "max", "mean_iou": "max"}
@@ -74,7 +79,8 @@ class Segmentation(Task):
 
     def __init__(self, num_classes: int):
         self.num_classes = num_classes
-        self.state_size = 2 + num_classes * num_classes  # the losses' sum, the pixels, the confusion matrix
+        # the losses' sum, the pixels, the confusion matrix
+        self.state_size = 2 + num_classes * num_classes
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(full_precision(output), target)
@@ -83,9 +89,14 @@ class Segmentation(Task):
         logits = full_precision(output)
         losses = F.cross_entropy(logits, target, reduction="none").double()
         k = self.num_classes
-        confusion = torch.bincount((target * k + logits.argmax(1)).flatten(), minlength=k * k).double()
+        confusion = torch.bincount(
+            (target * k + logits.argmax(1)).flatten(), minlength=k * k
+        ).double()
         head = torch.stack(
-            [losses.sum(), torch.tensor(float(target.numel()), dtype=torch.float64, device=losses.device)]
+            [
+                losses.sum(),
+                torch.tensor(float(target.numel()), dtype=torch.float64, device=losses.device),
+            ]
         )
         return torch.cat([head, confusion])
 
@@ -113,8 +124,9 @@ class Segmentation(Task):
     def check_target(self, target: torch.Tensor, outputs: Any) -> Optional[str]:
         if target.dim() != 2:
             return (
-                f"it needs a mask (height × width of class indices) per sample, and the data's targets have "
-                f"shape {tuple(target.shape)}: choose a dataset with masks (data=shapes)"
+                "it needs a mask (height × width of class indices) per sample, "
+                f"and the data's targets have shape {tuple(target.shape)}: "
+                "choose a dataset with masks (data=shapes)"
             )
         if target.is_floating_point():
             return f"its masks must hold class indices, and the data's are {_dtype(target)}"

@@ -1,9 +1,11 @@
 """Find the fastest settings for your model and data by timing a few real training steps under each.
 
-    python -m hydra_ddp.tools.tune                                   # the default run's model and data
+    python -m hydra_ddp.tools.tune            # the default run's model and data
     python -m hydra_ddp.tools.tune model=resnet18 data=cifar10 trainer.nproc=4
-    python -m hydra_ddp.tools.tune 'tune.knobs=[trainer.threads,strategy.bucket_cap_mb]' tune.steps=100
-    python -m hydra_ddp.tools.tune tune.precision=true               # bf16 (fp16 on GPUs) and compressed gradients too
+    python -m hydra_ddp.tools.tune 'tune.knobs=[trainer.threads,strategy.bucket_cap_mb]' \
+        tune.steps=100
+    # bf16 (fp16 on GPUs) and compressed gradients too:
+    python -m hydra_ddp.tools.tune tune.precision=true
 
 Each candidate is a real run of your configuration, `tune.steps` steps at your world size,
 launched as train.py launches (workers forked from a forkserver that already imported torch), in
@@ -55,13 +57,15 @@ KNOBS = (
     "trainer.precision",
     "strategy.comm_hook",
 )
-NUMERICS = ("trainer.precision", "strategy.comm_hook")  # change results beyond float tolerance: tune.precision
+# change results beyond float tolerance: tune.precision
+NUMERICS = ("trainer.precision", "strategy.comm_hook")
 
 
 @dataclass
 class SettingsTuneConf:
     knobs: Optional[list[str]] = None  # which of KNOBS to try; null: every one that applies
-    steps: int = 40  # per candidate; the first tenth is warm-up, left out as in the summary's steady samples/s
+    # per candidate; the first tenth is warm-up, left out as in the summary's steady samples/s
+    steps: int = 40
     min_gain: float = 0.05  # a value must beat the configured one by this much (5 %) to replace it
     repeats: int = 2  # configured vs tuned, timed in turns at the end
     precision: bool = False  # also try bf16 / fp16 and compressed gradients (results change)
@@ -86,10 +90,14 @@ def candidates(cfg: run_config.RunConfig, tune: Any) -> dict[str, list[Any]]:
         "data.pin_memory": [False, True] if cuda else [],
         "trainer.threads": sorted({max(1, per_rank // 2), per_rank, min(cores, 2 * per_rank)}),
         "trainer.channels_last": [True, False] if chosen.allows_channels_last() else [],
-        "strategy.bucket_cap_mb": [5, 25, 100] if "strategy.bucket_cap_mb" in own and world > 1 else [],
+        "strategy.bucket_cap_mb": [5, 25, 100]
+        if "strategy.bucket_cap_mb" in own and world > 1
+        else [],
         # auto where it can serve (one host, CPU): timed against gloo's all-reduce.
         "strategy.shared_memory": (
-            ["auto", False] if "strategy.shared_memory" in own and not cuda and ranks == world > 1 else []
+            ["auto", False]
+            if "strategy.shared_memory" in own and not cuda and ranks == world > 1
+            else []
         ),
         "trainer.precision": [p for p in PRECISIONS if cuda or p != "16"],  # fp16 needs a GPU
         "strategy.comm_hook": list(COMM_HOOKS) if "strategy.comm_hook" in own and world > 1 else [],
@@ -97,7 +105,9 @@ def candidates(cfg: run_config.RunConfig, tune: Any) -> dict[str, list[Any]]:
     wanted = list(tune.knobs) if tune.knobs is not None else list(KNOBS)
     unknown = [k for k in wanted if k not in KNOBS]
     if unknown:
-        raise UserError(f"tune.knobs: unknown {', '.join(unknown)}; the knobs are {', '.join(KNOBS)}")
+        raise UserError(
+            f"tune.knobs: unknown {', '.join(unknown)}; the knobs are {', '.join(KNOBS)}"
+        )
     if not tune.precision:
         wanted = [k for k in wanted if k not in NUMERICS]
     return {k: values[k] for k in wanted if len(values[k]) > 1}
@@ -110,8 +120,8 @@ class Timer:
         self.cfg, self.steps, self.scratch, self.runs = cfg, steps, scratch, 0
 
     def resolved(self, overrides: dict[str, Any], run_dir: Path) -> run_config.RunConfig:
-        """The resolved (not yet frozen) config of a short run with these overrides: steps only (no checkpoints,
-        loggers, progress bar or evaluation per epoch), and quiet (job "tune")."""
+        """The resolved (not yet frozen) config of a short run with these overrides: steps only (no
+        checkpoints, loggers, progress bar or evaluation per epoch), and quiet (job "tune")."""
         cfg = self.cfg.copy()
         short = {
             "trainer.max_steps": self.steps,
@@ -133,7 +143,8 @@ class Timer:
         plain.pop("tune")  # the tuner's own settings, not the run's
         resolved = resolve.resolve(plain, run_dir, external=None)
         resolved.job, resolved.sweep, resolved.overridden = "tune", None, dict(overrides)
-        if getattr(resolved.strategy, "comm_hook", None) == "powersgd":  # timed compressing, not warming up
+        # timed compressing, not warming up
+        if getattr(resolved.strategy, "comm_hook", None) == "powersgd":
             resolved.strategy.powersgd.start_step = 0
         return resolved  # workers.launch freezes it once it holds the rendezvous stores
 
@@ -144,13 +155,17 @@ class Timer:
         run_dir.mkdir()
         summary = workers.launch(self.resolved(overrides, run_dir), run_dir, time.time())
         if not summary:
-            raise UserError(f"the run with {_overrides(overrides) or 'your settings'} wrote no summary: see {run_dir}")
+            raise UserError(
+                f"the run with {_overrides(overrides) or 'your settings'} "
+                f"wrote no summary: see {run_dir}"
+            )
         shutil.rmtree(run_dir)
         return summary["steady_samples_per_sec"]
 
 
 def _say(line: str) -> None:
-    print(line, flush=True)  # each value as it is timed, through a pipe too: a slow search shows how far it got
+    # each value as it is timed, through a pipe too: a slow search shows how far it got
+    print(line, flush=True)
 
 
 def tune(cfg: DictConfig, say: Any = _say) -> dict[str, Any]:
@@ -161,7 +176,10 @@ def tune(cfg: DictConfig, say: Any = _say) -> dict[str, Any]:
     configured = timer.resolved({}, scratch)
     knobs = candidates(configured, settings)
     ranks = configured.trainer.nproc * configured.launcher.nnodes
-    say(f"timing {settings.steps} steps at {ranks} rank(s) for each value of {', '.join(knobs) or 'no knob'}")
+    say(
+        f"timing {settings.steps} steps at {ranks} rank(s) "
+        f"for each value of {', '.join(knobs) or 'no knob'}"
+    )
     chosen: dict[str, Any] = {}
     for knob, values in knobs.items():
         current = run_config.lookup(configured, knob)  # threads resolved; auto stays auto
@@ -174,7 +192,8 @@ def tune(cfg: DictConfig, say: Any = _say) -> dict[str, Any]:
             except UserError as error:
                 if value == current:
                     raise
-                say(f"  {knob}={_text(value)}: failed: {error}")  # e.g. a precision this device lacks
+                # e.g. a precision this device lacks
+                say(f"  {knob}={_text(value)}: failed: {error}")
                 continue
             say(f"  {knob}={_text(value)}: {speeds[-1][1]:.0f} samples/s")
         configured_speed = next(speed for value, speed in speeds if value == current)
@@ -183,7 +202,10 @@ def tune(cfg: DictConfig, say: Any = _say) -> dict[str, Any]:
             chosen[knob] = best
     result: dict[str, Any] = {"overrides": chosen}
     if chosen:
-        pairs = [(timer.samples_per_sec({}), timer.samples_per_sec(chosen)) for _ in range(settings.repeats)]
+        pairs = [
+            (timer.samples_per_sec({}), timer.samples_per_sec(chosen))
+            for _ in range(settings.repeats)
+        ]
         result = settle(chosen, pairs, settings.min_gain)
     result["runs"] = timer.runs
     if not any(scratch.iterdir()):  # the failed runs' directories stay, for their logs
@@ -191,12 +213,22 @@ def tune(cfg: DictConfig, say: Any = _say) -> dict[str, Any]:
     return result
 
 
-def settle(chosen: dict[str, Any], pairs: list[tuple[float, float]], min_gain: float) -> dict[str, Any]:
-    """The verdict of the side-by-side timing ((configured, tuned) samples/s, in turns): the search's
-    winners stand only if they are still faster by min_gain there. The search times each value once,
-    and one timing can catch a warm-up or a busy moment; the turns are the measurement."""
-    configured, tuned = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
-    result: dict[str, Any] = {"configured": configured, "tuned": tuned, "speedup": tuned / configured}
+def settle(
+    chosen: dict[str, Any], pairs: list[tuple[float, float]], min_gain: float
+) -> dict[str, Any]:
+    """The verdict of the side-by-side timing ((configured, tuned) samples/s, in turns): the
+    search's winners stand only if they are still faster by min_gain there. The search times each
+    value once, and one timing can catch a warm-up or a busy moment; the turns are the
+    measurement."""
+    configured, tuned = (
+        statistics.median(p[0] for p in pairs),
+        statistics.median(p[1] for p in pairs),
+    )
+    result: dict[str, Any] = {
+        "configured": configured,
+        "tuned": tuned,
+        "speedup": tuned / configured,
+    }
     confirmed = result["speedup"] >= 1 + min_gain
     result["overrides"] = chosen if confirmed else {}
     if not confirmed:
@@ -224,22 +256,28 @@ def main(cfg: DictConfig) -> None:
         return
     if result.get("unconfirmed"):
         print(
-            f"fastest: your settings ({_overrides(result['unconfirmed'])} won the search but ran at "
-            f"{result['speedup']:.2f}× yours timed in turns, not {1 + cfg.tune.min_gain:.2f}×; {result['runs']} runs)"
+            f"fastest: your settings ({_overrides(result['unconfirmed'])} won "
+            f"the search but ran at {result['speedup']:.2f}× yours timed in "
+            f"turns, not {1 + cfg.tune.min_gain:.2f}×; {result['runs']} runs)"
         )
         return
     if not result["overrides"]:
-        print(f"fastest: your settings (no value was {cfg.tune.min_gain:.0%} faster; {result['runs']} runs)")
+        print(
+            "fastest: your settings (no value was "
+            f"{cfg.tune.min_gain:.0%} faster; {result['runs']} runs)"
+        )
         return
     print(
-        f"fastest: {_overrides(result['overrides'])}  ({result['speedup']:.2f}× samples/s: "
-        f"{result['configured']:.0f} → {result['tuned']:.0f}, timed in turns; {result['runs']} runs)"
+        f"fastest: {_overrides(result['overrides'])}  "
+        f"({result['speedup']:.2f}× samples/s: {result['configured']:.0f} "
+        f"→ {result['tuned']:.0f}, timed in turns; {result['runs']} runs)"
     )
 
 
 if __name__ == "__main__":
     register_schema()
-    ConfigStore.instance().store(name="schema", node=SettingsTuneConfig)  # the training schema plus `tune`
+    # the training schema plus `tune`
+    ConfigStore.instance().store(name="schema", node=SettingsTuneConfig)
     # A measurement, not a run: no output directory, no log file.
     sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
     command.exit_after(main)

@@ -69,7 +69,9 @@ def tune(cfg: DictConfig) -> list[dict[str, Any]]:
     for workers, pin in itertools.product(cfg.tune.num_workers, cfg.tune.pin_memory):
         if pin and device.type != "cuda":
             continue  # pinned memory only speeds up copies to a GPU
-        data_cfg = dataclasses.replace(resolved.data, num_workers=workers, pin_memory=pin, preload=False)
+        data_cfg = dataclasses.replace(
+            resolved.data, num_workers=workers, pin_memory=pin, preload=False
+        )
         rows.append(
             {
                 "num_workers": workers,
@@ -88,14 +90,21 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(f"hydra-ddp: error: {error}") from None
     print(f"{'num_workers':>11}  {'pin_memory':>10}  {'samples/s':>10}")
     for row in rows:
-        print(f"{row['num_workers']:>11}  {str(row['pin_memory']):>10}  {row['samples_per_sec']:>10.0f}")
+        print(
+            f"{row['num_workers']:>11}  {str(row['pin_memory']):>10}  "
+            f"{row['samples_per_sec']:>10.0f}"
+        )
     best = max(rows, key=lambda r: r["samples_per_sec"])
-    print(f"best: data.num_workers={best['num_workers']} data.pin_memory={str(best['pin_memory']).lower()}")
+    print(
+        f"best: data.num_workers={best['num_workers']} "
+        f"data.pin_memory={str(best['pin_memory']).lower()}"
+    )
 
 
 if __name__ == "__main__":
     register_schema()
-    ConfigStore.instance().store(name="schema", node=LoaderTuneConfig)  # the training schema plus `tune`
+    # the training schema plus `tune`
+    ConfigStore.instance().store(name="schema", node=LoaderTuneConfig)
     # A measurement, not a run: no output directory, no log file.
     sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
     main()

@@ -1,4 +1,5 @@
-"""Exact distributed evaluation, and eval.py's job in the workers: a saved checkpoint evaluated on one split."""
+"""Exact distributed evaluation, and eval.py's job in the workers: a saved checkpoint evaluated on
+one split."""
 
 from __future__ import annotations
 
@@ -49,16 +50,19 @@ def evaluate(
 
     Takes the unwrapped module: ranks may hold different chunk counts, and DDP's forward would
     start collectives that then fail to line up. A sharded (FSDP) module's forward must run on
-    every rank alike (`lockstep`): a rank with fewer chunks runs forwards on a filler sample, unused.
-    `group`: the ranks whose sums add up (None: all; under tensor parallel, one rank per model
-    replica); `reduce=False`: this rank evaluated the whole split (the one replica of pure tensor
-    parallel), its sums are whole already.
+    every rank alike (`lockstep`): a rank with fewer chunks runs forwards on a filler sample,
+    unused. `group`: the ranks whose sums add up (None: all; under tensor parallel, one rank per
+    model replica); `reduce=False`: this rank evaluated the whole split (the one replica of pure
+    tensor parallel), its sums are whole already.
     """
     model.eval()
     # Per chunk: the task's state, then the samples counted.
     sums = torch.zeros(split.num_chunks, task.state_size + 1, dtype=torch.float64, device=device)
     rows = torch.zeros(
-        split.samples if predictions else 0, len(task.prediction_columns), dtype=torch.float64, device=device
+        split.samples if predictions else 0,
+        len(task.prediction_columns),
+        dtype=torch.float64,
+        device=device,
     )
     for chunk, first, batch in split:
         count = task.samples(batch)
@@ -83,7 +87,9 @@ def evaluate(
 
 
 # --- eval.py: every worker's half ----------------------------------------------------------------
-def run(cfg: RunConfig, out: Path, rank: RankInfo, device: torch.device, started_at: float) -> dict[str, Any]:
+def run(
+    cfg: RunConfig, out: Path, rank: RankInfo, device: torch.device, started_at: float
+) -> dict[str, Any]:
     """Evaluate the checkpoint on the split; rank 0 writes eval.json (and predictions.csv)."""
     job = cfg.eval
     splits = data.build_datasets(cfg.data, rank, cfg.trainer.seed)
@@ -99,7 +105,9 @@ def run(cfg: RunConfig, out: Path, rank: RankInfo, device: torch.device, started
     memory_format = performance.memory_format(cfg.trainer.channels_last)
     model.to(memory_format=memory_format)  # as the run evaluated it: the same bits
     started = time.perf_counter()
-    metrics = evaluate(model, split, device, task, job.split, memory_format, predictions=job.predict)
+    metrics = evaluate(
+        model, split, device, task, job.split, memory_format, predictions=job.predict
+    )
     rows = metrics.pop("predictions", None)
     result = {
         "checkpoint": job.ckpt,
@@ -124,7 +132,9 @@ def run(cfg: RunConfig, out: Path, rank: RankInfo, device: torch.device, started
             _write_predictions(rows, task, RunDir(out).predictions)
         run_report.write_json(result, RunDir(out).eval_result)
         name = job.split
-        shown = ", ".join(f"{name} {metric} {result[f'{name}_{metric}']!r}" for metric in task.metrics)
+        shown = ", ".join(
+            f"{name} {metric} {result[f'{name}_{metric}']!r}" for metric in task.metrics
+        )
         log.info(
             "%s of %s (step %d) on %d rank(s): %s (%d samples)",
             RunDir(out).eval_result,
@@ -146,5 +156,7 @@ def _write_predictions(rows: torch.Tensor, task: Task, path: Path) -> None:
         writer = csv.writer(file)
         writer.writerow(["index", *task.prediction_columns])
         for index, row in enumerate(rows.tolist()):
-            writer.writerow([index, *(int(v) if integer else f"{v:.6f}" for v, integer in zip(row, whole))])
+            writer.writerow(
+                [index, *(int(v) if integer else f"{v:.6f}" for v, integer in zip(row, whole))]
+            )
     os.replace(tmp, path)

@@ -20,9 +20,11 @@ class RunLength:
     most_batches: int  # the most of any rank
     steps_per_epoch: int  # optimizer steps, the same on every rank
     epochs: int  # epochs the run enters
-    max_steps: int  # where the loop stops at the latest: trainer.max_steps, else every epoch's steps
+    # where the loop stops at the latest: trainer.max_steps, else every epoch's steps
+    max_steps: int
     batch_samples: int = 0  # a batch's samples on this rank (data.batch_size)
-    last_batch_samples: int = 0  # the epoch's last batch's: fewer where this rank's samples do not divide
+    # the epoch's last batch's: fewer where this rank's samples do not divide
+    last_batch_samples: int = 0
 
     @property
     def uneven(self) -> bool:
@@ -43,11 +45,14 @@ def measure(settings: Any, loaders: Loaders, device: torch.device) -> RunLength:
     max_steps = settings.max_steps or steps_per_epoch * settings.epochs
     epochs = min(settings.epochs, math.ceil(max_steps / steps_per_epoch))
     per_batch = loaders.batch_size
-    last = min(per_batch, len(loaders.train_sampler) - (batches - 1) * per_batch)  # data.drop_last: a whole one
+    # data.drop_last: a whole one
+    last = min(per_batch, len(loaders.train_sampler) - (batches - 1) * per_batch)
     return RunLength(batches, fewest, most, steps_per_epoch, epochs, max_steps, per_batch, last)
 
 
-def epoch_lengths(loaders: Loaders, batches_per_epoch: int, device: torch.device) -> tuple[int, int]:
+def epoch_lengths(
+    loaders: Loaders, batches_per_epoch: int, device: torch.device
+) -> tuple[int, int]:
     """(fewest, most) batches per epoch of any rank. Equal but for data.even_shards=false, where
     shard lengths differ by up to one sample."""
     if loaders.train_sampler.pad:

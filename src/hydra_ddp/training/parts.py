@@ -1,6 +1,7 @@
 """What a worker builds for the loop from the run's config, handed over as one object: the task, the
-model as the strategy spreads it, the optimizer and schedule, the loaders and the run's length, rank 0's reporter, the
-checkpointer, and where and how the run executes (device, memory format, the stop request)."""
+model as the strategy spreads it, the optimizer and schedule, the loaders and the run's length, rank
+0's reporter, the checkpointer, and where and how the run executes (device, memory format, the stop
+request)."""
 
 from __future__ import annotations
 

@@ -21,18 +21,31 @@ class Position:
     world_sizes: list[dict[str, Any]] = field(default_factory=list)
 
     def next_epoch(self) -> None:
-        self.epoch, self.batch, self.epoch_loss_sum, self.epoch_loss_count = self.epoch + 1, 0, 0.0, 0
+        self.epoch, self.batch, self.epoch_loss_sum, self.epoch_loss_count = (
+            self.epoch + 1,
+            0,
+            0.0,
+            0,
+        )
 
     def epoch_loss(self) -> float:
         """The mean global loss of the epoch's steps so far."""
         return self.epoch_loss_sum / max(1, self.epoch_loss_count)
 
+    def regroup(self, saved_accumulation: int, accumulation: int) -> None:
+        """After load(): mid-epoch the position counts this rank's micro-batches, always whole
+        optimizer steps: at another accumulation (a resize keeps the global batch), the same steps
+        are as many more or fewer."""
+        self.batch = self.batch // saved_accumulation * accumulation
+
     def started(self, world_size: int) -> None:
         self.world_sizes = [{"step": 0, "world_size": world_size, "cause": "start"}]
 
-    def continued_at(self, world_size: int, saved_ranks: int, cause: str) -> Optional[dict[str, Any]]:
-        """After load(): the run continues at `world_size` from a checkpoint that `saved_ranks` wrote
-        (`cause`: resize_cause's). A new world size is recorded, and returned."""
+    def continued_at(
+        self, world_size: int, saved_ranks: int, cause: str
+    ) -> Optional[dict[str, Any]]:
+        """After load(): the run continues at `world_size` from a checkpoint that `saved_ranks`
+        wrote (`cause`: resize_cause's). A new world size is recorded, and returned."""
         if not self.world_sizes:  # a checkpoint from before the history was kept
             self.world_sizes = [{"step": 0, "world_size": saved_ranks, "cause": "start"}]
         before = self.world_sizes[-1]["world_size"]
@@ -58,6 +71,7 @@ def resize_cause(elastic: bool, env: Any = os.environ) -> str:
         return "restart"
     if int(env.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
         return "requeue"
-    if elastic and "TORCHELASTIC_RUN_ID" in env:  # a scale-up re-forms the group without spending a restart
+    # a scale-up re-forms the group without spending a restart
+    if elastic and "TORCHELASTIC_RUN_ID" in env:
         return "rescale"
     return "resume"

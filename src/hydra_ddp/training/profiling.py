@@ -1,5 +1,6 @@
-"""torch.profiler on its schedule (the `profiler` section) on the chosen ranks, as a hook of the loop:
-a Chrome/Perfetto trace per rank in run_dir/profile/, and the top operators by self time in the log."""
+"""torch.profiler on its schedule (the `profiler` section) on the chosen ranks, as a hook of the
+loop: a Chrome/Perfetto trace per rank in run_dir/profile/, and the top operators by self time in
+the log."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ class Profiling(Hook):
 
     @classmethod
     def of(cls, enabled: bool, settings: Any) -> Optional[Profiling]:
-        """The hook where trainer.profile is on and this rank is one of profiler.ranks; else None."""
+        """The hook where trainer.profile is on and this rank is one of profiler.ranks; else
+        None."""
         if not enabled or (settings.ranks is not None and dist.get_rank() not in settings.ranks):
             return None
         return cls(settings)
@@ -41,7 +43,8 @@ class Profiling(Hook):
             trace = out / f"rank{rank}.json"
             prof.export_chrome_trace(str(trace))
             table = prof.key_averages().table(
-                sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=settings.row_limit
+                sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                row_limit=settings.row_limit,
             )
             log.info(
                 "profile of rank %d (steps %d…%d): %s\n%s",
@@ -54,7 +57,9 @@ class Profiling(Hook):
 
         self.profiler = profile(
             activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
-            schedule=schedule(wait=settings.wait, warmup=settings.warmup, active=settings.active, repeat=1),
+            schedule=schedule(
+                wait=settings.wait, warmup=settings.warmup, active=settings.active, repeat=1
+            ),
             on_trace_ready=ready,
         )
         return self.profiler

@@ -12,7 +12,9 @@ from hydra_ddp.rundir import RunDir
 from hydra_ddp.training import length as run_length
 
 
-def already_complete(out: Path, resume: Optional[tuple[Path, dict[str, Any]]], length: Any, settings: Any) -> str:
+def already_complete(
+    out: Path, resume: Optional[tuple[Path, dict[str, Any]]], length: Any, settings: Any
+) -> str:
     """The line that says a continued run had already ended, or "" (rank 0: the earlier summary,
     set aside by the launcher, says its run ended there, not stopped on a signal)."""
     if resume is None:
@@ -27,8 +29,13 @@ def already_complete(out: Path, resume: Optional[tuple[Path, dict[str, Any]]], l
     why = run_length.ended_by(length, position, monitor.should_stop)
     if why is None:
         return ""
-    more = "trainer.early_stopping.patience" if why == "early_stopping" else "trainer.epochs or trainer.max_steps"
+    more = (
+        "trainer.early_stopping.patience"
+        if why == "early_stopping"
+        else "trainer.epochs or trainer.max_steps"
+    )
     return (
-        f"hydra-ddp: the run in {out} is complete (step {position['step']}, ended by {why}): nothing to "
-        f"train; its summary, checkpoints and logs are as they were (raise {more} to train on)"
+        f"hydra-ddp: the run in {out} is complete (step {position['step']}, "
+        f"ended by {why}): nothing to train; its summary, checkpoints and "
+        f"logs are as they were (raise {more} to train on)"
     )

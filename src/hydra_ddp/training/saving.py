@@ -23,10 +23,23 @@ log = logging.getLogger(__name__)
 class Saving:
     """The loop's checkpoints (the `checkpoint` section's cadence), through the Checkpointer."""
 
-    def __init__(self, cadence: Any, parts: Any, step: Step, monitor: Monitor, pos: Position, overheads: Overheads):
+    def __init__(
+        self,
+        cadence: Any,
+        parts: Any,
+        step: Step,
+        monitor: Monitor,
+        pos: Position,
+        overheads: Overheads,
+    ):
         """`cadence`: the checkpoint section; `parts`: the worker's (training.parts)."""
-        self.every_epoch, self.every_n_steps = bool(cadence.every_epoch), cadence.every_n_steps  # read every step
-        self.checkpointer, self.strategy, self.scheduler = parts.checkpointer, parts.strategy, parts.scheduler
+        # read every step
+        self.every_epoch, self.every_n_steps = bool(cadence.every_epoch), cadence.every_n_steps
+        self.checkpointer, self.strategy, self.scheduler = (
+            parts.checkpointer,
+            parts.strategy,
+            parts.scheduler,
+        )
         self.ema = parts.ema  # the weights' moving average (trainer.ema), or None
         self.step, self.monitor, self.pos, self.overheads = step, monitor, pos, overheads
         self.saved: tuple[int, bool] = (-1, False)  # (step, as best) of the last checkpoint
@@ -54,17 +67,22 @@ class Saving:
         }
 
     def _ema_state(self) -> dict[str, torch.Tensor]:
-        """The weights' average in the model's checkpoint layout (whole, or this rank's shards): copies,
-        as the live weights go back into the model before the checkpoint is written."""
+        """The weights' average in the model's checkpoint layout (whole, or this rank's shards):
+        copies, as the live weights go back into the model before the checkpoint is written."""
         with self.ema.swapped():
-            return {k: v.detach().clone() for k, v in self.strategy.checkpoint_model_state().items()}
+            return {
+                k: v.detach().clone() for k, v in self.strategy.checkpoint_model_state().items()
+            }
 
     def _restore_ema(self, path: Path, state: dict[str, Any]) -> None:
         """The checkpoint's average, through the model (so it reshards as the weights do)."""
         if self.ema is None:
             return
         if state.get("ema") is None:
-            log.warning("%s holds no average of the weights: trainer.ema starts from the resumed weights", path)
+            log.warning(
+                "%s holds no average of the weights: trainer.ema starts from the resumed weights",
+                path,
+            )
             self.ema.reset()
             return
         with self.ema.swapped(keep=True):
@@ -84,13 +102,18 @@ class Saving:
         self.monitor.load(state.get("monitor"))
 
     def best_from_disk(self) -> Optional[dict[str, torch.Tensor]]:
-        """The best weights of the run so far, from best (every rank reads it, as the resumed checkpoint)."""
+        """The best weights of the run so far, from best (every rank reads it, as the resumed
+        checkpoint)."""
         path = self.checkpointer.published("best")
         try:
             state = self.checkpointer.load(path)
             weights = checkpoints.model_weights(path, state)
         except UserError as e:
-            log.warning("the best weights so far are not in %s (%s): the test will use the last weights", path, e)
+            log.warning(
+                "the best weights so far are not in %s (%s): the test will use the last weights",
+                path,
+                e,
+            )
             return None
         if state["position"]["step"] != self.monitor.best_step:
             log.warning(
@@ -103,7 +126,8 @@ class Saving:
         return {k: v.cpu() for k, v in weights.items()}
 
     def save(self) -> None:
-        best = self.monitor.best_step == self.pos.step  # validated here, and the best so far: best.pt
+        # validated here, and the best so far: best.pt
+        best = self.monitor.best_step == self.pos.step
         # Once per step; again only to publish as best.pt a step the first save did not.
         saved_step, saved_as_best = self.saved
         if saved_step == self.pos.step and (saved_as_best or not best):
@@ -124,13 +148,16 @@ class Saving:
     def _check_finite_weights(self) -> None:
         """Before a checkpoint: weights that are already nan or inf are never saved as good ones."""
         params = list(self.strategy.local_tensors())  # FSDP: this rank's shards
-        finite = torch.stack([torch.isfinite(p).all() for p in params]).all().to(torch.int32).reshape(1)
+        finite = (
+            torch.stack([torch.isfinite(p).all() for p in params]).all().to(torch.int32).reshape(1)
+        )
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if not finite.item():
             self.diverged(f"the weights are not finite after step {self.pos.step}")
 
     def diverged(self, what: str) -> None:
-        """Stop every rank with one line; the last checkpoint (written from finite weights) is kept."""
+        """Stop every rank with one line; the last checkpoint (written from finite weights) is
+        kept."""
         self.checkpointer.finish()  # a write in flight completes: it is the last good one
         last = self.checkpointer.published("last")
         kept = (
@@ -138,4 +165,6 @@ class Saving:
             if self.saved[0] >= 0
             else "no checkpoint was written"
         )
-        raise EveryRankError(f"training diverged: {what}; {kept}. Lower optim.lr, or set trainer.grad_clip")
+        raise EveryRankError(
+            f"training diverged: {what}; {kept}. Lower optim.lr, or set trainer.grad_clip"
+        )

@@ -19,14 +19,19 @@ from hydra_ddp.tasks import Task, checked_loss, misfit, weighs_units
 from hydra_ddp.training.timing import StepTimer
 
 # trainer.precision → autocast's dtype (None: fp32, no autocast).
-AUTOCAST_DTYPES: dict[str, Optional[torch.dtype]] = {"32": None, "bf16": torch.bfloat16, "16": torch.float16}
+AUTOCAST_DTYPES: dict[str, Optional[torch.dtype]] = {
+    "32": None,
+    "bf16": torch.bfloat16,
+    "16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What the loop knows of an optimizer step before its batches arrive: each micro-batch's samples
-    (an epoch's short last batch included: data.drop_last=false), and the batches themselves, taken
-    one by one as the step runs, or all at once where the task must count them first (Task.units)."""
+    """What the loop knows of an optimizer step before its batches arrive: each micro-batch's
+    samples (an epoch's short last batch included: data.drop_last=false), and the batches
+    themselves, taken one by one as the step runs, or all at once where the task must count them
+    first (Task.units)."""
 
     sizes: list[int]
     batches: Iterable[Any]
@@ -35,18 +40,21 @@ class StepPlan:
 def optimizer_steps(
     loader: Iterable, accumulate: int, done: int, length: Any, together: bool = False
 ) -> Iterator[StepPlan]:
-    """An epoch's batches grouped by optimizer step: `accumulate` at a time, and the epoch's last step
-    whatever is left (fewer when the batches do not divide). `done`: batches of the epoch already
-    trained on (a resumed run's: a multiple of `accumulate`), which the loader skips; `length`: the
-    run's (training.length: batches per epoch, samples per batch, the last batch's); `together`: each
-    step's batches fetched before its first forward (else one by one, as the forwards take them)."""
+    """An epoch's batches grouped by optimizer step: `accumulate` at a time, and the epoch's last
+    step whatever is left (fewer when the batches do not divide). `done`: batches of the epoch
+    already trained on (a resumed run's: a multiple of `accumulate`), which the loader skips;
+    `length`: the run's (training.length: batches per epoch, samples per batch, the last batch's);
+    `together`: each step's batches fetched before its first forward (else one by one, as the
+    forwards take them)."""
     batches = iter(loader)
     while done < length.batches_per_epoch:
         count = min(accumulate, length.batches_per_epoch - done)
         sizes = [length.batch_samples] * count
         if done + count == length.batches_per_epoch:
             sizes[-1] = length.last_batch_samples
-        group = list(itertools.islice(batches, count)) if together else itertools.islice(batches, count)
+        group = (
+            list(itertools.islice(batches, count)) if together else itertools.islice(batches, count)
+        )
         yield StepPlan(sizes, group)
         done += count
 
@@ -54,9 +62,9 @@ def optimizer_steps(
 def sample_weights(sizes: list[int]) -> Optional[list[float]]:
     """How each micro-batch's mean loss enters a step over samples: None where the micro-batches are
     alike (each its mean ÷ their number: the mean over every sample, as one batch of them all would
-    give), else each its share of the step's samples (an epoch's short last batch weighs less). Every
-    rank holds as many samples (data.even_shards=true; else one batch per step), so the shares are
-    the global ones."""
+    give), else each its share of the step's samples (an epoch's short last batch weighs less).
+    Every rank holds as many samples (data.even_shards=true; else one batch per step), so the shares
+    are the global ones."""
     if len(set(sizes)) == 1:
         return None
     total = sum(sizes)
@@ -71,23 +79,37 @@ class Step:
     task's own units (Task.units: tokens that are not padding). Over units, each rank counts its
     micro-batches' units and one all-reduce, started before the first forward, adds the counts of
     all replicas; each micro-batch's loss_sum is then divided by that total ÷ replicas (the gradient
-    all-reduce averages over replicas). A micro-batch with no counted unit adds nothing, and no nan."""
+    all-reduce averages over replicas). A micro-batch with no counted unit adds nothing, and no
+    nan."""
 
     def __init__(self, settings: Any, parts: Any, timer: StepTimer, outputs: int):
         """`settings`: the trainer section; `parts`: the worker's (training.parts); `outputs`:
         data.num_classes, what the model makes per sample."""
-        self.model, self.task, self.optimizer, self.strategy = parts.model, parts.task, parts.optimizer, parts.strategy
-        self.ema = parts.ema  # the weights' moving average, updated after each optimizer step (or None)
+        self.model, self.task, self.optimizer, self.strategy = (
+            parts.model,
+            parts.task,
+            parts.optimizer,
+            parts.strategy,
+        )
+        # the weights' moving average, updated after each optimizer step (or None)
+        self.ema = parts.ema
         self.device, self.timer, self.memory_format = parts.device, timer, parts.memory_format
         self.outputs = outputs
-        self.replicas = parts.strategy.data_parallel_size()  # what the gradient all-reduce averages over
-        self.over_units = weighs_units(self.task)  # the loss averages over the task's units (tokens), not samples
-        self.counts_tokens = self.over_units or type(self.task).tokens is not Task.tokens  # tokens/s
+        # what the gradient all-reduce averages over
+        self.replicas = parts.strategy.data_parallel_size()
+        # the loss averages over the task's units (tokens), not samples
+        self.over_units = weighs_units(self.task)
+        # tokens/s
+        self.counts_tokens = self.over_units or type(self.task).tokens is not Task.tokens
         self.checked = False  # the first batch: the task fits the data, its loss is a scalar
         self.amp_dtype = AUTOCAST_DTYPES[str(settings.precision)]
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=str(settings.precision) == "16")  # fp16 only
+        # fp16 only
+        self.scaler = torch.amp.GradScaler(
+            self.device.type, enabled=str(settings.precision) == "16"
+        )
         self.grad_clip = settings.grad_clip
-        self.grad_norms: list[tuple[int, torch.Tensor]] = []  # (step, global norm before clipping), until logged
+        # (step, global norm before clipping), until logged
+        self.grad_norms: list[tuple[int, torch.Tensor]] = []
         # For the FLOP count (reporting/flops.py): the first batch on the meta device, and its first
         # sample for real (for a model that cannot run on the meta device).
         self.first_batch: Any = None
@@ -95,20 +117,23 @@ class Step:
 
     def run(self, plan: StepPlan, step: int) -> tuple[torch.Tensor, int, Any]:
         """Forward and backward of each micro-batch of the plan, then optimizer step `step`. Returns
-        this rank's part of the step's loss (its mean over the ranks, the loss window's, is the step's
-        loss over every unit), its samples, and its tokens (a tensor where the task counts units,
-        read when needed: no wait for the device each step; None where it counts none)."""
+        this rank's part of the step's loss (its mean over the ranks, the loss window's, is the
+        step's loss over every unit), its samples, and its tokens (a tensor where the task counts
+        units, read when needed: no wait for the device each step; None where it counts none)."""
         weigh, tokens = self._weighing(plan)
         parts, samples, last = [], 0, len(plan.sizes) - 1
         for i, batch in enumerate(plan.batches):
-            samples += self.task.samples(batch)  # samples, not targets (a sequence's tokens, an image's pixels)
+            # samples, not targets (a sequence's tokens, an image's pixels)
+            samples += self.task.samples(batch)
             if tokens is not None and not self.over_units:
                 tokens += self.task.tokens(batch)
             # DDP's all-reduce in the last micro-batch's backward only.
             parts.append(self._micro_batch(batch, i == last, lambda loss, i=i: weigh(i, loss)))
         if self.grad_clip:
-            self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients, not the scaled ones
-            # The gradients are all-reduced already: the same norm, and the same clipping, on every rank.
+            # fp16: clip the true gradients, not the scaled ones
+            self.scaler.unscale_(self.optimizer)
+            # The gradients are all-reduced already: the same norm, and the same clipping, on every
+            # rank.
             norm = self.strategy.clip_grad_norm(self.grad_clip)  # FSDP, TP: over the shards
             self.grad_norms.append((step, norm.detach()))
         self.scaler.step(self.optimizer)
@@ -122,8 +147,8 @@ class Step:
 
     def _weighing(self, plan: StepPlan) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], Any]:
         """weigh(i, loss): micro-batch i's loss as its share of the step's gradient; and the step's
-        tokens so far (this rank's units where the task counts them; 0 where it counts tokens only for
-        throughput, added as the batches pass; None where it counts none)."""
+        tokens so far (this rank's units where the task counts them; 0 where it counts tokens only
+        for throughput, added as the batches pass; None where it counts none)."""
         if self.over_units:
             divisor, units = self._unit_divisor(plan.batches)  # type: ignore[arg-type]  (a list: together)
             return (lambda i, total: total / divisor(total.dtype)), units
@@ -136,16 +161,20 @@ class Step:
             return (lambda i, loss: loss / count), counts
         return (lambda i, loss: loss), counts  # one micro-batch: no extra op in the graph
 
-    def _unit_divisor(self, group: list[Any]) -> tuple[Callable[[torch.dtype], torch.Tensor], torch.Tensor]:
+    def _unit_divisor(
+        self, group: list[Any]
+    ) -> tuple[Callable[[torch.dtype], torch.Tensor], torch.Tensor]:
         """Count the group's units, start adding them over the replicas, and give what each
-        micro-batch's loss_sum is divided by: the step's units ÷ replicas (at least one unit in all),
-        in the loss's dtype, read when the first micro-batch needs it (its forward hides the sum); and
-        this rank's units."""
+        micro-batch's loss_sum is divided by: the step's units ÷ replicas (at least one unit in
+        all), in the loss's dtype, read when the first micro-batch needs it (its forward hides the
+        sum); and this rank's units."""
         try:
             counts = [self.task.units(batch) for batch in group]
         except UserError as problem:  # a batch the task cannot read: one line, on every rank alike
             raise (EveryRankError(str(problem)) if not self.checked else problem) from None
-        local = torch.stack([torch.as_tensor(c).to(self.device, torch.int64, non_blocking=True) for c in counts]).sum()
+        local = torch.stack(
+            [torch.as_tensor(c).to(self.device, torch.int64, non_blocking=True) for c in counts]
+        ).sum()
         total = local.clone()
         work = self.strategy.sum_over_replicas(total)
         divisors: dict[torch.dtype, torch.Tensor] = {}
@@ -161,20 +190,31 @@ class Step:
 
         return divisor, local
 
-    def _micro_batch(self, batch: Any, sync: bool, weigh: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def _micro_batch(
+        self, batch: Any, sync: bool, weigh: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
         """Forward and backward of one micro-batch, its loss weighed by `weigh` (its share of the
         step's gradient); DDP all-reduces the gradients in the backward of a `sync` one."""
         if not self.checked:
-            self.first_batch, self.first_sample = batches.on_meta(batch), batches.first_sample(batch)
+            self.first_batch, self.first_sample = (
+                batches.on_meta(batch),
+                batches.first_sample(batch),
+            )
         batch = batches.to_device(batch, self.device, self.memory_format)
         reduce = self.task.loss_sum if self.over_units else self.task.loss
-        with contextlib.nullcontext() if sync else self.strategy.no_sync():  # no all-reduce mid-accumulation
-            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+        # no all-reduce mid-accumulation
+        with contextlib.nullcontext() if sync else self.strategy.no_sync():
+            with torch.autocast(
+                self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None
+            ):
                 if self.checked:
                     loss = reduce(*self.task.forward(self.model, batch))
                 else:
-                    # A task that cannot read the batch or the output: one line, on every rank alike.
-                    loss = checked_loss(self.task, self.model, batch, self._check_fit, EveryRankError, reduce)
+                    # A task that cannot read the batch or the output: one line, on every rank
+                    # alike.
+                    loss = checked_loss(
+                        self.task, self.model, batch, self._check_fit, EveryRankError, reduce
+                    )
             if not self.checked:
                 self._check_loss(loss)
             self.timer.lap("forward")
@@ -186,8 +226,8 @@ class Step:
     def _check_fit(self, y: Any) -> None:
         """The task fits the data, before the first loss: judged on the first batch's first target
         on every rank alike (the same kind of data: the run's failure), then on the rest of this
-        rank's first batch (a class label beyond data.num_classes, say: this rank's failure). A target
-        that is not one tensor is the task's own to judge."""
+        rank's first batch (a class label beyond data.num_classes, say: this rank's failure). A
+        target that is not one tensor is the task's own to judge."""
         if not isinstance(y, torch.Tensor) or y.dim() == 0:
             return
         problem = misfit(self.task, y[:1], self.outputs)
@@ -214,7 +254,9 @@ class Step:
         self.grad_norms = self.grad_norms[len(taken) :]  # appended in step order
         if not taken:
             return {}
-        return dict(zip((step for step, _ in taken), torch.stack([norm for _, norm in taken]).tolist()))
+        return dict(
+            zip((step for step, _ in taken), torch.stack([norm for _, norm in taken]).tolist())
+        )
 
     def scaler_state(self) -> Optional[dict[str, Any]]:
         return self.scaler.state_dict() if self.scaler.is_enabled() else None
@@ -224,15 +266,23 @@ class Step:
             self.scaler.load_state_dict(saved)
 
     def sync_optimizer_state(self) -> None:
-        """After an uneven epoch, Join has given every rank the weights of the ranks that ran longest
-        (rank 0 among them); their optimizer state (momentum, Adam's moments) and the weights'
-        average follow from rank 0."""
-        tensors = [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        """After an uneven epoch, Join has given every rank the weights of the ranks that ran
+        longest (rank 0 among them); their optimizer state (momentum, Adam's moments) and the
+        weights' average follow from rank 0."""
+        tensors = [
+            v
+            for state in self.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        ]
         if self.scaler.is_enabled():
-            tensors += [v for v in (self.scaler._scale, self.scaler._growth_tracker) if v is not None]
+            tensors += [
+                v for v in (self.scaler._scale, self.scaler._growth_tracker) if v is not None
+            ]
         if self.ema is not None:
             tensors += self.ema.tensors()
         for value in tensors:
-            on_device = value.to(self.device)  # e.g. Adam's step counter lives on the CPU; nccl needs the GPU
+            # e.g. Adam's step counter lives on the CPU; nccl needs the GPU
+            on_device = value.to(self.device)
             dist.broadcast(on_device, src=0)
             value.copy_(on_device)

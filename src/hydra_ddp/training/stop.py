@@ -15,7 +15,8 @@ log = logging.getLogger(__name__)
 
 
 class StopRequest:
-    """Pre-emption or Ctrl-C (signals.STOP_SIGNALS): noted here, agreed on by all ranks at the next sync."""
+    """Pre-emption or Ctrl-C (signals.STOP_SIGNALS): noted here, agreed on by all ranks at the next
+    sync."""
 
     FORCE_AFTER_S = 1.0  # a second signal this much later stops at once, without the checkpoint
 
@@ -28,8 +29,8 @@ class StopRequest:
             signal.signal(sig, self._note)
 
     def _note(self, signum: int, frame: Any) -> None:
-        # A Ctrl-C reaches a worker twice at once (from the terminal, and passed on by the launcher):
-        # only a later one, a person asking again, means "now".
+        # A Ctrl-C reaches a worker twice at once (from the terminal, and passed on by the
+        # launcher): only a later one, a person asking again, means "now".
         if self.signum is not None and time.monotonic() - self.noted_at > self.FORCE_AFTER_S:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
@@ -68,19 +69,27 @@ class Ending:
     def agree(self, stop: bool, time_up: bool, step: int) -> bool:
         """Act on a window's global flags; True when the ranks agreed to stop."""
         if stop and not self.stopped_by:
-            name = signal.Signals(self.request.signum).name if self.request.signum else "a signal to another rank"
+            name = (
+                signal.Signals(self.request.signum).name
+                if self.request.signum
+                else "a signal to another rank"
+            )
             self.stopped_by = name
-            log.warning("stop requested (%s): saving a checkpoint at step %d and exiting", name, step)
+            log.warning(
+                "stop requested (%s): saving a checkpoint at step %d and exiting", name, step
+            )
         elif time_up and not self.ended_by:
             self.ended_by = "max_time"
             log.warning(
-                "trainer.max_time (%gs) is spent: a checkpoint at step %d, the test, and the end", self.max_time, step
+                "trainer.max_time (%gs) is spent: a checkpoint at step %d, the test, and the end",
+                self.max_time,
+                step,
             )
         return stop or time_up
 
     def after_validation(self, monitor: Any, step: int) -> None:
-        """An epoch's validation's verdict on early stopping (every rank alike); a search's pruner is a
-        hook (search/pruning.py)."""
+        """An epoch's validation's verdict on early stopping (every rank alike); a search's pruner
+        is a hook (search/pruning.py)."""
         if monitor.should_stop:
             self.early_stop(monitor, step)
 

@@ -22,7 +22,8 @@ class Overheads:
     eval_time_s: float = 0.0
     checkpoint_time_s: float = 0.0
     checkpoints: int = 0
-    save_stalls: list[float] = field(default_factory=list)  # how long each save held rank 0 at its step boundary
+    # how long each save held rank 0 at its step boundary
+    save_stalls: list[float] = field(default_factory=list)
 
     @contextlib.contextmanager
     def timed(self, kind: str) -> Iterator[None]:
@@ -55,7 +56,8 @@ class Throughput:
     """This process's seconds and this rank's samples per optimizer step."""
 
     def __init__(self, replicas: int):
-        self.replicas = replicas  # different batches per step: local samples × replicas is the global count
+        # different batches per step: local samples × replicas is the global count
+        self.replicas = replicas
         self.step_times: list[float] = []
         self.step_samples: list[int] = []
         self.tokens = self.token_samples = 0  # a language model's: tokens per sample, for tokens/s
@@ -78,16 +80,21 @@ class Throughput:
             self.first_step_at = time.time()
 
     def samples_per_sec(self, warm: int = 0) -> float:
-        return sum(self.step_samples[warm:]) * self.replicas / max(sum(self.step_times[warm:]), 1e-9)
+        return (
+            sum(self.step_samples[warm:]) * self.replicas / max(sum(self.step_times[warm:]), 1e-9)
+        )
 
     def results(self) -> dict[str, Any]:
         warm = min(WARMUP_STEPS, len(self.step_times) // 10)
         return {
             "samples_per_sec": self.samples_per_sec(),
             "steady_samples_per_sec": self.samples_per_sec(warm),
-            "median_step_time_s": statistics.median(self.step_times[warm:]) if self.step_times else 0.0,
+            "median_step_time_s": statistics.median(self.step_times[warm:])
+            if self.step_times
+            else 0.0,
             "train_time_s": sum(self.step_times),
-            # This rank's tokens per sample times the samples/s (a task that counts tokens: Task.tokens).
+            # This rank's tokens per sample times the samples/s (a task that counts tokens:
+            # Task.tokens).
             "tokens_per_sec": self.samples_per_sec() * float(self.tokens) / self.token_samples
             if self.token_samples
             else None,

@@ -16,8 +16,8 @@ What is timed depends on where the work runs:
   stream's time per step. The data phase is the stream's time from the host asking for the batch to
   its arrival: the host's wait for the loader less what queued kernels hid of it (a hidden wait
   costs nothing). Events are read once the stream has passed them, without waiting, and all of them
-  at the per-epoch gather, after one wait for the device: a synchronisation per phase would stall the
-  very queue it times.
+  at the per-epoch gather, after one wait for the device: a synchronisation per phase would stall
+  the very queue it times.
 
 Per batch: a few clock reads or event records; per epoch: one small all-gather.
 """
@@ -32,18 +32,23 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-PHASES = ("data", "forward", "backward", "optimizer", "other")  # other: the loop's own work between steps
+# other: the loop's own work between steps
+PHASES = ("data", "forward", "backward", "optimizer", "other")
 # Others waiting at least this share of their step time for one rank: a straggler worth naming.
 NOTABLE_WAIT = 0.2
 ADVICE = {
-    "data": "raise data.num_workers (or data.preload=true for in-memory data), or check this rank's data source",
-    "forward": "check this rank's device and its CPU threads (trainer.threads), or other load on its cores",
-    "optimizer": "check this rank's device and its CPU threads (trainer.threads), or other load on its cores",
-    "other": "its work between steps (rank 0: logging and checkpoints): raise trainer.log_every or checkpoint "
-    "less often",
+    "data": "raise data.num_workers (or data.preload=true for "
+    "in-memory data), or check this rank's data source",
+    "forward": "check this rank's device and its CPU threads "
+    "(trainer.threads), or other load on its cores",
+    "optimizer": "check this rank's device and its CPU threads "
+    "(trainer.threads), or other load on its cores",
+    "other": "its work between steps (rank 0: logging and checkpoints): "
+    "raise trainer.log_every or checkpoint less often",
 }
-# CUDA: once this many intervals wait, read those the stream has passed (bounded memory, no waiting);
-# at four times as many, wait for the device (the host cannot normally run that far ahead of it).
+# CUDA: once this many intervals wait, read those the stream has passed (bounded memory, no
+# waiting); at four times as many, wait for the device (the host cannot normally run that far ahead
+# of it).
 READ_EVERY = 256
 
 
@@ -76,7 +81,8 @@ class StreamClock:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.mark = cuda_event(device)
-        self.pending: list[tuple[dict[str, float], str, Any, Any]] = []  # (totals, phase, start, end), oldest first
+        # (totals, phase, start, end), oldest first
+        self.pending: list[tuple[dict[str, float], str, Any, Any]] = []
 
     def lap(self, totals: dict[str, float], phase: str) -> None:
         now = cuda_event(self.device)
@@ -115,7 +121,8 @@ class StepTimer:
         # share and checkpoint), which would show as the other ranks' sync wait.
         self.counting = self.totals
         self.scratch = dict.fromkeys(PHASES, 0.0)
-        self.reported = dict.fromkeys(PHASES, 0.0)  # the totals at the last report: per-epoch deltas
+        # the totals at the last report: per-epoch deltas
+        self.reported = dict.fromkeys(PHASES, 0.0)
         self.reported_steps = 0
 
     def batches(self, loader: Iterable) -> Iterator[Any]:
@@ -145,14 +152,16 @@ class StepTimer:
         self.counting = self.totals
 
     def gather(self, device: torch.device, since_last: bool = False) -> list[dict[str, float]]:
-        """Every rank's totals (or their change since the last call with since_last): one all-gather.
-        Nothing when timing is off."""
+        """Every rank's totals (or their change since the last call with since_last): one
+        all-gather. Nothing when timing is off."""
         if not self.enabled:
             return []
         self.clock.settle()  # CUDA: the intervals still unread, after one wait for the device
         values = [self.steps] + [self.totals[p] for p in PHASES]
         if since_last:
-            values = [self.steps - self.reported_steps] + [self.totals[p] - self.reported[p] for p in PHASES]
+            values = [self.steps - self.reported_steps] + [
+                self.totals[p] - self.reported[p] for p in PHASES
+            ]
             self.reported, self.reported_steps = dict(self.totals), self.steps
         mine = torch.tensor(values, dtype=torch.float64, device=device)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -201,7 +210,8 @@ def straggler(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     excess = {p: slow[f"{p}_s"] - statistics.median(r[f"{p}_s"] for r in others) for p in ADVICE}
     cause = max(excess, key=excess.get)  # type: ignore[arg-type]
     if excess[cause] < 0.5 * statistics.median(r["sync_wait_s"] for r in others):
-        return None  # no phase of its own explains the waiting: contention that moves about, not a straggler
+        # no phase of its own explains the waiting: contention that moves about, not a straggler
+        return None
     label = "data wait" if cause == "data" else cause
     others_share = statistics.median(r[f"{cause}_share"] for r in others)
     return {

@@ -19,6 +19,7 @@ from hydra_ddp.checkpoint import checkpointer as checkpointing
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.recipe import schedules
+from hydra_ddp.training import reports
 from hydra_ddp.training.parts import Parts
 from hydra_ddp.training.position import Position
 from hydra_ddp.training.profiling import Profiling
@@ -26,7 +27,7 @@ from hydra_ddp.training.saving import Saving
 from hydra_ddp.training.step import Step, optimizer_steps
 from hydra_ddp.training.stop import Ending
 from hydra_ddp.training.throughput import Overheads, Throughput
-from hydra_ddp.training.timing import StepTimer, per_rank, straggler
+from hydra_ddp.training.timing import StepTimer
 from hydra_ddp.training.validation import Validation
 from hydra_ddp.training.window import LossWindow
 
@@ -35,48 +36,55 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     """Runs the epochs: batches, global loss logging, validation, checkpoints, stopping (on request,
-    early, on the time budget, on divergence), and the one test of the selected weights at the end."""
+    early, on the time budget, on divergence), and the one test of the selected weights at the
+    end."""
 
     def __init__(self, cfg: RunConfig, parts: Parts):
-        """The loop and its collaborators, each given its own settings and the parts it works with."""
+        """The loop and its collaborators, each given its own settings and the parts it works
+        with."""
         settings, device = cfg.trainer, parts.device
-        self.settings, self.model, self.loaders, self.device = settings, parts.model, parts.loaders, device
+        self.settings, self.model = settings, parts.model
+        self.loaders, self.device = parts.loaders, device
         self.pos, self.overheads = Position(), Overheads()
-        self.timer = StepTimer(settings.timing, device)  # this rank's time per phase (timing.py): the straggler report
+        # this rank's time per phase (timing.py): the straggler report
+        self.timer = StepTimer(settings.timing, device)
         self.step = Step(settings, parts, self.timer, outputs=cfg.data.num_classes)
         self.monitor = monitor = Monitor.from_config(settings)
         self.saving = Saving(cfg.checkpoint, parts, self.step, monitor, self.pos, self.overheads)
         self.validation = Validation(parts, monitor, self.overheads)
         self.ending = Ending(parts.stop, settings.max_time, parts.started_at)
-        # The side jobs on the loop's events (hooks.py): the profiler, then trainer.hooks' (a trial's pruner).
+        # The side jobs on the loop's events (hooks.py): the profiler, then trainer.hooks' (a
+        # trial's pruner).
         self.hooks = hooks.build(settings.hooks, Profiling.of(bool(settings.profile), cfg.profiler))
         self.cfg = cfg  # what a hook reads
         self.throughput = Throughput(parts.strategy.data_parallel_size())
-        self.reporter, self.schedule = parts.reporter, schedules.Stepping(parts.scheduler, parts.optimizer)
+        self.reporter = parts.reporter
+        self.schedule = schedules.Stepping(parts.scheduler, parts.optimizer)
         self.accumulate = settings.accumulate  # read every batch: a plain int, not a config lookup
-        self.evaluates_at_end = cfg.job != "tune"  # the tuner's short runs time their steps, no validation or test
+        # the tuner's short runs time their steps, no validation or test
+        self.evaluates_at_end = cfg.job != "tune"
         # Anomaly mode checks the (global) loss for nan at every step: a window of one.
         self.window = LossWindow(1 if settings.detect_anomaly else settings.log_every)
-        # Mid-epoch windows are read a step after they are sent; anomaly mode stops at the step itself.
+        # Mid-epoch windows are read a step after they are sent; anomaly mode stops at the step
+        # itself.
         self.overlap_window = not settings.detect_anomaly
         self.bar = tqdm(disable=True)
         self.progress = parts.progress
         self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
-        self.length = parts.length
-        self.batches_per_epoch, self.common_batches = parts.length.batches_per_epoch, parts.length.common_batches
-        self.uneven = parts.length.uneven
-        self.steps_per_epoch = parts.length.steps_per_epoch  # the same on every rank
+        self.length = length = parts.length
+        self.batches_per_epoch = length.batches_per_epoch
+        self.common_batches = length.common_batches
+        self.uneven = length.uneven
         self.ranks: list[dict[str, Any]] = []
         self.straggler: Optional[dict[str, Any]] = None
         self.world_size = dist.get_world_size()
         self.pos.started(self.world_size)  # a resumed run's history replaces it
 
     def resume_from(self, path: Path, state: dict[str, Any], cause: str = "resume") -> None:
-        """Continue from a checkpoint (`cause`: why, should the world size differ; position.resize_cause)."""
+        """Continue from a checkpoint (`cause`: why, should the world size differ;
+        position.resize_cause)."""
         self.saving.resume_from(path, state)
-        # Mid-epoch the position counts this rank's micro-batches, always whole optimizer steps: at
-        # another accumulation (a resize keeps the global batch), the same steps are as many more or fewer.
-        self.pos.batch = self.pos.batch // checkpointing.saved_accumulation(state) * self.accumulate
+        self.pos.regroup(checkpointing.saved_accumulation(state), self.accumulate)
         resize = self.pos.continued_at(self.world_size, saved_ranks=len(state["rng"]), cause=cause)
         if resize:
             self.reporter.scalars({"train/world_size": self.world_size}, self.pos.step)
@@ -84,30 +92,34 @@ class Trainer:
         self.window.first = self.pos.step + 1
         if self.monitor.best_step is not None and self.monitor.best_step != self.pos.step:
             self.validation.best_weights = self.saving.best_from_disk()
-        log.info("resumed from %s at epoch %d, batch %d, step %d", path, self.pos.epoch, self.pos.batch, self.pos.step)
+        log.info(
+            "resumed from %s at epoch %d, batch %d, step %d",
+            path,
+            self.pos.epoch,
+            self.pos.batch,
+            self.pos.step,
+        )
 
     # --- the recipe ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         max_steps, epochs = self.length.max_steps, self.length.epochs
-        # The step the run ends at: the nearer of its bounds (max_steps, or the last epoch's last step).
-        self.bar = tqdm(
-            total=self.length.total_steps,
-            initial=self.pos.step,
-            disable=not self.progress,
-            unit="step",
-            dynamic_ncols=True,
-        )
+        # The step the run ends at: the nearer of its bounds (max_steps, or the last epoch's last
+        # step).
+        self.bar = _progress_bar(self.length.total_steps, self.pos.step, self.progress)
         with contextlib.ExitStack() as stack:
             for hook in self.hooks:
                 stack.enter_context(hook.running(self))
-            stack.enter_context(torch.autograd.set_detect_anomaly(bool(self.settings.detect_anomaly)))
+            stack.enter_context(
+                torch.autograd.set_detect_anomaly(bool(self.settings.detect_anomaly))
+            )
             validated_at = self._epochs(epochs, max_steps)
         early = self.ending.stopped_by or self.ending.ended_by  # a signal, early stopping, max_time
         if early and self.pos.step < self.length.total_steps:
-            self.bar.set_description_str(f"ended by {early}", refresh=True)  # the bar says why it stops short
+            # the bar says why it stops short
+            self.bar.set_description_str(f"ended by {early}", refresh=True)
         self.bar.close()
         self._finish(validated_at, epochs)
-        return results(self, epochs)
+        return reports.results(self, epochs)
 
     def _epochs(self, epochs: int, max_steps: int) -> int:
         """Train the epochs; the step of the last validation."""
@@ -115,7 +127,7 @@ class Trainer:
         while self.pos.epoch < epochs and self.pos.step < max_steps and not self.ending.now:
             epoch = self.pos.epoch
             self._run_epoch(epoch, max_steps)
-            if self._epoch_complete():
+            if _epoch_complete(self.pos.batch >= self.batches_per_epoch, self.uneven, self.device):
                 self.train_loss = self.pos.epoch_loss()
                 best = False
                 if self.settings.eval_every_epoch:
@@ -130,7 +142,8 @@ class Trainer:
         return validated_at
 
     def _after_validation(self, epoch: int) -> None:
-        """An epoch's validation's verdicts, on every rank alike: early stopping, then the hooks'."""
+        """An epoch's validation's verdicts, on every rank alike: early stopping, then the
+        hooks'."""
         self.ending.after_validation(self.monitor, self.pos.step)
         for hook in self.hooks:
             reason = hook.validated(self, self.validation.last, epoch)
@@ -138,46 +151,48 @@ class Trainer:
                 self.ending.ended_by = reason
 
     def _save(self) -> None:
-        """A checkpoint, the loggers' steps on disk first: a run killed after it resumes with no step
-        up to it missing from metrics.csv or TensorBoard (the resume keeps those up to its step)."""
+        """A checkpoint, the loggers' steps on disk first: a run killed after it resumes with no
+        step up to it missing from metrics.csv or TensorBoard (the resume keeps those up to its
+        step)."""
         self.reporter.flush()
         self.saving.save()
 
     def _finish(self, validated_at: int, epochs: int) -> None:
-        """The end: a last validation where there was none at this step, the last checkpoint, the test."""
+        """The end: a last validation where there was none at this step, the last checkpoint, the
+        test."""
         evaluates = self.evaluates_at_end and not self.ending.stopped_by
         if validated_at != self.pos.step and evaluates:
-            # Ended mid-epoch (max_steps, the time budget), or no validation per epoch: validate the end.
+            # Ended mid-epoch (max_steps, the time budget), or no validation per epoch: validate the
+            # end.
             if self.pos.batch:
                 self.train_loss = self.pos.epoch_loss()
-            where = f"epoch {self.pos.epoch + 1}/{epochs}, batch {self.pos.batch}" if self.pos.batch else "end"
+            where = (
+                f"epoch {self.pos.epoch + 1}/{epochs}, batch {self.pos.batch}"
+                if self.pos.batch
+                else "end"
+            )
             self._validate(where, self.pos.epoch)
-        saves_at_end = self.saving.on or self.ending.to_be_continued  # a run that stops to be continued too
+        # a run that stops to be continued too
+        saves_at_end = self.saving.on or self.ending.to_be_continued
         if saves_at_end:
             self._save()  # the last state (and best.pt)
         self.saving.finish()
-        if evaluates:  # not after a signal, which asks for a quick exit: the test waits for the resumed run's end
-            self.validation.test(self.pos.step, self.pos.epoch, self.saving.published if saves_at_end else None)
-        self.ranks = per_rank(self.timer.gather(self.device))
-        self.straggler = straggler(self.ranks)
+        # not after a signal, which asks for a quick exit: the test waits for the resumed run's end
+        if evaluates:
+            self.validation.test(
+                self.pos.step, self.pos.epoch, self.saving.published if saves_at_end else None
+            )
+        self.ranks, self.straggler = reports.rank_times(self)
         if self.straggler:
             log.warning("straggler: %s", self.straggler["message"])
 
     # --- an epoch's batches ---------------------------------------------------------------------
-    def _epoch_complete(self) -> bool:
-        """Every rank ran all its batches (not stopped by max_steps or a signal): the same answer everywhere."""
-        done = self.pos.batch >= self.batches_per_epoch
-        if not self.uneven:
-            return done  # every rank ran the same batches
-        flag = torch.tensor([1 if done else 0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
     def _run_epoch(self, epoch: int, max_steps: int) -> None:
         """One epoch (or its rest, after a resume): optimizer steps of `accumulate` batches each."""
         sampler = self.loaders.train_sampler
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        sampler.skip(self.pos.batch * self.loaders.batch_size)  # resuming mid-epoch: no batch replayed
+        # resuming mid-epoch: no batch replayed
+        sampler.skip(self.pos.batch * self.loaders.batch_size)
         self.schedule.epoch_started(self.pos.step)
         self.model.train()
         with joined(self.model, self.loaders.train_sampler):
@@ -191,7 +206,9 @@ class Trainer:
         """The epoch's optimizer steps; True when the ranks agreed to stop early."""
         self.throughput.start()
         batches = self.timer.batches(self.loaders.train)
-        plans = optimizer_steps(batches, self.accumulate, self.pos.batch, self.length, together=self.step.over_units)
+        plans = optimizer_steps(
+            batches, self.accumulate, self.pos.batch, self.length, together=self.step.over_units
+        )
         for plan in plans:
             self.pos.batch += len(plan.sizes)
             loss, samples, tokens = self.step.run(plan, self.pos.step + 1)
@@ -214,7 +231,8 @@ class Trainer:
                 self._flush()  # the step since: the checkpoint's epoch loss must include it
                 return True
             if window_full and self.overlap_window:
-                self.window.start(device=self.device, **self.ending.flags())  # read a step later, while the next runs
+                # read a step later, while the next runs
+                self.window.start(device=self.device, **self.ending.flags())
             elif window_full and self._flush():
                 return True
             if self.saving.due_at_step():
@@ -226,8 +244,8 @@ class Trainer:
 
     # --- the loss window ------------------------------------------------------------------------
     def _flush(self) -> bool:
-        """Report the window's global losses (and a window started earlier, still pending); True when
-        the ranks agreed to stop (a signal, the time budget)."""
+        """Report the window's global losses (and a window started earlier, still pending); True
+        when the ranks agreed to stop (a signal, the time budget)."""
         stop = self._report_pending()
         return self._report(*self.window.flush(device=self.device, **self.ending.flags())) or stop
 
@@ -237,17 +255,13 @@ class Trainer:
 
     def _report(self, steps: list[int], losses: list[float], stop: bool, time_up: bool) -> bool:
         """Log a window's global losses, act on its flags; True when the ranks agreed to stop."""
-        # A step's loss, gradient norm and rate in one row (a later step's norm and rate wait for its loss).
-        last = steps[-1] if steps else 0
-        norms, rates = self.step.take_grad_norms(last), self.schedule.take_rates(last)
-        for step, loss in zip(steps, losses):
-            row = {"train/loss": loss, "train/grad_norm": norms.get(step), "train/lr": rates.get(step)}
-            self.reporter.scalars({tag: value for tag, value in row.items() if value is not None}, step)
+        reports.step_rows(self, steps, losses)
         self.pos.epoch_loss_sum += sum(losses)
         self.pos.epoch_loss_count += len(losses)
         if losses:
             self.bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
-            self.pos.step = max(self.pos.step, steps[-1])  # a rank that ran out of batches a step early catches up
+            # a rank that ran out of batches a step early catches up
+            self.pos.step = max(self.pos.step, steps[-1])
         if not all(math.isfinite(loss) for loss in losses):  # global values: every rank stops here
             bad = next(step for step, loss in zip(steps, losses) if not math.isfinite(loss))
             self.saving.diverged(f"the loss is {losses[steps.index(bad)]} at step {bad}")
@@ -255,25 +269,12 @@ class Trainer:
 
     # --- validation and results -----------------------------------------------------------------
     def _validate(self, where: str, epoch: int) -> bool:
-        """Validation (when there is a split for it) and the monitored metric; True: the best weights so far."""
+        """Validation (when there is a split for it) and the monitored metric; True: the best
+        weights so far."""
         metrics = self.validation.validate(self.train_loss)
-        scalars = {
-            "train/epoch_loss": self.train_loss,
-            **self.schedule.epoch_rate(),
-            "train/samples_per_sec": self.throughput.samples_per_sec(),
-        }
-        validated = "val_samples" in metrics
-        if validated:
-            scalars.update(self.validation.tagged(metrics, "val"))
-        epoch_ranks = per_rank(self.timer.gather(self.device, since_last=True))  # every rank's, this epoch
-        if self.timer.reported_steps:
-            for row in epoch_ranks:
-                scalars.update(
-                    {f"train/time/rank{row['rank']}/{k[:-6]}": v for k, v in row.items() if k.endswith("_share")}
-                )
-        self.reporter.scalars(scalars, self.pos.step)
+        self.reporter.scalars(reports.epoch_scalars(self, metrics), self.pos.step)
         best = self.validation.record(metrics, self.pos.step, epoch)
-        shown = f"  {self.validation.shown(metrics, 'val')}" if validated else ""
+        shown = f"  {self.validation.shown(metrics, 'val')}" if "val_samples" in metrics else ""
         log.info(
             "%s  step %d  train loss %.4f%s%s",
             where,
@@ -285,60 +286,24 @@ class Trainer:
         return best
 
 
+def _epoch_complete(done: bool, uneven: bool, device: torch.device) -> bool:
+    """Every rank ran all its batches of the epoch (`done`: this one did; not stopped by max_steps
+    or a signal): the same answer everywhere."""
+    if not uneven:
+        return done  # every rank ran the same batches
+    flag = torch.tensor([1 if done else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _progress_bar(total: int, initial: int, shown: bool) -> tqdm:
+    """The run's progress bar, in optimizer steps (`shown`: trainer.progress, settled)."""
+    return tqdm(total=total, initial=initial, disable=not shown, unit="step", dynamic_ncols=True)
+
+
 def joined(model: torch.nn.Module, sampler: Any) -> contextlib.AbstractContextManager:
     """Uneven shards: DDP's Join lets a rank that ran out of batches shadow the others' gradient
     all-reduces (with zeros; the average is over the ranks that still had a batch)."""
     if sampler.pad:
         return contextlib.nullcontext()
     return Join([getattr(model, "_orig_mod", model)], divide_by_initial_world_size=False)
-
-
-def results(trainer: Trainer, epochs: int) -> dict[str, Any]:
-    """The run's outcome, as summary.json holds it (the worker adds how it ran)."""
-    monitor, selected = trainer.monitor, trainer.validation.selected()
-    max_steps = trainer.settings.max_steps
-    return {
-        "epochs": epochs,
-        "steps": trainer.pos.step,
-        "train_loss": trainer.train_loss,
-        # The selected weights' validation (the best by the monitor, else the last validation).
-        **{f"val_{name}": selected.get(f"val_{name}") for name in [*trainer.validation.task.metrics, "samples"]},
-        "metrics": list(trainer.validation.task.metrics),  # the task's, in its order (reports' columns)
-        **trainer.validation.test_metrics,
-        "tested": trainer.validation.tested,
-        "test_passes": trainer.loaders.test.passes,
-        "monitor": {
-            "metric": monitor.metric,
-            "mode": monitor.mode,
-            "best": monitor.best,
-            "best_step": monitor.best_step,
-            "best_epoch": monitor.best_epoch,
-        },
-        "objective": monitor.best,  # what train.py returns to a sweeper
-        "history": trainer.validation.history,
-        **trainer.throughput.results(),
-        "tokens_per_step": tokens_per_step(trainer),  # a language model's, else None
-        **trainer.overheads.results(),  # rank 0's
-        "ranks": trainer.ranks,  # seconds per step by phase, per rank (timing.py)
-        "straggler": trainer.straggler,
-        "first_step_at": trainer.throughput.first_step_at,
-        "world_size_history": trainer.pos.world_sizes,
-        "stopped_by": trainer.ending.stopped_by,
-        "ended_by": (
-            trainer.ending.stopped_by
-            or trainer.ending.ended_by
-            or ("max_steps" if max_steps and trainer.pos.step >= max_steps else "epochs")
-        ),
-    }
-
-
-def tokens_per_step(trainer: Trainer) -> Optional[float]:
-    """The mean tokens an optimizer step trained on, over every replica (a task that counts tokens)."""
-    throughput = trainer.throughput
-    if not throughput.token_samples or not throughput.step_times:
-        return None
-    total = torch.as_tensor(throughput.tokens, device=trainer.device).to(torch.float64).reshape(())
-    work = trainer.step.strategy.sum_over_replicas(total)
-    if work is not None:
-        work.wait()
-    return total.item() / len(throughput.step_times)

@@ -22,19 +22,26 @@ class Validation:
 
     def __init__(self, parts: Any, monitor: Monitor, overheads: Overheads):
         """`parts`: the worker's (training.parts)."""
-        self.strategy, self.task, self.loaders, self.device = parts.strategy, parts.task, parts.loaders, parts.device
+        self.strategy, self.task, self.loaders, self.device = (
+            parts.strategy,
+            parts.task,
+            parts.loaders,
+            parts.device,
+        )
         self.memory_format, self.reporter = parts.memory_format, parts.reporter
         self.monitor, self.overheads = monitor, overheads
         self.ema = parts.ema  # evaluations read the weights' average where the run keeps one
-        self.best_weights: Optional[dict[str, torch.Tensor]] = None  # a copy, on the CPU, while not the current ones
+        # a copy, on the CPU, while not the current ones
+        self.best_weights: Optional[dict[str, torch.Tensor]] = None
         self.last: dict[str, Any] = {}  # the last validation's metrics
         self.history: list[dict[str, Any]] = []  # every validation of this run
         self.test_metrics: dict[str, Any] = {}
         self.tested: Optional[dict[str, Any]] = None  # which weights the test used
 
     def evaluate(self, split: Any, name: str, swap: bool = True) -> dict[str, Any]:
-        """Exact evaluation of one split, as this strategy needs it run and added up: of the weights'
-        average where the run keeps one (`swap`: into the model for it; False: it is there already)."""
+        """Exact evaluation of one split, as this strategy needs it run and added up: of the
+        weights' average where the run keeps one (`swap`: into the model for it; False: it is there
+        already)."""
         averaged = self.ema.swapped() if self.ema is not None and swap else contextlib.nullcontext()
         with self.overheads.timed("eval_time_s"), averaged:
             return evaluate(
@@ -57,13 +64,18 @@ class Validation:
         return metrics
 
     def record(self, metrics: dict[str, Any], step: int, epoch: int) -> bool:
-        """A validation's metrics into the monitor and the history; True: the best weights so far."""
+        """A validation's metrics into the monitor and the history; True: the best weights so
+        far."""
         best = self.monitor.update(metrics, step, epoch)
         self.history.append({"epoch": epoch, "step": step, **metrics, "best": best})
         if best:  # kept aside (on the CPU) for the test, in case later epochs do worse
-            # FSDP: gathered to rank 0 (the others keep an empty dict, and receive them from rank 0).
+            # FSDP: gathered to rank 0 (the others keep an empty dict, and receive them from rank
+            # 0).
             with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():
-                self.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in self.strategy.model_state().items()}
+                self.best_weights = {
+                    k: v.detach().to("cpu", copy=True)
+                    for k, v in self.strategy.model_state().items()
+                }
         return best
 
     def selected(self) -> dict[str, Any]:
@@ -71,21 +83,24 @@ class Validation:
         return next((h for h in self.history if h["step"] == self.monitor.best_step), self.last)
 
     def test(self, step: int, epoch: int, checkpoint: Optional[Callable[[str], str]]) -> None:
-        """The test split's one reading, on the selected weights: the best by trainer.monitor, else the
-        last. `checkpoint`: the path a checkpoint of those weights is published at (None: none saved)."""
+        """The test split's one reading, on the selected weights: the best by trainer.monitor, else
+        the last. `checkpoint`: the path a checkpoint of those weights is published at (None: none
+        saved)."""
         monitor = self.monitor
         weights, tested_step, loaded = "last", step, False
         if monitor.best_step is not None:
             if monitor.best_step == step:
                 weights = "best"
             elif self.best_weights is not None:
-                # Training is over: the best weights (the average's, where kept) replace the model's.
+                # Training is over: the best weights (the average's, where kept) replace the
+                # model's.
                 self.strategy.load_model_state(self.best_weights, everywhere=False)
                 weights, tested_step, loaded = "best", monitor.best_step, True
         self.test_metrics = self.evaluate(self.loaders.test, "test", swap=not loaded)
         self.tested = {
             "weights": weights,
-            "ema": self.ema is not None,  # the weights' moving average (trainer.ema), not the trained weights
+            # the weights' moving average (trainer.ema), not the trained weights
+            "ema": self.ema is not None,
             "step": tested_step,
             "epoch": monitor.best_epoch if weights == "best" else epoch,
             "checkpoint": checkpoint(weights) if checkpoint else None,
@@ -103,9 +118,12 @@ class Validation:
         )
 
     def tagged(self, metrics: dict[str, Any], split: str) -> dict[str, float]:
-        """The task's metrics of a split by their TensorBoard tags: {split}_{name} as {split}/{name}."""
+        """The task's metrics of a split by their TensorBoard tags: {split}_{name} as
+        {split}/{name}."""
         return {f"{split}/{name}": metrics[f"{split}_{name}"] for name in self.task.metrics}
 
     def shown(self, metrics: dict[str, Any], split: str) -> str:
         """The task's metrics of a split for the log: `val loss 0.1234  val accuracy 0.9876`."""
-        return "  ".join(f"{split} {name} {metrics[f'{split}_{name}']:.4f}" for name in self.task.metrics)
+        return "  ".join(
+            f"{split} {name} {metrics[f'{split}_{name}']:.4f}" for name in self.task.metrics
+        )

@@ -24,10 +24,12 @@ class LossWindow:
     """
 
     size: int
-    first: int = 1  # the step in the first slot: the one after the last flush (the same on every rank)
+    # the step in the first slot: the one after the last flush (the same on every rank)
+    first: int = 1
     steps: list[int] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
-    pending: Optional[tuple[Any, torch.Tensor]] = None  # a started all-reduce (its work, its tensor), not yet read
+    # a started all-reduce (its work, its tensor), not yet read
+    pending: Optional[tuple[Any, torch.Tensor]] = None
 
     def add(self, step: int, loss: torch.Tensor) -> bool:
         self.steps.append(step)
@@ -46,10 +48,14 @@ class LossWindow:
         """Send the window's losses and this rank's flags; collect() reads the result. Every rank
         calls it at the same points, with none pending."""
         if self.pending is not None:
-            raise RuntimeError("loss window: start() while an all-reduce is pending; collect() it first")
+            raise RuntimeError(
+                "loss window: start() while an all-reduce is pending; collect() it first"
+            )
         slots = self.size + 1  # uneven shards: one step more than a window, at an epoch's end
         if len(self.steps) > slots:
-            raise RuntimeError(f"loss window holds {len(self.steps)} steps, more than its {slots} slots")
+            raise RuntimeError(
+                f"loss window holds {len(self.steps)} steps, more than its {slots} slots"
+            )
         packed = torch.zeros(2 * slots + 2, dtype=torch.float64, device=device)
         if self.steps:
             where = torch.tensor([s - self.first for s in self.steps], device=device)

@@ -12,7 +12,6 @@ import dataclasses
 import gc
 import logging
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -46,10 +45,10 @@ from hydra_ddp.parallel import distributed, elastic, shared_memory, strategies
 from hydra_ddp.recipe import compiling, schedules
 from hydra_ddp.recipe import ema as averaging
 from hydra_ddp.recipe import optimizer as optimizers
-from hydra_ddp.reporting import flops, run_report
-from hydra_ddp.runtime import hangs, processes, ranklog, ranks
+from hydra_ddp.reporting import run_report
+from hydra_ddp.runtime import flight_recorder, hangs, processes, ranklog, ranks
 from hydra_ddp.runtime.ranks import RankInfo
-from hydra_ddp.training import evaluation, resuming, seeding
+from hydra_ddp.training import evaluation, reports, resuming, seeding
 from hydra_ddp.training import length as run_length
 from hydra_ddp.training import trainer as training
 from hydra_ddp.training.parts import Parts
@@ -60,7 +59,12 @@ log = logging.getLogger(__name__)
 
 
 def run(
-    cfg: RunConfig, run_dir: str, rank: RankInfo, started_at: float, entered_at: float, problem: Optional[str] = None
+    cfg: RunConfig,
+    run_dir: str,
+    rank: RankInfo,
+    started_at: float,
+    entered_at: float,
+    problem: Optional[str] = None,
 ) -> Optional[dict[str, Any]]:
     """Train, and return the run's summary. `entered_at`: when this worker's own code began (its
     imports done); `problem`: what rank 0 of an outside launch found wrong."""
@@ -76,17 +80,22 @@ def run(
     if cfg.trainer.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
         seeding.deterministic_kernels()
     if rank.is_main and job == "train":
-        run_report.preload_loggers(cfg)  # while the other ranks start: it would hold them at the first collective
-    hangs.enable_flight_recorder(cfg.backend.name, None if external else Path(run_dir))
-    with distributed.process_group(cfg.backend.name, cfg.init_method, rank, cfg.backend.timeout_s, device):
+        # while the other ranks start: it would hold them at the first collective
+        run_report.preload_loggers(cfg)
+    flight_recorder.enable(cfg.backend.name, None if external else Path(run_dir) / hangs.STACKS)
+    with distributed.process_group(
+        cfg.backend.name, cfg.init_method, rank, cfg.backend.timeout_s, device
+    ):
         out = Path(run_dir)
         if external:  # every rank was started with its own idea of the run directory: rank 0's wins
             out = Path(distributed.broadcast_text(run_dir, device))
             ranklog.setup_logging(rank, out, job)
             problem = distributed.first_error(problem, device)
             if problem:
-                raise EveryRankError(problem)  # the same line on every rank, before anything is built
-        # Until the last barrier: a rank that stops making progress leaves its stack (reporting.hangs).
+                # the same line on every rank, before anything is built
+                raise EveryRankError(problem)
+        # Until the last barrier: a rank that stops making progress leaves its stack
+        # (reporting.hangs).
         with hangs.Watchdog(out, rank.rank, hangs.stall_after_s(cfg.backend.timeout_s)):
             _check_same_config(cfg, rank, device)
             # Everything the run builds lives in _train's frame and is gone when it returns, before
@@ -98,7 +107,8 @@ def run(
                 summary = _train(cfg, out, rank, device, stop, started_at, entered_at)
             _release(cfg)
             # No rank exits before rank 0 has written and closed every output: under srun
-            # --kill-on-bad-exit a stopped run's other ranks (exit 128 + signal) would end it mid-write.
+            # --kill-on-bad-exit a stopped run's other ranks (exit 128 + signal) would end it
+            # mid-write.
             dist.barrier()
     return summary  # the same on every rank: global values only
 
@@ -108,13 +118,17 @@ def _device(kind: str, rank: RankInfo, outside_launch: bool) -> torch.device:
     if kind != "cuda":
         return torch.device("cpu")
     return torch.device(
-        "cuda", distributed.gpu_index(rank.local_rank, rank.local_world_size, torch.cuda.device_count(), outside_launch)
+        "cuda",
+        distributed.gpu_index(
+            rank.local_rank, rank.local_world_size, torch.cuda.device_count(), outside_launch
+        ),
     )
 
 
 def _check_same_config(cfg: RunConfig, rank: RankInfo, device: torch.device) -> None:
     """Every rank trains with the same values (one sweep trial's, say), or none starts: the config's
-    fingerprint, compared in one all-reduce. Each rank logs it, with the values set on the command line."""
+    fingerprint, compared in one all-reduce. Each rank logs it, with the values set on the command
+    line."""
     digest = fingerprint.config_fingerprint(cfg)
     mine = int(digest[:15], 16)  # fits an int64
     extremes = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
@@ -145,18 +159,22 @@ def _train(
         torch.get_num_threads(),
         os.getpid(),
     )
-    # An elastic run: the accumulation that keeps the global batch, with the same micro-batch, at the
-    # world size its rendezvous gave. The run's config at this size, recorded in the summary and the
-    # checkpoint.
+    # An elastic run: the accumulation that keeps the global batch, with the same micro-batch, at
+    # the world size its rendezvous gave. The run's config at this size, recorded in the summary and
+    # the checkpoint.
     at_size = elastic.at_world_size(cfg, rank.world_size)
     if at_size:
         trainer_here = dataclasses.replace(cfg.trainer, accumulate=at_size["trainer.accumulate"])
         cfg = dataclasses.replace(cfg, trainer=trainer_here).freeze()
-        log.info("world size %d: %s", rank.world_size, " ".join(f"{k}={v}" for k, v in at_size.items()))
+        log.info(
+            "world size %d: %s", rank.world_size, " ".join(f"{k}={v}" for k, v in at_size.items())
+        )
     data_cfg = cfg.data
     seeding.seed_everything(cfg.trainer.seed)  # alike on every rank: the model's initial weights
-    spread = strategies.build(cfg, device)  # DDP's replicas, FSDP's shards or tensor parallel (parallel/)
-    replica = spread.data_shard(rank)  # which batches this rank reads: its own, but under tensor parallel
+    # DDP's replicas, FSDP's shards or tensor parallel (parallel/)
+    spread = strategies.build(cfg, device)
+    # which batches this rank reads: its own, but under tensor parallel
+    replica = spread.data_shard(rank)
     loaders = data.build_loaders(data_cfg, rank, cfg.trainer.seed, device, shard=replica)
     kept = data.save_with_run(data_cfg, out) if rank.is_main and cfg.job == "train" else None
     if kept:  # data=documents: its tokenizer, for export and inspection
@@ -167,24 +185,36 @@ def _train(
     # batches; the ranks of a tensor-parallel replica draw alike), saved in every checkpoint. The
     # data's randomness is per sample (data.SeededSamples), of no rank.
     seeding.seed_everything(data.sample_seed(cfg.trainer.seed, -2, replica.rank))
-    # Settled on the launch side (channels_last for a model only the workers build): the summary names them.
+    # Settled on the launch side (channels_last for a model only the workers build): the summary
+    # names them.
     fast = performance.settings(cfg, spread.fast_settings, model, spread.allows_channels_last())
     memory_format = performance.memory_format(fast["trainer.channels_last"])
     if cfg.trainer.init_from and rank.is_main:
-        # Rank 0's weights: the strategy starts every rank from them (a resumed run's then replace them).
-        skipped = checkpoints.load_weights(model, Path(cfg.trainer.init_from), list(cfg.trainer.init_ignore))
-        log.info("weights from %s%s", cfg.trainer.init_from, f" (fresh: {', '.join(skipped)})" if skipped else "")
+        # Rank 0's weights: the strategy starts every rank from them (a resumed run's then replace
+        # them).
+        skipped = checkpoints.load_weights(
+            model, Path(cfg.trainer.init_from), list(cfg.trainer.init_ignore)
+        )
+        log.info(
+            "weights from %s%s",
+            cfg.trainer.init_from,
+            f" (fresh: {', '.join(skipped)})" if skipped else "",
+        )
     model = model.to(device, memory_format=memory_format)
-    warning = tasks.packing_warning(task, model, loaders.train_sampler.dataset) if rank.is_main else None
+    warning = (
+        tasks.packing_warning(task, model, loaders.train_sampler.dataset) if rank.is_main else None
+    )
     if warning:  # packed documents, and a model that attends across them
         log.warning(warning)
     dynamic = False  # the compiled blocks' shapes: static, but for batches padded per batch
-    if cfg.trainer.compile:  # inductor's caches in the run (the ranks share them, a resume finds them)
+    # inductor's caches in the run (the ranks share them, a resume finds them)
+    if cfg.trainer.compile:
         compiling.use_run_cache(out)
         dynamic = compiling.dynamic(loaders.train_sampler.dataset)
     try:
         train_model = spread.wrap(model, dynamic)
-    except shared_memory.SharedMemoryUnavailable as e:  # on every rank alike: the one setting a worker settles
+    # on every rank alike: the one setting a worker settles
+    except shared_memory.SharedMemoryUnavailable as e:
         if "strategy.shared_memory" not in cfg.settled:  # asked for, not chosen
             raise EveryRankError(
                 f"strategy.shared_memory=true: {e}; set strategy.shared_memory=auto or false"
@@ -193,7 +223,8 @@ def _train(
         fast["strategy.shared_memory"] = False  # recorded in the summary
         train_model = spread.wrap(model, dynamic, shared=False)
     optimizer = optimizers.build(cfg.optim, cfg.param_groups.no_decay, spread.module, train_model)
-    if cfg.trainer.compile == "model":  # the blocks' compile is the strategy's (recipe/compiling.py)
+    # the blocks' compile is the strategy's (recipe/compiling.py)
+    if cfg.trainer.compile == "model":
         train_model = _compiled(train_model, cfg.trainer.compile_backend)
     ema = averaging.build(spread.module, cfg.trainer.ema.decay)  # resumed below, with the weights
     length = run_length.measure(cfg.trainer, loaders, device)
@@ -203,21 +234,28 @@ def _train(
         raise EveryRankError(str(e)) from None
     # What checkpoints record beside the config: the settings this worker settled.
     found = dict(fast)
-    checkpointer = checkpointing.Checkpointer(cfg, out, rank, device, found, sharded=spread.sharded_checkpoints)
+    checkpointer = checkpointing.Checkpointer(
+        cfg, out, rank, device, found, sharded=spread.sharded_checkpoints
+    )
     # Rank 0 picks the checkpoint (on every node the same file: checkpoints live with rank 0).
-    resume = checkpointer.choose(checkpoints.resume_setting(cfg.trainer.resume)) if rank.is_main else None
-    changed = fingerprint.config_changes(resume[1]["config"], checkpointer.recorded) if resume else []
+    resume_setting = checkpoints.resume_setting(cfg.trainer.resume)
+    resume = checkpointer.choose(resume_setting) if rank.is_main else None
+    changed = (
+        fingerprint.config_changes(resume[1]["config"], checkpointer.recorded) if resume else []
+    )
     if elastic.is_elastic(cfg.launcher):  # a resize changes the accumulation by design
         changed = [change for change in changed if not change.startswith("trainer.accumulate:")]
     if changed:  # the checkpoint's values are not restored: the run goes on with this command's
         log.warning(
-            "resuming %s with a config that differs from the checkpoint's (this command's values apply; "
-            "pass the checkpoint's overrides to continue the same run): %s",
+            "resuming %s with a config that differs from the checkpoint's (this command's "
+            "values apply; pass the checkpoint's overrides to continue the same run): %s",
             resume[0],
             "; ".join(changed),
         )
-    if rank.is_main and resume is None and checkpoints.resume_setting(cfg.trainer.resume) == "auto":
-        log.info("trainer.resume=auto: no checkpoint in %s; training from the start", checkpointer.dir)
+    if rank.is_main and resume is None and resume_setting == "auto":
+        log.info(
+            "trainer.resume=auto: no checkpoint in %s; training from the start", checkpointer.dir
+        )
     # A run continued that had ended (its summary written; nothing to train under these settings):
     # one line, and nothing of it touched.
     complete = resuming.already_complete(out, resume, length, cfg.trainer) if rank.is_main else ""
@@ -231,9 +269,10 @@ def _train(
         resume = Path(chosen), checkpointer.load(Path(chosen))
 
     # Resuming: the loggers drop what the earlier run logged after the checkpoint's step. Asked to
-    # resume with no checkpoint yet (a restart before the first one): all of it, the run starts over.
+    # resume with no checkpoint yet (a restart before the first one): all of it, the run starts
+    # over.
     resume_step = resume[1]["position"]["step"] if resume else None
-    if resume is None and checkpoints.resume_setting(cfg.trainer.resume) == "auto":
+    if resume is None and resume_setting == "auto":
         resume_step = 0
     reporter = run_report.Reporter(rank, out, cfg, resume_step=resume_step)
     try:
@@ -258,49 +297,9 @@ def _train(
         if resume:
             trainer.resume_from(*resume, cause=resize_cause(elastic.is_elastic(cfg.launcher)))
         result = trainer.fit()
-        # Start-up in two parts: until the last worker's own code began (interpreters, imports: for
-        # forks of the forkserver, its imports), then the group, data, model and the first step.
-        workers_ready_at = distributed.max_over_ranks(entered_at, device)
-        summary = {
-            "world_size": rank.world_size,
-            "nnodes": max(1, rank.world_size // rank.local_world_size),  # also under srun, submitit, mpirun
-            "nproc_per_node": rank.local_world_size,
-            "backend": cfg.backend.name,
-            "launcher": cfg.launcher.name,
-            "init_method": cfg.init_method.name,
-            "device": device.type,
-            "batch_size": data_cfg.batch_size,  # per micro-batch, per model replica
-            "accumulate": cfg.trainer.accumulate,
-            "global_batch_size": cfg.data.global_batch_size,  # per optimizer step: all replicas and micro-batches
-            "settings": fast,
-            "compile": cfg.trainer.compile,  # false, or torch.compile's "blocks" or whole "model"
-            "deterministic": cfg.trainer.deterministic,
-            "strategy": spread.name,
-            # Parameters, gradients and optimizer state held by one rank (the largest): FSDP's shards.
-            "model_state_bytes": distributed.most_over_ranks(strategies.local_state_bytes(spread, optimizer), device),
-            **spread.summary(),  # its gradient exchange: DDP's hook and the bytes it sent
-            **result,
-            "time_to_first_step_s": result["first_step_at"] - started_at if result["first_step_at"] else None,
-            "workers_ready_at": workers_ready_at,
-            "time_to_workers_ready_s": workers_ready_at - started_at,
-            "peak_rss_mb": distributed.max_over_ranks(_peak_rss_mb(), device),
-            "flops": flops.measure(
-                lambda: instantiate(cfg.model),
-                lambda model, batch: task.loss(*task.forward(model, batch)),
-                trainer.step.first_batch,
-                task.samples(trainer.step.first_batch) if trainer.step.first_batch is not None else 0,
-                trainer.step.first_sample,
-                result.get("steady_samples_per_sec") or result.get("samples_per_sec"),
-                str(cfg.trainer.precision),
-                cfg.trainer.peak_flops,
-                rank.world_size,
-                device,
-            ),
-            "wall_time_s": time.time() - started_at,
-            "run_dir": str(out),
-            "resumed_from": str(resume[0]) if resume else None,
-            "init_from": cfg.trainer.init_from if not resume else None,
-        }
+        summary = reports.how_it_ran(
+            trainer, parts, rank, out, result, fast, resume, started_at, entered_at
+        )
         reporter.finish(summary, hparams=run_report.hparams(cfg, rank.world_size))
     finally:
         reporter.close()
@@ -318,7 +317,8 @@ def _release(cfg: RunConfig) -> None:
 
 
 def _compiled(model: nn.Module, backend: str) -> nn.Module:
-    """torch.compile'd, falling back to eager (with a warning) where compiling fails on this machine."""
+    """torch.compile'd, falling back to eager (with a warning) where compiling fails on this
+    machine."""
     import torch._dynamo
 
     torch._dynamo.config.suppress_errors = True
@@ -326,14 +326,11 @@ def _compiled(model: nn.Module, backend: str) -> nn.Module:
     return torch.compile(model, backend=backend)  # type: ignore[return-value]
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
 def main(
     cfg: RunConfig, run_dir: str, rank: RankInfo, started_at: float, problem: Optional[str] = None
 ) -> Optional[dict[str, Any]]:
-    """Every worker's entry, whatever started it: the traceback to the log, one line to the launcher."""
+    """Every worker's entry, whatever started it: the traceback to the log, one line to the
+    launcher."""
     entered_at = time.time()
     try:
         return run(cfg, run_dir, rank, started_at, entered_at, problem)
@@ -342,17 +339,21 @@ def main(
         if isinstance(error, EveryRankError):
             raise WorkerError(EVERY_RANK + str(error)) from None
         if isinstance(error, UserError):
-            raise WorkerError(in_loader_worker(str(error))) from None  # already one line that says what to do
+            # already one line that says what to do
+            raise WorkerError(in_loader_worker(str(error))) from None
         line = first_line(root_cause(error))
         if any(sign in line.lower() for sign in PEER_GONE):
             line = LOST_A_PEER + line
         elif "timed out" in line.lower() or "timeout" in line.lower():
-            hung = hangs.describe(Path(run_dir), cfg.backend.timeout_s)  # who was stuck where: the run's failure
+            # who was stuck where: the run's failure
+            hung = hangs.describe(Path(run_dir), cfg.backend.timeout_s)
             line = EVERY_RANK + hung if hung else line
         raise WorkerError(line) from None
 
 
-def spawn_entry(local_rank: int, cfg: RunConfig, run_dir: str, started_at: float, parent_pid: Optional[int]) -> None:
+def spawn_entry(
+    local_rank: int, cfg: RunConfig, run_dir: str, started_at: float, parent_pid: Optional[int]
+) -> None:
     """torch.multiprocessing.spawn target: single node, rank = local rank."""
     n = cfg.trainer.nproc
     # No orphan keeps training, or holding a GPU, after its launcher is gone. The parent is the
@@ -382,7 +383,8 @@ def _exit_after_teardown() -> None:
 def elastic_entry(
     cfg: RunConfig, run_dir: str, started_at: float, parent_pid: Optional[int]
 ) -> Optional[dict[str, Any]]:
-    """elastic_launch target: torchelastic has set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT."""
+    """elastic_launch target: torchelastic has set RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR/PORT."""
     _, rank = ranks.external_launch()
     processes.die_with_parent(parent_pid)  # as spawn_entry's
     summary = main(cfg, run_dir, rank, started_at)

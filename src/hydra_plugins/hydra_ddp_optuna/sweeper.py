@@ -1,4 +1,5 @@
-"""The sweeper and its configs (hydra/sweeper: optuna; hydra/sweeper/sampler: tpe, random, cmaes, grid).
+"""The sweeper and its configs (hydra/sweeper: optuna; hydra/sweeper/sampler: tpe, random, cmaes,
+grid).
 
 No `from __future__ import annotations`: Hydra loads plugin modules outside sys.modules, where
 dataclasses cannot resolve string annotations."""
@@ -61,7 +62,8 @@ class OptunaSweeperConf:
     # trainer.monitor's: maximize for an accuracy (checked before the first trial)
     direction: Annotated[str, OneOf("minimize", "maximize")] = "minimize"
     study_name: Annotated[Optional[str], Free("any name")] = None  # null: "search"
-    # null: a journal file in the sweep directory (hydra_ddp.search.study); or an Optuna storage URL.
+    # null: a journal file in the sweep directory (hydra_ddp.search.study); or an Optuna storage
+    # URL.
     storage: Annotated[Optional[str], Free("a file or Optuna's storage URL")] = None
     # In the study, over every run of the command with this sweep directory.
     n_trials: Annotated[int, AtLeast(1)] = 20
@@ -69,21 +71,31 @@ class OptunaSweeperConf:
     # median, hyperband or none: stops a hopeless trial after a validation
     pruner: Annotated[str, OneOf(*PRUNERS)] = "median"
     # e.g. {n_startup_trials: 5} (Optuna's own)
-    pruner_args: Annotated[dict[str, Any], Checked("search.study.pruner_of")] = field(default_factory=dict)
-    params: Annotated[Optional[dict[str, str]], Checked("search.space.parse")] = None
-    role: Annotated[str, OneOf("main", "helper")] = (
-        "main"  # helper: one of the n_jobs - 1 processes the main sweeper starts
+    pruner_args: Annotated[dict[str, Any], Checked("search.study.pruner_of")] = field(
+        default_factory=dict
     )
-    # The sampler stays a config (Hydra would build it once, with the sweeper): each trial's is built
-    # from it with a seed of its own (search.study.trial_seed), so processes sharing a study draw
-    # apart, and a seeded search draws the same values for the same trial numbers.
+    params: Annotated[Optional[dict[str, str]], Checked("search.space.parse")] = None
+    # helper: one of the n_jobs - 1 processes the main sweeper starts
+    role: Annotated[str, OneOf("main", "helper")] = "main"
+    # The sampler stays a config (Hydra would build it once, with the sweeper): each trial's is
+    # built from it with a seed of its own (search.study.trial_seed), so processes sharing a study
+    # draw apart, and a seeded search draws the same values for the same trial numbers.
     _recursive_: bool = False
 
 
-ConfigStore.instance().store(group="hydra/sweeper", name="optuna", node=OptunaSweeperConf, provider="hydra_ddp")
-SAMPLERS = {"tpe": TPESamplerConf, "random": RandomSamplerConf, "cmaes": CmaEsSamplerConf, "grid": GridSamplerConf}
+ConfigStore.instance().store(
+    group="hydra/sweeper", name="optuna", node=OptunaSweeperConf, provider="hydra_ddp"
+)
+SAMPLERS = {
+    "tpe": TPESamplerConf,
+    "random": RandomSamplerConf,
+    "cmaes": CmaEsSamplerConf,
+    "grid": GridSamplerConf,
+}
 for _name, _node in SAMPLERS.items():
-    ConfigStore.instance().store(group="hydra/sweeper/sampler", name=_name, node=_node, provider="hydra_ddp")
+    ConfigStore.instance().store(
+        group="hydra/sweeper/sampler", name=_name, node=_node, provider="hydra_ddp"
+    )
 
 
 class OptunaSweeper(Sweeper):
@@ -100,7 +112,11 @@ class OptunaSweeper(Sweeper):
         pruner_args: Any = None,
         role: str = "main",
     ):
-        self.sampler_cfg, self.direction, self.study_name = sampler, str(direction), study_name or "search"
+        self.sampler_cfg, self.direction, self.study_name = (
+            sampler,
+            str(direction),
+            study_name or "search",
+        )
         self.storage, self.n_trials, self.n_jobs, self.pruner = storage, n_trials, n_jobs, pruner
         self.params = OmegaConf.to_container(params) if params else {}
         self.role = role
@@ -132,7 +148,8 @@ class OptunaSweeper(Sweeper):
 
         searched, fixed = space.parse(self.params, arguments)
         self.check()
-        sampler = self._sampler(searched, stream=0)  # the grid's values checked before the first trial
+        # the grid's values checked before the first trial
+        sampler = self._sampler(searched, stream=0)
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         location = self.storage or str(self.sweep_dir / studies.JOURNAL)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -167,8 +184,11 @@ class OptunaSweeper(Sweeper):
                 with studies.exclusive(self.sweep_dir):
                     if studies.started(study) >= self.n_trials:
                         break
-                    # A trial number not yet asked for (a queued trial's ask adds none, and samples nothing).
-                    study.sampler = self._sampler(searched, stream=len(study.get_trials(deepcopy=False)))
+                    # A trial number not yet asked for (a queued trial's ask adds none, and samples
+                    # nothing).
+                    study.sampler = self._sampler(
+                        searched, stream=len(study.get_trials(deepcopy=False))
+                    )
                     trial = study.ask(searched)
                 overrides = [
                     *(f"{k}={v}" for k, v in fixed.items()),
@@ -185,18 +205,22 @@ class OptunaSweeper(Sweeper):
             self._results(study)
 
     def check(self) -> None:
-        """The sweeper's own settings, each in its domain (config.domains), one line naming the first
-        that is not: before the first trial."""
+        """The sweeper's own settings, each in its domain (config.domains), one line naming the
+        first that is not: before the first trial."""
         from hydra_ddp.config import domains
         from hydra_ddp.errors import UserError
         from hydra_ddp.search import study as studies
 
         if not isinstance(self.sampler_cfg, DictConfig) or "_target_" not in self.sampler_cfg:
-            shown = OmegaConf.to_container(self.sampler_cfg) if isinstance(self.sampler_cfg, DictConfig) else None
+            shown = (
+                OmegaConf.to_container(self.sampler_cfg)
+                if isinstance(self.sampler_cfg, DictConfig)
+                else None
+            )
             raise UserError(
-                f"hydra.sweeper.sampler={shown if shown is not None else self.sampler_cfg!r}: a sampler is "
-                f"chosen by its group, hydra/sweeper/sampler=NAME ({', '.join(SAMPLERS)}), and set by its keys, "
-                "hydra.sweeper.sampler.KEY=VALUE"
+                f"hydra.sweeper.sampler={shown if shown is not None else self.sampler_cfg!r}: "
+                "a sampler is chosen by its group, hydra/sweeper/sampler=NAME "
+                f"({', '.join(SAMPLERS)}), and set by its keys, hydra.sweeper.sampler.KEY=VALUE"
             )
         settings = {
             "direction": self.direction,
@@ -208,7 +232,9 @@ class OptunaSweeper(Sweeper):
             "role": self.role,
         }
         sampler = OmegaConf.to_container(self.sampler_cfg)
-        kind = next((conf for conf in SAMPLERS.values() if conf._target_ == sampler.get("_target_")), None)
+        kind = next(
+            (conf for conf in SAMPLERS.values() if conf._target_ == sampler.get("_target_")), None
+        )
         for node, cls, where in (
             (settings, OptunaSweeperConf, "hydra.sweeper"),
             (sampler, kind, "hydra.sweeper.sampler"),
@@ -218,12 +244,13 @@ class OptunaSweeper(Sweeper):
                     domains.check(node, cls)
             except UserError as error:
                 raise UserError(f"{where}.{error}") from None
-        studies.pruner_of(self.pruner, self.pruner_args)  # its arguments, checked before the first trial
+        # its arguments, checked before the first trial
+        studies.pruner_of(self.pruner, self.pruner_args)
 
     def _sampler(self, searched: dict[str, Any], stream: int) -> Any:
         """The sampler for the trial asked for when the study holds `stream` trials: its seed (when
-        one is set) made that trial's own. Every sweeper process built the same seeded sampler before,
-        so n_jobs > 1 drew the same startup trials in each process."""
+        one is set) made that trial's own. Every sweeper process built the same seeded sampler
+        before, so n_jobs > 1 drew the same startup trials in each process."""
         from hydra.utils import instantiate
 
         from hydra_ddp.search import space
@@ -231,10 +258,13 @@ class OptunaSweeper(Sweeper):
 
         seed = self.sampler_cfg.get("seed")
         if self.sampler_cfg.get("_partial_"):  # the grid sampler, given its grid
-            # Its seed shuffles the grid, whose ids must mean the same in every process: one seed. It
-            # never picks a grid point another trial holds (asks are one at a time: studies.exclusive).
+            # Its seed shuffles the grid, whose ids must mean the same in every process: one seed.
+            # It never picks a grid point another trial holds (asks are one at a time:
+            # studies.exclusive).
             return instantiate(self.sampler_cfg)(search_space=space.grid(searched))
-        return instantiate(self.sampler_cfg, seed=None if seed is None else studies.trial_seed(seed, stream))
+        return instantiate(
+            self.sampler_cfg, seed=None if seed is None else studies.trial_seed(seed, stream)
+        )
 
     def _tell(self, study: Any, number: int, returned: Any) -> None:
         from hydra.core.utils import JobStatus
@@ -243,7 +273,9 @@ class OptunaSweeper(Sweeper):
         from hydra_ddp.search import study as studies
 
         job_dir = (
-            Path(returned.hydra_cfg.hydra.runtime.output_dir) if returned.hydra_cfg else self.sweep_dir / str(number)
+            Path(returned.hydra_cfg.hydra.runtime.output_dir)
+            if returned.hydra_cfg
+            else self.sweep_dir / str(number)
         )
         value = returned._return_value if returned.status == JobStatus.COMPLETED else None
         state, value = studies.outcome(job_dir, value)
@@ -254,10 +286,19 @@ class OptunaSweeper(Sweeper):
         log.info("trial %d: %s%s", number, state, f" ({value:.6g})" if value is not None else "")
 
     def _helper(self) -> subprocess.Popen:
-        """Another sweeper process on the same study: the same command, as a helper, in this sweep directory."""
-        argv = [a for a in sys.argv[1:] if not a.startswith(("hydra.sweep.dir=", "hydra.sweeper.role="))]
+        """Another sweeper process on the same study: the same command, as a helper, in this sweep
+        directory."""
+        argv = [
+            a for a in sys.argv[1:] if not a.startswith(("hydra.sweep.dir=", "hydra.sweeper.role="))
+        ]
         return subprocess.Popen(
-            [sys.executable, sys.argv[0], *argv, f"hydra.sweep.dir={self.sweep_dir}", "hydra.sweeper.role=helper"]
+            [
+                sys.executable,
+                sys.argv[0],
+                *argv,
+                f"hydra.sweep.dir={self.sweep_dir}",
+                "hydra.sweeper.role=helper",
+            ]
         )
 
     def _results(self, study: Any) -> None:
@@ -270,7 +311,12 @@ class OptunaSweeper(Sweeper):
         best = study.best_trial
         OmegaConf.save(
             OmegaConf.create(
-                {"name": "optuna", "best_params": best.params, "best_value": best.value, "best_trial": best.number}
+                {
+                    "name": "optuna",
+                    "best_params": best.params,
+                    "best_value": best.value,
+                    "best_trial": best.number,
+                }
             ),
             self.sweep_dir / "optimization_results.yaml",
         )

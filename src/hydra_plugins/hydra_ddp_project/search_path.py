@@ -21,6 +21,9 @@ class ProjectConfSearchPath(SearchPathPlugin):
         if conf is None:
             return
         primary = [e.path for e in search_path.get_path() if e.provider == "main" and e.path]
-        if any(path.startswith("file://") and project.same_dir(path[len("file://") :], conf) for path in primary):
+        if any(
+            path.startswith("file://") and project.same_dir(path[len("file://") :], conf)
+            for path in primary
+        ):
             return  # the primary config directory already: train.py in this repository
         search_path.prepend(provider=project.PROVIDER, path=f"file://{conf}")

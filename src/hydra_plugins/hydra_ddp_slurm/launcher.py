@@ -1,6 +1,6 @@
-"""hydra-ddp's Slurm launcher (conf/hydra/launcher/slurm.yaml): hydra-submitit-launcher's, except that
-a job Slurm ended before it wrote a result (cancelled, timed out, its node failed) is a row of the
-sweep report instead of an exception that ends the whole sweep, or a wait that never ends.
+"""hydra-ddp's Slurm launcher (conf/hydra/launcher/slurm.yaml): hydra-submitit-launcher's, except
+that a job Slurm ended before it wrote a result (cancelled, timed out, its node failed) is a row of
+the sweep report instead of an exception that ends the whole sweep, or a wait that never ends.
 
 submitit learns a job's state from `sacct` alone. Without job accounting (slurmdbd) sacct fails, and
 even with it an array task cancelled while the whole array still waited leaves no record (Slurm
@@ -24,13 +24,17 @@ from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf, open_dict
 
 from hydra_ddp.rundir import RunDir
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import (
+    SlurmLauncher as SubmititSlurmLauncher,
+)
 
 QUEUE_CHECK_S = (2.0, 60.0)  # the first and the longest interval between two squeue calls
 
 
 class SlurmLauncher(SubmititSlurmLauncher):
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+    def launch(
+        self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+    ) -> Sequence[JobReturn]:
         import submitit
 
         jobs: list[Job] = []
@@ -48,12 +52,15 @@ class SlurmLauncher(SubmititSlurmLauncher):
         finally:
             submitit.AutoExecutor.map_array = submit  # type: ignore[method-assign]
         return [
-            ret if job.ended is None else self._unfinished(job, list(overrides), initial_job_idx + i)
+            ret
+            if job.ended is None
+            else self._unfinished(job, list(overrides), initial_job_idx + i)
             for i, (ret, job, overrides) in enumerate(zip(returns, jobs, job_overrides))
         ]
 
     def _unfinished(self, job: Job, overrides: list[str], num: int) -> JobReturn:
-        """Leave in the job's directory what the sweep report reads; return what a failed trial returns."""
+        """Leave in the job's directory what the sweep report reads; return what a failed trial
+        returns."""
         from hydra_ddp import tasks
 
         assert self.config is not None and self.hydra_context is not None
@@ -64,12 +71,17 @@ class SlurmLauncher(SubmititSlurmLauncher):
         (job_dir / ".hydra").mkdir(parents=True, exist_ok=True)
         if not (job_dir / ".hydra" / "overrides.yaml").exists():  # it never started
             OmegaConf.save(OmegaConf.create(overrides), job_dir / ".hydra" / "overrides.yaml")
-        message = f"Slurm job {job.job_id} ended {job.ended} without a result" + (f" ({job.why})" if job.why else "")
+        message = f"Slurm job {job.job_id} ended {job.ended} without a result" + (
+            f" ({job.why})" if job.why else ""
+        )
         if Path(job.paths.stderr).exists():
             message += f"; its log: {job.paths.stderr}"
         RunDir(job_dir).error.write_text(f"{message}\n")
         RunDir(job_dir).slurm_state.write_text(f"{job.ended.lower()}\n")
-        print(f"hydra-ddp: warning: job #{num} ({' '.join(overrides) or 'no overrides'}): {message}", file=sys.stderr)
+        print(
+            f"hydra-ddp: warning: job #{num} ({' '.join(overrides) or 'no overrides'}): {message}",
+            file=sys.stderr,
+        )
         return JobReturn(
             overrides=overrides,
             cfg=config,
@@ -81,7 +93,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
 
 class Job:
     """A submitted submitit job whose results() also end when the job left Slurm's queue without a
-    result: then `ended` is its final state (CANCELLED, TIMEOUT, NODE_FAIL…) and results() [None]."""
+    result: then `ended` is its final state (CANCELLED, TIMEOUT, NODE_FAIL…) and results()
+    [None]."""
 
     def __init__(self, job: Any) -> None:
         self.job = job
@@ -112,7 +125,10 @@ class Job:
         """Pending, running or completing; True too when squeue cannot say (the wait goes on)."""
         try:
             listed = subprocess.run(
-                ["squeue", "-h", "-r", "-j", self.job_id, "-o", "%T"], capture_output=True, text=True, timeout=60
+                ["squeue", "-h", "-r", "-j", self.job_id, "-o", "%T"],
+                capture_output=True,
+                text=True,
+                timeout=60,
             )
         except (OSError, subprocess.TimeoutExpired):
             return True
@@ -130,9 +146,13 @@ class Job:
         except (OSError, subprocess.TimeoutExpired):
             sacct = None
         if sacct is None or sacct.returncode != 0:
-            return "UNKNOWN", "it left the queue; without job accounting (sacct) Slurm keeps no reason"
+            return (
+                "UNKNOWN",
+                "it left the queue; without job accounting (sacct) Slurm keeps no reason",
+            )
         states = sacct.stdout.split("\n")
         if states[0].strip():
             return states[0].split()[0], ""  # "CANCELLED by 0" → CANCELLED
-        # Accounting works and has no record: removed before it ever ran, as a cancelled array task is.
+        # Accounting works and has no record: removed before it ever ran, as a cancelled array task
+        # is.
         return "CANCELLED", "it left the queue before it ran and has no accounting record"

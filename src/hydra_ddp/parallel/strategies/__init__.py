@@ -13,12 +13,17 @@ from hydra_ddp.parallel.strategies.fsdp import FSDP
 from hydra_ddp.parallel.strategies.fsdp_tp import FSDPWithTP
 from hydra_ddp.parallel.strategies.tp import TensorParallel
 
-REGISTRY: dict[str, type[Strategy]] = {strategy.name: strategy for strategy in (DDP, FSDP, TensorParallel, FSDPWithTP)}
+REGISTRY: dict[str, type[Strategy]] = {
+    strategy.name: strategy for strategy in (DDP, FSDP, TensorParallel, FSDPWithTP)
+}
 
 
 def get(name: str) -> type[Strategy]:
     if name not in REGISTRY:
-        raise UserError(f"strategy.name={name!r}: choose one of {', '.join(REGISTRY)} (strategy=NAME, conf/strategy/)")
+        raise UserError(
+            f"strategy.name={name!r}: choose one of "
+            f"{', '.join(REGISTRY)} (strategy=NAME, conf/strategy/)"
+        )
     return REGISTRY[name]
 
 

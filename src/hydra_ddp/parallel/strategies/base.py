@@ -30,9 +30,11 @@ class Strategy:
     Settings: ClassVar[type]  # strategy.*: the dataclass conf/strategy/NAME.yaml is checked against
     # Its knobs that `auto` settles (settle, below), for the summary: DDP's; the others have none.
     fast_settings: ClassVar[tuple[str, ...]] = ()
-    # Its settings the tuner may time (tools/tune.py): DDP's gradient exchange; the others have none.
+    # Its settings the tuner may time (tools/tune.py): DDP's gradient exchange; the others have
+    # none.
     tunable: ClassVar[tuple[str, ...]] = ()
-    # What the checkpoints hold: one file of the whole state (rank 0 writes it), or each rank's shards.
+    # What the checkpoints hold: one file of the whole state (rank 0 writes it), or each rank's
+    # shards.
     sharded_checkpoints: ClassVar[bool] = True
     # Every rank runs as many evaluation forwards (a sharded or split forward exchanges tensors).
     lockstep_eval: ClassVar[bool] = True
@@ -82,18 +84,22 @@ class Strategy:
         self.tp_ranks = self.tp_size(cfg.strategy, world)  # ranks per tensor-parallel group
         self.dp_ranks = world // self.tp_ranks  # model replicas
         self.module: nn.Module = nn.Module()  # the cfg module (its parameters sharded or not)
-        self.model: nn.Module = nn.Module()  # what the loop calls: DDP's wrapper, or the module itself
+        # what the loop calls: DDP's wrapper, or the module itself
+        self.model: nn.Module = nn.Module()
         self.mesh: Any = None
         self.state: Any = None
 
-    def wrap(self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None) -> nn.Module:
+    def wrap(
+        self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None
+    ) -> nn.Module:
         """The module spread over the ranks; what the loop calls. `dynamic`: trainer.compile=blocks'
         torch.compile(dynamic=...), by the run's data (recipe/compiling.py); `shared`: DDP's
         shared-memory all-reduce, where the worker found its segment cannot be made (False)."""
         raise NotImplementedError
 
     def no_sync(self) -> contextlib.AbstractContextManager:
-        """Gradient accumulation: no synchronisation between replicas until the group's last batch."""
+        """Gradient accumulation: no synchronisation between replicas until the group's last
+        batch."""
         return contextlib.nullcontext()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -102,7 +108,8 @@ class Strategy:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
 
     def data_shard(self, rank: RankInfo) -> RankInfo:
-        """Which share of the data this rank reads: its replica's (every tp rank of a replica alike)."""
+        """Which share of the data this rank reads: its replica's (every tp rank of a replica
+        alike)."""
         if self.tp_ranks == 1:
             return rank
         return RankInfo(
@@ -117,9 +124,9 @@ class Strategy:
         return self.dp_ranks
 
     def eval_reduction(self) -> dict[str, Any]:
-        """How evaluation sums add up (evaluation.evaluate's reduce and group): over all ranks; under
-        tensor parallel over the replicas only (a replica's tp ranks computed the same sums), and with
-        one replica not at all."""
+        """How evaluation sums add up (evaluation.evaluate's reduce and group): over all ranks;
+        under tensor parallel over the replicas only (a replica's tp ranks computed the same sums),
+        and with one replica not at all."""
         if self.tp_ranks == 1:
             return {"reduce": True, "group": None}
         if self.dp_ranks == 1:
@@ -168,7 +175,7 @@ class Strategy:
     def local_tensors(self) -> Iterator[torch.Tensor]:
         return self.state.local_tensors()
 
-    # --- DDP's gradient exchange: its communication hook (the others have none) --------------------
+    # --- DDP's gradient exchange: its communication hook (the others have none) ----------------
     def comm_state(self) -> Optional[dict[str, Any]]:
         """The communication hook's state for a checkpoint (PowerSGD's; every rank calls it)."""
         return None
@@ -178,7 +185,8 @@ class Strategy:
         return None
 
     def summary(self) -> dict[str, Any]:
-        """What the run's summary says of the gradient exchange (DDP's hook and its measured bytes)."""
+        """What the run's summary says of the gradient exchange (DDP's hook and its measured
+        bytes)."""
         return {"comm_hook": None, "allreduce_bytes_per_step": None}
 
 
@@ -188,12 +196,13 @@ def not_ddp_refusals(cfg: RunConfig, name: str) -> list[tuple[bool, str]]:
     return [
         (
             not cfg.data.even_shards,
-            "data.even_shards=false needs DDP's Join, which FSDP does not support; keep data.even_shards=true",
+            "data.even_shards=false needs DDP's Join, which "
+            "FSDP does not support; keep data.even_shards=true",
         ),
         (
             trainer.compile == "model",
-            f"trainer.compile=model compiles the DDP model whole; under strategy={name} compile the blocks "
-            "(trainer.compile=blocks, or true)",
+            "trainer.compile=model compiles the DDP model whole; under "
+            f"strategy={name} compile the blocks (trainer.compile=blocks, or true)",
         ),
         (
             trainer.channels_last is True,
@@ -222,7 +231,9 @@ def start_from_rank0(module: nn.Module) -> None:
             dist.broadcast(tensor.data, src=0)
 
 
-def clip_global_norm(parameters: Iterator[nn.Parameter], max_norm: float, device: torch.device) -> torch.Tensor:
+def clip_global_norm(
+    parameters: Iterator[nn.Parameter], max_norm: float, device: torch.device
+) -> torch.Tensor:
     """Clip the gradients to a global norm computed over every layout at once: cfg tensors
     (whole on every rank), DTensors split over some mesh dimensions and replicated over others,
     on meshes that cover all ranks or some. Each rank adds its local squared norms, each divided
@@ -242,8 +253,8 @@ def clip_global_norm(parameters: Iterator[nn.Parameter], max_norm: float, device
         else:
             total += g.double().pow(2).sum() / world
     dist.all_reduce(total)
-    # torch.nn.utils.clip_grad_norm_'s arithmetic, in the gradients' dtype (a float32 norm would round
-    # a float64 model's scale; it moved such a run by 1e-9 from one rank's).
+    # torch.nn.utils.clip_grad_norm_'s arithmetic, in the gradients' dtype (a float32 norm would
+    # round a float64 model's scale; it moved such a run by 1e-9 from one rank's).
     norm = total.sqrt().to(grads[0].dtype if grads else torch.float32)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0).item()
     for g in grads:

@@ -14,10 +14,10 @@ it changes no result beyond float tolerance, and each can be set to true or fals
 - shared_memory: the gradient all-reduce through a shared segment instead of gloo's loopback TCP,
   where every rank is a CPU process on this host; bit-identical at 2 ranks, the sums in another
   order (within float tolerance) at more. Not with a comm hook (it is one), uneven shards (Join's
-  shadow all-reduces bypass hooks) or the whole model's torch.compile (its blocks' keeps it). Whether
-  the segment can be made is the workers'
-  to find: where it cannot, an `auto` falls back.
-- sync_batchnorm: BatchNorm layers as SyncBatchNorm; auto is on with CUDA (DDP refuses it on the CPU).
+  shadow all-reduces bypass hooks) or the whole model's torch.compile (its blocks' keeps it).
+  Whether the segment can be made is the workers' to find: where it cannot, an `auto` falls back.
+- sync_batchnorm: BatchNorm layers as SyncBatchNorm; auto is on with CUDA (DDP refuses it on the
+  CPU).
 """
 
 from __future__ import annotations
@@ -38,7 +38,12 @@ from hydra_ddp.recipe import activation_checkpointing, compiling
 
 AUTO = "auto"
 # The settings that are DistributedDataParallel's own keyword arguments.
-DDP_ARGUMENTS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
+DDP_ARGUMENTS = (
+    "bucket_cap_mb",
+    "gradient_as_bucket_view",
+    "static_graph",
+    "find_unused_parameters",
+)
 
 
 def config_blockers(cfg: RunConfig) -> list[str]:
@@ -48,7 +53,8 @@ def config_blockers(cfg: RunConfig) -> list[str]:
         reasons.append(f"strategy.comm_hook={cfg.strategy.comm_hook} is a hook of its own")
     if not cfg.data.even_shards:
         reasons.append("data.even_shards=false (Join's shadow all-reduces bypass hooks)")
-    if cfg.trainer.compile == "model":  # DDP's hooks inside the compiled graph (blocks keep them outside)
+    # DDP's hooks inside the compiled graph (blocks keep them outside)
+    if cfg.trainer.compile == "model":
         reasons.append("trainer.compile=model")
     return reasons
 
@@ -58,10 +64,15 @@ class DDP(Strategy):
 
     name = "ddp"
     Settings = strategy_settings.DDPSettings
-    fast_settings = ("strategy.gradient_as_bucket_view", "strategy.static_graph", "strategy.shared_memory")
+    fast_settings = (
+        "strategy.gradient_as_bucket_view",
+        "strategy.static_graph",
+        "strategy.shared_memory",
+    )
     tunable = ("strategy.bucket_cap_mb", "strategy.shared_memory", "strategy.comm_hook")
     sharded_checkpoints = False  # rank 0 holds everything: it writes one file
-    lockstep_eval = False  # evaluation runs on the cfg module: ranks may hold different chunk counts
+    # evaluation runs on the cfg module: ranks may hold different chunk counts
+    lockstep_eval = False
 
     @classmethod
     def allows_channels_last(cls) -> bool:
@@ -75,7 +86,9 @@ class DDP(Strategy):
         blockers = cls.shared_memory_blockers(cfg, world, local_world)
         auto = {
             "gradient_as_bucket_view": True,
-            "static_graph": elastic.most_accumulation(cfg) == 1 and cfg.data.even_shards and trainer.compile != "model",
+            "static_graph": elastic.most_accumulation(cfg) == 1
+            and cfg.data.even_shards
+            and trainer.compile != "model",
             "shared_memory": not blockers and world > 1,  # one rank: nothing to all-reduce
         }
         if settings.shared_memory is True and world > 1 and blockers:
@@ -95,37 +108,42 @@ class DDP(Strategy):
     @staticmethod
     def shared_memory_blockers(cfg: RunConfig, world: int, local_world: int) -> list[str]:
         trainer = cfg.trainer
-        return config_blockers(cfg) + shared_memory.unavailable(cfg.backend.name, trainer.device, world, local_world)
+        return config_blockers(cfg) + shared_memory.unavailable(
+            cfg.backend.name, trainer.device, world, local_world
+        )
 
     @classmethod
     def check(cls, cfg: RunConfig) -> None:
         settings, trainer, data = cfg.strategy, cfg.trainer, cfg.data
         if settings.comm_hook != "none" and not data.even_shards:
             raise UserError(
-                f"strategy.comm_hook={settings.comm_hook} does not combine with data.even_shards=false (Join's "
-                "shadow all-reduces bypass the hook); use one or the other"
+                f"strategy.comm_hook={settings.comm_hook} does not "
+                "combine with data.even_shards=false (Join's shadow "
+                "all-reduces bypass the hook); use one or the other"
             )
         if settings.static_graph is True and elastic.most_accumulation(cfg) > 1:
             at_fewer = trainer.accumulate == 1  # an elastic run's, at fewer nodes than it may have
             raise UserError(
                 "strategy.static_graph=true does not combine with trainer.accumulate > 1 "
-                f"{'(an elastic run accumulates at fewer nodes) ' if at_fewer else ''}(DDP's reducer fails "
-                "on a no_sync step in a static graph); set strategy.static_graph=auto or false"
+                f"{'(an elastic run accumulates at fewer nodes) ' if at_fewer else ''}(DDP's "
+                "reducer fails on a no_sync step in a static graph); set "
+                "strategy.static_graph=auto or false"
             )
         if settings.shared_memory is True and trainer.device != "cpu":
             raise UserError(
-                f"strategy.shared_memory=true does not combine with trainer.device={trainer.device} (it sums "
-                "CPU tensors); set strategy.shared_memory=auto or false"
+                "strategy.shared_memory=true does not combine with "
+                f"trainer.device={trainer.device} (it sums CPU "
+                "tensors); set strategy.shared_memory=auto or false"
             )
         if settings.sync_batchnorm and trainer.device != "cuda":
             raise UserError(
-                "strategy.sync_batchnorm=true needs GPUs (this torch's DDP refuses SyncBatchNorm on the CPU); "
-                "set it false, or train with trainer.device=cuda"
+                "strategy.sync_batchnorm=true needs GPUs (this torch's DDP refuses "
+                "SyncBatchNorm on the CPU); set it false, or train with trainer.device=cuda"
             )
         if not data.even_shards and settings.sync_batchnorm:
             raise UserError(
-                "data.even_shards=false does not combine with strategy.sync_batchnorm=true (Join cannot "
-                "stand in for SyncBatchNorm's collectives); use one or the other"
+                "data.even_shards=false does not combine with strategy.sync_batchnorm=true "
+                "(Join cannot stand in for SyncBatchNorm's collectives); use one or the other"
             )
         activation_checkpointing.check(cfg)
 
@@ -134,10 +152,13 @@ class DDP(Strategy):
         self.comm: Optional[comm.PowerSGD] = None  # a communication hook that keeps state
         self.shared: Optional[shared_memory.SharedMemoryAllReduce] = None
         # What the hook sends each step; none counted under Join (uneven shards), where DDP's own
-        # all-reduce runs: Join's shadow all-reduces bypass hooks, and its average needs DDP's divisor.
+        # all-reduce runs: Join's shadow all-reduces bypass hooks, and its average needs DDP's
+        # divisor.
         self.traffic: Optional[comm.Traffic] = None
 
-    def wrap(self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None) -> nn.Module:
+    def wrap(
+        self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None
+    ) -> nn.Module:
         """`shared`: the shared-memory all-reduce's setting, where not strategy.shared_memory's (a
         segment that could not be made: gloo's)."""
         settings = self.cfg.strategy
@@ -148,12 +169,18 @@ class DDP(Strategy):
         compiling.compile_blocks(module, self.cfg.trainer, dynamic)
         self.module = module
         shared = bool(settings.shared_memory if shared is None else shared)
-        options = {key: getattr(settings, key) for key in DDP_ARGUMENTS}  # the rest: comm.py's, shared_memory.py's
+        # the rest: comm.py's, shared_memory.py's
+        options = {key: getattr(settings, key) for key in DDP_ARGUMENTS}
         traffic = comm.Traffic()
         if shared:
-            # Before DDP: where the segment cannot be shared, every rank raises SharedMemoryUnavailable here.
-            gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-            self.shared = shared_memory.SharedMemoryAllReduce(None, gradient_bytes, self.cfg.backend.timeout_s, traffic)
+            # Before DDP: where the segment cannot be shared, every rank raises
+            # SharedMemoryUnavailable here.
+            gradient_bytes = sum(
+                p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
+            )
+            self.shared = shared_memory.SharedMemoryAllReduce(
+                None, gradient_bytes, self.cfg.backend.timeout_s, traffic
+            )
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self.model = DistributedDataParallel(module, device_ids=device_ids, **options)
         if options["static_graph"]:
@@ -177,7 +204,8 @@ class DDP(Strategy):
         return self.comm.load(saved, step) if self.comm else None
 
     def summary(self) -> dict[str, Any]:
-        # The gradient bytes this rank sent in the last step, as the hook counted them (None: not counted).
+        # The gradient bytes this rank sent in the last step, as the hook counted them (None: not
+        # counted).
         return {
             "comm_hook": self.cfg.strategy.comm_hook,
             "allreduce_bytes_per_step": self.traffic.last_step if self.traffic else None,
@@ -185,11 +213,11 @@ class DDP(Strategy):
 
 
 def _check_first_output(model: nn.Module) -> None:
-    """Under a static graph, DDP averages the first step's gradients from a callback its own autograd
-    node queues on the output's tensors, which it finds by flattening the output (tuples, lists, dicts,
-    named tuples, transformers' ModelOutput). An output it cannot flatten (a dataclass) hides them: the
-    first step's gradients would never be averaged, and the replicas would part for good, silently.
-    Checked on the first training forward, then the hook is gone."""
+    """Under a static graph, DDP averages the first step's gradients from a callback its own
+    autograd node queues on the output's tensors, which it finds by flattening the output (tuples,
+    lists, dicts, named tuples, transformers' ModelOutput). An output it cannot flatten (a
+    dataclass) hides them: the first step's gradients would never be averaged, and the replicas
+    would part for good, silently. Checked on the first training forward, then the hook is gone."""
 
     def check(module: nn.Module, inputs: Any, output: Any) -> None:
         if not module.training:
@@ -197,9 +225,10 @@ def _check_first_output(model: nn.Module) -> None:
         handle.remove()
         if not any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(output)[0]):
             raise EveryRankError(
-                f"the model returns a {type(output).__name__}, in which DDP finds no tensor (it looks into "
-                "tuples, lists, dicts and named tuples, not dataclasses): with strategy.static_graph the first "
-                "step's gradients would not be averaged. Return one of those, or set strategy.static_graph=false"
+                f"the model returns a {type(output).__name__}, in which DDP finds no tensor "
+                "(it looks into tuples, lists, dicts and named tuples, not dataclasses): "
+                "with strategy.static_graph the first step's gradients would not be "
+                "averaged. Return one of those, or set strategy.static_graph=false"
             )
 
     handle = model.register_forward_hook(check)

@@ -23,29 +23,31 @@ from hydra_ddp.recipe import activation_checkpointing, compiling
 def shard_refusals(cfg: RunConfig) -> list[tuple[bool, str]]:
     """(refused, why) for FSDP's own settings."""
     settings, trainer, launcher = cfg.strategy, cfg.trainer, cfg.launcher
-    world = trainer.nproc * launcher.nnodes if isinstance(trainer.nproc, int) else None  # None: not yet settled
+    # None: not yet settled
+    world = trainer.nproc * launcher.nnodes if isinstance(trainer.nproc, int) else None
     copies = int(settings.replicate)
     return [
         (
             world is not None and world % copies != 0,
-            f"strategy.replicate={copies} does not divide the {world} ranks (trainer.nproc × launcher.nnodes): "
-            f"give a divisor of {world} (launcher.nnodes: a copy per node)",
+            f"strategy.replicate={copies} does not divide the {world} ranks (trainer.nproc × "
+            f"launcher.nnodes): give a divisor of {world} (launcher.nnodes: a copy per node)",
         ),
         (
             copies > 1 and (launcher.min_nodes or launcher.nnodes) != launcher.nnodes,
-            f"strategy.replicate={copies} fixes the mesh, which an elastic run's resize would change: "
-            "leave it 1 for launcher.nnodes=MIN:MAX",
+            f"strategy.replicate={copies} fixes the mesh, which an elastic "
+            "run's resize would change: leave it 1 for launcher.nnodes=MIN:MAX",
         ),
         (
             settings.cpu_offload and trainer.device != "cuda",
-            "strategy.cpu_offload=true keeps parameters on the CPU between uses on GPUs; on the CPU it has "
-            "nothing to offload: leave it false",
+            "strategy.cpu_offload=true keeps parameters on the CPU between "
+            "uses on GPUs; on the CPU it has nothing to offload: leave it false",
         ),
         *(
             (
                 getattr(settings, key) == "fp16",
-                f"strategy.{key}=fp16 would need loss scaling over the shards, which FSDP2 here does not "
-                "do (small gradients would underflow silently); use bf16: fp32's range, no scaler",
+                f"strategy.{key}=fp16 would need loss scaling over the "
+                "shards, which FSDP2 here does not do (small gradients would "
+                "underflow silently); use bf16: fp32's range, no scaler",
             )
             for key in ("param_dtype", "reduce_dtype", "output_dtype")
         ),
@@ -56,9 +58,9 @@ DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": tor
 
 
 def mixed_precision(settings: Any, root: bool) -> Any:
-    """The strategy's param_dtype, reduce_dtype and output_dtype as FSDP2's MixedPrecisionPolicy: the
-    output's dtype the root's only (a unit's output cast back would meet the next unit, or the root's
-    own layers, in another dtype than their parameters')."""
+    """The strategy's param_dtype, reduce_dtype and output_dtype as FSDP2's MixedPrecisionPolicy:
+    the output's dtype the root's only (a unit's output cast back would meet the next unit, or the
+    root's own layers, in another dtype than their parameters')."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(
@@ -93,14 +95,19 @@ def hybrid_mesh(settings: Any, device: torch.device) -> Any:
 
     world = torch.distributed.get_world_size()
     if world % copies:  # checked before launch; an outside launcher's world size is known only here
-        raise EveryRankError(f"strategy.replicate={copies} does not divide the {world} ranks: give a divisor")
-    return init_device_mesh(device.type, (copies, world // copies), mesh_dim_names=("replicate", "shard"))
+        raise EveryRankError(
+            f"strategy.replicate={copies} does not divide the {world} ranks: give a divisor"
+        )
+    return init_device_mesh(
+        device.type, (copies, world // copies), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def shard_units(module: nn.Module) -> list[nn.Module]:
     """The modules FSDP shards one by one (their parameters gathered together): the model's blocks
     (recipe.activation_checkpointing.blocks: a `shard_units()` method, e.g. a transformer's blocks;
-    a Hugging Face model's decoder layers, as Accelerate wraps them); else each child with parameters."""
+    a Hugging Face model's decoder layers, as Accelerate wraps them); else each child with
+    parameters."""
     return activation_checkpointing.blocks(module) or [
         child for child in module.children() if any(True for _ in child.parameters())
     ]
@@ -129,17 +136,21 @@ class FSDP(Strategy):
 
     @classmethod
     def backend(cls, settings: Any, backend: str) -> str:
-        """NCCL takes CUDA tensors only, and CPU offload keeps the shards on the CPU: the collectives on
-        them (the finite-weights check, the gradient norm) go to gloo, the rest to NCCL, in one group."""
+        """NCCL takes CUDA tensors only, and CPU offload keeps the shards on the CPU: the
+        collectives on them (the finite-weights check, the gradient norm) go to gloo, the rest to
+        NCCL, in one group."""
         return "cpu:gloo,cuda:nccl" if backend == "nccl" and settings.cpu_offload else backend
 
     def __init__(self, cfg: RunConfig, device: torch.device):
         super().__init__(cfg, device)
-        # Every save and copy of the best weights goes through DCP's state_dict helpers (ShardedState):
-        # imported while the run starts, not at the first of them in the middle of training.
+        # Every save and copy of the best weights goes through DCP's state_dict helpers
+        # (ShardedState): imported while the run starts, not at the first of them in the middle of
+        # training.
         import torch.distributed.checkpoint.state_dict  # noqa: F401
 
-    def wrap(self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None) -> nn.Module:
+    def wrap(
+        self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None
+    ) -> nn.Module:
         self.module = module
         start_from_rank0(module)
         activation_checkpointing.apply(module, self.cfg.strategy)  # inside the units FSDP gathers
@@ -155,5 +166,9 @@ class FSDP(Strategy):
 
     def summary(self) -> dict[str, Any]:
         copies = int(self.cfg.strategy.replicate)
-        mesh = {"replicate": copies, "shard": torch.distributed.get_world_size() // copies} if copies > 1 else None
+        mesh = (
+            {"replicate": copies, "shard": torch.distributed.get_world_size() // copies}
+            if copies > 1
+            else None
+        )
         return {**super().summary(), "hsdp": mesh}

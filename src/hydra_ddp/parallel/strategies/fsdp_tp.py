@@ -13,7 +13,13 @@ from hydra_ddp.config import strategy_settings
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.parallel import layouts
 from hydra_ddp.parallel.strategies import fsdp, tp
-from hydra_ddp.parallel.strategies.base import Strategy, clip_global_norm, not_ddp_refusals, refuse, start_from_rank0
+from hydra_ddp.parallel.strategies.base import (
+    Strategy,
+    clip_global_norm,
+    not_ddp_refusals,
+    refuse,
+    start_from_rank0,
+)
 from hydra_ddp.recipe import activation_checkpointing, compiling
 
 
@@ -34,15 +40,24 @@ class FSDPWithTP(Strategy):
         tensor_parallel_limits = [
             (
                 int(settings.replicate) != 1,
-                "strategy.replicate (HSDP) is not supported with tensor parallel yet: the mesh is [dp, tp]; leave it 1",
+                "strategy.replicate (HSDP) is not supported with "
+                "tensor parallel yet: the mesh is [dp, tp]; leave it 1",
             ),
             (
-                bool(settings.param_dtype or settings.reduce_dtype or settings.output_dtype or settings.cpu_offload),
-                "strategy.param_dtype, reduce_dtype, output_dtype and cpu_offload are not supported with tensor "
-                "parallel yet; leave them null and false",
+                bool(
+                    settings.param_dtype
+                    or settings.reduce_dtype
+                    or settings.output_dtype
+                    or settings.cpu_offload
+                ),
+                "strategy.param_dtype, reduce_dtype, output_dtype and cpu_offload are "
+                "not supported with tensor parallel yet; leave them null and false",
             ),
         ]
-        refuse(cls.name, not_ddp_refusals(cfg, cls.name) + fsdp.shard_refusals(cfg) + tensor_parallel_limits)
+        refuse(
+            cls.name,
+            not_ddp_refusals(cfg, cls.name) + fsdp.shard_refusals(cfg) + tensor_parallel_limits,
+        )
         activation_checkpointing.check(cfg)
 
     @classmethod
@@ -53,7 +68,9 @@ class FSDPWithTP(Strategy):
         super().__init__(cfg, device)
         import torch.distributed.checkpoint.state_dict  # noqa: F401  (fsdp.py's reason)
 
-    def wrap(self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None) -> nn.Module:
+    def wrap(
+        self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None
+    ) -> nn.Module:
         self.module = module
         start_from_rank0(module)
         tp.parallelize(self, module)  # inside each group

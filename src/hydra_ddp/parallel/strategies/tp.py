@@ -24,7 +24,8 @@ from hydra_ddp.recipe import compiling
 
 
 def check_plan(cfg: RunConfig, strategy: type[Strategy]) -> None:
-    """Tensor parallel needs the model's plan, and a world size it splits over (built on the meta device)."""
+    """Tensor parallel needs the model's plan, and a world size it splits over (built on the meta
+    device)."""
     from hydra.utils import instantiate
 
     world = cfg.trainer.nproc * cfg.launcher.nnodes
@@ -34,14 +35,17 @@ def check_plan(cfg: RunConfig, strategy: type[Strategy]) -> None:
             model = instantiate(cfg.model)
     except Exception as error:  # noqa: BLE001  (the model's own complaint: a shape it cannot take, say)
         raise UserError(
-            f"strategy={strategy.name}: {cfg.model['_target_']} does not build: {first_line(root_cause(error))}"
+            f"strategy={strategy.name}: {cfg.model['_target_']} "
+            f"does not build: {first_line(root_cause(error))}"
         ) from None
     try:
         tp_plan = getattr(model, "tp_plan", None)
-        if not callable(tp_plan):  # a transformers model's tp_plan is its own (a dict), not this plan
+        # a transformers model's tp_plan is its own (a dict), not this plan
+        if not callable(tp_plan):
             raise UserError(
-                f"strategy={strategy.name} needs a model with a tensor-parallel plan (a tp_plan method, as "
-                f"model=gpt has); {cfg.model['_target_']} has none: use strategy=ddp or fsdp"
+                f"strategy={strategy.name} needs a model with a "
+                "tensor-parallel plan (a tp_plan method, as model=gpt has); "
+                f"{cfg.model['_target_']} has none: use strategy=ddp or fsdp"
             )
         tp_plan(size)
     except ValueError as e:
@@ -52,14 +56,20 @@ def parallelize(strategy: Strategy, module: nn.Module) -> None:
     """Megatron style over `strategy.tp_ranks` ranks: the model's plan splits its linears. Ranks
     r = dp × tp_ranks + tp: a replica's tp ranks are neighbours (on one node, fast links)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     strategy.mesh = init_device_mesh(
         strategy.device.type, (strategy.dp_ranks, strategy.tp_ranks), mesh_dim_names=("dp", "tp")
     )
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     tp_plan = module.tp_plan(strategy.tp_ranks)
-    parallelize_module(module, strategy.mesh["tp"], {name: styles[style]() for name, style in tp_plan.items()})
+    parallelize_module(
+        module, strategy.mesh["tp"], {name: styles[style]() for name, style in tp_plan.items()}
+    )
 
 
 class TensorParallel(Strategy):
@@ -81,7 +91,9 @@ class TensorParallel(Strategy):
         super().__init__(cfg, device)
         import torch.distributed.checkpoint.state_dict  # noqa: F401  (fsdp.py's reason)
 
-    def wrap(self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None) -> nn.Module:
+    def wrap(
+        self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None
+    ) -> nn.Module:
         self.module = module
         start_from_rank0(module)
         parallelize(self, module)

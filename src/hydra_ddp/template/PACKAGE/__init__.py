@@ -1,1 +1,2 @@
-"""{{name}}: a task, a model and a dataset for hydra-ddp (conf/ names them by their import paths)."""
+"""{{name}}: a task, a model and a dataset for hydra-ddp (conf/ names them by their import
+paths)."""

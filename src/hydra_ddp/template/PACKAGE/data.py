@@ -7,7 +7,8 @@ from torch.utils.data import TensorDataset
 
 
 def spirals(train_size: int = 3072, test_size: int = 768, noise: float = 0.15, seed: int = 0):
-    """(train, test): points (x, y) and their spiral's index. Every rank makes the same ones (seeded)."""
+    """(train, test): points (x, y) and their spiral's index. Every rank makes the same ones
+    (seeded)."""
     generator = torch.Generator().manual_seed(seed)
     n = train_size + test_size
     labels = torch.randint(0, 3, (n,), generator=generator)

@@ -1,5 +1,6 @@
-"""The task: classification (loss, accuracy, exact distributed evaluation: hydra-ddp's), trained with
-label smoothing. Evaluation keeps the plain cross-entropy, so runs with and without smoothing compare."""
+"""The task: classification (loss, accuracy, exact distributed evaluation: hydra-ddp's), trained
+with label smoothing. Evaluation keeps the plain cross-entropy, so runs with and without smoothing
+compare."""
 
 import torch
 import torch.nn.functional as F
