@@ -26,13 +26,13 @@ MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).part
 LAYERS = (
     ("errors",),
     ("rundir", "project", "monitor", "models", "hf", "hooks"),
-    ("runtime", "search"),
+    ("runtime",),
     ("config",),
     ("recipe", "data", "performance"),
     ("parallel", "tasks"),
     ("checkpoint", "reporting"),
     ("training", "launch"),
-    ("export", "init", "tools"),
+    ("export", "init", "tools", "search"),
     ("cli",),
     ("__main__",),
 )
@@ -363,3 +363,63 @@ def test_a_config_parameter_says_its_type(path: Path):
     parameter that takes one names which, instead of Any."""
     found = _untyped_config_parameters(path.read_text())
     assert not found, f"{_name(path)}: config parameters typed Any or not at all: {found}"
+
+
+# What surrounds training rather than trains (docs/architecture.md, "Core and extras"): the search,
+# the tools, the export, a new project's files, the sweep reports, a tracker. The entry points
+# (the hydra-ddp command) may import both; the core (every other module) imports no extra.
+EXTRAS = (
+    "hydra_ddp.search",
+    "hydra_ddp.tools",
+    "hydra_ddp.export",
+    "hydra_ddp.init",
+    "hydra_ddp.reporting.scaling",
+    "hydra_ddp.reporting.trials",
+    "hydra_ddp.reporting.wandb_logger",
+)
+ENTRY = ("hydra_ddp.cli", "hydra_ddp.__main__")
+
+
+def _is(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+
+def _modules_imported(tree: ast.AST) -> set[str]:
+    """The package's modules an import names, at any depth: `from hydra_ddp.reporting import trials`
+    names hydra_ddp.reporting.trials (a module or a name in the package: both are listed)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in found if name.startswith("hydra_ddp")}
+
+
+CORE = [p for p in MODULES if not _is(_name(p), EXTRAS + ENTRY)]
+
+
+def test_the_extras_and_entry_points_name_modules_that_exist():
+    names = {_name(p) for p in MODULES}
+    for prefix in EXTRAS + ENTRY:
+        assert any(_is(name, (prefix,)) for name in names), f"{prefix} names no module"
+
+
+@pytest.mark.parametrize("path", CORE, ids=_name)
+def test_the_core_imports_no_extra(path: Path):
+    extras = sorted(m for m in _modules_imported(ast.parse(path.read_text())) if _is(m, EXTRAS))
+    assert not extras, f"{_name(path)} (core) imports {extras}: an extra (docs/architecture.md)"
+
+
+def test_docs_architecture_md_states_the_cores_size():
+    """Its modules and lines as the page states them, within 5 % of the tree's (a page that keeps
+    up with every line would be edited at every change)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    stated = re.search(r"The core is (\d+)\s+modules\s+and\s+about\s+([\d,]+)\s+lines", text)
+    assert stated, "docs/architecture.md does not state the core's size"
+    modules = [p for p in CORE if p.name != "__init__.py"]
+    lines = sum(p.read_text().count("\n") for p in CORE)
+    assert int(stated.group(1)) == len(modules)
+    assert abs(int(stated.group(2).replace(",", "")) - lines) <= 0.05 * lines, (
+        f"the core: {lines} lines"
+    )

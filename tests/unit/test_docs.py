@@ -101,3 +101,10 @@ def test_every_test_the_hydra_ddp_page_names_exists():
             assert f"def {test[2:]}(" in (REPO / path).read_text(), f"{path}{test}"
     for short in re.findall(r"`::(\w+)`", page):  # a test of the module named just before it
         assert any(f"def {short}(" in (REPO / path).read_text() for path, _ in named), short
+
+
+def test_the_line_length_the_docs_state_is_the_linters():
+    import tomllib
+
+    length = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["ruff"]["line-length"]
+    assert f"Lines are at most {length} characters" in (REPO / "docs" / "testing.md").read_text()

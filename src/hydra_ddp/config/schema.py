@@ -29,7 +29,6 @@ from hydra_ddp.config.domains import (
     Positive,
 )
 from hydra_ddp.config.section import Section
-from hydra_ddp.search.study import PRUNERS
 
 
 @dataclass
@@ -180,6 +179,8 @@ class EmaConf(Section):
 CHOSEN_STRATEGY = Chosen("strategy", strategy_settings.SETTINGS)
 # The groups that build an object: a `_target_` config (config.targets checks it before launch).
 TARGET = Checked("config.targets: a _target_ config")
+# trial.pruner and the Optuna sweeper's: Optuna's pruners by name (search/study.py builds them).
+PRUNERS = ("median", "hyperband", "none")
 # trainer.precision: 32, bf16 (autocast, CPU or GPU) or 16 (GPU autocast with a GradScaler).
 PRECISIONS = ("32", "bf16", "16")
 

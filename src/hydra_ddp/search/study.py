@@ -22,7 +22,6 @@ from typing import Any, Optional
 from hydra_ddp.rundir import RunDir
 
 JOURNAL = "optuna.journal"
-PRUNERS = ("median", "hyperband", "none")
 
 
 def storage_of(location: str) -> Any:

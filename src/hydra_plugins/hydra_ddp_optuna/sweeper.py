@@ -16,7 +16,7 @@ from hydra.plugins.sweeper import Sweeper
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from hydra_ddp.config.domains import AtLeast, Checked, Free, Number, OneOf
-from hydra_ddp.search.study import PRUNERS
+from hydra_ddp.config.schema import PRUNERS
 
 log = logging.getLogger(__name__)
 
