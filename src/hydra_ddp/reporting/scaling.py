@@ -30,6 +30,7 @@ from hydra_ddp.reporting.trials import (
     metric_columns,
     rank_trials,
     searching,
+    write_csv,
     write_trials,
 )
 from hydra_ddp.rundir import RunDir
@@ -143,12 +144,7 @@ def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
 
     metrics = metric_columns(rows, ("test",))
     at = METRICS_AT
-    with open(sweep_dir / "scaling.csv", "w", newline="") as f:
-        writer = csv.DictWriter(
-            f, fieldnames=COLUMNS[:at] + metrics + COLUMNS[at:], extrasaction="ignore"
-        )
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(sweep_dir / "scaling.csv", rows, COLUMNS[:at] + metrics + COLUMNS[at:])
     header = (
         "| job | swept | status | world size | global batch | samples/s | speed-up | efficiency | "
         "model FLOP/s per rank | MFU | "

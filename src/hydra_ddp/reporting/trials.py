@@ -53,16 +53,19 @@ def rank_trials(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return ranked
 
 
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """`rows` as CSV with these columns (a row's other keys left out)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def write_trials(rows: list[dict[str, Any]], sweep_dir: Path) -> list[dict[str, Any]]:
     ranked = rank_trials(rows)
     metrics = metric_columns(ranked, ("val", "test"))
     at = METRICS_AT
-    with open(sweep_dir / "sweep.csv", "w", newline="") as f:
-        writer = csv.DictWriter(
-            f, fieldnames=TRIAL_COLUMNS[:at] + metrics + TRIAL_COLUMNS[at:], extrasaction="ignore"
-        )
-        writer.writeheader()
-        writer.writerows(ranked)
+    write_csv(sweep_dir / "sweep.csv", ranked, TRIAL_COLUMNS[:at] + metrics + TRIAL_COLUMNS[at:])
     monitor = next((r["monitor"] for r in ranked if r.get("monitor")), None)
     best = ranked[0] if ranked and ranked[0]["rank"] == 1 else None
     lines = [f"# Sweep report: {sweep_dir}", ""]

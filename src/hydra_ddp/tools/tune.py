@@ -29,18 +29,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hydra_ddp import project
+from hydra_ddp import project, tools
 from hydra_ddp.launch import startup
 
 if __name__ == "__main__":
     startup.preload(sys.argv)  # the workers' imports start now, beside composing the config
 
 import hydra  # noqa: E402
-from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from hydra_ddp.config import run_config  # noqa: E402
-from hydra_ddp.config.schema import PRECISIONS, Config, register_schema  # noqa: E402
+from hydra_ddp.config.schema import PRECISIONS, Config  # noqa: E402
 from hydra_ddp.config.strategy_settings import COMM_HOOKS  # noqa: E402
 from hydra_ddp.errors import UserError  # noqa: E402
 from hydra_ddp.launch import command, resolve, workers  # noqa: E402
@@ -275,9 +274,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    register_schema()
-    # the training schema plus `tune`
-    ConfigStore.instance().store(name="schema", node=SettingsTuneConfig)
-    # A measurement, not a run: no output directory, no log file.
-    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    tools.measuring(SettingsTuneConfig)  # the training schema plus `tune`
     command.exit_after(main)

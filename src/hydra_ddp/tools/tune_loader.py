@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +18,10 @@ from typing import Any
 
 import hydra
 import torch
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from hydra_ddp import data, project
-from hydra_ddp.config.schema import Config, register_schema
+from hydra_ddp import data, project, tools
+from hydra_ddp.config.schema import Config
 from hydra_ddp.data import batches as batch_trees
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import resolve
@@ -102,9 +100,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    register_schema()
-    # the training schema plus `tune`
-    ConfigStore.instance().store(name="schema", node=LoaderTuneConfig)
-    # A measurement, not a run: no output directory, no log file.
-    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    tools.measuring(LoaderTuneConfig)  # the training schema plus `tune`
     main()

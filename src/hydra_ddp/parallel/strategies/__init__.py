@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from hydra_ddp.config import strategy_settings
 from hydra_ddp.config.run_config import RunConfig
-from hydra_ddp.errors import UserError
 from hydra_ddp.parallel.strategies.base import Strategy, local_state_bytes  # noqa: F401
 from hydra_ddp.parallel.strategies.ddp import DDP
 from hydra_ddp.parallel.strategies.fsdp import FSDP
@@ -19,11 +19,7 @@ REGISTRY: dict[str, type[Strategy]] = {
 
 
 def get(name: str) -> type[Strategy]:
-    if name not in REGISTRY:
-        raise UserError(
-            f"strategy.name={name!r}: choose one of "
-            f"{', '.join(REGISTRY)} (strategy=NAME, conf/strategy/)"
-        )
+    strategy_settings.of(name)  # a name no strategy has: one line
     return REGISTRY[name]
 
 

@@ -88,6 +88,11 @@ class Strategy:
         self.model: nn.Module = nn.Module()
         self.mesh: Any = None
         self.state: Any = None
+        if self.sharded_checkpoints:
+            # Every save and copy of the best weights goes through DCP's state_dict helpers
+            # (ShardedState): imported while the run starts, not at the first of them in the middle
+            # of training.
+            import torch.distributed.checkpoint.state_dict  # noqa: F401
 
     def wrap(
         self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None

@@ -141,13 +141,6 @@ class FSDP(Strategy):
         NCCL, in one group."""
         return "cpu:gloo,cuda:nccl" if backend == "nccl" and settings.cpu_offload else backend
 
-    def __init__(self, cfg: RunConfig, device: torch.device):
-        super().__init__(cfg, device)
-        # Every save and copy of the best weights goes through DCP's state_dict helpers
-        # (ShardedState): imported while the run starts, not at the first of them in the middle of
-        # training.
-        import torch.distributed.checkpoint.state_dict  # noqa: F401
-
     def wrap(
         self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None
     ) -> nn.Module:

@@ -64,10 +64,6 @@ class FSDPWithTP(Strategy):
     def backend(cls, settings: Any, backend: str) -> str:
         return fsdp.FSDP.backend(settings, backend)
 
-    def __init__(self, cfg: RunConfig, device: torch.device):
-        super().__init__(cfg, device)
-        import torch.distributed.checkpoint.state_dict  # noqa: F401  (fsdp.py's reason)
-
     def wrap(
         self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None
     ) -> nn.Module:

@@ -87,10 +87,6 @@ class TensorParallel(Strategy):
         check_plan(cfg, cls)
         refuse(cls.name, not_ddp_refusals(cfg, cls.name))
 
-    def __init__(self, cfg: RunConfig, device: torch.device):
-        super().__init__(cfg, device)
-        import torch.distributed.checkpoint.state_dict  # noqa: F401  (fsdp.py's reason)
-
     def wrap(
         self, module: nn.Module, dynamic: Optional[bool] = False, shared: Optional[bool] = None
     ) -> nn.Module:
