@@ -1,7 +1,7 @@
-"""What a worker builds for the loop from the run's config, handed over as one object: the task, the
-model as the strategy spreads it, the optimizer and schedule, the loaders and the run's length, rank
-0's reporter, the checkpointer, and where and how the run executes (device, memory format, the stop
-request)."""
+"""What a worker builds for the loop, in three parts its collaborators each take what they need
+from: what is trained and where (Trained), what changes the weights (Optimization), and the run
+around the loop (Run: where it reports and saves, when it must stop). The loaders and the run's
+length go to the loop as they are."""
 
 from __future__ import annotations
 
@@ -12,29 +12,33 @@ import torch
 from torch import nn
 
 from hydra_ddp.checkpoint.checkpointer import Checkpointer
-from hydra_ddp.data import Loaders
 from hydra_ddp.parallel.strategies import Strategy
 from hydra_ddp.recipe.ema import EMA
 from hydra_ddp.reporting.run_report import Reporter
 from hydra_ddp.tasks import Task
-from hydra_ddp.training.length import RunLength
 from hydra_ddp.training.stop import StopRequest
 
 
-@dataclass
-class Parts:
+@dataclass(frozen=True)
+class Trained:
     task: Task
     model: nn.Module  # what the loop calls: the strategy's wrapped model
     strategy: Strategy
+    device: torch.device
+    memory_format: torch.memory_format
+
+
+@dataclass(frozen=True)
+class Optimization:
     optimizer: torch.optim.Optimizer
     scheduler: Optional[Any]
     ema: Optional[EMA]  # the weights' moving average (trainer.ema.decay), or None
-    loaders: Loaders
-    length: RunLength  # batches per epoch, optimizer steps: what the loop counts to
+
+
+@dataclass(frozen=True)
+class Run:
     reporter: Reporter
     checkpointer: Checkpointer
     stop: StopRequest
-    device: torch.device
-    memory_format: torch.memory_format
-    progress: bool  # a progress bar (rank 0, at a terminal)
     started_at: float  # when the command started: the time budget counts from it
+    progress: bool  # a progress bar (rank 0, at a terminal)

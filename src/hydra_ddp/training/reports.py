@@ -15,7 +15,6 @@ from hydra.utils import instantiate
 from hydra_ddp.parallel import distributed, strategies
 from hydra_ddp.reporting import flops
 from hydra_ddp.runtime.ranks import RankInfo
-from hydra_ddp.training.parts import Parts
 from hydra_ddp.training.timing import per_rank, straggler
 
 if TYPE_CHECKING:  # the loop reports through this module
@@ -124,7 +123,6 @@ def tokens_per_step(trainer: Trainer) -> Optional[float]:
 
 def how_it_ran(
     trainer: Trainer,
-    parts: Parts,
     rank: RankInfo,
     out: Path,
     result: dict[str, Any],
@@ -136,7 +134,12 @@ def how_it_ran(
     """The run's summary: the loop's `result` and how the worker ran it (the world and its launch,
     the batches, the settings it settled (`fast`), the state a rank holds, start-up, memory, the
     FLOP count). Every rank calls it: its figures are the ranks' extremes."""
-    cfg, device, task, spread = trainer.cfg, trainer.device, parts.task, parts.strategy
+    cfg, device, task, spread = (
+        trainer.cfg,
+        trainer.device,
+        trainer.step.task,
+        trainer.step.strategy,
+    )
     # Start-up in two parts: until the last worker's own code began (interpreters, imports: for
     # forks of the forkserver, its imports), then the group, data, model and the first step.
     workers_ready_at = distributed.max_over_ranks(entered_at, device)
@@ -160,7 +163,7 @@ def how_it_ran(
         # Parameters, gradients and optimizer state held by one rank (the largest): FSDP's
         # shards.
         "model_state_bytes": distributed.most_over_ranks(
-            strategies.local_state_bytes(spread, parts.optimizer), device
+            strategies.local_state_bytes(spread, trainer.step.optimizer), device
         ),
         **spread.summary(),  # its gradient exchange: DDP's hook and the bytes it sent
         **result,

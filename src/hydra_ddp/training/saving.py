@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hydra_ddp.checkpoint import files as checkpoints
+from hydra_ddp.checkpoint.checkpointer import Checkpointer
 from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.training.position import Position
@@ -26,21 +27,18 @@ class Saving:
     def __init__(
         self,
         cadence: Any,
-        parts: Any,
+        checkpointer: Checkpointer,
         step: Step,
         monitor: Monitor,
         pos: Position,
         overheads: Overheads,
     ):
-        """`cadence`: the checkpoint section; `parts`: the worker's (training.parts)."""
+        """`cadence`: the checkpoint section; `step`: holds the states a checkpoint saves."""
         # read every step
         self.every_epoch, self.every_n_steps = bool(cadence.every_epoch), cadence.every_n_steps
-        self.checkpointer, self.strategy, self.scheduler = (
-            parts.checkpointer,
-            parts.strategy,
-            parts.scheduler,
-        )
-        self.ema = parts.ema  # the weights' moving average (trainer.ema), or None
+        self.checkpointer, self.strategy = checkpointer, step.strategy
+        self.scheduler = step.optimization.scheduler
+        self.ema = step.optimization.ema  # the weights' moving average (trainer.ema), or None
         self.step, self.monitor, self.pos, self.overheads = step, monitor, pos, overheads
         self.saved: tuple[int, bool] = (-1, False)  # (step, as best) of the last checkpoint
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hydra_ddp.data import batches
 from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.tasks import Task, checked_loss, misfit, weighs_units
+from hydra_ddp.training.parts import Optimization, Trained
 from hydra_ddp.training.timing import StepTimer
 
 # trainer.precision → autocast's dtype (None: fp32, no autocast).
@@ -82,21 +83,24 @@ class Step:
     all-reduce averages over replicas). A micro-batch with no counted unit adds nothing, and no
     nan."""
 
-    def __init__(self, settings: Any, parts: Any, timer: StepTimer, outputs: int):
-        """`settings`: the trainer section; `parts`: the worker's (training.parts); `outputs`:
-        data.num_classes, what the model makes per sample."""
-        self.model, self.task, self.optimizer, self.strategy = (
-            parts.model,
-            parts.task,
-            parts.optimizer,
-            parts.strategy,
-        )
+    def __init__(
+        self,
+        settings: Any,
+        trained: Trained,
+        optimization: Optimization,
+        timer: StepTimer,
+        outputs: int,
+    ):
+        """`settings`: the trainer section; `outputs`: data.num_classes, what the model makes per
+        sample."""
+        self.model, self.task, self.strategy = trained.model, trained.task, trained.strategy
+        self.optimization = optimization  # the optimizer's, the schedule's and the average's states
         # the weights' moving average, updated after each optimizer step (or None)
-        self.ema = parts.ema
-        self.device, self.timer, self.memory_format = parts.device, timer, parts.memory_format
+        self.optimizer, self.ema = optimization.optimizer, optimization.ema
+        self.device, self.timer, self.memory_format = trained.device, timer, trained.memory_format
         self.outputs = outputs
         # what the gradient all-reduce averages over
-        self.replicas = parts.strategy.data_parallel_size()
+        self.replicas = trained.strategy.data_parallel_size()
         # the loss averages over the task's units (tokens), not samples
         self.over_units = weighs_units(self.task)
         # tokens/s

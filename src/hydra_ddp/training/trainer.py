@@ -17,10 +17,12 @@ from tqdm import tqdm
 from hydra_ddp import hooks
 from hydra_ddp.checkpoint import checkpointer as checkpointing
 from hydra_ddp.config.run_config import RunConfig
+from hydra_ddp.data import Loaders
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.recipe import schedules
 from hydra_ddp.training import reports
-from hydra_ddp.training.parts import Parts
+from hydra_ddp.training.length import RunLength
+from hydra_ddp.training.parts import Optimization, Run, Trained
 from hydra_ddp.training.position import Position
 from hydra_ddp.training.profiling import Profiling
 from hydra_ddp.training.saving import Saving
@@ -39,39 +41,48 @@ class Trainer:
     early, on the time budget, on divergence), and the one test of the selected weights at the
     end."""
 
-    def __init__(self, cfg: RunConfig, parts: Parts):
-        """The loop and its collaborators, each given its own settings and the parts it works
-        with."""
-        settings, device = cfg.trainer, parts.device
-        self.settings, self.model = settings, parts.model
-        self.loaders, self.device = parts.loaders, device
+    def __init__(
+        self,
+        cfg: RunConfig,
+        trained: Trained,
+        optimization: Optimization,
+        loaders: Loaders,
+        length: RunLength,
+        run: Run,
+    ):
+        """The loop and its collaborators, each given its settings and the parts it works with."""
+        settings, device = cfg.trainer, trained.device
+        self.settings, self.model = settings, trained.model
+        self.loaders, self.device = loaders, device
         self.pos, self.overheads = Position(), Overheads()
         # this rank's time per phase (timing.py): the straggler report
         self.timer = StepTimer(settings.timing, device)
-        self.step = Step(settings, parts, self.timer, outputs=cfg.data.num_classes)
+        self.step = Step(settings, trained, optimization, self.timer, cfg.data.num_classes)
         self.monitor = monitor = Monitor.from_config(settings)
-        self.saving = Saving(cfg.checkpoint, parts, self.step, monitor, self.pos, self.overheads)
-        self.validation = Validation(parts, monitor, self.overheads)
-        self.ending = Ending(parts.stop, settings.max_time, parts.started_at)
-        # The side jobs on the loop's events (hooks.py): the profiler, then trainer.hooks' (a
-        # trial's pruner).
+        self.saving = Saving(
+            cfg.checkpoint, run.checkpointer, self.step, monitor, self.pos, self.overheads
+        )
+        self.validation = Validation(
+            trained, optimization.ema, loaders, run.reporter, monitor, self.overheads
+        )
+        self.ending = Ending(run.stop, settings.max_time, run.started_at)
+        # Side jobs on the loop's events (hooks.py): the profiler, then trainer.hooks'.
         self.hooks = hooks.build(settings.hooks, Profiling.of(bool(settings.profile), cfg.profiler))
         self.cfg = cfg  # what a hook reads
-        self.throughput = Throughput(parts.strategy.data_parallel_size())
-        self.reporter = parts.reporter
-        self.schedule = schedules.Stepping(parts.scheduler, parts.optimizer)
+        self.throughput = Throughput(trained.strategy.data_parallel_size())
+        self.reporter = run.reporter
+        self.schedule = schedules.Stepping(optimization.scheduler, optimization.optimizer)
         self.accumulate = settings.accumulate  # read every batch: a plain int, not a config lookup
         # the tuner's short runs time their steps, no validation or test
         self.evaluates_at_end = cfg.job != "tune"
         # Anomaly mode checks the (global) loss for nan at every step: a window of one.
         self.window = LossWindow(1 if settings.detect_anomaly else settings.log_every)
-        # Mid-epoch windows are read a step after they are sent; anomaly mode stops at the step
-        # itself.
+        # Mid-epoch windows are read a step after they are sent (anomaly mode: at the step).
         self.overlap_window = not settings.detect_anomaly
         self.bar = tqdm(disable=True)
-        self.progress = parts.progress
+        self.progress = run.progress
         self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
-        self.length = length = parts.length
+        self.length = length
         self.batches_per_epoch = length.batches_per_epoch
         self.common_batches = length.common_batches
         self.uneven = length.uneven
@@ -103,15 +114,12 @@ class Trainer:
     # --- the recipe ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         max_steps, epochs = self.length.max_steps, self.length.epochs
-        # The step the run ends at: the nearer of its bounds (max_steps, or the last epoch's last
-        # step).
         self.bar = _progress_bar(self.length.total_steps, self.pos.step, self.progress)
         with contextlib.ExitStack() as stack:
             for hook in self.hooks:
                 stack.enter_context(hook.running(self))
-            stack.enter_context(
-                torch.autograd.set_detect_anomaly(bool(self.settings.detect_anomaly))
-            )
+            anomaly = torch.autograd.set_detect_anomaly(bool(self.settings.detect_anomaly))
+            stack.enter_context(anomaly)
             validated_at = self._epochs(epochs, max_steps)
         early = self.ending.stopped_by or self.ending.ended_by  # a signal, early stopping, max_time
         if early and self.pos.step < self.length.total_steps:
@@ -142,8 +150,7 @@ class Trainer:
         return validated_at
 
     def _after_validation(self, epoch: int) -> None:
-        """An epoch's validation's verdicts, on every rank alike: early stopping, then the
-        hooks'."""
+        """Early stopping, then the hooks' verdicts on an epoch's validation (every rank alike)."""
         self.ending.after_validation(self.monitor, self.pos.step)
         for hook in self.hooks:
             reason = hook.validated(self, self.validation.last, epoch)
@@ -164,13 +171,10 @@ class Trainer:
         if validated_at != self.pos.step and evaluates:
             # Ended mid-epoch (max_steps, the time budget), or no validation per epoch: validate the
             # end.
+            where = "end"
             if self.pos.batch:
                 self.train_loss = self.pos.epoch_loss()
-            where = (
-                f"epoch {self.pos.epoch + 1}/{epochs}, batch {self.pos.batch}"
-                if self.pos.batch
-                else "end"
-            )
+                where = f"epoch {self.pos.epoch + 1}/{epochs}, batch {self.pos.batch}"
             self._validate(where, self.pos.epoch)
         # a run that stops to be continued too
         saves_at_end = self.saving.on or self.ending.to_be_continued
@@ -275,13 +279,9 @@ class Trainer:
         self.reporter.scalars(reports.epoch_scalars(self, metrics), self.pos.step)
         best = self.validation.record(metrics, self.pos.step, epoch)
         shown = f"  {self.validation.shown(metrics, 'val')}" if "val_samples" in metrics else ""
+        note = f"  (best {self.monitor.metric})" if best else ""
         log.info(
-            "%s  step %d  train loss %.4f%s%s",
-            where,
-            self.pos.step,
-            self.train_loss,
-            shown,
-            f"  (best {self.monitor.metric})" if best else "",
+            "%s  step %d  train loss %.4f%s%s", where, self.pos.step, self.train_loss, shown, note
         )
         return best
 

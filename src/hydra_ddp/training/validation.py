@@ -10,8 +10,12 @@ from typing import Any, Optional
 
 import torch
 
+from hydra_ddp.data import Loaders
 from hydra_ddp.monitor import Monitor
+from hydra_ddp.recipe.ema import EMA
+from hydra_ddp.reporting.run_report import Reporter
 from hydra_ddp.training.evaluation import evaluate
+from hydra_ddp.training.parts import Trained
 from hydra_ddp.training.throughput import Overheads
 
 log = logging.getLogger(__name__)
@@ -20,17 +24,19 @@ log = logging.getLogger(__name__)
 class Validation:
     """The evaluations of one training run, and what they selected."""
 
-    def __init__(self, parts: Any, monitor: Monitor, overheads: Overheads):
-        """`parts`: the worker's (training.parts)."""
-        self.strategy, self.task, self.loaders, self.device = (
-            parts.strategy,
-            parts.task,
-            parts.loaders,
-            parts.device,
-        )
-        self.memory_format, self.reporter = parts.memory_format, parts.reporter
+    def __init__(
+        self,
+        trained: Trained,
+        ema: Optional[EMA],
+        loaders: Loaders,
+        reporter: Reporter,
+        monitor: Monitor,
+        overheads: Overheads,
+    ):
+        self.strategy, self.task, self.device = trained.strategy, trained.task, trained.device
+        self.loaders, self.memory_format, self.reporter = loaders, trained.memory_format, reporter
         self.monitor, self.overheads = monitor, overheads
-        self.ema = parts.ema  # evaluations read the weights' average where the run keeps one
+        self.ema = ema  # evaluations read the weights' average where the run keeps one
         # a copy, on the CPU, while not the current ones
         self.best_weights: Optional[dict[str, torch.Tensor]] = None
         self.last: dict[str, Any] = {}  # the last validation's metrics

@@ -51,7 +51,7 @@ from hydra_ddp.runtime.ranks import RankInfo
 from hydra_ddp.training import evaluation, reports, resuming, seeding
 from hydra_ddp.training import length as run_length
 from hydra_ddp.training import trainer as training
-from hydra_ddp.training.parts import Parts
+from hydra_ddp.training.parts import Optimization, Run, Trained
 from hydra_ddp.training.position import resize_cause
 from hydra_ddp.training.stop import StopRequest
 
@@ -276,29 +276,16 @@ def _train(
         resume_step = 0
     reporter = run_report.Reporter(rank, out, cfg, resume_step=resume_step)
     try:
-        parts = Parts(
-            task=task,
-            model=train_model,
-            strategy=spread,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            ema=ema,
-            loaders=loaders,
-            length=length,
-            reporter=reporter,
-            checkpointer=checkpointer,
-            stop=stop,
-            device=device,
-            memory_format=memory_format,
-            progress=run_report.show_progress(cfg.trainer.progress, rank),
-            started_at=started_at,
-        )
-        trainer = training.Trainer(cfg, parts)
+        trained = Trained(task, train_model, spread, device, memory_format)
+        optimization = Optimization(optimizer, scheduler, ema)
+        progress = run_report.show_progress(cfg.trainer.progress, rank)
+        run = Run(reporter, checkpointer, stop, started_at, progress)
+        trainer = training.Trainer(cfg, trained, optimization, loaders, length, run)
         if resume:
             trainer.resume_from(*resume, cause=resize_cause(elastic.is_elastic(cfg.launcher)))
         result = trainer.fit()
         summary = reports.how_it_ran(
-            trainer, parts, rank, out, result, fast, resume, started_at, entered_at
+            trainer, rank, out, result, fast, resume, started_at, entered_at
         )
         reporter.finish(summary, hparams=run_report.hparams(cfg, rank.world_size))
     finally:
