@@ -457,3 +457,21 @@ def test_no_constructor_takes_more_than_six_parameters():
         ),
     )
     assert found == WIDE_CONSTRUCTORS, f"over six parameters: {sorted(found - WIDE_CONSTRUCTORS)}"
+
+
+# The loop: its epochs (trainer.py) and its step (step.py), read in one sitting.
+LOOP = ("training/trainer.py", "training/step.py")
+# A step's acts: the backward, the optimizer's step and the gradients' reset.
+STEP_ACTS = re.compile(r"\.backward\(|\.zero_grad\(|scaler\.step\(|optimizer\.step\(")
+# Modules that call one outside a training step: the FLOP count runs a backward on the meta device.
+ACTS_OUTSIDE_A_STEP = {"reporting/flops.py"}
+
+
+def test_the_loop_is_two_modules_under_600_lines_and_the_only_place_a_step_acts():
+    package = REPO / "src" / "hydra_ddp"
+    lines = sum(len((package / name).read_text().splitlines()) for name in LOOP)
+    assert lines < 600, f"the loop ({' + '.join(LOOP)}) is {lines} lines"
+    acting = {
+        str(path.relative_to(package)) for path in MODULES if STEP_ACTS.search(path.read_text())
+    }
+    assert acting == {"training/step.py"} | ACTS_OUTSIDE_A_STEP, acting

@@ -348,6 +348,14 @@ BAD = [
         "trainer.hooks[0]._target_='no_such_package",
     ),
     (setting("trainer.hooks", [{"every": 2}]), "trainer.hooks[0] needs a _target_"),
+    (
+        setting("trainer.step", {"_target_": "collections.OrderedDict"}),
+        "trainer.step: collections.OrderedDict is not a subclass of hydra_ddp.training.step.Step",
+    ),
+    (
+        setting("trainer.step", {"_target_": "hydra_ddp.training.step.Step", "head_lr": 0.1}),
+        "trainer.step (hydra_ddp.training.step.Step) takes no 'head_lr'",
+    ),
 ]
 
 

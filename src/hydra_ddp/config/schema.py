@@ -257,6 +257,11 @@ class TrainerConf(Section):
     hooks: Annotated[list[Any], Checked("launch.checks: _target_ configs of Hook subclasses")] = (
         field(default_factory=list)
     )
+    # The optimizer step's own class: a `_target_` config of a hydra_ddp.training.step.Step subclass
+    # (docs/extending.md: two optimizers, say); null: Step.
+    step: Annotated[
+        Optional[Any], Checked("launch.checks: a _target_ config of a Step subclass")
+    ] = None
     # Autograd anomaly detection (slow: finds the op that made a nan), with the loss checked every
     # step.
     detect_anomaly: bool = False

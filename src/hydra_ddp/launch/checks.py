@@ -28,6 +28,9 @@ from hydra_ddp.reporting.flops import run_shapes_only
 from hydra_ddp.rundir import RunDir
 from hydra_ddp.runtime.ranks import RankInfo
 
+# What trainer.step must subclass (named: the launch side does not import the loop).
+STEP = "hydra_ddp.training.step.Step"
+
 
 def check(cfg: RunConfig, run_dir: Path) -> None:
     """Everything else that would fail a run later: found before any worker starts."""
@@ -56,6 +59,14 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
             raise UserError(
                 f"{key}: {hook['_target_']} is not a subclass "
                 "of hydra_ddp.hooks.Hook (docs/extending.md)"
+            )
+    if trainer.step is not None:
+        targets.check(trainer.step, "trainer.step")
+        target = targets.locate(trainer.step["_target_"], "trainer.step")
+        if STEP not in {f"{c.__module__}.{c.__qualname__}" for c in getattr(target, "__mro__", ())}:
+            raise UserError(
+                f"trainer.step: {trainer.step['_target_']} is not a subclass of {STEP} "
+                "(docs/extending.md)"
             )
     resume = trainer.resume
     if resume not in (None, "auto") and not Path(str(resume)).expanduser().exists():

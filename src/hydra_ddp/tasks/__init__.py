@@ -10,6 +10,7 @@ from hydra_ddp.tasks.base import (  # noqa: F401
     Task,
     build,
     checked_loss,
+    first_loss,
     fit_targets,
     misfit,
     monitor_of,

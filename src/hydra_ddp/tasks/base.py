@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp import monitor
 from hydra_ddp.data import batches
-from hydra_ddp.errors import UserError, first_line, root_cause
+from hydra_ddp.errors import EveryRankError, UserError, first_line, root_cause
 
 # What the project itself reports beside a task's metrics, per split (test_samples, test_passes):
 # a task's metric may not take these names.
@@ -266,6 +266,35 @@ def checked_loss(
             f"{first_line(problem)}; give the task a forward(model, batch) that "
             "returns what its loss takes (docs/tasks.md: batches and model calls)"
         ) from None
+
+
+def first_loss(
+    task: Task, model: Any, batch: Any, outputs: int, reduce: Callable[[Any, Any], torch.Tensor]
+) -> torch.Tensor:
+    """The run's first loss (`reduce`: task.loss or its loss_sum), checked: the task reads the
+    batch and the model's output, fits the data (`outputs`: data.num_classes) and reduces to a
+    scalar. What every rank judges alike (the first target, the loss's shape) fails on every rank
+    (EveryRankError), the rest of this rank's first batch (a class label beyond the outputs, say)
+    on this rank."""
+
+    def check_fit(y: Any) -> None:
+        if not isinstance(y, torch.Tensor) or y.dim() == 0:
+            return  # a target that is not one tensor is the task's own to judge
+        problem = misfit(task, y[:1], outputs)
+        if problem:
+            raise EveryRankError(problem)
+        problem = misfit(task, y[1:], outputs)
+        if problem:
+            raise UserError(problem)
+
+    loss = checked_loss(task, model, batch, check_fit, EveryRankError, reduce)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise EveryRankError(
+            f"task {type(task).__name__}: its loss is {shape}, not a scalar; reduce it "
+            "(e.g. .mean()) in the task's loss()"
+        )
+    return loss
 
 
 def monitor_of(cfg: DictConfig) -> tuple[Optional[str], str]:

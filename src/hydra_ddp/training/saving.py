@@ -62,6 +62,8 @@ class Saving:
             "monitor": self.monitor.state(),
             "comm_hook": self.strategy.comm_state(),  # PowerSGD's error feedback and warm start
             **({"ema": self._ema_state()} if self.ema is not None else {}),
+            # a custom step's own (trainer.step): none by default
+            **({"step": extra} if (extra := self.step.extra_state()) else {}),
         }
 
     def _ema_state(self) -> dict[str, torch.Tensor]:
@@ -93,6 +95,8 @@ class Saving:
         self.checkpointer.restore(state, path, self.strategy, self.step.optimizer, self.scheduler)
         self._restore_ema(path, state)
         self.step.load_scaler_state(state.get("scaler"))
+        if "step" in state:
+            self.step.load_extra_state(state["step"])
         self.pos.load(state["position"])
         problem = self.strategy.load_comm_state(state.get("comm_hook"), self.pos.step)
         if problem:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hydra_ddp.data import batches
 from hydra_ddp.errors import EveryRankError, UserError
-from hydra_ddp.tasks import Task, checked_loss, misfit, weighs_units
+from hydra_ddp.tasks import Task, first_loss, weighs_units
 from hydra_ddp.training.parts import Optimization, Trained
 from hydra_ddp.training.timing import StepTimer
 
@@ -70,6 +70,16 @@ def sample_weights(sizes: list[int]) -> Optional[list[float]]:
         return None
     total = sum(sizes)
     return [size / total for size in sizes]
+
+
+def build(config: Optional[dict[str, Any]], *parts: Any) -> Step:
+    """The run's step: trainer.step's class (a Step subclass, given the parts then its own keys),
+    or Step."""
+    if config is None:
+        return Step(*parts)
+    from hydra.utils import instantiate
+
+    return instantiate(config, _partial_=True, _convert_="all")(*parts)
 
 
 class Step:
@@ -140,14 +150,27 @@ class Step:
             # rank.
             norm = self.strategy.clip_grad_norm(self.grad_clip)  # FSDP, TP: over the shards
             self.grad_norms.append((step, norm.detach()))
-        self.scaler.step(self.optimizer)
+        self.update()
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.update()
         self.timer.lap("optimizer")
         loss = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
         return loss, samples, tokens
+
+    def update(self) -> None:
+        """The optimizer step on the step's gradients (all-reduced, unscaled where clipped), then
+        their reset. A custom step overrides this, and extra_state with it (docs/extending.md)."""
+        self.scaler.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def extra_state(self) -> dict[str, Any]:
+        """A custom step's own state (a second optimizer's), saved in each checkpoint: {} saves
+        nothing."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """What extra_state saved, when the run resumes."""
 
     def _weighing(self, plan: StepPlan) -> tuple[Callable[[int, torch.Tensor], torch.Tensor], Any]:
         """weigh(i, loss): micro-batch i's loss as its share of the step's gradient; and the step's
@@ -213,44 +236,14 @@ class Step:
             ):
                 if self.checked:
                     loss = reduce(*self.task.forward(self.model, batch))
-                else:
-                    # A task that cannot read the batch or the output: one line, on every rank
-                    # alike.
-                    loss = checked_loss(
-                        self.task, self.model, batch, self._check_fit, EveryRankError, reduce
-                    )
-            if not self.checked:
-                self._check_loss(loss)
+                else:  # a task that cannot read the batch, the output or the data: one line
+                    loss = first_loss(self.task, self.model, batch, self.outputs, reduce)
+                    self.checked = True
             self.timer.lap("forward")
             weighed = weigh(loss)
             self.scaler.scale(weighed).backward()  # DDP all-reduces here on sync
             self.timer.lap("backward")
         return weighed.detach()
-
-    def _check_fit(self, y: Any) -> None:
-        """The task fits the data, before the first loss: judged on the first batch's first target
-        on every rank alike (the same kind of data: the run's failure), then on the rest of this
-        rank's first batch (a class label beyond data.num_classes, say: this rank's failure). A
-        target that is not one tensor is the task's own to judge."""
-        if not isinstance(y, torch.Tensor) or y.dim() == 0:
-            return
-        problem = misfit(self.task, y[:1], self.outputs)
-        if problem:
-            raise EveryRankError(problem)
-        problem = misfit(self.task, y[1:], self.outputs)
-        if problem:
-            raise UserError(problem)
-
-    def _check_loss(self, loss: Any) -> None:
-        """The task's loss, once: a scalar tensor, or one line on every rank (each computes the same
-        first batch's shape)."""
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise EveryRankError(
-                f"task {type(self.task).__name__}: its loss is {shape}, not a scalar; reduce it "
-                "(e.g. .mean()) in the task's loss()"
-            )
-        self.checked = True
 
     def take_grad_norms(self, up_to: int) -> dict[int, float]:
         """The norms of the steps up to `up_to` not taken yet: {step: value}."""

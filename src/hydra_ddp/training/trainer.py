@@ -26,7 +26,8 @@ from hydra_ddp.training.parts import Optimization, Run, Trained
 from hydra_ddp.training.position import Position
 from hydra_ddp.training.profiling import Profiling
 from hydra_ddp.training.saving import Saving
-from hydra_ddp.training.step import Step, optimizer_steps
+from hydra_ddp.training.step import build as step_of
+from hydra_ddp.training.step import optimizer_steps
 from hydra_ddp.training.stop import Ending
 from hydra_ddp.training.throughput import Overheads, Throughput
 from hydra_ddp.training.timing import StepTimer
@@ -57,7 +58,9 @@ class Trainer:
         self.pos, self.overheads = Position(), Overheads()
         # this rank's time per phase (timing.py): the straggler report
         self.timer = StepTimer(settings.timing, device)
-        self.step = Step(settings, trained, optimization, self.timer, cfg.data.num_classes)
+        self.step = step_of(
+            settings.step, settings, trained, optimization, self.timer, cfg.data.num_classes
+        )
         self.monitor = monitor = Monitor.from_config(settings)
         self.saving = Saving(
             cfg.checkpoint, run.checkpointer, self.step, monitor, self.pos, self.overheads
