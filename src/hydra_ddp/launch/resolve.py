@@ -232,24 +232,33 @@ def resolve_batches(data_cfg: Any, trainer: Any, replicas: int) -> None:
                 "set two of the three, and the third follows"
             )
     elif micro is not None:
-        if total % (micro * replicas):
-            raise UserError(
-                f"data.global_batch_size={total} does not divide into micro-batches of "
-                f"data.batch_size={micro} on {over}: choose a multiple of "
-                f"{micro * replicas}, or set trainer.accumulate instead of data.batch_size"
-            )
-        accumulate = total // (micro * replicas)
+        accumulate = _divided(
+            total,
+            micro * replicas,
+            f"into micro-batches of data.batch_size={micro} on {over}",
+            "trainer.accumulate instead of data.batch_size",
+        )
     else:
         accumulate = accumulate or 1
-        if total % (accumulate * replicas):
-            raise UserError(
-                f"data.global_batch_size={total} does not divide by "
-                f"trainer.accumulate={accumulate} × {over}: choose a multiple "
-                f"of {accumulate * replicas}, or set data.batch_size instead"
-            )
-        micro = total // (accumulate * replicas)
+        micro = _divided(
+            total,
+            accumulate * replicas,
+            f"by trainer.accumulate={accumulate} × {over}",
+            "data.batch_size instead",
+        )
     data_cfg.batch_size, trainer.accumulate = micro, accumulate
     data_cfg.global_batch_size = micro * accumulate * replicas
+
+
+def _divided(total: int, by: int, what: str, instead: str) -> int:
+    """data.global_batch_size ÷ `by` (the settings given, multiplied), or one line saying what it
+    does not divide by (`what`) and which setting to give `instead`."""
+    if total % by:
+        raise UserError(
+            f"data.global_batch_size={total} does not divide {what}: choose a multiple of {by}, "
+            f"or set {instead}"
+        )
+    return total // by
 
 
 def _device(name: str, host: distributed.Host) -> str:
