@@ -97,20 +97,22 @@ def _train(started_at: float, check_only: bool) -> Any:
     def train(cfg: DictConfig) -> Optional[float]:
         """Returns what a Hydra sweeper (e.g. Optuna) optimises: the best value of trainer.monitor
         (a validation metric: never the test set's)."""
-        worst = tasks.worst_for(cfg)  # a value every finished run beats
         # a multirun's later jobs in this process: now
         begun = start.pop() if start else time.time()
         try:
             summary = command.run(cfg, begun)
         except UserError as error:
             command.fail(error)  # one line, no traceback; in a multirun the next job still runs
-            return worst  # a failed or diverged trial ranks last instead of ending the sweep
+            # A failed or diverged trial ranks last instead of ending the sweep: a value every
+            # finished run beats, settled from the composed config (there is no resolved one).
+            return tasks.worst_for(cfg)
         if check_only:
             # a sweeper asks each checked trial for a number
+            worst = tasks.worst_for(cfg)
             return worst if worst is not None else 0.0
         if not summary:
             return None  # not node 0
-        return summary["objective"] if summary["objective"] is not None else worst
+        return summary["objective"] if summary["objective"] is not None else tasks.worst_for(cfg)
 
     return train
 

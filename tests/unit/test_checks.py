@@ -405,16 +405,32 @@ def test_the_default_config_passes_every_check(base: dict, tmp_path: Path):
     }  # the defaults' autos, each settled once, here
 
 
-def test_the_resolved_config_is_typed_and_read_only_once_frozen(base: dict, tmp_path: Path):
-    resolved = resolve.resolve(copy.deepcopy(base), tmp_path, None)
-    assert isinstance(resolved, run_config.RunConfig)
+def test_the_resolved_config_is_typed_and_read_only_as_resolve_returns_it(
+    base: dict, tmp_path: Path
+):
+    frozen = resolve.resolve(copy.deepcopy(base), tmp_path, None)
+    assert isinstance(frozen, run_config.RunConfig)
     # the chosen strategy's own settings
-    assert isinstance(resolved.strategy, strategies.get("ddp").Settings)
-    resolved.trainer.epochs = 3  # still settling
-    frozen = resolved.freeze()
+    assert isinstance(frozen.strategy, strategies.get("ddp").Settings)
     for section, key in (("trainer", "epochs"), ("strategy", "comm_hook"), ("data", "batch_size")):
         with pytest.raises(AttributeError, match="read-only"):
             setattr(getattr(frozen, section), key, 1)
+    with pytest.raises(AttributeError, match="read-only"):
+        frozen.job = "eval"
+    # What the launch learns later (the stores it holds, the job) makes a new config, read-only
+    # too, sharing the sections that keep their values; the resolved one stays as it was.
+    later = run_config.amended(
+        frozen, {"job": "tune", "init_method.ports": [29500], "strategy.powersgd.start_step": 0}
+    )
+    assert (later.job, later.init_method.ports, later.strategy.powersgd.start_step) == (
+        "tune",
+        [29500],
+        0,
+    )
+    assert (frozen.job, frozen.init_method.ports) == ("train", None)
+    assert later.trainer is frozen.trainer and later.init_method is not frozen.init_method
+    with pytest.raises(AttributeError, match="read-only"):
+        later.init_method.port = 1
     # a checkpoint's copy reads back the same
     assert run_config.freeze(run_config.thaw(frozen)) == frozen
 

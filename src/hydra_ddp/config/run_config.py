@@ -9,7 +9,7 @@ read its attributes; nothing assigns to it (an assignment raises).
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -121,6 +121,24 @@ def typed(plain: dict[str, Any]) -> RunConfig:
 def freeze(plain: dict[str, Any]) -> RunConfig:
     """The settled plain config as the typed, read-only RunConfig the workers receive."""
     return typed(plain).freeze()
+
+
+def amended(node: Any, values: dict[str, Any]) -> Any:
+    """A new read-only config (or section): `node` with these dotted keys' values, sharing its
+    sections that keep theirs. What the launch learns after resolving (the job, the sweep, the
+    stores it holds) makes a new config this way: `node` itself never changes."""
+    top: dict[str, Any] = {}
+    deeper: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            deeper.setdefault(head, {})[rest] = value
+        else:
+            top[head] = value
+    for head, inner in deeper.items():
+        top[head] = amended(getattr(node, head), inner)
+    changed = replace(node, **top)
+    return changed.freeze() if isinstance(changed, Section) else changed
 
 
 def thaw(cfg: RunConfig) -> dict[str, Any]:

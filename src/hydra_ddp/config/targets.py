@@ -19,7 +19,8 @@ def check(node: Any, key: str) -> None:
     target = locate(node["_target_"], key)
     kwargs = {k: v for k, v in node.items() if not k.startswith("_")}
     try:
-        signature = inspect.signature(target)
+        # a class that reads its keys as a settings object (a logger's Settings) is checked by it
+        signature = inspect.signature(getattr(target, "Settings", target))
     except (TypeError, ValueError):
         return  # some builtins have no signature: they are checked when built
     try:

@@ -117,7 +117,6 @@ def run(cfg: DictConfig, started_at: float, job: str = "train") -> Optional[dict
     holds = external[1].is_main if external else resolved.launcher.node_rank == 0
     with holding.held(run_dir) if holds else contextlib.nullcontext():
         if external:
-            resolved.freeze()
             # Only rank 0 knows the run directory: its verdict reaches every rank once the group is
             # up.
             problem = (
@@ -136,26 +135,25 @@ def run(cfg: DictConfig, started_at: float, job: str = "train") -> Optional[dict
 def _resolve(
     cfg: DictConfig, run_dir: Path, external: Optional[tuple[str, Any]], job: str
 ) -> RunConfig:
-    """The settled config, typed, before it is frozen. Under an outside launcher every rank settles
-    it alike and rank 0 alone checks what depends on its run directory (_problem)."""
+    """The settled config, typed and read-only, with its job, its sweep and the keys the command
+    line set. Under an outside launcher every rank settles it alike and rank 0 alone checks what
+    depends on its run directory (_problem)."""
     overrides = list(HydraConfig.get().overrides.task)
     if job == "eval":
-        resolved = resolve.eval_config(cfg, overrides)
-        resolve.settle_launch(resolved, run_dir, external)
-    elif external:
-        resolved = resolve.resolve(cfg, run_dir, external, checked=False)
+        resolved = resolve.eval_config(cfg, overrides, run_dir, external)
     else:
-        resolved = resolve.resolve(cfg, run_dir, external)
-    resolved.job = job
+        resolved = resolve.resolve(cfg, run_dir, external, checked=not external)
     hydra_cfg = HydraConfig.get()
+    sweep = None
     if hydra_cfg.mode == RunMode.MULTIRUN:  # loggers group a sweep's jobs
-        resolved.sweep = run_config.SweepConf(
+        sweep = run_config.SweepConf(
             dir=str(Path(hydra_cfg.sweep.dir).resolve()), job=hydra_cfg.job.num
-        )
+        ).freeze()
     # The keys set on the command line (a sweep trial's): every worker logs its own values of them.
     keys = (from_checkpoint.override_key(o) for o in overrides if "=" in o)
-    resolved.overridden = _values(resolved, keys)
-    return resolved
+    return run_config.amended(
+        resolved, {"job": job, "sweep": sweep, "overridden": _values(resolved, keys)}
+    )
 
 
 def _check_only(
@@ -169,7 +167,6 @@ def _check_only(
             if external:
                 checks.check(resolved, run_dir)
             checks.dry_build(resolved)
-        resolved.freeze()  # what a run would hand its workers
     finally:
         with contextlib.suppress(OSError):
             # Hydra made it for this command; nothing was written there (only if empty)

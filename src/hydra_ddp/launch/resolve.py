@@ -39,12 +39,13 @@ def resolve(
     external: Optional[tuple[str, RankInfo]],
     checked: bool = True,
 ) -> RunConfig:
-    """The config every worker receives, typed and settled (not yet frozen), from the composed
-    config (or it made plain: a test's, a tool's); then checked, unless `checked=False` (an outside
-    launch's ranks other than 0: rank 0 checks what depends on its run directory)."""
+    """The config every worker receives, typed, settled and read-only, from the composed config (or
+    it made plain: a test's, a tool's); then checked, unless `checked=False` (an outside launch's
+    ranks other than 0: rank 0 checks what depends on its run directory)."""
     plain = plain_config(composed) if isinstance(composed, DictConfig) else composed
     cfg = run_config.typed(plain)
     settle(cfg, run_dir, external)
+    cfg.freeze()  # from here on read-only: what the launch learns later makes a new one (amended)
     if checked:
         check(cfg, run_dir)
     return cfg
@@ -348,9 +349,12 @@ def _resolve_init_method(init: Any, run_dir: Path, external: bool) -> None:
         init.path = str(path)
 
 
-def eval_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
-    """eval.py's config, typed: the checkpoint's own with the command line's overrides on top
-    (config/from_checkpoint.py), its weights checked against the model it names."""
+def eval_config(
+    cfg: DictConfig, overrides: list[str], run_dir: Path, external: Optional[tuple[str, RankInfo]]
+) -> RunConfig:
+    """eval.py's config, typed, its launch settled, read-only: the checkpoint's own with the command
+    line's overrides on top (config/from_checkpoint.py), its weights checked against the model it
+    names."""
     path = checkpoints.find(str(cfg.ckpt), "ckpt")
     saved = checkpoints.read(path, "ckpt")
     composed = OmegaConf.to_container(cfg, resolve=True)
@@ -359,7 +363,8 @@ def eval_config(cfg: DictConfig, overrides: list[str]) -> RunConfig:
     )
     typed = run_config.typed(plain)
     _check_model(typed.model, saved["model"], path)
-    return typed
+    settle_launch(typed, run_dir, external)
+    return typed.freeze()
 
 
 def _check_model(model_cfg: dict[str, Any], saved: dict[str, torch.Tensor], path: Path) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch.multiprocessing as mp
 from hydra.core.hydra_config import HydraConfig
 
+from hydra_ddp.config import run_config
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import EVERY_RANK, LOST_A_PEER, UserError, say
 from hydra_ddp.launch import resolve, startup
@@ -60,8 +61,8 @@ def _elastic(*args: Any) -> Any:
 def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[str, Any]]:
     """Start the workers of a resolved config on this node and wait for them: the run's summary
     (eval.py's result), None if they ended without one. Also the tuner's way to time candidates.
-    `cfg` is settled but not yet frozen: the last values it takes are the stores this process holds,
-    then it is frozen, as every worker receives it."""
+    `cfg` is resolved (read-only); what the workers receive is it amended with the stores this
+    process holds."""
     # Inside a joblib (loky) job the default context is loky's, which cannot start our workers.
     multiprocessing.set_start_method("spawn", force=True)
     launcher, n = cfg.launcher, cfg.trainer.nproc
@@ -101,8 +102,8 @@ def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[st
         os.replace(summary_file, earlier)
     summary_file.unlink(missing_ok=True)
     signum = None
-    stores = _host_stores(cfg)  # bound before any worker starts, held until the last one has ended
-    cfg.freeze()
+    # bound before any worker starts, held until the last one has ended; the config that says where
+    stores, cfg = _host_stores(cfg)
     parent = startup.worker_parent(launcher.start_method)
     try:
         if launcher.name == "spawn":
@@ -130,18 +131,19 @@ def launch(cfg: RunConfig, run_dir: Path, started_at: float) -> Optional[dict[st
     return summary
 
 
-def _host_stores(cfg: RunConfig) -> list[Any]:
+def _host_stores(cfg: RunConfig) -> tuple[list[Any], RunConfig]:
     """On a single node this process serves the rendezvous store itself, on a port it binds (port 0:
     a free one) before any worker starts and holds for the whole run: no other job can take the
     port in between. One store per torchrun attempt, so a restarted group meets on a fresh one.
     The workers reach them through torch's own env:// or tcp:// handler, as clients
-    (distributed.process_group); torchrun's agents meet on the first. The config says where
-    (init_method.ports, launcher.rdzv_endpoint)."""
+    (distributed.process_group); torchrun's agents meet on the first. The stores, and the config
+    amended to say where (init_method.ports, launcher.rdzv_endpoint)."""
     init, launcher = cfg.init_method, cfg.launcher
     if launcher.nnodes > 1:
-        return []  # torchrun's rendezvous on node 0 brings the workers together
+        return [], cfg  # torchrun's rendezvous on node 0 brings the workers together
     torchrun = launcher.name == "torchrun"
     timeout = timedelta(seconds=cfg.backend.timeout_s)
+    where: dict[str, Any] = {}
     if init.name in ("env", "tcp"):
         setting = init.port_from
         stores = [distributed.serve_store(init.host, init.port or 0, timeout, setting)]
@@ -149,16 +151,16 @@ def _host_stores(cfg: RunConfig) -> list[Any]:
             distributed.serve_store(init.host, 0, timeout)
             for _ in range(launcher.max_restarts if torchrun else 0)
         ]
-        init.ports = [store.port for store in stores]
+        where["init_method.ports"] = [store.port for store in stores]
     elif torchrun:  # init_method=file: the agents still meet somewhere
         stores = [distributed.serve_store("127.0.0.1", 0, timeout)]
     else:
-        return []
+        return [], cfg
     if torchrun:
-        launcher.rdzv_endpoint = (
+        where["launcher.rdzv_endpoint"] = (
             f"{init.host if init.name != 'file' else '127.0.0.1'}:{stores[0].port}"
         )
-    return stores
+    return stores, run_config.amended(cfg, where)
 
 
 def _completed_despite(failure: WorkerFailed, summary_file: Path) -> None:

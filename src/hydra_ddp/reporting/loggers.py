@@ -227,15 +227,18 @@ class MLflow(Logger):
     def preload(cls) -> None:
         import mlflow.tracking  # noqa: F401
 
+    @dataclasses.dataclass(frozen=True)
+    class Settings:
+        """conf/logger/mlflow.yaml's keys (checked against these fields before launch)."""
+
+        tracking_uri: str = "sqlite:///outputs/mlflow.db"
+        experiment: str = "hydra-ddp"
+        artifact_location: Optional[str] = None
+
     def __init__(
-        self,
-        run_dir: Path,
-        config: RunConfig,
-        resume_step: Optional[int] = None,
-        tracking_uri: str = "sqlite:///outputs/mlflow.db",
-        experiment: str = "hydra-ddp",
-        artifact_location: Optional[str] = None,
+        self, run_dir: Path, config: RunConfig, resume_step: Optional[int] = None, **keys: Any
     ):
+        """`keys`: the YAML's, as Settings."""
         import logging
 
         from mlflow.tracking import MlflowClient
@@ -244,8 +247,9 @@ class MLflow(Logger):
         for noisy in ("mlflow", "alembic"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
 
-        self.client = MlflowClient(tracking_uri=tracking_uri)
-        experiment_id = self._experiment(experiment, artifact_location)
+        chosen = self.Settings(**keys)
+        self.client = MlflowClient(tracking_uri=chosen.tracking_uri)
+        experiment_id = self._experiment(chosen.experiment, chosen.artifact_location)
         id_file = RunDir(run_dir).mlflow_run_id
         self.logged: dict[str, int] = {}  # resumed: the last step already logged, per metric
         self.resumed = resume_step is not None and id_file.exists()

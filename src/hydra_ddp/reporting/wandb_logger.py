@@ -13,6 +13,7 @@ plain `step=` would drop.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import netrc
 import os
@@ -116,27 +117,31 @@ class WandB(Logger):
     def preload(cls) -> None:
         import wandb  # noqa: F401
 
+    @dataclasses.dataclass(frozen=True)
+    class Settings:
+        """conf/logger/wandb.yaml's keys (checked against these fields before launch)."""
+
+        project: str = "hydra-ddp"
+        entity: Optional[str] = None
+        mode: str = "auto"
+        dir: Optional[str] = None
+        tags: Optional[list[str]] = None
+        checkpoint_artifact: str = "reference"
+
     def __init__(
-        self,
-        run_dir: Path,
-        config: RunConfig,
-        resume_step: Optional[int] = None,
-        project: str = "hydra-ddp",
-        entity: Optional[str] = None,
-        mode: str = "auto",
-        dir: Optional[str] = None,
-        tags: Optional[list[str]] = None,
-        checkpoint_artifact: str = "reference",
+        self, run_dir: Path, config: RunConfig, resume_step: Optional[int] = None, **keys: Any
     ):
+        """`keys`: the YAML's, as Settings."""
         import wandb
 
-        if checkpoint_artifact not in ("reference", "upload", "none"):
+        chosen = self.Settings(**keys)
+        if chosen.checkpoint_artifact not in ("reference", "upload", "none"):
             raise ValueError(
                 "logger.wandb.checkpoint_artifact: expected reference, "
-                f"upload or none, got {checkpoint_artifact!r}"
+                f"upload or none, got {chosen.checkpoint_artifact!r}"
             )
-        self.checkpoint_artifact = checkpoint_artifact
-        self.root = Path(dir) if dir else Path(run_dir)
+        self.checkpoint_artifact = chosen.checkpoint_artifact
+        self.root = Path(chosen.dir) if chosen.dir else Path(run_dir)
         id_file = RunDir(run_dir).wandb_run_id
         # Resumed (a checkpoint, or trainer.resume=auto starting over): the same W&B run.
         resumed = resume_step is not None and id_file.exists()
@@ -165,16 +170,16 @@ class WandB(Logger):
             x_disable_meta=True,
         )
         self.run = wandb.init(
-            project=project,
-            entity=entity,
+            project=chosen.project,
+            entity=chosen.entity,
             id=run_id,
             resume="allow" if resumed else None,
-            mode=choose_mode(mode),
+            mode=choose_mode(chosen.mode),
             dir=str(self.root),
             group=group,
             name=name or Path(run_dir).name,
             job_type="train",
-            tags=tags,
+            tags=chosen.tags,
             config=recorded(config),
             settings=settings,
         )

@@ -141,11 +141,10 @@ class Timer:
         plain = resolve.plain_config(cfg)
         plain.pop("tune")  # the tuner's own settings, not the run's
         resolved = resolve.resolve(plain, run_dir, external=None)
-        resolved.job, resolved.sweep, resolved.overridden = "tune", None, dict(overrides)
-        # timed compressing, not warming up
+        changes = {"job": "tune", "sweep": None, "overridden": dict(overrides)}
         if getattr(resolved.strategy, "comm_hook", None) == "powersgd":
-            resolved.strategy.powersgd.start_step = 0
-        return resolved  # workers.launch freezes it once it holds the rendezvous stores
+            changes["strategy.powersgd.start_step"] = 0  # timed compressing, not warming up
+        return run_config.amended(resolved, changes)
 
     def samples_per_sec(self, overrides: dict[str, Any]) -> float:
         """Steady samples/s of a run with these overrides. A run that fails keeps its directory."""

@@ -99,28 +99,20 @@ for _name, _node in SAMPLERS.items():
 
 
 class OptunaSweeper(Sweeper):
-    def __init__(
-        self,
-        sampler: Any,
-        direction: str,
-        study_name: Optional[str],
-        storage: Optional[str],
-        n_trials: int,
-        n_jobs: int,
-        pruner: str,
-        params: Optional[DictConfig],
-        pruner_args: Any = None,
-        role: str = "main",
-    ):
-        self.sampler_cfg, self.direction, self.study_name = (
-            sampler,
-            str(direction),
-            study_name or "search",
+    def __init__(self, **keys: Any):
+        """`keys`: hydra.sweeper's, as Hydra checked them against OptunaSweeperConf (the settings
+        object this reads them into)."""
+        settings = OptunaSweeperConf(**keys)
+        self.sampler_cfg, self.direction = settings.sampler, str(settings.direction)
+        self.study_name, self.storage = settings.study_name or "search", settings.storage
+        self.n_trials, self.n_jobs, self.pruner = (
+            settings.n_trials,
+            settings.n_jobs,
+            settings.pruner,
         )
-        self.storage, self.n_trials, self.n_jobs, self.pruner = storage, n_trials, n_jobs, pruner
-        self.params = OmegaConf.to_container(params) if params else {}
-        self.role = role
-        self.pruner_args = dict(pruner_args or {})
+        self.params = OmegaConf.to_container(settings.params) if settings.params else {}
+        self.role = settings.role
+        self.pruner_args = dict(settings.pruner_args or {})
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
