@@ -207,6 +207,18 @@ def _sweeper_cases() -> list[tuple[str, type, str, Any]]:
 SWEEPER_CASES = _sweeper_cases()
 
 
+# The Optuna sweeper's settings, but its sampler, as Hydra hands them to it: a valid search.
+SWEEPER = dict(
+    direction="maximize",
+    study_name=None,
+    storage=None,
+    n_trials=4,
+    n_jobs=1,
+    pruner="median",
+    params=None,
+)
+
+
 def test_every_sweeper_setting_has_a_domain_or_is_a_bool():
     from hydra_plugins.hydra_ddp_optuna import sweeper
 
@@ -232,15 +244,7 @@ def test_a_sweeper_setting_is_meaningful_or_refused_in_one_line(
 
     from hydra_plugins.hydra_ddp_optuna import sweeper
 
-    settings = dict(
-        direction="maximize",
-        study_name=None,
-        storage=None,
-        n_trials=4,
-        n_jobs=1,
-        pruner="median",
-        params=None,
-    )
+    settings = dict(SWEEPER)
     sampler = {"_target_": "optuna.samplers.TPESampler", "seed": 0, "n_startup_trials": 2}
     if key.startswith("hydra.sweeper.sampler."):
         target = next(
@@ -270,14 +274,7 @@ def test_a_sampler_given_as_a_value_not_a_group_is_refused_in_one_line(sampler: 
     from hydra_plugins.hydra_ddp_optuna import sweeper
 
     searcher = sweeper.OptunaSweeper(
-        sampler=OmegaConf.create(sampler) if isinstance(sampler, dict) else sampler,
-        direction="maximize",
-        study_name=None,
-        storage=None,
-        n_trials=4,
-        n_jobs=1,
-        pruner="median",
-        params=None,
+        sampler=OmegaConf.create(sampler) if isinstance(sampler, dict) else sampler, **SWEEPER
     )
     with pytest.raises(
         UserError,

@@ -8,7 +8,6 @@ config whatever started the workers.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import gc
 import logging
 import os
@@ -27,7 +26,7 @@ from tqdm import tqdm
 from hydra_ddp import data, performance, tasks
 from hydra_ddp.checkpoint import checkpointer as checkpointing
 from hydra_ddp.checkpoint import files as checkpoints
-from hydra_ddp.config import fingerprint
+from hydra_ddp.config import fingerprint, run_config
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import (
     EVERY_RANK,
@@ -164,8 +163,7 @@ def _train(
     # the checkpoint.
     at_size = elastic.at_world_size(cfg, rank.world_size)
     if at_size:
-        trainer_here = dataclasses.replace(cfg.trainer, accumulate=at_size["trainer.accumulate"])
-        cfg = dataclasses.replace(cfg, trainer=trainer_here).freeze()
+        cfg = run_config.amended(cfg, at_size)  # a new read-only config: the launch's unchanged
         log.info(
             "world size %d: %s", rank.world_size, " ".join(f"{k}={v}" for k, v in at_size.items())
         )
