@@ -303,6 +303,13 @@ def final_params(run_dir: Path) -> dict:
         if path.is_dir()
         else run_dir / "checkpoints" / "last.pt"
     )
+    return checkpoint_params(path)
+
+
+def checkpoint_params(path: Path) -> dict:
+    """A checkpoint's model weights (a file, or a sharded directory put together)."""
+    from hydra_ddp.checkpoint import files as checkpoints
+
     return checkpoints.model_weights(path, checkpoints.read(path, "test"))
 
 

@@ -16,6 +16,7 @@ from support import (
     REPO,
     assert_same_run,
     check_ok,
+    checkpoint_params,
     finish,
     run_train,
     start_train,
@@ -45,12 +46,6 @@ def step_setting(head_lr: float) -> str:
     return f"trainer.step={{_target_:my_package.steps.TwoOptimizers,head_lr:{head_lr}}}"
 
 
-def weights(path: Path) -> dict:
-    from hydra_ddp.checkpoint import files as checkpoints
-
-    return checkpoints.model_weights(path, checkpoints.read(path, "test"))
-
-
 @pytest.mark.timeout(400)
 def test_the_docs_two_optimizer_step_trains_exactly_and_resumes_bit_for_bit(tmp_path: Path):
     env = with_pythonpath(the_pages_step(tmp_path / "user"))
@@ -65,7 +60,7 @@ def test_the_docs_two_optimizer_step_trains_exactly_and_resumes_bit_for_bit(tmp_
     first, last = sorted(
         (frozen / "checkpoints").glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1])
     )
-    after_one, after_two = weights(first), weights(last)
+    after_one, after_two = checkpoint_params(first), checkpoint_params(last)
     for name in after_one:
         # the head at rate 0 keeps its start; everything else moved in the second epoch
         assert torch_equal(after_one[name], after_two[name]) == (name in HEAD), name

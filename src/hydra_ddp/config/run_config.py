@@ -123,7 +123,7 @@ def freeze(plain: dict[str, Any]) -> RunConfig:
     return typed(plain).freeze()
 
 
-def amended(node: Any, values: dict[str, Any]) -> Any:
+def amended(node: Section, values: dict[str, Any]) -> Any:
     """A new read-only config (or section): `node` with these dotted keys' values, sharing its
     sections that keep theirs. What the launch learns after resolving (the job, the sweep, the
     stores it holds) makes a new config this way: `node` itself never changes."""
@@ -137,8 +137,7 @@ def amended(node: Any, values: dict[str, Any]) -> Any:
             top[head] = value
     for head, inner in deeper.items():
         top[head] = amended(getattr(node, head), inner)
-    changed = replace(node, **top)
-    return changed.freeze() if isinstance(changed, Section) else changed
+    return replace(node, **top).freeze()
 
 
 def thaw(cfg: RunConfig) -> dict[str, Any]:

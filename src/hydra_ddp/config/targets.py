@@ -12,8 +12,9 @@ from typing import Any
 from hydra_ddp.errors import UserError
 
 
-def check(node: Any, key: str) -> None:
-    """The `_target_` imports and takes the configured arguments (the object is not built)."""
+def check(node: Any, key: str) -> Any:
+    """The `_target_` imports and takes the configured arguments (the object is not built); returns
+    what it names."""
     if not isinstance(node, dict) or "_target_" not in node:
         raise UserError(f"{key} needs a _target_ (the class or function that builds it)")
     target = locate(node["_target_"], key)
@@ -22,7 +23,7 @@ def check(node: Any, key: str) -> None:
         # a class that reads its keys as a settings object (a logger's Settings) is checked by it
         signature = inspect.signature(getattr(target, "Settings", target))
     except (TypeError, ValueError):
-        return  # some builtins have no signature: they are checked when built
+        return target  # some builtins have no signature: they are checked when built
     try:
         signature.bind_partial(**kwargs)
     except TypeError as e:
@@ -39,6 +40,7 @@ def check(node: Any, key: str) -> None:
         raise UserError(
             f"{key} ({node['_target_']}): {e}; fix the key in conf/{group}/ or on the command line"
         ) from None
+    return target
 
 
 def locate(path: str, key: str) -> Any:

@@ -20,7 +20,6 @@ from hydra_ddp.config import groups, targets
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError, first_line, root_cause
-from hydra_ddp.hooks import Hook
 from hydra_ddp.parallel import elastic, strategies
 from hydra_ddp.recipe import compiling, schedules
 from hydra_ddp.recipe import optimizer as optimizers
@@ -28,7 +27,9 @@ from hydra_ddp.reporting.flops import run_shapes_only
 from hydra_ddp.rundir import RunDir
 from hydra_ddp.runtime.ranks import RankInfo
 
-# What trainer.step must subclass (named: the launch side does not import the loop).
+# What trainer.hooks' and trainer.step's targets must subclass (named: the launch side does not
+# import the loop).
+HOOK = "hydra_ddp.hooks.Hook"
 STEP = "hydra_ddp.training.step.Step"
 
 
@@ -40,8 +41,7 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
             f"{run_dir} holds checkpoints of an earlier run; continue it with trainer.resume=auto, "
             "or start anew in another hydra.run.dir (nothing was overwritten)"
         )
-    targets.check(data_cfg.dataset, "data.dataset")
-    source = targets.locate(data_cfg.dataset["_target_"], "data.dataset")
+    source = targets.check(data_cfg.dataset, "data.dataset")
     if isinstance(source, type) and issubclass(source, IterableDataset):
         raise UserError(data.stream_refusal(data_cfg.dataset["_target_"], source.__name__))
     data.check_source(data_cfg)
@@ -50,24 +50,9 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
     if cfg.scheduler is not None:  # null: a constant learning rate (scheduler=none)
         targets.check(cfg.scheduler, "scheduler")
     for i, hook in enumerate(trainer.hooks):
-        key = f"trainer.hooks[{i}]"
-        targets.check(hook, key)
-        if not (
-            isinstance(target := targets.locate(hook["_target_"], key), type)
-            and issubclass(target, Hook)
-        ):
-            raise UserError(
-                f"{key}: {hook['_target_']} is not a subclass "
-                "of hydra_ddp.hooks.Hook (docs/extending.md)"
-            )
+        _check_subclass(hook, f"trainer.hooks[{i}]", HOOK)
     if trainer.step is not None:
-        targets.check(trainer.step, "trainer.step")
-        target = targets.locate(trainer.step["_target_"], "trainer.step")
-        if STEP not in {f"{c.__module__}.{c.__qualname__}" for c in getattr(target, "__mro__", ())}:
-            raise UserError(
-                f"trainer.step: {trainer.step['_target_']} is not a subclass of {STEP} "
-                "(docs/extending.md)"
-            )
+        _check_subclass(trainer.step, "trainer.step", STEP)
     resume = trainer.resume
     if resume not in (None, "auto") and not Path(str(resume)).expanduser().exists():
         raise UserError(
@@ -139,6 +124,15 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
         raise UserError(
             "a restarted group cannot reuse a file:// "
             "store: use init_method=env or tcp with restarts"
+        )
+
+
+def _check_subclass(node: Any, key: str, base: str) -> None:
+    """A `_target_` config (checked as every one is) of a subclass of `base`, a dotted name."""
+    target = targets.check(node, key)
+    if base not in {f"{c.__module__}.{c.__qualname__}" for c in getattr(target, "__mro__", ())}:
+        raise UserError(
+            f"{key}: {node['_target_']} is not a subclass of {base} (docs/extending.md)"
         )
 
 
