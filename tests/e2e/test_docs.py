@@ -160,6 +160,7 @@ class Outcome:
     skipped: dict[str, int] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)
     failures: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # each distinct run's, for the report
 
 
 def _without_comment(command: str) -> str:
@@ -415,6 +416,7 @@ def test_every_shell_command_in_the_docs_runs(
             outcome.distinct += len(group)
             words = key_words[0]
             program = _program(words)
+            began = time.monotonic()
             if (
                 program == "make"
                 and subprocess.run(["make", "-q", ".venv/.installed"], cwd=REPO).returncode
@@ -441,6 +443,7 @@ def test_every_shell_command_in_the_docs_runs(
                     for code, out, err in results
                     if code
                 )
+            outcome.seconds[f"{block.where}: {' / '.join(group)}"] = time.monotonic() - began
             if problem:
                 outcome.failures.append(f"{block.where}: {' / '.join(group)}\n    → {problem}")
     with capsys.disabled():
@@ -450,6 +453,11 @@ def test_every_shell_command_in_the_docs_runs(
             f"runs), {outcome.checked} checked only (marked installs), "
             f"{outcome.gpu_checked} checked for a GPU host (train.py --check "
             f"--gpus=N), {sum(outcome.skipped.values())} skipped ({skipped})"
+        )
+        slowest = sorted(outcome.seconds.items(), key=lambda item: -item[1])[:8]
+        print(
+            f"docs: the runs took {sum(outcome.seconds.values()):.0f} s; the slowest:\n"
+            + "\n".join(f"  {seconds:6.1f} s  {where[:110]}" for where, seconds in slowest)
         )
     assert not outcome.failures, (
         f"{len(outcome.failures)} command(s) in the docs fail:\n" + "\n".join(outcome.failures)

@@ -16,11 +16,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from hydra_ddp.checkpoint import files
+from hydra_ddp.config import run_config
+
 from support import (
     HELPERS,
     QUICK,
+    REPO,
     assert_no_orphans,
     check_ok,
+    csv_step_losses,
     losses,
     run_eval,
     run_train,
@@ -261,6 +266,37 @@ def test_max_time_stops_resumably_and_init_from_fine_tunes_from_the_checkpoint(t
     wrong = run_train(tmp_path / "wrong", f"trainer.init_from={run_dir}", "data.num_classes=5")
     assert wrong.returncode != 0 and len(wrong.stderr.strip().splitlines()) == 1
     assert "fc2.weight (10, 500)→(5, 500)" in wrong.stderr and "trainer.init_ignore" in wrong.stderr
+
+
+# A checkpoint that main wrote before the config became the resolved RunConfig (f1d6bc0), with the
+# command that made it and what eval.py said of it then (its .json beside it).
+PREVIOUS = REPO / "tests" / "fixtures" / "checkpoint_f1d6bc0.pt"
+
+
+def test_a_checkpoint_the_previous_main_wrote_reads_as_a_resolved_config_evaluates_and_resumes(
+    tmp_path: Path,
+):
+    made = json.loads(PREVIOUS.with_suffix(".json").read_text())
+    config = run_config.typed(files.read(PREVIOUS, "ckpt")["config"])
+    assert type(config.trainer.nproc) is int and type(config.backend.timeout_s) is int
+    assert type(config.strategy.static_graph) is bool
+
+    evaluated = tmp_path / "eval"
+    check_ok(run_eval(evaluated, f"ckpt={PREVIOUS}"))
+    now, then = json.loads((evaluated / "eval.json").read_text()), made["eval_at_f1d6bc0"]
+    assert (now["step"], now["test_samples"]) == (then["step"], then["test_samples"])
+    # The same weights and test set: equal but for the last bits where this CPU sums in another
+    # order than the one that wrote the figures (float32; about 1e-6 apart). A ceiling, not a
+    # calibration: weights not read (a fresh model) or read into the wrong places move the loss of
+    # this 10-class model by more than 1e-2.
+    assert now["test_loss"] == pytest.approx(then["test_loss"], rel=1e-4)
+    assert abs(now["test_accuracy"] - then["test_accuracy"]) <= 1 / then["test_samples"]
+
+    resumed = tmp_path / "resumed"
+    train = [o for o in made["train"] if not o.startswith("trainer.max_steps=")]
+    check_ok(run_train(resumed, *train, "trainer.max_steps=12", f"trainer.resume={PREVIOUS}"))
+    assert [step for step, _ in csv_step_losses(resumed)] == [9, 10, 11, 12]
+    assert summary(resumed)["resumed_from"] == str(PREVIOUS)
 
 
 def test_grad_clip_bounds_every_step_under_bf16_autocast(run_dir: Path):

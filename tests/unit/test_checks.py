@@ -462,7 +462,7 @@ def test_a_tp_size_that_does_not_divide_the_world_is_refused():
 def test_sync_batchnorm_auto_is_ddps_to_settle_and_no_other_strategy_has_it(
     base: dict, device: str, expected: bool
 ):
-    cfg = run_config.typed(base)
+    cfg = run_config.requested(base)
     cfg.trainer.device, cfg.strategy.sync_batchnorm = device, "auto"
     strategies.get("ddp").settle(cfg, world=2, local_world=2)
     assert cfg.strategy.sync_batchnorm is expected
@@ -473,10 +473,10 @@ def test_sync_batchnorm_auto_is_ddps_to_settle_and_no_other_strategy_has_it(
 
 
 def test_each_strategy_refuses_only_what_it_cannot_do(base: dict):
-    cfg = run_config.typed(base)
+    cfg = run_config.requested(base)
     cfg.trainer.compile = "model"
     strategies.get("ddp").check(cfg)  # DDP compiles the whole model
-    fsdp = run_config.typed({**base, "strategy": {"name": "fsdp"}})
+    fsdp = run_config.requested({**base, "strategy": {"name": "fsdp"}})
     fsdp.trainer.compile = "model"
     with pytest.raises(
         UserError, match="strategy=fsdp: trainer.compile=model compiles the DDP model whole"

@@ -5,6 +5,7 @@ from train.py)."""
 from __future__ import annotations
 
 import pickle
+import typing
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,48 @@ def test_the_resolved_config_is_typed_and_read_only(tmp_path: Path):
         run_config.freeze({**run_config.thaw(resolved(tmp_path)), "surprise": 1})
     with pytest.raises(UserError, match="job='fit'"):
         run_config.freeze({**run_config.thaw(resolved(tmp_path)), "job": "fit"})
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["trainer.max_time=00:01:30", "backend.timeout_s=90", "launcher=torchrun"]],
+    ids=["defaults", "given"],
+)
+def test_what_the_launch_settles_has_its_type_in_the_resolved_config(
+    tmp_path: Path, overrides: list[str]
+):
+    """Requested → resolved: a setting that may say `auto` (or a time as text) in the schema has
+    its one type once resolved, and the resolved types refuse what the settling would have left."""
+    cfg = resolved(tmp_path, *overrides)
+    assert type(cfg) is run_config.RunConfig
+    concrete = {
+        "trainer.nproc": int,
+        "launcher.nnodes": int,
+        "backend.timeout_s": int,
+        "trainer.max_time": (float, type(None)),
+        "strategy.gradient_as_bucket_view": bool,
+        "strategy.static_graph": bool,
+        "strategy.shared_memory": bool,
+        "strategy.sync_batchnorm": bool,
+    }
+    for key, kind in concrete.items():
+        value = run_config.lookup(cfg, key)
+        assert isinstance(value, kind), f"{key}={value!r}"
+        section, name = key.split(".")
+        hint = typing.get_type_hints(type(getattr(cfg, section)))[name]
+        assert hint is not typing.Any, f"{key} is typed Any in the resolved config"
+    if overrides:
+        assert cfg.trainer.max_time == 90.0 and cfg.backend.timeout_s == 90
+    for key in ("trainer.nproc", "backend.timeout_s", "strategy.static_graph"):
+        plain = run_config.thaw(cfg)
+        section, name = key.split(".")
+        plain[section][name] = "auto"  # what a settling that forgot one would leave
+        with pytest.raises(UserError, match=f"does not fit the schema: {key}"):
+            run_config.freeze(plain)
+    # The requested form takes what composing gives, `auto` included, and no unknown key.
+    with pytest.raises(UserError, match="does not fit the schema: trainer.surprise is not a key"):
+        run_config.requested({"trainer": {"nproc": "auto", "surprise": 1}})
+    assert run_config.requested({"trainer": {"nproc": "auto"}}).trainer.nproc == "auto"
 
 
 def test_defaults_leave_ports_to_the_launch_and_make_a_fresh_store(tmp_path: Path):

@@ -1,14 +1,18 @@
-"""The run's config in its one final form: a typed, read-only RunConfig, every `auto` settled.
+"""The run's config in its two forms: Requested, as composed (an `auto` still allowed), and
+RunConfig, the resolved one: typed, read-only, every `auto` the launch settles settled.
 
-The launch side composes (Hydra, onto `schema.Config`), settles and checks once (`resolve`), then
-`freeze` makes this object: dataclasses all the way down (the strategy's section its own settings
-class). The launcher hands it to every worker as it is; the loop, the summary and the checkpoint
-read its attributes; nothing assigns to it (an assignment raises).
+The launch side composes (Hydra checks the composition against `schema.Config`), makes it a
+Requested (`requested`: dataclasses, built without checking again), settles it in place
+(`resolve.settle`), then `resolved` makes the RunConfig from it, checked against the resolved types
+once (a world size is an int there, a time limit seconds, DDP's switches true or false). The
+launcher hands the RunConfig to every worker as it is; the loop, the summary and the checkpoint read
+its attributes; nothing assigns to it (an assignment raises).
 """
 
 from __future__ import annotations
 
 import functools
+import typing
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Optional
 
@@ -24,11 +28,30 @@ JOBS = ("train", "eval", "tune")
 
 
 @dataclass
-class RunLauncherConf(schema.LauncherConf):
+class RequestedLauncherConf(schema.LauncherConf):
     # Started by torchrun, Slurm or mpirun: this command launched nothing.
     external: bool = False
     # The fewest nodes (nnodes: the most); below nnodes: an elastic run (parallel.elastic).
     min_nodes: Optional[int] = None
+
+
+@dataclass
+class RunLauncherConf(RequestedLauncherConf):
+    nnodes: int = 1  # the most nodes (an elastic range's MAX; min_nodes its MIN)
+
+
+@dataclass
+class RunBackendConf(schema.BackendConf):
+    timeout_s: int = 1800  # seconds (auto settled: 600 with NCCL, else 1800)
+
+
+@dataclass
+class RunTrainerConf(schema.TrainerConf):
+    # Settled: the workers per node, and the time limit in seconds. Left open: `compile`, false or
+    # a mode's name (the schema's types take no union; its domain is checked), and channels_last,
+    # which stays `auto` where only the workers can build the model that settles it.
+    nproc: int = 1
+    max_time: Optional[float] = None
 
 
 @dataclass
@@ -57,12 +80,13 @@ class EvalJobConf(Section):
 
 
 @dataclass
-class RunConfig(Section):
-    """The resolved config. The composition-time sections whose keys moved (dist, ddp) are gone."""
+class Requested(Section):
+    """The config as composed, with the launch's own fields, while `resolve.settle` settles it (an
+    `auto` allowed). The composition-time sections whose keys moved (dist, ddp) are gone."""
 
     backend: schema.BackendConf = field(default_factory=schema.BackendConf)
     init_method: RunInitMethodConf = field(default_factory=RunInitMethodConf)
-    launcher: RunLauncherConf = field(default_factory=RunLauncherConf)
+    launcher: RequestedLauncherConf = field(default_factory=RequestedLauncherConf)
     trainer: schema.TrainerConf = field(default_factory=schema.TrainerConf)
     checkpoint: schema.CheckpointConf = field(default_factory=schema.CheckpointConf)
     # the chosen strategy's settings
@@ -87,6 +111,16 @@ class RunConfig(Section):
     eval: Optional[EvalJobConf] = None
 
 
+@dataclass
+class RunConfig(Requested):
+    """The resolved config: the sections whose `auto` the launch settles, in their settled types
+    (the strategy's: strategy_settings.resolved_of)."""
+
+    backend: RunBackendConf = field(default_factory=RunBackendConf)
+    launcher: RunLauncherConf = field(default_factory=RunLauncherConf)
+    trainer: RunTrainerConf = field(default_factory=RunTrainerConf)
+
+
 SECTIONS = tuple(f.name for f in fields(RunConfig))
 
 
@@ -96,26 +130,71 @@ def _template() -> DictConfig:
     return OmegaConf.structured(RunConfig)
 
 
+def requested(plain: dict[str, Any]) -> Requested:
+    """The composed config made plain, as the Requested the launch settles in place. Built field by
+    field, not checked: Hydra checked the composition against the schema, and `resolved` checks
+    what the settling made of it. A key the schema does not have is one line."""
+    return _built(Requested, plain, "")
+
+
+def _built(cls: type, plain: Any, where: str) -> Any:
+    """`plain` (a dict) as dataclass `cls`, its sections' dicts as theirs; other values as given."""
+    if not isinstance(plain, dict):
+        raise UserError(f"{where or 'the config'}: a section, not {plain!r}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(plain) - set(known))
+    if unknown:
+        raise UserError(f"the config does not fit the schema: {where}{unknown[0]} is not a key")
+    values = {}
+    for name, value in plain.items():
+        kind = _section_of(cls, name) if value is not None else None
+        if name == "strategy" and cls is Requested:
+            kind = strategy_settings.of(value.get("name", strategy_settings.DEFAULT))
+        values[name] = _built(kind, value, f"{where}{name}.") if kind else value
+    return cls(**values)
+
+
+@functools.cache
+def _section_of(cls: type, name: str) -> Optional[type]:
+    """The Section class field `name` of `cls` holds (Optional[...] too), or None."""
+    hint = typing.get_type_hints(cls)[name]
+    for kind in (hint, *typing.get_args(hint)):
+        if isinstance(kind, type) and issubclass(kind, Section):
+            return kind
+    return None
+
+
+def resolved(cfg: Requested) -> RunConfig:
+    """The settled Requested as the read-only RunConfig, checked against the resolved types: a
+    setting still `auto` there is one line naming it."""
+    return freeze(thaw(cfg))
+
+
 def typed(plain: dict[str, Any]) -> RunConfig:
-    """A plain config (the resolved one, a checkpoint's) as a RunConfig, not yet frozen; its
-    strategy section as the chosen strategy's settings. A key or value the schema does not take is
-    one line (a checkpoint's config from another version, say)."""
+    """A resolved config made plain (the launch's, a checkpoint's) as a RunConfig, not yet frozen;
+    its strategy section as the chosen strategy's resolved settings. A key or value the resolved
+    schema does not take is one line (a checkpoint's config from another version, say)."""
     if plain.get("job", "train") not in JOBS:
         raise UserError(f"job={plain['job']!r}: one of {', '.join(JOBS)}")
+    settings = strategy_settings.resolved_of(
+        plain.get("strategy", {}).get("name", strategy_settings.DEFAULT)
+    )
+    rest = {k: v for k, v in plain.items() if k != "strategy"}
+    run = _merged(_template(), rest, "")
+    run.strategy = _merged(OmegaConf.structured(settings), plain.get("strategy", {}), "strategy.")
+    return run  # type: ignore[no-any-return]
+
+
+def _merged(template: DictConfig, plain: dict[str, Any], where: str) -> Any:
+    """`plain` on the schema `template`, as its dataclass; a key or value it does not take is one
+    line naming it (`where`: the section's place in the whole config)."""
     try:
-        cfg = OmegaConf.merge(_template(), {k: v for k, v in plain.items() if k != "strategy"})
-        settings = strategy_settings.of(
-            plain.get("strategy", {}).get("name", strategy_settings.DEFAULT)
-        )
-        strategy = OmegaConf.merge(OmegaConf.structured(settings), plain.get("strategy", {}))
+        return OmegaConf.to_object(OmegaConf.merge(template, plain))
     except OmegaConfBaseException as error:
-        where = f"{error.full_key}: " if getattr(error, "full_key", None) else ""
+        key = f"{where}{error.full_key}: " if getattr(error, "full_key", None) else where
         raise UserError(
-            f"the resolved config does not fit the schema: {where}{str(error).splitlines()[0]}"
+            f"the resolved config does not fit the schema: {key}{str(error).splitlines()[0]}"
         ) from None
-    run = OmegaConf.to_object(cfg)
-    run.strategy = OmegaConf.to_object(strategy)
-    return run  # type: ignore[return-value]
 
 
 def freeze(plain: dict[str, Any]) -> RunConfig:
@@ -140,8 +219,8 @@ def amended(node: Section, values: dict[str, Any]) -> Any:
     return replace(node, **top).freeze()
 
 
-def thaw(cfg: RunConfig) -> dict[str, Any]:
-    """A plain copy of the resolved config (what a checkpoint, a summary or a logger records)."""
+def thaw(cfg: Requested) -> dict[str, Any]:
+    """A plain copy of the config (what a checkpoint, a summary or a logger records)."""
     return asdict(cfg)
 
 

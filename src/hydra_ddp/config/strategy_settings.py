@@ -60,6 +60,16 @@ class DDPSettings(Section):
 
 
 @dataclass
+class ResolvedDDPSettings(DDPSettings):
+    # DDP's settings once the launch has settled them (parallel/strategies/ddp.py): each switch
+    # true or false.
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    shared_memory: bool = False
+    sync_batchnorm: bool = False
+
+
+@dataclass
 class FSDPSettings(Section):
     # fsdp: FSDP2, parameters, gradients and optimizer state sharded over the ranks.
     name: Annotated[str, OneOf("fsdp")] = "fsdp"
@@ -116,6 +126,10 @@ SETTINGS: dict[str, type[Section]] = {
 }
 
 
+# Where the resolved settings differ from the requested ones (an `auto` settled).
+RESOLVED: dict[str, type[Section]] = {"ddp": ResolvedDDPSettings}
+
+
 def of(name: str) -> type[Section]:
     """The settings of strategy `name`; a name no strategy has is one line."""
     if name not in SETTINGS:
@@ -124,3 +138,8 @@ def of(name: str) -> type[Section]:
             f"{', '.join(SETTINGS)} (strategy=NAME, conf/strategy/)"
         )
     return SETTINGS[name]
+
+
+def resolved_of(name: str) -> type[Section]:
+    """The settings of strategy `name` as a resolved config holds them."""
+    return RESOLVED.get(name) or of(name)

@@ -17,7 +17,7 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 from hydra_ddp import monitor, performance, tasks
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import domains, from_checkpoint, groups, run_config, schema
-from hydra_ddp.config.run_config import RunConfig
+from hydra_ddp.config.run_config import Requested, RunConfig
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import startup
 from hydra_ddp.launch.checks import check, model_on_meta
@@ -43,15 +43,16 @@ def resolve(
     it made plain: a test's, a tool's); then checked, unless `checked=False` (an outside launch's
     ranks other than 0: rank 0 checks what depends on its run directory)."""
     plain = plain_config(composed) if isinstance(composed, DictConfig) else composed
-    cfg = run_config.typed(plain)
-    settle(cfg, run_dir, external)
-    cfg.freeze()  # from here on read-only: what the launch learns later makes a new one (amended)
+    requested = run_config.requested(plain)
+    settle(requested, run_dir, external)
+    # from here on read-only: what the launch learns later makes a new one (run_config.amended)
+    cfg = run_config.resolved(requested)
     if checked:
         check(cfg, run_dir)
     return cfg
 
 
-def settle(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
+def settle(cfg: Requested, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
     """Resolve every `auto` and null the run depends on (device, world size, backend, init method,
     batch sizes, the fast settings), once. Every rank of an outside launch runs this alike."""
     requested_global_batch = cfg.data.global_batch_size
@@ -124,7 +125,7 @@ def plain_config(cfg: DictConfig) -> dict[str, Any]:
         raise UserError(groups.mismatch(e)) from None
 
 
-def settle_launch(cfg: RunConfig, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
+def settle_launch(cfg: Requested, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
     """How this command runs: device, world size, backend, init method (train.py's and eval.py's).
     First, every key's value in its domain (the schema's annotations), or one line naming it."""
     domains.check(cfg, schema.Config)
@@ -361,10 +362,10 @@ def eval_config(
     plain = from_checkpoint.merged(
         saved["config"], saved["position"], composed, overrides, str(path)
     )
-    typed = run_config.typed(plain)
-    _check_model(typed.model, saved["model"], path)
-    settle_launch(typed, run_dir, external)
-    return typed.freeze()
+    requested = run_config.requested(plain)
+    _check_model(requested.model, saved["model"], path)
+    settle_launch(requested, run_dir, external)
+    return run_config.resolved(requested)
 
 
 def _check_model(model_cfg: dict[str, Any], saved: dict[str, torch.Tensor], path: Path) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from hydra_ddp.config.run_config import RunConfig
+from hydra_ddp.config.run_config import Requested
 from hydra_ddp.errors import UserError
 from hydra_ddp.parallel import strategies
 
@@ -36,7 +36,7 @@ def is_elastic(launcher: Any) -> bool:
     return launcher.min_nodes is not None and launcher.min_nodes != launcher.nnodes
 
 
-def world_sizes(cfg: RunConfig) -> list[int]:
+def world_sizes(cfg: Requested) -> list[int]:
     """Every world size the run may train at, smallest first."""
     return [
         cfg.trainer.nproc * nodes
@@ -44,7 +44,7 @@ def world_sizes(cfg: RunConfig) -> list[int]:
     ]
 
 
-def check(cfg: RunConfig, global_batch: Optional[int]) -> None:
+def check(cfg: Requested, global_batch: Optional[int]) -> None:
     """What an elastic run needs before launch: torchrun with restarts to spend, a global batch (the
     configured one) that each allowed world size takes in whole micro-batches of data.batch_size
     (the accumulation makes up the rest), a strategy that fits each, and resuming from the last
@@ -83,7 +83,7 @@ def check(cfg: RunConfig, global_batch: Optional[int]) -> None:
     cfg.trainer.resume = cfg.trainer.resume or "auto"
 
 
-def at_world_size(cfg: RunConfig, world: int) -> Optional[dict[str, Any]]:
+def at_world_size(cfg: Requested, world: int) -> Optional[dict[str, Any]]:
     """The values an elastic run's workers settle at the world size the rendezvous gave: the
     accumulation that keeps the global batch with the same micro-batch; None where there is
     nothing to settle."""
@@ -94,7 +94,7 @@ def at_world_size(cfg: RunConfig, world: int) -> Optional[dict[str, Any]]:
     return None if accumulate == cfg.trainer.accumulate else {"trainer.accumulate": accumulate}
 
 
-def most_accumulation(cfg: RunConfig) -> int:
+def most_accumulation(cfg: Requested) -> int:
     """The micro-batches per optimizer step at the fewest ranks the run may train at: an elastic run
     keeps its global batch and micro-batch at fewer nodes by accumulating more (at_world_size)."""
     accumulate = cfg.trainer.accumulate or 1

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hydra_ddp.config.run_config import RunConfig
+from hydra_ddp.config.run_config import Requested, RunConfig
 from hydra_ddp.errors import UserError
 from hydra_ddp.runtime.ranks import RankInfo
 
@@ -57,15 +57,15 @@ class Strategy:
         return world // size
 
     @classmethod
-    def settle(cls, cfg: RunConfig, world: int, local_world: int) -> dict[str, Any]:
+    def settle(cls, cfg: Requested, world: int, local_world: int) -> dict[str, Any]:
         """Its `auto` values settled in `cfg` (the config being resolved: its strategy section) on
         the launch side; those that were `auto`, by dotted key, for the summary."""
         return {}
 
     @classmethod
-    def check(cls, cfg: RunConfig) -> None:
-        """What this strategy cannot do with these settings (`cfg`: the resolved config): one line
-        each, before launch."""
+    def check(cls, cfg: Requested) -> None:
+        """What this strategy cannot do with these settings (`cfg`: the resolved config, or an
+        elastic run's at each of its world sizes as it is settled): one line each, before launch."""
 
     @classmethod
     def backend(cls, settings: Any, backend: str) -> str:
@@ -195,7 +195,7 @@ class Strategy:
         return {"comm_hook": None, "allreduce_bytes_per_step": None}
 
 
-def not_ddp_refusals(cfg: RunConfig, name: str) -> list[tuple[bool, str]]:
+def not_ddp_refusals(cfg: Requested, name: str) -> list[tuple[bool, str]]:
     """(refused, why) for what only DDP's replicas can do: every other strategy refuses them."""
     trainer = cfg.trainer
     return [

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 
 from hydra_ddp.config import strategy_settings
-from hydra_ddp.config.run_config import RunConfig
+from hydra_ddp.config.run_config import Requested, RunConfig
 from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.parallel import comm, elastic, layouts, shared_memory
 from hydra_ddp.parallel.strategies.base import Strategy
@@ -46,7 +46,7 @@ DDP_ARGUMENTS = (
 )
 
 
-def config_blockers(cfg: RunConfig) -> list[str]:
+def config_blockers(cfg: Requested) -> list[str]:
     """The settings that rule the shared-memory all-reduce out."""
     reasons = []
     if cfg.strategy.comm_hook != "none":
@@ -79,7 +79,7 @@ class DDP(Strategy):
         return True
 
     @classmethod
-    def settle(cls, cfg: RunConfig, world: int, local_world: int) -> dict[str, Any]:
+    def settle(cls, cfg: Requested, world: int, local_world: int) -> dict[str, Any]:
         settings, trainer = cfg.strategy, cfg.trainer
         if settings.sync_batchnorm == AUTO:
             settings.sync_batchnorm = trainer.device == "cuda"
@@ -106,14 +106,14 @@ class DDP(Strategy):
         return settled
 
     @staticmethod
-    def shared_memory_blockers(cfg: RunConfig, world: int, local_world: int) -> list[str]:
+    def shared_memory_blockers(cfg: Requested, world: int, local_world: int) -> list[str]:
         trainer = cfg.trainer
         return config_blockers(cfg) + shared_memory.unavailable(
             cfg.backend.name, trainer.device, world, local_world
         )
 
     @classmethod
-    def check(cls, cfg: RunConfig) -> None:
+    def check(cls, cfg: Requested) -> None:
         settings, trainer, data = cfg.strategy, cfg.trainer, cfg.data
         if settings.comm_hook != "none" and not data.even_shards:
             raise UserError(

@@ -13,14 +13,14 @@ import torch
 from torch import nn
 
 from hydra_ddp.config import strategy_settings
-from hydra_ddp.config.run_config import RunConfig
+from hydra_ddp.config.run_config import Requested
 from hydra_ddp.errors import EveryRankError
 from hydra_ddp.parallel import layouts
 from hydra_ddp.parallel.strategies.base import Strategy, not_ddp_refusals, refuse, start_from_rank0
 from hydra_ddp.recipe import activation_checkpointing, compiling
 
 
-def shard_refusals(cfg: RunConfig) -> list[tuple[bool, str]]:
+def shard_refusals(cfg: Requested) -> list[tuple[bool, str]]:
     """(refused, why) for FSDP's own settings."""
     settings, trainer, launcher = cfg.strategy, cfg.trainer, cfg.launcher
     # None: not yet settled
@@ -130,7 +130,7 @@ class FSDP(Strategy):
     Settings = strategy_settings.FSDPSettings
 
     @classmethod
-    def check(cls, cfg: RunConfig) -> None:
+    def check(cls, cfg: Requested) -> None:
         refuse(cls.name, not_ddp_refusals(cfg, cls.name) + shard_refusals(cfg))
         activation_checkpointing.check(cfg)
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hydra_ddp.config import strategy_settings
-from hydra_ddp.config.run_config import RunConfig
+from hydra_ddp.config.run_config import Requested
 from hydra_ddp.parallel import layouts
 from hydra_ddp.parallel.strategies import fsdp, tp
 from hydra_ddp.parallel.strategies.base import (
@@ -34,7 +34,7 @@ class FSDPWithTP(Strategy):
         return int(settings.tp_size)
 
     @classmethod
-    def check(cls, cfg: RunConfig) -> None:
+    def check(cls, cfg: Requested) -> None:
         tp.check_plan(cfg, cls)
         settings = cfg.strategy
         tensor_parallel_limits = [

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hydra_ddp.config import strategy_settings
-from hydra_ddp.config.run_config import RunConfig
+from hydra_ddp.config.run_config import Requested
 from hydra_ddp.errors import UserError, first_line, root_cause
 from hydra_ddp.parallel import layouts
 from hydra_ddp.parallel.strategies.base import (
@@ -23,7 +23,7 @@ from hydra_ddp.parallel.strategies.base import (
 from hydra_ddp.recipe import compiling
 
 
-def check_plan(cfg: RunConfig, strategy: type[Strategy]) -> None:
+def check_plan(cfg: Requested, strategy: type[Strategy]) -> None:
     """Tensor parallel needs the model's plan, and a world size it splits over (built on the meta
     device)."""
     from hydra.utils import instantiate
@@ -83,7 +83,7 @@ class TensorParallel(Strategy):
         return world
 
     @classmethod
-    def check(cls, cfg: RunConfig) -> None:
+    def check(cls, cfg: Requested) -> None:
         check_plan(cfg, cls)
         refuse(cls.name, not_ddp_refusals(cfg, cls.name))
 
