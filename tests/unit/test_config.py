@@ -129,7 +129,11 @@ def test_what_the_launch_settles_has_its_type_in_the_resolved_config(
     # The requested form takes what composing gives, `auto` included, and no unknown key.
     with pytest.raises(UserError, match="does not fit the schema: trainer.surprise is not a key"):
         run_config.requested({"trainer": {"nproc": "auto", "surprise": 1}})
-    assert run_config.requested({"trainer": {"nproc": "auto"}}).trainer.nproc == "auto"
+    with pytest.raises(UserError, match="trainer: a section, not 5"):
+        run_config.requested({"trainer": 5})
+    composed = {"trainer": {"nproc": "auto", "hooks": []}}
+    assert run_config.requested(composed).trainer.nproc == "auto"
+    assert run_config.requested(composed).trainer.hooks is not composed["trainer"]["hooks"]
 
 
 def test_defaults_leave_ports_to_the_launch_and_make_a_fresh_store(tmp_path: Path):

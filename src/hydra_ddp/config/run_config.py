@@ -11,6 +11,7 @@ its attributes; nothing assigns to it (an assignment raises).
 
 from __future__ import annotations
 
+import copy
 import functools
 import typing
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -133,14 +134,15 @@ def _template() -> DictConfig:
 def requested(plain: dict[str, Any]) -> Requested:
     """The composed config made plain, as the Requested the launch settles in place. Built field by
     field, not checked: Hydra checked the composition against the schema, and `resolved` checks
-    what the settling made of it. A key the schema does not have is one line."""
-    return _built(Requested, plain, "")
+    what the settling made of it. A key the schema does not have is one line. `plain` itself is
+    left as it was (settling changes the copy)."""
+    return _built(Requested, copy.deepcopy(plain), "")
 
 
 def _built(cls: type, plain: Any, where: str) -> Any:
     """`plain` (a dict) as dataclass `cls`, its sections' dicts as theirs; other values as given."""
     if not isinstance(plain, dict):
-        raise UserError(f"{where or 'the config'}: a section, not {plain!r}")
+        raise UserError(f"{where.rstrip('.') or 'the config'}: a section, not {plain!r}")
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(plain) - set(known))
     if unknown:
