@@ -416,7 +416,7 @@ def test_every_shell_command_in_the_docs_runs(
             outcome.distinct += len(group)
             words = key_words[0]
             program = _program(words)
-            began = time.monotonic()
+            where, began = f"{block.where}: {' / '.join(group)}", time.monotonic()
             if (
                 program == "make"
                 and subprocess.run(["make", "-q", ".venv/.installed"], cwd=REPO).returncode
@@ -443,9 +443,9 @@ def test_every_shell_command_in_the_docs_runs(
                     for code, out, err in results
                     if code
                 )
-            outcome.seconds[f"{block.where}: {' / '.join(group)}"] = time.monotonic() - began
+            outcome.seconds[where] = time.monotonic() - began
             if problem:
-                outcome.failures.append(f"{block.where}: {' / '.join(group)}\n    → {problem}")
+                outcome.failures.append(f"{where}\n    → {problem}")
     with capsys.disabled():
         skipped = ", ".join(f"{n} {mark}" for mark, n in sorted(outcome.skipped.items()))
         print(

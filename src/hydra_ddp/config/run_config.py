@@ -143,8 +143,7 @@ def _built(cls: type, plain: Any, where: str) -> Any:
     """`plain` (a dict) as dataclass `cls`, its sections' dicts as theirs; other values as given."""
     if not isinstance(plain, dict):
         raise UserError(f"{where.rstrip('.') or 'the config'}: a section, not {plain!r}")
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(plain) - set(known))
+    unknown = sorted(set(plain) - {f.name for f in fields(cls)})
     if unknown:
         raise UserError(f"the config does not fit the schema: {where}{unknown[0]} is not a key")
     values = {}
@@ -178,12 +177,10 @@ def typed(plain: dict[str, Any]) -> RunConfig:
     schema does not take is one line (a checkpoint's config from another version, say)."""
     if plain.get("job", "train") not in JOBS:
         raise UserError(f"job={plain['job']!r}: one of {', '.join(JOBS)}")
-    settings = strategy_settings.resolved_of(
-        plain.get("strategy", {}).get("name", strategy_settings.DEFAULT)
-    )
-    rest = {k: v for k, v in plain.items() if k != "strategy"}
-    run = _merged(_template(), rest, "")
-    run.strategy = _merged(OmegaConf.structured(settings), plain.get("strategy", {}), "strategy.")
+    strategy = plain.get("strategy", {})
+    settings = strategy_settings.resolved_of(strategy.get("name", strategy_settings.DEFAULT))
+    run = _merged(_template(), {k: v for k, v in plain.items() if k != "strategy"}, "")
+    run.strategy = _merged(OmegaConf.structured(settings), strategy, "strategy.")
     return run  # type: ignore[no-any-return]
 
 
