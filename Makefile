@@ -30,14 +30,20 @@ $(STAMP): $(BASE)
 train: $(BASE)
 	$(PY) train.py $(ARGS)
 
-# Everything: both layers, tests/unit and tests/e2e (pyproject.toml leaves out the `look` marker).
+# Everything: both layers (pyproject.toml leaves out the `look` marker). The unit layer runs in
+# UNIT_WORKERS pytest-xdist processes (its tests are in-process and CPU-bound: two keep it under
+# a minute on the 2-core machine, bench/results/UNIT_LAYER.md); the end-to-end layer one test at
+# a time, since its ranks already keep the cores busy (two workers there gained nothing:
+# bench/results/CI_RUNS.md).
+UNIT_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(UNIT_WORKERS) tests/unit $(ARGS)
+	$(PY) -m pytest tests/e2e $(ARGS)
 
 # The unit layer alone: every test that runs in the test's own process (no subprocess, no server,
-# no cluster), in well under a minute.
+# no cluster), in under a minute.
 test-unit: $(STAMP)
-	$(PY) -m pytest -q tests/unit $(ARGS)
+	$(PY) -m pytest -q -n $(UNIT_WORKERS) tests/unit $(ARGS)
 
 # The inner loop: the unit layer and a named handful of end-to-end runs (the default run, an outside
 # torchrun launch, the forkserver's start-up, the first failure named, exact evaluation on real gloo
@@ -50,7 +56,8 @@ FAST_E2E := tests/e2e/test_train_e2e.py::test_default_run_leaves_one_complete_ru
 	tests/e2e/test_ci.py::test_a_skip_fails_under_ci_and_stays_a_skip_outside \
 	tests/e2e/test_check.py::test_check_says_what_would_run_and_launches_nothing
 test-fast: $(STAMP) lint
-	$(PY) -m pytest -q tests/unit $(FAST_E2E) $(ARGS)
+	$(PY) -m pytest -q -n $(UNIT_WORKERS) tests/unit $(ARGS)
+	$(PY) -m pytest -q $(FAST_E2E) $(ARGS)
 
 # The linter and the formatter (pyproject.toml's [tool.ruff]): `make format` rewrites, this only checks.
 LINTED := src tests bench train.py eval.py
