@@ -27,6 +27,15 @@ def _split(n: int, test_fraction: float, seed: int) -> tuple[torch.Tensor, torch
     return order[n_test:], order[:n_test]
 
 
+def _first_to_train(train_size: int, *columns: torch.Tensor) -> tuple[Dataset, Dataset]:
+    """Generated samples (each column's first dimension) split in order: the first train_size to
+    train on, the rest to test."""
+    return (
+        TensorDataset(*(column[:train_size] for column in columns)),
+        TensorDataset(*(column[train_size:] for column in columns)),
+    )
+
+
 def _one_thread(build):
     """A source built as one thread builds it, whatever the caller's torch thread count: a
     reduction's (a mean's, a matrix product's) summation order follows the thread count, and a
@@ -149,9 +158,7 @@ def synthetic(
     n = train_size + test_size
     x = torch.randn(n, in_channels, image_size, image_size, generator=gen)
     y = torch.randint(0, num_classes, (n,), generator=gen)
-    return TensorDataset(x[:train_size], y[:train_size]), TensorDataset(
-        x[train_size:], y[train_size:]
-    )
+    return _first_to_train(train_size, x, y)
 
 
 def _shipped_table(name: str) -> np.ndarray:
@@ -196,9 +203,7 @@ def synthetic_regression(
         torch.randn(in_features, generator=gen) / 4,
     )
     y = torch.sin(2 * x @ w1) + x @ w2 + noise * torch.randn(n, generator=gen)
-    return TensorDataset(x[:train_size], y[:train_size]), TensorDataset(
-        x[train_size:], y[train_size:]
-    )
+    return _first_to_train(train_size, x, y)
 
 
 def shapes(
@@ -222,10 +227,7 @@ def shapes(
     images = (
         brightness[masks] + 0.3 * torch.randn(n, image_size, image_size, generator=gen)
     ).unsqueeze(1)
-    return (
-        TensorDataset(images[:train_size], masks[:train_size]),
-        TensorDataset(images[train_size:], masks[train_size:]),
-    )
+    return _first_to_train(train_size, images, masks)
 
 
 def mnist(root: str, download: bool = False) -> tuple[Dataset, Dataset]:
