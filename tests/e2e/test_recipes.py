@@ -60,7 +60,17 @@ def recipe_tools(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     proc = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *packages],
+        # --no-compile: the tools' parsers import a few of the ~100 packages; Python compiles those
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-compile",
+            "--disable-pip-version-check",
+            *packages,
+        ],
         capture_output=True,
         text=True,
         timeout=600,
