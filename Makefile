@@ -36,10 +36,15 @@ train: $(BASE)
 # a time, since its ranks already keep the cores busy (two workers there gained nothing:
 # bench/results/CI_RUNS.md). A failing unit layer does not stop the end-to-end one: the run
 # reports every failure, as one pytest did, and fails if either layer failed.
+# Each layer's per-test seconds and launches go to DURATIONS (tests/durations.py), and the 25
+# slowest of the whole run are printed at its end, with its totals.
 UNIT_WORKERS ?= 2
+DURATIONS ?= .test-results
 test: $(STAMP)
+	rm -rf $(DURATIONS); export HDDP_DURATIONS_DIR=$(DURATIONS); \
 	$(PY) -m pytest -n $(UNIT_WORKERS) tests/unit $(ARGS); unit=$$?; \
-	$(PY) -m pytest tests/e2e $(ARGS) && exit $$unit
+	$(PY) -m pytest tests/e2e $(ARGS); e2e=$$?; \
+	$(PY) tests/durations.py $(DURATIONS); [ $$unit = 0 ] && [ $$e2e = 0 ]
 
 # The unit layer alone: every test that runs in the test's own process (no subprocess, no server,
 # no cluster), in under a minute.

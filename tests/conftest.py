@@ -12,7 +12,7 @@ import pytest
 
 from support import REPO
 
-pytest_plugins = ["ci_skips"]  # under CI=true a skip fails the run
+pytest_plugins = ["ci_skips", "durations"]  # under CI=true a skip fails; the time kept
 
 PAIR_TEST = (
     "test_every_pair_of_options_passes_the_check_or_fails_in_one_line_and_a_passing_pair_trains"
