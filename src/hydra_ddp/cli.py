@@ -14,6 +14,7 @@ Importing this module imports neither torch nor Hydra: a command's workers start
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, NoReturn, Optional
@@ -24,6 +25,7 @@ from hydra_ddp.launch import startup
 from hydra_ddp.runtime import ranks
 
 PACKAGE_CONF = "pkg://hydra_ddp.conf"
+WARM = "HYDRA_DDP_WARM"  # a warm process's socket (hydra_ddp.warm): commands start in its forks
 CONFIG_OF_JOB = {"train": "config", "eval": "eval"}  # a Hydra job, and its primary config's name
 # The commands, each with its usage line: the help, and the one line for a command it does not know.
 COMMANDS = {
@@ -36,6 +38,10 @@ COMMANDS = {
     "init": (
         "init DIR",
         "start a project of your own in DIR: a task, a model, data, their configs",
+    ),
+    "warm": (
+        "warm start|stop|status",
+        "keep torch imported in the background: commands start in a fork of it",
     ),
 }
 USAGE = "\n".join(
@@ -58,6 +64,11 @@ def run_job(
     interpreter's teardown (command.exit_after)."""
     if argv is not None:
         sys.argv = argv  # Hydra reads its overrides there
+    if os.environ.get(WARM) and not startup.warm_fork and not ranks.external_launch():
+        from hydra_ddp.warm import command as warm
+
+        # the command runs in a fork of the warm process; this process waits for it
+        warm.run_in_fork(job, config_path, started_at, sys.argv)
     check_only = startup.take_check_flags(sys.argv)  # --check: compose and check, launch nothing
     if not check_only and not ranks.external_launch():
         # The workers' imports (torch, the project) start now, in a forkserver, beside the parent's
@@ -151,6 +162,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if name == "init":
             return _init(rest)
+        if name == "warm":
+            return _warm(rest)
         # the project run from: its conf/ ahead of the package's, its package importable
         found = project.find()
     except UserError as error:
@@ -178,6 +191,44 @@ def _init(args: list[str]) -> int:
     print(
         f"hydra-ddp: wrote {len(written)} files to {folder}; then: "
         f"cd {args[0]} && hydra-ddp train +experiment=spirals"
+    )
+    return 0
+
+
+def _warm(args: list[str]) -> int:
+    """`hydra-ddp warm start` prints the line that points this shell's commands at it, for
+    eval "$(hydra-ddp warm start)"; `serve` is the warm process itself, which `start` runs."""
+    import shlex
+
+    from hydra_ddp.warm import command as warm
+
+    if len(args) != 1 or args[0] not in ("start", "stop", "status", "serve"):
+        raise UserError("hydra-ddp warm takes one of start, stop or status: hydra-ddp warm start")
+    path = os.environ.get(WARM) or warm.default_path()
+    if args[0] == "serve":
+        from hydra_ddp.warm import server
+
+        server.main(path, run_job)
+        return 0
+    if args[0] == "start":
+        answer = warm.start(path)
+        print(f"export {WARM}={shlex.quote(path)}")
+        print(
+            f"hydra-ddp: warm process {answer['pid']} at {path}; commands with {WARM} set "
+            "start in a fork of it",
+            file=sys.stderr,
+        )
+        return 0
+    answer = warm.ask(path) if args[0] == "status" else None
+    if args[0] == "stop" and warm.stop(path):
+        print(f"hydra-ddp: stopped the warm process at {path}", file=sys.stderr)
+        return 0
+    if answer is None:
+        print(f"hydra-ddp: no warm process answers at {path}", file=sys.stderr)
+        return 1
+    print(
+        f"hydra-ddp: warm process {answer['pid']} at {path}: {answer['served']} command(s) "
+        f"served, {answer['running']} running, up {time.time() - answer['since']:.0f} s"
     )
     return 0
 

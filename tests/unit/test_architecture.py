@@ -32,7 +32,7 @@ LAYERS = (
     ("parallel", "tasks"),
     ("checkpoint", "reporting"),
     ("training", "launch"),
-    ("export", "init", "tools", "search"),
+    ("export", "init", "tools", "search", "warm"),
     ("cli",),
     ("__main__",),
 )
@@ -376,6 +376,7 @@ EXTRAS = (
     "hydra_ddp.reporting.scaling",
     "hydra_ddp.reporting.trials",
     "hydra_ddp.reporting.wandb_logger",
+    "hydra_ddp.warm",
 )
 ENTRY = ("hydra_ddp.cli", "hydra_ddp.__main__")
 

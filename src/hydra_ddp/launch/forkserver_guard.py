@@ -13,10 +13,6 @@ before they write their checkpoint (and the launcher would learn only "exit code
 The launcher and the workers take them as a stop request; workers set their own handlers.
 """
 
-import signal
-
 from hydra_ddp.runtime import processes
 
-processes.die_with_parent()
-for _signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
-    signal.signal(_signal, signal.SIG_IGN)
+processes.guard_forkserver()

@@ -97,7 +97,64 @@ def preload(argv: list[str] | None = None) -> None:
     quiet_resource_tracker()  # started along with the forkserver
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
-    forkserver.ensure_running()
+    if warm_fork and _FORKSERVER_MAIN_TAKES == _forkserver_main_parameters():
+        _fork_forkserver()
+    else:
+        forkserver.ensure_running()
+
+
+# Set in a warm process's fork (hydra_ddp.warm), which has imported everything a worker needs:
+# its forkserver is a fork of it rather than a new interpreter importing it all again, and does not
+# keep these descriptors of the fork's (its connection to its command).
+warm_fork = False
+close_in_forkserver: list[int] = []
+# multiprocessing.forkserver.main's parameters, as CPython 3.11 to 3.13 have them
+_FORKSERVER_MAIN_TAKES = ("listener_fd", "alive_r", "preload", "main_path", "sys_path")
+
+
+def _forkserver_main_parameters() -> tuple[str, ...]:
+    import inspect
+    from multiprocessing import forkserver
+
+    return tuple(inspect.signature(forkserver.main).parameters)
+
+
+def _fork_forkserver() -> None:
+    """multiprocessing's forkserver, started as ForkServer.ensure_running starts it, but forked from
+    this process instead of executed anew: the same listener, the same pipe whose end ends it, the
+    same guard (it dies with this process), and workers forked from it as from any forkserver."""
+    import socket
+    from multiprocessing import connection, forkserver, resource_tracker
+
+    from hydra_ddp.runtime import processes
+
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None:
+        return
+    resource_tracker.ensure_running()
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    launcher = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for fd in (alive_w, *close_in_forkserver):
+                os.close(fd)
+            processes.guard_forkserver(launcher)
+            forkserver.main(listener.fileno(), alive_r, [])
+        finally:
+            os._exit(0)
+    os.close(alive_r)
+    listener.close()
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
 
 
 @contextlib.contextmanager

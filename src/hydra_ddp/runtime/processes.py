@@ -32,3 +32,12 @@ def die_with_parent(expected_parent: int | None = None) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(1)
+
+
+def guard_forkserver(launcher: int | None = None) -> None:
+    """A forkserver's guard (launch/forkserver_guard.py says why): it dies with its launcher
+    (`launcher`: the pid it must still have as its parent), and ignores the stop signals sent to
+    the whole process group, which its workers take."""
+    die_with_parent(launcher)
+    for stop in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(stop, signal.SIG_IGN)
