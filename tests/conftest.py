@@ -59,14 +59,35 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def spawned(tmp_path_factory) -> Path:
+def reference_run(tmp_path_factory):
+    """`reference_run(*overrides)`: the default launch (spawn) of a config, made once for the
+    session however many tests compare with it (the same overrides in any order: one run). What
+    other launchers, pods and nodes must match bit for bit. Readers only read it: a test that
+    resumes, exports or evaluates into a run makes its own."""
+    from support import check_ok, run_train
+
+    made: dict[tuple[str, ...], Path] = {}
+
+    def run(*overrides: str) -> Path:
+        keys = [override.split("=", 1)[0] for override in overrides]
+        assert len(set(keys)) == len(keys), f"a key given twice: {overrides}"
+        key = tuple(sorted(overrides))
+        if key not in made:
+            folder = tmp_path_factory.mktemp("reference") / "run"
+            check_ok(run_train(folder, *overrides))
+            made[key] = folder
+        return made[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def spawned(reference_run) -> Path:
     """The default launch (spawn, 2 ranks) of a short run (support.QUICK), made once: what every
     other launcher's run of the same config must match bit for bit (losses and final weights)."""
-    from support import QUICK, check_ok, run_train
+    from support import QUICK
 
-    run = tmp_path_factory.mktemp("spawned") / "run"
-    check_ok(run_train(run, *QUICK))
-    return run
+    return reference_run(*QUICK)
 
 
 @pytest.fixture(scope="session")

@@ -165,11 +165,37 @@ def session_processes(sid: int) -> dict[int, str]:
 
 def assert_no_orphans(sid: int, grace_s: float = 10.0) -> None:
     """Nothing a run started outlives it by more than grace_s (a helper such as multiprocessing's
-    resource tracker exits on its own once its parent has gone, a moment later)."""
+    resource tracker exits on its own once its parent has gone, a moment later). A run made in a
+    fork of the session's warm process (tests/e2e/conftest.py) started everything in that
+    process's session instead: nothing but the warm process itself may be left there."""
+    warm = warm_pid()
     deadline = time.monotonic() + grace_s
-    while (left := session_processes(sid)) and time.monotonic() < deadline:
+    while (left := _left(sid, warm)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"processes left behind: {left}"
+
+
+def _left(sid: int, warm: Optional[int]) -> dict[int, str]:
+    left = session_processes(sid)
+    if warm is not None:  # its session's id is its pid (started in a session of its own)
+        left.update({pid: line for pid, line in session_processes(warm).items() if pid != warm})
+    return left
+
+
+def run_processes(sid: int) -> dict[int, str]:
+    """The live processes of a run started in session `sid` (start_train's): the session's, and,
+    for a run made in a fork of the session's warm process, that fork's and everything it started
+    (in the warm process's session: the suite runs one command at a time)."""
+    return _left(sid, warm_pid())
+
+
+def warm_pid() -> Optional[int]:
+    """The pid of the warm process this test's runs start in, if any (HYDRA_DDP_WARM)."""
+    from hydra_ddp.warm import command
+
+    path = os.environ.get(command.ENV)
+    answer = command.ask(path) if path else None
+    return answer["pid"] if answer else None
 
 
 def free_port() -> int:
@@ -745,6 +771,42 @@ def blocks(path: Path) -> list[Block]:
 
 
 BLOCKS = [block for page in PAGES for block in blocks(page)]
+
+
+def without_comment(command: str) -> str:
+    return re.sub(r"\s+#\s.*$", "", command)
+
+
+def documented_command(page: str, fragment: str) -> str:
+    """The documented shell command on `page` (README.md, docs/NAME.md) that contains `fragment`,
+    continuation lines joined, its comment left out: one, or the test fails. Calling it (or
+    `documented`) with constants makes the calling test the command's runner in the doc map
+    (tests/doc_map.py): the doc test runs that command no more."""
+    found = {
+        without_comment(command)
+        for block in BLOCKS
+        if block.page == REPO / page and block.lang in SHELLS and block.mark is None
+        for command in block.commands
+        if fragment in command
+    }
+    assert len(found) == 1, f"{page}: {len(found)} commands contain {fragment!r}: {sorted(found)}"
+    return found.pop()
+
+
+def documented(page: str, fragment: str) -> list[str]:
+    """The words after the script (train.py, eval.py, `-m hydra_ddp.MODULE`) of the documented
+    command (documented_command): what a test that runs that command passes, its own overrides
+    after them (the last value of a key wins)."""
+    import shlex
+
+    command = documented_command(page, fragment)
+    words = shlex.split(command)
+    for i, word in enumerate(words):
+        if word.endswith(("train.py", "eval.py")):
+            return words[i + 1 :]
+        if word == "-m" and i + 1 < len(words) and words[i + 1].startswith("hydra_ddp"):
+            return words[i + 2 :]
+    raise AssertionError(f"{page}: {command!r} runs no train.py, eval.py or hydra_ddp module")
 
 
 # --- A Kubernetes pod's variables (tests/unit and tests/e2e test_kubernetes.py) -------------------

@@ -13,6 +13,8 @@ import pytest
 from support import REPO, train_env
 
 
+# cold: the package is hidden in this command's own process (a warm start's fork has its own)
+@pytest.mark.cold
 @pytest.mark.parametrize("package, title", [("mlflow", "MLflow"), ("wandb", "Weights & Biases")])
 def test_a_tracker_without_its_package_installed_fails_before_launch(
     tmp_path: Path, package: str, title: str

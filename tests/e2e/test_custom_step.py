@@ -26,6 +26,8 @@ from support import (
 )
 
 # scheduler=none: the configured optimizer's rate stays optim=sgd's 0.02, as the second one's does.
+# The plain run is the session's reference run of this config (the hooks' plain run too,
+# tests/e2e/test_hooks.py).
 RUN = ("trainer.epochs=2", "trainer.threads=1", "trainer.log_every=1", "scheduler=none")
 HEAD = ("fc2.weight", "fc2.bias")  # MnistCNN's last layer: its last two parameters
 
@@ -47,10 +49,11 @@ def step_setting(head_lr: float) -> str:
 
 
 @pytest.mark.timeout(400)
-def test_the_docs_two_optimizer_step_trains_exactly_and_resumes_bit_for_bit(tmp_path: Path):
+def test_the_docs_two_optimizer_step_trains_exactly_and_resumes_bit_for_bit(
+    tmp_path: Path, reference_run
+):
     env = with_pythonpath(the_pages_step(tmp_path / "user"))
-    plain, same = tmp_path / "plain", tmp_path / "same"
-    check_ok(run_train(plain, *RUN))
+    plain, same = reference_run(*RUN), tmp_path / "same"
     check_ok(run_train(same, *RUN, step_setting(0.02), env=env))
     # Two optimizers at one rate are one optimizer: every step's loss and the weights, to the bit.
     assert_same_run(same, plain, "a second optimizer at the configured rate")

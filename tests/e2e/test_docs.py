@@ -45,6 +45,7 @@ from typing import Optional
 
 import pytest
 
+import doc_map
 from support import (
     BLOCKS,
     QUICK,
@@ -54,6 +55,7 @@ from support import (
     make_image_folder,
     run_train,
     train_env,
+    without_comment,
     write_cifar,
     write_lab,
 )
@@ -155,16 +157,13 @@ SERVERS = {
 class Outcome:
     ran: int = 0
     distinct: int = 0
+    mapped: int = 0  # run for real by another test (tests/doc_map.py)
     checked: int = 0
     gpu_checked: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)
     failures: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # each distinct run's, for the report
-
-
-def _without_comment(command: str) -> str:
-    return re.sub(r"\s+#\s.*$", "", command)
 
 
 def _placed(command: str, project: Path) -> str:
@@ -215,7 +214,7 @@ def _check_for_gpus(command: str, project: Path, env: dict[str, str]) -> Optiona
     """A GPU host's `python train.py ...` checked as that host would check it (--check --gpus=N, N
     its trainer.nproc, else 8): its one error line, or "" when it passes; None for another
     command."""
-    words = shlex.split(_placed(_without_comment(command), project))
+    words = shlex.split(_placed(without_comment(command), project))
     at = next((i for i, word in enumerate(words) if word.endswith("train.py")), None)
     if at is None:
         return None
@@ -343,6 +342,19 @@ def _pairs(commands: list[str]) -> list[list[str]]:
     return groups
 
 
+_PATHS = re.compile(r"[\w.~-]*/[\w./~-]+")
+
+
+def _needed_later(commands: list[str], at: int, claimed: dict[str, set[str]]) -> bool:
+    """A command a later command of its block, run here, reads the outputs of (a path they share:
+    the shards it writes, the run it trains): it runs here too, whoever else runs it."""
+    made = set(_PATHS.findall(without_comment(commands[at]))) - {".venv/bin/python"}
+    return any(
+        doc_map.normal(later) not in claimed and made & set(_PATHS.findall(without_comment(later)))
+        for later in commands[at + 1 :]
+    )
+
+
 @pytest.mark.timeout(3000)
 def test_every_shell_command_in_the_docs_runs(
     project: Path, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture
@@ -351,6 +363,7 @@ def test_every_shell_command_in_the_docs_runs(
         "optional-dependencies"
     ]
     outcome = Outcome()
+    claimed = doc_map.claims()  # run for real by their own tests
     venv_bin = str(project / ".venv" / "bin")
     base_env = {
         **train_env(),
@@ -395,15 +408,17 @@ def test_every_shell_command_in_the_docs_runs(
             outcome.skipped[block.mark] = outcome.skipped.get(block.mark, 0) + len(block.commands)
             continue
         env_lines: list[str] = []  # the block's assignments so far, replayed before each command
+        at = 0
         for group in _pairs(block.commands):
-            first = _without_comment(group[0])
+            at += len(group)
+            first = without_comment(group[0])
             if re.match(r"^(export\s+)?\w+=", first) and len(group) == 1:
                 env_lines.append(_placed(first, project))
                 outcome.ran += 1
                 continue
             scripts, key_words = [], []
             for command in group:
-                placed = _placed(_without_comment(command), project)
+                placed = _placed(without_comment(command), project)
                 words = _expand(placed, env_lines, project, base_env)
                 extra = suffix(words)
                 scripts.append("\n".join([*env_lines, f"{placed} {shlex.join(extra)}".strip()]))
@@ -414,6 +429,11 @@ def test_every_shell_command_in_the_docs_runs(
                 continue
             outcome.seen.add(key)
             outcome.distinct += len(group)
+            if all(doc_map.normal(c) in claimed for c in group) and not _needed_later(
+                block.commands, at - 1, claimed
+            ):
+                outcome.mapped += len(group)
+                continue
             words = key_words[0]
             program = _program(words)
             where, began = f"{block.where}: {' / '.join(group)}", time.monotonic()
@@ -449,8 +469,9 @@ def test_every_shell_command_in_the_docs_runs(
     with capsys.disabled():
         skipped = ", ".join(f"{n} {mark}" for mark, n in sorted(outcome.skipped.items()))
         print(
-            f"\ndocs: {outcome.ran} commands ran ({outcome.distinct} distinct "
-            f"runs), {outcome.checked} checked only (marked installs), "
+            f"\ndocs: {outcome.ran} commands read, {outcome.distinct - outcome.mapped} distinct "
+            f"runs made here, {outcome.mapped} run by their own tests (the doc map), "
+            f"{outcome.checked} checked only (marked installs), "
             f"{outcome.gpu_checked} checked for a GPU host (train.py --check "
             f"--gpus=N), {sum(outcome.skipped.values())} skipped ({skipped})"
         )
@@ -462,7 +483,8 @@ def test_every_shell_command_in_the_docs_runs(
     assert not outcome.failures, (
         f"{len(outcome.failures)} command(s) in the docs fail:\n" + "\n".join(outcome.failures)
     )
-    assert outcome.distinct > 60  # runs, each once: not an assignment, not a repeat
+    # runs, each once (not an assignment, not a repeat), here or by their tests
+    assert outcome.distinct > 60 and outcome.distinct - outcome.mapped > 20
 
 
 @pytest.mark.timeout(600)
@@ -489,3 +511,101 @@ def test_every_transcript_in_the_docs_prints_what_it_shows(project: Path):
                 )
                 compared += 1
     assert compared >= 3  # the tutorial's, at least
+
+
+def _first_of_sweeps(words: list[str]) -> list[str]:
+    """A multirun's overrides as its first job composes them: each swept key's first value (Hydra's
+    `a=1,2`; a value in brackets or braces is one value)."""
+    first = []
+    for word in words:
+        key, _, value = word.partition("=")
+        if value and "," in value and not value.startswith(("[", "{", "'", '"')):
+            value = value.split(",")[0]
+        first.append(f"{key}={value}" if value else word)
+    return first
+
+
+@pytest.mark.timeout(600)
+def test_every_documented_command_composes_and_resolves_in_process(
+    project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Every documented train.py and eval.py command (a GPU host's, for such a host; one that
+    another test runs for real, too), cheaply: composed in this process as Hydra composes it, its
+    placeholders made real, a sweep as its first job; then resolved as the command resolves it
+    (every auto settled, every key's value in its domain, the batch sizes agreeing), eval.py's from
+    its checkpoint. What the run itself checks of its files and data is the run's: the doc test
+    above, or the command's runner."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from hydra_ddp.config.schema import register_schema
+    from hydra_ddp.launch import resolve
+    from hydra_ddp.parallel import distributed
+
+    register_schema()
+    monkeypatch.chdir(project)
+    env = {**train_env(), "HOME": str(project / "home"), "PYTHONPATH": train_env()["PYTHONPATH"]}
+    monkeypatch.setenv("HOME", str(project / "home"))
+    monkeypatch.syspath_prepend(str(project / "home" / "lab"))
+    resolved, failures = 0, []
+    GlobalHydra.instance().clear()
+    hydra = initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None)
+    hydra.__enter__()
+    request_finalizer = hydra.__exit__
+    for block in BLOCKS:
+        if block.lang not in SHELLS or block.mark not in (None, "needs-gpu"):
+            continue
+        env_lines: list[str] = []
+        for command in block.commands:
+            placed = _placed(without_comment(command), project)
+            if re.match(r"^(export\s+)?\w+=", placed):
+                env_lines.append(placed)
+                continue
+            words = _expand(placed, env_lines, project, env)
+            script = _script(words)
+            if script not in ("train.py", "eval.py") or {"--cfg", "--help"} & set(words):
+                continue
+            at = next(i for i, w in enumerate(words) if w.endswith(script))
+            gpus = None
+            overrides = []
+            for word in words[at + 1 :]:
+                if word.startswith("--gpus="):
+                    gpus = word.split("=", 1)[1]
+                elif not word.startswith("-") and (
+                    not word.startswith(("hydra.", "hydra/")) or word.startswith("hydra.searchpath")
+                ):
+                    overrides.append(word)
+            if block.mark == "needs-gpu":
+                gpus = next(
+                    (w.split("=")[1] for w in overrides if w.startswith("trainer.nproc=")), "8"
+                )
+            overrides = _first_of_sweeps(overrides)
+            where = f"{block.where}: {command}"
+            with monkeypatch.context() as scoped:
+                if gpus:
+                    scoped.setenv(distributed.CHECK_GPUS_ENV, gpus)
+                try:
+                    name = "config" if script == "train.py" else "eval"
+                    composed = compose(name, overrides, return_hydra_config=True)
+                    # ${hydra:...} as a run reads it (the MLflow logger's store is in its cwd)
+                    HydraConfig.instance().set_config(composed)
+                    with open_dict(composed):
+                        del composed["hydra"]
+                    run_dir = tmp_path / f"run{resolved}"
+                    if script == "train.py":
+                        resolve.resolve(composed, run_dir, None, checked=False)
+                    else:
+                        given = [o for o in overrides if not o.startswith("ckpt=")]
+                        resolve.eval_config(composed, given, run_dir, None)
+                    resolved += 1
+                except Exception as error:  # noqa: BLE001  (each command's own line)
+                    line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                    failures.append(f"{where}\n    → {type(error).__name__}: {line}")
+    request_finalizer(None, None, None)
+    GlobalHydra.instance().clear()
+    assert not failures, f"{len(failures)} documented command(s) do not compose and resolve:\n" + (
+        "\n".join(failures)
+    )
+    assert resolved > 60

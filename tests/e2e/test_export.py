@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from support import QUICK, REPO, check_ok, run_eval, run_train, train_env
+from support import QUICK, REPO, check_ok, documented, run_eval, run_train, train_env
 
 # A fresh interpreter, isolated (-I: no PYTHONPATH, no user site), with the project made
 # unimportable: it loads the model's class from its own file, the weights, and computes the batch's
@@ -131,7 +131,11 @@ def _predictions(eval_dir: Path) -> list[dict]:
 def test_a_ddp_run_exports_weights_that_load_without_the_project(tmp_path: Path):
     run_dir = tmp_path / "run"
     check_ok(run_train(run_dir, *QUICK))
-    evaluated = run_eval(tmp_path / "eval", f"ckpt={run_dir}", "trainer.nproc=1", "predict=true")
+    evaluated = run_eval(
+        tmp_path / "eval",
+        *documented("docs/tasks.md", "trainer.nproc=1 predict=true"),
+        f"ckpt={run_dir}",
+    )
     check_ok(evaluated)
     assert (
         f"a row per test sample: {tmp_path / 'eval' / 'predictions.csv'}"
@@ -141,7 +145,7 @@ def test_a_ddp_run_exports_weights_that_load_without_the_project(tmp_path: Path)
     batch = eval_batch[:16]
     reference, _ = _project_logits(run_dir, batch)
     # Without out=: into the run's directory, not wherever the command was typed.
-    proc = _export(tmp_path, f"ckpt={run_dir}")
+    proc = _export(tmp_path, *documented("README.md", "hydra_ddp.export"), f"ckpt={run_dir}")
     assert proc.returncode == 0 and str(run_dir / "export" / "model.safetensors") in proc.stdout, (
         proc.stderr
     )
@@ -239,7 +243,6 @@ def test_bad_export_arguments_are_one_line(tmp_path: Path, args, message):
 
 # A small Llama on the tokenized documents (+experiment=documents_llama, cut down), for format=hf.
 LLAMA = (
-    "+experiment=documents_llama",
     "data.dataset.context=48",
     "data.dataset.vocab_size=300",
     "data.dataset.max_bytes=60000",
@@ -266,9 +269,12 @@ def test_a_transformers_model_exports_as_from_pretrained_loads_it_with_its_token
     from hydra_ddp.hf import causal_lm
 
     run_dir, out = tmp_path / "run", tmp_path / "hf"
-    check_ok(run_train(run_dir, *LLAMA, f"strategy={strategy}"))
+    # docs/export.md's two commands, with the run's and the export's own folders
+    train = documented("docs/export.md", "+experiment=documents_llama hydra.run.dir=outputs/llama")
+    check_ok(run_train(run_dir, *train, *LLAMA, f"strategy={strategy}"))
+    export = documented("docs/export.md", "ckpt=outputs/llama format=hf out=exported/llama")
     done = subprocess.run(
-        [sys.executable, "-m", "hydra_ddp.export", f"ckpt={run_dir}", "format=hf", f"out={out}"],
+        [sys.executable, "-m", "hydra_ddp.export", *export, f"ckpt={run_dir}", f"out={out}"],
         capture_output=True,
         text=True,
         timeout=120,

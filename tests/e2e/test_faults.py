@@ -24,8 +24,8 @@ from support import (
     finish,
     make_image_folder,
     run_eval,
+    run_processes,
     run_train,
-    session_processes,
     start_train,
     summary,
     tmpfs,
@@ -115,7 +115,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resume_continues_exactly(
     )
     # A single-node run's rendezvous (our store, gloo's sockets, torchrun's agent) listens on
     # loopback only.
-    addresses = _listening_addresses(set(session_processes(proc.pid)))
+    addresses = _listening_addresses(set(run_processes(proc.pid)))
     os.kill(proc.pid, signum)
     # Well inside torchrun's 30 s shutdown grace, after which it would SIGKILL the workers.
     done = finish(proc, timeout=25)

@@ -12,7 +12,9 @@ import pytest
 
 from support import check_ok, csv_step_losses, run_train, summary
 
-RUN = ("trainer.epochs=2", "trainer.threads=1", "trainer.log_every=1")
+# the plain run is the session's reference run of this config (the custom step's plain run too,
+# tests/e2e/test_custom_step.py)
+RUN = ("trainer.epochs=2", "trainer.threads=1", "trainer.log_every=1", "scheduler=none")
 HOOK = "+trainer.hooks=[{_target_:hook_events.Events,end_after_epoch:1}]"
 
 
@@ -24,9 +26,10 @@ def events(run_dir: Path, rank: int) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-def test_a_users_hook_sees_every_event_on_every_rank_and_may_end_the_run(tmp_path: Path):
-    plain, hooked = tmp_path / "plain", tmp_path / "hooked"
-    check_ok(run_train(plain, *RUN))
+def test_a_users_hook_sees_every_event_on_every_rank_and_may_end_the_run(
+    tmp_path: Path, reference_run
+):
+    plain, hooked = reference_run(*RUN), tmp_path / "hooked"
     check_ok(run_train(hooked, *RUN, HOOK))
     epoch_steps = summary(plain)["history"][0]["step"]  # the step the first epoch ended at
     assert 0 < epoch_steps < summary(plain)["steps"]

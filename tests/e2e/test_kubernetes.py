@@ -142,13 +142,10 @@ def _run_pods(
 
 
 @pytest.fixture(scope="module")
-def one_node(tmp_path_factory) -> Path:
-    """The manifest's training on one node of two workers (the default spawn launcher)."""
-    run_dir = tmp_path_factory.mktemp("one-node") / "run"
-    check_ok(
-        run_train(run_dir, *_trainjob()["spec"]["trainer"]["args"], *SETTINGS, "trainer.nproc=2")
-    )
-    return run_dir
+def one_node(reference_run) -> Path:
+    """The manifest's training on one node of two workers (the default spawn launcher): the
+    session's reference run of that config (the SkyPilot task's, tests/e2e/test_recipes.py)."""
+    return reference_run(*_trainjob()["spec"]["trainer"]["args"], *SETTINGS, "trainer.nproc=2")
 
 
 def _trains_as_one_node(pods: list[Path], one_node: Path, launcher: str) -> None:

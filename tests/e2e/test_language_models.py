@@ -130,11 +130,23 @@ def test_a_run_stopped_mid_epoch_resumes_bit_identical_and_evaluates_alike_at_1_
     assert_same_run(stopped, straight, "resumed after SIGTERM")
     assert {k: summary(stopped)[k] for k in METRICS} == {k: s[k] for k in METRICS}
     # eval.py on the run's checkpoint at 1, 2 and 3 ranks (3: the test split's chunks do not
-    # divide): the run's own test metrics, bit for bit, each time.
-    for world in (1, 2, 3):
-        out = tmp_path / f"eval{world}"
-        check_ok(run_eval(out, f"ckpt={straight}", f"trainer.nproc={world}"))
-        result = json.loads((out / "eval.json").read_text())
+    # divide), one sweep: the run's own test metrics, bit for bit, each time.
+    evals = tmp_path / "evals"
+    check_ok(
+        run_eval(
+            tmp_path / "unused",
+            "-m",
+            f"ckpt={straight}",
+            "trainer.nproc=1,2,3",
+            f"hydra.sweep.dir={evals}",
+            timeout=300,
+        )
+    )
+    for job, world in enumerate((1, 2, 3)):
+        assert (
+            f"trainer.nproc={world}" in (evals / str(job) / ".hydra" / "overrides.yaml").read_text()
+        )
+        result = json.loads((evals / str(job) / "eval.json").read_text())
         assert {k: result[k] for k in METRICS} == {k: s[k] for k in METRICS}, world
 
 

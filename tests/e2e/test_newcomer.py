@@ -1,10 +1,13 @@
 """README's front door and tour as a newcomer takes them: a fresh copy of the repository (its files,
-as a clone has them), the commands as README.md writes them, whole (not cut to two steps as the
-docs test runs every page's), and what each line promises checked. The venv is the suite's (its
-install is what `.ci/run` proves from a clean checkout); `make train` must find it up to date.
+as a clone has them), the commands as README.md writes them (support.documented_command; `make
+train` as docs/tutorial.md gives it, README's being in the suite's own block), whole (not cut to two
+steps as the docs test runs every page's), and what each line promises checked. The venv is the
+suite's (its install is what `.ci/run` proves from a clean checkout); `make train` must find it up
+to date.
 
 The tour's other lines (a sharded transformer, a Hugging Face model, packed documents, torchrun
-over tcp) run in the docs test, two steps each: their whole runs take minutes each on 2 cores.
+over tcp) run in shorter runs of their own tests or in the docs test (the doc map, docs/testing.md):
+their whole runs take minutes each on 2 cores.
 """
 
 from __future__ import annotations
@@ -18,20 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from support import REPO, train_env
-
-
-def _readme_line(start: str) -> str:
-    """README's command that starts so, with its continuation lines joined, as bash reads it."""
-    lines = (REPO / "README.md").read_text().splitlines()
-    for i, line in enumerate(lines):
-        if line.startswith(start):
-            command = line
-            while command.endswith("\\"):
-                i += 1
-                command = command[:-1] + lines[i].strip()
-            return command
-    raise AssertionError(f"README.md has no line starting {start!r}")
+from support import REPO, documented_command, train_env
 
 
 def _bash(command: str, clone: Path, timeout: float) -> subprocess.CompletedProcess:
@@ -74,7 +64,7 @@ def clone(tmp_path_factory) -> Path:
 def test_the_front_door_and_the_tour_do_what_their_lines_say(clone: Path):
     # make train: "the classic MNIST CNN on scikit-learn's handwritten digits with 2 CPU workers ...
     # and tests the weights that did best on validation, once".
-    _bash("make train", clone, timeout=300)
+    _bash(documented_command("docs/tutorial.md", "make train"), clone, timeout=300)
     (first,) = _runs(clone)
     s = json.loads((first / "summary.json").read_text())
     config = (first / ".hydra" / "config.yaml").read_text()
@@ -84,14 +74,14 @@ def test_the_front_door_and_the_tour_do_what_their_lines_say(clone: Path):
     first_steps = s["steps"]
 
     # "ResNet-18 on random images and labels: a speed check, at chance accuracy by design".
-    _bash(_readme_line(".venv/bin/python train.py model=resnet18"), clone, timeout=300)
+    _bash(documented_command("README.md", "train.py model=resnet18"), clone, timeout=300)
     (resnet,) = set(_runs(clone)) - {first}
     s = json.loads((resnet / "summary.json").read_text())
     # 10 classes: 0.1
     assert s["steps"] == 20 and 0.0 <= s["test_accuracy"] < 0.2, s["test_accuracy"]
 
     # "not only classifiers": a regression, its own metrics.
-    _bash(_readme_line(".venv/bin/python train.py task=regression"), clone, timeout=300)
+    _bash(documented_command("README.md", "train.py task=regression"), clone, timeout=300)
     (regression,) = set(_runs(clone)) - {first, resnet}
     s = json.loads((regression / "summary.json").read_text())
     assert {"test_mse", "test_mae", "test_r2"} <= set(s) and "test_accuracy" not in s
@@ -99,7 +89,7 @@ def test_the_front_door_and_the_tour_do_what_their_lines_say(clone: Path):
     # "compose and check; launch nothing".
     before = set(_runs(clone))
     checked = _bash(
-        _readme_line(".venv/bin/python train.py --check trainer.nproc=4"), clone, timeout=120
+        documented_command("README.md", "train.py --check trainer.nproc=4"), clone, timeout=120
     )
     assert (
         "hydra-ddp: config OK: 4 worker(s) on cpu" in checked.stdout and set(_runs(clone)) == before
@@ -107,8 +97,8 @@ def test_the_front_door_and_the_tour_do_what_their_lines_say(clone: Path):
 
     # "continue a run (stopped, or given more epochs) from its newest good checkpoint": the first
     # run, complete, trains nothing and says so; given another epoch, it trains on from its end.
-    resume = _readme_line(
-        ".venv/bin/python train.py hydra.run.dir=outputs/runs/DATE/TIME trainer.resume=auto"
+    resume = documented_command(
+        "README.md", "train.py hydra.run.dir=outputs/runs/DATE/TIME trainer.resume=auto"
     )
     date_time = os.path.relpath(first, clone / "outputs" / "runs")
     done = _bash(resume.replace("DATE/TIME", date_time), clone, timeout=120)

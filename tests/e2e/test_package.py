@@ -1,8 +1,10 @@
-"""hydra-ddp as an installed package: a wheel built from the repository's files, installed into a
-fresh virtual environment (no editable install: hydra_ddp is imported from the new environment,
-which reuses this environment's torch and the rest through a path entry), then `hydra-ddp init` and,
-in the new project: its own test, `hydra-ddp train` at two ranks (spawn and torchrun), `hydra-ddp
-eval` reproducing the run's test metrics, and a two-trial Optuna search over the project's space."""
+"""hydra-ddp as an installed package, as README's front door installs it: the repository's files
+(a clone's) into a fresh virtual environment, pip resolving every dependency (no editable install,
+no path borrowed from the suite's environment), once for the module; a wheel built from them
+without a warning; then one `hydra-ddp init` project with its test extra, where the tests run:
+its own test, `hydra-ddp train` at two ranks (spawn, torchrun, mpirun, submitit's local launcher,
+Slurm's sbatch), `hydra-ddp eval` reproducing the run's test metrics, and a two-trial Optuna search
+over the project's space."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -48,11 +49,17 @@ def _repository_copy(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> dict[str, str]:
-    """The environment of a fresh venv with the wheel installed, its bin first on PATH."""
+    """README's front door, once for the module: the package from a clone's folder into a venv of
+    its own, pip resolving every dependency (torch from the machine's wheel cache, the rest from the
+    registry or its cache), no path borrowed from the suite's environment. The environment of that
+    venv, its bin first on PATH."""
     work = tmp_path_factory.mktemp("package")
-    source = _repository_copy(work / "source")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE")}
-    wheels = work / "wheels"
+    source = _repository_copy(work / "hydra-ddp")
+    # (the session's warm process is another environment's: this one's commands start cold)
+    unset = ("PYTHONPATH", "RANK", "WORLD_SIZE", "VIRTUAL_ENV", "HYDRA_DDP_WARM")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    # A build that warns looks broken to whoever installs it (issue 63: `make train` opened with
+    # setuptools' warnings of the template's folders): the build says nothing it was not asked.
     built = _run(
         [
             sys.executable,
@@ -63,85 +70,57 @@ def installed(tmp_path_factory) -> dict[str, str]:
             "--no-deps",
             "--no-build-isolation",
             "-w",
-            str(wheels),
+            str(work / "wheels"),
             ".",
         ],
         source,
         env,
     )
-    # A build that warns looks broken to whoever installs it (issue 63: `make train` opened with
-    # setuptools' warnings of the template's folders): the build says nothing it was not asked.
     assert "Warning:" not in built.stdout + built.stderr, built.stdout + built.stderr
-    wheel = next(wheels.glob("hydra_ddp-*.whl"))
-    venv = work / "venv"
-    # pip and setuptools: reused too
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], work, env)
-    site = next((venv / "lib").glob("python3*/site-packages"))
-    # This environment's packages (torch, Hydra, ...) reused by path: a plain entry, so its .pth
-    # files (this repository's editable install among them) are not read there.
-    (site / "reuse.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    python = str(venv / "bin" / "python")
-    _run(
-        [
-            python,
-            "-m",
-            "pip",
-            "install",
-            "--no-index",
-            "--no-deps",
-            "--force-reinstall",
-            str(wheel),
-        ],
-        work,
-        env,
-    )
-    _run([python, "-m", "pip", "check"], work, env)  # every dependency the wheel names is there
-    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
-    env["VIRTUAL_ENV"] = str(venv)
-    where = _run(
-        [
-            python,
-            "-c",
-            "import hydra_ddp, hydra_ddp.conf as c; print(hydra_ddp.__file__, c.__file__)",
-        ],
-        work,
-        env,
-    )
-    assert all(path.startswith(str(venv)) for path in where.stdout.split()), where.stdout
-    return env
-
-
-@pytest.mark.timeout(900)
-def test_the_wheel_installs_with_its_dependencies_into_an_empty_venv_and_its_project_trains(
-    tmp_path: Path,
-):
-    # As README's front door has it: the package from a clone's folder into a venv of its own, pip
-    # resolving every dependency (torch from the machine's wheel cache, the rest from the registry
-    # or its cache), no path borrowed from the suite's environment; then a project, and a run of it.
-    source = _repository_copy(tmp_path / "hydra-ddp")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "VIRTUAL_ENV")
-    }
     # --no-compile beside README's command: pip byte-compiles every file it installs, torch's
     # thousands one at a time, which checks nothing of the package's (a file that does not compile
     # does not fail pip either); Python compiles what a run imports, once, in a shell that does not
     # forbid it. (PIP_NO_COMPILE=1 would not do: pip reads that variable inverted.)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)], tmp_path, env)
+    venv = work / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], work, env)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
-    _run(["pip", "install", "--quiet", "--no-compile", str(source)], tmp_path, env, timeout=600)
-    _run(["pip", "check"], tmp_path, env)
+    env["VIRTUAL_ENV"] = str(venv)
+    _run(["pip", "install", "--quiet", "--no-compile", str(source)], work, env, timeout=600)
+    return env
+
+
+@pytest.fixture(scope="module")
+def project(installed, tmp_path_factory) -> Path:
+    """docs/project.md's project, once for the module: `hydra-ddp init`, then the project with its
+    test extra (the tests below run in it, each writing outputs of its own)."""
+    where = tmp_path_factory.mktemp("projects")
+    done = _run(["hydra-ddp", "init", "my-lab"], where, installed)
+    assert "wrote" in done.stdout and (where / "my-lab" / "my_lab" / "task.py").is_file()
+    _run(["pip", "install", "--quiet", "-e", ".[test]"], where / "my-lab", installed, timeout=300)
+    return where / "my-lab"
+
+
+@pytest.mark.timeout(900)
+def test_the_wheel_installs_with_its_dependencies_into_an_empty_venv_and_its_project_trains(
+    installed, project: Path
+):
+    # As README's front door has it (the `installed` fixture): every dependency the package names
+    # is there, the package and torch are the venv's own; then a project, its run and its own test.
+    env = installed
+    _run(["pip", "check"], project, env)
     where = _run(
-        ["python", "-c", "import hydra_ddp, torch; print(hydra_ddp.__file__, torch.__file__)"],
-        tmp_path,
+        [
+            "python",
+            "-c",
+            "import hydra_ddp, hydra_ddp.conf as c, torch; "
+            "print(hydra_ddp.__file__, c.__file__, torch.__file__)",
+        ],
+        project,
         env,
     )
-    assert all(path.startswith(str(venv)) for path in where.stdout.split()), where.stdout
-    _run(["hydra-ddp", "init", "my-lab"], tmp_path, env)
-    run_dir = tmp_path / "my-lab" / "outputs" / "first"
+    assert all(path.startswith(env["VIRTUAL_ENV"]) for path in where.stdout.split()), where.stdout
+    run_dir = project / "outputs" / "first"
     _run(
         [
             "hydra-ddp",
@@ -150,31 +129,20 @@ def test_the_wheel_installs_with_its_dependencies_into_an_empty_venv_and_its_pro
             "trainer.max_steps=5",
             f"hydra.run.dir={run_dir}",
         ],
-        tmp_path / "my-lab",
+        project,
         env,
     )
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 5
-    assert "outputs/" in (tmp_path / "my-lab" / ".gitignore").read_text().split()
-    # docs/project.md's last two lines: the project with its test extra, then its test.
-    _run(["pip", "install", "--quiet", "-e", ".[test]"], tmp_path / "my-lab", env, timeout=300)
-    _run(
-        ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
-        tmp_path / "my-lab",
-        env,
-    )
+    assert "outputs/" in (project / ".gitignore").read_text().split()
+    # docs/project.md's last line: the project's own test, two steps at two ranks.
+    _run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], project, env)
 
 
 @pytest.mark.timeout(900)
 def test_an_installed_wheel_starts_a_project_that_trains_evaluates_and_searches(
-    installed, tmp_path: Path
+    installed, project: Path, tmp_path: Path
 ):
     env = installed
-    done = _run(["hydra-ddp", "init", "spiral-lab"], tmp_path, env)
-    project = tmp_path / "spiral-lab"
-    assert "wrote" in done.stdout and (project / "spiral_lab" / "task.py").is_file()
-
-    _run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], project, env)
-
     # Two ranks, spawned and through torchrun: the same run, to the bit.
     runs = {}
     for launcher in ("spawn", "torchrun"):
@@ -291,13 +259,11 @@ def test_an_installed_wheel_starts_a_project_that_trains_evaluates_and_searches(
 
 @pytest.mark.timeout(300)
 def test_a_projects_sbatch_script_trains_on_the_suites_slurm_cluster(
-    installed, slurm_cluster, tmp_path: Path
+    installed, project: Path, slurm_cluster, tmp_path: Path
 ):
     # The script `hydra-ddp init` writes (the clone's scripts/slurm/train.sbatch, which runs
     # `hydra-ddp train` where there is no train.py), submitted from the project to a real cluster.
     env = {**installed, **slurm_cluster.env}
-    _run(["hydra-ddp", "init", "slurm-lab"], tmp_path, env)
-    project = tmp_path / "slurm-lab"
     run_dir, output = project / "outputs" / "on-slurm", tmp_path / "slurm.out"
     overrides = [
         "+experiment=spirals",

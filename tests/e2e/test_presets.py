@@ -14,17 +14,17 @@ import sys
 import termios
 from pathlib import Path
 
-from support import REPO, check_ok, run_train, summary, train_env, write_cifar
+from support import REPO, check_ok, documented, run_train, summary, train_env, write_cifar
 
 
 def test_overfit_preset_drives_its_fixed_batches_to_zero_loss(run_dir: Path):
-    check_ok(run_train(run_dir, "debug=overfit"))
+    check_ok(run_train(run_dir, *documented("docs/workflow.md", "debug=overfit")))
     s = summary(run_dir)
     assert s["train_loss"] < 0.01 and s["val_accuracy"] == 1.0 and s["val_samples"] == 2 * 32 * 2
 
 
 def test_profile_preset_under_torchrun_leaves_a_trace_per_rank_and_a_top_ops_table(run_dir: Path):
-    proc = run_train(run_dir, "debug=profile", "launcher=torchrun")
+    proc = run_train(run_dir, *documented("docs/workflow.md", "debug=profile"), "launcher=torchrun")
     check_ok(proc)
     for rank in (0, 1):
         trace = json.loads((run_dir / "profile" / f"rank{rank}.json").read_text())
@@ -40,7 +40,7 @@ def test_cifar10_resnet18_experiment_trains_on_files_in_cifar10_format(tmp_path:
     run_dir = tmp_path / "run"
     proc = run_train(
         run_dir,
-        "+experiment=cifar10_resnet18",
+        *documented("docs/workflow.md", "+experiment=cifar10_resnet18"),  # its /data/cifar: ours
         f"data.dataset.root={tmp_path / 'cifar'}",
         "trainer.max_steps=2",
         "data.num_workers=0",

@@ -17,7 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import check_ok, csv_step_losses, finish, run_eval, run_train, start_train, summary
+from support import (
+    check_ok,
+    csv_step_losses,
+    documented,
+    finish,
+    run_eval,
+    run_train,
+    start_train,
+    summary,
+)
 
 
 def csv_rates(run_dir: Path) -> list[tuple[int, str]]:
@@ -68,7 +77,8 @@ def test_a_warmup_schedule_resumes_mid_warmup_bit_for_bit_and_is_the_same_at_any
     assert csv_rates(alone) == rates
 
 
-GPT = ("+experiment=text_gpt", "trainer.max_steps=6", "trainer.log_every=1", "trainer.threads=1")
+SHORT = ("trainer.max_steps=6", "trainer.log_every=1", "trainer.threads=1")
+GPT = ("+experiment=text_gpt", *SHORT)
 
 
 def decay_line(run_dir: Path) -> str:
@@ -92,8 +102,10 @@ def test_the_decay_groups_are_the_models_own_names_under_fsdp_and_resume_bit_for
         "weight decay 0.1 on 25 tensors (819,200 parameters); none on 44 tensors"
     )
 
+    # README.md's sharded transformer
+    fsdp = (*documented("README.md", "strategy=fsdp +experiment=text_gpt"), *SHORT)
     straight = tmp_path / "straight"
-    check_ok(run_train(straight, *GPT, "strategy=fsdp"))
+    check_ok(run_train(straight, *fsdp))
     # FSDP's sharded parameters, by the model's names
     assert decay_line(straight) == decay_line(ddp)
     stopped = tmp_path / "stopped"
@@ -102,9 +114,9 @@ def test_the_decay_groups_are_the_models_own_names_under_fsdp_and_resume_bit_for
         "+model.of=hydra_ddp.models.TinyGPT",
         "+model.step=4",
     )
-    done = finish(start_train(stopped, *GPT, "strategy=fsdp", *probe), timeout=300)
+    done = finish(start_train(stopped, *fsdp, *probe), timeout=300)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
-    check_ok(run_train(stopped, *GPT, "strategy=fsdp", "trainer.resume=auto"))
+    check_ok(run_train(stopped, *fsdp, "trainer.resume=auto"))
     assert csv_step_losses(stopped) == csv_step_losses(straight) and csv_rates(
         stopped
     ) == csv_rates(straight)
@@ -114,12 +126,20 @@ def test_the_decay_groups_are_the_models_own_names_under_fsdp_and_resume_bit_for
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_activation_checkpointing_trains_the_same_bits(tmp_path: Path, strategy: str):
     plain, checkpointed = tmp_path / "plain", tmp_path / "checkpointed"
-    check_ok(run_train(plain, *GPT, f"strategy={strategy}"))
-    check_ok(
-        run_train(
-            checkpointed, *GPT, f"strategy={strategy}", "strategy.activation_checkpointing=full"
-        )
-    )
+    # Under FSDP, the commands README.md and docs/transformer.md give.
+    commands = {
+        "ddp": (
+            ("+experiment=text_gpt", "strategy=ddp"),
+            ("+experiment=text_gpt", "strategy=ddp", "strategy.activation_checkpointing=full"),
+        ),
+        "fsdp": (
+            documented("README.md", "strategy=fsdp +experiment=text_gpt"),
+            documented("docs/transformer.md", "strategy.activation_checkpointing=full"),
+        ),
+    }
+    without, with_checkpointing = commands[strategy]
+    check_ok(run_train(plain, *without, *SHORT))
+    check_ok(run_train(checkpointed, *with_checkpointing, *SHORT))
     assert len(csv_step_losses(plain)) == 6
     assert csv_step_losses(checkpointed) == csv_step_losses(plain)
     assert summary(checkpointed)["test_loss"] == summary(plain)["test_loss"]

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from support import QUICK, REPO, TwoHosts, assert_same_run, check_ok, run_train, summary, train_env
+from support import QUICK, REPO, TwoHosts, assert_same_run, check_ok, summary, train_env
 
 TASK = REPO / "scripts" / "skypilot" / "train.yaml"
 MANIFESTS = [REPO / "scripts" / "k8s" / "trainjob.yaml", REPO / "scripts" / "k8s" / "runtime.yaml"]
@@ -187,17 +187,19 @@ def test_the_tasks_run_on_cpu_nodes_checks_as_two_nodes_of_auto_workers(tmp_path
 
 @needs_namespaces
 @pytest.mark.timeout(300)  # with the one-node run it is compared with
-def test_the_skypilot_tasks_two_nodes_train_as_one_node_of_two_workers(tmp_path: Path):
+def test_the_skypilot_tasks_two_nodes_train_as_one_node_of_two_workers(
+    tmp_path: Path, reference_run
+):
     """Each node runs the task's `run` in the project's root, as SkyPilot runs it in its workdir
     (the `setup` that makes .venv is `make`'s here), one GPU a node standing for
     SKYPILOT_NUM_GPUS_PER_NODE (a worker each, on the CPU); the one-node run is the task's
-    overrides at trainer.nproc=2 under the default spawn launcher."""
+    overrides at trainer.nproc=2 under the default spawn launcher (the session's reference run of
+    that config: the Kubernetes manifest's too, tests/e2e/test_kubernetes.py)."""
     assert (REPO / ".venv" / "bin" / "python").exists(), (
         "the task's setup makes .venv; `make` does here"
     )
-    one_node = tmp_path / "one-node"
     task_overrides = yaml.safe_load(TASK.read_text())["envs"]["OVERRIDES"].split()
-    check_ok(run_train(one_node, *task_overrides, *SETTINGS, "trainer.nproc=2"))
+    one_node = reference_run(*task_overrides, *SETTINGS, "trainer.nproc=2")
 
     nodes = [tmp_path / f"node{index}" for index in range(2)]
     with TwoHosts(str(os.getpid())) as hosts:

@@ -4,6 +4,7 @@ test_slurm.py)."""
 from __future__ import annotations
 
 import csv
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ from support import (
     TwoHosts,
     assert_same_run,
     check_ok,
+    documented,
+    documented_command,
     finish,
     free_port,
     run_train,
@@ -147,20 +150,22 @@ def test_two_nodes_in_network_namespaces_match_one_node(tmp_path: Path):
         pytest.skip("creating network namespaces needs root")
     single = tmp_path / "single"
     # One node of two ranks under the default launcher (spawn); one thread per rank on both sides: a
-    # different thread count changes float summation order.
-    check_ok(run_train(single, *QUICK, "launcher=spawn", "trainer.nproc=2", "trainer.threads=1"))
+    # different thread count changes float summation order. docs/tutorial.md's one node and its two
+    # "nodes", each on a host of its own here, meeting at the first's address.
+    one_node = documented("docs/tutorial.md", "trainer.threads=1 hydra.run.dir=outputs/one-node")
+    check_ok(run_train(single, *one_node, *QUICK, "launcher=spawn", "trainer.nproc=2"))
+    nodes = (
+        documented("docs/tutorial.md", "launcher.node_rank=0"),
+        documented("docs/tutorial.md", "launcher.node_rank=1"),
+    )
     with TwoHosts(str(os.getpid())) as hosts:
         # gloo talks over the link between the hosts
         env_prefix = ("env", "GLOO_SOCKET_IFNAME=hddp0")
         procs = [
             start_train(
                 tmp_path / f"node{i}",
+                *nodes[i],
                 *QUICK,
-                "launcher=torchrun",
-                "trainer.nproc=1",
-                "trainer.threads=1",
-                "launcher.nnodes=2",
-                f"launcher.node_rank={i}",
                 f"launcher.rdzv_endpoint={hosts.addresses[0]}:29611",
                 "launcher.rdzv_id=two-hosts",
                 f"launcher.local_addr={hosts.addresses[i]}",
@@ -193,18 +198,25 @@ def test_two_nodes_in_network_namespaces_match_one_node(tmp_path: Path):
     shutil.which("mpirun") is None, reason="Open MPI is not installed (apt-get install openmpi-bin)"
 )
 def test_mpirun_starts_the_workers_and_they_train_as_spawns_do(run_dir: Path, spawned: Path):
+    # docs/multinode.md's command (mpirun -np 2 PYTHON train.py WORDS), with mpirun's options for
+    # a root user, two cores and the tests' helpers, and a free port
+    command = shlex.split(documented_command("docs/multinode.md", "mpirun -np 2"))
+    python = next(i for i, word in enumerate(command) if word.endswith("/python"))
+    assert command[:python] == ["mpirun", "-np", "2"]
     prefix = (
-        "mpirun",
+        *command[:python],
         "--allow-run-as-root",
         "--oversubscribe",
-        "-np",
-        "2",
         "-x",
         "PYTHONPATH",
         sys.executable,
     )
     proc = run_train(
-        run_dir, *QUICK, "backend=gloo", f"init_method.port={free_port()}", prefix=prefix
+        run_dir,
+        *documented("docs/multinode.md", "mpirun -np 2"),
+        *QUICK,
+        f"init_method.port={free_port()}",
+        prefix=prefix,
     )
     check_ok(proc)
     s = summary(run_dir)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from support import QUICK, check_ok, finish, run_train, start_train, summary, wait_for
+from support import QUICK, check_ok, documented, finish, run_train, start_train, summary, wait_for
 
 
 def _study(sweep: Path, name: str = "digits"):
@@ -44,18 +44,17 @@ def test_a_pruner_without_a_monitored_metric_is_refused_before_the_first_trial(t
 def test_hopeless_trials_are_pruned_and_the_best_is_reported(tmp_path: Path):
     sweep = tmp_path / "sweep"
     # lr 1e-6 learns nothing, lr 10 jumps around: once 2 trials are complete, a trial whose accuracy
-    # after an epoch is below the median of theirs at that epoch stops there.
+    # after an epoch is below the median of theirs at that epoch stops there. docs/search.md's
+    # command (hparams_search=digits is a multirun: hydra.mode MULTIRUN), a smaller search.
     check_ok(
         run_train(
             tmp_path / "unused",
-            "-m",
-            "hparams_search=digits",
+            *documented("docs/search.md", "+hydra.sweeper.pruner_args={n_startup_trials:2}"),
             "hydra.sweeper.n_trials=6",
             "trainer.epochs=3",
             "optim.lr=choice(0.05,0.000001,10)",
             "data.batch_size=32",
             "optim.weight_decay=0",
-            "+hydra.sweeper.pruner_args={n_startup_trials:2}",
             "hydra.sweeper.sampler.seed=1",
             f"hydra.sweep.dir={sweep}",
             timeout=360,
@@ -131,9 +130,10 @@ def test_a_trial_starts_as_soon_as_one_of_those_in_flight_ends(tmp_path: Path):
 @pytest.mark.timeout(400)
 def test_a_killed_search_continues_to_n_trials_when_run_again(tmp_path: Path):
     sweep = tmp_path / "sweep"
+    # docs/search.md's command, run twice (hparams_search=digits is a multirun), in the test's sweep
+    # folder
     command = (
-        "-m",
-        "hparams_search=digits",
+        *documented("docs/search.md", "hparams_search=digits hydra.sweep.dir=outputs/search1"),
         "hydra.sweeper.n_trials=4",
         *QUICK,
         "optim.lr=choice(0.05,0.02)",
@@ -168,10 +168,8 @@ def test_two_sweeper_processes_on_one_study_run_no_trial_twice(tmp_path: Path):
     check_ok(
         run_train(
             tmp_path / "unused",
-            "-m",
-            "hparams_search=digits",
+            *documented("README.md", "-m hparams_search=digits hydra.sweeper.n_trials=8"),
             "hydra.sweeper.n_trials=4",
-            "hydra.sweeper.n_jobs=2",
             "hydra.sweeper.pruner=none",
             *QUICK,
             f"hydra.sweep.dir={sweep}",

@@ -14,6 +14,7 @@ from support import (
     assert_within_float_noise,
     check_ok,
     csv_losses,
+    documented,
     float64,
     run_train,
     summary,
@@ -89,8 +90,9 @@ def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Pa
     differs. Decided in float64 over 20 steps (FLOAT64_BOUND); float32, the default, over the first
     5 steps, against this host's float-order noise (later, a flip makes float32's gap grow past any
     noise run)."""
+    # docs/usage.md's sweep: -m trainer.nproc=1,2,4 data.global_batch_size=128
+    world_sizes = documented("docs/usage.md", "-m trainer.nproc=1,2,4 data.global_batch_size=128")
     common = (
-        "data.global_batch_size=128",
         "data.drop_last=true",
         "trainer.log_every=5",
         "checkpoint.every_epoch=false",
@@ -100,8 +102,7 @@ def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Pa
     check_ok(
         run_train(
             tmp_path / "unused",
-            "-m",
-            "trainer.nproc=1,2,4",
+            *world_sizes,
             *common,
             "trainer.max_steps=20",
             *float64(),
@@ -132,8 +133,7 @@ def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Pa
     check_ok(
         run_train(
             tmp_path / "unused",
-            "-m",
-            "trainer.nproc=1,2,4",
+            *world_sizes,
             *common,
             "trainer.max_steps=5",
             f"hydra.sweep.dir={short}",
@@ -144,6 +144,7 @@ def test_global_batch_size_trains_the_same_at_world_sizes_1_2_and_4(tmp_path: Pa
         run_train(
             tmp_path / "unused",
             "-m",
+            "data.global_batch_size=128",
             *common[:-1],
             "trainer.max_steps=5",
             "trainer.nproc=1",

@@ -4,6 +4,7 @@ imports; and the warm start (hydra_ddp.warm), whose forks run a command as it wo
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -119,53 +120,56 @@ def test_a_warm_start_trains_the_same_bits_as_a_cold_one_and_ends_as_its_command
 
     started = warm("start")
     assert started.returncode == 0, started.stderr
-    assert started.stdout == f"export HYDRA_DDP_WARM={path}\n"
     pid = int(re.search(r"warm process (\d+) at", started.stderr).group(1))
+    try:
+        assert started.stdout == f"export HYDRA_DDP_WARM={path}\n"
 
-    cold = run_train(tmp_path / "cold", *QUICK)
-    forked = run_train(tmp_path / "warm", *QUICK, env={"HYDRA_DDP_WARM": path})
-    check_ok(cold)
-    check_ok(forked)
-    assert "starting cold" not in forked.stderr
-    assert_same_run(tmp_path / "warm", tmp_path / "cold", "a warm start against a cold one")
-    status = warm("status")
-    assert status.returncode == 0 and "1 command(s) served, 0 running" in status.stdout, status
+        cold = run_train(tmp_path / "cold", *QUICK)
+        forked = run_train(tmp_path / "warm", *QUICK, env={"HYDRA_DDP_WARM": path})
+        check_ok(cold)
+        check_ok(forked)
+        assert "starting cold" not in forked.stderr
+        assert_same_run(tmp_path / "warm", tmp_path / "cold", "a warm start against a cold one")
+        status = warm("status")
+        assert status.returncode == 0 and "1 command(s) served, 0 running" in status.stdout, status
 
-    # SIGTERM reaches the run through its command: it checkpoints and stops, the command ends so
-    proc = start_train(tmp_path / "stopped", "trainer.epochs=100", env={"HYDRA_DDP_WARM": path})
-    wait_for(lambda: (tmp_path / "stopped" / "metrics.csv").exists(), 60, "training", proc)
-    proc.send_signal(signal.SIGTERM)
-    stopped = finish(proc)
-    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
-    assert "hydra-ddp: error: stopped by SIGTERM at step" in stopped.stderr
-    assert list((tmp_path / "stopped" / "checkpoints").glob("step-*.pt"))
+        # SIGTERM reaches the run through its command: it checkpoints and stops, the command ends so
+        proc = start_train(tmp_path / "stopped", "trainer.epochs=100", env={"HYDRA_DDP_WARM": path})
+        wait_for(lambda: (tmp_path / "stopped" / "metrics.csv").exists(), 60, "training", proc)
+        proc.send_signal(signal.SIGTERM)
+        stopped = finish(proc)
+        assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+        assert "hydra-ddp: error: stopped by SIGTERM at step" in stopped.stderr
+        assert list((tmp_path / "stopped" / "checkpoints").glob("step-*.pt"))
 
-    # SIGKILL to the command: its fork, the fork's forkserver and the workers end with it
-    proc = start_train(tmp_path / "killed", "trainer.epochs=100", env={"HYDRA_DDP_WARM": path})
-    wait_for(lambda: (tmp_path / "killed" / "metrics.csv").exists(), 60, "training", proc)
-    assert len(_descendants(pid)) >= 3, "the fork, its forkserver and the workers"
-    proc.kill()
-    proc.communicate()
-    wait_for(lambda: not _descendants(pid), 20, "the fork and its workers to end")
-    assert "0 running" in warm("status").stdout
+        # SIGKILL to the command: its fork, the fork's forkserver and the workers end with it
+        proc = start_train(tmp_path / "killed", "trainer.epochs=100", env={"HYDRA_DDP_WARM": path})
+        wait_for(lambda: (tmp_path / "killed" / "metrics.csv").exists(), 60, "training", proc)
+        assert len(_descendants(pid)) >= 3, "the fork, its forkserver and the workers"
+        proc.kill()
+        proc.communicate()
+        wait_for(lambda: not _descendants(pid), 20, "the fork and its workers to end")
+        assert "0 running" in warm("status").stdout
 
-    # read when torch is imported: a fork would not see it, so the command starts cold
-    differs = subprocess.run(
-        [sys.executable, "train.py", "--check"],
-        cwd=REPO,
-        env={**env, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
-    assert differs.returncode == 0, differs.stderr
-    assert differs.stderr.splitlines()[0] == (
-        "hydra-ddp: note: starting cold: OMP_NUM_THREADS differs from the warm process's, and is "
-        "read when torch or Python starts"
-    )
-
-    stopping = warm("stop")
-    assert stopping.returncode == 0 and f"stopped the warm process at {path}" in stopping.stderr
-    wait_for(lambda: not Path(f"/proc/{pid}").exists(), 30, "the warm process to end")
-    assert not Path(path).exists()
-    assert warm("status").returncode == 1
+        # read when torch is imported: a fork would not see it, so the command starts cold
+        differs = subprocess.run(
+            [sys.executable, "train.py", "--check"],
+            cwd=REPO,
+            env={**env, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+        assert differs.returncode == 0, differs.stderr
+        assert differs.stderr.splitlines()[0] == (
+            "hydra-ddp: note: starting cold: OMP_NUM_THREADS differs from the warm process's, "
+            "and is read when torch or Python starts"
+        )
+        stopping = warm("stop")
+        assert stopping.returncode == 0 and f"stopped the warm process at {path}" in stopping.stderr
+        wait_for(lambda: not Path(f"/proc/{pid}").exists(), 30, "the warm process to end")
+        assert not Path(path).exists()
+        assert warm("status").returncode == 1
+    finally:  # whatever failed, the warm process does not outlive the test
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)

@@ -22,6 +22,7 @@ from support import (
     assert_same_run,
     check_ok,
     csv_step_losses,
+    documented,
     finish,
     run_eval,
     run_train,
@@ -233,20 +234,13 @@ def test_a_damaged_shard_is_one_line_before_launch_or_when_read(tmp_path: Path, 
 def test_tokenized_documents_stream_from_shards_with_the_same_guarantees(tmp_path: Path):
     # Documents of different lengths, tokenized and written by the shard tool (each document's ids
     # whole: a ragged field; the tokenizer beside the manifest), padded per batch as data=documents
-    # pads.
-    root = tmp_path / "documents"
+    # pads. docs/language_models.md's command, run in tmp_path (its folder is relative), cut down.
+    write = documented("docs/language_models.md", "--source documents")
+    root = tmp_path / write[1]  # write DIR: the folder the command names, under tmp_path
     source = ("--arg", "context=48", "--arg", "vocab_size=300", "--arg", "max_bytes=60000")
     written = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hydra_ddp.tools.shards",
-            "write",
-            str(root),
-            "--source",
-            "documents",
-            *source,
-        ],
+        [sys.executable, "-m", "hydra_ddp.tools.shards", *write, *source],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=120,

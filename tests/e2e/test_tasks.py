@@ -16,6 +16,7 @@ from support import (
     assert_float64_alike,
     check_ok,
     csv_losses,
+    documented,
     float64,
     run_eval,
     run_train,
@@ -56,9 +57,9 @@ def test_a_users_own_task_trains_evaluates_exactly_and_is_searched(tmp_path: Pat
         check_ok(
             run_eval(
                 tmp_path / f"eval{ranks}",
+                *documented("docs/tasks.md", "trainer.nproc=1 predict=true"),
                 f"ckpt={run_dir}",
                 f"trainer.nproc={ranks}",
-                "predict=true",
                 env=env,
             )
         )
@@ -131,11 +132,19 @@ def test_regression_on_diabetes_reports_r2_and_eval_at_one_rank_gives_its_test_m
     tmp_path: Path,
 ):
     run_dir = tmp_path / "run"
-    check_ok(run_train(run_dir, "task=regression", "data=diabetes", "model=mlp"))
+    check_ok(
+        run_train(run_dir, *documented("README.md", "task=regression data=diabetes model=mlp"))
+    )
     s = summary(run_dir)
     assert s["world_size"] == 2 and any("r2" in key for key in s) and s["test_samples"] == 88
     assert 0 < s["test_r2"] < 1 and s["test_mse"] == s["test_loss"]
-    check_ok(run_eval(tmp_path / "eval", f"ckpt={run_dir}", "trainer.nproc=1"))
+    check_ok(
+        run_eval(
+            tmp_path / "eval",
+            *documented("docs/workflow.md", "ckpt=outputs/runs/DATE/TIME trainer.nproc=1"),
+            f"ckpt={run_dir}",
+        )
+    )
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert {k: v for k, v in result.items() if k.startswith("test_")} == {
         k: v for k, v in s.items() if k.startswith("test_") and k != "test_passes"

@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from support import (
     assert_same_params,
     assert_same_run,
     check_ok,
+    documented,
+    documented_command,
     event_files,
     final_params,
     free_port,
@@ -238,8 +241,11 @@ def test_init_method_env_meets_at_an_exported_master_port_and_refuses_a_busy_one
 def test_legacy_distributed_launch_passes_local_rank_and_trains_as_spawn_does(
     run_dir: Path, spawned: Path
 ):
-    prefix = (sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2")
-    proc = run_train(run_dir, *QUICK, prefix=prefix)
+    # docs/usage.md's command: PYTHON -m torch.distributed.launch --nproc_per_node=2 train.py
+    command = shlex.split(documented_command("docs/usage.md", "-m torch.distributed.launch"))
+    prefix = (sys.executable, *command[1 : command.index("train.py")])
+    words = documented("docs/usage.md", "-m torch.distributed.launch")
+    proc = run_train(run_dir, *words, *QUICK, prefix=prefix)
     check_ok(proc)
     assert summary(run_dir)["world_size"] == 2
     assert_same_run(run_dir, spawned)  # bit for bit: losses (TensorBoard, metrics.csv) and weights

@@ -13,14 +13,22 @@ from pathlib import Path
 
 import pytest
 
-from support import check_ok, csv_step_losses, finish, run_eval, run_train, start_train, summary
+from support import (
+    check_ok,
+    csv_step_losses,
+    documented,
+    finish,
+    run_eval,
+    run_train,
+    start_train,
+    summary,
+)
 
 pytest.importorskip("transformers")  # the extra: .ci/run installs it; under CI=true a skip fails
 
 FULL = 8
 METRICS = ("test_loss", "test_accuracy", "test_perplexity", "test_samples")
 COMMON = (
-    "+experiment=hf_llama",
     "trainer.accumulate=2",
     "trainer.precision=bf16",
     "data.batch_size=16",
@@ -34,8 +42,13 @@ COMMON = (
 def test_a_transformers_model_trains_resumes_after_sigterm_and_evaluates_exactly(
     tmp_path: Path, strategy: str
 ):
+    # README.md's command under DDP, docs/tasks.md's under FSDP (its accumulation and bf16 too).
+    command = {
+        "ddp": (*documented("README.md", "+experiment=hf_llama"), "strategy=ddp"),
+        "fsdp": documented("docs/tasks.md", "+experiment=hf_llama strategy=fsdp"),
+    }[strategy]
     # FSDP's run also preloads its dict samples (whole tensors sliced per batch, a TensorTree).
-    common = (*COMMON, f"strategy={strategy}", f"data.preload={strategy == 'fsdp'}")
+    common = (*command, *COMMON, f"data.preload={strategy == 'fsdp'}")
     straight = tmp_path / "straight"
     check_ok(run_train(straight, *common, timeout=300))
     s = summary(straight)

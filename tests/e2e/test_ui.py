@@ -7,6 +7,7 @@ going to LOOK_DIR (make look: docs/img)."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import servers
 from support import (
     QUICK,
     check_ok,
+    documented_command,
     finish,
     losses,
     run_train,
@@ -194,7 +196,10 @@ def test_mlflow_ui_as_the_docs_give_it_serves_the_run_and_the_sweep_as_parent_an
     outputs: Path, tmp_path: Path
 ):
     s = summary(outputs / "run")
-    with servers.mlflow_ui(outputs, "sqlite:///outputs/mlflow.db", tmp_path / "mlflow.log") as url:
+    # docs/loggers.md's command, word for word, as servers.mlflow_ui starts it (and a free port)
+    program, ui, flag, store = shlex.split(documented_command("docs/loggers.md", "mlflow ui"))
+    assert (program, ui, flag) == ("mlflow", "ui", "--backend-store-uri")
+    with servers.mlflow_ui(outputs, store, tmp_path / "mlflow.log") as url:
         api = f"{url}/api/2.0/mlflow"
         experiment = servers.get(f"{api}/experiments/get-by-name?experiment_name=hydra-ddp")[
             "experiment"

@@ -108,3 +108,17 @@ def test_the_line_length_the_docs_state_is_the_linters():
 
     length = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["ruff"]["line-length"]
     assert f"Lines are at most {length} characters" in (REPO / "docs" / "testing.md").read_text()
+
+
+def test_the_doc_map_is_the_tests_claims_and_the_testing_page_shows_it():
+    """Each claim (support.documented with constants, in an e2e test) names one documented command,
+    and docs/testing.md shows the map they make: a command without a test of its own is the doc
+    test's."""
+    import doc_map
+
+    commands, elsewhere = doc_map.counts()
+    assert commands > 80 and elsewhere <= commands
+    assert doc_map.written() == doc_map.table(), (
+        "docs/testing.md's map of documented commands is not the tests' claims: "
+        "python tests/doc_map.py --write"
+    )

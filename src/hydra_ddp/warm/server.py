@@ -226,6 +226,9 @@ def _become(run: wire.Run, fds: list[int], conn: socket.socket) -> None:
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # A process group of its own, as the command's is: a signal sent to the run's group (Slurm's
+    # scancel, a worker's killpg) reaches the run, never the warm process or another command.
+    os.setpgid(0, 0)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
