@@ -11,6 +11,7 @@ bench/results/SOAK.md (and the console); the exit status is non-zero when any te
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import signal
@@ -27,6 +28,8 @@ import provenance
 
 REPO = Path(__file__).resolve().parents[1]
 REPORT = REPO / "bench" / "results" / "SOAK.md"
+# each run's per-test seconds and launches (tests/durations.py; `python tests/durations.py DIR`)
+DURATIONS = REPO / ".test-results" / "soak"
 
 
 def hog() -> subprocess.Popen:
@@ -34,9 +37,11 @@ def hog() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
 
 
-def run_suite(junit: Path, pytest_args: list[str]) -> tuple[float, int, dict[str, str], Counter]:
+def run_suite(
+    junit: Path, durations: Path, pytest_args: list[str]
+) -> tuple[float, int, dict[str, str], Counter]:
     """(seconds, exit code, {test id: "failed" | "error"}, {"passed": n, "skipped": n}) of one full
-    run."""
+    run; its per-test durations and launches in `durations` (tests/durations.py)."""
     started = time.monotonic()
     code = subprocess.run(
         [
@@ -50,6 +55,7 @@ def run_suite(junit: Path, pytest_args: list[str]) -> tuple[float, int, dict[str
             *pytest_args,
         ],
         cwd=REPO,
+        env={**os.environ, "HDDP_DURATIONS_DIR": str(durations)},
     ).returncode
     seconds = time.monotonic() - started
     bad: dict[str, str] = {}
@@ -93,6 +99,17 @@ def write_report(
         ),
         "",
     ]
+    slowest = _slowest(DURATIONS / f"run{runs[-1][0]}") if runs else []
+    if slowest:
+        lines += [
+            f"The slowest tests of run {runs[-1][0]} (every test's seconds and launches: "
+            f"`python tests/durations.py {(DURATIONS / f'run{runs[-1][0]}').relative_to(REPO)}`):",
+            "",
+            "| test | seconds | launches |",
+            "| --- | ---: | ---: |",
+            *(f"| `{test}` | {seconds:.1f} | {launches} |" for test, seconds, launches in slowest),
+            "",
+        ]
     if failures:
         lines += [
             "| test | failures |",
@@ -103,6 +120,16 @@ def write_report(
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     REPORT.write_text("\n".join(lines))  # after every run: a soak cut short still leaves its report
     return "\n".join(lines)
+
+
+def _slowest(folder: Path, count: int = 10) -> list[tuple[str, float, int]]:
+    tests = {}
+    for record in folder.glob("*.json"):
+        if record.name != "summary.json":
+            tests.update(json.loads(record.read_text())["tests"])
+    return sorted(
+        ((test, t["seconds"], t["launches"]) for test, t in tests.items()), key=lambda r: -r[1]
+    )[:count]
 
 
 def main() -> int:
@@ -123,7 +150,9 @@ def main() -> int:
     try:
         with TemporaryDirectory() as tmp:
             for i in range(1, args.runs + 1):
-                seconds, code, bad, counts = run_suite(Path(tmp) / f"run{i}.xml", args.pytest_args)
+                seconds, code, bad, counts = run_suite(
+                    Path(tmp) / f"run{i}.xml", DURATIONS / f"run{i}", args.pytest_args
+                )
                 # one count per failing test per run (the values say how it failed)
                 failures.update(bad.keys())
                 runs.append((i, seconds, code, sorted(bad), counts))

@@ -142,6 +142,8 @@ def suffix(words: list[str]) -> list[str]:
         return ["tune.batches=2", "tune.num_workers=[0,1]"]
     if _program(words) == "make" and "train" in words:
         return ["ARGS=trainer.max_steps=2"]
+    if _program(words) == "sbatch" and any(w.endswith("train.sbatch") for w in words):
+        return ["trainer.max_steps=2"]  # the script's arguments are train.py's
     if _program(words) in ("tensorboard", "mlflow"):
         return [f"--port={_free_port()}"]
     return []
@@ -525,6 +527,41 @@ def _first_of_sweeps(words: list[str]) -> list[str]:
     return first
 
 
+def _documented_runs(project: Path) -> list[tuple[str, str, list[str], Optional[str]]]:
+    """Every documented train.py and eval.py command, as (where, script, its overrides, the GPUs of
+    the host it is for): its block's variables expanded, its placeholders made real, a sweep as its
+    first job, Hydra's own settings left out (but the search path)."""
+    env = {**train_env(), "HOME": str(project / "home"), "PYTHONPATH": train_env()["PYTHONPATH"]}
+    found = []
+    for block in BLOCKS:
+        if block.lang not in SHELLS or block.mark not in (None, "needs-gpu"):
+            continue
+        env_lines: list[str] = []
+        for command in block.commands:
+            placed = _placed(without_comment(command), project)
+            if re.match(r"^(export\s+)?\w+=", placed):
+                env_lines.append(placed)
+                continue
+            words = _expand(placed, env_lines, project, env)
+            script = _script(words)
+            if script not in ("train.py", "eval.py") or {"--cfg", "--help"} & set(words):
+                continue
+            at = next(i for i, w in enumerate(words) if w.endswith(script))
+            gpus, overrides = None, []
+            for word in words[at + 1 :]:
+                if word.startswith("--gpus="):
+                    gpus = word.split("=", 1)[1]
+                elif not word.startswith("-") and (
+                    not word.startswith(("hydra.", "hydra/")) or word.startswith("hydra.searchpath")
+                ):
+                    overrides.append(word)
+            if block.mark == "needs-gpu":
+                nproc = [w.split("=")[1] for w in overrides if w.startswith("trainer.nproc=")]
+                gpus = nproc[0] if nproc else "8"
+            found.append((f"{block.where}: {command}", script, _first_of_sweeps(overrides), gpus))
+    return found
+
+
 @pytest.mark.timeout(600)
 def test_every_documented_command_composes_and_resolves_in_process(
     project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -545,67 +582,42 @@ def test_every_documented_command_composes_and_resolves_in_process(
     from hydra_ddp.parallel import distributed
 
     register_schema()
+    runs = _documented_runs(project)
     monkeypatch.chdir(project)
-    env = {**train_env(), "HOME": str(project / "home"), "PYTHONPATH": train_env()["PYTHONPATH"]}
     monkeypatch.setenv("HOME", str(project / "home"))
     monkeypatch.syspath_prepend(str(project / "home" / "lab"))
-    resolved, failures = 0, []
+    # what resolving sets in this process's environment (torch's inductor, its cache's place) is
+    # not the next test's: put back as it was
+    environ = dict(os.environ)
+    failures: list[str] = []
     GlobalHydra.instance().clear()
-    hydra = initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None)
-    hydra.__enter__()
-    request_finalizer = hydra.__exit__
-    for block in BLOCKS:
-        if block.lang not in SHELLS or block.mark not in (None, "needs-gpu"):
-            continue
-        env_lines: list[str] = []
-        for command in block.commands:
-            placed = _placed(without_comment(command), project)
-            if re.match(r"^(export\s+)?\w+=", placed):
-                env_lines.append(placed)
-                continue
-            words = _expand(placed, env_lines, project, env)
-            script = _script(words)
-            if script not in ("train.py", "eval.py") or {"--cfg", "--help"} & set(words):
-                continue
-            at = next(i for i, w in enumerate(words) if w.endswith(script))
-            gpus = None
-            overrides = []
-            for word in words[at + 1 :]:
-                if word.startswith("--gpus="):
-                    gpus = word.split("=", 1)[1]
-                elif not word.startswith("-") and (
-                    not word.startswith(("hydra.", "hydra/")) or word.startswith("hydra.searchpath")
-                ):
-                    overrides.append(word)
-            if block.mark == "needs-gpu":
-                gpus = next(
-                    (w.split("=")[1] for w in overrides if w.startswith("trainer.nproc=")), "8"
-                )
-            overrides = _first_of_sweeps(overrides)
-            where = f"{block.where}: {command}"
-            with monkeypatch.context() as scoped:
-                if gpus:
-                    scoped.setenv(distributed.CHECK_GPUS_ENV, gpus)
-                try:
-                    name = "config" if script == "train.py" else "eval"
-                    composed = compose(name, overrides, return_hydra_config=True)
-                    # ${hydra:...} as a run reads it (the MLflow logger's store is in its cwd)
-                    HydraConfig.instance().set_config(composed)
-                    with open_dict(composed):
-                        del composed["hydra"]
-                    run_dir = tmp_path / f"run{resolved}"
-                    if script == "train.py":
-                        resolve.resolve(composed, run_dir, None, checked=False)
-                    else:
-                        given = [o for o in overrides if not o.startswith("ckpt=")]
-                        resolve.eval_config(composed, given, run_dir, None)
-                    resolved += 1
-                except Exception as error:  # noqa: BLE001  (each command's own line)
-                    line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                    failures.append(f"{where}\n    → {type(error).__name__}: {line}")
-    request_finalizer(None, None, None)
-    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+            for index, (where, script, overrides, gpus) in enumerate(runs):
+                with monkeypatch.context() as scoped:
+                    if gpus:
+                        scoped.setenv(distributed.CHECK_GPUS_ENV, gpus)
+                    try:
+                        name = "config" if script == "train.py" else "eval"
+                        composed = compose(name, overrides, return_hydra_config=True)
+                        # ${hydra:...} as a run reads it (the MLflow logger's store: its cwd)
+                        HydraConfig.instance().set_config(composed)
+                        with open_dict(composed):
+                            del composed["hydra"]
+                        run_dir = tmp_path / f"run{index}"
+                        if script == "train.py":
+                            resolve.resolve(composed, run_dir, None, checked=False)
+                        else:
+                            given = [o for o in overrides if not o.startswith("ckpt=")]
+                            resolve.eval_config(composed, given, run_dir, None)
+                    except Exception as error:  # noqa: BLE001  (each command's own line)
+                        line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                        failures.append(f"{where}\n    → {type(error).__name__}: {line}")
+    finally:
+        GlobalHydra.instance().clear()
+        os.environ.clear()
+        os.environ.update(environ)
     assert not failures, f"{len(failures)} documented command(s) do not compose and resolve:\n" + (
         "\n".join(failures)
     )
-    assert resolved > 60
+    assert len(runs) > 60

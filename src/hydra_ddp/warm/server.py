@@ -90,12 +90,14 @@ class Server:
         if why:
             return why
         early = {k: v for k, v in run.env.items() if facts.read_early(k)}
-        differ = sorted(set(early.items()) ^ set(self.early.items()))
-        if differ:
-            return (
-                f"{differ[0][0]} differs from the warm process's, and is read when torch or Python "
-                "starts"
-            )
+        for name in sorted(set(early) | set(self.early)):
+            # what torch's imports set (TORCHINDUCTOR_CACHE_DIR), the command's imports would too
+            set_so = name in self.imports_set and early.get(name) in (None, self.imports_set[name])
+            if early.get(name) != self.early.get(name) and not set_so:
+                return (
+                    f"{name} differs from the warm process's, and is read when torch or Python "
+                    "starts"
+                )
         gone = changed(self.loaded)
         if gone:
             self.stopping = True
