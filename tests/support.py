@@ -37,6 +37,9 @@ TESTS = Path(__file__).resolve().parent
 HELPERS = TESTS / "helpers"
 # A short real run: the default data and model, a few steps.
 QUICK = ("trainer.max_steps=8", "trainer.log_every=3")
+# Beside a probe that stops a run (tests/helpers/probes.py): it stops it once, not again when the
+# run is continued (a continuation takes the run's own overrides, the probe's among them).
+ONCE = "+model.resume=${trainer.resume}"
 
 
 # --- Running train.py and eval.py

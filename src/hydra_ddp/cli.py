@@ -21,7 +21,7 @@ from typing import Any, NoReturn, Optional
 
 from hydra_ddp import project
 from hydra_ddp.errors import UserError
-from hydra_ddp.launch import startup
+from hydra_ddp.launch import continuing, startup
 from hydra_ddp.runtime import ranks
 
 PACKAGE_CONF = "pkg://hydra_ddp.conf"
@@ -34,6 +34,10 @@ COMMANDS = {
     "export": (
         "export ckpt=PATH",
         "write a checkpoint's weights for inference (python -m hydra_ddp.export)",
+    ),
+    "generate": (
+        "generate ckpt=PATH prompt=TEXT",
+        "sample from a trained language model (python -m hydra_ddp.generate)",
     ),
     "init": (
         "init DIR",
@@ -69,6 +73,8 @@ def run_job(
 
         # the command runs in a fork of the warm process; this process waits for it
         warm.run_in_fork(job, config_path, started_at, sys.argv)
+    if job == "train":  # a run continued in its directory: its own record, this command's on top
+        continuing.adopt(sys.argv)
     check_only = startup.take_check_flags(sys.argv)  # --check: compose and check, launch nothing
     if not check_only and not ranks.external_launch():
         # The workers' imports (torch, the project) start now, in a forkserver, beside the parent's
@@ -174,6 +180,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from hydra_ddp import export
 
         return export.main(rest)
+    if name == "generate":
+        from hydra_ddp import generate
+
+        return generate.main(rest)
     conf = project.extra_conf(found)
     for line in project.shadowed(conf, project.package_conf()) if conf else []:
         print(line, file=sys.stderr)

@@ -10,7 +10,8 @@ checkpoint's directory (fsdp, tp, fsdp_tp: read with DCP in this one process). T
 the full model's as the run evaluated them (their moving average, for a run with trainer.ema),
 on the CPU, under the model's own parameter names: no optimizer, no project
 class, nothing but tensors. Beside them, OUT's stem + ".yaml" holds the model's config (its
-`_target_` and arguments, as the run resolved them) and the data's shape, so that
+`_target_` and arguments, as the run resolved them: the data's shape where the model takes it), so
+that
 
     model = MyNet(**{k: v for k, v in config["model"].items() if k != "_target_"})
     model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
@@ -63,11 +64,8 @@ def export(ckpt: str, out: Path, fmt: str) -> tuple[Path, Path]:
         torch.save(weights, out)
     config = run_config.typed(state["config"])
     described = {
-        "model": config.model,
+        "model": config.model,  # its own arguments: the data's shape where the model takes it
         "task": config.task,
-        "data": {
-            key: getattr(config.data, key) for key in ("in_channels", "image_size", "num_classes")
-        },
         "checkpoint": str(path),
         "step": state["position"]["step"],
         "weights": which,  # ema: the moving average of the weights the run evaluated (trainer.ema)
@@ -100,17 +98,24 @@ def _pretrained(path: Path, state: dict, weights: dict, out: Path) -> tuple[Path
         )
     model = hf.causal_lm(**{key: value for key, value in config.model.items() if key != "_target_"})
     model.load_state_dict(weights)
+    # the run's tokenizer: <run>/checkpoints/<checkpoint>, <run>/tokenizer; or made again
+    saved, tokenizer, context = path.parent.parent / "tokenizer", None, None
+    if (saved / text.TOKENIZER_FILE).is_file():
+        tokenizer = text.load_tokenizer(str(saved))
+    elif str(config.data.dataset.get("_target_", "")).endswith(".documents"):
+        tokenizer = text.run_tokenizer(config.data.dataset)
+        context = config.data.dataset.get("context")
     # trained without a key/value cache (hf.causal_lm): generate() wants it
     model.config.use_cache = True
+    if tokenizer is not None:
+        # the run's special tokens, not transformers' defaults (bos 1, eos 2): a document is its
+        # tokens then end-of-text (no token starts one), a batch is padded with <pad>
+        end, pad = text.special_ids(tokenizer)
+        for settings in (model.config, model.generation_config):
+            settings.bos_token_id, settings.eos_token_id, settings.pad_token_id = end, end, pad
+        model.generation_config.use_cache = True
+        text.save_tokenizer(tokenizer, out, context)
     model.save_pretrained(out)
-    # the run's: <run>/checkpoints/<checkpoint>, <run>/tokenizer
-    saved = path.parent.parent / "tokenizer"
-    if (saved / text.TOKENIZER_FILE).is_file():
-        text.save_tokenizer(text.load_tokenizer(str(saved)), out)
-    elif str(config.data.dataset.get("_target_", "")).endswith(".documents"):
-        text.save_tokenizer(
-            text.run_tokenizer(config.data.dataset), out, config.data.dataset.get("context")
-        )
     return out, out / "config.json"
 
 

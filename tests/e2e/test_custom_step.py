@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from support import (
+    ONCE,
     REPO,
     assert_same_run,
     check_ok,
@@ -72,7 +73,7 @@ def test_the_docs_two_optimizer_step_trains_exactly_and_resumes_bit_for_bit(
     # resumed: the uninterrupted run, the second optimizer's momentum restored from the checkpoint.
     split, stopped = tmp_path / "split", tmp_path / "stopped"
     check_ok(run_train(split, *RUN, step_setting(0.05), env=env))
-    probe = ("model._target_=probes.signal_at", "+model.of=hydra_ddp.models.MnistCNN")
+    probe = ("model._target_=probes.signal_at", "+model.of=hydra_ddp.models.MnistCNN", ONCE)
     done = finish(start_train(stopped, *RUN, step_setting(0.05), *probe, "+model.step=9", env=env))
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert 3 <= summary(stopped)["steps"] < summary(split)["history"][0]["step"]  # mid-epoch

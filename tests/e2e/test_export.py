@@ -301,6 +301,47 @@ def test_a_transformers_model_exports_as_from_pretrained_loads_it_with_its_token
         assert torch.equal(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)
     assert tokenizer.decode(ids[0]) == "def main(argv):\n    return 0\n"
 
+    # The run's special tokens, not transformers' defaults: a text ends at <|endoftext|>, batches
+    # pad with <pad>, and generate() stops there, with the key/value cache on.
+    end, pad = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<pad>"])
+    for settings in (loaded.config, loaded.generation_config):
+        assert (settings.bos_token_id, settings.eos_token_id, settings.pad_token_id) == (
+            end,
+            end,
+            pad,
+        ), settings
+    assert loaded.generation_config.use_cache and (
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    ) == (
+        end,
+        pad,
+    )
+    # hydra-ddp generate on the run (greedy, its own loop over the model's cache) writes the text
+    # transformers' generate() makes from the export alone, to its end-of-text.
+    prompt = "def main("
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    with torch.no_grad():
+        made = loaded.generate(torch.tensor([prompt_ids]), max_new_tokens=30, do_sample=False)[
+            0, len(prompt_ids) :
+        ].tolist()
+    assert end not in made[:-1]  # stopped at its first end-of-text, if it made one
+    new = made[:-1] if made[-1:] == [end] else made
+    ours = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("hydra-ddp")),
+            "generate",
+            f"ckpt={run_dir}",
+            f"prompt={prompt}",
+            "max_new_tokens=30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ours.returncode == 0, ours.stderr
+    assert ours.stdout == tokenizer.decode(prompt_ids + new) + "\n"
+
 
 def test_format_hf_of_a_model_that_is_not_transformers_is_one_line(tmp_path: Path):
     run_dir = tmp_path / "run"

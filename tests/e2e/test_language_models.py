@@ -7,12 +7,15 @@ what a step holds."""
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
 
 from support import (
     FLOAT64_BOUND,
+    ONCE,
+    REPO,
     assert_same_run,
     assert_within_float_noise,
     check_ok,
@@ -22,6 +25,8 @@ from support import (
     run_train,
     start_train,
     summary,
+    train_env,
+    wait_for,
 )
 
 # the transformers extra: .ci/run installs it; under CI=true a skip fails
@@ -115,6 +120,8 @@ def test_a_run_stopped_mid_epoch_resumes_bit_identical_and_evaluates_alike_at_1_
     ) == (2, 12, 8, 1, 16)
     assert s["tokens_per_step"] > 0 and s["tokens_per_sec"] > 0 and s["flops"]["mfu"] is not None
     assert (straight / "tokenizer" / "tokenizer.json").is_file()  # as transformers loads it
+    if packing:
+        _samples_from_the_run(straight)
     # SIGTERM at rank 0's 5th training forward, mid-epoch; resumed: every loss, metrics.csv and the
     # weights.
     stopped = tmp_path / "stopped"
@@ -122,6 +129,7 @@ def test_a_run_stopped_mid_epoch_resumes_bit_identical_and_evaluates_alike_at_1_
         "model._target_=probes.signal_at",
         "+model.of=hydra_ddp.models.TinyGPT",
         "+model.step=5",
+        ONCE,
     )
     done = finish(start_train(stopped, *common, *probe))
     assert done.returncode == 143, done.stderr
@@ -170,3 +178,145 @@ def test_a_causal_lm_given_pairs_and_a_stream_are_each_one_line(tmp_path: Path):
         "data.dataset (recording.streamed) gives a stream (Stream, an IterableDataset)" in errors[0]
     )
     assert "python -m hydra_ddp.tools.shards write DIR --source recording.streamed" in errors[0]
+
+
+@pytest.mark.timeout(400)
+def test_a_run_continues_from_its_folder_alone_and_a_refused_continuation_leaves_its_record(
+    tmp_path: Path,
+):
+    """README's resume line on an experiment's run: `hydra.run.dir=RUN trainer.resume=auto` alone
+    continues the run's own config (its record's overrides), bit for bit as the run that was not
+    stopped. A continuation refused (a new length under the experiment's warmup_cosine, which spans
+    the run) is one line, and the run's record (.hydra/, metrics.csv, summary.json, the log) stays
+    byte for byte as it was; a change given with the resume line applies, one log line per key."""
+    small = (
+        "+experiment=documents_gpt",
+        "data.dataset.context=48",
+        "data.dataset.vocab_size=300",
+        "data.dataset.max_bytes=60000",
+        "model.dim=32",
+        "model.depth=1",
+        "trainer.max_steps=12",
+        "trainer.log_every=1",
+        "checkpoint.every_n_steps=2",
+    )
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    check_ok(run_train(straight, *small))
+    proc = start_train(stopped, *small)
+    wait_for(lambda: (stopped / "checkpoints" / "step-00000004.pt").exists(), 120, "step 4", proc)
+    proc.send_signal(signal.SIGTERM)
+    done = finish(proc)
+    assert done.returncode == 143, done.stderr
+    assert summary(stopped)["steps"] < 12
+
+    def record() -> dict[str, bytes]:
+        files = [*sorted((stopped / ".hydra").iterdir()), stopped / "metrics.csv"]
+        files += [stopped / "summary.json", stopped / "train.log"]
+        return {path.name: path.read_bytes() for path in files}
+
+    kept = record()
+    refused = run_train(stopped, "trainer.resume=auto", "trainer.max_steps=14")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode != 0 and len(lines) == 1, refused.stderr
+    assert lines[0].startswith(
+        "hydra-ddp: error: trainer.max_steps: 12 → 14 on resume: the schedule (warmup_cosine) "
+        "spans the run's whole length"
+    ), lines[0]
+    assert record() == kept
+    # the resume line alone: the run's own config, to the end, bit for bit the straight run's
+    check_ok(run_train(stopped, "trainer.resume=auto"))
+    assert_same_run(stopped, straight, "continued from its folder alone")
+    assert "differs from the checkpoint's" not in (stopped / "train.log").read_text()
+    # a change given with it applies, said in one line of its own
+    check_ok(run_train(stopped, "trainer.resume=auto", "trainer.log_every=3"))
+    changes = [
+        line
+        for line in (stopped / "train.log").read_text().splitlines()
+        if "differs from the checkpoint's" in line
+    ]
+    assert len(changes) == 1 and "trainer.log_every: 1 → 3" in changes[0], changes
+
+
+@pytest.mark.cold  # tokenizers is hidden from this command's own process (a fork has its own)
+def test_text_that_cannot_be_read_is_one_line_before_any_run_directory(tmp_path: Path):
+    """A glob of text files that matches none, a folder given for the glob, and tokenizers not
+    installed: refused before launch, in one line each, with no run directory left behind."""
+    import subprocess
+    import sys
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("a document\n")
+    cases = {
+        f"data.dataset.files={tmp_path / 'corpus' / '*.md'}": "matches no file; give a glob",
+        f"data.dataset.files={tmp_path / 'corpus'}": (
+            f"is a folder; give a glob of its text files: data.dataset.files="
+            f"'{tmp_path / 'corpus'}/**/*.txt'"
+        ),
+    }
+    for index, (files, says) in enumerate(cases.items()):
+        run_dir = tmp_path / f"run{index}"
+        proc = run_train(run_dir, *TEXT, files, "trainer.max_steps=2")
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode != 0 and len(lines) == 1 and says in lines[0], proc.stderr
+        assert lines[0].startswith("hydra-ddp: error: data.dataset.files=")
+        assert not run_dir.exists()
+    # As if the package were not installed (None in sys.modules: Python's mark for a module that
+    # must not be imported).
+    run_dir = tmp_path / "no-tokenizers"
+    code = (
+        "import runpy, sys; sys.modules['tokenizers'] = None; "
+        f"sys.argv = ['train.py', *{list(TEXT)!r}, 'hydra.run.dir={run_dir}']; "
+        "runpy.run_path('train.py', run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(
+        "hydra-ddp: error: data=documents needs Hugging Face tokenizers (tokenizers), which is "
+        "not installed: pip install tokenizers"
+    ), lines[0]
+    assert not run_dir.exists()
+
+
+def _samples_from_the_run(run_dir: Path) -> None:
+    """`hydra-ddp generate` on the built-in GPT's run: the prompt, then its continuation, the same
+    each time for one seed (greedy, or sampled from the top 5 at temperature 1); in Python, the
+    same tokens."""
+    import subprocess
+    import sys
+
+    from hydra_ddp import generate
+
+    def command(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [
+                str(Path(sys.executable).with_name("hydra-ddp")),
+                "generate",
+                f"ckpt={run_dir}",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    greedy = command("prompt=import os", "max_new_tokens=12")
+    assert greedy.returncode == 0, greedy.stderr
+    model, tokenizer, end, context = generate.load(str(run_dir))
+    prompt_ids = tokenizer.encode("import os").ids
+    new = generate.sample(model, prompt_ids, end, context, generate.Sampling(max_new_tokens=12))
+    assert greedy.stdout == tokenizer.decode(prompt_ids + new) + "\n"
+    assert greedy.stdout.startswith("import os") and len(new) <= 12 and end not in new
+    sampled = ("prompt=import os", "max_new_tokens=12", "temperature=1.0", "top_k=5", "seed=3")
+    assert command(*sampled).stdout == command(*sampled).stdout
+    wrong = command()
+    assert wrong.returncode != 0 and wrong.stderr.strip() == (
+        "hydra-ddp: error: prompt= is missing: hydra-ddp generate ckpt=RUN_DIR prompt=TEXT"
+    )

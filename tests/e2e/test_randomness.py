@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from support import (
+    ONCE,
     assert_float64_alike,
     assert_same_run,
     assert_within_float_noise,
@@ -109,7 +110,7 @@ def test_augmented_training_is_the_same_at_any_world_size_and_resumes_exactly_mi
     # SIGTERM at step 5 of 9 in the first epoch, and resumed: the uninterrupted run of 2 ranks, bit
     # for bit (every step's loss once, in TensorBoard and metrics.csv, and the final weights).
     stopped = tmp_path / "stopped"
-    proc = start_train(stopped, *common, "model._target_=probes.SignalAt", "+model.step=5")
+    proc = start_train(stopped, *common, "model._target_=probes.SignalAt", "+model.step=5", ONCE)
     done = finish(proc, timeout=120)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     steps = summary(stopped)["steps"]

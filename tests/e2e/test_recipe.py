@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from support import (
+    ONCE,
     check_ok,
     csv_step_losses,
     documented,
@@ -64,6 +65,7 @@ def test_a_warmup_schedule_resumes_mid_warmup_bit_for_bit_and_is_the_same_at_any
         "model._target_=probes.signal_at",
         "+model.of=hydra_ddp.models.MnistCNN",
         "+model.step=9",
+        ONCE,
     )
     done = finish(start_train(stopped, *WARMUP, *probe))
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
@@ -113,6 +115,7 @@ def test_the_decay_groups_are_the_models_own_names_under_fsdp_and_resume_bit_for
         "model._target_=probes.signal_at",
         "+model.of=hydra_ddp.models.TinyGPT",
         "+model.step=4",
+        ONCE,
     )
     done = finish(start_train(stopped, *fsdp, *probe), timeout=300)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
@@ -160,11 +163,13 @@ PROBES = {
         "model._target_=probes.signal_at",
         "+model.of=hydra_ddp.models.MnistCNN",
         "+model.step=17",
+        ONCE,
     ),
     "fsdp": (
         "model._target_=probes.signal_at",
         "+model.of=hydra_ddp.models.TinyGPT",
         "+model.step=4",
+        ONCE,
     ),
 }
 

@@ -37,7 +37,7 @@ def _group(rank: int, world: int, port: int) -> None:
 
 def _leftovers(pid: int) -> list[str]:
     """Segments made by this process (as rank 0) still in /dev/shm."""
-    return sorted(p.name for p in shared_memory.SHM_DIR.glob(f"{shared_memory.PREFIX}{pid}-*"))
+    return sorted(p.name for p in shared_memory.shm_dir().glob(f"{shared_memory.PREFIX}{pid}-*"))
 
 
 def _sums(rank: int, world: int, port: int) -> None:

@@ -19,6 +19,7 @@ import pytest
 from hydra_ddp.data import digits, shards
 
 from support import (
+    ONCE,
     assert_same_run,
     check_ok,
     csv_step_losses,
@@ -120,6 +121,7 @@ def test_a_mid_epoch_stop_continues_with_the_uninterrupted_runs_samples_bit_for_
         "model._target_=probes.signal_at",
         "+model.of=hydra_ddp.models.MnistCNN",
         "+model.step=9",
+        ONCE,
     )
     done = finish(start_train(stopped, *common, *probe), timeout=300)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
@@ -272,6 +274,7 @@ def test_tokenized_documents_stream_from_shards_with_the_same_guarantees(tmp_pat
         "model._target_=probes.signal_at",
         "+model.of=hydra_ddp.models.TinyGPT",
         "+model.step=5",
+        ONCE,
     )
     done = finish(start_train(stopped, *text, "trainer.max_steps=12", *probe))
     assert done.returncode == 128 + signal.SIGTERM, done.stderr

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from support import (
+    ONCE,
     check_ok,
     csv_step_losses,
     documented,
@@ -65,7 +66,12 @@ def test_a_transformers_model_trains_resumes_after_sigterm_and_evaluates_exactly
 
     # SIGTERM at rank 0's 7th forward (step 4's first micro-batch), then resumed: the same bits.
     stopped = tmp_path / "stopped"
-    probe = ("model._target_=probes.signal_at", "+model.of=hydra_ddp.hf.causal_lm", "+model.step=7")
+    probe = (
+        "model._target_=probes.signal_at",
+        "+model.of=hydra_ddp.hf.causal_lm",
+        "+model.step=7",
+        ONCE,
+    )
     done = finish(start_train(stopped, *common, *probe), timeout=300)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert 3 <= summary(stopped)["steps"] < FULL

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -54,14 +55,19 @@ class InputProbe(MnistCNN):
         return super().forward(x)
 
 
+# A probe that stops a run stops it once: a continuation of the run takes the run's own overrides
+# (its record: launch/continuing.py), the probe's among them, and `resume` (support.ONCE gives it:
+# `+model.resume=${trainer.resume}`) says the run is continued: the probe then does nothing.
+
+
 class SignalAt(MnistCNN):
     """At rank 0's `step`-th training forward, SIGTERM to every process of the run (its process
     group), as Slurm's scancel signals a job step: the run stops, checkpointed, where it agrees
-    to."""
+    to. Not in a continued run (`resume`: support.ONCE)."""
 
-    def __init__(self, step: int, **kwargs):
+    def __init__(self, step: int, resume: Optional[str] = None, **kwargs):
         super().__init__(**kwargs)
-        self.step, self.calls = step, 0
+        self.step, self.calls = (step if resume is None else 0), 0
 
     def forward(self, x):
         if self.training and dist.get_rank() == 0:
@@ -71,13 +77,16 @@ class SignalAt(MnistCNN):
         return super().forward(x)
 
 
-def signal_at(of: str, step: int, **kwargs) -> torch.nn.Module:
+def signal_at(of: str, step: int, resume: Optional[str] = None, **kwargs) -> torch.nn.Module:
     """The model `of` (a dotted path to a class or a function) built with `kwargs`, SIGTERMing the
     run as SignalAt does at rank 0's `step`-th training forward: for models that are not MnistCNN (a
-    Hugging Face model called with keyword inputs)."""
+    Hugging Face model called with keyword inputs). Not in a continued run (`resume`:
+    support.ONCE)."""
     from hydra.utils import get_object
 
     model = get_object(of)(**kwargs)
+    if resume is not None:
+        return model
     calls = [0]
 
     def hook(module, args):

@@ -32,7 +32,7 @@ LAYERS = (
     ("parallel", "tasks"),
     ("checkpoint", "reporting"),
     ("training", "launch"),
-    ("export", "init", "tools", "search", "warm"),
+    ("export", "generate", "init", "tools", "search", "warm"),
     ("cli",),
     ("__main__",),
 )
@@ -372,6 +372,7 @@ EXTRAS = (
     "hydra_ddp.search",
     "hydra_ddp.tools",
     "hydra_ddp.export",
+    "hydra_ddp.generate",
     "hydra_ddp.init",
     "hydra_ddp.reporting.scaling",
     "hydra_ddp.reporting.trials",

@@ -89,7 +89,7 @@ def test_an_unknown_command_is_one_line(capsys):
     assert cli.main(["trian"]) == 2
     assert capsys.readouterr().err == (
         "hydra-ddp: error: no command 'trian'; choose "
-        "train, eval, export, init or warm (hydra-ddp --help)\n"
+        "train, eval, export, generate, init or warm (hydra-ddp --help)\n"
     )
     assert cli.main(["init"]) == 2
     assert "takes one argument" in capsys.readouterr().err

@@ -50,6 +50,7 @@ def _run(**env: str) -> wire.Run:
         streams=[],
         shared=facts.shared(),
         settings=facts.settings(),
+        pid=os.getpid(),
     )
 
 
@@ -122,3 +123,24 @@ def test_a_command_with_no_warm_process_starts_cold_saying_so(
     monkeypatch.delenv(warm.ENV)
     assert warm.run_in_fork("train", "conf", 0.0, ["train.py"]) is None
     assert capfd.readouterr().err == ""
+
+
+def test_no_module_of_the_package_reads_the_environment_as_it_is_imported():
+    """A warm start's fork has the package imported already, by the warm process: a module that
+    read a variable at import would give every command the warm process's value (the shared-memory
+    segment's folder did: parallel/shared_memory.py now reads it when it makes one)."""
+    import ast
+
+    from support import REPO
+
+    found = []
+    for path in sorted((REPO / "src" / "hydra_ddp").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if any(
+                isinstance(sub, ast.Attribute) and sub.attr in ("environ", "getenv")
+                for sub in ast.walk(node)
+            ):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, f"read at import: {found}"

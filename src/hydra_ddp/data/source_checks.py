@@ -4,6 +4,7 @@ user's own `_target_` is checked when it is built."""
 
 from __future__ import annotations
 
+import glob
 import inspect
 import os
 from pathlib import Path
@@ -61,6 +62,8 @@ def check_source(data_cfg: Any) -> None:
                 f"data.group_by_length={grouped}: {what}, nothing to group; leave it null"
             )
     if target.endswith(".documents"):
+        if dataset_cfg.get("files"):
+            _check_files(dataset_cfg["files"])
         vocabulary = text.vocabulary_size(dataset_cfg)
         if vocabulary > num_classes:
             raise UserError(
@@ -125,3 +128,18 @@ def _require_dir(root: str, what: str) -> Path:
             f"{what}: directory {str(path)!r} does not exist; set data.dataset.root to it"
         )
     return path
+
+
+def _check_files(pattern: str) -> None:
+    """data.dataset.files, before launch: a glob that matches files (a folder is not one)."""
+    where = os.path.expanduser(pattern)
+    if os.path.isdir(where):
+        raise UserError(
+            f"data.dataset.files={pattern!r} is a folder; give a glob of its text files: "
+            f"data.dataset.files='{pattern.rstrip('/')}/**/*.txt' (** for its subfolders)"
+        )
+    if not any(os.path.isfile(path) for path in glob.iglob(where, recursive=True)):
+        raise UserError(
+            f"data.dataset.files={pattern!r} matches no file; "
+            "give a glob of text files (e.g. corpus/*.txt)"
+        )

@@ -162,6 +162,7 @@ def save_tokenizer(tokenizer: Any, folder: Path, context: Optional[int] = None) 
     folder.mkdir(parents=True, exist_ok=True)
     settings = {
         "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": END_OF_TEXT,  # as the model's config says (export.py): nothing starts a text
         "eos_token": END_OF_TEXT,
         "pad_token": PAD,
     }
@@ -324,6 +325,11 @@ def documents(
         pieces = tokenize(trained, split, context)
         built.append(packed(pieces, context, pad_id) if packing else TokenDocuments(pieces, pad_id))
     return built[0], built[1]
+
+
+documents.requires = (  # type: ignore[attr-defined]  (checked before launch: launch/checks.py)
+    ("tokenizers", "Hugging Face tokenizers", install_line("tokenizers", "transformers")),
+)
 
 
 def _split_documents(

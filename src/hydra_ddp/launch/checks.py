@@ -20,6 +20,7 @@ from hydra_ddp.config import groups, targets
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError, first_line, root_cause
+from hydra_ddp.launch import continuing
 from hydra_ddp.parallel import elastic, strategies
 from hydra_ddp.recipe import compiling, schedules
 from hydra_ddp.recipe import optimizer as optimizers
@@ -60,6 +61,7 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
             f"{str(Path(str(resume)).expanduser().resolve())!r}; give a checkpoint "
             "(checkpoints/step-N.pt, or a sharded step-N directory), or auto"
         )
+    _check_continued_length(cfg, run_dir)
     # torch._dynamo only when asked for
     if trainer.compile_backend != "inductor" or trainer.compile:
         import torch._dynamo
@@ -97,6 +99,9 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
         targets.check(logger, f"logger.{name}")
         _check_requires(logger["_target_"], f"logger.{name}", f"logger={name}")
     _check_requires(cfg.model["_target_"], "model", groups.chosen("model", cfg.model))
+    data_target = cfg.data.dataset.get("_target_")
+    if data_target:
+        _check_requires(data_target, "data.dataset", groups.chosen("data", cfg.data.dataset))
     if not data_cfg.even_shards:
         task = tasks.build(cfg.task)
         if tasks.weighs_units(task):
@@ -279,6 +284,24 @@ def _check_recipe(cfg: RunConfig) -> None:
         with torch.device("meta"):
             optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         schedules.build(cfg.scheduler, optimizer, cfg.trainer.max_steps)
+
+
+def _check_continued_length(cfg: RunConfig, run_dir: Path) -> None:
+    """A run continued in its directory (trainer.resume=auto) keeps the length its schedule spans
+    (launch/continuing.py says why); the checkpoint it would resume from is the newest that reads,
+    as the run's own choice is. A new run from a checkpoint (trainer.resume=PATH elsewhere) has
+    the length this command gives it."""
+    if cfg.trainer.resume != "auto":
+        return
+    for path in reversed(checkpoints.step_checkpoints(RunDir(run_dir).checkpoints)):
+        try:
+            saved = checkpoints.read(path, "trainer.resume")["config"]
+        except UserError:
+            continue  # a damaged one: the run skips it too
+        problem = continuing.changed_length(saved, cfg)
+        if problem:
+            raise UserError(problem)
+        return
 
 
 def _check_requires(target: str, key: str, choice: str) -> None:

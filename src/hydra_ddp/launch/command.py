@@ -21,7 +21,16 @@ from omegaconf import DictConfig
 from hydra_ddp.config import from_checkpoint, run_config
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import EVERY_RANK, UserError
-from hydra_ddp.launch import checks, composition, holding, kubernetes, resolve, startup, workers
+from hydra_ddp.launch import (
+    checks,
+    composition,
+    continuing,
+    holding,
+    kubernetes,
+    resolve,
+    startup,
+    workers,
+)
 from hydra_ddp.launch.workers import Stopped, _again, say
 from hydra_ddp.parallel import distributed
 from hydra_ddp.rundir import RunDir, claimed_instead
@@ -112,6 +121,8 @@ def run(cfg: DictConfig, started_at: float, job: str = "train") -> Optional[dict
             run_dir,
         )
     resolved = _resolve(cfg, run_dir, external, job)
+    if job == "train" and not external:  # accepted: a continued run's record says how it runs now
+        continuing.record(run_dir, cfg)
     # One live run per directory: held by the launching process (node 0's) or an outside launch's
     # rank 0.
     holds = external[1].is_main if external else resolved.launcher.node_rank == 0

@@ -36,7 +36,9 @@ LOCK = ".hydra-ddp.lock"
 
 
 def _me() -> dict[str, Any]:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "started": _started(os.getpid())}
+    """This command's process (a warm start's fork holds for its command: startup.command_pid)."""
+    pid = startup.command_pid or os.getpid()
+    return {"pid": pid, "host": socket.gethostname(), "started": _started(pid)}
 
 
 def _started(pid: int) -> Optional[str]:

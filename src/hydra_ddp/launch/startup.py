@@ -108,6 +108,7 @@ def preload(argv: list[str] | None = None) -> None:
 # keep these descriptors of the fork's (its connection to its command).
 warm_fork = False
 close_in_forkserver: list[int] = []
+command_pid: int | None = None  # the command's own process, which the fork runs for
 # multiprocessing.forkserver.main's parameters, as CPython 3.11 to 3.13 have them
 _FORKSERVER_MAIN_TAKES = ("listener_fd", "alive_r", "preload", "main_path", "sys_path")
 

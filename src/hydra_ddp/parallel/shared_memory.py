@@ -41,13 +41,19 @@ import torch.distributed as dist
 from hydra_ddp.errors import UserError
 from hydra_ddp.runtime import processes
 
-# Where the segment lives: a tmpfs. HYDRA_DDP_SHM_DIR names another where /dev/shm is small
-# (Docker's default is 64 MB; the segment is 2 × world size × the gradients' bytes, at most 8 MB
-# each).
-SHM_DIR = Path(os.environ.get("HYDRA_DDP_SHM_DIR", "/dev/shm"))
 PREFIX = "hydra-ddp-"  # then rank 0's pid and a random part
 STALE_S = 60
 SLOT_BYTES = 8 << 20  # per rank and half: a larger gradient goes through in chunks of this size
+
+
+def shm_dir() -> Path:
+    """Where the segment lives: a tmpfs. HYDRA_DDP_SHM_DIR names another where /dev/shm is small
+    (Docker's default is 64 MB; the segment is 2 × world size × the gradients' bytes, at most 8 MB
+    each). Read when a segment is made, not at import: a process forked from one that imported
+    this module (a warm start's fork) lives with its own command's environment."""
+    return Path(os.environ.get("HYDRA_DDP_SHM_DIR", "/dev/shm"))
+
+
 LINE = 64  # bytes: each rank's counter on its own cache line
 TOKEN_BYTES = 16
 SPINS = 200  # checks before yielding the core
@@ -67,8 +73,8 @@ def unavailable(backend: str, device: str, world_size: int, local_world_size: in
         reasons.append(f"not every rank is on this host ({local_world_size} of {world_size})")
     if platform.machine().lower() not in ("x86_64", "amd64"):
         reasons.append(f"it relies on x86-64's store order (this is {platform.machine()})")
-    if not SHM_DIR.is_dir():
-        reasons.append(f"{SHM_DIR} does not exist")
+    if not shm_dir().is_dir():
+        reasons.append(f"{shm_dir()} does not exist")
     if backend not in ("gloo", "mpi"):
         reasons.append(f"backend {backend} (gloo or mpi only)")
     return reasons
@@ -103,7 +109,7 @@ class SharedMemoryAllReduce:
         # Every rank is here before rank 0 creates anything: a rank that failed earlier leaves no
         # segment.
         named = [
-            str(SHM_DIR / f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"),
+            str(shm_dir() / f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"),
             secrets.token_bytes(TOKEN_BYTES),
         ]
         dist.broadcast_object_list(named, src=0, group=self.group)
@@ -144,7 +150,7 @@ class SharedMemoryAllReduce:
             os.posix_fallocate(fd, 0, self.size)
             memory = mmap.mmap(fd, self.size)
         except OSError as e:
-            return f"cannot create {self.size} bytes in {SHM_DIR}: {e.strerror or e}", None
+            return f"cannot create {self.size} bytes in {shm_dir()}: {e.strerror or e}", None
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -259,7 +265,7 @@ class SharedMemoryUnavailable(RuntimeError):
 def _remove_stale() -> None:
     """Segments left by a rank 0 killed while the others were still mapping (a fraction of a second
     after it made them): their creator is gone, and they are older than any set-up in progress."""
-    for path in SHM_DIR.glob(f"{PREFIX}*"):
+    for path in shm_dir().glob(f"{PREFIX}*"):
         try:
             pid = int(path.name[len(PREFIX) :].split("-", 1)[0])
             if not Path(f"/proc/{pid}").exists() and time.time() - path.stat().st_mtime > STALE_S:

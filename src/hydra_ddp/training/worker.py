@@ -243,13 +243,8 @@ def _train(
     )
     if elastic.is_elastic(cfg.launcher):  # a resize changes the accumulation by design
         changed = [change for change in changed if not change.startswith("trainer.accumulate:")]
-    if changed:  # the checkpoint's values are not restored: the run goes on with this command's
-        log.warning(
-            "resuming %s with a config that differs from the checkpoint's (this command's "
-            "values apply; pass the checkpoint's overrides to continue the same run): %s",
-            resume[0],
-            "; ".join(changed),
-        )
+    for change in changed:  # not the checkpoint's value: the run goes on with this command's
+        log.warning("resuming %s: %s differs from the checkpoint's", resume[0].name, change)
     if rank.is_main and resume is None and resume_setting == "auto":
         log.info(
             "trainer.resume=auto: no checkpoint in %s; training from the start", checkpointer.dir

@@ -99,6 +99,7 @@ def _request(job: str, config_path: str, started_at: float, argv: list[str]) -> 
         ],
         shared=facts.shared(),
         settings=facts.settings(),
+        pid=os.getpid(),
     )
 
 

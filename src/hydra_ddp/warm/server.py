@@ -240,15 +240,21 @@ def _become(run: wire.Run, fds: list[int], conn: socket.socket) -> None:
     os.environ.update(run.env)
     sys.path[:] = run.path
     sys.argv[:] = run.argv
-    # the standard streams over the command's descriptors, buffered as the command's are
+    # the standard streams over the command's descriptors, buffered as the command's are (as
+    # Python makes them: unbuffered, -u or PYTHONUNBUFFERED, writes to the descriptor at once)
     for (name, fd), (encoding, errors, line_buffering, write_through) in zip(
         (("stdin", 0), ("stdout", 1), ("stderr", 2)), run.streams
     ):
         raw = io.FileIO(fd, "rb" if fd == 0 else "wb", closefd=False)
+        if fd == 0:
+            buffer: Any = io.BufferedReader(raw)
+        else:
+            buffer = raw if write_through else io.BufferedWriter(raw)
         stream = io.TextIOWrapper(
-            io.BufferedReader(raw) if fd == 0 else io.BufferedWriter(raw),
+            buffer,
             encoding=encoding,
             errors=errors,
+            newline="\n",
             line_buffering=line_buffering,
             write_through=write_through,
         )
@@ -273,4 +279,4 @@ def _become(run: wire.Run, fds: list[int], conn: socket.socket) -> None:
     if select.select([conn], [], [], 0)[0]:
         os._exit(1)  # already gone
     startup.close_in_forkserver.append(conn.fileno())
-    startup.warm_fork = True
+    startup.warm_fork, startup.command_pid = True, run.pid

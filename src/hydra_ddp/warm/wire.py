@@ -66,6 +66,7 @@ class Run:
     streams: list[tuple[str, str, bool, bool]]  # stdin's, stdout's, stderr's text settings
     shared: facts.Shared
     settings: facts.Settings
+    pid: int  # the command's process: a run directory's holder (launch/holding.py) is it
 
 
 @dataclass
