@@ -94,7 +94,9 @@ def _pretrained(path: Path, state: dict, weights: dict, out: Path) -> tuple[Path
         raise UserError(
             "format=hf is for Hugging Face transformers models "
             "(model=hf_llama: hydra_ddp.hf.causal_lm), and this "
-            f"checkpoint's model is {target}: use format=safetensors"
+            f"checkpoint's model is {target}: use format=safetensors for its weights; for a "
+            "language model (the built-in GPT), hydra-ddp generate ckpt=RUN samples from it, "
+            "and a run of model=hf_llama exports to transformers"
         )
     model = hf.causal_lm(**{key: value for key, value in config.model.items() if key != "_target_"})
     model.load_state_dict(weights)

@@ -362,4 +362,9 @@ def test_format_hf_of_a_model_that_is_not_transformers_is_one_line(tmp_path: Pat
     assert (
         done.returncode == 2 and "format=hf is for Hugging Face transformers models" in done.stderr
     ), done.stderr
+    # what to use instead: the weights alone, sampling from the run, a model transformers loads
+    assert all(
+        what in done.stderr
+        for what in ("format=safetensors", "hydra-ddp generate ckpt=RUN", "model=hf_llama")
+    ), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

@@ -120,6 +120,20 @@ def test_a_run_stopped_mid_epoch_resumes_bit_identical_and_evaluates_alike_at_1_
     ) == (2, 12, 8, 1, 16)
     assert s["tokens_per_step"] > 0 and s["tokens_per_sec"] > 0 and s["flops"]["mfu"] is not None
     assert (straight / "tokenizer" / "tokenizer.json").is_file()  # as transformers loads it
+    # What it read, in its first lines and its summary: the standard library's documents, their
+    # tokens, and how much of the batches (packed windows of 48; padded batches of 8) is text.
+    read = s["data"]
+    assert read["files"] is None and 0 < read["documents"] < read["tokens"], read
+    if packing:
+        assert read["text_share"] == read["tokens"] / (read["windows"] * 48), read
+        how = f"packed into {read['windows']:,} windows: {100 * read['text_share']:.1f} % text"
+    else:
+        assert "windows" not in read and 0 < read["text_share"] < 1, read
+        how = f"padded per batch: {100 * read['text_share']:.1f} % text in rank 0's first epoch"
+    assert (
+        f"data: Python's own source, {read['documents']:,} documents, {read['tokens']:,} tokens "
+        f"in the training split; {how}"
+    ) in (straight / "train.log").read_text()
     if packing:
         _samples_from_the_run(straight)
     # SIGTERM at rank 0's 5th training forward, mid-epoch; resumed: every loss, metrics.csv and the

@@ -337,3 +337,18 @@ def test_padded_documents_may_be_grouped_by_length_before_launch(tmp_path):
         tmp_path, *TEXT, "data.dataset.packing=false", "data.group_by_length=8", "trainer.nproc=2"
     )
     assert cfg.data.group_by_length == 8
+
+
+def test_the_text_share_of_padded_batches_counts_each_batch_padded_to_its_longest():
+    from hydra_ddp.data.about import line, text_share
+
+    # batches (3, 1) and (2, 2): 4 of 6 places, then 4 of 4
+    assert text_share(torch.tensor([3, 1, 2, 2]), 2) == 8 / 10
+    assert text_share(torch.tensor([5]), 4) == 1.0
+    assert text_share(torch.tensor([], dtype=torch.int64), 4) == 1.0
+    assert line(
+        {"files": 3, "documents": 1200, "tokens": 45678, "windows": 400, "text_share": 0.5}
+    ) == (
+        "data: 3 file(s), 1,200 documents, 45,678 tokens in the training split; "
+        "packed into 400 windows: 50.0 % text"
+    )

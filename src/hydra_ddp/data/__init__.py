@@ -16,6 +16,8 @@ same evaluation chunks and the same world-size rules hold for it.
 """
 
 # The package's API: the sources' builders are what conf/data/*.yaml names (hydra_ddp.data.digits).
+from hydra_ddp.data.about import about  # noqa: F401
+from hydra_ddp.data.about import line as about_line  # noqa: F401
 from hydra_ddp.data.loading import (  # noqa: F401
     EvalSplit,
     Loaders,

@@ -215,4 +215,6 @@ def rows(dataset: Dataset, index: Any) -> Dataset:
     """A whole-tensor dataset's rows `index`, still whole tensors (of the same kind)."""
     if isinstance(dataset, TensorDataset):
         return TensorDataset(*(t[index] for t in dataset.tensors))
-    return TensorTree(take(whole(dataset), index))
+    part = TensorTree(take(whole(dataset), index))
+    part.about = getattr(dataset, "about", None)  # what its source read (data/about.py)
+    return part

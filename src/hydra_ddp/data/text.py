@@ -323,7 +323,12 @@ def documents(
     built = []
     for split in splits:
         pieces = tokenize(trained, split, context)
-        built.append(packed(pieces, context, pad_id) if packing else TokenDocuments(pieces, pad_id))
+        made = packed(pieces, context, pad_id) if packing else TokenDocuments(pieces, pad_id)
+        # what the run says it read (data/about.py)
+        made.about = {"documents": len(split), "tokens": sum(len(piece) for piece in pieces)}
+        if packing:
+            made.about["windows"] = len(made)
+        built.append(made)
     return built[0], built[1]
 
 

@@ -177,6 +177,9 @@ def _train(
     kept = data.save_with_run(data_cfg, out) if rank.is_main and cfg.job == "train" else None
     if kept:  # data=documents: its tokenizer, for export and inspection
         log.info("the data's tokenizer is saved with the run: %s", kept)
+    read = data.about(data_cfg, loaders) if rank.is_main and cfg.job == "train" else None
+    if read:  # how much text, and how much of a batch is text
+        log.info(data.about_line(read))
     task = tasks.build(cfg.task)
     model = instantiate(cfg.model)
     # From here a stream per model replica (dropout's masks differ between ranks that read different
@@ -280,6 +283,8 @@ def _train(
         summary = reports.how_it_ran(
             trainer, rank, out, result, fast, resume, started_at, entered_at
         )
+        if read:
+            summary["data"] = read
         reporter.finish(summary, hparams=run_report.hparams(cfg, rank.world_size))
     finally:
         reporter.close()
