@@ -81,6 +81,19 @@ def test_world_size_sweep_writes_a_scaling_report_and_groups_its_mlflow_and_wand
             summary(sweep / str(i))["flops"]["per_sec_per_rank"]
         )
         assert 0 < float(row["mfu"]) < 1
+    # Left to their defaults, the global batch grows with the ranks (data.batch_size each) and the
+    # threads per rank shrink: the report says so at its top and flags the row against job 0's.
+    jobs_batch = [summary(sweep / str(i))["global_batch_size"] for i in (0, 1)]
+    jobs_threads = [summary(sweep / str(i))["threads_per_rank"] for i in (0, 1)]
+    assert jobs_batch[1] == 2 * jobs_batch[0]
+    assert [int(r["global_batch_size"]) for r in rows] == jobs_batch
+    assert [int(r["threads_per_rank"]) for r in rows] == jobs_threads
+    assert rows[0]["flags"] == "" and rows[1]["flags"].startswith(
+        f"global batch {jobs_batch[1]}, not {jobs_batch[0]} as job 0's"
+    ), rows
+    report = (sweep / "scaling.md").read_text()
+    assert f"**The jobs' global batches differ ({jobs_batch[0]}, {jobs_batch[1]})**" in report
+    assert "Threads per rank: trainer.threads, by default the CPUs" in report
     assert "| model FLOP/s per rank | MFU |" in (sweep / "scaling.md").read_text()
     assert "| trainer.nproc=2 | ok |" in (sweep / "scaling.md").read_text()
     assert (sweep / "scaling.png").stat().st_size > 10_000

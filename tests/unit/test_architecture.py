@@ -375,6 +375,7 @@ EXTRAS = (
     "hydra_ddp.generate",
     "hydra_ddp.init",
     "hydra_ddp.reporting.scaling",
+    "hydra_ddp.reporting.scaling_plot",
     "hydra_ddp.reporting.trials",
     "hydra_ddp.reporting.wandb_logger",
     "hydra_ddp.warm",

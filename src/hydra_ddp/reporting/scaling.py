@@ -14,7 +14,6 @@ A job that failed is a failed row, not a crash of the report. Also runs on its o
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import sys
@@ -24,6 +23,7 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from hydra_ddp.reporting import scaling_plot
 from hydra_ddp.reporting.trials import (
     check_search,
     fmt,
@@ -44,15 +44,25 @@ COLUMNS = [
     "status",
     "world_size",
     "global_batch_size",
+    "threads_per_rank",
     "samples_per_sec",
     "speedup",
     "efficiency",
     "flops_per_sec_per_rank",
     "mfu",
     "wall_time_s",
+    "flags",
     "error",
 ]
-METRICS_AT = 10  # where in COLUMNS the metric columns go
+METRICS_AT = 11  # where in COLUMNS the metric columns go
+# An efficiency above this is no scaling: the base job was slowed (a busy host, fewer threads) or
+# did other work (another global batch), and the row says so.
+ABOVE_LINEAR = 1.1
+# how a row's threads per rank are chosen unless trainer.threads is set (launch/resolve.py)
+THREADS_DEFAULT = (
+    "Threads per rank: trainer.threads, by default the CPUs the command may use divided by the "
+    "ranks on its node (one rank takes them all)."
+)
 
 
 def _overrides(job_dir: Path) -> list[str]:
@@ -92,6 +102,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
                     for k in (
                         "world_size",
                         "global_batch_size",
+                        "threads_per_rank",
                         "samples_per_sec",
                         "wall_time_s",
                         "objective",
@@ -123,6 +134,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         row["run_dir"] = str(job_dir)
         rows.append(row)
     _add_speedup(rows)
+    _flag(rows)
     return rows
 
 
@@ -138,6 +150,45 @@ def _add_speedup(rows: list[dict[str, Any]]) -> None:
         r["efficiency"] = r["speedup"] / (r["world_size"] / base["world_size"])
 
 
+def _flag(rows: list[dict[str, Any]]) -> None:
+    """A row whose efficiency does not measure scaling says why, against the base job (the smallest
+    world size's, which the speed-up divides by): an efficiency above ABOVE_LINEAR, a global batch
+    or threads per rank other than the base's."""
+    done = [r for r in rows if r.get("efficiency") is not None]
+    if not done:
+        return
+    base = min(done, key=lambda r: (r["world_size"], r["job"]))
+    for r in done:
+        flags = [
+            f"{name} {r.get(key)}, not {base.get(key)} as job {base['job']}'s"
+            for key, name in (
+                ("global_batch_size", "global batch"),
+                ("threads_per_rank", "threads per rank"),
+            )
+            if r.get(key) != base.get(key)
+        ]
+        if r["efficiency"] > ABOVE_LINEAR:
+            flags.append(
+                f"efficiency {r['efficiency']:.2f} > {ABOVE_LINEAR}: not scaling (the base job "
+                "was slowed, or did other work)"
+            )
+        r["flags"] = "; ".join(flags) or None
+
+
+def warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """What the report's top says before its table: jobs whose global batches differ compare
+    different work."""
+    batches = sorted({r["global_batch_size"] for r in rows if r.get("global_batch_size")})
+    if len(batches) < 2:
+        return []
+    return [
+        f"**The jobs' global batches differ ({', '.join(map(str, batches))})**: their samples/s "
+        "compare different work, and their efficiencies are no scaling. Sweep world sizes with "
+        "data.global_batch_size=N held fixed.",
+        "",
+    ]
+
+
 def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
     # torch: imported at the sweep's end, not at the launcher's start
     from hydra_ddp.reporting import flops
@@ -146,12 +197,18 @@ def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
     at = METRICS_AT
     write_csv(sweep_dir / "scaling.csv", rows, COLUMNS[:at] + metrics + COLUMNS[at:])
     header = (
-        "| job | swept | status | world size | global batch | samples/s | speed-up | efficiency | "
-        "model FLOP/s per rank | MFU | "
+        "| job | swept | status | world size | global batch | threads per rank | samples/s | "
+        "speed-up | efficiency | model FLOP/s per rank | MFU | "
         + "".join(f"{m.replace('_', ' ')} | " for m in metrics)
-        + "wall s |"
+        + "wall s | flags |"
     )
-    lines = [f"# Scaling report: {sweep_dir}", "", header, "|" + " --- |" * (11 + len(metrics))]
+    lines = [
+        f"# Scaling report: {sweep_dir}",
+        "",
+        *warnings(rows),
+        header,
+        "|" + " --- |" * (13 + len(metrics)),
+    ]
     for r in rows:
         achieved = (
             flops.si(r["flops_per_sec_per_rank"], "FLOP/s")
@@ -164,6 +221,7 @@ def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
             r["status"] + (f": {r['error']}" if r.get("error") else ""),
             r.get("world_size"),
             r.get("global_batch_size"),
+            r.get("threads_per_rank"),
             r.get("samples_per_sec"),
             r.get("speedup"),
             r.get("efficiency"),
@@ -171,6 +229,7 @@ def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
             r.get("mfu"),
             *(r.get(m) for m in metrics),
             r.get("wall_time_s"),
+            r.get("flags"),
         ]
         lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
     lines += [
@@ -180,99 +239,13 @@ def write(rows: list[dict[str, Any]], sweep_dir: Path) -> None:
         "world-size ratio (1.0 is perfect scaling). "
         "Throughput counts training steps only. Model FLOP/s",
         "and MFU: the summary's `flops` (counted once per run; the peak as each summary names it).",
+        f"A row's flags: an efficiency above {ABOVE_LINEAR}, a global batch or threads per rank",
+        "not the base job's (the smallest world size's).",
+        THREADS_DEFAULT,
         "",
     ]
     (sweep_dir / "scaling.md").write_text("\n".join(lines))
-    plot(rows, sweep_dir / "scaling.png", sweep_dir)
-
-
-def train_losses(job_dir: Path) -> list[tuple[int, float]]:
-    """(step, global train loss) from a job's metrics.csv (else its TensorBoard file): what the
-    loss panel overlays."""
-    if RunDir(job_dir).metrics_csv.is_file():
-        with open(RunDir(job_dir).metrics_csv, newline="") as f:
-            return [
-                (int(r["step"]), float(r["train/loss"]))
-                for r in csv.DictReader(f)
-                if r.get("train/loss")
-            ]
-    if not RunDir(job_dir).tensorboard.is_dir():
-        return []
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(RunDir(job_dir).tensorboard), size_guidance={"scalars": 0})
-    acc.Reload()
-    if "train/loss" not in acc.Tags().get("scalars", []):
-        return []
-    return [(e.step, e.value) for e in acc.Scalars("train/loss")]
-
-
-def plot(rows: list[dict[str, Any]], path: Path, sweep_dir: Optional[Path] = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    done = [r for r in rows if r["status"] == "ok" and r.get("samples_per_sec")]
-    failed = [r for r in rows if r["status"] != "ok"]
-    fig, (ax_tp, ax_eff, ax_loss) = plt.subplots(1, 3, figsize=(16, 4.4))
-    sizes = sorted({r["world_size"] for r in done})
-    by_size = len(sizes) == len(done) and len(sizes) > 1  # one job per world size: plot against it
-    if by_size:
-        done.sort(key=lambda r: r["world_size"])
-        x = [r["world_size"] for r in done]
-        base = done[0]
-        ideal = [base["samples_per_sec"] * n / base["world_size"] for n in x]
-        ax_tp.plot(x, ideal, "--", color="grey", label="ideal (linear)")
-        ax_tp.plot(
-            x, [r["samples_per_sec"] for r in done], "o-", color="tab:blue", label="measured"
-        )
-        ax_tp.set_xlabel("world size (processes)")
-        ax_tp.set_xticks(x)
-        ax_eff.plot(x, [r["efficiency"] for r in done], "o-", color="tab:green")
-        ax_eff.axhline(1.0, ls="--", color="grey")
-        ax_eff.set_xlabel("world size (processes)")
-        ax_eff.set_xticks(x)
-        ax_tp.legend()
-    else:  # another key was swept: one bar per job
-        labels = [r["swept"] for r in done]
-        ax_tp.bar(labels, [r["samples_per_sec"] for r in done], color="tab:blue")
-        ax_eff.bar(labels, [r["efficiency"] for r in done], color="tab:green")
-        for ax in (ax_tp, ax_eff):
-            ax.tick_params(axis="x", labelrotation=20)
-    ax_tp.set_ylabel("samples / s")
-    ax_tp.set_ylim(bottom=0)
-    ax_tp.set_title("Throughput")
-    ax_eff.set_ylabel("scaling efficiency")
-    ax_eff.set_ylim(0, max([1.1] + [r["efficiency"] * 1.1 for r in done]))
-    ax_eff.set_title("Efficiency (speed-up ÷ world-size ratio)")
-    # Scaling out must not change the science: with data.global_batch_size the curves coincide.
-    # Dashes and narrowing widths keep curves that lie on top of each other visible.
-    for i, r in enumerate(done if sweep_dir else []):
-        curve = train_losses(sweep_dir / str(r["job"]))
-        if curve:
-            ax_loss.plot(
-                *zip(*curve),
-                ls=("-", "--", ":", "-.")[i % 4],
-                lw=max(0.8, 3.0 - 0.6 * i),
-                label=r["swept"],
-            )
-    ax_loss.set_xlabel("optimizer step")
-    ax_loss.set_ylabel("train loss (global)")
-    ax_loss.set_title("Training loss by job")
-    if ax_loss.lines:
-        ax_loss.legend(fontsize=8)
-    for ax in (ax_tp, ax_eff, ax_loss):
-        ax.grid(alpha=0.3)
-    if failed:
-        ended = "; ".join(f"job {r['job']} {r['status']} ({r['swept']})" for r in failed)
-        fig.text(0.5, 0.01, f"not finished: {ended}", ha="center", color="tab:red")
-    fig.suptitle(
-        "Scaling: " + (", ".join(sorted({r["swept"].split("=")[0] for r in rows})) or "sweep")
-    )
-    fig.tight_layout(rect=(0, 0.04 if failed else 0, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    scaling_plot.plot(rows, sweep_dir / "scaling.png", sweep_dir)
 
 
 def varies_world_size(rows: list[dict[str, Any]]) -> bool:

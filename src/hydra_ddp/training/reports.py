@@ -156,6 +156,7 @@ def how_it_ran(
         "accumulate": cfg.trainer.accumulate,
         # per optimizer step: all replicas and micro-batches
         "global_batch_size": cfg.data.global_batch_size,
+        "threads_per_rank": cfg.trainer.threads,  # settled at launch (launch/resolve.py)
         "settings": fast,
         "compile": cfg.trainer.compile,  # false, or torch.compile's "blocks" or whole "model"
         "deterministic": cfg.trainer.deterministic,
