@@ -122,3 +122,16 @@ def test_the_doc_map_is_the_tests_claims_and_the_testing_page_shows_it():
         "docs/testing.md's map of documented commands is not the tests' claims: "
         "python tests/doc_map.py --write"
     )
+
+
+def test_the_usage_pages_group_table_shows_every_group_and_option_in_conf():
+    """docs/usage.md's options column is conf/'s: each group's options, its default named
+    (tests/group_table.py makes it)."""
+    import group_table
+
+    assert group_table.cell("scheduler").startswith("`step` (default), `cosine`, `none`")
+    assert group_table.cell("logger").startswith("`tensorboard` and `csv` (default, together)")
+    assert group_table.cell("debug").startswith("none by default; `anomaly`")
+    assert group_table.written() == group_table.cells(), (
+        "docs/usage.md's table of config groups is not conf/'s: python tests/group_table.py --write"
+    )
