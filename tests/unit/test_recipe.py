@@ -238,3 +238,49 @@ def test_blocks_are_the_models_own_and_every_k_picks_from_the_first():
     assert activation_checkpointing.blocks(nn.Sequential(nn.Linear(2, 2))) is None
     assert activation_checkpointing.chosen(list(range(5)), "every_k", 2) == [0, 2, 4]
     assert activation_checkpointing.chosen(list(range(5)), "full", 2) == list(range(5))
+
+
+@pytest.mark.parametrize(
+    "overrides, refused",
+    [
+        (
+            ("scheduler=warmup_cosine", "trainer.max_steps={}"),
+            True,
+        ),  # warmup and decay: the length's
+        (("scheduler=wsd", "trainer.max_steps={}"), True),
+        # a fixed warmup, then a constant rate: the same rates at any length
+        (
+            (
+                "scheduler=warmup_cosine",
+                "scheduler.warmup_steps=3",
+                "scheduler.min_lr_ratio=1.0",
+                "trainer.max_steps={}",
+            ),
+            False,
+        ),
+        (("scheduler=cosine", "trainer.epochs={}"), True),  # by epoch, its T_max the epochs
+        (("scheduler=step", "trainer.epochs={}"), False),  # by epoch, of fixed step_size
+        (("scheduler=none", "trainer.max_steps={}"), False),
+    ],
+    ids=["warmup-cosine", "wsd", "warmup-then-constant", "cosine-by-epoch", "step", "none"],
+)
+def test_a_new_length_on_resume_is_refused_only_where_the_rates_would_move(
+    tmp_path, overrides: tuple[str, ...], refused: bool
+):
+    from support import resolved
+
+    from hydra_ddp.config import run_config
+    from hydra_ddp.config.schema import register_schema
+    from hydra_ddp.launch.continuing import changed_length
+
+    register_schema()
+
+    def at(length: int):
+        return resolved(tmp_path, *(o.format(length) for o in overrides))
+
+    saved = run_config.thaw(at(6))
+    assert changed_length(saved, at(6)) is None  # the run's own length
+    line = changed_length(saved, at(12))
+    assert (line is not None) == refused, line
+    if refused:
+        assert "→ 12 on resume" in line and "trainer.init_from=RUN_DIR" in line

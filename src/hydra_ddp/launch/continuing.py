@@ -104,7 +104,12 @@ def changed_length(saved: dict[str, Any], cfg: RunConfig) -> Optional[str]:
         for key in ("epochs", "max_steps")
         if trainer.get(key) != getattr(cfg.trainer, key)
     ]
-    if not moved or not schedules.takes_length(cfg.scheduler):
+    if not moved:
+        return None
+    # a per-step schedule shaped by the run's length, or one by epochs whose settings follow it
+    # (cosine's T_max: ${trainer.epochs})
+    shaped = schedules.takes_length(cfg.scheduler) and not schedules.length_free(cfg.scheduler)
+    if not shaped and saved.get("scheduler") == _plain(cfg.scheduler):
         return None
     name = str(cfg.scheduler.get("_target_", "")).rsplit(".", 1)[-1]
     return (
@@ -113,3 +118,9 @@ def changed_length(saved: dict[str, Any], cfg: RunConfig) -> Optional[str]:
         "from its weights in a new run (trainer.init_from=RUN_DIR with the steps to add: a "
         "schedule of its own)"
     )
+
+
+def _plain(value: Any) -> Any:
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value

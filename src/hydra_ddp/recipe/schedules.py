@@ -200,6 +200,18 @@ def takes_length(scheduler_cfg: Any) -> bool:
     return scheduler_cfg is not None and _per_step_builder(instantiate(scheduler_cfg))
 
 
+def length_free(scheduler_cfg: Any, steps: int = 1000) -> bool:
+    """Whether a per-step schedule of this module gives each step the same rate whatever the run's
+    length (a warmup of fixed steps, then a constant rate): its shape for `steps` and for twice as
+    many, compared over the first `steps`. Another builder's: not known, so False."""
+    builder = instantiate(scheduler_cfg)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    shapes = [getattr(builder(optimizer, total_steps=n), "shape", None) for n in (steps, 2 * steps)]
+    if not all(isinstance(shape, Shape) for shape in shapes):
+        return False
+    return all(shapes[0].factor(step) == shapes[1].factor(step) for step in range(steps))
+
+
 def _per_step_builder(builder: Any) -> bool:
     return "total_steps" in inspect.signature(builder).parameters
 
