@@ -267,11 +267,11 @@ def test_blocks_are_the_models_own_and_every_k_picks_from_the_first():
 def test_a_new_length_on_resume_is_refused_only_where_the_rates_would_move(
     tmp_path, overrides: tuple[str, ...], refused: bool
 ):
-    from support import resolved
-
     from hydra_ddp.config import run_config
     from hydra_ddp.config.schema import register_schema
     from hydra_ddp.launch.continuing import changed_length
+
+    from support import resolved
 
     register_schema()
 
