@@ -4,6 +4,7 @@ their refusals), when the loop steps a schedule, and the optimizer's weight-deca
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -284,3 +285,22 @@ def test_a_new_length_on_resume_is_refused_only_where_the_rates_would_move(
     assert (line is not None) == refused, line
     if refused:
         assert "→ 12 on resume" in line and "trainer.init_from=RUN_DIR" in line
+
+
+def test_the_shards_experiment_trains_with_the_documents_experiments_recipe():
+    """+experiment=shards_gpt is documents_gpt read from shards: the same optimizer, schedule,
+    parameter groups, clipping, length and global batch; only the data differs."""
+    import yaml
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "experiment"
+    documents, shards = (
+        yaml.safe_load((conf / f"{n}.yaml").read_text()) for n in ("documents_gpt", "shards_gpt")
+    )
+    for key in ("optim", "param_groups", "scheduler", "trainer"):
+        assert shards[key] == documents[key], key
+    assert shards["data"]["global_batch_size"] == documents["data"]["global_batch_size"]
+    assert shards["model"]["context"] == documents["data"]["dataset"]["context"]
+    assert [d for d in shards["defaults"] if "override /data" not in d] == [
+        d for d in documents["defaults"] if "override /data" not in d
+    ]
+    assert {"override /data": "shards"} in shards["defaults"]
