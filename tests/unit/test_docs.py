@@ -135,3 +135,23 @@ def test_the_usage_pages_group_table_shows_every_group_and_option_in_conf():
     assert group_table.written() == group_table.cells(), (
         "docs/usage.md's table of config groups is not conf/'s: python tests/group_table.py --write"
     )
+
+
+def test_the_suite_times_the_testing_page_states_are_rows_of_ci_runs():
+    """docs/testing.md's suite time is a measurement: each "N min M s ... at `COMMIT`" (or "N
+    minutes at `COMMIT`") of its paragraph is in a row of bench/results/CI_RUNS.md for that
+    commit."""
+    page = (REPO / "docs" / "testing.md").read_text()
+    paragraph = page[page.index("**The suite's time.**") :].split("\n\n")[0]
+    stated = re.findall(r"(\d+ min \d+ s|\d+ minutes)[^`]*?at `([0-9a-f]{7,})`", paragraph)
+    assert len(stated) >= 2, f"no figure at a commit in the suite's time: {paragraph}"
+    rows = [
+        line
+        for line in (REPO / "bench/results/CI_RUNS.md").read_text().splitlines()
+        if line.startswith("| 20")
+    ]
+    for figure, commit in stated:
+        wanted = figure.replace(" minutes", " min ")
+        assert any(f"| {commit} |" in row and wanted in row for row in rows), (
+            f"docs/testing.md says {figure} at {commit}: no row of bench/results/CI_RUNS.md does"
+        )
