@@ -66,9 +66,9 @@ test-fast: $(STAMP) lint
 	$(PY) -m pytest -q $(FAST_E2E) $(ARGS)
 
 # The linter and the formatter (pyproject.toml's [tool.ruff]): `make format` rewrites, this only checks.
-LINTED := src tests bench train.py eval.py
+LINTED := src tests bench conf train.py eval.py setup.py
 lint: $(STAMP)
-	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff check .  # every Python file of the repository
 	$(VENV)/bin/ruff format --check $(LINTED)
 
 format: $(STAMP)

@@ -2,7 +2,8 @@
 groups ship inside the package (hydra_ddp.conf, found by Hydra as pkg://hydra_ddp.conf) from the
 one copy at the top of the repository, conf/, which train.py reads as it always has; and
 hydra_ddp/template/ (hydra-ddp init's files) ships whole, each of its folders named to setuptools
-as a package so that the build says nothing of them (it warns of data folders it was not told of)."""
+as a package so that the build says nothing of them (it warns of data folders it was not told
+of)."""
 
 from setuptools import find_namespace_packages, setup
 
@@ -17,10 +18,15 @@ TEMPLATE = [
 
 setup(
     packages=[
-        *find_namespace_packages("src", include=["hydra_ddp*", "hydra_plugins*"], exclude=["hydra_ddp.template*"]),
+        *find_namespace_packages(
+            "src", include=["hydra_ddp*", "hydra_plugins*"], exclude=["hydra_ddp.template*"]
+        ),
         *TEMPLATE,
         *CONF,
     ],
     package_dir={"": "src", "hydra_ddp.conf": "conf"},
-    package_data={**{package: ["*.yaml"] for package in CONF}, **{package: ["*"] for package in TEMPLATE}},
+    package_data={
+        **{package: ["*.yaml"] for package in CONF},
+        **{package: ["*"] for package in TEMPLATE},
+    },
 )

@@ -61,10 +61,11 @@ def start_train(
     prefix: tuple[str, ...] = (),
     script: str | None = "train.py",
     env: dict[str, str] | None = None,
+    cwd: Path = REPO,
 ) -> subprocess.Popen:
     """Start `python train.py OVERRIDES hydra.run.dir=RUN_DIR` (or under a launcher given as prefix;
     script None: the prefix is the whole command, e.g. `hydra-ddp train`; `env`: variables added to
-    the environment).
+    the environment; `cwd`: where it runs, a project of one's own say).
 
     It gets a session of its own: the test can find (and on timeout kill) every process it started.
     """
@@ -72,7 +73,7 @@ def start_train(
     cmd = [*program, *overrides, f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(
         cmd,
-        cwd=REPO,
+        cwd=cwd,
         env={**train_env(), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -107,8 +108,11 @@ def run_train(
     timeout: float = 150,
     env: dict[str, str] | None = None,
     script: str | None = "train.py",
+    cwd: Path = REPO,
 ) -> subprocess.CompletedProcess:
-    return finish(start_train(run_dir, *overrides, prefix=prefix, script=script, env=env), timeout)
+    return finish(
+        start_train(run_dir, *overrides, prefix=prefix, script=script, env=env, cwd=cwd), timeout
+    )
 
 
 def run_eval(
@@ -423,88 +427,46 @@ def make_image_folder(root: Path, classes=("cat", "dog"), per_class=5, size=10) 
     return root
 
 
-# --- A user's own task, model and data, in a package of their own (tests/e2e/test_tasks.py, the
-# docs' ~/lab) ---
-LAB = {
-    "mylab/__init__.py": "",
-    "mylab/task.py": '''
-        import torch
-        import torch.nn.functional as F
-        from hydra_ddp.tasks import Task
+# --- A user's own task, model and data (docs/tasks.md's example: tests/e2e/test_tasks.py, the
+# doc test's ~/lab) ---
+LAB_PAGE = REPO / "docs" / "tasks.md"
+# a mistake a user makes, beside the page's files: the loss left unreduced
+LAB_MISTAKE = """
+from torch.nn import functional as F
 
-        class Binary(Task):
-            """Yes/no from one logit: logistic loss; balanced accuracy (the mean of the two
-            classes' recalls)."""
-            metrics = {"loss": "min", "balanced_accuracy": "max"}
-            state_size = 5  # loss sum, count, true positives, positives, true negatives
-            prediction_columns = ("label", "score")
-            integer_columns = ("label",)
-
-            def loss(self, output, target):
-                return F.binary_cross_entropy_with_logits(
-                    output.float().reshape(-1), target.float()
-                )
-
-            def state(self, output, target):
-                logit, y = output.float().reshape(-1), target.float()
-                losses = F.binary_cross_entropy_with_logits(logit, y, reduction="none").double()
-                said = logit > 0
-                return torch.stack([losses.sum(), torch.tensor(float(len(y)), dtype=torch.float64),
-                                    (said & (y == 1)).sum().double(), (y == 1).sum().double(),
-                                    (~said & (y == 0)).sum().double()])
-
-            def compute(self, total):
-                loss, count, tp, positives, tn = total
-                balanced = (tp / positives + tn / (count - positives)) / 2
-                return {"loss": loss / count, "balanced_accuracy": balanced}
-
-            def predict(self, output, target):
-                return torch.stack([target.double(), output.double().reshape(-1)], 1)
-
-        class PerSample(Binary):
-            """A mistake a user makes: the loss left unreduced."""
-            def loss(self, output, target):
-                return F.binary_cross_entropy_with_logits(
-                    output.float().reshape(-1), target.float(), reduction="none"
-                )
-    ''',
-    "mylab/model.py": """
-        from torch import nn
-
-        class Scorer(nn.Module):
-            def __init__(self, features: int):
-                super().__init__()
-                self.net = nn.Sequential(nn.Linear(features, 16), nn.ReLU(), nn.Linear(16, 1))
-
-            def forward(self, x):
-                return self.net(x)
-    """,
-    "mylab/data.py": """
-        import torch
-        from torch.utils.data import TensorDataset
-
-        def blobs(features: int = 8, size: int = 600, seed: int = 0):
-            gen = torch.Generator().manual_seed(seed)
-            x = torch.randn(size, features, generator=gen)
-            y = (x[:, 0] + 0.5 * x[:, 1] > 0.3).long()  # unbalanced on purpose
-            return TensorDataset(x[:500], y[:500]), TensorDataset(x[500:], y[500:])
-    """,
-    "labconf/task/binary.yaml": "_target_: mylab.task.Binary\n",
-    "labconf/model/scorer.yaml": "_target_: mylab.model.Scorer\nfeatures: 8\n",
-    "labconf/data/blobs.yaml": (
-        "num_classes: 1\ndataset:\n  _target_: mylab.data.blobs\n  features: 8\n"
-    ),
-}
+from my_lab.binary import Binary
 
 
-def write_lab(folder: Path) -> Path:
-    """LAB's files under `folder`: the package `mylab` and its config folder `labconf`."""
-    import textwrap
+class PerSample(Binary):
+    def loss(self, output, target):
+        return F.binary_cross_entropy_with_logits(
+            output.float().reshape(-1), target.float(), reduction="none"
+        )
+"""
 
-    for name, text in LAB.items():
-        path = folder / name
+
+def lab_files() -> dict[str, str]:
+    """docs/tasks.md's files, as the page gives them: each python or yaml block whose first line
+    names its path in the project (`# my_lab/binary.py`, `# conf/task/binary.yaml`)."""
+    found = {}
+    for match in re.finditer(
+        r"```(?:python|yaml)\n# ((?:my_lab|conf)/\S+)[^\n]*\n(.*?)```",
+        LAB_PAGE.read_text(),
+        re.DOTALL,
+    ):
+        found[match.group(1)] = match.group(2)
+    assert len(found) == 6, f"docs/tasks.md: 6 files of the example, found {sorted(found)}"
+    return found
+
+
+def write_lab(folder: Path, conf: str = "labconf") -> Path:
+    """docs/tasks.md's files under `folder`: the package `my_lab` (and its mistakes.py) and the
+    configs under `conf` (an init project's `conf`, or the clone's extra config folder)."""
+    for name, text in {**lab_files(), "my_lab/mistakes.py": LAB_MISTAKE}.items():
+        path = folder / (conf + name[len("conf") :] if name.startswith("conf/") else name)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
+        path.write_text(text)
+    (folder / "my_lab" / "__init__.py").touch()
     return folder
 
 
@@ -797,9 +759,9 @@ def documented_command(page: str, fragment: str) -> str:
 
 
 def documented(page: str, fragment: str) -> list[str]:
-    """The words after the script (train.py, eval.py, `-m hydra_ddp.MODULE`) of the documented
-    command (documented_command): what a test that runs that command passes, its own overrides
-    after them (the last value of a key wins)."""
+    """The words after the script (train.py, eval.py, `-m hydra_ddp.MODULE`, `hydra-ddp COMMAND`)
+    of the documented command (documented_command): what a test that runs that command passes, its
+    own overrides after them (the last value of a key wins)."""
     import shlex
 
     command = documented_command(page, fragment)
@@ -809,7 +771,11 @@ def documented(page: str, fragment: str) -> list[str]:
             return words[i + 1 :]
         if word == "-m" and i + 1 < len(words) and words[i + 1].startswith("hydra_ddp"):
             return words[i + 2 :]
-    raise AssertionError(f"{page}: {command!r} runs no train.py, eval.py or hydra_ddp module")
+        if Path(word).name == "hydra-ddp" and i + 1 < len(words):
+            return words[i + 2 :]
+    raise AssertionError(
+        f"{page}: {command!r} runs no train.py, eval.py, hydra_ddp module or hydra-ddp"
+    )
 
 
 # --- A Kubernetes pod's variables (tests/unit and tests/e2e test_kubernetes.py) -------------------

@@ -54,9 +54,11 @@ def root_cause(error: BaseException) -> BaseException:
 
 
 def first_line(error: BaseException) -> str:
-    """`Type: first line of the message`: an exception as one line."""
+    """An exception as one line: `Type: first line of the message`, or the message alone for ours
+    (a UserError already says what is wrong and what to do; its class name would be noise)."""
     text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    line = text.splitlines()[0] if text else ""
+    return line if isinstance(error, UserError) and line else f"{type(error).__name__}: {line}"
 
 
 def in_loader_worker(text: str) -> str:

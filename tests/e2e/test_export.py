@@ -133,7 +133,7 @@ def test_a_ddp_run_exports_weights_that_load_without_the_project(tmp_path: Path)
     check_ok(run_train(run_dir, *QUICK))
     evaluated = run_eval(
         tmp_path / "eval",
-        *documented("docs/tasks.md", "trainer.nproc=1 predict=true"),
+        *documented("docs/tasks.md", "eval.py ckpt=outputs/runs/DATE/TIME trainer.nproc=1"),
         f"ckpt={run_dir}",
     )
     check_ok(evaluated)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,18 +27,19 @@ from support import (
     write_lab,
 )
 
+HYDRA_DDP = str(Path(sys.executable).parent / "hydra-ddp")
+
 
 @pytest.fixture
 def lab(tmp_path: Path) -> tuple[tuple[str, ...], dict[str, str]]:
-    """A user's package and config folder outside the repository: the overrides that choose them and
-    the environment that imports them."""
+    """docs/tasks.md's files in a clone's way: a package on PYTHONPATH and a config folder Hydra
+    searches; the overrides that choose them and the environment that imports them."""
     write_lab(tmp_path / "lab")
     overrides = (
         f"hydra.searchpath=[file://{tmp_path / 'lab' / 'labconf'}]",
         "task=binary",
         "model=scorer",
         "data=blobs",
-        "trainer.monitor=val/balanced_accuracy",
         "optim=adam",
         "scheduler=none",
     )
@@ -44,23 +47,35 @@ def lab(tmp_path: Path) -> tuple[tuple[str, ...], dict[str, str]]:
 
 
 @pytest.mark.timeout(400)
-def test_a_users_own_task_trains_evaluates_exactly_and_is_searched(tmp_path: Path, lab):
-    overrides, env = lab
+def test_a_users_own_task_trains_evaluates_exactly_and_is_searched_in_an_init_project(
+    tmp_path: Path,
+):
+    # docs/tasks.md as it stands: `hydra-ddp init my-lab`, the page's six files written into it,
+    # then its three commands run in the project (its conf/ and my_lab found with nothing set).
+    made = subprocess.run(
+        [HYDRA_DDP, "init", "my-lab"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    check_ok(made)
+    project = write_lab(tmp_path / "my-lab", conf="conf")
     run_dir = tmp_path / "run"
-    check_ok(run_train(run_dir, *overrides, "trainer.epochs=8", "optim.lr=0.01", env=env))
+    train = documented("docs/tasks.md", "hydra-ddp train task=binary")
+    check_ok(run_train(run_dir, *train, prefix=(HYDRA_DDP, "train"), script=None, cwd=project))
     s = summary(run_dir)
     assert s["world_size"] == 2 and s["metrics"] == ["loss", "balanced_accuracy"]
+    # the task's own `monitored`, as the page's comment says
     assert s["monitor"] == {**s["monitor"], "metric": "val/balanced_accuracy", "mode": "max"}
     assert s["objective"] == s["val_balanced_accuracy"] > 0.7 and s["test_samples"] == 100
-    # eval.py on its checkpoint: the run's test metrics, bit for bit, at 1 and at 2 ranks.
+    # hydra-ddp eval on its checkpoint: the run's test metrics, bit for bit, at 1 and at 2 ranks.
     for ranks in (1, 2):
         check_ok(
-            run_eval(
+            run_train(
                 tmp_path / f"eval{ranks}",
-                *documented("docs/tasks.md", "trainer.nproc=1 predict=true"),
+                *documented("docs/tasks.md", "hydra-ddp eval ckpt="),
                 f"ckpt={run_dir}",
                 f"trainer.nproc={ranks}",
-                env=env,
+                prefix=(HYDRA_DDP, "eval"),
+                script=None,
+                cwd=project,
             )
         )
         result = json.loads((tmp_path / f"eval{ranks}" / "eval.json").read_text())
@@ -78,14 +93,14 @@ def test_a_users_own_task_trains_evaluates_exactly_and_is_searched(tmp_path: Pat
     check_ok(
         run_train(
             tmp_path / "unused",
-            "-m",
-            *overrides,
-            "hparams_search=digits",
+            *documented("docs/tasks.md", "hydra-ddp train -m task=binary"),
             "hydra.sweeper.n_trials=2",
             *QUICK,
             "optim.weight_decay=0",
             f"hydra.sweep.dir={sweep}",
-            env=env,
+            prefix=(HYDRA_DDP, "train"),
+            script=None,
+            cwd=project,
             timeout=300,
         )
     )
@@ -100,7 +115,7 @@ def test_a_users_own_task_trains_evaluates_exactly_and_is_searched(tmp_path: Pat
 
 def test_a_task_whose_loss_is_not_a_scalar_is_one_line_before_anything_is_lost(tmp_path: Path, lab):
     overrides, env = lab
-    bad = (*overrides, "task._target_=mylab.task.PerSample")
+    bad = (*overrides, "task._target_=my_lab.mistakes.PerSample")
     check = run_train(tmp_path / "checked", "--check", *bad, env=env)
     assert check.returncode == 2 and check.stderr.strip().splitlines() == [
         "hydra-ddp: error: model=scorer with data=blobs: "

@@ -217,6 +217,30 @@ def test_misspelt_key_fails_at_composition():
         compose_cfg("trainer.nprocs=2")
 
 
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        (
+            "trainer.epoch=3",
+            "trainer.epoch: no such key in the config; did you mean trainer.epochs?",
+        ),
+        ("optim.lrr=0.1", "optim.lrr: no such key in the config; did you mean optim.lr?"),
+        (
+            "trainer.nprocs=2",
+            "trainer.nprocs: no such key in the config; did you mean trainer.nproc?",
+        ),
+        # nothing near: the general line, which says how to add a key
+        ("trainer.colour=red", "trainer.colour: no such key in the config (misspelt?); "),
+    ],
+)
+def test_a_misspelt_key_is_one_line_naming_the_nearest_key(override, line):
+    from hydra_ddp.launch import composition
+
+    with pytest.raises(ConfigCompositionException) as raised:
+        compose_cfg(override)
+    assert composition.one_line(raised.value).startswith(line)
+
+
 def test_wrong_type_fails_at_composition():
     with pytest.raises((ConfigCompositionException, ValidationError), match="epochs"):
         compose_cfg("trainer.epochs=many")
@@ -356,3 +380,15 @@ def test_an_optuna_search_must_optimise_the_monitor_in_its_direction():
         search("trainer.monitor=val/loss")
     )
     assert "set it" in trials.check_search(search("trainer.monitor=null"))
+
+
+def test_an_error_of_ours_is_its_message_and_anothers_keeps_its_type():
+    from hydra_ddp.errors import UserError, first_line
+
+    assert first_line(UserError("data=documents needs tokenizers\nmore")) == (
+        "data=documents needs tokenizers"
+    )
+    assert first_line(ValueError("dim (30) must be a multiple")) == (
+        "ValueError: dim (30) must be a multiple"
+    )
+    assert first_line(UserError("")) == "UserError: "

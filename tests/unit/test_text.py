@@ -329,6 +329,8 @@ def test_text_that_does_not_fit_the_model_is_one_line_before_launch(
     with pytest.raises(UserError) as error:
         resolved(tmp_path, *TEXT, *overrides, "trainer.nproc=2")
     assert line in str(error.value) and "\n" not in str(error.value)
+    # a group named once, and our own errors without their class name
+    assert "model=model=" not in str(error.value) and "UserError" not in str(error.value)
 
 
 def test_padded_documents_may_be_grouped_by_length_before_launch(tmp_path):

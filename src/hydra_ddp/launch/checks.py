@@ -168,7 +168,7 @@ def _check_model_fits_data(cfg: RunConfig) -> None:
     except Exception as error:  # noqa: BLE001
         if target.startswith("hydra_ddp."):
             raise UserError(
-                f"model={groups.chosen('model', cfg.model)} does "
+                f"{groups.chosen('model', cfg.model)} does "
                 f"not build: {first_line(root_cause(error))}"
             ) from None
         # a model of yours that builds only in a worker (it asks for its rank, say): the workers

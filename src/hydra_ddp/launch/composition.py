@@ -70,6 +70,9 @@ def one_line(error: BaseException) -> Optional[str]:
             f"{settings or 'none'}); another strategy's knob does not apply to this one"
         )
     if absent and key:
+        nearest = _nearest(key, getattr(cause, "parent_node", None))
+        if nearest:
+            return f"{key}: no such key in the config; did you mean {nearest}?"
         return (
             f"{key}: no such key in the config (misspelt?); "
             f"docs/reference/config.md lists every key, and +{key}=... adds "
@@ -82,6 +85,17 @@ def one_line(error: BaseException) -> Optional[str]:
         )
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     return f"{first}{f' ({key})' if key and key not in first else ''}"
+
+
+def _nearest(key: str, parent: Any) -> Optional[str]:
+    """The key of the same section closest to a misspelt one (trainer.epoch: trainer.epochs), when
+    one is close enough to be what was meant."""
+    import difflib
+
+    keys = [str(k) for k in parent.keys()] if hasattr(parent, "keys") else []
+    *section, name = key.split(".")
+    found = difflib.get_close_matches(name, keys, n=1, cutoff=0.75)
+    return ".".join([*section, found[0]]) if found else None
 
 
 def _strategy_of(settings_class: str) -> Any:
