@@ -5,7 +5,15 @@ hydra_ddp/template/ (hydra-ddp init's files) ships whole, each of its folders na
 as a package so that the build says nothing of them (it warns of data folders it was not told
 of)."""
 
+import shutil
+from pathlib import Path
+
 from setuptools import find_namespace_packages, setup
+
+# setuptools builds a wheel in the source tree's build/ (pip builds in place): a clone that was
+# `pip install`ed is left as it was, without it (a build/ that was there before stays).
+BUILD = Path(__file__).resolve().parent / "build"
+BUILD_WAS_THERE = BUILD.exists()
 
 CONF = ["hydra_ddp.conf", *(f"hydra_ddp.conf.{group}" for group in find_namespace_packages("conf"))]
 TEMPLATE = [
@@ -30,3 +38,6 @@ setup(
         **{package: ["*"] for package in TEMPLATE},
     },
 )
+
+if not BUILD_WAS_THERE:
+    shutil.rmtree(BUILD, ignore_errors=True)

@@ -87,6 +87,8 @@ def installed(tmp_path_factory) -> dict[str, str]:
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
     env["VIRTUAL_ENV"] = str(venv)
     _run(["pip", "install", "--quiet", "--no-compile", str(source)], work, env, timeout=600)
+    # the clone is left as it was: setuptools' in-place build/ goes once the wheel is made
+    assert not (source / "build").exists(), sorted(p.name for p in (source / "build").iterdir())
     return env
 
 
