@@ -72,7 +72,9 @@ TUNER_TIMEOUT_S = 600
 
 PLACEHOLDERS = {  # what no folder can be: replaced, word by word
     r"\bnode0(?=:)": "127.0.0.1",  # node 0's host name: this machine
-    r"(?<![\w/.])/shared/": "{project}/shared/",  # a file system every node shares
+    # a file system every node shares, one per page: two pages' examples that name one folder
+    # (README's sbatch and elastic.md's pair, both /shared/runs/exp1) are not one run
+    r"(?<![\w/.])/shared/": "{project}/shared/{page}/",
     r"(?<![\w/.])/data/cifar\b": "{project}/data",  # your CIFAR-10 download
     r"\bdata\.dataset\.root=DIR\b": "data.dataset.root={images}",  # your image folder
     r"\bdata\.num_classes=N\b": "data.num_classes=2",  # its classes
@@ -168,9 +170,10 @@ class Outcome:
     seconds: dict[str, float] = field(default_factory=dict)  # each distinct run's, for the report
 
 
-def _placed(command: str, project: Path) -> str:
+def _placed(command: str, project: Path, page: str = "page") -> str:
     for pattern, value in PLACEHOLDERS.items():
-        command = re.sub(pattern, value.format(project=project, images=project / "images"), command)
+        placed = value.format(project=project, images=project / "images", page=page)
+        command = re.sub(pattern, placed, command)
     return command
 
 
@@ -415,16 +418,18 @@ def test_every_shell_command_in_the_docs_runs(
             at += len(group)
             first = without_comment(group[0])
             if re.match(r"^(export\s+)?\w+=", first) and len(group) == 1:
-                env_lines.append(_placed(first, project))
+                env_lines.append(_placed(first, project, block.page.stem))
                 outcome.ran += 1
                 continue
             scripts, key_words = [], []
             for command in group:
-                placed = _placed(without_comment(command), project)
+                placed = _placed(without_comment(command), project, block.page.stem)
                 words = _expand(placed, env_lines, project, base_env)
                 extra = suffix(words)
                 scripts.append("\n".join([*env_lines, f"{placed} {shlex.join(extra)}".strip()]))
-                key_words.append(words + extra)
+                # the same command on two pages is one run (its shared folder aside)
+                mine = f"/shared/{block.page.stem}/"
+                key_words.append([w.replace(mine, "/shared/") for w in words + extra])
             outcome.ran += len(group)
             key = " && ".join(_key(w, env_lines) for w in key_words)
             if key in outcome.seen:
