@@ -32,7 +32,8 @@ def test_runs_started_in_the_same_second_each_get_a_directory_of_their_own(tmp_p
             / moment.strftime("%Y-%m-%d")
             / moment.strftime("%H-%M-%S")
         ).mkdir(parents=True)
-    command = [sys.executable, str(REPO / "train.py"), "trainer.max_steps=2", "trainer.nproc=1"]
+    # two ranks each: every rank of a run writes into its run's one directory (docs/hydra-ddp.md)
+    command = [sys.executable, str(REPO / "train.py"), "trainer.max_steps=2", "trainer.nproc=2"]
     procs = [
         subprocess.Popen(
             command,
@@ -55,10 +56,11 @@ def test_runs_started_in_the_same_second_each_get_a_directory_of_their_own(tmp_p
         d.name.rsplit("-", 1)[1] in ("2", "3") for d in run_dirs
     ), run_dirs
     for run_dir in run_dirs:
-        assert summary(run_dir)["run_dir"] == str(run_dir) and summary(run_dir)["steps"] == 2
+        s = summary(run_dir)
+        assert s["run_dir"] == str(run_dir) and s["steps"] == 2 and s["world_size"] == 2
         log = (run_dir / "train.log").read_text()
         assert "was taken by another run started in the same second" in log
-        assert log.count("launching 1 worker(s)") == 1  # its own lines only
+        assert log.count("launching 2 worker(s)") == 1  # its own lines only
         assert not (run_dir / ".hydra-ddp.lock").exists()  # released at the end
     taken = run_dirs[0].with_name(run_dirs[0].name.rsplit("-", 1)[0])
     assert list(taken.iterdir()) == []  # the name another run held: nothing written into it
@@ -116,8 +118,8 @@ def test_an_outside_torchrun_writes_one_run_directory(tmp_path: Path):
 @pytest.mark.timeout(300)
 def test_relative_paths_hold_with_hydra_job_chdir(tmp_path: Path):
     # hydra.job.chdir=true moves the command into its run directory before the job starts: the
-    # data's relative path is still read from where the command was started, before launch and in
-    # every worker (Hydra #1185).
+    # data's and a checkpoint's relative paths are still read from where the command was started,
+    # before launch and in every worker (Hydra #1185).
     from hydra_ddp.data import digits, shards
 
     train, test = digits()
@@ -134,3 +136,40 @@ def test_relative_paths_hold_with_hydra_job_chdir(tmp_path: Path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert summary(tmp_path / "runs" / "chdir")["steps"] == 2
+    # and a checkpoint's relative path: another run, moved into its own directory, resumes from it
+    command = [*command[:-2], "trainer.max_steps=4", "hydra.run.dir=runs/chdir2"]
+    command += ["trainer.resume=runs/chdir/checkpoints/last.pt"]
+    done = subprocess.run(
+        command, cwd=tmp_path, env=train_env(), capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    resumed = summary(tmp_path / "runs" / "chdir2")
+    assert resumed["steps"] == 4, resumed
+    assert resumed["resumed_from"] == str(tmp_path / "runs" / "chdir" / "checkpoints" / "last.pt")
+
+
+@pytest.mark.timeout(300)
+def test_a_continuation_whose_workers_fail_at_start_leaves_the_runs_record(tmp_path: Path):
+    # Accepted before launch (a model of the user's that fails only in its workers: the parent
+    # cannot build it), then failing in rank 1 before a step: the run's record stays byte for
+    # byte, and its log keeps every earlier line. The same continuation without the fault trains,
+    # and then the record says how.
+    run_dir = tmp_path / "run"
+    check_ok(run_train(run_dir, "trainer.max_steps=2"))
+
+    def record() -> dict[str, bytes]:
+        files = [*sorted((run_dir / ".hydra").iterdir()), run_dir / "metrics.csv"]
+        files += [run_dir / "summary.json", *sorted((run_dir / "checkpoints").iterdir())]
+        return {path.name: path.read_bytes() for path in files}
+
+    kept, log = record(), (run_dir / "train.log").read_bytes()
+    failed = run_train(
+        run_dir, "trainer.resume=auto", "trainer.max_steps=4", "model._target_=faulty.FailOnRank"
+    )
+    assert failed.returncode != 0 and "injected failure in rank 1" in failed.stderr, failed.stderr
+    assert record() == kept
+    assert (run_dir / "train.log").read_bytes().startswith(log)
+    check_ok(run_train(run_dir, "trainer.resume=auto", "trainer.max_steps=4"))
+    assert summary(run_dir)["steps"] == 4
+    overrides = (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert "trainer.max_steps=4" in overrides and "FailOnRank" not in overrides, overrides

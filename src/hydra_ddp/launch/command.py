@@ -121,8 +121,22 @@ def run(cfg: DictConfig, started_at: float, job: str = "train") -> Optional[dict
             run_dir,
         )
     resolved = _resolve(cfg, run_dir, external, job)
-    if job == "train" and not external:  # accepted: a continued run's record says how it runs now
-        continuing.record(run_dir, cfg)
+    if job == "train" and not external:
+        # accepted: a continued run's record says how it runs now, once it has trained (a start
+        # that fails in the workers leaves the record as it was)
+        with continuing.recorded_once_it_trains(run_dir, cfg):
+            return _launched(resolved, run_dir, external, started_at, job)
+    return _launched(resolved, run_dir, external, started_at, job)
+
+
+def _launched(
+    resolved: RunConfig,
+    run_dir: Path,
+    external: Optional[tuple[str, Any]],
+    started_at: float,
+    job: str,
+) -> Optional[dict[str, Any]]:
+    """The run, launched here or, under an outside launcher, this rank of it."""
     # One live run per directory: held by the launching process (node 0's) or an outside launch's
     # rank 0.
     holds = external[1].is_main if external else resolved.launcher.node_rank == 0

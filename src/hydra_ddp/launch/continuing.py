@@ -7,14 +7,17 @@ given now, its recorded keys too); where it resumed from and its time budget are
 (trainer.resume, trainer.max_time). So the command composes the run's own config with what it
 changes, as eval.py reads a checkpoint's, instead of the defaults. Hydra writes no record of its
 own for the command (`hydra.output_subdir=null`): the run's is rewritten only once the continuation
-has passed every check (`record`), so a refused one leaves it as it was, byte for byte.
+has passed every check and trained (written a checkpoint or its summary: `recorded_once_it_trains`),
+so a refused one, or one whose workers failed before that, leaves it as it was, byte for byte.
 
 No torch here, nor Hydra: train.py's process reads the record before it composes anything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -68,6 +71,30 @@ def adopt(argv: list[str]) -> None:
     ]
     adopted = kept
     argv[1:1] = [*kept, "hydra.output_subdir=null"]
+
+
+@contextlib.contextmanager
+def recorded_once_it_trains(run_dir: Path, cfg: DictConfig) -> Iterator[None]:
+    """Around a continuation's launch: its record is rewritten when the launch ends (finished,
+    stopped, or failed), if it wrote a checkpoint or its summary by then; a start that failed before
+    either leaves the earlier record as it was."""
+    before = _written(run_dir)
+    try:
+        yield
+    finally:
+        if _written(run_dir) != before:
+            record(run_dir, cfg)
+
+
+def _written(run_dir: Path) -> tuple:
+    """What a run's progress changes: its checkpoints and its summary (names, sizes, times)."""
+    found = [*sorted((run_dir / "checkpoints").glob("*")), run_dir / "summary.json"]
+    stats = []
+    for path in found:
+        with contextlib.suppress(OSError):
+            stat = path.stat()
+            stats.append((path.name, stat.st_size, stat.st_mtime_ns))
+    return tuple(stats)
 
 
 def record(run_dir: Path, cfg: DictConfig) -> None:
