@@ -251,6 +251,14 @@ def test_fsdp_and_tensor_parallel_train_the_transformer_like_one_rank(tmp_path: 
     # gradient clipping at 1 (the experiment's) included: a global norm
     for name in ("fsdp", "tp", "fsdp_tp"):
         assert_float64_alike(csv_losses(tmp_path / name), reference)
+    # The control: FSDP clipping each rank's shards by their own norm (pytorch #149768) moves the
+    # losses beyond the bound the comparison above holds.
+    local = "trainer.step={_target_:local_clip.LocalNormClip,max_norm:1.0}"
+    check_ok(run_train(tmp_path / "local", *GPT, "strategy=fsdp", "trainer.grad_clip=null", local))
+    clipped_locally = csv_losses(tmp_path / "local")
+    assert len(clipped_locally) == len(reference)
+    with pytest.raises(AssertionError, match="float64 runs apart by up to"):
+        assert_float64_alike(clipped_locally, reference)
     for name in ("tp", "fsdp_tp"):  # the validation after 20 steps: as far apart as the weights
         assert_float64_alike([s[name]["val_loss"]], [s["one-rank"]["val_loss"]])
         # every token once, not per tp rank

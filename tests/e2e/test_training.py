@@ -8,7 +8,7 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.utils.data import TensorDataset
+from torch.utils.data import DistributedSampler, TensorDataset
 
 from hydra_ddp import data, tasks
 from hydra_ddp.config.run_config import RunInitMethodConf
@@ -43,6 +43,14 @@ def _worker(rank: int, world: int, port: int, results):
         )
         results["eval", rank] = evaluation.evaluate(
             _model(), split, torch.device("cpu"), tasks.Classification(), predictions=True
+        )
+        # the control: a validator that drops the last, smaller batch (torchtitan #2636)
+        dropped = TensorDataset(*(t[: SAMPLES - 1] for t in _dataset().tensors))
+        results["dropped", rank] = evaluation.evaluate(
+            _model(),
+            data.EvalSplit(dropped, 2, info, torch.device("cpu"), preload=False, loader_options={}),
+            torch.device("cpu"),
+            tasks.Classification(),
         )
         window = training.LossWindow(size=2)
         window.add(1, torch.tensor(float(rank)))
@@ -83,6 +91,17 @@ def test_evaluation_is_exact_and_train_losses_are_global():
             ([3], [1.0], True, False),
             ([4], [100.0], False, False),
         )
+    # The controls: what the assertions above would catch. torch's DistributedSampler pads 11
+    # samples to 12 over 3 ranks, repeating one (pytorch #25162): an evaluation over its shards
+    # counts 12. A validator that drops the last batch counts 10, and its loss moves.
+    padded = sum(
+        len(list(DistributedSampler(_dataset(), num_replicas=3, rank=r, shuffle=False)))
+        for r in range(3)
+    )
+    assert padded == SAMPLES + 1
+    dropped = results["dropped", 0]
+    assert dropped["test_samples"] == SAMPLES - 1
+    assert abs(dropped["test_loss"] - expected_loss) > 1e-6
     # Rank 0 gathers every sample's (label, prediction, probability), in dataset order.
     rows = results["eval", 0]["predictions"]
     assert torch.equal(rows[:, 0].long(), y) and torch.equal(rows[:, 1].long(), logits.argmax(1))

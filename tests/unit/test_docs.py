@@ -155,3 +155,38 @@ def test_the_suite_times_the_testing_page_states_are_rows_of_ci_runs():
         assert any(f"| {commit} |" in row and wanted in row for row in rows), (
             f"docs/testing.md says {figure} at {commit}: no row of bench/results/CI_RUNS.md does"
         )
+
+
+def test_every_known_bug_names_a_test_that_exists_and_a_control():
+    """docs/correctness.md: at least ten of the field's known training bugs, each row naming where
+    it was reported, a test under tests/ that exists under that name (a `::name` alone is a test of
+    the module named before it in the row), and its control (run in the test, or "not run yet")."""
+    import ast
+
+    rows = [
+        line
+        for line in (REPO / "docs" / "correctness.md").read_text().splitlines()
+        if line.startswith("| ") and not line.startswith(("| the bug", "| ---"))
+    ]
+    assert len(rows) >= 10, len(rows)
+    defined: dict[str, set[str]] = {}
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split(" | ")]
+        assert len(cells) == 5, row
+        bug, reported, _, tests, control = cells
+        assert re.search(
+            r"\[#\d+\]\(https://github\.com/[\w.-]+/[\w.-]+/(issues|pull)/\d+\)", reported
+        ), bug
+        assert control.startswith(
+            ("in the test", "in both tests", "in the first test", "not run yet")
+        ), bug
+        named = re.findall(r"`(tests/[\w/]+\.py)?::(\w+)`", tests)
+        assert named, f"{bug}: no test named"
+        module = None
+        for path, test in named:
+            module = path or module
+            assert module, f"{bug}: ::{test} before any module"
+            if module not in defined:
+                tree = ast.parse((REPO / module).read_text())
+                defined[module] = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+            assert test.startswith("test_") and test in defined[module], f"{module}::{test}"

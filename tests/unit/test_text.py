@@ -166,6 +166,13 @@ def test_a_packed_documents_losses_equal_it_run_alone_in_a_transformers_llama():
     )
     gaps = [abs(a - b) / abs(b) for a, b in zip(together, alone)]
     assert max(gaps) <= bound, (gaps, noise)
+    # The control: with positions 0 … 47 the row is one sequence, and the later documents attend to
+    # the earlier ones (llm-foundry #1464): their losses move far beyond that bound.
+    window = text.packed(pieces, 48, pad_id=1)[slice(0, 1)]
+    blind = _document_losses(
+        model, {**window, "position_ids": torch.arange(48)[None]}, window["position_ids"]
+    )
+    assert max(abs(a - b) / abs(b) for a, b in zip(blind[1:], alone[1:])) > 100 * bound
     # it reads position_ids
     assert packing_warning(CausalLM(), model, text.packed(pieces, 48, pad_id=1)) is None
 
