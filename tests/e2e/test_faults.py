@@ -19,8 +19,10 @@ from support import (
     QUICK,
     REPO,
     assert_no_orphans,
+    assert_same_params,
     assert_same_run,
     check_ok,
+    final_params,
     finish,
     make_image_folder,
     run_eval,
@@ -51,6 +53,13 @@ def test_stop_and_resume_mid_epoch_is_bit_identical(straight: Path, run_dir: Pat
     s = summary(run_dir)
     assert s["steps"] == FULL and s["resumed_from"].endswith(f"step-{HALF:08d}.pt")
     assert_same_run(run_dir, straight)
+    # The control: the same checkpoint's weights alone (trainer.init_from: the data's position, the
+    # optimizer and the random streams start anew, Lightning #20550) do not end as the straight run.
+    fresh = run_dir.with_name("weights_alone")
+    init = f"trainer.init_from={run_dir / 'checkpoints' / f'step-{HALF:08d}.pt'}"
+    check_ok(run_train(fresh, f"trainer.max_steps={FULL - HALF}", init))
+    with pytest.raises(AssertionError):
+        assert_same_params(final_params(fresh), final_params(straight))
     # Continued once more, the complete run trains nothing and says so in one line; its outputs
     # stay as they were (the launcher sets the summary aside, and puts it back).
     outputs = ("summary.json", "metrics.csv", f"checkpoints/step-{FULL:08d}.pt")

@@ -56,8 +56,16 @@ def test_a_warmup_schedule_resumes_mid_warmup_bit_for_bit_and_is_the_same_at_any
     rates = csv_rates(straight)
     assert [step for step, _ in rates] == list(range(1, 15))
     values = [float(rate) for _, rate in rates]
-    assert values[:8] == pytest.approx([0.02 * k / 8 for k in range(1, 9)])  # optim=sgd's lr 0.02
+    warmup = [0.02 * k / 8 for k in range(1, 9)]  # per optimizer step, from optim=sgd's lr 0.02
+    assert values[:8] == pytest.approx(warmup)
     assert values[8] == pytest.approx(0.02) and values[-1] < values[8] / 2  # then the cosine
+    # The control: the same schedule stepped per micro-batch (accelerate #963;
+    # tests/helpers/per_micro_batch.py) fails those rates from its second step on.
+    micro = tmp_path / "per_micro_batch"
+    check_ok(run_train(micro, *WARMUP, "scheduler._target_=per_micro_batch.warmup_cosine"))
+    stepped = [float(rate) for _, rate in csv_rates(micro)]
+    assert len(stepped) == 14 and stepped[0] == pytest.approx(warmup[0])
+    assert all(got != pytest.approx(want) for got, want in zip(stepped[1:4], warmup[1:4]))
 
     # SIGTERM at rank 0's 9th forward: the 5th optimizer step (of 2 batches each), mid-warmup.
     stopped = tmp_path / "stopped"

@@ -94,6 +94,22 @@ def test_a_mid_epoch_checkpoint_continues_at_another_world_size_with_every_sampl
             {"step": 0, "world_size": before["world_size"], "cause": "start"},
             {"step": 3, "from": before["world_size"], "world_size": world, "cause": "resume"},
         ]
+    # The control: continued from the same checkpoint without its position (its weights alone,
+    # trainer.init_from), the epoch starts over at the new world size (transformers #40245): the
+    # count above finds the first three batches' samples read twice.
+    job, again = first / "0", tmp_path / "weights_alone"
+    check_ok(
+        run_train(
+            again,
+            *RECORDED,
+            f"trainer.nproc={3 - summary(job)['world_size']}",
+            f"trainer.init_from={next((job / 'checkpoints').glob('step-00000003*'))}",
+            f"+data.dataset.reads={again / 'reads'}",
+        )
+    )
+    repeated = _read(job / "reads") + _read(again / "reads")
+    assert repeated != Counter(range(TRAIN_SAMPLES))
+    assert sum(n == 2 for n in repeated.values()) == 3 * 32
 
 
 def test_a_mid_epoch_resume_with_another_global_batch_is_one_line(tmp_path: Path):
