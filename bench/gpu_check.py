@@ -78,6 +78,7 @@ import importlib.util  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import platform  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
@@ -877,6 +878,9 @@ def host() -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cpu_cores": os.cpu_count(),
+        # where "every record ran CPython 3.11" is checked (docs/releases.md)
+        "python": platform.python_version(),
+        "os": platform.platform(),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         # The GPU machine gets a copy of the tree without .git: the caller names the commit it sent.
         "commit": os.environ.get("BENCH_COMMIT") or provenance.stamp(),
@@ -888,7 +892,8 @@ def markdown(about: dict, results: list[Result]) -> str:
     lines = [
         f"# GPU check: {about['gpu']} × {about['gpus']}, torch "
         f"{about['torch']} (CUDA {about['cuda']}), {about['cpu_cores']} "
-        f"CPU cores, {about['date']}, commit `{about['commit']}`",
+        f"CPU cores, Python {about.get('python', '?')} on {about.get('os', '?')}, {about['date']}, "
+        f"commit `{about['commit']}`",
         "",
         "Absolute figures vary between machines; compare the ratios. One-GPU cases run one rank.",
         "",

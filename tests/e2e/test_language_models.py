@@ -344,3 +344,18 @@ def _samples_from_the_run(run_dir: Path) -> None:
     assert wrong.returncode != 0 and wrong.stderr.strip() == (
         "hydra-ddp: error: prompt= is missing: hydra-ddp generate ckpt=RUN_DIR prompt=TEXT"
     )
+    # The weights alone (format=safetensors, what the hf export's refusal names for this model):
+    # its yaml holds the model's own keys, none of an image model's.
+    out = run_dir.parent / "exported" / "model.safetensors"
+    exported = subprocess.run(
+        [sys.executable, "-m", "hydra_ddp.export", f"ckpt={run_dir}", f"out={out}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert exported.returncode == 0, exported.stderr
+    import yaml
+
+    described = yaml.safe_load(out.with_name("model.yaml").read_text())
+    assert described["model"]["_target_"] == "hydra_ddp.models.TinyGPT"
+    assert not {"in_channels", "image_size"} & set(described["model"]), described["model"]

@@ -244,3 +244,22 @@ def test_the_command_line_writes_a_source_and_verifies_it(tmp_path: Path, capsys
     assert shard_tool.main(["verify", str(out)]) == 0
     assert shard_tool.main(["write", str(out), "--source", "no_such_source"]) == 2
     assert "no such function" in capsys.readouterr().err
+
+
+def test_a_format_1_directory_written_by_the_code_before_format_2_reads_as_it_was_written():
+    # tests/data/shards_format1: written by shards.write at 414064d^ (format 1, before ragged
+    # fields) from the samples below, seed 0; read by today's code, sample for sample.
+    root = Path(__file__).resolve().parents[1] / "data" / "shards_format1"
+    assert shards.read_manifest(root)["version"] == 1
+    gen = torch.Generator().manual_seed(0)
+    written = {
+        "train": (torch.randn(10, 1, 4, 4, generator=gen), torch.arange(10) % 3),
+        "test": (torch.randn(4, 1, 4, 4, generator=gen), torch.arange(4) % 3),
+    }
+    train, test = shards.sharded(str(root))
+    assert (len(train), len(test)) == (10, 4)
+    for split, (xs, ys) in zip((train, test), written.values()):
+        for i in range(len(split)):
+            x, y = split[i]
+            assert torch.equal(x, xs[i]) and y.item() == ys[i].item() and y.dtype == torch.int64
+    assert shard_tool.verify(root) == []
