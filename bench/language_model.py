@@ -259,6 +259,7 @@ def main() -> int:
         "commit": commit,
         "dirty": dirty,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": f"{os.cpu_count()} × {provenance.cpu_model()}",
         "workload": f"+experiment=documents_gpt (TinyGPT {GPT}, windows of "
         f"{CONTEXT} tokens, {BATCH} per rank), {NPROC} gloo ranks, "
         f"1 thread each, {args.steps} steps; data.val_fraction=0",

@@ -115,7 +115,11 @@ def main() -> None:
     result = {
         "commit": provenance.stamp(),
         "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "host": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "host": {
+            "cpu": provenance.cpu_model(),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+        },
         "run": list(RUN),
         "rounds": args.rounds,
         "runs": runs,
@@ -128,13 +132,6 @@ def main() -> None:
     report = _report(result, name)
     (RESULTS / "LAUNCH.md").write_text(report)
     print(report)
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def _report(result: dict, name: str) -> str:

@@ -27,6 +27,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import provenance
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -174,7 +175,7 @@ def main() -> None:
     result = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "host": platform.processor() or platform.machine(),
-        "cpu": _cpu(),
+        "cpu": provenance.cpu_model(),
         "torch": torch.__version__,
         "torchmetrics": found[1]["torchmetrics"]["version"],
         "samples": SAMPLES,
@@ -216,17 +217,6 @@ def main() -> None:
     ]
     (RESULTS / "metrics_exactness.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
-def _cpu() -> str:
-    try:
-        return next(
-            line.split(":", 1)[1].strip()
-            for line in open("/proc/cpuinfo")
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        return platform.machine()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Where a bench result comes from: the commit it measured, and whether the tree differed from it.
+"""Where a bench result comes from: the commit it measured, whether the tree differed from it, and
+the host's CPU.
 
 A result is kept only from a named commit (docs/performance.md): every script stamps its file with
 this, and a dirty tree's result says so. Read-only: git takes no index lock (GIT_OPTIONAL_LOCKS=0),
@@ -34,3 +35,16 @@ def stamp(repo: Path = REPO) -> str:
     """The commit as one word: HEAD, or HEAD+changes from a dirty tree."""
     head, dirty = commit(repo)
     return head + ("+changes" if dirty and head != "unknown" else "")
+
+
+def cpu_model() -> str:
+    """The host's CPU model, as /proc/cpuinfo names it (results compare only within one host)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

@@ -41,13 +41,6 @@ def _train(run_dir: Path, *overrides: str) -> dict:
     }
 
 
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return f"{os.cpu_count()} × {line.split(':', 1)[1].strip()}"
-    return "unknown"
-
-
 def main() -> int:
     commit, dirty = provenance.commit()
     results = {}
@@ -70,7 +63,7 @@ def main() -> int:
         "commit": commit,
         "dirty": dirty,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "cpu": _cpu(),
+        "cpu": f"{os.cpu_count()} × {provenance.cpu_model()}",
         "workload": "the shard tool's documents (context 128, 256 KiB of the standard library), "
         "then +experiment=shards_gpt; +experiment=documents_gpt on the same documents packed; "
         "2 gloo ranks on the CPU, 4 epochs, seed 0",
