@@ -93,6 +93,7 @@ def test_fsdp_trains_like_ddp_resumes_exactly_and_reshards(tmp_path: Path):
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     # What a crash mid-write leaves, and a corrupt newer one: resume=auto takes neither.
     saved = max((stopped / "checkpoints").glob("step-*"))
+    kept = shutil.copytree(saved, tmp_path / "kept" / saved.name)  # the resume keeps the newest 3
     torn = stopped / "checkpoints" / ".step-00000099.tmp"
     shutil.copytree(saved, torn)
     (torn / ".metadata").unlink()
@@ -107,6 +108,17 @@ def test_fsdp_trains_like_ddp_resumes_exactly_and_reshards(tmp_path: Path):
     assert not torn.exists()  # cleared by the first save
     assert_same_params(final_params(stopped), final_params(fsdp))
     assert losses(stopped) == losses(fsdp)
+    # The control: the same resume with the optimizer's state dropped as it starts (accelerate
+    # #3971; tests/helpers/lost_state.py: SGD's momentum begins anew) ends at other weights.
+    # (Resumed from that copy with its state, it ends at them.)
+    lost, whole = tmp_path / "lost", tmp_path / "whole"
+    check_ok(run_train(whole, *COMMON, "strategy=fsdp", f"trainer.resume={kept}"))
+    assert_same_params(final_params(whole), final_params(fsdp))
+    drops = "trainer.step={_target_:lost_state.DropsOptimizerState}"
+    check_ok(run_train(lost, *COMMON, "strategy=fsdp", f"trainer.resume={kept}", drops))
+    assert summary(lost)["steps"] == STEPS
+    with pytest.raises(AssertionError):
+        assert_same_params(final_params(lost), final_params(fsdp))
 
     # The epoch-end checkpoint (step 21, validated there) resumed on 1 rank under ddp (another world
     # size and another strategy at once): the same step, the same weights, so the same validation
