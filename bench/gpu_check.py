@@ -892,7 +892,7 @@ def markdown(about: dict, results: list[Result]) -> str:
     lines = [
         f"# GPU check: {about['gpu']} × {about['gpus']}, torch "
         f"{about['torch']} (CUDA {about['cuda']}), {about['cpu_cores']} "
-        f"CPU cores, Python {about.get('python', '?')} on {about.get('os', '?')}, {about['date']}, "
+        f"CPU cores, Python {about['python']} on {about['os']}, {about['date']}, "
         f"commit `{about['commit']}`",
         "",
         "Absolute figures vary between machines; compare the ratios. One-GPU cases run one rank.",

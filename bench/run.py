@@ -326,23 +326,13 @@ def compare(m: dict[str, float], reference: dict[str, float]) -> dict[str, float
 
 def machine() -> dict[str, Any]:
     return {
-        "cpu": _cpu_model(),
+        "cpu": provenance.cpu_model(),
         "cpu_count": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)),
         "torch": version("torch"),  # not imported: the harness itself stays light
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def save(
