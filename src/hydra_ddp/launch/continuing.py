@@ -78,6 +78,9 @@ def recorded_once_it_trains(run_dir: Path, cfg: DictConfig) -> Iterator[None]:
     """Around a continuation's launch: its record is rewritten when the launch ends (finished,
     stopped, or failed), if it wrote a checkpoint or its summary by then; a start that failed before
     either leaves the earlier record as it was."""
+    if adopted is None:  # not a continuation: Hydra wrote the run's record
+        yield
+        return
     before = _written(run_dir)
     try:
         yield
