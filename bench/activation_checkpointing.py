@@ -88,12 +88,9 @@ def main() -> int:
             for _ in range(2):
                 step_time(model, optimizer, tokens)
             times[mode] += [step_time(model, optimizer, tokens) for _ in range(args.steps)]
-    commit, dirty = provenance.commit()
     base_bytes, base_time = measured["none"][0], statistics.median(times["none"])
     result = {
-        "commit": commit,
-        "dirty": dirty,
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **provenance.header(),
         "workload": f"TinyGPT dim {args.dim}, depth {args.depth}, 4 heads, context {args.context}, "
         f"batch {args.batch}, fp32, 1 CPU thread; forward + backward + AdamW step",
         "first_losses_equal": losses_equal,

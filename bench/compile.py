@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import provenance
@@ -112,11 +111,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", default="gpt,llama")
     args = parser.parse_args()
-    commit, dirty = provenance.commit()
     result: dict = {
-        "commit": commit,
-        "dirty": dirty,
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **provenance.header(),
         "workload": f"{', '.join(MODELS[m] for m in args.models.split(','))}: packed "
         f"documents, 2 gloo ranks of 1 thread, {args.steps} steps, no "
         "validation; trainer.compile=true (each block, inductor) against eager",
@@ -131,7 +127,7 @@ def main() -> int:
             f"{json.dumps({k: v for k, v in result[model]['paired'].items() if k != 'pairs'})}"
         )
         print(f"{model} resume: {result[model]['resume']}", flush=True)
-    out = REPO / "bench" / "results" / f"compile_{commit}.json"
+    out = REPO / "bench" / "results" / f"compile_{result['commit']}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"→ {out.relative_to(REPO)}")
     return 0

@@ -48,3 +48,17 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def header(repo: Path = REPO) -> dict:
+    """What every result file opens with: the commit, whether the tree differed from it, when, and
+    the host (CPU model and count): figures compare only within one host."""
+    import time
+
+    head, dirty = commit(repo)
+    return {
+        "commit": head,
+        "dirty": dirty,
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": f"{os.cpu_count()} × {cpu_model()}",
+    }

@@ -23,7 +23,6 @@ import argparse
 import io
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -234,13 +233,9 @@ def main() -> None:
                     seconds, count = epoch_seconds(*loaders[name], epoch=round_ + 1)
                     rates[name][workers].append(count / seconds)
             del loaders
-    commit, dirty = provenance.commit()
     base = {w: statistics.median(rates[next(iter(LOADERS))][w]) for w in args.workers}
     result = {
-        "commit": commit,
-        "dirty": dirty,
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        **provenance.header(),
         "beside": os.environ.get("BENCH_BESIDE", "nothing noted"),
         "data": f"digits' training split ×{args.repeat}: {len(images)} samples "
         f"of 1×28×28 float32 + a label, shards of {args.per_shard}; "
@@ -261,7 +256,7 @@ def main() -> None:
         "samples_per_s": {name: {str(w): r for w, r in by.items()} for name, by in rates.items()},
         "errors": errors,
     }
-    out = REPO / "bench" / "results" / f"streaming_{commit}.json"
+    out = REPO / "bench" / "results" / f"streaming_{result['commit']}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     width = max(map(len, rates))
     print(f"samples/s (median of {args.epochs} epochs), and against the in-memory loader:")
@@ -275,7 +270,7 @@ def main() -> None:
         print(f"  failed: {where}: {error}")
     print(
         f"written to {out.relative_to(REPO)}"
-        + (" (from a dirty tree: not a result to keep)" if dirty else "")
+        + (" (from a dirty tree: not a result to keep)" if result["dirty"] else "")
     )
 
 

@@ -20,7 +20,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import provenance
@@ -46,7 +45,6 @@ RUNS = {
 
 
 def main() -> int:
-    commit, dirty = provenance.commit()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in RUNS.items():
@@ -73,9 +71,7 @@ def main() -> int:
                 flush=True,
             )
     result = {
-        "commit": commit,
-        "dirty": dirty,
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **provenance.header(),
         "workload": "+experiment=text_gpt, 2 gloo ranks on the "
         "CPU, 4 epochs, seed 0 (but the *_seed1 runs)",
         "runs": results,

@@ -110,7 +110,6 @@ def main() -> int:
     )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    commit, dirty = provenance.commit()
     pairs = []
     for repeat in range(args.repeats):
         order = ["project", "handwritten"] if repeat % 2 == 0 else ["handwritten", "project"]
@@ -125,9 +124,7 @@ def main() -> int:
             flush=True)  # fmt: skip
     ratios = [p["ratio"] for p in pairs]
     result = {
-        "commit": commit,
-        "dirty": dirty,
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **provenance.header(),
         "workload": f"+experiment=hf_llama (Llama {LLAMA}), batch {BATCH}/rank, "
         f"{NPROC} gloo ranks, 1 thread each, {args.steps} steps",
         "pairs": pairs,
