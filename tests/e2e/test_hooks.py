@@ -1,21 +1,36 @@
-"""The loop's hooks end to end (hydra_ddp.hooks): a user's hook, named in trainer.hooks, sees every
-event on every rank at the same points (the fit around, each optimizer step, each epoch's
-validation), changes nothing it does not ask to (the losses bit for bit a run's without it), and
-may end the run after a validation, as a search's pruner does."""
+"""The loop's hooks end to end (hydra_ddp.hooks): docs/extending.md's StopBelow, written to a
+package as the page shows it, and a hook that records every event it receives, on two ranks. Each
+event comes on every rank at the same points with the same values (the fit around, each optimizer
+step, each loss window, each epoch's validation, the checkpoint complete, the fit's end), the
+records hold what the run's own files say, nothing changes that the hooks do not ask to (the losses
+bit for bit a run's without them), and a hook ends the run after a validation or a step."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from support import check_ok, csv_step_losses, run_train, summary
+from support import REPO, check_ok, csv_step_losses, run_train, summary, with_pythonpath
 
 # the plain run is the session's reference run of this config (the custom step's plain run too,
 # tests/e2e/test_custom_step.py)
 RUN = ("trainer.epochs=2", "trainer.threads=1", "trainer.log_every=1", "scheduler=none")
-HOOK = "+trainer.hooks=[{_target_:hook_events.Events,end_after_epoch:1}]"
+EVENTS = "{_target_:hook_events.Events}"
+STOP_BELOW = "{_target_:my_package.hooks.StopBelow,loss:1e9}"  # any validation loss is below
+
+
+def the_pages_hook(package: Path) -> Path:
+    """docs/extending.md's my_package/hooks.py, written under `package` as the page has it."""
+    page = (REPO / "docs" / "extending.md").read_text()
+    code = re.search(r"```python\n(# my_package/hooks\.py\n.*?)```", page, re.S)
+    assert code, "docs/extending.md's hook section has no my_package/hooks.py block"
+    (package / "my_package").mkdir(parents=True)
+    (package / "my_package" / "__init__.py").write_text("")
+    (package / "my_package" / "hooks.py").write_text(code.group(1))
+    return package
 
 
 def events(run_dir: Path, rank: int) -> list[dict]:
@@ -26,26 +41,69 @@ def events(run_dir: Path, rank: int) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-def test_a_users_hook_sees_every_event_on_every_rank_and_may_end_the_run(
+def test_hooks_receive_every_event_alike_on_every_rank_and_may_end_the_run(
     tmp_path: Path, reference_run
 ):
     plain, hooked = reference_run(*RUN), tmp_path / "hooked"
-    check_ok(run_train(hooked, *RUN, HOOK))
+    env = with_pythonpath(the_pages_hook(tmp_path / "user"))
+    check_ok(run_train(hooked, *RUN, f"+trainer.hooks=[{STOP_BELOW},{EVENTS}]", env=env))
     epoch_steps = summary(plain)["history"][0]["step"]  # the step the first epoch ended at
     assert 0 < epoch_steps < summary(plain)["steps"]
-
-    expected = (
-        [{"event": "running", "step": 0}]
-        + [{"event": "step_ended", "step": step} for step in range(1, epoch_steps + 1)]
-        + [{"event": "validated", "epoch": 1, "step": epoch_steps}]
-        + [{"event": "ran", "step": epoch_steps}]
-    )
-    for rank in (0, 1):
-        seen = events(hooked, rank)
-        validated = next(event for event in seen if event["event"] == "validated")
-        assert {"val_loss", "train_loss"} <= set(validated.pop("metrics")), validated
-        assert seen == expected, f"rank {rank}"
     ran = summary(hooked)
-    assert ran["ended_by"] == "ended_by_a_hook" and ran["steps"] == epoch_steps
-    # The hook changed nothing else: the first epoch's losses are the plain run's, bit for bit.
+    # The page's hook ended the run after the first validation: the word it returned.
+    assert ran["ended_by"] == "loss_reached" and ran["steps"] == epoch_steps
+
+    seen = {rank: events(hooked, rank) for rank in (0, 1)}
+    for rank, got in seen.items():
+        kinds = [event["event"] for event in got]
+        # the order of the loop: a logged window comes a step or more after its step
+        assert [k for k in kinds if k != "logged"] == (
+            ["running"] + ["step_ended"] * epoch_steps
+            + ["validated", "fit_ended", "ran", "checkpoint_saved"]
+        ), f"rank {rank}: {kinds}"  # fmt: skip
+        running = got[0]
+        assert (running["rank"], running["world_size"]) == (rank, 2)
+        assert (running["first_step"], running["total_steps"]) == (0, summary(plain)["steps"])
+        assert Path(running["run_dir"]).resolve() == hooked.resolve()
+        steps = [event for event in got if event["event"] == "step_ended"]
+        assert [event["step"] for event in steps] == list(range(1, epoch_steps + 1))
+        assert {(event["epoch"], event["lr"], event["grad_norm"]) for event in steps} == {
+            (0, 0.02, None)  # optim=sgd's rate, no schedule, no clipping
+        }
+        validated = next(event for event in got if event["event"] == "validated")
+        assert (validated["step"], validated["epoch"], validated["ended_by"]) == (
+            epoch_steps, 1, None,
+        )  # fmt: skip
+        assert validated["metrics"]["val_loss"] == ran["history"][0]["val_loss"]
+        ended = next(event for event in got if event["event"] == "fit_ended")
+        assert (ended["step"], ended["ended_by"]) == (epoch_steps, "loss_reached")
+        saved = next(event for event in got if event["event"] == "checkpoint_saved")
+        assert saved["step"] == epoch_steps and Path(saved["path"]).is_file()
+        # The windows' global losses are metrics.csv's, every step once.
+        logged = {
+            step: loss
+            for event in got
+            if event["event"] == "logged"
+            for step, loss in zip(event["steps"], event["losses"])
+        }
+        assert [(step, repr(loss)) for step, loss in logged.items()] == csv_step_losses(hooked)
+    # The same records on both ranks, but each rank's own: where it is, its samples and loss part.
+    mine = ("rank", "samples", "loss")
+    assert [{k: v for k, v in e.items() if k not in mine} for e in seen[0]] == [
+        {k: v for k, v in e.items() if k not in mine} for e in seen[1]
+    ]
+    # The hooks changed nothing else: the first epoch's losses are the plain run's, bit for bit.
     assert csv_step_losses(hooked) == csv_step_losses(plain)[:epoch_steps]
+
+
+@pytest.mark.timeout(300)
+def test_a_hook_may_end_the_run_after_a_step(tmp_path: Path):
+    hooked = tmp_path / "hooked"
+    end = "+trainer.hooks=[{_target_:hook_events.Events,end_at_step:3}]"
+    check_ok(run_train(hooked, *RUN, "trainer.max_steps=20", end))
+    ran = summary(hooked)
+    assert ran["ended_by"] == "a_step_hook" and ran["steps"] == 3
+    for rank in (0, 1):
+        got = events(hooked, rank)
+        assert [e["step"] for e in got if e["event"] == "step_ended"] == [1, 2, 3]
+        assert next(e for e in got if e["event"] == "fit_ended")["ended_by"] == "a_step_hook"

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra_ddp.config import run_config
 from hydra_ddp.config.schema import register_schema
 from hydra_ddp.errors import UserError
+from hydra_ddp.hooks import Hook, wrong_events
 from hydra_ddp.launch import resolve
 from hydra_ddp.parallel import strategies
 
@@ -551,3 +552,26 @@ def test_a_model_built_only_in_the_workers_leaves_channels_last_to_them_and_they
         resolved, performance.settings(resolved, ddp.fast_settings, conv, True)
     )  # what the worker's checkpoints record: the value used; the config itself says auto
     assert as_run["trainer"]["channels_last"] is True and resolved.trainer.channels_last == "auto"
+
+
+class TakesTheLoop(Hook):
+    """A hook written for the loop's earlier events: the trainer, then values."""
+
+    def step_ended(self, loop: Any, step: int) -> None:
+        return None
+
+
+class TakesOneEvent(Hook):
+    def validated(self, event: Any, *rest: Any) -> None:
+        return None
+
+
+def test_a_hook_whose_event_takes_other_than_one_record_is_one_line(base: dict, tmp_path: Path):
+    assert wrong_events(TakesTheLoop) == ["step_ended"] and wrong_events(TakesOneEvent) == []
+    plain = copy.deepcopy(base)
+    setting("trainer.hooks", [{"_target_": f"{__name__}.TakesTheLoop"}])(plain)
+    with pytest.raises(UserError) as error:
+        resolve.resolve(plain, tmp_path, None)
+    assert str(error.value).startswith(
+        f"trainer.hooks[0]: {__name__}.TakesTheLoop.step_ended does not take one event"
+    ), error.value

@@ -111,8 +111,7 @@ SHARDED = ("model", "optimizer", "ema")
 
 
 class Checkpointer:
-    """Saves every rank's state (through rank 0, or each rank its shards); loads it back on every
-    rank."""
+    """Saves every rank's state (through rank 0, or each its shards); loads it on every rank."""
 
     def __init__(
         self,
@@ -123,8 +122,7 @@ class Checkpointer:
         found: dict[str, Any],
         sharded: bool = False,
     ):
-        """`found`: the values the workers settled (dotted keys), recorded in every checkpoint's
-        config."""
+        """`found`: the values the workers settled (dotted keys), in every checkpoint's config."""
         self.cfg = cfg
         self.dir = RunDir(run_dir).checkpoints
         self.rank = rank
@@ -135,15 +133,17 @@ class Checkpointer:
         self.writer: Optional[Writer] = None  # rank 0's, from the first save to finish()
         self.write_error: Optional[str] = None
         self.written_step = -1  # the step of this run's last sharded save
+        self.in_flight: list[tuple[int, Path]] = []  # a whole-file write not yet known complete
 
     def published(self, which: str) -> Path:
         """Where this run publishes `last` or `best`: a link to a directory, or a file (.pt)."""
         return self.dir / (which if self.sharded else f"{which}.pt")
 
     # --- saving -------------------------------------------------------------------------------
-    def save(self, state: dict[str, Any], step: int, best: bool = False) -> None:
+    def save(self, state: dict[str, Any], step: int, best: bool = False) -> list[tuple[int, Path]]:
         """Called by every rank at the same step; rank 0 writes, everyone waits for it. `best`:
-        these are the best weights by trainer.monitor so far (best.pt)."""
+        the best weights by trainer.monitor so far (best.pt). Returns the (step, path) now known
+        complete on every rank: a sharded one at once, a file once the next save or finish()."""
         state = {
             **state,
             "rng": _gather_rng(self.device),
@@ -151,24 +151,28 @@ class Checkpointer:
             "format": FORMAT,
         }
         if self.sharded:
-            return self._save_sharded(state, step, best)
+            self._save_sharded(state, step, best)
+            return [(step, self.dir / f"step-{step:08d}")]
         # The previous write first: one at a time (so the free space it checks is real), and every
         # rank learns whether it failed before this one starts.
         self._agree(self._wait() if self.rank.is_main else None)
+        complete, self.in_flight = self.in_flight, [(step, self.dir / f"step-{step:08d}.pt")]
         if self.rank.is_main:
             # Training may change the tensors once this returns: the writer gets copies. It starts
             # after the collective above, which it would slow down on a busy CPU.
             self.writer = self.writer or Writer()
             self.writer.submit(self._write, snapshot(state), step, best)
+        return complete
 
-    def finish(self) -> None:
-        """Wait for the write in flight (end of training, a stop): every rank calls it, and learns
-        how it went."""
+    def finish(self) -> list[tuple[int, Path]]:
+        """The write in flight awaited (the end, a stop), returned; every rank learns its fate."""
         problem = self._wait() if self.rank.is_main else None
         if self.writer is not None:
             self.writer.retire()  # no thread outlives the run (a later save starts another)
             self.writer = None
         self._agree(problem)
+        complete, self.in_flight = self.in_flight, []
+        return complete
 
     def _agree(self, problem: Optional[str]) -> None:
         # Not a barrier inside `if rank == 0`: every rank learns whether the write worked, and how
@@ -193,8 +197,7 @@ class Checkpointer:
         return problem
 
     def _write(self, state: dict[str, Any], step: int, best: bool) -> None:
-        """In the background: serialise, write, publish as last (and best), prune. The only writer:
-        rank 0's one thread."""
+        """In the background (rank 0's one thread): serialise, write, publish as last, prune."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             payload = serialize(state, self.dir)

@@ -14,7 +14,7 @@ import torch
 from hydra.utils import instantiate
 from torch.utils.data import IterableDataset
 
-from hydra_ddp import data, tasks
+from hydra_ddp import data, hooks, tasks
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import groups, targets
 from hydra_ddp.config.run_config import RunConfig
@@ -51,7 +51,7 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
     if cfg.scheduler is not None:  # null: a constant learning rate (scheduler=none)
         targets.check(cfg.scheduler, "scheduler")
     for i, hook in enumerate(trainer.hooks):
-        _check_subclass(hook, f"trainer.hooks[{i}]", HOOK)
+        _check_hook(hook, f"trainer.hooks[{i}]")
     if trainer.step is not None:
         _check_subclass(trainer.step, "trainer.step", STEP)
     resume = trainer.resume
@@ -138,6 +138,18 @@ def _check_subclass(node: Any, key: str, base: str) -> None:
     if base not in {f"{c.__module__}.{c.__qualname__}" for c in getattr(target, "__mro__", ())}:
         raise UserError(
             f"{key}: {node['_target_']} is not a subclass of {base} (docs/extending.md)"
+        )
+
+
+def _check_hook(node: Any, key: str) -> None:
+    """A Hook subclass whose events each take one event record (hooks.py)."""
+    _check_subclass(node, key, HOOK)
+    wrong = hooks.wrong_events(targets.check(node, key))
+    if wrong:
+        raise UserError(
+            f"{key}: {node['_target_']}.{wrong[0]} does not take one event: a hook's events "
+            f"receive a record (def {wrong[0]}(self, event); hydra_ddp.hooks), not the trainer "
+            "(docs/extending.md)"
         )
 
 

@@ -30,7 +30,6 @@ DEFAULT_BATCH_SIZE = 32  # per rank, when neither data.batch_size nor data.globa
 
 
 # The hook a search trial with a pruner runs (by name: the launching side imports no extra).
-PRUNING_HOOK = "hydra_ddp.search.pruning.Pruning"
 
 
 def resolve(
@@ -66,9 +65,6 @@ def settle(cfg: Requested, run_dir: Path, external: Optional[tuple[str, RankInfo
     resolve_batches(cfg.data, trainer, replicas)
     if elastic.is_elastic(cfg.launcher):
         elastic.check(cfg, requested_global_batch)  # at every world size in the range
-    # a search trial's pruner: a hook
-    if cfg.trial.number is not None and cfg.trial.pruner != "none":
-        trainer.hooks = [*trainer.hooks, {"_target_": PRUNING_HOOK}]
     trainer.resume = checkpoints.resume_setting(trainer.resume)
     trainer.max_time = max_time_seconds(trainer.max_time)
     _resolve_monitor(trainer, cfg.data, tasks.build(cfg.task))

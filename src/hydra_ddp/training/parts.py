@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hydra_ddp.checkpoint.checkpointer import Checkpointer
+from hydra_ddp.hooks import Hook
 from hydra_ddp.parallel.strategies import Strategy
 from hydra_ddp.recipe.ema import EMA
 from hydra_ddp.reporting.run_report import Reporter
@@ -41,4 +42,4 @@ class Run:
     checkpointer: Checkpointer
     stop: StopRequest
     started_at: float  # when the command started: the time budget counts from it
-    progress: bool  # a progress bar (rank 0, at a terminal)
+    hooks: list[Hook]  # the side jobs on the loop's events, as the worker assembled them

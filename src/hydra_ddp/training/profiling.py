@@ -10,13 +10,13 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from hydra_ddp.hooks import Hook
+from hydra_ddp import hooks
 from hydra_ddp.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
 
-class Profiling(Hook):
+class Profiling(hooks.Hook):
     """The profiler around the fit, its step() called once per optimizer step."""
 
     def __init__(self, settings: Any):
@@ -31,12 +31,12 @@ class Profiling(Hook):
             return None
         return cls(settings)
 
-    def running(self, loop: Any) -> contextlib.AbstractContextManager:
+    def running(self, fit: hooks.Fit) -> contextlib.AbstractContextManager:
         from torch.profiler import ProfilerActivity, profile, schedule
 
-        settings, rank = self.settings, dist.get_rank()
-        cuda = loop.device.type == "cuda"
-        out = RunDir(loop.reporter.run_dir).profile
+        settings, rank = self.settings, fit.rank
+        cuda = fit.device.type == "cuda"
+        out = RunDir(fit.run_dir).profile
         out.mkdir(exist_ok=True)
 
         def ready(prof: Any) -> None:
@@ -64,5 +64,5 @@ class Profiling(Hook):
         )
         return self.profiler
 
-    def step_ended(self, loop: Any, step: int) -> None:
+    def step_ended(self, event: hooks.StepEnded) -> None:
         self.profiler.step()

@@ -127,22 +127,24 @@ class Saving:
             return None
         return {k: v.cpu() for k, v in weights.items()}
 
-    def save(self) -> None:
+    def save(self) -> list[tuple[int, Path]]:
+        """A checkpoint of this step; the ones now complete on disk (Checkpointer.save)."""
         # validated here, and the best so far: best.pt
         best = self.monitor.best_step == self.pos.step
         # Once per step; again only to publish as best.pt a step the first save did not.
         saved_step, saved_as_best = self.saved
         if saved_step == self.pos.step and (saved_as_best or not best):
-            return
+            return []
         self._check_finite_weights()
         with self.overheads.saving():
-            self.checkpointer.save(self.state(), self.pos.step, best)
+            complete = self.checkpointer.save(self.state(), self.pos.step, best)
         self.saved = (self.pos.step, best)
+        return complete
 
-    def finish(self) -> None:
+    def finish(self) -> list[tuple[int, Path]]:
         """The last write is on disk (before the summary says the run is done)."""
         with self.overheads.timed("checkpoint_time_s"):
-            self.checkpointer.finish()
+            return self.checkpointer.finish()
 
     def published(self, which: str) -> str:
         return str(self.checkpointer.published(which))

@@ -12,7 +12,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms import Join
-from tqdm import tqdm
 
 from hydra_ddp import hooks
 from hydra_ddp.checkpoint import checkpointer as checkpointing
@@ -24,7 +23,6 @@ from hydra_ddp.training import reports
 from hydra_ddp.training.length import RunLength
 from hydra_ddp.training.parts import Optimization, Run, Trained
 from hydra_ddp.training.position import Position
-from hydra_ddp.training.profiling import Profiling
 from hydra_ddp.training.saving import Saving
 from hydra_ddp.training.step import build as step_of
 from hydra_ddp.training.step import optimizer_steps
@@ -69,9 +67,8 @@ class Trainer:
             trained, optimization.ema, loaders, run.reporter, monitor, self.overheads
         )
         self.ending = Ending(run.stop, settings.max_time, run.started_at)
-        # Side jobs on the loop's events (hooks.py): the profiler, then trainer.hooks'.
-        self.hooks = hooks.build(settings.hooks, Profiling.of(bool(settings.profile), cfg.profiler))
-        self.cfg = cfg  # what a hook reads
+        self.hooks = run.hooks  # side jobs on the loop's events (hooks.py)
+        self.cfg = cfg
         self.throughput = Throughput(trained.strategy.data_parallel_size())
         self.reporter = run.reporter
         self.schedule = schedules.Stepping(optimization.scheduler, optimization.optimizer)
@@ -82,8 +79,6 @@ class Trainer:
         self.window = LossWindow(1 if settings.detect_anomaly else settings.log_every)
         # Mid-epoch windows are read a step after they are sent (anomaly mode: at the step).
         self.overlap_window = not settings.detect_anomaly
-        self.bar = tqdm(disable=True)
-        self.progress = run.progress
         self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
         self.length = length
         self.batches_per_epoch = length.batches_per_epoch
@@ -106,29 +101,23 @@ class Trainer:
         self.window.first = self.pos.step + 1
         if self.monitor.best_step is not None and self.monitor.best_step != self.pos.step:
             self.validation.best_weights = self.saving.best_from_disk()
-        log.info(
-            "resumed from %s at epoch %d, batch %d, step %d",
-            path,
-            self.pos.epoch,
-            self.pos.batch,
-            self.pos.step,
-        )
+        where = (path, self.pos.epoch, self.pos.batch, self.pos.step)
+        log.info("resumed from %s at epoch %d, batch %d, step %d", *where)
 
     # --- the recipe ------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         max_steps, epochs = self.length.max_steps, self.length.epochs
-        self.bar = _progress_bar(self.length.total_steps, self.pos.step, self.progress)
+        run_dir, rank, total = Path(self.reporter.run_dir), dist.get_rank(), self.length.total_steps
+        fit = hooks.Fit(run_dir, rank, self.world_size, self.device, self.pos.step, total)
         with contextlib.ExitStack() as stack:
             for hook in self.hooks:
-                stack.enter_context(hook.running(self))
+                stack.enter_context(hook.running(fit))
             anomaly = torch.autograd.set_detect_anomaly(bool(self.settings.detect_anomaly))
             stack.enter_context(anomaly)
             validated_at = self._epochs(epochs, max_steps)
-        early = self.ending.stopped_by or self.ending.ended_by  # a signal, early stopping, max_time
-        if early and self.pos.step < self.length.total_steps:
-            # the bar says why it stops short
-            self.bar.set_description_str(f"ended by {early}", refresh=True)
-        self.bar.close()
+            early = self.ending.stopped_by or self.ending.ended_by  # a signal, max_time, a hook…
+            at = (self.pos.step, self.pos.epoch)
+            hooks.tell(self.hooks, "fit_ended", hooks.FitEnded(*at, early))
         self._finish(validated_at, epochs)
         return reports.results(self, epochs)
 
@@ -155,17 +144,20 @@ class Trainer:
     def _after_validation(self, epoch: int) -> None:
         """Early stopping, then the hooks' verdicts on an epoch's validation (every rank alike)."""
         self.ending.after_validation(self.monitor, self.pos.step)
-        for hook in self.hooks:
-            reason = hook.validated(self, self.validation.last, epoch)
-            if reason and not self.ending.ended_by:
-                self.ending.ended_by = reason
+        metrics = dict(self.validation.last)  # a copy: the loop's own stays as it is
+        event = hooks.Validated(self.pos.step, epoch, metrics, self.ending.ended_by)
+        self.ending.ended_by = self.ending.ended_by or hooks.ending(self.hooks, "validated", event)
 
     def _save(self) -> None:
         """A checkpoint, the loggers' steps on disk first: a run killed after it resumes with no
         step up to it missing from metrics.csv or TensorBoard (the resume keeps those up to its
         step)."""
         self.reporter.flush()
-        self.saving.save()
+        self._saved(self.saving.save())
+
+    def _saved(self, complete: list[tuple[int, Path]]) -> None:
+        for step, path in complete:
+            hooks.tell(self.hooks, "checkpoint_saved", hooks.CheckpointSaved(step, path))
 
     def _finish(self, validated_at: int, epochs: int) -> None:
         """The end: a last validation where there was none at this step, the last checkpoint, the
@@ -183,7 +175,7 @@ class Trainer:
         saves_at_end = self.saving.on or self.ending.to_be_continued
         if saves_at_end:
             self._save()  # the last state (and best.pt)
-        self.saving.finish()
+        self._saved(self.saving.finish())
         # not after a signal, which asks for a quick exit: the test waits for the resumed run's end
         if evaluates:
             self.validation.test(
@@ -223,9 +215,8 @@ class Trainer:
             self.pos.step += 1
             self.schedule.optimizer_stepped(self.pos.step)
             self.timer.end_step()
-            for hook in self.hooks:
-                hook.step_ended(self, self.pos.step)
-            self.bar.update()
+            ended_by = hooks.ending(self.hooks, "step_ended", self._step_ended(loss, samples))
+            self.ending.ended_by = self.ending.ended_by or ended_by
             window_full = self.window.add(self.pos.step, loss)
             if self.pos.step >= max_steps:
                 break
@@ -234,7 +225,7 @@ class Trainer:
                 # the evaluation, for best.pt). With uneven shards the shortest ranks are out of
                 # batches from here on: no collective of ours until every rank has left the loop.
                 continue
-            if self._report_pending():
+            if ended_by or self._report_pending():
                 self._flush()  # the step since: the checkpoint's epoch loss must include it
                 return True
             if window_full and self.overlap_window:
@@ -248,6 +239,12 @@ class Trainer:
                 if stop:
                     return True
         return False
+
+    def _step_ended(self, loss: torch.Tensor, samples: int) -> hooks.StepEnded:
+        norms = self.step.grad_norms
+        norm = norms[-1][1] if norms and norms[-1][0] == self.pos.step else None
+        lr = self.step.optimizer.param_groups[0]["lr"]
+        return hooks.StepEnded(self.pos.step, self.pos.epoch, lr, samples, loss.detach(), norm)
 
     # --- the loss window ------------------------------------------------------------------------
     def _flush(self) -> bool:
@@ -263,10 +260,10 @@ class Trainer:
     def _report(self, steps: list[int], losses: list[float], stop: bool, time_up: bool) -> bool:
         """Log a window's global losses, act on its flags; True when the ranks agreed to stop."""
         reports.step_rows(self, steps, losses)
+        hooks.tell(self.hooks, "logged", hooks.Logged(tuple(steps), tuple(losses)))
         self.pos.epoch_loss_sum += sum(losses)
         self.pos.epoch_loss_count += len(losses)
         if losses:
-            self.bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
             # a rank that ran out of batches a step early catches up
             self.pos.step = max(self.pos.step, steps[-1])
         if not all(math.isfinite(loss) for loss in losses):  # global values: every rank stops here
@@ -297,11 +294,6 @@ def _epoch_complete(done: bool, uneven: bool, device: torch.device) -> bool:
     flag = torch.tensor([1 if done else 0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
-
-
-def _progress_bar(total: int, initial: int, shown: bool) -> tqdm:
-    """The run's progress bar, in optimizer steps (`shown`: trainer.progress, settled)."""
-    return tqdm(total=total, initial=initial, disable=not shown, unit="step", dynamic_ncols=True)
 
 
 def joined(model: torch.nn.Module, sampler: Any) -> contextlib.AbstractContextManager:

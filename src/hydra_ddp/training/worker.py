@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,7 +24,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
-from hydra_ddp import data, performance, tasks
+from hydra_ddp import data, hooks, performance, tasks
 from hydra_ddp.checkpoint import checkpointer as checkpointing
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import fingerprint, run_config
@@ -45,6 +46,7 @@ from hydra_ddp.recipe import compiling, schedules
 from hydra_ddp.recipe import ema as averaging
 from hydra_ddp.recipe import optimizer as optimizers
 from hydra_ddp.reporting import run_report
+from hydra_ddp.reporting.progress import ProgressBar
 from hydra_ddp.runtime import flight_recorder, hangs, processes, ranklog, ranks
 from hydra_ddp.runtime.ranks import RankInfo
 from hydra_ddp.training import evaluation, reports, resuming, seeding
@@ -52,8 +54,10 @@ from hydra_ddp.training import length as run_length
 from hydra_ddp.training import trainer as training
 from hydra_ddp.training.parts import Optimization, Run, Trained
 from hydra_ddp.training.position import resize_cause
+from hydra_ddp.training.profiling import Profiling
 from hydra_ddp.training.stop import StopRequest
 
+PRUNING = "hydra_ddp.search.pruning.Pruning"  # an extra, named: the core imports none
 log = logging.getLogger(__name__)
 
 
@@ -274,8 +278,7 @@ def _train(
     try:
         trained = Trained(task, train_model, spread, device, memory_format)
         optimization = Optimization(optimizer, scheduler, ema)
-        progress = run_report.show_progress(cfg.trainer.progress, rank)
-        run = Run(reporter, checkpointer, stop, started_at, progress)
+        run = Run(reporter, checkpointer, stop, started_at, _hooks(cfg, rank))
         trainer = training.Trainer(cfg, trained, optimization, loaders, length, run)
         if resume:
             trainer.resume_from(*resume, cause=resize_cause(elastic.is_elastic(cfg.launcher)))
@@ -289,6 +292,19 @@ def _train(
     finally:
         reporter.close()
     return summary
+
+
+def _hooks(cfg: RunConfig, rank: RankInfo) -> list[hooks.Hook]:
+    """The run's side jobs (hooks.py): the bar, the profiler, a trial's pruner, trainer.hooks'."""
+    trial, pruning = cfg.trial, []
+    if trial.number is not None and trial.pruner != "none":
+        metric = str(cfg.trainer.monitor).replace("/", "_")  # as the validation's metrics name it
+        pruning = [{"_target_": PRUNING, **asdict(trial), "metric": metric}]
+    return hooks.build(
+        [*pruning, *cfg.trainer.hooks],
+        ProgressBar.of(run_report.show_progress(cfg.trainer.progress, rank)),
+        Profiling.of(bool(cfg.trainer.profile), cfg.profiler),
+    )
 
 
 def _release(cfg: RunConfig) -> None:
