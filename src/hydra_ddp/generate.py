@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # torch is imported when the model is, not with this module
+    from torch import nn
 
 KEYS = ("ckpt", "prompt", "max_new_tokens", "temperature", "top_k", "seed")
 
@@ -74,7 +77,7 @@ def generate(ckpt: str, prompt: str, **sampling: Any) -> str:
 
 
 def sample(
-    model: Any, prompt_ids: list[int], end: int, context: Optional[int], how: Sampling
+    model: nn.Module, prompt_ids: list[int], end: int, context: Optional[int], how: Sampling
 ) -> list[int]:
     """The new token ids after `prompt_ids`, up to and without `end`."""
     import torch

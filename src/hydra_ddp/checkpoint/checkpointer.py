@@ -31,6 +31,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.optim import Optimizer
 
 from hydra_ddp.checkpoint.atomic import (
     Writer,
@@ -48,6 +49,7 @@ from hydra_ddp.config import run_config
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.parallel.distributed import first_error
+from hydra_ddp.parallel.strategies import Strategy
 from hydra_ddp.rundir import RunDir
 from hydra_ddp.runtime.ranklog import FILE_ONLY
 from hydra_ddp.runtime.ranks import RankInfo
@@ -316,7 +318,7 @@ class Checkpointer:
         return read(path, "trainer.resume", self.device)
 
     def restore(
-        self, state: dict[str, Any], path: Path, strategy: Any, optimizer, scheduler
+        self, state: dict, path: Path, strategy: Strategy, optimizer: Optimizer, scheduler: object
     ) -> None:
         """Every rank read the checkpoint: each takes its part. Either layout reshards to any world
         size and any strategy (a directory: DCP reads each rank's part of the shards; a file: the

@@ -18,10 +18,11 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import Subset
 
+from hydra_ddp.config.schema import DataConf
 from hydra_ddp.data.batches import lengths_of
 
 
-def about(data_cfg: Any, loaders: Any) -> Optional[dict[str, Any]]:
+def about(data_cfg: DataConf, loaders: Any) -> Optional[dict[str, Any]]:
     """The numbers above for data=documents' training set, or None for any other source."""
     train = loaders.train_sampler.dataset
     source = train

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset
 
+from hydra_ddp.config.schema import DataConf
 from hydra_ddp.data import batches, shards
 from hydra_ddp.data.loader_workers import FORK_BLOCKING_STOPS, loader_worker_init
 from hydra_ddp.data.sampling import (
@@ -127,7 +128,7 @@ class Loaders(NamedTuple):
     batch_size: int  # per rank, of the training batches
 
 
-def build_datasets(data_cfg: Any, rank: RankInfo, seed: int) -> dict[str, Optional[Dataset]]:
+def build_datasets(data_cfg: DataConf, rank: RankInfo, seed: int) -> dict[str, Optional[Dataset]]:
     """{"train", "val", "test"}: the source's splits, with validation carved from training where the
     source has none (val is None with data.val_fraction=0). Every rank builds them, alike; a
     download happens once, on rank 0, while the others wait."""
@@ -195,7 +196,9 @@ def carve(train: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]
     return Subset(train, keep.tolist()), Subset(train, held_out.tolist())
 
 
-def loader_options(data_cfg: Any, seed: int, device: torch.device, rank: int = 0) -> dict[str, Any]:
+def loader_options(
+    data_cfg: DataConf, seed: int, device: torch.device, rank: int = 0
+) -> dict[str, Any]:
     workers = data_cfg.num_workers
     # Its own generator: starting an epoch's iterator then draws nothing from the global RNG, which
     # the model (dropout) uses, so a resumed run sees the same random numbers as an unbroken one.
@@ -223,7 +226,7 @@ def loader_options(data_cfg: Any, seed: int, device: torch.device, rank: int = 0
 
 
 def eval_split(
-    dataset: Dataset, data_cfg: Any, rank: RankInfo, seed: int, device: torch.device
+    dataset: Dataset, data_cfg: DataConf, rank: RankInfo, seed: int, device: torch.device
 ) -> EvalSplit:
     return EvalSplit(
         dataset,
@@ -235,7 +238,7 @@ def eval_split(
     )
 
 
-def _preloaded(dataset: Dataset, data_cfg: Any) -> bool:
+def _preloaded(dataset: Dataset, data_cfg: DataConf) -> bool:
     if data_cfg.preload and batches.whole(dataset) is None:
         raise UserError(
             "data.preload=true needs datasets held as whole tensors (a "
@@ -254,7 +257,11 @@ def draws_randomness(dataset: Dataset) -> bool:
 
 
 def build_loaders(
-    data_cfg: Any, rank: RankInfo, seed: int, device: torch.device, shard: Optional[RankInfo] = None
+    data_cfg: DataConf,
+    rank: RankInfo,
+    seed: int,
+    device: torch.device,
+    shard: Optional[RankInfo] = None,
 ) -> Loaders:
     """This rank's loaders. `shard`: which share of the data it reads when that is not its rank's
     (tensor parallel: the ranks of a model replica read the same batches)."""
@@ -313,7 +320,7 @@ def build_loaders(
     return Loaders(train, val, test, train_sampler, data_cfg.batch_size)  # type: ignore[arg-type]
 
 
-def save_with_run(data_cfg: Any, run_dir: Path) -> Optional[Path]:
+def save_with_run(data_cfg: DataConf, run_dir: Path) -> Optional[Path]:
     """What the data source keeps with the run (data=documents: its tokenizer, as transformers loads
     it), written by rank 0: where, or None for a source that keeps nothing."""
     from hydra_ddp.config import targets
@@ -323,7 +330,7 @@ def save_with_run(data_cfg: Any, run_dir: Path) -> Optional[Path]:
     return save(data_cfg.dataset, run_dir) if save is not None else None
 
 
-def _by_length(train_set: Dataset, data_cfg: Any) -> Optional[tuple[torch.Tensor, int, int]]:
+def _by_length(train_set: Dataset, data_cfg: DataConf) -> Optional[tuple[torch.Tensor, int, int]]:
     """data.group_by_length: (each sample's length, samples per optimizer step, steps per
     window)."""
     if data_cfg.group_by_length is None:

@@ -23,6 +23,7 @@ import bisect
 import collections
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from hydra_ddp.config.schema import DataConf
 from hydra_ddp.data.shard_files import FORMAT, MAGIC, MANIFEST, READABLE, VERSION, ShardInfo, pad
 from hydra_ddp.data.shard_files import write as write  # shards.write, as documented
 from hydra_ddp.errors import UserError
@@ -293,7 +295,7 @@ def sharded(root: str, shuffle_window: int = 8192) -> tuple[Dataset, ...]:
     )
 
 
-def check(dataset_cfg: Any, data_cfg: Any) -> None:
+def check(dataset_cfg: Mapping[str, Any], data_cfg: DataConf) -> None:
     """Before launch: the directory, its manifest, every shard there at its size, and the data.*
     keys the manifest's meta records (a model built for other data would fail in a worker)."""
     root = dataset_cfg.get("root")

@@ -7,15 +7,17 @@ from __future__ import annotations
 import glob
 import inspect
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra_ddp.config.schema import DataConf
 from hydra_ddp.data import shards, text
 from hydra_ddp.data.sources import CIFAR10_FILES, python_source, python_source_dicts, split_folders
 from hydra_ddp.errors import UserError
 
 
-def text_shape(data_cfg: Any) -> tuple[Optional[int], Optional[int]]:
+def text_shape(data_cfg: DataConf) -> tuple[Optional[int], Optional[int]]:
     """(the longest sequence, the vocabulary) of the language-model data shipped here, from its
     config alone (a tokenizer file is read, none is trained); (None, None) for other data."""
     dataset_cfg = data_cfg.dataset
@@ -32,12 +34,12 @@ def text_shape(data_cfg: Any) -> tuple[Optional[int], Optional[int]]:
     return None, None
 
 
-def _setting(dataset_cfg: Any, source: Any, name: str) -> Any:
+def _setting(dataset_cfg: Mapping[str, Any], source: Any, name: str) -> Any:
     """A source's argument as configured, else its default."""
     return dataset_cfg.get(name, inspect.signature(source).parameters[name].default)
 
 
-def check_source(data_cfg: Any) -> None:
+def check_source(data_cfg: DataConf) -> None:
     """Fail before launch, naming the path, when a dataset's files are missing.
 
     Checks the datasets shipped here that read from disk; a user's own `_target_` is checked

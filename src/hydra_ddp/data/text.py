@@ -26,7 +26,7 @@ import json
 import os
 import re
 import sysconfig
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -351,7 +351,7 @@ def _split_documents(
     return [[texts[i] for i in sorted(order[held:])], [texts[i] for i in sorted(order[:held])]]
 
 
-def run_tokenizer(dataset_cfg: Any) -> Any:
+def run_tokenizer(dataset_cfg: Mapping[str, Any]) -> Any:
     """The tokenizer data=documents with these settings tokenizes with: its file, or the one trained
     on its training documents."""
     given = {name: value for name, value in dataset_cfg.items() if name != "_target_"}
@@ -379,7 +379,7 @@ def _trained(
     return train_tokenizer(train, vocab_size)
 
 
-def save_with_run(dataset_cfg: Any, run_dir: Path) -> Path:
+def save_with_run(dataset_cfg: Mapping[str, Any], run_dir: Path) -> Path:
     """The run's tokenizer into <run>/tokenizer/, as transformers loads it (rank 0, at the
     start)."""
     return save_tokenizer(
@@ -390,7 +390,7 @@ def save_with_run(dataset_cfg: Any, run_dir: Path) -> Path:
 documents.save_with_run = save_with_run  # type: ignore[attr-defined]
 
 
-def vocabulary_size(dataset_cfg: Any) -> int:
+def vocabulary_size(dataset_cfg: Mapping[str, Any]) -> int:
     """The ids data=documents gives, from its config alone (a tokenizer file is read, not
     trained)."""
     if dataset_cfg.get("tokenizer"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from hydra_ddp import data, hooks, tasks
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import groups, targets
 from hydra_ddp.config.run_config import RunConfig
+from hydra_ddp.config.schema import DataConf
 from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError, first_line, root_cause
 from hydra_ddp.launch import continuing
@@ -153,7 +154,7 @@ def _check_hook(node: Any, key: str) -> None:
         )
 
 
-def model_on_meta(model_cfg: Any) -> Any:
+def model_on_meta(model_cfg: Mapping[str, Any]) -> Any:
     """The model built on the meta device (no memory, any size), once per model config in this
     process (train.py --check and the launch side's settling share it); raises what building
     raises."""
@@ -207,7 +208,7 @@ def _check_model_fits_data(cfg: RunConfig) -> None:
         )
 
 
-def _positions(model: Any) -> Any:
+def _positions(model: torch.nn.Module) -> Any:
     """The longest sequence a language model takes: the built-in GPT's context, a transformers
     config's positions; None where the model does not say."""
     config = getattr(model, "config", None)
@@ -222,7 +223,7 @@ def _positions(model: Any) -> Any:
     return None
 
 
-def _check_loading(data_cfg: Any) -> None:
+def _check_loading(data_cfg: DataConf) -> None:
     """DataLoader settings that only its worker processes use: with none they would do nothing."""
     if data_cfg.num_workers == 0:
         for key, inert in (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -17,7 +18,7 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 from hydra_ddp import monitor, performance, tasks
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import domains, from_checkpoint, groups, run_config, schema
-from hydra_ddp.config.run_config import Requested, RunConfig
+from hydra_ddp.config.run_config import Requested, RequestedLauncherConf, RunConfig
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import startup
 from hydra_ddp.launch.checks import check, model_on_meta
@@ -92,7 +93,7 @@ def settle(cfg: Requested, run_dir: Path, external: Optional[tuple[str, RankInfo
         trainer.channels_last = value
 
 
-def _on_meta_or_none(model_cfg: Any) -> Any:
+def _on_meta_or_none(model_cfg: Mapping[str, Any]) -> Any:
     """The model on the meta device, or None where it does not build before launch."""
     try:
         return model_on_meta(model_cfg)
@@ -100,7 +101,7 @@ def _on_meta_or_none(model_cfg: Any) -> Any:
         return None
 
 
-def _has_conv2d(model_cfg: Any) -> Optional[bool]:
+def _has_conv2d(model_cfg: Mapping[str, Any]) -> Optional[bool]:
     """Whether the model has 2-D convolutions, built on the meta device (no memory); None where it
     cannot be built before launch (a model that asks for its rank as it is built): the workers
     settle channels_last from the model they build, and record it. A model that does not build at
@@ -153,7 +154,7 @@ def settle_launch(cfg: Requested, run_dir: Path, external: Optional[tuple[str, R
     trainer.threads = trainer.threads or max(1, len(os.sched_getaffinity(0)) // trainer.nproc)
 
 
-def oversubscribed(trainer: Any) -> Optional[str]:
+def oversubscribed(trainer: schema.TrainerConf) -> Optional[str]:
     """A note where this host's CPU workers outnumber its cores (they share them: slower than fewer
     workers would be), or None."""
     cores = len(os.sched_getaffinity(0))
@@ -174,7 +175,9 @@ def collective_timeout(value: Any, backend: str) -> int:
     return int(value)
 
 
-def _resolve_monitor(trainer: Any, data_cfg: Any, task: tasks.Task) -> None:
+def _resolve_monitor(
+    trainer: schema.TrainerConf, data_cfg: schema.DataConf, task: tasks.Task
+) -> None:
     """The monitored metric must be one the task reports (auto: the task's choice; its direction
     settles monitor_mode=auto); without validation (data.val_fraction=0) a val/ metric has no
     values, and nothing is monitored."""
@@ -213,7 +216,7 @@ def max_time_seconds(value: Any) -> Optional[float]:
     return seconds
 
 
-def resolve_batches(data_cfg: Any, trainer: Any, replicas: int) -> None:
+def resolve_batches(data_cfg: schema.DataConf, trainer: schema.TrainerConf, replicas: int) -> None:
     """data.batch_size (samples per micro-batch per replica), trainer.accumulate (micro-batches per
     optimizer step) and data.global_batch_size (samples per optimizer step over every replica and
     micro-batch), settled so that global = batch_size × accumulate × replicas: any two of the three
@@ -275,7 +278,7 @@ def _nproc(value: Any, device: str, host: distributed.Host) -> int:
     return int(value)
 
 
-def _check_launcher(launcher: Any) -> None:
+def _check_launcher(launcher: RequestedLauncherConf) -> None:
     if launcher.name == "spawn":
         if launcher.nnodes != 1:
             raise UserError(

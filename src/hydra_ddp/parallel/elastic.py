@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from hydra_ddp.config.run_config import Requested
+from hydra_ddp.config.run_config import Requested, RequestedLauncherConf
 from hydra_ddp.errors import UserError
 from hydra_ddp.parallel import strategies
 
@@ -26,13 +26,13 @@ def node_range(value: Any) -> tuple[int, int]:
     return bounds
 
 
-def settle_nodes(launcher: Any) -> None:
+def settle_nodes(launcher: RequestedLauncherConf) -> None:
     """launcher.min_nodes and launcher.nnodes (the most nodes) from the configured count or
     range."""
     launcher.min_nodes, launcher.nnodes = node_range(launcher.nnodes)
 
 
-def is_elastic(launcher: Any) -> bool:
+def is_elastic(launcher: RequestedLauncherConf) -> bool:
     return launcher.min_nodes is not None and launcher.min_nodes != launcher.nnodes
 
 

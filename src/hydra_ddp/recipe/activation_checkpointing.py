@@ -12,12 +12,13 @@ model and counts model FLOPs only, without the recomputation.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch.utils.checkpoint
 from torch import nn
 
 from hydra_ddp.config.run_config import RunConfig
+from hydra_ddp.config.strategy_settings import DDPSettings, FSDPSettings
 from hydra_ddp.errors import UserError
 
 
@@ -42,7 +43,7 @@ def chosen(found: list[nn.Module], mode: str, every: int) -> list[nn.Module]:
     return []
 
 
-def apply(module: nn.Module, settings: Any) -> int:
+def apply(module: nn.Module, settings: Union[DDPSettings, FSDPSettings]) -> int:
     """Checkpoint the blocks the strategy's settings choose, in place; how many."""
     if settings.activation_checkpointing == "none":
         return 0

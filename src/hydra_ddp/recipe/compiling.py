@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from hydra_ddp.config.schema import TrainerConf
 from hydra_ddp.errors import UserError
 from hydra_ddp.recipe import activation_checkpointing
 
@@ -56,7 +57,7 @@ def dynamic(dataset: Any) -> Optional[bool]:
     return None if getattr(getattr(dataset, "collate", None), "pads_per_batch", False) else False
 
 
-def compile_blocks(module: nn.Module, trainer: Any, dynamic: Optional[bool] = False) -> int:
+def compile_blocks(module: nn.Module, trainer: TrainerConf, dynamic: Optional[bool] = False) -> int:
     """Compile each of the model's blocks in place, where trainer.compile=blocks; how many. Called
     by the strategies after activation checkpointing and before DDP or FSDP wrap the model."""
     if trainer.compile != "blocks":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -79,7 +80,7 @@ def _by_kind(groups: list[dict]) -> list[dict]:
 
 
 def build(
-    optim_cfg: Any, no_decay: Any, module: nn.Module, wrapped: nn.Module
+    optim_cfg: Mapping[str, Any], no_decay: Any, module: nn.Module, wrapped: nn.Module
 ) -> torch.optim.Optimizer:
     """`module`: the model as its config built it (after the strategy spread it: FSDP's and TP's
     parameters are its own, sharded); `wrapped`: what the loop calls. Without groups, the

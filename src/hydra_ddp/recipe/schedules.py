@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from hydra.utils import instantiate
+from torch.optim.lr_scheduler import LRScheduler
 
 from hydra_ddp.errors import UserError
 
@@ -195,12 +197,12 @@ def wsd(
     return StepSchedule(optimizer, Shape(total, warmup, decay_from, decay, min_lr_ratio), name)
 
 
-def takes_length(scheduler_cfg: Any) -> bool:
+def takes_length(scheduler_cfg: Optional[Mapping[str, Any]]) -> bool:
     """Whether the scheduler config builds a per-step schedule: its builder takes total_steps."""
     return scheduler_cfg is not None and _per_step_builder(instantiate(scheduler_cfg))
 
 
-def length_free(scheduler_cfg: Any, steps: int = 1000) -> bool:
+def length_free(scheduler_cfg: Mapping[str, Any], steps: int = 1000) -> bool:
     """Whether a per-step schedule of this module gives each step the same rate whatever the run's
     length (a warmup of fixed steps, then a constant rate): its shape for `steps` and for twice as
     many, compared over the first `steps`. Another builder's: not known, so False."""
@@ -217,7 +219,9 @@ def _per_step_builder(builder: Any) -> bool:
 
 
 def build(
-    scheduler_cfg: Any, optimizer: torch.optim.Optimizer, total_steps: Optional[int]
+    scheduler_cfg: Optional[Mapping[str, Any]],
+    optimizer: torch.optim.Optimizer,
+    total_steps: Optional[int],
 ) -> Optional[Any]:
     """The run's schedule: a per-step one (a builder that takes total_steps: this module's) is given
     the run's optimizer steps; torch's own (stepped per epoch) only the optimizer. None: a constant
@@ -230,7 +234,7 @@ def build(
     return builder(optimizer)
 
 
-def per_step(scheduler: Any) -> bool:
+def per_step(scheduler: Optional[Union[StepSchedule, LRScheduler]]) -> bool:
     return bool(getattr(scheduler, "per_step", False))
 
 
@@ -239,7 +243,11 @@ class Stepping:
     StepSchedule after every optimizer step), and a per-step schedule's rates until they are
     logged."""
 
-    def __init__(self, scheduler: Optional[Any], optimizer: torch.optim.Optimizer):
+    def __init__(
+        self,
+        scheduler: Optional[Union[StepSchedule, LRScheduler]],
+        optimizer: torch.optim.Optimizer,
+    ):
         self.scheduler, self.optimizer = scheduler, optimizer
         self.per_step = per_step(scheduler)
         self.rates: list[tuple[int, float]] = []  # (step, the rate it took)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
 from hydra_ddp import monitor
 from hydra_ddp.data import batches
@@ -62,7 +63,7 @@ class Task:
             "(docs/tasks.md: batches and model calls)"
         )
 
-    def forward(self, model: Any, batch: Any) -> tuple[Any, Any]:
+    def forward(self, model: nn.Module, batch: Any) -> tuple[Any, Any]:
         """(output, target) of a batch, on the device: what loss, state and predict take. By default
         model(inputs) on the split's inputs. Override it for model(**batch), several inputs, or a
         model that computes its own loss (return its output, e.g. a transformers ModelOutput)."""
@@ -127,7 +128,7 @@ class Task:
         return None
 
 
-def build(task_cfg: Any) -> Task:
+def build(task_cfg: Mapping[str, Any]) -> Task:
     """The configured task, its declarations checked: one line for what does not fit."""
     from hydra.utils import instantiate
 
@@ -225,7 +226,7 @@ def weighs_units(task: Task) -> bool:
 
 def checked_loss(
     task: Task,
-    model: Any,
+    model: nn.Module,
     batch: Any,
     check_target: Optional[Callable[[Any], None]] = None,
     error: type[UserError] = UserError,
@@ -269,7 +270,11 @@ def checked_loss(
 
 
 def first_loss(
-    task: Task, model: Any, batch: Any, outputs: int, reduce: Callable[[Any, Any], torch.Tensor]
+    task: Task,
+    model: nn.Module,
+    batch: Any,
+    outputs: int,
+    reduce: Callable[[Any, Any], torch.Tensor],
 ) -> torch.Tensor:
     """The run's first loss (`reduce`: task.loss or its loss_sum), checked: the task reads the
     batch and the model's output, fits the data (`outputs`: data.num_classes) and reduces to a

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError
@@ -54,7 +55,7 @@ class CausalLM(Task):
             f"tokenizer's vocabulary (at least {highest + 1})"
         )
 
-    def forward(self, model: Any, batch: Any) -> tuple[Any, Any]:
+    def forward(self, model: nn.Module, batch: Any) -> tuple[Any, Any]:
         inputs, labels = self.split(batch)
         # Without its labels: a transformers model would compute its own per-batch mean loss too.
         return model(**{key: value for key, value in inputs.items() if key != "labels"}), labels
@@ -108,7 +109,7 @@ class CausalLM(Task):
             "perplexity": math.exp(min(loss, 700.0)) if count else math.nan,
         }
 
-    def crosses_documents(self, model: Any, batch: Any) -> Optional[float]:
+    def crosses_documents(self, model: nn.Module, batch: Any) -> Optional[float]:
         """For a packed batch (position ids that restart mid-row): how far the model's logits for a
         document move when an earlier document shares its row, relative to their size (about 0: the
         model attends within each document only). None where no row holds two documents."""
@@ -159,7 +160,9 @@ def _counted(labels: torch.Tensor) -> torch.Tensor:
 CROSSING = 1e-3
 
 
-def packing_warning(task: Task, model: Any, dataset: Any, looked_at: int = 256) -> Optional[str]:
+def packing_warning(
+    task: Task, model: nn.Module, dataset: Any, looked_at: int = 256
+) -> Optional[str]:
     """One line when the training set is packed documents and the model attends across them (its
     logits for a document move with the document before it in the window), checked on the first
     window of two documents or more among the first `looked_at` samples, before training; None

@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 from hydra_ddp import data, project, tools
-from hydra_ddp.config.schema import Config
+from hydra_ddp.config.schema import Config, DataConf
 from hydra_ddp.data import batches as batch_trees
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import resolve
@@ -42,7 +42,9 @@ class LoaderTuneConfig(Config):
     tune: LoaderTuneConf = field(default_factory=LoaderTuneConf)
 
 
-def time_loader(data_cfg: Any, rank: RankInfo, device: torch.device, batches_to_time: int) -> float:
+def time_loader(
+    data_cfg: DataConf, rank: RankInfo, device: torch.device, batches_to_time: int
+) -> float:
     """Samples per second of iterating the training loader (and copying each batch to `device`)."""
     loader = data.build_loaders(data_cfg, rank, seed=0, device=device).train
     iterator = iter(loader)

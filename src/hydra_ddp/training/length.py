@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from hydra_ddp.config.schema import TrainerConf
 from hydra_ddp.data import Loaders
 
 
@@ -36,7 +37,7 @@ class RunLength:
         return min(self.max_steps, self.steps_per_epoch * self.epochs)
 
 
-def measure(settings: Any, loaders: Loaders, device: torch.device) -> RunLength:
+def measure(settings: TrainerConf, loaders: Loaders, device: torch.device) -> RunLength:
     """`settings`: the trainer section. With the global batch fixed (an elastic run's), every world
     size gives the same steps per epoch, so a resized run keeps its length."""
     batches = len(loaders.train)

@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from hydra_ddp import hooks
+from hydra_ddp.config.schema import ProfilerConf
 from hydra_ddp.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -19,12 +20,12 @@ log = logging.getLogger(__name__)
 class Profiling(hooks.Hook):
     """The profiler around the fit, its step() called once per optimizer step."""
 
-    def __init__(self, settings: Any):
+    def __init__(self, settings: ProfilerConf):
         self.settings = settings  # the profiler section
         self.profiler: Optional[Any] = None
 
     @classmethod
-    def of(cls, enabled: bool, settings: Any) -> Optional[Profiling]:
+    def of(cls, enabled: bool, settings: ProfilerConf) -> Optional[Profiling]:
         """The hook where trainer.profile is on and this rank is one of profiler.ranks; else
         None."""
         if not enabled or (settings.ranks is not None and dist.get_rank() not in settings.ranks):

@@ -7,13 +7,17 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra_ddp.config.schema import TrainerConf
 from hydra_ddp.monitor import Monitor
 from hydra_ddp.rundir import RunDir
 from hydra_ddp.training import length as run_length
 
 
 def already_complete(
-    out: Path, resume: Optional[tuple[Path, dict[str, Any]]], length: Any, settings: Any
+    out: Path,
+    resume: Optional[tuple[Path, dict[str, Any]]],
+    length: run_length.RunLength,
+    settings: TrainerConf,
 ) -> str:
     """The line that says a continued run had already ended, or "" (rank 0: the earlier summary,
     set aside by the launcher, says its run ended there, not stopped on a signal)."""

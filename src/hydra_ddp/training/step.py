@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from hydra_ddp.config.schema import TrainerConf
 from hydra_ddp.data import batches
 from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.tasks import Task, first_loss, weighs_units
@@ -95,7 +96,7 @@ class Step:
 
     def __init__(
         self,
-        settings: Any,
+        settings: TrainerConf,
         trained: Trained,
         optimization: Optimization,
         timer: StepTimer,

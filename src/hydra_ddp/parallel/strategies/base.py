@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hydra_ddp.config.run_config import Requested, RunConfig
+from hydra_ddp.config.section import Section
 from hydra_ddp.errors import UserError
 from hydra_ddp.runtime.ranks import RankInfo
 
@@ -41,12 +42,12 @@ class Strategy:
 
     # --- its rules, from the config alone (before launch, no process group) ----------------------
     @classmethod
-    def tp_size(cls, settings: Any, world: int) -> int:
+    def tp_size(cls, settings: Section, world: int) -> int:
         """Ranks per tensor-parallel group (1: none)."""
         return 1
 
     @classmethod
-    def replicas(cls, settings: Any, world: int) -> int:
+    def replicas(cls, settings: Section, world: int) -> int:
         """Model replicas, each reading its own batches."""
         size = cls.tp_size(settings, world)
         if size < 1 or world % size:
@@ -68,7 +69,7 @@ class Strategy:
         elastic run's at each of its world sizes as it is settled): one line each, before launch."""
 
     @classmethod
-    def backend(cls, settings: Any, backend: str) -> str:
+    def backend(cls, settings: Section, backend: str) -> str:
         """The process group's backend string for this strategy's settings."""
         return backend
 

@@ -57,7 +57,7 @@ def shard_refusals(cfg: Requested) -> list[tuple[bool, str]]:
 DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def mixed_precision(settings: Any, root: bool) -> Any:
+def mixed_precision(settings: strategy_settings.FSDPSettings, root: bool) -> Any:
     """The strategy's param_dtype, reduce_dtype and output_dtype as FSDP2's MixedPrecisionPolicy:
     the output's dtype the root's only (a unit's output cast back would meet the next unit, or the
     root's own layers, in another dtype than their parameters')."""
@@ -70,7 +70,7 @@ def mixed_precision(settings: Any, root: bool) -> Any:
     )
 
 
-def shard(module: nn.Module, settings: Any, mesh: Any) -> None:
+def shard(module: nn.Module, settings: strategy_settings.FSDPSettings, mesh: Any) -> None:
     """fully_shard each unit, then the root, over `mesh` (None: all ranks)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -85,7 +85,7 @@ def shard(module: nn.Module, settings: Any, mesh: Any) -> None:
     fully_shard(module, mp_policy=mixed_precision(settings, root=True), **options)
 
 
-def hybrid_mesh(settings: Any, device: torch.device) -> Any:
+def hybrid_mesh(settings: strategy_settings.FSDPSettings, device: torch.device) -> Any:
     """HSDP's 2-D mesh [replicate, shard] (a copy's shards on neighbouring ranks: rank = copy ×
     shards + shard), or None: FSDP over every rank. fully_shard reads a 2-D mesh as hybrid."""
     copies = int(settings.replicate)
@@ -135,7 +135,7 @@ class FSDP(Strategy):
         activation_checkpointing.check(cfg)
 
     @classmethod
-    def backend(cls, settings: Any, backend: str) -> str:
+    def backend(cls, settings: strategy_settings.FSDPSettings, backend: str) -> str:
         """NCCL takes CUDA tensors only, and CPU offload keeps the shards on the CPU: the
         collectives on them (the finite-weights check, the gradient norm) go to gloo, the rest to
         NCCL, in one group."""

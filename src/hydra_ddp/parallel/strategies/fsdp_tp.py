@@ -30,7 +30,7 @@ class FSDPWithTP(Strategy):
     Settings = strategy_settings.FSDPTPSettings
 
     @classmethod
-    def tp_size(cls, settings: Any, world: int) -> int:
+    def tp_size(cls, settings: strategy_settings.FSDPTPSettings, world: int) -> int:
         return int(settings.tp_size)
 
     @classmethod
@@ -61,7 +61,7 @@ class FSDPWithTP(Strategy):
         activation_checkpointing.check(cfg)
 
     @classmethod
-    def backend(cls, settings: Any, backend: str) -> str:
+    def backend(cls, settings: strategy_settings.FSDPTPSettings, backend: str) -> str:
         return fsdp.FSDP.backend(settings, backend)
 
     def wrap(

@@ -4,7 +4,7 @@ those linears' weights, the rest is replicated. Every rank reads the same batche
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -79,7 +79,7 @@ class TensorParallel(Strategy):
     Settings = strategy_settings.TPSettings
 
     @classmethod
-    def tp_size(cls, settings: Any, world: int) -> int:
+    def tp_size(cls, settings: strategy_settings.TPSettings, world: int) -> int:
         return world
 
     @classmethod
