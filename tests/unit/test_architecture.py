@@ -32,7 +32,7 @@ LAYERS = (
     ("config",),
     ("recipe", "data", "performance"),
     ("parallel", "tasks"),
-    ("checkpoint", "reporting"),
+    ("checkpoint", "reporting", "blueprint"),
     ("training", "launch"),
     ("export", "generate", "init", "tools", "search", "warm"),
     ("cli",),
@@ -503,3 +503,22 @@ def test_the_loop_is_two_modules_under_600_lines_and_the_only_place_a_step_acts(
         str(path.relative_to(package)) for path in MODULES if STEP_ACTS.search(path.read_text())
     }
     assert acting == {"training/step.py"} | ACTS_OUTSIDE_A_STEP, acting
+
+
+# One blueprint per process (blueprint.py): the model built on the meta device, and the task built,
+# in one place each; a batch's or a checkpoint's shapes without data are data/batches.py's.
+META_DEVICE = re.compile(r"""device\(\s*["']meta["']\s*\)|device\s*=\s*["']meta["']""")
+NAMES_THE_META_DEVICE = {"blueprint.py", "data/batches.py"}
+
+
+def test_the_meta_device_and_the_task_are_each_built_in_one_place():
+    package = REPO / "src" / "hydra_ddp"
+    meta = {str(p.relative_to(package)) for p in MODULES if META_DEVICE.search(p.read_text())}
+    assert meta == NAMES_THE_META_DEVICE, f"the meta device named in {sorted(meta)}"
+    building = {
+        str(p.relative_to(package))
+        for p in MODULES
+        if re.search(r"\btasks\.build\(|\bbuild_task\(", p.read_text())
+    }
+    assert building == {"blueprint.py"}, f"a task built in {sorted(building)}"
+    assert META_DEVICE.search('torch.device("meta")') and META_DEVICE.search("device='meta'")

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import default_collate
 
+from hydra_ddp.blueprint import Building
 from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError
 from hydra_ddp.reporting import flops
@@ -162,7 +163,9 @@ def test_the_flop_count_runs_the_tasks_forward_on_the_batch_as_it_is():
         }
     )
     task = TwoInputTask()
-    counted = flops.count(TwoInputs, lambda model, b: task.loss(*task.forward(model, b)), batch)
+    counted = flops.count(
+        Building(TwoInputs), lambda model, b: task.loss(*task.forward(model, b)), batch
+    )
     forward = 2 * 5 * (8 * 4 + 6 * 4)
     # backward: the weights' gradients only (the inputs need none)
     assert counted == forward + forward

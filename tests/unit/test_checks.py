@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from hydra import compose, initialize_config_dir
 
+from hydra_ddp.blueprint import of
 from hydra_ddp.config import run_config
 from hydra_ddp.config.schema import register_schema
 from hydra_ddp.errors import UserError
@@ -476,15 +477,15 @@ def test_sync_batchnorm_auto_is_ddps_to_settle_and_no_other_strategy_has_it(
 def test_each_strategy_refuses_only_what_it_cannot_do(base: dict):
     cfg = run_config.requested(base)
     cfg.trainer.compile = "model"
-    strategies.get("ddp").check(cfg)  # DDP compiles the whole model
+    strategies.get("ddp").check(cfg, of(cfg.model, cfg.task).model)  # DDP compiles it whole
     fsdp = run_config.requested({**base, "strategy": {"name": "fsdp"}})
     fsdp.trainer.compile = "model"
     with pytest.raises(
         UserError, match="strategy=fsdp: trainer.compile=model compiles the DDP model whole"
     ):
-        strategies.get("fsdp").check(fsdp)
+        strategies.get("fsdp").check(fsdp, of(fsdp.model, fsdp.task).model)
     fsdp.trainer.compile = "blocks"  # each block's forward: any strategy
-    strategies.get("fsdp").check(fsdp)
+    strategies.get("fsdp").check(fsdp, of(fsdp.model, fsdp.task).model)
 
 
 def test_fsdp_tp_is_fsdp_with_a_tensor_parallel_size_and_eval_composes_without_an_optimizer():

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hydra_ddp.blueprint import Building
 from hydra_ddp.models import MLP, MnistCNN, TinyGPT
 from hydra_ddp.reporting import flops
 
@@ -17,7 +18,9 @@ def _pair_loss(model, batch):
 
 def _count(build, batch: int, inputs: tuple[int, ...]) -> int:
     x = torch.empty(batch, *inputs, device="meta")
-    return flops.count(build, _pair_loss, (x, torch.empty(batch, dtype=torch.int64, device="meta")))
+    return flops.count(
+        Building(build), _pair_loss, (x, torch.empty(batch, dtype=torch.int64, device="meta"))
+    )
 
 
 def test_the_mlps_count_is_the_hand_count():
@@ -47,7 +50,7 @@ def test_the_transformers_count_is_the_palm_formula():
     dim, depth, context, vocab = 128, 4, 64, 256
     n = depth * 12 * dim * dim + dim * vocab  # q, k, v, out: 4·d²; the MLP: 8·d²; the head
     count = flops.count(
-        lambda: TinyGPT(vocab, context, dim, depth, heads=4, mlp_ratio=4),
+        Building(lambda: TinyGPT(vocab, context, dim, depth, heads=4, mlp_ratio=4)),
         _pair_loss,
         [torch.empty(8, context, dtype=torch.int64, device="meta")] * 2,
     )

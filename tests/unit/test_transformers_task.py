@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hydra_ddp.blueprint import Building
 from hydra_ddp.errors import UserError
 from hydra_ddp.hf import causal_lm
 from hydra_ddp.launch import checks
@@ -65,13 +66,19 @@ def test_a_model_that_reads_its_inputs_values_runs_on_the_cpu_instead_of_meta():
     batch = _batch()
     meta = {k: torch.empty_like(v, device="meta") for k, v in batch.items()}
     loss = run_shapes_only(
-        lambda: causal_lm(**SMALL), lambda m, b: task.loss(*task.forward(m, b)), meta, batch
+        Building(lambda: causal_lm(**SMALL)),
+        lambda m, b: task.loss(*task.forward(m, b)),
+        meta,
+        batch,
     )
     # sdpa's mask check reads the mask: not on meta
     assert loss.device.type == "cpu" and loss.dim() == 0
     with pytest.raises(RuntimeError, match="meta"):
         run_shapes_only(
-            lambda: causal_lm(**SMALL), lambda m, b: task.loss(*task.forward(m, b)), meta, None
+            Building(lambda: causal_lm(**SMALL)),
+            lambda m, b: task.loss(*task.forward(m, b)),
+            meta,
+            None,
         )
 
 

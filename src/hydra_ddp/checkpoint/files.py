@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError
 from hydra_ddp.parallel.distributed import restart_count
 from hydra_ddp.rundir import RunDir
@@ -117,9 +118,7 @@ def _read_sharded(path: Path, key: str) -> dict[str, Any]:
         raise UserError(f"{key}: {str(path)!r} is not a hydra-ddp checkpoint")
     for part in ("model", "ema"):  # the weights, and their moving average where the run kept one
         shapes = {
-            name[len(part) + 1 :]: torch.empty(
-                item.size, dtype=item.properties.dtype, device="meta"
-            )
+            name[len(part) + 1 :]: batches.shaped(item.size, item.properties.dtype)
             for name, item in index.items()
             if name.startswith(f"{part}.") and isinstance(item, TensorStorageMetadata)
         }
@@ -229,14 +228,10 @@ def load_weights(model: nn.Module, path: Path, ignore: list[str]) -> list[str]:
     return sorted(skipped)
 
 
-def check_init(model_cfg: dict[str, Any], path: Path, ignore: list[str]) -> None:
-    """Before launch: trainer.init_from's weights fit the model (but for the ignored ones), or one
-    line. The model is built on the meta device: shapes, no memory."""
-    from hydra.utils import instantiate
-
+def check_init(model: nn.Module, path: Path, ignore: list[str]) -> None:
+    """Before launch: trainer.init_from's weights fit the model (the blueprint's, on the meta
+    device: shapes, no memory), but for the ignored ones, or one line."""
     saved = read(path, "trainer.init_from")["model"]
-    with torch.device("meta"):
-        model = instantiate(model_cfg)
     skipped = ignored_keys(model, saved.keys() | model.state_dict().keys(), ignore)
     check_compatible_keys(
         {k: v for k, v in model.state_dict().items() if k not in skipped},

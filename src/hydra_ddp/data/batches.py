@@ -156,6 +156,12 @@ def on_meta(batch: Any) -> Any:
     return map_tensors(lambda t: torch.empty_like(t, device="meta"), batch)
 
 
+def shaped(size: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor's shape and dtype without its data (the meta device: no memory, any size): a batch's
+    for the FLOP count, a sharded checkpoint's weights as its index names them."""
+    return torch.empty(size, dtype=dtype, device="meta")
+
+
 def first_sample(batch: Any) -> Any:
     """The batch's first sample, as a batch of one, copied to the CPU (its 0-D tensors whole): what
     the FLOP count runs for real when a model cannot run on the meta device."""

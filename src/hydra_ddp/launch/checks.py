@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from torch.utils.data import IterableDataset
 
-from hydra_ddp import data, hooks, tasks
+from hydra_ddp import blueprint, data, hooks, tasks
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import groups, targets
 from hydra_ddp.config.run_config import RunConfig
@@ -73,7 +71,7 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
                 f"trainer.compile_backend={trainer.compile_backend!r}: choose "
                 f"one of torch.compile's backends ({', '.join(backends)})"
             )
-    strategies.get(cfg.strategy.name).check(cfg)
+    strategies.get(cfg.strategy.name).check(cfg, blueprint.of(cfg.model, cfg.task).model)
     if str(trainer.precision) == "16" and trainer.device != "cuda":
         raise UserError(
             "trainer.precision=16 needs a GPU (fp16 autocast "
@@ -104,7 +102,7 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
     if data_target:
         _check_requires(data_target, "data.dataset", groups.chosen("data", cfg.data.dataset))
     if not data_cfg.even_shards:
-        task = tasks.build(cfg.task)
+        task = blueprint.of(cfg.model, cfg.task).task
         if tasks.weighs_units(task):
             raise UserError(
                 f"data.even_shards=false does not combine with task {type(task).__name__}, "
@@ -154,20 +152,6 @@ def _check_hook(node: Any, key: str) -> None:
         )
 
 
-def model_on_meta(model_cfg: Mapping[str, Any]) -> Any:
-    """The model built on the meta device (no memory, any size), once per model config in this
-    process (train.py --check and the launch side's settling share it); raises what building
-    raises."""
-    key = json.dumps(model_cfg, sort_keys=True, default=str)
-    if key not in _ON_META:
-        with torch.device("meta"):
-            _ON_META[key] = instantiate(model_cfg)
-    return _ON_META[key]
-
-
-_ON_META: dict[str, Any] = {}
-
-
 def _check_model_fits_data(cfg: RunConfig) -> None:
     """A model of the project's own that does not build (a transformers config it refuses, heads
     that do not divide the width) is one line here, not a traceback from every worker; and a
@@ -175,7 +159,7 @@ def _check_model_fits_data(cfg: RunConfig) -> None:
     every id."""
     target = str(cfg.model.get("_target_", ""))
     try:
-        model = model_on_meta(cfg.model)
+        model = blueprint.of(cfg.model, cfg.task).model()
     except UserError:
         raise
     except Exception as error:  # noqa: BLE001
@@ -253,7 +237,8 @@ def _check_workflow(cfg: RunConfig) -> None:
                 "every epoch: set trainer.eval_every_epoch=true"
             )
     if trainer.init_from:
-        checkpoints.check_init(cfg.model, Path(trainer.init_from), list(trainer.init_ignore))
+        model = blueprint.of(cfg.model, cfg.task).model()
+        checkpoints.check_init(model, Path(trainer.init_from), list(trainer.init_ignore))
 
 
 def _check_recipe(cfg: RunConfig) -> None:
@@ -274,7 +259,7 @@ def _check_recipe(cfg: RunConfig) -> None:
                 "one or more name patterns (or none, auto)"
             )
         try:
-            model = model_on_meta(cfg.model)
+            model = blueprint.of(cfg.model, cfg.task).model()
         except Exception:  # noqa: BLE001  (a model that does not build is the dry build's, or the run's, to report)
             return
         missing = optimizers.unmatched(model, list(patterns))
@@ -287,15 +272,14 @@ def _check_recipe(cfg: RunConfig) -> None:
             )
     if cfg.trainer.compile == "blocks":
         try:
-            model = model_on_meta(cfg.model)
+            model = blueprint.of(cfg.model, cfg.task).model()
         except Exception:  # noqa: BLE001  (the dry build's, or the run's, to report)
             model = None
         compiling.check("blocks", model, cfg.model["_target_"])
     if cfg.trainer.max_steps and schedules.takes_length(cfg.scheduler):
         # The run's full length needs its data; trainer.max_steps bounds it now (the workers check
         # the rest).
-        with torch.device("meta"):
-            optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         schedules.build(cfg.scheduler, optimizer, cfg.trainer.max_steps)
 
 
@@ -334,11 +318,11 @@ def dry_build(cfg: RunConfig) -> None:
     model_and_data = (
         f"{groups.chosen('model', cfg.model)} with {groups.chosen('data', cfg.data.dataset)}"
     )
-    task = tasks.build(cfg.task)
+    task = blueprint.of(cfg.model, cfg.task).task
     with _one_line(
         f"{model_and_data} does not build and run one batch (checked on the meta device)"
     ):
-        model = model_on_meta(cfg.model)
+        model = blueprint.of(cfg.model, cfg.task).model()
         if not cfg.data.dataset.get("download", False):  # a download is the run's to make
             train = data.build_datasets(cfg.data, RankInfo(0, 1, 0, 1), cfg.trainer.seed)["train"]
             samples = [train[i] for i in range(min(64, len(train)))]
@@ -350,9 +334,9 @@ def dry_build(cfg: RunConfig) -> None:
             task.samples(batch)
             # on the CPU, for real, where the model reads its inputs' values
             loss = run_shapes_only(
-                lambda: instantiate(cfg.model),
+                blueprint.of(cfg.model, cfg.task),
                 lambda built, inputs: tasks.checked_loss(task, built, inputs),
-                batches.to_device(batch, torch.device("meta")),
+                batches.on_meta(batch),
                 batch,
             )
             if loss.dim() != 0:

@@ -6,22 +6,21 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import uuid
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
+from torch import nn
 
-from hydra_ddp import monitor, performance, tasks
+from hydra_ddp import blueprint, monitor, performance, tasks
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import domains, from_checkpoint, groups, run_config, schema
 from hydra_ddp.config.run_config import Requested, RequestedLauncherConf, RunConfig
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import startup
-from hydra_ddp.launch.checks import check, model_on_meta
+from hydra_ddp.launch.checks import check
 from hydra_ddp.parallel import distributed, elastic, strategies
 from hydra_ddp.recipe import compiling
 from hydra_ddp.rundir import RunDir
@@ -60,15 +59,15 @@ def settle(cfg: Requested, run_dir: Path, external: Optional[tuple[str, RankInfo
     trainer = cfg.trainer
     # Model replicas, each reading its own batches: every rank but under tensor parallel (one
     # replica).
-    chosen = strategies.get(cfg.strategy.name)
+    chosen, plan = strategies.get(cfg.strategy.name), blueprint.of(cfg.model, cfg.task)
     world = trainer.nproc * cfg.launcher.nnodes  # an elastic run's largest
     replicas = chosen.replicas(cfg.strategy, world)
     resolve_batches(cfg.data, trainer, replicas)
     if elastic.is_elastic(cfg.launcher):
-        elastic.check(cfg, requested_global_batch)  # at every world size in the range
+        elastic.check(cfg, requested_global_batch, plan.model)  # at each world size in the range
     trainer.resume = checkpoints.resume_setting(trainer.resume)
     trainer.max_time = max_time_seconds(trainer.max_time)
-    _resolve_monitor(trainer, cfg.data, tasks.build(cfg.task))
+    _resolve_monitor(trainer, cfg.data, plan.task)
     cfg.backend.name = chosen.backend(cfg.strategy, cfg.backend.name)
     if trainer.init_from:
         trainer.init_from = str(checkpoints.find(trainer.init_from, "trainer.init_from"))
@@ -77,37 +76,23 @@ def settle(cfg: Requested, run_dir: Path, external: Optional[tuple[str, RankInfo
     # back, a true fails).
     requested_compile = trainer.compile
     trainer.compile = compiling.mode(
-        trainer.compile, _on_meta_or_none(cfg.model) if trainer.compile is True else None
+        trainer.compile, plan.model_or_none() if trainer.compile is True else None
     )
     cfg.settled = chosen.settle(cfg, world, trainer.nproc)
     if requested_compile is True:  # the summary says which: the blocks or the whole model
         cfg.settled["trainer.compile"] = trainer.compile
     allowed = chosen.allows_channels_last()
-    conv = (
-        _has_conv2d(cfg.model) if performance.needs_model(trainer.channels_last, allowed) else False
-    )
+    conv: Optional[bool] = False
+    if performance.needs_model(trainer.channels_last, allowed):
+        # None where the model does not build before launch (one that asks for its rank as it is
+        # built): the workers settle channels_last from the model they build, and record it.
+        model = plan.model_or_none()
+        conv = None if model is None else performance.has_conv2d(model)
     value = performance.channels_last(trainer.channels_last, allowed, conv)
     if value is not None:  # else the workers' to settle, from the model they build
         if trainer.channels_last == performance.AUTO:
             cfg.settled["trainer.channels_last"] = value
         trainer.channels_last = value
-
-
-def _on_meta_or_none(model_cfg: Mapping[str, Any]) -> Any:
-    """The model on the meta device, or None where it does not build before launch."""
-    try:
-        return model_on_meta(model_cfg)
-    except Exception:  # noqa: BLE001  (the checks' to report, in one line)
-        return None
-
-
-def _has_conv2d(model_cfg: Mapping[str, Any]) -> Optional[bool]:
-    """Whether the model has 2-D convolutions, built on the meta device (no memory); None where it
-    cannot be built before launch (a model that asks for its rank as it is built): the workers
-    settle channels_last from the model they build, and record it. A model that does not build at
-    all is the checks' to report, in one line."""
-    model = _on_meta_or_none(model_cfg)
-    return None if model is None else performance.has_conv2d(model)
 
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:
@@ -362,15 +347,13 @@ def eval_config(
         saved["config"], saved["position"], composed, overrides, str(path)
     )
     requested = run_config.requested(plain)
-    _check_model(requested.model, saved["model"], path)
+    _check_model(blueprint.of(requested.model, requested.task).model(), saved["model"], path)
     settle_launch(requested, run_dir, external)
     return run_config.resolved(requested)
 
 
-def _check_model(model_cfg: dict[str, Any], saved: dict[str, torch.Tensor], path: Path) -> None:
-    """The checkpoint's weights fit the model to evaluate: built on the meta device, no memory."""
-    with torch.device("meta"):
-        model = instantiate(model_cfg)
+def _check_model(model: nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
+    """The checkpoint's weights fit the model to evaluate (on the meta device: no memory)."""
     checkpoints.check_compatible(
         model,
         saved,

@@ -4,7 +4,10 @@ world size in it, and the per-rank batch at the world size a rendezvous gives.""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Optional
+
+from torch import nn
 
 from hydra_ddp.config.run_config import Requested, RequestedLauncherConf
 from hydra_ddp.errors import UserError
@@ -44,7 +47,7 @@ def world_sizes(cfg: Requested) -> list[int]:
     ]
 
 
-def check(cfg: Requested, global_batch: Optional[int]) -> None:
+def check(cfg: Requested, global_batch: Optional[int], model: Callable[[], nn.Module]) -> None:
     """What an elastic run needs before launch: torchrun with restarts to spend, a global batch (the
     configured one) that each allowed world size takes in whole micro-batches of data.batch_size
     (the accumulation makes up the rest), a strategy that fits each, and resuming from the last
@@ -71,7 +74,8 @@ def check(cfg: Requested, global_batch: Optional[int]) -> None:
         # tensor parallel that does not fit: one line
         replicas = chosen.replicas(cfg.strategy, world)
         # e.g. its plan
-        chosen.check(dataclasses.replace(cfg, launcher=dataclasses.replace(launcher, nnodes=nodes)))
+        at = dataclasses.replace(cfg, launcher=dataclasses.replace(launcher, nnodes=nodes))
+        chosen.check(at, model)
         if global_batch % (micro * replicas):
             raise UserError(
                 f"data.global_batch_size={global_batch} does not divide into micro-batches "

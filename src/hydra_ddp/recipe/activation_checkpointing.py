@@ -12,6 +12,7 @@ model and counts model FLOPs only, without the recomputation.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import torch.utils.checkpoint
@@ -71,16 +72,13 @@ def no_blocks(mode: str, model: str) -> str:
     )
 
 
-def check(cfg: RunConfig) -> None:
-    """Before launch: a model that names blocks to checkpoint (built on the meta device)."""
+def check(cfg: RunConfig, on_meta: Callable[[], nn.Module]) -> None:
+    """Before launch: a model that names blocks to checkpoint (`on_meta`: the blueprint's)."""
     mode = cfg.strategy.activation_checkpointing
     if mode == "none":
         return
-    from hydra.utils import instantiate
-
     try:
-        with torch.device("meta"):
-            model = instantiate(cfg.model)
+        model = on_meta()
     except Exception:  # noqa: BLE001  (a model that does not build is the dry build's, or the run's, to report)
         return
     if not blocks(model):

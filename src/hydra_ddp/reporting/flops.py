@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -46,13 +46,20 @@ _MEASURE_N = 256
 CPU_FALLBACK_PARAMETERS = 2**28
 
 
-def run_shapes_only(build_model: Any, fn: Any, meta_batch: Any, real_batch: Any) -> Any:
+class Buildable(Protocol):
+    """The model two ways (blueprint.Blueprint): on the meta device, and for real on the CPU."""
+
+    def on_meta(self) -> torch.nn.Module: ...
+
+    def for_real(self) -> torch.nn.Module: ...
+
+
+def run_shapes_only(build: Buildable, fn: Any, meta_batch: Any, real_batch: Any) -> Any:
     """fn(model, batch) with the model built on the meta device (no memory, any size) and the
     batch's shapes; for a model whose forward reads its inputs' values, with the model built on the
     CPU and `real_batch` (None: the meta error stands; a meta_batch of None goes to the CPU at
     once). Raises what fn raises."""
-    with torch.device("meta"):
-        model = build_model()
+    model = build.on_meta()
     if meta_batch is not None:
         try:
             return fn(model, meta_batch)
@@ -65,11 +72,11 @@ def run_shapes_only(build_model: Any, fn: Any, meta_batch: Any, real_batch: Any)
             f"its forward reads its inputs' values, and at {parameters:,} parameters "
             "it is too large to run on the CPU instead of the meta device"
         )
-    return fn(build_model(), real_batch)
+    return fn(build.for_real(), real_batch)
 
 
 def count(
-    build_model: Callable[[], torch.nn.Module],
+    build: Buildable,
     loss: Callable[[Any, Any], torch.Tensor],
     batch: Any,
     real_batch: Any = None,
@@ -84,7 +91,7 @@ def count(
             loss(model, inputs).backward()
         return int(counter.get_total_flops())
 
-    return run_shapes_only(build_model, counted, batch, real_batch)
+    return run_shapes_only(build, counted, batch, real_batch)
 
 
 def gpu_peak(name: str, precision: str, tf32: bool) -> Optional[tuple[float, str]]:
@@ -181,7 +188,7 @@ def line(flops: dict[str, Any]) -> Optional[str]:
 
 
 def measure(
-    build_model: Callable[[], Any],
+    build: Buildable,
     loss: Callable[..., Any],
     batch: Any,
     samples: int,
@@ -201,11 +208,11 @@ def measure(
     if batch is not None and samples:
         try:
             try:
-                per_sample = count(build_model, loss, batch) / samples
+                per_sample = count(build, loss, batch) / samples
             except (RuntimeError, NotImplementedError) as error:
                 if "meta" not in str(error) or sample is None:
                     raise
-                per_sample = count(build_model, loss, None, sample)  # one real sample, on the CPU
+                per_sample = count(build, loss, None, sample)  # one real sample, on the CPU
         except Exception as e:  # noqa: BLE001  (a model that cannot be built or run on the meta device)
             log.warning(
                 "no FLOP count: the model does not run on the meta device (%s: %s)",

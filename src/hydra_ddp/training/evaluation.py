@@ -15,7 +15,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
 
-from hydra_ddp import data, performance, tasks
+from hydra_ddp import blueprint, data, performance
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.data import batches
@@ -94,7 +94,7 @@ def run(
     job = cfg.eval
     splits = data.build_datasets(cfg.data, rank, cfg.trainer.seed)
     split = data.eval_split(splits[job.split], cfg.data, rank, cfg.trainer.seed, device)
-    task = tasks.build(cfg.task)
+    task = blueprint.of(cfg.model, cfg.task).task
     model = instantiate(cfg.model)
     if rank.is_main:  # only rank 0 reads the file: it need not be on every node
         path = Path(job.ckpt)

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-from hydra.utils import instantiate
 
+from hydra_ddp import blueprint
 from hydra_ddp.parallel import distributed, strategies
 from hydra_ddp.reporting import flops
 from hydra_ddp.runtime.ranks import RankInfo
@@ -175,7 +175,7 @@ def how_it_ran(
         "time_to_workers_ready_s": workers_ready_at - started_at,
         "peak_rss_mb": distributed.max_over_ranks(_peak_rss_mb(), device),
         "flops": flops.measure(
-            lambda: instantiate(cfg.model),
+            blueprint.of(cfg.model, cfg.task),
             lambda model, batch: task.loss(*task.forward(model, batch)),
             trainer.step.first_batch,
             task.samples(trainer.step.first_batch) if trainer.step.first_batch is not None else 0,

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
-from hydra_ddp import data, hooks, performance, tasks
+from hydra_ddp import blueprint, data, hooks, performance, tasks
 from hydra_ddp.checkpoint import checkpointer as checkpointing
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import fingerprint, run_config
@@ -184,7 +184,7 @@ def _train(
     read = data.about(data_cfg, loaders) if rank.is_main and cfg.job == "train" else None
     if read:  # how much text, and how much of a batch is text
         log.info(data.about_line(read))
-    task = tasks.build(cfg.task)
+    task = blueprint.of(cfg.model, cfg.task).task
     model = instantiate(cfg.model)
     # From here a stream per model replica (dropout's masks differ between ranks that read different
     # batches; the ranks of a tensor-parallel replica draw alike), saved in every checkpoint. The

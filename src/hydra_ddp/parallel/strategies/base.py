@@ -11,7 +11,7 @@ reads, how evaluation sums add up, how its state is saved).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Optional
 
 import torch
@@ -64,9 +64,10 @@ class Strategy:
         return {}
 
     @classmethod
-    def check(cls, cfg: Requested) -> None:
+    def check(cls, cfg: Requested, model: Callable[[], nn.Module]) -> None:
         """What this strategy cannot do with these settings (`cfg`: the resolved config, or an
-        elastic run's at each of its world sizes as it is settled): one line each, before launch."""
+        elastic run's at each of its world sizes as it is settled; `model`: the blueprint's model
+        on the meta device, raising what building raises): one line each, before launch."""
 
     @classmethod
     def backend(cls, settings: Section, backend: str) -> str:

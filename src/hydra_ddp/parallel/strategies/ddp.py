@@ -22,6 +22,7 @@ it changes no result beyond float tolerance, and each can be set to true or fals
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -113,7 +114,7 @@ class DDP(Strategy):
         )
 
     @classmethod
-    def check(cls, cfg: Requested) -> None:
+    def check(cls, cfg: Requested, model: Callable[[], nn.Module]) -> None:
         settings, trainer, data = cfg.strategy, cfg.trainer, cfg.data
         if settings.comm_hook != "none" and not data.even_shards:
             raise UserError(
@@ -145,7 +146,7 @@ class DDP(Strategy):
                 "data.even_shards=false does not combine with strategy.sync_batchnorm=true "
                 "(Join cannot stand in for SyncBatchNorm's collectives); use one or the other"
             )
-        activation_checkpointing.check(cfg)
+        activation_checkpointing.check(cfg, model)
 
     def __init__(self, cfg: RunConfig, device: torch.device):
         super().__init__(cfg, device)

@@ -6,7 +6,7 @@ one device."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -130,9 +130,9 @@ class FSDP(Strategy):
     Settings = strategy_settings.FSDPSettings
 
     @classmethod
-    def check(cls, cfg: Requested) -> None:
+    def check(cls, cfg: Requested, model: Callable[[], nn.Module]) -> None:
         refuse(cls.name, not_ddp_refusals(cfg, cls.name) + shard_refusals(cfg))
-        activation_checkpointing.check(cfg)
+        activation_checkpointing.check(cfg, model)
 
     @classmethod
     def backend(cls, settings: strategy_settings.FSDPSettings, backend: str) -> str:

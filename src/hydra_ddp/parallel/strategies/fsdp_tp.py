@@ -4,6 +4,7 @@ replica with its own batches. World size = dp × tp_size."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -34,8 +35,8 @@ class FSDPWithTP(Strategy):
         return int(settings.tp_size)
 
     @classmethod
-    def check(cls, cfg: Requested) -> None:
-        tp.check_plan(cfg, cls)
+    def check(cls, cfg: Requested, model: Callable[[], nn.Module]) -> None:
+        tp.check_plan(cfg, cls, model)
         settings = cfg.strategy
         tensor_parallel_limits = [
             (
@@ -58,7 +59,7 @@ class FSDPWithTP(Strategy):
             cls.name,
             not_ddp_refusals(cfg, cls.name) + fsdp.shard_refusals(cfg) + tensor_parallel_limits,
         )
-        activation_checkpointing.check(cfg)
+        activation_checkpointing.check(cfg, model)
 
     @classmethod
     def backend(cls, settings: strategy_settings.FSDPTPSettings, backend: str) -> str:

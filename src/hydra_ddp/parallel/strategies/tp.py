@@ -4,6 +4,7 @@ those linears' weights, the rest is replicated. Every rank reads the same batche
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -23,16 +24,13 @@ from hydra_ddp.parallel.strategies.base import (
 from hydra_ddp.recipe import compiling
 
 
-def check_plan(cfg: Requested, strategy: type[Strategy]) -> None:
-    """Tensor parallel needs the model's plan, and a world size it splits over (built on the meta
-    device)."""
-    from hydra.utils import instantiate
-
+def check_plan(cfg: Requested, strategy: type[Strategy], on_meta: Callable[[], nn.Module]) -> None:
+    """Tensor parallel needs the model's plan (`on_meta`: the blueprint's model), and a world size
+    it splits over."""
     world = cfg.trainer.nproc * cfg.launcher.nnodes
     size = strategy.tp_size(cfg.strategy, world)
     try:
-        with torch.device("meta"):
-            model = instantiate(cfg.model)
+        model = on_meta()
     except Exception as error:  # noqa: BLE001  (the model's own complaint: a shape it cannot take, say)
         raise UserError(
             f"strategy={strategy.name}: {cfg.model['_target_']} "
@@ -83,8 +81,8 @@ class TensorParallel(Strategy):
         return world
 
     @classmethod
-    def check(cls, cfg: Requested) -> None:
-        check_plan(cfg, cls)
+    def check(cls, cfg: Requested, model: Callable[[], nn.Module]) -> None:
+        check_plan(cfg, cls, model)
         refuse(cls.name, not_ddp_refusals(cfg, cls.name))
 
     def wrap(
