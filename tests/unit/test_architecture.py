@@ -522,3 +522,81 @@ def test_the_meta_device_and_the_task_are_each_built_in_one_place():
     }
     assert building == {"blueprint.py"}, f"a task built in {sorted(building)}"
     assert META_DEVICE.search('torch.device("meta")') and META_DEVICE.search("device='meta'")
+
+
+def _import_graph(type_only: bool) -> dict[str, set[str]]:
+    """Module → the package's modules it imports by name, at any depth (function-level too); with
+    `type_only` False, imports under `if TYPE_CHECKING:` are left out (they never run). A package's
+    own __init__, run on the way to its submodules, is not an edge: only what a statement names."""
+    names = {_name(p).removesuffix(".__init__") for p in MODULES}
+    graph: dict[str, set[str]] = {}
+    for path in MODULES:
+        tree = ast.parse(path.read_text())
+        skipped: set[int] = set()
+        if not type_only:
+            for node in ast.walk(tree):
+                if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                    skipped |= {id(inner) for inner in ast.walk(node)}
+        found = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    both = f"{node.module}.{alias.name}"
+                    found.add(both if both in names else node.module)
+        graph[_name(path).removesuffix(".__init__")] = {m for m in found if m in names}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+# Circles that only type annotations close (an `if TYPE_CHECKING:` import): none runs, but each is
+# a pair that knows too much of the other; issue 75 takes them apart.
+TYPE_ONLY_CIRCLES = [
+    [
+        "hydra_ddp.config.domains",
+        "hydra_ddp.config.run_config",
+        "hydra_ddp.config.schema",
+        "hydra_ddp.config.strategy_settings",
+    ],
+    ["hydra_ddp.training.reports", "hydra_ddp.training.trainer"],
+]
+
+
+def test_no_import_circle_runs_and_no_new_one_is_typed():
+    assert _circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert _circles(_import_graph(type_only=False)) == [], "modules that import each other"
+    assert _circles(_import_graph(type_only=True)) == TYPE_ONLY_CIRCLES

@@ -26,7 +26,7 @@ def test_a_resize_names_its_cause():
 def test_an_elastic_worker_keeps_the_global_batch_and_micro_batch_and_changes_the_accumulation():
     from types import SimpleNamespace as Section
 
-    from hydra_ddp.parallel import elastic
+    from hydra_ddp.parallel import elastic, strategies
 
     # The sections it reads, as attributes (a RunConfig's parts): settled at the most nodes.
     cfg = Section(
@@ -35,13 +35,15 @@ def test_an_elastic_worker_keeps_the_global_batch_and_micro_batch_and_changes_th
         trainer=Section(accumulate=1),
         strategy=Section(name="ddp"),
     )
-    assert elastic.at_world_size(cfg, 8) is None  # the most nodes: as resolved
+    replicas = strategies.replicas_at(cfg)
+    assert elastic.at_world_size(cfg, 8, replicas) is None  # the most nodes: as resolved
     # the same micro-batch of 8, 4 of them
-    assert elastic.at_world_size(cfg, 2) == {"trainer.accumulate": 4}
+    assert elastic.at_world_size(cfg, 2, replicas) == {"trainer.accumulate": 4}
     fixed = Section(
         launcher=Section(name="torchrun", nnodes=2, min_nodes=2),
         data=Section(global_batch_size=64, batch_size=16),
         trainer=Section(accumulate=1),
         strategy=Section(name="ddp"),
     )
-    assert elastic.at_world_size(fixed, 4) is None  # not elastic: nothing to settle
+    # not elastic: nothing to settle
+    assert elastic.at_world_size(fixed, 4, strategies.replicas_at(fixed)) is None

@@ -109,7 +109,7 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
                 "whose loss weighs tokens over the whole step (the ranks that run out of "
                 "batches would miss its count); keep data.even_shards=true"
             )
-        if elastic.most_accumulation(cfg) > 1:
+        if elastic.most_accumulation(cfg, strategies.replicas_at(cfg)) > 1:
             raise UserError(
                 "data.even_shards=false does not combine with trainer.accumulate "
                 "> 1, an elastic run's at fewer nodes included (ranks end their "

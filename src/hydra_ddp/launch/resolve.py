@@ -64,7 +64,11 @@ def settle(cfg: Requested, run_dir: Path, external: Optional[tuple[str, RankInfo
     replicas = chosen.replicas(cfg.strategy, world)
     resolve_batches(cfg.data, trainer, replicas)
     if elastic.is_elastic(cfg.launcher):
-        elastic.check(cfg, requested_global_batch, plan.model)  # at each world size in the range
+        replicas_at = strategies.replicas_at(cfg)
+        # at each world size in the range
+        elastic.check(
+            cfg, requested_global_batch, replicas_at, lambda at: chosen.check(at, plan.model)
+        )
     trainer.resume = checkpoints.resume_setting(trainer.resume)
     trainer.max_time = max_time_seconds(trainer.max_time)
     _resolve_monitor(trainer, cfg.data, plan.task)

@@ -7,11 +7,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Optional
 
-from torch import nn
-
 from hydra_ddp.config.run_config import Requested, RequestedLauncherConf
 from hydra_ddp.errors import UserError
-from hydra_ddp.parallel import strategies
 
 
 def node_range(value: Any) -> tuple[int, int]:
@@ -47,12 +44,20 @@ def world_sizes(cfg: Requested) -> list[int]:
     ]
 
 
-def check(cfg: Requested, global_batch: Optional[int], model: Callable[[], nn.Module]) -> None:
+# The model replicas at a world size (the strategy's: every rank but under tensor parallel), given
+# by the caller: this module's arithmetic needs no strategy, and no strategy imports back.
+Replicas = Callable[[int], int]
+
+
+def check(
+    cfg: Requested, global_batch: Optional[int], replicas_at: Replicas, fits: Callable[[Any], None]
+) -> None:
     """What an elastic run needs before launch: torchrun with restarts to spend, a global batch (the
     configured one) that each allowed world size takes in whole micro-batches of data.batch_size
-    (the accumulation makes up the rest), a strategy that fits each, and resuming from the last
-    checkpoint at each restart. `global_batch`: data.global_batch_size as configured; `cfg`'s
-    batches settled at the largest world size (launch.resolve)."""
+    (the accumulation makes up the rest), a strategy that fits each (`fits`: its check of the
+    config at that many nodes), and resuming from the last checkpoint at each restart.
+    `global_batch`: data.global_batch_size as configured; `cfg`'s batches settled at the largest
+    world size (launch.resolve)."""
     launcher = cfg.launcher
     span = f"launcher.nnodes={launcher.min_nodes}:{launcher.nnodes}"
     if launcher.name != "torchrun":
@@ -68,14 +73,12 @@ def check(cfg: Requested, global_batch: Optional[int], model: Callable[[], nn.Mo
             "per-rank data.batch_size): a resized run then keeps its "
             "batches, and continues mid-epoch at the sample where it stopped"
         )
-    chosen = strategies.get(cfg.strategy.name)
     micro = cfg.data.batch_size
     for nodes, world in zip(range(launcher.min_nodes, launcher.nnodes + 1), world_sizes(cfg)):
         # tensor parallel that does not fit: one line
-        replicas = chosen.replicas(cfg.strategy, world)
+        replicas = replicas_at(world)
         # e.g. its plan
-        at = dataclasses.replace(cfg, launcher=dataclasses.replace(launcher, nnodes=nodes))
-        chosen.check(at, model)
+        fits(dataclasses.replace(cfg, launcher=dataclasses.replace(launcher, nnodes=nodes)))
         if global_batch % (micro * replicas):
             raise UserError(
                 f"data.global_batch_size={global_batch} does not divide into micro-batches "
@@ -87,22 +90,22 @@ def check(cfg: Requested, global_batch: Optional[int], model: Callable[[], nn.Mo
     cfg.trainer.resume = cfg.trainer.resume or "auto"
 
 
-def at_world_size(cfg: Requested, world: int) -> Optional[dict[str, Any]]:
+def at_world_size(cfg: Requested, world: int, replicas_at: Replicas) -> Optional[dict[str, Any]]:
     """The values an elastic run's workers settle at the world size the rendezvous gave: the
     accumulation that keeps the global batch with the same micro-batch; None where there is
     nothing to settle."""
     if not is_elastic(cfg.launcher):
         return None
-    replicas = strategies.get(cfg.strategy.name).replicas(cfg.strategy, world)
+    replicas = replicas_at(world)
     accumulate = cfg.data.global_batch_size // (cfg.data.batch_size * replicas)
     return None if accumulate == cfg.trainer.accumulate else {"trainer.accumulate": accumulate}
 
 
-def most_accumulation(cfg: Requested) -> int:
+def most_accumulation(cfg: Requested, replicas_at: Replicas) -> int:
     """The micro-batches per optimizer step at the fewest ranks the run may train at: an elastic run
     keeps its global batch and micro-batch at fewer nodes by accumulating more (at_world_size)."""
     accumulate = cfg.trainer.accumulate or 1
     if not is_elastic(cfg.launcher):
         return accumulate
-    replicas = strategies.get(cfg.strategy.name).replicas(cfg.strategy, world_sizes(cfg)[0])
+    replicas = replicas_at(world_sizes(cfg)[0])
     return max(accumulate, cfg.data.global_batch_size // (cfg.data.batch_size * replicas))

@@ -165,7 +165,7 @@ def _train(
     # An elastic run: the accumulation that keeps the global batch, with the same micro-batch, at
     # the world size its rendezvous gave. The run's config at this size, recorded in the summary and
     # the checkpoint.
-    at_size = elastic.at_world_size(cfg, rank.world_size)
+    at_size = elastic.at_world_size(cfg, rank.world_size, strategies.replicas_at(cfg))
     if at_size:
         cfg = run_config.amended(cfg, at_size)  # a new read-only config: the launch's unchanged
         log.info(

@@ -3,10 +3,12 @@ is its module, its conf/strategy/NAME.yaml and a line here."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hydra_ddp.config import strategy_settings
-from hydra_ddp.config.run_config import RunConfig
+from hydra_ddp.config.run_config import Requested, RunConfig
 from hydra_ddp.parallel.strategies.base import Strategy, local_state_bytes  # noqa: F401
 from hydra_ddp.parallel.strategies.ddp import DDP
 from hydra_ddp.parallel.strategies.fsdp import FSDP
@@ -21,6 +23,11 @@ REGISTRY: dict[str, type[Strategy]] = {
 def get(name: str) -> type[Strategy]:
     strategy_settings.of(name)  # a name no strategy has: one line
     return REGISTRY[name]
+
+
+def replicas_at(cfg: Requested) -> Callable[[int], int]:
+    """The run's model replicas at a world size (its strategy's: elastic.py's arithmetic)."""
+    return get(cfg.strategy.name).replicas_at(cfg)
 
 
 def build(cfg: RunConfig, device: torch.device) -> Strategy:

@@ -58,6 +58,11 @@ class Strategy:
         return world // size
 
     @classmethod
+    def replicas_at(cls, cfg: Requested) -> Callable[[int], int]:
+        """Its model replicas at a world size, under `cfg`'s settings (elastic.py's arithmetic)."""
+        return lambda world: cls.replicas(cfg.strategy, world)
+
+    @classmethod
     def settle(cls, cfg: Requested, world: int, local_world: int) -> dict[str, Any]:
         """Its `auto` values settled in `cfg` (the config being resolved: its strategy section) on
         the launch side; those that were `auto`, by dotted key, for the summary."""

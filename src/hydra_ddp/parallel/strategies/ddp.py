@@ -87,7 +87,7 @@ class DDP(Strategy):
         blockers = cls.shared_memory_blockers(cfg, world, local_world)
         auto = {
             "gradient_as_bucket_view": True,
-            "static_graph": elastic.most_accumulation(cfg) == 1
+            "static_graph": elastic.most_accumulation(cfg, cls.replicas_at(cfg)) == 1
             and cfg.data.even_shards
             and trainer.compile != "model",
             "shared_memory": not blockers and world > 1,  # one rank: nothing to all-reduce
@@ -122,7 +122,10 @@ class DDP(Strategy):
                 "combine with data.even_shards=false (Join's shadow "
                 "all-reduces bypass the hook); use one or the other"
             )
-        if settings.static_graph is True and elastic.most_accumulation(cfg) > 1:
+        if (
+            settings.static_graph is True
+            and elastic.most_accumulation(cfg, cls.replicas_at(cfg)) > 1
+        ):
             at_fewer = trainer.accumulate == 1  # an elastic run's, at fewer nodes than it may have
             raise UserError(
                 "strategy.static_graph=true does not combine with trainer.accumulate > 1 "
