@@ -600,3 +600,45 @@ def test_no_import_circle_runs_and_no_new_one_is_typed():
     assert _circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     assert _circles(_import_graph(type_only=False)) == [], "modules that import each other"
     assert _circles(_import_graph(type_only=True)) == TYPE_ONLY_CIRCLES
+
+
+# A module named in a string (a `_target_`, an entry started by name) is an import all the same. The
+# ones that cross the layers, each for its reason:
+NAMED_ACROSS = {
+    # the workers start in a new process by their entry's name: the launch side imports no loop
+    ("hydra_ddp.launch.workers", "hydra_ddp.training.worker"),
+    # trainer.step's target must subclass the step: named, not imported, by the launch side
+    ("hydra_ddp.launch.checks", "hydra_ddp.training.step.Step"),
+    # a 0.1.0 checkpoint's config names no task: the one those runs trained, as a config value
+    ("hydra_ddp.config.from_checkpoint", "hydra_ddp.tasks.Classification"),
+}
+
+
+def _named_modules(source: str) -> set[str]:
+    """The package's dotted names a module's strings hold (`hydra_ddp.x.y`, a module or a name in
+    one)."""
+    return {
+        node.value
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and re.fullmatch(r"hydra_ddp(\.\w+)+", node.value)
+    }
+
+
+def test_no_string_names_a_module_up_or_sideways_or_an_extra_from_the_core():
+    wrong = set()
+    for path in MODULES:
+        module, unit = _name(path), _unit(path)
+        for named in _named_modules(path.read_text()):
+            other = named.split(".")[1]
+            if other not in LAYER_OF or other == unit or (module, named) in NAMED_ACROSS:
+                continue
+            up = LAYER_OF[other] >= LAYER_OF.get(unit, len(LAYERS))
+            extra = _is(named, EXTRAS) and not _is(module, EXTRAS + ENTRY)
+            if up or extra:
+                wrong.add((module, named))
+    assert not wrong, f"strings that name a module above or beside their own, or an extra: {wrong}"
+    assert _named_modules('x = "hydra_ddp.search.pruning.Pruning"; y = "hydra_ddp"') == {
+        "hydra_ddp.search.pruning.Pruning"
+    }

@@ -307,6 +307,9 @@ class TrialConf(Section):
     pruner_args: Annotated[
         dict[str, Any], Checked("search.study.pruner_of: the pruner's own arguments")
     ] = field(default_factory=dict)
+    # The hook that asks the pruner after each validation (its _target_), named by the sweeper: the
+    # core names no extra.
+    hook: Annotated[Optional[str], Free("the sweeper's: a hydra_ddp.hooks.Hook subclass")] = None
 
 
 @dataclass

@@ -57,7 +57,6 @@ from hydra_ddp.training.position import resize_cause
 from hydra_ddp.training.profiling import Profiling
 from hydra_ddp.training.stop import StopRequest
 
-PRUNING = "hydra_ddp.search.pruning.Pruning"  # an extra, named: the core imports none
 log = logging.getLogger(__name__)
 
 
@@ -296,10 +295,10 @@ def _train(
 
 def _hooks(cfg: RunConfig, rank: RankInfo) -> list[hooks.Hook]:
     """The run's side jobs (hooks.py): the bar, the profiler, a trial's pruner, trainer.hooks'."""
-    trial, pruning = cfg.trial, []
-    if trial.number is not None and trial.pruner != "none":
+    trial, pruning = asdict(cfg.trial), []
+    if trial.pop("hook") and trial["number"] is not None and trial["pruner"] != "none":
         metric = str(cfg.trainer.monitor).replace("/", "_")  # as the validation's metrics name it
-        pruning = [{"_target_": PRUNING, **asdict(trial), "metric": metric}]
+        pruning = [{"_target_": cfg.trial.hook, **trial, "metric": metric}]
     return hooks.build(
         [*pruning, *cfg.trainer.hooks],
         ProgressBar.of(run_report.show_progress(cfg.trainer.progress, rank)),

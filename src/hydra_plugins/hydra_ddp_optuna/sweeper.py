@@ -18,6 +18,9 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from hydra_ddp.config.domains import AtLeast, Checked, Free, Number, OneOf
 from hydra_ddp.config.schema import PRUNERS
 
+# The hook each trial's workers ask the pruner through (named: plugin discovery imports this module,
+# which must not import torch).
+PRUNING_HOOK = "hydra_ddp.search.pruning.Pruning"
 log = logging.getLogger(__name__)
 
 
@@ -169,6 +172,7 @@ class OptunaSweeper(Sweeper):
             f"trial.study={self.study_name}",
             f"trial.storage={location}",
             f"trial.pruner={self.pruner}",
+            f"trial.hook={PRUNING_HOOK}",
             *(f"+trial.pruner_args.{k}={v}" for k, v in self.pruner_args.items()),
         ]
         try:
