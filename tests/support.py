@@ -278,7 +278,7 @@ def wandb_starts(run_dir: Path) -> list[dict]:
     job (a resumed run adds one), oldest first, each with the run's id, group, name, config (as
     logged), history rows, last summary, artifacts' references and whether it was marked
     preempting."""
-    from hydra_ddp.reporting import wandb_logger
+    from hydra_ddp.trackers import wandb_logger
 
     starts = []
     for path in sorted((run_dir / "wandb").glob("*run-*/run-*.wandb")):

@@ -11,7 +11,7 @@ def test_wandb_run_file_reads_back_records_that_span_blocks(tmp_path: Path, monk
     block comes back whole, and the logged rows in order."""
     import wandb
 
-    from hydra_ddp.reporting import wandb_logger
+    from hydra_ddp.trackers import wandb_logger
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     big = {"notes": "x" * 100_000, "nested": {"lr": 0.5}}

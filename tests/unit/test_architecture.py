@@ -13,6 +13,7 @@ from typing import Optional
 
 import pytest
 
+import hydra_ddp
 from hydra_ddp.config import schema
 
 from support import REPO
@@ -34,7 +35,7 @@ LAYERS = (
     ("parallel", "tasks"),
     ("checkpoint", "reporting", "blueprint"),
     ("training", "launch"),
-    ("export", "generate", "init", "tools", "search", "warm"),
+    ("export", "generate", "init", "tools", "search", "warm", "sweeps", "trackers"),
     ("cli",),
     ("__main__",),
 )
@@ -402,10 +403,8 @@ EXTRAS = (
     "hydra_ddp.export",
     "hydra_ddp.generate",
     "hydra_ddp.init",
-    "hydra_ddp.reporting.scaling",
-    "hydra_ddp.reporting.scaling_plot",
-    "hydra_ddp.reporting.trials",
-    "hydra_ddp.reporting.wandb_logger",
+    "hydra_ddp.sweeps",
+    "hydra_ddp.trackers",
     "hydra_ddp.warm",
 )
 ENTRY = ("hydra_ddp.cli", "hydra_ddp.__main__")
@@ -416,8 +415,8 @@ def _is(name: str, prefixes: tuple[str, ...]) -> bool:
 
 
 def _modules_imported(tree: ast.AST) -> set[str]:
-    """The package's modules an import names, at any depth: `from hydra_ddp.reporting import trials`
-    names hydra_ddp.reporting.trials (a module or a name in the package: both are listed)."""
+    """The package's modules an import names, at any depth: `from hydra_ddp.sweeps import trials`
+    names hydra_ddp.sweeps.trials (a module or a name in the package: both are listed)."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -611,6 +610,8 @@ NAMED_ACROSS = {
     ("hydra_ddp.launch.checks", "hydra_ddp.training.step.Step"),
     # a 0.1.0 checkpoint's config names no task: the one those runs trained, as a config value
     ("hydra_ddp.config.from_checkpoint", "hydra_ddp.tasks.Classification"),
+    # the package's aliases of moved modules name where each lives now (hydra_ddp.MOVED)
+    *(("hydra_ddp.__init__", new) for new in hydra_ddp.MOVED.values()),
 }
 
 
@@ -642,3 +643,21 @@ def test_no_string_names_a_module_up_or_sideways_or_an_extra_from_the_core():
     assert _named_modules('x = "hydra_ddp.search.pruning.Pruning"; y = "hydra_ddp"') == {
         "hydra_ddp.search.pruning.Pruning"
     }
+
+
+def test_a_moved_modules_old_name_imports_the_module_itself():
+    """An old `_target_` (a checkpoint's or a config's from before the move) builds what it
+    named."""
+    import importlib
+
+    from hydra.utils import get_class
+
+    for old, new in hydra_ddp.MOVED.items():
+        assert not (REPO / "src" / (old.replace(".", "/") + ".py")).exists(), old
+        assert importlib.import_module(old) is importlib.import_module(new)
+    from hydra_ddp.config import targets
+    from hydra_ddp.trackers.wandb_logger import WandB
+
+    assert get_class("hydra_ddp.reporting.wandb_logger.WandB") is WandB
+    # as the launch side checks a logger of a config recorded before the move
+    assert targets.check({"_target_": "hydra_ddp.reporting.wandb_logger.WandB"}, "logger") is WandB

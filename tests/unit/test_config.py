@@ -361,7 +361,7 @@ def test_validation_settings_resolve(tmp_path: Path):
 
 
 def test_an_optuna_search_must_optimise_the_monitor_in_its_direction():
-    from hydra_ddp.reporting import trials
+    from hydra_ddp.sweeps import trials
 
     def search(*overrides):
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):

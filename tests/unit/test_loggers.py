@@ -47,7 +47,7 @@ def test_a_resumed_runs_event_file_is_read_last_even_when_the_earlier_one_sorts_
 def test_wandb_mode_auto_is_offline_without_an_account_and_follows_wandb_mode(
     tmp_path: Path, monkeypatch
 ):
-    from hydra_ddp.reporting.wandb_logger import choose_mode
+    from hydra_ddp.trackers.wandb_logger import choose_mode
 
     for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
         monkeypatch.delenv(name, raising=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hydra_ddp.reporting import scaling
+from hydra_ddp.sweeps import scaling
 
 
 def _rows(*jobs: tuple[int, int, int, float]) -> list[dict]:

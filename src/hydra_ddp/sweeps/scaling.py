@@ -9,7 +9,7 @@ report, `sweep.csv` and `sweep.md`: every trial's parameters and metrics ranked 
 (trainer.monitor's best value, a validation metric), naming the best trial's run directory.
 A job that failed is a failed row, not a crash of the report. Also runs on its own:
 
-    python -m hydra_ddp.reporting.scaling outputs/multirun/DATE/TIME
+    python -m hydra_ddp.sweeps.scaling outputs/multirun/DATE/TIME
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp.reporting import scaling_plot
-from hydra_ddp.reporting.trials import (
+from hydra_ddp.rundir import RunDir
+from hydra_ddp.sweeps import scaling_plot
+from hydra_ddp.sweeps.trials import (
     check_search,
     fmt,
     metric_columns,
@@ -33,7 +34,6 @@ from hydra_ddp.reporting.trials import (
     write_csv,
     write_trials,
 )
-from hydra_ddp.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +321,7 @@ def failed_row(row: dict[str, Any]) -> bool:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m hydra_ddp.reporting.scaling SWEEP_DIR")
+        raise SystemExit("usage: python -m hydra_ddp.sweeps.scaling SWEEP_DIR")
     written = report(Path(sys.argv[1]))
     if not written:
         raise SystemExit(f"no job directories under {sys.argv[1]}")
