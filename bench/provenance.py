@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def commit(repo: Path = REPO) -> tuple[str, bool]:
-    """(HEAD's short hash, whether tracked files differ from it); ("unknown", True) outside a
-    checkout."""
+    """(HEAD's short hash, whether tracked files other than bench/results/ differ from it);
+    ("unknown", True) outside a checkout."""
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
 
     def git(*args: str) -> str:
@@ -26,7 +26,9 @@ def commit(repo: Path = REPO) -> tuple[str, bool]:
 
     try:
         head = git("rev-parse", "--short", "HEAD").strip()
-        return head, bool(git("status", "--porcelain", "--untracked-files=no").strip())
+        # Results written since (a report a bench replaced) are not code: they leave the tree clean.
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
+        return head, bool(changed.strip())
     except (OSError, subprocess.CalledProcessError):
         return "unknown", True
 
