@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import provenance
@@ -71,12 +70,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", required=True, help="the commit to compare with")
     args = parser.parse_args()
-    commit, dirty = provenance.commit()
-    result: dict = {
-        "commit": commit,
-        "dirty": dirty,
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
+    result: dict = provenance.header()
     with contextlib.ExitStack() as stack:
         against = checkout(args.against, stack)
         result["against"] = against["commit"]
@@ -91,7 +85,7 @@ def main() -> int:
                 f"{result[name]['final_weights_identical']}",
                 flush=True,
             )
-    out = REPO / "bench" / "results" / f"bit_identity_{commit}.json"
+    out = REPO / "bench" / "results" / f"bit_identity_{result['commit']}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"→ {out.relative_to(REPO)}")
     return 0 if all(result[name]["identical"] for name in RUNS) else 1
