@@ -2,12 +2,12 @@
 happened, never the loop itself. Every rank calls every event at the same point of the loop, so a
 collective inside one lines up across the ranks.
 
-    running(run)             a context around the whole fit (Fit: where, who, from which step)
+    running(fit)             a context around the whole fit (Fit: where, who, from which step)
     step_ended(event)        after each optimizer step (StepEnded): a reason to end the run, or None
     logged(event)            a loss window's global losses, known a step or more later (Logged)
     validated(event)         after a validation (Validated): a reason to end the run, or None
     checkpoint_saved(event)  a checkpoint complete on disk (CheckpointSaved)
-    fit_ended(event)         the last step trained and validated, before the test (FitEnded)
+    fit_ended(event)         the last step trained, before the end's validation and test
 
 A reason to end the run is a word (a search's pruner says "pruned"), the summary's `ended_by`; it
 must be the same on every rank (decide from global values, or broadcast one rank's verdict, as

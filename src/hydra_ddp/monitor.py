@@ -73,7 +73,7 @@ class Monitor:
         )
 
     def value(self, metrics: dict[str, float]) -> Optional[float]:
-        return metrics.get(self.metric.replace("/", "_")) if self.metric else None
+        return value_of(self.metric, metrics)
 
     def update(self, metrics: dict[str, float], step: int, epoch: int) -> bool:
         """Take a validation's metrics; True when the monitored value is the best so far."""
@@ -108,3 +108,8 @@ class Monitor:
                 state["best_epoch"],
             )
             self.stale = state["stale"]
+
+
+def value_of(metric: Optional[str], metrics: Mapping[str, float]) -> Optional[float]:
+    """A monitored metric's value among a validation's metrics (`val/loss` is `val_loss` there)."""
+    return metrics.get(metric.replace("/", "_")) if metric else None

@@ -157,8 +157,8 @@ def on_meta(batch: Any) -> Any:
 
 
 def shaped(size: Any, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor's shape and dtype without its data (the meta device: no memory, any size): a batch's
-    for the FLOP count, a sharded checkpoint's weights as its index names them."""
+    """A tensor's shape and dtype without its data (the meta device: no memory, any size): a sharded
+    checkpoint's weights as its index names them (checkpoint/files.py)."""
     return torch.empty(size, dtype=dtype, device="meta")
 
 

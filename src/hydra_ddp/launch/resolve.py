@@ -29,9 +29,6 @@ from hydra_ddp.runtime.ranks import RankInfo
 DEFAULT_BATCH_SIZE = 32  # per rank, when neither data.batch_size nor data.global_batch_size is set
 
 
-# The hook a search trial with a pruner runs (by name: the launching side imports no extra).
-
-
 def resolve(
     composed: Union[DictConfig, dict[str, Any]],
     run_dir: Path,
@@ -64,10 +61,11 @@ def settle(cfg: Requested, run_dir: Path, external: Optional[tuple[str, RankInfo
     replicas = chosen.replicas(cfg.strategy, world)
     resolve_batches(cfg.data, trainer, replicas)
     if elastic.is_elastic(cfg.launcher):
-        replicas_at = strategies.replicas_at(cfg)
-        # at each world size in the range
-        elastic.check(
-            cfg, requested_global_batch, replicas_at, lambda at: chosen.check(at, plan.model)
+        elastic.check(  # at each world size in the range
+            cfg,
+            requested_global_batch,
+            chosen.replicas_at(cfg),
+            lambda at: chosen.check(at, plan.model),
         )
     trainer.resume = checkpoints.resume_setting(trainer.resume)
     trainer.max_time = max_time_seconds(trainer.max_time)

@@ -12,14 +12,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hydra_ddp import hooks
+from hydra_ddp import hooks, monitor
 
 log = logging.getLogger(__name__)
 
 
 class Pruning(hooks.Hook):
     """The trial this run is (the trial section's values, set by the search's sweeper for each
-    trial's job), judged on the monitored metric (`metric`, as the validation's metrics name it)."""
+    trial's job), judged on the monitored metric (`metric`: trainer.monitor)."""
 
     def __init__(
         self, number: int, study: str, storage: str, pruner: str, pruner_args: Any, metric: str
@@ -49,7 +49,7 @@ class Pruning(hooks.Hook):
         """Report the monitored value (global) after the epoch; "pruned" where the pruner says so,
         on every rank. Epochs, not steps: trials with other batch sizes compare at the same
         point."""
-        value = event.metrics.get(self.metric)
+        value = monitor.value_of(self.metric, event.metrics)
         verdict = False
         if self.trial is not None and value is not None:
             self.trial.report(float(value), event.epoch)

@@ -87,6 +87,10 @@ class Ending:
             )
         return stop or time_up
 
+    def ended_by_hook(self, reason: Optional[str]) -> None:
+        """A hook's word ends the run (hooks.py), unless something ended it already."""
+        self.ended_by = self.ended_by or reason
+
     def after_validation(self, monitor: Any, step: int) -> None:
         """An epoch's validation's verdict on early stopping (every rank alike); a search's pruner
         is a hook (search/pruning.py)."""

@@ -116,8 +116,8 @@ class Trainer:
             stack.enter_context(anomaly)
             validated_at = self._epochs(epochs, max_steps)
             early = self.ending.stopped_by or self.ending.ended_by  # a signal, max_time, a hook…
-            at = (self.pos.step, self.pos.epoch)
-            hooks.tell(self.hooks, "fit_ended", hooks.FitEnded(*at, early))
+            ended = hooks.FitEnded(self.pos.step, self.pos.epoch, early)
+            hooks.tell(self.hooks, "fit_ended", ended)
         self._finish(validated_at, epochs)
         return reports.results(self, epochs)
 
@@ -146,7 +146,7 @@ class Trainer:
         self.ending.after_validation(self.monitor, self.pos.step)
         metrics = dict(self.validation.last)  # a copy: the loop's own stays as it is
         event = hooks.Validated(self.pos.step, epoch, metrics, self.ending.ended_by)
-        self.ending.ended_by = self.ending.ended_by or hooks.ending(self.hooks, "validated", event)
+        self.ending.ended_by_hook(hooks.ending(self.hooks, "validated", event))
 
     def _save(self) -> None:
         """A checkpoint, the loggers' steps on disk first: a run killed after it resumes with no
@@ -216,7 +216,7 @@ class Trainer:
             self.schedule.optimizer_stepped(self.pos.step)
             self.timer.end_step()
             ended_by = hooks.ending(self.hooks, "step_ended", self._step_ended(loss, samples))
-            self.ending.ended_by = self.ending.ended_by or ended_by
+            self.ending.ended_by_hook(ended_by)
             window_full = self.window.add(self.pos.step, loss)
             if self.pos.step >= max_steps:
                 break

@@ -295,10 +295,10 @@ def _train(
 
 def _hooks(cfg: RunConfig, rank: RankInfo) -> list[hooks.Hook]:
     """The run's side jobs (hooks.py): the bar, the profiler, a trial's pruner, trainer.hooks'."""
-    trial, pruning = asdict(cfg.trial), []
-    if trial.pop("hook") and trial["number"] is not None and trial["pruner"] != "none":
-        metric = str(cfg.trainer.monitor).replace("/", "_")  # as the validation's metrics name it
-        pruning = [{"_target_": cfg.trial.hook, **trial, "metric": metric}]
+    trial, pruning = cfg.trial, []
+    if trial.hook and trial.number is not None and trial.pruner != "none":
+        given = {key: value for key, value in asdict(trial).items() if key != "hook"}
+        pruning = [{"_target_": trial.hook, **given, "metric": cfg.trainer.monitor}]
     return hooks.build(
         [*pruning, *cfg.trainer.hooks],
         ProgressBar.of(run_report.show_progress(cfg.trainer.progress, rank)),
