@@ -122,6 +122,33 @@ def run_eval(
     return finish(start_train(run_dir, *overrides, script="eval.py", env=env), timeout)
 
 
+def run_export(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m hydra_ddp.export ARGS` (docs/export.md)."""
+    return subprocess.run(
+        [sys.executable, "-m", "hydra_ddp.export", *args],
+        cwd=cwd,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def the_pages_module(page: str, module: str, package: Path, after: str = "") -> Path:
+    """The python block of `page` (docs/…) that opens `# my_package/MODULE`, after the heading
+    `after` if given, written under `package` as a user's package: the page's code, as it stands,
+    is what the test runs. Returns `package`, for PYTHONPATH."""
+    text = (REPO / page).read_text()
+    if after:
+        text = text.split(after, 1)[1]
+    code = re.search(rf"```python\n(# my_package/{re.escape(module)}\n.*?)```", text, re.S)
+    assert code, f"{page} has no my_package/{module} block"
+    (package / "my_package").mkdir(parents=True, exist_ok=True)
+    (package / "my_package" / "__init__.py").write_text("")
+    (package / "my_package" / module).write_text(code.group(1))
+    return package
+
+
 def with_pythonpath(*folders: Path) -> dict[str, str]:
     """The environment addition that makes a user's own package (in `folders`) importable by
     train.py and every worker, beside the tests' helpers."""

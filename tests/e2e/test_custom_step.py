@@ -6,7 +6,6 @@ uninterrupted run (its second optimizer's momentum travels in the checkpoint).""
 
 from __future__ import annotations
 
-import re
 import signal
 from pathlib import Path
 
@@ -14,7 +13,6 @@ import pytest
 
 from support import (
     ONCE,
-    REPO,
     assert_same_run,
     check_ok,
     checkpoint_params,
@@ -22,6 +20,7 @@ from support import (
     run_train,
     start_train,
     summary,
+    the_pages_module,
     torch_equal,
     with_pythonpath,
 )
@@ -35,14 +34,7 @@ HEAD = ("fc2.weight", "fc2.bias")  # MnistCNN's last layer: its last two paramet
 
 def the_pages_step(package: Path) -> Path:
     """docs/extending.md's my_package/steps.py, written under `package` as the page has it."""
-    page = (REPO / "docs" / "extending.md").read_text()
-    section = page.split("## A step of your own", 1)[1]
-    code = re.search(r"```python\n(# my_package/steps\.py\n.*?)```", section, re.S)
-    assert code, "docs/extending.md's custom step has no my_package/steps.py block"
-    (package / "my_package").mkdir(parents=True)
-    (package / "my_package" / "__init__.py").write_text("")
-    (package / "my_package" / "steps.py").write_text(code.group(1))
-    return package
+    return the_pages_module("docs/extending.md", "steps.py", package, after="## A step of your own")
 
 
 def step_setting(head_lr: float) -> str:

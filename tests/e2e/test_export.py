@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from support import QUICK, REPO, check_ok, documented, run_eval, run_train, train_env
+from support import QUICK, REPO, check_ok, documented, run_eval, run_export, run_train
 
 # A fresh interpreter, isolated (-I: no PYTHONPATH, no user site), with the project made
 # unimportable: it loads the model's class from its own file, the weights, and computes the batch's
@@ -113,17 +113,6 @@ def _test_batch(config: dict, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(x), torch.stack([torch.as_tensor(t) for t in y])
 
 
-def _export(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hydra_ddp.export", *args],
-        cwd=tmp_path,
-        env=train_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def _predictions(eval_dir: Path) -> list[dict]:
     return list(csv.DictReader(open(eval_dir / "predictions.csv")))
 
@@ -145,13 +134,15 @@ def test_a_ddp_run_exports_weights_that_load_without_the_project(tmp_path: Path)
     batch = eval_batch[:16]
     reference, _ = _project_logits(run_dir, batch)
     # Without out=: into the run's directory, not wherever the command was typed.
-    proc = _export(tmp_path, *documented("README.md", "hydra_ddp.export"), f"ckpt={run_dir}")
+    proc = run_export(*documented("README.md", "hydra_ddp.export"), f"ckpt={run_dir}", cwd=tmp_path)
     assert proc.returncode == 0 and str(run_dir / "export" / "model.safetensors") in proc.stdout, (
         proc.stderr
     )
     assert (run_dir / "export" / "model.yaml").is_file() and not list(tmp_path.glob("model*"))
     for fmt, name in (("safetensors", "model.safetensors"), ("torch", "model.pt")):
-        proc = _export(tmp_path, f"ckpt={run_dir}", f"format={fmt}", f"out={tmp_path / fmt / name}")
+        proc = run_export(
+            f"ckpt={run_dir}", f"format={fmt}", f"out={tmp_path / fmt / name}", cwd=tmp_path
+        )
         assert proc.returncode == 0 and proc.stdout.startswith("hydra-ddp: exported"), proc.stderr
         weights = tmp_path / fmt / name
         exported = yaml.safe_load(weights.with_name(weights.stem + ".yaml").read_text())
@@ -199,7 +190,7 @@ def test_a_sharded_fsdp_tp_checkpoint_exports_the_whole_model(tmp_path: Path):
     assert (run_dir / "checkpoints" / "best").is_dir()  # a sharded checkpoint (DCP)
     check_ok(run_eval(tmp_path / "eval", f"ckpt={run_dir}", "trainer.nproc=1", "predict=true"))
     weights = tmp_path / "gpt.pt"
-    proc = _export(tmp_path, f"ckpt={run_dir}", f"out={weights}")  # torch, from the suffix
+    proc = run_export(f"ckpt={run_dir}", f"out={weights}", cwd=tmp_path)  # torch, from the suffix
     assert proc.returncode == 0, proc.stderr
     eval_x, eval_y = _test_batch_of(run_dir, None)
     x, y = eval_x[:8], eval_y[:8]
@@ -233,7 +224,7 @@ def test_a_sharded_fsdp_tp_checkpoint_exports_the_whole_model(tmp_path: Path):
     ],
 )
 def test_bad_export_arguments_are_one_line(tmp_path: Path, args, message):
-    proc = _export(tmp_path, *args)
+    proc = run_export(*args, cwd=tmp_path)
     assert (
         proc.returncode == 2
         and len(proc.stderr.strip().splitlines()) == 1
@@ -273,12 +264,7 @@ def test_a_transformers_model_exports_as_from_pretrained_loads_it_with_its_token
     train = documented("docs/export.md", "+experiment=documents_llama hydra.run.dir=outputs/llama")
     check_ok(run_train(run_dir, *train, *LLAMA, f"strategy={strategy}"))
     export = documented("docs/export.md", "ckpt=outputs/llama format=hf out=exported/llama")
-    done = subprocess.run(
-        [sys.executable, "-m", "hydra_ddp.export", *export, f"ckpt={run_dir}", f"out={out}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_export(*export, f"ckpt={run_dir}", f"out={out}")
     assert done.returncode == 0, done.stderr
     assert (
         (out / "config.json").is_file()
@@ -346,19 +332,7 @@ def test_a_transformers_model_exports_as_from_pretrained_loads_it_with_its_token
 def test_format_hf_of_a_model_that_is_not_transformers_is_one_line(tmp_path: Path):
     run_dir = tmp_path / "run"
     check_ok(run_train(run_dir, *QUICK))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hydra_ddp.export",
-            f"ckpt={run_dir}",
-            "format=hf",
-            f"out={tmp_path / 'hf'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_export(f"ckpt={run_dir}", "format=hf", f"out={tmp_path / 'hf'}")
     assert (
         done.returncode == 2 and "format=hf is for Hugging Face transformers models" in done.stderr
     ), done.stderr

@@ -8,29 +8,24 @@ bit for bit a run's without them), and a hook ends the run after a validation or
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
-from support import REPO, check_ok, csv_step_losses, run_train, summary, with_pythonpath
+from support import (
+    check_ok,
+    csv_step_losses,
+    run_train,
+    summary,
+    the_pages_module,
+    with_pythonpath,
+)
 
 # the plain run is the session's reference run of this config (the custom step's plain run too,
 # tests/e2e/test_custom_step.py)
 RUN = ("trainer.epochs=2", "trainer.threads=1", "trainer.log_every=1", "scheduler=none")
 EVENTS = "{_target_:hook_events.Events}"
 STOP_BELOW = "{_target_:my_package.hooks.StopBelow,loss:1e9}"  # any validation loss is below
-
-
-def the_pages_hook(package: Path) -> Path:
-    """docs/extending.md's my_package/hooks.py, written under `package` as the page has it."""
-    page = (REPO / "docs" / "extending.md").read_text()
-    code = re.search(r"```python\n(# my_package/hooks\.py\n.*?)```", page, re.S)
-    assert code, "docs/extending.md's hook section has no my_package/hooks.py block"
-    (package / "my_package").mkdir(parents=True)
-    (package / "my_package" / "__init__.py").write_text("")
-    (package / "my_package" / "hooks.py").write_text(code.group(1))
-    return package
 
 
 def events(run_dir: Path, rank: int) -> list[dict]:
@@ -45,7 +40,7 @@ def test_hooks_receive_every_event_alike_on_every_rank_and_may_end_the_run(
     tmp_path: Path, reference_run
 ):
     plain, hooked = reference_run(*RUN), tmp_path / "hooked"
-    env = with_pythonpath(the_pages_hook(tmp_path / "user"))
+    env = with_pythonpath(the_pages_module("docs/extending.md", "hooks.py", tmp_path / "user"))
     check_ok(run_train(hooked, *RUN, f"+trainer.hooks=[{STOP_BELOW},{EVENTS}]", env=env))
     epoch_steps = summary(plain)["history"][0]["step"]  # the step the first epoch ended at
     assert 0 < epoch_steps < summary(plain)["steps"]

@@ -22,6 +22,7 @@ from support import (
     csv_losses,
     finish,
     run_eval,
+    run_export,
     run_train,
     start_train,
     summary,
@@ -347,12 +348,7 @@ def _samples_from_the_run(run_dir: Path) -> None:
     # The weights alone (format=safetensors, what the hf export's refusal names for this model):
     # its yaml holds the model's own keys, none of an image model's.
     out = run_dir.parent / "exported" / "model.safetensors"
-    exported = subprocess.run(
-        [sys.executable, "-m", "hydra_ddp.export", f"ckpt={run_dir}", f"out={out}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    exported = run_export(f"ckpt={run_dir}", f"out={out}")
     assert exported.returncode == 0, exported.stderr
     import yaml
 

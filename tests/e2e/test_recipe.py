@@ -10,8 +10,6 @@ import csv
 import json
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from support import (
     documented,
     finish,
     run_eval,
+    run_export,
     run_train,
     start_train,
     summary,
@@ -223,12 +222,7 @@ def test_the_weights_average_is_evaluated_checkpointed_resumed_and_exported(
 
     # The export writes the average: the tested weights, not the last trained ones.
     out = tmp_path / "model.safetensors"
-    exported = subprocess.run(
-        [sys.executable, "-m", "hydra_ddp.export", f"ckpt={straight}", f"out={out}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    exported = run_export(f"ckpt={straight}", f"out={out}")
     assert exported.returncode == 0, exported.stderr
     weights = load_file(str(out))
     assert "weights: ema" in out.with_name("model.yaml").read_text()
