@@ -57,7 +57,7 @@ _CEILING = (
 )
 _CEILING_PHASES = (
     "Where a step's time goes, in ms per step (every step of a run, warm-up included; the mean over the "
-    "ranks, the median over the repetitions): the project's summary (`ranks`, src/hydra_ddp/training/timing.py) "
+    "ranks, the median over the repetitions): the project's summary (`ranks`, src/hydra_ddp/training/meter.py) "
     "and the ceiling's processes, timed at the same boundaries. **backward** is the fastest rank's, "
     "**sync wait** what the others spent beyond it (at DDP's all-reduce); **other**: the project's loop "
     "between steps (logging, checks)."

@@ -70,7 +70,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "shared memory off (gloo's all-reduce)": ("strategy.shared_memory=false",),
     "num_workers=1": ("data.num_workers=1", "data.persistent_workers=true"),
     "torch.compile (inductor)": ("trainer.compile=true",),
-    # What the per-rank timing (src/hydra_ddp/training/timing.py) costs: the defaults have it on.
+    # What the per-rank timing (src/hydra_ddp/training/meter.py) costs: the defaults have it on.
     "per-rank timing off": ("trainer.timing=false",),
 }
 

@@ -1,4 +1,4 @@
-"""What the per-rank timing (src/hydra_ddp/training/timing.py) costs per step, against the step
+"""What the per-rank timing (src/hydra_ddp/training/meter.py) costs per step, against the step
 itself.
 
     .venv/bin/python bench/timing_overhead.py [STEP_TIME_S]
@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from hydra_ddp.training.timing import StepTimer  # noqa: E402
+from hydra_ddp.training.meter import StepTimer  # noqa: E402
 
 STEPS = 200_000
 

@@ -91,10 +91,19 @@ def test_hooks_receive_every_event_alike_on_every_rank_and_may_end_the_run(
     assert csv_step_losses(hooked) == csv_step_losses(plain)[:epoch_steps]
 
 
+# A training step reads in these four of the loop's modules (docs/architecture.md): the loop, the
+# step's arithmetic, the state and the meter. The rest of what a step calls is the run's pieces,
+# each its own concern: the task, the model, the strategy, the data, the recipe (schedule, average).
+A_STEP_READS = {"training/trainer.py", "training/step.py", "training/state.py", "training/meter.py"}
+
+
 @pytest.mark.timeout(300)
-def test_a_hook_may_end_the_run_after_a_step(tmp_path: Path):
+def test_a_hook_may_end_the_run_after_a_step_and_a_step_reads_in_four_of_the_loops_files(
+    tmp_path: Path,
+):
     hooked = tmp_path / "hooked"
-    end = "+trainer.hooks=[{_target_:hook_events.Events,end_at_step:3}]"
+    hooks = "{_target_:hook_events.Events,end_at_step:3},{_target_:hook_events.StepFiles}"
+    end = f"+trainer.hooks=[{hooks}]"
     check_ok(run_train(hooked, *RUN, "trainer.max_steps=20", end))
     ran = summary(hooked)
     assert ran["ended_by"] == "a_step_hook" and ran["steps"] == 3
@@ -102,3 +111,11 @@ def test_a_hook_may_end_the_run_after_a_step(tmp_path: Path):
         got = events(hooked, rank)
         assert [e["step"] for e in got if e["event"] == "step_ended"] == [1, 2, 3]
         assert next(e for e in got if e["event"] == "fit_ended")["ended_by"] == "a_step_hook"
+        # From one step's end to the next's (a loss window sent and read each step: log_every=1),
+        # the code that ran in the loop's package (training/) is in these four files, all of them.
+        steps = json.loads((hooked / f"step_files.rank{rank}.json").read_text())
+        assert list(steps) == ["2", "3"]
+        for step, files in steps.items():
+            loop = {name for name in files if name.startswith("training/")}
+            assert loop == A_STEP_READS, f"rank {rank}, step {step}: {sorted(files)}"
+            assert {"tasks/classification.py", "hooks.py"} <= set(files)  # the profile sees all

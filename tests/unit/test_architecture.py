@@ -591,7 +591,6 @@ TYPE_ONLY_CIRCLES = [
         "hydra_ddp.config.schema",
         "hydra_ddp.config.strategy_settings",
     ],
-    ["hydra_ddp.training.reports", "hydra_ddp.training.trainer"],
 ]
 
 

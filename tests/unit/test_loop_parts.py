@@ -1,5 +1,5 @@
-"""The training loop's collaborators as plain objects: position, stop protocol, overheads and
-throughput bookkeeping (no process group)."""
+"""The training loop's collaborators as plain objects: its state, the stop protocol, the meter's
+overheads and throughput (no process group)."""
 
 from __future__ import annotations
 
@@ -8,24 +8,33 @@ import time
 
 import pytest
 
+from hydra_ddp.monitor import Monitor
 from hydra_ddp.training.length import RunLength, ended_by
-from hydra_ddp.training.position import Position
+from hydra_ddp.training.meter import WARMUP_STEPS, Overheads, Throughput
+from hydra_ddp.training.state import Ending, StopRequest, TrainState
 from hydra_ddp.training.step import optimizer_steps, sample_weights
-from hydra_ddp.training.stop import Ending, StopRequest
-from hydra_ddp.training.throughput import WARMUP_STEPS, Overheads, Throughput
 
 
-def test_a_position_moves_to_the_next_epoch_in_place_and_round_trips_a_checkpoint():
-    pos = Position(epoch=2, batch=7, step=40, epoch_loss_sum=3.0, epoch_loss_count=4)
-    held = pos  # a collaborator's reference
-    assert pos.epoch_loss() == 0.75
-    pos.next_epoch()
-    assert held is pos and (pos.epoch, pos.batch, pos.step, pos.epoch_loss_count) == (3, 0, 40, 0)
-    saved = Position(epoch=5, batch=1, step=99, epoch_loss_sum=1.5, epoch_loss_count=1).state()
-    pos.load(saved)
-    assert held.state() == saved
-    with pytest.raises(TypeError):
-        pos.load({**saved, "unknown": 1})  # a checkpoint's position has exactly these fields
+def test_the_state_moves_to_the_next_epoch_in_place_and_round_trips_a_checkpoint():
+    monitor = Monitor("val/loss", "min")
+    state = TrainState(monitor, epoch=2, batch=7, step=40, epoch_loss_sum=3.0, epoch_loss_count=4)
+    held = state  # a collaborator's reference
+    assert state.epoch_loss() == 0.75
+    state.next_epoch()
+    assert held is state
+    assert (state.epoch, state.batch, state.step, state.epoch_loss_count) == (3, 0, 40, 0)
+    other = TrainState(Monitor("val/loss", "min", best=0.5, best_step=90, best_epoch=4, stale=2))
+    other.step, other.epoch, other.world_sizes = 99, 5, [{"step": 0, "world_size": 2}]
+    saved = other.saved()
+    assert set(saved) == {"position", "monitor"}  # one unit: where it is, and the best so far
+    state.load({**saved, "model": "the rest of a checkpoint, not the state's"})
+    assert held.saved() == saved and held.monitor is monitor and monitor.best_step == 90
+    with pytest.raises(TypeError):  # a checkpoint's position has exactly these fields
+        state.load({**saved, "position": {**saved["position"], "unknown": 1}})
+    position = {k: v for k, v in saved["position"].items() if k != "world_sizes"}
+    older = {**saved, "position": position}
+    state.load(older)  # a checkpoint from before the world sizes were kept
+    assert (state.step, state.world_sizes) == (99, [])
 
 
 @pytest.mark.parametrize(
@@ -82,15 +91,16 @@ def test_a_signal_to_another_rank_stops_this_one_too_and_the_budget_ends_the_run
 
 
 def test_early_stopping_does_not_replace_an_earlier_ending():
-    class Stale:
-        metric, min_delta, stale, best, best_step = "val/loss", 0.0, 2, 0.5, 3
-
+    stale = Monitor("val/loss", "min", patience=2, best=0.5, best_step=3, stale=2)
+    patient = Monitor("val/loss", "min", patience=3, best=0.5, best_step=3, stale=2)
     ending = Ending(StopRequest(), max_time=1.0, started_at=0.0)
     ending.agree(stop=False, time_up=True, step=5)
-    ending.early_stop(Stale(), step=6)
+    ending.after_validation(stale, step=6)
     assert ending.ended_by == "max_time"
     fresh = Ending(StopRequest(), max_time=None, started_at=0.0)
-    fresh.early_stop(Stale(), step=6)
+    fresh.after_validation(patient, step=6)
+    assert fresh.ended_by is None
+    fresh.after_validation(stale, step=6)
     assert fresh.ended_by == "early_stopping" and not fresh.to_be_continued
 
 

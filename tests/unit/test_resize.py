@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 def test_a_resize_names_its_cause():
-    from hydra_ddp.training.position import resize_cause
+    from hydra_ddp.training.state import resize_cause
 
     assert resize_cause(False, {}) == "resume"
     assert (

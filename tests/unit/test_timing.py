@@ -1,6 +1,6 @@
-"""Per-rank timing (timing.py): the straggler report from per-rank totals, and the timer's
-bookkeeping on the host's clock and on a CUDA stream's events (stand-ins here; cuda_check, at the
-end, is the same on a real GPU)."""
+"""Per-rank timing (training/meter.py, reporting/stragglers.py): the straggler report from per-rank
+totals, and the timer's bookkeeping on the host's clock and on a CUDA stream's events (stand-ins
+here; cuda_check, at the end, is the same on a real GPU)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hydra_ddp.training import timing
-from hydra_ddp.training.timing import PHASES, StepTimer, per_rank, straggler
+from hydra_ddp.reporting.stragglers import PHASES, per_rank, straggler
+from hydra_ddp.training import meter as timing
+from hydra_ddp.training.meter import StepTimer
 
 # Seconds per phase of one batch; powers of two, so that the sums are exact.
 HOST = {"data": 0.5, "forward": 0.25, "backward": 0.125, "optimizer": 0.0625, "other": 0.03125}

@@ -31,7 +31,7 @@ def test_monitor_selects_the_best_and_counts_patience_with_min_delta():
 
 
 def test_the_straggler_is_the_rank_that_waits_least_named_with_its_extra_cost():
-    from hydra_ddp.training.timing import per_rank, straggler
+    from hydra_ddp.reporting.stragglers import per_rank, straggler
 
     def rank(data, forward, backward, steps=10):  # seconds per step → totals
         return {

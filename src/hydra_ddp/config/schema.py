@@ -265,8 +265,8 @@ class TrainerConf(Section):
     # Autograd anomaly detection (slow: finds the op that made a nan), with the loss checked every
     # step.
     detect_anomaly: bool = False
-    # Per-rank time by phase and the straggler report (timing.py); false: none (for measuring its
-    # cost).
+    # Per-rank time by phase and the straggler report (training/meter.py); false: none (for
+    # measuring its cost).
     timing: bool = True
     # GPUs: the same bits run after run, at some cost in speed: deterministic cuDNN and torch
     # kernels (torch.use_deterministic_algorithms), TF32 off, cuBLAS's fixed workspace. The CPU

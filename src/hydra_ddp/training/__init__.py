@@ -1,5 +1,6 @@
-"""The worker side: one worker process (worker), the training loop (trainer) and its collaborators,
-one job each: a step's forward, backward and optimizer step (step), the loss window (window), the
-stop protocol (stop), validation and the test (validation), throughput (throughput), the profiler
-(profiling), the loop's position (position), per-rank timing (timing); exact evaluation and
-eval.py's job (evaluation). Checkpoints are their own package (hydra_ddp.checkpoint)."""
+"""The worker side: one worker process (worker) and the training loop (trainer), whose step reads
+in four modules: the loop (trainer), a step's arithmetic (step), the loop's state and why it ends
+(state), and its measurements: time, throughput, the loss window (meter). Around them: checkpoint
+cadence (saving), validation and the test (validation), the profiler (profiling), the run's length
+(length), the summary (summary); exact evaluation and eval.py's job (evaluation). Checkpoints are
+their own package (hydra_ddp.checkpoint)."""

@@ -17,7 +17,7 @@ from hydra_ddp.parallel.strategies import Strategy
 from hydra_ddp.recipe.ema import EMA
 from hydra_ddp.reporting.run_report import Reporter
 from hydra_ddp.tasks import Task
-from hydra_ddp.training.stop import StopRequest
+from hydra_ddp.training.state import StopRequest
 
 
 @dataclass(frozen=True)

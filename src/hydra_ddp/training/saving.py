@@ -13,10 +13,9 @@ import torch.distributed as dist
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.checkpoint.checkpointer import Checkpointer
 from hydra_ddp.errors import EveryRankError, UserError
-from hydra_ddp.monitor import Monitor
-from hydra_ddp.training.position import Position
+from hydra_ddp.training.meter import Overheads
+from hydra_ddp.training.state import TrainState
 from hydra_ddp.training.step import Step
-from hydra_ddp.training.throughput import Overheads
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +28,7 @@ class Saving:
         cadence: Any,
         checkpointer: Checkpointer,
         step: Step,
-        monitor: Monitor,
-        pos: Position,
+        state: TrainState,
         overheads: Overheads,
     ):
         """`cadence`: the checkpoint section; `step`: holds the states a checkpoint saves."""
@@ -39,18 +37,13 @@ class Saving:
         self.checkpointer, self.strategy = checkpointer, step.strategy
         self.scheduler = step.optimization.scheduler
         self.ema = step.optimization.ema  # the weights' moving average (trainer.ema), or None
-        self.step, self.monitor, self.pos, self.overheads = step, monitor, pos, overheads
+        self.step, self.train_state, self.overheads = step, state, overheads
+        self.monitor = state.monitor
         self.saved: tuple[int, bool] = (-1, False)  # (step, as best) of the last checkpoint
 
     @property
     def on(self) -> bool:
         return bool(self.every_epoch or self.every_n_steps)
-
-    def due_at_step(self) -> bool:
-        return bool(self.every_n_steps) and self.pos.step % self.every_n_steps == 0
-
-    def due_at_epoch_end(self, best: bool) -> bool:
-        return self.every_epoch or self.due_at_step() or (best and self.on)
 
     def state(self) -> dict[str, Any]:
         return {
@@ -58,8 +51,7 @@ class Saving:
             **self.strategy.checkpoint_state(self.step.optimizer),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.step.scaler_state(),
-            "position": self.pos.state(),
-            "monitor": self.monitor.state(),
+            **self.train_state.saved(),  # the position, the monitor
             "comm_hook": self.strategy.comm_state(),  # PowerSGD's error feedback and warm start
             **({"ema": self._ema_state()} if self.ema is not None else {}),
             # a custom step's own (trainer.step): none by default
@@ -97,11 +89,10 @@ class Saving:
         self.step.load_scaler_state(state.get("scaler"))
         if "step" in state:
             self.step.load_extra_state(state["step"])
-        self.pos.load(state["position"])
-        problem = self.strategy.load_comm_state(state.get("comm_hook"), self.pos.step)
+        self.train_state.load(state)
+        problem = self.strategy.load_comm_state(state.get("comm_hook"), self.train_state.step)
         if problem:
             log.warning("resuming from %s: %s", path, problem)
-        self.monitor.load(state.get("monitor"))
 
     def best_from_disk(self) -> Optional[dict[str, torch.Tensor]]:
         """The best weights of the run so far, from best (every rank reads it, as the resumed
@@ -130,15 +121,15 @@ class Saving:
     def save(self) -> list[tuple[int, Path]]:
         """A checkpoint of this step; the ones now complete on disk (Checkpointer.save)."""
         # validated here, and the best so far: best.pt
-        best = self.monitor.best_step == self.pos.step
+        best = self.monitor.best_step == self.train_state.step
         # Once per step; again only to publish as best.pt a step the first save did not.
         saved_step, saved_as_best = self.saved
-        if saved_step == self.pos.step and (saved_as_best or not best):
+        if saved_step == self.train_state.step and (saved_as_best or not best):
             return []
         self._check_finite_weights()
         with self.overheads.saving():
-            complete = self.checkpointer.save(self.state(), self.pos.step, best)
-        self.saved = (self.pos.step, best)
+            complete = self.checkpointer.save(self.state(), self.train_state.step, best)
+        self.saved = (self.train_state.step, best)
         return complete
 
     def finish(self) -> list[tuple[int, Path]]:
@@ -157,7 +148,7 @@ class Saving:
         )
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if not finite.item():
-            self.diverged(f"the weights are not finite after step {self.pos.step}")
+            self.diverged(f"the weights are not finite after step {self.train_state.step}")
 
     def diverged(self, what: str) -> None:
         """Stop every rank with one line; the last checkpoint (written from finite weights) is

@@ -1,6 +1,7 @@
-"""One optimizer step's work: its micro-batches' forwards and backwards in the run's precision, each
-loss weighed by what the task averages over, the gradient all-reduce on the last micro-batch only,
-clipping, and the optimizer step."""
+"""One optimizer step's arithmetic: its micro-batches' forwards and backwards in the run's
+precision, each loss weighed by what the task averages over, the gradient all-reduce on the last
+micro-batch only, clipping, the optimizer step, the learning-rate schedule and the weights'
+average."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import torch.distributed as dist
 from hydra_ddp.config.schema import TrainerConf
 from hydra_ddp.data import batches
 from hydra_ddp.errors import EveryRankError, UserError
+from hydra_ddp.recipe import schedules
 from hydra_ddp.tasks import Task, first_loss, weighs_units
+from hydra_ddp.training.meter import StepTimer
 from hydra_ddp.training.parts import Optimization, Trained
-from hydra_ddp.training.timing import StepTimer
 
 # trainer.precision → autocast's dtype (None: fp32, no autocast).
 AUTOCAST_DTYPES: dict[str, Optional[torch.dtype]] = {
@@ -85,7 +87,7 @@ def build(config: Optional[dict[str, Any]], *parts: Any) -> Step:
 
 class Step:
     """An optimizer step over a group of micro-batches: the forward and backward of each, then the
-    optimizer step.
+    optimizer step, the schedule's next rate and the average's update.
 
     The step's gradient is the mean over every unit of the step, on every rank: samples, or the
     task's own units (Task.units: tokens that are not padding). Over units, each rank counts its
@@ -106,6 +108,8 @@ class Step:
         sample."""
         self.model, self.task, self.strategy = trained.model, trained.task, trained.strategy
         self.optimization = optimization  # the optimizer's, the schedule's and the average's states
+        # when the schedule steps: after each optimizer step, or (torch's) at an epoch's end
+        self.schedule = schedules.Stepping(optimization.scheduler, optimization.optimizer)
         # the weights' moving average, updated after each optimizer step (or None)
         self.optimizer, self.ema = optimization.optimizer, optimization.ema
         self.device, self.timer, self.memory_format = trained.device, timer, trained.memory_format
@@ -155,6 +159,7 @@ class Step:
         self.scaler.update()
         if self.ema is not None:
             self.ema.update()
+        self.schedule.optimizer_stepped(step)
         self.timer.lap("optimizer")
         loss = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
         return loss, samples, tokens
@@ -246,15 +251,16 @@ class Step:
             self.timer.lap("backward")
         return weighed.detach()
 
-    def take_grad_norms(self, up_to: int) -> dict[int, float]:
-        """The norms of the steps up to `up_to` not taken yet: {step: value}."""
+    def take_logged(self, up_to: int) -> tuple[dict[int, float], dict[int, float]]:
+        """The gradient norms and the per-step rates of the steps up to `up_to` not taken yet:
+        {step: value} each."""
         taken = [(step, norm) for step, norm in self.grad_norms if step <= up_to]
         self.grad_norms = self.grad_norms[len(taken) :]  # appended in step order
+        rates = self.schedule.take_rates(up_to)
         if not taken:
-            return {}
-        return dict(
-            zip((step for step, _ in taken), torch.stack([norm for _, norm in taken]).tolist())
-        )
+            return {}, rates
+        norms = torch.stack([norm for _, norm in taken]).tolist()
+        return dict(zip((step for step, _ in taken), norms)), rates
 
     def scaler_state(self) -> Optional[dict[str, Any]]:
         return self.scaler.state_dict() if self.scaler.is_enabled() else None

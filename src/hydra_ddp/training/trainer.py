@@ -7,7 +7,7 @@ import contextlib
 import logging
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,19 +18,14 @@ from hydra_ddp.checkpoint import checkpointer as checkpointing
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.data import Loaders
 from hydra_ddp.monitor import Monitor
-from hydra_ddp.recipe import schedules
-from hydra_ddp.training import reports
 from hydra_ddp.training.length import RunLength
+from hydra_ddp.training.meter import Meter
 from hydra_ddp.training.parts import Optimization, Run, Trained
-from hydra_ddp.training.position import Position
 from hydra_ddp.training.saving import Saving
+from hydra_ddp.training.state import Ending, TrainState
 from hydra_ddp.training.step import build as step_of
 from hydra_ddp.training.step import optimizer_steps
-from hydra_ddp.training.stop import Ending
-from hydra_ddp.training.throughput import Overheads, Throughput
-from hydra_ddp.training.timing import StepTimer
 from hydra_ddp.training.validation import Validation
-from hydra_ddp.training.window import LossWindow
 
 log = logging.getLogger(__name__)
 
@@ -53,62 +48,50 @@ class Trainer:
         settings, device = cfg.trainer, trained.device
         self.settings, self.model = settings, trained.model
         self.loaders, self.device = loaders, device
-        self.pos, self.overheads = Position(), Overheads()
-        # this rank's time per phase (timing.py): the straggler report
-        self.timer = StepTimer(settings.timing, device)
+        self.state = TrainState(Monitor.from_config(settings))
+        # time, throughput, overheads, the loss window
+        self.meter = Meter(settings, device, trained.strategy.data_parallel_size())
         self.step = step_of(
-            settings.step, settings, trained, optimization, self.timer, cfg.data.num_classes
+            settings.step, settings, trained, optimization, self.meter.timer, cfg.data.num_classes
         )
-        self.monitor = monitor = Monitor.from_config(settings)
-        self.saving = Saving(
-            cfg.checkpoint, run.checkpointer, self.step, monitor, self.pos, self.overheads
-        )
+        overheads = self.meter.overheads
+        self.saving = Saving(cfg.checkpoint, run.checkpointer, self.step, self.state, overheads)
+        self.save_every = cfg.checkpoint.every_n_steps  # read every step
         self.validation = Validation(
-            trained, optimization.ema, loaders, run.reporter, monitor, self.overheads
+            trained, optimization.ema, loaders, run.reporter, self.state.monitor, overheads
         )
         self.ending = Ending(run.stop, settings.max_time, run.started_at)
         self.hooks = run.hooks  # side jobs on the loop's events (hooks.py)
-        self.cfg = cfg
-        self.throughput = Throughput(trained.strategy.data_parallel_size())
-        self.reporter = run.reporter
-        self.schedule = schedules.Stepping(optimization.scheduler, optimization.optimizer)
+        self.cfg, self.reporter = cfg, run.reporter
         self.accumulate = settings.accumulate  # read every batch: a plain int, not a config lookup
         # the tuner's short runs time their steps, no validation or test
         self.evaluates_at_end = cfg.job != "tune"
-        # Anomaly mode checks the (global) loss for nan at every step: a window of one.
-        self.window = LossWindow(1 if settings.detect_anomaly else settings.log_every)
-        # Mid-epoch windows are read a step after they are sent (anomaly mode: at the step).
-        self.overlap_window = not settings.detect_anomaly
         self.train_loss = float("nan")  # the last evaluated (possibly partial) epoch's mean
         self.length = length
-        self.batches_per_epoch = length.batches_per_epoch
-        self.common_batches = length.common_batches
-        self.uneven = length.uneven
-        self.ranks: list[dict[str, Any]] = []
-        self.straggler: Optional[dict[str, Any]] = None
         self.world_size = dist.get_world_size()
-        self.pos.started(self.world_size)  # a resumed run's history replaces it
+        self.state.started(self.world_size)  # a resumed run's history replaces it
 
     def resume_from(self, path: Path, state: dict[str, Any], cause: str = "resume") -> None:
         """Continue from a checkpoint (`cause`: why, should the world size differ;
-        position.resize_cause)."""
+        state.resize_cause)."""
         self.saving.resume_from(path, state)
-        self.pos.regroup(checkpointing.saved_accumulation(state), self.accumulate)
-        resize = self.pos.continued_at(self.world_size, saved_ranks=len(state["rng"]), cause=cause)
+        self.state.regroup(checkpointing.saved_accumulation(state), self.accumulate)
+        resize = self.state.continued_at(self.world_size, len(state["rng"]), cause)
         if resize:
-            self.reporter.scalars({"train/world_size": self.world_size}, self.pos.step)
+            self.reporter.scalars({"train/world_size": self.world_size}, self.state.step)
             log.info("world size %(from)d → %(world_size)d at step %(step)d (%(cause)s)", resize)
-        self.window.first = self.pos.step + 1
-        if self.monitor.best_step is not None and self.monitor.best_step != self.pos.step:
+        self.meter.window.first = self.state.step + 1
+        best_step = self.state.monitor.best_step
+        if best_step is not None and best_step != self.state.step:
             self.validation.best_weights = self.saving.best_from_disk()
-        where = (path, self.pos.epoch, self.pos.batch, self.pos.step)
+        where = (path, self.state.epoch, self.state.batch, self.state.step)
         log.info("resumed from %s at epoch %d, batch %d, step %d", *where)
 
     # --- the recipe ------------------------------------------------------------------------------
-    def fit(self) -> dict[str, Any]:
+    def fit(self) -> None:
         max_steps, epochs = self.length.max_steps, self.length.epochs
         run_dir, rank, total = Path(self.reporter.run_dir), dist.get_rank(), self.length.total_steps
-        fit = hooks.Fit(run_dir, rank, self.world_size, self.device, self.pos.step, total)
+        fit = hooks.Fit(run_dir, rank, self.world_size, self.device, self.state.step, total)
         with contextlib.ExitStack() as stack:
             for hook in self.hooks:
                 stack.enter_context(hook.running(fit))
@@ -116,26 +99,26 @@ class Trainer:
             stack.enter_context(anomaly)
             validated_at = self._epochs(epochs, max_steps)
             early = self.ending.stopped_by or self.ending.ended_by  # a signal, max_time, a hook…
-            ended = hooks.FitEnded(self.pos.step, self.pos.epoch, early)
+            ended = hooks.FitEnded(self.state.step, self.state.epoch, early)
             hooks.tell(self.hooks, "fit_ended", ended)
         self._finish(validated_at, epochs)
-        return reports.results(self, epochs)
 
     def _epochs(self, epochs: int, max_steps: int) -> int:
         """Train the epochs; the step of the last validation."""
         validated_at = -1
-        while self.pos.epoch < epochs and self.pos.step < max_steps and not self.ending.now:
-            epoch = self.pos.epoch
+        while self.state.epoch < epochs and self.state.step < max_steps and not self.ending.now:
+            epoch = self.state.epoch
             self._run_epoch(epoch, max_steps)
-            if _epoch_complete(self.pos.batch >= self.batches_per_epoch, self.uneven, self.device):
-                self.train_loss = self.pos.epoch_loss()
+            done = self.state.batch >= self.length.batches_per_epoch
+            if _epoch_complete(done, self.length.uneven, self.device):
+                self.train_loss = self.state.epoch_loss()
                 best = False
                 if self.settings.eval_every_epoch:
                     best = self._validate(f"epoch {epoch + 1}/{epochs}", epoch + 1)
-                    validated_at = self.pos.step
-                self.schedule.epoch_ended()
-                self.pos.next_epoch()
-                if self.saving.due_at_epoch_end(best):
+                    validated_at = self.state.step
+                self.step.schedule.epoch_ended()
+                self.state.next_epoch()
+                if self.saving.every_epoch or self._checkpoint_due() or (best and self.saving.on):
                     self._save()
                 if self.settings.eval_every_epoch:
                     self._after_validation(epoch + 1)
@@ -143,47 +126,44 @@ class Trainer:
 
     def _after_validation(self, epoch: int) -> None:
         """Early stopping, then the hooks' verdicts on an epoch's validation (every rank alike)."""
-        self.ending.after_validation(self.monitor, self.pos.step)
+        self.ending.after_validation(self.state.monitor, self.state.step)
         metrics = dict(self.validation.last)  # a copy: the loop's own stays as it is
-        event = hooks.Validated(self.pos.step, epoch, metrics, self.ending.ended_by)
+        event = hooks.Validated(self.state.step, epoch, metrics, self.ending.ended_by)
         self.ending.ended_by_hook(hooks.ending(self.hooks, "validated", event))
 
-    def _save(self) -> None:
+    def _save(self, finish: bool = False) -> None:
         """A checkpoint, the loggers' steps on disk first: a run killed after it resumes with no
         step up to it missing from metrics.csv or TensorBoard (the resume keeps those up to its
-        step)."""
+        step). `finish`: none, but the last write waited for."""
         self.reporter.flush()
-        self._saved(self.saving.save())
-
-    def _saved(self, complete: list[tuple[int, Path]]) -> None:
-        for step, path in complete:
+        for step, path in self.saving.finish() if finish else self.saving.save():
             hooks.tell(self.hooks, "checkpoint_saved", hooks.CheckpointSaved(step, path))
 
     def _finish(self, validated_at: int, epochs: int) -> None:
         """The end: a last validation where there was none at this step, the last checkpoint, the
         test."""
         evaluates = self.evaluates_at_end and not self.ending.stopped_by
-        if validated_at != self.pos.step and evaluates:
+        if validated_at != self.state.step and evaluates:
             # Ended mid-epoch (max_steps, the time budget), or no validation per epoch: validate the
             # end.
             where = "end"
-            if self.pos.batch:
-                self.train_loss = self.pos.epoch_loss()
-                where = f"epoch {self.pos.epoch + 1}/{epochs}, batch {self.pos.batch}"
-            self._validate(where, self.pos.epoch)
+            if self.state.batch:
+                self.train_loss = self.state.epoch_loss()
+                where = f"epoch {self.state.epoch + 1}/{epochs}, batch {self.state.batch}"
+            self._validate(where, self.state.epoch)
         # a run that stops to be continued too
         saves_at_end = self.saving.on or self.ending.to_be_continued
         if saves_at_end:
             self._save()  # the last state (and best.pt)
-        self._saved(self.saving.finish())
+        self._save(finish=True)
         # not after a signal, which asks for a quick exit: the test waits for the resumed run's end
         if evaluates:
             self.validation.test(
-                self.pos.step, self.pos.epoch, self.saving.published if saves_at_end else None
+                self.state.step, self.state.epoch, self.saving.published if saves_at_end else None
             )
-        self.ranks, self.straggler = reports.rank_times(self)
-        if self.straggler:
-            log.warning("straggler: %s", self.straggler["message"])
+        straggler = self.meter.time_ranks()  # gathered: every rank
+        if straggler:
+            log.warning("straggler: %s", straggler["message"])
 
     # --- an epoch's batches ---------------------------------------------------------------------
     def _run_epoch(self, epoch: int, max_steps: int) -> None:
@@ -191,36 +171,35 @@ class Trainer:
         sampler = self.loaders.train_sampler
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         # resuming mid-epoch: no batch replayed
-        sampler.skip(self.pos.batch * self.loaders.batch_size)
-        self.schedule.epoch_started(self.pos.step)
+        sampler.skip(self.state.batch * self.loaders.batch_size)
+        self.step.schedule.epoch_started(self.state.step)
         self.model.train()
         with joined(self.model, self.loaders.train_sampler):
             stopped = self._run_batches(max_steps)
         if not stopped:
-            if self.uneven:
+            if self.length.uneven:
                 self.step.sync_optimizer_state()
             self._flush()  # also brings ranks that ran out a step early to the global step
 
     def _run_batches(self, max_steps: int) -> bool:
         """The epoch's optimizer steps; True when the ranks agreed to stop early."""
-        self.throughput.start()
-        batches = self.timer.batches(self.loaders.train)
+        meter = self.meter
+        meter.throughput.start()
+        batches = meter.timer.batches(self.loaders.train)
         plans = optimizer_steps(
-            batches, self.accumulate, self.pos.batch, self.length, together=self.step.over_units
+            batches, self.accumulate, self.state.batch, self.length, together=self.step.over_units
         )
         for plan in plans:
-            self.pos.batch += len(plan.sizes)
-            loss, samples, tokens = self.step.run(plan, self.pos.step + 1)
-            self.throughput.step_done(samples, tokens)
-            self.pos.step += 1
-            self.schedule.optimizer_stepped(self.pos.step)
-            self.timer.end_step()
+            self.state.batch += len(plan.sizes)
+            loss, samples, tokens = self.step.run(plan, self.state.step + 1)
+            meter.step_done(samples, tokens)
+            self.state.step += 1
             ended_by = hooks.ending(self.hooks, "step_ended", self._step_ended(loss, samples))
             self.ending.ended_by_hook(ended_by)
-            window_full = self.window.add(self.pos.step, loss)
-            if self.pos.step >= max_steps:
+            window_full = meter.window.add(self.state.step, loss)
+            if self.state.step >= max_steps:
                 break
-            if self.pos.batch >= self.common_batches:
+            if self.state.batch >= self.length.common_batches:
                 # The epoch's last batch: the flush, and the checkpoint if due, follow the loop (and
                 # the evaluation, for best.pt). With uneven shards the shortest ranks are out of
                 # batches from here on: no collective of ours until every rank has left the loop.
@@ -228,60 +207,77 @@ class Trainer:
             if ended_by or self._report_pending():
                 self._flush()  # the step since: the checkpoint's epoch loss must include it
                 return True
-            if window_full and self.overlap_window:
+            if window_full and meter.overlap_window:
                 # read a step later, while the next runs
-                self.window.start(device=self.device, **self.ending.flags())
+                meter.window.start(device=self.device, **self.ending.flags())
             elif window_full and self._flush():
                 return True
-            if self.saving.due_at_step():
+            if self._checkpoint_due():
                 stop = self._flush()  # the checkpoint's epoch loss must include every step so far
                 self._save()
                 if stop:
                     return True
         return False
 
+    def _checkpoint_due(self) -> bool:
+        return bool(self.save_every) and self.state.step % self.save_every == 0
+
     def _step_ended(self, loss: torch.Tensor, samples: int) -> hooks.StepEnded:
         norms = self.step.grad_norms
-        norm = norms[-1][1] if norms and norms[-1][0] == self.pos.step else None
+        norm = norms[-1][1] if norms and norms[-1][0] == self.state.step else None
         lr = self.step.optimizer.param_groups[0]["lr"]
-        return hooks.StepEnded(self.pos.step, self.pos.epoch, lr, samples, loss.detach(), norm)
+        return hooks.StepEnded(self.state.step, self.state.epoch, lr, samples, loss.detach(), norm)
 
     # --- the loss window ------------------------------------------------------------------------
     def _flush(self) -> bool:
         """Report the window's global losses (and a window started earlier, still pending); True
         when the ranks agreed to stop (a signal, the time budget)."""
         stop = self._report_pending()
-        return self._report(*self.window.flush(device=self.device, **self.ending.flags())) or stop
+        window = self.meter.window
+        return self._report(*window.flush(device=self.device, **self.ending.flags())) or stop
 
     def _report_pending(self) -> bool:
         """The window started a step ago, if any, reported; True when the ranks agreed to stop."""
-        return self.window.pending is not None and self._report(*self.window.collect())
+        window = self.meter.window
+        return window.pending is not None and self._report(*window.collect())
 
     def _report(self, steps: list[int], losses: list[float], stop: bool, time_up: bool) -> bool:
         """Log a window's global losses, act on its flags; True when the ranks agreed to stop."""
-        reports.step_rows(self, steps, losses)
+        # a step's loss, gradient norm and rate in one row (a later step's wait for its loss)
+        norms, rates = self.step.take_logged(steps[-1] if steps else 0)
+        for step, loss in zip(steps, losses):
+            row = {"train/loss": loss, "train/grad_norm": norms.get(step)}
+            row["train/lr"] = rates.get(step)
+            self.reporter.scalars({tag: v for tag, v in row.items() if v is not None}, step)
         hooks.tell(self.hooks, "logged", hooks.Logged(tuple(steps), tuple(losses)))
-        self.pos.epoch_loss_sum += sum(losses)
-        self.pos.epoch_loss_count += len(losses)
+        self.state.epoch_loss_sum += sum(losses)
+        self.state.epoch_loss_count += len(losses)
         if losses:
             # a rank that ran out of batches a step early catches up
-            self.pos.step = max(self.pos.step, steps[-1])
+            self.state.step = max(self.state.step, steps[-1])
         if not all(math.isfinite(loss) for loss in losses):  # global values: every rank stops here
             bad = next(step for step, loss in zip(steps, losses) if not math.isfinite(loss))
             self.saving.diverged(f"the loss is {losses[steps.index(bad)]} at step {bad}")
-        return self.ending.agree(stop, time_up, self.pos.step)
+        return self.ending.agree(stop, time_up, self.state.step)
 
     # --- validation and results -----------------------------------------------------------------
     def _validate(self, where: str, epoch: int) -> bool:
         """Validation (when there is a split for it) and the monitored metric; True: the best
         weights so far."""
         metrics = self.validation.validate(self.train_loss)
-        self.reporter.scalars(reports.epoch_scalars(self, metrics), self.pos.step)
-        best = self.validation.record(metrics, self.pos.step, epoch)
+        scalars = {
+            "train/epoch_loss": self.train_loss,
+            **self.step.schedule.epoch_rate(),
+            "train/samples_per_sec": self.meter.throughput.samples_per_sec(),
+            **(self.validation.tagged(metrics, "val") if "val_samples" in metrics else {}),
+            **self.meter.epoch_shares(),  # gathered: every rank
+        }
+        self.reporter.scalars(scalars, self.state.step)
+        best = self.validation.record(metrics, self.state.step, epoch)
         shown = f"  {self.validation.shown(metrics, 'val')}" if "val_samples" in metrics else ""
-        note = f"  (best {self.monitor.metric})" if best else ""
+        note = f"  (best {self.state.monitor.metric})" if best else ""
         log.info(
-            "%s  step %d  train loss %.4f%s%s", where, self.pos.step, self.train_loss, shown, note
+            "%s  step %d  train loss %.4f%s%s", where, self.state.step, self.train_loss, shown, note
         )
         return best
 

@@ -15,8 +15,8 @@ from hydra_ddp.monitor import Monitor
 from hydra_ddp.recipe.ema import EMA
 from hydra_ddp.reporting.run_report import Reporter
 from hydra_ddp.training.evaluation import evaluate
+from hydra_ddp.training.meter import Overheads
 from hydra_ddp.training.parts import Trained
-from hydra_ddp.training.throughput import Overheads
 
 log = logging.getLogger(__name__)
 

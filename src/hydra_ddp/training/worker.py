@@ -49,13 +49,13 @@ from hydra_ddp.reporting import run_report
 from hydra_ddp.reporting.progress import ProgressBar
 from hydra_ddp.runtime import flight_recorder, hangs, processes, ranklog, ranks
 from hydra_ddp.runtime.ranks import RankInfo
-from hydra_ddp.training import evaluation, reports, resuming, seeding
+from hydra_ddp.training import evaluation, resuming, seeding
 from hydra_ddp.training import length as run_length
 from hydra_ddp.training import trainer as training
 from hydra_ddp.training.parts import Optimization, Run, Trained
-from hydra_ddp.training.position import resize_cause
 from hydra_ddp.training.profiling import Profiling
-from hydra_ddp.training.stop import StopRequest
+from hydra_ddp.training.state import StopRequest, resize_cause
+from hydra_ddp.training.summary import how_it_ran
 
 log = logging.getLogger(__name__)
 
@@ -281,16 +281,14 @@ def _train(
         trainer = training.Trainer(cfg, trained, optimization, loaders, length, run)
         if resume:
             trainer.resume_from(*resume, cause=resize_cause(elastic.is_elastic(cfg.launcher)))
-        result = trainer.fit()
-        summary = reports.how_it_ran(
-            trainer, rank, out, result, fast, resume, started_at, entered_at
-        )
+        trainer.fit()
+        ran = how_it_ran(trainer, rank, out, fast, resume, started_at, entered_at)
         if read:
-            summary["data"] = read
-        reporter.finish(summary, hparams=run_report.hparams(cfg, rank.world_size))
+            ran["data"] = read
+        reporter.finish(ran, hparams=run_report.hparams(cfg, rank.world_size))
     finally:
         reporter.close()
-    return summary
+    return ran
 
 
 def _hooks(cfg: RunConfig, rank: RankInfo) -> list[hooks.Hook]:
