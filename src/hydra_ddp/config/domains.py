@@ -15,13 +15,10 @@ import dataclasses
 import functools
 import re
 import typing
-from typing import TYPE_CHECKING, Any, Optional, Union
+from collections.abc import Mapping
+from typing import Any, Optional, Union
 
-if TYPE_CHECKING:  # run_config is built on this module
-    from omegaconf import DictConfig
-
-    from hydra_ddp.config.run_config import RunConfig
-
+from hydra_ddp.config.section import Section
 from hydra_ddp.errors import UserError
 
 
@@ -206,10 +203,10 @@ def fields(
     return out
 
 
-def check(config: Union[RunConfig, DictConfig, dict[str, Any]], cls: type) -> None:
-    """Every annotated key of `config` (a typed config of schema class `cls`, or one made plain) in
-    its domain, or one line naming the first that is not. null passes where the type allows it
-    (Optional)."""
+def check(config: Union[Section, Mapping[str, Any]], cls: type) -> None:
+    """Every annotated key of `config` (a typed config of schema class `cls`, or one made plain: a
+    dict, Hydra's DictConfig) in its domain, or one line naming the first that is not. null passes
+    where the type allows it (Optional)."""
 
     def value(node: Any, part: str) -> Any:
         return node.get(part, _ABSENT) if isinstance(node, dict) else getattr(node, part, _ABSENT)

@@ -6,15 +6,13 @@ from __future__ import annotations
 import resource
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from hydra_ddp import blueprint
 from hydra_ddp.parallel import distributed, strategies
 from hydra_ddp.reporting import flops
 from hydra_ddp.runtime.ranks import RankInfo
-
-if TYPE_CHECKING:  # the worker hands the loop over once it has ended
-    from hydra_ddp.training.trainer import Trainer
+from hydra_ddp.training.trainer import Trainer
 
 
 def results(trainer: Trainer) -> dict[str, Any]:
