@@ -1,5 +1,7 @@
 """Follow the config from train.py to the loop: which modules it enters, how often, and how many
 calls return across modules on the way (issue 47's measure of a config path that goes one way).
+From the worker on (training/worker.py), how often the path climbs back to a higher floor: the
+layers of tests/unit/test_architecture.py's LAYERS, the commit's own (issue 75's measure).
 
 One rank, launched "from outside" (RANK/WORLD_SIZE set, as torchrun does), so the command and the
 worker run in this one traced process. A call counts when it crosses into another module of the
@@ -12,6 +14,7 @@ or plain) among its arguments; the trace stops at the loop's first step.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import socket
@@ -43,8 +46,11 @@ def module_of(filename):
 
 
 def carries_config(frame):
-    from omegaconf import DictConfig
-
+    # Not imported from here: a profile function that imports while a module is half imported (the
+    # first calls come from dataclasses' own import) fails and is switched off. No DictConfig exists
+    # before omegaconf is imported.
+    omegaconf = sys.modules.get("omegaconf")
+    DictConfig = getattr(omegaconf, "DictConfig", ())
     code = frame.f_code
     for name in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]:
         value = frame.f_locals.get(name)
@@ -86,6 +92,7 @@ def profile(frame, event, arg):
         frame.f_trace_lines = False
     elif event == "return" and caller_module(frame) not in (module, None) and carries_config(frame):
         returns[module] += 1
+        order.append(f"return {module} → {caller_module(frame)}")
 
 
 sys.setprofile(profile)
@@ -100,6 +107,40 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def floors(repo: Path) -> dict[str, int]:
+    """Each unit's layer (a subpackage, or a module at the package's top), as the commit's
+    architecture test states them."""
+    source = (repo / "tests" / "unit" / "test_architecture.py").read_text()
+    layers = next(
+        node.value
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "LAYERS"
+    )
+    return {unit: i for i, layer in enumerate(ast.literal_eval(layers)) for unit in layer}
+
+
+def climbs_from_the_worker(order: list[str], layer_of: dict[str, int]) -> dict:
+    """The path from the worker's first entry to the loop's first step, on the floors: the times
+    the next entry stands on a higher floor than the one before (the config handed back up instead
+    of on down), and the calls that carry the config and return to a module on a higher floor."""
+
+    def floor(module: str) -> int:
+        return layer_of[module.split(":")[0].split("/")[0].removesuffix(".py")]
+
+    start = next(i for i, entry in enumerate(order) if entry.startswith("training/worker.py:"))
+    walk = [entry for entry in order[start:] if not entry.startswith("return ")]
+    climbs = [f"{a} → {b}" for a, b in zip(walk, walk[1:]) if floor(b) > floor(a)]
+    returns = [e.removeprefix("return ").split(" → ") for e in order[start:] if e[:7] == "return "]
+    back_up = [f"{a} → {b}" for a, b in returns if floor(b) > floor(a)]
+    return {
+        "from_worker_entries": len(walk),
+        "climbs_from_worker": len(climbs),
+        "climbs": climbs,
+        "returns_to_a_higher_floor_from_worker": len(back_up),
+        "returns_to_a_higher_floor": back_up,
+    }
 
 
 def measure(repo: Path) -> dict:
@@ -132,7 +173,8 @@ def measure(repo: Path) -> dict:
         "entered_more_than_twice": {m: n for m, n in entries.items() if n > 2},
         "returns_across_modules": found["returns"],
         "per_module": dict(sorted(entries.items())),
-        "order": found["order"],
+        **climbs_from_the_worker(found["order"], floors(repo)),
+        "order": [entry for entry in found["order"] if not entry.startswith("return ")],
     }
 
 
