@@ -113,8 +113,8 @@ def _pretrained(path: Path, state: dict, weights: dict, out: Path) -> tuple[Path
         # the run's special tokens, not transformers' defaults (bos 1, eos 2): a document is its
         # tokens then end-of-text (no token starts one), a batch is padded with <pad>
         end, pad = text.special_ids(tokenizer)
-        for settings in (model.config, model.generation_config):
-            settings.bos_token_id, settings.eos_token_id, settings.pad_token_id = end, end, pad
+        for hf in (model.config, model.generation_config):
+            hf.bos_token_id, hf.eos_token_id, hf.pad_token_id = end, end, pad
         model.generation_config.use_cache = True
         text.save_tokenizer(tokenizer, out, context)
     model.save_pretrained(out)

@@ -394,6 +394,65 @@ def test_config_parameters_say_their_types():
     )
 
 
+# Nothing assigns into a config after composition: what settling or the launch learns makes a new
+# one (run_config.amended), and the Requested and RunConfig raise on an assignment (test_config.py).
+# Here, the source: no assignment (or setattr) into an attribute or item of a name that holds the
+# config or a section. Names a built object shares with its section (model, strategy, task, optim,
+# scheduler, logger) are not read as config here. Hydra's own node (`.hydra.`, which Hydra's
+# launchers set before a job runs, as preflight.py and the Slurm plugin do) is Hydra's.
+BUILT_OBJECTS = frozenset({"model", "strategy", "task", "optim", "scheduler", "logger"})
+
+
+def _assignments_into_config(source: str) -> list[str]:
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr":
+            targets = [ast.Attribute(value=node.args[0], attr="?")] if node.args else []
+        for target in targets:
+            for part in target.elts if isinstance(target, ast.Tuple) else [target]:
+                root = part
+                while isinstance(root, (ast.Attribute, ast.Subscript)):
+                    root = root.value
+                named = isinstance(root, ast.Name) and root.id not in BUILT_OBJECTS
+                if part is not root and named and _takes_config(root.id):
+                    where = ast.unparse(part)
+                    if ".hydra." not in where:
+                        found.append((node.lineno, f"{where} at line {node.lineno}"))
+    return [where for _, where in sorted(found)]
+
+
+def test_the_assignment_check_catches_attributes_items_tuples_and_setattr():
+    source = (
+        "cfg.trainer.nproc = 2\ntrainer.x, y = 1, 2\ndata_cfg['k'] = 3\nsetattr(settings, 'a', 1)\n"
+        "launcher.n += 1\nmodel.conv1 = m\nself.cfg = cfg\ncfg = amended(cfg, {})\n"
+        "cfg.hydra.runtime.output_dir = d\n"
+    )
+    assert _assignments_into_config(source) == [
+        "cfg.trainer.nproc at line 1",
+        "trainer.x at line 2",
+        "data_cfg['k'] at line 3",
+        "settings.? at line 4",
+        "launcher.n at line 5",
+    ]
+
+
+def test_nothing_assigns_into_a_config_after_composition():
+    plugins = (REPO / "src" / "hydra_plugins").rglob("*.py")
+    found = [
+        f"{path.relative_to(REPO)}: {where}"
+        for path in [*MODULES, *plugins]
+        for where in _assignments_into_config(path.read_text())
+    ]
+    assert not found, "assigned into a config (make a new one: run_config.amended): " + "; ".join(
+        found
+    )
+
+
 # What surrounds training rather than trains (docs/architecture.md, "Core and extras"): the search,
 # the tools, the export, a new project's files, the sweep reports, a tracker. The entry points
 # (the hydra-ddp command) may import both; the core (every other module) imports no extra.

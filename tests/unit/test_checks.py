@@ -465,9 +465,12 @@ def test_sync_batchnorm_auto_is_ddps_to_settle_and_no_other_strategy_has_it(
     base: dict, device: str, expected: bool
 ):
     cfg = run_config.requested(base)
-    cfg.trainer.device, cfg.strategy.sync_batchnorm = device, "auto"
-    strategies.get("ddp").settle(cfg, world=2, local_world=2)
-    assert cfg.strategy.sync_batchnorm is expected
+    cfg = run_config.amended(cfg, {"trainer.device": device, "strategy.sync_batchnorm": "auto"})
+    values, settled = strategies.get("ddp").settle(cfg, world=2, local_world=2)
+    assert (
+        values["strategy.sync_batchnorm"] is expected and "strategy.sync_batchnorm" not in settled
+    )
+    assert cfg.strategy.sync_batchnorm == "auto"  # a value computed, the config as it was
     for name in ("fsdp", "tp", "fsdp_tp"):
         assert "sync_batchnorm" not in {
             f.name for f in dataclasses.fields(strategies.get(name).Settings)
@@ -475,16 +478,16 @@ def test_sync_batchnorm_auto_is_ddps_to_settle_and_no_other_strategy_has_it(
 
 
 def test_each_strategy_refuses_only_what_it_cannot_do(base: dict):
-    cfg = run_config.requested(base)
-    cfg.trainer.compile = "model"
+    cfg = run_config.amended(run_config.requested(base), {"trainer.compile": "model"})
     strategies.get("ddp").check(cfg, of(cfg.model, cfg.task).model)  # DDP compiles it whole
     fsdp = run_config.requested({**base, "strategy": {"name": "fsdp"}})
-    fsdp.trainer.compile = "model"
+    fsdp = run_config.amended(fsdp, {"trainer.compile": "model"})
     with pytest.raises(
         UserError, match="strategy=fsdp: trainer.compile=model compiles the DDP model whole"
     ):
         strategies.get("fsdp").check(fsdp, of(fsdp.model, fsdp.task).model)
-    fsdp.trainer.compile = "blocks"  # each block's forward: any strategy
+    # each block's forward: any strategy
+    fsdp = run_config.amended(fsdp, {"trainer.compile": "blocks"})
     strategies.get("fsdp").check(fsdp, of(fsdp.model, fsdp.task).model)
 
 

@@ -63,6 +63,23 @@ def _holds(whole: dict, part: dict) -> bool:
     )
 
 
+def test_the_requested_config_is_read_only_and_settling_computes_new_ones(tmp_path: Path):
+    requested = run_config.requested(resolve.plain_config(compose_cfg("data.batch_size=16")))
+    before = run_config.thaw(requested)
+    with pytest.raises(AttributeError, match="read-only; make a new one"):
+        requested.trainer.nproc = 2
+    with pytest.raises(AttributeError, match="read-only"):
+        requested.strategy.static_graph = True
+    settled = resolve.settle(requested, tmp_path, None)
+    assert run_config.thaw(requested) == before  # nothing was assigned into it
+    assert (requested.trainer.nproc, settled.trainer.nproc) == ("auto", 2)
+    assert (requested.trainer.accumulate, settled.trainer.accumulate) == (None, 1)
+    assert settled.data.global_batch_size == 32 and requested.data.global_batch_size is None
+    assert settled.strategy.static_graph is True and requested.strategy.static_graph == "auto"
+    # a section the settling did not change is the same object, shared
+    assert settled.optim is requested.optim and settled.profiler is requested.profiler
+
+
 def test_the_resolved_config_is_typed_and_read_only(tmp_path: Path):
     cfg = resolved(tmp_path).freeze()
     assert isinstance(cfg, run_config.RunConfig) and isinstance(cfg.strategy, DDPSettings)

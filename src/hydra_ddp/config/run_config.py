@@ -2,11 +2,12 @@
 RunConfig, the resolved one: typed, read-only, every `auto` the launch settles settled.
 
 The launch side composes (Hydra checks the composition against `schema.Config`), makes it a
-Requested (`requested`: dataclasses, built without checking again), settles it in place
-(`resolve.settle`), then `resolved` makes the RunConfig from it, checked against the resolved types
-once (a world size is an int there, a time limit seconds, DDP's switches true or false). The
-launcher hands the RunConfig to every worker as it is; the loop, the summary and the checkpoint read
-its attributes; nothing assigns to it (an assignment raises).
+Requested (`requested`: dataclasses, built without checking again, read-only), settles it
+(`resolve.settle`: each step computes values, and `amended` makes a new config that holds them;
+nothing is assigned), then `resolved` makes the RunConfig from it, checked against the resolved
+types once (a world size is an int there, a time limit seconds, DDP's switches true or false). The
+launcher hands the RunConfig to every worker as it is; the loop, the summary and the checkpoint
+read its attributes; nothing assigns to it (an assignment raises).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class EvalJobConf(Section):
 @dataclass
 class Requested(Section):
     """The config as composed, with the launch's own fields, while `resolve.settle` settles it (an
-    `auto` allowed). The composition-time sections whose keys moved (dist, ddp) are gone."""
+    `auto` allowed; read-only like the RunConfig: each step of the settling makes a new one). The
+    composition-time sections whose keys moved (dist, ddp) are gone."""
 
     backend: schema.BackendConf = field(default_factory=schema.BackendConf)
     init_method: RunInitMethodConf = field(default_factory=RunInitMethodConf)
@@ -132,11 +134,11 @@ def _template() -> DictConfig:
 
 
 def requested(plain: dict[str, Any]) -> Requested:
-    """The composed config made plain, as the Requested the launch settles in place. Built field by
-    field, not checked: Hydra checked the composition against the schema, and `resolved` checks
-    what the settling made of it. A key the schema does not have is one line. `plain` itself is
-    left as it was (settling changes the copy)."""
-    return _built(Requested, copy.deepcopy(plain), "")
+    """The composed config made plain, as the Requested the launch settles, read-only from here:
+    each step of the settling makes a new one (amended). Built field by field, not checked: Hydra
+    checked the composition against the schema, and `resolved` checks what the settling made of
+    it. A key the schema does not have is one line. `plain` itself is left as it was."""
+    return _built(Requested, copy.deepcopy(plain), "").freeze()
 
 
 def _built(cls: type, plain: Any, where: str) -> Any:
@@ -180,8 +182,7 @@ def typed(plain: dict[str, Any]) -> RunConfig:
     strategy = plain.get("strategy", {})
     settings = strategy_settings.resolved_of(strategy.get("name", strategy_settings.DEFAULT))
     run = _merged(_template(), {k: v for k, v in plain.items() if k != "strategy"}, "")
-    run.strategy = _merged(OmegaConf.structured(settings), strategy, "strategy.")
-    return run  # type: ignore[no-any-return]
+    return replace(run, strategy=_merged(OmegaConf.structured(settings), strategy, "strategy."))
 
 
 def _merged(template: DictConfig, plain: dict[str, Any], where: str) -> Any:

@@ -13,7 +13,8 @@ class Section:
     def __setattr__(self, name: str, value: Any) -> None:
         if self.__dict__.get("_frozen", False):
             raise AttributeError(
-                f"{type(self).__name__}.{name}: the run's config is read-only once resolved"
+                f"{type(self).__name__}.{name}: the run's config is read-only; make a new one "
+                "(run_config.amended)"
             )
         object.__setattr__(self, name, value)
 

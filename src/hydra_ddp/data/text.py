@@ -160,17 +160,17 @@ def save_tokenizer(tokenizer: Any, folder: Path, context: Optional[int] = None) 
     `PreTrainedTokenizerFast(tokenizer_file=...)`): tokenizer.json and its config, written
     atomically."""
     folder.mkdir(parents=True, exist_ok=True)
-    settings = {
+    special = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": END_OF_TEXT,  # as the model's config says (export.py): nothing starts a text
         "eos_token": END_OF_TEXT,
         "pad_token": PAD,
     }
     if context:
-        settings["model_max_length"] = context
+        special["model_max_length"] = context
     for name, text in (
         (TOKENIZER_FILE, tokenizer.to_str()),
-        ("tokenizer_config.json", json.dumps(settings, indent=1)),
+        ("tokenizer_config.json", json.dumps(special, indent=1)),
     ):
         temporary = folder / f".{name}.tmp"
         temporary.write_text(text)

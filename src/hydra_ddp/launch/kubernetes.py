@@ -48,7 +48,7 @@ def pod_settings(env: Mapping[str, str]) -> dict[str, str]:
             "(Kubeflow: the job's numNodes)"
         )
     most = int(high or low)
-    settings = {}
+    overrides = {}
     if most > 1:
         rank = env.get(NODE_RANK, "").strip()
         if not rank.isdigit() or int(rank) >= most:
@@ -63,7 +63,7 @@ def pod_settings(env: Mapping[str, str]) -> dict[str, str]:
                 f"{NNODES}={nnodes} needs node 0's address and port in {MASTER_ADDR} "
                 f"and {MASTER_PORT} (a port 1-65535), got {addr!r} and {port!r}"
             )
-        settings = {
+        overrides = {
             "launcher": "torchrun",
             "launcher.nnodes": nnodes,
             "launcher.node_rank": str(int(rank)),
@@ -72,16 +72,16 @@ def pod_settings(env: Mapping[str, str]) -> dict[str, str]:
             "launcher.rdzv_id": env.get(RDZV_ID) or addr,
         }
         if env.get(LOCAL_ADDR):  # else the pod's hostname's address, as torchrun's
-            settings["launcher.local_addr"] = env[LOCAL_ADDR]
+            overrides["launcher.local_addr"] = env[LOCAL_ADDR]
     nproc = env.get(NPROC, "").strip()
     if nproc.isdigit() and int(nproc) > 0:
-        settings["trainer.nproc"] = nproc
+        overrides["trainer.nproc"] = nproc
     elif nproc and nproc not in ("auto", "gpu", "cpu"):
         raise UserError(
             f"{NPROC}={nproc!r} is not a number of processes "
             "per node: set a positive integer or auto"
         )
-    return settings
+    return overrides
 
 
 def pod_overrides(env: Mapping[str, str], overrides: list[str]) -> list[str]:

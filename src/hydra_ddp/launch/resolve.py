@@ -17,7 +17,7 @@ from torch import nn
 from hydra_ddp import blueprint, monitor, performance, tasks
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.config import domains, from_checkpoint, groups, run_config, schema
-from hydra_ddp.config.run_config import Requested, RequestedLauncherConf, RunConfig
+from hydra_ddp.config.run_config import Requested, RequestedLauncherConf, RunConfig, amended
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import startup
 from hydra_ddp.launch.checks import check
@@ -39,27 +39,26 @@ def resolve(
     it made plain: a test's, a tool's); then checked, unless `checked=False` (an outside launch's
     ranks other than 0: rank 0 checks what depends on its run directory)."""
     plain = plain_config(composed) if isinstance(composed, DictConfig) else composed
-    requested = run_config.requested(plain)
-    settle(requested, run_dir, external)
-    # from here on read-only: what the launch learns later makes a new one (run_config.amended)
-    cfg = run_config.resolved(requested)
+    # read-only from the start: each step below makes a new config, and so does the launch later
+    cfg = run_config.resolved(settle(run_config.requested(plain), run_dir, external))
     if checked:
         check(cfg, run_dir)
     return cfg
 
 
-def settle(cfg: Requested, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
-    """Resolve every `auto` and null the run depends on (device, world size, backend, init method,
-    batch sizes, the fast settings), once. Every rank of an outside launch runs this alike."""
-    requested_global_batch = cfg.data.global_batch_size
-    settle_launch(cfg, run_dir, external)
-    trainer = cfg.trainer
+def settle(cfg: Requested, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> Requested:
+    """Every `auto` and null the run depends on (device, world size, backend, init method, batch
+    sizes, the fast settings) settled, once: each step computes values from the config so far, and
+    a new config holds them (nothing is assigned). Every rank of an outside launch runs this
+    alike."""
+    requested_global_batch, requested_compile = cfg.data.global_batch_size, cfg.trainer.compile
+    cfg = settle_launch(cfg, run_dir, external)
     # Model replicas, each reading its own batches: every rank but under tensor parallel (one
     # replica).
     chosen, plan = strategies.get(cfg.strategy.name), blueprint.of(cfg.model, cfg.task)
-    world = trainer.nproc * cfg.launcher.nnodes  # an elastic run's largest
-    replicas = chosen.replicas(cfg.strategy, world)
-    resolve_batches(cfg.data, trainer, replicas)
+    world = cfg.trainer.nproc * cfg.launcher.nnodes  # an elastic run's largest
+    cfg = amended(cfg, batches(cfg.data, cfg.trainer, chosen.replicas(cfg.strategy, world)))
+    trainer, resume = cfg.trainer, cfg.trainer.resume
     if elastic.is_elastic(cfg.launcher):
         elastic.check(  # at each world size in the range
             cfg,
@@ -67,22 +66,27 @@ def settle(cfg: Requested, run_dir: Path, external: Optional[tuple[str, RankInfo
             chosen.replicas_at(cfg),
             lambda at: chosen.check(at, plan.model),
         )
-    trainer.resume = checkpoints.resume_setting(trainer.resume)
-    trainer.max_time = max_time_seconds(trainer.max_time)
-    _resolve_monitor(trainer, cfg.data, plan.task)
-    cfg.backend.name = chosen.backend(cfg.strategy, cfg.backend.name)
-    if trainer.init_from:
-        trainer.init_from = str(checkpoints.find(trainer.init_from, "trainer.init_from"))
-    # The fast settings, settled here, alike on every rank of an outside launch; `settled` records
-    # which were auto (where the workers find a shared-memory segment cannot be made, an auto falls
-    # back, a true fails).
-    requested_compile = trainer.compile
-    trainer.compile = compiling.mode(
-        trainer.compile, plan.model_or_none() if trainer.compile is True else None
+        resume = resume or "auto"  # each restart continues from the last checkpoint
+    init_from = trainer.init_from and str(checkpoints.find(trainer.init_from, "trainer.init_from"))
+    cfg = amended(
+        cfg,
+        {
+            "trainer.resume": checkpoints.resume_setting(resume),
+            "trainer.max_time": max_time_seconds(trainer.max_time),
+            **_monitor(trainer, cfg.data, plan.task),
+            "backend.name": chosen.backend(cfg.strategy, cfg.backend.name),
+            "trainer.init_from": init_from,
+            # the fast settings, settled here, alike on every rank of an outside launch
+            "trainer.compile": compiling.mode(
+                trainer.compile, plan.model_or_none() if trainer.compile is True else None
+            ),
+        },
     )
-    cfg.settled = chosen.settle(cfg, world, trainer.nproc)
+    # `settled` records which were auto (where the workers find a shared-memory segment cannot be
+    # made, an auto falls back, a true fails).
+    values, settled = chosen.settle(cfg, world, cfg.trainer.nproc)
     if requested_compile is True:  # the summary says which: the blocks or the whole model
-        cfg.settled["trainer.compile"] = trainer.compile
+        settled["trainer.compile"] = cfg.trainer.compile
     allowed = chosen.allows_channels_last()
     conv: Optional[bool] = False
     if performance.needs_model(trainer.channels_last, allowed):
@@ -93,8 +97,9 @@ def settle(cfg: Requested, run_dir: Path, external: Optional[tuple[str, RankInfo
     value = performance.channels_last(trainer.channels_last, allowed, conv)
     if value is not None:  # else the workers' to settle, from the model they build
         if trainer.channels_last == performance.AUTO:
-            cfg.settled["trainer.channels_last"] = value
-        trainer.channels_last = value
+            settled["trainer.channels_last"] = value
+        values["trainer.channels_last"] = value
+    return amended(cfg, {**values, "settled": settled})
 
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:
@@ -109,36 +114,58 @@ def plain_config(cfg: DictConfig) -> dict[str, Any]:
         raise UserError(groups.mismatch(e)) from None
 
 
-def settle_launch(cfg: Requested, run_dir: Path, external: Optional[tuple[str, RankInfo]]) -> None:
-    """How this command runs: device, world size, backend, init method (train.py's and eval.py's).
-    First, every key's value in its domain (the schema's annotations), or one line naming it."""
+def settle_launch(
+    cfg: Requested, run_dir: Path, external: Optional[tuple[str, RankInfo]]
+) -> Requested:
+    """How this command runs: device, world size, backend, init method (train.py's and eval.py's),
+    in a new config. First, every key's value in its domain (the schema's annotations), or one line
+    naming it."""
     domains.check(cfg, schema.Config)
-    trainer, launcher = cfg.trainer, cfg.launcher
     host = distributed.Host.here()
-    trainer.device = _device(trainer.device, host)
+    device = _device(cfg.trainer.device, host)
     if external:
         launcher_name, rank = external
         nodes = rank.world_size // rank.local_world_size
-        launcher.name, launcher.external, launcher.nnodes, launcher.min_nodes = (
-            launcher_name,
-            True,
-            nodes,
-            nodes,
+        cfg = amended(
+            cfg,
+            {
+                "launcher.name": launcher_name,
+                "launcher.external": True,
+                "launcher.nnodes": nodes,
+                "launcher.min_nodes": nodes,
+                "trainer.nproc": rank.local_world_size,
+                "trainer.device": device,
+            },
         )
-        trainer.nproc = rank.local_world_size
     else:
-        trainer.nproc = _nproc(trainer.nproc, trainer.device, host)
-        elastic.settle_nodes(launcher)
-        _check_launcher(launcher)
-    cfg.backend.name = distributed.resolve_backend(
-        cfg.backend.name, trainer.device, trainer.nproc, host, outside_launch=external is not None
+        min_nodes, nnodes = elastic.node_range(cfg.launcher.nnodes)
+        nproc = _nproc(cfg.trainer.nproc, device, host)
+        cfg = amended(
+            cfg,
+            {
+                "launcher.min_nodes": min_nodes,
+                "launcher.nnodes": nnodes,
+                "trainer.nproc": nproc,
+                "trainer.device": device,
+            },
+        )
+        cfg = amended(cfg, {"launcher.rdzv_id": _rendezvous_id(cfg.launcher)})
+    nproc = cfg.trainer.nproc
+    backend = distributed.resolve_backend(
+        cfg.backend.name, device, nproc, host, outside_launch=external is not None
     )
-    _resolve_init_method(cfg.init_method, run_dir, external is not None)
-    cfg.backend.timeout_s = collective_timeout(cfg.backend.timeout_s, cfg.backend.name)
-    # Decided here, so the checkpoint records it: the same thread count gives the same CPU kernels,
-    # and eval.py evaluates with it (bit-equal metrics at any world size). N ranks × all cores would
-    # thrash.
-    trainer.threads = trainer.threads or max(1, len(os.sched_getaffinity(0)) // trainer.nproc)
+    return amended(
+        cfg,
+        {
+            **_init_method(cfg.init_method, run_dir, external is not None),
+            "backend.name": backend,
+            "backend.timeout_s": collective_timeout(cfg.backend.timeout_s, backend),
+            # Decided here, so the checkpoint records it: the same thread count gives the same CPU
+            # kernels, and eval.py evaluates with it (bit-equal metrics at any world size). N ranks
+            # × all cores would thrash.
+            "trainer.threads": cfg.trainer.threads or max(1, len(os.sched_getaffinity(0)) // nproc),
+        },
+    )
 
 
 def oversubscribed(trainer: schema.TrainerConf) -> Optional[str]:
@@ -162,23 +189,21 @@ def collective_timeout(value: Any, backend: str) -> int:
     return int(value)
 
 
-def _resolve_monitor(
+def _monitor(
     trainer: schema.TrainerConf, data_cfg: schema.DataConf, task: tasks.Task
-) -> None:
-    """The monitored metric must be one the task reports (auto: the task's choice; its direction
-    settles monitor_mode=auto); without validation (data.val_fraction=0) a val/ metric has no
-    values, and nothing is monitored."""
-    name, trainer.monitor_mode = monitor.settle(
-        trainer.monitor, trainer.monitor_mode, task.metrics, task.monitored
-    )
-    trainer.monitor = name
+) -> dict[str, Any]:
+    """trainer.monitor and monitor_mode: a metric the task reports (auto: the task's choice; its
+    direction settles monitor_mode=auto); without validation (data.val_fraction=0) a val/ metric
+    has no values, and nothing is monitored."""
+    name, mode = monitor.settle(trainer.monitor, trainer.monitor_mode, task.metrics, task.monitored)
     if name is not None and name not in monitor.names(task.metrics):
         raise UserError(
             f"trainer.monitor={name!r} is not a metric of this task; choose one of "
             f"{', '.join(monitor.names(task.metrics))} (or null, or auto)"
         )
     if data_cfg.val_fraction == 0 and name is not None and name.startswith("val/"):
-        trainer.monitor = None
+        name = None
+    return {"trainer.monitor": name, "trainer.monitor_mode": mode}
 
 
 def max_time_seconds(value: Any) -> Optional[float]:
@@ -203,7 +228,9 @@ def max_time_seconds(value: Any) -> Optional[float]:
     return seconds
 
 
-def resolve_batches(data_cfg: schema.DataConf, trainer: schema.TrainerConf, replicas: int) -> None:
+def batches(
+    data_cfg: schema.DataConf, trainer: schema.TrainerConf, replicas: int
+) -> dict[str, int]:
     """data.batch_size (samples per micro-batch per replica), trainer.accumulate (micro-batches per
     optimizer step) and data.global_batch_size (samples per optimizer step over every replica and
     micro-batch), settled so that global = batch_size × accumulate × replicas: any two of the three
@@ -234,8 +261,11 @@ def resolve_batches(data_cfg: schema.DataConf, trainer: schema.TrainerConf, repl
             f"by trainer.accumulate={accumulate} × {over}",
             "data.batch_size instead",
         )
-    data_cfg.batch_size, trainer.accumulate = micro, accumulate
-    data_cfg.global_batch_size = micro * accumulate * replicas
+    return {
+        "data.batch_size": micro,
+        "trainer.accumulate": accumulate,
+        "data.global_batch_size": micro * accumulate * replicas,
+    }
 
 
 def _divided(total: int, by: int, what: str, instead: str) -> int:
@@ -265,7 +295,9 @@ def _nproc(value: Any, device: str, host: distributed.Host) -> int:
     return int(value)
 
 
-def _check_launcher(launcher: RequestedLauncherConf) -> None:
+def _rendezvous_id(launcher: RequestedLauncherConf) -> Optional[str]:
+    """The launcher's settings checked, and torchrun's rendezvous id (a fresh one on a single node,
+    where the endpoint is the launching process's own store: launch/workers.py)."""
     if launcher.name == "spawn":
         if launcher.nnodes != 1:
             raise UserError(
@@ -282,17 +314,18 @@ def _check_launcher(launcher: RequestedLauncherConf) -> None:
                 "a multi-node launcher=torchrun needs launcher.rdzv_endpoint=HOST:PORT "
                 "(node 0) and the same launcher.rdzv_id on every node"
             )
-        # A single node's rendezvous endpoint is the launching process's own store (launch.py).
-        launcher.rdzv_id = launcher.rdzv_id or uuid.uuid4().hex[:12]
     available = [m for m in startup.START_METHODS if m in mp.get_all_start_methods()]
     if launcher.start_method not in available:
         raise UserError(
             f"launcher.start_method={launcher.start_method!r} is "
             f"not available here; choose {' or '.join(available)}"
         )
+    if launcher.name == "torchrun":
+        return launcher.rdzv_id or uuid.uuid4().hex[:12]
+    return launcher.rdzv_id
 
 
-def _resolve_init_method(init: Any, run_dir: Path, external: bool) -> None:
+def _init_method(init: Any, run_dir: Path, external: bool) -> dict[str, Any]:
     """Where the ranks meet. env: MASTER_ADDR and MASTER_PORT where exported (an outside launcher's,
     or the user's), else init_method.host and a port the launching process binds (port null: a free
     one); tcp: init_method.host and port; file: a fresh file in the run directory unless given."""
@@ -304,12 +337,12 @@ def _resolve_init_method(init: Any, run_dir: Path, external: bool) -> None:
                 f"MASTER_PORT={port!r} (exported) is not a "
                 "port; export a number in 1-65535, or unset it"
             )
-        init.host, init.port, init.port_from = (
-            os.environ.get("MASTER_ADDR") or init.host,
-            int(port),
-            "MASTER_PORT",
-        )
-    elif name in ("env", "tcp") and init.port is None and external:
+        return {
+            "init_method.host": os.environ.get("MASTER_ADDR") or init.host,
+            "init_method.port": int(port),
+            "init_method.port_from": "MASTER_PORT",
+        }
+    if name in ("env", "tcp") and init.port is None and external:
         needs = (
             "MASTER_ADDR and MASTER_PORT exported (rank 0's host, a free port), "
             "or init_method.port (and init_method.host), the same on every rank"
@@ -317,23 +350,21 @@ def _resolve_init_method(init: Any, run_dir: Path, external: bool) -> None:
             else "init_method.port (and init_method.host: rank 0's host), the same on every rank"
         )
         raise UserError(f"init_method={name} under this launcher needs {needs}")
-    elif name == "file":
-        if init.path is None:
-            if external:
-                raise UserError(
-                    "init_method=file under an outside launcher "
-                    "needs init_method.path, shared by all ranks"
-                )
-            init.path = str(RunDir(run_dir).rendezvous_store)
-        path = Path(init.path).expanduser().resolve()
-        if path.exists() and path.stat().st_size > 0:
-            raise UserError(
-                f"init_method.path {str(path)!r} is a leftover store from another run (not empty): "
-                "reusing it can deadlock; delete it or point init_method.path at a new file"
-            )
-        if not path.parent.is_dir():
-            raise UserError(f"init_method.path: directory {str(path.parent)!r} does not exist")
-        init.path = str(path)
+    if name != "file":
+        return {}
+    if init.path is None and external:
+        raise UserError(
+            "init_method=file under an outside launcher needs init_method.path, shared by all ranks"
+        )
+    path = Path(init.path or RunDir(run_dir).rendezvous_store).expanduser().resolve()
+    if path.exists() and path.stat().st_size > 0:
+        raise UserError(
+            f"init_method.path {str(path)!r} is a leftover store from another run (not empty): "
+            "reusing it can deadlock; delete it or point init_method.path at a new file"
+        )
+    if not path.parent.is_dir():
+        raise UserError(f"init_method.path: directory {str(path.parent)!r} does not exist")
+    return {"init_method.path": str(path)}
 
 
 def eval_config(
@@ -350,8 +381,7 @@ def eval_config(
     )
     requested = run_config.requested(plain)
     _check_model(blueprint.of(requested.model, requested.task).model(), saved["model"], path)
-    settle_launch(requested, run_dir, external)
-    return run_config.resolved(requested)
+    return run_config.resolved(settle_launch(requested, run_dir, external))
 
 
 def _check_model(model: nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:

@@ -26,12 +26,6 @@ def node_range(value: Any) -> tuple[int, int]:
     return bounds
 
 
-def settle_nodes(launcher: RequestedLauncherConf) -> None:
-    """launcher.min_nodes and launcher.nnodes (the most nodes) from the configured count or
-    range."""
-    launcher.min_nodes, launcher.nnodes = node_range(launcher.nnodes)
-
-
 def is_elastic(launcher: RequestedLauncherConf) -> bool:
     return launcher.min_nodes is not None and launcher.min_nodes != launcher.nnodes
 
@@ -55,7 +49,7 @@ def check(
     """What an elastic run needs before launch: torchrun with restarts to spend, a global batch (the
     configured one) that each allowed world size takes in whole micro-batches of data.batch_size
     (the accumulation makes up the rest), a strategy that fits each (`fits`: its check of the
-    config at that many nodes), and resuming from the last checkpoint at each restart.
+    config at that many nodes). Resolve makes each restart resume from the last checkpoint.
     `global_batch`: data.global_batch_size as configured; `cfg`'s batches settled at the largest
     world size (launch.resolve)."""
     launcher = cfg.launcher
@@ -86,8 +80,6 @@ def check(
                 f"{world}, which {span} allows: choose a global batch that every one takes "
                 f"whole (a multiple of {micro * replicas}), or a smaller data.batch_size"
             )
-    # each restart continues from the last checkpoint
-    cfg.trainer.resume = cfg.trainer.resume or "auto"
 
 
 def at_world_size(cfg: Requested, world: int, replicas_at: Replicas) -> Optional[dict[str, Any]]:

@@ -63,10 +63,12 @@ class Strategy:
         return lambda world: cls.replicas(cfg.strategy, world)
 
     @classmethod
-    def settle(cls, cfg: Requested, world: int, local_world: int) -> dict[str, Any]:
-        """Its `auto` values settled in `cfg` (the config being resolved: its strategy section) on
-        the launch side; those that were `auto`, by dotted key, for the summary."""
-        return {}
+    def settle(
+        cls, cfg: Requested, world: int, local_world: int
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Its settings' values on the launch side, by dotted key, for the config being resolved
+        (`cfg`); and those of them that were `auto` and are worth a line in the summary."""
+        return {}, {}
 
     @classmethod
     def check(cls, cfg: Requested, model: Callable[[], nn.Module]) -> None:

@@ -80,10 +80,13 @@ class DDP(Strategy):
         return True
 
     @classmethod
-    def settle(cls, cfg: Requested, world: int, local_world: int) -> dict[str, Any]:
+    def settle(
+        cls, cfg: Requested, world: int, local_world: int
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         settings, trainer = cfg.strategy, cfg.trainer
+        values: dict[str, Any] = {}
         if settings.sync_batchnorm == AUTO:
-            settings.sync_batchnorm = trainer.device == "cuda"
+            values["strategy.sync_batchnorm"] = trainer.device == "cuda"
         blockers = cls.shared_memory_blockers(cfg, world, local_world)
         auto = {
             "gradient_as_bucket_view": True,
@@ -97,14 +100,12 @@ class DDP(Strategy):
                 f"strategy.shared_memory=true does not combine with {'; '.join(blockers)}; "
                 "set strategy.shared_memory=auto or false"
             )
-        settled = {}
-        for key, value in auto.items():
-            if getattr(settings, key) == AUTO:
-                settled[f"strategy.{key}"] = value
-                setattr(settings, key, value)
-        if settings.shared_memory and world < 2:
-            settings.shared_memory = False
-        return settled
+        was_auto = [key for key in auto if getattr(settings, key) == AUTO]
+        settled = {f"strategy.{key}": auto[key] for key in was_auto}
+        values.update(settled)
+        if settings.shared_memory is True and world < 2:  # one rank: nothing to all-reduce
+            values["strategy.shared_memory"] = False
+        return values, settled
 
     @staticmethod
     def shared_memory_blockers(cfg: Requested, world: int, local_world: int) -> list[str]:
