@@ -4,7 +4,7 @@ The package's layout is its architecture (docs/architecture.md): config/ (schema
 checks), launch/ (the command and the workers it starts), parallel/ (the process group and how the
 model is spread), training/ (the worker: the loop and its collaborators), reporting/ (the run's
 logs, loggers and summary); the extras around them: search/, tools/, sweeps/ (a multirun's
-reports), trackers/ (W&B), warm/.
+reports), trackers/ (W&B), clusters/ (Kubernetes), warm/.
 
 A module that moved keeps its old name as an alias (MOVED): a `_target_` in a config or checkpoint
 written before the move still imports, to the same module.
@@ -24,6 +24,8 @@ MOVED = {
     "hydra_ddp.reporting.scaling_plot": "hydra_ddp.sweeps.scaling_plot",
     "hydra_ddp.reporting.trials": "hydra_ddp.sweeps.trials",
     "hydra_ddp.reporting.wandb_logger": "hydra_ddp.trackers.wandb_logger",
+    "hydra_ddp.launch.kubernetes": "hydra_ddp.clusters.kubernetes",
+    "hydra_ddp.config.reference": "hydra_ddp.tools.config_reference",
 }
 
 

@@ -90,6 +90,16 @@ def run_job(
     main = hydra.main(version_base=None, config_path=config_path, config_name=CONFIG_OF_JOB[job])(
         task
     )
+    if ranks.launches_workers(os.environ):  # a Kubernetes pod's train.py: the pod's settings
+        from hydra_ddp.clusters import kubernetes
+        from hydra_ddp.errors import say
+
+        try:
+            kubernetes.adopt(sys.argv)
+        except UserError as error:  # before Hydra: nothing composed, nothing launched
+            say(f"hydra-ddp: error: {error}")
+            code = error.exit_code
+            command.exit_after(lambda: sys.exit(code))  # without torch's seconds of teardown
     command.adopt_external_launch(sys.argv)
     command.exit_after(main)
 

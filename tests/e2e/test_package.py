@@ -222,7 +222,7 @@ def test_an_installed_wheel_starts_a_project_that_trains_evaluates_and_searches(
     assert {k: result[k] for k in metrics} == {k: runs["spawn"][k] for k in metrics}
 
     # The tools that read the config groups find the package's: the reference, the loader tuner.
-    page = _run(["python", "-m", "hydra_ddp.config.reference"], project, env).stdout
+    page = _run(["python", "-m", "hydra_ddp.tools.config_reference"], project, env).stdout
     assert "`trainer.epochs`" in page
     tuned = _run(
         [

@@ -35,7 +35,7 @@ LAYERS = (
     ("parallel", "tasks"),
     ("checkpoint", "reporting", "blueprint"),
     ("training", "launch"),
-    ("export", "generate", "init", "tools", "search", "warm", "sweeps", "trackers"),
+    ("export", "generate", "init", "tools", "search", "warm", "sweeps", "trackers", "clusters"),
     ("cli",),
     ("__main__",),
 )
@@ -465,6 +465,7 @@ EXTRAS = (
     "hydra_ddp.sweeps",
     "hydra_ddp.trackers",
     "hydra_ddp.warm",
+    "hydra_ddp.clusters",
 )
 ENTRY = ("hydra_ddp.cli", "hydra_ddp.__main__")
 

@@ -56,18 +56,18 @@ def test_the_marks_are_the_ones_docs_testing_md_lists():
 
 
 def test_the_config_reference_is_the_schemas_and_every_field_has_a_doc():
-    from hydra_ddp.config import reference
+    from hydra_ddp.tools import config_reference as reference
 
     text, missing = reference.render()
     assert not missing, f"schema fields with no doc comment (add one above the field): {missing}"
     assert reference.OUT.read_text() == text, (
-        "docs/reference/config.md is out of date: python -m hydra_ddp.config.reference"
+        "docs/reference/config.md is out of date: python -m hydra_ddp.tools.config_reference"
     )
 
 
 def test_the_reference_lists_every_key_of_the_default_config():
     """Every leaf of the default run's composed config (outside the `_target_` groups) has a row."""
-    from hydra_ddp.config import reference
+    from hydra_ddp.tools import config_reference as reference
 
     config, text = reference._default_config(), reference.OUT.read_text()
 

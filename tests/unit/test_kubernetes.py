@@ -10,8 +10,8 @@ import re
 
 import pytest
 
+from hydra_ddp.clusters import kubernetes
 from hydra_ddp.errors import UserError
-from hydra_ddp.launch import kubernetes
 from hydra_ddp.runtime import ranks
 from hydra_ddp.runtime.ranks import RankInfo
 

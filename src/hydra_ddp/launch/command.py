@@ -26,7 +26,6 @@ from hydra_ddp.launch import (
     composition,
     continuing,
     holding,
-    kubernetes,
     resolve,
     startup,
     workers,
@@ -41,20 +40,15 @@ log = logging.getLogger(__name__)
 
 def adopt_external_launch(argv: list[str]) -> None:
     """Prepare argv when this process is already a worker of torchrun, torch.distributed.launch or
-    mpirun, or a Kubernetes pod's train.py that launches the pod's workers itself (kubernetes.py).
+    mpirun (a Kubernetes pod's train.py that launches the pod's workers itself has its settings
+    from clusters/kubernetes.py first: cli.py).
 
     The legacy launcher appends `--local-rank=N`, which Hydra would reject: it becomes LOCAL_RANK.
     Ranks other than 0 then skip Hydra's output directory and log file: rank 0 decides the
     run directory and tells the others once the process group is up.
     """
     if ranks.launches_workers(os.environ):
-        try:
-            kubernetes.adopt(argv)
-        except UserError as error:  # before Hydra: nothing composed, nothing launched
-            say(f"hydra-ddp: error: {error}")
-            code = error.exit_code
-            exit_after(lambda: sys.exit(code))  # as a run ends: without torch's seconds of teardown
-        return
+        return  # this command launches the pod's workers (cli.py took the pod's settings)
     for arg in [a for a in argv[1:] if a.startswith(("--local-rank=", "--local_rank="))]:
         os.environ["LOCAL_RANK"] = arg.split("=", 1)[1]
         argv.remove(arg)

@@ -8,7 +8,7 @@ from collections import namedtuple
 from collections.abc import Mapping
 
 # Kubernetes: the kubelet sets this in every container; the Trainer's controllers set PET_NNODES
-# (torchrun's settings) in a pod whose train.py starts the node's workers (launch/kubernetes.py).
+# (torchrun's settings) in a pod whose train.py starts the node's workers (clusters/kubernetes.py).
 IN_POD = "KUBERNETES_SERVICE_HOST"
 PET_NNODES = "PET_NNODES"
 

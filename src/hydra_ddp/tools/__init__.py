@@ -1,5 +1,6 @@
 """Tools beside training: the tuner of the fast settings (tune) and of the data loader
-(tune_loader), and the writer of shard directories (shards)."""
+(tune_loader), the writer of shard directories (shards), and the config reference's generator
+(config_reference: docs/reference/config.md from the schema)."""
 
 from __future__ import annotations
 

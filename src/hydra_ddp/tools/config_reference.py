@@ -1,8 +1,8 @@
 """The configuration reference (docs/reference/config.md), generated from the schema: every key, its
 type, default, allowed values and the schema's own comment on it.
 
-    python -m hydra_ddp.config.reference           # rewrite docs/reference/config.md
-    python -m hydra_ddp.config.reference --check   # exit 1 if it is out of date (the tests do this)
+    python -m hydra_ddp.tools.config_reference           # rewrite docs/reference/config.md
+    python -m hydra_ddp.tools.config_reference --check   # exit 1 if it is out of date (the tests do this)
 
 A field's doc is the comment block right above it in schema.py, or the comment after it on its
 line; a field with neither is an error here (tests/unit/test_docs.py), so the reference cannot lose
@@ -181,7 +181,7 @@ def render() -> tuple[str, list[str]]:
         "# Configuration reference",
         "",
         "Generated from `src/hydra_ddp/config/schema.py` by `python -m "
-        "hydra_ddp.config.reference`: do not edit by hand (a test fails when it "
+        "hydra_ddp.tools.config_reference`: do not edit by hand (a test fails when it "
         "is out of date or a field has no doc). Each key is set on the command "
         "line (`python train.py trainer.epochs=3`) or in `conf/`. **default** "
         "is the default run's value, as `conf/config.yaml` composes it.",
@@ -256,7 +256,7 @@ def main(argv: list[str]) -> int:
         if not OUT.exists() or OUT.read_text() != text:
             print(
                 f"hydra-ddp: error: {OUT.relative_to(REPO)} is out "
-                "of date: run python -m hydra_ddp.config.reference",
+                "of date: run python -m hydra_ddp.tools.config_reference",
                 file=sys.stderr,
             )
             return 1
