@@ -16,9 +16,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from hydra_ddp.config import domains, schema
-from hydra_ddp.tools.config_reference import NAMED_GROUPS
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import composition, resolve
+from hydra_ddp.tools.config_reference import NAMED_GROUPS
 
 from support import REPO
 

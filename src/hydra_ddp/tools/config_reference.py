@@ -1,8 +1,8 @@
 """The configuration reference (docs/reference/config.md), generated from the schema: every key, its
 type, default, allowed values and the schema's own comment on it.
 
-    python -m hydra_ddp.tools.config_reference           # rewrite docs/reference/config.md
-    python -m hydra_ddp.tools.config_reference --check   # exit 1 if it is out of date (the tests do this)
+    python -m hydra_ddp.tools.config_reference          # rewrite docs/reference/config.md
+    python -m hydra_ddp.tools.config_reference --check  # exit 1 if out of date (the tests do)
 
 A field's doc is the comment block right above it in schema.py, or the comment after it on its
 line; a field with neither is an error here (tests/unit/test_docs.py), so the reference cannot lose
