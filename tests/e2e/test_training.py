@@ -15,7 +15,7 @@ from hydra_ddp.config.run_config import RunInitMethodConf
 from hydra_ddp.parallel import distributed
 from hydra_ddp.runtime.ranks import RankInfo
 from hydra_ddp.training import evaluation
-from hydra_ddp.training import window as training
+from hydra_ddp.training.meter import LossWindow
 
 from support import spawn_ranks
 
@@ -52,7 +52,7 @@ def _worker(rank: int, world: int, port: int, results):
             torch.device("cpu"),
             tasks.Classification(),
         )
-        window = training.LossWindow(size=2)
+        window = LossWindow(size=2)
         window.add(1, torch.tensor(float(rank)))
         window.add(2, torch.tensor(float(10 * rank)))
         results["window", rank] = window.flush(
