@@ -57,7 +57,7 @@ All GPUs (where 2 or more are visible, trainer.nproc = their count; else recorde
 - DataParallel against DDP on ResNet-18, 224×224, bf16 autocast, 32 per GPU.
 The DataParallel cases report the seeds' claim as holding or not; they fail only if a run does.
 
-The dry run checks each train.py launch with hydra_ddp.launch.preflight.check (`train.py --check
+The dry run checks each train.py launch with hydra_ddp.tools.preflight.check (`train.py --check
 --gpus=N`: one-GPU cases for 1 GPU, all-GPU cases for 2 and 8) and bench/handwritten.py's
 arguments with its own parser. It does not check eval.py's side (that needs the run's
 checkpoint), the tuner's tune.* arguments (only the run it tunes), nor the outside launcher's
@@ -1044,7 +1044,7 @@ def report(what: str, verdict: tuple[bool, str]) -> list[str]:
 def check_train(case: Case, i: int, gpus: int, run_dir: Path) -> tuple[bool, str]:
     """train.py --check --gpus=N of launch i, in process: (good, its line)."""
     from hydra_ddp.errors import UserError
-    from hydra_ddp.launch import preflight
+    from hydra_ddp.tools import preflight
 
     said = io.StringIO()
     try:

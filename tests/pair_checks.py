@@ -70,7 +70,7 @@ def defaults() -> set[str]:
 def check(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], str, str]:
     """(overrides, "ok" | "error" | "crash", the line or what was raised)."""
     from hydra_ddp.errors import UserError
-    from hydra_ddp.launch import preflight
+    from hydra_ddp.tools import preflight
 
     with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()):
         try:

@@ -26,6 +26,7 @@ MOVED = {
     "hydra_ddp.reporting.wandb_logger": "hydra_ddp.trackers.wandb_logger",
     "hydra_ddp.launch.kubernetes": "hydra_ddp.clusters.kubernetes",
     "hydra_ddp.config.reference": "hydra_ddp.tools.config_reference",
+    "hydra_ddp.launch.preflight": "hydra_ddp.tools.preflight",
 }
 
 

@@ -399,7 +399,7 @@ def test_config_parameters_say_their_types():
 # Here, the source: no assignment (or setattr) into an attribute or item of a name that holds the
 # config or a section. Names a built object shares with its section (model, strategy, task, optim,
 # scheduler, logger) are not read as config here. Hydra's own node (`.hydra.`, which Hydra's
-# launchers set before a job runs, as preflight.py and the Slurm plugin do) is Hydra's.
+# launchers set before a job runs, as tools/preflight.py and the Slurm plugin do) is Hydra's.
 BUILT_OBJECTS = frozenset({"model", "strategy", "task", "optim", "scheduler", "logger"})
 
 

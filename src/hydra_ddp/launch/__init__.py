@@ -1,5 +1,4 @@
 """The launch side: the command (command), the config made plain and checked against the pieces
 (resolve, checks; eval.py's from a checkpoint: from_checkpoint), the workers it starts on this node
-(workers), the start-up's forkserver (startup, forkserver_*), and train.py --check from Python
-(preflight). Nothing here imports the worker side:
-workers are started by the name of their entry (training.worker)."""
+(workers), and the start-up's forkserver (startup, forkserver_*). Nothing here imports the worker
+side: workers are started by the name of their entry (training.worker)."""

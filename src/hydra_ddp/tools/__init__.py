@@ -1,6 +1,7 @@
 """Tools beside training: the tuner of the fast settings (tune) and of the data loader
-(tune_loader), the writer of shard directories (shards), and the config reference's generator
-(config_reference: docs/reference/config.md from the schema)."""
+(tune_loader), the writer of shard directories (shards), the config reference's generator
+(config_reference: docs/reference/config.md from the schema), and train.py --check from Python
+(preflight: for tests and the GPU check's dry run)."""
 
 from __future__ import annotations
 
