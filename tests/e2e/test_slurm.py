@@ -87,6 +87,14 @@ def test_submitit_launcher_on_one_node_reports_a_cancelled_job(
         )
     sweep = tmp_path / "sweep"
     env = {**train_env(), **slurm_cluster.env}
+
+    def queued() -> dict[str, str]:  # task → state; an array job's tasks are JOB_0, JOB_1, JOB_2
+        listed = slurm(env, "squeue", "-h", "-r", "-o", "%i %T").split("\n")
+        return dict(line.split() for line in listed if line)
+
+    # Jobs an earlier test left in the queue (still completing on a busy machine, say) are not the
+    # sweep's: a soak beside a CPU hog once cancelled another job's tasks instead of the sweep's.
+    earlier = {task.split("_")[0] for task in queued()}
     # Three jobs of one node and two tasks, one at a time: the first is the reference run; the third
     # is cancelled at once, while the whole array waits (Slurm keeps no record of it), the second
     # once the first runs (accounting says CANCELLED).
@@ -105,25 +113,30 @@ def test_submitit_launcher_on_one_node_reports_a_cancelled_job(
     )
     tasks: dict[str, str] = {}
 
-    def queue_shows(*wanted: str) -> bool:  # an array job's tasks are JOB_0, JOB_1, JOB_2
-        listed = slurm(env, "squeue", "-h", "-r", "-o", "%i %T").split("\n")
+    def queue_shows(*wanted: str) -> bool:
         tasks.clear()
-        tasks.update(line.split() for line in listed if line)
+        tasks.update(
+            (task, state) for task, state in queued().items() if task.split("_")[0] not in earlier
+        )
         return all(
             any(f"{task.split('_')[-1]} {state}" == want for task, state in tasks.items())
             for want in wanted
         )
 
     wait_for(lambda: queue_shows("2 PENDING"), 60, "the sweep's jobs to be queued", proc)
-    array = next(iter(tasks)).split("_")[0]
-    slurm(env, "scancel", f"{array}_2")
+    third = next(
+        task for task, state in tasks.items() if task.endswith("_2") and state == "PENDING"
+    )
+    array = third.split("_")[0] + "_"
+    slurm(env, "scancel", third)
+    seen = f"the queue before the sweep: {sorted(earlier)}; the sweep's at the cancel: {tasks}"
     wait_for(lambda: queue_shows("0 RUNNING", "1 PENDING"), 60, "the first job to start", proc)
-    slurm(env, "scancel", f"{array}_1")
+    slurm(env, "scancel", f"{array}1")
     done = finish(proc, timeout=240)
     # a sweep with a job that did not finish is not a success
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 1, f"{done.stderr}\n{seen}"
     for task in (1, 2):
-        assert f"Slurm job {array}_{task} ended CANCELLED without a result" in done.stderr, (
+        assert f"Slurm job {array}{task} ended CANCELLED without a result" in done.stderr, (
             done.stderr
         )
     report = (sweep / "sweep.md").read_text()
