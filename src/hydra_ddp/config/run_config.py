@@ -49,21 +49,11 @@ class RunBackendConf(schema.BackendConf):
 
 @dataclass
 class RunTrainerConf(schema.TrainerConf):
-    # Settled: the workers per node, the time limit in seconds, the micro-batches per optimizer
-    # step. Left open: `compile`, false or a mode's name (the schema's types take no union; its
-    # domain is checked), and channels_last, which stays `auto` where only the workers can build the
-    # model that settles it.
+    # Settled: the workers per node, and the time limit in seconds. Left open: `compile`, false or
+    # a mode's name (the schema's types take no union; its domain is checked), and channels_last,
+    # which stays `auto` where only the workers can build the model that settles it.
     nproc: int = 1
     max_time: Optional[float] = None
-    accumulate: int = 1
-
-
-@dataclass
-class RunDataConf(schema.DataConf):
-    # Settled: samples per micro-batch per replica, and per optimizer step over every replica and
-    # micro-batch.
-    batch_size: int = 32
-    global_batch_size: int = 32
 
 
 @dataclass
@@ -132,7 +122,6 @@ class RunConfig(Requested):
     backend: RunBackendConf = field(default_factory=RunBackendConf)
     launcher: RunLauncherConf = field(default_factory=RunLauncherConf)
     trainer: RunTrainerConf = field(default_factory=RunTrainerConf)
-    data: RunDataConf = field(default_factory=RunDataConf)
 
 
 SECTIONS = tuple(f.name for f in fields(RunConfig))
