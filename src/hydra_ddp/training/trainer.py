@@ -56,7 +56,6 @@ class Trainer:
         )
         overheads = self.meter.overheads
         self.saving = Saving(cfg.checkpoint, run.checkpointer, self.step, self.state, overheads)
-        self.save_every = cfg.checkpoint.every_n_steps  # read every step
         self.validation = Validation(
             trained, optimization.ema, loaders, run.reporter, self.state.monitor, overheads
         )
@@ -220,7 +219,8 @@ class Trainer:
         return False
 
     def _checkpoint_due(self) -> bool:
-        return bool(self.save_every) and self.state.step % self.save_every == 0
+        every = self.saving.every_n_steps
+        return bool(every) and self.state.step % every == 0
 
     def _step_ended(self, loss: torch.Tensor, samples: int) -> hooks.StepEnded:
         norms = self.step.grad_norms
