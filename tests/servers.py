@@ -235,3 +235,41 @@ def browse(url: str, screenshot: Path, wait_ms: int = 15000, size: str = "1400,1
     shutil.rmtree(profile, ignore_errors=True)
     assert screenshot.exists() and screenshot.stat().st_size > 10_000, f"no screenshot of {url}"
     return pages[1]
+
+
+# Credentials the tests give the S3 server's clients: distinctive, so that a test can find any copy
+# of them in a run's files (none may be there: docs/storage.md).
+S3_KEY_ID = "AKIAHDDPTESTKEY0001"
+S3_SECRET = "hddp-test-secret-7f3c9a1e"
+
+
+@contextlib.contextmanager
+def s3(log: Path, buckets: tuple[str, ...] = ("runs",)) -> Iterator[dict[str, str]]:
+    """An S3 endpoint on loopback (moto's server mode, a real HTTP server), with `buckets` made;
+    yields the variables a client needs (AWS_ENDPOINT_URL and the credentials), as a user's S3
+    client gets them."""
+    with serve(
+        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", "{port}"], "/moto-api/", log
+    ) as base:
+        env = {
+            "AWS_ENDPOINT_URL": base,
+            "AWS_ACCESS_KEY_ID": S3_KEY_ID,
+            "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            # nothing of the host's own AWS setup
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+        import boto3
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=base,
+            aws_access_key_id=S3_KEY_ID,
+            aws_secret_access_key=S3_SECRET,
+            region_name="us-east-1",
+        )
+        for bucket in buckets:
+            client.create_bucket(Bucket=bucket)
+        yield env

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 FORMATS = {"safetensors": ".safetensors", "torch": ".pt", "hf": ""}  # hf: a directory
 
@@ -146,11 +147,14 @@ def _arguments(argv: list[str]) -> dict[str, str]:
     return given
 
 
-def default_out(ckpt: Path, fmt: str) -> Path:
+def default_out(ckpt: Any, fmt: str) -> Path:
     """Where an export goes unless out= says: export/ in the checkpoint's run directory (beside the
     run's other outputs, not wherever the command was typed), model.safetensors, model.pt or
-    model-hf/."""
-    run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    model-hf/; of a checkpoint in object storage, export/ here."""
+    if not isinstance(ckpt, Path):
+        run = Path.cwd()
+    else:
+        run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
     return run / "export" / ("model-hf" if fmt == "hf" else f"model{FORMATS[fmt]}")
 
 

@@ -3,6 +3,7 @@
 RUN_DIR/train.log (eval.log)      every rank's log
 RUN_DIR/summary.json (eval.json)  the result
 RUN_DIR/checkpoints/              step-N, last, best
+RUN_DIR/.staging/                 sharded checkpoints on their way to a bucket (checkpoint.dir)
 RUN_DIR/metrics.csv, tensorboard/ the loggers'
 RUN_DIR/predictions.csv           eval.py predict=true
 RUN_DIR/profile/rankR.json        trainer.profile
@@ -48,6 +49,7 @@ class RunDir:
     eval_result = property(lambda self: self.path / "eval.json")
     predictions = property(lambda self: self.path / "predictions.csv")
     checkpoints = property(lambda self: self.path / "checkpoints")
+    staging = property(lambda self: self.path / ".staging")
     metrics_csv = property(lambda self: self.path / "metrics.csv")
     tensorboard = property(lambda self: self.path / "tensorboard")
     profile = property(lambda self: self.path / "profile")

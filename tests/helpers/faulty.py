@@ -5,6 +5,7 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import Optional
 
 import torch.distributed as dist
 from torch.utils.data import Dataset, get_worker_info
@@ -204,3 +205,72 @@ def digits_hanging_in_loader(hang_rank: int, **kwargs):
     workers."""
     train, test = digits(**kwargs)
     return _HangsInLoaderWorker(train, dist.get_rank() == hang_rank), test, test
+
+
+class DiesUploading(MnistCNN):
+    """Rank `rank` kills the whole run (SIGKILL to its process group, as a lost node would) halfway
+    through uploading the `n`-th checkpoint to a bucket (checkpoint.dir=s3://…): half of the object
+    (a file, or this rank's shard) sent as the first part of a multipart upload, which the store
+    never shows as an object, and nothing more. Not in a continued run (`resume`: support.ONCE)."""
+
+    def __init__(self, n: int, rank: int = 0, resume: Optional[str] = None, **kwargs):
+        super().__init__(**kwargs)
+        if resume is not None or dist.get_rank() != rank:
+            return
+        from hydra_ddp.checkpoint.remote import Bucket
+
+        put, put_file, started = Bucket.put, Bucket.put_file, []
+
+        def killed_halfway(bucket: Bucket, name: str, payload: bytes) -> None:
+            checkpoint = name.split("/")[0]
+            if checkpoint not in started:
+                started.append(checkpoint)
+            if len(started) == n:
+                bucket_name, _, key = bucket._key(name).partition("/")
+                upload = bucket.fs.call_s3("create_multipart_upload", Bucket=bucket_name, Key=key)
+                bucket.fs.call_s3(
+                    "upload_part",
+                    Bucket=bucket_name,
+                    Key=key,
+                    PartNumber=1,
+                    UploadId=upload["UploadId"],
+                    Body=payload[: len(payload) // 2],
+                )
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+
+        def put_step(bucket: Bucket, name: str, payload) -> None:
+            if name.startswith("step-") and "/" not in name:  # a whole-file checkpoint
+                killed_halfway(bucket, name, bytes(payload))
+            put(bucket, name, payload)
+
+        def put_shard(bucket: Bucket, local, name: str) -> None:
+            if name.startswith("step-") and name.endswith(".distcp"):  # this rank's shard
+                killed_halfway(bucket, name, Path(local).read_bytes())
+            put_file(bucket, local, name)
+
+        Bucket.put, Bucket.put_file = put_step, put_shard
+
+
+class DeletesBucket(MnistCNN):
+    """At rank 0's `step`-th training forward, the S3 bucket `bucket` is emptied and deleted (an
+    operator's mistake, a lifecycle rule): every later write there fails, and no retry helps."""
+
+    def __init__(self, bucket: str, step: int, **kwargs):
+        super().__init__(**kwargs)
+        self.bucket, self.step, self.calls = bucket, step, 0
+
+    def forward(self, x):
+        if self.training and dist.get_rank() == 0:
+            self.calls += 1
+            if self.calls == self.step:
+                import boto3
+
+                bucket = boto3.resource("s3").Bucket(self.bucket)
+                for _ in range(100):  # the run's writer may add an object between the two
+                    bucket.objects.all().delete()
+                    try:
+                        bucket.delete()
+                        break
+                    except bucket.meta.client.exceptions.ClientError:
+                        continue
+        return super().forward(x)

@@ -43,6 +43,7 @@ WORD = "no_such_option"
 # Probes a Checked key takes as meaningful, each with its reason.
 MEANINGFUL = {
     ("init_method.path", WORD): "a file of that name in the working directory is a place to meet",
+    ("checkpoint.dir", WORD): "a folder of that name in the working directory holds checkpoints",
 }
 
 

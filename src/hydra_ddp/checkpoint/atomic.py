@@ -163,3 +163,26 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def publish(folder: Path, target: Path, best: bool, keep: int) -> None:
+    """`target` becomes last (and best); one kind of each at a time, then all but the newest `keep`
+    step checkpoints go. best.pt and last.pt are hard links: removing an old step file never
+    removes them. `best` is a symbolic link: the directory it names stays."""
+    from hydra_ddp.checkpoint.files import step_checkpoints
+
+    for name in ("last", "best") if best else ("last",):
+        if target.is_dir():
+            atomic_symlink(target.name, folder / name)
+            (folder / f"{name}.pt").unlink(missing_ok=True)
+        else:
+            atomic_link(target, folder / f"{name}.pt")
+            if (folder / name).is_symlink():
+                (folder / name).unlink()
+    kept_best = (folder / "best").resolve() if (folder / "best").is_symlink() else None
+    for old in step_checkpoints(folder)[:-keep]:
+        if old.is_dir():
+            if old.resolve() != kept_best:
+                shutil.rmtree(old)
+        else:
+            old.unlink()

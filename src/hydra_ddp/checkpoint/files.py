@@ -6,15 +6,20 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
+from hydra_ddp.checkpoint import remote
+from hydra_ddp.checkpoint.remote import Bucket, Remote
 from hydra_ddp.data import batches
 from hydra_ddp.errors import UserError
 from hydra_ddp.parallel.distributed import restart_count
 from hydra_ddp.rundir import RunDir
+
+# A checkpoint: a local file or step directory, or one in object storage (remote.Remote: its URL).
+Location = Union[Path, Remote]
 
 LAST = "last.pt"
 
@@ -38,6 +43,24 @@ def resume_setting(configured: Optional[str]) -> Optional[str]:
     return "auto" if configured is None and restart_count() else configured
 
 
+def folder(setting: Optional[str], run_dir: Path) -> Union[Path, Bucket]:
+    """Where a run's checkpoints live: checkpoint.dir (a path, or a bucket's URL), else
+    RUN_DIR/checkpoints."""
+    if setting is None:
+        return RunDir(run_dir).checkpoints
+    return Bucket(setting) if remote.is_url(setting) else remote.local_path(setting)
+
+
+def in_folder(where: Union[Path, Bucket]) -> list[Location]:
+    """A checkpoint folder's step checkpoints, oldest first, local or in a bucket."""
+    return where.steps() if isinstance(where, Bucket) else step_checkpoints(where)
+
+
+def location(text: str) -> Location:
+    """A checkpoint named by its path or URL (as rank 0 tells the others)."""
+    return remote.located(text) if remote.is_url(text) else Path(text)
+
+
 def step_checkpoints(folder: Path) -> list[Path]:
     """A checkpoint folder's step checkpoints, oldest first: `step-N.pt` files and whole `step-N/`
     directories (with their index: one a writer left half-done is still named `.step-N.tmp`)."""
@@ -51,20 +74,26 @@ def step_checkpoints(folder: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def read(path: Path, key: str, device: Optional[torch.device] = None) -> dict[str, Any]:
+def read(path: Location, key: str, device: Optional[torch.device] = None) -> dict[str, Any]:
     """A hydra-ddp checkpoint, or one line naming the setting (`key`) and what is wrong with the
     file. No device: memory-mapped, on the CPU (a look at the config reads only what it touches). A
     sharded checkpoint (a directory): its state but the tensors, and the model as shapes only
     (`model_weights` reads them)."""
     if path.is_dir():
         return _read_sharded(path, key)
-    if not path.is_file():
+    if isinstance(path, Path) and not path.is_file():
         raise UserError(f"{key}: no checkpoint at {str(path)!r}")
     try:
-        if device is None:
+        if isinstance(path, Remote):  # in memory: an object store has no file to map
+            state = torch.load(
+                remote.load_bytes(path), map_location=device or "cpu", weights_only=True
+            )
+        elif device is None:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         else:
             state = torch.load(path, map_location=device, weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"{key}: no checkpoint at {str(path)!r}") from None
     except Exception as e:
         raise UserError(
             f"checkpoint {str(path)!r} is truncated or corrupt "
@@ -98,17 +127,23 @@ def version() -> str:
         return "unknown"
 
 
-def _read_sharded(path: Path, key: str) -> dict[str, Any]:
+def _read_sharded(path: Location, key: str) -> dict[str, Any]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    if not (path / ".metadata").is_file() or not (path / META).is_file():
+    if isinstance(path, Path) and not ((path / ".metadata").is_file() and (path / META).is_file()):
         raise UserError(
             f"{key}: {str(path)!r} is not a hydra-ddp checkpoint (no .metadata and {META} in it)"
         )
     try:
-        state = torch.load(path / META, map_location="cpu", weights_only=True)
-        index = FileSystemReader(path).read_metadata().state_dict_metadata
+        if isinstance(path, Remote):  # DCP's fsspec reader: the index, and no shard
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            meta, reader = remote.load_bytes(path, META), FsspecReader(str(path))
+        else:
+            meta, reader = path / META, FileSystemReader(path)
+        state = torch.load(meta, map_location="cpu", weights_only=True)
+        index = reader.read_metadata().state_dict_metadata
     except Exception as e:
         raise UserError(
             f"checkpoint {str(path)!r} is truncated or corrupt "
@@ -133,7 +168,7 @@ def evaluated(state: dict[str, Any]) -> str:
     return "ema" if state.get("ema") is not None else "model"
 
 
-def model_weights(path: Path, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+def model_weights(path: Location, state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The full weights a checkpoint's run evaluated (`evaluated`: the average, where it kept one),
     of a checkpoint `read` gave `state` for, on the CPU. A directory's are read from every rank's
     shards by this process alone (no collective)."""
@@ -149,6 +184,7 @@ def model_weights(path: Path, state: dict[str, Any]) -> dict[str, torch.Tensor]:
         # "assuming the intent is to load in a single process": it is
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            # a URL (str): DCP's fsspec reader, which reads each shard's part it needs
             dcp.load({part: weights}, checkpoint_id=path, no_dist=True)
     except Exception as e:
         raise UserError(
@@ -158,10 +194,12 @@ def model_weights(path: Path, state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return weights
 
 
-def find(where: str, key: str) -> Path:
+def find(where: str, key: str) -> Location:
     """A checkpoint (a file, or a sharded checkpoint's directory), or a run directory's best (else
-    its last)."""
-    path = Path(where).expanduser().resolve()
+    its last); in object storage, a checkpoint or a checkpoint.dir's best (else its last)."""
+    if remote.is_url(where):
+        return _find_remote(where, key)
+    path = remote.local_path(where)
     if path.is_dir() and not (path / ".metadata").is_file():
         for folder in (RunDir(path).checkpoints, path):
             for name in ("best", "last"):
@@ -175,6 +213,22 @@ def find(where: str, key: str) -> Path:
     if not path.exists():
         raise UserError(f"{key}={where}: no checkpoint file or run directory at {str(path)!r}")
     return path
+
+
+def _find_remote(where: str, key: str) -> Location:
+    try:
+        if remote.STEP.match(where.rstrip("/").rsplit("/", 1)[-1]):
+            return remote.located(where)
+        bucket = Bucket(where)
+        found = bucket.pointed("best") or bucket.pointed("last")
+    except (ImportError, ValueError, OSError) as e:
+        raise UserError(f"{key}={where}: {e}") from None
+    if found is None:
+        raise UserError(
+            f"{key}={where}: no checkpoint there (a step-N.pt object, a step-N/ prefix, or a "
+            "checkpoint.dir whose best or last names one)"
+        )
+    return found
 
 
 def _published(folder: Path, name: str) -> Optional[Path]:

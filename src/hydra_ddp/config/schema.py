@@ -140,6 +140,12 @@ class CheckpointConf(Section):
     # Checkpoints go to <run dir>/checkpoints: step-N.pt, last.pt and best.pt (hard links); under
     # the sharded strategies step-N/ directories of every rank's shards (DCP), last and best
     # (links).
+    # Elsewhere: a local path, or object storage's URL (s3://BUCKET/PATH, gs://, az://; its
+    # credentials from the store's own variables, never here: docs/storage.md). A run in a new
+    # directory with trainer.resume=auto continues from the newest complete checkpoint there.
+    dir: Annotated[
+        Optional[str], Checked("launch.checks: a folder, or a bucket reachable before launch")
+    ] = None
     every_epoch: bool = True  # a checkpoint at the end of every epoch
     # also one every N optimizer steps, mid-epoch too (null: none)
     every_n_steps: Annotated[Optional[int], AtLeast(1)] = None

@@ -14,6 +14,7 @@ from torch.utils.data import IterableDataset
 
 from hydra_ddp import blueprint, data, hooks, tasks
 from hydra_ddp.checkpoint import files as checkpoints
+from hydra_ddp.checkpoint import remote
 from hydra_ddp.config import groups, targets
 from hydra_ddp.config.run_config import RunConfig
 from hydra_ddp.config.schema import DataConf
@@ -24,7 +25,6 @@ from hydra_ddp.parallel import elastic, strategies
 from hydra_ddp.recipe import compiling, schedules
 from hydra_ddp.recipe import optimizer as optimizers
 from hydra_ddp.reporting.flops import run_shapes_only
-from hydra_ddp.rundir import RunDir
 from hydra_ddp.runtime.ranks import RankInfo
 
 # What trainer.hooks' and trainer.step's targets must subclass (named: the launch side does not
@@ -36,10 +36,12 @@ STEP = "hydra_ddp.training.step.Step"
 def check(cfg: RunConfig, run_dir: Path) -> None:
     """Everything else that would fail a run later: found before any worker starts."""
     trainer, launcher, data_cfg = cfg.trainer, cfg.launcher, cfg.data
-    if trainer.resume is None and checkpoints.step_checkpoints(RunDir(run_dir).checkpoints):
+    folder = _checkpoint_folder(cfg, run_dir)
+    if trainer.resume is None and checkpoints.in_folder(folder):
+        where = "checkpoint.dir" if cfg.checkpoint.dir else "hydra.run.dir"
         raise UserError(
-            f"{run_dir} holds checkpoints of an earlier run; continue it with trainer.resume=auto, "
-            "or start anew in another hydra.run.dir (nothing was overwritten)"
+            f"{cfg.checkpoint.dir or run_dir} holds checkpoints of an earlier run; continue it "
+            f"with trainer.resume=auto, or start anew in another {where} (nothing was overwritten)"
         )
     source = targets.check(data_cfg.dataset, "data.dataset")
     if isinstance(source, type) and issubclass(source, IterableDataset):
@@ -54,13 +56,15 @@ def check(cfg: RunConfig, run_dir: Path) -> None:
     if trainer.step is not None:
         _check_subclass(trainer.step, "trainer.step", STEP)
     resume = trainer.resume
-    if resume not in (None, "auto") and not Path(str(resume)).expanduser().exists():
+    if resume not in (None, "auto") and remote.is_url(resume):
+        _check_remote_checkpoint(str(resume), "trainer.resume")
+    elif resume not in (None, "auto") and not Path(str(resume)).expanduser().exists():
         raise UserError(
             f"trainer.resume={resume}: no checkpoint at "
             f"{str(Path(str(resume)).expanduser().resolve())!r}; give a checkpoint "
             "(checkpoints/step-N.pt, or a sharded step-N directory), or auto"
         )
-    _check_continued_length(cfg, run_dir)
+    _check_continued_length(cfg, folder)
     # torch._dynamo only when asked for
     if trainer.compile_backend != "inductor" or trainer.compile:
         import torch._dynamo
@@ -283,14 +287,31 @@ def _check_recipe(cfg: RunConfig) -> None:
         schedules.build(cfg.scheduler, optimizer, cfg.trainer.max_steps)
 
 
-def _check_continued_length(cfg: RunConfig, run_dir: Path) -> None:
+def _checkpoint_folder(cfg: RunConfig, run_dir: Path) -> Any:
+    """checkpoint.dir's folder, a bucket's reachable (its package installed, the bucket there, the
+    credentials found), or one line."""
+    setting = cfg.checkpoint.dir
+    problem = remote.reachable(setting, "checkpoint.dir") if remote.is_url(setting) else None
+    if problem:
+        raise UserError(problem)
+    return checkpoints.folder(setting, run_dir)
+
+
+def _check_remote_checkpoint(where: str, key: str) -> None:
+    problem = remote.reachable(where, key)
+    if problem:
+        raise UserError(problem)
+    checkpoints.read(checkpoints.find(where, key), key)
+
+
+def _check_continued_length(cfg: RunConfig, folder: Any) -> None:
     """A run continued in its directory (trainer.resume=auto) keeps the length its schedule spans
     (launch/continuing.py says why); the checkpoint it would resume from is the newest that reads,
     as the run's own choice is. A new run from a checkpoint (trainer.resume=PATH elsewhere) has
     the length this command gives it."""
     if cfg.trainer.resume != "auto":
         return
-    for path in reversed(checkpoints.step_checkpoints(RunDir(run_dir).checkpoints)):
+    for path in reversed(checkpoints.in_folder(folder)):
         try:
             saved = checkpoints.read(path, "trainer.resume")["config"]
         except UserError:

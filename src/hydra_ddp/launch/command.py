@@ -134,7 +134,8 @@ def _launched(
     # One live run per directory: held by the launching process (node 0's) or an outside launch's
     # rank 0.
     holds = external[1].is_main if external else resolved.launcher.node_rank == 0
-    with holding.held(run_dir) if holds else contextlib.nullcontext():
+    checkpoint_dir = resolved.checkpoint.dir if job == "train" else None
+    with holding.held(run_dir, checkpoint_dir) if holds else contextlib.nullcontext():
         if external:
             # Only rank 0 knows the run directory: its verdict reaches every rank once the group is
             # up.

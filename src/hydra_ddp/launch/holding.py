@@ -8,6 +8,10 @@ names its pid, host and start time while it runs. It is taken before Hydra write
 no other run ever reads it half-written), and given up when the command ends. A holder that is
 gone (killed without a word, its pid ended or reused) holds nothing: the next run takes the
 directory over, as `trainer.resume` into it expects.
+
+A checkpoint.dir elsewhere (a path, or a bucket's URL, which runs in other run directories may
+name) is held alike, by the same record: a bucket's lock object is written only where none is (a
+conditional write), and what a holder of another host left there is taken over with a warning.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from hydra_ddp.checkpoint import remote
 from hydra_ddp.errors import UserError
 from hydra_ddp.launch import startup
 from hydra_ddp.runtime import processes, ranks
@@ -111,13 +116,77 @@ def release(run_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def held(run_dir: Path) -> Iterator[None]:
-    """Hold `run_dir` while the run lasts (taking it, unless the callback already did)."""
+def held(run_dir: Path, checkpoint_dir: Optional[str] = None) -> Iterator[None]:
+    """Hold `run_dir` while the run lasts (taking it, unless the callback already did), and
+    checkpoint.dir where it names a folder of its own."""
     take(run_dir)
+    try:
+        if checkpoint_dir is None:
+            yield
+        elif remote.is_url(checkpoint_dir):
+            with _bucket_held(remote.Bucket(checkpoint_dir)):
+                yield
+        else:
+            folder = remote.local_path(checkpoint_dir)
+            if folder != Path(run_dir).resolve():
+                _take_folder(folder, checkpoint_dir)
+            try:
+                yield
+            finally:
+                release(folder)
+    finally:
+        release(run_dir)
+
+
+def _take_folder(folder: Path, setting: str) -> None:
+    try:
+        take(folder)
+    except UserError as e:
+        message = str(e).replace(f"hydra.run.dir={folder}", f"checkpoint.dir={setting}")
+        raise UserError(message) from None
+
+
+@contextlib.contextmanager
+def _bucket_held(bucket: remote.Bucket) -> Iterator[None]:
+    me = json.dumps(_me(), sort_keys=True)
+    for _ in range(3):
+        if bucket.create(remote.LOCK, me.encode()):
+            break
+        _take_over_bucket(bucket)
+    else:
+        raise UserError(f"checkpoint.dir={bucket.url}: another run keeps taking it; start again")
     try:
         yield
     finally:
-        release(run_dir)
+        with contextlib.suppress(Exception):  # a store gone by the end: its holder is gone too
+            if bucket.read_text(remote.LOCK) == me:
+                bucket.remove(remote.LOCK)
+
+
+def _take_over_bucket(bucket: remote.Bucket) -> None:
+    """Remove a bucket's lock whose holder is gone; refuse where a live run of this host holds
+    it."""
+    text = bucket.read_text(remote.LOCK)
+    if text is None:
+        return  # released meanwhile
+    try:
+        holder = json.loads(text)
+    except ValueError:
+        holder = {}
+    if holder.get("host") == socket.gethostname() and _alive(holder):
+        raise UserError(
+            f"checkpoint.dir={bucket.url} is in use by a live run (pid {holder['pid']}): two runs "
+            "would publish and prune each other's checkpoints there; give this run another "
+            "checkpoint.dir, or continue that one with trainer.resume=auto once it has ended"
+        )
+    if holder.get("host") not in (None, socket.gethostname()):
+        log.warning(
+            "%s was held by a run on host %s, which this host cannot see: taking it over (two "
+            "live runs would publish and prune each other's checkpoints)",
+            bucket.url,
+            holder["host"],
+        )
+    bucket.remove(remote.LOCK)
 
 
 class RefuseHeld(Callback):

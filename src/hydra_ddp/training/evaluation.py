@@ -97,7 +97,7 @@ def run(
     task = blueprint.of(cfg.model, cfg.task).task
     model = instantiate(cfg.model)
     if rank.is_main:  # only rank 0 reads the file: it need not be on every node
-        path = Path(job.ckpt)
+        path = checkpoints.location(job.ckpt)
         model.load_state_dict(checkpoints.model_weights(path, checkpoints.read(path, "ckpt")))
     model.to(device)
     for tensor in model.state_dict().values():

@@ -170,6 +170,8 @@ class Overheads:
     checkpoints: int = 0
     # how long each save held rank 0 at its step boundary
     save_stalls: list[float] = field(default_factory=list)
+    # of that, waiting for the write (or upload) before to finish (Checkpointer.waited_s)
+    write_wait_s: float = 0.0
 
     @contextlib.contextmanager
     def timed(self, kind: str) -> Iterator[None]:
@@ -195,6 +197,7 @@ class Overheads:
             "checkpoint_time_s": self.checkpoint_time_s,
             "checkpoints": self.checkpoints,
             "checkpoint_stall_s": statistics.median(self.save_stalls) if self.save_stalls else None,
+            "checkpoint_write_wait_s": self.write_wait_s,
         }  # per save
 
 

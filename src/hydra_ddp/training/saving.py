@@ -4,7 +4,6 @@ end), what a checkpoint holds, resuming from one, and never saving weights that 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -12,6 +11,7 @@ import torch.distributed as dist
 
 from hydra_ddp.checkpoint import files as checkpoints
 from hydra_ddp.checkpoint.checkpointer import Checkpointer
+from hydra_ddp.checkpoint.files import Location
 from hydra_ddp.errors import EveryRankError, UserError
 from hydra_ddp.training.meter import Overheads
 from hydra_ddp.training.state import TrainState
@@ -66,7 +66,7 @@ class Saving:
                 k: v.detach().clone() for k, v in self.strategy.checkpoint_model_state().items()
             }
 
-    def _restore_ema(self, path: Path, state: dict[str, Any]) -> None:
+    def _restore_ema(self, path: Location, state: dict[str, Any]) -> None:
         """The checkpoint's average, through the model (so it reshards as the weights do)."""
         if self.ema is None:
             return
@@ -83,7 +83,7 @@ class Saving:
             else:
                 self.strategy.load_model_state(state["ema"], everywhere=True)
 
-    def resume_from(self, path: Path, state: dict[str, Any]) -> None:
+    def resume_from(self, path: Location, state: dict[str, Any]) -> None:
         self.checkpointer.restore(state, path, self.strategy, self.step.optimizer, self.scheduler)
         self._restore_ema(path, state)
         self.step.load_scaler_state(state.get("scaler"))
@@ -118,7 +118,7 @@ class Saving:
             return None
         return {k: v.cpu() for k, v in weights.items()}
 
-    def save(self) -> list[tuple[int, Path]]:
+    def save(self) -> list[tuple[int, Location]]:
         """A checkpoint of this step; the ones now complete on disk (Checkpointer.save)."""
         # validated here, and the best so far: best.pt
         best = self.monitor.best_step == self.train_state.step
@@ -129,13 +129,16 @@ class Saving:
         self._check_finite_weights()
         with self.overheads.saving():
             complete = self.checkpointer.save(self.state(), self.train_state.step, best)
+        self.overheads.write_wait_s = self.checkpointer.waited_s
         self.saved = (self.train_state.step, best)
         return complete
 
-    def finish(self) -> list[tuple[int, Path]]:
+    def finish(self) -> list[tuple[int, Location]]:
         """The last write is on disk (before the summary says the run is done)."""
         with self.overheads.timed("checkpoint_time_s"):
-            return self.checkpointer.finish()
+            complete = self.checkpointer.finish()
+        self.overheads.write_wait_s = self.checkpointer.waited_s
+        return complete
 
     def published(self, which: str) -> str:
         return str(self.checkpointer.published(which))

@@ -197,7 +197,7 @@ def _train(
         # Rank 0's weights: the strategy starts every rank from them (a resumed run's then replace
         # them).
         skipped = checkpoints.load_weights(
-            model, Path(cfg.trainer.init_from), list(cfg.trainer.init_ignore)
+            model, checkpoints.location(cfg.trainer.init_from), list(cfg.trainer.init_ignore)
         )
         log.info(
             "weights from %s%s",
@@ -253,7 +253,7 @@ def _train(
         log.warning("resuming %s: %s differs from the checkpoint's", resume[0].name, change)
     if rank.is_main and resume is None and resume_setting == "auto":
         log.info(
-            "trainer.resume=auto: no checkpoint in %s; training from the start", checkpointer.dir
+            "trainer.resume=auto: no checkpoint in %s; training from the start", checkpointer.where
         )
     # A run continued that had ended (its summary written; nothing to train under these settings):
     # one line, and nothing of it touched.
@@ -265,7 +265,8 @@ def _train(
         return None
     chosen = distributed.broadcast_text(str(resume[0]) if resume else "", device)
     if chosen and not rank.is_main:
-        resume = Path(chosen), checkpointer.load(Path(chosen))
+        where = checkpoints.location(chosen)
+        resume = where, checkpointer.load(where)
 
     # Resuming: the loggers drop what the earlier run logged after the checkpoint's step. Asked to
     # resume with no checkpoint yet (a restart before the first one): all of it, the run starts

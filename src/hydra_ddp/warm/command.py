@@ -69,7 +69,8 @@ def run_in_fork(job: str, config_path: str, started_at: float, argv: list[str]) 
         os._exit(1)
     status = outcome["status"]
     if os.WIFSIGNALED(status):  # killed: so is this process, by the same signal
-        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        if os.WTERMSIG(status) not in (signal.SIGKILL, signal.SIGSTOP):  # no handler to reset
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status))
 
