@@ -24,7 +24,7 @@ import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -68,7 +68,7 @@ class Validated:
 @dataclass(frozen=True)
 class CheckpointSaved:
     step: int
-    path: Path
+    path: Union[Path, str]  # a file or a directory; in object storage its URL (docs/storage.md)
 
 
 @dataclass(frozen=True)

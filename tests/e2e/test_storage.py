@@ -17,6 +17,7 @@ import servers
 from support import (
     ONCE,
     check_ok,
+    documented,
     final_params,
     finish,
     run_eval,
@@ -41,7 +42,7 @@ KILLED_AT, RESUMED_AT = 9, 6
 def s3(tmp_path_factory):
     """The S3 server, its bucket `runs`, and the variables a client reads."""
     log = tmp_path_factory.mktemp("s3") / "moto.log"
-    with servers.s3(log, buckets=("runs", "gone")) as env:
+    with servers.s3(log, buckets=("runs", "gone", "my-bucket")) as env:
         yield env
 
 
@@ -214,3 +215,32 @@ def test_a_store_that_keeps_refusing_writes_stops_the_run_in_one_line_naming_the
         last,
     ), last
     assert "the previous checkpoint is intact" in last
+
+
+def test_the_pages_commands_train_continue_elsewhere_and_evaluate_in_a_bucket(
+    tmp_path: Path, s3: dict[str, str]
+):
+    """docs/storage.md's three commands, each in a run directory of its own: the second continues
+    from the first's last checkpoint in the bucket, the third evaluates the bucket's best."""
+    page, short = "docs/storage.md", ("trainer.max_steps=6", "checkpoint.every_n_steps=3")
+    first = run_train(
+        tmp_path / "first",
+        *documented(page, "train.py trainer.nproc=2 checkpoint.dir=s3://my-bucket/exp1"),
+        *short,
+        env=s3,
+    )
+    check_ok(first)
+    more = run_train(
+        tmp_path / "second",
+        *documented(page, "trainer.resume=auto"),
+        "trainer.max_steps=9",
+        "checkpoint.every_n_steps=3",
+        env=s3,
+    )
+    check_ok(more)
+    assert "resumed from s3://my-bucket/exp1/step-00000006.pt" in more.stderr + more.stdout
+    assert json.loads((tmp_path / "second" / "summary.json").read_text())["steps"] == 9
+    evaluated = run_eval(tmp_path / "eval", *documented(page, "eval.py ckpt="), env=s3)
+    check_ok(evaluated)
+    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert result["checkpoint"].startswith("s3://my-bucket/exp1/step-")
