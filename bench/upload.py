@@ -10,8 +10,9 @@ steps with `checkpoint.dir=s3://…` and a checkpoint every 150 steps, so that a
 way much of the time and done before the next save (a save that waits for it is
 `checkpoint_write_wait_s`, reported beside); a hook writes the time each step ends on rank 0. A
 step is "during an upload" when the proxy relayed checkpoint bytes for the whole of it; the step
-of the save itself (its snapshot, `checkpoint_stall_s`) is not. The baseline is the same run with no checkpoint,
-alternated with it `--repeats` times. The result goes to bench/results/upload_COMMIT.json.
+of the save itself (its snapshot, `checkpoint_stall_s`) is not. The baseline is the same run with
+no checkpoint, alternated with it `--repeats` times. The result goes to
+bench/results/upload_COMMIT.json.
 """
 
 from __future__ import annotations
