@@ -86,6 +86,7 @@ def test_a_run_killed_mid_upload_resumes_from_the_bucket_alone_as_the_uninterrup
     complete = "step-00000006.pt" if strategy == "ddp" else "step-00000006/.metadata"
     assert f"{strategy}/{complete}" in keys, keys
     assert not [k for k in keys if "step-00000009" in k and k.endswith((".pt", ".metadata"))]
+    _assert_no_credentials(s3, [killed], strategy)
     shutil.rmtree(killed)  # the bucket alone
 
     resumed = tmp_path / "resumed"

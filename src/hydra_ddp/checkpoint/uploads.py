@@ -47,10 +47,8 @@ class Uploads:
 
         complete = self._complete_upload()
         target = self._at(step)
-        staged, rest = (
-            self.staging / target.name,
-            {k: v for k, v in state.items() if k not in SHARDED},
-        )
+        staged = self.staging / target.name
+        rest = {k: v for k, v in state.items() if k not in SHARDED}
         problem = None
         if complete and complete[-1][0] == step:  # the same step again, now as best: the rest
             if self.rank.is_main:
