@@ -94,6 +94,13 @@ def read(path: Location, key: str, device: Optional[torch.device] = None) -> dic
             state = torch.load(path, map_location=device, weights_only=True)
     except FileNotFoundError:
         raise UserError(f"{key}: no checkpoint at {str(path)!r}") from None
+    except OSError as e:
+        if isinstance(path, Remote):  # the store's error, not the file's
+            raise UserError(f"{key}: {e}".splitlines()[0]) from None
+        raise UserError(
+            f"checkpoint {str(path)!r} is truncated or corrupt "
+            f"({type(e).__name__}: {e})".splitlines()[0]
+        ) from None
     except Exception as e:
         raise UserError(
             f"checkpoint {str(path)!r} is truncated or corrupt "
