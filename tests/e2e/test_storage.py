@@ -180,8 +180,12 @@ def test_a_second_run_on_a_bucket_a_live_run_writes_to_is_refused(
             what="the first run's lock in the bucket",
             proc=first,
         )
-        second = run_train(
-            tmp_path / "second", f"checkpoint.dir={url}", "trainer.resume=auto", env=s3
+        second = run_train(  # its length the first's: the lock, not the length, refuses it
+            tmp_path / "second",
+            "trainer.epochs=1000",
+            f"checkpoint.dir={url}",
+            "trainer.resume=auto",
+            env=s3,
         )
         assert second.returncode == 2, second.stderr
         last = second.stderr.strip().splitlines()[-1]
