@@ -1,6 +1,6 @@
-"""The tests' servers: TensorBoard and MLflow started from the project's venv on loopback, read
-through their HTTP APIs, looked at with headless Chromium, and always stopped (the whole process
-group, even when the test fails), leaving no process or port behind."""
+"""The tests' servers: TensorBoard, MLflow and an S3 endpoint (moto) started from the project's
+venv on loopback, read through their HTTP APIs, looked at with headless Chromium, and always
+stopped (the whole process group, even when the test fails), leaving no process or port behind."""
 
 from __future__ import annotations
 
