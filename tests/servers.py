@@ -273,3 +273,14 @@ def s3(log: Path, buckets: tuple[str, ...] = ("runs",)) -> Iterator[dict[str, st
         for bucket in buckets:
             client.create_bucket(Bucket=bucket)
         yield env
+
+
+def use_s3(monkeypatch, env: dict[str, str]) -> None:
+    """The S3 server's variables in this process (for the package's readers called in-process),
+    and no S3 filesystem that fsspec cached before them: its instances are keyed by their
+    arguments, not the environment, so one made earlier would keep its old endpoint and keys."""
+    import s3fs
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()

@@ -122,12 +122,14 @@ def run_eval(
     return finish(start_train(run_dir, *overrides, script="eval.py", env=env), timeout)
 
 
-def run_export(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`python -m hydra_ddp.export ARGS` (docs/export.md)."""
+def run_export(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m hydra_ddp.export ARGS` (docs/export.md); `env`: variables added."""
     return subprocess.run(
         [sys.executable, "-m", "hydra_ddp.export", *args],
         cwd=cwd,
-        env=train_env(),
+        env={**train_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=120,

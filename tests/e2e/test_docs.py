@@ -27,6 +27,7 @@ skipped, by mark.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -46,6 +47,7 @@ from typing import Optional
 import pytest
 
 import doc_map
+import servers
 from support import (
     BLOCKS,
     QUICK,
@@ -588,6 +590,11 @@ def test_every_documented_command_composes_and_resolves_in_process(
 
     register_schema()
     runs = _documented_runs(project)
+    # docs/storage.md's bucket, on the tests' S3 server: the finished run's checkpoint in it
+    bucket = contextlib.ExitStack()
+    s3 = bucket.enter_context(servers.s3(tmp_path / "moto.log", buckets=("my-bucket",)))
+    _put_checkpoint(s3, project / "outputs" / "runs" / "DATE" / "TIME", "my-bucket", "exp1")
+    servers.use_s3(monkeypatch, s3)
     monkeypatch.chdir(project)
     monkeypatch.setenv("HOME", str(project / "home"))
     monkeypatch.syspath_prepend(str(project / "home" / "lab"))
@@ -622,7 +629,26 @@ def test_every_documented_command_composes_and_resolves_in_process(
         GlobalHydra.instance().clear()
         os.environ.clear()
         os.environ.update(environ)
+        bucket.close()
     assert not failures, f"{len(failures)} documented command(s) do not compose and resolve:\n" + (
         "\n".join(failures)
     )
     assert len(runs) > 60
+
+
+def _put_checkpoint(s3: dict[str, str], run: Path, bucket: str, prefix: str) -> None:
+    """`run`'s last checkpoint in the bucket as a run with checkpoint.dir=s3://BUCKET/PREFIX leaves
+    it: the object, and `last` naming it (docs/storage.md)."""
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3["AWS_ENDPOINT_URL"],
+        aws_access_key_id=s3["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=s3["AWS_SECRET_ACCESS_KEY"],
+        region_name="us-east-1",
+    )
+    name = "step-00000008.pt"  # the run's last step (support.QUICK)
+    data = (run / "checkpoints" / "last.pt").read_bytes()
+    client.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=data)
+    client.put_object(Bucket=bucket, Key=f"{prefix}/last", Body=f"{name}\n".encode())

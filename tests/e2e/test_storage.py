@@ -21,6 +21,7 @@ from support import (
     final_params,
     finish,
     run_eval,
+    run_export,
     run_train,
     start_train,
     step_losses,
@@ -112,8 +113,7 @@ def test_a_run_killed_mid_upload_resumes_from_the_bucket_alone_as_the_uninterrup
     # the final weights, read back from the bucket by the readers eval.py uses
     from hydra_ddp.checkpoint import files as checkpoints
 
-    for key, value in s3.items():
-        monkeypatch.setenv(key, value)
+    servers.use_s3(monkeypatch, s3)
     where = checkpoints.find(url, "test")
     weights = checkpoints.model_weights(where, checkpoints.read(where, "test"))
     expected = final_params(reference)
@@ -227,17 +227,19 @@ def test_the_pages_commands_train_continue_elsewhere_and_evaluate_in_a_bucket(
 ):
     """docs/storage.md's three commands, each in a run directory of its own: the second continues
     from the first's last checkpoint in the bucket, the third evaluates the bucket's best."""
-    page, short = "docs/storage.md", ("trainer.max_steps=6", "checkpoint.every_n_steps=3")
+    short = ("trainer.max_steps=6", "checkpoint.every_n_steps=3")
     first = run_train(
         tmp_path / "first",
-        *documented(page, "train.py trainer.nproc=2 checkpoint.dir=s3://my-bucket/exp1"),
+        *documented(
+            "docs/storage.md", "train.py trainer.nproc=2 checkpoint.dir=s3://my-bucket/exp1"
+        ),
         *short,
         env=s3,
     )
     check_ok(first)
     more = run_train(
         tmp_path / "second",
-        *documented(page, "trainer.resume=auto"),
+        *documented("docs/storage.md", "trainer.resume=auto"),
         "trainer.max_steps=9",
         "checkpoint.every_n_steps=3",
         env=s3,
@@ -245,7 +247,14 @@ def test_the_pages_commands_train_continue_elsewhere_and_evaluate_in_a_bucket(
     check_ok(more)
     assert "resumed from s3://my-bucket/exp1/step-00000006.pt" in more.stderr + more.stdout
     assert json.loads((tmp_path / "second" / "summary.json").read_text())["steps"] == 9
-    evaluated = run_eval(tmp_path / "eval", *documented(page, "eval.py ckpt="), env=s3)
+    evaluated = run_eval(tmp_path / "eval", *documented("docs/storage.md", "eval.py ckpt="), env=s3)
     check_ok(evaluated)
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert result["checkpoint"].startswith("s3://my-bucket/exp1/step-")
+    # the export reads the same checkpoint: its weights are the ones eval.py evaluated
+    out = tmp_path / "export" / "model.safetensors"
+    check_ok(run_export("ckpt=s3://my-bucket/exp1", f"out={out}", env=s3))
+    from safetensors import safe_open
+
+    with safe_open(str(out), "pt") as exported:
+        assert exported.metadata()["checkpoint"] == result["checkpoint"]
