@@ -261,18 +261,24 @@ def s3(log: Path, buckets: tuple[str, ...] = ("runs",)) -> Iterator[dict[str, st
             "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
             "AWS_EC2_METADATA_DISABLED": "true",
         }
-        import boto3
-
-        client = boto3.client(
-            "s3",
-            endpoint_url=base,
-            aws_access_key_id=S3_KEY_ID,
-            aws_secret_access_key=S3_SECRET,
-            region_name="us-east-1",
-        )
+        client = s3_client(env)
         for bucket in buckets:
             client.create_bucket(Bucket=bucket)
         yield env
+
+
+def s3_client(env: dict[str, str]):
+    """boto3's S3 client for the server whose variables `env` holds (servers.s3's): the tests' own
+    look into the bucket, beside the package's."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
+    )
 
 
 def use_s3(monkeypatch, env: dict[str, str]) -> None:

@@ -639,15 +639,7 @@ def test_every_documented_command_composes_and_resolves_in_process(
 def _put_checkpoint(s3: dict[str, str], run: Path, bucket: str, prefix: str) -> None:
     """`run`'s last checkpoint in the bucket as a run with checkpoint.dir=s3://BUCKET/PREFIX leaves
     it: the object, and `last` naming it (docs/storage.md)."""
-    import boto3
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3["AWS_ENDPOINT_URL"],
-        aws_access_key_id=s3["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=s3["AWS_SECRET_ACCESS_KEY"],
-        region_name="us-east-1",
-    )
+    client = servers.s3_client(s3)
     name = "step-00000008.pt"  # the run's last step (support.QUICK)
     data = (run / "checkpoints" / "last.pt").read_bytes()
     client.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=data)

@@ -48,15 +48,7 @@ def s3(tmp_path_factory):
 
 
 def bucket_keys(env: dict[str, str], prefix: str) -> list[str]:
-    import boto3
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=env["AWS_ENDPOINT_URL"],
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-        region_name="us-east-1",
-    )
+    client = servers.s3_client(env)
     listed = client.list_objects_v2(Bucket="runs", Prefix=prefix)
     return sorted(item["Key"] for item in listed.get("Contents", []))
 
@@ -129,15 +121,7 @@ def _assert_no_credentials(env: dict[str, str], run_dirs: list[Path], prefix: st
             if file.is_file():
                 data = file.read_bytes()
                 assert not [s for s in secrets if s in data], file
-    import boto3
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=env["AWS_ENDPOINT_URL"],
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-        region_name="us-east-1",
-    )
+    client = servers.s3_client(env)
     for key in bucket_keys(env, f"{prefix}/"):
         data = client.get_object(Bucket="runs", Key=key)["Body"].read()
         assert not [s for s in secrets if s in data], key
